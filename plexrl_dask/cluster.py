@@ -1,0 +1,67 @@
+"""Starting PlexRL on a cluster: a local one, or an existing one.
+
+``local_cluster()`` is the embedded default (DESIGN §5): a process ``LocalCluster`` on
+127.0.0.1 whose workers advertise the GPU resource and whose scheduler preloads the PlexRL
+plugins, exactly as a shared cluster would with ``dask scheduler --preload plexrl_dask.plugins``.
+``install(client)`` adds the plugins to a running cluster instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dask.utils import parse_bytes
+from distributed import Client, LocalCluster
+
+from plexrl_dask import config
+
+logger = logging.getLogger(__name__)
+
+PRELOAD = "plexrl_dask.plugins"
+
+
+def local_cluster(
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    memory_limit: str | int | None = None,
+    processes: bool = True,
+    dashboard_address: str | None = ":0",
+    **kwargs: Any,
+) -> LocalCluster:
+    """A ``LocalCluster`` of PlexRL workers (each advertising one unit of the GPU resource).
+
+    Defaults come from ``plexrl.local-cluster.*``. It binds to 127.0.0.1 on free ports; the
+    dashboard too (``cluster.dashboard_link``).
+    """
+    gpu = str(config.get("worker.gpu-resource"))
+    resources = {gpu: 1, **kwargs.pop("resources", {})}
+    scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", {}))
+    scheduler_kwargs["preload"] = [*scheduler_kwargs.get("preload", []), PRELOAD]
+    limit = memory_limit if memory_limit is not None else config.get("local-cluster.memory-limit")
+    return LocalCluster(
+        n_workers=int(n_workers if n_workers is not None else config.get("local-cluster.n-workers")),
+        threads_per_worker=int(
+            threads_per_worker
+            if threads_per_worker is not None
+            else config.get("local-cluster.threads-per-worker")
+        ),
+        processes=processes,
+        memory_limit=parse_bytes(limit) if isinstance(limit, str) else limit,
+        resources=resources,
+        host="127.0.0.1",
+        dashboard_address=dashboard_address,
+        scheduler_kwargs=scheduler_kwargs,
+        **kwargs,
+    )
+
+
+def install(client: Client) -> None:
+    """Install the PlexRL plugins on the cluster of ``client`` (idempotent).
+
+    Workers need ``plexrl_dask`` importable and must advertise the GPU resource
+    (``dask worker ... --resources GPU=1``) to get a replica holder.
+    """
+    from plexrl_dask.plugins import PlexRLSchedulerPlugin
+
+    client.register_plugin(PlexRLSchedulerPlugin(), idempotent=True)

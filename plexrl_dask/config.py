@@ -1,0 +1,59 @@
+"""Configuration: the ``plexrl`` namespace of ``dask.config`` and typed views of it.
+
+Defaults live in ``plexrl.yaml`` next to this module and are merged into ``dask.config`` on
+import, so every process that imports ``plexrl_dask`` (client, scheduler, workers) sees the
+same defaults, and users override them the usual Dask ways.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import dask.config
+import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+_DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "plexrl.yaml")
+
+with open(_DEFAULTS_PATH) as _f:
+    _defaults = yaml.safe_load(_f)
+
+dask.config.update_defaults(_defaults)
+
+
+def get(key: str) -> object:
+    """Return ``plexrl.<key>`` from ``dask.config``."""
+    return dask.config.get(f"plexrl.{key}")
+
+
+def get_seconds(key: str) -> float:
+    """Return ``plexrl.<key>`` parsed as a duration in seconds."""
+    value = parse_timedelta(get(key), default="s")
+    assert value is not None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a PlexRL worker process runs its replicas (``plexrl.worker.*``)."""
+
+    torch_threads: int
+    device: str
+    memory_budget: int | None  # None: decided from the device ("auto")
+    gpu_resource: str
+
+    @classmethod
+    def from_dask_config(cls) -> WorkerConfig:
+        budget = get("worker.memory-budget")
+        return cls(
+            torch_threads=int(get("worker.torch-threads")),
+            device=str(get("worker.device")),
+            memory_budget=None if budget in (None, "auto") else int(parse_bytes(budget)),
+            gpu_resource=str(get("worker.gpu-resource")),
+        )
+
+
+def request_timeout() -> float:
+    """Seconds any client-side wait on a PlexRL request may take before it fails."""
+    return get_seconds("request.timeout")

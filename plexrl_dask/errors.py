@@ -1,0 +1,148 @@
+"""Typed errors of PlexRL.
+
+Every error a user can cause has its own class here, and its message says what to fix.
+Errors cross process boundaries two ways: as pickled exceptions on task futures (they are
+plain exception classes with a single message argument, so they pickle), and as
+``{"status": "error", "error": <class name>, "message": ...}`` dicts from scheduler handlers,
+turned back into the class by :func:`from_status`.
+"""
+
+from __future__ import annotations
+
+
+class PlexRLError(Exception):
+    """Base class of every error raised by PlexRL."""
+
+
+class ConfigError(PlexRLError, ValueError):
+    """A configuration value or model specification is invalid."""
+
+
+class InvalidModelSpec(ConfigError):
+    """A :class:`~plexrl_dask.ModelSpec` cannot be built (bad sizes, missing path, ...)."""
+
+
+# --- deployments -------------------------------------------------------------------------
+
+
+class DeploymentError(PlexRLError):
+    """Base class of errors about deployments."""
+
+
+class DeploymentNotFound(DeploymentError, KeyError):
+    """No deployment of that name is registered on the scheduler."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DeploymentExists(DeploymentError):
+    """A deployment of that name is already registered."""
+
+
+class DeploymentDoesNotFit(DeploymentError):
+    """No worker of the cluster has the memory budget the deployment needs."""
+
+
+class NoPlexRLWorkers(DeploymentError):
+    """The cluster has no worker advertising the PlexRL GPU resource with a replica holder."""
+
+
+class DeploymentLost(DeploymentError):
+    """The worker that held a deployment's trained state died; the state is gone."""
+
+
+class DeploymentBusy(DeploymentError):
+    """An operation conflicts with the deployment's current state (e.g. undeploy in use)."""
+
+
+# --- requests ----------------------------------------------------------------------------
+
+
+class RequestError(PlexRLError):
+    """Base class of errors about one request's input."""
+
+
+class InvalidBatch(RequestError, ValueError):
+    """A forward / forward_backward batch is malformed."""
+
+
+class EmptyBatch(InvalidBatch):
+    """A batch has no sequences, or a sequence has no tokens to score."""
+
+
+class TokenOutOfVocabulary(InvalidBatch):
+    """A token id is negative or not below the model's vocabulary size."""
+
+
+class SequenceTooLong(InvalidBatch):
+    """A sequence (prompt + generated tokens) exceeds the model's maximum positions."""
+
+
+class MismatchedLengths(InvalidBatch):
+    """A per-token field (weights, advantages, logprobs) does not match the tokens' length."""
+
+
+class InvalidSamplingParams(RequestError, ValueError):
+    """Sampling parameters are out of range."""
+
+
+class InvalidLoss(RequestError, ValueError):
+    """A loss specification is invalid or lacks the inputs it needs."""
+
+
+class InvalidOptimizerParams(RequestError, ValueError):
+    """Optimizer hyperparameters are out of range."""
+
+
+class NonFiniteLoss(RequestError, FloatingPointError):
+    """The loss is NaN or infinite; no gradient was accumulated."""
+
+
+class NonFiniteGradient(RequestError, FloatingPointError):
+    """The accumulated gradient is NaN or infinite; parameters were not updated."""
+
+
+class WeightsMismatch(RequestError, ValueError):
+    """``set_weights`` got names, shapes or dtypes that do not match the model."""
+
+
+class RequestTimeout(PlexRLError, TimeoutError):
+    """A request did not finish within the configured timeout."""
+
+
+_BY_NAME: dict[str, type[PlexRLError]] = {}
+
+
+def _collect(cls: type[PlexRLError]) -> None:
+    _BY_NAME[cls.__name__] = cls
+    for sub in cls.__subclasses__():
+        _collect(sub)
+
+
+_collect(PlexRLError)
+
+
+def to_status(exc: PlexRLError) -> dict[str, str]:
+    """Encode a PlexRL error as a handler status dict."""
+    return {"status": "error", "error": type(exc).__name__, "message": str(exc)}
+
+
+def from_status(status: dict) -> PlexRLError:
+    """Decode a handler status dict produced by :func:`to_status` into the error."""
+    cls = _BY_NAME.get(status.get("error", ""), PlexRLError)
+    return cls(status.get("message", "unknown PlexRL error"))
+
+
+def raise_for_status(status: dict) -> dict:
+    """Return ``status`` if it is OK, else raise the error it carries."""
+    if status.get("status") != "OK":
+        raise from_status(status)
+    return status
+
+
+class NotRouted(RequestError):
+    """A PlexRL op ran as a task that the PlexRL scheduler plugin did not route."""
+
+
+_collect(PlexRLError)

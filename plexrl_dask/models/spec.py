@@ -1,0 +1,209 @@
+"""``ModelSpec``: what model a deployment runs, independent of where it runs.
+
+A spec is a small frozen dataclass that travels to workers and is turned into a model there, so
+every replica of one spec starts bit-identical: ``ModelSpec.tiny(...)`` builds a Qwen2-architecture
+model with a seeded random init and a locally built tokenizer; ``ModelSpec(path=...)`` loads a
+local Hugging Face checkpoint (model + tokenizer) with the same code path. Nothing is fetched from
+a hub: loads pass ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plexrl_dask.errors import InvalidModelSpec
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Adam keeps two fp32 moments per parameter, and training holds a gradient per parameter.
+_ADAM_STATE_BYTES_PER_PARAM = 8
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to deploy.
+
+    Exactly one of ``path`` (a local HF checkpoint directory) or ``config`` (keyword arguments of
+    ``transformers.Qwen2Config``, filled in by :meth:`tiny`) is set. ``seed`` fixes the random
+    init of a config-built model; ``dtype`` is the parameter dtype on the device.
+    """
+
+    path: str | None = None
+    config: tuple[tuple[str, Any], ...] | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    label: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.config is None):
+            raise InvalidModelSpec("give exactly one of ModelSpec(path=...) or ModelSpec.tiny(...)")
+        if self.dtype not in _DTYPES:
+            raise InvalidModelSpec(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        # The path is checked where it is read (client at deploy, worker at load), not here:
+        # the scheduler handles specs of paths that exist only on the workers' filesystem.
+
+    # --- constructors ------------------------------------------------------------------
+
+    @classmethod
+    def tiny(
+        cls,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        intermediate_size: int | None = None,
+        max_positions: int = 256,
+        seed: int = 0,
+        dtype: str = "float32",
+    ) -> ModelSpec:
+        """A small Qwen2-architecture model with random init and the character tokenizer."""
+        from plexrl_dask.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
+
+        if min(hidden_size, num_layers, num_heads, num_kv_heads, max_positions) < 1:
+            raise InvalidModelSpec("tiny model sizes must all be positive")
+        if hidden_size % num_heads or num_heads % num_kv_heads:
+            raise InvalidModelSpec(
+                f"hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) and "
+                f"num_heads by num_kv_heads ({num_kv_heads})"
+            )
+        cfg = {
+            "vocab_size": len(SPECIAL_TOKENS) + len(CHARACTERS),
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "intermediate_size": intermediate_size or 4 * hidden_size,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "attention_dropout": 0.0,
+        }
+        label = f"tiny-h{hidden_size}-l{num_layers}-s{seed}"
+        return cls(config=tuple(sorted(cfg.items())), seed=seed, dtype=dtype, label=label)
+
+    def with_dtype(self, dtype: str) -> ModelSpec:
+        return dataclasses.replace(self, dtype=dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A msgpack-able form (for scheduler handlers and events)."""
+        return {
+            "path": self.path,
+            "config": None if self.config is None else [list(kv) for kv in self.config],
+            "seed": self.seed,
+            "dtype": self.dtype,
+            "label": self.label,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        config = d.get("config")
+        return cls(
+            path=d.get("path"),
+            config=None if config is None else tuple((k, v) for k, v in config),
+            seed=int(d.get("seed", 0)),
+            dtype=d.get("dtype", "float32"),
+            label=d.get("label", ""),
+        )
+
+    # --- what it is ----------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """A readable name for logs and the dashboard."""
+        if self.label:
+            return self.label
+        return os.path.basename(os.path.normpath(self.path)) if self.path else "model"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def hf_config(self) -> Any:
+        """The ``transformers`` config of the model (read from disk for a checkpoint)."""
+        if self.config is not None:
+            from transformers import Qwen2Config
+
+            return Qwen2Config(**dict(self.config))
+        self._check_path()
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+
+    def _check_path(self) -> None:
+        if not os.path.isfile(os.path.join(str(self.path), "config.json")):
+            raise InvalidModelSpec(
+                f"{self.path!r} is not a Hugging Face checkpoint directory on this machine "
+                "(no config.json there)"
+            )
+
+    def num_parameters(self) -> int:
+        """Parameter count, computed on the meta device (no memory, no weights read)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config())
+        return sum(p.numel() for p in model.parameters())
+
+    def memory_bytes(self, role: str) -> int:
+        """Device bytes one replica needs: weights for rollout; weights, gradients and AdamW
+        moments for training. (KV-cache memory of sampling is bounded by the sampling batch
+        size and checked when sampling, not here.)"""
+        n = self.num_parameters()
+        weight_bytes = n * torch.tensor([], dtype=self.torch_dtype).element_size()
+        if role == "train":
+            return 2 * weight_bytes + n * _ADAM_STATE_BYTES_PER_PARAM
+        return weight_bytes
+
+    # --- building ------------------------------------------------------------------------
+
+    def build_tokenizer(self) -> Any:
+        if self.config is not None:
+            from plexrl_dask.models.tokenizer import build_char_tokenizer
+
+            return build_char_tokenizer()
+        self._check_path()
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+
+    def build_model(self, device: str | torch.device = "cpu") -> torch.nn.Module:
+        """Build the model on ``device`` in ``self.dtype``, deterministically."""
+        from transformers import AutoModelForCausalLM
+
+        if self.config is not None:
+            # Seed a private generator state so init does not depend on what ran before.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = AutoModelForCausalLM.from_config(
+                    self.hf_config(), attn_implementation="sdpa"
+                )
+            model = model.to(dtype=self.torch_dtype)
+        else:
+            self._check_path()
+            model = AutoModelForCausalLM.from_pretrained(
+                self.path,
+                local_files_only=True,
+                dtype=self.torch_dtype,
+                attn_implementation="sdpa",
+            )
+        return model.to(device)
+
+    def save_pretrained(self, directory: str) -> ModelSpec:
+        """Write this model and tokenizer as a Hugging Face checkpoint in ``directory`` and
+        return the ``ModelSpec(path=directory)`` that loads it."""
+        os.makedirs(directory, exist_ok=True)
+        self.build_model("cpu").save_pretrained(directory)
+        self.build_tokenizer().save_pretrained(directory)
+        with open(os.path.join(directory, "plexrl_spec.json"), "w") as f:
+            json.dump({"source": self.name, "seed": self.seed, "dtype": self.dtype}, f)
+        return ModelSpec(path=directory, dtype=self.dtype)

@@ -1,0 +1,10 @@
+"""The policy core: pure decisions over plain state, no Dask import.
+
+The live scheduler plugin and (later) the simulator both call into this package, so what the
+simulator evaluates is exactly what the cluster runs.
+"""
+
+from plexrl_dask.policy.placement import WorkerView, place_deployment
+from plexrl_dask.policy.residency import TIERS, ResidencyMap, ResidencyReport
+
+__all__ = ["TIERS", "ResidencyMap", "ResidencyReport", "WorkerView", "place_deployment"]

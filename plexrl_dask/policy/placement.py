@@ -1,0 +1,54 @@
+"""Deploy-time placement: which worker hosts a new single-rank deployment.
+
+This is the one function the registry calls; the worker-process-group and spatiotemporal
+placement work replace its body, not its call sites.
+
+Rule: a worker qualifies if its whole memory budget can hold the deployment (others on it can be
+offloaded to make room, so current use does not disqualify). Among qualifying workers, pick the
+one with the least committed memory relative to its budget, then the fewest deployments, then the
+address (deterministic): different models spread over workers instead of all thrashing one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plexrl_dask.errors import DeploymentDoesNotFit, NoPlexRLWorkers
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What placement knows of a worker: its budget and what is already placed on it."""
+
+    address: str
+    budget_bytes: int
+    committed_bytes: int = 0
+    num_deployments: int = 0
+
+
+def place_deployment(name: str, need_bytes: int, workers: Sequence[WorkerView]) -> str:
+    """Return the address of the worker that should host deployment ``name``.
+
+    Raises :class:`NoPlexRLWorkers` when ``workers`` is empty, and
+    :class:`DeploymentDoesNotFit` when no worker's budget holds ``need_bytes``.
+    """
+    if not workers:
+        raise NoPlexRLWorkers(
+            f"cannot place {name!r}: no worker with a PlexRL replica holder has joined. Start "
+            "the cluster with plexrl_dask.local_cluster(), or install the plugins with "
+            "plexrl_dask.install(client) on workers that advertise the GPU resource"
+        )
+    fitting = [w for w in workers if w.budget_bytes >= need_bytes]
+    if not fitting:
+        largest = max(w.budget_bytes for w in workers)
+        raise DeploymentDoesNotFit(
+            f"{name!r} needs {need_bytes / 2**20:.1f} MiB of device memory but the largest worker "
+            f"budget is {largest / 2**20:.1f} MiB; use a smaller model or dtype, or raise "
+            "plexrl.worker.memory-budget on workers that have the memory"
+        )
+    best = min(
+        fitting,
+        key=lambda w: (w.committed_bytes / w.budget_bytes, w.num_deployments, w.address),
+    )
+    return best.address

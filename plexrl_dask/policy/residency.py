@@ -1,0 +1,90 @@
+"""Residency reports: where each deployment's state is, per worker (DESIGN §3).
+
+One schema for the worker that sends it (``worker.log_event("plexrl-residency", report)``), the
+scheduler plugin that keeps the map, the simulator and the dashboard. The scheduler adds the
+``worker`` field (Dask does, for worker events).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RESIDENCY_TOPIC = "plexrl-residency"
+WORKER_TOPIC = "plexrl-worker"
+
+#: Tiers from fastest to slowest; "absent" means no state on that worker at all.
+TIERS = ("hbm", "dram", "nvme", "absent")
+
+
+@dataclass(frozen=True)
+class ResidencyReport:
+    """A deployment's state on one worker after its last transition.
+
+    ``load_s`` is the measured duration of that transition (a load for ``hbm``, an offload for
+    ``dram``/``nvme``, 0 for ``absent``); ``modified`` says the state differs from what the
+    deployment's spec builds (trained or overwritten weights), i.e. it would be lost with the
+    worker.
+    """
+
+    deployment: str
+    version: int
+    tier: str
+    bytes: int
+    load_s: float
+    worker: str = ""
+    uid: str = ""
+    modified: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+
+    def to_event(self) -> dict[str, Any]:
+        """The msgpack-able event a worker logs (without ``worker``: Dask adds it)."""
+        event = asdict(self)
+        event.pop("worker")
+        return event
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> ResidencyReport:
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in event.items() if k in fields})
+
+
+class ResidencyMap:
+    """The latest report per (deployment, worker)."""
+
+    def __init__(self) -> None:
+        self._reports: dict[tuple[str, str], ResidencyReport] = {}
+
+    def apply(self, report: ResidencyReport) -> None:
+        if report.tier == "absent":
+            self._reports.pop((report.deployment, report.worker), None)
+        else:
+            self._reports[(report.deployment, report.worker)] = report
+
+    def forget_worker(self, worker: str) -> None:
+        for key in [k for k in self._reports if k[1] == worker]:
+            del self._reports[key]
+
+    def forget_deployment(self, deployment: str) -> None:
+        for key in [k for k in self._reports if k[0] == deployment]:
+            del self._reports[key]
+
+    def tier(self, deployment: str, worker: str) -> str:
+        report = self._reports.get((deployment, worker))
+        return report.tier if report else "absent"
+
+    def get(self, deployment: str, worker: str) -> ResidencyReport | None:
+        return self._reports.get((deployment, worker))
+
+    def reports(self) -> list[ResidencyReport]:
+        return sorted(self._reports.values(), key=lambda r: (r.deployment, r.worker))
+
+    def bytes_by_tier(self, worker: str) -> dict[str, int]:
+        out = dict.fromkeys(TIERS[:-1], 0)
+        for (_, w), r in self._reports.items():
+            if w == worker:
+                out[r.tier] += r.bytes
+        return out

@@ -1,0 +1,456 @@
+"""The torch backend: one replica of a Hugging Face causal LM on one device.
+
+It implements both backend interfaces (training and rollout) with plain torch and transformers:
+batched scoring, gradient accumulation, AdamW, KV-cached batched sampling with per-sample seeded
+randomness, weights by canonical name, and offload/reload between device and host memory.
+
+Offload keeps ``Parameter`` objects (and so weight tying and the optimizer's references) and
+swaps their storage: on CUDA the state is copied into pinned host buffers and the device memory is
+freed; on the CPU, device and host memory are the same RAM, so offload only hands the tensors to
+the host side (no copy) and the budget accounting is what changes. Either way the reloaded replica
+continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from plexrl_dask.errors import (
+    EmptyBatch,
+    InvalidOptimizerParams,
+    NonFiniteGradient,
+    NonFiniteLoss,
+    SequenceTooLong,
+    TokenOutOfVocabulary,
+    WeightsMismatch,
+)
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.service.losses import compute_loss
+from plexrl_dask.service.sampling import choose_tokens, uniforms
+from plexrl_dask.service.types import (
+    AdamWParams,
+    Datum,
+    ForwardResult,
+    Loss,
+    SampledSequence,
+    SamplingParams,
+    as_batch,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the KV-cache argument: ``cache`` in recent transformers, ``past_key_values``
+    before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache(out: object) -> object:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+class TorchBackend:
+    """A replica of ``spec`` on ``device`` (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, device: str | torch.device, max_batch_size: int = 64):
+        self.spec = spec
+        self.device = torch.device(device)
+        self.max_batch_size = int(max_batch_size)
+        self.tokenizer = spec.build_tokenizer()
+        self.model = spec.build_model(self.device)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = int(cfg.max_position_embeddings)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._cache_kw = _cache_kwarg(self.model)
+        self.optimizer: torch.optim.AdamW | None = None
+        self.version = 0
+        self.pending_backward = 0
+        self._host: dict[str, object] | None = None
+
+    # --- validation ------------------------------------------------------------------------
+
+    def _check_tokens(self, seqs: Sequence[Sequence[int]], extra: int = 0, what: str = "sequence") -> None:
+        if not seqs:
+            raise EmptyBatch(f"no {what}s given")
+        for i, seq in enumerate(seqs):
+            if len(seq) == 0:
+                raise EmptyBatch(f"{what} {i} has no tokens")
+            lo, hi = min(seq), max(seq)
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise TokenOutOfVocabulary(
+                    f"{what} {i} contains token id {bad}, outside this model's vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+            if len(seq) + extra > self.max_positions:
+                more = f" + max_tokens {extra}" if extra else ""
+                raise SequenceTooLong(
+                    f"{what} {i} has {len(seq)} tokens{more}, more than the model's "
+                    f"{self.max_positions} positions; shorten it"
+                    + (" or lower max_tokens" if extra else "")
+                )
+
+    # --- scoring and training --------------------------------------------------------------
+
+    def _logprobs(self, batch: tuple[Datum, ...], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L-1) log-probabilities of each predicted token and the validity mask."""
+        width = max(len(d.tokens) for d in batch)
+        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, d in enumerate(batch):
+            ids[i, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+            mask[i, : len(d.tokens)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        logits = logits[:, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        valid = mask[:, 1:].to(logp.dtype)
+        return logp * valid, valid
+
+    def forward(self, batch: Sequence[Datum], temperature: float = 1.0) -> ForwardResult:
+        """Per-token log-probabilities of each datum under the current weights."""
+        batch = as_batch(batch)
+        if not (temperature > 0 and math.isfinite(temperature)):
+            from plexrl_dask.errors import InvalidSamplingParams
+
+            raise InvalidSamplingParams(f"forward temperature must be finite and > 0, got {temperature}")
+        self._check_tokens([d.tokens for d in batch])
+        self.model.eval()
+        with torch.inference_mode():
+            logp, _ = self._logprobs(batch, temperature)
+        rows = logp.cpu().tolist()
+        return ForwardResult(
+            logprobs=tuple((0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch))
+        )
+
+    def forward_backward(self, batch: Sequence[Datum], loss: Loss) -> dict[str, float]:
+        """Accumulate the gradient of ``loss`` over ``batch`` (until :meth:`optim_step`).
+
+        A NaN/inf loss raises :class:`NonFiniteLoss` before ``backward``, so nothing is
+        accumulated and the replica stays usable."""
+        batch = as_batch(batch)
+        self._check_tokens([d.tokens for d in batch])
+        self.model.train()
+        logp, valid = self._logprobs(batch, 1.0)
+        value, metrics = compute_loss(loss, batch, logp, valid)
+        if not torch.isfinite(value):
+            raise NonFiniteLoss(
+                f"the loss is {float(value)}; no gradient was accumulated. Check the advantages, "
+                "old/ref logprobs and weights of this batch for NaN/inf or extreme values"
+            )
+        value.backward()
+        self.pending_backward += 1
+        return metrics
+
+    def optim_step(self, params: AdamWParams) -> dict[str, float]:
+        """One AdamW step on the accumulated gradient (clipped to ``params.grad_clip``)."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if self.pending_backward == 0 or all(p.grad is None for p in trainable):
+            raise InvalidOptimizerParams("no gradient accumulated: call forward_backward first")
+        grads = [p.grad for p in trainable if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if not torch.isfinite(norm):
+            self.model.zero_grad(set_to_none=True)
+            self.pending_backward = 0
+            raise NonFiniteGradient(
+                f"the accumulated gradient norm is {float(norm)}; it was discarded and the "
+                "parameters were not updated"
+            )
+        if params.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip, foreach=True)
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(trainable, lr=params.lr)
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=params.lr,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_backward = 0
+        self.version += 1
+        return {"grad_norm": float(norm), "lr": params.lr, "version": float(self.version)}
+
+    # --- sampling --------------------------------------------------------------------------
+
+    def tokenize(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """Prompts as token ids (strings are encoded with the deployment's tokenizer)."""
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(list(self.tokenizer(p, add_special_tokens=False)["input_ids"]))
+            else:
+                out.append([int(t) for t in p])
+        return out
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> list[list[SampledSequence]]:
+        """``params.n`` completions per prompt, batched over ``max_batch_size`` sequences."""
+        prompts = [list(p) for p in prompts]
+        self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
+        if len(prompt_ids) != len(prompts):
+            raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
+        rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        # Sort by prompt length so each batch pads little; results are keyed, not positional.
+        rows.sort(key=lambda r: len(prompts[r[0]]))
+        out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
+        self.model.eval()
+        with torch.inference_mode():
+            for start in range(0, len(rows), self.max_batch_size):
+                chunk = rows[start : start + self.max_batch_size]
+                for (i, j), seq in zip(chunk, self._sample_batch(prompts, chunk, params, prompt_ids)):
+                    out[i][j] = seq
+        return [list(group) for group in out]  # type: ignore[arg-type]
+
+    def _stopped_by_string(self, tokens: list[int], stops: tuple[str, ...], longest: int) -> bool:
+        tail = self.tokenizer.decode(tokens[-longest:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    def _sample_batch(
+        self,
+        prompts: list[list[int]],
+        rows: list[tuple[int, int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> list[SampledSequence]:
+        b = len(rows)
+        width = max(len(prompts[i]) for i, _ in rows)
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for r, (i, _) in enumerate(rows):
+            p = prompts[i]
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)  # left padding
+            mask[r, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = _output_cache(out)
+        logits = out.logits[:, -1]
+        next_pos = positions[:, -1:] + 1
+
+        pid = np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64)
+        sid = np.array([j for _, j in rows], dtype=np.int64)
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        reasons = ["length"] * b
+        active = list(range(b))  # rows still generating, in cache order
+        longest_stop = max((len(s) for s in params.stop), default=0)
+
+        for step in range(params.max_tokens):
+            u = uniforms(params.seed, pid[active], sid[active], step)
+            chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
+            chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
+            keep: list[int] = []
+            for k, r in enumerate(active):
+                tokens[r].append(chosen_l[k])
+                logprobs[r].append(lp_l[k])
+                if chosen_l[k] == self.eos_token_id or (
+                    longest_stop and self._stopped_by_string(tokens[r], params.stop, longest_stop)
+                ):
+                    reasons[r] = "stop"
+                else:
+                    keep.append(k)
+            if not keep or step == params.max_tokens - 1:
+                break
+            if len(keep) < len(active):
+                # Drop finished rows from the batch (and the KV cache) so the long tail of
+                # generation lengths does not keep paying for finished sequences.
+                sel = torch.tensor(keep, device=self.device)
+                cache.reorder_cache(sel)
+                mask, next_pos, chosen = mask[sel], next_pos[sel], chosen[sel]
+                active = [active[k] for k in keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = self.model(
+                input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
+            cache = _output_cache(out)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+
+        return [
+            SampledSequence(
+                tokens=tuple(tokens[r]),
+                logprobs=tuple(logprobs[r]),
+                text=self.tokenizer.decode(tokens[r], skip_special_tokens=True),
+                finish_reason=reasons[r],
+            )
+            for r in range(b)
+        ]
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def parameter_names(self) -> list[str]:
+        return [n for n, _ in self.model.named_parameters()]
+
+    def get_weights(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Host copies of the parameters by canonical name (tied weights appear once)."""
+        params = dict(self.model.named_parameters())
+        if names is not None:
+            missing = sorted(set(names) - set(params))
+            if missing:
+                raise WeightsMismatch(f"no parameters named {missing[:5]} in this model")
+            params = {n: params[n] for n in names}
+        return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+
+    def set_weights(
+        self, weights: Mapping[str, torch.Tensor], version: int | None = None, strict: bool = True
+    ) -> None:
+        """Copy ``weights`` into the parameters. Everything is checked before anything is
+        written, so a mismatch leaves the replica unchanged."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(weights) - set(params))
+        missing = sorted(set(params) - set(weights)) if strict else []
+        if unknown or missing:
+            raise WeightsMismatch(
+                f"set_weights names do not match the model: unknown {unknown[:5]}, "
+                f"missing {missing[:5]} (pass strict=False to update a subset)"
+            )
+        for n, t in weights.items():
+            if tuple(t.shape) != tuple(params[n].shape):
+                raise WeightsMismatch(
+                    f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(params[n].shape)}"
+                )
+            if t.is_floating_point() != params[n].is_floating_point():
+                raise WeightsMismatch(f"{n}: dtype {t.dtype} cannot be copied into {params[n].dtype}")
+        with torch.no_grad():
+            for n, t in weights.items():
+                params[n].copy_(t)
+        if version is not None:
+            self.version = int(version)
+
+    # --- residency -------------------------------------------------------------------------
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the replica's state, by a stable name."""
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.model.named_parameters():
+            out[f"param/{n}"] = p.data
+            if p.grad is not None:
+                out[f"grad/{n}"] = p.grad
+        for n, buf in self.model.named_buffers():
+            out[f"buffer/{n}"] = buf
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            for p, state in self.optimizer.state.items():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        out[f"optim/{names[id(p)]}/{k}"] = v
+        return out
+
+    def state_bytes(self) -> int:
+        if self._host is not None:
+            return int(self._host["bytes"])  # type: ignore[arg-type]
+        return sum(t.numel() * t.element_size() for t in self._state_tensors().values())
+
+    @property
+    def resident(self) -> bool:
+        return self._host is None
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t  # device memory is host memory: hand it over without a copy
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def offload(self) -> None:
+        """Move every state tensor to host memory and release the device copies."""
+        if self._host is not None:
+            return
+        nbytes = self.state_bytes()
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        host_params = {n: self._to_host(p.data) for n, p in params.items()}
+        host_grads = {n: self._to_host(p.grad) for n, p in params.items() if p.grad is not None}
+        host_buffers = {n: self._to_host(b) for n, b in buffers.items()}
+        host_optim: dict[str, dict[str, torch.Tensor]] = {}
+        if self.optimizer is not None:
+            for n, p in params.items():
+                st = self.optimizer.state.get(p)
+                if st:
+                    # Only what lives on the device moves (Adam's "step" stays on the CPU on CUDA).
+                    host_optim[n] = {
+                        k: self._to_host(v)
+                        for k, v in st.items()
+                        if isinstance(v, torch.Tensor) and v.device.type == self.device.type
+                    }
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for p in params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            p.grad = None
+        for mod in self.model.modules():
+            for bname in list(mod._buffers):
+                if mod._buffers[bname] is not None:
+                    mod._buffers[bname] = torch.empty(0, dtype=mod._buffers[bname].dtype, device=self.device)
+        if self.optimizer is not None:
+            for n, p in params.items():
+                st = self.optimizer.state.get(p)
+                if st:
+                    for k in host_optim.get(n, {}):
+                        st[k] = None  # type: ignore[assignment]
+        self._host = {
+            "params": host_params,
+            "grads": host_grads,
+            "buffers": host_buffers,
+            "optim": host_optim,
+            "bytes": nbytes,
+        }
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Bring offloaded state back onto the device (bit-identical)."""
+        if self._host is None:
+            return
+        host = self._host
+        params = dict(self.model.named_parameters())
+        for n, p in params.items():
+            p.data = host["params"][n].to(self.device, non_blocking=True)  # type: ignore[index]
+            g = host["grads"].get(n)  # type: ignore[union-attr]
+            p.grad = None if g is None else g.to(self.device, non_blocking=True)
+        buffers = host["buffers"]
+        for mod_name, mod in self.model.named_modules():
+            for bname in list(mod._buffers):
+                full = f"{mod_name}.{bname}" if mod_name else bname
+                if full in buffers:  # type: ignore[operator]
+                    mod._buffers[bname] = buffers[full].to(self.device, non_blocking=True)  # type: ignore[index]
+        if self.optimizer is not None:
+            for n, st in host["optim"].items():  # type: ignore[union-attr]
+                target = self.optimizer.state[params[n]]
+                for k, v in st.items():
+                    target[k] = v.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._host = None
+
+    # Rollout-engine names for the same transitions (vLLM: sleep(level=1) / wake_up()).
+    def sleep(self) -> None:
+        self.offload()
+
+    def wake(self) -> None:
+        self.reload()
+

@@ -1,0 +1,213 @@
+"""The per-worker replica holder: the deployments one worker holds, under a memory budget.
+
+One holder per PlexRL worker, created by the worker plugin (never by a job's client) and
+registered in the worker's actor table, so clients and the dashboard can address it as a Dask
+actor (:meth:`plexrl_dask.Runtime.holder`). Requests do **not** go through actor calls (those
+bypass the scheduler); they run as ordinary tasks on this worker and call :meth:`run` in-process.
+
+Memory: every replica's device bytes count against ``budget_bytes``. Before a replica is loaded
+or reloaded, and after any request that grew one (optimizer state appears at the first step),
+the least recently used *other* resident replicas are offloaded to host memory until the
+resident total fits. Each transition is reported to the scheduler as a residency event
+(DESIGN §3 schema) with its measured duration.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from plexrl_dask.errors import DeploymentDoesNotFit, PlexRLError
+from plexrl_dask.policy.residency import ResidencyReport
+from plexrl_dask.service.backends import BACKENDS
+from plexrl_dask.service.registry import DeploymentInfo
+
+logger = logging.getLogger(__name__)
+
+#: Key of the holder in each worker's actor table.
+HOLDER_KEY = "plexrl-replica-holder"
+
+#: The ops that change a replica's state away from what its spec builds.
+MUTATING_OPS = frozenset({"optim_step", "set_weights"})
+
+
+@dataclass
+class _Replica:
+    info: DeploymentInfo
+    backend: Any
+    last_used: float
+    modified: bool = False
+    last_transition_s: float = 0.0
+
+
+class ReplicaHolder:
+    """Holds the replicas of one worker (see the module docstring)."""
+
+    def __init__(
+        self,
+        worker_address: str,
+        device: str,
+        budget_bytes: int,
+        max_batch_size: int,
+        report: Callable[[dict[str, Any]], None],
+    ):
+        self.worker_address = worker_address
+        self.device = device
+        self.budget_bytes = int(budget_bytes)
+        self.max_batch_size = int(max_batch_size)
+        self._report = report
+        self._replicas: dict[str, _Replica] = {}
+        # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
+        # from the actor thread; the lock keeps them from seeing a replica mid-transition.
+        self._lock = threading.RLock()
+        self.counters = {"loads": 0, "reloads": 0, "offloads": 0, "requests": 0}
+
+    # --- in-process API for request tasks --------------------------------------------------
+
+    def run(self, info: DeploymentInfo, op: str, call: Callable[[Any], Any]) -> Any:
+        """Make ``info``'s replica resident and run ``call(backend)`` on it."""
+        with self._lock:
+            replica = self._ensure_resident(info)
+            replica.last_used = time.monotonic()
+            try:
+                result = call(replica.backend)
+            finally:
+                replica.last_used = time.monotonic()
+                self.counters["requests"] += 1
+            if op in MUTATING_OPS:
+                replica.modified = True
+            # A request can grow the replica (gradients, optimizer state): re-balance, and
+            # tell the scheduler the new size/version.
+            self._make_room(0, keep=info.name)
+            self._emit(replica, "hbm", replica.last_transition_s)
+            return result
+
+    def _ensure_resident(self, info: DeploymentInfo) -> _Replica:
+        replica = self._replicas.get(info.name)
+        if replica is not None and replica.info.uid != info.uid:
+            # Same name, new deployment: the old state is not this deployment's.
+            self._drop(info.name)
+            replica = None
+        if replica is None:
+            return self._load(info)
+        if not replica.backend.resident:
+            self._make_room(replica.backend.state_bytes(), keep=info.name)
+            t0 = time.perf_counter()
+            replica.backend.reload()
+            self.counters["reloads"] += 1
+            self._emit(replica, "hbm", time.perf_counter() - t0)
+        return replica
+
+    def _load(self, info: DeploymentInfo) -> _Replica:
+        if info.memory_bytes > self.budget_bytes:
+            raise DeploymentDoesNotFit(
+                f"{info.name!r} needs {info.memory_bytes / 2**20:.1f} MiB but worker "
+                f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
+            )
+        self._make_room(info.memory_bytes, keep=info.name)
+        backend_cls = BACKENDS.get(info.backend)
+        if backend_cls is None:
+            raise PlexRLError(f"unknown backend {info.backend!r}; available: {sorted(BACKENDS)}")
+        t0 = time.perf_counter()
+        backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
+        load_s = time.perf_counter() - t0
+        replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
+        self._replicas[info.name] = replica
+        self.counters["loads"] += 1
+        logger.info("loaded %s (%s) on %s in %.2fs", info.name, info.spec.name, self.device, load_s)
+        self._emit(replica, "hbm", load_s)
+        return replica
+
+    def _resident_bytes(self) -> int:
+        return sum(r.backend.state_bytes() for r in self._replicas.values() if r.backend.resident)
+
+    def _make_room(self, incoming: int, keep: str) -> None:
+        """Offload least-recently-used replicas other than ``keep`` until ``incoming`` more
+        bytes fit in the budget (or nothing else is left to offload)."""
+        victims = sorted(
+            (r for n, r in self._replicas.items() if n != keep and r.backend.resident),
+            key=lambda r: r.last_used,
+        )
+        for victim in victims:
+            if self._resident_bytes() + incoming <= self.budget_bytes:
+                return
+            self._offload(victim)
+
+    def _offload(self, replica: _Replica) -> None:
+        t0 = time.perf_counter()
+        replica.backend.offload()
+        self.counters["offloads"] += 1
+        logger.info("offloaded %s from %s", replica.info.name, self.worker_address)
+        self._emit(replica, "dram", time.perf_counter() - t0)
+
+    def _drop(self, name: str) -> None:
+        replica = self._replicas.pop(name, None)
+        if replica is not None:
+            self._emit(replica, "absent", 0.0)
+
+    def _emit(self, replica: _Replica, tier: str, load_s: float) -> None:
+        replica.last_transition_s = load_s
+        report = ResidencyReport(
+            deployment=replica.info.name,
+            version=int(replica.backend.version),
+            tier=tier,
+            bytes=int(replica.backend.state_bytes()),
+            load_s=float(load_s),
+            uid=replica.info.uid,
+            modified=replica.modified,
+        )
+        try:
+            self._report(report.to_event())
+        except Exception:  # reporting must never fail a request
+            logger.warning("could not send a residency report", exc_info=True)
+
+    # --- actor API (clients, dashboard) ----------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Budget, usage and one entry per replica."""
+        with self._lock:
+            return {
+                "worker": self.worker_address,
+                "device": self.device,
+                "budget_bytes": self.budget_bytes,
+                "resident_bytes": self._resident_bytes(),
+                "counters": dict(self.counters),
+                "replicas": {
+                    n: {
+                        "uid": r.info.uid,
+                        "resident": r.backend.resident,
+                        "bytes": r.backend.state_bytes(),
+                        "version": r.backend.version,
+                        "modified": r.modified,
+                    }
+                    for n, r in self._replicas.items()
+                },
+            }
+
+    def capacity(self) -> dict[str, Any]:
+        """What the scheduler needs for placement."""
+        return {"budget_bytes": self.budget_bytes, "device": self.device}
+
+    def offload(self, name: str) -> bool:
+        """Offload ``name`` to host memory now; False if it is not held or not resident."""
+        with self._lock:
+            replica = self._replicas.get(name)
+            if replica is None or not replica.backend.resident:
+                return False
+            self._offload(replica)
+            return True
+
+    def drop(self, name: str) -> bool:
+        """Forget ``name`` and free its memory; False if it was not held."""
+        with self._lock:
+            held = name in self._replicas
+            self._drop(name)
+            return held
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._replicas)

@@ -1,0 +1,77 @@
+"""Token-level losses of ``forward_backward``: cross-entropy and clipped policy gradient.
+
+Inputs are per-token tensors of shape (B, L-1), aligned with the predicted tokens
+``tokens[:, 1:]`` (the per-token fields of :class:`~plexrl_dask.Datum` minus their unused
+entry 0). Both losses return the scalar to differentiate and metrics as Python floats.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plexrl_dask.errors import InvalidLoss
+from plexrl_dask.service.types import CrossEntropy, Datum, Loss, PolicyGradient
+
+
+def _field(batch: tuple[Datum, ...], name: str, width: int) -> torch.Tensor | None:
+    """Stack a per-token field into (B, width) float32, dropping entry 0; None if absent
+    everywhere, an error if present on some data only."""
+    present = [getattr(d, name) is not None for d in batch]
+    if not any(present):
+        return None
+    if not all(present):
+        raise InvalidLoss(f"{name} is set on some data of the batch but not on others")
+    out = torch.zeros(len(batch), width, dtype=torch.float32)
+    for i, d in enumerate(batch):
+        values = getattr(d, name)[1:]
+        out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def compute_loss(
+    loss: Loss, batch: tuple[Datum, ...], logp: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of ``batch`` given log-probabilities ``logp`` (B, L-1) of its predicted tokens;
+    ``valid`` (B, L-1) is 1 where a real (non-padding) token is predicted."""
+    width = logp.shape[1]
+    weights = torch.zeros(len(batch), width, dtype=torch.float32)
+    for i, d in enumerate(batch):
+        w = d.token_weights()[1:]
+        weights[i, : len(w)] = torch.tensor(w, dtype=torch.float32)
+    weights = weights.to(logp.device) * valid
+    total_weight = float(weights.sum())
+    if total_weight <= 0:
+        raise InvalidLoss("every token weight in the batch is 0: there is nothing to train on")
+    normalizer = loss.normalizer if loss.normalizer is not None else total_weight
+    metrics: dict[str, float] = {"num_tokens": float(valid.sum()), "total_weight": total_weight}
+
+    if isinstance(loss, CrossEntropy):
+        nll = -(weights * logp).sum()
+        value = nll / normalizer
+        metrics["nll_per_token"] = float(nll.detach()) / total_weight
+    elif isinstance(loss, PolicyGradient):
+        adv = _field(batch, "advantages", width)
+        if adv is None:
+            raise InvalidLoss("PolicyGradient needs per-token advantages on every Datum")
+        adv = adv.to(logp.device)
+        old = _field(batch, "old_logprobs", width)
+        old = logp.detach() if old is None else old.to(logp.device)
+        ratio = torch.exp(logp - old)
+        clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        mask = weights > 0
+        metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(int(mask.sum()), 1)
+        metrics["ratio_mean"] = float((ratio.detach() * weights).sum()) / total_weight
+        if loss.kl_coef > 0:
+            ref = _field(batch, "ref_logprobs", width)
+            if ref is None:
+                raise InvalidLoss("PolicyGradient with kl_coef > 0 needs ref_logprobs on every Datum")
+            delta = ref.to(logp.device) - logp
+            k3 = torch.exp(delta) - delta - 1.0
+            per_token = per_token + loss.kl_coef * k3
+            metrics["kl"] = float((k3.detach() * weights).sum()) / total_weight
+        value = (weights * per_token).sum() / normalizer
+    else:
+        raise InvalidLoss(f"unknown loss {type(loss).__name__}: use CrossEntropy or PolicyGradient")
+    metrics["loss"] = float(value.detach())
+    return value, metrics

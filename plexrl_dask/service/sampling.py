@@ -1,0 +1,66 @@
+"""Seeded token choice: randomness as a pure function of (seed, prompt, sample, position).
+
+A stateful generator per worker would make a sample depend on what that worker ran before, and
+one generator per batch would make it depend on the batch's composition. Instead every draw is a
+counter-based hash (SplitMix64) of its coordinates, so a request samples identical tokens on any
+worker, in any batch, split over any number of replicas.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (x + _GOLDEN) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seed: int, prompt_ids: np.ndarray, sample_ids: np.ndarray, position: int) -> np.ndarray:
+    """One uniform in [0, 1) per (prompt_id, sample_id) pair at ``position``, as float64."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(np.full(prompt_ids.shape, seed, dtype=np.uint64))
+        h = _splitmix64(h ^ prompt_ids.astype(np.uint64))
+        h = _splitmix64(h ^ sample_ids.astype(np.uint64))
+        h = _splitmix64(h ^ np.uint64(position))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def choose_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, u: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` (B, V) by inverse-CDF sampling with uniforms ``u``.
+
+    Returns ``(tokens, logprobs)``: the log-probability is under ``log_softmax(logits /
+    temperature)`` (before top-p truncation), or under ``log_softmax(logits)`` when greedy.
+    Every operation is row-wise, so a row's result does not depend on the other rows.
+    """
+    logits = logits.float()
+    if temperature == 0.0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        return tokens, logprobs
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    # float64 for the CDF so that the inverse lookup is not at the mercy of fp32 rounding.
+    probs = logp.double().exp()
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    cdf = sorted_p.cumsum(dim=-1)
+    if top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep = (cdf - sorted_p) < top_p
+        sorted_p = sorted_p * keep
+        cdf = sorted_p.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.from_numpy(u).to(cdf.device)[:, None] * total
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    # Never land on a zero-probability (truncated) token through rounding at the boundary.
+    idx = torch.minimum(idx, (sorted_p > 0).sum(dim=-1, keepdim=True) - 1)
+    tokens = order.gather(-1, idx)[:, 0]
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]

@@ -1,0 +1,270 @@
+"""The data that crosses the narrow API: batches, losses, optimizer and sampling parameters,
+and results.
+
+Everything here is a small frozen dataclass of Python scalars and lists so that it pickles
+cheaply and identically everywhere. Validation that needs no model (ranges, lengths) happens in
+``__post_init__``, so a bad value fails on the caller's side, before anything is submitted; checks
+that need the model (vocabulary, positions) happen on the worker and raise the same typed errors.
+
+Per-token conventions: every per-token field (``weights``, ``advantages``, ``old_logprobs``,
+``ref_logprobs``, and returned ``logprobs``) is aligned with ``tokens``: entry ``i`` refers to
+token ``i`` as predicted from ``tokens[:i]``. Entry 0 has no prediction; its weight must be 0 and
+its returned log-probability is 0.0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plexrl_dask.errors import (
+    EmptyBatch,
+    InvalidLoss,
+    InvalidOptimizerParams,
+    InvalidSamplingParams,
+    MismatchedLengths,
+)
+
+
+def _floats(values: Sequence[float] | None) -> tuple[float, ...] | None:
+    return None if values is None else tuple(float(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One sequence to score or train on.
+
+    ``weights`` default to 1 on every predicted token (all but the first), i.e. plain language
+    modelling; set them to 0 on prompt tokens to train on completions only.
+    """
+
+    tokens: tuple[int, ...]
+    weights: tuple[float, ...] | None = None
+    advantages: tuple[float, ...] | None = None
+    old_logprobs: tuple[float, ...] | None = None
+    ref_logprobs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        for name in ("weights", "advantages", "old_logprobs", "ref_logprobs"):
+            object.__setattr__(self, name, _floats(getattr(self, name)))
+        if len(self.tokens) < 2:
+            raise EmptyBatch(
+                f"a Datum needs at least 2 tokens (one to predict from, one to predict); "
+                f"got {len(self.tokens)}"
+            )
+        for name in ("weights", "advantages", "old_logprobs", "ref_logprobs"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.tokens):
+                raise MismatchedLengths(
+                    f"Datum.{name} has {len(values)} entries but tokens has {len(self.tokens)}; "
+                    "per-token fields are aligned with tokens (entry 0 is unused)"
+                )
+        if self.weights is not None and self.weights[0] != 0.0:
+            raise MismatchedLengths("Datum.weights[0] must be 0: token 0 is never predicted")
+
+    @classmethod
+    def from_prompt_completion(
+        cls,
+        prompt: Sequence[int],
+        completion: Sequence[int],
+        advantage: float | None = None,
+        old_logprobs: Sequence[float] | None = None,
+        ref_logprobs: Sequence[float] | None = None,
+    ) -> Datum:
+        """A datum that trains on ``completion`` only. ``old_logprobs``/``ref_logprobs``, when
+        given, are per completion token (as :meth:`Deployment.sample` returns them)."""
+        n_p, n_c = len(prompt), len(completion)
+        if n_p < 1 or n_c < 1:
+            raise EmptyBatch("prompt and completion each need at least one token")
+
+        def pad(values: Sequence[float] | None, what: str) -> tuple[float, ...] | None:
+            if values is None:
+                return None
+            if len(values) != n_c:
+                raise MismatchedLengths(
+                    f"{what} has {len(values)} entries for {n_c} completion tokens"
+                )
+            return (0.0,) * n_p + tuple(values)
+
+        return cls(
+            tokens=tuple(prompt) + tuple(completion),
+            weights=(0.0,) * n_p + (1.0,) * n_c,
+            advantages=None if advantage is None else (0.0,) * n_p + (float(advantage),) * n_c,
+            old_logprobs=pad(old_logprobs, "old_logprobs"),
+            ref_logprobs=pad(ref_logprobs, "ref_logprobs"),
+        )
+
+    def token_weights(self) -> tuple[float, ...]:
+        return self.weights if self.weights is not None else (0.0,) + (1.0,) * (len(self.tokens) - 1)
+
+
+def as_batch(batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:
+    """Normalise a batch argument and reject an empty one."""
+    if isinstance(batch, Datum):
+        batch = (batch,)
+    batch = tuple(batch)
+    if not batch:
+        raise EmptyBatch("the batch is empty: pass at least one Datum")
+    for d in batch:
+        if not isinstance(d, Datum):
+            raise EmptyBatch(f"batch items must be plexrl_dask.Datum, got {type(d).__name__}")
+    return batch
+
+
+# --- losses ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """Weighted next-token cross-entropy (warm-up / SFT).
+
+    ``loss = -sum_i w_i log p(token_i) / normalizer``; ``normalizer`` defaults to the batch's
+    total weight. Pass the whole step's total weight when a step is split over several
+    ``forward_backward`` calls, so that the accumulated gradient equals the one-call gradient.
+    """
+
+    normalizer: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.normalizer is not None and not self.normalizer > 0:
+            raise InvalidLoss(f"normalizer must be > 0, got {self.normalizer}")
+
+
+@dataclass(frozen=True)
+class PolicyGradient:
+    """Importance-sampled policy gradient with PPO/GRPO clipping and an optional KL penalty.
+
+    Per predicted token with ratio ``r = exp(logp - old_logp)`` and advantage ``A``:
+    ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * k3`` where
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (the unbiased, non-negative KL estimator).
+    ``loss = sum_i w_i l_i / normalizer`` (default: total weight, i.e. a token-level mean).
+    Without ``old_logprobs`` the ratio is 1 with the gradient of ``logp`` (on-policy REINFORCE).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    normalizer: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.clip_low < 1.0) or not (0.0 <= self.clip_high):
+            raise InvalidLoss(
+                f"clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, "
+                f"{self.clip_high}"
+            )
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise InvalidLoss(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+        if self.normalizer is not None and not self.normalizer > 0:
+            raise InvalidLoss(f"normalizer must be > 0, got {self.normalizer}")
+
+
+Loss = CrossEntropy | PolicyGradient
+
+
+@dataclass(frozen=True)
+class AdamWParams:
+    """Hyperparameters of one ``optim_step`` (AdamW); ``grad_clip`` is the max global L2 norm
+    (``None``: no clipping)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "lr must be finite and >= 0": math.isfinite(self.lr) and self.lr >= 0,
+            "beta1 and beta2 must be in [0, 1)": 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+            "eps must be > 0": self.eps > 0,
+            "weight_decay must be >= 0": self.weight_decay >= 0,
+            "grad_clip must be None or > 0": self.grad_clip is None or self.grad_clip > 0,
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise InvalidOptimizerParams(f"{message}: got {self}")
+
+
+# --- sampling -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample completions.
+
+    ``n`` samples per prompt; ``temperature`` 0 is greedy; nucleus sampling with ``top_p``;
+    generation stops after ``max_tokens``, at the end-of-sequence token, or once the completion
+    text contains one of the ``stop`` strings (the tokens up to and including the one that
+    completed it are kept). Randomness is a pure function of ``(seed, prompt id, sample index,
+    position)``, never of the worker or batch, so a request samples the same tokens anywhere.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        problems = []
+        if not (isinstance(self.n, int) and self.n >= 1):
+            problems.append(f"n must be an int >= 1 (got {self.n!r})")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be finite and >= 0 (got {self.temperature})")
+        if not (0 < self.top_p <= 1):
+            problems.append(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be an int >= 1 (got {self.max_tokens!r})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append("stop strings must be non-empty strings")
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            problems.append(f"seed must be an int in [0, 2**63) (got {self.seed!r})")
+        if problems:
+            raise InvalidSamplingParams("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """One completion: its tokens, their log-probabilities under the sampling distribution
+    (``log_softmax(logits / temperature)``, before top-p truncation; raw logits when greedy),
+    its decoded text and why it ended (``"stop"`` or ``"length"``)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Completions per prompt, in prompt order: ``sequences[i][j]`` is sample ``j`` of prompt
+    ``i``; ``prompt_tokens[i]`` is prompt ``i`` as tokenized."""
+
+    prompt_tokens: tuple[tuple[int, ...], ...]
+    sequences: tuple[tuple[SampledSequence, ...], ...]
+
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for group in self.sequences for s in group)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """Per-token log-probabilities of each datum (aligned with its tokens, entry 0 is 0.0)."""
+
+    logprobs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class NamedWeights:
+    """Parameters by canonical name, with the version of the replica they came from."""
+
+    version: int
+    tensors: dict
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())

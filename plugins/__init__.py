@@ -1,0 +1,29 @@
+"""PlexRL's Dask plugins (installed as ``plexrl_dask.plugins``).
+
+Use as a preload on an existing scheduler::
+
+    dask scheduler --preload plexrl_dask.plugins
+
+The scheduler plugin then registers the worker plugin on every worker, so workers need no
+preload; they only need ``plexrl_dask`` installed and the GPU resource advertised
+(``dask worker ... --resources GPU=1``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plexrl_dask.plugins.scheduler import PlexRLSchedulerPlugin
+from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
+
+
+def dask_setup(server: Any) -> None:
+    """Preload hook: install the scheduler plugin on a scheduler (ignored on workers, which get
+    their plugin from the scheduler)."""
+    from distributed import Scheduler
+
+    if isinstance(server, Scheduler):
+        server.add_plugin(PlexRLSchedulerPlugin())
+
+
+__all__ = ["PlexRLSchedulerPlugin", "PlexRLWorkerPlugin", "dask_setup"]

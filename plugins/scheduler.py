@@ -1,0 +1,324 @@
+"""The PlexRL scheduler plugin: the deployment registry and request routing.
+
+Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.install(client)`` or
+``dask scheduler --preload plexrl_dask.plugins``), it
+
+- keeps the **deployment registry** (name → :class:`DeploymentInfo`), reached through the
+  ``plexrl_*`` scheduler handlers, so the client-side router is stateless and any job's driver
+  can address any deployment;
+- places new deployments through the policy core (:func:`place_deployment`) using the
+  capacity each worker's replica holder reports;
+- **routes** every task annotated ``plexrl={"deployment": ...}`` to the worker holding that
+  deployment, before the scheduler first places it (``update_graph`` runs before the new tasks'
+  transitions), and tags it with the deployment's ``uid``; plain Dask tasks are never touched;
+- keeps the **residency map** from the holders' ``plexrl-residency`` events;
+- re-places a deployment whose worker left (rebuilt from its spec on another worker) unless its
+  state was modified (then it is ``lost`` and requests fail with :class:`DeploymentLost`), and
+  re-routes the requests that were waiting for the dead worker;
+- registers the worker plugin that creates a replica holder on every GPU worker, present and
+  future.
+
+Runtime *ordering* (HRRS) extends this plugin in the scheduler issue; routing is the seam.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from plexrl_dask import config
+from plexrl_dask.errors import (
+    DeploymentExists,
+    DeploymentLost,
+    DeploymentNotFound,
+    PlexRLError,
+    to_status,
+)
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.policy.placement import WorkerView, place_deployment
+from plexrl_dask.policy.residency import (
+    RESIDENCY_TOPIC,
+    WORKER_TOPIC,
+    ResidencyMap,
+    ResidencyReport,
+)
+from plexrl_dask.service.registry import DeploymentInfo
+
+logger = logging.getLogger(__name__)
+
+ANNOTATION = "plexrl"
+#: A worker address that never exists: restricting a task to it parks it in ``no-worker``.
+PARKED = "plexrl-parked://nowhere"
+
+
+class PlexRLSchedulerPlugin(SchedulerPlugin):
+    """See the module docstring."""
+
+    name = "plexrl"
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        self.gpu_resource = str(config.get("worker.gpu-resource"))
+        self.report_timeout = config.get_seconds("deploy.worker-report-timeout")
+        self.deployments: dict[str, DeploymentInfo] = {}
+        self.residency = ResidencyMap()
+        self.worker_capacity: dict[str, dict[str, Any]] = {}
+        self.counters: Counter[str] = Counter()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update(
+            {
+                "plexrl_deploy": self.deploy,
+                "plexrl_undeploy": self.undeploy,
+                "plexrl_get_deployment": self.get_deployment,
+                "plexrl_list_deployments": self.list_deployments,
+                "plexrl_status": self.status,
+            }
+        )
+        from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
+
+        await scheduler.register_worker_plugin(
+            None, dumps(PlexRLWorkerPlugin()), name=PlexRLWorkerPlugin.name, idempotent=True
+        )
+
+    # --- handlers ----------------------------------------------------------------------------
+
+    async def deploy(
+        self,
+        name: str,
+        uid: str,
+        spec: dict,
+        role: str,
+        backend: str,
+        owner: str,
+        memory_bytes: int,
+        exist_ok: bool = False,
+    ) -> dict[str, Any]:
+        """Register and place a deployment. Returns ``{"status": "OK", "deployment": {...},
+        "created": bool}`` or an error status."""
+        try:
+            info = DeploymentInfo(
+                name=name,
+                uid=uid,
+                spec=ModelSpec.from_dict(spec),
+                role=role,
+                backend=backend,
+                owner=owner,
+                memory_bytes=int(memory_bytes),
+            )
+            existing = self.deployments.get(name)
+            if existing is not None:
+                same = (existing.spec, existing.role, existing.backend) == (
+                    info.spec,
+                    info.role,
+                    info.backend,
+                )
+                if exist_ok and same:
+                    return {"status": "OK", "deployment": existing.to_dict(), "created": False}
+                raise DeploymentExists(
+                    f"a deployment named {name!r} already exists (owner {existing.owner!r}, "
+                    f"model {existing.spec.name}); pick another name, undeploy it first, or "
+                    "look it up with runtime.deployment(name)"
+                )
+            await self._wait_for_worker_reports()
+            worker = place_deployment(name, info.memory_bytes, self._worker_views())
+            info = info.with_(workers=(worker,))
+            self.deployments[name] = info
+            self.counters["deploys"] += 1
+            logger.info("deployed %s (%s) on %s", name, info.spec.name, worker)
+            return {"status": "OK", "deployment": info.to_dict(), "created": True}
+        except PlexRLError as e:
+            return to_status(e)
+
+    async def undeploy(self, name: str, uid: str | None = None) -> dict[str, Any]:
+        """Remove a deployment and free its replicas. With ``uid``, only that incarnation."""
+        info = self.deployments.get(name)
+        if info is None or (uid is not None and info.uid != uid):
+            return to_status(DeploymentNotFound(f"no deployment named {name!r}"))
+        del self.deployments[name]
+        self.residency.forget_deployment(name)
+        live = [w for w in info.workers if w in self.scheduler.workers]
+        if live:
+            await self.scheduler.broadcast(
+                msg={"op": "plexrl_holder_drop", "name": name}, workers=live, on_error="return"
+            )
+        self.counters["undeploys"] += 1
+        return {"status": "OK"}
+
+    def get_deployment(self, name: str) -> dict[str, Any]:
+        info = self.deployments.get(name)
+        if info is None:
+            known = sorted(self.deployments)[:10]
+            return to_status(
+                DeploymentNotFound(f"no deployment named {name!r}; registered: {known}")
+            )
+        return {"status": "OK", "deployment": info.to_dict()}
+
+    def list_deployments(self) -> dict[str, Any]:
+        return {
+            "status": "OK",
+            "deployments": [info.to_dict() for info in self.deployments.values()],
+        }
+
+    def status(self) -> dict[str, Any]:
+        """Everything the plugin knows, as plain data (for clients and the dashboard)."""
+        return {
+            "status": "OK",
+            "deployments": [info.to_dict() for info in self.deployments.values()],
+            "residency": [
+                {**r.to_event(), "worker": r.worker} for r in self.residency.reports()
+            ],
+            "workers": {w: dict(c) for w, c in self.worker_capacity.items()},
+            "counters": dict(self.counters),
+        }
+
+    # --- placement ---------------------------------------------------------------------------
+
+    def _gpu_workers(self) -> list[str]:
+        return [
+            addr
+            for addr, ws in self.scheduler.workers.items()
+            if ws.resources.get(self.gpu_resource, 0) >= 1
+        ]
+
+    async def _wait_for_worker_reports(self) -> None:
+        """Give freshly started GPU workers a bounded time to report their capacity."""
+        deadline = time.monotonic() + self.report_timeout
+        while time.monotonic() < deadline:
+            gpu = self._gpu_workers()
+            if gpu and all(w in self.worker_capacity for w in gpu):
+                return
+            await asyncio.sleep(0.05)
+
+    def _worker_views(self) -> list[WorkerView]:
+        committed: Counter[str] = Counter()
+        count: Counter[str] = Counter()
+        for info in self.deployments.values():
+            for w in info.workers:
+                committed[w] += info.memory_bytes
+                count[w] += 1
+        return [
+            WorkerView(
+                address=w,
+                budget_bytes=int(self.worker_capacity[w]["budget_bytes"]),
+                committed_bytes=committed[w],
+                num_deployments=count[w],
+            )
+            for w in self._gpu_workers()
+            if w in self.worker_capacity
+        ]
+
+    def _placed(self, info: DeploymentInfo) -> DeploymentInfo:
+        """``info`` with a live worker, placing it again if its worker left."""
+        if info.state == "placed" and info.worker in self.scheduler.workers:
+            return info
+        if info.state == "lost":
+            raise DeploymentLost(
+                f"the worker holding {info.name!r} left the cluster and its trained state "
+                "(modified since deploy) went with it; save checkpoints with get_weights / "
+                "save_state, then undeploy and deploy it again"
+            )
+        worker = place_deployment(info.name, info.memory_bytes, self._worker_views())
+        placed = info.with_(workers=(worker,), state="placed")
+        self.deployments[info.name] = placed
+        self.counters["replacements"] += 1
+        logger.info("re-placed %s on %s", info.name, worker)
+        return placed
+
+    # --- routing -----------------------------------------------------------------------------
+
+    def update_graph(self, scheduler: Any, *, annotations: dict | None = None, **kwargs: Any) -> None:
+        for key in (annotations or {}).get(ANNOTATION, {}):
+            ts = scheduler.tasks.get(key)
+            if ts is not None and ts.run_spec is not None:
+                self._route(ts)
+
+    def _route(self, ts: Any) -> bool:
+        """Restrict a PlexRL task to its deployment's worker. Returns False (task parked) when
+        the deployment has no live worker now but may get one."""
+        ann = dict(ts.annotations.get(ANNOTATION) or {})
+        ann.pop("error", None)
+        name = ann.get("deployment")
+        try:
+            info = self.deployments.get(name) if isinstance(name, str) else None
+            if info is None:
+                raise DeploymentNotFound(
+                    f"no deployment named {name!r} is registered; deploy it first "
+                    f"(registered: {sorted(self.deployments)[:10]})"
+                )
+            if info.state != "lost" and not self._worker_views():
+                # No GPU worker right now: park until one reports (then _reroute_orphans).
+                ts.worker_restrictions = {PARKED}
+                ts.loose_restrictions = False
+                return False
+            info = self._placed(info)
+        except PlexRLError as e:
+            # The task runs wherever it is placed and raises this error there, so the
+            # caller's future fails with the typed error instead of waiting forever.
+            ann["error"] = to_status(e)
+            ts.worker_restrictions = None
+            ts.resource_restrictions = None
+            self.counters["routing_errors"] += 1
+        else:
+            ann.update(uid=info.uid, worker=info.worker)
+            ts.worker_restrictions = {info.worker}
+            ts.loose_restrictions = False
+            ts.resource_restrictions = {self.gpu_resource: 1}
+            self.counters["routed"] += 1
+        ts.annotations = {**ts.annotations, ANNOTATION: ann}
+        return True
+
+    def _reroute_orphans(self) -> None:
+        """Route again the PlexRL tasks waiting for a worker that is gone."""
+        live = self.scheduler.workers
+        moved = {}
+        for ts in list(self.scheduler.unrunnable):
+            if ANNOTATION not in (ts.annotations or {}) or ts.state != "no-worker":
+                continue
+            restricted = ts.worker_restrictions or set()
+            if restricted and not restricted & set(live) and self._route(ts):
+                moved[ts.key] = "processing"
+        if moved:
+            logger.info("re-routing %d PlexRL requests whose worker left", len(moved))
+            self.scheduler.transitions(moved, stimulus_id=f"plexrl-reroute-{time.time()}")
+
+    def _soon(self, fn: Any) -> None:
+        # Never re-enter the transition engine from a hook: run on the next loop iteration.
+        try:
+            asyncio.get_running_loop().call_soon(fn)
+        except RuntimeError:
+            fn()
+
+    # --- cluster events ----------------------------------------------------------------------
+
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        self.worker_capacity.pop(worker, None)
+        self.residency.forget_worker(worker)
+        for name, info in list(self.deployments.items()):
+            if worker in info.workers:
+                state = "lost" if info.modified else "unplaced"
+                self.deployments[name] = info.with_(workers=(), state=state)
+                logger.warning("worker %s left: deployment %s is %s", worker, name, state)
+        self._soon(self._reroute_orphans)
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic == RESIDENCY_TOPIC and isinstance(msg, dict):
+            report = ResidencyReport.from_event(msg)
+            info = self.deployments.get(report.deployment)
+            if info is None or info.uid != report.uid:
+                return  # a late report of an undeployed incarnation
+            self.residency.apply(report)
+            if report.modified and not info.modified:
+                self.deployments[report.deployment] = info.with_(modified=True)
+        elif topic == WORKER_TOPIC and isinstance(msg, dict) and "worker" in msg:
+            self.worker_capacity[msg["worker"]] = msg
+            self._soon(self._reroute_orphans)
