@@ -102,6 +102,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         owner: str,
         memory_bytes: int,
         exist_ok: bool = False,
+        candidates: list[str] | None = None,
     ) -> dict[str, Any]:
         """Register and place a deployment. Returns ``{"status": "OK", "deployment": {...},
         "created": bool}`` or an error status."""
@@ -130,7 +131,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "look it up with runtime.deployment(name)"
                 )
             await self._wait_for_worker_reports()
-            worker = place_deployment(name, info.memory_bytes, self._worker_views())
+            worker = place_deployment(name, info.memory_bytes, self._worker_views(), candidates)
             info = info.with_(workers=(worker,))
             self.deployments[name] = info
             self.counters["deploys"] += 1
@@ -307,7 +308,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if worker in info.workers:
                 state = "lost" if info.modified else "unplaced"
                 self.deployments[name] = info.with_(workers=(), state=state)
-                logger.warning("worker %s left: deployment %s is %s", worker, name, state)
+                logger.info("worker %s left: deployment %s is %s", worker, name, state)
         self._soon(self._reroute_orphans)
 
     def log_event(self, topic: str, msg: Any) -> None:

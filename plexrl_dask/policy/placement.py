@@ -27,12 +27,28 @@ class WorkerView:
     num_deployments: int = 0
 
 
-def place_deployment(name: str, need_bytes: int, workers: Sequence[WorkerView]) -> str:
+def place_deployment(
+    name: str,
+    need_bytes: int,
+    workers: Sequence[WorkerView],
+    candidates: Sequence[str] | None = None,
+) -> str:
     """Return the address of the worker that should host deployment ``name``.
 
-    Raises :class:`NoPlexRLWorkers` when ``workers`` is empty, and
-    :class:`DeploymentDoesNotFit` when no worker's budget holds ``need_bytes``.
+    ``candidates``, when given, restricts the choice to those addresses (an operator pinning a
+    deployment to certain machines). Raises :class:`NoPlexRLWorkers` when no (candidate)
+    worker is available, and :class:`DeploymentDoesNotFit` when no worker's budget holds
+    ``need_bytes``.
     """
+    if candidates is not None:
+        allowed = set(candidates)
+        unknown = sorted(allowed - {w.address for w in workers})
+        if unknown:
+            raise NoPlexRLWorkers(
+                f"cannot place {name!r} on {unknown}: not PlexRL workers of this cluster "
+                f"(known: {sorted(w.address for w in workers)})"
+            )
+        workers = [w for w in workers if w.address in allowed]
     if not workers:
         raise NoPlexRLWorkers(
             f"cannot place {name!r}: no worker with a PlexRL replica holder has joined. Start "

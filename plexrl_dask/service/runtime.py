@@ -6,13 +6,16 @@ the same deployments. Every model call on a :class:`Deployment` is submitted as 
 :mod:`plexrl_dask.ops` inside ``dask.annotate(plexrl={...})`` and returns a
 ``distributed.Future`` at once; the scheduler plugin routes it to the deployment's worker.
 
-Requests of one deployment run in submission order (one GPU slot per worker, FIFO priorities),
-so ``forward_backward`` followed by ``optim_step`` can be pipelined without waiting in between.
+Requests of one deployment run in submission order (one GPU slot per worker, priorities stamped
+at submission), so ``forward_backward`` followed by ``optim_step`` can be pipelined without
+waiting in between.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,6 +48,23 @@ from plexrl_dask.service.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+_sequence_lock = threading.Lock()
+_last_sequence = 0
+
+
+def _submission_sequence() -> int:
+    """A strictly increasing stamp (wall-clock microseconds) for each submitted request.
+
+    Dask orders tasks by ``(-user_priority, generation, ...)`` and only bumps ``generation``
+    every ``fifo_timeout``, so two requests submitted back to back could otherwise run in either
+    order. Passing ``priority=-stamp`` makes every worker run PlexRL requests in submission
+    order, across drivers too (up to their clock skew).
+    """
+    global _last_sequence
+    with _sequence_lock:
+        _last_sequence = max(time.time_ns() // 1000, _last_sequence + 1)
+        return _last_sequence
 
 
 def result(futures: Any, timeout: float | None = None) -> Any:
@@ -103,12 +123,14 @@ class Runtime:
         owner: str | None = None,
         exist_ok: bool = False,
         wait: bool = True,
+        workers: Sequence[str] | None = None,
     ) -> Deployment:
         """Register deployment ``name`` of ``model`` and place it on a worker.
 
         With ``wait`` (default) the replica is built on its worker before this returns, so a
         model that cannot be built there fails here (and is unregistered). With ``exist_ok``, an
         identical existing deployment is returned instead of raising ``DeploymentExists``.
+        ``workers`` restricts placement to those worker addresses.
         """
         if not isinstance(model, ModelSpec):
             raise InvalidModelSpec(f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}")
@@ -123,6 +145,7 @@ class Runtime:
             owner=owner or self.job,
             memory_bytes=model.memory_bytes(role),
             exist_ok=exist_ok,
+            candidates=None if workers is None else list(workers),
         )
         deployment = Deployment(self, DeploymentInfo.from_dict(status["deployment"]))
         if wait and status["created"]:
@@ -170,6 +193,18 @@ class Deployment:
     def __init__(self, runtime: Runtime, info: DeploymentInfo):
         self.runtime = runtime
         self.info = info
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The deployment's tokenizer, built locally from its spec (on the driver)."""
+        if self._tokenizer is None:
+            self._tokenizer = self.info.spec.build_tokenizer()
+        return self._tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens), as the replicas tokenize prompts."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     @property
     def name(self) -> str:
@@ -187,6 +222,7 @@ class Deployment:
                 *args,
                 key=f"plexrl-{op}-{self.name}-{uuid.uuid4().hex}",
                 pure=False,
+                priority=-_submission_sequence(),
                 **kwargs,
             )
 

@@ -148,7 +148,7 @@ class TorchBackend:
         value, metrics = compute_loss(loss, batch, logp, valid)
         if not torch.isfinite(value):
             raise NonFiniteLoss(
-                f"the loss is {float(value)}; no gradient was accumulated. Check the advantages, "
+                f"the loss is {float(value.detach())}; no gradient was accumulated. Check the advantages, "
                 "old/ref logprobs and weights of this batch for NaN/inf or extreme values"
             )
         value.backward()

@@ -1,0 +1,42 @@
+"""Shared fixtures: real process LocalClusters with the PlexRL plugins.
+
+Starting a cluster and importing torch in its workers takes seconds, so one 2-worker cluster is
+shared by the whole session (tests use unique deployment names); tests that break workers or
+change their budget get their own cluster.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from distributed import Client
+
+import plexrl_dask as plexrl
+
+TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=64)
+
+
+def tiny_spec(seed: int = 0, **overrides) -> plexrl.ModelSpec:
+    return plexrl.ModelSpec.tiny(**{**TINY, **overrides}, seed=seed)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    with plexrl.local_cluster(n_workers=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def client(cluster):
+    with Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def runtime(client):
+    return plexrl.Runtime(client, job=unique("test-job"))

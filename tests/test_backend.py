@@ -1,0 +1,233 @@
+"""The torch backend in-process: scoring, training, sampling, weights, residency, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from plexrl_dask import errors
+from plexrl_dask.models import ModelSpec
+from plexrl_dask.service.backends import RolloutBackend, TorchBackend, TrainBackend
+from plexrl_dask.service.types import (
+    AdamWParams,
+    CrossEntropy,
+    Datum,
+    PolicyGradient,
+    SamplingParams,
+)
+from tests.conftest import TINY, tiny_spec
+
+
+@pytest.fixture
+def backend() -> TorchBackend:
+    torch.set_num_threads(1)
+    return TorchBackend(tiny_spec(), "cpu", max_batch_size=64)
+
+
+def toks(b: TorchBackend, text: str) -> list[int]:
+    return b.tokenize([text])[0]
+
+
+def test_implements_both_interfaces(backend):
+    assert isinstance(backend, TrainBackend) and isinstance(backend, RolloutBackend)
+
+
+def test_forward_matches_manual_log_softmax(backend):
+    ids = toks(backend, "12+34=46")
+    out = backend.forward([Datum(tokens=ids)]).logprobs[0]
+    with torch.no_grad():
+        logits = backend.model(input_ids=torch.tensor([ids])).logits[0]
+    manual = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert out[0] == 0.0 and len(out) == len(ids)
+    torch.testing.assert_close(torch.tensor(out[1:]), manual, atol=1e-5, rtol=0)
+
+
+def test_padding_does_not_change_scores(backend):
+    short, long = toks(backend, "1+2=3"), toks(backend, "12+34=46 and more")
+    alone = backend.forward([Datum(tokens=short)]).logprobs[0]
+    padded = backend.forward([Datum(tokens=short), Datum(tokens=long)]).logprobs[0]
+    torch.testing.assert_close(torch.tensor(alone), torch.tensor(padded), atol=1e-5, rtol=0)
+
+
+def test_cross_entropy_training_lowers_loss(backend):
+    batch = [Datum.from_prompt_completion(toks(backend, f"{i}+{i}="), toks(backend, f"{2 * i}\n")) for i in range(8)]
+    first = backend.forward_backward(batch, CrossEntropy())["loss"]
+    backend.optim_step(AdamWParams(lr=1e-2))
+    for _ in range(20):
+        backend.forward_backward(batch, CrossEntropy())
+        backend.optim_step(AdamWParams(lr=1e-2))
+    last = backend.forward_backward(batch, CrossEntropy())["loss"]
+    assert last < 0.5 * first
+
+
+def test_split_batch_with_normalizer_equals_one_call():
+    spec = tiny_spec()
+    a, b = TorchBackend(spec, "cpu"), TorchBackend(spec, "cpu")
+    data = [Datum(tokens=a.tokenize([f"{i}*{i}={i * i}"])[0]) for i in range(6)]
+    total = sum(sum(d.token_weights()) for d in data)
+    a.forward_backward(data, CrossEntropy())
+    b.forward_backward(data[:3], CrossEntropy(normalizer=total))
+    b.forward_backward(data[3:], CrossEntropy(normalizer=total))
+    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_policy_gradient_moves_toward_positive_advantage(backend):
+    prompt = toks(backend, "7+7=")
+    good, bad = toks(backend, "14\n"), toks(backend, "99\n")
+    data = [
+        Datum.from_prompt_completion(prompt, good, advantage=1.0),
+        Datum.from_prompt_completion(prompt, bad, advantage=-1.0),
+    ]
+    probe = [Datum.from_prompt_completion(prompt, good), Datum.from_prompt_completion(prompt, bad)]
+    before = [sum(lp) for lp in backend.forward(probe).logprobs]
+    for _ in range(5):
+        m = backend.forward_backward(data, PolicyGradient(clip_low=0.2, clip_high=0.2))
+        backend.optim_step(AdamWParams(lr=1e-2))
+    after = [sum(lp) for lp in backend.forward(probe).logprobs]
+    assert after[0] > before[0] and after[1] < before[1]
+    assert 0.0 <= m["clip_fraction"] <= 1.0
+
+
+def test_offload_reload_continues_bit_identically():
+    spec = tiny_spec()
+    a, b = TorchBackend(spec, "cpu"), TorchBackend(spec, "cpu")
+    data = [Datum(tokens=a.tokenize([f"{i}-{i}=0"])[0]) for i in range(4)]
+    for backend in (a, b):
+        backend.forward_backward(data, CrossEntropy())
+        backend.optim_step(AdamWParams(lr=1e-2))
+        backend.forward_backward(data, CrossEntropy())  # pending gradients survive offload too
+    size = a.state_bytes()
+    a.offload()
+    assert not a.resident and a.state_bytes() == size
+    assert all(p.numel() == 0 for p in a.model.parameters())  # device copies released
+    a.reload()
+    for backend in (a, b):
+        backend.optim_step(AdamWParams(lr=1e-2))
+        backend.forward_backward(data, CrossEntropy())
+        backend.optim_step(AdamWParams(lr=1e-2))
+    wa, wb = a.get_weights(), b.get_weights()
+    assert all(torch.equal(wa[n], wb[n]) for n in wb)
+
+
+def test_sampling_is_seeded_per_prompt_and_sample(backend):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=11)
+    prompts = [toks(backend, "1+1="), toks(backend, "23+45="), toks(backend, "9*9=")]
+    full = backend.sample(prompts, params, [0, 1, 2])
+    again = backend.sample(prompts, params, [0, 1, 2])
+    assert full == again  # bit-identical for the same request
+    # Same prompt id alone, or in batches of other sizes: same tokens.
+    alone = backend.sample([prompts[1]], params, [1])
+    assert [s.tokens for s in alone[0]] == [s.tokens for s in full[1]]
+    backend.max_batch_size = 2
+    chunked = backend.sample(prompts, params, [0, 1, 2])
+    for g_full, g_chunk in zip(full, chunked):
+        assert [s.tokens for s in g_full] == [s.tokens for s in g_chunk]
+        for s_full, s_chunk in zip(g_full, g_chunk):
+            assert max(abs(x - y) for x, y in zip(s_full.logprobs, s_chunk.logprobs)) < 1e-4
+    # Different seeds or prompt ids give different samples.
+    other = backend.sample(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=12), [0, 1, 2])
+    assert [s.tokens for g in other for s in g] != [s.tokens for g in full for s in g]
+
+
+def test_greedy_sampling_matches_forward(backend):
+    prompt = toks(backend, "5+5=")
+    out = backend.sample([prompt], SamplingParams(temperature=0.0, max_tokens=6), [0])[0][0]
+    scored = backend.forward([Datum(tokens=prompt + list(out.tokens))]).logprobs[0][len(prompt):]
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(scored), atol=1e-4, rtol=0)
+    with torch.no_grad():
+        logits = backend.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    assert out.tokens[0] == int(logits.argmax())
+
+
+def test_stop_strings_and_eos(backend):
+    # Teach the model to answer "7\n" then check the stop string truncates at the newline.
+    prompt = toks(backend, "3+4=")
+    data = [Datum.from_prompt_completion(prompt, toks(backend, "7\nxyz"))]
+    for _ in range(60):
+        backend.forward_backward(data, CrossEntropy())
+        backend.optim_step(AdamWParams(lr=2e-2))
+    out = backend.sample([prompt], SamplingParams(temperature=0.0, max_tokens=10, stop=("\n",)), [0])[0][0]
+    assert out.text == "7\n" and out.finish_reason == "stop"
+    out = backend.sample([prompt], SamplingParams(temperature=0.0, max_tokens=10), [0])[0][0]
+    assert out.text.startswith("7\nxyz") and len(out.tokens) == 10 and out.finish_reason == "length"
+
+
+def test_weights_roundtrip_and_mismatch(backend):
+    other = TorchBackend(tiny_spec(seed=3), "cpu")
+    w = other.get_weights()
+    assert "lm_head.weight" not in w or "model.embed_tokens.weight" not in w  # tied: listed once
+    backend.set_weights(w, version=7)
+    assert backend.version == 7
+    assert all(torch.equal(backend.get_weights()[n], t) for n, t in w.items())
+    before = backend.get_weights()
+    bad = dict(w)
+    name = next(iter(bad))
+    bad[name] = torch.zeros(3, 3)
+    with pytest.raises(errors.WeightsMismatch, match="shape"):
+        backend.set_weights(bad)
+    with pytest.raises(errors.WeightsMismatch, match="unknown"):
+        backend.set_weights({**w, "not.a.param": torch.zeros(1)})
+    with pytest.raises(errors.WeightsMismatch, match="missing"):
+        backend.set_weights({name: w[name]})
+    backend.set_weights({name: w[name]}, strict=False)
+    after = backend.get_weights()
+    assert all(torch.equal(before[n], after[n]) for n in before)  # failed calls changed nothing
+
+
+def test_bad_input_is_typed_and_harmless(backend):
+    good = Datum(tokens=toks(backend, "1+1=2"))
+    with pytest.raises(errors.TokenOutOfVocabulary, match="vocabulary"):
+        backend.forward([Datum(tokens=[1, backend.vocab_size])])
+    with pytest.raises(errors.TokenOutOfVocabulary):
+        backend.sample([[-1, 3]], SamplingParams(), [0])
+    with pytest.raises(errors.SequenceTooLong, match="positions"):
+        backend.forward([Datum(tokens=[5] * (TINY["max_positions"] + 1))])
+    with pytest.raises(errors.SequenceTooLong, match="max_tokens"):
+        backend.sample([[5] * 60], SamplingParams(max_tokens=10), [0])
+    with pytest.raises(errors.EmptyBatch):
+        backend.forward([])
+    with pytest.raises(errors.EmptyBatch):
+        backend.sample([[]], SamplingParams(), [0])
+    nan = Datum(tokens=good.tokens, advantages=[0.0] + [math.nan] * (len(good.tokens) - 1))
+    with pytest.raises(errors.NonFiniteLoss):
+        backend.forward_backward([nan], PolicyGradient())
+    assert all(p.grad is None for p in backend.model.parameters())  # nothing accumulated
+    with pytest.raises(errors.InvalidOptimizerParams, match="forward_backward first"):
+        backend.optim_step(AdamWParams())
+    # Still usable afterwards.
+    backend.forward_backward([good], CrossEntropy())
+    assert backend.optim_step(AdamWParams())["version"] == 1.0
+
+
+def test_non_finite_gradient_is_discarded(backend):
+    data = [Datum(tokens=toks(backend, "2+2=4"))]
+    backend.forward_backward(data, CrossEntropy())
+    before = backend.get_weights()
+    next(backend.model.parameters()).grad[0, 0] = math.inf
+    with pytest.raises(errors.NonFiniteGradient):
+        backend.optim_step(AdamWParams())
+    after = backend.get_weights()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    backend.forward_backward(data, CrossEntropy())
+    backend.optim_step(AdamWParams())  # recovers
+
+
+def test_local_checkpoint_loads_like_the_tiny_model(tmp_path):
+    spec = tiny_spec(seed=5)
+    path_spec = spec.save_pretrained(str(tmp_path / "ckpt"))
+    a, b = TorchBackend(spec, "cpu"), TorchBackend(path_spec, "cpu")
+    wa, wb = a.get_weights(), b.get_weights()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+    prompt = a.tokenize(["12+3="])[0]
+    assert prompt == b.tokenize(["12+3="])[0]
+    params = SamplingParams(n=2, max_tokens=5, seed=1)
+    assert a.sample([prompt], params, [0]) == b.sample([prompt], params, [0])
+
+
+def test_missing_checkpoint_path_is_a_clear_error(tmp_path):
+    spec = ModelSpec(path=str(tmp_path / "nothing-here"))
+    with pytest.raises(errors.InvalidModelSpec, match="config.json"):
+        spec.memory_bytes("train")

@@ -1,0 +1,152 @@
+"""The execution service end to end on a real process LocalCluster."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+import torch
+from distributed import Client
+
+import plexrl_dask as plexrl
+from plexrl_dask import errors
+from plexrl_dask.rl import supervised_warmup
+from plexrl_dask.tasks import ArithmeticTask
+from tests.conftest import tiny_spec, unique
+
+
+def gpu_workers(client: Client) -> list[str]:
+    return sorted(
+        addr for addr, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"].get("GPU")
+    )
+
+
+def test_deploy_places_and_reports_residency(runtime):
+    dep = runtime.deploy(unique("placed"), tiny_spec())
+    assert dep.info.worker in gpu_workers(runtime.client)
+    status = runtime.status()
+    rows = [r for r in status["residency"] if r["deployment"] == dep.name]
+    assert len(rows) == 1 and rows[0]["tier"] == "hbm" and rows[0]["worker"] == dep.info.worker
+    assert {"deployment", "version", "tier", "bytes", "load_s"} <= rows[0].keys()
+    assert rows[0]["bytes"] > 0 and rows[0]["load_s"] > 0
+    holder = runtime.holder(dep.info.worker).status().result(timeout=30)
+    assert holder["replicas"][dep.name]["resident"] is True
+
+
+def test_sampling_reproducible_across_workers_and_batches(runtime):
+    a_worker, b_worker = gpu_workers(runtime.client)[:2]
+    spec = tiny_spec(seed=7)
+    a = runtime.deploy(unique("samp-a"), spec, role="rollout", workers=[a_worker])
+    b = runtime.deploy(unique("samp-b"), spec, role="rollout", workers=[b_worker])
+    assert a.info.worker != b.info.worker
+    prompts = ["1+2=", "34+56=", "7*8=", "100-1="]
+    params = plexrl.SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=8, seed=42)
+    ra, rb = plexrl.result([a.sample(prompts, params), b.sample(prompts, params)])
+    assert ra == rb  # bit-identical on another worker
+    # The same prompts split over two requests (their ids kept) sample the same tokens.
+    first = b.sample(prompts[:1], params, prompt_ids=[0])
+    rest = b.sample(prompts[1:], params, prompt_ids=[1, 2, 3])
+    split = plexrl.result(first).sequences + plexrl.result(rest).sequences
+    assert [[s.tokens for s in g] for g in split] == [[s.tokens for s in g] for g in ra.sequences]
+
+
+def test_warmup_lowers_loss_through_the_runtime(runtime):
+    dep = runtime.deploy(unique("warm"), tiny_spec(hidden_size=64))
+    task = ArithmeticTask(digits=1, ops="+")
+    losses = supervised_warmup(dep, task, steps=40, batch_size=16, optim=plexrl.AdamWParams(lr=1e-2))
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+
+
+def test_two_drivers_share_one_deployment(cluster, runtime):
+    dep = runtime.deploy(unique("shared"), tiny_spec())
+    data = [plexrl.Datum(tokens=dep.tokenize("12+21=33"))]
+    with Client(cluster) as other_client:
+        other = plexrl.Runtime(other_client, job="other-driver")
+        theirs = other.deployment(dep.name)
+        assert theirs.info.uid == dep.info.uid and theirs.info.owner == runtime.job
+        mine_lp = plexrl.result(dep.forward(data)).logprobs
+        assert plexrl.result(theirs.forward(data)).logprobs == mine_lp
+        plexrl.result([theirs.forward_backward(data), theirs.optim_step()])
+        # The first driver sees the second driver's update.
+        assert plexrl.result(dep.forward(data)).logprobs != mine_lp
+        assert plexrl.result(dep.get_weights()).version == 1
+
+
+def test_client_submit_with_annotations(runtime):
+    dep = runtime.deploy(unique("raw"), tiny_spec())
+    data = [plexrl.Datum(tokens=dep.tokenize("5+5=10"))]
+    expected = plexrl.result(dep.forward(data))
+    client = runtime.client
+    with dask.annotate(plexrl={"deployment": dep.name, "job": "raw-user"}):
+        fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False)
+    assert plexrl.result(fut) == expected
+    # Without the annotation the op refuses rather than loading a stray replica.
+    fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False, resources={"GPU": 1})
+    with pytest.raises(errors.NotRouted, match="dask.annotate"):
+        plexrl.result(fut)
+    # Plain Dask work on the same cluster is untouched.
+    assert client.submit(sum, [1, 2, 3]).result(timeout=30) == 6
+
+
+def test_pipelined_steps_run_in_order(runtime):
+    dep = runtime.deploy(unique("order"), tiny_spec())
+    data = [plexrl.Datum(tokens=dep.tokenize("9+9=18"))]
+    futs = []
+    for _ in range(3):
+        futs += [dep.forward_backward(data), dep.optim_step()]
+    out = plexrl.result(futs)
+    assert [m["version"] for m in out[1::2]] == [1.0, 2.0, 3.0]
+    assert out[4]["loss"] < out[0]["loss"]
+
+
+def test_sync_weights(runtime):
+    trainer = runtime.deploy(unique("trainer"), tiny_spec(seed=1))
+    rollout = runtime.deploy(unique("rollout"), tiny_spec(seed=2), role="rollout")
+    data = [plexrl.Datum(tokens=trainer.tokenize("3*3=9"))]
+    plexrl.result([trainer.forward_backward(data), trainer.optim_step()])
+    assert plexrl.result(runtime.sync_weights(trainer, rollout.name)) == 1
+    wt, wr = plexrl.result([trainer.get_weights(), rollout.get_weights()])
+    assert wr.version == wt.version == 1
+    assert all(torch.equal(wt.tensors[n], wr.tensors[n]) for n in wt.tensors)
+
+
+def test_bad_input_gives_typed_errors_and_harms_nothing(runtime):
+    dep = runtime.deploy(unique("bad"), tiny_spec())
+    bystander = runtime.deploy(unique("bystander"), tiny_spec(seed=3))
+    good = [plexrl.Datum(tokens=dep.tokenize("1+1=2"))]
+    before = plexrl.result(bystander.forward(good))
+
+    with pytest.raises(errors.DeploymentNotFound):
+        runtime.deployment("no-such-deployment")
+    with pytest.raises(errors.DeploymentExists):
+        runtime.deploy(dep.name, tiny_spec(seed=9))
+    with pytest.raises(errors.DeploymentDoesNotFit, match="budget"):
+        runtime.deploy(unique("huge"), plexrl.ModelSpec.tiny(hidden_size=2048, num_layers=24))
+    with pytest.raises(errors.EmptyBatch):
+        dep.forward([])
+    with pytest.raises(errors.MismatchedLengths):
+        plexrl.Datum(tokens=[1, 2, 3], advantages=[0.0, 1.0])
+    with pytest.raises(errors.InvalidSamplingParams):
+        plexrl.SamplingParams(top_p=1.5)
+    with pytest.raises(errors.TokenOutOfVocabulary):
+        plexrl.result(dep.forward([plexrl.Datum(tokens=[1, 10**6])]))
+    with pytest.raises(errors.SequenceTooLong):
+        plexrl.result(dep.sample([[5] * 60], plexrl.SamplingParams(max_tokens=16)))
+    nan = plexrl.Datum(tokens=good[0].tokens, advantages=[0.0] + [float("nan")] * (len(good[0].tokens) - 1))
+    with pytest.raises(errors.NonFiniteLoss):
+        plexrl.result(dep.forward_backward([nan], plexrl.PolicyGradient()))
+
+    # The deployment still trains; the bystander is unchanged; the registry is intact.
+    out = plexrl.result([dep.forward_backward(good), dep.optim_step()])
+    assert out[1]["version"] == 1.0
+    assert plexrl.result(bystander.forward(good)) == before
+    assert {dep.name, bystander.name} <= {d.name for d in runtime.deployments()}
+
+
+def test_undeploy_frees_the_replica(runtime):
+    dep = runtime.deploy(unique("gone"), tiny_spec())
+    runtime.undeploy(dep.name)
+    with pytest.raises(errors.DeploymentNotFound):
+        plexrl.result(dep.forward([plexrl.Datum(tokens=[1, 2])]))
+    holder = runtime.holder(dep.info.worker).status().result(timeout=30)
+    assert dep.name not in holder["replicas"]
