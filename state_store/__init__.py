@@ -1,0 +1,1 @@
+"""The Zarr canonical state store (see the state-store issue); not built yet."""

@@ -227,16 +227,16 @@ def test_empirical_distribution_with_temperature_and_top_p():
 # --- compute_loss -------------------------------------------------------------------------------
 
 
-def _setup(lengths=(4, 6), seed=0, **fields):
-    """A batch of data of the given lengths, a leaf logp (B, L-1) with garbage on padding, and
-    its validity mask."""
+def _setup(lengths=(4, 6), seed=0, pad=-123.0, **fields):
+    """A batch of data of the given lengths, a leaf logp (B, L-1) with ``pad`` (garbage by
+    default) on padding, and its validity mask."""
     g = torch.Generator().manual_seed(seed)
     width = max(lengths) - 1
     logp = -torch.rand(len(lengths), width, generator=g) * 3.0
     valid = torch.zeros(len(lengths), width)
     for i, n in enumerate(lengths):
         valid[i, : n - 1] = 1.0
-    logp = (logp * valid + (1 - valid) * -123.0).requires_grad_(True)
+    logp = (logp * valid + (1 - valid) * pad).requires_grad_(True)
     batch = []
     for i, n in enumerate(lengths):
         per = {k: (0.0,) + tuple(v[i][: n - 1]) for k, v in fields.items()}
@@ -346,12 +346,13 @@ def test_policy_gradient_clipping_zeroes_gradient_beyond_the_trust_region():
     assert metrics["clip_fraction"] == 1.0  # every ratio is outside [0.8, 1.2]
     # Value: clipped rows contribute -(clip(r) A), unclipped ones -(r A).
     expected = -(1.2 * 1.0 + math.e * -1.0 + 0.8 * -1.0 + math.exp(-1) * 1.0) / 4
-    assert float(value) == pytest.approx(expected, rel=1e-5)
+    assert float(value.detach()) == pytest.approx(expected, rel=1e-5)
 
 
 def test_policy_gradient_kl_penalty():
     lengths = (3, 4)
-    batch, logp, valid = _setup(lengths, advantages=_adv(lengths, [0.0, 0.0]))
+    # Padding logp is 0, as the backend passes it (log-probabilities masked by validity).
+    batch, logp, valid = _setup(lengths, pad=0.0, advantages=_adv(lengths, [0.0, 0.0]))
     ref_shift = 0.3
     rows = logp.detach().tolist()
     batch = tuple(
@@ -365,12 +366,28 @@ def test_policy_gradient_kl_penalty():
     value, metrics = compute_loss(PolicyGradient(kl_coef=0.5), batch, logp, valid)
     k3 = math.exp(ref_shift) - ref_shift - 1.0
     assert metrics["kl"] == pytest.approx(k3, rel=1e-4)
-    assert float(value) == pytest.approx(0.5 * k3, rel=1e-4)
+    assert float(value.detach()) == pytest.approx(0.5 * k3, rel=1e-4)
     value.backward()
     # d k3 / d logp = 1 - exp(ref - logp)
     torch.testing.assert_close(
         logp.grad, 0.5 * (1.0 - math.exp(ref_shift)) * valid / valid.sum(), atol=1e-6, rtol=1e-4
     )
+
+
+def test_zero_weight_tokens_cannot_make_the_kl_loss_non_finite():
+    """Prompt tokens have weight 0 and ref_logprobs padded with 0.0 (from_prompt_completion).
+    A prompt token the model finds very unlikely (logp -100: ref - logp = 100, exp overflows
+    float32) must not turn the loss into NaN through ``0 * inf``: it does not count."""
+    prompt, completion = [5, 6, 7], [8, 9]
+    d = Datum.from_prompt_completion(prompt, completion, advantage=1.0, ref_logprobs=[-1.0, -1.0])
+    logp = torch.tensor([[-100.0, -2.0, -1.0, -1.0]], requires_grad=True)  # predicts tokens[1:]
+    valid = torch.ones_like(logp)
+    value, metrics = compute_loss(PolicyGradient(kl_coef=0.1), (d,), logp, valid)
+    assert math.isfinite(float(value.detach())), metrics
+    assert math.isfinite(metrics["kl"]) and metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+    value.backward()
+    assert torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 0] == 0.0 and logp.grad[0, 1] == 0.0  # prompt tokens get no gradient
 
 
 def test_policy_gradient_kl_without_ref_logprobs_is_invalid():

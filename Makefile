@@ -1,0 +1,25 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
+# Both create the virtual environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint bench-service
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/quickstart.py
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+bench-service: $(VENV)/.installed
+	$(PY) -m plexrl_dask.bench.service --json benchmarks/service.json

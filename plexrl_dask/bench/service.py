@@ -1,0 +1,114 @@
+"""Execution-service overhead: the runtime against the same op called in-process.
+
+    python -m plexrl_dask.bench.service --json OUT [--quick]
+
+Same run, same model, same inputs, both arms with one torch thread, measurements interleaved:
+
+- ``dispatch_overhead_ratio``: median wall time of ``forward_backward`` submitted through the
+  runtime and waited for (client → scheduler → worker → back) ÷ the same backend method called
+  in this process; the batch is grown until the in-process call takes ≥ 100 ms (target ≤ 1.3).
+- ``sample_tokens_per_s`` (through the runtime) and ``sample_tokens_per_s_direct``, and their
+  ratio ``sample_throughput_ratio`` (target ≥ 0.8).
+- ``request_latency_ms``: median round trip of a minimal request (context, not a target).
+
+The cluster has one PlexRL worker, so the worker's core and the driver's core are distinct.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from distributed import Client
+
+import plexrl_dask as plexrl
+from plexrl_dask.bench.common import interleaved, median, parser, report, time_call
+from plexrl_dask.service.backends import TorchBackend
+
+logger = logging.getLogger(__name__)
+
+MIN_COMPUTE_S = 0.100
+
+
+def _batch(dep_or_backend_tokenize, size: int, length: int) -> list[plexrl.Datum]:
+    text = "".join(str(i % 10) for i in range(length))
+    tokens = dep_or_backend_tokenize(text)
+    return [plexrl.Datum(tokens=tokens[: length - (i % 4)]) for i in range(size)]
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    reps = 5 if args.quick else 15
+    torch.set_num_threads(1)
+    spec = plexrl.ModelSpec.tiny(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, max_positions=512)
+    direct = TorchBackend(spec, "cpu")
+    tokenize = lambda s: direct.tokenize([s])[0]  # noqa: E731
+
+    # Grow the batch until one in-process forward_backward takes >= 100 ms.
+    size, length = 4, 128
+    while True:
+        batch = _batch(tokenize, size, length)
+        t = median([time_call(lambda: direct.forward_backward(batch, plexrl.CrossEntropy())) for _ in range(3)])
+        if t >= MIN_COMPUTE_S or size >= 256:
+            break
+        size *= 2
+    direct.model.zero_grad(set_to_none=True)
+
+    prompts = [f"{i}+{i * 7}=" for i in range(16 if args.quick else 32)]
+    sampling = plexrl.SamplingParams(n=4, temperature=1.0, max_tokens=32, seed=0)
+    ids = list(range(len(prompts)))
+
+    with plexrl.local_cluster(n_workers=1) as cluster, Client(cluster) as client:
+        runtime = plexrl.Runtime(client, job="bench-service")
+        dep = runtime.deploy("bench-model", spec)
+        plexrl.result(dep.forward_backward(batch))  # warm both arms
+        direct.forward_backward(batch, plexrl.CrossEntropy())
+
+        fb = interleaved(
+            {
+                "runtime": lambda: plexrl.result(dep.forward_backward(batch)),
+                "direct": lambda: direct.forward_backward(batch, plexrl.CrossEntropy()),
+            },
+            reps,
+        )
+        n_tokens = {}
+
+        def via_runtime() -> None:
+            n_tokens["runtime"] = plexrl.result(dep.sample(prompts, sampling)).num_tokens()
+
+        def in_process() -> None:
+            groups = direct.sample(direct.tokenize(prompts), sampling, ids)
+            n_tokens["direct"] = sum(len(s.tokens) for g in groups for s in g)
+
+        smp = interleaved({"runtime": via_runtime, "direct": in_process}, max(3, reps // 2))
+        tiny = [plexrl.Datum(tokens=[1, 5])]
+        lat = interleaved({"runtime": lambda: plexrl.result(dep.forward(tiny))}, reps * 4)
+
+    fb_runtime, fb_direct = median(fb["runtime"]), median(fb["direct"])
+    tps_runtime = n_tokens["runtime"] / median(smp["runtime"])
+    tps_direct = n_tokens["direct"] / median(smp["direct"])
+    results = {
+        "dispatch_overhead_ratio": fb_runtime / fb_direct,
+        "forward_backward_runtime_s": fb_runtime,
+        "forward_backward_direct_s": fb_direct,
+        "sample_tokens_per_s": tps_runtime,
+        "sample_tokens_per_s_direct": tps_direct,
+        "sample_throughput_ratio": tps_runtime / tps_direct,
+        "request_latency_ms": 1000 * median(lat["runtime"]),
+    }
+    config = {
+        "model": spec.name,
+        "parameters": spec.num_parameters(),
+        "batch_sequences": size,
+        "sequence_tokens": length,
+        "sample_prompts": len(prompts),
+        "sampling": {"n": sampling.n, "max_tokens": sampling.max_tokens},
+        "sampled_tokens": n_tokens,
+        "repetitions": reps,
+    }
+    targets = {"dispatch_overhead_ratio": "<= 1.3", "sample_throughput_ratio": ">= 0.8"}
+    report("service", results, targets, config, args.json)
+
+
+if __name__ == "__main__":
+    main()

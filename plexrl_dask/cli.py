@@ -1,0 +1,94 @@
+"""The ``plexrl`` command.
+
+    plexrl cluster [--workers N]          start a local PlexRL cluster and keep it running
+    plexrl status --scheduler ADDRESS     deployments, residency and worker budgets of a cluster
+    plexrl config                         the effective ``plexrl`` configuration
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+import dask.config
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from plexrl_dask import config as _config  # noqa: F401  (registers defaults)
+
+logger = logging.getLogger(__name__)
+console = Console()
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from plexrl_dask.cluster import local_cluster
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with local_cluster(n_workers=args.workers, dashboard_address=args.dashboard) as cluster:
+        console.print(f"scheduler: [bold]{cluster.scheduler_address}[/bold]")
+        console.print(f"dashboard: {cluster.dashboard_link}")
+        console.print("connect with plexrl.Runtime(Client(address)); Ctrl-C stops the cluster")
+        stop.wait()
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from distributed import Client
+
+    from plexrl_dask.service.runtime import Runtime
+
+    with Client(args.scheduler, timeout=args.timeout) as client:
+        status = Runtime(client, job="plexrl-status").status()
+    table = Table(title="deployments")
+    for col in ("name", "owner", "role", "model", "workers", "state", "modified"):
+        table.add_column(col)
+    for d in status["deployments"]:
+        table.add_row(d["name"], d["owner"], d["role"], d["spec"]["label"] or str(d["spec"]["path"]),
+                      ", ".join(d["workers"]), d["state"], str(d["modified"]))
+    console.print(table)
+    table = Table(title="residency")
+    for col in ("deployment", "worker", "tier", "version", "MiB", "last transition s"):
+        table.add_column(col)
+    for r in status["residency"]:
+        table.add_row(r["deployment"], r["worker"], r["tier"], str(r["version"]),
+                      f"{r['bytes'] / 2**20:.1f}", f"{r['load_s']:.3f}")
+    console.print(table)
+    table = Table(title="workers")
+    for col in ("worker", "device", "budget MiB"):
+        table.add_column(col)
+    for w, c in status["workers"].items():
+        table.add_row(w, c["device"], f"{c['budget_bytes'] / 2**20:.0f}")
+    console.print(table)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    console.print(yaml.safe_dump({"plexrl": dask.config.get("plexrl")}, sort_keys=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="plexrl", description="PlexRL on Dask")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("cluster", help="start a local PlexRL cluster and keep it running")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--dashboard", default="127.0.0.1:8787", help="dashboard address (':0' for any port)")
+    p.set_defaults(fn=_cmd_cluster)
+    p = sub.add_parser("status", help="show a cluster's deployments, residency and workers")
+    p.add_argument("--scheduler", required=True, help="scheduler address, e.g. tcp://127.0.0.1:8786")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(fn=_cmd_status)
+    p = sub.add_parser("config", help="print the effective plexrl configuration")
+    p.set_defaults(fn=_cmd_config)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""The replica holder in-process (no Dask): budget, LRU offload/reload, residency reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plexrl_dask import errors
+from plexrl_dask.models import ModelSpec
+from plexrl_dask.policy.residency import ResidencyReport
+from plexrl_dask.service.holder import ReplicaHolder
+from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum
+
+SCHEMA_KEYS = {"deployment", "version", "tier", "bytes", "load_s"}
+
+
+def spec(seed: int = 0) -> ModelSpec:
+    return ModelSpec.tiny(hidden_size=32, num_layers=1, seed=seed)
+
+
+def make_info(name: str, seed: int = 0, uid: str | None = None, memory_bytes: int | None = None):
+    s = spec(seed)
+    return DeploymentInfo(
+        name=name,
+        uid=uid or f"uid-{name}",
+        spec=s,
+        role="train",
+        backend="torch",
+        owner="test",
+        memory_bytes=s.memory_bytes("train") if memory_bytes is None else memory_bytes,
+        workers=("w",),
+    )
+
+
+TRAIN_BYTES = spec().memory_bytes("train")
+
+
+def make_holder(budget: int) -> tuple[ReplicaHolder, list[dict]]:
+    events: list[dict] = []
+    return ReplicaHolder("w", "cpu", budget, max_batch_size=8, report=events.append), events
+
+
+def batch(k: int) -> list[Datum]:
+    return [Datum(tokens=tuple(5 + (7 * k + 3 * j + i) % 90 for i in range(10))) for j in range(2)]
+
+
+def fb(holder: ReplicaHolder, info: DeploymentInfo, k: int = 0) -> dict:
+    return holder.run(info, "forward_backward", lambda b: b.forward_backward(batch(k), CrossEntropy()))
+
+
+def step(holder: ReplicaHolder, info: DeploymentInfo) -> dict:
+    return holder.run(info, "optim_step", lambda b: b.optim_step(AdamWParams(lr=1e-2)))
+
+
+def weights(holder: ReplicaHolder, info: DeploymentInfo) -> dict[str, torch.Tensor]:
+    return holder.run(info, "get_weights", lambda b: b.get_weights())
+
+
+def resident(holder: ReplicaHolder) -> dict[str, bool]:
+    return {n: r["resident"] for n, r in holder.status()["replicas"].items()}
+
+
+def test_budget_of_one_alternately_offloads_the_lru_replica():
+    # One trained replica (weights + grads + Adam moments) fits, two do not.
+    holder, events = make_holder(int(TRAIN_BYTES * 1.05))
+    a, b = make_info("a", seed=1), make_info("b", seed=2)
+
+    fb(holder, a)
+    step(holder, a)
+    assert resident(holder) == {"a": True}
+    order = [b, a, b, a]
+    for k, current in enumerate(order, start=1):
+        other = a if current is b else b
+        metrics = fb(holder, current, k)
+        assert metrics["loss"] > 0
+        assert resident(holder) == {current.name: True, other.name: False}
+        step(holder, current)
+        assert resident(holder) == {current.name: True, other.name: False}
+        status = holder.status()
+        assert status["resident_bytes"] <= status["budget_bytes"]
+        assert status["resident_bytes"] == status["replicas"][current.name]["bytes"]
+
+    counters = holder.status()["counters"]
+    # b is loaded once, a once; every switch after b's load offloads the other and reloads.
+    assert counters == {"loads": 2, "reloads": 3, "offloads": 4, "requests": 10}
+
+    tiers = [(e["deployment"], e["tier"]) for e in events]
+    assert ("a", "dram") in tiers and ("b", "dram") in tiers
+    assert ("a", "hbm") in tiers and ("b", "hbm") in tiers
+    assert tiers.count(("a", "dram")) + tiers.count(("b", "dram")) == 4
+    for e in events:
+        assert SCHEMA_KEYS <= set(e), e
+        assert "worker" not in e  # Dask adds it to worker events
+        assert isinstance(e["bytes"], int) and e["bytes"] > 0
+        assert isinstance(e["load_s"], float) and e["load_s"] >= 0
+        assert isinstance(e["version"], int)
+        ResidencyReport.from_event(e)  # valid against the schema
+    # An offload is reported before the other replica comes back: the first dram event of a
+    # precedes the first hbm event of b.
+    assert tiers.index(("a", "dram")) < tiers.index(("b", "hbm"))
+    # Versions in the reports follow the optimizer steps.
+    last_a = [e for e in events if e["deployment"] == "a"][-1]
+    assert last_a["version"] == 3 and last_a["uid"] == "uid-a"
+
+
+def test_two_fresh_replicas_fit_without_offloading():
+    holder, events = make_holder(4 * TRAIN_BYTES)
+    a, b = make_info("a", seed=1), make_info("b", seed=2)
+    fb(holder, a)
+    fb(holder, b)
+    assert resident(holder) == {"a": True, "b": True}
+    assert holder.status()["counters"]["offloads"] == 0
+    assert all(e["tier"] == "hbm" for e in events)
+
+
+def test_deployment_larger_than_budget_does_not_fit():
+    holder, events = make_holder(TRAIN_BYTES)
+    small = make_info("small", seed=1)
+    fb(holder, small)
+    big = make_info("big", memory_bytes=TRAIN_BYTES + 1)
+    with pytest.raises(errors.DeploymentDoesNotFit) as info:
+        holder.run(big, "load", lambda b: b.version)
+    assert "'big'" in str(info.value) and "MiB" in str(info.value)
+    # Nothing was loaded, and nothing was offloaded to make room for it.
+    assert resident(holder) == {"small": True}
+    assert holder.status()["counters"]["offloads"] == 0
+    assert all(e["deployment"] == "small" for e in events)
+
+
+def test_same_name_new_uid_drops_the_old_replica():
+    holder, events = make_holder(4 * TRAIN_BYTES)
+    old = make_info("policy", uid="uid-1")
+    fresh = {n: p.detach().clone() for n, p in spec().build_model("cpu").named_parameters()}
+    fb(holder, old)
+    step(holder, old)
+    trained = weights(holder, old)
+    assert any(not torch.equal(trained[n], fresh[n]) for n in fresh)
+
+    new = make_info("policy", uid="uid-2")
+    got = weights(holder, new)
+    assert got.keys() == fresh.keys()
+    assert all(torch.equal(got[n], fresh[n]) for n in fresh)
+    status = holder.status()
+    assert status["replicas"]["policy"]["uid"] == "uid-2"
+    assert status["replicas"]["policy"]["version"] == 0
+    assert status["replicas"]["policy"]["modified"] is False
+    assert status["counters"]["loads"] == 2
+    absent = [e for e in events if e["tier"] == "absent"]
+    assert len(absent) == 1 and absent[0]["uid"] == "uid-1" and absent[0]["deployment"] == "policy"
+    assert events[-1]["uid"] == "uid-2"
+
+
+def test_training_is_bit_identical_across_offload_and_reload():
+    small, small_events = make_holder(int(TRAIN_BYTES * 1.05))
+    big, _ = make_holder(16 * TRAIN_BYTES)
+    a, b = make_info("a", seed=3), make_info("b", seed=4)
+    for holder in (small, big):
+        # Interleaved so that replicas are offloaded with gradients pending and with
+        # optimizer state.
+        for k in range(3):
+            fb(holder, a, k)
+            fb(holder, b, k)
+            step(holder, a)
+            fb(holder, a, k + 10)
+            step(holder, b)
+            step(holder, a)
+    assert small.status()["counters"]["offloads"] >= 4
+    assert big.status()["counters"]["offloads"] == 0
+    assert any(e["tier"] == "dram" for e in small_events)
+    for info in (a, b):
+        ws, wb = weights(small, info), weights(big, info)
+        assert ws.keys() == wb.keys()
+        for n in ws:
+            assert torch.equal(ws[n], wb[n]), (info.name, n)
+        versions = {h.status()["replicas"][info.name]["version"] for h in (small, big)}
+        assert versions == ({6} if info is a else {3})
+    # And the next loss is the same too (gradients/optimizer state restored, not just weights).
+    assert fb(small, a, 99)["loss"] == fb(big, a, 99)["loss"]
+
+
+def test_drop_reports_absent_and_frees():
+    holder, events = make_holder(4 * TRAIN_BYTES)
+    a = make_info("a")
+    fb(holder, a)
+    assert holder.names() == ["a"]
+    assert holder.drop("a") is True
+    assert events[-1]["tier"] == "absent" and events[-1]["deployment"] == "a"
+    assert events[-1]["load_s"] == 0.0
+    assert holder.names() == [] and holder.status()["resident_bytes"] == 0
+    assert holder.drop("a") is False
+    assert sum(e["tier"] == "absent" for e in events) == 1
+
+
+def test_modified_after_optim_step_and_set_weights():
+    holder, events = make_holder(4 * TRAIN_BYTES)
+    a, b = make_info("a", seed=1), make_info("b", seed=2)
+    fb(holder, a)
+    weights(holder, b)
+    assert holder.status()["replicas"]["a"]["modified"] is False
+    assert holder.status()["replicas"]["b"]["modified"] is False
+    assert not any(e["modified"] for e in events)
+
+    step(holder, a)
+    assert holder.status()["replicas"]["a"]["modified"] is True
+    assert events[-1]["deployment"] == "a" and events[-1]["modified"] is True
+
+    source = weights(holder, a)
+    holder.run(b, "set_weights", lambda be: be.set_weights(source, version=7))
+    status = holder.status()["replicas"]["b"]
+    assert status["modified"] is True and status["version"] == 7
+    assert events[-1]["deployment"] == "b" and events[-1]["modified"] is True
+    assert events[-1]["version"] == 7
+    assert all(torch.equal(weights(holder, b)[n], source[n]) for n in source)
+
+
+def test_failed_request_leaves_the_holder_usable():
+    holder, _ = make_holder(4 * TRAIN_BYTES)
+    a = make_info("a")
+    with pytest.raises(errors.TokenOutOfVocabulary):
+        holder.run(a, "forward", lambda b: b.forward([Datum(tokens=(1, 10_000))]))
+    assert holder.status()["replicas"]["a"]["modified"] is False
+    out = holder.run(a, "forward", lambda b: b.forward([Datum(tokens=(1, 5, 6))]))
+    assert len(out.logprobs[0]) == 3
+    assert holder.status()["counters"]["requests"] == 2
+
+
+def test_actor_offload_capacity_and_names():
+    holder, events = make_holder(4 * TRAIN_BYTES)
+    assert holder.capacity() == {"budget_bytes": 4 * TRAIN_BYTES, "device": "cpu"}
+    assert holder.offload("nothing") is False
+    a = make_info("a")
+    before = weights(holder, a)
+    assert holder.offload("a") is True
+    assert events[-1]["tier"] == "dram"
+    assert resident(holder) == {"a": False}
+    assert holder.status()["resident_bytes"] == 0
+    assert holder.offload("a") is False  # already offloaded
+    after = weights(holder, a)  # reloads
+    assert resident(holder) == {"a": True}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert holder.status()["counters"]["reloads"] == 1

@@ -1,0 +1,94 @@
+"""Memory budget eviction and worker restarts on a dedicated 1-worker process cluster."""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import pytest
+import torch
+from distributed import Client
+
+import plexrl_dask as plexrl
+from plexrl_dask import errors
+from plexrl_dask.service.backends import TorchBackend
+from tests.conftest import tiny_spec, unique
+
+SPEC_A, SPEC_B = tiny_spec(seed=1), tiny_spec(seed=2)
+
+
+@pytest.fixture(scope="module")
+def small_client():
+    # Room for one training replica, not two: alternating requests force offload/reload.
+    budget = int(SPEC_A.memory_bytes("train") * 1.5)
+    with dask.config.set({"plexrl.worker.memory-budget": budget}):
+        with plexrl.local_cluster(n_workers=1) as cluster, Client(cluster) as client:
+            yield client
+
+
+def test_eviction_and_reload_continue_training_bit_identically(small_client):
+    runtime = plexrl.Runtime(small_client, job="evict")
+    a = runtime.deploy(unique("evict-a"), SPEC_A)
+    b = runtime.deploy(unique("evict-b"), SPEC_B)
+    assert a.info.worker == b.info.worker
+    data = [plexrl.Datum(tokens=a.tokenize(f"{i}+{i}={2 * i}")) for i in range(4)]
+    opt = plexrl.AdamWParams(lr=1e-2)
+    for _ in range(3):  # alternate: each request evicts the other deployment
+        plexrl.result([a.forward_backward(data), a.optim_step(opt)])
+        plexrl.result([b.forward_backward(data), b.optim_step(opt)])
+
+    holder = runtime.holder(a.info.worker).status().result(timeout=30)
+    assert holder["counters"]["offloads"] >= 4 and holder["counters"]["reloads"] >= 4
+    assert holder["resident_bytes"] <= holder["budget_bytes"]
+    tiers = {r["deployment"]: r["tier"] for r in runtime.status()["residency"]}
+    assert tiers[b.name] == "hbm" and tiers[a.name] == "dram"
+
+    # The same steps in one process without any eviction give the same bits.
+    torch.set_num_threads(1)
+    for dep, spec in ((a, SPEC_A), (b, SPEC_B)):
+        ref = TorchBackend(spec, "cpu")
+        for _ in range(3):
+            ref.forward_backward(data, plexrl.CrossEntropy())
+            ref.optim_step(opt)
+        got = plexrl.result(dep.get_weights())
+        expected = ref.get_weights()
+        assert got.version == 3
+        assert all(torch.equal(got.tensors[n], expected[n]) for n in expected), dep.name
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_worker_restart_recreates_holder_and_replaces_deployments(small_client):
+    runtime = plexrl.Runtime(small_client, job="restart")
+    fresh = runtime.deploy(unique("fresh"), SPEC_A, role="rollout")
+    trained = runtime.deploy(unique("trained"), SPEC_B)
+    data = [plexrl.Datum(tokens=trained.tokenize("4+4=8"))]
+    plexrl.result([trained.forward_backward(data), trained.optim_step()])
+    params = plexrl.SamplingParams(n=2, max_tokens=6, seed=3)
+    before = plexrl.result(fresh.sample(["1+2="], params))
+    old = fresh.info.worker
+    _wait_for(lambda: any(
+        r["deployment"] == trained.name and r["modified"] for r in runtime.status()["residency"]
+    ))
+
+    small_client.restart_workers([old], timeout=120)
+    _wait_for(lambda: len(small_client.scheduler_info()["workers"]) == 1
+              and old not in small_client.scheduler_info()["workers"])
+    new = next(iter(small_client.scheduler_info()["workers"]))
+
+    # The restarted worker got a fresh holder (cluster side, not from this client).
+    _wait_for(lambda: new in runtime.status()["workers"])
+    assert runtime.holder(new).status().result(timeout=30)["replicas"] == {}
+
+    # An unmodified deployment is rebuilt from its spec on the new worker: same samples.
+    assert plexrl.result(fresh.sample(["1+2="], params)) == before
+    assert runtime.deployment(fresh.name).info.worker == new
+    # A trained one cannot be rebuilt: typed error, registry kept, nothing hangs.
+    with pytest.raises(errors.DeploymentLost, match="left the cluster"):
+        plexrl.result(trained.forward(data))
+    runtime.undeploy(trained.name)

@@ -1,0 +1,130 @@
+"""The repository as a user meets it: packaging, environment.yml, the preload path."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# conda-forge names of PyPI packages that differ
+CONDA_NAMES = {"torch": "pytorch"}
+
+
+def _split(req: str) -> tuple[str, str]:
+    m = re.match(r"^([A-Za-z0-9_.\-]+)\s*(.*)$", req.strip())
+    assert m, req
+    return m.group(1).lower().replace("_", "-"), m.group(2).replace(" ", "")
+
+
+def test_environment_yml_agrees_with_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = dict(_split(d) for d in env["dependencies"] if isinstance(d, str))
+    assert "conda-forge" in env["channels"]
+    for req in project["dependencies"]:
+        name, spec = _split(req)
+        conda_name = CONDA_NAMES.get(name, name)
+        assert conda_name in conda, f"{name} is in pyproject.toml but not in environment.yml"
+        assert conda[conda_name] == spec, f"{name}: pyproject {spec!r} vs environment.yml {conda[conda_name]!r}"
+    python = conda["python"].removeprefix(">=")
+    assert project["requires-python"] == f">={python}"
+
+
+def test_wheel_installs_and_imports_every_package(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "-w", str(wheels), str(ROOT)],
+        check=True, timeout=300,
+    )
+    (wheel,) = wheels.glob("plexrl_dask-*.whl")
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
+        check=True, timeout=300,
+    )
+    # Dependencies come from this environment's site-packages, put on PYTHONPATH: that is not a
+    # site directory, so the editable install's finder (.pth) is not active and plexrl_dask can
+    # only come from the wheel.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])}
+    code = (
+        "import json, plexrl_dask, plexrl_dask.plugins, plexrl_dask.state_store, plexrl_dask.ops, "
+        "plexrl_dask.bench.service, plexrl_dask.cli;"
+        "from plexrl_dask.plugins import PlexRLSchedulerPlugin, dask_setup;"
+        "import dask.config;"
+        "print(json.dumps({'file': plexrl_dask.__file__, 'plugins': plexrl_dask.plugins.__file__,"
+        " 'budget': dask.config.get('plexrl.worker.memory-budget')}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["file"].startswith(str(target)) and info["plugins"].startswith(str(target))
+    assert info["budget"] == "auto"  # the packaged yaml defaults were found
+    assert not (target / "plugins").exists() and not (target / "state_store").exists()
+
+
+def test_console_script_prints_config():
+    out = subprocess.run([sys.executable, "-m", "plexrl_dask.cli", "config"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["plexrl"]["worker"]["gpu-resource"] == "GPU"
+
+
+def test_readme_opens_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S)
+    assert "make demo" in blocks[0] and "make test" in blocks[0]
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
+    """`dask scheduler --preload plexrl_dask.plugins` + a plain `dask worker` with the GPU
+    resource: the shared-cluster path, in real processes."""
+    import plexrl_dask as plexrl
+    from distributed import Client
+
+    bindir = Path(sys.executable).parent
+    sched_file = tmp_path / "scheduler.json"
+    common = {"cwd": tmp_path, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    scheduler = subprocess.Popen(
+        [str(bindir / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
+         "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file),
+         "--preload", "plexrl_dask.plugins"], **common,
+    )
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            assert time.monotonic() < deadline and scheduler.poll() is None, "scheduler did not start"
+            time.sleep(0.2)
+        worker = subprocess.Popen(
+            [str(bindir / "dask"), "worker", "--scheduler-file", str(sched_file), "--host", "127.0.0.1",
+             "--nthreads", "1", "--resources", "GPU=1", "--no-dashboard"], **common,
+        )
+        with Client(scheduler_file=str(sched_file), timeout=60) as client:
+            client.wait_for_workers(1, timeout=60)
+            runtime = plexrl.Runtime(client, job="preload")
+            dep = runtime.deploy("preloaded", plexrl.ModelSpec.tiny(hidden_size=32, num_layers=1))
+            out = plexrl.result(dep.sample(["1+1="], plexrl.SamplingParams(n=2, max_tokens=4)), timeout=120)
+            assert [len(s.tokens) for s in out.sequences[0]] == [4, 4]
+            assert runtime.status()["workers"]  # the holder reported from a preload-less worker
+    finally:
+        for proc in (worker, scheduler):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
