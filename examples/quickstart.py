@@ -1,7 +1,7 @@
 """Deploy a tiny Qwen2-architecture model on a local Dask cluster, warm it up on arithmetic,
 and sample from it. Every model call is a Dask future routed by the PlexRL scheduler plugin.
 
-    python examples/quickstart.py [--steps 300] [--workers 2]
+    python examples/quickstart.py [--steps 800] [--workers 2]
 """
 
 import argparse
@@ -19,10 +19,10 @@ from plexrl_dask.tasks import ArithmeticTask
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     console = Console()
@@ -54,7 +54,7 @@ def main() -> None:
         params = plexrl.SamplingParams(n=4, temperature=0.7, max_tokens=8, stop=("\n",), seed=1)
         prompts = [p.prompt for p in held_out[:4]]
         out = plexrl.result(policy.sample(prompts, params))
-        for prob, group in zip(held_out[:4], out.sequences):
+        for prob, group in zip(held_out[:4], out.sequences, strict=True):
             texts = ", ".join(repr(s.text) for s in group)
             console.print(f"{prob.prompt}  (answer {prob.answer.strip()})  samples: {texts}")
 

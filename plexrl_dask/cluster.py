@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import dask.config
 from dask.utils import parse_bytes
 from distributed import Client, LocalCluster
 
@@ -19,6 +20,7 @@ from plexrl_dask import config
 logger = logging.getLogger(__name__)
 
 PRELOAD = "plexrl_dask.plugins"
+TRIM_ENV_KEY = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
 
 
 def local_cluster(
@@ -39,21 +41,26 @@ def local_cluster(
     scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", {}))
     scheduler_kwargs["preload"] = [*scheduler_kwargs.get("preload", []), PRELOAD]
     limit = memory_limit if memory_limit is not None else config.get("local-cluster.memory-limit")
-    return LocalCluster(
-        n_workers=int(n_workers if n_workers is not None else config.get("local-cluster.n-workers")),
-        threads_per_worker=int(
-            threads_per_worker
-            if threads_per_worker is not None
-            else config.get("local-cluster.threads-per-worker")
-        ),
-        processes=processes,
-        memory_limit=parse_bytes(limit) if isinstance(limit, str) else limit,
-        resources=resources,
-        host="127.0.0.1",
-        dashboard_address=dashboard_address,
-        scheduler_kwargs=scheduler_kwargs,
-        **kwargs,
-    )
+    if n_workers is None:
+        n_workers = int(config.get("local-cluster.n-workers"))
+    if threads_per_worker is None:
+        threads_per_worker = int(config.get("local-cluster.threads-per-worker"))
+    # Dask sets MALLOC_TRIM_THRESHOLD_ in worker processes; an explicit threshold turns off
+    # glibc's adaptive mmap threshold, so every large tensor allocation is a fresh mmap and page
+    # faults: torch training ran ~2x slower in such a worker (benchmarks/RESULTS.md). Nannies
+    # read this when they are created, so it also holds for their restarts.
+    with dask.config.set({TRIM_ENV_KEY: None}):
+        return LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=threads_per_worker,
+            processes=processes,
+            memory_limit=parse_bytes(limit) if isinstance(limit, str) else limit,
+            resources=resources,
+            host="127.0.0.1",
+            dashboard_address=dashboard_address,
+            scheduler_kwargs=scheduler_kwargs,
+            **kwargs,
+        )
 
 
 def install(client: Client) -> None:

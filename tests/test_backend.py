@@ -70,7 +70,7 @@ def test_split_batch_with_normalizer_equals_one_call():
     a.forward_backward(data, CrossEntropy())
     b.forward_backward(data[:3], CrossEntropy(normalizer=total))
     b.forward_backward(data[3:], CrossEntropy(normalizer=total))
-    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=n)
 
 
@@ -123,10 +123,10 @@ def test_sampling_is_seeded_per_prompt_and_sample(backend):
     assert [s.tokens for s in alone[0]] == [s.tokens for s in full[1]]
     backend.max_batch_size = 2
     chunked = backend.sample(prompts, params, [0, 1, 2])
-    for g_full, g_chunk in zip(full, chunked):
+    for g_full, g_chunk in zip(full, chunked, strict=True):
         assert [s.tokens for s in g_full] == [s.tokens for s in g_chunk]
-        for s_full, s_chunk in zip(g_full, g_chunk):
-            assert max(abs(x - y) for x, y in zip(s_full.logprobs, s_chunk.logprobs)) < 1e-4
+        for s_full, s_chunk in zip(g_full, g_chunk, strict=True):
+            assert max(abs(x - y) for x, y in zip(s_full.logprobs, s_chunk.logprobs, strict=True)) < 1e-4
     # Different seeds or prompt ids give different samples.
     other = backend.sample(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=12), [0, 1, 2])
     assert [s.tokens for g in other for s in g] != [s.tokens for g in full for s in g]

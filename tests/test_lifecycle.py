@@ -21,9 +21,12 @@ SPEC_A, SPEC_B = tiny_spec(seed=1), tiny_spec(seed=2)
 def small_client():
     # Room for one training replica, not two: alternating requests force offload/reload.
     budget = int(SPEC_A.memory_bytes("train") * 1.5)
-    with dask.config.set({"plexrl.worker.memory-budget": budget}):
-        with plexrl.local_cluster(n_workers=1) as cluster, Client(cluster) as client:
-            yield client
+    with (
+        dask.config.set({"plexrl.worker.memory-budget": budget}),
+        plexrl.local_cluster(n_workers=1) as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
 
 
 def test_eviction_and_reload_continue_training_bit_identically(small_client):

@@ -9,10 +9,10 @@ import subprocess
 import sys
 import sysconfig
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,8 +92,9 @@ def test_readme_opens_with_the_two_commands():
 def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
     """`dask scheduler --preload plexrl_dask.plugins` + a plain `dask worker` with the GPU
     resource: the shared-cluster path, in real processes."""
-    import plexrl_dask as plexrl
     from distributed import Client
+
+    import plexrl_dask as plexrl
 
     bindir = Path(sys.executable).parent
     sched_file = tmp_path / "scheduler.json"

@@ -17,6 +17,7 @@ The cluster has one PlexRL worker, so the worker's core and the driver's core ar
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from distributed import Client
@@ -48,7 +49,7 @@ def main() -> None:
     size, length = 4, 128
     while True:
         batch = _batch(tokenize, size, length)
-        t = median([time_call(lambda: direct.forward_backward(batch, plexrl.CrossEntropy())) for _ in range(3)])
+        t = median([time_call(partial(direct.forward_backward, batch, plexrl.CrossEntropy())) for _ in range(3)])
         if t >= MIN_COMPUTE_S or size >= 256:
             break
         size *= 2

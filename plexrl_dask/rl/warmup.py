@@ -57,5 +57,5 @@ def evaluate(deployment: Deployment, task: ArithmeticTask, problems: list[Proble
     """Greedy accuracy of ``deployment`` on ``problems``."""
     params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=(task.stop,))
     out = result(deployment.sample([p.prompt for p in problems], params))
-    rewards = [task.reward(p, group[0].text) for p, group in zip(problems, out.sequences)]
+    rewards = [task.reward(p, group[0].text) for p, group in zip(problems, out.sequences, strict=True)]
     return sum(rewards) / len(rewards)

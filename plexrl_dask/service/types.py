@@ -149,7 +149,7 @@ class PolicyGradient:
     normalizer: float | None = None
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.clip_low < 1.0) or not (0.0 <= self.clip_high):
+        if not (0.0 <= self.clip_low < 1.0) or not (self.clip_high >= 0.0):
             raise InvalidLoss(
                 f"clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, "
                 f"{self.clip_high}"

@@ -16,7 +16,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from plexrl_dask.service.types import AdamWParams, Datum, ForwardResult, Loss, SampledSequence, SamplingParams
+from plexrl_dask.service.types import (
+    AdamWParams,
+    Datum,
+    ForwardResult,
+    Loss,
+    SampledSequence,
+    SamplingParams,
+)
 
 
 @runtime_checkable

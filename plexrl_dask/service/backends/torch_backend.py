@@ -133,7 +133,7 @@ class TorchBackend:
             logp, _ = self._logprobs(batch, temperature)
         rows = logp.cpu().tolist()
         return ForwardResult(
-            logprobs=tuple((0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch))
+            logprobs=tuple((0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch, strict=True))
         )
 
     def forward_backward(self, batch: Sequence[Datum], loss: Loss) -> dict[str, float]:
@@ -217,7 +217,7 @@ class TorchBackend:
         with torch.inference_mode():
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start : start + self.max_batch_size]
-                for (i, j), seq in zip(chunk, self._sample_batch(prompts, chunk, params, prompt_ids)):
+                for (i, j), seq in zip(chunk, self._sample_batch(prompts, chunk, params, prompt_ids), strict=True):
                     out[i][j] = seq
         return [list(group) for group in out]  # type: ignore[arg-type]
 
