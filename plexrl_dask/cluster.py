@@ -71,4 +71,4 @@ def install(client: Client) -> None:
     """
     from plexrl_dask.plugins import PlexRLSchedulerPlugin
 
-    client.register_plugin(PlexRLSchedulerPlugin(), idempotent=True)
+    client.register_plugin(PlexRLSchedulerPlugin())

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plexrl_dask.errors import NoPlexRLWorkers, NotRouted, from_status, raise_for_status
-from plexrl_dask.service.holder import HOLDER_KEY, ReplicaHolder
+from plexrl_dask.service.holder import ReplicaHolder, holder_of
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -44,7 +44,7 @@ def _worker_and_holder() -> tuple[Any, ReplicaHolder]:
 
     worker = get_worker()
     deadline = time.monotonic() + _HOLDER_WAIT_S
-    while (holder := worker.state.actors.get(HOLDER_KEY)) is None:
+    while (holder := holder_of(worker)) is None:
         if time.monotonic() > deadline:
             raise NoPlexRLWorkers(
                 f"worker {worker.address} has no PlexRL replica holder: it does not advertise "

@@ -15,8 +15,9 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
 - re-places a deployment whose worker left (rebuilt from its spec on another worker) unless its
   state was modified (then it is ``lost`` and requests fail with :class:`DeploymentLost`), and
   re-routes the requests that were waiting for the dead worker;
-- registers the worker plugin that creates a replica holder on every GPU worker, present and
-  future.
+- registers the worker plugin on every worker, present and future, and, owning a client of
+  its own, creates each GPU worker's :class:`ReplicaHolder` **actor** when the worker announces
+  itself (so no job's client owns a holder, and a worker that comes back gets a new one).
 
 Runtime *ordering* (HRRS) extends this plugin in the scheduler issue; routing is the seam.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -43,6 +45,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.policy.placement import WorkerView, place_deployment
 from plexrl_dask.policy.residency import (
+    HOLDER_TOPIC,
     RESIDENCY_TOPIC,
     WORKER_TOPIC,
     ResidencyMap,
@@ -61,6 +64,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     """See the module docstring."""
 
     name = "plexrl"
+    idempotent = True
 
     def __init__(self) -> None:
         self.scheduler: Any = None
@@ -70,6 +74,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.residency = ResidencyMap()
         self.worker_capacity: dict[str, dict[str, Any]] = {}
         self.counters: Counter[str] = Counter()
+        self._client: Any = None
+        self._client_lock = asyncio.Lock()
+        self._holders: dict[str, Any] = {}  # worker address -> Future of its holder actor
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -89,6 +96,57 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         await scheduler.register_worker_plugin(
             None, dumps(PlexRLWorkerPlugin()), name=PlexRLWorkerPlugin.name, idempotent=True
         )
+        # Dask adds this plugin to the scheduler only after start() returns: replay what
+        # workers announced meanwhile (registering on a running cluster).
+        for topic in (WORKER_TOPIC, HOLDER_TOPIC):
+            for _, msg in scheduler.get_events(topic):
+                if isinstance(msg, dict) and msg.get("worker") in scheduler.workers:
+                    self.log_event(topic, dict(msg))
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    # --- replica holders ---------------------------------------------------------------------
+
+    async def _holder_client(self) -> Any:
+        async with self._client_lock:
+            if self._client is None:
+                from distributed import Client
+
+                self._client = await Client(
+                    self.scheduler.address,
+                    asynchronous=True,
+                    security=self.scheduler.security,
+                    name="plexrl-scheduler-plugin",
+                    set_as_default=False,
+                )
+            return self._client
+
+    async def _create_holder(self, worker: str) -> None:
+        """Submit the replica-holder actor of ``worker``, owned by this plugin's client."""
+        if worker in self._holders or worker not in self.scheduler.workers:
+            return
+        self._holders[worker] = None  # claimed: one holder per worker incarnation
+        try:
+            client = await self._holder_client()
+            from plexrl_dask.service.holder import HOLDER_KEY_PREFIX, ReplicaHolder
+
+            if worker not in self.scheduler.workers:
+                return
+            self._holders[worker] = client.submit(
+                ReplicaHolder,
+                actor=True,
+                workers=[worker],
+                allow_other_workers=False,
+                key=f"{HOLDER_KEY_PREFIX}-{uuid.uuid4().hex}",
+                pure=False,
+            )
+            self.counters["holders_created"] += 1
+        except Exception:
+            self._holders.pop(worker, None)
+            logger.exception("could not create the replica holder of %s", worker)
 
     # --- handlers ----------------------------------------------------------------------------
 
@@ -303,6 +361,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         self.worker_capacity.pop(worker, None)
+        holder = self._holders.pop(worker, None)
+        if holder is not None:
+            holder.release()  # else Dask would try to recreate the actor on the dead worker
         self.residency.forget_worker(worker)
         for name, info in list(self.deployments.items()):
             if worker in info.workers:
@@ -321,5 +382,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if report.modified and not info.modified:
                 self.deployments[report.deployment] = info.with_(modified=True)
         elif topic == WORKER_TOPIC and isinstance(msg, dict) and "worker" in msg:
+            asyncio.ensure_future(self._create_holder(msg["worker"]))
+        elif (
+            topic == HOLDER_TOPIC
+            and isinstance(msg, dict)
+            and msg.get("worker") in self.scheduler.workers
+        ):
             self.worker_capacity[msg["worker"]] = msg
             self._soon(self._reroute_orphans)

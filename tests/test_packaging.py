@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -41,10 +42,15 @@ def test_environment_yml_agrees_with_pyproject():
 
 
 def test_wheel_installs_and_imports_every_package(tmp_path):
+    # Build from a copy: an in-tree build leaves build/ behind, whose stale files could leak
+    # into later wheels.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "build", "*.egg-info", "__pycache__", ".*_cache", "bench-out"))
     wheels = tmp_path / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", str(wheels), str(ROOT)],
+         "-w", str(wheels), str(source)],
         check=True, timeout=300,
     )
     (wheel,) = wheels.glob("plexrl_dask-*.whl")

@@ -34,9 +34,8 @@ def test_nothing_fits_names_the_sizes():
 
 
 def test_exact_fit_qualifies():
-    assert place_deployment("x", 100, [WorkerView("tcp://a:1", 99), WorkerView("tcp://b:1", 100)]) == (
-        "tcp://b:1"
-    )
+    workers = [WorkerView("tcp://a:1", 99), WorkerView("tcp://b:1", 100)]
+    assert place_deployment("x", 100, workers) == "tcp://b:1"
 
 
 def test_full_workers_still_qualify():
@@ -77,7 +76,9 @@ def test_unfit_worker_is_skipped_even_if_emptiest():
 def test_placement_is_deterministic_and_order_independent():
     rng = random.Random(0)
     workers = [
-        WorkerView(f"tcp://w{i}:1", rng.choice([100, 200, 400]), rng.randrange(0, 300), rng.randrange(4))
+        WorkerView(
+            f"tcp://w{i}:1", rng.choice([100, 200, 400]), rng.randrange(0, 300), rng.randrange(4)
+        )
         for i in range(12)
     ]
     first = place_deployment("x", 100, workers)
@@ -101,6 +102,35 @@ def test_spreads_deployments_over_workers():
     assert sorted(placed) == sorted(list(workers) * 2)
 
 
+def test_candidates_restrict_the_choice():
+    workers = [
+        WorkerView("tcp://a:1", 100),  # empty: would win unrestricted
+        WorkerView("tcp://b:1", 100, committed_bytes=90, num_deployments=3),
+        WorkerView("tcp://c:1", 100, committed_bytes=50, num_deployments=1),
+    ]
+    assert place_deployment("x", 10, workers) == "tcp://a:1"
+    assert place_deployment("x", 10, workers, candidates=["tcp://b:1"]) == "tcp://b:1"
+    assert place_deployment("x", 10, workers, candidates=["tcp://b:1", "tcp://c:1"]) == "tcp://c:1"
+    assert place_deployment("x", 10, workers, candidates=None) == "tcp://a:1"
+
+
+def test_unknown_candidates_are_no_workers():
+    workers = [WorkerView("tcp://a:1", 100)]
+    with pytest.raises(errors.NoPlexRLWorkers) as info:
+        place_deployment("x", 10, workers, candidates=["tcp://a:1", "tcp://gone:1"])
+    assert "tcp://gone:1" in str(info.value) and "tcp://a:1" in str(info.value)
+    with pytest.raises(errors.NoPlexRLWorkers):
+        place_deployment("x", 10, workers, candidates=[])
+
+
+def test_candidates_that_do_not_fit():
+    workers = [WorkerView("tcp://small:1", 50 * MiB), WorkerView("tcp://big:1", 500 * MiB)]
+    with pytest.raises(errors.DeploymentDoesNotFit) as info:
+        place_deployment("x", 100 * MiB, workers, candidates=["tcp://small:1"])
+    # The largest budget it could have used is the candidate's, not the cluster's.
+    assert "50.0 MiB" in str(info.value) and "500.0 MiB" not in str(info.value)
+
+
 _worker = st.builds(
     WorkerView,
     address=st.integers(min_value=0, max_value=40).map(lambda i: f"tcp://10.0.0.{i}:8786"),
@@ -114,21 +144,28 @@ _worker = st.builds(
 @given(
     workers=st.lists(_worker, min_size=1, max_size=12, unique_by=lambda w: w.address),
     need=st.integers(min_value=1, max_value=10**6),
+    pin=st.none() | st.sets(st.integers(min_value=0, max_value=11)),
 )
-def test_placement_property(workers, need):
+def test_placement_property(workers, need, pin):
     def key(w):
         return (w.committed_bytes / w.budget_bytes, w.num_deployments, w.address)
 
-    fitting = [w for w in workers if w.budget_bytes >= need]
+    candidates = None if pin is None else [workers[i].address for i in pin if i < len(workers)]
+    allowed = workers if candidates is None else [w for w in workers if w.address in candidates]
+    fitting = [w for w in allowed if w.budget_bytes >= need]
+    if not allowed:
+        with pytest.raises(errors.NoPlexRLWorkers):
+            place_deployment("d", need, workers, candidates)
+        return
     if not fitting:
         with pytest.raises(errors.DeploymentDoesNotFit):
-            place_deployment("d", need, workers)
+            place_deployment("d", need, workers, candidates)
         return
-    chosen_addr = place_deployment("d", need, workers)
-    (chosen,) = [w for w in workers if w.address == chosen_addr]
+    chosen_addr = place_deployment("d", need, workers, candidates)
+    (chosen,) = [w for w in allowed if w.address == chosen_addr]
     assert chosen.budget_bytes >= need
     assert all(key(chosen) <= key(w) for w in fitting)
-    assert place_deployment("d", need, list(reversed(workers))) == chosen_addr
+    assert place_deployment("d", need, list(reversed(workers)), candidates) == chosen_addr
 
 
 # --- ResidencyReport ----------------------------------------------------------------------------

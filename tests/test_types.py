@@ -134,7 +134,9 @@ def test_as_batch_rejects_wrong_item_type(item):
 def test_sampling_params_defaults_are_valid():
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.max_tokens, p.stop, p.seed) == (1, 1.0, 1.0, 16, (), 0)
-    q = SamplingParams(n=3, temperature=0.0, top_p=0.5, max_tokens=1, stop=["\n", "END"], seed=2**63 - 1)
+    q = SamplingParams(
+        n=3, temperature=0.0, top_p=0.5, max_tokens=1, stop=["\n", "END"], seed=2**63 - 1
+    )
     assert q.stop == ("\n", "END")
 
 
@@ -176,7 +178,8 @@ def test_sampling_params_reports_every_problem():
 def test_sampling_params_stop_string_is_not_split_into_characters():
     """``stop="END"`` (a bare string instead of a tuple) must not silently become the three
     one-character stop strings "E", "N", "D" (which would end generation at any of them).
-    Either keeping it whole or rejecting it is fine."""
+    Either keeping it whole or rejecting it is fine. BUG (service/types.py,
+    SamplingParams.__post_init__: ``tuple(self.stop)`` splits a str)."""
     try:
         p = SamplingParams(stop="END")
     except errors.InvalidSamplingParams:

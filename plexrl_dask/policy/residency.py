@@ -11,7 +11,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 RESIDENCY_TOPIC = "plexrl-residency"
+#: A GPU worker joined and wants a replica holder (sent by the worker plugin).
 WORKER_TOPIC = "plexrl-worker"
+#: A replica holder exists on a worker: its capacity and actor key (sent by the holder).
+HOLDER_TOPIC = "plexrl-holder"
 
 #: Tiers from fastest to slowest; "absent" means no state on that worker at all.
 TIERS = ("hbm", "dram", "nvme", "absent")

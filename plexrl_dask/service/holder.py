@@ -1,9 +1,11 @@
 """The per-worker replica holder: the deployments one worker holds, under a memory budget.
 
-One holder per PlexRL worker, created by the worker plugin (never by a job's client) and
-registered in the worker's actor table, so clients and the dashboard can address it as a Dask
-actor (:meth:`plexrl_dask.Runtime.holder`). Requests do **not** go through actor calls (those
-bypass the scheduler); they run as ordinary tasks on this worker and call :meth:`run` in-process.
+One holder per PlexRL worker: a real Dask actor, created on the cluster side (the scheduler
+plugin's own client submits it, restricted to the worker, when the worker announces itself; never
+a job's client, whose dropped future would kill it) and created again when a worker comes back.
+Clients and the dashboard address it as an actor (:meth:`plexrl_dask.Runtime.holder`).
+Requests do **not** go through actor calls (those bypass the scheduler); they run as ordinary
+tasks on this worker and use the instance in-process (:func:`holder_of`).
 
 Memory: every replica's device bytes count against ``budget_bytes``. Before a replica is loaded
 or reloaded, and after any request that grew one (optimizer state appears at the first step),
@@ -28,8 +30,30 @@ from plexrl_dask.service.registry import DeploymentInfo
 
 logger = logging.getLogger(__name__)
 
-#: Key of the holder in each worker's actor table.
-HOLDER_KEY = "plexrl-replica-holder"
+_CPU_DEFAULT_BUDGET = 4 * 2**30
+_CUDA_BUDGET_FRACTION = 0.9
+
+
+def resolve_device(setting: str) -> str:
+    """``"auto"`` → ``"cuda"`` when this process sees a GPU, else ``"cpu"``."""
+    import torch
+
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+def default_budget(device: str) -> int:
+    """The ``"auto"`` memory budget: 90 % of the GPU, or 4 GiB on the CPU."""
+    import torch
+
+    if device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        return int(total * _CUDA_BUDGET_FRACTION)
+    return _CPU_DEFAULT_BUDGET
+
+#: Key prefix of the holder actors (one key per worker incarnation).
+HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
 #: The ops that change a replica's state away from what its spec builds.
 MUTATING_OPS = frozenset({"optim_step", "set_weights"})
@@ -44,22 +68,71 @@ class _Replica:
     last_transition_s: float = 0.0
 
 
+def holder_of(worker: Any) -> ReplicaHolder | None:
+    """The replica holder living on ``worker`` (a ``distributed.Worker``), if created yet."""
+    for actor in worker.state.actors.values():
+        if isinstance(actor, ReplicaHolder):
+            return actor
+    return None
+
+
 class ReplicaHolder:
-    """Holds the replicas of one worker (see the module docstring)."""
+    """Holds the replicas of one worker (see the module docstring).
+
+    Constructed with no arguments as an actor on a worker, it configures itself from that
+    worker (``plexrl.worker.*``) and reports its capacity to the scheduler; tests and tools can
+    also build one directly with explicit arguments.
+    """
 
     def __init__(
+        self,
+        worker_address: str | None = None,
+        device: str | None = None,
+        budget_bytes: int | None = None,
+        max_batch_size: int | None = None,
+        report: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        if worker_address is None:
+            self._init_on_worker()
+            return
+        self._init(worker_address, str(device), int(budget_bytes or 0), int(max_batch_size or 1), report)
+
+    def _init_on_worker(self) -> None:
+        from distributed import get_worker
+
+        from plexrl_dask import config
+        from plexrl_dask.config import WorkerConfig
+        from plexrl_dask.policy.residency import HOLDER_TOPIC, RESIDENCY_TOPIC
+
+        worker = get_worker()
+        cfg = WorkerConfig.from_dask_config()
+        device = resolve_device(cfg.device)
+        budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget(device)
+        self._init(
+            worker.address,
+            device,
+            budget,
+            int(config.get("sampling.max-batch-size")),
+            lambda msg: worker.log_event(RESIDENCY_TOPIC, msg),
+        )
+        from distributed.worker import thread_state
+
+        worker.log_event(HOLDER_TOPIC, {**self.capacity(), "holder_key": thread_state.key})
+        logger.info("PlexRL holder on %s: %s, budget %.0f MiB", worker.address, device, budget / 2**20)
+
+    def _init(
         self,
         worker_address: str,
         device: str,
         budget_bytes: int,
         max_batch_size: int,
-        report: Callable[[dict[str, Any]], None],
-    ):
+        report: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
         self.worker_address = worker_address
         self.device = device
         self.budget_bytes = int(budget_bytes)
         self.max_batch_size = int(max_batch_size)
-        self._report = report
+        self._report = report or (lambda msg: None)
         self._replicas: dict[str, _Replica] = {}
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
         # from the actor thread; the lock keeps them from seeing a replica mid-transition.

@@ -33,6 +33,8 @@ def compute_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of ``batch`` given log-probabilities ``logp`` (B, L-1) of its predicted tokens;
     ``valid`` (B, L-1) is 1 where a real (non-padding) token is predicted."""
+    if not isinstance(loss, (CrossEntropy, PolicyGradient)):
+        raise InvalidLoss(f"unknown loss {type(loss).__name__}: use CrossEntropy or PolicyGradient")
     width = logp.shape[1]
     weights = torch.zeros(len(batch), width, dtype=torch.float32)
     for i, d in enumerate(batch):
@@ -49,29 +51,30 @@ def compute_loss(
         nll = -(weights * logp).sum()
         value = nll / normalizer
         metrics["nll_per_token"] = float(nll.detach()) / total_weight
-    elif isinstance(loss, PolicyGradient):
+    else:
         adv = _field(batch, "advantages", width)
         if adv is None:
             raise InvalidLoss("PolicyGradient needs per-token advantages on every Datum")
         adv = adv.to(logp.device)
         old = _field(batch, "old_logprobs", width)
         old = logp.detach() if old is None else old.to(logp.device)
-        ratio = torch.exp(logp - old)
+        mask = weights > 0
+        # Unweighted positions get ratio 1: their (padded) old log-probs could overflow exp().
+        ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(logp)))
         clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
-        mask = weights > 0
         metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(int(mask.sum()), 1)
         metrics["ratio_mean"] = float((ratio.detach() * weights).sum()) / total_weight
         if loss.kl_coef > 0:
             ref = _field(batch, "ref_logprobs", width)
             if ref is None:
                 raise InvalidLoss("PolicyGradient with kl_coef > 0 needs ref_logprobs on every Datum")
-            delta = ref.to(logp.device) - logp
+            # Mask the input, not the output: exp() of a huge delta on an unweighted (prompt)
+            # token would be inf, and 0 * inf is NaN, in the value and in the gradient.
+            delta = torch.where(mask, ref.to(logp.device) - logp, torch.zeros_like(logp))
             k3 = torch.exp(delta) - delta - 1.0
             per_token = per_token + loss.kl_coef * k3
             metrics["kl"] = float((k3.detach() * weights).sum()) / total_weight
         value = (weights * per_token).sum() / normalizer
-    else:
-        raise InvalidLoss(f"unknown loss {type(loss).__name__}: use CrossEntropy or PolicyGradient")
     metrics["loss"] = float(value.detach())
     return value, metrics

@@ -29,12 +29,13 @@ from plexrl_dask.errors import (
     InvalidModelSpec,
     InvalidOptimizerParams,
     InvalidSamplingParams,
+    NoPlexRLWorkers,
     PlexRLError,
     RequestTimeout,
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service.holder import HOLDER_KEY, ReplicaHolder
+from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -175,7 +176,10 @@ class Runtime:
 
     def holder(self, worker: str) -> Actor:
         """The replica holder of ``worker`` as a Dask actor (``.status().result()``, ...)."""
-        return Actor(ReplicaHolder, worker, HOLDER_KEY)
+        info = self.status()["workers"].get(worker)
+        if info is None:
+            raise NoPlexRLWorkers(f"{worker} has no PlexRL replica holder (yet)")
+        return Actor(ReplicaHolder, worker, info["holder_key"])
 
     # --- weights between deployments ---------------------------------------------------------
 

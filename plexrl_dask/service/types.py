@@ -210,7 +210,9 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
+        # A lone string is one stop string, not a set of characters.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
         problems = []
         if not (isinstance(self.n, int) and self.n >= 1):
             problems.append(f"n must be an int >= 1 (got {self.n!r})")

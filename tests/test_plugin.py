@@ -1,0 +1,501 @@
+"""The scheduler plugin on an in-process Dask cluster (``gen_cluster``): holders on GPU
+workers, the deployment handlers, routing of annotated tasks, and parking.
+
+Workers run in the test's process and event loop, so torch runs in their executor threads;
+models are tiny.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, Nanny, Worker
+from distributed.utils_test import gen_cluster, inc
+from plexrl_dask.plugins import PlexRLSchedulerPlugin
+from plexrl_dask.plugins.scheduler import PARKED
+
+import plexrl_dask
+from plexrl_dask import errors, ops
+from plexrl_dask.models import ModelSpec
+from plexrl_dask.service.holder import ReplicaHolder, holder_of
+
+# Scheduler and worker state validation stay on (gen_cluster's default).
+GPU = {"resources": {"GPU": 1}}
+TWO_GPU_WORKERS = [("127.0.0.1", 1), ("127.0.0.1", 1)]
+# gen_cluster resets dask.config to what it was when distributed.utils_test was first imported,
+# which may predate plexrl_dask's defaults: pass the whole plexrl namespace explicitly.
+_PLEXRL = copy.deepcopy(dask.config.get("plexrl"))
+_PLEXRL["deploy"]["worker-report-timeout"] = "5s"
+CONFIG = {"plexrl": _PLEXRL}
+WAIT_S = 15.0
+
+
+def spec(seed: int = 0) -> ModelSpec:
+    return ModelSpec.tiny(hidden_size=32, num_layers=1, seed=seed)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``predicate`` until it holds (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def install(c, s, gpu_workers) -> PlexRLSchedulerPlugin:
+    await c.register_plugin(PlexRLSchedulerPlugin())
+    plugin = s.plugins[PlexRLSchedulerPlugin.name]
+    addresses = {w.address for w in gpu_workers}
+    await until(
+        lambda: addresses <= set(plugin.worker_capacity) and all(holder_of(w) for w in gpu_workers),
+        "workers to report capacity",
+    )
+    return plugin
+
+
+def deploy_fields(name: str, model: ModelSpec, **overrides) -> dict:
+    """The fields Runtime.deploy sends to the plexrl_deploy handler."""
+    return {
+        "name": name,
+        "uid": uuid.uuid4().hex,
+        "spec": model.to_dict(),
+        "role": "train",
+        "backend": "torch",
+        "owner": "test-job",
+        "memory_bytes": model.memory_bytes("train"),
+        "exist_ok": False,
+        "candidates": None,
+        **overrides,
+    }
+
+
+async def deploy(c, name: str, model: ModelSpec | None = None, **overrides) -> dict:
+    status = await c.scheduler.plexrl_deploy(**deploy_fields(name, model or spec(), **overrides))
+    return errors.raise_for_status(status)
+
+
+def submit_routed(c, name: str, fn=ops.load, *args):
+    with dask.annotate(plexrl={"deployment": name, "job": "test-job", "op": fn.__name__}):
+        return c.submit(fn, name, *args, pure=False)
+
+
+async def scheduler_task(s, fut, timeout: float = WAIT_S):
+    await until(lambda: fut.key in s.tasks, f"task {fut.key} on the scheduler", timeout)
+    return s.tasks[fut.key]
+
+
+# --- holders and capacity -----------------------------------------------------------------------
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_gpu_workers_get_holders_and_report_capacity(c, s, a, b):
+    plugin = await install(c, s, [a, b])
+    for w in (a, b):
+        holder = holder_of(w)
+        assert isinstance(holder, ReplicaHolder)
+        assert holder.worker_address == w.address
+        assert holder.device == "cpu"
+        assert holder.names() == []
+        capacity = plugin.worker_capacity[w.address]
+        assert capacity["worker"] == w.address  # added by Dask to worker events
+        assert capacity["budget_bytes"] == holder.budget_bytes > 0
+        assert capacity["device"] == "cpu"
+        assert "plexrl_holder_status" in w.handlers and "plexrl_holder_drop" in w.handlers
+    status = await c.scheduler.plexrl_status()
+    assert status["status"] == "OK"
+    assert set(status["workers"]) == {a.address, b.address}
+    # (msgpack turns lists into tuples on the wire)
+    assert list(status["deployments"]) == [] and list(status["residency"]) == []
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1, GPU), ("127.0.0.1", 1)],
+    config=CONFIG,
+    timeout=60,
+)
+async def test_workers_without_the_gpu_resource_get_no_holder(c, s, gpu, plain):
+    plugin = await install(c, s, [gpu])
+    assert holder_of(gpu) is not None
+    assert holder_of(plain) is None
+    assert "plexrl_holder_status" not in plain.handlers
+    assert set(plugin.worker_capacity) == {gpu.address}
+    # Placement only ever considers the GPU worker.
+    for k in range(3):
+        info = (await deploy(c, unique(f"d{k}")))["deployment"]
+        assert list(info["workers"]) == [gpu.address]
+
+
+@gen_cluster(
+    client=True,
+    nthreads=TWO_GPU_WORKERS,
+    worker_kwargs={"resources": {"GPU": 1}},  # Dask's worker validation on (the default here)
+    config=CONFIG,
+    timeout=60,
+)
+async def test_holder_keeps_worker_state_valid(c, s, a, b):
+    """BUG (plugins/worker.py, PlexRLWorkerPlugin.setup): ``holder_of(worker) =
+    holder`` adds an actor without a task of that key, breaking the WorkerState invariant
+    "every key in ``actors`` is in ``tasks``": ``validate_state`` raises KeyError (and every
+    gen_cluster test with worker validation fails at teardown)."""
+    await install(c, s, [a, b])
+    assert holder_of(a) is not None
+    for w in (a, b):
+        w.state.validate_state()
+
+
+# --- handlers -----------------------------------------------------------------------------------
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_deployment_handlers(c, s, a, b):
+    plugin = await install(c, s, [a, b])
+    model = spec(seed=1)
+    fields = deploy_fields("policy", model)
+    status = await c.scheduler.plexrl_deploy(**fields)
+    assert status["status"] == "OK" and status["created"] is True
+    info = status["deployment"]
+    assert info["name"] == "policy" and info["uid"] == fields["uid"]
+    assert info["role"] == "train" and info["backend"] == "torch" and info["owner"] == "test-job"
+    assert info["memory_bytes"] == model.memory_bytes("train")
+    assert info["state"] == "placed" and info["modified"] is False
+    assert ModelSpec.from_dict(info["spec"]) == model
+    assert len(info["workers"]) == 1 and info["workers"][0] in {a.address, b.address}
+
+    got = await c.scheduler.plexrl_get_deployment(name="policy")
+    assert got == {"status": "OK", "deployment": info}
+    listed = await c.scheduler.plexrl_list_deployments()
+    assert listed["status"] == "OK" and list(listed["deployments"]) == [info]
+
+    # A duplicate name fails with DeploymentExists...
+    dup = await c.scheduler.plexrl_deploy(**deploy_fields("policy", model))
+    assert dup["status"] == "error" and dup["error"] == "DeploymentExists"
+    assert isinstance(errors.from_status(dup), errors.DeploymentExists)
+    assert "'policy'" in dup["message"]
+    # ...unless exist_ok and the same spec: then the existing one comes back, not created.
+    same = await c.scheduler.plexrl_deploy(**deploy_fields("policy", model, exist_ok=True))
+    assert same["status"] == "OK" and same["created"] is False
+    assert same["deployment"] == info
+    # exist_ok with a different model is still a conflict.
+    other = await c.scheduler.plexrl_deploy(**deploy_fields("policy", spec(seed=2), exist_ok=True))
+    assert other["error"] == "DeploymentExists"
+    other_role = await c.scheduler.plexrl_deploy(
+        **deploy_fields("policy", model, exist_ok=True, role="rollout")
+    )
+    assert other_role["error"] == "DeploymentExists"
+
+    # Bad input comes back as a typed error status, not an exception in the handler.
+    bad = await c.scheduler.plexrl_deploy(**deploy_fields("has/slash", model))
+    assert bad["status"] == "error" and isinstance(errors.from_status(bad), errors.ConfigError)
+
+    # A second deployment goes to the other (less committed) worker.
+    second = (await deploy(c, "value", spec(seed=3)))["deployment"]
+    assert second["workers"] != info["workers"]
+    assert plugin.counters["deploys"] == 2
+
+    missing = await c.scheduler.plexrl_get_deployment(name="nope")
+    assert missing["error"] == "DeploymentNotFound"
+    e = errors.from_status(missing)
+    assert isinstance(e, errors.DeploymentNotFound) and "'nope'" in str(e)
+
+    # Undeploy: unknown name, and a stale uid, are not found; then the real one.
+    assert (await c.scheduler.plexrl_undeploy(name="nope"))["error"] == "DeploymentNotFound"
+    stale = await c.scheduler.plexrl_undeploy(name="policy", uid="not-the-uid")
+    assert stale["error"] == "DeploymentNotFound"
+    assert (await c.scheduler.plexrl_get_deployment(name="policy"))["status"] == "OK"
+    assert await c.scheduler.plexrl_undeploy(name="policy", uid=fields["uid"]) == {"status": "OK"}
+    assert (await c.scheduler.plexrl_get_deployment(name="policy"))["error"] == "DeploymentNotFound"
+    listed = await c.scheduler.plexrl_list_deployments()
+    assert [d["name"] for d in listed["deployments"]] == ["value"]
+    assert await c.scheduler.plexrl_undeploy(name="value") == {"status": "OK"}
+    assert list((await c.scheduler.plexrl_list_deployments())["deployments"]) == []
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_deployment_larger_than_every_budget_does_not_fit(c, s, a, b):
+    await install(c, s, [a, b])
+    budget = holder_of(a).budget_bytes
+    status = await c.scheduler.plexrl_deploy(
+        **deploy_fields("huge", spec(), memory_bytes=budget + 1)
+    )
+    assert status["error"] == "DeploymentDoesNotFit"
+    assert "MiB" in status["message"]
+    assert list((await c.scheduler.plexrl_list_deployments())["deployments"]) == []
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_deploy_candidates_pin_the_placement(c, s, a, b):
+    await install(c, s, [a, b])
+    # Both workers are empty: unpinned, the address breaks the tie; pin the other one.
+    first, second = sorted([a.address, b.address])
+    unpinned = (await deploy(c, unique("free")))["deployment"]
+    assert list(unpinned["workers"]) == [first]
+    pinned = (await deploy(c, unique("pinned"), candidates=[first]))["deployment"]
+    assert list(pinned["workers"]) == [first]  # although `second` is now less committed
+    unknown = await c.scheduler.plexrl_deploy(
+        **deploy_fields("nowhere", spec(), candidates=["tcp://127.0.0.1:1"])
+    )
+    assert unknown["error"] == "NoPlexRLWorkers" and "tcp://127.0.0.1:1" in unknown["message"]
+    names = {d["name"] for d in (await c.scheduler.plexrl_list_deployments())["deployments"]}
+    assert "nowhere" not in names and len(names) == 2
+    # Unpinned, the next deployment goes to the emptier worker again.
+    assert list((await deploy(c, unique("free")))["deployment"]["workers"]) == [second]
+
+
+_SHORT_WAIT = copy.deepcopy(_PLEXRL)
+_SHORT_WAIT["deploy"]["worker-report-timeout"] = "0.3s"
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1)],
+    config={"plexrl": _SHORT_WAIT},
+    timeout=60,
+)
+async def test_deploy_without_gpu_workers_fails(c, s, plain):
+    await c.register_plugin(PlexRLSchedulerPlugin())
+    plugin = s.plugins[PlexRLSchedulerPlugin.name]
+    status = await c.scheduler.plexrl_deploy(**deploy_fields("policy", spec()))
+    assert status["error"] == "NoPlexRLWorkers"
+    assert isinstance(errors.from_status(status), errors.NoPlexRLWorkers)
+    assert plugin.deployments == {} and plugin.worker_capacity == {}
+    assert holder_of(plain) is None
+
+
+# --- routing ------------------------------------------------------------------------------------
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_annotated_task_is_routed_to_the_deployment_worker(c, s, a, b):
+    plugin = await install(c, s, [a, b])
+    info = (await deploy(c, "policy"))["deployment"]
+    (placed,) = info["workers"]
+    target, other = (a, b) if placed == a.address else (b, a)
+
+    fut = submit_routed(c, "policy")
+    ts = await scheduler_task(s, fut)
+    assert ts.worker_restrictions == {placed}
+    assert ts.resource_restrictions == {"GPU": 1}
+    assert not ts.loose_restrictions
+    ann = ts.annotations["plexrl"]
+    assert ann["uid"] == info["uid"] and ann["worker"] == placed and "error" not in ann
+
+    result = await asyncio.wait_for(fut, WAIT_S)
+    assert result["version"] == 0 and result["device"] == "cpu" and result["bytes"] > 0
+    assert {ws.address for ws in ts.who_has} == {placed}
+    assert holder_of(target).names() == ["policy"]
+    assert holder_of(other).names() == []
+    # The holder's residency report reaches the plugin's map.
+    await until(lambda: plugin.residency.tier("policy", placed) == "hbm", "residency report")
+    assert plugin.residency.get("policy", placed).uid == info["uid"]
+
+    # Every later request of the deployment goes to the same worker, and shares its replica.
+    futs = [submit_routed(c, "policy") for _ in range(3)]
+    await asyncio.wait_for(c.gather(futs), WAIT_S)
+    assert all(s.tasks[f.key].worker_restrictions == {placed} for f in futs)
+    assert holder_of(target).status()["counters"]["loads"] == 1
+    assert plugin.counters["routed"] == 4
+
+    # Undeploy frees the replica on its worker.
+    assert await c.scheduler.plexrl_undeploy(name="policy") == {"status": "OK"}
+    await until(lambda: holder_of(target).names() == [], "the replica to be dropped")
+    assert plugin.residency.tier("policy", placed) == "absent"
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_plain_tasks_are_not_touched(c, s, a, b):
+    plugin = await install(c, s, [a, b])
+    await deploy(c, "policy")
+    fut = c.submit(inc, 1)
+    ts = await scheduler_task(s, fut)
+    assert not ts.worker_restrictions
+    assert not ts.resource_restrictions
+    assert "plexrl" not in (ts.annotations or {})
+    assert await asyncio.wait_for(fut, WAIT_S) == 2
+    # Other annotations pass through without PlexRL routing either.
+    with dask.annotate(priority=5):
+        fut2 = c.submit(inc, 2, pure=False)
+    assert await asyncio.wait_for(fut2, WAIT_S) == 3
+    ts2 = s.tasks[fut2.key]
+    assert not ts2.worker_restrictions and not ts2.resource_restrictions
+    assert plugin.counters["routed"] == 0 and plugin.counters["routing_errors"] == 0
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_annotated_task_for_unknown_deployment_fails_typed(c, s, a, b):
+    plugin = await install(c, s, [a, b])
+    fut = submit_routed(c, "ghost")
+    with pytest.raises(errors.DeploymentNotFound, match="ghost"):
+        await asyncio.wait_for(fut, WAIT_S)
+    ts = s.tasks[fut.key]
+    assert not ts.worker_restrictions and not ts.resource_restrictions
+    assert ts.annotations["plexrl"]["error"]["error"] == "DeploymentNotFound"
+    assert plugin.counters["routing_errors"] == 1
+    # No replica was built anywhere.
+    assert holder_of(a).names() == [] and holder_of(b).names() == []
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_unannotated_op_fails_not_routed(c, s, a, b):
+    await install(c, s, [a, b])
+    await deploy(c, "policy")
+    fut = c.submit(ops.load, "policy", pure=False)
+    with pytest.raises(errors.NotRouted, match="dask.annotate"):
+        await asyncio.wait_for(fut, WAIT_S)
+    # Annotated for another deployment than the one it addresses: also not routed.
+    with dask.annotate(plexrl={"deployment": "policy"}):
+        fut2 = c.submit(ops.load, "other", pure=False)
+    with pytest.raises(errors.NotRouted):
+        await asyncio.wait_for(fut2, WAIT_S)
+    # Nothing was loaded by the failed requests.
+    assert holder_of(a).names() == [] and holder_of(b).names() == []
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_annotated_op_without_the_plugin_fails_not_routed(c, s, a, b):
+    fut = submit_routed(c, "policy")
+    with pytest.raises(errors.NotRouted, match="plugin is not installed"):
+        await asyncio.wait_for(fut, WAIT_S)
+
+
+# --- parking ------------------------------------------------------------------------------------
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("127.0.0.1", 1, GPU), ("127.0.0.1", 1)],
+    config=CONFIG,
+    timeout=60,
+)
+async def test_request_without_gpu_workers_is_parked_then_rerouted(c, s, gpu, plain):
+    """Regression test of parking: a request for a registered deployment while the cluster has
+    no GPU worker must wait in ``no-worker`` (not run on the plain worker, not fail), and run
+    once a GPU worker joins."""
+    plugin = await install(c, s, [gpu])
+    info = (await deploy(c, "policy"))["deployment"]
+    assert list(info["workers"]) == [gpu.address]
+
+    # The only GPU worker leaves: the cluster now has a worker, but no GPU worker.
+    await gpu.close()
+    await until(lambda: gpu.address not in s.workers, "the GPU worker to leave")
+    await until(
+        lambda: plugin.deployments["policy"].state == "unplaced", "the deployment to be unplaced"
+    )
+    assert plugin.worker_capacity == {}
+    assert list(s.workers) == [plain.address]
+
+    fut = submit_routed(c, "policy")
+    ts = await scheduler_task(s, fut)
+    await until(lambda: ts.state == "no-worker", "the request to be parked")
+    assert ts.worker_restrictions == {PARKED}
+    assert not ts.loose_restrictions
+    # It stays parked (a bounded wait; nothing else can place it).
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(fut), 0.5)
+    assert ts.state == "no-worker" and not fut.done()
+    assert ts.processing_on is None
+
+    # A GPU worker joins: the deployment is placed on it and the parked request runs there.
+    async with Worker(s.address, nthreads=1, **GPU) as fresh:
+        result = await asyncio.wait_for(fut, WAIT_S)
+        assert result["version"] == 0
+        assert ts.worker_restrictions == {fresh.address}
+        assert plugin.deployments["policy"].workers == (fresh.address,)
+        assert plugin.deployments["policy"].state == "placed"
+        assert plugin.counters["replacements"] == 1
+        assert holder_of(fresh).names() == ["policy"]
+        assert holder_of(plain) is None
+        del fut
+
+
+# --- installing on a running cluster -------------------------------------------------------------
+
+
+async def _block_event_loop(marker: str, seconds: float) -> None:
+    """Run by ``client.run`` on a worker's event loop: say so, then keep the loop busy (a
+    blocking sleep inside a coroutine blocks the loop that runs it)."""
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=TWO_GPU_WORKERS,
+    worker_kwargs=GPU,
+    config=CONFIG,
+    timeout=90,
+)
+async def test_registering_on_a_running_cluster_hears_every_worker(c, s, a, b, tmp_path):
+    """BUG (plugins/scheduler.py, ``start``): ``register_scheduler_plugin`` awaits
+    ``plugin.start()`` *before* adding the plugin to ``scheduler.plugins``, and ``start`` awaits
+    the worker-plugin broadcast. A worker whose holder reports its capacity (a worker event)
+    while the broadcast still waits for a slower worker reports to a scheduler on which the
+    plugin is not yet installed: the report is dropped, and that worker is never used.
+
+    Made deterministic here by keeping one worker's event loop busy during the broadcast; in
+    practice fresh worker processes importing torch at different speeds do the same."""
+    workers = [a.worker_address, b.worker_address]
+    # Imports done up front, so only the blocked loop makes a difference.
+    await c.run(importlib.import_module, "plexrl_dask.plugins")
+    marker = str(tmp_path / "blocked")
+    await c.run(_block_event_loop, marker, 3.0, workers=[workers[1]], wait=False)
+    await until(lambda: os.path.exists(marker), "the second worker's loop to be busy")
+
+    await c.register_plugin(PlexRLSchedulerPlugin())
+    plugin = s.plugins[PlexRLSchedulerPlugin.name]
+    # Both workers did log their capacity...
+    await until(
+        lambda: {e[1].get("worker") for e in s.get_events("plexrl-worker")} == set(workers),
+        "both capacity events to be logged",
+    )
+    # ...and both must reach the plugin.
+    await until(
+        lambda: set(plugin.worker_capacity) == set(workers),
+        f"capacity of both workers in the plugin (has {sorted(plugin.worker_capacity)})",
+        timeout=5.0,
+    )
+
+
+def test_install_on_a_running_cluster():
+    """``plexrl_dask.install(client)`` installs the plugins on a cluster started without them
+    (idempotently). BUG (plexrl_dask/cluster.py, ``install``): it passes ``idempotent=True`` to
+    ``Client.register_plugin``, which distributed 2026.8 does not accept (TypeError)."""
+    with (
+        dask.config.set(CONFIG),
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=False,
+            resources={"GPU": 1},
+            dashboard_address=None,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+
+        def capacity(dask_scheduler=None):
+            plugin = dask_scheduler.plugins.get("plexrl")
+            return None if plugin is None else sorted(plugin.worker_capacity)
+
+        plexrl_dask.install(client)
+        deadline = time.monotonic() + WAIT_S
+        while client.run_on_scheduler(capacity) != list(cluster.scheduler_info["workers"]):
+            assert time.monotonic() < deadline, "the worker never reported its capacity"
+            time.sleep(0.05)
+        plexrl_dask.install(client)  # idempotent
+        assert client.run_on_scheduler(capacity) == list(cluster.scheduler_info["workers"])
