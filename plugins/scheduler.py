@@ -173,6 +173,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 backend=backend,
                 owner=owner,
                 memory_bytes=int(memory_bytes),
+                candidates=None if candidates is None else tuple(candidates),
             )
             existing = self.deployments.get(name)
             if existing is not None:
@@ -189,7 +190,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "look it up with runtime.deployment(name)"
                 )
             await self._wait_for_worker_reports()
-            worker = place_deployment(name, info.memory_bytes, self._worker_views(), candidates)
+            worker = place_deployment(name, info.memory_bytes, self._worker_views(), info.candidates)
             info = info.with_(workers=(worker,))
             self.deployments[name] = info
             self.counters["deploys"] += 1
@@ -286,7 +287,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "(modified since deploy) went with it; save checkpoints with get_weights / "
                 "save_state, then undeploy and deploy it again"
             )
-        worker = place_deployment(info.name, info.memory_bytes, self._worker_views())
+        worker = place_deployment(info.name, info.memory_bytes, self._worker_views(), info.candidates)
         placed = info.with_(workers=(worker,), state="placed")
         self.deployments[info.name] = placed
         self.counters["replacements"] += 1

@@ -21,7 +21,9 @@ class DeploymentInfo:
     """A registered deployment.
 
     ``uid`` changes on every (re)deploy, so a holder never mistakes a new deployment for an old
-    one of the same name. ``workers`` is the placement (one worker until multi-rank groups).
+    one of the same name. ``workers`` is the placement (one worker until multi-rank groups);
+    ``candidates``, when set, are the only workers it may be placed on (then and after a
+    worker loss).
     ``state`` is ``"placed"``, ``"unplaced"`` (its worker left and its state can be rebuilt from
     the spec, so the next request places it again) or ``"lost"`` (its worker left with trained
     state that exists nowhere else).
@@ -35,6 +37,7 @@ class DeploymentInfo:
     owner: str
     memory_bytes: int
     workers: tuple[str, ...] = ()
+    candidates: tuple[str, ...] | None = None
     state: str = "placed"
     modified: bool = field(default=False, compare=False)
 
@@ -61,6 +64,7 @@ class DeploymentInfo:
             "owner": self.owner,
             "memory_bytes": self.memory_bytes,
             "workers": list(self.workers),
+            "candidates": None if self.candidates is None else list(self.candidates),
             "state": self.state,
             "modified": self.modified,
         }
@@ -76,6 +80,7 @@ class DeploymentInfo:
             owner=d["owner"],
             memory_bytes=int(d["memory_bytes"]),
             workers=tuple(d.get("workers", ())),
+            candidates=None if d.get("candidates") is None else tuple(d["candidates"]),
             state=d.get("state", "placed"),
             modified=bool(d.get("modified", False)),
         )
