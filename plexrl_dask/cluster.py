@@ -47,7 +47,7 @@ def local_cluster(
         threads_per_worker = int(config.get("local-cluster.threads-per-worker"))
     # Dask sets MALLOC_TRIM_THRESHOLD_ in worker processes; an explicit threshold turns off
     # glibc's adaptive mmap threshold, so every large tensor allocation is a fresh mmap and page
-    # faults: torch training ran ~2x slower in such a worker (benchmarks/RESULTS.md). Nannies
+    # faults: torch training ran 1.2-2x slower in such a worker (benchmarks/RESULTS.md). Nannies
     # read this when they are created, so it also holds for their restarts.
     with dask.config.set({TRIM_ENV_KEY: None}):
         return LocalCluster(

@@ -40,7 +40,7 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         if os.environ.get("MALLOC_TRIM_THRESHOLD_"):
             logger.warning(
                 "MALLOC_TRIM_THRESHOLD_ is set in this worker (Dask's default pre-spawn "
-                "environment): it makes torch allocations page-fault and ran training ~2x "
+                "environment): it makes torch allocations page-fault and ran training 1.2-2x "
                 "slower in our measurements. Set distributed.nanny.pre-spawn-environ."
                 "MALLOC_TRIM_THRESHOLD_ to null in the workers' Dask config"
             )

@@ -10,6 +10,9 @@ Same run, same model, same inputs, both arms with one torch thread, measurements
 - ``sample_tokens_per_s`` (through the runtime) and ``sample_tokens_per_s_direct``, and their
   ratio ``sample_throughput_ratio`` (target ≥ 0.8).
 - ``request_latency_ms``: median round trip of a minimal request (context, not a target).
+- ``dask_default_env_fb_ratio``: ``forward_backward`` in a worker started with Dask's default
+  pre-spawn environment (``MALLOC_TRIM_THRESHOLD_=65536``) ÷ in a ``local_cluster()`` worker,
+  which unsets it: why ``local_cluster()`` does so.
 
 The cluster has one PlexRL worker, so the worker's core and the driver's core are distinct.
 """
@@ -20,10 +23,11 @@ import logging
 from functools import partial
 
 import torch
-from distributed import Client
+from distributed import Client, LocalCluster
 
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import interleaved, median, parser, report, time_call
+from plexrl_dask.cluster import PRELOAD
 from plexrl_dask.service.backends import TorchBackend
 
 logger = logging.getLogger(__name__)
@@ -85,6 +89,18 @@ def main() -> None:
         tiny = [plexrl.Datum(tokens=[1, 5])]
         lat = interleaved({"runtime": lambda: plexrl.result(dep.forward(tiny))}, reps * 4)
 
+    # The same request on a worker with Dask's default pre-spawn environment.
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0",
+            resources={"GPU": 1}, scheduler_kwargs={"preload": [PRELOAD]},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        dep = plexrl.Runtime(client, job="bench-service").deploy("bench-model", spec)
+        plexrl.result(dep.forward_backward(batch))
+        trim = interleaved({"runtime": lambda: plexrl.result(dep.forward_backward(batch))}, reps)
+
     fb_runtime, fb_direct = median(fb["runtime"]), median(fb["direct"])
     tps_runtime = n_tokens["runtime"] / median(smp["runtime"])
     tps_direct = n_tokens["direct"] / median(smp["direct"])
@@ -96,6 +112,7 @@ def main() -> None:
         "sample_tokens_per_s_direct": tps_direct,
         "sample_throughput_ratio": tps_runtime / tps_direct,
         "request_latency_ms": 1000 * median(lat["runtime"]),
+        "dask_default_env_fb_ratio": median(trim["runtime"]) / fb_runtime,
     }
     config = {
         "model": spec.name,
