@@ -134,6 +134,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             from plexrl_dask.service.holder import HOLDER_KEY_PREFIX, ReplicaHolder
 
             if worker not in self.scheduler.workers:
+                self._holders.pop(worker, None)  # it left while the client connected
                 return
             self._holders[worker] = client.submit(
                 ReplicaHolder,
