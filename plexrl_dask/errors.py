@@ -107,6 +107,18 @@ class WeightsMismatch(RequestError, ValueError):
     """``set_weights`` got names, shapes or dtypes that do not match the model."""
 
 
+class OpNotSupported(RequestError):
+    """The deployment's role or layout does not offer this operation."""
+
+
+class RankLost(PlexRLError):
+    """A rank of a multi-rank request lost its worker or failed; the whole request failed."""
+
+
+class GroupTimeout(PlexRLError, TimeoutError):
+    """The ranks of a worker process group did not meet (rendezvous or collective) in time."""
+
+
 class RequestTimeout(PlexRLError, TimeoutError):
     """A request did not finish within the configured timeout."""
 

@@ -178,8 +178,35 @@ def set_weights(
     return _run(deployment, "set_weights", call)
 
 
+# --- combining the tasks of one request -------------------------------------------------------
+
+_SUMMED = ("loss", "num_tokens", "total_weight")
+
+
+def combine(op: str, *results: Any) -> Any:
+    """The result of a request run as several tasks (ranks of a group, or replicas), from the
+    per-task results in rank/replica order. Runs as a small plain task."""
+    if op == "forward":
+        return ForwardResult(logprobs=tuple(lp for r in results for lp in r.logprobs))
+    if op == "sample":
+        return SampleResult(
+            prompt_tokens=tuple(t for r in results for t in r.prompt_tokens),
+            sequences=tuple(g for r in results for g in r.sequences),
+        )
+    if op == "forward_backward":
+        # Each rank's loss is its share of the whole batch's loss (same normalizer): sum them;
+        # per-token averages are re-weighted by each rank's token weight.
+        total = sum(r["total_weight"] for r in results)
+        merged = {k: float(sum(r[k] for r in results)) for k in _SUMMED}
+        for key in sorted(set().union(*results) - set(_SUMMED)):
+            merged[key] = float(sum(r.get(key, 0.0) * r["total_weight"] for r in results) / total)
+        return merged
+    return results[0]  # optim_step, get_weights, set_weights, load: rank 0 speaks for all
+
+
 __all__ = [
     "as_batch",
+    "combine",
     "forward",
     "forward_backward",
     "get_weights",

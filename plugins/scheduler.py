@@ -6,7 +6,7 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
 - keeps the **deployment registry** (name → :class:`DeploymentInfo`), reached through the
   ``plexrl_*`` scheduler handlers, so the client-side router is stateless and any job's driver
   can address any deployment;
-- places new deployments through the policy core (:func:`place_deployment`) using the
+- places new deployments through the policy core (:func:`place_workers`) using the
   capacity each worker's replica holder reports;
 - **routes** every task annotated ``plexrl={"deployment": ...}`` to the worker holding that
   deployment, before the scheduler first places it (``update_graph`` runs before the new tasks'
@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -39,11 +40,14 @@ from plexrl_dask.errors import (
     DeploymentExists,
     DeploymentLost,
     DeploymentNotFound,
+    NotRouted,
     PlexRLError,
+    RankLost,
     to_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.policy.placement import WorkerView, place_deployment
+from plexrl_dask.policy.dispatch import PendingRequest, select_releases
+from plexrl_dask.policy.placement import WorkerView, place_workers
 from plexrl_dask.policy.residency import (
     HOLDER_TOPIC,
     RESIDENCY_TOPIC,
@@ -58,6 +62,19 @@ logger = logging.getLogger(__name__)
 ANNOTATION = "plexrl"
 #: A worker address that never exists: restricting a task to it parks it in ``no-worker``.
 PARKED = "plexrl-parked://nowhere"
+
+
+@dataclass
+class _Request:
+    """A pending request: its tasks and target worker per rank (filled as tasks arrive)."""
+
+    request: str
+    ranks: int
+    keys: dict[int, Any] = field(default_factory=dict)
+    workers: dict[int, str | None] = field(default_factory=dict)
+
+    def forgotten(self, tasks: dict) -> bool:
+        return any(k not in tasks for k in self.keys.values())
 
 
 class PlexRLSchedulerPlugin(SchedulerPlugin):
@@ -77,6 +94,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self._client: Any = None
         self._client_lock = asyncio.Lock()
         self._holders: dict[str, Any] = {}  # worker address -> Future of its holder actor
+        self.pending: dict[str, _Request] = {}  # arrival order
+        self.key_request: dict[Any, str] = {}
+        self.running: dict[str, Any] = {}  # worker -> key of the PlexRL task it runs
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -162,6 +182,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         memory_bytes: int,
         exist_ok: bool = False,
         candidates: list[str] | None = None,
+        world_size: int = 1,
+        replicas: int = 1,
     ) -> dict[str, Any]:
         """Register and place a deployment. Returns ``{"status": "OK", "deployment": {...},
         "created": bool}`` or an error status."""
@@ -175,14 +197,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 owner=owner,
                 memory_bytes=int(memory_bytes),
                 candidates=None if candidates is None else tuple(candidates),
+                world_size=int(world_size),
+                replicas=int(replicas),
             )
             existing = self.deployments.get(name)
             if existing is not None:
-                same = (existing.spec, existing.role, existing.backend) == (
-                    info.spec,
-                    info.role,
-                    info.backend,
-                )
+                same = existing.same_model_and_layout(info)
                 if exist_ok and same:
                     return {"status": "OK", "deployment": existing.to_dict(), "created": False}
                 raise DeploymentExists(
@@ -191,11 +211,13 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "look it up with runtime.deployment(name)"
                 )
             await self._wait_for_worker_reports()
-            worker = place_deployment(name, info.memory_bytes, self._worker_views(), info.candidates)
-            info = info.with_(workers=(worker,))
+            workers = place_workers(
+                name, info.memory_bytes, self._worker_views(), info.num_workers, info.candidates
+            )
+            info = info.with_(workers=workers)
             self.deployments[name] = info
             self.counters["deploys"] += 1
-            logger.info("deployed %s (%s) on %s", name, info.spec.name, worker)
+            logger.info("deployed %s (%s) on %s", name, info.spec.name, info.workers)
             return {"status": "OK", "deployment": info.to_dict(), "created": True}
         except PlexRLError as e:
             return to_status(e)
@@ -280,7 +302,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     def _placed(self, info: DeploymentInfo) -> DeploymentInfo:
         """``info`` with a live worker, placing it again if its worker left."""
-        if info.state == "placed" and info.worker in self.scheduler.workers:
+        if info.state == "placed" and all(w in self.scheduler.workers for w in info.workers):
             return info
         if info.state == "lost":
             raise DeploymentLost(
@@ -288,27 +310,37 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "(modified since deploy) went with it; save checkpoints with get_weights / "
                 "save_state, then undeploy and deploy it again"
             )
-        worker = place_deployment(info.name, info.memory_bytes, self._worker_views(), info.candidates)
-        placed = info.with_(workers=(worker,), state="placed")
+        workers = place_workers(
+            info.name, info.memory_bytes, self._worker_views(), info.num_workers, info.candidates
+        )
+        placed = info.with_(workers=workers, state="placed")
         self.deployments[info.name] = placed
         self.counters["replacements"] += 1
-        logger.info("re-placed %s on %s", info.name, worker)
+        logger.info("re-placed %s on %s", info.name, workers)
         return placed
 
-    # --- routing -----------------------------------------------------------------------------
+    # --- routing and dispatch ----------------------------------------------------------------
 
     def update_graph(self, scheduler: Any, *, annotations: dict | None = None, **kwargs: Any) -> None:
+        routed = False
         for key in (annotations or {}).get(ANNOTATION, {}):
             ts = scheduler.tasks.get(key)
             if ts is not None and ts.run_spec is not None:
                 self._route(ts)
+                routed = True
+        if routed:
+            self._soon(self._dispatch)
 
-    def _route(self, ts: Any) -> bool:
-        """Restrict a PlexRL task to its deployment's worker. Returns False (task parked) when
-        the deployment has no live worker now but may get one."""
+    def _route(self, ts: Any) -> None:
+        """Park a PlexRL task and queue it under its request, aimed at its deployment's worker
+        for its (replica, rank); or, if it cannot run, let it run anywhere and raise the typed
+        error there, so the caller's future fails instead of waiting forever."""
         ann = dict(ts.annotations.get(ANNOTATION) or {})
         ann.pop("error", None)
         name = ann.get("deployment")
+        request = str(ann.get("request") or ts.key)
+        ranks, rank, replica = int(ann.get("ranks", 1)), int(ann.get("rank", 0)), int(ann.get("replica", 0))
+        worker: str | None = None
         try:
             info = self.deployments.get(name) if isinstance(name, str) else None
             if info is None:
@@ -316,41 +348,105 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     f"no deployment named {name!r} is registered; deploy it first "
                     f"(registered: {sorted(self.deployments)[:10]})"
                 )
-            if info.state != "lost" and not self._worker_views():
-                # No GPU worker right now: park until one reports (then _reroute_orphans).
-                ts.worker_restrictions = {PARKED}
-                ts.loose_restrictions = False
-                return False
-            info = self._placed(info)
+            if ann.get("dispatched") and ranks > 1:
+                raise RankLost(
+                    f"rank {rank} of a {ranks}-rank {ann.get('op')!r} request of {name!r} lost "
+                    "its worker mid-request; the request failed and the group is rebuilt on the "
+                    "next request"
+                )
+            if not 0 <= rank < ranks or ranks != info.world_size or not 0 <= replica < info.replicas:
+                raise NotRouted(
+                    f"{name!r} has world_size {info.world_size} and {info.replicas} replicas; "
+                    f"a request for rank {rank}/{ranks} of replica {replica} does not fit it"
+                )
+            if info.state == "lost" or self._worker_views():
+                info = self._placed(info)
+                worker = info.workers[replica * info.world_size + rank]
+                ann.update(uid=info.uid, worker=worker)
+            # else: no GPU worker right now; parked until one reports (then _reroute_orphans).
         except PlexRLError as e:
-            # The task runs wherever it is placed and raises this error there, so the
-            # caller's future fails with the typed error instead of waiting forever.
             ann["error"] = to_status(e)
             ts.worker_restrictions = None
             ts.resource_restrictions = None
+            ts.annotations = {**ts.annotations, ANNOTATION: ann}
             self.counters["routing_errors"] += 1
-        else:
-            ann.update(uid=info.uid, worker=info.worker)
-            ts.worker_restrictions = {info.worker}
-            ts.loose_restrictions = False
-            ts.resource_restrictions = {self.gpu_resource: 1}
-            self.counters["routed"] += 1
+            return
+        ts.worker_restrictions = {PARKED}
+        ts.loose_restrictions = False
+        ts.resource_restrictions = {self.gpu_resource: 1}
         ts.annotations = {**ts.annotations, ANNOTATION: ann}
-        return True
+        queued = self.pending.setdefault(request, _Request(request, ranks))
+        queued.keys[rank] = ts.key
+        queued.workers[rank] = worker
+        self.key_request[ts.key] = request
+        self.counters["routed"] += 1
+
+    def _dispatch(self) -> None:
+        """Release the requests the policy core picks (all ranks of each at once)."""
+        tasks = self.scheduler.tasks
+        for request in [r for r in self.pending.values() if r.forgotten(tasks)]:
+            self._forget(request)
+        views = []
+        for r in self.pending.values():
+            if None in r.workers.values() or len(r.workers) < r.ranks:
+                continue  # not all ranks arrived, or no worker to aim at yet
+            ready = all(tasks[k].state == "no-worker" for k in r.keys.values())
+            views.append(PendingRequest(r.request, tuple(r.workers[i] for i in range(r.ranks)), ready))
+        releases = select_releases(views, self.running, self.scheduler.workers)
+        recommendations = {}
+        for view in releases:
+            request = self.pending.pop(view.request)
+            for rank, key in request.keys.items():
+                ts = tasks[key]
+                worker = request.workers[rank]
+                ts.worker_restrictions = {worker}
+                ts.annotations = {
+                    **ts.annotations,
+                    ANNOTATION: {**ts.annotations[ANNOTATION], "dispatched": True},
+                }
+                self.running[worker] = key
+                recommendations[key] = "processing"
+        if recommendations:
+            self.counters["dispatched"] += len(releases)
+            self.scheduler.transitions(recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}")
+
+    def _forget(self, request: _Request) -> None:
+        self.pending.pop(request.request, None)
+        for key in request.keys.values():
+            self.key_request.pop(key, None)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if key not in self.key_request:
+            return
+        if start == "processing":
+            for worker in [w for w, k in self.running.items() if k == key]:
+                del self.running[worker]
+            if finish in ("memory", "erred", "forgotten"):
+                self.key_request.pop(key, None)
+            self._soon(self._dispatch)
+        elif finish == "no-worker" or finish == "forgotten":
+            if finish == "forgotten":
+                self.key_request.pop(key, None)
+            self._soon(self._dispatch)
 
     def _reroute_orphans(self) -> None:
-        """Route again the PlexRL tasks waiting for a worker that is gone."""
+        """Route again the PlexRL tasks whose target worker is gone (or was never found)."""
         live = self.scheduler.workers
-        moved = {}
+        errors = {}
         for ts in list(self.scheduler.unrunnable):
-            if ANNOTATION not in (ts.annotations or {}) or ts.state != "no-worker":
+            ann = (ts.annotations or {}).get(ANNOTATION)
+            if ann is None or ts.state != "no-worker":
                 continue
-            restricted = ts.worker_restrictions or set()
-            if restricted and not restricted & set(live) and self._route(ts):
-                moved[ts.key] = "processing"
-        if moved:
-            logger.info("re-routing %d PlexRL requests whose worker left", len(moved))
-            self.scheduler.transitions(moved, stimulus_id=f"plexrl-reroute-{time.time()}")
+            request = self.pending.get(self.key_request.get(ts.key, ""))
+            target = request.workers.get(int(ann.get("rank", 0))) if request else None
+            if target is not None and target in live:
+                continue
+            self._route(ts)
+            if ts.worker_restrictions is None:  # a routing error: run it to raise the error
+                errors[ts.key] = "processing"
+        if errors:
+            self.scheduler.transitions(errors, stimulus_id=f"plexrl-error-{time.time()}")
+        self._dispatch()
 
     def _soon(self, fn: Any) -> None:
         # Never re-enter the transition engine from a hook: run on the next loop iteration.
@@ -363,6 +459,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         self.worker_capacity.pop(worker, None)
+        self.running.pop(worker, None)
         holder = self._holders.pop(worker, None)
         if holder is not None:
             holder.release()  # else Dask would try to recreate the actor on the dead worker

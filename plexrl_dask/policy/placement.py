@@ -1,4 +1,4 @@
-"""Deploy-time placement: which worker hosts a new single-rank deployment.
+"""Deploy-time placement: which workers host a new deployment.
 
 This is the one function the registry calls; the worker-process-group and spatiotemporal
 placement work replace its body, not its call sites.
@@ -27,18 +27,20 @@ class WorkerView:
     num_deployments: int = 0
 
 
-def place_deployment(
+def place_workers(
     name: str,
     need_bytes: int,
     workers: Sequence[WorkerView],
+    count: int = 1,
     candidates: Sequence[str] | None = None,
-) -> str:
-    """Return the address of the worker that should host deployment ``name``.
+) -> tuple[str, ...]:
+    """The ``count`` distinct workers that should host deployment ``name`` (``need_bytes`` on
+    each), best first.
 
     ``candidates``, when given, restricts the choice to those addresses (an operator pinning a
     deployment to certain machines). Raises :class:`NoPlexRLWorkers` when no (candidate)
-    worker is available, and :class:`DeploymentDoesNotFit` when no worker's budget holds
-    ``need_bytes``.
+    worker is available, and :class:`DeploymentDoesNotFit` when fewer than ``count`` workers'
+    budgets hold ``need_bytes``.
     """
     if candidates is not None:
         allowed = set(candidates)
@@ -63,8 +65,25 @@ def place_deployment(
             f"budget is {largest / 2**20:.1f} MiB; use a smaller model or dtype, or raise "
             "plexrl.worker.memory-budget on workers that have the memory"
         )
-    best = min(
+    if len(fitting) < count:
+        raise DeploymentDoesNotFit(
+            f"{name!r} needs {count} workers with {need_bytes / 2**20:.1f} MiB each but only "
+            f"{len(fitting)} of the cluster's {len(workers)} PlexRL workers can hold it; lower "
+            "world_size/replicas or add workers"
+        )
+    ranked = sorted(
         fitting,
         key=lambda w: (w.committed_bytes / w.budget_bytes, w.num_deployments, w.address),
     )
-    return best.address
+    return tuple(w.address for w in ranked[:count])
+
+
+def place_deployment(
+    name: str,
+    need_bytes: int,
+    workers: Sequence[WorkerView],
+    candidates: Sequence[str] | None = None,
+) -> str:
+    """The one worker that should host single-rank deployment ``name`` (see
+    :func:`place_workers`)."""
+    return place_workers(name, need_bytes, workers, 1, candidates)[0]

@@ -21,7 +21,8 @@ class DeploymentInfo:
     """A registered deployment.
 
     ``uid`` changes on every (re)deploy, so a holder never mistakes a new deployment for an old
-    one of the same name. ``workers`` is the placement (one worker until multi-rank groups);
+    one of the same name. ``workers`` is the placement: ``replicas`` groups of ``world_size``
+    ranks each, replica-major (worker of rank r of replica i: ``workers[i * world_size + r]``);
     ``candidates``, when set, are the only workers it may be placed on (then and after a
     worker loss).
     ``state`` is ``"placed"``, ``"unplaced"`` (its worker left and its state can be rebuilt from
@@ -38,6 +39,8 @@ class DeploymentInfo:
     memory_bytes: int
     workers: tuple[str, ...] = ()
     candidates: tuple[str, ...] | None = None
+    world_size: int = 1
+    replicas: int = 1
     state: str = "placed"
     modified: bool = field(default=False, compare=False)
 
@@ -46,6 +49,21 @@ class DeploymentInfo:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
         if not self.name or "/" in self.name:
             raise ConfigError(f"deployment names must be non-empty and contain no '/': {self.name!r}")
+        if self.world_size < 1 or self.replicas < 1:
+            raise ConfigError(f"world_size and replicas must be >= 1: {self.world_size}, {self.replicas}")
+        if self.role == "train" and self.replicas != 1:
+            raise ConfigError("a training deployment has one replica (shard it with world_size)")
+        if self.role == "rollout" and self.world_size != 1:
+            raise ConfigError("rollout replicas are single-rank (scale them with replicas)")
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size * self.replicas
+
+    def same_model_and_layout(self, other: DeploymentInfo) -> bool:
+        return (self.spec, self.role, self.backend, self.world_size, self.replicas) == (
+            other.spec, other.role, other.backend, other.world_size, other.replicas,
+        )
 
     @property
     def worker(self) -> str | None:
@@ -65,6 +83,8 @@ class DeploymentInfo:
             "memory_bytes": self.memory_bytes,
             "workers": list(self.workers),
             "candidates": None if self.candidates is None else list(self.candidates),
+            "world_size": self.world_size,
+            "replicas": self.replicas,
             "state": self.state,
             "modified": self.modified,
         }
@@ -81,6 +101,8 @@ class DeploymentInfo:
             memory_bytes=int(d["memory_bytes"]),
             workers=tuple(d.get("workers", ())),
             candidates=None if d.get("candidates") is None else tuple(d["candidates"]),
+            world_size=int(d.get("world_size", 1)),
+            replicas=int(d.get("replicas", 1)),
             state=d.get("state", "placed"),
             modified=bool(d.get("modified", False)),
         )

@@ -6,16 +6,21 @@ the same deployments. Every model call on a :class:`Deployment` is submitted as 
 :mod:`plexrl_dask.ops` inside ``dask.annotate(plexrl={...})`` and returns a
 ``distributed.Future`` at once; the scheduler plugin routes it to the deployment's worker.
 
-Requests of one deployment run in submission order (one GPU slot per worker, priorities stamped
-at submission), so ``forward_backward`` followed by ``optim_step`` can be pipelined without
+The scheduler plugin releases requests in arrival order per worker (all ranks of a multi-rank
+request at once), so ``forward_backward`` followed by ``optim_step`` can be pipelined without
 waiting in between.
+
+Layouts: a training deployment with ``world_size=k`` is one FSDP2 group over k workers; each
+call runs as k rank tasks (the batch split in contiguous chunks) and one small task that combines
+their results. A rollout deployment with ``replicas=R`` is R single-worker replicas; ``sample``
+splits its prompts over them at batch boundaries, so the result equals one replica's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
-import time
+import math
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,11 +30,13 @@ from distributed import Actor, Client, Future, get_client, wait
 
 from plexrl_dask import config, ops
 from plexrl_dask.errors import (
+    InvalidBatch,
     InvalidLoss,
     InvalidModelSpec,
     InvalidOptimizerParams,
     InvalidSamplingParams,
     NoPlexRLWorkers,
+    OpNotSupported,
     PlexRLError,
     RequestTimeout,
     raise_for_status,
@@ -49,24 +56,6 @@ from plexrl_dask.service.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-_sequence_lock = threading.Lock()
-_last_sequence = 0
-
-
-def _submission_sequence() -> int:
-    """A strictly increasing stamp (wall-clock microseconds) for each submitted request.
-
-    Dask orders tasks by ``(-user_priority, generation, ...)`` and only bumps ``generation``
-    every ``fifo_timeout``, so two requests submitted back to back could otherwise run in either
-    order. Passing ``priority=-stamp`` makes every worker run PlexRL requests in submission
-    order, across drivers too (up to their clock skew).
-    """
-    global _last_sequence
-    with _sequence_lock:
-        _last_sequence = max(time.time_ns() // 1000, _last_sequence + 1)
-        return _last_sequence
-
 
 def result(futures: Any, timeout: float | None = None) -> Any:
     """Wait for a future (or a list of them) with a timeout and return the result(s).
@@ -125,13 +114,17 @@ class Runtime:
         exist_ok: bool = False,
         wait: bool = True,
         workers: Sequence[str] | None = None,
+        world_size: int = 1,
+        replicas: int = 1,
     ) -> Deployment:
         """Register deployment ``name`` of ``model`` and place it on a worker.
 
         With ``wait`` (default) the replica is built on its worker before this returns, so a
         model that cannot be built there fails here (and is unregistered). With ``exist_ok``, an
         identical existing deployment is returned instead of raising ``DeploymentExists``.
-        ``workers`` restricts placement to those worker addresses.
+        ``workers`` restricts placement to those worker addresses. ``world_size`` shards a
+        training deployment over that many workers (one FSDP2 group); ``replicas`` runs that
+        many data-parallel copies of a rollout deployment.
         """
         if not isinstance(model, ModelSpec):
             raise InvalidModelSpec(f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}")
@@ -147,6 +140,8 @@ class Runtime:
             memory_bytes=model.memory_bytes(role),
             exist_ok=exist_ok,
             candidates=None if workers is None else list(workers),
+            world_size=world_size,
+            replicas=replicas,
         )
         deployment = Deployment(self, DeploymentInfo.from_dict(status["deployment"]))
         if wait and status["created"]:
@@ -191,6 +186,28 @@ class Runtime:
         return dst.set_weights(src.get_weights())
 
 
+def max_batch_size() -> int:
+    return int(config.get("sampling.max-batch-size"))
+
+
+def split_prompts(num_prompts: int, replicas: int, n: int, batch_size: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` prompt ranges, one per replica that gets work.
+
+    Ranges start at multiples of the smallest prompt count whose ``n`` samples fill whole
+    sampling batches, so every replica decodes exactly the batches one replica would have:
+    the split changes no bit of the result."""
+    unit = batch_size // math.gcd(n, batch_size)
+    units = math.ceil(num_prompts / unit)
+    per = [units // replicas + (1 if i < units % replicas else 0) for i in range(replicas)]
+    out, start = [], 0
+    for count in per:
+        end = min(num_prompts, start + count * unit)
+        if end > start:
+            out.append((start, end))
+        start = end
+    return out
+
+
 class Deployment:
     """A handle on a registered deployment; every model call returns a ``Future``."""
 
@@ -217,38 +234,77 @@ class Deployment:
     def __repr__(self) -> str:
         return f"<Deployment {self.name!r} {self.info.role} {self.info.spec.name} on {list(self.info.workers)}>"
 
-    def _submit(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        annotation = {"job": self.runtime.job, "deployment": self.name, "op": op, "ranks": 1}
-        with dask.annotate(plexrl=annotation):
-            return self.runtime.client.submit(
-                fn,
-                self.name,
-                *args,
-                key=f"plexrl-{op}-{self.name}-{uuid.uuid4().hex}",
-                pure=False,
-                priority=-_submission_sequence(),
-                **kwargs,
+    def _submit(
+        self, op: str, fn: Any, per_task_args: Sequence[tuple], replica_of: Sequence[int] | None = None
+    ) -> Future:
+        """Submit one request of ``op`` as one task per element of ``per_task_args`` and return
+        the future of their combined result.
+
+        For a multi-rank deployment the tasks are its ranks (``per_task_args[r]`` for rank
+        ``r``); otherwise they go to the replicas ``replica_of[i]`` (default: replica 0)."""
+        info = self.info
+        request = f"plexrl-{op}-{self.name}-{uuid.uuid4().hex}"
+        keys, futures = [], []
+        gang = info.world_size > 1
+        for i, args in enumerate(per_task_args):
+            annotation = {
+                "job": self.runtime.job,
+                "deployment": self.name,
+                "op": op,
+                "request": request if gang else f"{request}-{i}",
+                "ranks": info.world_size,
+                "rank": i if gang else 0,
+                "replica": 0 if gang or replica_of is None else replica_of[i],
+            }
+            key = f"{request}-{i}"
+            keys.append(key)
+            with dask.annotate(plexrl=annotation):
+                futures.append(self.runtime.client.submit(fn, self.name, *args, key=key, pure=False))
+        if len(futures) == 1:
+            return futures[0]
+        return self.runtime.client.submit(ops.combine, op, *futures, key=f"{request}-combine", pure=False)
+
+    def _ranks(self, *args: Any) -> list[tuple]:
+        """The same arguments for every rank (or the single task)."""
+        return [args] * self.info.world_size
+
+    def _split_batch(self, batch: tuple[Datum, ...]) -> list[tuple[Datum, ...]]:
+        k = self.info.world_size
+        if len(batch) < k:
+            raise InvalidBatch(
+                f"a batch of {len(batch)} sequences cannot be split over {self.name!r}'s "
+                f"{k} ranks: give at least {k}"
             )
+        bounds = [round(i * len(batch) / k) for i in range(k + 1)]
+        return [batch[bounds[i] : bounds[i + 1]] for i in range(k)]
 
     def load(self) -> Future:
-        """Make the replica resident on its worker; the result describes it."""
-        return self._submit("load", ops.load)
+        """Make every rank and replica resident on its worker; the result describes rank 0."""
+        n = self.info.num_workers
+        return self._submit("load", ops.load, [()] * n, replica_of=range(n))
 
     def forward(self, batch: Sequence[Datum] | Datum, temperature: float = 1.0) -> Future:
         """Future of a :class:`ForwardResult`: per-token log-probabilities."""
-        return self._submit("forward", ops.forward, as_batch(batch), temperature)
+        parts = self._split_batch(as_batch(batch))
+        return self._submit("forward", ops.forward, [(p, temperature) for p in parts])
 
     def forward_backward(self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy()) -> Future:
         """Future of the loss metrics; gradients accumulate until :meth:`optim_step`."""
         if not isinstance(loss, (CrossEntropy, PolicyGradient)):
             raise InvalidLoss(f"loss must be CrossEntropy or PolicyGradient, got {type(loss).__name__}")
-        return self._submit("forward_backward", ops.forward_backward, as_batch(batch), loss)
+        batch = as_batch(batch)
+        if self.info.world_size > 1 and loss.normalizer is None:
+            # Every rank normalises by the whole batch's weight, so the summed gradient is the
+            # one-process gradient of the combined batch.
+            loss = dataclasses.replace(loss, normalizer=sum(sum(d.token_weights()) for d in batch))
+        parts = self._split_batch(batch)
+        return self._submit("forward_backward", ops.forward_backward, [(p, loss) for p in parts])
 
     def optim_step(self, params: AdamWParams = AdamWParams()) -> Future:
         """Future of the step metrics (grad norm, new version)."""
         if not isinstance(params, AdamWParams):
             raise InvalidOptimizerParams(f"params must be AdamWParams, got {type(params).__name__}")
-        return self._submit("optim_step", ops.optim_step, params)
+        return self._submit("optim_step", ops.optim_step, self._ranks(params))
 
     def sample(
         self,
@@ -263,11 +319,19 @@ class Deployment:
             raise InvalidSamplingParams("prompts must be a non-empty list of strings or token lists")
         if prompt_ids is not None and len(prompt_ids) != len(prompts):
             raise InvalidSamplingParams(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
-        return self._submit("sample", ops.sample, list(prompts), params, prompt_ids)
+        if self.info.world_size > 1:
+            raise OpNotSupported(
+                f"{self.name!r} is a {self.info.world_size}-rank training deployment; sample from "
+                "a rollout deployment (sync_weights into it)"
+            )
+        ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
+        chunks = split_prompts(len(prompts), self.info.replicas, params.n, max_batch_size())
+        tasks = [(list(prompts[a:b]), params, ids[a:b]) for a, b in chunks]
+        return self._submit("sample", ops.sample, tasks, replica_of=range(len(tasks)))
 
     def get_weights(self, names: Sequence[str] | None = None) -> Future:
         """Future of :class:`NamedWeights` (host tensors by canonical name + version)."""
-        return self._submit("get_weights", ops.get_weights, names)
+        return self._submit("get_weights", ops.get_weights, self._ranks(names))
 
     def set_weights(
         self,
@@ -277,5 +341,6 @@ class Deployment:
     ) -> Future:
         """Future of the new version. ``weights`` may be a future (e.g. another deployment's
         ``get_weights()``): Dask then moves the tensors between workers directly."""
-        return self._submit("set_weights", ops.set_weights, weights, version, strict)
+        n = self.info.num_workers  # every rank takes its shard, every replica a copy
+        return self._submit("set_weights", ops.set_weights, [(weights, version, strict)] * n, replica_of=range(n))
 

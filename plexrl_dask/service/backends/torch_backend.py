@@ -209,9 +209,9 @@ class TorchBackend:
         self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
         if len(prompt_ids) != len(prompts):
             raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
+        # Rows in (prompt, sample) order, cut into batches of max_batch_size: a request split at
+        # batch boundaries (over replicas) decodes exactly the same batches.
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
-        # Sort by prompt length so each batch pads little; results are keyed, not positional.
-        rows.sort(key=lambda r: len(prompts[r[0]]))
         out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
         self.model.eval()
         with torch.inference_mode():
