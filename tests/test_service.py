@@ -150,3 +150,23 @@ def test_undeploy_frees_the_replica(runtime):
         plexrl.result(dep.forward([plexrl.Datum(tokens=[1, 2])]))
     holder = runtime.holder(dep.info.worker).status().result(timeout=30)
     assert dep.name not in holder["replicas"]
+
+
+def test_rollout_replicas_sample_exactly_like_one(runtime):
+    spec = tiny_spec(seed=11)
+    one = runtime.deploy(unique("rep1"), spec, role="rollout")
+    two = runtime.deploy(unique("rep2"), spec, role="rollout", replicas=2)
+    assert len(set(two.info.workers)) == 2
+    # Prompts are split at whole sampling batches (64 rows = 16 prompts x 4 samples): 40
+    # prompts give the replicas 32 and 8.
+    prompts = [f"{i}+{i % 7}=" for i in range(40)]
+    params = plexrl.SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=5)
+    r1, r2 = plexrl.result([one.sample(prompts, params), two.sample(prompts, params)])
+    assert r1 == r2  # bit-identical, log-probabilities included
+    holders = [runtime.holder(w).status().result(timeout=30) for w in two.info.workers]
+    assert all(h["replicas"][two.name]["resident"] for h in holders)  # both replicas worked
+    # Weights set on the deployment reach every replica.
+    weights = plexrl.result(one.get_weights())
+    assert plexrl.result(two.set_weights(weights, version=4)) == 4
+    for h in [runtime.holder(w).status().result(timeout=30) for w in two.info.workers]:
+        assert h["replicas"][two.name]["version"] == 4
