@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plexrl_dask.errors import NoPlexRLWorkers, NotRouted, from_status, raise_for_status
+from plexrl_dask.service.groups import GroupContext
 from plexrl_dask.service.holder import ReplicaHolder, holder_of
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.types import (
@@ -94,7 +95,12 @@ def _run(deployment: str, op: str, call: Any) -> Any:
     ann = _routing(get_worker(), deployment)  # routing errors first: they need no holder
     worker, holder = _worker_and_holder()
     info = _deployment_info(worker, deployment, ann["uid"])
-    return holder.run(info, op, call)
+    group = None
+    if info.world_size > 1:
+        group = GroupContext(
+            uid=info.uid, epoch=int(ann["epoch"]), rank=int(ann["rank"]), world_size=info.world_size
+        )
+    return holder.run(info, op, call, group)
 
 
 # --- the API ---------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from plexrl_dask.errors import (
     DeploymentExists,
     DeploymentLost,
     DeploymentNotFound,
+    GroupTimeout,
     NotRouted,
     PlexRLError,
     RankLost,
@@ -70,6 +71,7 @@ class _Request:
 
     request: str
     ranks: int
+    deployment: str = ""
     keys: dict[int, Any] = field(default_factory=dict)
     workers: dict[int, str | None] = field(default_factory=dict)
 
@@ -97,6 +99,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.pending: dict[str, _Request] = {}  # arrival order
         self.key_request: dict[Any, str] = {}
         self.running: dict[str, Any] = {}  # worker -> key of the PlexRL task it runs
+        self.group_epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
+        self.worker_group: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
+        self._rendezvous: dict[str, str] = {}
+        self._rendezvous_events: dict[str, asyncio.Event] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -109,6 +115,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "plexrl_get_deployment": self.get_deployment,
                 "plexrl_list_deployments": self.list_deployments,
                 "plexrl_status": self.status,
+                "plexrl_rendezvous_put": self.rendezvous_put,
+                "plexrl_rendezvous_get": self.rendezvous_get,
             }
         )
         from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
@@ -184,6 +192,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         candidates: list[str] | None = None,
         world_size: int = 1,
         replicas: int = 1,
+        vocab_size: int = 0,
+        max_positions: int = 0,
     ) -> dict[str, Any]:
         """Register and place a deployment. Returns ``{"status": "OK", "deployment": {...},
         "created": bool}`` or an error status."""
@@ -199,6 +209,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 candidates=None if candidates is None else tuple(candidates),
                 world_size=int(world_size),
                 replicas=int(replicas),
+                vocab_size=int(vocab_size),
+                max_positions=int(max_positions),
             )
             existing = self.deployments.get(name)
             if existing is not None:
@@ -263,6 +275,25 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "workers": {w: dict(c) for w, c in self.worker_capacity.items()},
             "counters": dict(self.counters),
         }
+
+    def rendezvous_put(self, key: str, address: str) -> dict[str, Any]:
+        """Rank 0 of group ``key`` publishes its store's ``host:port``."""
+        self._rendezvous[key] = address
+        self._rendezvous_events.setdefault(key, asyncio.Event()).set()
+        while len(self._rendezvous) > 1024:  # bounded: old groups' entries are never read again
+            old = next(iter(self._rendezvous))
+            self._rendezvous.pop(old)
+            self._rendezvous_events.pop(old, None)
+        return {"status": "OK"}
+
+    async def rendezvous_get(self, key: str, timeout: float) -> dict[str, Any]:
+        """The ``host:port`` of group ``key``'s rank 0, waiting up to ``timeout`` seconds."""
+        event = self._rendezvous_events.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            return to_status(GroupTimeout(f"rank 0 of group {key} did not publish its address in {timeout:.0f}s"))
+        return {"status": "OK", "address": self._rendezvous[key]}
 
     # --- placement ---------------------------------------------------------------------------
 
@@ -375,7 +406,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ts.loose_restrictions = False
         ts.resource_restrictions = {self.gpu_resource: 1}
         ts.annotations = {**ts.annotations, ANNOTATION: ann}
-        queued = self.pending.setdefault(request, _Request(request, ranks))
+        queued = self.pending.setdefault(request, _Request(request, ranks, name))
         queued.keys[rank] = ts.key
         queued.workers[rank] = worker
         self.key_request[ts.key] = request
@@ -396,19 +427,32 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         recommendations = {}
         for view in releases:
             request = self.pending.pop(view.request)
+            extra = {"dispatched": True}
+            if request.ranks > 1:
+                extra["epoch"] = self._group_epoch(request.deployment, view.workers)
             for rank, key in request.keys.items():
                 ts = tasks[key]
                 worker = request.workers[rank]
                 ts.worker_restrictions = {worker}
-                ts.annotations = {
-                    **ts.annotations,
-                    ANNOTATION: {**ts.annotations[ANNOTATION], "dispatched": True},
-                }
+                ts.annotations = {**ts.annotations, ANNOTATION: {**ts.annotations[ANNOTATION], **extra}}
                 self.running[worker] = key
                 recommendations[key] = "processing"
         if recommendations:
             self.counters["dispatched"] += len(releases)
             self.scheduler.transitions(recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}")
+
+    def _group_epoch(self, deployment: str, workers: tuple[str, ...]) -> int:
+        """The process-group epoch for a gang of ``deployment`` on ``workers``: unchanged while
+        every one of them still holds that group, a new one otherwise (see
+        plexrl_dask.service.groups)."""
+        uid = self.deployments[deployment].uid
+        epoch = self.group_epochs.get(uid, 0)
+        if not all(self.worker_group.get(w) == (uid, epoch) for w in workers):
+            epoch += 1
+            self.group_epochs[uid] = epoch
+        for w in workers:
+            self.worker_group[w] = (uid, epoch)
+        return epoch
 
     def _forget(self, request: _Request) -> None:
         self.pending.pop(request.request, None)
@@ -421,6 +465,13 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if start == "processing":
             for worker in [w for w, k in self.running.items() if k == key]:
                 del self.running[worker]
+            ts = self.scheduler.tasks.get(key)
+            ann = (ts.annotations or {}).get(ANNOTATION, {}) if ts is not None else {}
+            if finish != "memory" and int(ann.get("ranks", 1)) > 1:
+                # A failed rank may have left its group unusable: the next gang request of
+                # this deployment forms a new group.
+                for w in [w for w, g in self.worker_group.items() if g[0] == ann.get("uid")]:
+                    del self.worker_group[w]
             if finish in ("memory", "erred", "forgotten"):
                 self.key_request.pop(key, None)
             self._soon(self._dispatch)
@@ -460,6 +511,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         self.worker_capacity.pop(worker, None)
         self.running.pop(worker, None)
+        self.worker_group.pop(worker, None)
         holder = self._holders.pop(worker, None)
         if holder is not None:
             holder.release()  # else Dask would try to recreate the actor on the dead worker

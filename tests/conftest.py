@@ -1,8 +1,9 @@
 """Shared fixtures: real process LocalClusters with the PlexRL plugins.
 
 Starting a cluster and importing torch in its workers takes seconds, so one 2-worker cluster is
-shared by the whole session (tests use unique deployment names); tests that break workers or
-change their budget get their own cluster.
+shared by all tests of a module (tests use unique deployment names); tests that break workers or
+change their budget get their own. Module scope, not session: gen_cluster tests (test_plugin.py)
+fail on worker processes that outlive another module.
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster():
     with plexrl.local_cluster(n_workers=2) as c:
         yield c
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(cluster):
-    with Client(cluster) as c:
+    # Not the process's default client: gen_cluster tests in the same process build their own
+    # event loops, and a default client on another loop leaks into them (via get_client()).
+    with Client(cluster, set_as_default=False) as c:
         yield c
 
 

@@ -24,7 +24,7 @@ def small_client():
     with (
         dask.config.set({"plexrl.worker.memory-budget": budget}),
         plexrl.local_cluster(n_workers=1) as cluster,
-        Client(cluster) as client,
+        Client(cluster, set_as_default=False) as client,
     ):
         yield client
 

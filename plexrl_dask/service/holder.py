@@ -26,6 +26,7 @@ from typing import Any
 from plexrl_dask.errors import DeploymentDoesNotFit, PlexRLError
 from plexrl_dask.policy.residency import ResidencyReport
 from plexrl_dask.service.backends import BACKENDS
+from plexrl_dask.service.groups import GroupContext
 from plexrl_dask.service.registry import DeploymentInfo
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class ReplicaHolder:
         self.max_batch_size = int(max_batch_size)
         self._report = report or (lambda msg: None)
         self._replicas: dict[str, _Replica] = {}
+        self._groups: Any = None  # ProcessGroupManager, created by the first multi-rank request
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
         # from the actor thread; the lock keeps them from seeing a replica mid-transition.
         self._lock = threading.RLock()
@@ -141,10 +143,20 @@ class ReplicaHolder:
 
     # --- in-process API for request tasks --------------------------------------------------
 
-    def run(self, info: DeploymentInfo, op: str, call: Callable[[Any], Any]) -> Any:
-        """Make ``info``'s replica resident and run ``call(backend)`` on it."""
+    def run(
+        self,
+        info: DeploymentInfo,
+        op: str,
+        call: Callable[[Any], Any],
+        group: GroupContext | None = None,
+    ) -> Any:
+        """Make ``info``'s replica resident and run ``call(backend)`` on it. ``group`` is the
+        rank's group for a multi-rank deployment (joined, or re-joined, first)."""
         with self._lock:
-            replica = self._ensure_resident(info)
+            if group is not None:
+                replica = self._ensure_group_member(info, group)
+            else:
+                replica = self._ensure_resident(info)
             replica.last_used = time.monotonic()
             try:
                 result = call(replica.backend)
@@ -175,6 +187,40 @@ class ReplicaHolder:
             self._emit(replica, "hbm", time.perf_counter() - t0)
         return replica
 
+    def _ensure_group_member(self, info: DeploymentInfo, ctx: GroupContext) -> _Replica:
+        """This rank's replica of a multi-rank deployment, on the group of ``ctx``."""
+        from plexrl_dask.service.backends.fsdp import FSDPBackend
+        from plexrl_dask.service.groups import ProcessGroupManager
+
+        if self._groups is None:
+            from distributed import get_worker
+
+            self._groups = ProcessGroupManager(get_worker(), self.device)
+        replica = self._replicas.get(info.name)
+        if replica is not None and replica.info.uid != info.uid:
+            self._drop(info.name)
+            replica = None
+        self._groups.join(ctx)
+        if replica is not None and replica.backend.epoch_key != ctx.key:
+            t0 = time.perf_counter()
+            replica.backend = replica.backend.rebuilt(self._groups)
+            self._emit(replica, "hbm", time.perf_counter() - t0)
+        if replica is None:
+            need = info.memory_bytes
+            if need > self.budget_bytes:
+                raise DeploymentDoesNotFit(
+                    f"{info.name!r} needs {need / 2**20:.1f} MiB per rank but worker "
+                    f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
+                )
+            self._make_room(need, keep=info.name)
+            t0 = time.perf_counter()
+            backend = FSDPBackend(info.spec, self.device, self._groups, self.max_batch_size)
+            replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
+            self._replicas[info.name] = replica
+            self.counters["loads"] += 1
+            self._emit(replica, "hbm", time.perf_counter() - t0)
+        return replica
+
     def _load(self, info: DeploymentInfo) -> _Replica:
         if info.memory_bytes > self.budget_bytes:
             raise DeploymentDoesNotFit(
@@ -202,7 +248,11 @@ class ReplicaHolder:
         """Offload least-recently-used replicas other than ``keep`` until ``incoming`` more
         bytes fit in the budget (or nothing else is left to offload)."""
         victims = sorted(
-            (r for n, r in self._replicas.items() if n != keep and r.backend.resident),
+            (
+                r
+                for n, r in self._replicas.items()
+                if n != keep and r.backend.resident and r.backend.offloadable
+            ),
             key=lambda r: r.last_used,
         )
         for victim in victims:

@@ -24,7 +24,7 @@ class DeploymentInfo:
     one of the same name. ``workers`` is the placement: ``replicas`` groups of ``world_size``
     ranks each, replica-major (worker of rank r of replica i: ``workers[i * world_size + r]``);
     ``candidates``, when set, are the only workers it may be placed on (then and after a
-    worker loss).
+    worker loss). ``memory_bytes`` is what one rank/replica needs on its worker.
     ``state`` is ``"placed"``, ``"unplaced"`` (its worker left and its state can be rebuilt from
     the spec, so the next request places it again) or ``"lost"`` (its worker left with trained
     state that exists nowhere else).
@@ -41,6 +41,8 @@ class DeploymentInfo:
     candidates: tuple[str, ...] | None = None
     world_size: int = 1
     replicas: int = 1
+    vocab_size: int = 0  # from the model config; 0: unknown (then only workers validate)
+    max_positions: int = 0
     state: str = "placed"
     modified: bool = field(default=False, compare=False)
 
@@ -85,6 +87,8 @@ class DeploymentInfo:
             "candidates": None if self.candidates is None else list(self.candidates),
             "world_size": self.world_size,
             "replicas": self.replicas,
+            "vocab_size": self.vocab_size,
+            "max_positions": self.max_positions,
             "state": self.state,
             "modified": self.modified,
         }
@@ -103,6 +107,8 @@ class DeploymentInfo:
             candidates=None if d.get("candidates") is None else tuple(d["candidates"]),
             world_size=int(d.get("world_size", 1)),
             replicas=int(d.get("replicas", 1)),
+            vocab_size=int(d.get("vocab_size", 0)),
+            max_positions=int(d.get("max_positions", 0)),
             state=d.get("state", "placed"),
             modified=bool(d.get("modified", False)),
         )

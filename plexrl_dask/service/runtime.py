@@ -21,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import dask
-from distributed import Actor, Client, Future, get_client, wait
+from distributed import Actor, Client, Future, get_client
 
 from plexrl_dask import config, ops
 from plexrl_dask.errors import (
@@ -53,6 +54,7 @@ from plexrl_dask.service.types import (
     PolicyGradient,
     SamplingParams,
     as_batch,
+    check_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,20 +62,25 @@ logger = logging.getLogger(__name__)
 def result(futures: Any, timeout: float | None = None) -> Any:
     """Wait for a future (or a list of them) with a timeout and return the result(s).
 
-    Raises :class:`RequestTimeout` after ``timeout`` seconds (default
-    ``plexrl.request.timeout``); a failed request raises its own (typed) error.
+    Raises :class:`RequestTimeout` once ``timeout`` seconds (default ``plexrl.request.timeout``)
+    have passed for the whole list; a failed request raises its own (typed) error. Each future
+    is waited for through its own client, so this works with non-default clients too.
     """
     timeout = config.request_timeout() if timeout is None else timeout
     many = isinstance(futures, (list, tuple))
     items = list(futures) if many else [futures]
-    try:
-        wait(items, timeout=timeout)
-    except TimeoutError as e:
-        raise RequestTimeout(
-            f"{sum(not f.done() for f in items)} PlexRL request(s) did not finish within "
-            f"{timeout:.0f}s (plexrl.request.timeout)"
-        ) from e
-    values = [f.result() for f in items]
+    deadline = time.monotonic() + timeout
+    values = []
+    for f in items:
+        try:
+            values.append(f.result(timeout=max(deadline - time.monotonic(), 0.0)))
+        except TimeoutError as e:
+            if isinstance(e, PlexRLError):
+                raise  # a request's own typed timeout (e.g. GroupTimeout)
+            raise RequestTimeout(
+                f"{sum(not g.done() for g in items)} PlexRL request(s) did not finish within "
+                f"{timeout:.0f}s (plexrl.request.timeout)"
+            ) from e
     return values if many else values[0]
 
 
@@ -129,6 +136,7 @@ class Runtime:
         if not isinstance(model, ModelSpec):
             raise InvalidModelSpec(f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}")
         uid = uuid.uuid4().hex
+        hf = model.hf_config()
         status = self._call(
             "plexrl_deploy",
             name=name,
@@ -137,11 +145,13 @@ class Runtime:
             role=role,
             backend=backend,
             owner=owner or self.job,
-            memory_bytes=model.memory_bytes(role),
+            memory_bytes=-(-model.memory_bytes(role) // world_size),  # per rank, rounded up
             exist_ok=exist_ok,
             candidates=None if workers is None else list(workers),
             world_size=world_size,
             replicas=replicas,
+            vocab_size=int(hf.vocab_size),
+            max_positions=int(hf.max_position_embeddings),
         )
         deployment = Deployment(self, DeploymentInfo.from_dict(status["deployment"]))
         if wait and status["created"]:
@@ -174,7 +184,8 @@ class Runtime:
         info = self.status()["workers"].get(worker)
         if info is None:
             raise NoPlexRLWorkers(f"{worker} has no PlexRL replica holder (yet)")
-        return Actor(ReplicaHolder, worker, info["holder_key"])
+        with self.client.as_current():  # the actor handle talks through this runtime's client
+            return Actor(ReplicaHolder, worker, info["holder_key"])
 
     # --- weights between deployments ---------------------------------------------------------
 
@@ -264,6 +275,14 @@ class Deployment:
             return futures[0]
         return self.runtime.client.submit(ops.combine, op, *futures, key=f"{request}-combine", pure=False)
 
+    def _validated(self, batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:
+        """The batch, checked here against the model's vocabulary and positions (so a bad
+        sequence fails before anything is submitted, and never strands the other ranks)."""
+        batch = as_batch(batch)
+        if self.info.vocab_size:
+            check_tokens([d.tokens for d in batch], self.info.vocab_size, self.info.max_positions)
+        return batch
+
     def _ranks(self, *args: Any) -> list[tuple]:
         """The same arguments for every rank (or the single task)."""
         return [args] * self.info.world_size
@@ -285,14 +304,14 @@ class Deployment:
 
     def forward(self, batch: Sequence[Datum] | Datum, temperature: float = 1.0) -> Future:
         """Future of a :class:`ForwardResult`: per-token log-probabilities."""
-        parts = self._split_batch(as_batch(batch))
+        parts = self._split_batch(self._validated(batch))
         return self._submit("forward", ops.forward, [(p, temperature) for p in parts])
 
     def forward_backward(self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy()) -> Future:
         """Future of the loss metrics; gradients accumulate until :meth:`optim_step`."""
         if not isinstance(loss, (CrossEntropy, PolicyGradient)):
             raise InvalidLoss(f"loss must be CrossEntropy or PolicyGradient, got {type(loss).__name__}")
-        batch = as_batch(batch)
+        batch = self._validated(batch)
         if self.info.world_size > 1 and loss.normalizer is None:
             # Every rank normalises by the whole batch's weight, so the summed gradient is the
             # one-process gradient of the combined batch.

@@ -24,6 +24,8 @@ from plexrl_dask.errors import (
     InvalidOptimizerParams,
     InvalidSamplingParams,
     MismatchedLengths,
+    SequenceTooLong,
+    TokenOutOfVocabulary,
 )
 
 
@@ -98,6 +100,35 @@ class Datum:
 
     def token_weights(self) -> tuple[float, ...]:
         return self.weights if self.weights is not None else (0.0,) + (1.0,) * (len(self.tokens) - 1)
+
+
+def check_tokens(
+    seqs: Sequence[Sequence[int]],
+    vocab_size: int,
+    max_positions: int,
+    extra: int = 0,
+    what: str = "sequence",
+) -> None:
+    """Reject empty sequences, ids outside ``[0, vocab_size)`` and sequences that with ``extra``
+    generated tokens exceed ``max_positions``, with the typed error that says which."""
+    if not seqs:
+        raise EmptyBatch(f"no {what}s given")
+    for i, seq in enumerate(seqs):
+        if len(seq) == 0:
+            raise EmptyBatch(f"{what} {i} has no tokens")
+        lo, hi = min(seq), max(seq)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise TokenOutOfVocabulary(
+                f"{what} {i} contains token id {bad}, outside this model's vocabulary "
+                f"[0, {vocab_size})"
+            )
+        if len(seq) + extra > max_positions:
+            more = f" + max_tokens {extra}" if extra else ""
+            raise SequenceTooLong(
+                f"{what} {i} has {len(seq)} tokens{more}, more than the model's "
+                f"{max_positions} positions; shorten it" + (" or lower max_tokens" if extra else "")
+            )
 
 
 def as_batch(batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:

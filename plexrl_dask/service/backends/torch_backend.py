@@ -17,17 +17,18 @@ import inspect
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from plexrl_dask.errors import (
     EmptyBatch,
+    InvalidBatch,
     InvalidOptimizerParams,
     NonFiniteGradient,
     NonFiniteLoss,
-    SequenceTooLong,
-    TokenOutOfVocabulary,
+    PlexRLError,
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
@@ -41,6 +42,7 @@ from plexrl_dask.service.types import (
     SampledSequence,
     SamplingParams,
     as_batch,
+    check_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,12 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 def _output_cache(out: object) -> object:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+def _local_nbytes(t: torch.Tensor) -> int:
+    """Bytes this process holds for ``t`` (its local shard, for a DTensor)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 class TorchBackend:
@@ -81,25 +89,37 @@ class TorchBackend:
     # --- validation ------------------------------------------------------------------------
 
     def _check_tokens(self, seqs: Sequence[Sequence[int]], extra: int = 0, what: str = "sequence") -> None:
-        if not seqs:
-            raise EmptyBatch(f"no {what}s given")
-        for i, seq in enumerate(seqs):
-            if len(seq) == 0:
-                raise EmptyBatch(f"{what} {i} has no tokens")
-            lo, hi = min(seq), max(seq)
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise TokenOutOfVocabulary(
-                    f"{what} {i} contains token id {bad}, outside this model's vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-            if len(seq) + extra > self.max_positions:
-                more = f" + max_tokens {extra}" if extra else ""
-                raise SequenceTooLong(
-                    f"{what} {i} has {len(seq)} tokens{more}, more than the model's "
-                    f"{self.max_positions} positions; shorten it"
-                    + (" or lower max_tokens" if extra else "")
-                )
+        check_tokens(seqs, self.vocab_size, self.max_positions, extra, what)
+
+    # --- hooks that multi-rank backends override ------------------------------------------
+
+    offloadable = True
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank of the request saw ``ok`` (one rank here: ``ok`` itself)."""
+        return ok
+
+    def _checked(self, check: Any) -> None:
+        """Run a validation that may raise a typed error, and fail on every rank together if it
+        failed on any (a lone failing rank would leave the others waiting in a collective)."""
+        error: Exception | None = None
+        try:
+            check()
+        except (PlexRLError, ValueError) as e:
+            error = e
+        if not self._agree(error is None):
+            raise error or InvalidBatch("another rank's part of this request was invalid")
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        """The whole (unsharded) value of parameter ``p``."""
+        return p.detach()
+
+    def _assign(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the whole value ``value`` into parameter ``p`` (its shard, if sharded)."""
+        p.copy_(value)
 
     # --- scoring and training --------------------------------------------------------------
 
@@ -127,7 +147,7 @@ class TorchBackend:
             from plexrl_dask.errors import InvalidSamplingParams
 
             raise InvalidSamplingParams(f"forward temperature must be finite and > 0, got {temperature}")
-        self._check_tokens([d.tokens for d in batch])
+        self._checked(lambda: self._check_tokens([d.tokens for d in batch]))
         self.model.eval()
         with torch.inference_mode():
             logp, _ = self._logprobs(batch, temperature)
@@ -142,16 +162,17 @@ class TorchBackend:
         A NaN/inf loss raises :class:`NonFiniteLoss` before ``backward``, so nothing is
         accumulated and the replica stays usable."""
         batch = as_batch(batch)
-        self._check_tokens([d.tokens for d in batch])
+        self._checked(lambda: self._check_tokens([d.tokens for d in batch]))
         self.model.train()
         logp, valid = self._logprobs(batch, 1.0)
         value, metrics = compute_loss(loss, batch, logp, valid)
-        if not torch.isfinite(value):
+        if not self._agree(bool(torch.isfinite(value))):
             raise NonFiniteLoss(
-                f"the loss is {float(value.detach())}; no gradient was accumulated. Check the advantages, "
-                "old/ref logprobs and weights of this batch for NaN/inf or extreme values"
+                f"the loss is {float(value.detach())} (on this rank); no gradient was accumulated. "
+                "Check the advantages, old/ref logprobs and weights of this batch for NaN/inf or "
+                "extreme values"
             )
-        value.backward()
+        self._backward(value)
         self.pending_backward += 1
         return metrics
 
@@ -161,7 +182,9 @@ class TorchBackend:
         if self.pending_backward == 0 or all(p.grad is None for p in trainable):
             raise InvalidOptimizerParams("no gradient accumulated: call forward_backward first")
         grads = [p.grad for p in trainable if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # sharded gradients: the global norm
+            norm = norm.full_tensor()
         if not torch.isfinite(norm):
             self.model.zero_grad(set_to_none=True)
             self.pending_backward = 0
@@ -170,7 +193,12 @@ class TorchBackend:
                 "parameters were not updated"
             )
         if params.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip, foreach=True)
+            # torch's clip_grad_norm_ rule, applied with a Python float so it works on sharded
+            # (DTensor) gradients too.
+            coef = params.grad_clip / (float(norm) + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(trainable, lr=params.lr)
         for group in self.optimizer.param_groups:
@@ -313,7 +341,7 @@ class TorchBackend:
             if missing:
                 raise WeightsMismatch(f"no parameters named {missing[:5]} in this model")
             params = {n: params[n] for n in names}
-        return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+        return {n: self._full(p).to("cpu", copy=True) for n, p in params.items()}
 
     def set_weights(
         self, weights: Mapping[str, torch.Tensor], version: int | None = None, strict: bool = True
@@ -337,7 +365,7 @@ class TorchBackend:
                 raise WeightsMismatch(f"{n}: dtype {t.dtype} cannot be copied into {params[n].dtype}")
         with torch.no_grad():
             for n, t in weights.items():
-                params[n].copy_(t)
+                self._assign(params[n], t.to(self.device, params[n].dtype))
         if version is not None:
             self.version = int(version)
 
@@ -363,7 +391,7 @@ class TorchBackend:
     def state_bytes(self) -> int:
         if self._host is not None:
             return int(self._host["bytes"])  # type: ignore[arg-type]
-        return sum(t.numel() * t.element_size() for t in self._state_tensors().values())
+        return sum(_local_nbytes(t) for t in self._state_tensors().values())
 
     @property
     def resident(self) -> bool:

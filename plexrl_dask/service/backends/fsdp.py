@@ -1,0 +1,133 @@
+"""One rank of a training deployment sharded with FSDP2 over a worker process group.
+
+Every rank builds the model from its spec (the seeded init is identical everywhere), then
+``fully_shard`` splits each decoder layer and the root over the group's 1-D mesh: each rank keeps
+a dim-0 shard of every parameter, gradient and AdamW moment. Each request runs on all ranks at
+once (the scheduler plugin releases the gang atomically), each on its own contiguous part of the
+batch. Every rank normalises its loss by the whole batch's weight and scales it by the world
+size before ``backward``, which FSDP's mean reduction divides out again (exactly, for a power of
+two; gloo has no pre-multiplied sum to set the divide factor to 1): a step equals one process
+training on the combined batch.
+
+Validation and the non-finite-loss check are agreed across ranks (one all-reduce), so a bad
+input fails on every rank instead of leaving the others waiting in a collective.
+
+Limits (until the state store lands): a rank's state cannot be offloaded (``offloadable`` is
+False, the holder never picks it as an eviction victim), and every rank materialises the full
+model once while building it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.service.backends.torch_backend import TorchBackend
+from plexrl_dask.service.groups import ProcessGroupManager
+
+logger = logging.getLogger(__name__)
+
+
+class FSDPBackend(TorchBackend):
+    """Rank ``groups.current.rank`` of an FSDP2-sharded replica (see the module docstring)."""
+
+    offloadable = False
+
+    def __init__(self, spec: ModelSpec, device: str | torch.device, groups: ProcessGroupManager, max_batch_size: int = 64):
+        super().__init__(spec, device, max_batch_size)
+        assert groups.current is not None and groups.mesh is not None
+        self.groups = groups
+        self.mesh = groups.mesh
+        self.epoch_key = groups.current.key
+        self.rank = groups.current.rank
+        self.world_size = groups.current.world_size
+        block_types = set(getattr(self.model, "_no_split_modules", None) or ())
+        for module in self.model.modules():
+            if type(module).__name__ in block_types:
+                fully_shard(module, mesh=self.mesh)
+        fully_shard(self.model, mesh=self.mesh)
+
+    # --- collective hooks ------------------------------------------------------------------
+
+    def _agree(self, ok: bool) -> bool:
+        return self.groups.all_ok(ok)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss * self.world_size).backward()
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        return p.full_tensor().detach() if isinstance(p, DTensor) else p.detach()
+
+    def _assign(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        if not isinstance(p, DTensor):
+            p.copy_(value)
+            return
+        # Every rank has the whole value: take the local shard without any communication.
+        shard = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(shard.to_local())
+
+    def _reshard(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def forward(self, batch: Any, temperature: float = 1.0) -> Any:
+        try:
+            return super().forward(batch, temperature)
+        finally:
+            # FSDP2 leaves the root unsharded after a forward (expecting a backward): put the
+            # parameters back into their sharded form, which the optimizer state refers to.
+            self._reshard()
+
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
+        from plexrl_dask.errors import OpNotSupported
+
+        raise OpNotSupported("a sharded training deployment does not sample; use a rollout deployment")
+
+    # --- a new group -----------------------------------------------------------------------
+
+    def rebuilt(self, groups: ProcessGroupManager) -> FSDPBackend:
+        """This rank's state on the group ``groups`` now holds (same rank and world size):
+        FSDP2 binds parameters to a mesh, so the module is rebuilt and the local shards of
+        parameters, gradients and optimizer state are copied over bit for bit."""
+        self._reshard()  # a request that failed mid-collective may have left it unsharded
+        params = dict(self.model.named_parameters())
+        local = {n: p.to_local().detach().clone() for n, p in params.items()}
+        grads = {n: p.grad.to_local().clone() for n, p in params.items() if p.grad is not None}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        if self.optimizer is not None:
+            for n, p in params.items():
+                st = self.optimizer.state.get(p, {})
+                optim[n] = {
+                    k: (v.to_local().clone() if isinstance(v, DTensor) else v.clone())
+                    for k, v in st.items() if isinstance(v, torch.Tensor)
+                }
+        hyper = [dict(g) for g in self.optimizer.param_groups] if self.optimizer is not None else None
+        new = FSDPBackend(self.spec, self.device, groups, self.max_batch_size)
+        new.version, new.pending_backward = self.version, self.pending_backward
+        new_params = dict(new.model.named_parameters())
+
+        def like(p: DTensor, t: torch.Tensor) -> DTensor:
+            return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+        with torch.no_grad():
+            for n, p in new_params.items():
+                p.to_local().copy_(local[n])
+                if n in grads:
+                    p.grad = like(p, grads[n])
+        if hyper is not None:
+            new.optimizer = torch.optim.AdamW(list(new_params.values()), lr=hyper[0]["lr"])
+            for group, old in zip(new.optimizer.param_groups, hyper, strict=True):
+                group.update({k: v for k, v in old.items() if k != "params"})
+            for n, st in optim.items():
+                p = new_params[n]
+                new.optimizer.state[p] = {
+                    k: (like(p, v) if v.dim() > 0 else v) for k, v in st.items()
+                }
+        logger.info("rank %d rebuilt on group %s", new.rank, new.epoch_key)
+        return new

@@ -1,0 +1,124 @@
+"""Worker process groups: the ``torch.distributed`` group of a multi-rank deployment.
+
+A worker process has one default process group at a time, so it belongs to one multi-rank
+deployment's group at a time. The scheduler plugin stamps every rank task of a gang with the
+group's *epoch*: the same epoch as the last request when every rank's worker still holds that
+group, a new one when any of them ran another group in between (or is new). A rank whose worker
+holds another (deployment, epoch) tears its group down and joins the new one; since every rank of
+the gang got the same epoch, they all rebuild together.
+
+Rendezvous: rank 0 opens a ``TCPStore`` on a free port of its own host and publishes
+``host:port`` through the scheduler plugin (``plexrl_rendezvous_put``); the other ranks read it
+(``plexrl_rendezvous_get``, bounded by the group timeout). Backend: gloo on the CPU, NCCL on
+CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plexrl_dask import config
+from plexrl_dask.errors import GroupTimeout, raise_for_status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """Which group a rank task belongs to: deployment incarnation, epoch, rank, size."""
+
+    uid: str
+    epoch: int
+    rank: int
+    world_size: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.uid}:{self.epoch}"
+
+
+def group_timeout() -> float:
+    return config.get_seconds("group.timeout")
+
+
+class ProcessGroupManager:
+    """Owns this worker process's default process group (see the module docstring)."""
+
+    def __init__(self, worker: Any, device: str):
+        self.worker = worker
+        self.device = torch.device(device)
+        self.current: GroupContext | None = None
+        self._store: Any = None
+        self.mesh: Any = None
+
+    def holds(self, ctx: GroupContext) -> bool:
+        return self.current is not None and self.current.key == ctx.key
+
+    def owner(self) -> str | None:
+        """The deployment uid whose group this process holds, if any."""
+        return self.current.uid if self.current is not None else None
+
+    def join(self, ctx: GroupContext) -> Any:
+        """Tear down any other group, join ``ctx``'s group and return its 1-D device mesh."""
+        if self.holds(ctx):
+            return self.mesh
+        self.leave()
+        timeout = group_timeout()
+        td = datetime.timedelta(seconds=timeout)
+        from distributed.comm.addressing import get_address_host
+        from distributed.utils import sync
+
+        host = get_address_host(self.worker.address)
+        rpc = self.worker.scheduler
+        if ctx.rank == 0:
+            store = dist.TCPStore(host, 0, ctx.world_size, True, td, wait_for_workers=False)
+            raise_for_status(
+                sync(self.worker.loop, rpc.plexrl_rendezvous_put, key=ctx.key,
+                     address=f"{host}:{store.port}", callback_timeout=timeout)
+            )
+        else:
+            status = sync(self.worker.loop, rpc.plexrl_rendezvous_get, key=ctx.key,
+                          timeout=timeout, callback_timeout=timeout + 5)
+            address = raise_for_status(status)["address"]
+            master, port = address.rsplit(":", 1)
+            try:
+                store = dist.TCPStore(master, int(port), ctx.world_size, False, td)
+            except RuntimeError as e:
+                raise GroupTimeout(f"rank {ctx.rank} could not reach rank 0 at {address}: {e}") from e
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(ctx.key, store), rank=ctx.rank,
+                world_size=ctx.world_size, timeout=td,
+                **({"device_id": self.device} if self.device.type == "cuda" else {}),
+            )
+        except RuntimeError as e:
+            raise GroupTimeout(f"process group {ctx.key} did not form: {e}") from e
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._store = store
+        self.current = ctx
+        self.mesh = init_device_mesh(self.device.type, (ctx.world_size,))
+        logger.info("joined group %s as rank %d/%d (%s)", ctx.key, ctx.rank, ctx.world_size, backend)
+        return self.mesh
+
+    def leave(self) -> None:
+        if self.current is None:
+            return
+        try:
+            dist.destroy_process_group()
+        finally:
+            logger.info("left group %s", self.current.key)
+            self.current, self.mesh, self._store = None, None, None
+
+    def all_ok(self, ok: bool) -> bool:
+        """True iff ``ok`` holds on every rank (one tiny all-reduce)."""
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
