@@ -107,6 +107,22 @@ class WeightsMismatch(RequestError, ValueError):
     """``set_weights`` got names, shapes or dtypes that do not match the model."""
 
 
+class CheckpointError(RequestError):
+    """Base class of checkpoint (save_state / load_state) errors."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No checkpoint at that path."""
+
+
+class CheckpointIncomplete(CheckpointError):
+    """The checkpoint was not finished (its writer died or is still writing)."""
+
+
+class CheckpointIncompatible(CheckpointError):
+    """The checkpoint holds a different model (parameter names or shapes differ)."""
+
+
 class OpNotSupported(RequestError):
     """The deployment's role or layout does not offer this operation."""
 

@@ -184,6 +184,16 @@ def set_weights(
     return _run(deployment, "set_weights", call)
 
 
+def save_state(deployment: str, path: str) -> dict[str, Any]:
+    """Write a checkpoint (parameters + optimizer state) of the deployment to ``path``."""
+    return _run(deployment, "save_state", lambda b: b.save_state(path))
+
+
+def load_state(deployment: str, path: str) -> int:
+    """Restore the checkpoint at ``path`` (written at any world size); returns its version."""
+    return _run(deployment, "load_state", lambda b: b.load_state(path))
+
+
 # --- combining the tasks of one request -------------------------------------------------------
 
 _SUMMED = ("loss", "num_tokens", "total_weight")
@@ -217,7 +227,9 @@ __all__ = [
     "forward_backward",
     "get_weights",
     "load",
+    "load_state",
     "optim_step",
+    "save_state",
     "sample",
     "set_weights",
 ]

@@ -87,3 +87,49 @@ def test_world_size_larger_than_the_cluster_fails_at_deploy(runtime):
     with pytest.raises(errors.DeploymentDoesNotFit, match="needs 3 workers"):
         runtime.deploy(unique("too-wide"), tiny_spec(), world_size=3)
     assert all(d.world_size <= 2 for d in runtime.deployments())
+
+
+def test_checkpoint_on_two_ranks_restores_on_one_and_two(runtime, tmp_path):
+    spec = tiny_spec(seed=8)
+    src = runtime.deploy(unique("ckpt-src"), spec, world_size=2)
+    w0, w1 = src.info.workers
+    data = batch_for(src, 4)
+    opt = plexrl.AdamWParams(lr=1e-3)
+    for _ in range(2):
+        plexrl.result([src.forward_backward(data), src.optim_step(opt)])
+    path = str(tmp_path / "ckpt")
+    assert plexrl.result(src.save_state(path)) == {"path": path, "version": 2}
+    one = runtime.deploy(unique("ckpt-one"), spec, world_size=1)
+    # Ranks swapped: each worker process re-joins a group under the other rank (a torch mesh
+    # interning pitfall made exactly this load the wrong shards; see service/groups.py).
+    two = runtime.deploy(unique("ckpt-two"), spec, world_size=2, workers=[w1, w0])
+    assert two.info.workers == (w1, w0)
+    assert plexrl.result([one.load_state(path), two.load_state(path)]) == [2, 2]
+    want = plexrl.result(src.get_weights()).tensors
+    for dep in (one, two):
+        got = plexrl.result(dep.get_weights())
+        assert got.version == 2 and all(torch.equal(got.tensors[n], t) for n, t in want.items())
+    # Training continues identically (optimizer state restored too): same step on all three.
+    for dep in (src, one, two):
+        plexrl.result([dep.forward_backward(data), dep.optim_step(opt)])
+    after = [plexrl.result(d.get_weights()).tensors for d in (src, one, two)]
+    assert all(torch.equal(after[2][n], t) for n, t in after[0].items())  # same layout: exact
+    assert max(float((after[1][n] - t).abs().max()) for n, t in after[0].items()) <= 1e-6
+
+
+def test_bad_checkpoints_are_refused_and_harmless(runtime, tmp_path):
+    dep = runtime.deploy(unique("ckpt-bad"), tiny_spec(seed=9), world_size=2)
+    before = plexrl.result(dep.get_weights()).tensors
+    with pytest.raises(errors.CheckpointNotFound):
+        plexrl.result(dep.load_state(str(tmp_path / "missing")))
+    other = runtime.deploy(unique("ckpt-other"), tiny_spec(seed=9, hidden_size=64))
+    path = str(tmp_path / "other")
+    plexrl.result(other.save_state(path))
+    with pytest.raises(errors.CheckpointIncompatible, match="shape"):
+        plexrl.result(dep.load_state(path))
+    (tmp_path / "other" / "plexrl.json").unlink()  # as if the writer died before the end
+    with pytest.raises(errors.CheckpointIncomplete):
+        plexrl.result(dep.load_state(path))
+    after = plexrl.result(dep.get_weights()).tensors
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    plexrl.result([dep.forward_backward(batch_for(dep, 2)), dep.optim_step()])  # still trains

@@ -38,7 +38,8 @@ def place_workers(
     each), best first.
 
     ``candidates``, when given, restricts the choice to those addresses (an operator pinning a
-    deployment to certain machines). Raises :class:`NoPlexRLWorkers` when no (candidate)
+    deployment to certain machines); when all of them are needed, rank ``r`` goes to
+    ``candidates[r]``. Raises :class:`NoPlexRLWorkers` when no (candidate)
     worker is available, and :class:`DeploymentDoesNotFit` when fewer than ``count`` workers'
     budgets hold ``need_bytes``.
     """
@@ -71,6 +72,8 @@ def place_workers(
             f"{len(fitting)} of the cluster's {len(workers)} PlexRL workers can hold it; lower "
             "world_size/replicas or add workers"
         )
+    if candidates is not None and count == len(fitting) == len(candidates):
+        return tuple(candidates)  # every pinned worker is needed: ranks in the order given
     ranked = sorted(
         fitting,
         key=lambda w: (w.committed_bytes / w.budget_bytes, w.num_deployments, w.address),

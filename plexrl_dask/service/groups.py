@@ -104,7 +104,11 @@ class ProcessGroupManager:
 
         self._store = store
         self.current = ctx
-        self.mesh = init_device_mesh(self.device.type, (ctx.world_size,))
+        # A mesh name unique to this group: torch interns equal meshes, and a mesh equal to an
+        # earlier group's (same shape, device, names) came back with that group's coordinate
+        # for this process, i.e. its old rank (torch 2.13; reproduced with two processes).
+        name = "plexrl_" + "".join(c if c.isalnum() else "_" for c in ctx.key)
+        self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=(name,))
         logger.info("joined group %s as rank %d/%d (%s)", ctx.key, ctx.rank, ctx.world_size, backend)
         return self.mesh
 

@@ -57,7 +57,7 @@ def default_budget(device: str) -> int:
 HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
 #: The ops that change a replica's state away from what its spec builds.
-MUTATING_OPS = frozenset({"optim_step", "set_weights"})
+MUTATING_OPS = frozenset({"optim_step", "set_weights", "load_state"})
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -347,6 +348,17 @@ class Deployment:
         chunks = split_prompts(len(prompts), self.info.replicas, params.n, max_batch_size())
         tasks = [(list(prompts[a:b]), params, ids[a:b]) for a, b in chunks]
         return self._submit("sample", ops.sample, tasks, replica_of=range(len(tasks)))
+
+    def save_state(self, path: str) -> Future:
+        """Future of ``{"path", "version"}`` once a checkpoint of parameters and optimizer
+        state is written to ``path`` (a directory every rank's worker can reach). Each rank of a
+        sharded deployment writes its own shards; the result loads onto any world size."""
+        return self._submit("save_state", ops.save_state, self._ranks(os.fspath(path)))
+
+    def load_state(self, path: str) -> Future:
+        """Future of the restored version; every rank (or replica) reads what its layout needs."""
+        n = self.info.num_workers
+        return self._submit("load_state", ops.load_state, [(os.fspath(path),)] * n, replica_of=range(n))
 
     def get_weights(self, names: Sequence[str] | None = None) -> Future:
         """Future of :class:`NamedWeights` (host tensors by canonical name + version)."""

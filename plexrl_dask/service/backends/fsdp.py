@@ -12,6 +12,9 @@ training on the combined batch.
 Validation and the non-finite-loss check are agreed across ranks (one all-reduce), so a bad
 input fails on every rank instead of leaving the others waiting in a collective.
 
+``get_weights`` gathers whole tensors (returned by rank 0 only); ``save_state`` writes each
+rank's shards through DCP, restorable on any world size.
+
 Limits (until the state store lands): a rank's state cannot be offloaded (``offloadable`` is
 False, the holder never picks it as an eviction victim), and every rank materialises the full
 model once while building it.
@@ -24,10 +27,11 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service.backends.torch_backend import TorchBackend
+from plexrl_dask.service.checkpoint import local_shard
 from plexrl_dask.service.groups import ProcessGroupManager
 
 logger = logging.getLogger(__name__)
@@ -57,6 +61,21 @@ class FSDPBackend(TorchBackend):
     def _agree(self, ok: bool) -> bool:
         return self.groups.all_ok(ok)
 
+    def _distributed(self) -> bool:
+        return True
+
+    def _world(self) -> int:
+        return self.world_size
+
+    def _rank(self) -> int:
+        return self.rank
+
+    def get_weights(self, names: Any = None) -> dict[str, torch.Tensor]:
+        """Whole tensors on rank 0 (every rank takes part in the all-gathers); other ranks
+        return nothing, so only one copy travels."""
+        weights = super().get_weights(names)
+        return weights if self.rank == 0 else {}
+
     def _backward(self, loss: torch.Tensor) -> None:
         (loss * self.world_size).backward()
 
@@ -68,8 +87,7 @@ class FSDPBackend(TorchBackend):
             p.copy_(value)
             return
         # Every rank has the whole value: take the local shard without any communication.
-        shard = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-        p.to_local().copy_(shard.to_local())
+        p.to_local().copy_(local_shard(p, value))
 
     def _reshard(self) -> None:
         for module in self.model.modules():

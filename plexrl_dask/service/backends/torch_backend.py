@@ -32,6 +32,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.service import checkpoint
 from plexrl_dask.service.losses import compute_loss
 from plexrl_dask.service.sampling import choose_tokens, uniforms
 from plexrl_dask.service.types import (
@@ -368,6 +369,43 @@ class TorchBackend:
                 self._assign(params[n], t.to(self.device, params[n].dtype))
         if version is not None:
             self.version = int(version)
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def _distributed(self) -> bool:
+        return False
+
+    def save_state(self, path: str) -> dict[str, Any]:
+        """Write parameters and optimizer state to ``path`` (see :mod:`..checkpoint`)."""
+        meta = {"version": self.version, "model": self.spec.name, "world_size": self._world()}
+        checkpoint.save(self.model, self.optimizer, path, meta, self._distributed(), self._rank() == 0)
+        return {"path": path, "version": self.version}
+
+    def load_state(self, path: str) -> int:
+        """Replace parameters (and optimizer state, if saved) with the checkpoint at ``path``,
+        from any world size; pending gradients are dropped. Returns the restored version."""
+        meta: dict[str, Any] = {}
+
+        def check() -> None:
+            meta.update(checkpoint.read_meta(path))
+            checkpoint.check_compatible(self.model, path)
+
+        self._checked(check)
+        if meta["has_optimizer"] and self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad], weight_decay=0.0
+            )
+        checkpoint.load(self.model, self.optimizer if meta["has_optimizer"] else None, path, self._assign)
+        self.model.zero_grad(set_to_none=True)
+        self.pending_backward = 0
+        self.version = int(meta["version"])
+        return self.version
+
+    def _world(self) -> int:
+        return 1
+
+    def _rank(self) -> int:
+        return 0
 
     # --- residency -------------------------------------------------------------------------
 
