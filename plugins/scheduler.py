@@ -337,9 +337,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             return info
         if info.state == "lost":
             raise DeploymentLost(
-                f"the worker holding {info.name!r} left the cluster and its trained state "
-                "(modified since deploy) went with it; save checkpoints with get_weights / "
-                "save_state, then undeploy and deploy it again"
+                f"a worker holding {info.name!r} left the cluster and its trained state "
+                "(modified since deploy) went with it; restore a checkpoint with "
+                "deployment.load_state(path) (save them with save_state), or undeploy it"
             )
         workers = place_workers(
             info.name, info.memory_bytes, self._worker_views(), info.num_workers, info.candidates
@@ -390,6 +390,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     f"{name!r} has world_size {info.world_size} and {info.replicas} replicas; "
                     f"a request for rank {rank}/{ranks} of replica {replica} does not fit it"
                 )
+            if info.state == "lost" and ann.get("op") == "load_state":
+                # Restoring a checkpoint is how a lost deployment comes back: a new incarnation
+                # (new uid, so no holder reuses a stale rank), placed anew.
+                info = info.with_(state="unplaced", uid=uuid.uuid4().hex, workers=())
+                self.deployments[name] = info
             if info.state == "lost" or self._worker_views():
                 info = self._placed(info)
                 worker = info.workers[replica * info.world_size + rank]
@@ -531,7 +536,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 return  # a late report of an undeployed incarnation
             self.residency.apply(report)
             if report.modified and not info.modified:
-                self.deployments[report.deployment] = info.with_(modified=True)
+                info = self.deployments[report.deployment] = info.with_(modified=True)
+            if report.tier == "absent" and report.modified and info.world_size > 1:
+                # A rank dropped its trained shard (its group failed mid-request): the
+                # deployment's state is incomplete until a checkpoint is restored.
+                self.deployments[report.deployment] = info.with_(state="lost", workers=())
         elif topic == WORKER_TOPIC and isinstance(msg, dict) and "worker" in msg:
             asyncio.ensure_future(self._create_holder(msg["worker"]))
         elif (

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from plexrl_dask.errors import DeploymentDoesNotFit, PlexRLError
+from plexrl_dask.errors import DeploymentDoesNotFit, DeploymentLost, PlexRLError, RankLost
 from plexrl_dask.policy.residency import ResidencyReport
 from plexrl_dask.service.backends import BACKENDS
 from plexrl_dask.service.groups import GroupContext
@@ -153,6 +153,8 @@ class ReplicaHolder:
         """Make ``info``'s replica resident and run ``call(backend)`` on it. ``group`` is the
         rank's group for a multi-rank deployment (joined, or re-joined, first)."""
         with self._lock:
+            if info.name not in self._replicas or self._replicas[info.name].info.uid != info.uid:
+                self._refuse_rebuild(info, op)
             if group is not None:
                 replica = self._ensure_group_member(info, group)
             else:
@@ -160,6 +162,18 @@ class ReplicaHolder:
             replica.last_used = time.monotonic()
             try:
                 result = call(replica.backend)
+            except RuntimeError as e:
+                if group is None or isinstance(e, PlexRLError):
+                    raise
+                # A collective failed: a peer rank died or failed, possibly halfway through a
+                # backward or a step, so this rank's state may no longer match its peers'. Drop
+                # it (the scheduler then treats the deployment as lost until load_state).
+                self._drop(info.name, lost=True)
+                raise RankLost(
+                    f"rank {group.rank}/{group.world_size} of {info.name!r}: the group failed "
+                    f"mid-request ({e}); this rank's state was dropped, restore a checkpoint "
+                    "with load_state"
+                ) from e
             finally:
                 replica.last_used = time.monotonic()
                 self.counters["requests"] += 1
@@ -267,10 +281,19 @@ class ReplicaHolder:
         logger.info("offloaded %s from %s", replica.info.name, self.worker_address)
         self._emit(replica, "dram", time.perf_counter() - t0)
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, name: str, lost: bool = False) -> None:
         replica = self._replicas.pop(name, None)
         if replica is not None:
+            replica.modified = replica.modified or lost
             self._emit(replica, "absent", 0.0)
+
+    def _refuse_rebuild(self, info: DeploymentInfo, op: str) -> None:
+        """Never rebuild a trained deployment from its spec behind the caller's back."""
+        if info.modified and op != "load_state":
+            raise DeploymentLost(
+                f"{info.name!r} has trained state but this worker ({self.worker_address}) holds "
+                "none of it; restore a checkpoint with deployment.load_state(path)"
+            )
 
     def _emit(self, replica: _Replica, tier: str, load_s: float) -> None:
         replica.last_transition_s = load_s

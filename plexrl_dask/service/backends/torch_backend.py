@@ -421,9 +421,12 @@ class TorchBackend:
         if self.optimizer is not None:
             names = {id(p): n for n, p in self.model.named_parameters()}
             for p, state in self.optimizer.state.items():
+                # (a module left mid-forward by a failed collective holds other Parameter
+                # objects than the optimizer: count what it can see)
+                name = names.get(id(p), f"unbound-{id(p)}")
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor):
-                        out[f"optim/{names[id(p)]}/{k}"] = v
+                        out[f"optim/{name}/{k}"] = v
         return out
 
     def state_bytes(self) -> int:

@@ -1,0 +1,68 @@
+"""A rank killed mid-request: a typed error, never a hang, and a way back (own cluster)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from distributed import Client
+
+import plexrl_dask as plexrl
+from plexrl_dask import errors
+from tests.conftest import tiny_spec, unique
+
+
+@pytest.fixture(scope="module")
+def fault_client():
+    with plexrl.local_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+def _processing(client: Client, prefix: str) -> bool:
+    def states(dask_scheduler):
+        return [ts.state for key, ts in dask_scheduler.tasks.items() if str(key).startswith(prefix)]
+
+    return "processing" in client.run_on_scheduler(states)
+
+
+def test_rank_killed_mid_request_fails_typed_and_the_deployment_is_restored(fault_client, tmp_path):
+    runtime = plexrl.Runtime(fault_client, job="faults")
+    spec = tiny_spec(seed=3, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    dep = runtime.deploy(unique("victim"), spec, world_size=2)
+    small = [plexrl.Datum(tokens=dep.tokenize(f"{i}*{i}={i * i}")) for i in range(4)]
+    plexrl.result([dep.forward_backward(small), dep.optim_step()])
+    path = str(tmp_path / "ckpt")
+    plexrl.result(dep.save_state(path))
+    saved = plexrl.result(dep.get_weights()).tensors
+
+    big = [plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(32)]
+    fut = dep.forward_backward(big)
+    deadline = time.monotonic() + 60
+    while not _processing(fault_client, f"plexrl-forward_backward-{dep.name}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    victim = dep.info.workers[1]
+    pid = fault_client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises((errors.RankLost, errors.DeploymentLost)):
+        plexrl.result(fut, timeout=120)
+    # Its trained shards died with the worker: typed error, not a silent re-init.
+    with pytest.raises(errors.DeploymentLost, match="load_state"):
+        plexrl.result(dep.forward(small), timeout=120)
+    # Back from the checkpoint once the nanny's restarted worker has its holder, on the workers
+    # that exist now, and training goes on.
+    deadline = time.monotonic() + 60
+    while len(runtime.status()["workers"]) < 2:
+        assert time.monotonic() < deadline, "the killed worker did not come back"
+        time.sleep(0.1)
+    assert plexrl.result(dep.load_state(path), timeout=120) == 1
+    restored = runtime.deployment(dep.name)
+    assert victim not in restored.info.workers
+    got = plexrl.result(restored.get_weights(), timeout=120).tensors
+    assert all(torch.equal(got[n], t) for n, t in saved.items())
+    out = plexrl.result([restored.forward_backward(small), restored.optim_step()], timeout=120)
+    assert out[1]["version"] == 2.0
