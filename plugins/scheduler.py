@@ -8,9 +8,14 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
   can address any deployment;
 - places new deployments through the policy core (:func:`place_workers`) using the
   capacity each worker's replica holder reports;
-- **routes** every task annotated ``plexrl={"deployment": ...}`` to the worker holding that
-  deployment, before the scheduler first places it (``update_graph`` runs before the new tasks'
-  transitions), and tags it with the deployment's ``uid``; plain Dask tasks are never touched;
+- **parks** every task annotated ``plexrl={"deployment": ...}`` before the scheduler first
+  places it (``update_graph`` runs before the new tasks' transitions: the task is restricted to
+  an address that is never a worker, so it waits in ``no-worker``), aims it at its deployment's
+  worker for its (replica, rank), and **releases** requests through the policy core's dispatch
+  rule (:mod:`plexrl_dask.policy.dispatch`) whenever one arrives or a worker frees up: all ranks
+  of a gang at once, with the process-group epoch they must share; plain Dask tasks are never
+  touched;
+- hosts the rendezvous of worker process groups (``plexrl_rendezvous_*`` handlers);
 - keeps the **residency map** from the holders' ``plexrl-residency`` events;
 - re-places a deployment whose worker left (rebuilt from its spec on another worker) unless its
   state was modified (then it is ``lost`` and requests fail with :class:`DeploymentLost`), and
@@ -19,7 +24,7 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
   its own, creates each GPU worker's :class:`ReplicaHolder` **actor** when the worker announces
   itself (so no job's client owns a holder, and a worker that comes back gets a new one).
 
-Runtime *ordering* (HRRS) extends this plugin in the scheduler issue; routing is the seam.
+Runtime *ordering* (HRRS) replaces the dispatch rule's arrival order in the scheduler issue.
 """
 
 from __future__ import annotations

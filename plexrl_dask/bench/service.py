@@ -15,6 +15,17 @@ Same run, same model, same inputs, both arms with one torch thread, measurements
   which unsets it: why ``local_cluster()`` does so.
 
 The cluster has one PlexRL worker, so the worker's core and the driver's core are distinct.
+
+Worker process groups (a second, 2-worker cluster):
+
+- ``fsdp2_vs_single_max_abs_diff``: largest parameter difference between a 2-rank FSDP2
+  deployment and one process training on the combined batch, after 3 AdamW steps (≤ 1e-6).
+- ``reshard_restore_exact``: a 2-rank ``save_state`` restored on 1 rank equals the original.
+- ``sync_weights_s`` / ``sync_weights_large_s``: ``runtime.sync_weights`` from a 2-rank trainer
+  into 2 rollout replicas, for the tiny model and for a model of ≥ 256 MB of fp32 weights
+  (``sync_weights_large_bytes``).
+- ``rollout_replicas_speedup``: ``sample`` wall time on 1 replica ÷ on 2 replicas, same prompts
+  (2 cores: the driver and scheduler share them with the two workers).
 """
 
 from __future__ import annotations
@@ -101,6 +112,8 @@ def main() -> None:
         plexrl.result(dep.forward_backward(batch))
         trim = interleaved({"runtime": lambda: plexrl.result(dep.forward_backward(batch))}, reps)
 
+    groups = _groups(args.quick)
+
     fb_runtime, fb_direct = median(fb["runtime"]), median(fb["direct"])
     tps_runtime = n_tokens["runtime"] / median(smp["runtime"])
     tps_direct = n_tokens["direct"] / median(smp["direct"])
@@ -113,6 +126,7 @@ def main() -> None:
         "sample_throughput_ratio": tps_runtime / tps_direct,
         "request_latency_ms": 1000 * median(lat["runtime"]),
         "dask_default_env_fb_ratio": median(trim["runtime"]) / fb_runtime,
+        **groups,
     }
     config = {
         "model": spec.name,
@@ -124,8 +138,77 @@ def main() -> None:
         "sampled_tokens": n_tokens,
         "repetitions": reps,
     }
-    targets = {"dispatch_overhead_ratio": "<= 1.3", "sample_throughput_ratio": ">= 0.8"}
+    targets = {
+        "dispatch_overhead_ratio": "<= 1.3",
+        "sample_throughput_ratio": ">= 0.8",
+        "fsdp2_vs_single_max_abs_diff": "<= 1e-6",
+        "reshard_restore_exact": "true",
+    }
     report("service", results, targets, config, args.json)
+
+
+def _sync_s(runtime: plexrl.Runtime, spec: plexrl.ModelSpec, name: str, reps: int) -> tuple[float, int]:
+    """Median seconds of sync_weights from a 2-rank trainer into 2 rollout replicas."""
+    trainer = runtime.deploy(f"{name}-train", spec, world_size=2)
+    rollout = runtime.deploy(f"{name}-rollout", spec, role="rollout", replicas=2)
+    nbytes = plexrl.result(trainer.get_weights()).nbytes()
+    times = [time_call(lambda: plexrl.result(runtime.sync_weights(trainer, rollout))) for _ in range(reps)]
+    runtime.undeploy(trainer.name)
+    runtime.undeploy(rollout.name)
+    return median(times), nbytes
+
+
+def _groups(quick: bool) -> dict:
+    """The worker-process-group metrics (see the module docstring)."""
+    import tempfile
+
+    spec = plexrl.ModelSpec.tiny(hidden_size=64, num_layers=2, seed=5)
+    # ~72M parameters: 290 MB of fp32 weights.
+    large = plexrl.ModelSpec.tiny(hidden_size=1024, num_layers=5, num_heads=8, num_kv_heads=2, seed=6)
+    opt = plexrl.AdamWParams(lr=1e-3)
+    with plexrl.local_cluster(n_workers=2) as cluster, Client(cluster) as client:
+        runtime = plexrl.Runtime(client, job="bench-groups")
+        dep = runtime.deploy("fsdp", spec, world_size=2)
+        data = [plexrl.Datum(tokens=dep.tokenize(f"{i}+{i * 7}={8 * i}")) for i in range(8)]
+        ref = TorchBackend(spec, "cpu")
+        for _ in range(3):
+            plexrl.result([dep.forward_backward(data), dep.optim_step(opt)])
+            ref.forward_backward(data, plexrl.CrossEntropy())
+            ref.optim_step(opt)
+        got = plexrl.result(dep.get_weights()).tensors
+        want = ref.get_weights()
+        fsdp_diff = max(float((got[n] - t).abs().max()) for n, t in want.items())
+
+        with tempfile.TemporaryDirectory() as tmp:
+            plexrl.result(dep.save_state(f"{tmp}/ckpt"))
+            one = runtime.deploy("restored", spec)
+            plexrl.result(one.load_state(f"{tmp}/ckpt"))
+            back = plexrl.result(one.get_weights()).tensors
+        exact = all(torch.equal(back[n], t) for n, t in got.items())
+
+        sync_tiny, _ = _sync_s(runtime, spec, "sync-tiny", 3 if quick else 7)
+        sync_large, large_bytes = _sync_s(runtime, large, "sync-large", 2 if quick else 3)
+
+        prompts = [f"{i}*{i % 9}=" for i in range(64 if quick else 128)]
+        sampling = plexrl.SamplingParams(n=4, max_tokens=24, seed=2)
+        r1 = runtime.deploy("replicas-1", spec, role="rollout")
+        r2 = runtime.deploy("replicas-2", spec, role="rollout", replicas=2)
+        plexrl.result([r1.sample(prompts[:4], sampling), r2.sample(prompts, sampling)])  # warm
+        times = interleaved(
+            {
+                "one": lambda: plexrl.result(r1.sample(prompts, sampling)),
+                "two": lambda: plexrl.result(r2.sample(prompts, sampling)),
+            },
+            3 if quick else 5,
+        )
+    return {
+        "fsdp2_vs_single_max_abs_diff": fsdp_diff,
+        "reshard_restore_exact": exact,
+        "sync_weights_s": sync_tiny,
+        "sync_weights_large_s": sync_large,
+        "sync_weights_large_bytes": large_bytes,
+        "rollout_replicas_speedup": median(times["one"]) / median(times["two"]),
+    }
 
 
 if __name__ == "__main__":

@@ -81,3 +81,9 @@ class TrainBackend(Backend, Protocol):
 
     def optim_step(self, params: AdamWParams) -> dict[str, float]:
         """Apply the accumulated gradients with AdamW, then clear them."""
+
+    def save_state(self, path: str) -> dict:
+        """Write parameters and optimizer state as a checkpoint loadable at any world size."""
+
+    def load_state(self, path: str) -> int:
+        """Restore a checkpoint; returns its version."""
