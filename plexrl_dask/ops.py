@@ -94,7 +94,9 @@ def _run(deployment: str, op: str, call: Any) -> Any:
 
     ann = _routing(get_worker(), deployment)  # routing errors first: they need no holder
     worker, holder = _worker_and_holder()
-    info = _deployment_info(worker, deployment, ann["uid"])
+    # The record is cached by uid; whether its state was modified since is the plugin's
+    # current word, sent along with every request.
+    info = _deployment_info(worker, deployment, ann["uid"]).with_(modified=bool(ann.get("modified")))
     group = None
     if info.world_size > 1:
         group = GroupContext(

@@ -403,7 +403,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if info.state == "lost" or self._worker_views():
                 info = self._placed(info)
                 worker = info.workers[replica * info.world_size + rank]
-                ann.update(uid=info.uid, worker=worker)
+                ann.update(uid=info.uid, worker=worker, modified=info.modified)
             # else: no GPU worker right now; parked until one reports (then _reroute_orphans).
         except PlexRLError as e:
             ann["error"] = to_status(e)

@@ -153,12 +153,7 @@ class ReplicaHolder:
         """Make ``info``'s replica resident and run ``call(backend)`` on it. ``group`` is the
         rank's group for a multi-rank deployment (joined, or re-joined, first)."""
         with self._lock:
-            if info.name not in self._replicas or self._replicas[info.name].info.uid != info.uid:
-                self._refuse_rebuild(info, op)
-            if group is not None:
-                replica = self._ensure_group_member(info, group)
-            else:
-                replica = self._ensure_resident(info)
+            replica = self._ensure(info, op, group)
             replica.last_used = time.monotonic()
             try:
                 result = call(replica.backend)
@@ -185,60 +180,44 @@ class ReplicaHolder:
             self._emit(replica, "hbm", replica.last_transition_s)
             return result
 
-    def _ensure_resident(self, info: DeploymentInfo) -> _Replica:
+    def _ensure(self, info: DeploymentInfo, op: str, group: GroupContext | None) -> _Replica:
+        """``info``'s replica, resident and (for a rank) on the group of ``group``."""
         replica = self._replicas.get(info.name)
         if replica is not None and replica.info.uid != info.uid:
-            # Same name, new deployment: the old state is not this deployment's.
+            # Same name, new deployment (or incarnation): the old state is not its state.
             self._drop(info.name)
             replica = None
         if replica is None:
-            return self._load(info)
-        if not replica.backend.resident:
+            self._refuse_rebuild(info, op)
+        if group is not None:
+            self._join(group)
+        if replica is None:
+            return self._load(info, group)
+        t0 = time.perf_counter()
+        if group is not None and replica.backend.epoch_key != group.key:
+            replica.backend = replica.backend.rebuilt(self._groups)
+        elif not replica.backend.resident:
             self._make_room(replica.backend.state_bytes(), keep=info.name)
-            t0 = time.perf_counter()
             replica.backend.reload()
             self.counters["reloads"] += 1
-            self._emit(replica, "hbm", time.perf_counter() - t0)
+        else:
+            return replica
+        self._emit(replica, "hbm", time.perf_counter() - t0)
         return replica
 
-    def _ensure_group_member(self, info: DeploymentInfo, ctx: GroupContext) -> _Replica:
-        """This rank's replica of a multi-rank deployment, on the group of ``ctx``."""
-        from plexrl_dask.service.backends.fsdp import FSDPBackend
-        from plexrl_dask.service.groups import ProcessGroupManager
-
+    def _join(self, group: GroupContext) -> None:
         if self._groups is None:
             from distributed import get_worker
 
-            self._groups = ProcessGroupManager(get_worker(), self.device)
-        replica = self._replicas.get(info.name)
-        if replica is not None and replica.info.uid != info.uid:
-            self._drop(info.name)
-            replica = None
-        self._groups.join(ctx)
-        if replica is not None and replica.backend.epoch_key != ctx.key:
-            t0 = time.perf_counter()
-            replica.backend = replica.backend.rebuilt(self._groups)
-            self._emit(replica, "hbm", time.perf_counter() - t0)
-        if replica is None:
-            need = info.memory_bytes
-            if need > self.budget_bytes:
-                raise DeploymentDoesNotFit(
-                    f"{info.name!r} needs {need / 2**20:.1f} MiB per rank but worker "
-                    f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
-                )
-            self._make_room(need, keep=info.name)
-            t0 = time.perf_counter()
-            backend = FSDPBackend(info.spec, self.device, self._groups, self.max_batch_size)
-            replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
-            self._replicas[info.name] = replica
-            self.counters["loads"] += 1
-            self._emit(replica, "hbm", time.perf_counter() - t0)
-        return replica
+            from plexrl_dask.service.groups import ProcessGroupManager
 
-    def _load(self, info: DeploymentInfo) -> _Replica:
+            self._groups = ProcessGroupManager(get_worker(), self.device)
+        self._groups.join(group)
+
+    def _load(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
         if info.memory_bytes > self.budget_bytes:
             raise DeploymentDoesNotFit(
-                f"{info.name!r} needs {info.memory_bytes / 2**20:.1f} MiB but worker "
+                f"{info.name!r} needs {info.memory_bytes / 2**20:.1f} MiB per worker but "
                 f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
             )
         self._make_room(info.memory_bytes, keep=info.name)
@@ -246,7 +225,12 @@ class ReplicaHolder:
         if backend_cls is None:
             raise PlexRLError(f"unknown backend {info.backend!r}; available: {sorted(BACKENDS)}")
         t0 = time.perf_counter()
-        backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
+        if group is not None:
+            from plexrl_dask.service.backends.fsdp import FSDPBackend
+
+            backend = FSDPBackend(info.spec, self.device, self._groups, self.max_batch_size)
+        else:
+            backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
         load_s = time.perf_counter() - t0
         replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
         self._replicas[info.name] = replica
