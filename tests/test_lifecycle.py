@@ -95,3 +95,39 @@ def test_worker_restart_recreates_holder_and_replaces_deployments(small_client):
     with pytest.raises(errors.DeploymentLost, match="left the cluster"):
         plexrl.result(trained.forward(data))
     runtime.undeploy(trained.name)
+
+
+@pytest.fixture(scope="module")
+def tight_pair():
+    # Per worker: room for one 2-rank shard of SPEC_A (6N at rest) or one whole training
+    # replica of SPEC_B (16N while it holds gradients), never both at rest (6N + 12N).
+    n = SPEC_A.num_parameters()
+    with (
+        dask.config.set({"plexrl.worker.memory-budget": 17 * n}),
+        plexrl.local_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        yield client
+
+
+def test_sharded_rank_offload_and_reload_continue_bit_identically(tight_pair):
+    runtime = plexrl.Runtime(tight_pair, job="evict-ranks")
+    sharded = runtime.deploy(unique("sharded"), SPEC_A, world_size=2)
+    w0, w1 = sharded.info.workers
+    single = runtime.deploy(unique("single"), SPEC_B, workers=[w0])
+    data = [plexrl.Datum(tokens=sharded.tokenize(f"{i}+{i}={2 * i}")) for i in range(4)]
+    opt = plexrl.AdamWParams(lr=1e-2)
+    for _ in range(3):  # each single step evicts rank 0's shard; each sharded step evicts single
+        plexrl.result([sharded.forward_backward(data), sharded.optim_step(opt)])
+        plexrl.result([single.forward_backward(data), single.optim_step(opt)])
+    counters = runtime.holder(w0).status().result(timeout=30)["counters"]
+    assert counters["offloads"] >= 5 and counters["reloads"] >= 5
+    runtime.undeploy(single.name)
+
+    # The same steps on an identical 2-rank deployment that is never evicted: the same bits.
+    twin = runtime.deploy(unique("twin"), SPEC_A, world_size=2, workers=[w0, w1])
+    for _ in range(3):
+        plexrl.result([twin.forward_backward(data), twin.optim_step(opt)])
+    got, want = plexrl.result([sharded.get_weights(), twin.get_weights()])
+    assert got.version == want.version == 3
+    assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())

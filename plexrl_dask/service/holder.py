@@ -194,7 +194,10 @@ class ReplicaHolder:
         if replica is None:
             return self._load(info, group)
         t0 = time.perf_counter()
-        if group is not None and replica.backend.epoch_key != group.key:
+        if group is not None and (replica.backend.epoch_key != group.key or not replica.backend.resident):
+            if not replica.backend.resident:
+                self._make_room(replica.backend.state_bytes(), keep=info.name)
+                self.counters["reloads"] += 1
             replica.backend = replica.backend.rebuilt(self._groups)
         elif not replica.backend.resident:
             self._make_room(replica.backend.state_bytes(), keep=info.name)
@@ -249,7 +252,7 @@ class ReplicaHolder:
             (
                 r
                 for n, r in self._replicas.items()
-                if n != keep and r.backend.resident and r.backend.offloadable
+                if n != keep and r.backend.resident
             ),
             key=lambda r: r.last_used,
         )

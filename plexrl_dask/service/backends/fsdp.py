@@ -15,9 +15,10 @@ input fails on every rank instead of leaving the others waiting in a collective.
 ``get_weights`` gathers whole tensors (returned by rank 0 only); ``save_state`` writes each
 rank's shards through DCP, restorable on any world size.
 
-Limits (until the state store lands): a rank's state cannot be offloaded (``offloadable`` is
-False, the holder never picks it as an eviction victim), and every rank materialises the full
-model once while building it.
+Offload moves a rank's local shards to host memory and frees its module; the next request
+rebuilds the module on its group (the same one, or a new one if the workers ran another group
+in between) and copies the shards back, bit for bit. Limit (until the state store lands):
+every rank materialises the full model once while building it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ logger = logging.getLogger(__name__)
 
 class FSDPBackend(TorchBackend):
     """Rank ``groups.current.rank`` of an FSDP2-sharded replica (see the module docstring)."""
-
-    offloadable = False
 
     def __init__(self, spec: ModelSpec, device: str | torch.device, groups: ProcessGroupManager, max_batch_size: int = 64):
         super().__init__(spec, device, max_batch_size)
@@ -107,43 +106,77 @@ class FSDPBackend(TorchBackend):
 
         raise OpNotSupported("a sharded training deployment does not sample; use a rollout deployment")
 
-    # --- a new group -----------------------------------------------------------------------
+    # --- offload, and a new group ---------------------------------------------------------
 
-    def rebuilt(self, groups: ProcessGroupManager) -> FSDPBackend:
-        """This rank's state on the group ``groups`` now holds (same rank and world size):
-        FSDP2 binds parameters to a mesh, so the module is rebuilt and the local shards of
-        parameters, gradients and optimizer state are copied over bit for bit."""
-        self._reshard()  # a request that failed mid-collective may have left it unsharded
+    def _export(self) -> dict[str, Any]:
+        """This rank's local shards (parameters, gradients, optimizer state) and counters, on
+        the host (pinned buffers on CUDA; on the CPU the tensors are handed over uncopied)."""
+        self._reshard()  # a forward leaves the root unsharded; the optimizer refers to shards
         params = dict(self.model.named_parameters())
-        local = {n: p.to_local().detach().clone() for n, p in params.items()}
-        grads = {n: p.grad.to_local().clone() for n, p in params.items() if p.grad is not None}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         if self.optimizer is not None:
             for n, p in params.items():
-                st = self.optimizer.state.get(p, {})
                 optim[n] = {
-                    k: (v.to_local().clone() if isinstance(v, DTensor) else v.clone())
-                    for k, v in st.items() if isinstance(v, torch.Tensor)
+                    k: self._to_host(v.to_local() if isinstance(v, DTensor) else v)
+                    for k, v in self.optimizer.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor)
                 }
-        hyper = [dict(g) for g in self.optimizer.param_groups] if self.optimizer is not None else None
+        state = {
+            "params": {n: self._to_host(p.to_local().detach()) for n, p in params.items()},
+            "grads": {n: self._to_host(p.grad.to_local()) for n, p in params.items() if p.grad is not None},
+            "optim": optim,
+            "hyper": None if self.optimizer is None else [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+            "version": self.version,
+            "pending_backward": self.pending_backward,
+            "bytes": self.state_bytes(),
+        }
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return state
+
+    def offload(self) -> None:
+        """Move this rank's shards to host memory and free the module. The process group is
+        left alone; the next request rebuilds the module on whatever group it then needs."""
+        if self._host is not None:
+            return
+        self._host = self._export()
+        self.model, self.optimizer = None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        raise RuntimeError("a sharded rank reloads through rebuilt(groups), on its group")
+
+    def state_bytes(self) -> int:
+        return int(self._host["bytes"]) if self._host is not None else super().state_bytes()
+
+    def rebuilt(self, groups: ProcessGroupManager) -> FSDPBackend:
+        """This rank's state (resident or offloaded) on the group ``groups`` now holds (same
+        rank and world size). FSDP2 binds parameters to a mesh, so the module is built anew and
+        the local shards of parameters, gradients and optimizer state are copied in bit for
+        bit."""
+        state = self._host if self._host is not None else self._export()
         new = FSDPBackend(self.spec, self.device, groups, self.max_batch_size)
-        new.version, new.pending_backward = self.version, self.pending_backward
-        new_params = dict(new.model.named_parameters())
+        new.version, new.pending_backward = state["version"], state["pending_backward"]
+        params = dict(new.model.named_parameters())
 
         def like(p: DTensor, t: torch.Tensor) -> DTensor:
-            return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            local = t.to(self.device, non_blocking=True)
+            return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
         with torch.no_grad():
-            for n, p in new_params.items():
-                p.to_local().copy_(local[n])
-                if n in grads:
-                    p.grad = like(p, grads[n])
-        if hyper is not None:
-            new.optimizer = torch.optim.AdamW(list(new_params.values()), lr=hyper[0]["lr"])
-            for group, old in zip(new.optimizer.param_groups, hyper, strict=True):
-                group.update({k: v for k, v in old.items() if k != "params"})
-            for n, st in optim.items():
-                p = new_params[n]
+            for n, p in params.items():
+                p.to_local().copy_(state["params"][n])
+                if n in state["grads"]:
+                    p.grad = like(p, state["grads"][n])
+        if state["hyper"] is not None:
+            new.optimizer = torch.optim.AdamW(list(params.values()))
+            for group, old in zip(new.optimizer.param_groups, state["hyper"], strict=True):
+                group.update(old)
+            for n, st in state["optim"].items():
+                p = params[n]
                 new.optimizer.state[p] = {
                     k: (like(p, v) if v.dim() > 0 else v) for k, v in st.items()
                 }

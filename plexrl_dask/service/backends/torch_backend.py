@@ -94,8 +94,6 @@ class TorchBackend:
 
     # --- hooks that multi-rank backends override ------------------------------------------
 
-    offloadable = True
-
     def _agree(self, ok: bool) -> bool:
         """Whether every rank of the request saw ``ok`` (one rank here: ``ok`` itself)."""
         return ok
