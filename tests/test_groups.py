@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import pytest
 import torch
 
@@ -133,3 +134,30 @@ def test_bad_checkpoints_are_refused_and_harmless(runtime, tmp_path):
     after = plexrl.result(dep.get_weights()).tensors
     assert all(torch.equal(after[n], t) for n, t in before.items())
     plexrl.result([dep.forward_backward(batch_for(dep, 2)), dep.optim_step()])  # still trains
+
+
+def test_sync_weights_from_two_ranks_into_replicas_and_mismatches(runtime):
+    trainer = runtime.deploy(unique("sync-train"), tiny_spec(seed=12), world_size=2)
+    rollout = runtime.deploy(unique("sync-roll"), tiny_spec(seed=13), role="rollout", replicas=2)
+    data = batch_for(trainer, 4)
+    plexrl.result([trainer.forward_backward(data), trainer.optim_step()])
+    assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
+    want = plexrl.result(trainer.get_weights())
+    assert want.version == 1 and want.tensors  # rank 0's whole tensors
+    # Every replica took the weights: both score exactly like the trainer's weights.
+    ref = TorchBackend(tiny_spec(seed=13), "cpu")
+    ref.set_weights(want.tensors)
+    probe = [plexrl.Datum(tokens=rollout.tokenize("12+3=15"))]
+    expected = ref.forward(probe).logprobs
+    for replica in range(2):
+        with dask.annotate(plexrl={"deployment": rollout.name, "replica": replica}):
+            fut = runtime.client.submit(plexrl.ops.forward, rollout.name, probe, pure=False)
+        got = plexrl.result(fut).logprobs
+        assert max(abs(a - b) for a, b in zip(got[0], expected[0], strict=True)) < 1e-5
+    # A different architecture: typed error, the destination untouched.
+    other = runtime.deploy(unique("sync-other"), tiny_spec(seed=13, hidden_size=64), role="rollout")
+    before = plexrl.result(other.get_weights()).tensors
+    with pytest.raises(errors.WeightsMismatch, match="shape"):
+        plexrl.result(runtime.sync_weights(trainer, other))
+    after = plexrl.result(other.get_weights()).tensors
+    assert all(torch.equal(after[n], t) for n, t in before.items())
