@@ -7,9 +7,11 @@ users can submit them too::
     with dask.annotate(plexrl={"deployment": "policy", "job": "my-job"}):
         fut = client.submit(plexrl_dask.ops.forward, "policy", batch, pure=False)
 
-The ``plexrl`` annotation is what lets the scheduler plugin route the task to the deployment's
-worker (and, later, order it); a task without it fails with :class:`NotRouted` instead of
-silently loading a second, divergent replica somewhere else.
+The ``plexrl`` annotation is what lets the scheduler plugin park the task and release it, in
+order, on the deployment's worker (optional keys: ``replica`` to aim at one of a rollout
+deployment's replicas; ``request``/``rank``/``ranks`` are set by the runtime for multi-rank
+calls). A task without it fails with :class:`NotRouted` instead of silently loading a second,
+divergent replica somewhere else.
 """
 
 from __future__ import annotations
