@@ -127,6 +127,12 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
             out = plexrl.result(dep.sample(["1+1="], plexrl.SamplingParams(n=2, max_tokens=4)), timeout=120)
             assert [len(s.tokens) for s in out.sequences[0]] == [4, 4]
             assert runtime.status()["workers"]  # the holder reported from a preload-less worker
+            shown = subprocess.run(
+                [sys.executable, "-m", "plexrl_dask.cli", "status", "--scheduler", client.scheduler.address],
+                capture_output=True, text=True, timeout=120,
+            )
+            assert shown.returncode == 0, shown.stderr
+            assert "preloaded" in shown.stdout and "hbm" in shown.stdout
     finally:
         for proc in (worker, scheduler):
             if proc is not None:
