@@ -33,10 +33,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask.utils import parse_bytes
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
@@ -52,7 +53,8 @@ from plexrl_dask.errors import (
     to_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.policy.dispatch import PendingRequest, select_releases
+from plexrl_dask.policy.dispatch import DispatchPolicy, PendingRequest, select_releases
+from plexrl_dask.policy.estimates import Estimates
 from plexrl_dask.policy.placement import WorkerView, place_workers
 from plexrl_dask.policy.residency import (
     HOLDER_TOPIC,
@@ -77,6 +79,9 @@ class _Request:
     request: str
     ranks: int
     deployment: str = ""
+    op: str = ""
+    replica: int = 0
+    arrival: float = field(default_factory=time.monotonic)
     keys: dict[int, Any] = field(default_factory=dict)
     workers: dict[int, str | None] = field(default_factory=dict)
 
@@ -106,6 +111,21 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.running: dict[str, Any] = {}  # worker -> key of the PlexRL task it runs
         self.group_epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
         self.worker_group: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
+        self.started: dict[Any, tuple[float, str, str]] = {}  # key -> (release time, deployment, op)
+        self.estimates = Estimates(
+            service_prior_s=config.get_seconds("scheduler.service-prior"),
+            load_bandwidth=float(parse_bytes(config.get("scheduler.load-bandwidth-prior"))),
+        )
+        self.policy = (
+            DispatchPolicy.fifo()
+            if config.get("scheduler.ordering") == "fifo"
+            else DispatchPolicy(
+                setup_weight=float(config.get("scheduler.setup-weight")),
+                patience_factor=float(config.get("scheduler.patience-factor")),
+                patience_floor_s=config.get_seconds("scheduler.patience-floor"),
+            )
+        )
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=int(config.get("scheduler.decisions-kept")))
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_events: dict[str, asyncio.Event] = {}
 
@@ -246,6 +266,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             return to_status(DeploymentNotFound(f"no deployment named {name!r}"))
         del self.deployments[name]
         self.residency.forget_deployment(name)
+        self.estimates.forget(name)
         live = [w for w in info.workers if w in self.scheduler.workers]
         if live:
             await self.scheduler.broadcast(
@@ -279,7 +300,28 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             ],
             "workers": {w: dict(c) for w, c in self.worker_capacity.items()},
             "counters": dict(self.counters),
+            "queue": self._queue_status(),
+            "decisions": list(self.decisions)[-50:],
         }
+
+    def _queue_status(self, limit: int = 100) -> dict[str, Any]:
+        """The first ``limit`` pending requests with their current ratios, and the total."""
+        now = time.monotonic()
+        rows = []
+        for view in self._views()[:limit]:
+            rows.append(
+                {
+                    "request": view.request,
+                    "deployment": view.deployment.rsplit("#", 1)[0],
+                    "workers": list(view.workers),
+                    "ready": view.ready,
+                    "wait_s": now - view.arrival,
+                    "ratio": self.policy.ratio(view, now),
+                    "service_s": view.service_s,
+                    "setup_s": view.setup_s,
+                }
+            )
+        return {"pending": len(self.pending), "top": rows}
 
     def rendezvous_put(self, key: str, address: str) -> dict[str, Any]:
         """Rank 0 of group ``key`` publishes its store's ``host:port``."""
@@ -416,26 +458,53 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ts.loose_restrictions = False
         ts.resource_restrictions = {self.gpu_resource: 1}
         ts.annotations = {**ts.annotations, ANNOTATION: ann}
-        queued = self.pending.setdefault(request, _Request(request, ranks, name))
+        queued = self.pending.setdefault(
+            request, _Request(request, ranks, name, str(ann.get("op", "")), replica)
+        )
         queued.keys[rank] = ts.key
         queued.workers[rank] = worker
         self.key_request[ts.key] = request
         self.counters["routed"] += 1
+
+    def _view(self, r: _Request, ready: bool) -> PendingRequest:
+        workers = tuple(r.workers[i] for i in range(r.ranks))
+        info = self.deployments.get(r.deployment)
+        setup = 0.0
+        if info is not None:
+            # The load this request causes: zero where the deployment is resident in HBM.
+            missing = [w for w in workers if self.residency.tier(r.deployment, w) != "hbm"]
+            if missing:
+                setup = self.estimates.setup(r.deployment, info.memory_bytes)
+        return PendingRequest(
+            request=r.request,
+            workers=workers,
+            ready=ready,
+            deployment=f"{r.deployment}#{r.replica}",  # replicas keep separate orders
+            arrival=r.arrival,
+            service_s=self.estimates.service(r.deployment, r.op),
+            setup_s=setup,
+        )
+
+    def _views(self) -> list[PendingRequest]:
+        tasks = self.scheduler.tasks
+        views = []
+        for r in self.pending.values():
+            if None in r.workers.values() or len(r.workers) < r.ranks:
+                continue  # not all ranks arrived, or no worker to aim at yet
+            ready = all(tasks[k].state == "no-worker" for k in r.keys.values())
+            views.append(self._view(r, ready))
+        return views
 
     def _dispatch(self) -> None:
         """Release the requests the policy core picks (all ranks of each at once)."""
         tasks = self.scheduler.tasks
         for request in [r for r in self.pending.values() if r.forgotten(tasks)]:
             self._forget(request)
-        views = []
-        for r in self.pending.values():
-            if None in r.workers.values() or len(r.workers) < r.ranks:
-                continue  # not all ranks arrived, or no worker to aim at yet
-            ready = all(tasks[k].state == "no-worker" for k in r.keys.values())
-            views.append(PendingRequest(r.request, tuple(r.workers[i] for i in range(r.ranks)), ready))
-        releases = select_releases(views, self.running, self.scheduler.workers)
+        now = time.monotonic()
+        decisions = select_releases(self._views(), self.running, self.scheduler.workers, now, self.policy)
         recommendations = {}
-        for view in releases:
+        for decision in decisions:
+            view = decision.request
             request = self.pending.pop(view.request)
             extra = {"dispatched": True}
             if request.ranks > 1:
@@ -446,9 +515,24 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 ts.worker_restrictions = {worker}
                 ts.annotations = {**ts.annotations, ANNOTATION: {**ts.annotations[ANNOTATION], **extra}}
                 self.running[worker] = key
+                self.started[key] = (now, request.deployment, request.op)
                 recommendations[key] = "processing"
+            self.decisions.append(
+                {
+                    "time": time.time(),
+                    "request": request.request,
+                    "deployment": request.deployment,
+                    "op": request.op,
+                    "workers": list(view.workers),
+                    "wait_s": now - request.arrival,
+                    "ratio": decision.ratio,
+                    "urgent": decision.urgent,
+                    "service_s": view.service_s,
+                    "setup_s": view.setup_s,
+                }
+            )
         if recommendations:
-            self.counters["dispatched"] += len(releases)
+            self.counters["dispatched"] += len(decisions)
             self.scheduler.transitions(recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}")
 
     def _group_epoch(self, deployment: str, workers: tuple[str, ...]) -> int:
@@ -475,6 +559,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if start == "processing":
             for worker in [w for w, k in self.running.items() if k == key]:
                 del self.running[worker]
+            started = self.started.pop(key, None)
+            if started is not None and finish == "memory":
+                self.estimates.observe_service(started[1], started[2], time.monotonic() - started[0])
             ts = self.scheduler.tasks.get(key)
             ann = (ts.annotations or {}).get(ANNOTATION, {}) if ts is not None else {}
             if finish != "memory" and int(ann.get("ranks", 1)) > 1:
@@ -540,6 +627,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if info is None or info.uid != report.uid:
                 return  # a late report of an undeployed incarnation
             self.residency.apply(report)
+            if report.tier == "hbm":
+                self.estimates.observe_load(report.deployment, report.load_s)
             if report.modified and not info.modified:
                 info = self.deployments[report.deployment] = info.with_(modified=True)
             if report.tier == "absent" and report.modified and info.world_size > 1:
