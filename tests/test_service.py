@@ -170,3 +170,20 @@ def test_rollout_replicas_sample_exactly_like_one(runtime):
     assert plexrl.result(two.set_weights(weights, version=4)) == 4
     for h in [runtime.holder(w).status().result(timeout=30) for w in two.info.workers]:
         assert h["replicas"][two.name]["version"] == 4
+
+
+def test_hrrs_lets_a_short_request_overtake_a_long_one(runtime):
+    worker = sorted(runtime.status()["workers"])[0]
+    long_spec = tiny_spec(seed=30, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    slow = runtime.deploy(unique("slow"), long_spec, workers=[worker])
+    fast = runtime.deploy(unique("fast"), tiny_spec(seed=31), workers=[worker])
+    big = [plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
+    tiny = [plexrl.Datum(tokens=fast.tokenize("1+1=2"))]
+    plexrl.result([slow.forward(big), fast.forward(tiny)])  # the plugin learns both service times
+    blocker, queued_long, queued_short = slow.forward(big), slow.forward(big), fast.forward(tiny)
+    plexrl.result([blocker, queued_long, queued_short])
+    order = [d["request"] for d in runtime.status()["decisions"]]
+    short_key, long_key = queued_short.key, queued_long.key  # single-task requests: id == key
+    assert order.index(short_key) < order.index(long_key)
+    decision = next(d for d in runtime.status()["decisions"] if d["request"] == short_key)
+    assert decision["ratio"] > 1 and not decision["urgent"]
