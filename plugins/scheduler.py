@@ -24,7 +24,9 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
   its own, creates each GPU worker's :class:`ReplicaHolder` **actor** when the worker announces
   itself (so no job's client owns a holder, and a worker that comes back gets a new one).
 
-Runtime *ordering* (HRRS) replaces the dispatch rule's arrival order in the scheduler issue.
+The order is HRRS (``plexrl.scheduler.ordering``), with service and setup times learned from
+completed requests and residency reports (:mod:`plexrl_dask.policy.estimates`); ``status``
+shows the queue with current ratios and the recent decisions with their reasons.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the same deployments. Every model call on a :class:`Deployment` is submitted as 
 :mod:`plexrl_dask.ops` inside ``dask.annotate(plexrl={...})`` and returns a
 ``distributed.Future`` at once; the scheduler plugin routes it to the deployment's worker.
 
-The scheduler plugin releases requests in arrival order per worker (all ranks of a multi-rank
+The scheduler plugin releases a deployment's requests in arrival order (all ranks of a multi-rank
 request at once), so ``forward_backward`` followed by ``optim_step`` can be pipelined without
 waiting in between.
 
