@@ -269,6 +269,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         del self.deployments[name]
         self.residency.forget_deployment(name)
         self.estimates.forget(name)
+        for w in [w for w, g in self.worker_group.items() if g[0] == info.uid]:
+            del self.worker_group[w]
+        self.group_epochs.pop(info.uid, None)
+        # Its queued requests fail with DeploymentNotFound instead of waiting forever.
+        self._soon(self._reroute_pending_of(name))
         live = [w for w in info.workers if w in self.scheduler.workers]
         if live:
             await self.scheduler.broadcast(
@@ -393,8 +398,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         workers = place_workers(
             info.name, info.memory_bytes, self._worker_views(), info.num_workers, info.candidates
         )
-        placed = info.with_(workers=workers, state="placed")
+        # A new incarnation (new uid): no surviving holder reuses state of the old placement
+        # under a different rank, and late reports of the old one are ignored.
+        placed = info.with_(workers=workers, state="placed", uid=uuid.uuid4().hex)
         self.deployments[info.name] = placed
+        old = [w for w in info.workers if w in self.scheduler.workers and w not in workers]
+        if old:
+            asyncio.ensure_future(
+                self.scheduler.broadcast(
+                    msg={"op": "plexrl_holder_drop", "name": info.name}, workers=old, on_error="return"
+                )
+            )
         self.counters["replacements"] += 1
         logger.info("re-placed %s on %s", info.name, workers)
         return placed
@@ -442,7 +456,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if info.state == "lost" and ann.get("op") == "load_state":
                 # Restoring a checkpoint is how a lost deployment comes back: a new incarnation
                 # (new uid, so no holder reuses a stale rank), placed anew.
-                info = info.with_(state="unplaced", uid=uuid.uuid4().hex, workers=())
+                info = info.with_(state="unplaced")
                 self.deployments[name] = info
             if info.state == "lost" or self._worker_views():
                 info = self._placed(info)
@@ -494,7 +508,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if None in r.workers.values() or len(r.workers) < r.ranks:
                 continue  # not all ranks arrived, or no worker to aim at yet
             ready = all(tasks[k].state == "no-worker" for k in r.keys.values())
-            views.append(self._view(r, ready))
+            try:
+                views.append(self._view(r, ready))
+            except ValueError:  # e.g. two ranks aimed at one worker: route it again
+                logger.warning("request %s has an invalid placement; re-routing it", r.request)
+                r.workers = {rank: None for rank in r.workers}
         return views
 
     def _dispatch(self) -> None:
@@ -508,6 +526,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for decision in decisions:
             view = decision.request
             request = self.pending.pop(view.request)
+            if request.deployment not in self.deployments:
+                self._soon(self._reroute_orphans)  # undeployed meanwhile: fail it there
+                continue
             extra = {"dispatched": True}
             if request.ranks > 1:
                 extra["epoch"] = self._group_epoch(request.deployment, view.workers)
@@ -574,26 +595,45 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if finish in ("memory", "erred", "forgotten"):
                 self.key_request.pop(key, None)
             self._soon(self._dispatch)
-        elif finish == "no-worker" or finish == "forgotten":
-            if finish == "forgotten":
-                self.key_request.pop(key, None)
+        elif finish == "no-worker":
+            self._soon(self._reroute_orphans)  # its target may have left while it waited
+        elif finish in ("erred", "forgotten", "released"):
+            # Failed or cancelled before it ran (e.g. its dependency failed): drop its request
+            # so it does not hold its deployment's queue.
+            request = self.pending.get(self.key_request.get(key, ""))
+            if request is not None:
+                self._forget(request)
+            self.key_request.pop(key, None)
             self._soon(self._dispatch)
 
+    def _reroute_pending_of(self, name: str) -> Any:
+        def reroute() -> None:
+            for request in [r for r in self.pending.values() if r.deployment == name]:
+                request.workers = {rank: None for rank in request.workers}  # stale: re-route
+            self._reroute_orphans()
+
+        return reroute
+
     def _reroute_orphans(self) -> None:
-        """Route again the PlexRL tasks whose target worker is gone (or was never found)."""
+        """Route again every PlexRL request with a rank whose target worker is gone (or was
+        never found): all its ranks together, so a gang never ends up half re-placed."""
         live = self.scheduler.workers
-        errors = {}
-        for ts in list(self.scheduler.unrunnable):
+        tasks = self.scheduler.tasks
+        stale: list[Any] = []
+        for request in list(self.pending.values()):
+            if any(w is None or w not in live for w in request.workers.values()):
+                stale.extend(tasks[k] for k in request.keys.values() if k in tasks)
+                self._forget(request)
+        for ts in list(self.scheduler.unrunnable):  # dispatched, then lost their worker
             ann = (ts.annotations or {}).get(ANNOTATION)
-            if ann is None or ts.state != "no-worker":
-                continue
-            request = self.pending.get(self.key_request.get(ts.key, ""))
-            target = request.workers.get(int(ann.get("rank", 0))) if request else None
-            if target is not None and target in live:
-                continue
+            queued = self.pending.get(self.key_request.get(ts.key, ""))
+            if ann is not None and ts.state == "no-worker" and queued is None and ts not in stale:
+                stale.append(ts)
+        errors = {}
+        for ts in stale:
             self._route(ts)
-            if ts.worker_restrictions is None:  # a routing error: run it to raise the error
-                errors[ts.key] = "processing"
+            if ts.worker_restrictions is None and ts.state == "no-worker":
+                errors[ts.key] = "processing"  # a routing error: run it to raise the error
         if errors:
             self.scheduler.transitions(errors, stimulus_id=f"plexrl-error-{time.time()}")
         self._dispatch()
@@ -618,7 +658,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for name, info in list(self.deployments.items()):
             if worker in info.workers:
                 state = "lost" if info.modified else "unplaced"
-                self.deployments[name] = info.with_(workers=(), state=state)
+                # (workers kept: survivors of the old placement are told to drop it later)
+                self.deployments[name] = info.with_(state=state)
                 logger.info("worker %s left: deployment %s is %s", worker, name, state)
         self._soon(self._reroute_orphans)
 
@@ -633,10 +674,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 self.estimates.observe_load(report.deployment, report.load_s)
             if report.modified and not info.modified:
                 info = self.deployments[report.deployment] = info.with_(modified=True)
-            if report.tier == "absent" and report.modified and info.world_size > 1:
+            if report.tier == "absent" and report.modified and report.lost and info.world_size > 1:
                 # A rank dropped its trained shard (its group failed mid-request): the
                 # deployment's state is incomplete until a checkpoint is restored.
-                self.deployments[report.deployment] = info.with_(state="lost", workers=())
+                self.deployments[report.deployment] = info.with_(state="lost")
         elif topic == WORKER_TOPIC and isinstance(msg, dict) and "worker" in msg:
             asyncio.ensure_future(self._create_holder(msg["worker"]))
         elif (

@@ -161,3 +161,19 @@ def test_sync_weights_from_two_ranks_into_replicas_and_mismatches(runtime):
         plexrl.result(runtime.sync_weights(trainer, other))
     after = plexrl.result(other.get_weights()).tensors
     assert all(torch.equal(after[n], t) for n, t in before.items())
+
+
+def test_a_loss_error_on_one_rank_fails_every_rank_and_keeps_the_state(runtime):
+    dep = runtime.deploy(unique("fsdp-loss"), tiny_spec(seed=14), world_size=2)
+    data = batch_for(dep, 4)
+    with_adv = [
+        plexrl.Datum(tokens=d.tokens, advantages=[0.0] + [1.0] * (len(d.tokens) - 1)) for d in data[:2]
+    ]
+    mixed = with_adv + data[2:]  # rank 1's half has no advantages
+    before = plexrl.result(dep.get_weights()).tensors
+    with pytest.raises((errors.InvalidLoss, errors.InvalidBatch)):
+        plexrl.result(dep.forward_backward(mixed, plexrl.PolicyGradient()), timeout=120)
+    after = plexrl.result(dep.get_weights()).tensors
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    out = plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
+    assert out[1]["version"] == 1.0

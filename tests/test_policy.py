@@ -199,6 +199,7 @@ def test_event_schema_and_round_trip():
         "load_s": 0.25,
         "uid": "u-1",
         "modified": True,
+        "lost": False,
     }
     back = ResidencyReport.from_event({**event, "worker": "tcp://w:1"})
     assert back == r

@@ -187,3 +187,18 @@ def test_hrrs_lets_a_short_request_overtake_a_long_one(runtime):
     assert order.index(short_key) < order.index(long_key)
     decision = next(d for d in runtime.status()["decisions"] if d["request"] == short_key)
     assert decision["ratio"] > 1 and not decision["urgent"]
+
+
+def test_undeploy_fails_queued_requests_instead_of_stranding_them(runtime):
+    worker = sorted(runtime.status()["workers"])[0]
+    long_spec = tiny_spec(seed=32, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    slow = runtime.deploy(unique("busy"), long_spec, workers=[worker])
+    doomed = runtime.deploy(unique("doomed"), tiny_spec(seed=33), workers=[worker])
+    big = [plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
+    blocker = slow.forward(big)
+    queued = doomed.forward([plexrl.Datum(tokens=[1, 5, 6])])
+    runtime.undeploy(doomed.name)
+    with pytest.raises(errors.DeploymentNotFound):
+        plexrl.result(queued, timeout=120)
+    plexrl.result(blocker, timeout=120)
+    assert plexrl.result(slow.forward(big[:1]), timeout=120)  # the worker is not stuck

@@ -38,6 +38,7 @@ class ResidencyReport:
     worker: str = ""
     uid: str = ""
     modified: bool = False
+    lost: bool = False  # "absent" because a failed group request made the state unusable
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:

@@ -33,6 +33,14 @@ def _state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
 def save(model: torch.nn.Module, optimizer: Any, path: str, meta: dict[str, Any], distributed: bool, writer: bool) -> None:
     """Write ``model`` (and ``optimizer``) to ``path``; ``writer`` (rank 0) writes the marker."""
     os.makedirs(path, exist_ok=True)
+    if writer:
+        # Saving over an older checkpoint: it stops being a finished one before any byte of the
+        # new one is written, so a crash mid-save never leaves a "finished" mix of both.
+        marker = os.path.join(path, META_FILE)
+        if os.path.exists(marker):
+            os.remove(marker)
+    if distributed:
+        torch.distributed.barrier()
     dcp.save(_state(model, optimizer), checkpoint_id=path, no_dist=not distributed)
     if distributed:
         torch.distributed.barrier()  # every rank's shards are on disk before the marker

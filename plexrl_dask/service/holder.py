@@ -271,8 +271,7 @@ class ReplicaHolder:
     def _drop(self, name: str, lost: bool = False) -> None:
         replica = self._replicas.pop(name, None)
         if replica is not None:
-            replica.modified = replica.modified or lost
-            self._emit(replica, "absent", 0.0)
+            self._emit(replica, "absent", 0.0, lost=lost)
 
     def _refuse_rebuild(self, info: DeploymentInfo, op: str) -> None:
         """Never rebuild a trained deployment from its spec behind the caller's back."""
@@ -282,18 +281,19 @@ class ReplicaHolder:
                 "none of it; restore a checkpoint with deployment.load_state(path)"
             )
 
-    def _emit(self, replica: _Replica, tier: str, load_s: float) -> None:
+    def _emit(self, replica: _Replica, tier: str, load_s: float, lost: bool = False) -> None:
         replica.last_transition_s = load_s
-        report = ResidencyReport(
-            deployment=replica.info.name,
-            version=int(replica.backend.version),
-            tier=tier,
-            bytes=int(replica.backend.state_bytes()),
-            load_s=float(load_s),
-            uid=replica.info.uid,
-            modified=replica.modified,
-        )
         try:
+            report = ResidencyReport(
+                deployment=replica.info.name,
+                version=int(replica.backend.version),
+                tier=tier,
+                bytes=int(replica.backend.state_bytes()),
+                load_s=float(load_s),
+                uid=replica.info.uid,
+                modified=replica.modified,
+                lost=lost,
+            )
             self._report(report.to_event())
         except Exception:  # reporting must never fail a request
             logger.warning("could not send a residency report", exc_info=True)

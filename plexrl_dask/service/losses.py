@@ -42,7 +42,9 @@ def compute_loss(
         weights[i, : len(w)] = torch.tensor(w, dtype=torch.float32)
     weights = weights.to(logp.device) * valid
     total_weight = float(weights.sum())
-    if total_weight <= 0:
+    if total_weight <= 0 and loss.normalizer is None:
+        # (with an explicit normalizer a zero-weight part is fine: it is one rank's share of a
+        # batch whose weight is elsewhere, and its backward must still run with the others)
         raise InvalidLoss("every token weight in the batch is 0: there is nothing to train on")
     normalizer = loss.normalizer if loss.normalizer is not None else total_weight
     metrics: dict[str, float] = {"num_tokens": float(valid.sum()), "total_weight": total_weight}
@@ -50,7 +52,7 @@ def compute_loss(
     if isinstance(loss, CrossEntropy):
         nll = -(weights * logp).sum()
         value = nll / normalizer
-        metrics["nll_per_token"] = float(nll.detach()) / total_weight
+        metrics["nll_per_token"] = float(nll.detach()) / max(total_weight, 1e-12)
     else:
         adv = _field(batch, "advantages", width)
         if adv is None:
@@ -64,7 +66,7 @@ def compute_loss(
         clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
         metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(int(mask.sum()), 1)
-        metrics["ratio_mean"] = float((ratio.detach() * weights).sum()) / total_weight
+        metrics["ratio_mean"] = float((ratio.detach() * weights).sum()) / max(total_weight, 1e-12)
         if loss.kl_coef > 0:
             ref = _field(batch, "ref_logprobs", width)
             if ref is None:
@@ -74,7 +76,7 @@ def compute_loss(
             delta = torch.where(mask, ref.to(logp.device) - logp, torch.zeros_like(logp))
             k3 = torch.exp(delta) - delta - 1.0
             per_token = per_token + loss.kl_coef * k3
-            metrics["kl"] = float((k3.detach() * weights).sum()) / total_weight
+            metrics["kl"] = float((k3.detach() * weights).sum()) / max(total_weight, 1e-12)
         value = (weights * per_token).sum() / normalizer
     metrics["loss"] = float(value.detach())
     return value, metrics

@@ -101,6 +101,16 @@ class FSDPBackend(TorchBackend):
             # parameters back into their sharded form, which the optimizer state refers to.
             self._reshard()
 
+    def forward_backward(self, batch: Any, loss: Any) -> dict[str, float]:
+        try:
+            return super().forward_backward(batch, loss)
+        except Exception:
+            # Failed after the forward (agreed bad loss, non-finite loss): without a backward
+            # the root stays unsharded, and the next set_weights/optim_step would act on the
+            # temporary unsharded tensors.
+            self._reshard()
+            raise
+
     def sample(self, *args: Any, **kwargs: Any) -> Any:
         from plexrl_dask.errors import OpNotSupported
 

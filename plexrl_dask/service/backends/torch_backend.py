@@ -164,7 +164,10 @@ class TorchBackend:
         self._checked(lambda: self._check_tokens([d.tokens for d in batch]))
         self.model.train()
         logp, valid = self._logprobs(batch, 1.0)
-        value, metrics = compute_loss(loss, batch, logp, valid)
+        computed: list[Any] = []
+        # Agreed: a loss error on one rank's part (a field missing there) fails every rank.
+        self._checked(lambda: computed.extend(compute_loss(loss, batch, logp, valid)))
+        value, metrics = computed
         if not self._agree(bool(torch.isfinite(value))):
             raise NonFiniteLoss(
                 f"the loss is {float(value.detach())} (on this rank); no gradient was accumulated. "
@@ -393,7 +396,9 @@ class TorchBackend:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad], weight_decay=0.0
             )
-        checkpoint.load(self.model, self.optimizer if meta["has_optimizer"] else None, path, self._assign)
+        if not meta["has_optimizer"]:
+            self.optimizer = None  # moments of the old state do not belong to the restored one
+        checkpoint.load(self.model, self.optimizer, path, self._assign)
         self.model.zero_grad(set_to_none=True)
         self.pending_backward = 0
         self.version = int(meta["version"])
