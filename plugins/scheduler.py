@@ -596,7 +596,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 self.key_request.pop(key, None)
             self._soon(self._dispatch)
         elif finish == "no-worker":
-            self._soon(self._reroute_orphans)  # its target may have left while it waited
+            request = self.pending.get(self.key_request.get(key, ""))
+            live = self.scheduler.workers
+            if request is None or any(w is None or w not in live for w in request.workers.values()):
+                self._soon(self._reroute_orphans)  # its target left while it waited
+            else:
+                self._soon(self._dispatch)
         elif finish in ("erred", "forgotten", "released"):
             # Failed or cancelled before it ran (e.g. its dependency failed): drop its request
             # so it does not hold its deployment's queue.
