@@ -148,10 +148,9 @@ async def test_workers_without_the_gpu_resource_get_no_holder(c, s, gpu, plain):
     timeout=60,
 )
 async def test_holder_keeps_worker_state_valid(c, s, a, b):
-    """BUG (plugins/worker.py, PlexRLWorkerPlugin.setup): ``holder_of(worker) =
-    holder`` adds an actor without a task of that key, breaking the WorkerState invariant
-    "every key in ``actors`` is in ``tasks``": ``validate_state`` raises KeyError (and every
-    gen_cluster test with worker validation fails at teardown)."""
+    """Regression: the holder once went straight into ``worker.state.actors`` without a task of
+    that key, breaking the WorkerState invariant "every key in ``actors`` is in ``tasks``". It
+    is now a real actor task, submitted by the plugin's own client."""
     await install(c, s, [a, b])
     assert holder_of(a) is not None
     for w in (a, b):
@@ -442,7 +441,7 @@ async def _block_event_loop(marker: str, seconds: float) -> None:
     timeout=90,
 )
 async def test_registering_on_a_running_cluster_hears_every_worker(c, s, a, b, tmp_path):
-    """BUG (plugins/scheduler.py, ``start``): ``register_scheduler_plugin`` awaits
+    """Regression (plugins/scheduler.py, ``start``): ``register_scheduler_plugin`` awaits
     ``plugin.start()`` *before* adding the plugin to ``scheduler.plugins``, and ``start`` awaits
     the worker-plugin broadcast. A worker whose holder reports its capacity (a worker event)
     while the broadcast still waits for a slower worker reports to a scheduler on which the
@@ -474,7 +473,7 @@ async def test_registering_on_a_running_cluster_hears_every_worker(c, s, a, b, t
 
 def test_install_on_a_running_cluster():
     """``plexrl_dask.install(client)`` installs the plugins on a cluster started without them
-    (idempotently). BUG (plexrl_dask/cluster.py, ``install``): it passes ``idempotent=True`` to
+    (idempotently). Regression (plexrl_dask/cluster.py, ``install``): it passes ``idempotent=True`` to
     ``Client.register_plugin``, which distributed 2026.8 does not accept (TypeError)."""
     with (
         dask.config.set(CONFIG),

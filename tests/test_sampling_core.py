@@ -392,7 +392,7 @@ def test_zero_weight_tokens_cannot_make_the_kl_loss_non_finite():
     """Prompt tokens have weight 0 and ref_logprobs padded with 0.0 (from_prompt_completion).
     A prompt token the model finds very unlikely (logp -100: ref - logp = 100, exp overflows
     float32) must not turn the loss into NaN through ``0 * inf``: it does not count.
-    BUG (service/losses.py, compute_loss: k3 is computed on every position, then weighted)."""
+    Regression (service/losses.py, compute_loss: k3 is computed on every position, then weighted)."""
     prompt, completion = [5, 6, 7], [8, 9]
     d = Datum.from_prompt_completion(prompt, completion, advantage=1.0, ref_logprobs=[-1.0, -1.0])
     logp = torch.tensor([[-100.0, -2.0, -1.0, -1.0]], requires_grad=True)  # predicts tokens[1:]
@@ -428,7 +428,7 @@ def test_policy_gradient_advantages_on_some_data_only_is_invalid():
 
 
 def test_unknown_loss_is_invalid():
-    """BUG (service/losses.py, compute_loss: ``loss.normalizer`` is read before the type check,
+    """Regression (service/losses.py, compute_loss: ``loss.normalizer`` is read before the type check,
     so a wrong loss object raises AttributeError instead of the typed InvalidLoss)."""
     batch, logp, valid = _setup()
     with pytest.raises(errors.InvalidLoss, match="unknown loss"):
