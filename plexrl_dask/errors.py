@@ -52,10 +52,6 @@ class DeploymentLost(DeploymentError):
     """The worker that held a deployment's trained state died; the state is gone."""
 
 
-class DeploymentBusy(DeploymentError):
-    """An operation conflicts with the deployment's current state (e.g. undeploy in use)."""
-
-
 # --- requests ----------------------------------------------------------------------------
 
 

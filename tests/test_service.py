@@ -172,12 +172,19 @@ def test_rollout_replicas_sample_exactly_like_one(runtime):
         assert h["replicas"][two.name]["version"] == 4
 
 
-def test_hrrs_lets_a_short_request_overtake_a_long_one(runtime):
+def slow_deployment(runtime, name: str, seed: int):
+    """A deployment whose forward on the returned batch keeps its worker busy ~0.5 s, and that
+    worker."""
     worker = sorted(runtime.status()["workers"])[0]
-    long_spec = tiny_spec(seed=30, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
-    slow = runtime.deploy(unique("slow"), long_spec, workers=[worker])
+    spec = tiny_spec(seed=seed, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    dep = runtime.deploy(unique(name), spec, workers=[worker])
+    big = [plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
+    return dep, big, worker
+
+
+def test_hrrs_lets_a_short_request_overtake_a_long_one(runtime):
+    slow, big, worker = slow_deployment(runtime, "slow", 30)
     fast = runtime.deploy(unique("fast"), tiny_spec(seed=31), workers=[worker])
-    big = [plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
     tiny = [plexrl.Datum(tokens=fast.tokenize("1+1=2"))]
     plexrl.result([slow.forward(big), fast.forward(tiny)])  # the plugin learns both service times
     blocker, queued_long, queued_short = slow.forward(big), slow.forward(big), fast.forward(tiny)
@@ -190,11 +197,8 @@ def test_hrrs_lets_a_short_request_overtake_a_long_one(runtime):
 
 
 def test_undeploy_fails_queued_requests_instead_of_stranding_them(runtime):
-    worker = sorted(runtime.status()["workers"])[0]
-    long_spec = tiny_spec(seed=32, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
-    slow = runtime.deploy(unique("busy"), long_spec, workers=[worker])
+    slow, big, worker = slow_deployment(runtime, "busy", 32)
     doomed = runtime.deploy(unique("doomed"), tiny_spec(seed=33), workers=[worker])
-    big = [plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
     blocker = slow.forward(big)
     queued = doomed.forward([plexrl.Datum(tokens=[1, 5, 6])])
     runtime.undeploy(doomed.name)

@@ -9,7 +9,6 @@ a hub: loads pass ``local_files_only=True``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -90,9 +89,6 @@ class ModelSpec:
         }
         label = f"tiny-h{hidden_size}-l{num_layers}-s{seed}"
         return cls(config=tuple(sorted(cfg.items())), seed=seed, dtype=dtype, label=label)
-
-    def with_dtype(self, dtype: str) -> ModelSpec:
-        return dataclasses.replace(self, dtype=dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack-able form (for scheduler handlers and events)."""

@@ -332,9 +332,6 @@ class TorchBackend:
 
     # --- weights ---------------------------------------------------------------------------
 
-    def parameter_names(self) -> list[str]:
-        return [n for n, _ in self.model.named_parameters()]
-
     def get_weights(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Host copies of the parameters by canonical name (tied weights appear once)."""
         params = dict(self.model.named_parameters())
