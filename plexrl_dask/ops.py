@@ -9,7 +9,8 @@ users can submit them too::
 
 The ``plexrl`` annotation is what lets the scheduler plugin park the task and release it, in
 order, on the deployment's worker (optional keys: ``replica`` to aim at one of a rollout
-deployment's replicas; ``request``/``rank``/``ranks`` are set by the runtime for multi-rank
+deployment's replicas, or ``None`` to let the scheduler pick any replica (for reads: every
+replica holds the same weights); ``request``/``rank``/``ranks`` are set by the runtime for multi-rank
 calls). A task without it fails with :class:`NotRouted` instead of silently loading a second,
 divergent replica somewhere else.
 """

@@ -32,10 +32,12 @@ shows the queue with current ratios and the recent decisions with their reasons.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +57,12 @@ from plexrl_dask.errors import (
     to_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.policy.dispatch import DispatchPolicy, PendingRequest, select_releases
-from plexrl_dask.policy.estimates import Estimates
+from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
+from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.placement import WorkerView, place_workers
 from plexrl_dask.policy.residency import (
     HOLDER_TOPIC,
+    PREFETCH_OP,
     RESIDENCY_TOPIC,
     WORKER_TOPIC,
     ResidencyMap,
@@ -74,21 +77,49 @@ ANNOTATION = "plexrl"
 PARKED = "plexrl-parked://nowhere"
 
 
-@dataclass
+def dispatch_policy_from_config() -> DispatchPolicy:
+    """The dispatch rule configured under ``plexrl.scheduler``."""
+    placement = str(config.get("scheduler.placement"))
+    if config.get("scheduler.ordering") == "fifo":
+        return DispatchPolicy.fifo(placement)
+    return DispatchPolicy(
+        setup_weight=float(config.get("scheduler.setup-weight")),
+        patience_factor=float(config.get("scheduler.patience-factor")),
+        patience_floor_s=config.get_seconds("scheduler.patience-floor"),
+        placement=placement,
+    )
+
+
+@dataclass(eq=False)
 class _Request:
-    """A pending request: its tasks and target worker per rank (filled as tasks arrive)."""
+    """A request not yet released: its tasks per rank and its candidate groups (``None`` until
+    routed). ``replica`` is ``None`` for a data-parallel request (any replica)."""
 
     request: str
     ranks: int
     deployment: str = ""
     op: str = ""
-    replica: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    replica: int | None = 0
+    job: str = ""
     keys: dict[int, Any] = field(default_factory=dict)
-    workers: dict[int, str | None] = field(default_factory=dict)
+    groups: tuple[tuple[str, ...], ...] | None = None
+    admitted: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def order(self) -> str:
+        """Requests of one order run in submission order."""
+        return f"{self.deployment}#{'any' if self.replica is None else self.replica}"
 
     def forgotten(self, tasks: dict) -> bool:
         return any(k not in tasks for k in self.keys.values())
+
+
+def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...], ...]:
+    """The candidate groups of a request: its replica's workers, or every replica's."""
+    k = info.world_size
+    replicas = range(info.replicas) if replica is None else (replica,)
+    return tuple(tuple(info.workers[r * k : (r + 1) * k]) for r in replicas)
 
 
 class PlexRLSchedulerPlugin(SchedulerPlugin):
@@ -108,25 +139,28 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self._client: Any = None
         self._client_lock = asyncio.Lock()
         self._holders: dict[str, Any] = {}  # worker address -> Future of its holder actor
-        self.pending: dict[str, _Request] = {}  # arrival order
+        self.pending: dict[str, _Request] = {}  # not yet released, in submission order
+        self._by_deployment: dict[str, list[_Request]] = {}  # the same, per deployment
         self.key_request: dict[Any, str] = {}
-        self.running: dict[str, Any] = {}  # worker -> key of the PlexRL task it runs
         self.group_epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
         self.worker_group: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
-        self.started: dict[Any, tuple[float, str, str]] = {}  # key -> (release time, deployment, op)
+        # key -> (release time, deployment, op, worker, job) of a released task
+        self.started: dict[Any, tuple[float, str, str, str, str]] = {}
+        self.job_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.estimates = Estimates(
             service_prior_s=config.get_seconds("scheduler.service-prior"),
-            load_bandwidth=float(parse_bytes(config.get("scheduler.load-bandwidth-prior"))),
+            load_bandwidths={
+                tier: float(parse_bytes(v))
+                for tier, v in config.get("scheduler.load-bandwidth-priors").items()
+            },
         )
-        self.policy = (
-            DispatchPolicy.fifo()
-            if config.get("scheduler.ordering") == "fifo"
-            else DispatchPolicy(
-                setup_weight=float(config.get("scheduler.setup-weight")),
-                patience_factor=float(config.get("scheduler.patience-factor")),
-                patience_floor_s=config.get_seconds("scheduler.patience-floor"),
-            )
+        self.policy = dispatch_policy_from_config()
+        self.dispatcher = Dispatcher(
+            self.policy,
+            SetupCosts(self.residency, self.estimates, self._bytes_of),
         )
+        self.hints: dict[str, tuple[str, str]] = {}  # worker -> (deployment, uid) last hinted
+        self._touched: set[str] = set()  # workers whose prediction may have changed
         self.decisions: deque[dict[str, Any]] = deque(maxlen=int(config.get("scheduler.decisions-kept")))
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_events: dict[str, asyncio.Event] = {}
@@ -146,6 +180,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "plexrl_rendezvous_get": self.rendezvous_get,
             }
         )
+        for worker in self._gpu_workers():
+            self.dispatcher.add_worker(worker)
         from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
 
         await scheduler.register_worker_plugin(
@@ -273,7 +309,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             del self.worker_group[w]
         self.group_epochs.pop(info.uid, None)
         # Its queued requests fail with DeploymentNotFound instead of waiting forever.
-        self._soon(self._reroute_pending_of(name))
+        for request in [r for r in self.pending.values() if r.deployment == name]:
+            request.groups = None  # stale: routed again (to the error) by _reroute_orphans
+            self.dispatcher.remove(request.request)
+            request.admitted = False
+        self._soon(self._reroute_orphans)
         live = [w for w in info.workers if w in self.scheduler.workers]
         if live:
             await self.scheduler.broadcast(
@@ -307,28 +347,39 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             ],
             "workers": {w: dict(c) for w, c in self.worker_capacity.items()},
             "counters": dict(self.counters),
+            "jobs": {job: dict(c) for job, c in self.job_counters.items()},
             "queue": self._queue_status(),
             "decisions": list(self.decisions)[-50:],
+            "hints": {w: d for w, (d, _) in self.hints.items()},
+            "policy": dataclasses.asdict(self.policy),
         }
 
     def _queue_status(self, limit: int = 100) -> dict[str, Any]:
-        """The first ``limit`` pending requests with their current ratios, and the total."""
+        """The first ``limit`` admitted requests with their current ratios, and the totals."""
         now = time.monotonic()
         rows = []
-        for view in self._views()[:limit]:
+        for req in itertools.islice(self.dispatcher.pending(), limit):
+            ratio, setup = self.dispatcher.ratio(req, now)
             rows.append(
                 {
-                    "request": view.request,
-                    "deployment": view.deployment.rsplit("#", 1)[0],
-                    "workers": list(view.workers),
-                    "ready": view.ready,
-                    "wait_s": now - view.arrival,
-                    "ratio": self.policy.ratio(view, now),
-                    "service_s": view.service_s,
-                    "setup_s": view.setup_s,
+                    "request": req.request,
+                    "deployment": req.deployment,
+                    "op": req.op,
+                    "job": req.job,
+                    "groups": [list(g) for g in req.groups],
+                    "wait_s": now - req.arrival,
+                    "ratio": ratio,
+                    "service_s": req.service_s,
+                    "setup_s": setup,
+                    "urgent": self.dispatcher.is_urgent(req.request),
                 }
             )
-        return {"pending": len(self.pending), "top": rows}
+        return {
+            "pending": len(self.pending),
+            "admitted": len(self.dispatcher),
+            "busy": self.dispatcher.busy,
+            "top": rows,
+        }
 
     def rendezvous_put(self, key: str, address: str) -> dict[str, Any]:
         """Rank 0 of group ``key`` publishes its store's ``host:port``."""
@@ -350,6 +401,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         return {"status": "OK", "address": self._rendezvous[key]}
 
     # --- placement ---------------------------------------------------------------------------
+
+    def _bytes_of(self, deployment: str) -> int:
+        info = self.deployments.get(deployment)
+        return info.memory_bytes if info is not None else 0
 
     def _gpu_workers(self) -> list[str]:
         return [
@@ -426,15 +481,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             self._soon(self._dispatch)
 
     def _route(self, ts: Any) -> None:
-        """Park a PlexRL task and queue it under its request, aimed at its deployment's worker
-        for its (replica, rank); or, if it cannot run, let it run anywhere and raise the typed
-        error there, so the caller's future fails instead of waiting forever."""
+        """Park a PlexRL task and queue it under its request with its candidate groups (the
+        workers of its replica, or of every replica for a data-parallel request); or, if it
+        cannot run, let it run anywhere and raise the typed error there, so the caller's future
+        fails instead of waiting forever."""
         ann = dict(ts.annotations.get(ANNOTATION) or {})
         ann.pop("error", None)
         name = ann.get("deployment")
         request = str(ann.get("request") or ts.key)
-        ranks, rank, replica = int(ann.get("ranks", 1)), int(ann.get("rank", 0)), int(ann.get("replica", 0))
-        worker: str | None = None
+        ranks, rank = int(ann.get("ranks", 1)), int(ann.get("rank", 0))
+        replica = None if ann.get("replica", 0) is None else int(ann.get("replica", 0))
+        groups: tuple[tuple[str, ...], ...] | None = None
         try:
             info = self.deployments.get(name) if isinstance(name, str) else None
             if info is None:
@@ -448,7 +505,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "its worker mid-request; the request failed and the group is rebuilt on the "
                     "next request"
                 )
-            if not 0 <= rank < ranks or ranks != info.world_size or not 0 <= replica < info.replicas:
+            if (
+                not 0 <= rank < ranks
+                or ranks != info.world_size
+                or (replica is not None and not 0 <= replica < info.replicas)
+            ):
                 raise NotRouted(
                     f"{name!r} has world_size {info.world_size} and {info.replicas} replicas; "
                     f"a request for rank {rank}/{ranks} of replica {replica} does not fit it"
@@ -460,8 +521,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 self.deployments[name] = info
             if info.state == "lost" or self._worker_views():
                 info = self._placed(info)
-                worker = info.workers[replica * info.world_size + rank]
-                ann.update(uid=info.uid, worker=worker, modified=info.modified)
+                groups = _groups(info, replica)
+                ann.update(uid=info.uid, modified=info.modified)
             # else: no GPU worker right now; parked until one reports (then _reroute_orphans).
         except PlexRLError as e:
             ann["error"] = to_status(e)
@@ -474,89 +535,104 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ts.loose_restrictions = False
         ts.resource_restrictions = {self.gpu_resource: 1}
         ts.annotations = {**ts.annotations, ANNOTATION: ann}
-        queued = self.pending.setdefault(
-            request, _Request(request, ranks, name, str(ann.get("op", "")), replica)
-        )
+        queued = self.pending.get(request)
+        if queued is None:
+            queued = self.pending[request] = _Request(
+                request, ranks, name, str(ann.get("op", "")), replica, str(ann.get("job", ""))
+            )
+            self._by_deployment.setdefault(name, []).append(queued)
         queued.keys[rank] = ts.key
-        queued.workers[rank] = worker
+        queued.groups = groups
         self.key_request[ts.key] = request
         self.counters["routed"] += 1
 
-    def _view(self, r: _Request, ready: bool) -> PendingRequest:
-        workers = tuple(r.workers[i] for i in range(r.ranks))
-        info = self.deployments.get(r.deployment)
-        setup = 0.0
-        if info is not None:
-            # The load this request causes: zero where the deployment is resident in HBM.
-            missing = [w for w in workers if self.residency.tier(r.deployment, w) != "hbm"]
-            if missing:
-                setup = self.estimates.setup(r.deployment, info.memory_bytes)
-        return PendingRequest(
-            request=r.request,
-            workers=workers,
-            ready=ready,
-            deployment=f"{r.deployment}#{r.replica}",  # replicas keep separate orders
-            arrival=r.arrival,
-            service_s=self.estimates.service(r.deployment, r.op),
-            setup_s=setup,
-        )
-
-    def _views(self) -> list[PendingRequest]:
+    def _admit(self, name: str) -> None:
+        """Hand ``name``'s requests to the dispatcher in submission order, each once it is
+        ready (every rank parked in ``no-worker``) and every earlier one was admitted. Reads
+        from any replica and writes to one replica are not reordered: a data-parallel request
+        waits until the requests of the deployment before it were released, and vice versa."""
+        queue = self._by_deployment.get(name, [])
         tasks = self.scheduler.tasks
-        views = []
-        for r in self.pending.values():
-            if None in r.workers.values() or len(r.workers) < r.ranks:
-                continue  # not all ranks arrived, or no worker to aim at yet
-            ready = all(tasks[k].state == "no-worker" for k in r.keys.values())
-            try:
-                views.append(self._view(r, ready))
-            except ValueError:  # e.g. two ranks aimed at one worker: route it again
-                logger.warning("request %s has an invalid placement; re-routing it", r.request)
-                r.workers = {rank: None for rank in r.workers}
-        return views
+        now = time.monotonic()
+        for i, r in enumerate(queue):
+            if r.admitted:
+                continue
+            ready = (
+                r.groups is not None
+                and len(r.keys) == r.ranks
+                and all(k in tasks and tasks[k].state == "no-worker" for k in r.keys.values())
+            )
+            if not ready or any(
+                q.order != r.order and (q.replica is None or r.replica is None) for q in queue[:i]
+            ):
+                return
+            self.dispatcher.add(
+                Request(
+                    request=r.request,
+                    groups=r.groups,
+                    arrival=now,
+                    service_s=self.estimates.service(r.deployment, r.op),
+                    order=r.order,
+                    deployment=r.deployment,
+                    op=r.op,
+                    job=r.job,
+                )
+            )
+            r.admitted = True
+            r.arrival = now
 
     def _dispatch(self) -> None:
-        """Release the requests the policy core picks (all ranks of each at once)."""
+        """Release what the policy core picks (all ranks of a request at once), then send the
+        workers whose prediction changed a prefetch hint."""
         tasks = self.scheduler.tasks
         for request in [r for r in self.pending.values() if r.forgotten(tasks)]:
             self._forget(request)
+        for name in list(self._by_deployment):
+            self._admit(name)
         now = time.monotonic()
-        decisions = select_releases(self._views(), self.running, self.scheduler.workers, now, self.policy)
         recommendations = {}
+        decisions = self.dispatcher.decide(now)
         for decision in decisions:
-            view = decision.request
-            request = self.pending.pop(view.request)
-            if request.deployment not in self.deployments:
-                self._soon(self._reroute_orphans)  # undeployed meanwhile: fail it there
-                continue
-            extra = {"dispatched": True}
+            request = self.pending.pop(decision.request.request)
+            self._by_deployment[request.deployment].remove(request)
+            extra: dict[str, Any] = {"dispatched": True}
             if request.ranks > 1:
-                extra["epoch"] = self._group_epoch(request.deployment, view.workers)
+                extra["epoch"] = self._group_epoch(request.deployment, decision.group)
             for rank, key in request.keys.items():
                 ts = tasks[key]
-                worker = request.workers[rank]
+                worker = decision.group[rank]
                 ts.worker_restrictions = {worker}
-                ts.annotations = {**ts.annotations, ANNOTATION: {**ts.annotations[ANNOTATION], **extra}}
-                self.running[worker] = key
-                self.started[key] = (now, request.deployment, request.op)
-                recommendations[key] = "processing"
-            self.decisions.append(
-                {
-                    "time": time.time(),
-                    "request": request.request,
-                    "deployment": request.deployment,
-                    "op": request.op,
-                    "workers": list(view.workers),
-                    "wait_s": now - request.arrival,
-                    "ratio": decision.ratio,
-                    "urgent": decision.urgent,
-                    "service_s": view.service_s,
-                    "setup_s": view.setup_s,
+                ts.annotations = {
+                    **ts.annotations,
+                    ANNOTATION: {**ts.annotations[ANNOTATION], **extra, "worker": worker},
                 }
-            )
+                self.started[key] = (now, request.deployment, request.op, worker, request.job)
+                recommendations[key] = "processing"
+                self._touched.add(worker)
+            self.job_counters[request.job]["dispatched"] += 1
+            self.job_counters[request.job]["wait_s"] += decision.wait_s
+            self.decisions.append({"time": time.time(), **decision.to_dict()})
         if recommendations:
             self.counters["dispatched"] += len(decisions)
             self.scheduler.transitions(recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}")
+        self._send_hints(now)
+
+    def _send_hints(self, now: float) -> None:
+        """Tell each worker whose predicted next deployment changed what to prefetch."""
+        touched, self._touched = self._touched, set()
+        for worker in touched:
+            deployment = self.dispatcher.hint(worker, now)
+            info = self.deployments.get(deployment or "")
+            comm = self.scheduler.stream_comms.get(worker)
+            # Only workers whose holder reported in have the handler (an unknown op would
+            # break the worker's stream).
+            if info is None or comm is None or worker not in self.worker_capacity:
+                continue
+            if self.hints.get(worker) == (deployment, info.uid):
+                continue
+            self.hints[worker] = (deployment, info.uid)
+            comm.send({"op": PREFETCH_OP, "deployment": deployment, "uid": info.uid})
+            self.counters["prefetch_hints"] += 1
 
     def _group_epoch(self, deployment: str, workers: tuple[str, ...]) -> int:
         """The process-group epoch for a gang of ``deployment`` on ``workers``: unchanged while
@@ -573,6 +649,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     def _forget(self, request: _Request) -> None:
         self.pending.pop(request.request, None)
+        queue = self._by_deployment.get(request.deployment)
+        if queue is not None and request in queue:
+            queue.remove(request)
+            if not queue:
+                del self._by_deployment[request.deployment]
+        self.dispatcher.remove(request.request)
         for key in request.keys.values():
             self.key_request.pop(key, None)
 
@@ -580,11 +662,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if key not in self.key_request:
             return
         if start == "processing":
-            for worker in [w for w, k in self.running.items() if k == key]:
-                del self.running[worker]
             started = self.started.pop(key, None)
-            if started is not None and finish == "memory":
-                self.estimates.observe_service(started[1], started[2], time.monotonic() - started[0])
+            if started is not None:
+                t0, deployment, op, worker, job = started
+                self.dispatcher.release_worker(worker)
+                self._touched.add(worker)
+                if finish == "memory":
+                    self.estimates.observe_service(deployment, op, time.monotonic() - t0)
+                    self.job_counters[job]["completed"] += 1
+                    self.job_counters[job]["busy_s"] += time.monotonic() - t0
+                else:
+                    self.job_counters[job]["failed"] += 1
             ts = self.scheduler.tasks.get(key)
             ann = (ts.annotations or {}).get(ANNOTATION, {}) if ts is not None else {}
             if finish != "memory" and int(ann.get("ranks", 1)) > 1:
@@ -598,7 +686,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         elif finish == "no-worker":
             request = self.pending.get(self.key_request.get(key, ""))
             live = self.scheduler.workers
-            if request is None or any(w is None or w not in live for w in request.workers.values()):
+            if request is None or request.groups is None or any(
+                w not in live for g in request.groups for w in g
+            ):
                 self._soon(self._reroute_orphans)  # its target left while it waited
             else:
                 self._soon(self._dispatch)
@@ -611,22 +701,14 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             self.key_request.pop(key, None)
             self._soon(self._dispatch)
 
-    def _reroute_pending_of(self, name: str) -> Any:
-        def reroute() -> None:
-            for request in [r for r in self.pending.values() if r.deployment == name]:
-                request.workers = {rank: None for rank in request.workers}  # stale: re-route
-            self._reroute_orphans()
-
-        return reroute
-
     def _reroute_orphans(self) -> None:
-        """Route again every PlexRL request with a rank whose target worker is gone (or was
-        never found): all its ranks together, so a gang never ends up half re-placed."""
+        """Route again every PlexRL request with a candidate worker that is gone (or with no
+        candidates yet): all its ranks together, so a gang never ends up half re-placed."""
         live = self.scheduler.workers
         tasks = self.scheduler.tasks
         stale: list[Any] = []
         for request in list(self.pending.values()):
-            if any(w is None or w not in live for w in request.workers.values()):
+            if request.groups is None or any(w not in live for g in request.groups for w in g):
                 stale.extend(tasks[k] for k in request.keys.values() if k in tasks)
                 self._forget(request)
         for ts in list(self.scheduler.unrunnable):  # dispatched, then lost their worker
@@ -654,7 +736,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         self.worker_capacity.pop(worker, None)
-        self.running.pop(worker, None)
+        self.dispatcher.remove_worker(worker)
+        self.hints.pop(worker, None)
+        for key in [k for k, v in self.started.items() if v[3] == worker]:
+            del self.started[key]
         self.worker_group.pop(worker, None)
         holder = self._holders.pop(worker, None)
         if holder is not None:
@@ -668,6 +753,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 logger.info("worker %s left: deployment %s is %s", worker, name, state)
         self._soon(self._reroute_orphans)
 
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        ws = scheduler.workers.get(worker)
+        if ws is not None and ws.resources.get(self.gpu_resource, 0) >= 1:
+            self.dispatcher.add_worker(worker)
+
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == RESIDENCY_TOPIC and isinstance(msg, dict):
             report = ResidencyReport.from_event(msg)
@@ -676,7 +766,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 return  # a late report of an undeployed incarnation
             self.residency.apply(report)
             if report.tier == "hbm":
-                self.estimates.observe_load(report.deployment, report.load_s)
+                self.estimates.observe_load(report.deployment, report.source, report.load_s, report.bytes)
             if report.modified and not info.modified:
                 info = self.deployments[report.deployment] = info.with_(modified=True)
             if report.tier == "absent" and report.modified and report.lost and info.world_size > 1:

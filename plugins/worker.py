@@ -2,7 +2,8 @@
 
 The scheduler plugin registers this plugin cluster-wide, so every worker that joins (including
 one restarted by its nanny) gets it. On a worker advertising the GPU resource it fixes torch's
-thread count (DESIGN §5), adds the ``plexrl_holder_*`` worker handlers, and announces the worker
+thread count (DESIGN §5), adds the ``plexrl_holder_*`` worker handlers and the handler of the
+scheduler's prefetch hints (passed to the holder), and announces the worker
 on the ``plexrl-worker`` topic; the scheduler plugin answers by creating the worker's
 :class:`ReplicaHolder` actor. Workers without the GPU resource are left alone.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from plexrl_dask.config import WorkerConfig
-from plexrl_dask.policy.residency import WORKER_TOPIC
+from plexrl_dask.policy.residency import PREFETCH_OP, WORKER_TOPIC
 from plexrl_dask.service.holder import holder_of
 
 logger = logging.getLogger(__name__)
@@ -58,10 +59,20 @@ class PlexRLWorkerPlugin(WorkerPlugin):
                 return False
             return await asyncio.get_running_loop().run_in_executor(None, holder.drop, name)
 
+        def prefetch(deployment: str, uid: str) -> None:
+            holder = holder_of(worker)
+            if holder is not None:
+                holder.hint(deployment, uid)
+
         worker.handlers["plexrl_holder_status"] = holder_status
         worker.handlers["plexrl_holder_drop"] = holder_drop
+        # A stream op (one-way, batched with the scheduler's other messages); an op a worker
+        # has no handler for would break its stream, so it is never removed (see teardown).
+        worker.stream_handlers[PREFETCH_OP] = prefetch
         worker.log_event(WORKER_TOPIC, {"torch_threads": cfg.torch_threads})
 
     def teardown(self, worker: Any) -> None:
         for handler in HANDLERS:
             worker.handlers.pop(handler, None)
+        if PREFETCH_OP in worker.stream_handlers:
+            worker.stream_handlers[PREFETCH_OP] = lambda **_: None

@@ -200,6 +200,7 @@ def test_event_schema_and_round_trip():
         "uid": "u-1",
         "modified": True,
         "lost": False,
+        "source": "",
     }
     back = ResidencyReport.from_event({**event, "worker": "tcp://w:1"})
     assert back == r

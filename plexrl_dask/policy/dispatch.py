@@ -1,76 +1,147 @@
-"""Runtime dispatch: which pending requests the scheduler releases to their workers now.
+"""Runtime dispatch: which pending request runs next, and on which of its candidate workers.
 
-Pure code over plain state (no Dask), called by the scheduler plugin whenever a request arrives
-or a worker frees up. A *request* is one API call: ``ranks`` tasks, one per worker of its
-deployment's group, that must start together (a gang), or a single task.
+Pure code over plain state (no Dask). The scheduler plugin and the simulators drive one
+:class:`Dispatcher` each: they add requests, tell it when workers free up, join or leave, and
+call :meth:`Dispatcher.decide` after every such event.
 
-**Order within a deployment.** Requests of one deployment run in arrival order (they change its
-state: ``optim_step`` must follow the ``forward_backward`` before it), so only the oldest pending
-request of each deployment is a candidate.
+**Requests.** A request is one API call: ``k`` tasks that must start together on the ``k``
+workers of one *group* (a gang; ``k = 1`` for a single-worker call). It names its candidate
+groups: one for a request aimed at a placed replica (or at a training deployment's worker
+process group), several for a data-parallel request that any replica of its deployment may
+serve (rollout sampling). It also names an *order*: requests of one order run in arrival order
+(a deployment's ``optim_step`` must follow the ``forward_backward`` before it), so only the
+oldest pending request of each order, its *head*, is ever a candidate.
 
-**HRRS among candidates.** Highest Response Ratio with Setup: a candidate ``r`` that has waited
-``w`` with estimated service time ``s`` and estimated setup ``c`` (the load time of its
-deployment onto its workers: 0 where it is resident in HBM) scores
+**HRRS among candidates.** Highest Response Ratio with Setup: a head ``r`` that has waited ``w``
+with estimated service time ``s``, placed on a group ``g`` where making its deployment resident
+costs ``c(r, g)`` (0 where it is in HBM on every worker of ``g``, else the estimated load from
+the slowest worker's tier: DRAM, NVMe or a cold build), scores
 
-    ratio(r) = (w + s) / (s + alpha * c)
+    ratio(r, g) = (w + s) / (s + alpha * c(r, g))
 
-the response ratio of HRRN with the setup cost, weighted by ``alpha``, added to the
-denominator. Without waiting, a resident request (c = 0) scores 1 and one that needs a load
-scores below 1, so requests of resident models go first and same-model requests batch up;
-short requests overtake long ones; and since ``ratio`` grows without bound with ``w``, every
-request's score eventually beats any fixed competitor.
+HRRN's response ratio with the setup cost, weighted by ``alpha``, added to the service time in
+the denominator. Without waiting, a resident request scores 1 and one that needs a load scores
+below 1, so same-model requests batch up on the workers that hold the model; short requests
+overtake long ones; and since the ratio grows without bound with ``w``, waiting always wins in
+the end. Among the free groups of one request, the cheapest setup wins (HBM, then DRAM, then
+NVMe, then absent), then the group whose workers hold the fewest other models in HBM: different
+models spread over workers instead of every worker thrashing between the same two.
 
-**Starvation bound.** Growth of the ratio alone does not stop a stream of fresh, tiny requests
-from overtaking forever, and a gang needs all its workers free at once. So a candidate whose wait
-reaches its *patience*
+**Urgency and reservations.** Growth of the ratio alone does not stop a stream of fresh, tiny
+requests from overtaking forever, and a gang needs all its workers free at once. So each
+request gets a *patience*, fixed when it arrives,
 
-    P(r) = beta * (s + c) + floor
+    P(r) = beta * (s + c) + floor        (c: its cheapest setup at arrival)
 
-becomes *urgent*. Urgent candidates are served first, in arrival order, and reserve their
-workers: a later request may not start on a worker an urgent one is waiting for. Hence (proof
-sketch): once ``r`` is urgent, only requests already running on its workers, and urgent
-requests that arrived before it and share a worker with it, start before it; each runs once.
-So ``r`` starts by
+and a head that has waited ``P(r)`` becomes **urgent**: it reserves one of its groups (the one
+with the cheapest setup), and on each reserved worker urgent requests start in arrival order and
+nothing else may start. An urgent request may also start on another of its groups that is free
+and reserved by no one (a data-parallel request does not wait for "its" replica while another
+idles). A request starts on all workers of its group in the same decision or not at all, so no
+worker runs part of a gang, and reservations, granted in one total order (arrival), cannot
+deadlock.
 
-    W(r) <= P(r) + max over its workers of the running request's remaining time
-                 + sum over earlier urgent requests q sharing a worker of (s_q + c_q)
+**The bound.** Let ``E(r)`` be the requests that arrived no later than ``r`` and were still
+pending at ``t0 = a(r) + P_max(r)``, where ``P_max(r)`` is the largest patience among requests
+that arrived no later than ``r``; let ``B`` be the longest duration (actual service + setup) of
+any request that runs while ``r`` waits. Then ``r`` starts by
 
-with actual (not estimated) times on the right. Every term is finite: the earlier requests are
-the ones that arrived before ``r``. Ranks of a gang are released in the same decision or not at
-all, so no worker starts part of a gang and gangs over overlapping workers cannot deadlock.
+    S(r) <= a(r) + P_max(r) + |E(r)| * B
 
-FIFO is the special case ``beta = 0, floor = 0``: every candidate is urgent at once, and the
-rule is "arrival order with reservations" (``plexrl.scheduler.ordering: fifo``).
+*Proof.* At any ``t >= t0`` while ``r`` pends, let ``e`` be the earliest-arrived pending
+request (so ``e`` is in ``E(r)``). Every request of ``e``'s order that arrived before it has
+started, so ``e`` is a head; and it has waited ``t - a(e) >= P_max(r) >= P(e)``, so it is
+urgent and the first in reservation order on every worker it reserved. From then on nothing
+else starts on those workers; what runs there started before and ends within ``B``; ``e``
+starts when the last of them ends, or earlier elsewhere (the dispatcher decides at every
+event). So each member of
+``E(r)`` is the earliest pending request for at most ``B``, in arrival order, and ``r`` is the
+last of them. ∎  With FIFO (below) ``P_max = 0``. The bound counts requests, not their ratios:
+HRRS can reorder only what is younger than every request's patience, so a flood from one job
+or a stream of singles delays a request by at most its patience plus one blocking term per
+request already ahead of it. Requests whose workers die are routed again and excluded.
+
+**Arrival** is when a request can run: every task has arrived and waits only for a worker, and
+every earlier request of its order has arrived (the plugin admits requests in that order), so
+arrival order within an order is the submission order.
+
+FIFO is the special case ``alpha = beta = floor = 0``: every head is urgent on arrival and the
+rule is "arrival order with reservations" (``plexrl.scheduler.ordering: fifo``). With
+``placement="blind"`` a request takes its first free group regardless of residency (the
+residency-blind baseline of the benchmark).
+
+**Cost.** A decision touches only the free workers, the heads eligible on them and the urgent
+reservers at the top of their per-worker heaps: with 10,000 queued requests it costs a few
+heap operations per released request, not a pass over the queue.
+
+**Prefetch hints.** :meth:`Dispatcher.hint` names the deployment a worker is predicted to run
+next (its first urgent reserver, else its best eligible head by ratio), for the worker to load
+ahead of time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+Group = tuple[str, ...]
 
 
 @dataclass(frozen=True)
-class PendingRequest:
+class Request:
     """A request as dispatch sees it.
 
-    ``workers``: the worker of each rank; ``ready``: every task has arrived and waits only for a
-    worker; ``arrival``: when it arrived (seconds, any clock shared with ``now``);
-    ``service_s``/``setup_s``: the estimates that go into its ratio.
+    ``groups``: its candidate groups, each with one distinct worker per rank (all of one size);
+    ``order``: requests of one order run in arrival order; ``arrival``: when it could first run
+    (seconds on the clock ``decide`` gets); ``service_s``: the estimated service time.
     """
 
     request: str
-    workers: tuple[str, ...]
-    ready: bool = True
-    deployment: str = ""
+    groups: tuple[Group, ...]
     arrival: float = 0.0
     service_s: float = 1.0
-    setup_s: float = 0.0
+    order: str = ""
+    deployment: str = ""
+    op: str = ""
+    job: str = ""
 
     def __post_init__(self) -> None:
-        if not self.workers or len(set(self.workers)) != len(self.workers):
-            raise ValueError(f"a request needs distinct workers, one per rank: {self}")
-        if self.service_s <= 0 or self.setup_s < 0:
-            raise ValueError(f"service time must be > 0 and setup >= 0: {self}")
+        if not self.groups or any(not g or len(set(g)) != len(g) for g in self.groups):
+            raise ValueError(f"a request needs groups of distinct workers, one per rank: {self}")
+        if len({len(g) for g in self.groups}) != 1:
+            raise ValueError(f"all groups of a request have one worker per rank: {self}")
+        if not self.service_s > 0:
+            raise ValueError(f"service time must be > 0: {self}")
+
+    @property
+    def order_key(self) -> str:
+        return self.order or self.request
+
+
+class Costs(Protocol):
+    """What dispatch needs to know about residency."""
+
+    def setup_s(self, deployment: str, group: Group) -> float:
+        """Estimated time to make ``deployment`` resident on every worker of ``group``."""
+        ...
+
+    def crowding(self, worker: str) -> int:
+        """How many deployments ``worker`` holds in HBM (for spreading)."""
+        ...
+
+
+class NoCosts:
+    """Everything resident everywhere (no setup)."""
+
+    def setup_s(self, deployment: str, group: Group) -> float:
+        return 0.0
+
+    def crowding(self, worker: str) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -80,72 +151,398 @@ class DispatchPolicy:
     setup_weight: float = 2.0  # alpha
     patience_factor: float = 8.0  # beta
     patience_floor_s: float = 2.0  # floor
+    placement: str = "residency"  # or "blind"
+
+    def __post_init__(self) -> None:
+        if min(self.setup_weight, self.patience_factor, self.patience_floor_s) < 0:
+            raise ValueError(f"dispatch weights must be >= 0: {self}")
+        if self.placement not in ("residency", "blind"):
+            raise ValueError(f"placement must be 'residency' or 'blind', got {self.placement!r}")
 
     @classmethod
-    def fifo(cls) -> DispatchPolicy:
-        return cls(setup_weight=0.0, patience_factor=0.0, patience_floor_s=0.0)
+    def fifo(cls, placement: str = "residency") -> DispatchPolicy:
+        return cls(setup_weight=0.0, patience_factor=0.0, patience_floor_s=0.0, placement=placement)
 
-    def ratio(self, req: PendingRequest, now: float) -> float:
-        wait = max(0.0, now - req.arrival)
-        return (wait + req.service_s) / (req.service_s + self.setup_weight * req.setup_s)
+    def ratio(self, wait_s: float, service_s: float, setup_s: float) -> float:
+        return (max(0.0, wait_s) + service_s) / (service_s + self.setup_weight * setup_s)
 
-    def patience(self, req: PendingRequest) -> float:
-        return self.patience_factor * (req.service_s + req.setup_s) + self.patience_floor_s
+    def patience(self, service_s: float, setup_s: float) -> float:
+        return self.patience_factor * (service_s + setup_s) + self.patience_floor_s
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A released request and why: its ratio and whether it was urgent."""
+    """A released request, where, and why."""
 
-    request: PendingRequest
+    request: Request
+    group: Group
     ratio: float
+    setup_s: float
+    wait_s: float
     urgent: bool
 
+    def to_dict(self) -> dict:
+        r = self.request
+        return {
+            "request": r.request,
+            "deployment": r.deployment,
+            "op": r.op,
+            "job": r.job,
+            "workers": list(self.group),
+            "wait_s": self.wait_s,
+            "ratio": self.ratio,
+            "service_s": r.service_s,
+            "setup_s": self.setup_s,
+            "urgent": self.urgent,
+        }
 
-def candidates(pending: Sequence[PendingRequest]) -> list[PendingRequest]:
-    """The oldest pending request of each deployment (``pending`` is in arrival order)."""
-    seen: set[str] = set()
-    heads = []
-    for req in pending:
-        key = req.deployment or req.request
-        if key not in seen:
-            seen.add(key)
-            heads.append(req)
-    return heads
+
+@dataclass(eq=False)
+class _Entry:
+    request: Request
+    seq: int
+    patience: float
+    head: bool = False
+    urgent: bool = False
+    reserved: Group | None = None
+    workers: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def rank(self) -> tuple[float, int]:
+        """Position in arrival order."""
+        return (self.request.arrival, self.seq)
 
 
-def select_releases(
-    pending: Sequence[PendingRequest],
-    busy: Iterable[str],
-    live: Iterable[str],
-    now: float = 0.0,
-    policy: DispatchPolicy | None = None,
-) -> list[Decision]:
-    """The requests to release now (see the module docstring), urgent ones first.
+class Dispatcher:
+    """The dispatch state of one cluster (see the module docstring)."""
 
-    ``pending`` is in arrival order; ``busy`` are workers running a PlexRL request; ``live``
-    the workers that exist (a request naming another one waits for re-routing and reserves
-    nothing; so does one that is not ready).
-    """
-    policy = policy or DispatchPolicy.fifo()
-    taken = set(busy)
-    live = set(live)
-    heads = [r for r in candidates(pending) if r.ready and set(r.workers) <= live]
-    urgent = [r for r in heads if now - r.arrival >= policy.patience(r)]
-    released: list[Decision] = []
-    for req in urgent:  # arrival order
-        workers = set(req.workers)
-        if not workers & taken:
-            released.append(Decision(req, policy.ratio(req, now), True))
-        taken |= workers  # released or reserved: later requests may not start there
-    urgent_ids = {r.request for r in urgent}
-    others = sorted(
-        (r for r in heads if r.request not in urgent_ids),
-        key=lambda r: (-policy.ratio(r, now), r.arrival),
-    )
-    for req in others:
-        workers = set(req.workers)
-        if not workers & taken:
-            released.append(Decision(req, policy.ratio(req, now), False))
-            taken |= workers
-    return released
+    def __init__(
+        self,
+        policy: DispatchPolicy | None = None,
+        costs: Costs | None = None,
+        workers: Iterable[str] = (),
+    ) -> None:
+        self.policy = policy or DispatchPolicy.fifo()
+        self.costs: Costs = costs or NoCosts()
+        self._live: set[str] = set(workers)
+        self._free: set[str] = set(self._live)
+        self._busy: dict[str, str] = {}  # worker -> request running there
+        self._queues: dict[str, deque[_Entry]] = {}
+        self._entries: dict[str, _Entry] = {}  # pending, in order of add()
+        self._eligible: dict[str, set[str]] = {}  # worker -> orders with a non-urgent head there
+        self._deadlines: list[tuple[float, int, str]] = []  # (urgent at, seq, request) of heads
+        self._reservers: dict[str, list[tuple[float, int, str]]] = {}  # worker -> heap
+        self._stranded: set[str] = set()  # urgent, but no group with all workers live
+        self._seq = itertools.count()
+        self._last_arrival: dict[str, float] = {}
+
+    # --- state changes -----------------------------------------------------------------------
+
+    def add_worker(self, worker: str) -> None:
+        if worker not in self._live:
+            self._live.add(worker)
+            if worker not in self._busy:
+                self._free.add(worker)
+            self._stranded_retry()
+
+    def remove_worker(self, worker: str) -> None:
+        """``worker`` left: it runs nothing, and urgent requests that reserved it choose again."""
+        self._live.discard(worker)
+        self._free.discard(worker)
+        self._busy.pop(worker, None)
+        for _, _, rid in self._reservers.pop(worker, []):
+            e = self._entries.get(rid)
+            if e is not None and e.reserved is not None and worker in e.reserved:
+                e.reserved = None
+                self._stranded.add(rid)
+
+    def add(self, request: Request) -> None:
+        """Queue ``request`` (its arrival is raised to its order's last arrival, if earlier)."""
+        if request.request in self._entries:
+            raise ValueError(f"request {request.request!r} is already pending")
+        order = request.order_key
+        last = self._last_arrival.get(order)
+        if last is not None and request.arrival < last:
+            request = _replace_arrival(request, last)
+        self._last_arrival[order] = request.arrival
+        setup = min(self._setup(request, g) for g in request.groups)
+        e = _Entry(
+            request,
+            next(self._seq),
+            self.policy.patience(request.service_s, setup),
+            workers=frozenset(w for g in request.groups for w in g),
+        )
+        self._entries[request.request] = e
+        queue = self._queues.setdefault(order, deque())
+        queue.append(e)
+        if len(queue) == 1:
+            self._make_head(e)
+
+    def remove(self, request: str) -> Request | None:
+        """Drop a pending request (cancelled, failed, or to be routed again)."""
+        e = self._entries.pop(request, None)
+        if e is None:
+            return None
+        order = e.request.order_key
+        queue = self._queues[order]
+        if e.head:
+            self._unhead(e)
+            queue.popleft()
+            if queue:
+                self._make_head(queue[0])
+        else:
+            queue.remove(e)
+        if not queue:
+            del self._queues[order]
+            self._last_arrival.pop(order, None)
+        self._stranded.discard(request)
+        return e.request
+
+    def release_worker(self, worker: str) -> None:
+        """The task running on ``worker`` ended (each rank of a gang frees its own worker)."""
+        if self._busy.pop(worker, None) is not None and worker in self._live:
+            self._free.add(worker)
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request: str) -> bool:
+        return request in self._entries
+
+    @property
+    def busy(self) -> dict[str, str]:
+        return dict(self._busy)
+
+    def pending(self) -> Iterator[Request]:
+        """Pending requests, in the order they were added."""
+        return (e.request for e in self._entries.values())
+
+    def ratio(self, request: Request, now: float) -> tuple[float, float]:
+        """``request``'s current best (ratio, setup) over its live groups (setup ``inf`` if none)."""
+        setups = [self._setup(request, g) for g in request.groups if self._all_live(g)]
+        setup = min(setups) if setups else float("inf")
+        if not setups:
+            return 0.0, setup
+        return self.policy.ratio(now - request.arrival, request.service_s, setup), setup
+
+    def is_urgent(self, request: str) -> bool:
+        e = self._entries.get(request)
+        return bool(e and e.urgent)
+
+    def hint(self, worker: str, now: float) -> str | None:
+        """The deployment ``worker`` is predicted to run next: that of its first urgent
+        reserver, else of the best head that may run there (by ratio), else ``None``."""
+        top = self._top_reserver(worker)
+        if top is not None:
+            return top.request.deployment or None
+        best: tuple[float, int] | None = None
+        choice = None
+        for order in self._eligible.get(worker, ()):
+            e = self._queues[order][0]
+            groups = [g for g in e.request.groups if worker in g]
+            setup = min(self._setup(e.request, g) for g in groups)
+            key = (self.policy.ratio(now - e.request.arrival, e.request.service_s, setup), -e.seq)
+            if best is None or key > best:
+                best, choice = key, e.request.deployment
+        return choice or None
+
+    # --- the decision --------------------------------------------------------------------------
+
+    def decide(self, now: float) -> list[Decision]:
+        """Release what may start now: urgent requests first, then the best ratios."""
+        out: list[Decision] = []
+        while True:
+            self._promote(now)
+            released = len(out)
+            self._release_urgent(now, out)
+            self._release_best(now, out)
+            if len(out) == released:
+                return out
+
+    def _promote(self, now: float) -> None:
+        """Heads that have waited their patience become urgent and reserve a group."""
+        self._stranded_retry()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, rid = heapq.heappop(self._deadlines)
+            e = self._entries.get(rid)
+            if e is not None and e.head and not e.urgent:
+                self._make_urgent(e)
+
+    def _release_urgent(self, now: float, out: list[Decision]) -> None:
+        candidates = {}
+        for w in self._free:
+            top = self._top_reserver(w)
+            if top is not None:
+                candidates[top.request.request] = top
+        for e in sorted(candidates.values(), key=lambda e: e.rank):
+            group = e.reserved
+            if group is not None and all(
+                w in self._free and self._top_reserver(w) is e for w in group
+            ):
+                out.append(self._start(e, group, now, urgent=True))
+
+    def _release_best(self, now: float, out: list[Decision]) -> None:
+        """Start heads on free, unreserved groups: urgent ones first in arrival order (on their
+        cheapest free group, which may differ from the one they reserved), then greedily by
+        ratio. Returns early when a release makes an overdue request a head, so that ``decide``
+        promotes it before anything else starts."""
+        urgent: list[_Entry] = []
+        heap: list[tuple[float, float, int, str, Group, float]] = []
+        seen: set[str] = set()
+        for w in list(self._free):
+            if self._top_reserver(w) is not None:
+                continue
+            for order in self._eligible.get(w, ()):
+                e = self._queues[order][0]
+                if e.request.request in seen:
+                    continue
+                seen.add(e.request.request)
+                if e.urgent:
+                    urgent.append(e)
+                else:
+                    self._push_best(heap, e, now)
+        for e in sorted(urgent, key=lambda e: e.rank):
+            best = self._best_group(e)
+            if best is not None:
+                out.append(self._start(e, best[0], now, urgent=True, setup=best[1]))
+                if self._overdue_next(e, now):
+                    return
+        while heap:
+            neg_ratio, _, _, rid, group, setup = heapq.heappop(heap)
+            e = self._entries.get(rid)
+            if e is None or not e.head or e.urgent:
+                continue
+            if not self._usable(group):
+                self._push_best(heap, e, now)  # its group was taken meanwhile: next best
+                continue
+            out.append(self._start(e, group, now, urgent=False, ratio=-neg_ratio, setup=setup))
+            if self._overdue_next(e, now):
+                return
+            queue = self._queues.get(e.request.order_key)
+            if queue:
+                self._push_best(heap, queue[0], now)
+
+    def _overdue_next(self, started: _Entry, now: float) -> bool:
+        """Whether the new head of ``started``'s order has waited its patience already."""
+        queue = self._queues.get(started.request.order_key)
+        return bool(queue) and queue[0].request.arrival + queue[0].patience <= now
+
+    def _push_best(self, heap: list, e: _Entry, now: float) -> None:
+        best = self._best_group(e)
+        if best is not None:
+            group, setup = best
+            ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
+            heapq.heappush(heap, (-ratio, e.request.arrival, e.seq, e.request.request, group, setup))
+
+    def _best_group(self, e: _Entry) -> tuple[Group, float] | None:
+        """The free, unreserved group of ``e`` with the cheapest setup (then least crowded)."""
+        best: tuple[tuple, Group, float] | None = None
+        for i, group in enumerate(e.request.groups):
+            if not self._usable(group):
+                continue
+            setup = self._setup(e.request, group)
+            if self.policy.placement == "blind":
+                return group, setup
+            key = (setup, sum(self.costs.crowding(w) for w in group), i)
+            if best is None or key < best[0]:
+                best = (key, group, setup)
+        return None if best is None else (best[1], best[2])
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _setup(self, request: Request, group: Group) -> float:
+        return self.costs.setup_s(request.deployment or request.order_key, group)
+
+    def _all_live(self, group: Group) -> bool:
+        return all(w in self._live for w in group)
+
+    def _usable(self, group: Group) -> bool:
+        return all(w in self._free and self._top_reserver(w) is None for w in group)
+
+    def _make_head(self, e: _Entry) -> None:
+        e.head = True
+        order = e.request.order_key
+        for w in e.workers:
+            self._eligible.setdefault(w, set()).add(order)
+        heapq.heappush(self._deadlines, (e.request.arrival + e.patience, e.seq, e.request.request))
+
+    def _unhead(self, e: _Entry) -> None:
+        e.head = False
+        order = e.request.order_key
+        for w in e.workers:
+            orders = self._eligible.get(w)
+            if orders is not None:
+                orders.discard(order)
+                if not orders:
+                    del self._eligible[w]
+
+    def _make_urgent(self, e: _Entry) -> None:
+        e.urgent = True
+        self._reserve(e)
+
+    def _reserve(self, e: _Entry) -> None:
+        groups = [g for g in e.request.groups if self._all_live(g)]
+        if not groups:
+            self._stranded.add(e.request.request)
+            return
+        if self.policy.placement == "blind":
+            group = min(groups, key=lambda g: sum(w in self._busy for w in g))
+        else:
+            group = min(
+                groups,
+                key=lambda g: (
+                    self._setup(e.request, g),
+                    sum(w in self._busy for w in g),
+                    sum(self.costs.crowding(w) for w in g),
+                ),
+            )
+        e.reserved = group
+        for w in group:
+            heapq.heappush(self._reservers.setdefault(w, []), (e.request.arrival, e.seq, e.request.request))
+
+    def _stranded_retry(self) -> None:
+        for rid in list(self._stranded):
+            e = self._entries.get(rid)
+            self._stranded.discard(rid)
+            if e is not None and e.urgent and e.reserved is None:
+                self._reserve(e)
+
+    def _top_reserver(self, worker: str) -> _Entry | None:
+        heap = self._reservers.get(worker)
+        while heap:
+            e = self._entries.get(heap[0][2])
+            if e is not None and e.reserved is not None and worker in e.reserved:
+                return e
+            heapq.heappop(heap)  # started, removed, or re-reserved elsewhere
+        if heap is not None:
+            del self._reservers[worker]
+        return None
+
+    def _start(
+        self,
+        e: _Entry,
+        group: Group,
+        now: float,
+        urgent: bool,
+        ratio: float | None = None,
+        setup: float | None = None,
+    ) -> Decision:
+        if setup is None:
+            setup = self._setup(e.request, group)
+        if ratio is None:
+            ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
+        rid = e.request.request
+        for w in group:
+            self._busy[w] = rid
+            self._free.discard(w)
+        e.reserved = None
+        self.remove(rid)
+        return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent)
+
+
+def _replace_arrival(request: Request, arrival: float) -> Request:
+    from dataclasses import replace
+
+    return replace(request, arrival=arrival)

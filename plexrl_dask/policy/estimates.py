@@ -1,19 +1,38 @@
-"""Estimates the dispatch rule needs: service time per (deployment, op) and setup (load) time.
+"""Estimates the dispatch rule needs: service time per (deployment, op) and setup time per tier.
 
 Both are learned from what the cluster reports, as exponentially weighted moving averages that
-start from documented priors:
+start from documented priors (``plexrl.scheduler.*``):
 
-- service: the wall time from release to completion of each request (the plugin observes it);
-  prior ``plexrl.scheduler.service-prior`` (1 s: a tiny model's step on a CPU worker);
-- setup: the measured ``load_s`` of each transition into HBM a holder reports (build, reload or
-  group rebuild); until one is seen, the deployment's bytes over
-  ``plexrl.scheduler.load-bandwidth-prior`` (2 GB/s: host-to-device copies and CPU builds of
-  tiny models are of that order; the state-store issue measures the real tiers).
+- **service**: the wall time from release to completion of each request (the plugin observes
+  it); prior ``service-prior`` (1 s: a tiny model's step on a CPU worker).
+- **setup**: making a deployment resident in HBM on a worker costs a load from the tier it is
+  in there. Each residency report of a transition into HBM carries its measured ``load_s`` and
+  the tier it came from (``source``): ``dram`` (a reload of offloaded state), ``nvme`` (a read
+  from the node's disk tier) or ``absent`` (a cold build or a read of a canonical version).
+  The learned value is per (deployment, tier); for a deployment not yet observed in a tier, the
+  bytes over that tier's learned bandwidth (all deployments' loads from it); before any load
+  from a tier is seen, the bytes over its prior bandwidth ``load-bandwidth-priors`` (DRAM
+  10 GB/s: pinned host-to-device copies run at 20+ GB/s on PCIe 4/5, halved for unpinned
+  staging; NVMe 2 GB/s: one local SSD; absent 0.5 GB/s: building a model and initialising or
+  reading its weights). A deployment in HBM costs nothing.
+
+:class:`SetupCosts` puts them together with the residency map into the ``Costs`` the
+dispatcher asks (:mod:`plexrl_dask.policy.dispatch`); the live plugin and the simulators use it
+alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from plexrl_dask.policy.residency import TIERS, ResidencyMap
+
+#: Tiers a load can come from (a load is a transition into HBM).
+LOAD_SOURCES = TIERS[1:]
+
+#: Prior load bandwidths (bytes/s) per source tier; see the module docstring.
+DEFAULT_LOAD_BANDWIDTHS: Mapping[str, float] = {"dram": 10e9, "nvme": 2e9, "absent": 0.5e9}
 
 
 @dataclass
@@ -21,10 +40,16 @@ class Estimates:
     """EWMA estimates with priors (see the module docstring)."""
 
     service_prior_s: float = 1.0
-    load_bandwidth: float = 2e9
+    load_bandwidths: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_LOAD_BANDWIDTHS))
     weight: float = 0.3  # of each new observation
     _service: dict[tuple[str, str], float] = field(default_factory=dict)
-    _load: dict[str, float] = field(default_factory=dict)
+    _load: dict[tuple[str, str], float] = field(default_factory=dict)
+    _bandwidth: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = set(LOAD_SOURCES) - set(self.load_bandwidths)
+        if missing or any(v <= 0 for v in self.load_bandwidths.values()):
+            raise ValueError(f"load bandwidth priors must be > 0 for {LOAD_SOURCES}: {dict(self.load_bandwidths)}")
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.weight) * old + self.weight * new
@@ -33,19 +58,60 @@ class Estimates:
         key = (deployment, op)
         self._service[key] = self._blend(self._service.get(key), max(seconds, 1e-6))
 
-    def observe_load(self, deployment: str, seconds: float) -> None:
-        if seconds > 0:
-            self._load[deployment] = self._blend(self._load.get(deployment), seconds)
+    def observe_load(self, deployment: str, source: str, seconds: float, nbytes: int = 0) -> None:
+        """A measured load of ``deployment`` (``nbytes``) from tier ``source`` into HBM."""
+        if source not in LOAD_SOURCES or seconds <= 0:
+            return  # a regroup of resident state, or an unknown origin: not a tier's load
+        key = (deployment, source)
+        self._load[key] = self._blend(self._load.get(key), seconds)
+        if nbytes > 0:
+            self._bandwidth[source] = self._blend(self._bandwidth.get(source), nbytes / seconds)
 
     def service(self, deployment: str, op: str) -> float:
         return self._service.get((deployment, op), self.service_prior_s)
 
-    def setup(self, deployment: str, nbytes: int) -> float:
-        """Time to make ``deployment`` resident on a worker where it is not."""
-        learned = self._load.get(deployment)
-        return learned if learned is not None else nbytes / self.load_bandwidth
+    def setup(self, deployment: str, tier: str, nbytes: int) -> float:
+        """Time to make ``deployment`` (``nbytes``) resident in HBM from ``tier``."""
+        if tier == "hbm":
+            return 0.0
+        learned = self._load.get((deployment, tier))
+        if learned is not None:
+            return learned
+        bandwidth = self._bandwidth.get(tier) or self.load_bandwidths[tier]
+        return nbytes / bandwidth
 
     def forget(self, deployment: str) -> None:
-        self._load.pop(deployment, None)
-        for key in [k for k in self._service if k[0] == deployment]:
-            del self._service[key]
+        for table in (self._load, self._service):
+            for key in [k for k in table if k[0] == deployment]:
+                del table[key]
+
+
+class SetupCosts:
+    """Setup cost of a deployment on a group of workers, from residency and estimates.
+
+    ``bytes_of(deployment)`` gives a deployment's bytes per worker (0 if unknown). A group's
+    setup is its slowest worker's (the ranks load in parallel and start together).
+    """
+
+    def __init__(
+        self,
+        residency: ResidencyMap,
+        estimates: Estimates,
+        bytes_of: Callable[[str], int],
+    ) -> None:
+        self.residency = residency
+        self.estimates = estimates
+        self.bytes_of = bytes_of
+
+    def setup_s(self, deployment: str, group: tuple[str, ...]) -> float:
+        nbytes = 0
+        worst = 0.0
+        for w in group:
+            tier = self.residency.tier(deployment, w)
+            if tier != "hbm":
+                nbytes = nbytes or self.bytes_of(deployment)
+                worst = max(worst, self.estimates.setup(deployment, tier, nbytes))
+        return worst
+
+    def crowding(self, worker: str) -> int:
+        return self.residency.count_in(worker, "hbm")

@@ -16,6 +16,9 @@ WORKER_TOPIC = "plexrl-worker"
 #: A replica holder exists on a worker: its capacity and actor key (sent by the holder).
 HOLDER_TOPIC = "plexrl-holder"
 
+#: Worker stream op of the scheduler's prefetch hints (``deployment``, ``uid``).
+PREFETCH_OP = "plexrl-prefetch"
+
 #: Tiers from fastest to slowest; "absent" means no state on that worker at all.
 TIERS = ("hbm", "dram", "nvme", "absent")
 
@@ -25,7 +28,9 @@ class ResidencyReport:
     """A deployment's state on one worker after its last transition.
 
     ``load_s`` is the measured duration of that transition (a load for ``hbm``, an offload for
-    ``dram``/``nvme``, 0 for ``absent``); ``modified`` says the state differs from what the
+    ``dram``/``nvme``, 0 for ``absent``) and ``source`` the tier it came from (for a load:
+    ``dram``, ``nvme`` or ``absent``; ``hbm`` for a regroup of resident state; empty if
+    unknown); ``modified`` says the state differs from what the
     deployment's spec builds (trained or overwritten weights), i.e. it would be lost with the
     worker.
     """
@@ -39,10 +44,11 @@ class ResidencyReport:
     uid: str = ""
     modified: bool = False
     lost: bool = False  # "absent" because a failed group request made the state unusable
+    source: str = ""
 
     def __post_init__(self) -> None:
-        if self.tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if self.tier not in TIERS or self.source not in ("", *TIERS):
+            raise ValueError(f"tier and source must be in {TIERS}, got {self.tier!r}, {self.source!r}")
 
     def to_event(self) -> dict[str, Any]:
         """The msgpack-able event a worker logs (without ``worker``: Dask adds it)."""
@@ -57,24 +63,30 @@ class ResidencyReport:
 
 
 class ResidencyMap:
-    """The latest report per (deployment, worker)."""
+    """The latest report per (deployment, worker), indexed by worker too."""
 
     def __init__(self) -> None:
         self._reports: dict[tuple[str, str], ResidencyReport] = {}
+        self._by_worker: dict[str, dict[str, ResidencyReport]] = {}
 
     def apply(self, report: ResidencyReport) -> None:
+        key = (report.deployment, report.worker)
+        held = self._by_worker.setdefault(report.worker, {})
         if report.tier == "absent":
-            self._reports.pop((report.deployment, report.worker), None)
+            self._reports.pop(key, None)
+            held.pop(report.deployment, None)
         else:
-            self._reports[(report.deployment, report.worker)] = report
+            self._reports[key] = report
+            held[report.deployment] = report
 
     def forget_worker(self, worker: str) -> None:
-        for key in [k for k in self._reports if k[1] == worker]:
-            del self._reports[key]
+        for deployment in self._by_worker.pop(worker, {}):
+            self._reports.pop((deployment, worker), None)
 
     def forget_deployment(self, deployment: str) -> None:
         for key in [k for k in self._reports if k[0] == deployment]:
             del self._reports[key]
+            self._by_worker.get(key[1], {}).pop(deployment, None)
 
     def tier(self, deployment: str, worker: str) -> str:
         report = self._reports.get((deployment, worker))
@@ -86,9 +98,12 @@ class ResidencyMap:
     def reports(self) -> list[ResidencyReport]:
         return sorted(self._reports.values(), key=lambda r: (r.deployment, r.worker))
 
+    def count_in(self, worker: str, tier: str) -> int:
+        """How many deployments ``worker`` holds in ``tier``."""
+        return sum(r.tier == tier for r in self._by_worker.get(worker, {}).values())
+
     def bytes_by_tier(self, worker: str) -> dict[str, int]:
         out = dict.fromkeys(TIERS[:-1], 0)
-        for (_, w), r in self._reports.items():
-            if w == worker:
-                out[r.tier] += r.bytes
+        for r in self._by_worker.get(worker, {}).values():
+            out[r.tier] += r.bytes
         return out

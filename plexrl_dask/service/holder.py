@@ -139,7 +139,8 @@ class ReplicaHolder:
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
         # from the actor thread; the lock keeps them from seeing a replica mid-transition.
         self._lock = threading.RLock()
-        self.counters = {"loads": 0, "reloads": 0, "offloads": 0, "requests": 0}
+        self.counters = {"loads": 0, "reloads": 0, "offloads": 0, "requests": 0, "prefetches": 0}
+        self._hint: tuple[str, str] | None = None  # (deployment, uid) predicted to run next
 
     # --- in-process API for request tasks --------------------------------------------------
 
@@ -178,7 +179,9 @@ class ReplicaHolder:
             # tell the scheduler the new size/version.
             self._make_room(0, keep=info.name)
             self._emit(replica, "hbm", replica.last_transition_s)
-            return result
+        if self._hint is not None and self._hint[0] != info.name:
+            self._prefetch_soon()
+        return result
 
     def _ensure(self, info: DeploymentInfo, op: str, group: GroupContext | None) -> _Replica:
         """``info``'s replica, resident and (for a rank) on the group of ``group``."""
@@ -194,6 +197,7 @@ class ReplicaHolder:
         if replica is None:
             return self._load(info, group)
         t0 = time.perf_counter()
+        source = "hbm" if replica.backend.resident else "dram"
         if group is not None and (replica.backend.epoch_key != group.key or not replica.backend.resident):
             if not replica.backend.resident:
                 self._make_room(replica.backend.state_bytes(), keep=info.name)
@@ -205,7 +209,7 @@ class ReplicaHolder:
             self.counters["reloads"] += 1
         else:
             return replica
-        self._emit(replica, "hbm", time.perf_counter() - t0)
+        self._emit(replica, "hbm", time.perf_counter() - t0, source=source)
         return replica
 
     def _join(self, group: GroupContext) -> None:
@@ -239,7 +243,7 @@ class ReplicaHolder:
         self._replicas[info.name] = replica
         self.counters["loads"] += 1
         logger.info("loaded %s (%s) on %s in %.2fs", info.name, info.spec.name, self.device, load_s)
-        self._emit(replica, "hbm", load_s)
+        self._emit(replica, "hbm", load_s, source="absent")
         return replica
 
     def _resident_bytes(self) -> int:
@@ -266,7 +270,7 @@ class ReplicaHolder:
         replica.backend.offload()
         self.counters["offloads"] += 1
         logger.info("offloaded %s from %s", replica.info.name, self.worker_address)
-        self._emit(replica, "dram", time.perf_counter() - t0)
+        self._emit(replica, "dram", time.perf_counter() - t0, source="hbm")
 
     def _drop(self, name: str, lost: bool = False) -> None:
         replica = self._replicas.pop(name, None)
@@ -281,7 +285,11 @@ class ReplicaHolder:
                 "none of it; restore a checkpoint with deployment.load_state(path)"
             )
 
-    def _emit(self, replica: _Replica, tier: str, load_s: float, lost: bool = False) -> None:
+    def _emit(
+        self, replica: _Replica, tier: str, load_s: float, lost: bool = False, source: str = ""
+    ) -> None:
+        """Report ``replica``'s tier; ``source`` names the tier of a transition just measured
+        (``load_s``), empty for a report that only refreshes size and version."""
         replica.last_transition_s = load_s
         try:
             report = ResidencyReport(
@@ -293,10 +301,51 @@ class ReplicaHolder:
                 uid=replica.info.uid,
                 modified=replica.modified,
                 lost=lost,
+                source=source,
             )
             self._report(report.to_event())
         except Exception:  # reporting must never fail a request
             logger.warning("could not send a residency report", exc_info=True)
+
+    # --- prefetch ------------------------------------------------------------------------------
+
+    def hint(self, deployment: str, uid: str) -> None:
+        """The scheduler predicts ``deployment`` runs here next: bring it back from host
+        memory when this worker is idle (see :meth:`prefetch`). Never blocks."""
+        self._hint = (deployment, uid)
+        self._prefetch_soon()
+
+    def _prefetch_soon(self) -> None:
+        threading.Thread(target=self.prefetch, name="plexrl-prefetch", daemon=True).start()
+
+    def prefetch(self) -> bool:
+        """Reload the hinted deployment if it is held here offloaded, offloading least recently
+        used others to make room, so the next request finds its model resident. It never waits
+        for a running request (it gives up; the holder tries again after that request), and a
+        request arriving meanwhile waits for it to finish. Multi-rank replicas are rebuilt on their
+        group's next request instead (their reload joins a group)."""
+        if self._hint is None or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            name, uid = self._hint
+            replica = self._replicas.get(name)
+            if (
+                replica is None
+                or replica.info.uid != uid
+                or replica.backend.resident
+                or replica.info.world_size > 1
+            ):
+                return False
+            t0 = time.perf_counter()
+            self._make_room(replica.backend.state_bytes(), keep=name)
+            replica.backend.reload()
+            replica.last_used = time.monotonic()
+            self.counters["prefetches"] += 1
+            self._emit(replica, "hbm", time.perf_counter() - t0, source="dram")
+            logger.info("prefetched %s on %s", name, self.worker_address)
+            return True
+        finally:
+            self._lock.release()
 
     # --- actor API (clients, dashboard) ----------------------------------------------------
 

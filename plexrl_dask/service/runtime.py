@@ -13,7 +13,8 @@ waiting in between.
 Layouts: a training deployment with ``world_size=k`` is one FSDP2 group over k workers; each
 call runs as k rank tasks (the batch split in contiguous chunks) and one small task that combines
 their results. A rollout deployment with ``replicas=R`` is R single-worker replicas; ``sample``
-splits its prompts over them at batch boundaries, so the result equals one replica's.
+splits its prompts at batch boundaries into up to R data-parallel parts, each run by whichever
+replica the scheduler picks, so the result equals one replica's.
 """
 
 from __future__ import annotations
@@ -247,13 +248,18 @@ class Deployment:
         return f"<Deployment {self.name!r} {self.info.role} {self.info.spec.name} on {list(self.info.workers)}>"
 
     def _submit(
-        self, op: str, fn: Any, per_task_args: Sequence[tuple], replica_of: Sequence[int] | None = None
+        self,
+        op: str,
+        fn: Any,
+        per_task_args: Sequence[tuple],
+        replica_of: Sequence[int | None] | None = None,
     ) -> Future:
         """Submit one request of ``op`` as one task per element of ``per_task_args`` and return
         the future of their combined result.
 
         For a multi-rank deployment the tasks are its ranks (``per_task_args[r]`` for rank
-        ``r``); otherwise they go to the replicas ``replica_of[i]`` (default: replica 0)."""
+        ``r``); otherwise they go to the replicas ``replica_of[i]`` (default: replica 0;
+        ``None``: any replica, chosen by the scheduler)."""
         info = self.info
         request = f"plexrl-{op}-{self.name}-{uuid.uuid4().hex}"
         keys, futures = [], []
@@ -347,7 +353,10 @@ class Deployment:
         ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
         chunks = split_prompts(len(prompts), self.info.replicas, params.n, max_batch_size())
         tasks = [(list(prompts[a:b]), params, ids[a:b]) for a, b in chunks]
-        return self._submit("sample", ops.sample, tasks, replica_of=range(len(tasks)))
+        # Parts are data-parallel (replica None): the scheduler runs each on whichever replica
+        # frees up first and holds the model warmest; any replica gives the same bits.
+        any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)
+        return self._submit("sample", ops.sample, tasks, replica_of=any_replica)
 
     def save_state(self, path: str) -> Future:
         """Future of ``{"path", "version"}`` once a checkpoint of parameters and optimizer
