@@ -135,6 +135,10 @@ class RequestTimeout(PlexRLError, TimeoutError):
     """A request did not finish within the configured timeout."""
 
 
+class SchedulerBusy(PlexRLError):
+    """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
+
+
 _BY_NAME: dict[str, type[PlexRLError]] = {}
 
 

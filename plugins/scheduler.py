@@ -47,6 +47,7 @@ from distributed.protocol.pickle import dumps
 
 from plexrl_dask import config
 from plexrl_dask.errors import (
+    ConfigError,
     DeploymentExists,
     DeploymentLost,
     DeploymentNotFound,
@@ -54,6 +55,7 @@ from plexrl_dask.errors import (
     NotRouted,
     PlexRLError,
     RankLost,
+    SchedulerBusy,
     to_status,
 )
 from plexrl_dask.models.spec import ModelSpec
@@ -176,6 +178,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "plexrl_get_deployment": self.get_deployment,
                 "plexrl_list_deployments": self.list_deployments,
                 "plexrl_status": self.status,
+                "plexrl_set_policy": self.set_policy,
                 "plexrl_rendezvous_put": self.rendezvous_put,
                 "plexrl_rendezvous_get": self.rendezvous_get,
             }
@@ -353,6 +356,51 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "hints": {w: d for w, (d, _) in self.hints.items()},
             "policy": dataclasses.asdict(self.policy),
         }
+
+    def set_policy(
+        self,
+        ordering: str | None = None,
+        placement: str | None = None,
+        setup_weight: float | None = None,
+        patience_factor: float | None = None,
+        patience_floor_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
+        (the configured HRRS knobs unless given) or "fifo"; ``placement`` "residency" or
+        "blind". Refused with :class:`SchedulerBusy` while requests are pending, so every
+        request is decided under the policy it arrived under."""
+        try:
+            if self.pending:
+                raise SchedulerBusy(f"{len(self.pending)} requests are pending; change the policy when idle")
+            base = dispatch_policy_from_config()
+            if ordering not in (None, "hrrs", "fifo"):
+                raise ConfigError(f"ordering must be 'hrrs' or 'fifo', got {ordering!r}")
+            try:
+                if ordering == "fifo":
+                    policy = DispatchPolicy.fifo(placement or base.placement)
+                else:
+                    if base.patience_factor == 0 and base.setup_weight == 0:  # configured fifo
+                        base = DispatchPolicy(placement=base.placement)
+                    policy = dataclasses.replace(
+                        base,
+                        **{
+                            k: v
+                            for k, v in {
+                                "placement": placement,
+                                "setup_weight": setup_weight,
+                                "patience_factor": patience_factor,
+                                "patience_floor_s": patience_floor_s,
+                            }.items()
+                            if v is not None
+                        },
+                    )
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        except PlexRLError as e:
+            return to_status(e)
+        self.policy = self.dispatcher.policy = policy
+        logger.info("dispatch policy is now %s", policy)
+        return {"status": "OK", "policy": dataclasses.asdict(policy)}
 
     def _queue_status(self, limit: int = 100) -> dict[str, Any]:
         """The first ``limit`` admitted requests with their current ratios, and the totals."""
@@ -580,6 +628,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             )
             r.admitted = True
             r.arrival = now
+            self._touched.update(w for g in r.groups for w in g)  # their predictions may change
 
     def _dispatch(self) -> None:
         """Release what the policy core picks (all ranks of a request at once), then send the

@@ -66,3 +66,34 @@ def test_rank_killed_mid_request_fails_typed_and_the_deployment_is_restored(faul
     assert all(torch.equal(got[n], t) for n, t in saved.items())
     out = plexrl.result([restored.forward_backward(small), restored.optim_step()], timeout=120)
     assert out[1]["version"] == 2.0
+
+
+def test_worker_killed_mid_request_the_request_completes_elsewhere(fault_client):
+    runtime = plexrl.Runtime(fault_client, job="faults-single")
+    _wait_for_workers(runtime, 2)
+    spec = tiny_spec(seed=5, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    dep = runtime.deploy(unique("single"), spec, role="rollout")  # never modified: rebuildable
+    big = [plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(24)]
+    expected = plexrl.result(dep.forward(big), timeout=120)
+
+    fut = dep.forward(big)
+    deadline = time.monotonic() + 60
+    while not _processing(fault_client, f"plexrl-forward-{dep.name}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    victim = dep.info.worker
+    pid = fault_client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGKILL)
+
+    # The scheduler re-places the deployment on a live worker and runs the request there.
+    got = plexrl.result(fut, timeout=180)
+    assert got == expected  # bit-identical: same model from its spec, same inputs
+    moved = runtime.deployment(dep.name)
+    assert moved.info.worker != victim and moved.info.state == "placed"
+
+
+def _wait_for_workers(runtime: plexrl.Runtime, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(runtime.status()["workers"]) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} workers reported in"
+        time.sleep(0.1)

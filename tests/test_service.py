@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import dask
 import pytest
 import torch
@@ -206,3 +208,34 @@ def test_undeploy_fails_queued_requests_instead_of_stranding_them(runtime):
         plexrl.result(queued, timeout=120)
     plexrl.result(blocker, timeout=120)
     assert plexrl.result(slow.forward(big[:1]), timeout=120)  # the worker is not stuck
+
+
+def test_fifo_ordering_runs_requests_in_arrival_order(runtime):
+    slow, big, worker = slow_deployment(runtime, "slow-fifo", 34)
+    fast = runtime.deploy(unique("fast-fifo"), tiny_spec(seed=35), workers=[worker])
+    tiny = [plexrl.Datum(tokens=fast.tokenize("1+1=2"))]
+    plexrl.result([slow.forward(big), fast.forward(tiny)])
+    with pytest.raises(errors.ConfigError):
+        runtime.set_policy(ordering="lifo")
+    assert runtime.set_policy(ordering="fifo")["patience_factor"] == 0
+    try:
+        blocker, queued_long, queued_short = slow.forward(big), slow.forward(big), fast.forward(tiny)
+        plexrl.result([blocker, queued_long, queued_short])
+    finally:
+        restored = runtime.set_policy(ordering="hrrs")
+    assert restored["patience_factor"] > 0
+    order = [d["request"] for d in runtime.status()["decisions"]]
+    assert order.index(queued_long.key) < order.index(queued_short.key)
+
+
+def test_the_policy_cannot_change_while_requests_wait(runtime):
+    slow, big, _ = slow_deployment(runtime, "slow-busy", 36)
+    running = [slow.forward(big) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while not runtime.status()["queue"]["pending"]:
+        assert time.monotonic() < deadline, "nothing was queued behind the running request"
+        time.sleep(0.01)
+    with pytest.raises(errors.SchedulerBusy):
+        runtime.set_policy(ordering="fifo")
+    plexrl.result(running)
+    assert runtime.status()["policy"]["patience_factor"] > 0  # unchanged

@@ -256,8 +256,9 @@ class Dispatcher:
                 e.reserved = None
                 self._stranded.add(rid)
 
-    def add(self, request: Request) -> None:
-        """Queue ``request`` (its arrival is raised to its order's last arrival, if earlier)."""
+    def add(self, request: Request) -> float:
+        """Queue ``request`` (its arrival is raised to its order's last arrival, if earlier);
+        returns its patience."""
         if request.request in self._entries:
             raise ValueError(f"request {request.request!r} is already pending")
         order = request.order_key
@@ -277,6 +278,7 @@ class Dispatcher:
         queue.append(e)
         if len(queue) == 1:
             self._make_head(e)
+        return e.patience
 
     def remove(self, request: str) -> Request | None:
         """Drop a pending request (cancelled, failed, or to be routed again)."""

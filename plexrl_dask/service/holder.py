@@ -358,6 +358,7 @@ class ReplicaHolder:
                 "budget_bytes": self.budget_bytes,
                 "resident_bytes": self._resident_bytes(),
                 "counters": dict(self.counters),
+                "hint": None if self._hint is None else self._hint[0],
                 "replicas": {
                     n: {
                         "uid": r.info.uid,

@@ -181,6 +181,12 @@ class Runtime:
         """The scheduler plugin's state: deployments, residency, worker capacity, counters."""
         return self._call("plexrl_status")
 
+    def set_policy(self, **knobs: Any) -> dict[str, Any]:
+        """Change the scheduler's dispatch policy while no request is pending (``ordering``,
+        ``placement``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``; see the
+        ``plexrl_set_policy`` handler). Returns the policy now in force."""
+        return self._call("plexrl_set_policy", **knobs)["policy"]
+
     def holder(self, worker: str) -> Actor:
         """The replica holder of ``worker`` as a Dask actor (``.status().result()``, ...)."""
         info = self.status()["workers"].get(worker)

@@ -1,0 +1,358 @@
+"""Benchmark of the scheduler plugin and its policy core: overhead, decision latency, HRRS.
+
+Every comparison is within one run (this machine is shared and noisy):
+
+- ``plain_task_throughput_ratio``: tasks/s of plain Dask tasks on a process LocalCluster with
+  the PlexRL plugins ÷ on an identical one without, rounds interleaved (target >= 0.9);
+- ``decision_latency_p50_us`` / ``_p99_us``: :meth:`Dispatcher.decide` after each completion,
+  with 10,000 queued requests over 256 workers (512 deployments: single workers, 2- and 4-rank
+  gangs, data-parallel rollouts over 4-8 replicas; half of them in HBM) in steady state
+  (target p99 <= 1000);
+- a mixed live workload on a 2-worker process LocalCluster (three jobs: a 2-rank FSDP trainer
+  with long forward_backward + optim_step, two rollout jobs sampling short and long from
+  2-replica deployments of two models; budgets fit the trainer's shard and one rollout model
+  per worker), open-loop arrivals at about 85 % load computed from service times measured in
+  the same run, replayed identically under each policy from the same residency:
+  ``hrrs_vs_fifo_mean_response_ratio`` and ``_p99_`` against residency-aware FIFO and
+  ``model_loads_ratio`` against residency-blind FIFO (all < 1 is the point);
+- ``max_wait_over_bound``: the largest observed wait ÷ the proven bound of
+  :mod:`plexrl_dask.policy.dispatch`, over simulated random and adversarial workloads (gang
+  against a stream of singles, long against a stream of shorts, one job flooding the queue),
+  under HRRS and both FIFOs (target <= 1). The simulated workloads also give ``sim_*`` ratios.
+
+Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (``--quick``: smaller, ~3 min).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+import dask
+import numpy as np
+from distributed import Client, LocalCluster
+from rich.progress import track
+
+import plexrl_dask as plexrl
+from plexrl_dask.bench.common import interleaved, median, parser, report
+from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
+from plexrl_dask.policy.estimates import Estimates, SetupCosts
+from plexrl_dask.policy.residency import ResidencyMap, ResidencyReport
+from plexrl_dask.sim.queueing import ADVERSARIAL, random_workload, simulate
+
+logger = logging.getLogger(__name__)
+
+POLICIES = {
+    "hrrs": DispatchPolicy(),
+    "fifo": DispatchPolicy.fifo(),
+    "fifo_blind": DispatchPolicy.fifo("blind"),
+}
+LIVE_POLICIES = {
+    "hrrs": {"ordering": "hrrs", "placement": "residency"},
+    "fifo": {"ordering": "fifo", "placement": "residency"},
+    "fifo_blind": {"ordering": "fifo", "placement": "blind"},
+}
+
+
+# --- plain task overhead ------------------------------------------------------------------------
+
+
+def _noop(x: int) -> int:
+    return x + 1
+
+
+def plain_task_throughput(quick: bool) -> dict[str, float]:
+    n, reps = (1000, 3) if quick else (3000, 5)
+    kwargs = {"n_workers": 2, "threads_per_worker": 1, "dashboard_address": ":0"}
+    with (
+        LocalCluster(host="127.0.0.1", processes=True, **kwargs) as plain,
+        plexrl.local_cluster(**kwargs) as with_plugin,
+        Client(plain, set_as_default=False) as a,
+        Client(with_plugin, set_as_default=False) as b,
+    ):
+        def run(client: Client) -> None:
+            client.gather(client.map(_noop, range(n), pure=False))
+
+        run(a), run(b)  # warm
+        times = interleaved({"without": lambda: run(a), "with": lambda: run(b)}, reps)
+    return {
+        "plain_tasks_per_s_without_plugin": n / median(times["without"]),
+        "plain_tasks_per_s_with_plugin": n / median(times["with"]),
+        "plain_task_throughput_ratio": median(times["without"]) / median(times["with"]),
+    }
+
+
+# --- decision latency --------------------------------------------------------------------------
+
+
+def decision_latency(quick: bool, n_queued: int = 10_000, n_workers: int = 256, seed: int = 0) -> dict[str, float]:
+    rng = random.Random(seed)
+    workers = [f"w{i}" for i in range(n_workers)]
+    deployments: list[tuple[str, tuple[tuple[str, ...], ...], bool]] = []
+    residency = ResidencyMap()
+    for i in range(512):
+        kind = rng.random()
+        if kind < 0.4:
+            groups = ((rng.choice(workers),),)
+        elif kind < 0.6:
+            groups = (tuple(rng.sample(workers, rng.choice([2, 4]))),)
+        else:
+            groups = tuple((w,) for w in rng.sample(workers, rng.randint(4, 8)))
+        name = f"d{i}"
+        deployments.append((name, groups, len(groups) > 1))
+        for g in groups:
+            for w in g:
+                tier = "hbm" if rng.random() < 0.5 else "dram"
+                residency.apply(ResidencyReport(name, 0, tier, 2 * 10**9, 0.0, worker=w))
+    costs = SetupCosts(residency, Estimates(), lambda _: 2 * 10**9)
+    dispatcher = Dispatcher(DispatchPolicy(), costs, workers)
+    ids = iter(range(10**9))
+
+    def request(now: float) -> Request:
+        name, groups, dp = rng.choice(deployments)
+        k = rng.randrange(len(groups))
+        return Request(
+            request=f"r{next(ids)}",
+            groups=groups if dp else (groups[k],),
+            arrival=now,
+            service_s=rng.lognormvariate(0.0, 1.0),
+            order=f"{name}#any" if dp else f"{name}#{k}",
+            deployment=name,
+        )
+
+    for i in range(n_queued):
+        dispatcher.add(request(-100.0 + 100.0 * i / n_queued))
+    running: list[tuple[float, int, tuple[str, ...]]] = []
+    tie = iter(range(10**9))
+    now = 0.0
+    for d in dispatcher.decide(now):
+        heapq.heappush(running, (now + d.request.service_s, next(tie), d.group))
+    samples, released = [], []
+    for _ in track(range(1000 if quick else 5000), description="decisions"):
+        if not running:
+            break
+        now, _, group = heapq.heappop(running)
+        for w in group:
+            dispatcher.release_worker(w)
+        while len(dispatcher) < n_queued:
+            dispatcher.add(request(now))
+        t0 = time.perf_counter()
+        decisions = dispatcher.decide(now)
+        samples.append(time.perf_counter() - t0)
+        released.append(len(decisions))
+        for d in decisions:
+            heapq.heappush(running, (now + d.request.service_s * rng.uniform(0.5, 2.0), next(tie), d.group))
+    us = np.array(samples) * 1e6
+    return {
+        "decision_latency_p50_us": float(np.percentile(us, 50)),
+        "decision_latency_p99_us": float(np.percentile(us, 99)),
+        "decision_latency_max_us": float(us.max()),
+        "decisions_measured": len(samples),
+        "releases_per_decision_mean": float(np.mean(released)),
+    }
+
+
+# --- simulated workloads: the bound, and ratios at scale ---------------------------------------
+
+
+def simulated(quick: bool) -> dict[str, float]:
+    seeds = range(10 if quick else 40)
+    worst = 0.0
+    mean_resp: dict[str, list[float]] = {p: [] for p in POLICIES}
+    loads: dict[str, int] = dict.fromkeys(POLICIES, 0)
+    for seed in track(seeds, description="simulated workloads"):
+        cluster, workload = random_workload(seed, n_workers=8, n_requests=300)
+        for name, policy in POLICIES.items():
+            result = simulate(workload, cluster, policy)
+            worst = max(worst, result.max_wait_over_bound())
+            mean_resp[name].append(statistics.fmean(result.responses()))
+            loads[name] += result.loads
+    for factory in ADVERSARIAL.values():
+        cluster, workload = factory()
+        for policy in POLICIES.values():
+            worst = max(worst, simulate(workload, cluster, policy).max_wait_over_bound())
+    return {
+        "max_wait_over_bound": worst,
+        "sim_hrrs_vs_fifo_mean_response_ratio": statistics.fmean(mean_resp["hrrs"]) / statistics.fmean(mean_resp["fifo"]),
+        "sim_model_loads_ratio": loads["hrrs"] / max(1, loads["fifo_blind"]),
+        "sim_fifo_vs_blind_model_loads_ratio": loads["fifo"] / max(1, loads["fifo_blind"]),
+    }
+
+
+# --- the live mixed workload ---------------------------------------------------------------------
+
+
+class _LiveWorkload:
+    """Three jobs on one 2-worker cluster; see the module docstring."""
+
+    def __init__(self, client: Client, quick: bool) -> None:
+        self.client = client
+        self.duration_s = 25.0 if quick else 45.0
+        spec_a = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256, seed=1)
+        spec_b = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256, seed=2)
+        self.jobs = {j: plexrl.Runtime(client, job=j) for j in ("trainer", "rl-a", "rl-b")}
+        self.trainer = self.jobs["trainer"].deploy("bench-trainer", spec_a, world_size=2)
+        self.roll_a = self.jobs["rl-a"].deploy("bench-roll-a", spec_a, role="rollout", replicas=2)
+        self.roll_b = self.jobs["rl-b"].deploy("bench-roll-b", spec_b, role="rollout", replicas=2)
+        tok = self.trainer.tokenize
+        self.batch = [plexrl.Datum(tokens=tok("".join(str((i * j) % 10) for j in range(120)))) for i in range(16)]
+        self.prompts = [f"{i}+{i * 3}=" for i in range(4)]
+        self.workers = sorted(set(self.roll_a.info.workers) | set(self.trainer.info.workers))
+        self.actions = {
+            "train": self._train,
+            "sample_a": lambda: self.roll_a.sample(self.prompts[:2], self._params(8)),
+            "sample_b": lambda: self.roll_b.sample(self.prompts[:2], self._params(8)),
+            "sample_b_long": lambda: self.roll_b.sample(self.prompts, self._params(48)),
+        }
+
+    @staticmethod
+    def _params(tokens: int) -> plexrl.SamplingParams:
+        return plexrl.SamplingParams(n=2, temperature=1.0, max_tokens=tokens, seed=0)
+
+    def _train(self) -> list[Any]:
+        return [self.trainer.forward_backward(self.batch), self.trainer.optim_step(plexrl.AdamWParams(lr=1e-4))]
+
+    def reset_residency(self) -> None:
+        """The same residency before every policy: b, then a, then the trainer loaded last."""
+        for dep in (self.roll_b, self.roll_a, self.trainer):
+            plexrl.result(dep.load(), timeout=300)
+
+    def service_times(self) -> dict[str, float]:
+        """Median wall time of each action run alone (3 runs after a warm one)."""
+        out = {}
+        for name, action in self.actions.items():
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                plexrl.result(action(), timeout=300)
+                times.append(time.perf_counter() - t0)
+            out[name] = median(times[1:])
+        return out
+
+    def schedule(self, service: dict[str, float], load: float = 0.85, seed: int = 0) -> list[tuple[float, str]]:
+        """Open-loop arrivals: each action a Poisson stream, rates set so that the expected
+        busy worker-time is ``load`` of both workers (the trainer's gang takes both)."""
+        rng = random.Random(seed)
+        weight = {"train": 2.0, "sample_a": 1.0, "sample_b": 1.0, "sample_b_long": 1.0}
+        share = {"train": 0.35, "sample_a": 0.25, "sample_b": 0.25, "sample_b_long": 0.15}
+        events = []
+        for name, frac in share.items():
+            rate = load * 2 * frac / (service[name] * weight[name])
+            t = rng.expovariate(rate)
+            while t < self.duration_s:
+                events.append((t, name))
+                t += rng.expovariate(rate)
+        return sorted(events)
+
+    def loads(self) -> int:
+        total = 0
+        for w in self.workers:
+            counters = self.jobs["trainer"].holder(w).status().result(timeout=60)["counters"]
+            total += counters["loads"] + counters["reloads"]
+        return total
+
+    def run(self, schedule: list[tuple[float, str]]) -> tuple[list[float], int]:
+        """Replay ``schedule``; returns the response times and the model loads it caused."""
+        self.reset_residency()
+        loads0 = self.loads()
+        done: dict[int, float] = {}
+        submitted: dict[int, float] = {}
+        lock = threading.Lock()
+        futures = []
+        start = time.perf_counter()
+        for i, (t, name) in enumerate(schedule):
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            out = self.actions[name]()
+            fut = out[-1] if isinstance(out, list) else out
+            submitted[i] = time.perf_counter()
+
+            def finished(_: Any, i: int = i) -> None:
+                with lock:
+                    done[i] = time.perf_counter()
+
+            fut.add_done_callback(finished)
+            futures.append(out)
+        plexrl.result([f for out in futures for f in (out if isinstance(out, list) else [out])], timeout=600)
+        deadline = time.monotonic() + 10
+        while len(done) < len(schedule) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [done[i] - submitted[i] for i in sorted(done)], self.loads() - loads0
+
+
+def live_mixed(quick: bool) -> dict[str, Any]:
+    spec = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    weights = spec.memory_bytes("rollout")
+    # The trainer's shard (train bytes / 2) and one rollout model fit; two rollout models do not.
+    budget = spec.memory_bytes("train") // 2 + int(1.5 * weights)
+    with (
+        dask.config.set({"plexrl.worker.memory-budget": budget}),
+        plexrl.local_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        work = _LiveWorkload(client, quick)
+        admin = work.jobs["trainer"]
+        service = work.service_times()
+        schedule = work.schedule(service)
+        responses: dict[str, list[float]] = {p: [] for p in LIVE_POLICIES}
+        loads: dict[str, int] = dict.fromkeys(LIVE_POLICIES, 0)
+        for _ in range(1 if quick else 2):
+            for name, knobs in track(LIVE_POLICIES.items(), description="live policies"):
+                admin.set_policy(**knobs)
+                got, n_loads = work.run(schedule)
+                responses[name] += got
+                loads[name] += n_loads
+        admin.set_policy(**LIVE_POLICIES["hrrs"])
+
+    def p99(xs: list[float]) -> float:
+        return float(np.percentile(xs, 99))
+
+    out: dict[str, Any] = {
+        "hrrs_vs_fifo_mean_response_ratio": statistics.fmean(responses["hrrs"]) / statistics.fmean(responses["fifo"]),
+        "hrrs_vs_fifo_p99_response_ratio": p99(responses["hrrs"]) / p99(responses["fifo"]),
+        "model_loads_ratio": loads["hrrs"] / max(1, loads["fifo_blind"]),
+        "live_requests_per_policy_run": len(schedule),
+    }
+    for name in LIVE_POLICIES:
+        out[f"live_{name}_mean_response_s"] = statistics.fmean(responses[name])
+        out[f"live_{name}_p99_response_s"] = p99(responses[name])
+        out[f"live_{name}_model_loads"] = loads[name]
+    out["live_service_s"] = {k: round(v, 4) for k, v in service.items()}
+    return out
+
+
+TARGETS = {
+    "plain_task_throughput_ratio": ">= 0.9",
+    "decision_latency_p99_us": "<= 1000",
+    "hrrs_vs_fifo_mean_response_ratio": "< 1",
+    "hrrs_vs_fifo_p99_response_ratio": "< 1",
+    "model_loads_ratio": "< 1",
+    "max_wait_over_bound": "<= 1",
+}
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    results: dict[str, Any] = {}
+    results.update(plain_task_throughput(args.quick))
+    results.update(decision_latency(args.quick))
+    results.update(simulated(args.quick))
+    results.update(live_mixed(args.quick))
+    report(
+        "scheduler",
+        results,
+        TARGETS,
+        {"quick": args.quick, "policies": {k: str(v) for k, v in POLICIES.items()}},
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Residency-aware placement and prefetch hints, live, on a 2-worker cluster whose workers each
+have room for one model (own cluster: a small memory budget)."""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import pytest
+from distributed import Client
+
+import plexrl_dask as plexrl
+from plexrl_dask import ops
+from tests.conftest import tiny_spec, unique
+
+# One size for every model here, so that the budget holds exactly one of them.
+SIZE = {"hidden_size": 192, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "max_positions": 256}
+SPEC_A, SPEC_B = tiny_spec(seed=41, **SIZE), tiny_spec(seed=42, **SIZE)
+PROMPTS = ["1+2=", "3+4="]
+PARAMS = plexrl.SamplingParams(n=2, max_tokens=6, seed=7)
+
+
+@pytest.fixture(scope="module")
+def small_runtime():
+    budget = int(SPEC_A.memory_bytes("rollout") * 1.5)
+    with (
+        dask.config.set({"plexrl.worker.memory-budget": budget}),
+        plexrl.local_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        yield plexrl.Runtime(client, job="test-scheduling")
+
+
+def _aimed_load(runtime: plexrl.Runtime, dep: plexrl.Deployment, replica: int) -> None:
+    """Load ``dep``'s replica ``replica`` (so it is the one model in HBM on its worker)."""
+    with dask.annotate(plexrl={"deployment": dep.name, "replica": replica, "job": runtime.job}):
+        fut = runtime.client.submit(ops.load, dep.name, pure=False)
+    plexrl.result(fut, timeout=120)
+
+
+def _tier(runtime: plexrl.Runtime, name: str, worker: str) -> str:
+    rows = runtime.status()["residency"]
+    return next((r["tier"] for r in rows if r["deployment"] == name and r["worker"] == worker), "absent")
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _loads(runtime: plexrl.Runtime, workers: list[str]) -> int:
+    total = 0
+    for w in workers:
+        c = runtime.holder(w).status().result(timeout=60)["counters"]
+        total += c["loads"] + c["reloads"] + c["prefetches"]
+    return total
+
+
+def test_data_parallel_requests_run_where_their_model_is_resident(small_runtime):
+    runtime = small_runtime
+    a = runtime.deploy(unique("roll-a"), SPEC_A, role="rollout", replicas=2)
+    b = runtime.deploy(unique("roll-b"), SPEC_B, role="rollout", replicas=2)
+    w0, w1 = a.info.workers
+    assert set(b.info.workers) == {w0, w1}
+    expected_a = plexrl.result(a.sample(PROMPTS, PARAMS))
+    expected_b = plexrl.result(b.sample(PROMPTS, PARAMS))
+    # One model per worker: a on w0, b on the replica of b on w1.
+    _aimed_load(runtime, a, 0)
+    _aimed_load(runtime, b, b.info.workers.index(w1))
+    _wait_for(lambda: _tier(runtime, a.name, w0) == "hbm" and _tier(runtime, b.name, w1) == "hbm", "residency")
+    assert _tier(runtime, a.name, w1) == "dram" and _tier(runtime, b.name, w0) == "dram"
+    before = _loads(runtime, [w0, w1])
+
+    for _ in range(3):  # both workers free each time: each request has a choice
+        got_a, got_b = plexrl.result([a.sample(PROMPTS, PARAMS), b.sample(PROMPTS, PARAMS)])
+        assert got_a == expected_a and got_b == expected_b
+
+    # Every sample ran where its model was in HBM: no load, no reload, and the decisions say so.
+    assert _loads(runtime, [w0, w1]) == before
+    decisions = [d for d in runtime.status()["decisions"] if d["op"] == "sample"][-6:]
+    for d in decisions:
+        assert list(d["workers"]) == [w0 if d["deployment"] == a.name else w1]
+        assert d["setup_s"] == 0.0
+    runtime.undeploy(a.name)
+    runtime.undeploy(b.name)
+
+
+def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime):
+    runtime = small_runtime
+    slow = runtime.deploy(unique("slow"), tiny_spec(seed=43, **SIZE), role="rollout")
+    worker = slow.info.worker
+    other = runtime.deploy(unique("other"), SPEC_B, role="rollout", workers=[worker])
+    plexrl.result(slow.load())  # slow in HBM, other offloaded (one model fits)
+    _wait_for(lambda: _tier(runtime, other.name, worker) == "dram", "the other model to be offloaded")
+    big = [plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
+    holder = runtime.holder(worker)
+    before = holder.status().result(timeout=60)["counters"]
+
+    blocker = slow.forward(big)
+    queued = other.forward([plexrl.Datum(tokens=other.tokenize("2+2=4"))])
+    plexrl.result([blocker, queued], timeout=120)
+
+    # While the blocker ran, the scheduler predicted `other` next on that worker and said so ...
+    assert runtime.status()["hints"][worker] == other.name
+    status = holder.status().result(timeout=60)
+    assert status["hint"] == other.name
+    # ... and `other` was brought back exactly once: by the prefetch when the blocker ended,
+    # or (if the request won the race) by the request itself, never both.
+    after = status["counters"]
+    assert (after["prefetches"] - before["prefetches"]) + (after["reloads"] - before["reloads"]) == 1
+    runtime.undeploy(slow.name)
+    runtime.undeploy(other.name)
