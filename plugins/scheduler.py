@@ -161,7 +161,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             self.policy,
             SetupCosts(self.residency, self.estimates, self._bytes_of),
         )
-        self.hints: dict[str, tuple[str, str]] = {}  # worker -> (deployment, uid) last hinted
+        self.hints: dict[str, tuple[str | None, str]] = {}  # worker -> (deployment, uid) last hinted
         self._touched: set[str] = set()  # workers whose prediction may have changed
         self.decisions: deque[dict[str, Any]] = deque(maxlen=int(config.get("scheduler.decisions-kept")))
         self._rendezvous: dict[str, str] = {}
@@ -353,7 +353,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "jobs": {job: dict(c) for job, c in self.job_counters.items()},
             "queue": self._queue_status(),
             "decisions": list(self.decisions)[-50:],
-            "hints": {w: d for w, (d, _) in self.hints.items()},
+            "hints": {w: d for w, (d, _) in self.hints.items() if d is not None},
             "policy": dataclasses.asdict(self.policy),
         }
 
@@ -667,20 +667,22 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self._send_hints(now)
 
     def _send_hints(self, now: float) -> None:
-        """Tell each worker whose predicted next deployment changed what to prefetch."""
+        """Tell each worker whose predicted next deployment changed what to prefetch (or that
+        nothing is predicted any more)."""
         touched, self._touched = self._touched, set()
         for worker in touched:
             deployment = self.dispatcher.hint(worker, now)
-            info = self.deployments.get(deployment or "")
+            info = self.deployments.get(deployment) if deployment else None
+            hint = (deployment, info.uid) if info is not None else (None, "")
             comm = self.scheduler.stream_comms.get(worker)
             # Only workers whose holder reported in have the handler (an unknown op would
             # break the worker's stream).
-            if info is None or comm is None or worker not in self.worker_capacity:
+            if comm is None or worker not in self.worker_capacity:
                 continue
-            if self.hints.get(worker) == (deployment, info.uid):
+            if self.hints.get(worker, (None, "")) == hint:
                 continue
-            self.hints[worker] = (deployment, info.uid)
-            comm.send({"op": PREFETCH_OP, "deployment": deployment, "uid": info.uid})
+            self.hints[worker] = hint
+            comm.send({"op": PREFETCH_OP, "deployment": hint[0], "uid": hint[1]})
             self.counters["prefetch_hints"] += 1
 
     def _group_epoch(self, deployment: str, workers: tuple[str, ...]) -> int:

@@ -59,7 +59,7 @@ class PlexRLWorkerPlugin(WorkerPlugin):
                 return False
             return await asyncio.get_running_loop().run_in_executor(None, holder.drop, name)
 
-        def prefetch(deployment: str, uid: str) -> None:
+        def prefetch(deployment: str | None, uid: str = "") -> None:
             holder = holder_of(worker)
             if holder is not None:
                 holder.hint(deployment, uid)

@@ -179,8 +179,11 @@ class ReplicaHolder:
             # tell the scheduler the new size/version.
             self._make_room(0, keep=info.name)
             self._emit(replica, "hbm", replica.last_transition_s)
-        if self._hint is not None and self._hint[0] != info.name:
-            self._prefetch_soon()
+        if self._hint is not None:
+            if self._hint[0] == info.name:
+                self._hint = None  # the prediction came true: nothing left to prefetch
+            else:
+                self._prefetch_soon()
         return result
 
     def _ensure(self, info: DeploymentInfo, op: str, group: GroupContext | None) -> _Replica:
@@ -309,11 +312,13 @@ class ReplicaHolder:
 
     # --- prefetch ------------------------------------------------------------------------------
 
-    def hint(self, deployment: str, uid: str) -> None:
-        """The scheduler predicts ``deployment`` runs here next: bring it back from host
-        memory when this worker is idle (see :meth:`prefetch`). Never blocks."""
-        self._hint = (deployment, uid)
-        self._prefetch_soon()
+    def hint(self, deployment: str | None, uid: str = "") -> None:
+        """The scheduler predicts ``deployment`` runs here next (``None``: nothing queued for
+        this worker): bring it back from host memory when this worker is idle (see
+        :meth:`prefetch`). Never blocks."""
+        self._hint = None if deployment is None else (deployment, uid)
+        if self._hint is not None:
+            self._prefetch_soon()
 
     def _prefetch_soon(self) -> None:
         threading.Thread(target=self.prefetch, name="plexrl-prefetch", daemon=True).start()
@@ -341,6 +346,7 @@ class ReplicaHolder:
             replica.backend.reload()
             replica.last_used = time.monotonic()
             self.counters["prefetches"] += 1
+            self._hint = None
             self._emit(replica, "hbm", time.perf_counter() - t0, source="dram")
             logger.info("prefetched %s on %s", name, self.worker_address)
             return True
