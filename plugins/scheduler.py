@@ -143,6 +143,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self._holders: dict[str, Any] = {}  # worker address -> Future of its holder actor
         self.pending: dict[str, _Request] = {}  # not yet released, in submission order
         self._by_deployment: dict[str, list[_Request]] = {}  # the same, per deployment
+        self._to_admit: set[str] = set()  # deployments whose queue changed since the last look
         self.key_request: dict[Any, str] = {}
         self.group_epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
         self.worker_group: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
@@ -589,6 +590,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 request, ranks, name, str(ann.get("op", "")), replica, str(ann.get("job", ""))
             )
             self._by_deployment.setdefault(name, []).append(queued)
+        self._to_admit.add(name)
         queued.keys[rank] = ts.key
         queued.groups = groups
         self.key_request[ts.key] = request
@@ -631,40 +633,57 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             self._touched.update(w for g in r.groups for w in g)  # their predictions may change
 
     def _dispatch(self) -> None:
-        """Release what the policy core picks (all ranks of a request at once), then send the
-        workers whose prediction changed a prefetch hint."""
+        """Admit what became ready, release what the policy core picks (all ranks of a request
+        at once), then send the workers whose prediction changed a prefetch hint."""
         tasks = self.scheduler.tasks
         for request in [r for r in self.pending.values() if r.forgotten(tasks)]:
             self._forget(request)
-        for name in list(self._by_deployment):
-            self._admit(name)
         now = time.monotonic()
-        recommendations = {}
-        decisions = self.dispatcher.decide(now)
-        for decision in decisions:
-            request = self.pending.pop(decision.request.request)
-            self._by_deployment[request.deployment].remove(request)
-            extra: dict[str, Any] = {"dispatched": True}
-            if request.ranks > 1:
-                extra["epoch"] = self._group_epoch(request.deployment, decision.group)
-            for rank, key in request.keys.items():
-                ts = tasks[key]
-                worker = decision.group[rank]
-                ts.worker_restrictions = {worker}
-                ts.annotations = {
-                    **ts.annotations,
-                    ANNOTATION: {**ts.annotations[ANNOTATION], **extra, "worker": worker},
-                }
-                self.started[key] = (now, request.deployment, request.op, worker, request.job)
-                recommendations[key] = "processing"
-                self._touched.add(worker)
-            self.job_counters[request.job]["dispatched"] += 1
-            self.job_counters[request.job]["wait_s"] += decision.wait_s
-            self.decisions.append({"time": time.time(), **decision.to_dict()})
+        recommendations: dict[Any, str] = {}
+        released = 0
+        while True:
+            to_admit, self._to_admit = self._to_admit, set()
+            for name in to_admit:
+                self._admit(name)
+            decisions = self.dispatcher.decide(now)
+            for decision in decisions:
+                self._release(decision, now, recommendations)
+            released += len(decisions)
+            # A release can lift the barrier of a request behind it: admit and decide again.
+            if not decisions or not self._to_admit:
+                break
         if recommendations:
-            self.counters["dispatched"] += len(decisions)
+            self.counters["dispatched"] += released
             self.scheduler.transitions(recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}")
         self._send_hints(now)
+
+    def _release(self, decision: Any, now: float, recommendations: dict[Any, str]) -> None:
+        """Aim every rank of ``decision``'s request at its worker and recommend processing."""
+        tasks = self.scheduler.tasks
+        request = self.pending.pop(decision.request.request)
+        queue = self._by_deployment[request.deployment]
+        queue.remove(request)
+        if queue:
+            self._to_admit.add(request.deployment)
+        else:
+            del self._by_deployment[request.deployment]
+        extra: dict[str, Any] = {"dispatched": True}
+        if request.ranks > 1:
+            extra["epoch"] = self._group_epoch(request.deployment, decision.group)
+        for rank, key in request.keys.items():
+            ts = tasks[key]
+            worker = decision.group[rank]
+            ts.worker_restrictions = {worker}
+            ts.annotations = {
+                **ts.annotations,
+                ANNOTATION: {**ts.annotations[ANNOTATION], **extra, "worker": worker},
+            }
+            self.started[key] = (now, request.deployment, request.op, worker, request.job)
+            recommendations[key] = "processing"
+            self._touched.add(worker)
+        self.job_counters[request.job]["dispatched"] += 1
+        self.job_counters[request.job]["wait_s"] += decision.wait_s
+        self.decisions.append({"time": time.time(), **decision.to_dict()})
 
     def _send_hints(self, now: float) -> None:
         """Tell each worker whose predicted next deployment changed what to prefetch (or that
@@ -701,6 +720,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     def _forget(self, request: _Request) -> None:
         self.pending.pop(request.request, None)
         queue = self._by_deployment.get(request.deployment)
+        self._to_admit.add(request.deployment)
         if queue is not None and request in queue:
             queue.remove(request)
             if not queue:
@@ -742,6 +762,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             ):
                 self._soon(self._reroute_orphans)  # its target left while it waited
             else:
+                self._to_admit.add(request.deployment)  # one more rank is ready
                 self._soon(self._dispatch)
         elif finish in ("erred", "forgotten", "released"):
             # Failed or cancelled before it ran (e.g. its dependency failed): drop its request
