@@ -1,122 +1,1047 @@
-"""The policy core's dispatch rule: HRRS among per-deployment heads, urgent requests first,
-atomic gangs, one request per worker; FIFO as the special case."""
+"""Runtime dispatch (:mod:`plexrl_dask.policy.dispatch`) and what it stands on.
+
+- unit tests of :class:`Dispatcher` on hand-built requests: gangs, one request per worker,
+  order heads, HRRS vs FIFO, residency-aware and blind placement, urgency and reservations,
+  workers leaving and joining, hints;
+- reference oracles written here from the module docstring, compared with hypothesis against
+  the incremental implementation: greedy HRRS while nothing is urgent, and FIFO ("arrival order
+  with reservations") for single-group requests;
+- the simulator's checks (starvation bound, no overlaps, order) over random and adversarial
+  workloads, and the adversarial facts HRRS is there for;
+- per-tier :class:`Estimates`, :class:`SetupCosts` and :class:`ResidencyMap`.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import replace
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from plexrl_dask.policy.dispatch import DispatchPolicy, PendingRequest, select_releases
-from plexrl_dask.policy.estimates import Estimates
+from plexrl_dask.policy.dispatch import Decision, Dispatcher, DispatchPolicy, Request
+from plexrl_dask.policy.estimates import DEFAULT_LOAD_BANDWIDTHS, Estimates, SetupCosts
+from plexrl_dask.policy.residency import TIERS, ResidencyMap, ResidencyReport
 from plexrl_dask.service.runtime import split_prompts
+from plexrl_dask.sim.queueing import (
+    ADVERSARIAL,
+    flood,
+    gang_vs_singles,
+    long_vs_short_stream,
+    random_workload,
+    simulate,
+)
 
-WORKERS = [f"w{i}" for i in range(6)]
-HRRS = DispatchPolicy(setup_weight=2.0, patience_factor=8.0, patience_floor_s=2.0)
+HRRS = DispatchPolicy()  # alpha 2, beta 8, floor 2 s
+FIFO = DispatchPolicy.fifo()
+CALM = DispatchPolicy(patience_floor_s=1e9)  # HRRS whose requests never turn urgent here
+GB = 1_000_000_000
 
 
-def req(name: str, *workers: str, ready: bool = True, dep: str = "", t: float = 0.0, s: float = 1.0, c: float = 0.0):
-    return PendingRequest(name, tuple(workers), ready, dep or name, t, s, c)
+# --- helpers ---------------------------------------------------------------------------------
 
 
-def released(decisions) -> list[str]:
+def _group(g: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (g,) if isinstance(g, str) else tuple(g)
+
+
+def req(
+    name: str,
+    *groups: str | tuple[str, ...],
+    t: float = 0.0,
+    s: float = 1.0,
+    order: str = "",
+    dep: str = "",
+) -> Request:
+    """A request on ``groups`` (a worker name is a one-worker group)."""
+    return Request(
+        name,
+        tuple(_group(g) for g in groups),
+        arrival=t,
+        service_s=s,
+        order=order,
+        deployment=dep or name,
+    )
+
+
+def names(decisions: list[Decision]) -> list[str]:
     return [d.request.request for d in decisions]
 
 
-def test_fifo_per_worker_and_gangs_wait_for_all_their_workers():
-    pending = [req("g", "w0", "w1"), req("a", "w1"), req("b", "w2")]
-    assert released(select_releases(pending, busy={"w0"}, live=WORKERS)) == ["b"]
-    assert released(select_releases(pending, busy=set(), live=WORKERS)) == ["g", "b"]
+def occupy(d: Dispatcher, *workers: str, now: float = 0.0) -> None:
+    """Start a blocker request on each of ``workers``."""
+    for w in workers:
+        d.add(req(f"busy-{w}", w, t=now, dep="blocker"))
+    started = d.decide(now)
+    assert sorted(names(started)) == sorted(f"busy-{w}" for w in workers)
 
 
-def test_not_ready_requests_reserve_nothing_and_dead_workers_skip():
-    pending = [req("dep", "w0", ready=False), req("x", "w0"), req("gone", "w9")]
-    assert released(select_releases(pending, busy=set(), live=WORKERS)) == ["x"]
+class TableCosts:
+    """``Costs`` from plain tables: setup per (deployment, worker), a group's is its slowest."""
+
+    def __init__(
+        self, setup: dict[tuple[str, str], float] | None = None, crowd: dict[str, int] | None = None
+    ):
+        self.setup = setup or {}
+        self.crowd = crowd or {}
+
+    def setup_s(self, deployment: str, group: tuple[str, ...]) -> float:
+        return max(self.setup.get((deployment, w), 0.0) for w in group)
+
+    def crowding(self, worker: str) -> int:
+        return self.crowd.get(worker, 0)
 
 
-def test_requests_of_one_deployment_keep_their_order():
-    pending = [req("fb", "w0", dep="d", s=5.0), req("step", "w0", dep="d", s=0.01)]
-    assert released(select_releases(pending, set(), WORKERS, now=0.5, policy=HRRS)) == ["fb"]
-    # ... also when the head is not ready yet (waiting on a dependency).
-    pending = [req("fb", "w0", dep="d", ready=False), req("step", "w0", dep="d")]
-    assert released(select_releases(pending, set(), WORKERS, now=0.5, policy=HRRS)) == []
+def residency_costs(hbm: dict[str, list[str]], nbytes: int = GB) -> SetupCosts:
+    """``SetupCosts`` with each deployment of ``hbm`` in HBM on the listed workers, absent
+    elsewhere (every deployment ``nbytes``: an absent one costs ``nbytes / 0.5 GB/s``)."""
+    rmap = ResidencyMap()
+    for dep, workers in hbm.items():
+        for w in workers:
+            rmap.apply(ResidencyReport(dep, 0, "hbm", nbytes, 0.1, worker=w, source="absent"))
+    return SetupCosts(rmap, Estimates(), lambda _: nbytes)
 
 
-def test_short_overtakes_long_and_resident_beats_a_load():
-    pending = [req("long", "w0", t=0.0, s=10.0), req("short", "w0", t=0.1, s=0.1)]
-    assert released(select_releases(pending, set(), WORKERS, now=1.0, policy=HRRS)) == ["short"]
-    assert released(select_releases(pending, set(), WORKERS, now=1.0, policy=DispatchPolicy.fifo())) == ["long"]
-    pending = [req("cold", "w0", t=0.0, s=1.0, c=2.0), req("warm", "w0", t=0.2, s=1.0, c=0.0)]
-    assert released(select_releases(pending, set(), WORKERS, now=0.5, policy=HRRS)) == ["warm"]
+# --- Dispatcher: unit tests ------------------------------------------------------------------
 
 
-def test_an_urgent_gang_reserves_its_workers_against_fresh_singles():
-    gang = req("gang", "w0", "w1", t=0.0, s=1.0)
-    singles = [req(f"s{i}", "w1", t=30.0 + i, s=0.01) for i in range(3)]
-    # Not yet urgent: the idle w1 goes to a single, the gang waits for w0.
-    assert released(select_releases([gang, *singles], {"w0"}, WORKERS, now=5.0, policy=HRRS)) == ["s0"]
-    # Urgent (waited > 8 * 1 + 2 s): w1 is reserved for it, nothing overtakes.
-    assert released(select_releases([gang, *singles], {"w0"}, WORKERS, now=31.0, policy=HRRS)) == []
-    decisions = select_releases([gang, *singles], set(), WORKERS, now=31.0, policy=HRRS)
-    assert released(decisions) == ["gang"] and decisions[0].urgent
+def test_gang_starts_on_all_its_workers_in_one_decision_or_not_at_all():
+    d = Dispatcher(CALM, workers=["w0", "w1", "w2"])
+    occupy(d, "w0")
+    d.add(req("gang", ("w0", "w1"), t=0.0))
+    assert d.decide(0.5) == []
+    assert d.busy == {"w0": "busy-w0"}  # the free w1 is not held by half a gang
+    d.add(req("single", "w1", t=1.0))
+    assert names(d.decide(1.0)) == ["single"]
+    d.release_worker("w0")
+    assert d.decide(2.0) == []  # w0 alone is not enough
+    d.release_worker("w1")
+    [dec] = d.decide(3.0)
+    assert dec.request.request == "gang" and dec.group == ("w0", "w1")
+    assert d.busy == {"w0": "gang", "w1": "gang"}
+    assert len(d) == 0
 
 
-requests = st.lists(
-    st.tuples(
-        st.lists(st.sampled_from(WORKERS), min_size=1, max_size=3, unique=True),
-        st.booleans(),
-        st.sampled_from(["d0", "d1", "d2", "d3", "d4"]),
-        st.floats(0.0, 50.0),
-        st.floats(0.01, 10.0),
-        st.floats(0.0, 5.0),
-    ),
-    max_size=20,
+@pytest.mark.parametrize("policy", [HRRS, FIFO], ids=["hrrs", "fifo"])
+def test_a_busy_worker_gets_nothing_until_it_is_released(policy):
+    d = Dispatcher(policy, workers=["w0"])
+    d.add(req("a", "w0", t=0.0))
+    d.add(req("b", "w0", t=0.0))
+    assert names(d.decide(0.0)) == ["a"]
+    assert d.decide(50.0) == []  # b is urgent by now, still nothing on a busy worker
+    assert d.busy == {"w0": "a"} and "b" in d
+    d.release_worker("w0")
+    d.release_worker("w0")  # releasing a free worker again changes nothing
+    assert names(d.decide(51.0)) == ["b"]
+    assert d.decide(52.0) == []
+
+
+@pytest.mark.parametrize("policy", [HRRS, CALM, FIFO], ids=["hrrs", "calm", "fifo"])
+def test_requests_of_one_order_run_in_arrival_order(policy):
+    d = Dispatcher(policy, workers=["w0", "w1"])
+    occupy(d, "w0")
+    d.add(req("fb", "w0", t=0.0, s=5.0, order="o", dep="m"))
+    d.add(req("step", "w1", t=0.1, s=0.01, order="o", dep="m"))
+    # w1 is free and step is tiny, but only the head (fb) of the order is a candidate.
+    assert d.decide(0.5) == []
+    assert d.decide(40.0) == []
+    d.release_worker("w0")
+    # fb starts; step becomes the head and starts on the free w1 in the same decision.
+    assert names(d.decide(41.0)) == ["fb", "step"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "first"), [(HRRS, "short"), (FIFO, "long")], ids=["hrrs", "fifo"]
 )
+def test_short_overtakes_long_under_hrrs_but_not_under_fifo(policy, first):
+    d = Dispatcher(policy, workers=["w0"])
+    occupy(d, "w0")
+    d.add(req("long", "w0", t=0.0, s=10.0))
+    d.add(req("short", "w0", t=0.1, s=0.1))
+    d.release_worker("w0")
+    [dec] = d.decide(1.0)
+    assert dec.request.request == first
+    if policy is HRRS:
+        assert not dec.urgent and dec.ratio == pytest.approx((0.9 + 0.1) / 0.1)
+    else:
+        assert dec.urgent and dec.wait_s == 1.0
 
 
-@settings(max_examples=300, deadline=None)
-@given(requests, st.sets(st.sampled_from(WORKERS)), st.sampled_from([HRRS, DispatchPolicy.fifo()]))
-def test_properties(raw, busy, policy):
-    pending = sorted(
-        (req(f"r{i}", *ws, ready=ready, dep=dep, t=t, s=s, c=c) for i, (ws, ready, dep, t, s, c) in enumerate(raw)),
-        key=lambda r: r.arrival,
+@pytest.mark.parametrize(
+    ("policy", "first"), [(HRRS, "warm"), (FIFO, "cold")], ids=["hrrs", "fifo"]
+)
+def test_a_resident_model_wins_over_one_that_needs_a_load(policy, first):
+    costs = residency_costs({"warm": ["w0"]})  # cold: absent, 1 GB at 0.5 GB/s = 2 s
+    d = Dispatcher(policy, costs, workers=["w0"])
+    assert costs.setup_s("cold", ("w0",)) == pytest.approx(2.0)
+    occupy(d, "w0")
+    d.add(req("cold", "w0", t=0.0))
+    d.add(req("warm", "w0", t=0.2))
+    d.release_worker("w0")
+    [dec] = d.decide(0.5)
+    assert dec.request.request == first
+    if first == "warm":
+        assert dec.setup_s == 0.0 and dec.ratio == pytest.approx(1.3)
+    else:
+        assert dec.setup_s == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "group", "setup"),
+    [
+        (HRRS, ("w1",), 0.0),
+        (FIFO, ("w1",), 0.0),
+        (DispatchPolicy(placement="blind"), ("w0",), 2.0),
+        (DispatchPolicy.fifo("blind"), ("w0",), 2.0),
+    ],
+    ids=["hrrs", "fifo", "hrrs-blind", "fifo-blind"],
+)
+def test_data_parallel_request_goes_to_its_resident_group_unless_blind(policy, group, setup):
+    d = Dispatcher(policy, residency_costs({"m": ["w1"]}), workers=["w0", "w1", "w2"])
+    d.add(req("dp", "w0", "w1", "w2", dep="m"))
+    [dec] = d.decide(0.0)
+    assert dec.group == group and dec.setup_s == pytest.approx(setup)
+
+
+@pytest.mark.parametrize("policy", [HRRS, FIFO], ids=["hrrs", "fifo"])
+def test_equal_setup_spreads_to_the_worker_with_fewest_models_in_hbm(policy):
+    costs = residency_costs({"x": ["w0", "w2"], "y": ["w0", "w2"], "z": ["w0", "w1"]})
+    assert [costs.crowding(w) for w in ("w0", "w1", "w2")] == [3, 1, 2]
+    d = Dispatcher(policy, costs, workers=["w0", "w1", "w2"])
+    d.add(req("dp", "w0", "w1", "w2", dep="new"))  # absent everywhere: equal setup
+    [dec] = d.decide(0.0)
+    assert dec.group == ("w1",)
+    # With w1 taken, the next least crowded free worker.
+    d.add(req("dp2", "w0", "w2", dep="new2"))
+    assert [x.group for x in d.decide(0.0)] == [("w2",)]
+
+
+def test_urgent_gang_reserves_its_workers_against_a_stream_of_singles():
+    d = Dispatcher(HRRS, workers=["w0", "w1"])
+    occupy(d, "w0")
+    assert d.add(req("gang", ("w0", "w1"), t=0.0, s=1.0)) == pytest.approx(8 * 1.0 + 2.0)
+    assert d.decide(0.0) == []
+    # Before its patience (10 s) the free w1 goes to fresh singles.
+    d.add(req("s1", "w1", t=1.0, s=0.1))
+    assert names(d.decide(1.0)) == ["s1"]
+    d.release_worker("w1")
+    d.add(req("s2", "w1", t=2.0, s=0.1))
+    assert names(d.decide(2.0)) == ["s2"] and not d.is_urgent("gang")
+    # After it, w1 is reserved: the freed worker idles and the fresh single waits.
+    d.release_worker("w1")
+    d.add(req("s3", "w1", t=10.5, s=0.1))
+    assert d.decide(10.5) == []
+    assert d.is_urgent("gang") and "s3" in d and d.busy == {"w0": "busy-w0"}
+    assert d.hint("w1", 10.5) == "gang"
+    assert d.decide(11.0) == []
+    # When its workers free, the gang starts on both, before the single.
+    d.release_worker("w0")
+    [dec] = d.decide(12.0)
+    assert dec.request.request == "gang" and dec.group == ("w0", "w1") and dec.urgent
+    assert dec.wait_s == 12.0
+    d.release_worker("w0")
+    d.release_worker("w1")
+    assert names(d.decide(13.0)) == ["s3"]
+
+
+def test_urgent_data_parallel_request_starts_on_another_free_unreserved_group():
+    costs = TableCosts({("dp", "w0"): 0.0, ("dp", "w1"): 3.0})
+    d = Dispatcher(HRRS, costs, workers=["w0", "w1"])
+    occupy(d, "w0", "w1")
+    assert d.add(req("dp", "w0", "w1", t=0.0, s=1.0)) == pytest.approx(10.0)  # cheapest setup 0
+    assert d.decide(10.5) == [] and d.is_urgent("dp")  # reserves (w0,): cheapest setup
+    d.add(req("fresh", "w1", t=10.5, s=0.1))  # resident, tiny: ratio 1 vs dp's 11.5 / 7
+    d.release_worker("w1")
+    [dec] = d.decide(11.0)
+    assert dec.request.request == "dp" and dec.group == ("w1",) and dec.urgent
+    assert dec.setup_s == 3.0
+    assert "fresh" in d
+
+
+def test_removed_worker_makes_an_urgent_reserver_choose_again():
+    d = Dispatcher(HRRS, workers=["w0", "w1", "w2", "w3"])
+    occupy(d, "w0", "w1", "w2", "w3")
+    d.add(req("gang", ("w0", "w1"), ("w2", "w3"), t=0.0, s=1.0))
+    assert d.decide(11.0) == [] and d.is_urgent("gang")  # reserved (w0, w1): the first
+    # w2 is not reserved: a single may use it.
+    d.release_worker("w2")
+    d.add(req("s1", "w2", t=11.0, s=0.1))
+    assert names(d.decide(11.0)) == ["s1"]
+    # w0 leaves: the gang reserves (w2, w3) instead, and w2 now idles for it.
+    d.remove_worker("w0")
+    d.release_worker("w2")
+    d.add(req("s2", "w2", t=12.0, s=0.1))
+    assert d.decide(12.0) == []
+    assert d.hint("w2", 12.0) == "gang"
+    d.release_worker("w3")
+    [dec] = d.decide(13.0)
+    assert dec.request.request == "gang" and dec.group == ("w2", "w3") and dec.urgent
+
+
+@pytest.mark.parametrize("policy", [HRRS, FIFO], ids=["hrrs", "fifo"])
+def test_requests_only_on_dead_workers_wait_until_a_worker_joins(policy):
+    d = Dispatcher(policy, workers=["w0", "w1"])
+    d.add(req("lost", "w9", t=0.0))
+    d.add(req("dp", "w1", "w0", t=0.0))
+    d.remove_worker("w1")
+    d.remove_worker("w1")  # twice: no-op
+    decisions = d.decide(0.0)
+    assert names(decisions) == ["dp"] and decisions[0].group == ("w0",)  # not on the dead w1
+    assert d.decide(100.0) == [] and "lost" in d
+    assert d.ratio(req("lost", "w9"), 100.0) == (0.0, math.inf)  # no live group
+    d.add_worker("w9")
+    [dec] = d.decide(101.0)
+    assert dec.request.request == "lost" and dec.group == ("w9",)
+    # A removed busy worker is free again only once it joins again.
+    d.remove_worker("w9")
+    d.release_worker("w9")
+    d.add(req("later", "w9", t=102.0))
+    assert d.decide(102.0) == []
+    d.add_worker("w9")
+    assert names(d.decide(103.0)) == ["later"]
+
+
+def test_removing_a_head_promotes_the_next_of_its_order():
+    d = Dispatcher(CALM, workers=["w0", "w1"])
+    occupy(d, "w0")
+    first = req("first", "w0", t=0.0, order="o")
+    d.add(first)
+    d.add(req("second", "w1", t=0.0, order="o"))
+    assert d.decide(1.0) == []
+    assert d.remove("first") == first
+    assert d.remove("first") is None and "first" not in d
+    assert names(d.decide(1.0)) == ["second"]
+
+
+def test_removing_a_non_head_keeps_the_head():
+    d = Dispatcher(CALM, workers=["w0", "w1"])
+    occupy(d, "w0")
+    d.add(req("a", "w0", order="o"))
+    d.add(req("b", "w1", order="o"))
+    d.add(req("c", "w1", order="o"))
+    d.remove("b")
+    assert [r.request for r in d.pending()] == ["a", "c"]
+    d.release_worker("w0")
+    assert names(d.decide(1.0)) == ["a", "c"]
+
+
+def test_add_raises_an_arrival_older_than_its_orders_last():
+    d = Dispatcher(CALM, workers=["w0"])
+    occupy(d, "w0")
+    d.add(req("a", "w0", t=5.0, order="o"))
+    d.add(req("b", "w0", t=3.0, order="o"))
+    d.add(req("c", "w0", t=1.0, order="other"))
+    assert [(r.request, r.arrival) for r in d.pending()] == [("a", 5.0), ("b", 5.0), ("c", 1.0)]
+    d.remove("a")
+    d.remove("b")
+    d.add(req("d", "w0", t=2.0, order="o"))  # the order is empty again: nothing to raise
+    assert dict((r.request, r.arrival) for r in d.pending())["d"] == 2.0
+
+
+def test_adding_a_pending_request_again_raises():
+    d = Dispatcher(FIFO, workers=["w0"])
+    d.add(req("a", "w9"))
+    with pytest.raises(ValueError, match="already pending"):
+        d.add(req("a", "w0"))
+    d.add(req("b", "w0"))
+    assert names(d.decide(0.0)) == ["b"]
+    d.add(req("b", "w0"))  # started, so no longer pending: a new request of that name
+    assert "b" in d
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [(), (("w0", "w0"),), ((),), (("w0",), ("w1", "w2"))],
+    ids=["no-groups", "repeated-worker", "empty-group", "mixed-sizes"],
+)
+def test_request_rejects_malformed_groups(groups):
+    with pytest.raises(ValueError):
+        Request("r", groups)
+
+
+@pytest.mark.parametrize("service", [0.0, -1.0, math.nan])
+def test_request_rejects_non_positive_service(service):
+    with pytest.raises(ValueError, match="service time"):
+        Request("r", (("w0",),), service_s=service)
+
+
+def test_request_order_defaults_to_the_request():
+    assert Request("r", (("w0",),)).order_key == "r"
+    assert Request("r", (("w0",),), order="o").order_key == "o"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(setup_weight=-1.0),
+        dict(patience_factor=-0.1),
+        dict(patience_floor_s=-2.0),
+        dict(placement="random"),
+    ],
+)
+def test_dispatch_policy_rejects_bad_knobs(kwargs):
+    with pytest.raises(ValueError):
+        DispatchPolicy(**kwargs)
+
+
+def test_dispatch_policy_formulas_and_fifo():
+    p = DispatchPolicy(setup_weight=2.0, patience_factor=8.0, patience_floor_s=2.0)
+    assert p.ratio(3.0, 1.0, 0.5) == pytest.approx(4.0 / 2.0)
+    assert p.ratio(-5.0, 1.0, 0.0) == 1.0  # a negative wait counts as 0
+    assert p.patience(1.0, 0.5) == pytest.approx(8 * 1.5 + 2)
+    f = DispatchPolicy.fifo("blind")
+    assert (f.setup_weight, f.patience_factor, f.patience_floor_s, f.placement) == (
+        0.0,
+        0.0,
+        0.0,
+        "blind",
     )
-    now = 60.0
-    decisions = select_releases(pending, busy, WORKERS, now, policy)
-    used = [w for d in decisions for w in d.request.workers]
-    assert len(used) == len(set(used))  # never two requests on one worker slot
-    assert not set(used) & busy  # never on a busy worker
-    assert all(d.request.ready for d in decisions)
-    names = {d.request.request for d in decisions}
-    for d in decisions:  # per-deployment order: nothing older of the same deployment waits
-        earlier = pending[: pending.index(d.request)]
-        assert all(e.deployment != d.request.deployment or e.request in names for e in earlier)
-    # An urgent request is never overtaken on its workers by a later released one.
-    for u in pending:
-        if u.request in names or not u.ready or now - u.arrival < policy.patience(u):
-            continue
-        if u.deployment in {e.deployment for e in pending[: pending.index(u)]}:
-            continue  # not a head
-        for d in decisions:
-            if d.request.arrival > u.arrival or not d.urgent:
-                assert not set(d.request.workers) & set(u.workers)
+    assert f.patience(100.0, 100.0) == 0.0
+    assert Dispatcher().policy == DispatchPolicy.fifo()
 
 
-def test_estimates_learn_from_observations_with_priors():
-    est = Estimates(service_prior_s=1.0, load_bandwidth=1e9, weight=0.5)
-    assert est.service("d", "fb") == 1.0 and est.setup("d", 2 * 10**9) == 2.0
+def test_hint_names_the_top_urgent_reserver_else_the_best_head_else_nothing():
+    policy = DispatchPolicy(setup_weight=10.0, patience_factor=0.0, patience_floor_s=1.0)
+    costs = TableCosts({("heavy", "w0"): 5.0})
+    d = Dispatcher(policy, costs, workers=["w0", "w1"])
+    occupy(d, "w0", "w1")
+    assert d.hint("w0", 0.0) is None
+    d.add(req("slow", "w0", t=1.5, s=10.0, dep="slow"))
+    d.add(req("quick", "w0", t=1.5, s=0.1, dep="quick"))
+    assert d.hint("w0", 2.0) == "quick"  # by ratio: (0.5 + 0.1) / 0.1 > (0.5 + 10) / 10
+    assert d.hint("w0", 1.5) == "slow"  # equal ratios (1): the earlier added
+    assert d.hint("w1", 2.0) is None  # no head may run there
+    # A gang needing a 5 s load on w0, urgent from t = 1, has the lowest ratio,
+    # (2 + 1) / (1 + 10 * 5), but once it has reserved (w0, w1) its hint wins on both.
+    d.add(req("gang", ("w0", "w1"), t=0.0, s=1.0, dep="heavy"))
+    assert d.hint("w0", 2.0) == "quick" and d.hint("w1", 2.0) == "heavy"
+    assert d.decide(2.0) == []
+    assert d.is_urgent("gang") and not d.is_urgent("quick")
+    assert d.hint("w0", 2.0) == "heavy" and d.hint("w1", 2.0) == "heavy"
+    # A later urgent reserver of w0 queues behind it; the first in arrival order is named.
+    d.add(req("next", "w0", t=0.5, s=1.0, dep="second"))
+    assert d.decide(2.0) == [] and d.is_urgent("next")
+    assert d.hint("w0", 2.0) == "heavy"
+    d.remove("gang")
+    assert d.hint("w0", 2.0) == "second" and d.hint("w1", 2.0) is None
+    d.remove("next")
+    assert d.hint("w0", 2.0) == "quick"
+    d.add(req("anon", "w1", t=2.0, dep="x"))
+    assert d.hint("w1", 2.0) == "x"
+
+
+def test_hint_of_a_request_without_deployment_is_none():
+    d = Dispatcher(CALM, workers=["w0"])
+    occupy(d, "w0")
+    d.add(Request("r", (("w0",),)))
+    assert d.hint("w0", 0.0) is None
+
+
+def test_decision_to_dict():
+    d = Dispatcher(HRRS, TableCosts({("m", "w1"): 0.5}), workers=["w0", "w1"])
+    d.add(
+        Request(
+            "r",
+            (("w0", "w1"),),
+            arrival=1.0,
+            service_s=2.0,
+            order="o",
+            deployment="m",
+            op="fb",
+            job="j",
+        )
+    )
+    [dec] = d.decide(3.0)
+    assert dec.to_dict() == {
+        "request": "r",
+        "deployment": "m",
+        "op": "fb",
+        "job": "j",
+        "workers": ["w0", "w1"],
+        "wait_s": 2.0,
+        "ratio": pytest.approx((2.0 + 2.0) / (2.0 + 2 * 0.5)),
+        "service_s": 2.0,
+        "setup_s": 0.5,
+        "urgent": False,
+    }
+
+
+# --- regressions: bugs found by these tests, fixed ---------------------------------------
+
+
+def test_fifo_next_head_of_an_order_goes_before_a_younger_request():
+    d = Dispatcher(FIFO, workers=["w0", "w1"])
+    occupy(d, "w0", "w1")
+    d.add(req("a1", "w0", t=0.1, order="A"))
+    d.add(req("a2", "w1", t=0.2, order="A"))
+    d.add(req("b1", "w1", t=0.5, order="B"))
+    assert d.decide(0.5) == []
+    d.release_worker("w0")
+    d.release_worker("w1")
+    assert names(d.decide(1.0)) == ["a1", "a2"]
+
+
+def test_fifo_releases_every_request_as_urgent():
+    d = Dispatcher(FIFO, workers=["w0", "w1"])
+    d.add(req("a1", "w0", order="A"))
+    d.add(req("a2", "w1", order="A"))
+    decisions = d.decide(0.0)
+    assert names(decisions) == ["a1", "a2"]
+    assert [x.urgent for x in decisions] == [True, True]
+
+
+def test_head_made_by_an_urgent_start_competes_by_ratio_in_the_same_decision():
+    d = Dispatcher(HRRS, workers=["w0", "w1", "w2"])
+    occupy(d, "w0", "w1", "w2")
+    d.add(req("U", "w2", "w0", t=0.0, s=1.0, order="o"))  # urgent at 10, reserves (w2,)
+    d.add(req("N", "w1", t=10.5, s=0.1, order="o"))  # patience 2.8: not urgent at 11
+    d.add(req("C", "w1", t=10.0, s=5.0))
+    assert d.decide(10.5) == [] and d.is_urgent("U")
+    d.release_worker("w0")
+    d.release_worker("w1")
+    decisions = d.decide(11.0)
+    # U starts on the free (w0,) it did not reserve; then N, (0.5 + 0.1) / 0.1 = 6, beats C,
+    # (1 + 5) / 5 = 1.2, on w1.
+    assert [(x.request.request, x.group) for x in decisions] == [("U", ("w0",)), ("N", ("w1",))]
+
+
+def test_request_added_again_is_not_urgent_before_its_own_patience():
+    d = Dispatcher(DispatchPolicy(patience_factor=0.0, patience_floor_s=10.0), workers=["w0"])
+    occupy(d, "w0")
+    d.add(req("x", "w0", t=0.0))  # urgent at 10
+    d.remove("x")
+    d.add(req("x", "w0", t=8.0))  # urgent at 18
+    assert d.decide(12.0) == []
+    assert not d.is_urgent("x")
+
+
+@pytest.mark.parametrize("field", ["setup_weight", "patience_factor", "patience_floor_s"])
+def test_dispatch_policy_rejects_nan(field):
+    with pytest.raises(ValueError):
+        DispatchPolicy(**{field: math.nan})
+
+
+# --- reference oracles -----------------------------------------------------------------------
+
+ORACLE_WORKERS = ("w0", "w1", "w2", "w3", "w4")
+MODELS = ("m0", "m1", "m2")
+
+
+class Model:
+    """The state an oracle needs: pending queues per order, live and busy workers."""
+
+    def __init__(self, policy: DispatchPolicy, costs, workers) -> None:
+        self.policy, self.costs = policy, costs
+        self.live, self.busy = set(workers), set()
+        self.queues: dict[str, list[Request]] = {}
+        self.last: dict[str, float] = {}  # the order's last arrival while it has pending requests
+        self.seq: dict[str, int] = {}
+        self.counter = itertools.count()
+
+    def add(self, r: Request) -> None:
+        order = r.order_key
+        if order in self.last and r.arrival < self.last[order]:
+            r = replace(r, arrival=self.last[order])
+        self.last[order] = r.arrival
+        self.queues.setdefault(order, []).append(r)
+        self.seq[r.request] = next(self.counter)
+
+    def remove(self, rid: str) -> None:
+        for order, q in list(self.queues.items()):
+            q[:] = [r for r in q if r.request != rid]
+            if not q:
+                del self.queues[order]
+                self.last.pop(order, None)
+
+    def start(self, r: Request, group) -> None:
+        self.remove(r.request)
+        self.busy |= set(group)
+
+    def pending(self) -> list[Request]:
+        return sorted(
+            (r for q in self.queues.values() for r in q), key=lambda r: self.seq[r.request]
+        )
+
+    def greedy(self, now: float, _decisions=None) -> list[tuple]:
+        """HRRS with no urgent request: repeatedly the head of highest ratio (ties: earlier
+        arrival, then earlier add) starts on its best free group (cheapest setup, then least
+        crowded, then first; blind: the first free group)."""
+        out = []
+        while True:
+            free = self.live - self.busy
+            best = None
+            for q in self.queues.values():
+                r = q[0]
+                options = [
+                    (
+                        self.costs.setup_s(r.deployment or r.order_key, g),
+                        sum(self.costs.crowding(w) for w in g),
+                        i,
+                        g,
+                    )
+                    for i, g in enumerate(r.groups)
+                    if set(g) <= free
+                ]
+                if not options:
+                    continue
+                setup, _, _, group = (
+                    options[0] if self.policy.placement == "blind" else min(options)
+                )
+                ratio = self.policy.ratio(now - r.arrival, r.service_s, setup)
+                key = (-ratio, r.arrival, self.seq[r.request])
+                if best is None or key < best[0]:
+                    best = (key, r, group, setup, ratio)
+            if best is None:
+                return out
+            _, r, group, setup, ratio = best
+            self.start(r, group)
+            out.append((r.request, group, setup, ratio, False))
+
+    def fifo(self, now: float, _decisions=None) -> list[tuple]:
+        """FIFO, single-group requests: in arrival order (then add order), each head that has
+        arrived reserves its group if all its workers live (nothing otherwise) and starts if no
+        worker of the group is busy or reserved by an earlier request; otherwise its order
+        waits."""
+        out = []
+        taken = set(self.busy)
+        waiting: set[str] = set()
+        for r in sorted(self.pending(), key=lambda r: (r.arrival, self.seq[r.request])):
+            order, group = r.order_key, r.groups[0]
+            if order in waiting:
+                continue
+            waiting.add(order)
+            if r.arrival > now or not set(group) <= self.live:
+                continue
+            if not set(group) & taken:
+                self.start(r, group)
+                out.append(
+                    (
+                        r.request,
+                        group,
+                        0.0,
+                        self.policy.ratio(now - r.arrival, r.service_s, 0.0),
+                        True,
+                    )
+                )
+                waiting.discard(order)
+            taken |= set(group)
+        return out
+
+
+def _groups(k: int, max_groups: int):
+    group = st.lists(st.sampled_from(ORACLE_WORKERS), min_size=k, max_size=k, unique=True).map(
+        tuple
+    )
+    return st.lists(group, min_size=1, max_size=max_groups).map(tuple)
+
+
+def ops(max_groups: int, orders):
+    """Random event sequences: steps of a few arrivals (up to 1.5 s before they are added, so
+    arrivals within an order may need raising), a few workers freed, now and then a request
+    removed or a worker leaving or joining, then time advancing and a decision."""
+    add = st.tuples(
+        st.just("add"),
+        st.integers(1, 2).flatmap(lambda k: _groups(k, max_groups)),
+        orders,
+        st.sampled_from(MODELS),
+        st.sampled_from([0.0, 0.5, 1.5]),
+        st.sampled_from([0.1, 0.5, 1.0, 2.0, 4.0]),
+    )
+    extra = st.tuples(
+        st.sampled_from(["none"] * 5 + ["remove", "kill", "revive"]),
+        st.integers(0, 40),
+        st.sampled_from(ORACLE_WORKERS),
+    ).map(lambda x: [] if x[0] == "none" else [(x[0], x[1] if x[0] == "remove" else x[2])])
+    step = st.tuples(
+        extra,
+        st.lists(add, max_size=3),
+        st.lists(st.sampled_from(ORACLE_WORKERS), max_size=3).map(
+            lambda ws: [("release", w) for w in ws]
+        ),
+        st.sampled_from([0.0, 0.25, 1.0, 3.0]).map(lambda dt: [("decide", dt)]),
+    ).map(lambda parts: [ev for part in parts for ev in part])
+    return st.lists(step, min_size=1, max_size=25).map(
+        lambda steps: [ev for s in steps for ev in s]
+    )
+
+
+def residencies():
+    """A random residency map and per-model sizes, as ``SetupCosts``."""
+    tiers = st.dictionaries(
+        st.tuples(st.sampled_from(MODELS), st.sampled_from(ORACLE_WORKERS)),
+        st.sampled_from(TIERS),
+        max_size=15,
+    )
+    sizes = st.lists(st.sampled_from([0, GB, 4 * GB]), min_size=len(MODELS), max_size=len(MODELS))
+
+    def build(tiers, sizes):
+        rmap = ResidencyMap()
+        for (m, w), tier in sorted(tiers.items()):
+            rmap.apply(ResidencyReport(m, 0, tier, 0, 0.0, worker=w))
+        by_model = dict(zip(MODELS, sizes, strict=True))
+        return SetupCosts(rmap, Estimates(), lambda m: by_model.get(m, 0))
+
+    return st.builds(build, tiers, sizes)
+
+
+def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
+    """Apply ``events`` to both; at each decision compare the releases (and check that a second
+    decision at the same instant releases nothing); after each event, the pending requests (with
+    their arrivals, as raised) and the busy workers."""
+    now, added = 0.0, []
+    for ev in events:
+        kind = ev[0]
+        if kind == "add":
+            _, groups, order, dep, lag, service = ev
+            r = Request(
+                f"r{len(added)}",
+                groups,
+                arrival=now - lag,
+                service_s=service,
+                order=order,
+                deployment=dep,
+            )
+            added.append(r.request)
+            dispatcher.add(r)
+            model.add(r)
+        elif kind == "decide":
+            now += ev[1]
+            decisions = dispatcher.decide(now)
+            got = [(d.request.request, d.group, d.setup_s, d.ratio, d.urgent) for d in decisions]
+            assert got == oracle(model, now, decisions)
+            assert dispatcher.decide(now) == []
+        elif kind == "release":
+            dispatcher.release_worker(ev[1])
+            model.busy.discard(ev[1])
+        elif kind == "remove":
+            if added:
+                rid = added[ev[1] % len(added)]
+                dispatcher.remove(rid)
+                model.remove(rid)
+        elif kind == "kill":
+            dispatcher.remove_worker(ev[1])
+            model.live.discard(ev[1])
+            model.busy.discard(ev[1])
+        else:
+            dispatcher.add_worker(ev[1])
+            model.live.add(ev[1])
+        assert [(r.request, r.arrival) for r in dispatcher.pending()] == [
+            (r.request, r.arrival) for r in model.pending()
+        ]
+        assert set(dispatcher.busy) == model.busy
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops(max_groups=3, orders=st.sampled_from(["", "", "o0", "o1", "o2"])),
+    residencies(),
+    st.sampled_from([0.0, 0.5, 2.0, 10.0]),
+    st.sampled_from([0.0, 8.0]),
+    st.sampled_from(["residency", "blind"]),
+)
+def test_hrrs_matches_greedy_oracle_while_nothing_is_urgent(events, costs, alpha, beta, placement):
+    policy = DispatchPolicy(
+        setup_weight=alpha, patience_factor=beta, patience_floor_s=1e9, placement=placement
+    )
+    d = Dispatcher(policy, costs, ORACLE_WORKERS)
+    replay(events, d, Model(policy, costs, ORACLE_WORKERS), Model.greedy)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops(max_groups=1, orders=st.just("")), st.sampled_from(["residency", "blind"]))
+def test_fifo_matches_arrival_order_oracle_for_single_group_requests(events, placement):
+    policy = DispatchPolicy.fifo(placement)
+    d = Dispatcher(policy, workers=ORACLE_WORKERS)
+    replay(events, d, Model(policy, d.costs, ORACLE_WORKERS), Model.fifo)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None, phases=[Phase.generate])
+@given(ops(max_groups=1, orders=st.sampled_from(["o0", "o1", "o2"])))
+def test_fifo_matches_arrival_order_oracle_with_shared_orders(events):
+    d = Dispatcher(FIFO, workers=ORACLE_WORKERS)
+    replay(events, d, Model(FIFO, d.costs, ORACLE_WORKERS), Model.fifo)
+
+
+def safety(model: Model, now: float, decisions: list[Decision]) -> list[tuple]:
+    """Not an oracle of which requests start, but what every decision must satisfy: heads
+    only, on one of their groups, on free live workers, one request per worker."""
+    for dec in decisions:
+        r = dec.request
+        assert model.queues[r.order_key][0] == r
+        assert dec.group in r.groups
+        assert set(dec.group) <= model.live - model.busy
+        model.start(r, dec.group)
+    return [(x.request.request, x.group, x.setup_s, x.ratio, x.urgent) for x in decisions]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops(max_groups=3, orders=st.sampled_from(["", "o0", "o1"])),
+    residencies(),
+    st.builds(
+        DispatchPolicy,
+        setup_weight=st.sampled_from([0.0, 2.0]),
+        patience_factor=st.sampled_from([0.0, 1.0, 8.0]),
+        patience_floor_s=st.sampled_from([0.0, 0.5, 2.0]),
+        placement=st.sampled_from(["residency", "blind"]),
+    ),
+)
+def test_decisions_with_urgency_start_heads_on_free_groups_only(events, costs, policy):
+    d = Dispatcher(policy, costs, ORACLE_WORKERS)
+    replay(events, d, Model(policy, costs, ORACLE_WORKERS), safety)
+
+
+# --- simulated workloads ---------------------------------------------------------------------
+
+POLICIES = {"hrrs": HRRS, "fifo": FIFO, "fifo-blind": DispatchPolicy.fifo("blind")}
+
+hrrs_policies = st.builds(
+    DispatchPolicy,
+    setup_weight=st.floats(0.0, 10.0),
+    patience_factor=st.floats(0.0, 30.0),
+    patience_floor_s=st.floats(0.0, 20.0),
+    placement=st.sampled_from(["residency", "blind"]),
+)
+any_policy = st.one_of(st.sampled_from(list(POLICIES.values())), hrrs_policies)
+
+
+def check_promises(workload, result) -> None:
+    assert len(result.records) == len(workload)
+    for rec in result.records:
+        assert math.isfinite(rec.start) and math.isfinite(rec.finish)
+        assert rec.start >= rec.request.arrival - 1e-9 and rec.finish > rec.start
+        assert rec.group in rec.request.groups
+    assert result.max_wait_over_bound() <= 1 + 1e-9
+    assert result.overlaps() == []
+    assert result.order_violations() == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(6, 150), (2, 40), (4, 80)]), any_policy)
+def test_random_workloads_keep_the_dispatch_promises(seed, size, policy):
+    cluster, workload = random_workload(seed, *size)
+    check_promises(workload, simulate(workload, cluster, policy))
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+@pytest.mark.parametrize("name", ADVERSARIAL)
+def test_adversarial_workloads_keep_the_dispatch_promises(name, policy):
+    cluster, workload = ADVERSARIAL[name]()
+    check_promises(workload, simulate(workload, cluster, policy))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(sorted(ADVERSARIAL)), hrrs_policies)
+def test_adversarial_workloads_keep_the_promises_under_any_hrrs_parameters(name, policy):
+    cluster, workload = ADVERSARIAL[name]()
+    check_promises(workload, simulate(workload, cluster, policy))
+
+
+def _records(workload_fn, policy):
+    cluster, workload = workload_fn()
+    return {r.request.request: r for r in simulate(workload, cluster, policy).records}
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_gang_starts_against_a_stream_of_singles(policy):
+    gang = _records(gang_vs_singles, policy)["gang"]
+    assert math.isfinite(gang.start) and gang.group == ("w0", "w1")
+    assert gang.wait < gang.patience + 0.5  # its patience, then one single (0.45 s) per worker
+
+
+def test_short_requests_overtake_a_long_one_under_hrrs_only():
+    def overtakers(policy) -> list[str]:
+        recs = _records(long_vs_short_stream, policy)
+        long = recs["long"]
+        return [
+            name
+            for name, r in recs.items()
+            if name.startswith("short")
+            and r.request.arrival > long.request.arrival
+            and r.start < long.start
+        ]
+
+    assert len(overtakers(HRRS)) > 0
+    assert overtakers(FIFO) == []
+
+
+def test_flood_delays_the_other_jobs_first_request_less_under_hrrs():
+    hrrs, fifo = _records(flood, HRRS)["b0"], _records(flood, FIFO)["b0"]
+    assert hrrs.wait < fifo.wait
+
+
+# --- estimates, setup costs, residency -------------------------------------------------------
+
+
+def test_service_estimate_starts_at_the_prior_then_follows_an_ewma():
+    est = Estimates(service_prior_s=1.5, weight=0.5)
+    assert est.service("d", "fb") == 1.5
     est.observe_service("d", "fb", 3.0)
+    assert est.service("d", "fb") == 3.0  # the first observation replaces the prior
     est.observe_service("d", "fb", 1.0)
     assert est.service("d", "fb") == pytest.approx(2.0)
-    est.observe_load("d", 0.5)
-    assert est.setup("d", 2 * 10**9) == 0.5
+    assert est.service("d", "step") == 1.5 and est.service("e", "fb") == 1.5
+    est.observe_service("d", "step", 0.0)
+    assert est.service("d", "step") == pytest.approx(1e-6)  # clamped above 0
     est.forget("d")
-    assert est.service("d", "fb") == 1.0
+    assert est.service("d", "fb") == 1.5
 
 
-def test_request_workers_must_be_distinct():
+def test_setup_estimate_per_tier_prior_then_learned_per_deployment_and_tier():
+    est = Estimates(weight=0.5)
+    n = 4 * GB
+    assert est.setup("a", "hbm", n) == 0.0
+    assert {t: est.setup("a", t, n) for t in ("dram", "nvme", "absent")} == pytest.approx(
+        {t: n / DEFAULT_LOAD_BANDWIDTHS[t] for t in ("dram", "nvme", "absent")}
+    )
+    est.observe_load("a", "nvme", 1.0, n)  # 4 GB/s
+    assert est.setup("a", "nvme", n) == 1.0
+    assert est.setup("a", "nvme", 2 * n) == 1.0  # learned per (deployment, tier): a time
+    assert est.setup("b", "nvme", 2 * n) == pytest.approx(2.0)  # learned bandwidth of the tier
+    assert est.setup("a", "dram", n) == pytest.approx(n / 10e9)  # other tiers keep their prior
+    assert est.setup("a", "hbm", n) == 0.0
+    est.observe_load("a", "nvme", 3.0, n)
+    assert est.setup("a", "nvme", n) == pytest.approx(2.0)
+    assert est.setup("b", "nvme", n) == pytest.approx(n / (0.5 * 4e9 + 0.5 * n / 3.0))
+    est.forget("a")  # forgets the deployment's time, not the tier's bandwidth
+    assert est.setup("a", "nvme", n) == est.setup("b", "nvme", n)
+
+
+@pytest.mark.parametrize(
+    ("source", "seconds"), [("hbm", 5.0), ("", 5.0), ("bogus", 5.0), ("dram", 0.0), ("dram", -1.0)]
+)
+def test_loads_that_are_not_a_tiers_load_are_ignored(source, seconds):
+    est = Estimates()
+    est.observe_load("a", source, seconds, GB)
+    assert est.setup("a", "dram", GB) == pytest.approx(0.1)
+    assert est.setup("b", "dram", GB) == pytest.approx(0.1)
+
+
+def test_load_without_bytes_learns_the_time_not_the_bandwidth():
+    est = Estimates()
+    est.observe_load("a", "absent", 7.0)
+    assert est.setup("a", "absent", GB) == 7.0
+    assert est.setup("b", "absent", GB) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    "bandwidths",
+    [
+        {"dram": 1.0, "nvme": 1.0},
+        {"dram": 0.0, "nvme": 1.0, "absent": 1.0},
+        {"dram": 1.0, "nvme": -1.0, "absent": 1.0},
+    ],
+    ids=["missing-tier", "zero", "negative"],
+)
+def test_invalid_bandwidth_priors_raise(bandwidths):
+    with pytest.raises(ValueError, match="bandwidth"):
+        Estimates(load_bandwidths=bandwidths)
+
+
+def test_setup_costs_take_the_slowest_worker_and_count_hbm_models():
+    rmap = ResidencyMap()
+    for w, tier in (("w0", "hbm"), ("w1", "dram"), ("w2", "nvme")):
+        rmap.apply(ResidencyReport("m", 0, tier, 4 * GB, 0.0, worker=w))
+    rmap.apply(ResidencyReport("other", 0, "hbm", GB, 0.0, worker="w0"))
+    rmap.apply(ResidencyReport("third", 0, "dram", GB, 0.0, worker="w0"))
+    asked: list[str] = []
+
+    def bytes_of(dep: str) -> int:
+        asked.append(dep)
+        return 4 * GB
+
+    costs = SetupCosts(rmap, Estimates(), bytes_of)
+    assert costs.setup_s("m", ("w0",)) == 0.0 and asked == []
+    assert costs.setup_s("m", ("w0", "w1")) == pytest.approx(0.4)
+    assert costs.setup_s("m", ("w1", "w0", "w2")) == pytest.approx(2.0)
+    assert costs.setup_s("m", ("w2", "w3")) == pytest.approx(8.0)  # w3: absent
+    assert [costs.crowding(w) for w in ("w0", "w1", "w3")] == [2, 0, 0]  # models in HBM only
+    costs.estimates.observe_load("m", "nvme", 0.5, 4 * GB)
+    assert costs.setup_s("m", ("w0", "w1", "w2")) == pytest.approx(0.5)
+
+
+def test_residency_count_in_and_forgetting():
+    rmap = ResidencyMap()
+    for dep, w, tier in [
+        ("a", "w0", "hbm"),
+        ("b", "w0", "hbm"),
+        ("c", "w0", "dram"),
+        ("a", "w1", "nvme"),
+    ]:
+        rmap.apply(ResidencyReport(dep, 0, tier, GB, 0.0, worker=w))
+    assert [rmap.count_in("w0", t) for t in TIERS] == [2, 1, 0, 0]
+    rmap.apply(ResidencyReport("b", 0, "dram", GB, 0.0, worker="w0"))
+    assert rmap.count_in("w0", "hbm") == 1 and rmap.count_in("w0", "dram") == 2
+    rmap.forget_deployment("a")
+    assert rmap.count_in("w0", "hbm") == 0 and rmap.count_in("w1", "nvme") == 0
+    assert rmap.tier("a", "w1") == "absent"
+    rmap.forget_worker("w0")
+    assert rmap.count_in("w0", "dram") == 0 and rmap.reports() == []
+    assert rmap.count_in("never", "hbm") == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("apply"),
+                st.sampled_from("abc"),
+                st.sampled_from(["w0", "w1", "w2"]),
+                st.sampled_from(TIERS),
+                st.integers(0, 5),
+            ),
+            st.tuples(st.just("forget_worker"), st.sampled_from(["w0", "w1", "w2"])),
+            st.tuples(st.just("forget_deployment"), st.sampled_from("abc")),
+        ),
+        max_size=40,
+    )
+)
+def test_residency_map_per_worker_index_stays_consistent(events):
+    rmap, naive = ResidencyMap(), {}
+    for ev in events:
+        if ev[0] == "apply":
+            _, dep, w, tier, nbytes = ev
+            rmap.apply(ResidencyReport(dep, 0, tier, nbytes, 0.0, worker=w))
+            if tier == "absent":
+                naive.pop((dep, w), None)
+            else:
+                naive[(dep, w)] = (tier, nbytes)
+        elif ev[0] == "forget_worker":
+            rmap.forget_worker(ev[1])
+            naive = {k: v for k, v in naive.items() if k[1] != ev[1]}
+        else:
+            rmap.forget_deployment(ev[1])
+            naive = {k: v for k, v in naive.items() if k[0] != ev[1]}
+        for w in ("w0", "w1", "w2"):
+            for tier in TIERS:
+                assert rmap.count_in(w, tier) == sum(
+                    1 for (_, x), (t, _) in naive.items() if x == w and t == tier
+                )
+            assert rmap.bytes_by_tier(w) == {
+                t: sum(b for (_, x), (tier, b) in naive.items() if x == w and tier == t)
+                for t in TIERS[:-1]
+            }
+            for dep in "abc":
+                assert rmap.tier(dep, w) == naive.get((dep, w), ("absent", 0))[0]
+        assert [(r.deployment, r.worker) for r in rmap.reports()] == sorted(naive)
+
+
+def test_residency_report_source_is_validated_and_round_trips():
+    report = ResidencyReport("m", 3, "hbm", GB, 1.5, worker="w0", source="nvme")
+    event = report.to_event()
+    assert event["source"] == "nvme" and "worker" not in event
+    assert ResidencyReport.from_event({**event, "worker": "w0", "extra": 1}) == report
+    assert ResidencyReport("m", 0, "hbm", 0, 0.0).source == ""
     with pytest.raises(ValueError):
-        PendingRequest("bad", ("w0", "w0"))
+        ResidencyReport("m", 0, "hbm", 0, 0.0, source="disk")
+    with pytest.raises(ValueError):
+        ResidencyReport("m", 0, "gpu", 0, 0.0)
+
+
+# --- unchanged: prompt splitting ---------------------------------------------------------------
 
 
 def test_prompt_split_follows_batch_boundaries():

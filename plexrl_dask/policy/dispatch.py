@@ -154,7 +154,7 @@ class DispatchPolicy:
     placement: str = "residency"  # or "blind"
 
     def __post_init__(self) -> None:
-        if min(self.setup_weight, self.patience_factor, self.patience_floor_s) < 0:
+        if not all(v >= 0 for v in (self.setup_weight, self.patience_factor, self.patience_floor_s)):
             raise ValueError(f"dispatch weights must be >= 0: {self}")
         if self.placement not in ("residency", "blind"):
             raise ValueError(f"placement must be 'residency' or 'blind', got {self.placement!r}")
@@ -358,8 +358,8 @@ class Dispatcher:
         while True:
             self._promote(now)
             released = len(out)
-            self._release_urgent(now, out)
-            self._release_best(now, out)
+            if self._release_urgent(now, out):
+                self._release_best(now, out)
             if len(out) == released:
                 return out
 
@@ -367,12 +367,15 @@ class Dispatcher:
         """Heads that have waited their patience become urgent and reserve a group."""
         self._stranded_retry()
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, rid = heapq.heappop(self._deadlines)
+            _, seq, rid = heapq.heappop(self._deadlines)
             e = self._entries.get(rid)
-            if e is not None and e.head and not e.urgent:
+            # (seq: the id may have been removed and added again, with a new deadline)
+            if e is not None and e.seq == seq and e.head and not e.urgent:
                 self._make_urgent(e)
 
-    def _release_urgent(self, now: float, out: list[Decision]) -> None:
+    def _release_urgent(self, now: float, out: list[Decision]) -> bool:
+        """Start urgent requests on their reserved groups where they may; False if a start
+        made an overdue request a head (to be promoted before anything else starts)."""
         candidates = {}
         for w in self._free:
             top = self._top_reserver(w)
@@ -384,6 +387,9 @@ class Dispatcher:
                 w in self._free and self._top_reserver(w) is e for w in group
             ):
                 out.append(self._start(e, group, now, urgent=True))
+                if self._overdue_next(e, now):
+                    return False
+        return True
 
     def _release_best(self, now: float, out: list[Decision]) -> None:
         """Start heads on free, unreserved groups: urgent ones first in arrival order (on their
@@ -411,6 +417,9 @@ class Dispatcher:
                 out.append(self._start(e, best[0], now, urgent=True, setup=best[1]))
                 if self._overdue_next(e, now):
                     return
+                queue = self._queues.get(e.request.order_key)
+                if queue:
+                    self._push_best(heap, queue[0], now)  # the new head competes by ratio
         while heap:
             neg_ratio, _, _, rid, group, setup = heapq.heappop(heap)
             e = self._entries.get(rid)

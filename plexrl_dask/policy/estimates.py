@@ -48,8 +48,10 @@ class Estimates:
 
     def __post_init__(self) -> None:
         missing = set(LOAD_SOURCES) - set(self.load_bandwidths)
-        if missing or any(v <= 0 for v in self.load_bandwidths.values()):
+        if missing or not all(0 < v < float("inf") for v in self.load_bandwidths.values()):
             raise ValueError(f"load bandwidth priors must be > 0 for {LOAD_SOURCES}: {dict(self.load_bandwidths)}")
+        if not 0 < self.service_prior_s < float("inf") or not 0 < self.weight <= 1:
+            raise ValueError(f"need service_prior_s > 0 and 0 < weight <= 1: {self}")
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.weight) * old + self.weight * new

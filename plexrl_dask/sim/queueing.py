@@ -254,7 +254,7 @@ def random_workload(seed: int, n_workers: int = 6, n_requests: int = 150) -> tup
     workers = tuple(f"w{i}" for i in range(n_workers))
     models: dict[str, tuple[Group, ...]] = {}
     for m in range(rng.randint(2, 6)):
-        ranks = rng.choice([1, 1, 2])
+        ranks = rng.choice([1, 1, 2]) if n_workers > 1 else 1
         replicas = 1 if ranks > 1 else rng.randint(1, min(3, n_workers))
         chosen = rng.sample(workers, ranks * replicas)
         models[f"m{m}"] = tuple(tuple(chosen[i * ranks : (i + 1) * ranks]) for i in range(replicas))
