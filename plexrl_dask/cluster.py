@@ -9,6 +9,7 @@ plugins, exactly as a shared cluster would with ``dask scheduler --preload plexr
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import dask.config
@@ -20,7 +21,8 @@ from plexrl_dask import config
 logger = logging.getLogger(__name__)
 
 PRELOAD = "plexrl_dask.plugins"
-TRIM_ENV_KEY = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
+TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
+TRIM_ENV_KEY = f"distributed.nanny.pre-spawn-environ.{TRIM_ENV}"
 
 
 def local_cluster(
@@ -49,6 +51,7 @@ def local_cluster(
     # glibc's adaptive mmap threshold, so every large tensor allocation is a fresh mmap and page
     # faults: torch training ran 1.2-2x slower in such a worker (benchmarks/RESULTS.md). Nannies
     # read this when they are created, so it also holds for their restarts.
+    _drop_leaked_trim_threshold()
     with dask.config.set({TRIM_ENV_KEY: None}):
         return LocalCluster(
             n_workers=n_workers,
@@ -61,6 +64,17 @@ def local_cluster(
             scheduler_kwargs=scheduler_kwargs,
             **kwargs,
         )
+
+
+def _drop_leaked_trim_threshold() -> None:
+    """Dask's nannies write their pre-spawn environment into *this* process's ``os.environ``
+    before spawning, so after any other LocalCluster in this process every later worker
+    inherits ``MALLOC_TRIM_THRESHOLD_`` whatever its own config says. Remove it when it holds
+    exactly Dask's default (the leak), not a value someone chose."""
+    leaked = dask.config.get(TRIM_ENV_KEY, default=None)
+    if leaked is not None and os.environ.get(TRIM_ENV) == str(leaked):
+        del os.environ[TRIM_ENV]
+        logger.info("removed %s=%s left in this process by another Dask nanny", TRIM_ENV, leaked)
 
 
 def install(client: Client) -> None:

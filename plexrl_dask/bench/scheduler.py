@@ -40,6 +40,7 @@ from rich.progress import track
 
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import interleaved, median, parser, report
+from plexrl_dask.cluster import TRIM_ENV_KEY
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.residency import ResidencyMap, ResidencyReport
@@ -67,10 +68,14 @@ def _noop(x: int) -> int:
 
 
 def plain_task_throughput(quick: bool) -> dict[str, float]:
-    n, reps = (1000, 3) if quick else (3000, 5)
+    """The same cluster twice (workers with the GPU resource, the same environment), with and
+    without the PlexRL plugins."""
+    n, reps = (2000, 4) if quick else (4000, 6)
     kwargs = {"n_workers": 2, "threads_per_worker": 1, "dashboard_address": ":0"}
+    with dask.config.set({TRIM_ENV_KEY: None}):
+        plain = LocalCluster(host="127.0.0.1", processes=True, resources={"GPU": 1}, **kwargs)
     with (
-        LocalCluster(host="127.0.0.1", processes=True, **kwargs) as plain,
+        plain,
         plexrl.local_cluster(**kwargs) as with_plugin,
         Client(plain, set_as_default=False) as a,
         Client(with_plugin, set_as_default=False) as b,
@@ -249,17 +254,21 @@ class _LiveWorkload:
                 t += rng.expovariate(rate)
         return sorted(events)
 
-    def loads(self) -> int:
-        total = 0
+    def loads(self) -> tuple[int, float]:
+        """Loads into HBM so far (builds, reloads, prefetches) and their measured seconds."""
+        count, seconds = 0, 0.0
         for w in self.workers:
-            counters = self.jobs["trainer"].holder(w).status().result(timeout=60)["counters"]
-            total += counters["loads"] + counters["reloads"]
-        return total
+            status = self.jobs["trainer"].holder(w).status().result(timeout=60)
+            c = status["counters"]
+            count += c["loads"] + c["reloads"] + c["prefetches"]
+            seconds += status["load_seconds"]
+        return count, seconds
 
-    def run(self, schedule: list[tuple[float, str]]) -> tuple[list[float], int]:
-        """Replay ``schedule``; returns the response times and the model loads it caused."""
+    def run(self, schedule: list[tuple[float, str]]) -> tuple[list[float], int, float]:
+        """Replay ``schedule``; returns the response times, and the model loads it caused
+        with their measured seconds."""
         self.reset_residency()
-        loads0 = self.loads()
+        loads0, seconds0 = self.loads()
         done: dict[int, float] = {}
         submitted: dict[int, float] = {}
         lock = threading.Lock()
@@ -283,7 +292,8 @@ class _LiveWorkload:
         deadline = time.monotonic() + 10
         while len(done) < len(schedule) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return [done[i] - submitted[i] for i in sorted(done)], self.loads() - loads0
+        loads, seconds = self.loads()
+        return [done[i] - submitted[i] for i in sorted(done)], loads - loads0, seconds - seconds0
 
 
 def live_mixed(quick: bool) -> dict[str, Any]:
@@ -302,12 +312,14 @@ def live_mixed(quick: bool) -> dict[str, Any]:
         schedule = work.schedule(service)
         responses: dict[str, list[float]] = {p: [] for p in LIVE_POLICIES}
         loads: dict[str, int] = dict.fromkeys(LIVE_POLICIES, 0)
+        load_s: dict[str, float] = dict.fromkeys(LIVE_POLICIES, 0.0)
         for _ in range(1 if quick else 2):
             for name, knobs in track(LIVE_POLICIES.items(), description="live policies"):
                 admin.set_policy(**knobs)
-                got, n_loads = work.run(schedule)
+                got, n_loads, seconds = work.run(schedule)
                 responses[name] += got
                 loads[name] += n_loads
+                load_s[name] += seconds
         admin.set_policy(**LIVE_POLICIES["hrrs"])
 
     def p99(xs: list[float]) -> float:
@@ -323,6 +335,7 @@ def live_mixed(quick: bool) -> dict[str, Any]:
         out[f"live_{name}_mean_response_s"] = statistics.fmean(responses[name])
         out[f"live_{name}_p99_response_s"] = p99(responses[name])
         out[f"live_{name}_model_loads"] = loads[name]
+        out[f"live_{name}_load_seconds"] = load_s[name]
     out["live_service_s"] = {k: round(v, 4) for k, v in service.items()}
     return out
 

@@ -233,6 +233,9 @@ class Dispatcher:
         self._deadlines: list[tuple[float, int, str]] = []  # (urgent at, seq, request) of heads
         self._reservers: dict[str, list[tuple[float, int, str]]] = {}  # worker -> heap
         self._stranded: set[str] = set()  # urgent, but no group with all workers live
+        # Workers where what may start changed since the last decision (freed, joined, a new
+        # head or reservation there, a reservation gone): only these are looked at.
+        self._dirty: set[str] = set(self._live)
         self._seq = itertools.count()
         self._last_arrival: dict[str, float] = {}
 
@@ -243,6 +246,7 @@ class Dispatcher:
             self._live.add(worker)
             if worker not in self._busy:
                 self._free.add(worker)
+            self._dirty.add(worker)
             self._stranded_retry()
 
     def remove_worker(self, worker: str) -> None:
@@ -253,6 +257,7 @@ class Dispatcher:
         for _, _, rid in self._reservers.pop(worker, []):
             e = self._entries.get(rid)
             if e is not None and e.reserved is not None and worker in e.reserved:
+                self._dirty.update(e.reserved)
                 e.reserved = None
                 self._stranded.add(rid)
 
@@ -298,12 +303,16 @@ class Dispatcher:
             del self._queues[order]
             self._last_arrival.pop(order, None)
         self._stranded.discard(request)
+        if e.reserved is not None:
+            self._dirty.update(e.reserved)
+            e.reserved = None
         return e.request
 
     def release_worker(self, worker: str) -> None:
         """The task running on ``worker`` ended (each rank of a gang frees its own worker)."""
         if self._busy.pop(worker, None) is not None and worker in self._live:
             self._free.add(worker)
+            self._dirty.add(worker)
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -358,8 +367,9 @@ class Dispatcher:
         while True:
             self._promote(now)
             released = len(out)
-            if self._release_urgent(now, out):
-                self._release_best(now, out)
+            dirty, self._dirty = self._dirty & self._free, set()
+            if not (self._release_urgent(dirty, now, out) and self._release_best(dirty, now, out)):
+                self._dirty |= dirty  # stopped early: look at them again after promoting
             if len(out) == released:
                 return out
 
@@ -373,11 +383,12 @@ class Dispatcher:
             if e is not None and e.seq == seq and e.head and not e.urgent:
                 self._make_urgent(e)
 
-    def _release_urgent(self, now: float, out: list[Decision]) -> bool:
-        """Start urgent requests on their reserved groups where they may; False if a start
-        made an overdue request a head (to be promoted before anything else starts)."""
+    def _release_urgent(self, dirty: set[str], now: float, out: list[Decision]) -> bool:
+        """Start urgent requests on their reserved groups where they may (only a reserver of
+        a ``dirty`` worker can have become startable); False if a start made an overdue request
+        a head (to be promoted before anything else starts)."""
         candidates = {}
-        for w in self._free:
+        for w in dirty:
             top = self._top_reserver(w)
             if top is not None:
                 candidates[top.request.request] = top
@@ -391,16 +402,17 @@ class Dispatcher:
                     return False
         return True
 
-    def _release_best(self, now: float, out: list[Decision]) -> None:
+    def _release_best(self, dirty: set[str], now: float, out: list[Decision]) -> bool:
         """Start heads on free, unreserved groups: urgent ones first in arrival order (on their
         cheapest free group, which may differ from the one they reserved), then greedily by
-        ratio. Returns early when a release makes an overdue request a head, so that ``decide``
-        promotes it before anything else starts."""
+        ratio. Only heads that may run on a ``dirty`` worker can have become startable. Returns
+        False early when a release makes an overdue request a head, so that ``decide`` promotes
+        it before anything else starts."""
         urgent: list[_Entry] = []
         heap: list[tuple[float, float, int, str, Group, float]] = []
         seen: set[str] = set()
-        for w in list(self._free):
-            if self._top_reserver(w) is not None:
+        for w in dirty:
+            if w not in self._free or self._top_reserver(w) is not None:
                 continue
             for order in self._eligible.get(w, ()):
                 e = self._queues[order][0]
@@ -416,7 +428,7 @@ class Dispatcher:
             if best is not None:
                 out.append(self._start(e, best[0], now, urgent=True, setup=best[1]))
                 if self._overdue_next(e, now):
-                    return
+                    return False
                 queue = self._queues.get(e.request.order_key)
                 if queue:
                     self._push_best(heap, queue[0], now)  # the new head competes by ratio
@@ -430,10 +442,11 @@ class Dispatcher:
                 continue
             out.append(self._start(e, group, now, urgent=False, ratio=-neg_ratio, setup=setup))
             if self._overdue_next(e, now):
-                return
+                return False
             queue = self._queues.get(e.request.order_key)
             if queue:
                 self._push_best(heap, queue[0], now)
+        return True
 
     def _overdue_next(self, started: _Entry, now: float) -> bool:
         """Whether the new head of ``started``'s order has waited its patience already."""
@@ -474,6 +487,7 @@ class Dispatcher:
 
     def _make_head(self, e: _Entry) -> None:
         e.head = True
+        self._dirty.update(e.workers)
         order = e.request.order_key
         for w in e.workers:
             self._eligible.setdefault(w, set()).add(order)
@@ -510,6 +524,7 @@ class Dispatcher:
                 ),
             )
         e.reserved = group
+        self._dirty.update(group)
         for w in group:
             heapq.heappush(self._reservers.setdefault(w, []), (e.request.arrival, e.seq, e.request.request))
 
@@ -548,8 +563,7 @@ class Dispatcher:
         for w in group:
             self._busy[w] = rid
             self._free.discard(w)
-        e.reserved = None
-        self.remove(rid)
+        self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent)
 
 

@@ -141,6 +141,7 @@ class ReplicaHolder:
         self._lock = threading.RLock()
         self.counters = {"loads": 0, "reloads": 0, "offloads": 0, "requests": 0, "prefetches": 0}
         self._hint: tuple[str, str] | None = None  # (deployment, uid) predicted to run next
+        self.load_seconds = 0.0  # measured time of every load into HBM, summed
 
     # --- in-process API for request tasks --------------------------------------------------
 
@@ -294,6 +295,8 @@ class ReplicaHolder:
         """Report ``replica``'s tier; ``source`` names the tier of a transition just measured
         (``load_s``), empty for a report that only refreshes size and version."""
         replica.last_transition_s = load_s
+        if tier == "hbm" and source in ("dram", "nvme", "absent"):
+            self.load_seconds += load_s
         try:
             report = ResidencyReport(
                 deployment=replica.info.name,
@@ -364,6 +367,7 @@ class ReplicaHolder:
                 "budget_bytes": self.budget_bytes,
                 "resident_bytes": self._resident_bytes(),
                 "counters": dict(self.counters),
+                "load_seconds": self.load_seconds,
                 "hint": None if self._hint is None else self._hint[0],
                 "replicas": {
                     n: {
