@@ -135,6 +135,46 @@ class RequestTimeout(PlexRLError, TimeoutError):
     """A request did not finish within the configured timeout."""
 
 
+class StateStoreError(PlexRLError):
+    """The state store refused or failed an operation; stored versions are left intact."""
+
+
+class NotAStore(StateStoreError):
+    """A path that is not a PlexRL state store (and was not asked to become one)."""
+
+
+class InvalidStateKey(StateStoreError, ValueError):
+    """A model, version or tensor name (or dtype) the store cannot use."""
+
+
+class VersionNotFound(StateStoreError, KeyError):
+    """No published version of that model (and number) in the store."""
+
+
+class TensorNotFound(StateStoreError, KeyError):
+    """The version has no tensor of that name."""
+
+
+class StateMismatch(StateStoreError, ValueError):
+    """A tensor's shape, dtype or region does not match what is stored or expected."""
+
+
+class CorruptState(StateStoreError):
+    """Stored bytes do not match their content digest: never returned as weights."""
+
+
+class TierFull(StateStoreError):
+    """A tier has no room for the bytes to be written (nothing already stored was touched)."""
+
+
+class VersionConflict(StateStoreError):
+    """A version was published with other content than the one being published now."""
+
+
+class PublishIncomplete(StateStoreError):
+    """A publish lacks parts or chunks: the version did not become visible."""
+
+
 class SchedulerBusy(PlexRLError):
     """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
 

@@ -18,13 +18,14 @@ from collections.abc import Callable
 import dask
 import pytest
 from distributed import Client, LocalCluster, Nanny, Worker
+from distributed.diagnostics.plugin import SchedulerPlugin as SchedulerPluginBase
 from distributed.utils_test import gen_cluster, inc
-from plexrl_dask.plugins import PlexRLSchedulerPlugin
-from plexrl_dask.plugins.scheduler import PARKED
 
 import plexrl_dask
 from plexrl_dask import errors, ops
 from plexrl_dask.models import ModelSpec
+from plexrl_dask.plugins import PlexRLSchedulerPlugin
+from plexrl_dask.plugins.scheduler import PARKED
 from plexrl_dask.service.holder import ReplicaHolder, holder_of
 
 # Scheduler and worker state validation stay on (gen_cluster's default).
@@ -498,3 +499,38 @@ def test_install_on_a_running_cluster():
             time.sleep(0.05)
         plexrl_dask.install(client)  # idempotent
         assert client.run_on_scheduler(capacity) == list(cluster.scheduler_info["workers"])
+
+
+class _TransitionLog(SchedulerPluginBase):
+    """Records every transition of every key, in order."""
+
+    name = "test-transition-log"
+
+    def __init__(self) -> None:
+        self.log: dict = {}
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        self.log.setdefault(key, []).append((start, finish))
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_a_plexrl_task_is_parked_before_dask_first_places_it(c, s, a, b):
+    """The mechanism's assumption about Dask: ``update_graph`` plugins run before the new
+    tasks' first transitions, so a PlexRL task goes waiting -> no-worker (parked) and reaches
+    ``processing`` only when the plugin releases it, never straight from ``waiting``."""
+    plugin = await install(c, s, [a, b])
+    await deploy(c, "policy")
+    log = _TransitionLog()
+    s.add_plugin(log)
+    futs = [submit_routed(c, "policy") for _ in range(3)]
+    plain = c.submit(inc, 1)
+    await asyncio.wait_for(c.gather([*futs, plain]), WAIT_S)
+    for fut in futs:
+        path = log.log[fut.key]
+        assert ("waiting", "processing") not in path, path
+        first_placement = next(finish for start, finish in path if start == "waiting")
+        assert first_placement == "no-worker", path
+        assert path.index(("no-worker", "processing")) > path.index(("waiting", "no-worker"))
+    # A plain task in the same graph stream is placed by Dask as usual.
+    assert ("waiting", "processing") in log.log[plain.key]
+    assert plugin.counters["dispatched"] == 3
