@@ -160,7 +160,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.policy = dispatch_policy_from_config()
         self.dispatcher = Dispatcher(
             self.policy,
-            SetupCosts(self.residency, self.estimates, self._bytes_of),
+            SetupCosts(self.residency, self.estimates, self._bytes_of, self._budget_of),
         )
         self.hints: dict[str, tuple[str | None, str]] = {}  # worker -> (deployment, uid) last hinted
         self._touched: set[str] = set()  # workers whose prediction may have changed
@@ -454,6 +454,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     def _bytes_of(self, deployment: str) -> int:
         info = self.deployments.get(deployment)
         return info.memory_bytes if info is not None else 0
+
+    def _budget_of(self, worker: str) -> int:
+        return int(self.worker_capacity.get(worker, {}).get("budget_bytes", 0))
 
     def _gpu_workers(self) -> list[str]:
         return [

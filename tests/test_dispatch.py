@@ -535,6 +535,7 @@ class Model:
     def __init__(self, policy: DispatchPolicy, costs, workers) -> None:
         self.policy, self.costs = policy, costs
         self.live, self.busy = set(workers), set()
+        self.busy_until: dict[str, float] = {}  # worker -> estimated end (start + setup + service)
         self.queues: dict[str, list[Request]] = {}
         self.last: dict[str, float] = {}  # the order's last arrival while it has pending requests
         self.seq: dict[str, int] = {}
@@ -555,9 +556,34 @@ class Model:
                 del self.queues[order]
                 self.last.pop(order, None)
 
-    def start(self, r: Request, group) -> None:
+    def start(self, r: Request, group, end: float | None = None) -> None:
         self.remove(r.request)
         self.busy |= set(group)
+        for w in group:
+            if end is None:
+                self.busy_until.pop(w, None)
+            else:
+                self.busy_until[w] = end
+
+    def release(self, worker: str) -> None:
+        self.busy.discard(worker)
+        self.busy_until.pop(worker, None)
+
+    def waits_for_its_own(self, r: Request, free_setup: float, now: float) -> bool:
+        """Residency placement: a head skips the free group if one of its busy groups is
+        expected to free up and set it up sooner (nothing is reserved in this oracle)."""
+        if self.policy.placement == "blind" or len(r.groups) < 2:
+            return False
+        free = self.live - self.busy
+        for g in r.groups:
+            if set(g) <= free or not set(g) <= self.live:
+                continue
+            if any(w in self.busy and w not in self.busy_until for w in g):
+                continue
+            wait = max(max(0.0, self.busy_until.get(w, now) - now) for w in g)
+            if wait + self.costs.setup_s(r.deployment or r.order_key, g) < free_setup:
+                return True
+        return False
 
     def pending(self) -> list[Request]:
         return sorted(
@@ -589,6 +615,8 @@ class Model:
                 setup, _, _, group = (
                     options[0] if self.policy.placement == "blind" else min(options)
                 )
+                if self.waits_for_its_own(r, setup, now):
+                    continue
                 ratio = self.policy.ratio(now - r.arrival, r.service_s, setup)
                 key = (-ratio, r.arrival, self.seq[r.request])
                 if best is None or key < best[0]:
@@ -596,7 +624,7 @@ class Model:
             if best is None:
                 return out
             _, r, group, setup, ratio = best
-            self.start(r, group)
+            self.start(r, group, now + setup + r.service_s)
             out.append((r.request, group, setup, ratio, False))
 
     def fifo(self, now: float, _decisions=None) -> list[tuple]:
@@ -714,7 +742,7 @@ def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
             assert dispatcher.decide(now) == []
         elif kind == "release":
             dispatcher.release_worker(ev[1])
-            model.busy.discard(ev[1])
+            model.release(ev[1])
         elif kind == "remove":
             if added:
                 rid = added[ev[1] % len(added)]
@@ -723,7 +751,7 @@ def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
         elif kind == "kill":
             dispatcher.remove_worker(ev[1])
             model.live.discard(ev[1])
-            model.busy.discard(ev[1])
+            model.release(ev[1])
         else:
             dispatcher.add_worker(ev[1])
             model.live.add(ev[1])
@@ -1051,3 +1079,37 @@ def test_prompt_split_follows_batch_boundaries():
     assert split_prompts(100, 4, 1, 8) == [(0, 32), (32, 56), (56, 80), (80, 100)]
     # n=3, batch 8 -> units of 8 prompts (24 rows = 3 whole batches).
     assert split_prompts(17, 2, 3, 8) == [(0, 16), (16, 17)]
+
+
+def test_a_read_waits_for_its_busy_replica_when_that_is_sooner_than_a_load_elsewhere():
+    residency = ResidencyMap()
+    residency.apply(ResidencyReport("m", 0, "hbm", GB, 0.0, worker="w0"))
+    costs = SetupCosts(residency, Estimates(), lambda _: GB)  # absent: 1 GB at 0.5 GB/s = 2 s
+    d = Dispatcher(DispatchPolicy(), costs, workers=["w0", "w1"])
+    d.add(req("first", "w0", s=0.5, dep="m"))
+    assert names(d.decide(0.0)) == ["first"]  # w0 busy until ~0.5 s
+    d.add(req("read", "w0", "w1", t=0.1, s=0.5, order="m#any", dep="m"))
+    assert d.decide(0.1) == []  # waiting ~0.4 s for w0 beats a 2 s load on the idle w1
+    assert d.hint("w1", 0.1) == "m"  # still eligible there: the prediction says so
+    d.release_worker("w0")
+    (decision,) = d.decide(0.5)
+    assert decision.group == ("w0",) and decision.setup_s == 0.0
+    # Urgent, it takes whatever is free.
+    d.add(req("late", "w0", "w1", t=0.5, s=0.5, order="m#any", dep="m"))
+    assert [x.group for x in d.decide(100.0)] == [("w1",)]
+
+
+def test_a_load_that_displaces_residents_costs_their_reload_too():
+    residency = ResidencyMap()
+    residency.apply(ResidencyReport("big", 0, "hbm", 3 * GB, 0.0, worker="w0"))
+    residency.apply(ResidencyReport("new", 0, "dram", 2 * GB, 0.0, worker="w0"))
+    residency.apply(ResidencyReport("new", 0, "dram", 2 * GB, 0.0, worker="w1"))
+    est = Estimates()
+    costs = SetupCosts(residency, est, lambda m: 2 * GB, budget_of=lambda w: 4 * GB)
+    own = est.setup("new", "dram", 2 * GB)
+    # w0 has 1 GB free: loading 2 GB pushes out "big", whose reload (3 GB from DRAM) is added.
+    assert costs.setup_s("new", ("w0",)) == pytest.approx(own + est.setup("big", "dram", 3 * GB))
+    assert costs.setup_s("new", ("w1",)) == pytest.approx(own)  # room: no displacement
+    assert costs.setup_s("big", ("w0",)) == 0.0
+    no_budget = SetupCosts(residency, est, lambda m: 2 * GB)
+    assert no_budget.setup_s("new", ("w0",)) == pytest.approx(own)

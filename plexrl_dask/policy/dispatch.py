@@ -227,6 +227,7 @@ class Dispatcher:
         self._live: set[str] = set(workers)
         self._free: set[str] = set(self._live)
         self._busy: dict[str, str] = {}  # worker -> request running there
+        self._busy_until: dict[str, float] = {}  # worker -> estimated end of what runs there
         self._queues: dict[str, deque[_Entry]] = {}
         self._entries: dict[str, _Entry] = {}  # pending, in order of add()
         self._eligible: dict[str, set[str]] = {}  # worker -> orders with a non-urgent head there
@@ -254,6 +255,7 @@ class Dispatcher:
         self._live.discard(worker)
         self._free.discard(worker)
         self._busy.pop(worker, None)
+        self._busy_until.pop(worker, None)
         for _, _, rid in self._reservers.pop(worker, []):
             e = self._entries.get(rid)
             if e is not None and e.reserved is not None and worker in e.reserved:
@@ -310,6 +312,7 @@ class Dispatcher:
 
     def release_worker(self, worker: str) -> None:
         """The task running on ``worker`` ended (each rank of a gang frees its own worker)."""
+        self._busy_until.pop(worker, None)
         if self._busy.pop(worker, None) is not None and worker in self._live:
             self._free.add(worker)
             self._dirty.add(worker)
@@ -424,7 +427,7 @@ class Dispatcher:
                 else:
                     self._push_best(heap, e, now)
         for e in sorted(urgent, key=lambda e: e.rank):
-            best = self._best_group(e)
+            best = self._best_group(e, now, urgent=True)
             if best is not None:
                 out.append(self._start(e, best[0], now, urgent=True, setup=best[1]))
                 if self._overdue_next(e, now):
@@ -454,14 +457,19 @@ class Dispatcher:
         return bool(queue) and queue[0].request.arrival + queue[0].patience <= now
 
     def _push_best(self, heap: list, e: _Entry, now: float) -> None:
-        best = self._best_group(e)
+        best = self._best_group(e, now, urgent=False)
         if best is not None:
             group, setup = best
             ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
             heapq.heappush(heap, (-ratio, e.request.arrival, e.seq, e.request.request, group, setup))
 
-    def _best_group(self, e: _Entry) -> tuple[Group, float] | None:
-        """The free, unreserved group of ``e`` with the cheapest setup (then least crowded)."""
+    def _best_group(self, e: _Entry, now: float, urgent: bool) -> tuple[Group, float] | None:
+        """The free, unreserved group of ``e`` with the cheapest setup (then least crowded).
+
+        With residency placement, a request that is not urgent rather waits (``None``) for a
+        busy group of its own that is expected to free up and set it up sooner than the free
+        one can: a data-parallel read keeps to the replica that holds its model instead of
+        displacing another model elsewhere."""
         best: tuple[tuple, Group, float] | None = None
         for i, group in enumerate(e.request.groups):
             if not self._usable(group):
@@ -472,7 +480,20 @@ class Dispatcher:
             key = (setup, sum(self.costs.crowding(w) for w in group), i)
             if best is None or key < best[0]:
                 best = (key, group, setup)
-        return None if best is None else (best[1], best[2])
+        if best is None or urgent or self.policy.placement == "blind" or len(e.request.groups) < 2:
+            return None if best is None else (best[1], best[2])
+        free_setup = best[2]
+        for group in e.request.groups:
+            if group == best[1] or not self._all_live(group) or self._usable(group):
+                continue
+            if any(w not in self._busy_until and w not in self._free for w in group):
+                continue
+            if any(self._top_reserver(w) is not None for w in group):
+                continue  # promised to an urgent request: no telling when
+            wait = max(max(0.0, self._busy_until.get(w, now) - now) for w in group)
+            if wait + self._setup(e.request, group) < free_setup:
+                return None
+        return best[1], best[2]
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -562,6 +583,7 @@ class Dispatcher:
         rid = e.request.request
         for w in group:
             self._busy[w] = rid
+            self._busy_until[w] = now + setup + e.request.service_s
             self._free.discard(w)
         self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent)

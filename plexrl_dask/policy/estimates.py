@@ -92,7 +92,11 @@ class SetupCosts:
     """Setup cost of a deployment on a group of workers, from residency and estimates.
 
     ``bytes_of(deployment)`` gives a deployment's bytes per worker (0 if unknown). A group's
-    setup is its slowest worker's (the ranks load in parallel and start together).
+    setup is its slowest worker's (the ranks load in parallel and start together). With
+    ``budget_of(worker)`` (HBM bytes; 0 if unknown), a load that does not fit beside what the
+    worker holds in HBM also costs what it displaces: the estimated reload of the residents it
+    would push out (largest first, a stand-in for the holder's LRU order, which the scheduler
+    does not see), because those come back later at that price.
     """
 
     def __init__(
@@ -100,10 +104,12 @@ class SetupCosts:
         residency: ResidencyMap,
         estimates: Estimates,
         bytes_of: Callable[[str], int],
+        budget_of: Callable[[str], int] | None = None,
     ) -> None:
         self.residency = residency
         self.estimates = estimates
         self.bytes_of = bytes_of
+        self.budget_of = budget_of
 
     def setup_s(self, deployment: str, group: tuple[str, ...]) -> float:
         nbytes = 0
@@ -112,8 +118,23 @@ class SetupCosts:
             tier = self.residency.tier(deployment, w)
             if tier != "hbm":
                 nbytes = nbytes or self.bytes_of(deployment)
-                worst = max(worst, self.estimates.setup(deployment, tier, nbytes))
+                cost = self.estimates.setup(deployment, tier, nbytes) + self._displacement(deployment, nbytes, w)
+                worst = max(worst, cost)
         return worst
+
+    def _displacement(self, deployment: str, nbytes: int, worker: str) -> float:
+        budget = self.budget_of(worker) if self.budget_of is not None else 0
+        if budget <= 0:
+            return 0.0
+        residents = [r for r in self.residency.on_worker(worker) if r.tier == "hbm" and r.deployment != deployment]
+        need = nbytes - (budget - sum(r.bytes for r in residents))
+        cost = 0.0
+        for r in sorted(residents, key=lambda r: (-r.bytes, r.deployment)):
+            if need <= 0:
+                break
+            cost += self.estimates.setup(r.deployment, "dram", r.bytes)
+            need -= r.bytes
+        return cost
 
     def crowding(self, worker: str) -> int:
         return self.residency.count_in(worker, "hbm")

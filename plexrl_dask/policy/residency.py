@@ -98,6 +98,10 @@ class ResidencyMap:
     def reports(self) -> list[ResidencyReport]:
         return sorted(self._reports.values(), key=lambda r: (r.deployment, r.worker))
 
+    def on_worker(self, worker: str) -> list[ResidencyReport]:
+        """The reports of every deployment ``worker`` holds."""
+        return list(self._by_worker.get(worker, {}).values())
+
     def count_in(self, worker: str, tier: str) -> int:
         """How many deployments ``worker`` holds in ``tier``."""
         return sum(r.tier == tier for r in self._by_worker.get(worker, {}).values())
