@@ -591,15 +591,24 @@ class Model:
         )
 
     def greedy(self, now: float, _decisions=None) -> list[tuple]:
-        """HRRS with no urgent request: repeatedly the head of highest ratio (ties: earlier
-        arrival, then earlier add) starts on its best free group (cheapest setup, then least
-        crowded, then first; blind: the first free group)."""
+        """HRRS with no urgent request, from scratch: among heads not yet passed over, the one
+        of highest ratio (ties: earlier arrival, then earlier add) goes next. If it has a free
+        group it may use (free, and ending before any hold on its workers; cheapest setup, then
+        least crowded, then first; blind: the first) and does not rather wait for a busy group
+        of its own, it starts there; otherwise (ratio at its cheapest live group) it holds the
+        free workers of the group it can start on soonest until that group's busy workers end,
+        and is passed over."""
         out = []
+        held: dict[str, float] = {}
+        passed: set[str] = set()
+        inf = float("inf")
         while True:
             free = self.live - self.busy
             best = None
             for q in self.queues.values():
                 r = q[0]
+                if r.request in passed:
+                    continue
                 options = [
                     (
                         self.costs.setup_s(r.deployment or r.order_key, g),
@@ -609,14 +618,22 @@ class Model:
                     )
                     for i, g in enumerate(r.groups)
                     if set(g) <= free
+                    and all(
+                        now + self.costs.setup_s(r.deployment or r.order_key, g) + r.service_s
+                        <= held.get(w, inf)
+                        for w in g
+                    )
                 ]
-                if not options:
-                    continue
-                setup, _, _, group = (
-                    options[0] if self.policy.placement == "blind" else min(options)
-                )
-                if self.waits_for_its_own(r, setup, now):
-                    continue
+                group = None
+                if options:
+                    setup, _, _, group = options[0] if self.policy.placement == "blind" else min(options)
+                    if self.waits_for_its_own(r, setup, now):
+                        group = None
+                if group is None:
+                    live = [g for g in r.groups if set(g) <= self.live]
+                    if not live:
+                        continue
+                    setup = min(self.costs.setup_s(r.deployment or r.order_key, g) for g in live)
                 ratio = self.policy.ratio(now - r.arrival, r.service_s, setup)
                 key = (-ratio, r.arrival, self.seq[r.request])
                 if best is None or key < best[0]:
@@ -624,8 +641,23 @@ class Model:
             if best is None:
                 return out
             _, r, group, setup, ratio = best
-            self.start(r, group, now + setup + r.service_s)
-            out.append((r.request, group, setup, ratio, False))
+            if group is not None:
+                self.start(r, group, now + setup + r.service_s)
+                out.append((r.request, group, setup, ratio, False))
+                continue
+            passed.add(r.request)
+            soonest = None
+            for i, g in enumerate(r.groups):
+                if not set(g) <= self.live:
+                    continue
+                start = max(max(now, self.busy_until.get(w, now)) for w in g)
+                key = (start + self.costs.setup_s(r.deployment or r.order_key, g), i)
+                if soonest is None or key < soonest[0]:
+                    soonest = (key, g, start)
+            if soonest is not None and soonest[2] > now:
+                for w in soonest[1]:
+                    if w in free:
+                        held[w] = min(held.get(w, inf), soonest[2])
 
     def fifo(self, now: float, _decisions=None) -> list[tuple]:
         """FIFO, single-group requests: in arrival order (then add order), each head that has
@@ -1113,3 +1145,21 @@ def test_a_load_that_displaces_residents_costs_their_reload_too():
     assert costs.setup_s("big", ("w0",)) == 0.0
     no_budget = SetupCosts(residency, est, lambda m: 2 * GB)
     assert no_budget.setup_s("new", ("w0",)) == pytest.approx(own)
+
+
+def test_a_gang_with_the_best_ratio_holds_its_free_worker_but_lets_short_work_backfill():
+    d = Dispatcher(CALM, workers=["w0", "w1"])
+    d.add(req("busy", "w0", s=2.0))
+    assert names(d.decide(0.0)) == ["busy"]  # w0 expected busy until 2.0
+    d.add(req("gang", ("w0", "w1"), t=-10.0, s=1.0))  # waited long: the best ratio
+    d.add(req("long", "w1", t=0.0, s=3.0))  # would end at 3.0, after the gang could start
+    d.add(req("short", "w1", t=0.0, s=1.0))  # ends at 1.0: fits before
+    assert names(d.decide(0.0)) == ["short"]
+    d.release_worker("w1")
+    assert d.decide(1.0) == []  # "long" would still delay the gang
+    d.release_worker("w0")
+    assert names(d.decide(2.0)) == ["gang"]
+    # Without a waiting gang the same single starts at once.
+    free = Dispatcher(CALM, workers=["w0", "w1"])
+    free.add(req("long", "w1", s=3.0))
+    assert names(free.decide(0.0)) == ["long"]

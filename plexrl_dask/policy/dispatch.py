@@ -407,12 +407,19 @@ class Dispatcher:
 
     def _release_best(self, dirty: set[str], now: float, out: list[Decision]) -> bool:
         """Start heads on free, unreserved groups: urgent ones first in arrival order (on their
-        cheapest free group, which may differ from the one they reserved), then greedily by
-        ratio. Only heads that may run on a ``dirty`` worker can have become startable. Returns
-        False early when a release makes an overdue request a head, so that ``decide`` promotes
-        it before anything else starts."""
+        cheapest free group, which may differ from the one they reserved), then the rest in
+        ratio order with backfilling (below). Only heads that may run on a ``dirty`` worker can
+        have become startable. Returns False early when a release makes an overdue request a
+        head, so that ``decide`` promotes it before anything else starts.
+
+        **Backfilling.** A head that cannot start now (a gang whose other workers are busy, a
+        read waiting for its replica) still takes its turn in ratio order: it *holds* the free
+        workers of the group it expects to start on soonest until that group's busy workers
+        are expected to finish, and a lower-ratio request may use a held worker only if it is
+        expected to end by then (EASY backfilling, by estimates). So a gang with the best ratio
+        is not overtaken indefinitely by singles before it turns urgent."""
         urgent: list[_Entry] = []
-        heap: list[tuple[float, float, int, str, Group, float]] = []
+        heads: list[_Entry] = []
         seen: set[str] = set()
         for w in dirty:
             if w not in self._free or self._top_reserver(w) is not None:
@@ -422,10 +429,7 @@ class Dispatcher:
                 if e.request.request in seen:
                     continue
                 seen.add(e.request.request)
-                if e.urgent:
-                    urgent.append(e)
-                else:
-                    self._push_best(heap, e, now)
+                (urgent if e.urgent else heads).append(e)
         for e in sorted(urgent, key=lambda e: e.rank):
             best = self._best_group(e, now, urgent=True)
             if best is not None:
@@ -433,38 +437,88 @@ class Dispatcher:
                 if self._overdue_next(e, now):
                     return False
                 queue = self._queues.get(e.request.order_key)
+                if queue and not queue[0].urgent:
+                    heads.append(queue[0])  # the new head competes by ratio
+        held: dict[str, float] = {}  # free worker -> time until which it is held
+        versions: dict[str, int] = {}
+        heap: list[tuple[float, float, int, int, str, Group | None, float]] = []
+
+        def push(e: _Entry) -> None:
+            if e.urgent or not e.head:
+                return
+            rid = e.request.request
+            versions[rid] = versions.get(rid, 0) + 1
+            best = self._best_group(e, now, urgent=False, held=held)
+            if best is not None:
+                group, setup = best
+            else:
+                setups = [self._setup(e.request, g) for g in e.request.groups if self._all_live(g)]
+                if not setups:
+                    return
+                group, setup = None, min(setups)
+            ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
+            heapq.heappush(heap, (-ratio, e.request.arrival, e.seq, versions[rid], rid, group, setup))
+
+        def push_around(workers: Iterable[str]) -> None:
+            for order in {o for w in workers for o in self._eligible.get(w, ())}:
+                push(self._queues[order][0])
+
+        for e in heads:
+            push(e)
+        try:
+            while heap:
+                neg_ratio, _, _, version, rid, group, setup = heapq.heappop(heap)
+                e = self._entries.get(rid)
+                if e is None or not e.head or e.urgent or versions.get(rid) != version:
+                    continue  # started, promoted, or superseded by a fresher entry
+                if group is None:
+                    push_around(self._hold(e, now, held))
+                    continue
+                out.append(self._start(e, group, now, urgent=False, ratio=-neg_ratio, setup=setup))
+                if self._overdue_next(e, now):
+                    return False
+                queue = self._queues.get(e.request.order_key)
                 if queue:
-                    self._push_best(heap, queue[0], now)  # the new head competes by ratio
-        while heap:
-            neg_ratio, _, _, rid, group, setup = heapq.heappop(heap)
-            e = self._entries.get(rid)
-            if e is None or not e.head or e.urgent:
+                    push(queue[0])
+                push_around(group)  # heads that could have used these workers
+            return True
+        finally:
+            # Held workers stay under watch: who holds them changes with time, not events.
+            self._dirty.update(w for w in held if w in self._free)
+
+    def _hold(self, e: _Entry, now: float, held: dict[str, float]) -> list[str]:
+        """Hold, for blocked head ``e``, the free workers of the group it can start on soonest
+        (expected start = when that group's busy workers end; then cheapest setup); returns
+        the workers newly held."""
+        best: tuple[float, int, Group, float] | None = None
+        for i, group in enumerate(e.request.groups):
+            if not self._all_live(group) or any(self._top_reserver(w) is not None for w in group):
                 continue
-            if not self._usable(group):
-                self._push_best(heap, e, now)  # its group was taken meanwhile: next best
-                continue
-            out.append(self._start(e, group, now, urgent=False, ratio=-neg_ratio, setup=setup))
-            if self._overdue_next(e, now):
-                return False
-            queue = self._queues.get(e.request.order_key)
-            if queue:
-                self._push_best(heap, queue[0], now)
-        return True
+            start = max(max(now, self._busy_until.get(w, now)) for w in group)
+            key = (start + self._setup(e.request, group), i)
+            if best is None or key < best[:2]:
+                best = (key[0], i, group, start)
+        if best is None or best[3] <= now:
+            return []
+        until = best[3]
+        newly = []
+        for w in best[2]:
+            if w in self._free and until < held.get(w, float("inf")):
+                held[w] = until
+                newly.append(w)
+        return newly
 
     def _overdue_next(self, started: _Entry, now: float) -> bool:
         """Whether the new head of ``started``'s order has waited its patience already."""
         queue = self._queues.get(started.request.order_key)
         return bool(queue) and queue[0].request.arrival + queue[0].patience <= now
 
-    def _push_best(self, heap: list, e: _Entry, now: float) -> None:
-        best = self._best_group(e, now, urgent=False)
-        if best is not None:
-            group, setup = best
-            ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
-            heapq.heappush(heap, (-ratio, e.request.arrival, e.seq, e.request.request, group, setup))
-
-    def _best_group(self, e: _Entry, now: float, urgent: bool) -> tuple[Group, float] | None:
-        """The free, unreserved group of ``e`` with the cheapest setup (then least crowded).
+    def _best_group(
+        self, e: _Entry, now: float, urgent: bool, held: dict[str, float] | None = None
+    ) -> tuple[Group, float] | None:
+        """The free, unreserved group of ``e`` with the cheapest setup (then least crowded);
+        for a request that is not urgent, only groups whose ``held`` workers it would release
+        in time (see :meth:`_release_best`).
 
         With residency placement, a request that is not urgent rather waits (``None``) for a
         busy group of its own that is expected to free up and set it up sooner than the free
@@ -475,6 +529,10 @@ class Dispatcher:
             if not self._usable(group):
                 continue
             setup = self._setup(e.request, group)
+            if held and not urgent:
+                end = now + setup + e.request.service_s
+                if any(end > held.get(w, float("inf")) for w in group):
+                    continue
             if self.policy.placement == "blind":
                 return group, setup
             key = (setup, sum(self.costs.crowding(w) for w in group), i)
