@@ -1,0 +1,198 @@
+"""Canonical names, the chunk grid, logical dtypes and manifests of the state store.
+
+Every tensor of a model version is named logically, ``<model>/<version>/<name>`` (parameter
+names as the model names them; optimizer state under ``optim/<slot>/<parameter>``), and stored
+in canonical, unsharded coordinates on a chunk grid that depends only on its shape and dtype,
+never on the layout (FSDP shard, tensor-parallel shard, replica) that wrote it. That is what
+lets identical bytes written by different layouts land in identical chunks (dedup) and lets a
+reader fetch exactly the chunks its slice needs (resharding).
+
+**Chunk grid.** Dims 0 and 1 are split into up to 8 equal blocks where they divide evenly (so
+2-, 4- and 8-way shards of either dim align with chunk boundaries), then the larger of them is
+halved while a chunk exceeds ``target_bytes`` and halving keeps blocks whole.
+
+**Logical dtypes.** Zarr 3.1 has no bfloat16: such tensors are stored as their raw bits
+(uint16) with the logical dtype recorded, and come back bit-exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from plexrl_dask.errors import InvalidStateKey
+
+#: Model and tensor names: path-safe segments (no ``..``, no empty segments, no leading ``.``).
+_SEGMENT = r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*"
+_NAME = re.compile(rf"^{_SEGMENT}(/{_SEGMENT})*$")
+_MODEL = re.compile(rf"^{_SEGMENT}$")
+
+#: logical dtype -> (torch dtype, numpy storage dtype)
+DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "float32": (torch.float32, "float32"),
+    "float64": (torch.float64, "float64"),
+    "float16": (torch.float16, "float16"),
+    "bfloat16": (torch.bfloat16, "uint16"),
+    "int64": (torch.int64, "int64"),
+    "int32": (torch.int32, "int32"),
+    "int16": (torch.int16, "int16"),
+    "int8": (torch.int8, "int8"),
+    "uint8": (torch.uint8, "uint8"),
+    "bool": (torch.bool, "bool"),
+}
+_BY_TORCH = {t: name for name, (t, _) in DTYPES.items()}
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def check_model(model: str) -> str:
+    if not isinstance(model, str) or not _MODEL.match(model):
+        raise InvalidStateKey(f"model names are one path-safe segment ([A-Za-z0-9_.-]), got {model!r}")
+    return model
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name.split("/"):
+        raise InvalidStateKey(f"tensor names are '/'-separated path-safe segments, got {name!r}")
+    return name
+
+
+def check_version(version: int) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidStateKey(f"versions are integers >= 0, got {version!r}")
+    return version
+
+
+def logical_dtype(tensor: torch.Tensor) -> str:
+    name = _BY_TORCH.get(tensor.dtype)
+    if name is None:
+        raise InvalidStateKey(f"dtype {tensor.dtype} is not storable; supported: {sorted(DTYPES)}")
+    return name
+
+
+def to_storage(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as a numpy array of its storage dtype (a view where possible)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()
+    return t.numpy()
+
+
+def from_storage(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """The tensor with logical ``dtype`` whose bits are ``array``."""
+    torch_dtype, storage = DTYPES[dtype]
+    t = torch.from_numpy(np.require(array, dtype=storage, requirements="C"))  # keeps 0-d
+    return t.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else t
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
+    """The chunk grid of a tensor (see the module docstring)."""
+    if not shape:
+        return ()
+    chunks = [max(1, n) for n in shape]
+    for d in range(min(2, len(shape))):
+        for parts in (8, 4, 2):
+            if shape[d] % parts == 0 and shape[d] >= parts:
+                chunks[d] = shape[d] // parts
+                break
+
+    def nbytes() -> int:
+        return int(np.prod(chunks)) * itemsize
+
+    while nbytes() > target_bytes:
+        candidates = [d for d in range(min(2, len(shape))) if chunks[d] % 2 == 0]
+        if not candidates:
+            break
+        d = max(candidates, key=lambda d: chunks[d])
+        chunks[d] //= 2
+    return tuple(chunks)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a version: where its chunks are (chunk index key -> content digest)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[int, ...]
+    chunk_digests: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        """The tensor's content digest: over its shape, dtype and chunk digests in order."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=16)
+        h.update(json.dumps([list(self.shape), self.dtype, list(self.chunks)]).encode())
+        for key in sorted(self.chunk_digests):
+            h.update(key.encode())
+            h.update(self.chunk_digests[key].encode())
+        return h.hexdigest()
+
+    @property
+    def nbytes(self) -> int:
+        storage = DTYPES[self.dtype][1]
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(storage).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"], d["chunks"] = list(self.shape), list(self.chunks)
+        d["digest"] = self.digest
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorEntry:
+        return cls(
+            name=d["name"],
+            shape=tuple(d["shape"]),
+            dtype=d["dtype"],
+            chunks=tuple(d["chunks"]),
+            chunk_digests=dict(d["chunk_digests"]),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A published version: every tensor with its shape, logical dtype and content digests."""
+
+    model: str
+    version: int
+    tensors: dict[str, TensorEntry]
+    created: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def digests(self) -> set[str]:
+        return {d for t in self.tensors.values() for d in t.chunk_digests.values()}
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": 1,
+                "model": self.model,
+                "version": self.version,
+                "created": self.created,
+                "meta": self.meta,
+                "tensors": {n: t.to_dict() for n, t in sorted(self.tensors.items())},
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        d = json.loads(text)
+        return cls(
+            model=d["model"],
+            version=int(d["version"]),
+            tensors={n: TensorEntry.from_dict(t) for n, t in d["tensors"].items()},
+            created=float(d.get("created", 0.0)),
+            meta=dict(d.get("meta", {})),
+        )

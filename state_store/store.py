@@ -1,0 +1,724 @@
+"""The canonical state store: versions of models as chunked Zarr arrays over content-addressed,
+deduplicated chunks, published atomically.
+
+Layout of a store root (one tier: a DRAM tier lives on a shared-memory filesystem, an NVMe tier
+on a local disk; :mod:`plexrl_dask.state_store.keys` defines names and the chunk grid)::
+
+    plexrl-store.json                      marker: this directory is a store
+    objects/ab/abcdef...                   chunk bytes, named by their blake2b-128 digest
+    versions/<model>/<version>/            a published version (visible = this directory exists)
+        manifest.json                      tensors: shape, logical dtype, chunk grid, digests
+        arrays/<name>/zarr.json            Zarr v3 array metadata (chunks resolve via manifest)
+    staging/<model>/<version>-<publish>/   a publish in progress: parts, fragments, metadata
+
+**Dedup.** A chunk is stored once per store whatever wrote it: every replica, job and version
+that produces identical bytes at a chunk of the canonical grid shares one object (a frozen
+tensor is hashed, found, and not written again). Chunks are the unit because ranks write only
+their own shard regions: a writer stores the chunks its region covers completely, and keeps the
+parts of chunks it covers partly as *fragments*; the commit assembles each such chunk from its
+fragments (at most one chunk per shard boundary is touched twice). Objects no manifest refers
+to are garbage: :meth:`StateStore.gc` counts references from every manifest and deletes the
+rest (mark and sweep, so counts can never drift).
+
+**Atomic versions.** Writers write objects (immutable; written to a temporary name, fsynced on
+a durable tier, then linked into place) and their parts into a staging directory; the commit
+writes the manifest there, fsyncs, and renames the staging directory to
+``versions/<model>/<version>`` in one ``rename``. A crash at any point before leaves the
+previous versions untouched and nothing visible; of two concurrent publishers of one version
+the first rename wins and the second finds an identical version (fine) or a different one
+(:class:`VersionConflict`).
+
+**Reads** go through Zarr: a region of a tensor fetches exactly the chunks it overlaps, and
+every fetched chunk is checked against its digest (:class:`CorruptState` names the tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+
+from plexrl_dask.errors import (
+    CorruptState,
+    NotAStore,
+    PublishIncomplete,
+    StateMismatch,
+    TensorNotFound,
+    TierFull,
+    VersionConflict,
+    VersionNotFound,
+)
+from plexrl_dask.state_store.keys import (
+    DEFAULT_CHUNK_BYTES,
+    DTYPES,
+    Manifest,
+    TensorEntry,
+    check_model,
+    check_name,
+    check_version,
+    chunk_shape,
+    from_storage,
+    logical_dtype,
+    to_storage,
+)
+
+logger = logging.getLogger(__name__)
+
+MARKER = "plexrl-store.json"
+FORMAT = 1
+DIGEST_BYTES = 16
+
+
+def digest_of(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes | memoryview, durable: bool) -> None:
+    """Write ``path`` atomically (temporary name, then rename), fsynced when ``durable``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class IOStats:
+    """Bytes moved by one store object (instrumentation for the benchmarks and tests)."""
+
+    objects_written: int = 0
+    bytes_written: int = 0
+    dedup_hits: int = 0
+    bytes_deduplicated: int = 0
+    bytes_read: int = 0
+    chunks_read: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+
+class Objects:
+    """Content-addressed chunk bytes of one store, with an optional capacity."""
+
+    def __init__(self, root: Path, durable: bool, capacity_bytes: int | None, stats: IOStats) -> None:
+        self.root = root
+        self.durable = durable
+        self.capacity_bytes = capacity_bytes
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._used: int | None = None
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest[:2] / digest
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            if self._used is None:
+                self._used = sum(p.stat().st_size for p in self.root.glob("*/*") if not p.name.startswith("."))
+            return self._used
+
+    def put(self, data: bytes | memoryview) -> str:
+        """Store ``data`` once; returns its digest."""
+        digest = digest_of(data)
+        path = self.path(digest)
+        if path.exists():
+            # Refresh its age: gc never deletes an object younger than its grace period, so an
+            # unreferenced object a new publish is about to refer to survives a concurrent gc.
+            os.utime(path)
+            self.stats.add(dedup_hits=1, bytes_deduplicated=len(data))
+            return digest
+        n = len(data)
+        if self.capacity_bytes is not None and self.used_bytes() + n > self.capacity_bytes:
+            raise TierFull(
+                f"store {self.root.parent} is full: {self.used_bytes()} of {self.capacity_bytes} "
+                f"bytes used, {n} more needed; stored versions are intact (free some with "
+                "delete_version + gc, or raise the capacity)"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{digest}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.durable:
+                f.flush()
+                os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # never replaces: a concurrent writer of the same bytes wins
+            with self._lock:
+                if self._used is not None:
+                    self._used += n
+            self.stats.add(objects_written=1, bytes_written=n)
+        except FileExistsError:
+            self.stats.add(dedup_hits=1, bytes_deduplicated=n)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return digest
+
+    def get(self, digest: str, what: str) -> bytes:
+        """The bytes of ``digest``, verified (``what`` names them in errors)."""
+        try:
+            data = self.path(digest).read_bytes()
+        except FileNotFoundError:
+            raise CorruptState(f"{what}: chunk object {digest} is missing from {self.root}") from None
+        if digest_of(data) != digest:
+            raise CorruptState(f"{what}: chunk object {digest} does not match its digest (corrupted bytes)")
+        self.stats.add(bytes_read=len(data), chunks_read=1)
+        return data
+
+    def delete(self, digest: str) -> int:
+        path = self.path(digest)
+        try:
+            n = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        with self._lock:
+            if self._used is not None:
+                self._used -= n
+        return n
+
+
+class _VersionZarrStore(Store):
+    """The Zarr store of one version's arrays: metadata as files under ``meta_root``, chunk
+    keys (``<name>/c/...``) resolved through ``pointers`` to content-addressed objects."""
+
+    supports_writes = True
+    supports_deletes = True
+    supports_listing = True
+    supports_partial_writes = False
+
+    def __init__(self, meta_root: Path, objects: Objects, pointers: dict[str, str], read_only: bool) -> None:
+        super().__init__(read_only=read_only)
+        self.meta_root = meta_root
+        self.objects = objects
+        self.pointers = pointers
+        self._lock = threading.Lock()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _VersionZarrStore) and other.meta_root == self.meta_root
+
+    @staticmethod
+    def _is_chunk(key: str) -> bool:
+        # Metadata keys end in zarr.json (tensor names may contain a segment "c"); zarr's
+        # probes for v2 metadata (.zarray, ...) resolve to "absent" either way.
+        return not key.endswith("zarr.json")
+
+    def _read(self, key: str) -> bytes | None:
+        if self._is_chunk(key):
+            with self._lock:
+                digest = self.pointers.get(key)
+            if digest is None:
+                return None
+            return self.objects.get(digest, f"tensor {key.rsplit('/c', 1)[0]!r} chunk {key}")
+        try:
+            return (self.meta_root / key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    async def get(
+        self, key: str, prototype: BufferPrototype | None = None, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        prototype = prototype or default_buffer_prototype()
+        data = self._read(key)
+        if data is None:
+            return None
+        if byte_range is not None:
+            raise NotImplementedError("the state store reads whole chunks (no sharding codec)")
+        return prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return [await self.get(k, prototype, r) for k, r in key_ranges]
+
+    async def exists(self, key: str) -> bool:
+        if self._is_chunk(key):
+            return key in self.pointers
+        return (self.meta_root / key).is_file()
+
+    async def set(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+        data = value.to_bytes()
+        if self._is_chunk(key):
+            digest = self.objects.put(data)
+            with self._lock:
+                self.pointers[key] = digest
+        else:
+            _write_file(self.meta_root / key, data, durable=False)
+
+    async def delete(self, key: str) -> None:
+        self._check_writable()
+        if self._is_chunk(key):
+            with self._lock:
+                self.pointers.pop(key, None)
+        else:
+            (self.meta_root / key).unlink(missing_ok=True)
+
+    async def list(self) -> AsyncIterator[str]:
+        for key in sorted(self.pointers):
+            yield key
+        for p in sorted(self.meta_root.rglob("zarr.json")):
+            yield str(p.relative_to(self.meta_root))
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        async for key in self.list():
+            if key.startswith(prefix):
+                yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        prefix = prefix.rstrip("/")
+        seen = set()
+        async for key in self.list_prefix(f"{prefix}/" if prefix else ""):
+            rest = key[len(prefix) + 1 :] if prefix else key
+            head = rest.split("/", 1)[0]
+            if head not in seen:
+                seen.add(head)
+                yield head
+
+
+def _open_or_create_array(
+    store: _VersionZarrStore, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
+) -> Any:
+    """The array ``name`` of a publish, created on first use (writers of one publish create
+    identical metadata; the first to write it wins)."""
+    storage = DTYPES[dtype][1]
+    arr = None
+    if (store.meta_root / name / "zarr.json").is_file():
+        arr = zarr.open_array(store=store, path=name, mode="r+")
+    else:
+        try:
+            arr = zarr.create_array(
+                store=store,
+                name=name,
+                shape=shape,
+                chunks=chunks,
+                dtype=storage,
+                fill_value=False if storage == "bool" else 0,
+                compressors=None,
+                filters=None,
+                attributes={"logical_dtype": dtype},
+                config={"write_empty_chunks": True},
+                overwrite=False,
+            )
+        except zarr.errors.ContainsArrayError:
+            arr = zarr.open_array(store=store, path=name, mode="r+")
+    if tuple(arr.shape) != tuple(shape) or arr.attrs.get("logical_dtype") != dtype:
+        raise StateMismatch(
+            f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "
+            f"it as {tuple(arr.shape)} {arr.attrs.get('logical_dtype')}"
+        )
+    return arr
+
+
+def _region(shape: tuple[int, ...], region: tuple[slice, ...] | None) -> tuple[tuple[int, int], ...]:
+    """Normalized ``(start, stop)`` per dim (full extent where ``region`` is shorter)."""
+    region = tuple(region or ())
+    if len(region) > len(shape):
+        raise StateMismatch(f"region {region} has more dims than shape {shape}")
+    out = []
+    for d, n in enumerate(shape):
+        s = region[d] if d < len(region) else slice(None)
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise StateMismatch(f"regions are unit-step slices, got {s!r} in dim {d}")
+        start, stop, _ = s.indices(n)
+        if stop < start:
+            raise StateMismatch(f"empty or reversed region {s!r} in dim {d} of {shape}")
+        out.append((start, stop))
+    return tuple(out)
+
+
+def _chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[str]:
+    if not shape:
+        return ["c"]
+    grid = [range(-(-n // c)) for n, c in zip(shape, chunks, strict=True)]
+    return ["c/" + "/".join(map(str, idx)) for idx in itertools.product(*grid)]
+
+
+class VersionWriter:
+    """One writer's part of a publish (one process or rank); see :meth:`StateStore.writer`."""
+
+    def __init__(self, store: StateStore, model: str, version: int, staging: Path) -> None:
+        self.store = store
+        self.model = model
+        self.version = version
+        self.staging = staging
+        self.id = uuid.uuid4().hex
+        self.pointers: dict[str, str] = {}
+        self.tensors: dict[str, dict[str, Any]] = {}
+        self.fragments: list[dict[str, Any]] = []
+        self._zarr = _VersionZarrStore(staging / "arrays", store.objects, self.pointers, read_only=False)
+        self._closed = False
+
+    def write(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        region: tuple[slice, ...] | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
+        """Write ``tensor`` as the ``region`` (canonical coordinates) of tensor ``name`` of full
+        ``shape`` (default: the whole tensor). Chunks the region covers completely are stored
+        now (deduplicated); partly covered chunks are kept as fragments for the commit."""
+        if self._closed:
+            raise StateMismatch("this writer is closed")
+        check_name(name)
+        dtype = logical_dtype(tensor)
+        full = tuple(int(n) for n in (shape if shape is not None else tensor.shape))
+        bounds = _region(full, region)
+        if tuple(b - a for a, b in bounds) != tuple(tensor.shape):
+            raise StateMismatch(
+                f"tensor {name!r}: data of shape {tuple(tensor.shape)} does not fill region "
+                f"{[slice(a, b) for a, b in bounds]} of shape {full}"
+            )
+        chunks = chunk_shape(full, np.dtype(DTYPES[dtype][1]).itemsize, self.store.chunk_bytes)
+        known = self.tensors.setdefault(name, {"shape": list(full), "dtype": dtype, "chunks": list(chunks)})
+        if known["shape"] != list(full) or known["dtype"] != dtype:
+            raise StateMismatch(f"tensor {name!r} written as {full} {dtype} and as {known}")
+        arr = _open_or_create_array(self._zarr, name, full, dtype, chunks)
+        data = to_storage(tensor)
+        if not full:
+            arr[...] = data
+            return
+        # The aligned interior: chunk boundaries inside the region, per dim.
+        inner = []
+        for (a, b), c in zip(bounds, chunks, strict=True):
+            lo = -(-a // c) * c
+            hi = (b // c) * c if b != full[len(inner)] else b
+            inner.append((lo, max(lo, hi)))
+        if all(hi > lo for lo, hi in inner):
+            sl = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inner, bounds, strict=True))
+            arr[tuple(slice(lo, hi) for lo, hi in inner)] = data[sl]
+        # The rest of the region (a shell around the interior) becomes fragments: split the
+        # region into boxes, one per combination of [before, inner, after] per dim.
+        pieces = []
+        for (a, b), (lo, hi) in zip(bounds, inner, strict=True):
+            if hi <= lo:
+                pieces.append([(a, b)])
+            else:
+                pieces.append([p for p in ((a, lo), (lo, hi), (hi, b)) if p[1] > p[0]])
+        for box in itertools.product(*pieces):
+            if all(box[d] == inner[d] for d in range(len(box))) and all(hi > lo for lo, hi in inner):
+                continue
+            sl = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(box, bounds, strict=True))
+            path = self.staging / "fragments" / self.id / f"{len(self.fragments)}.npy"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.save(path, np.ascontiguousarray(data[sl]))
+            self.fragments.append({"name": name, "region": [list(p) for p in box], "file": str(path.relative_to(self.staging))})
+
+    def close(self) -> None:
+        """Record this writer's part (its chunk pointers and fragments) for the commit."""
+        if self._closed:
+            return
+        part = {"tensors": self.tensors, "pointers": self.pointers, "fragments": self.fragments}
+        _write_file(self.staging / "parts" / f"{self.id}.json", json.dumps(part).encode(), self.store.durable)
+        self._closed = True
+
+    def __enter__(self) -> VersionWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+
+
+class StateStore:
+    """One tier's store of model versions (see the module docstring).
+
+    ``durable``: fsync what a publish writes (persistent tiers); ``capacity_bytes``: refuse
+    writes beyond that many object bytes (:class:`TierFull`); ``chunk_bytes``: the chunk target.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        create: bool = False,
+        durable: bool = True,
+        capacity_bytes: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        self.root = Path(root)
+        self.durable = durable
+        self.chunk_bytes = int(chunk_bytes)
+        marker = self.root / MARKER
+        if not marker.is_file():
+            if not create:
+                raise NotAStore(f"{self.root} is not a PlexRL state store (no {MARKER}); pass create=True to make one")
+            if self.root.exists() and any(p.name != MARKER for p in self.root.iterdir()):
+                raise NotAStore(f"{self.root} is a non-empty directory that is not a state store; refusing to use it")
+            self.root.mkdir(parents=True, exist_ok=True)
+            _write_file(marker, json.dumps({"format": FORMAT, "created": time.time()}).encode(), durable)
+        else:
+            try:
+                fmt = json.loads(marker.read_text()).get("format")
+            except (ValueError, OSError) as e:
+                raise NotAStore(f"{marker} is unreadable: {e}") from e
+            if fmt != FORMAT:
+                raise NotAStore(f"{self.root} has store format {fmt!r}; this version reads {FORMAT}")
+        self.stats = IOStats()
+        self.objects = Objects(self.root / "objects", durable, capacity_bytes, self.stats)
+        self._manifests: dict[tuple[str, int], Manifest] = {}
+
+    # --- versions --------------------------------------------------------------------------
+
+    def _version_dir(self, model: str, version: int) -> Path:
+        return self.root / "versions" / check_model(model) / str(check_version(version))
+
+    def models(self) -> list[str]:
+        d = self.root / "versions"
+        return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+    def versions(self, model: str) -> list[int]:
+        d = self.root / "versions" / check_model(model)
+        if not d.is_dir():
+            return []
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "manifest.json").is_file())
+
+    def manifest(self, model: str, version: int | None = None) -> Manifest:
+        """The manifest of a published version (default: the latest)."""
+        if version is None:
+            published = self.versions(model)
+            if not published:
+                raise VersionNotFound(f"no published version of {model!r} in {self.root}")
+            version = published[-1]
+        key = (model, version)
+        cached = self._manifests.get(key)
+        if cached is not None:
+            return cached
+        path = self._version_dir(model, version) / "manifest.json"
+        try:
+            manifest = Manifest.from_json(path.read_text())
+        except FileNotFoundError:
+            raise VersionNotFound(
+                f"{model!r} has no published version {version} in {self.root} (published: {self.versions(model)})"
+            ) from None
+        self._manifests[key] = manifest
+        return manifest
+
+    # --- publishing --------------------------------------------------------------------------
+
+    def _staging(self, model: str, version: int, publish_id: str) -> Path:
+        if not publish_id.replace("-", "").isalnum():
+            raise StateMismatch(f"publish ids are alphanumeric (and '-'), got {publish_id!r}")
+        return self.root / "staging" / check_model(model) / f"{check_version(version)}-{publish_id}"
+
+    def writer(self, model: str, version: int, publish_id: str = "solo") -> VersionWriter:
+        """A writer for (part of) a publish of ``model`` version ``version``. Every writer of
+        one publish (e.g. each FSDP rank) uses the same ``publish_id``; one of them calls
+        :meth:`commit` once all have closed their writers."""
+        staging = self._staging(model, version, publish_id)
+        (staging / "parts").mkdir(parents=True, exist_ok=True)
+        return VersionWriter(self, model, version, staging)
+
+    def publish(self, model: str, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> Manifest:
+        """Write whole tensors and commit (one writer)."""
+        publish_id = uuid.uuid4().hex
+        with self.writer(model, version, publish_id) as w:
+            for name, t in tensors.items():
+                w.write(name, t)
+        return self.commit(model, version, publish_id, expected_parts=1, meta=meta)
+
+    def commit(
+        self,
+        model: str,
+        version: int,
+        publish_id: str = "solo",
+        expected_parts: int | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Make the publish ``publish_id`` visible as ``model`` version ``version``: assemble
+        partly written chunks from fragments, check every chunk of every tensor is there,
+        write the manifest and rename the staging directory into place (atomically)."""
+        staging = self._staging(model, version, publish_id)
+        parts = sorted((staging / "parts").glob("*.json")) if staging.is_dir() else []
+        if expected_parts is not None and len(parts) != expected_parts:
+            raise PublishIncomplete(
+                f"publish {publish_id} of {model!r} v{version} has {len(parts)} closed writers, expected {expected_parts}"
+            )
+        if not parts:
+            raise PublishIncomplete(f"publish {publish_id} of {model!r} v{version} has no closed writer")
+        tensors: dict[str, dict[str, Any]] = {}
+        pointers: dict[str, str] = {}
+        fragments: list[dict[str, Any]] = []
+        for path in parts:
+            part = json.loads(path.read_text())
+            for name, t in part["tensors"].items():
+                if tensors.setdefault(name, t) != t:
+                    raise StateMismatch(f"writers disagree on tensor {name!r}: {tensors[name]} vs {t}")
+            for key, digest in part["pointers"].items():
+                if pointers.setdefault(key, digest) != digest:
+                    raise VersionConflict(f"two writers wrote different bytes to {key} of {model!r} v{version}")
+            fragments.extend(part["fragments"])
+        zstore = _VersionZarrStore(staging / "arrays", self.objects, pointers, read_only=False)
+        for frag in fragments:  # sequential read-modify-write of the shared boundary chunks
+            t = tensors[frag["name"]]
+            arr = _open_or_create_array(zstore, frag["name"], tuple(t["shape"]), t["dtype"], tuple(t["chunks"]))
+            arr[tuple(slice(a, b) for a, b in frag["region"])] = np.load(staging / frag["file"])
+        entries = {}
+        for name, t in tensors.items():
+            shape, chunks = tuple(t["shape"]), tuple(t["chunks"])
+            digests = {}
+            missing = []
+            for ck in _chunk_keys(shape, chunks):
+                digest = pointers.get(f"{name}/{ck}")
+                if digest is None:
+                    missing.append(ck)
+                else:
+                    digests[ck] = digest
+            if missing:
+                raise PublishIncomplete(
+                    f"tensor {name!r} of {model!r} v{version}: chunks {missing[:5]} (of {len(missing)} "
+                    "missing) were written by no writer"
+                )
+            entries[name] = TensorEntry(name, shape, t["dtype"], chunks, digests)
+        manifest = Manifest(model, version, entries, created=time.time(), meta=dict(meta or {}))
+        _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
+        shutil.rmtree(staging / "fragments", ignore_errors=True)
+        shutil.rmtree(staging / "parts", ignore_errors=True)
+        final = self._version_dir(model, version)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if self.durable:
+            for p in (staging / "arrays").rglob("zarr.json"):
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+            _fsync_dir(staging)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            existing = self.manifest(model, version)
+            shutil.rmtree(staging, ignore_errors=True)
+            if {n: e.digest for n, e in existing.tensors.items()} != {n: e.digest for n, e in entries.items()}:
+                raise VersionConflict(
+                    f"{model!r} v{version} was already published with other content; publish a new version"
+                ) from None
+            return existing
+        if self.durable:
+            _fsync_dir(final.parent)
+        self._manifests[(model, version)] = manifest
+        logger.info("published %s v%d (%d tensors)", model, version, len(entries))
+        return manifest
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def read(
+        self,
+        model: str,
+        version: int,
+        name: str,
+        region: tuple[slice, ...] | None = None,
+        *,
+        shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Tensor ``name`` of a published version, or its ``region`` (canonical coordinates):
+        only the chunks the region overlaps are fetched, each checked against its digest.
+        ``shape``/``dtype``: what the caller expects of the whole tensor (else
+        :class:`StateMismatch`)."""
+        manifest = self.manifest(model, version)
+        entry = manifest.tensors.get(check_name(name))
+        if entry is None:
+            raise TensorNotFound(
+                f"{model!r} v{version} has no tensor {name!r} ({len(manifest.tensors)} tensors, e.g. "
+                f"{sorted(manifest.tensors)[:3]})"
+            )
+        if shape is not None and tuple(shape) != entry.shape:
+            raise StateMismatch(f"{name!r} of {model!r} v{version} has shape {entry.shape}, expected {tuple(shape)}")
+        if dtype is not None and DTYPES[entry.dtype][0] != dtype:
+            raise StateMismatch(f"{name!r} of {model!r} v{version} has dtype {entry.dtype}, expected {dtype}")
+        bounds = _region(entry.shape, region)
+        pointers = {f"{name}/{ck}": d for ck, d in entry.chunk_digests.items()}
+        zstore = _VersionZarrStore(self._version_dir(model, version) / "arrays", self.objects, pointers, read_only=True)
+        arr = zarr.open_array(store=zstore, path=name, mode="r")
+        data = arr[tuple(slice(a, b) for a, b in bounds)] if entry.shape else arr[...]
+        return from_storage(np.asarray(data), entry.dtype)
+
+    def read_all(self, model: str, version: int) -> dict[str, torch.Tensor]:
+        return {n: self.read(model, version, n) for n in self.manifest(model, version).tensors}
+
+    # --- space -------------------------------------------------------------------------------
+
+    def delete_version(self, model: str, version: int) -> None:
+        """Unpublish a version (its objects are freed by the next :meth:`gc` if unshared)."""
+        final = self._version_dir(model, version)
+        if not final.is_dir():
+            raise VersionNotFound(f"{model!r} has no published version {version}")
+        trash = self.root / "staging" / f".deleted-{uuid.uuid4().hex}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(final, trash)  # invisible at once, then removed
+        shutil.rmtree(trash, ignore_errors=True)
+        self._manifests.pop((model, version), None)
+
+    def refcounts(self) -> dict[str, int]:
+        """How many (version, chunk) places refer to each object."""
+        counts: dict[str, int] = {}
+        for model in self.models():
+            for version in self.versions(model):
+                for entry in self.manifest(model, version).tensors.values():
+                    for digest in entry.chunk_digests.values():
+                        counts[digest] = counts.get(digest, 0) + 1
+        return counts
+
+    def gc(self, grace_s: float = 3600.0) -> dict[str, int]:
+        """Delete objects no published version refers to and no closed writer of an in-flight
+        publish needs, once they are older than ``grace_s`` (a writer that has not closed yet
+        holds its pointers in memory: the grace period covers it, and a dedup hit refreshes an
+        object's age); remove staging directories abandoned longer than ``grace_s``."""
+        staging_grace_s = grace_s
+        now = time.time()
+        live = set(self.refcounts())
+        staging_root = self.root / "staging"
+        removed_staging = 0
+        if staging_root.is_dir():
+            for model_dir in staging_root.iterdir():
+                for st in model_dir.iterdir() if model_dir.is_dir() else ():
+                    if now - st.stat().st_mtime > staging_grace_s:
+                        shutil.rmtree(st, ignore_errors=True)
+                        removed_staging += 1
+                        continue
+                    for part in (st / "parts").glob("*.json"):
+                        live.update(json.loads(part.read_text())["pointers"].values())
+        freed = deleted = 0
+        objects_root = self.root / "objects"
+        for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
+            if path.name.startswith("."):
+                if now - path.stat().st_mtime > staging_grace_s:
+                    path.unlink(missing_ok=True)  # a temporary of a crashed writer
+                continue
+            if path.name not in live and now - path.stat().st_mtime >= grace_s:
+                freed += self.objects.delete(path.name)
+                deleted += 1
+        return {"objects_deleted": deleted, "bytes_freed": freed, "staging_removed": removed_staging, "objects_live": len(live)}
+
+    def usage(self) -> dict[str, int]:
+        return {"object_bytes": self.objects.used_bytes(), "versions": sum(len(self.versions(m)) for m in self.models())}

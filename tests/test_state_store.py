@@ -1,0 +1,262 @@
+"""The canonical state store: round trips, dedup, shard regions, atomic publish, bad input."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from plexrl_dask import errors
+from plexrl_dask.state_store.keys import chunk_shape
+from plexrl_dask.state_store.store import StateStore
+
+KB = 1024
+
+
+@pytest.fixture
+def store(tmp_path):
+    return StateStore(tmp_path / "store", create=True, durable=True, chunk_bytes=4 * KB)
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 48, generator=g),
+        "layers.0.mlp.weight": torch.randn(40, 24, generator=g).to(torch.bfloat16),
+        "layers.0.norm.weight": torch.randn(24, generator=g),
+        "layers.0.half": torch.randn(10, 6, generator=g).half(),
+        "step": torch.tensor(7, dtype=torch.int64),
+        "mask": torch.rand(9, 5, generator=g) > 0.5,
+        "ids": torch.randint(-100, 100, (33,), generator=g, dtype=torch.int32),
+        "optim/exp_avg/embed.weight": torch.randn(64, 48, generator=g),
+    }
+
+
+def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype == torch.bfloat16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    assert torch.equal(a, b)
+
+
+def test_round_trip_of_every_dtype_bit_exactly(store):
+    ts = tensors()
+    manifest = store.publish("policy", 0, ts)
+    assert store.versions("policy") == [0]
+    assert set(manifest.tensors) == set(ts)
+    again = StateStore(store.root)  # a fresh reader of the same root
+    for name, t in ts.items():
+        assert_bit_equal(again.read("policy", 0, name), t)
+    entry = manifest.tensors["layers.0.mlp.weight"]
+    assert entry.dtype == "bfloat16" and entry.shape == (40, 24)
+    assert len(entry.digest) == 32
+
+
+def test_regions_read_only_the_chunks_they_overlap(store):
+    t = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    store.publish("m", 0, {"w": t})
+    chunks = store.manifest("m", 0).tensors["w"].chunks
+    assert chunks == chunk_shape((64, 48), 4, 4 * KB)
+    before = store.stats.bytes_read
+    half = store.read("m", 0, "w", (slice(32, 64),))
+    assert torch.equal(half, t[32:])
+    # Exactly the bytes of the rows asked for: the grid splits dim 0 in whole blocks.
+    assert store.stats.bytes_read - before == half.numel() * 4
+    cols = store.read("m", 0, "w", (slice(None), slice(24, 48)))
+    assert torch.equal(cols, t[:, 24:])
+
+
+def test_identical_bytes_are_stored_once_across_replicas_versions_and_models(store):
+    base = tensors(1)
+    store.publish("policy", 0, base)
+    used = store.usage()["object_bytes"]
+    store.publish("reference", 0, base)  # a GRPO reference model = policy v0
+    assert store.usage()["object_bytes"] == used
+    # v1 changes half the tensors; the frozen half is hashed, found, and not written again.
+    changed = dict(base)
+    for name in sorted(base)[::2]:
+        changed[name] = base[name] + 1 if base[name].dtype != torch.bool else ~base[name]
+    written_before = store.stats.bytes_written
+    store.publish("policy", 1, changed)
+    new_bytes = store.stats.bytes_written - written_before
+    changed_bytes = sum(base[n].numel() * base[n].element_size() for n in sorted(base)[::2])
+    assert 0 < new_bytes <= changed_bytes
+    for name, t in changed.items():
+        assert_bit_equal(store.read("policy", 1, name), t)
+        assert_bit_equal(store.read("reference", 0, name), base[name])
+
+
+def _write_rows(root: str, rows: tuple[int, int], data: torch.Tensor, shape, publish_id: str) -> None:
+    s = StateStore(root, chunk_bytes=4 * KB)
+    with s.writer("sharded", 3, publish_id) as w:
+        w.write("w", data, (slice(*rows),), shape=shape)
+
+
+def test_shard_regions_that_do_not_align_with_chunks_are_assembled(store):
+    full = torch.randn(70, 48)  # 70 rows: the grid's row blocks do not meet 3-way splits
+    bounds = [0, 24, 47, 70]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_write_rows, args=(str(store.root), (a, b), full[a:b].clone(), (70, 48), "pub1"))
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert store.versions("sharded") == []  # nothing visible before the commit
+    store.commit("sharded", 3, "pub1", expected_parts=3)
+    assert torch.equal(store.read("sharded", 3, "w"), full)
+    # The same tensor written whole by one writer is the same set of chunks (dedup by layout).
+    assert store.publish("whole", 0, {"w": full}).tensors["w"].chunk_digests == (
+        store.manifest("sharded", 3).tensors["w"].chunk_digests
+    )
+
+
+def test_a_publish_with_a_missing_region_never_becomes_visible(store):
+    full = torch.randn(64, 8)
+    with store.writer("m", 1, "p") as w:
+        w.write("w", full[:40], (slice(0, 40),), shape=(64, 8))
+    with pytest.raises(errors.PublishIncomplete, match="'w'"):
+        store.commit("m", 1, "p")
+    with pytest.raises(errors.PublishIncomplete):
+        store.commit("m", 1, "p", expected_parts=2)
+    assert store.versions("m") == []
+    with pytest.raises(errors.VersionNotFound):
+        store.read("m", 1, "w")
+
+
+def test_concurrent_publishers_of_one_version(store):
+    ts = tensors(2)
+    store.publish("m", 5, ts)
+    assert store.publish("m", 5, ts).tensors.keys() == ts.keys()  # same content: fine
+    other = {**ts, "embed.weight": ts["embed.weight"] + 1}
+    with pytest.raises(errors.VersionConflict):
+        store.publish("m", 5, other)
+    assert_bit_equal(store.read("m", 5, "embed.weight"), ts["embed.weight"])
+
+
+def _publish_then_die(root: str) -> None:
+    s = StateStore(root, chunk_bytes=4 * KB)
+    s.publish("m", 0, tensors(3))
+    w = s.writer("m", 1, "doomed")
+    for i, (name, t) in enumerate(tensors(4).items()):
+        w.write(name, t)
+        if i == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-publish, objects half written
+
+
+def test_a_writer_killed_mid_publish_leaves_the_previous_version_readable(store):
+    p = mp.get_context("spawn").Process(target=_publish_then_die, args=(str(store.root),))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    reader = StateStore(store.root)
+    assert reader.versions("m") == [0]
+    for name, t in tensors(3).items():
+        assert_bit_equal(reader.read("m", 0, name), t)
+    with pytest.raises(errors.VersionNotFound):
+        reader.manifest("m", 1)
+    # The abandoned publish is garbage once its grace period is over; v0 is untouched.
+    stats = reader.gc(grace_s=0.0)
+    assert stats["staging_removed"] == 1 and stats["objects_deleted"] > 0
+    for name, t in tensors(3).items():
+        assert_bit_equal(reader.read("m", 0, name), t)
+
+
+def test_corrupted_chunk_is_a_typed_error_naming_the_tensor(store):
+    store.publish("m", 0, {"w": torch.randn(32, 32)})
+    digest = next(iter(store.manifest("m", 0).tensors["w"].chunk_digests.values()))
+    path = store.objects.path(digest)
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(errors.CorruptState, match="'w'"):
+        StateStore(store.root).read("m", 0, "w")
+    path.unlink()
+    with pytest.raises(errors.CorruptState, match="missing"):
+        StateStore(store.root).read("m", 0, "w")
+
+
+def test_missing_and_mismatched_reads(store):
+    store.publish("m", 0, {"w": torch.randn(4, 4)})
+    with pytest.raises(errors.VersionNotFound):
+        store.read("m", 9, "w")
+    with pytest.raises(errors.VersionNotFound):
+        store.manifest("nobody")
+    with pytest.raises(errors.TensorNotFound):
+        store.read("m", 0, "nope")
+    with pytest.raises(errors.StateMismatch, match="shape"):
+        store.read("m", 0, "w", shape=(4, 5))
+    with pytest.raises(errors.StateMismatch, match="dtype"):
+        store.read("m", 0, "w", dtype=torch.bfloat16)
+    with pytest.raises(errors.StateMismatch):
+        store.read("m", 0, "w", (slice(0, 2), slice(0, 2), slice(0, 1)))
+    with pytest.raises(errors.StateMismatch):
+        store.read("m", 0, "w", (slice(0, 4, 2),))
+
+
+@pytest.mark.parametrize(
+    "model, name, version",
+    [("../x", "w", 0), ("m", "../w", 0), ("m", "a//b", 0), ("m", "w", -1), ("", "w", 0), ("m", "w", True)],
+)
+def test_bad_keys_are_refused(store, model, name, version):
+    with pytest.raises(errors.InvalidStateKey):
+        store.publish(model, version, {name: torch.zeros(2)})
+    assert store.models() == []
+
+
+def test_unsupported_dtype_and_bad_regions_are_refused(store):
+    with pytest.raises(errors.InvalidStateKey, match="complex"):
+        store.publish("m", 0, {"w": torch.zeros(2, dtype=torch.complex64)})
+    with store.writer("m", 0, "p") as w, pytest.raises(errors.StateMismatch, match="does not fill"):
+        w.write("w", torch.zeros(3, 4), (slice(0, 2),), shape=(8, 4))
+    assert store.versions("m") == []
+
+
+def test_a_full_tier_refuses_new_bytes_and_keeps_what_it_has(tmp_path):
+    store = StateStore(tmp_path / "small", create=True, capacity_bytes=12 * KB, chunk_bytes=4 * KB)
+    keep = {"w": torch.randn(32, 32)}  # 4 KiB
+    store.publish("m", 0, keep)
+    with pytest.raises(errors.TierFull):
+        store.publish("m", 1, {"w": torch.randn(64, 64)})  # 16 KiB more
+    assert store.versions("m") == [0]
+    assert torch.equal(store.read("m", 0, "w"), keep["w"])
+    store.publish("m", 1, keep)  # dedup: needs no new bytes, fits
+
+
+def test_paths_that_are_not_stores(tmp_path):
+    with pytest.raises(errors.NotAStore):
+        StateStore(tmp_path / "absent")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "data.txt").write_text("not a store")
+    with pytest.raises(errors.NotAStore):
+        StateStore(tmp_path / "busy", create=True)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "plexrl-store.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(errors.NotAStore, match="format"):
+        StateStore(tmp_path / "old")
+
+
+def test_gc_keeps_shared_objects_and_frees_unreferenced_ones(store):
+    a, b = {"w": torch.randn(32, 32)}, {"w": torch.randn(32, 32)}
+    store.publish("m", 0, a)
+    store.publish("m", 1, b)
+    store.publish("ref", 0, a)
+    counts = store.refcounts()
+    assert all(counts[d] == 2 for d in store.manifest("m", 0).digests())
+    only_b = store.manifest("m", 1).digests() - store.manifest("m", 0).digests()
+    store.delete_version("m", 1)
+    assert store.versions("m") == [0]
+    freed = store.gc(grace_s=0.0)
+    assert freed["objects_deleted"] == len(only_b) and freed["bytes_freed"] == 32 * 32 * 4
+    store.delete_version("m", 0)
+    assert store.gc(grace_s=0.0)["objects_deleted"] == 0  # still referenced by ref v0
+    assert torch.equal(store.read("ref", 0, "w"), a["w"])
+    with pytest.raises(errors.VersionNotFound):
+        store.delete_version("m", 0)
