@@ -29,11 +29,15 @@ class DeploymentError(PlexRLError):
     """Base class of errors about deployments."""
 
 
-class DeploymentNotFound(DeploymentError, KeyError):
-    """No deployment of that name is registered on the scheduler."""
+class _NotFound(KeyError):
+    """A ``KeyError`` whose message reads as written (``KeyError`` would quote it)."""
 
-    def __str__(self) -> str:  # KeyError would quote the message
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class DeploymentNotFound(DeploymentError, _NotFound):
+    """No deployment of that name is registered on the scheduler."""
 
 
 class DeploymentExists(DeploymentError):
@@ -147,11 +151,11 @@ class InvalidStateKey(StateStoreError, ValueError):
     """A model, version or tensor name (or dtype) the store cannot use."""
 
 
-class VersionNotFound(StateStoreError, KeyError):
+class VersionNotFound(StateStoreError, _NotFound):
     """No published version of that model (and number) in the store."""
 
 
-class TensorNotFound(StateStoreError, KeyError):
+class TensorNotFound(StateStoreError, _NotFound):
     """The version has no tensor of that name."""
 
 
