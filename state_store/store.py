@@ -51,7 +51,13 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
-from zarr.abc.store import ByteRequest, Store
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    Store,
+    SuffixByteRequest,
+)
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from plexrl_dask.errors import (
@@ -207,6 +213,19 @@ class Objects:
         return n
 
 
+def _byte_range(data: bytes, byte_range: ByteRequest | None) -> bytes:
+    """``data`` cut to a Zarr byte request (whole chunks are verified before any cut)."""
+    if byte_range is None:
+        return data
+    if isinstance(byte_range, RangeByteRequest):
+        return data[byte_range.start : byte_range.end]
+    if isinstance(byte_range, OffsetByteRequest):
+        return data[byte_range.offset :]
+    if isinstance(byte_range, SuffixByteRequest):
+        return data[len(data) - byte_range.suffix :] if byte_range.suffix else b""
+    raise TypeError(f"unexpected byte range {byte_range!r}")
+
+
 class _VersionZarrStore(Store):
     """The Zarr store of one version's arrays: metadata as files under ``meta_root``, chunk
     keys (``<name>/c/...``) resolved through ``pointers`` to content-addressed objects."""
@@ -251,9 +270,7 @@ class _VersionZarrStore(Store):
         data = self._read(key)
         if data is None:
             return None
-        if byte_range is not None:
-            raise NotImplementedError("the state store reads whole chunks (no sharding codec)")
-        return prototype.buffer.from_bytes(data)
+        return prototype.buffer.from_bytes(_byte_range(data, byte_range))
 
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]

@@ -260,3 +260,16 @@ def test_gc_keeps_shared_objects_and_frees_unreferenced_ones(store):
     assert torch.equal(store.read("ref", 0, "w"), a["w"])
     with pytest.raises(errors.VersionNotFound):
         store.delete_version("m", 0)
+
+
+def test_byte_ranges_of_a_chunk_follow_zarrs_requests():
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    from plexrl_dask.state_store.store import _byte_range
+
+    data = bytes(range(10))
+    assert _byte_range(data, None) == data
+    assert _byte_range(data, RangeByteRequest(2, 5)) == data[2:5]
+    assert _byte_range(data, OffsetByteRequest(7)) == data[7:]
+    assert _byte_range(data, SuffixByteRequest(3)) == data[-3:]
+    assert _byte_range(data, SuffixByteRequest(0)) == b""
