@@ -106,7 +106,6 @@ class _Request:
     keys: dict[int, Any] = field(default_factory=dict)
     groups: tuple[tuple[str, ...], ...] | None = None
     admitted: bool = False
-    arrival: float = field(default_factory=time.monotonic)
 
     @property
     def order(self) -> str:
@@ -632,7 +631,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 )
             )
             r.admitted = True
-            r.arrival = now
             self._touched.update(w for g in r.groups for w in g)  # their predictions may change
 
     def _dispatch(self) -> None:
