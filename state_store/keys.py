@@ -129,9 +129,9 @@ class TensorEntry:
     @property
     def digest(self) -> str:
         """The tensor's content digest: over its shape, dtype and chunk digests in order."""
-        import hashlib
+        import xxhash
 
-        h = hashlib.blake2b(digest_size=16)
+        h = xxhash.xxh3_128()
         h.update(json.dumps([list(self.shape), self.dtype, list(self.chunks)]).encode())
         for key in sorted(self.chunk_digests):
             h.update(key.encode())

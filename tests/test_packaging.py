@@ -18,7 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 # conda-forge names of PyPI packages that differ
-CONDA_NAMES = {"torch": "pytorch"}
+CONDA_NAMES = {"torch": "pytorch", "xxhash": "python-xxhash"}
 
 
 def _split(req: str) -> tuple[str, str]:
