@@ -7,9 +7,12 @@ never on the layout (FSDP shard, tensor-parallel shard, replica) that wrote it. 
 lets identical bytes written by different layouts land in identical chunks (dedup) and lets a
 reader fetch exactly the chunks its slice needs (resharding).
 
-**Chunk grid.** Dims 0 and 1 are split into up to 8 equal blocks where they divide evenly (so
-2-, 4- and 8-way shards of either dim align with chunk boundaries), then the larger of them is
-halved while a chunk exceeds ``target_bytes`` and halving keeps blocks whole.
+**Chunk grid.** A tensor larger than ``target_bytes`` (4 MiB: Zarr's per-chunk overhead and
+strided copies make smaller chunks slow, NOTES-dask.md) has dims 0 and 1 halved where even (so
+2-way shards of either dim, FSDP rows or tensor-parallel columns, align with chunk boundaries),
+then the larger of the two halved again while a chunk exceeds the target: big tensors align
+with 4-, 8-, ...-way shards too. A smaller tensor is one chunk (a slice of it fetches it
+whole: few bytes).
 
 **Logical dtypes.** Zarr 3.1 has no bfloat16: such tensors are stored as their raw bits
 (uint16) with the logical dtype recorded, and come back bit-exactly.
@@ -47,7 +50,7 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
 }
 _BY_TORCH = {t: name for name, (t, _) in DTYPES.items()}
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 def check_model(model: str) -> str:
@@ -98,20 +101,19 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, target_bytes: int = DEFAU
     if not shape:
         return ()
     chunks = [max(1, n) for n in shape]
-    for d in range(min(2, len(shape))):
-        for parts in (8, 4, 2):
-            if shape[d] % parts == 0 and shape[d] >= parts:
-                chunks[d] = shape[d] // parts
-                break
 
     def nbytes() -> int:
         return int(np.prod(chunks)) * itemsize
 
+    if nbytes() > target_bytes:
+        for d in range(min(2, len(shape))):
+            if shape[d] % 2 == 0:
+                chunks[d] = shape[d] // 2
     while nbytes() > target_bytes:
         candidates = [d for d in range(min(2, len(shape))) if chunks[d] % 2 == 0]
         if not candidates:
             break
-        d = max(candidates, key=lambda d: chunks[d])
+        d = max(candidates, key=lambda d: (chunks[d], -d))
         chunks[d] //= 2
     return tuple(chunks)
 

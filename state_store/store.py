@@ -384,6 +384,37 @@ def _chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[str]:
     return ["c/" + "/".join(map(str, idx)) for idx in itertools.product(*grid)]
 
 
+def _check_fragments_cover(
+    tensors: dict[str, dict[str, Any]], fragments: list[dict[str, Any]], pointers: dict[str, str], what: str
+) -> None:
+    """Every chunk that fragments touch must be covered completely by them (else its missing
+    part would silently read as zeros): :class:`PublishIncomplete` otherwise."""
+    masks: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+    for frag in fragments:
+        name = frag["name"]
+        shape, chunks = tuple(tensors[name]["shape"]), tuple(tensors[name]["chunks"])
+        region = [tuple(r) for r in frag["region"]]
+        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, chunks, strict=True)]
+        for idx in itertools.product(*ranges):
+            origin = [i * c for i, c in zip(idx, chunks, strict=True)]
+            extent = [min(c, n - o) for c, n, o in zip(chunks, shape, origin, strict=True)]
+            mask = masks.setdefault((name, idx), np.zeros(extent, dtype=bool))
+            mask[
+                tuple(
+                    slice(max(a, o) - o, min(b, o + e) - o)
+                    for (a, b), o, e in zip(region, origin, extent, strict=True)
+                )
+            ] = True
+    for (name, idx), mask in masks.items():
+        key = f"{name}/c/" + "/".join(map(str, idx))
+        if key in pointers:
+            raise VersionConflict(f"{what}: chunk {key} was written whole by one writer and in part by another")
+        if not mask.all():
+            raise PublishIncomplete(
+                f"tensor {name!r} of {what}: {int((~mask).sum())} elements of chunk {key} were written by no writer"
+            )
+
+
 class VersionWriter:
     """One writer's part of a publish (one process or rank); see :meth:`StateStore.writer`."""
 
@@ -599,6 +630,7 @@ class StateStore:
                 if pointers.setdefault(key, digest) != digest:
                     raise VersionConflict(f"two writers wrote different bytes to {key} of {model!r} v{version}")
             fragments.extend(part["fragments"])
+        _check_fragments_cover(tensors, fragments, pointers, f"{model!r} v{version}")
         zstore = _VersionZarrStore(staging / "arrays", self.objects, pointers, read_only=False)
         for frag in fragments:  # sequential read-modify-write of the shared boundary chunks
             t = tensors[frag["name"]]

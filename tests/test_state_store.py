@@ -119,6 +119,8 @@ def test_shard_regions_that_do_not_align_with_chunks_are_assembled(store):
 
 
 def test_a_publish_with_a_missing_region_never_becomes_visible(store):
+    # One chunk (2 KiB): the written rows are a fragment; assembling it must not zero-fill
+    # the rows nobody wrote (regression: it did).
     full = torch.randn(64, 8)
     with store.writer("m", 1, "p") as w:
         w.write("w", full[:40], (slice(0, 40),), shape=(64, 8))
