@@ -154,44 +154,55 @@ class Objects:
 
     def used_bytes(self) -> int:
         with self._lock:
-            if self._used is None:
-                self._used = sum(p.stat().st_size for p in self.root.glob("*/*") if not p.name.startswith("."))
-            return self._used
+            return self._used_locked()
+
+    def _used_locked(self) -> int:
+        if self._used is None:
+            self._used = sum(p.stat().st_size for p in self.root.glob("*/*") if not p.name.startswith("."))
+        return self._used
 
     def put(self, data: bytes | memoryview) -> str:
-        """Store ``data`` once; returns its digest."""
+        """Store ``data`` once; returns its digest. Safe to call from several threads: the
+        capacity is reserved before the bytes are written."""
         digest = digest_of(data)
         path = self.path(digest)
+        n = len(data)
         if path.exists():
             # Refresh its age: gc never deletes an object younger than its grace period, so an
             # unreferenced object a new publish is about to refer to survives a concurrent gc.
             os.utime(path)
-            self.stats.add(dedup_hits=1, bytes_deduplicated=len(data))
-            return digest
-        n = len(data)
-        if self.capacity_bytes is not None and self.used_bytes() + n > self.capacity_bytes:
-            raise TierFull(
-                f"store {self.root.parent} is full: {self.used_bytes()} of {self.capacity_bytes} "
-                f"bytes used, {n} more needed; stored versions are intact (free some with "
-                "delete_version + gc, or raise the capacity)"
-            )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{digest}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # never replaces: a concurrent writer of the same bytes wins
-            with self._lock:
-                if self._used is not None:
-                    self._used += n
-            self.stats.add(objects_written=1, bytes_written=n)
-        except FileExistsError:
             self.stats.add(dedup_hits=1, bytes_deduplicated=n)
+            return digest
+        with self._lock:
+            used = self._used_locked()
+            if self.capacity_bytes is not None and used + n > self.capacity_bytes:
+                raise TierFull(
+                    f"store {self.root.parent} is full: {used} of {self.capacity_bytes} bytes used, "
+                    f"{n} more needed; stored versions are intact (free some with delete_version "
+                    "+ gc, or raise the capacity)"
+                )
+            self._used = used + n  # reserved
+        stored = False
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{digest}.{uuid.uuid4().hex}.tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    if self.durable:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.link(tmp, path)  # never replaces: a concurrent writer of the same bytes wins
+                stored = True
+                self.stats.add(objects_written=1, bytes_written=n)
+            except FileExistsError:
+                self.stats.add(dedup_hits=1, bytes_deduplicated=n)
+            finally:
+                tmp.unlink(missing_ok=True)
         finally:
-            tmp.unlink(missing_ok=True)
+            if not stored:
+                with self._lock:
+                    self._used -= n  # release the reservation
         return digest
 
     def get(self, digest: str, what: str) -> bytes:
