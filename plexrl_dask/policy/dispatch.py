@@ -27,6 +27,14 @@ the end. Among the free groups of one request, the cheapest setup wins (HBM, the
 NVMe, then absent), then the group whose workers hold the fewest other models in HBM: different
 models spread over workers instead of every worker thrashing between the same two.
 
+**Waiting can beat starting.** Two refinements decide among the requests that are not urgent,
+by estimates: a data-parallel read whose own replica is busy but expected to free up and run
+it sooner than a load on an idle worker waits for it; and a head that cannot start (a gang
+whose other workers are busy) still takes its turn in ratio order, holding the free workers
+it needs until its busy ones are expected to finish, which lower-ratio work may use only if it
+ends in time (EASY backfilling). Neither touches urgent requests or reserved workers, so the
+bound below is unaffected.
+
 **Urgency and reservations.** Growth of the ratio alone does not stop a stream of fresh, tiny
 requests from overtaking forever, and a gang needs all its workers free at once. So each
 request gets a *patience*, fixed when it arrives,
