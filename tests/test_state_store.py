@@ -275,3 +275,20 @@ def test_byte_ranges_of_a_chunk_follow_zarrs_requests():
     assert _byte_range(data, OffsetByteRequest(7)) == data[7:]
     assert _byte_range(data, SuffixByteRequest(3)) == data[-3:]
     assert _byte_range(data, SuffixByteRequest(0)) == b""
+
+
+def test_the_fast_read_path_equals_zarrs_own_reads(store):
+    g = torch.Generator().manual_seed(5)
+    ts = {
+        "a": torch.randn(70, 36, generator=g),  # edge chunks padded on both dims
+        "b": torch.randn(64, 48, generator=g).to(torch.bfloat16),
+        "c": torch.randn(5, 3, 4, generator=g),
+        "s": torch.tensor(2.5),
+    }
+    store.publish("m", 0, ts)
+    regions = [None, (slice(3, 61),), (slice(0, 5), slice(7, 29)), (slice(69, 70), slice(35, 36))]
+    for name, t in ts.items():
+        for region in regions if t.dim() >= 2 else [None]:
+            fast = store.read("m", 0, name, region)
+            assert_bit_equal(fast, store.read_with_zarr("m", 0, name, region))
+            assert_bit_equal(fast, t[region] if region else t)
