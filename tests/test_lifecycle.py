@@ -41,7 +41,8 @@ def test_eviction_and_reload_continue_training_bit_identically(small_client):
         plexrl.result([b.forward_backward(data), b.optim_step(opt)])
 
     holder = runtime.holder(a.info.worker).status().result(timeout=30)
-    assert holder["counters"]["offloads"] >= 4 and holder["counters"]["reloads"] >= 4
+    c = holder["counters"]
+    assert c["offloads"] >= 4 and c["reloads"] + c["prefetches"] >= 4
     assert holder["resident_bytes"] <= holder["budget_bytes"]
     tiers = {r["deployment"]: r["tier"] for r in runtime.status()["residency"]}
     assert tiers[b.name] == "hbm" and tiers[a.name] == "dram"
@@ -121,7 +122,8 @@ def test_sharded_rank_offload_and_reload_continue_bit_identically(tight_pair):
         plexrl.result([sharded.forward_backward(data), sharded.optim_step(opt)])
         plexrl.result([single.forward_backward(data), single.optim_step(opt)])
     counters = runtime.holder(w0).status().result(timeout=30)["counters"]
-    assert counters["offloads"] >= 5 and counters["reloads"] >= 5
+    # (a reload of `single` may happen early, as a prefetch the scheduler hinted)
+    assert counters["offloads"] >= 5 and counters["reloads"] + counters["prefetches"] >= 5
     runtime.undeploy(single.name)
 
     # The same steps on an identical 2-rank deployment that is never evicted: the same bits.
