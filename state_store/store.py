@@ -454,6 +454,7 @@ class VersionWriter:
         self.pointers: dict[str, str] = {}
         self.tensors: dict[str, dict[str, Any]] = {}
         self.fragments: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
         self._zarr = _VersionZarrStore(staging / "arrays", store.objects, self.pointers, read_only=False)
         self._closed = False
 
@@ -494,8 +495,7 @@ class VersionWriter:
             hi = (b // c) * c if b != full[len(inner)] else b
             inner.append((lo, max(lo, hi)))
         if all(hi > lo for lo, hi in inner):
-            sl = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inner, bounds, strict=True))
-            arr[tuple(slice(lo, hi) for lo, hi in inner)] = data[sl]
+            self._put_chunks(name, data, bounds, inner, full, chunks)
         # The rest of the region (a shell around the interior) becomes fragments: split the
         # region into boxes, one per combination of [before, inner, after] per dim.
         pieces = []
@@ -512,6 +512,35 @@ class VersionWriter:
             path.parent.mkdir(parents=True, exist_ok=True)
             np.save(path, np.ascontiguousarray(data[sl]))
             self.fragments.append({"name": name, "region": [list(p) for p in box], "file": str(path.relative_to(self.staging))})
+
+    def _put_chunks(
+        self,
+        name: str,
+        data: np.ndarray,
+        bounds: tuple[tuple[int, int], ...],
+        inner: list[tuple[int, int]],
+        full: tuple[int, ...],
+        chunks: tuple[int, ...],
+    ) -> None:
+        """Store the chunks of the aligned ``inner`` box, in Zarr's layout (C order, edge
+        chunks padded with the fill value 0), on a few threads."""
+        storage = data.dtype
+
+        def put(idx: tuple[int, ...]) -> None:
+            origin = [i * c for i, c in zip(idx, chunks, strict=True)]
+            extent = [min(c, n - o) for c, n, o in zip(chunks, full, origin, strict=True)]
+            block = data[tuple(slice(o - a, o - a + e) for o, (a, _), e in zip(origin, bounds, extent, strict=True))]
+            if extent == list(chunks):
+                buf = np.ascontiguousarray(block)
+            else:
+                buf = np.zeros(chunks, dtype=storage)
+                buf[tuple(slice(0, e) for e in extent)] = block
+            digest = self.store.objects.put(memoryview(buf).cast("B"))
+            with self._lock:
+                self.pointers["/".join((name, "c", *map(str, idx)))] = digest
+
+        indices = list(itertools.product(*(range(lo // c, -(-hi // c)) for (lo, hi), c in zip(inner, chunks, strict=True))))
+        list(_io_pool().map(put, indices))
 
     def close(self) -> None:
         """Record this writer's part (its chunk pointers and fragments) for the commit."""
