@@ -79,17 +79,24 @@ ANNOTATION = "plexrl"
 PARKED = "plexrl-parked://nowhere"
 
 
-def dispatch_policy_from_config() -> DispatchPolicy:
-    """The dispatch rule configured under ``plexrl.scheduler``."""
-    placement = str(config.get("scheduler.placement"))
-    if config.get("scheduler.ordering") == "fifo":
-        return DispatchPolicy.fifo(placement)
-    return DispatchPolicy(
-        setup_weight=float(config.get("scheduler.setup-weight")),
-        patience_factor=float(config.get("scheduler.patience-factor")),
-        patience_floor_s=config.get_seconds("scheduler.patience-floor"),
-        placement=placement,
-    )
+def dispatch_policy_from_config(ordering: str | None = None, placement: str | None = None) -> DispatchPolicy:
+    """The dispatch rule configured under ``plexrl.scheduler``, with ``ordering`` ("hrrs" or
+    "fifo") and ``placement`` ("residency" or "blind") overriding the configured ones."""
+    ordering = ordering or str(config.get("scheduler.ordering"))
+    placement = placement or str(config.get("scheduler.placement"))
+    if ordering not in ("hrrs", "fifo"):
+        raise ConfigError(f"ordering must be 'hrrs' or 'fifo', got {ordering!r}")
+    try:
+        if ordering == "fifo":
+            return DispatchPolicy.fifo(placement)
+        return DispatchPolicy(
+            setup_weight=float(config.get("scheduler.setup-weight")),
+            patience_factor=float(config.get("scheduler.patience-factor")),
+            patience_floor_s=config.get_seconds("scheduler.patience-floor"),
+            placement=placement,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 @dataclass(eq=False)
@@ -366,36 +373,23 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         patience_floor_s: float | None = None,
     ) -> dict[str, Any]:
         """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
-        (the configured HRRS knobs unless given) or "fifo"; ``placement`` "residency" or
-        "blind". Refused with :class:`SchedulerBusy` while requests are pending, so every
-        request is decided under the policy it arrived under."""
+        (the configured HRRS knobs unless given) or "fifo" (default: the configured one);
+        ``placement`` "residency" or "blind". Refused with :class:`SchedulerBusy` while requests
+        are pending, so every request is decided under the policy it arrived under."""
         try:
             if self.pending:
                 raise SchedulerBusy(f"{len(self.pending)} requests are pending; change the policy when idle")
-            base = dispatch_policy_from_config()
-            if ordering not in (None, "hrrs", "fifo"):
-                raise ConfigError(f"ordering must be 'hrrs' or 'fifo', got {ordering!r}")
-            try:
-                if ordering == "fifo":
-                    policy = DispatchPolicy.fifo(placement or base.placement)
-                else:
-                    if base.patience_factor == 0 and base.setup_weight == 0:  # configured fifo
-                        base = DispatchPolicy(placement=base.placement)
-                    policy = dataclasses.replace(
-                        base,
-                        **{
-                            k: v
-                            for k, v in {
-                                "placement": placement,
-                                "setup_weight": setup_weight,
-                                "patience_factor": patience_factor,
-                                "patience_floor_s": patience_floor_s,
-                            }.items()
-                            if v is not None
-                        },
-                    )
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
+            policy = dispatch_policy_from_config(ordering, placement)
+            knobs = {
+                "setup_weight": setup_weight,
+                "patience_factor": patience_factor,
+                "patience_floor_s": patience_floor_s,
+            }
+            if (ordering or config.get("scheduler.ordering")) == "hrrs":
+                try:
+                    policy = dataclasses.replace(policy, **{k: v for k, v in knobs.items() if v is not None})
+                except ValueError as e:
+                    raise ConfigError(str(e)) from e
         except PlexRLError as e:
             return to_status(e)
         self.policy = self.dispatcher.policy = policy
