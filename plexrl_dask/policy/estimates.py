@@ -11,10 +11,11 @@ start from documented priors (``plexrl.scheduler.*``):
   from the node's disk tier) or ``absent`` (a cold build or a read of a canonical version).
   The learned value is per (deployment, tier); for a deployment not yet observed in a tier, the
   bytes over that tier's learned bandwidth (all deployments' loads from it); before any load
-  from a tier is seen, the bytes over its prior bandwidth ``load-bandwidth-priors`` (DRAM
-  10 GB/s: pinned host-to-device copies run at 20+ GB/s on PCIe 4/5, halved for unpinned
-  staging; NVMe 2 GB/s: one local SSD; absent 0.5 GB/s: building a model and initialising or
-  reading its weights). A deployment in HBM costs nothing.
+  from a tier is seen, the bytes over its prior bandwidth ``load-bandwidth-priors``. These are
+  order-of-magnitude guesses, not measurements (no GPU was available to measure them; learning
+  replaces them after the first loads): DRAM 10 GB/s, below PCIe 4/5's nominal host-to-device
+  rates; NVMe 2 GB/s, one local SSD; absent 0.5 GB/s, building a model and initialising or
+  reading its weights. A deployment in HBM costs nothing.
 
 :class:`SetupCosts` puts them together with the residency map into the ``Costs`` the
 dispatcher asks (:mod:`plexrl_dask.policy.dispatch`); the live plugin and the simulators use it
