@@ -10,22 +10,42 @@ The user-facing surface::
     out = policy.sample(["12+34="], plexrl.SamplingParams(n=4)).result()
 """
 
+from importlib import import_module
+from typing import Any
+
 from plexrl_dask import config as _config  # noqa: F401  (registers the dask.config defaults)
-from plexrl_dask import errors, ops
-from plexrl_dask.cluster import install, local_cluster
-from plexrl_dask.models import ModelSpec
-from plexrl_dask.service.runtime import Deployment, Runtime, result
-from plexrl_dask.service.types import (
-    AdamWParams,
-    CrossEntropy,
-    Datum,
-    ForwardResult,
-    NamedWeights,
-    PolicyGradient,
-    SampledSequence,
-    SampleResult,
-    SamplingParams,
-)
+from plexrl_dask import errors
+
+# The public names, imported on first use: a process that needs one part (the node's
+# StateManager needs only the state store) does not pay for importing the whole stack.
+_LAZY = {
+    "ops": "plexrl_dask.ops",
+    "install": "plexrl_dask.cluster",
+    "local_cluster": "plexrl_dask.cluster",
+    "ModelSpec": "plexrl_dask.models",
+    "Deployment": "plexrl_dask.service.runtime",
+    "Runtime": "plexrl_dask.service.runtime",
+    "result": "plexrl_dask.service.runtime",
+    "AdamWParams": "plexrl_dask.service.types",
+    "CrossEntropy": "plexrl_dask.service.types",
+    "Datum": "plexrl_dask.service.types",
+    "ForwardResult": "plexrl_dask.service.types",
+    "NamedWeights": "plexrl_dask.service.types",
+    "PolicyGradient": "plexrl_dask.service.types",
+    "SampledSequence": "plexrl_dask.service.types",
+    "SampleResult": "plexrl_dask.service.types",
+    "SamplingParams": "plexrl_dask.service.types",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'plexrl_dask' has no attribute {name!r}")
+    value = import_module(module) if name == "ops" else getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

@@ -179,6 +179,15 @@ class PublishIncomplete(StateStoreError):
     """A publish lacks parts or chunks: the version did not become visible."""
 
 
+class TierInUse(StateStoreError):
+    """A tier path is owned by another node's StateManager (its lease is live): two nodes must
+    never share one NVMe tier, whose placement and eviction assume a single owner."""
+
+
+class ManagerUnavailable(StateStoreError):
+    """The node's StateManager could not be reached or started within its timeout."""
+
+
 class SchedulerBusy(PlexRLError):
     """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
 

@@ -594,7 +594,7 @@ class StateStore:
                 raise NotAStore(f"{self.root} has store format {fmt!r}; this version reads {FORMAT}")
         self.stats = IOStats()
         self.objects = Objects(self.root / "objects", durable, capacity_bytes, self.stats)
-        self._manifests: dict[tuple[str, int], Manifest] = {}
+        self._manifests: dict[tuple[str, int], tuple[tuple[int, int], Manifest]] = {}
 
     # --- versions --------------------------------------------------------------------------
 
@@ -619,18 +619,26 @@ class StateStore:
                 raise VersionNotFound(f"no published version of {model!r} in {self.root}")
             version = published[-1]
         key = (model, version)
-        cached = self._manifests.get(key)
-        if cached is not None:
-            return cached
         path = self._version_dir(model, version) / "manifest.json"
         try:
+            # Another process may have deleted and re-published this version since it was
+            # cached (a tier shared by a node's workers): the file's identity says.
+            st = path.stat()
+            stamp = (st.st_ino, st.st_mtime_ns)
+            cached = self._manifests.get(key)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
             manifest = Manifest.from_json(path.read_text())
         except FileNotFoundError:
+            self._manifests.pop(key, None)
             raise VersionNotFound(
                 f"{model!r} has no published version {version} in {self.root} (published: {self.versions(model)})"
             ) from None
-        self._manifests[key] = manifest
+        self._manifests[key] = (stamp, manifest)
         return manifest
+
+    def has_version(self, model: str, version: int) -> bool:
+        return (self._version_dir(model, version) / "manifest.json").is_file()
 
     # --- publishing --------------------------------------------------------------------------
 
@@ -713,6 +721,11 @@ class StateStore:
         _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
         shutil.rmtree(staging / "fragments", ignore_errors=True)
         shutil.rmtree(staging / "parts", ignore_errors=True)
+        return self._finish_publish(staging, model, version, manifest)
+
+    def _finish_publish(self, staging: Path, model: str, version: int, manifest: Manifest) -> Manifest:
+        """Rename a complete staging directory into place (fsynced first on a durable tier);
+        a version already there is fine if identical, a :class:`VersionConflict` if not."""
         final = self._version_dir(model, version)
         final.parent.mkdir(parents=True, exist_ok=True)
         if self.durable:
@@ -727,15 +740,14 @@ class StateStore:
                 raise
             existing = self.manifest(model, version)
             shutil.rmtree(staging, ignore_errors=True)
-            if {n: e.digest for n, e in existing.tensors.items()} != {n: e.digest for n, e in entries.items()}:
+            if {n: e.digest for n, e in existing.tensors.items()} != {n: e.digest for n, e in manifest.tensors.items()}:
                 raise VersionConflict(
                     f"{model!r} v{version} was already published with other content; publish a new version"
                 ) from None
             return existing
         if self.durable:
             _fsync_dir(final.parent)
-        self._manifests[(model, version)] = manifest
-        logger.info("published %s v%d (%d tensors)", model, version, len(entries))
+        logger.info("published %s v%d (%d tensors) in %s", model, version, len(manifest.tensors), self.root)
         return manifest
 
     # --- reading -----------------------------------------------------------------------------
@@ -811,6 +823,40 @@ class StateStore:
     def read_all(self, model: str, version: int) -> dict[str, torch.Tensor]:
         return {n: self.read(model, version, n) for n in self.manifest(model, version).tensors}
 
+    def copy_version_from(self, src: StateStore, model: str, version: int) -> int:
+        """Publish ``src``'s ``model`` version ``version`` here, bit for bit (a tier move:
+        DRAM -> NVMe eviction, NVMe -> DRAM promotion). Only objects this store lacks are
+        copied, each verified against its digest on the way; the version appears atomically
+        like any publish. Returns the bytes copied (0: already here)."""
+        if self.has_version(model, version):
+            return 0
+        manifest = src.manifest(model, version)
+        publish_id = f"copy-{uuid.uuid4().hex}"
+        staging = self._staging(model, version, publish_id)
+        copied = 0
+
+        def copy(digest: str) -> int:
+            if self.objects.path(digest).exists():
+                os.utime(self.objects.path(digest))  # see Objects.put: young objects survive gc
+                return 0
+            data = src.objects.get(digest, f"{model!r} v{version} (copy to {self.root})")
+            if self.objects.put(data) != digest:  # pragma: no cover - get() verified it
+                raise CorruptState(f"{model!r} v{version}: object {digest} changed while copied")
+            return len(data)
+
+        try:
+            copied = sum(_io_pool().map(copy, sorted(manifest.digests())))
+            arrays = src._version_dir(model, version) / "arrays"
+            if arrays.is_dir():
+                shutil.copytree(arrays, staging / "arrays")
+            staging.mkdir(parents=True, exist_ok=True)
+            _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
+            self._finish_publish(staging, model, version, manifest)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return copied
+
     # --- space -------------------------------------------------------------------------------
 
     def delete_version(self, model: str, version: int) -> None:
@@ -834,13 +880,18 @@ class StateStore:
                         counts[digest] = counts.get(digest, 0) + 1
         return counts
 
-    def gc(self, grace_s: float = 3600.0) -> dict[str, int]:
+    def gc(self, grace_s: float = 3600.0, keep_since: float | None = None) -> dict[str, int]:
         """Delete objects no published version refers to and no closed writer of an in-flight
         publish needs, once they are older than ``grace_s`` (a writer that has not closed yet
         holds its pointers in memory: the grace period covers it, and a dedup hit refreshes an
-        object's age); remove staging directories abandoned longer than ``grace_s``."""
-        staging_grace_s = grace_s
+        object's age); remove staging directories abandoned longer than ``grace_s``.
+
+        ``keep_since``: a time (``time.time()``) from which every touched object is kept
+        whatever ``grace_s`` says: the start of the oldest write still in progress, which the
+        node's StateManager knows exactly (its leases), so it can collect with no grace."""
+        staging_grace_s = max(grace_s, 3600.0) if keep_since is not None else grace_s
         now = time.time()
+        keep_after = now - grace_s if keep_since is None else min(now - grace_s, keep_since)
         live = set(self.refcounts())
         staging_root = self.root / "staging"
         removed_staging = 0
@@ -853,17 +904,28 @@ class StateStore:
                         continue
                     for part in (st / "parts").glob("*.json"):
                         live.update(json.loads(part.read_text())["pointers"].values())
-        freed = deleted = 0
+        freed = deleted = kept = 0
         objects_root = self.root / "objects"
         for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
             if path.name.startswith("."):
                 if now - path.stat().st_mtime > staging_grace_s:
                     path.unlink(missing_ok=True)  # a temporary of a crashed writer
                 continue
-            if path.name not in live and now - path.stat().st_mtime >= grace_s:
+            st = path.stat()
+            if path.name not in live and st.st_mtime < keep_after:
                 freed += self.objects.delete(path.name)
                 deleted += 1
-        return {"objects_deleted": deleted, "bytes_freed": freed, "staging_removed": removed_staging, "objects_live": len(live)}
+            else:
+                kept += st.st_size
+        with self.objects._lock:
+            self.objects._used = kept  # a full walk: exact again, whoever wrote meanwhile
+        return {
+            "objects_deleted": deleted,
+            "bytes_freed": freed,
+            "staging_removed": removed_staging,
+            "objects_live": len(live),
+            "object_bytes": kept,
+        }
 
     def usage(self) -> dict[str, int]:
         return {"object_bytes": self.objects.used_bytes(), "versions": sum(len(self.versions(m)) for m in self.models())}
