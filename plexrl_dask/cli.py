@@ -1,8 +1,8 @@
 """The ``plexrl`` command.
 
-    plexrl cluster [--workers N]          start a local PlexRL cluster and keep it running
-    plexrl status --scheduler ADDRESS     deployments, residency and worker budgets of a cluster
-    plexrl config                         the effective ``plexrl`` configuration
+plexrl cluster [--workers N]          start a local PlexRL cluster and keep it running
+plexrl status --scheduler ADDRESS     deployments, residency and worker budgets of a cluster
+plexrl config                         the effective ``plexrl`` configuration
 """
 
 from __future__ import annotations
@@ -48,15 +48,28 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for col in ("name", "owner", "role", "model", "workers", "state", "modified"):
         table.add_column(col)
     for d in status["deployments"]:
-        table.add_row(d["name"], d["owner"], d["role"], d["spec"]["label"] or str(d["spec"]["path"]),
-                      ", ".join(d["workers"]), d["state"], str(d["modified"]))
+        table.add_row(
+            d["name"],
+            d["owner"],
+            d["role"],
+            d["spec"]["label"] or str(d["spec"]["path"]),
+            ", ".join(d["workers"]),
+            d["state"],
+            str(d["modified"]),
+        )
     console.print(table)
     table = Table(title="residency")
     for col in ("deployment", "worker", "tier", "version", "MiB", "last transition s"):
         table.add_column(col)
     for r in status["residency"]:
-        table.add_row(r["deployment"], r["worker"], r["tier"], str(r["version"]),
-                      f"{r['bytes'] / 2**20:.1f}", f"{r['load_s']:.3f}")
+        table.add_row(
+            r["deployment"],
+            r["worker"],
+            r["tier"],
+            str(r["version"]),
+            f"{r['bytes'] / 2**20:.1f}",
+            f"{r['load_s']:.3f}",
+        )
     console.print(table)
     table = Table(title="workers")
     for col in ("worker", "device", "budget MiB"):
@@ -77,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("cluster", help="start a local PlexRL cluster and keep it running")
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--dashboard", default="127.0.0.1:8787", help="dashboard address (':0' for any port)")
+    p.add_argument(
+        "--dashboard", default="127.0.0.1:8787", help="dashboard address (':0' for any port)"
+    )
     p.set_defaults(fn=_cmd_cluster)
     p = sub.add_parser("status", help="show a cluster's deployments, residency and workers")
-    p.add_argument("--scheduler", required=True, help="scheduler address, e.g. tcp://127.0.0.1:8786")
+    p.add_argument(
+        "--scheduler", required=True, help="scheduler address, e.g. tcp://127.0.0.1:8786"
+    )
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(fn=_cmd_status)
     p = sub.add_parser("config", help="print the effective plexrl configuration")

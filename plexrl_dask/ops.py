@@ -85,7 +85,10 @@ def _deployment_info(worker: Any, deployment: str, uid: str) -> DeploymentInfo:
         from distributed.utils import sync
 
         status = sync(
-            worker.loop, worker.scheduler.plexrl_get_deployment, name=deployment, callback_timeout=30
+            worker.loop,
+            worker.scheduler.plexrl_get_deployment,
+            name=deployment,
+            callback_timeout=30,
         )
         info = DeploymentInfo.from_dict(raise_for_status(status)["deployment"])
         _INFO_CACHE[uid] = info
@@ -99,7 +102,9 @@ def _run(deployment: str, op: str, call: Any) -> Any:
     worker, holder = _worker_and_holder()
     # The record is cached by uid; whether its state was modified since is the plugin's
     # current word, sent along with every request.
-    info = _deployment_info(worker, deployment, ann["uid"]).with_(modified=bool(ann.get("modified")))
+    info = _deployment_info(worker, deployment, ann["uid"]).with_(
+        modified=bool(ann.get("modified"))
+    )
     group = None
     if info.world_size > 1:
         group = GroupContext(
@@ -116,7 +121,11 @@ def load(deployment: str) -> dict[str, Any]:
     return _run(
         deployment,
         "load",
-        lambda b: {"version": int(b.version), "bytes": int(b.state_bytes()), "device": str(b.device)},
+        lambda b: {
+            "version": int(b.version),
+            "bytes": int(b.state_bytes()),
+            "device": str(b.device),
+        },
     )
 
 

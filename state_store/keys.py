@@ -55,7 +55,9 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 
 def check_model(model: str) -> str:
     if not isinstance(model, str) or not _MODEL.match(model):
-        raise InvalidStateKey(f"model names are one path-safe segment ([A-Za-z0-9_.-]), got {model!r}")
+        raise InvalidStateKey(
+            f"model names are one path-safe segment ([A-Za-z0-9_.-]), got {model!r}"
+        )
     return model
 
 
@@ -96,7 +98,9 @@ def from_storage(array: np.ndarray, dtype: str) -> torch.Tensor:
     return t.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else t
 
 
-def chunk_shape(shape: tuple[int, ...], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
+def chunk_shape(
+    shape: tuple[int, ...], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES
+) -> tuple[int, ...]:
     """The chunk grid of a tensor (see the module docstring)."""
     if not shape:
         return ()

@@ -139,11 +139,16 @@ class TierManager:
         self.leases: dict[str, _Lease] = {}
         self.last_used: dict[Key, float] = {}
         self.counters = Counter[str]()
-        self.used = {"dram": self.dram.gc(grace_s=3600.0)["object_bytes"], "nvme": self.nvme.gc(grace_s=3600.0)["object_bytes"]}
+        self.used = {
+            "dram": self.dram.gc(grace_s=3600.0)["object_bytes"],
+            "nvme": self.nvme.gc(grace_s=3600.0)["object_bytes"],
+        }
         for model in self.dram.models():  # a restarted manager: LRU order from publish times
             for version in self.dram.versions(model):
                 self.last_used[(model, version)] = self.dram.manifest(model, version).created
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-prefetch")
+        self._prefetch_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="plexrl-prefetch"
+        )
 
     def store(self, tier: str) -> StateStore:
         return self.dram if tier == "dram" else self.nvme
@@ -173,7 +178,9 @@ class TierManager:
         cap = self.capacity(tier)
         return cap is None or self.used[tier] + self._reserved(tier) + nbytes <= cap
 
-    def reserve(self, client: str, nbytes: int, tiers: list[str], started: float | None = None) -> dict[str, Any]:
+    def reserve(
+        self, client: str, nbytes: int, tiers: list[str], started: float | None = None
+    ) -> dict[str, Any]:
         """Room for a write of up to ``nbytes`` on the first of ``tiers`` that can make it
         (DRAM by evicting); returns ``{"lease", "tier", "root", "started"}``. ``started``: when
         the write began, if before this call (a client re-registering with a new manager)."""
@@ -187,10 +194,17 @@ class TierManager:
                 if self._fits(tier, nbytes):
                     lease = uuid.uuid4().hex
                     held = self.leases[lease] = _Lease(client, tier, nbytes, started or time.time())
-                    return {"lease": lease, "tier": tier, "root": str(self.store(tier).root), "started": held.started}
+                    return {
+                        "lease": lease,
+                        "tier": tier,
+                        "root": str(self.store(tier).root),
+                        "started": held.started,
+                    }
         raise TierFull(
             f"no room for {nbytes} bytes on {tiers} of node {self.cfg.node_id}: "
-            + ", ".join(f"{t} {self.used[t]}+{self._reserved(t)} of {self.capacity(t)}" for t in TIERS)
+            + ", ".join(
+                f"{t} {self.used[t]}+{self._reserved(t)} of {self.capacity(t)}" for t in TIERS
+            )
             + " bytes used+reserved; stored versions are intact"
         )
 
@@ -219,7 +233,9 @@ class TierManager:
         try:
             source = self.locate(model, version)
             if source is None:
-                raise VersionNotFound(f"{model!r} v{version} is in no tier of node {self.cfg.node_id}")
+                raise VersionNotFound(
+                    f"{model!r} v{version} is in no tier of node {self.cfg.node_id}"
+                )
             tier = source
             if source == "nvme" and promote:
                 tier = self.promote(model, version)
@@ -265,7 +281,9 @@ class TierManager:
             if self.dram.has_version(model, version):
                 return "dram"
             if not self.nvme.has_version(model, version):
-                raise VersionNotFound(f"{model!r} v{version} is in no tier of node {self.cfg.node_id}")
+                raise VersionNotFound(
+                    f"{model!r} v{version} is in no tier of node {self.cfg.node_id}"
+                )
             nbytes = self._new_bytes(self.nvme, self.dram, model, version)
             try:
                 grant = self.reserve("manager", nbytes, ["dram"])
@@ -280,7 +298,13 @@ class TierManager:
                 written = self.dram.copy_version_from(self.nvme, model, version)
                 self.counters["promotions"] += 1
                 self.counters["bytes_promoted"] += written
-                logger.info("promoted %s v%d to DRAM (%d bytes, %.3fs)", model, version, written, time.perf_counter() - t0)
+                logger.info(
+                    "promoted %s v%d to DRAM (%d bytes, %.3fs)",
+                    model,
+                    version,
+                    written,
+                    time.perf_counter() - t0,
+                )
             finally:
                 with self._lock:
                     self._busy.discard(key)
@@ -294,7 +318,9 @@ class TierManager:
             if self.nvme.has_version(model, version):
                 return 0
             if not self.dram.has_version(model, version):
-                raise VersionNotFound(f"{model!r} v{version} is in no tier of node {self.cfg.node_id}")
+                raise VersionNotFound(
+                    f"{model!r} v{version} is in no tier of node {self.cfg.node_id}"
+                )
             nbytes = self._new_bytes(self.dram, self.nvme, model, version)
             grant = self.reserve("manager", nbytes, ["nvme"])
             written = 0
@@ -343,7 +369,11 @@ class TierManager:
         while not self._fits("dram", nbytes):
             with self._lock:
                 victims = sorted(
-                    (k for k in self._dram_versions() if k not in self.pins and k not in self._busy and k not in tried),
+                    (
+                        k
+                        for k in self._dram_versions()
+                        if k not in self.pins and k not in self._busy and k not in tried
+                    ),
                     key=lambda k: self.last_used.get(k, 0.0),
                 )
             if not victims:
@@ -387,7 +417,9 @@ class TierManager:
         """Garbage-collect ``tier`` now: nothing a version, a closed writer or a write in
         progress refers to is deleted (see the module docstring)."""
         oldest = self._oldest_lease()
-        report = self.store(tier).gc(grace_s=0.0, keep_since=oldest if oldest is not None else time.time())
+        report = self.store(tier).gc(
+            grace_s=0.0, keep_since=oldest if oldest is not None else time.time()
+        )
         with self._lock:
             # Bytes of writes still in progress were already on disk in the walk; their leases
             # still reserve them too. Over-counting until they end is the safe direction.
@@ -425,7 +457,9 @@ class TierManager:
                 for model in store.models():
                     for version in store.versions(model):
                         try:
-                            nbytes = sum(e.nbytes for e in store.manifest(model, version).tensors.values())
+                            nbytes = sum(
+                                e.nbytes for e in store.manifest(model, version).tensors.values()
+                            )
                         except VersionNotFound:
                             continue  # deleted by a concurrent call
                         logical += nbytes
@@ -482,7 +516,10 @@ def claim_nvme(cfg: ManagerConfig) -> None:
             current = json.loads(path.read_text())
         except (FileNotFoundError, ValueError):
             current = None
-        if current is not None and (current.get("node"), current.get("dram")) != (mine["node"], mine["dram"]):
+        if current is not None and (current.get("node"), current.get("dram")) != (
+            mine["node"],
+            mine["dram"],
+        ):
             age = time.time() - float(current.get("heartbeat", 0.0))
             if age < cfg.owner_lease_s:
                 raise TierInUse(
@@ -490,7 +527,12 @@ def claim_nvme(cfg: ManagerConfig) -> None:
                     f"{current.get('node')!r} (DRAM {current.get('dram')}, heartbeat {age:.1f}s ago); "
                     f"node {cfg.node_id!r} cannot share it: give each node its own plexrl.state.nvme-path"
                 )
-            logger.warning("taking over the NVMe tier %s from node %r (lease expired %.0fs ago)", cfg.nvme_path, current.get("node"), age)
+            logger.warning(
+                "taking over the NVMe tier %s from node %r (lease expired %.0fs ago)",
+                cfg.nvme_path,
+                current.get("node"),
+                age,
+            )
         tmp = path.with_name(f".{OWNER_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(mine))
         os.replace(tmp, path)
@@ -512,8 +554,16 @@ class ManagerServer:
 
     async def serve(self) -> None:
         self._loop = asyncio.get_running_loop()
-        server = await asyncio.start_unix_server(self._connection, path=socket_name(self.cfg.dram_path), limit=2**24)
-        logger.info("StateManager of node %s (pid %d) serving %s / %s", self.cfg.node_id, os.getpid(), self.cfg.dram_path, self.cfg.nvme_path)
+        server = await asyncio.start_unix_server(
+            self._connection, path=socket_name(self.cfg.dram_path), limit=2**24
+        )
+        logger.info(
+            "StateManager of node %s (pid %d) serving %s / %s",
+            self.cfg.node_id,
+            os.getpid(),
+            self.cfg.dram_path,
+            self.cfg.nvme_path,
+        )
         async with server:
             watch = asyncio.create_task(self._watch())
             await self._stop.wait()
@@ -555,7 +605,11 @@ class ManagerServer:
                     reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
                 except Exception as e:  # a bug, or an OS error: the client gets it, typed
                     logger.exception("StateManager call failed")
-                    reply = {"ok": False, "error": "StateStoreError", "message": f"{type(e).__name__}: {e}"}
+                    reply = {
+                        "ok": False,
+                        "error": "StateStoreError",
+                        "message": f"{type(e).__name__}: {e}",
+                    }
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -570,9 +624,16 @@ class ManagerServer:
         op = msg.pop("op", None)
         t = self.tiers
         if op == "hello":
-            return {"node": self.cfg.node_id, "pid": os.getpid(), "dram": str(t.dram.root), "nvme": str(t.nvme.root)}
+            return {
+                "node": self.cfg.node_id,
+                "pid": os.getpid(),
+                "dram": str(t.dram.root),
+                "nvme": str(t.nvme.root),
+            }
         if op == "reserve":
-            return t.reserve(client, msg["nbytes"], list(msg.get("tiers", ["dram", "nvme"])), msg.get("started"))
+            return t.reserve(
+                client, msg["nbytes"], list(msg.get("tiers", ["dram", "nvme"])), msg.get("started")
+            )
         if op == "release":
             published = msg.get("published")
             t.release(msg["lease"], msg.get("written", 0), tuple(published) if published else None)
@@ -609,7 +670,7 @@ def run_manager(cfg: ManagerConfig) -> int:
     """The manager process's body: win the node's election or exit; 0 on a clean stop."""
     dram = Path(cfg.dram_path)
     dram.mkdir(parents=True, exist_ok=True)
-    lock = open(dram / LOCK_FILE, "a+")  # held (open, locked) for the process's life
+    lock = open(dram / LOCK_FILE, "a+")  # noqa: SIM115 (held open and locked for the process's life)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -632,7 +693,9 @@ def run_manager(cfg: ManagerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="The PlexRL StateManager of this node (normally started by a worker).")
+    parser = argparse.ArgumentParser(
+        description="The PlexRL StateManager of this node (normally started by a worker)."
+    )
     parser.add_argument("--config", required=True, help="ManagerConfig as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -35,11 +35,11 @@ from plexrl_dask import config
 from plexrl_dask.errors import ManagerUnavailable, PlexRLError, StateStoreError, from_status
 from plexrl_dask.state_store.keys import Manifest
 from plexrl_dask.state_store.manager import (
-    STORE_DIR,
     ERROR_FILE,
     LOCK_FILE,
     LOG_FILE,
     START_LOCK_FILE,
+    STORE_DIR,
     ManagerConfig,
     socket_name,
 )
@@ -83,7 +83,9 @@ class StateConfig:
                 dram_path=dram,
                 nvme_path=nvme,
                 dram_capacity=int(parse_bytes(dram_cap) if isinstance(dram_cap, str) else dram_cap),
-                nvme_capacity=None if nvme_cap in (None, "none") else int(parse_bytes(nvme_cap) if isinstance(nvme_cap, str) else nvme_cap),
+                nvme_capacity=None
+                if nvme_cap in (None, "none")
+                else int(parse_bytes(nvme_cap) if isinstance(nvme_cap, str) else nvme_cap),
                 node_id=socket.gethostname() if node == "auto" else node,
                 owner_lease_s=config.get_seconds("state.owner-lease"),
                 idle_exit_s=config.get_seconds("state.idle-exit"),
@@ -152,7 +154,9 @@ class NodeState:
                     if self._connect_once():
                         return
                     if time.monotonic() > deadline:
-                        raise ManagerUnavailable(f"timed out waiting for another process to start the StateManager of {self.dram_path}") from None
+                        raise ManagerUnavailable(
+                            f"timed out waiting for another process to start the StateManager of {self.dram_path}"
+                        ) from None
                     time.sleep(0.05)
             try:
                 if self._connect_once():
@@ -181,20 +185,25 @@ class NodeState:
             return False
 
     def _spawn(self) -> subprocess.Popen:
-        log = open(self.dram_path / LOG_FILE, "ab")
         (self.dram_path / ERROR_FILE).unlink(missing_ok=True)
-        logger.info("starting the StateManager of node %s (%s)", self.cfg.manager.node_id, self.dram_path)
-        try:
+        logger.info(
+            "starting the StateManager of node %s (%s)", self.cfg.manager.node_id, self.dram_path
+        )
+        with open(self.dram_path / LOG_FILE, "ab") as log:  # the child keeps its own copy
             return subprocess.Popen(
-                [sys.executable, "-m", "plexrl_dask.state_store.manager", "--config", self.cfg.manager.to_json()],
+                [
+                    sys.executable,
+                    "-m",
+                    "plexrl_dask.state_store.manager",
+                    "--config",
+                    self.cfg.manager.to_json(),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
                 start_new_session=True,  # outlives this process (a worker may come and go)
                 close_fds=True,
             )
-        finally:
-            log.close()
 
     def _raise_start_failure(self, returncode: int) -> None:
         try:
@@ -205,7 +214,9 @@ class NodeState:
             raise from_status({"error": err["error"], "message": err["message"]})
         if returncode == 0 and self._manager_alive():
             return  # lost the election to a manager that is starting: keep waiting for it
-        raise ManagerUnavailable(f"the StateManager of {self.dram_path} exited with {returncode} (log: {self.dram_path / LOG_FILE})")
+        raise ManagerUnavailable(
+            f"the StateManager of {self.dram_path} exited with {returncode} (log: {self.dram_path / LOG_FILE})"
+        )
 
     def _close_socket(self) -> None:
         for f in (self._file, self._sock):
@@ -247,13 +258,19 @@ class NodeState:
                     raise
                 except TimeoutError:
                     self._close_socket()  # a late reply would be read as the next call's
-                    raise ManagerUnavailable(f"StateManager call {op!r} took longer than {timeout:.0f}s") from None
+                    raise ManagerUnavailable(
+                        f"StateManager call {op!r} took longer than {timeout:.0f}s"
+                    ) from None
                 except (OSError, ValueError) as e:
                     self._close_socket()
                     if attempt:
-                        raise ManagerUnavailable(f"StateManager call {op!r} failed twice: {e}") from e
+                        raise ManagerUnavailable(
+                            f"StateManager call {op!r} failed twice: {e}"
+                        ) from e
                     self.restarts += 1
-                    logger.warning("the StateManager of %s went away (%s): reconnecting", self.dram_path, e)
+                    logger.warning(
+                        "the StateManager of %s went away (%s): reconnecting", self.dram_path, e
+                    )
             raise AssertionError("unreachable")
 
     def _restore(self) -> None:
@@ -261,12 +278,16 @@ class NodeState:
         for (model, version), count in list(self._pins.items()):
             for _ in range(count):
                 with contextlib.suppress(PlexRLError):
-                    self._roundtrip({"op": "pin", "model": model, "version": version, "promote": False}, self.cfg.transfer_timeout_s)
+                    self._roundtrip(
+                        {"op": "pin", "model": model, "version": version, "promote": False},
+                        self.cfg.transfer_timeout_s,
+                    )
         for lease in list(self._leases.values()):
             # No bytes (they are written already); the original start, so that objects this
             # write stored before the old manager died stay protected from collection.
             grant = self._roundtrip(
-                {"op": "reserve", "nbytes": 0, "tiers": [lease.tier], "started": lease.started}, self.cfg.transfer_timeout_s
+                {"op": "reserve", "nbytes": 0, "tiers": [lease.tier], "started": lease.started},
+                self.cfg.transfer_timeout_s,
             )
             lease.id = grant["lease"]
 
@@ -278,7 +299,9 @@ class NodeState:
             if tier not in self._stores:
                 if self._sock is None:
                     self.call("hello")
-                root = (self.dram_path if tier == "dram" else Path(self.cfg.manager.nvme_path)) / STORE_DIR
+                root = (
+                    self.dram_path if tier == "dram" else Path(self.cfg.manager.nvme_path)
+                ) / STORE_DIR
                 # Capacity is the manager's business (reservations), not a per-process count.
                 self._stores[tier] = StateStore(root, durable=tier != "dram")
             return self._stores[tier]
@@ -287,19 +310,33 @@ class NodeState:
 
     def reserve(self, nbytes: int, tiers: tuple[str, ...] = ("dram", "nvme")) -> Lease:
         grant = self.call("reserve", nbytes=int(nbytes), tiers=list(tiers))
-        lease = Lease(grant["lease"], grant["tier"], int(nbytes), self.store(grant["tier"]), grant["started"])
+        lease = Lease(
+            grant["lease"], grant["tier"], int(nbytes), self.store(grant["tier"]), grant["started"]
+        )
         with self._lock:
             self._leases[lease.id] = lease
         return lease
 
-    def release(self, lease: Lease, written: int = 0, published: tuple[str, int] | None = None) -> None:
+    def release(
+        self, lease: Lease, written: int = 0, published: tuple[str, int] | None = None
+    ) -> None:
         with self._lock:
             self._leases.pop(lease.id, None)
-        self.call("release", lease=lease.id, written=int(written), published=list(published) if published else None)
+        self.call(
+            "release",
+            lease=lease.id,
+            written=int(written),
+            published=list(published) if published else None,
+        )
 
     @contextlib.contextmanager
     def writing(
-        self, model: str, version: int, nbytes: int, tiers: tuple[str, ...] = ("dram", "nvme"), publish_id: str = "solo"
+        self,
+        model: str,
+        version: int,
+        nbytes: int,
+        tiers: tuple[str, ...] = ("dram", "nvme"),
+        publish_id: str = "solo",
     ) -> Iterator[VersionWriter]:
         """A writer for (this process's part of) a publish, with ``nbytes`` reserved on the
         first of ``tiers`` with room; closed and the reservation released on exit. The
@@ -312,9 +349,21 @@ class NodeState:
         finally:
             self.release(lease, lease.store.stats.bytes_written - before)
 
-    def commit(self, tier: str, model: str, version: int, publish_id: str = "solo", expected_parts: int | None = None, meta: Mapping[str, Any] | None = None) -> Manifest:
-        manifest = self.store(tier).commit(model, version, publish_id, expected_parts=expected_parts, meta=dict(meta or {}))
-        self.call("release", lease="", written=0, published=[model, version])  # enters the LRU order
+    def commit(
+        self,
+        tier: str,
+        model: str,
+        version: int,
+        publish_id: str = "solo",
+        expected_parts: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        manifest = self.store(tier).commit(
+            model, version, publish_id, expected_parts=expected_parts, meta=dict(meta or {})
+        )
+        self.call(
+            "release", lease="", written=0, published=[model, version]
+        )  # enters the LRU order
         return manifest
 
     def publish(
@@ -334,15 +383,21 @@ class NodeState:
             with lease.store.writer(model, version, publish_id) as w:
                 for name, t in tensors.items():
                     w.write(name, t)
-            manifest = lease.store.commit(model, version, publish_id, expected_parts=1, meta=dict(meta or {}))
+            manifest = lease.store.commit(
+                model, version, publish_id, expected_parts=1, meta=dict(meta or {})
+            )
         finally:
-            self.release(lease, lease.store.stats.bytes_written - before, published=(model, version))
+            self.release(
+                lease, lease.store.stats.bytes_written - before, published=(model, version)
+            )
         return lease.tier, manifest
 
     # --- reading ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def pinned(self, model: str, version: int, promote: bool = True) -> Iterator[tuple[StateStore, dict[str, Any]]]:
+    def pinned(
+        self, model: str, version: int, promote: bool = True
+    ) -> Iterator[tuple[StateStore, dict[str, Any]]]:
         """The store holding the version, kept there while the block reads it (promoted to
         DRAM first when ``promote`` and it fits). Yields ``(store, {"tier", "source"})``."""
         where = self.call("pin", model=model, version=int(version), promote=promote)
@@ -358,11 +413,17 @@ class NodeState:
             with contextlib.suppress(ManagerUnavailable):
                 self.call("unpin", model=model, version=int(version))
 
-    def read_all(self, model: str, version: int, promote: bool = True) -> tuple[dict[str, torch.Tensor], Manifest, str]:
+    def read_all(
+        self, model: str, version: int, promote: bool = True
+    ) -> tuple[dict[str, torch.Tensor], Manifest, str]:
         """Every tensor of the version, its manifest and the tier it was found in."""
         with self.pinned(model, version, promote) as (store, where):
             manifest = store.manifest(model, version)
-            return {n: store.read(model, version, n) for n in manifest.tensors}, manifest, where["source"]
+            return (
+                {n: store.read(model, version, n) for n in manifest.tensors},
+                manifest,
+                where["source"],
+            )
 
     # --- the rest of the manager's ops ----------------------------------------------------------
 
@@ -378,7 +439,9 @@ class NodeState:
     def evict(self, model: str, version: int) -> bool:
         return bool(self.call("evict", model=model, version=int(version)))
 
-    def delete(self, model: str, version: int, tiers: tuple[str, ...] = ("dram", "nvme")) -> dict[str, bool]:
+    def delete(
+        self, model: str, version: int, tiers: tuple[str, ...] = ("dram", "nvme")
+    ) -> dict[str, bool]:
         return self.call("delete", model=model, version=int(version), tiers=list(tiers))
 
     def status(self) -> dict[str, Any]:

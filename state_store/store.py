@@ -148,14 +148,18 @@ def _io_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=min(8, 2 * (os.cpu_count() or 1)), thread_name_prefix="plexrl-store")
+            _POOL = ThreadPoolExecutor(
+                max_workers=min(8, 2 * (os.cpu_count() or 1)), thread_name_prefix="plexrl-store"
+            )
         return _POOL
 
 
 class Objects:
     """Content-addressed chunk bytes of one store, with an optional capacity."""
 
-    def __init__(self, root: Path, durable: bool, capacity_bytes: int | None, stats: IOStats) -> None:
+    def __init__(
+        self, root: Path, durable: bool, capacity_bytes: int | None, stats: IOStats
+    ) -> None:
         self.root = root
         self.durable = durable
         self.capacity_bytes = capacity_bytes
@@ -172,7 +176,9 @@ class Objects:
 
     def _used_locked(self) -> int:
         if self._used is None:
-            self._used = sum(p.stat().st_size for p in self.root.glob("*/*") if not p.name.startswith("."))
+            self._used = sum(
+                p.stat().st_size for p in self.root.glob("*/*") if not p.name.startswith(".")
+            )
         return self._used
 
     def put(self, data: bytes | memoryview) -> str:
@@ -224,9 +230,13 @@ class Objects:
         try:
             data = self.path(digest).read_bytes()
         except FileNotFoundError:
-            raise CorruptState(f"{what}: chunk object {digest} is missing from {self.root}") from None
+            raise CorruptState(
+                f"{what}: chunk object {digest} is missing from {self.root}"
+            ) from None
         if digest_of(data) != digest:
-            raise CorruptState(f"{what}: chunk object {digest} does not match its digest (corrupted bytes)")
+            raise CorruptState(
+                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
+            )
         self.stats.add(bytes_read=len(data), chunks_read=1)
         return data
 
@@ -265,7 +275,9 @@ class _VersionZarrStore(Store):
     supports_listing = True
     supports_partial_writes = False
 
-    def __init__(self, meta_root: Path, objects: Objects, pointers: dict[str, str], read_only: bool) -> None:
+    def __init__(
+        self, meta_root: Path, objects: Objects, pointers: dict[str, str], read_only: bool
+    ) -> None:
         super().__init__(read_only=read_only)
         self.meta_root = meta_root
         self.objects = objects
@@ -294,7 +306,10 @@ class _VersionZarrStore(Store):
             return None
 
     async def get(
-        self, key: str, prototype: BufferPrototype | None = None, byte_range: ByteRequest | None = None
+        self,
+        key: str,
+        prototype: BufferPrototype | None = None,
+        byte_range: ByteRequest | None = None,
     ) -> Buffer | None:
         prototype = prototype or default_buffer_prototype()
         # File I/O and hashing off the event loop, so Zarr's concurrent chunk reads overlap.
@@ -387,7 +402,9 @@ def _open_or_create_array(
     return arr
 
 
-def _region(shape: tuple[int, ...], region: tuple[slice, ...] | None) -> tuple[tuple[int, int], ...]:
+def _region(
+    shape: tuple[int, ...], region: tuple[slice, ...] | None
+) -> tuple[tuple[int, int], ...]:
     """Normalized ``(start, stop)`` per dim (full extent where ``region`` is shorter)."""
     region = tuple(region or ())
     if len(region) > len(shape):
@@ -412,7 +429,10 @@ def _chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[str]:
 
 
 def _check_fragments_cover(
-    tensors: dict[str, dict[str, Any]], fragments: list[dict[str, Any]], pointers: dict[str, str], what: str
+    tensors: dict[str, dict[str, Any]],
+    fragments: list[dict[str, Any]],
+    pointers: dict[str, str],
+    what: str,
 ) -> None:
     """Every chunk that fragments touch must be covered completely by them (else its missing
     part would silently read as zeros): :class:`PublishIncomplete` otherwise."""
@@ -435,7 +455,9 @@ def _check_fragments_cover(
     for (name, idx), mask in masks.items():
         key = f"{name}/c/" + "/".join(map(str, idx))
         if key in pointers:
-            raise VersionConflict(f"{what}: chunk {key} was written whole by one writer and in part by another")
+            raise VersionConflict(
+                f"{what}: chunk {key} was written whole by one writer and in part by another"
+            )
         if not mask.all():
             raise PublishIncomplete(
                 f"tensor {name!r} of {what}: {int((~mask).sum())} elements of chunk {key} were written by no writer"
@@ -455,7 +477,9 @@ class VersionWriter:
         self.tensors: dict[str, dict[str, Any]] = {}
         self.fragments: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._zarr = _VersionZarrStore(staging / "arrays", store.objects, self.pointers, read_only=False)
+        self._zarr = _VersionZarrStore(
+            staging / "arrays", store.objects, self.pointers, read_only=False
+        )
         self._closed = False
 
     def write(
@@ -480,7 +504,9 @@ class VersionWriter:
                 f"{[slice(a, b) for a, b in bounds]} of shape {full}"
             )
         chunks = chunk_shape(full, np.dtype(DTYPES[dtype][1]).itemsize, self.store.chunk_bytes)
-        known = self.tensors.setdefault(name, {"shape": list(full), "dtype": dtype, "chunks": list(chunks)})
+        known = self.tensors.setdefault(
+            name, {"shape": list(full), "dtype": dtype, "chunks": list(chunks)}
+        )
         if known["shape"] != list(full) or known["dtype"] != dtype:
             raise StateMismatch(f"tensor {name!r} written as {full} {dtype} and as {known}")
         arr = _open_or_create_array(self._zarr, name, full, dtype, chunks)
@@ -505,13 +531,21 @@ class VersionWriter:
             else:
                 pieces.append([p for p in ((a, lo), (lo, hi), (hi, b)) if p[1] > p[0]])
         for box in itertools.product(*pieces):
-            if all(box[d] == inner[d] for d in range(len(box))) and all(hi > lo for lo, hi in inner):
+            if all(box[d] == inner[d] for d in range(len(box))) and all(
+                hi > lo for lo, hi in inner
+            ):
                 continue
             sl = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(box, bounds, strict=True))
             path = self.staging / "fragments" / self.id / f"{len(self.fragments)}.npy"
             path.parent.mkdir(parents=True, exist_ok=True)
             np.save(path, np.ascontiguousarray(data[sl]))
-            self.fragments.append({"name": name, "region": [list(p) for p in box], "file": str(path.relative_to(self.staging))})
+            self.fragments.append(
+                {
+                    "name": name,
+                    "region": [list(p) for p in box],
+                    "file": str(path.relative_to(self.staging)),
+                }
+            )
 
     def _put_chunks(
         self,
@@ -529,7 +563,12 @@ class VersionWriter:
         def put(idx: tuple[int, ...]) -> None:
             origin = [i * c for i, c in zip(idx, chunks, strict=True)]
             extent = [min(c, n - o) for c, n, o in zip(chunks, full, origin, strict=True)]
-            block = data[tuple(slice(o - a, o - a + e) for o, (a, _), e in zip(origin, bounds, extent, strict=True))]
+            block = data[
+                tuple(
+                    slice(o - a, o - a + e)
+                    for o, (a, _), e in zip(origin, bounds, extent, strict=True)
+                )
+            ]
             if extent == list(chunks):
                 buf = np.ascontiguousarray(block)
             else:
@@ -539,7 +578,11 @@ class VersionWriter:
             with self._lock:
                 self.pointers["/".join((name, "c", *map(str, idx)))] = digest
 
-        indices = list(itertools.product(*(range(lo // c, -(-hi // c)) for (lo, hi), c in zip(inner, chunks, strict=True))))
+        indices = list(
+            itertools.product(
+                *(range(lo // c, -(-hi // c)) for (lo, hi), c in zip(inner, chunks, strict=True))
+            )
+        )
         list(_io_pool().map(put, indices))
 
     def close(self) -> None:
@@ -547,7 +590,11 @@ class VersionWriter:
         if self._closed:
             return
         part = {"tensors": self.tensors, "pointers": self.pointers, "fragments": self.fragments}
-        _write_file(self.staging / "parts" / f"{self.id}.json", json.dumps(part).encode(), self.store.durable)
+        _write_file(
+            self.staging / "parts" / f"{self.id}.json",
+            json.dumps(part).encode(),
+            self.store.durable,
+        )
         self._closed = True
 
     def __enter__(self) -> VersionWriter:
@@ -580,18 +627,26 @@ class StateStore:
         marker = self.root / MARKER
         if not marker.is_file():
             if not create:
-                raise NotAStore(f"{self.root} is not a PlexRL state store (no {MARKER}); pass create=True to make one")
+                raise NotAStore(
+                    f"{self.root} is not a PlexRL state store (no {MARKER}); pass create=True to make one"
+                )
             if self.root.exists() and any(p.name != MARKER for p in self.root.iterdir()):
-                raise NotAStore(f"{self.root} is a non-empty directory that is not a state store; refusing to use it")
+                raise NotAStore(
+                    f"{self.root} is a non-empty directory that is not a state store; refusing to use it"
+                )
             self.root.mkdir(parents=True, exist_ok=True)
-            _write_file(marker, json.dumps({"format": FORMAT, "created": time.time()}).encode(), durable)
+            _write_file(
+                marker, json.dumps({"format": FORMAT, "created": time.time()}).encode(), durable
+            )
         else:
             try:
                 fmt = json.loads(marker.read_text()).get("format")
             except (ValueError, OSError) as e:
                 raise NotAStore(f"{marker} is unreadable: {e}") from e
             if fmt != FORMAT:
-                raise NotAStore(f"{self.root} has store format {fmt!r}; this version reads {FORMAT}")
+                raise NotAStore(
+                    f"{self.root} has store format {fmt!r}; this version reads {FORMAT}"
+                )
         self.stats = IOStats()
         self.objects = Objects(self.root / "objects", durable, capacity_bytes, self.stats)
         self._manifests: dict[tuple[str, int], tuple[tuple[int, int], Manifest]] = {}
@@ -609,7 +664,9 @@ class StateStore:
         d = self.root / "versions" / check_model(model)
         if not d.is_dir():
             return []
-        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "manifest.json").is_file())
+        return sorted(
+            int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "manifest.json").is_file()
+        )
 
     def manifest(self, model: str, version: int | None = None) -> Manifest:
         """The manifest of a published version (default: the latest)."""
@@ -655,7 +712,13 @@ class StateStore:
         (staging / "parts").mkdir(parents=True, exist_ok=True)
         return VersionWriter(self, model, version, staging)
 
-    def publish(self, model: str, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> Manifest:
+    def publish(
+        self,
+        model: str,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        meta: dict[str, Any] | None = None,
+    ) -> Manifest:
         """Write whole tensors and commit (one writer)."""
         publish_id = uuid.uuid4().hex
         with self.writer(model, version, publish_id) as w:
@@ -681,7 +744,9 @@ class StateStore:
                 f"publish {publish_id} of {model!r} v{version} has {len(parts)} closed writers, expected {expected_parts}"
             )
         if not parts:
-            raise PublishIncomplete(f"publish {publish_id} of {model!r} v{version} has no closed writer")
+            raise PublishIncomplete(
+                f"publish {publish_id} of {model!r} v{version} has no closed writer"
+            )
         tensors: dict[str, dict[str, Any]] = {}
         pointers: dict[str, str] = {}
         fragments: list[dict[str, Any]] = []
@@ -689,16 +754,22 @@ class StateStore:
             part = json.loads(path.read_text())
             for name, t in part["tensors"].items():
                 if tensors.setdefault(name, t) != t:
-                    raise StateMismatch(f"writers disagree on tensor {name!r}: {tensors[name]} vs {t}")
+                    raise StateMismatch(
+                        f"writers disagree on tensor {name!r}: {tensors[name]} vs {t}"
+                    )
             for key, digest in part["pointers"].items():
                 if pointers.setdefault(key, digest) != digest:
-                    raise VersionConflict(f"two writers wrote different bytes to {key} of {model!r} v{version}")
+                    raise VersionConflict(
+                        f"two writers wrote different bytes to {key} of {model!r} v{version}"
+                    )
             fragments.extend(part["fragments"])
         _check_fragments_cover(tensors, fragments, pointers, f"{model!r} v{version}")
         zstore = _VersionZarrStore(staging / "arrays", self.objects, pointers, read_only=False)
         for frag in fragments:  # sequential read-modify-write of the shared boundary chunks
             t = tensors[frag["name"]]
-            arr = _open_or_create_array(zstore, frag["name"], tuple(t["shape"]), t["dtype"], tuple(t["chunks"]))
+            arr = _open_or_create_array(
+                zstore, frag["name"], tuple(t["shape"]), t["dtype"], tuple(t["chunks"])
+            )
             arr[tuple(slice(a, b) for a, b in frag["region"])] = np.load(staging / frag["file"])
         entries = {}
         for name, t in tensors.items():
@@ -723,7 +794,9 @@ class StateStore:
         shutil.rmtree(staging / "parts", ignore_errors=True)
         return self._finish_publish(staging, model, version, manifest)
 
-    def _finish_publish(self, staging: Path, model: str, version: int, manifest: Manifest) -> Manifest:
+    def _finish_publish(
+        self, staging: Path, model: str, version: int, manifest: Manifest
+    ) -> Manifest:
         """Rename a complete staging directory into place (fsynced first on a durable tier);
         a version already there is fine if identical, a :class:`VersionConflict` if not."""
         final = self._version_dir(model, version)
@@ -740,14 +813,18 @@ class StateStore:
                 raise
             existing = self.manifest(model, version)
             shutil.rmtree(staging, ignore_errors=True)
-            if {n: e.digest for n, e in existing.tensors.items()} != {n: e.digest for n, e in manifest.tensors.items()}:
+            if {n: e.digest for n, e in existing.tensors.items()} != {
+                n: e.digest for n, e in manifest.tensors.items()
+            }:
                 raise VersionConflict(
                     f"{model!r} v{version} was already published with other content; publish a new version"
                 ) from None
             return existing
         if self.durable:
             _fsync_dir(final.parent)
-        logger.info("published %s v%d (%d tensors) in %s", model, version, len(manifest.tensors), self.root)
+        logger.info(
+            "published %s v%d (%d tensors) in %s", model, version, len(manifest.tensors), self.root
+        )
         return manifest
 
     # --- reading -----------------------------------------------------------------------------
@@ -774,9 +851,13 @@ class StateStore:
                 f"{sorted(manifest.tensors)[:3]})"
             )
         if shape is not None and tuple(shape) != entry.shape:
-            raise StateMismatch(f"{name!r} of {model!r} v{version} has shape {entry.shape}, expected {tuple(shape)}")
+            raise StateMismatch(
+                f"{name!r} of {model!r} v{version} has shape {entry.shape}, expected {tuple(shape)}"
+            )
         if dtype is not None and DTYPES[entry.dtype][0] != dtype:
-            raise StateMismatch(f"{name!r} of {model!r} v{version} has dtype {entry.dtype}, expected {dtype}")
+            raise StateMismatch(
+                f"{name!r} of {model!r} v{version} has dtype {entry.dtype}, expected {dtype}"
+            )
         bounds = _region(entry.shape, region)
         storage = np.dtype(DTYPES[entry.dtype][1])
         out = np.empty([b - a for a, b in bounds], dtype=storage)
@@ -793,21 +874,33 @@ class StateStore:
                 raise CorruptState(f"{what}: {len(raw)} bytes, expected {chunk_bytes}")
             chunk = np.frombuffer(raw, dtype=storage).reshape(entry.chunks)
             origin = [i * c for i, c in zip(idx, entry.chunks, strict=True)]
-            src = tuple(slice(max(a, o) - o, min(b, o + c) - o) for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True))
-            dst = tuple(slice(max(a, o) - a, min(b, o + c) - a) for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True))
+            src = tuple(
+                slice(max(a, o) - o, min(b, o + c) - o)
+                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
+            )
+            dst = tuple(
+                slice(max(a, o) - a, min(b, o + c) - a)
+                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
+            )
             out[dst] = chunk[src]
 
         # Zarr's on-disk layout (regular grid, edge chunks padded, raw little-endian bytes), read
         # without its per-chunk asyncio pipeline: chunk reads overlap on a few threads and each
         # lands straight in the output.
-        indices = list(itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(bounds, entry.chunks, strict=True))))
+        indices = list(
+            itertools.product(
+                *(range(a // c, -(-b // c)) for (a, b), c in zip(bounds, entry.chunks, strict=True))
+            )
+        )
         if len(indices) == 1:
             fetch(indices[0])
         else:
             list(_io_pool().map(fetch, indices))
         return from_storage(out, entry.dtype)
 
-    def read_with_zarr(self, model: str, version: int, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+    def read_with_zarr(
+        self, model: str, version: int, name: str, region: tuple[slice, ...] | None = None
+    ) -> torch.Tensor:
         """The same as :meth:`read`, through Zarr's own array machinery (slower): proof that a
         version is a valid Zarr array, and the oracle of the fast path in the tests."""
         entry = self.manifest(model, version).tensors.get(check_name(name))
@@ -815,7 +908,9 @@ class StateStore:
             raise TensorNotFound(f"{model!r} v{version} has no tensor {name!r}")
         bounds = _region(entry.shape, region)
         pointers = {f"{name}/{ck}": d for ck, d in entry.chunk_digests.items()}
-        zstore = _VersionZarrStore(self._version_dir(model, version) / "arrays", self.objects, pointers, read_only=True)
+        zstore = _VersionZarrStore(
+            self._version_dir(model, version) / "arrays", self.objects, pointers, read_only=True
+        )
         arr = zarr.open_array(store=zstore, path=name, mode="r")
         data = arr[tuple(slice(a, b) for a, b in bounds)] if entry.shape else arr[...]
         return from_storage(np.asarray(data), entry.dtype)
@@ -928,4 +1023,7 @@ class StateStore:
         }
 
     def usage(self) -> dict[str, int]:
-        return {"object_bytes": self.objects.used_bytes(), "versions": sum(len(self.versions(m)) for m in self.models())}
+        return {
+            "object_bytes": self.objects.used_bytes(),
+            "versions": sum(len(self.versions(m)) for m in self.models()),
+        }

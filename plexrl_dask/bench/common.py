@@ -55,7 +55,13 @@ def machine() -> dict[str, Any]:
     }
 
 
-def report(name: str, results: dict[str, Any], targets: dict[str, str], config: dict[str, Any], out: str | None) -> None:
+def report(
+    name: str,
+    results: dict[str, Any],
+    targets: dict[str, str],
+    config: dict[str, Any],
+    out: str | None,
+) -> None:
     """Print a table of ``results`` (with targets) and write JSON to ``out``."""
     table = Table(title=f"plexrl_dask.bench.{name}")
     table.add_column("metric")
@@ -68,7 +74,9 @@ def report(name: str, results: dict[str, Any], targets: dict[str, str], config: 
     if out:
         payload = {
             "benchmark": name,
-            "command": " ".join([os.path.basename(sys.executable), "-m", f"plexrl_dask.bench.{name}", *sys.argv[1:]]),
+            "command": " ".join(
+                [os.path.basename(sys.executable), "-m", f"plexrl_dask.bench.{name}", *sys.argv[1:]]
+            ),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": machine(),
             "config": config,

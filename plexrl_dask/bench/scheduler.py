@@ -82,6 +82,7 @@ def plain_task_throughput(quick: bool) -> dict[str, float]:
         Client(plain, set_as_default=False) as a,
         Client(with_plugin, set_as_default=False) as b,
     ):
+
         def run(client: Client) -> None:
             client.gather(client.map(_noop, range(n), pure=False))
 
@@ -97,7 +98,9 @@ def plain_task_throughput(quick: bool) -> dict[str, float]:
 # --- decision latency --------------------------------------------------------------------------
 
 
-def decision_latency(quick: bool, n_queued: int = 10_000, n_workers: int = 256, seed: int = 0) -> dict[str, float]:
+def decision_latency(
+    quick: bool, n_queued: int = 10_000, n_workers: int = 256, seed: int = 0
+) -> dict[str, float]:
     rng = random.Random(seed)
     workers = [f"w{i}" for i in range(n_workers)]
     deployments: list[tuple[str, tuple[tuple[str, ...], ...], bool]] = []
@@ -153,7 +156,9 @@ def decision_latency(quick: bool, n_queued: int = 10_000, n_workers: int = 256, 
         samples.append(time.perf_counter() - t0)
         released.append(len(decisions))
         for d in decisions:
-            heapq.heappush(running, (now + d.request.service_s * rng.uniform(0.5, 2.0), next(tie), d.group))
+            heapq.heappush(
+                running, (now + d.request.service_s * rng.uniform(0.5, 2.0), next(tie), d.group)
+            )
     us = np.array(samples) * 1e6
     return {
         "decision_latency_p50_us": float(np.percentile(us, 50)),
@@ -185,7 +190,8 @@ def simulated(quick: bool) -> dict[str, float]:
             worst = max(worst, simulate(workload, cluster, policy).max_wait_over_bound())
     return {
         "max_wait_over_bound": worst,
-        "sim_hrrs_vs_fifo_mean_response_ratio": statistics.fmean(mean_resp["hrrs"]) / statistics.fmean(mean_resp["fifo"]),
+        "sim_hrrs_vs_fifo_mean_response_ratio": statistics.fmean(mean_resp["hrrs"])
+        / statistics.fmean(mean_resp["fifo"]),
         "sim_model_loads_ratio": loads["hrrs"] / max(1, loads["fifo_blind"]),
         "sim_fifo_vs_blind_model_loads_ratio": loads["fifo"] / max(1, loads["fifo_blind"]),
     }
@@ -200,14 +206,21 @@ class _LiveWorkload:
     def __init__(self, client: Client, quick: bool) -> None:
         self.client = client
         self.duration_s = 25.0 if quick else 45.0
-        spec_a = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256, seed=1)
-        spec_b = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256, seed=2)
+        spec_a = plexrl.ModelSpec.tiny(
+            hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256, seed=1
+        )
+        spec_b = plexrl.ModelSpec.tiny(
+            hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256, seed=2
+        )
         self.jobs = {j: plexrl.Runtime(client, job=j) for j in ("trainer", "rl-a", "rl-b")}
         self.trainer = self.jobs["trainer"].deploy("bench-trainer", spec_a, world_size=2)
         self.roll_a = self.jobs["rl-a"].deploy("bench-roll-a", spec_a, role="rollout", replicas=2)
         self.roll_b = self.jobs["rl-b"].deploy("bench-roll-b", spec_b, role="rollout", replicas=2)
         tok = self.trainer.tokenize
-        self.batch = [plexrl.Datum(tokens=tok("".join(str((i * j) % 10) for j in range(120)))) for i in range(16)]
+        self.batch = [
+            plexrl.Datum(tokens=tok("".join(str((i * j) % 10) for j in range(120))))
+            for i in range(16)
+        ]
         self.prompts = [f"{i}+{i * 3}=" for i in range(4)]
         self.workers = sorted(set(self.roll_a.info.workers) | set(self.trainer.info.workers))
         self.actions = {
@@ -222,7 +235,10 @@ class _LiveWorkload:
         return plexrl.SamplingParams(n=2, temperature=1.0, max_tokens=tokens, seed=0)
 
     def _train(self) -> list[Any]:
-        return [self.trainer.forward_backward(self.batch), self.trainer.optim_step(plexrl.AdamWParams(lr=1e-4))]
+        return [
+            self.trainer.forward_backward(self.batch),
+            self.trainer.optim_step(plexrl.AdamWParams(lr=1e-4)),
+        ]
 
     def reset_residency(self) -> None:
         """The same residency before every policy: b, then a, then the trainer loaded last."""
@@ -241,7 +257,9 @@ class _LiveWorkload:
             out[name] = median(times[1:])
         return out
 
-    def schedule(self, service: dict[str, float], load: float = 0.7, seed: int = 0) -> list[tuple[float, str]]:
+    def schedule(
+        self, service: dict[str, float], load: float = 0.7, seed: int = 0
+    ) -> list[tuple[float, str]]:
         """Open-loop arrivals: each action a Poisson stream, rates set so that the expected
         busy worker-time is ``load`` of both workers (the trainer's gang takes both)."""
         rng = random.Random(seed)
@@ -290,7 +308,9 @@ class _LiveWorkload:
 
             fut.add_done_callback(finished)
             futures.append(out)
-        plexrl.result([f for out in futures for f in (out if isinstance(out, list) else [out])], timeout=600)
+        plexrl.result(
+            [f for out in futures for f in (out if isinstance(out, list) else [out])], timeout=600
+        )
         deadline = time.monotonic() + 10
         while len(done) < len(schedule) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -299,7 +319,9 @@ class _LiveWorkload:
 
 
 def live_mixed(quick: bool) -> dict[str, Any]:
-    spec = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    spec = plexrl.ModelSpec.tiny(
+        hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256
+    )
     weights = spec.memory_bytes("rollout")
     # The trainer's shard (train bytes / 2) and one rollout model fit; two rollout models do not.
     budget = spec.memory_bytes("train") // 2 + int(1.5 * weights)
@@ -328,7 +350,8 @@ def live_mixed(quick: bool) -> dict[str, Any]:
         return float(np.percentile(xs, 99))
 
     out: dict[str, Any] = {
-        "hrrs_vs_fifo_mean_response_ratio": statistics.fmean(responses["hrrs"]) / statistics.fmean(responses["fifo"]),
+        "hrrs_vs_fifo_mean_response_ratio": statistics.fmean(responses["hrrs"])
+        / statistics.fmean(responses["fifo"]),
         "hrrs_vs_fifo_p99_response_ratio": p99(responses["hrrs"]) / p99(responses["fifo"]),
         "model_loads_ratio": loads["hrrs"] / max(1, loads["fifo_blind"]),
         "live_requests_per_policy_run": len(schedule),

@@ -56,7 +56,9 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     reps = 5 if args.quick else 15
     torch.set_num_threads(1)
-    spec = plexrl.ModelSpec.tiny(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, max_positions=512)
+    spec = plexrl.ModelSpec.tiny(
+        hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, max_positions=512
+    )
     direct = TorchBackend(spec, "cpu")
     tokenize = lambda s: direct.tokenize([s])[0]  # noqa: E731
 
@@ -64,7 +66,12 @@ def main() -> None:
     size, length = 4, 128
     while True:
         batch = _batch(tokenize, size, length)
-        t = median([time_call(partial(direct.forward_backward, batch, plexrl.CrossEntropy())) for _ in range(3)])
+        t = median(
+            [
+                time_call(partial(direct.forward_backward, batch, plexrl.CrossEntropy()))
+                for _ in range(3)
+            ]
+        )
         if t >= MIN_COMPUTE_S or size >= 256:
             break
         size *= 2
@@ -103,8 +110,12 @@ def main() -> None:
     # The same request on a worker with Dask's default pre-spawn environment.
     with (
         LocalCluster(
-            n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0",
-            resources={"GPU": 1}, scheduler_kwargs={"preload": [PRELOAD]},
+            n_workers=1,
+            threads_per_worker=1,
+            host="127.0.0.1",
+            dashboard_address=":0",
+            resources={"GPU": 1},
+            scheduler_kwargs={"preload": [PRELOAD]},
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -147,12 +158,17 @@ def main() -> None:
     report("service", results, targets, config, args.json)
 
 
-def _sync_s(runtime: plexrl.Runtime, spec: plexrl.ModelSpec, name: str, reps: int) -> tuple[float, int]:
+def _sync_s(
+    runtime: plexrl.Runtime, spec: plexrl.ModelSpec, name: str, reps: int
+) -> tuple[float, int]:
     """Median seconds of sync_weights from a 2-rank trainer into 2 rollout replicas."""
     trainer = runtime.deploy(f"{name}-train", spec, world_size=2)
     rollout = runtime.deploy(f"{name}-rollout", spec, role="rollout", replicas=2)
     nbytes = plexrl.result(trainer.get_weights()).nbytes()
-    times = [time_call(lambda: plexrl.result(runtime.sync_weights(trainer, rollout))) for _ in range(reps)]
+    times = [
+        time_call(lambda: plexrl.result(runtime.sync_weights(trainer, rollout)))
+        for _ in range(reps)
+    ]
     runtime.undeploy(trainer.name)
     runtime.undeploy(rollout.name)
     return median(times), nbytes
@@ -164,7 +180,9 @@ def _groups(quick: bool) -> dict:
 
     spec = plexrl.ModelSpec.tiny(hidden_size=64, num_layers=2, seed=5)
     # ~72M parameters: 290 MB of fp32 weights.
-    large = plexrl.ModelSpec.tiny(hidden_size=1024, num_layers=5, num_heads=8, num_kv_heads=2, seed=6)
+    large = plexrl.ModelSpec.tiny(
+        hidden_size=1024, num_layers=5, num_heads=8, num_kv_heads=2, seed=6
+    )
     opt = plexrl.AdamWParams(lr=1e-3)
     with plexrl.local_cluster(n_workers=2) as cluster, Client(cluster) as client:
         runtime = plexrl.Runtime(client, job="bench-groups")

@@ -79,7 +79,13 @@ def tier(root: Path, durable: bool, total_mb: int, reps: int) -> dict[str, float
     """Write and read ratios of our tier at ``root`` against raw files there."""
     base = _state(total_mb, 0)
     nbytes = sum(t.numel() * 4 for t in base.values())
-    times: dict[str, list[float]] = {"raw_w": [], "ours_w": [], "raw_r": [], "ours_r": [], "copy": []}
+    times: dict[str, list[float]] = {
+        "raw_w": [],
+        "ours_w": [],
+        "raw_r": [],
+        "ours_r": [],
+        "copy": [],
+    }
     for rep in range(reps):
         data = {n: t + (rep + 1) for n, t in base.items()}  # new bytes every repetition
         raw_dir, store_dir = root / f"raw-{rep}", root / f"store-{rep}"
@@ -153,7 +159,12 @@ def reshard(root: Path, total_mb: int) -> dict[str, float]:
     for rank in range(2):  # FSDP(2): each rank writes its dim-0 shard
         with store.writer("policy", 1, "fsdp") as w:
             for name, t in full.items():
-                w.write(name, t[rank * rows // 2 : (rank + 1) * rows // 2], (slice(rank * rows // 2, (rank + 1) * rows // 2),), shape=t.shape)
+                w.write(
+                    name,
+                    t[rank * rows // 2 : (rank + 1) * rows // 2],
+                    (slice(rank * rows // 2, (rank + 1) * rows // 2),),
+                    shape=t.shape,
+                )
     store.commit("policy", 1, "fsdp", expected_parts=2)
     fetch, peak = [], []
     for rank in range(2):  # TP(2): each rank reads its column half (a row-parallel layout)
@@ -194,7 +205,9 @@ def main() -> None:
     finally:
         shutil.rmtree(dram_root, ignore_errors=True)
         shutil.rmtree(nvme_root, ignore_errors=True)
-    results["dedup_stored_over_ideal"] = results["dedup_stored_ratio"] / results["dedup_ideal_ratio"]
+    results["dedup_stored_over_ideal"] = (
+        results["dedup_stored_ratio"] / results["dedup_ideal_ratio"]
+    )
     targets = {
         "dram_write_ratio": ">= 0.7",
         "dram_read_ratio": ">= 0.7",

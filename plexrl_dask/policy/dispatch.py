@@ -162,7 +162,9 @@ class DispatchPolicy:
     placement: str = "residency"  # or "blind"
 
     def __post_init__(self) -> None:
-        if not all(v >= 0 for v in (self.setup_weight, self.patience_factor, self.patience_floor_s)):
+        if not all(
+            v >= 0 for v in (self.setup_weight, self.patience_factor, self.patience_floor_s)
+        ):
             raise ValueError(f"dispatch weights must be >= 0: {self}")
         if self.placement not in ("residency", "blind"):
             raise ValueError(f"placement must be 'residency' or 'blind', got {self.placement!r}")
@@ -465,7 +467,9 @@ class Dispatcher:
                     return
                 group, setup = None, min(setups)
             ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
-            heapq.heappush(heap, (-ratio, e.request.arrival, e.seq, versions[rid], rid, group, setup))
+            heapq.heappush(
+                heap, (-ratio, e.request.arrival, e.seq, versions[rid], rid, group, setup)
+            )
 
         def push_around(workers: Iterable[str]) -> None:
             for order in {o for w in workers for o in self._eligible.get(w, ())}:
@@ -613,7 +617,9 @@ class Dispatcher:
         e.reserved = group
         self._dirty.update(group)
         for w in group:
-            heapq.heappush(self._reservers.setdefault(w, []), (e.request.arrival, e.seq, e.request.request))
+            heapq.heappush(
+                self._reservers.setdefault(w, []), (e.request.arrival, e.seq, e.request.request)
+            )
 
     def _stranded_retry(self) -> None:
         for rid in list(self._stranded):

@@ -41,7 +41,9 @@ class Estimates:
     """EWMA estimates with priors (see the module docstring)."""
 
     service_prior_s: float = 1.0
-    load_bandwidths: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_LOAD_BANDWIDTHS))
+    load_bandwidths: Mapping[str, float] = field(
+        default_factory=lambda: dict(DEFAULT_LOAD_BANDWIDTHS)
+    )
     weight: float = 0.3  # of each new observation
     _service: dict[tuple[str, str], float] = field(default_factory=dict)
     _load: dict[tuple[str, str], float] = field(default_factory=dict)
@@ -50,7 +52,9 @@ class Estimates:
     def __post_init__(self) -> None:
         missing = set(LOAD_SOURCES) - set(self.load_bandwidths)
         if missing or not all(0 < v < float("inf") for v in self.load_bandwidths.values()):
-            raise ValueError(f"load bandwidth priors must be > 0 for {LOAD_SOURCES}: {dict(self.load_bandwidths)}")
+            raise ValueError(
+                f"load bandwidth priors must be > 0 for {LOAD_SOURCES}: {dict(self.load_bandwidths)}"
+            )
         if not 0 < self.service_prior_s < float("inf") or not 0 < self.weight <= 1:
             raise ValueError(f"need service_prior_s > 0 and 0 < weight <= 1: {self}")
 
@@ -119,7 +123,9 @@ class SetupCosts:
             tier = self.residency.tier(deployment, w)
             if tier != "hbm":
                 nbytes = nbytes or self.bytes_of(deployment)
-                cost = self.estimates.setup(deployment, tier, nbytes) + self._displacement(deployment, nbytes, w)
+                cost = self.estimates.setup(deployment, tier, nbytes) + self._displacement(
+                    deployment, nbytes, w
+                )
                 worst = max(worst, cost)
         return worst
 
@@ -127,7 +133,11 @@ class SetupCosts:
         budget = self.budget_of(worker) if self.budget_of is not None else 0
         if budget <= 0:
             return 0.0
-        residents = [r for r in self.residency.on_worker(worker) if r.tier == "hbm" and r.deployment != deployment]
+        residents = [
+            r
+            for r in self.residency.on_worker(worker)
+            if r.tier == "hbm" and r.deployment != deployment
+        ]
         need = nbytes - (budget - sum(r.bytes for r in residents))
         cost = 0.0
         for r in sorted(residents, key=lambda r: (-r.bytes, r.deployment)):

@@ -48,7 +48,9 @@ class ResidencyReport:
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS or self.source not in ("", *TIERS):
-            raise ValueError(f"tier and source must be in {TIERS}, got {self.tier!r}, {self.source!r}")
+            raise ValueError(
+                f"tier and source must be in {TIERS}, got {self.tier!r}, {self.source!r}"
+            )
 
     def to_event(self) -> dict[str, Any]:
         """The msgpack-able event a worker logs (without ``worker``: Dask adds it)."""

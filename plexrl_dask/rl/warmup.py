@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 
 def problem_datum(deployment: Deployment, p: Problem) -> Datum:
     """A datum that trains on the answer of ``p`` given its prompt."""
-    return Datum.from_prompt_completion(deployment.tokenize(p.prompt), deployment.tokenize(p.answer))
+    return Datum.from_prompt_completion(
+        deployment.tokenize(p.prompt), deployment.tokenize(p.answer)
+    )
 
 
 def supervised_warmup(
@@ -53,9 +55,13 @@ def _finish(pending, step: int, on_step) -> float:
     return float(metrics["loss"])
 
 
-def evaluate(deployment: Deployment, task: ArithmeticTask, problems: list[Problem], max_tokens: int = 8) -> float:
+def evaluate(
+    deployment: Deployment, task: ArithmeticTask, problems: list[Problem], max_tokens: int = 8
+) -> float:
     """Greedy accuracy of ``deployment`` on ``problems``."""
     params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=(task.stop,))
     out = result(deployment.sample([p.prompt for p in problems], params))
-    rewards = [task.reward(p, group[0].text) for p, group in zip(problems, out.sequences, strict=True)]
+    rewards = [
+        task.reward(p, group[0].text) for p, group in zip(problems, out.sequences, strict=True)
+    ]
     return sum(rewards) / len(rewards)

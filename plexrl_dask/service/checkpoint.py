@@ -30,7 +30,14 @@ def _state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
 
 
-def save(model: torch.nn.Module, optimizer: Any, path: str, meta: dict[str, Any], distributed: bool, writer: bool) -> None:
+def save(
+    model: torch.nn.Module,
+    optimizer: Any,
+    path: str,
+    meta: dict[str, Any],
+    distributed: bool,
+    writer: bool,
+) -> None:
     """Write ``model`` (and ``optimizer``) to ``path``; ``writer`` (rank 0) writes the marker."""
     os.makedirs(path, exist_ok=True)
     if writer:
@@ -66,7 +73,9 @@ def read_meta(path: str) -> dict[str, Any]:
     with open(marker) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
-        raise CheckpointIncompatible(f"{path!r} has format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointIncompatible(
+            f"{path!r} has format {meta.get('format')!r}, expected {FORMAT!r}"
+        )
     return meta
 
 
@@ -76,7 +85,9 @@ def check_compatible(model: torch.nn.Module, path: str) -> None:
     for name, p in model.named_parameters():
         entry = stored.get(f"model.{name}")
         if entry is None:
-            raise CheckpointIncompatible(f"{path!r} has no parameter {name!r}: it holds another model")
+            raise CheckpointIncompatible(
+                f"{path!r} has no parameter {name!r}: it holds another model"
+            )
         if tuple(entry.size) != tuple(p.shape):
             raise CheckpointIncompatible(
                 f"{name}: the checkpoint has shape {tuple(entry.size)}, the model {tuple(p.shape)}"
@@ -101,7 +112,11 @@ def load(model: torch.nn.Module, optimizer: Any, path: str, place: Any) -> None:
     if optimizer is not None:
         state["optim"] = {
             "state": {
-                n: {k: empty(f"optim.state.{n}.{k}") for k in _OPTIM_KEYS if f"optim.state.{n}.{k}" in stored}
+                n: {
+                    k: empty(f"optim.state.{n}.{k}")
+                    for k in _OPTIM_KEYS
+                    if f"optim.state.{n}.{k}" in stored
+                }
                 for n in params
             }
         }
@@ -138,7 +153,9 @@ def local_shard(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
             part = chunks[index] if index < len(chunks) else part.narrow(placement.dim, 0, 0)
     expected = tuple(p.to_local().shape)
     if tuple(part.shape) != expected:
-        raise ValueError(f"local shard shape {tuple(part.shape)} does not match the parameter's {expected}")
+        raise ValueError(
+            f"local shard shape {tuple(part.shape)} does not match the parameter's {expected}"
+        )
     return part
 
 
@@ -148,6 +165,10 @@ def place_like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(
-            local_shard(p, whole).clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            local_shard(p, whole).clone(),
+            p.device_mesh,
+            p.placements,
+            shape=p.shape,
+            stride=p.stride(),
         )
     return whole.clone()

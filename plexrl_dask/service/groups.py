@@ -79,23 +79,38 @@ class ProcessGroupManager:
         if ctx.rank == 0:
             store = dist.TCPStore(host, 0, ctx.world_size, True, td, wait_for_workers=False)
             raise_for_status(
-                sync(self.worker.loop, rpc.plexrl_rendezvous_put, key=ctx.key,
-                     address=f"{host}:{store.port}", callback_timeout=timeout)
+                sync(
+                    self.worker.loop,
+                    rpc.plexrl_rendezvous_put,
+                    key=ctx.key,
+                    address=f"{host}:{store.port}",
+                    callback_timeout=timeout,
+                )
             )
         else:
-            status = sync(self.worker.loop, rpc.plexrl_rendezvous_get, key=ctx.key,
-                          timeout=timeout, callback_timeout=timeout + 5)
+            status = sync(
+                self.worker.loop,
+                rpc.plexrl_rendezvous_get,
+                key=ctx.key,
+                timeout=timeout,
+                callback_timeout=timeout + 5,
+            )
             address = raise_for_status(status)["address"]
             master, port = address.rsplit(":", 1)
             try:
                 store = dist.TCPStore(master, int(port), ctx.world_size, False, td)
             except RuntimeError as e:
-                raise GroupTimeout(f"rank {ctx.rank} could not reach rank 0 at {address}: {e}") from e
+                raise GroupTimeout(
+                    f"rank {ctx.rank} could not reach rank 0 at {address}: {e}"
+                ) from e
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         try:
             dist.init_process_group(
-                backend, store=dist.PrefixStore(ctx.key, store), rank=ctx.rank,
-                world_size=ctx.world_size, timeout=td,
+                backend,
+                store=dist.PrefixStore(ctx.key, store),
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout=td,
                 **({"device_id": self.device} if self.device.type == "cuda" else {}),
             )
         except RuntimeError as e:
@@ -109,7 +124,9 @@ class ProcessGroupManager:
         # for this process, i.e. its old rank (torch 2.13; reproduced with two processes).
         name = "plexrl_" + "".join(c if c.isalnum() else "_" for c in ctx.key)
         self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=(name,))
-        logger.info("joined group %s as rank %d/%d (%s)", ctx.key, ctx.rank, ctx.world_size, backend)
+        logger.info(
+            "joined group %s as rank %d/%d (%s)", ctx.key, ctx.rank, ctx.world_size, backend
+        )
         return self.mesh
 
     def leave(self) -> None:

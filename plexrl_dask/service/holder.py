@@ -53,6 +53,7 @@ def default_budget(device: str) -> int:
         return int(total * _CUDA_BUDGET_FRACTION)
     return _CPU_DEFAULT_BUDGET
 
+
 #: Key prefix of the holder actors (one key per worker incarnation).
 HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
@@ -96,7 +97,9 @@ class ReplicaHolder:
         if worker_address is None:
             self._init_on_worker()
             return
-        self._init(worker_address, str(device), int(budget_bytes or 0), int(max_batch_size or 1), report)
+        self._init(
+            worker_address, str(device), int(budget_bytes or 0), int(max_batch_size or 1), report
+        )
 
     def _init_on_worker(self) -> None:
         from distributed import get_worker
@@ -119,7 +122,9 @@ class ReplicaHolder:
         from distributed.worker import thread_state
 
         worker.log_event(HOLDER_TOPIC, {**self.capacity(), "holder_key": thread_state.key})
-        logger.info("PlexRL holder on %s: %s, budget %.0f MiB", worker.address, device, budget / 2**20)
+        logger.info(
+            "PlexRL holder on %s: %s, budget %.0f MiB", worker.address, device, budget / 2**20
+        )
 
     def _init(
         self,
@@ -202,7 +207,9 @@ class ReplicaHolder:
             return self._load(info, group)
         t0 = time.perf_counter()
         source = "hbm" if replica.backend.resident else "dram"
-        if group is not None and (replica.backend.epoch_key != group.key or not replica.backend.resident):
+        if group is not None and (
+            replica.backend.epoch_key != group.key or not replica.backend.resident
+        ):
             if not replica.backend.resident:
                 self._make_room(replica.backend.state_bytes(), keep=info.name)
                 self.counters["reloads"] += 1
@@ -257,11 +264,7 @@ class ReplicaHolder:
         """Offload least-recently-used replicas other than ``keep`` until ``incoming`` more
         bytes fit in the budget (or nothing else is left to offload)."""
         victims = sorted(
-            (
-                r
-                for n, r in self._replicas.items()
-                if n != keep and r.backend.resident
-            ),
+            (r for n, r in self._replicas.items() if n != keep and r.backend.resident),
             key=lambda r: r.last_used,
         )
         for victim in victims:

@@ -65,12 +65,16 @@ def compute_loss(
         ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(logp)))
         clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
-        metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(int(mask.sum()), 1)
+        metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(
+            int(mask.sum()), 1
+        )
         metrics["ratio_mean"] = float((ratio.detach() * weights).sum()) / max(total_weight, 1e-12)
         if loss.kl_coef > 0:
             ref = _field(batch, "ref_logprobs", width)
             if ref is None:
-                raise InvalidLoss("PolicyGradient with kl_coef > 0 needs ref_logprobs on every Datum")
+                raise InvalidLoss(
+                    "PolicyGradient with kl_coef > 0 needs ref_logprobs on every Datum"
+                )
             # Mask the input, not the output: exp() of a huge delta on an unweighted (prompt)
             # token would be inf, and 0 * inf is NaN, in the value and in the gradient.
             delta = torch.where(mask, ref.to(logp.device) - logp, torch.zeros_like(logp))

@@ -50,9 +50,13 @@ class DeploymentInfo:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
         if not self.name or "/" in self.name:
-            raise ConfigError(f"deployment names must be non-empty and contain no '/': {self.name!r}")
+            raise ConfigError(
+                f"deployment names must be non-empty and contain no '/': {self.name!r}"
+            )
         if self.world_size < 1 or self.replicas < 1:
-            raise ConfigError(f"world_size and replicas must be >= 1: {self.world_size}, {self.replicas}")
+            raise ConfigError(
+                f"world_size and replicas must be >= 1: {self.world_size}, {self.replicas}"
+            )
         if self.role == "train" and self.replicas != 1:
             raise ConfigError("a training deployment has one replica (shard it with world_size)")
         if self.role == "rollout" and self.world_size != 1:
@@ -64,7 +68,11 @@ class DeploymentInfo:
 
     def same_model_and_layout(self, other: DeploymentInfo) -> bool:
         return (self.spec, self.role, self.backend, self.world_size, self.replicas) == (
-            other.spec, other.role, other.backend, other.world_size, other.replicas,
+            other.spec,
+            other.role,
+            other.backend,
+            other.world_size,
+            other.replicas,
         )
 
     @property

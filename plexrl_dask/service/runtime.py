@@ -61,6 +61,7 @@ from plexrl_dask.service.types import (
 
 logger = logging.getLogger(__name__)
 
+
 def result(futures: Any, timeout: float | None = None) -> Any:
     """Wait for a future (or a list of them) with a timeout and return the result(s).
 
@@ -136,7 +137,9 @@ class Runtime:
         many data-parallel copies of a rollout deployment.
         """
         if not isinstance(model, ModelSpec):
-            raise InvalidModelSpec(f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}")
+            raise InvalidModelSpec(
+                f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}"
+            )
         uid = uuid.uuid4().hex
         hf = model.hf_config()
         status = self._call(
@@ -209,7 +212,9 @@ def max_batch_size() -> int:
     return int(config.get("sampling.max-batch-size"))
 
 
-def split_prompts(num_prompts: int, replicas: int, n: int, batch_size: int) -> list[tuple[int, int]]:
+def split_prompts(
+    num_prompts: int, replicas: int, n: int, batch_size: int
+) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` prompt ranges, one per replica that gets work.
 
     Ranges start at multiples of the smallest prompt count whose ``n`` samples fill whole
@@ -283,10 +288,14 @@ class Deployment:
             key = f"{request}-{i}"
             keys.append(key)
             with dask.annotate(plexrl=annotation):
-                futures.append(self.runtime.client.submit(fn, self.name, *args, key=key, pure=False))
+                futures.append(
+                    self.runtime.client.submit(fn, self.name, *args, key=key, pure=False)
+                )
         if len(futures) == 1:
             return futures[0]
-        return self.runtime.client.submit(ops.combine, op, *futures, key=f"{request}-combine", pure=False)
+        return self.runtime.client.submit(
+            ops.combine, op, *futures, key=f"{request}-combine", pure=False
+        )
 
     def _validated(self, batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:
         """The batch, checked here against the model's vocabulary and positions (so a bad
@@ -320,10 +329,14 @@ class Deployment:
         parts = self._split_batch(self._validated(batch))
         return self._submit("forward", ops.forward, [(p, temperature) for p in parts])
 
-    def forward_backward(self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy()) -> Future:
+    def forward_backward(
+        self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy()
+    ) -> Future:
         """Future of the loss metrics; gradients accumulate until :meth:`optim_step`."""
         if not isinstance(loss, (CrossEntropy, PolicyGradient)):
-            raise InvalidLoss(f"loss must be CrossEntropy or PolicyGradient, got {type(loss).__name__}")
+            raise InvalidLoss(
+                f"loss must be CrossEntropy or PolicyGradient, got {type(loss).__name__}"
+            )
         batch = self._validated(batch)
         if self.info.world_size > 1 and loss.normalizer is None:
             # Every rank normalises by the whole batch's weight, so the summed gradient is the
@@ -346,9 +359,13 @@ class Deployment:
     ) -> Future:
         """Future of a :class:`SampleResult` (``params.n`` completions per prompt)."""
         if not isinstance(params, SamplingParams):
-            raise InvalidSamplingParams(f"params must be SamplingParams, got {type(params).__name__}")
+            raise InvalidSamplingParams(
+                f"params must be SamplingParams, got {type(params).__name__}"
+            )
         if isinstance(prompts, str) or not prompts:
-            raise InvalidSamplingParams("prompts must be a non-empty list of strings or token lists")
+            raise InvalidSamplingParams(
+                "prompts must be a non-empty list of strings or token lists"
+            )
         if prompt_ids is not None and len(prompt_ids) != len(prompts):
             raise InvalidSamplingParams(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
         if self.info.world_size > 1:
@@ -373,7 +390,9 @@ class Deployment:
     def load_state(self, path: str) -> Future:
         """Future of the restored version; every rank (or replica) reads what its layout needs."""
         n = self.info.num_workers
-        return self._submit("load_state", ops.load_state, [(os.fspath(path),)] * n, replica_of=range(n))
+        return self._submit(
+            "load_state", ops.load_state, [(os.fspath(path),)] * n, replica_of=range(n)
+        )
 
     def get_weights(self, names: Sequence[str] | None = None) -> Future:
         """Future of :class:`NamedWeights` (host tensors by canonical name + version)."""
@@ -388,5 +407,6 @@ class Deployment:
         """Future of the new version. ``weights`` may be a future (e.g. another deployment's
         ``get_weights()``): Dask then moves the tensors between workers directly."""
         n = self.info.num_workers  # every rank takes its shard, every replica a copy
-        return self._submit("set_weights", ops.set_weights, [(weights, version, strict)] * n, replica_of=range(n))
-
+        return self._submit(
+            "set_weights", ops.set_weights, [(weights, version, strict)] * n, replica_of=range(n)
+        )

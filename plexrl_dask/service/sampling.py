@@ -23,7 +23,9 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def uniforms(seed: int, prompt_ids: np.ndarray, sample_ids: np.ndarray, position: int) -> np.ndarray:
+def uniforms(
+    seed: int, prompt_ids: np.ndarray, sample_ids: np.ndarray, position: int
+) -> np.ndarray:
     """One uniform in [0, 1) per (prompt_id, sample_id) pair at ``position``, as float64."""
     with np.errstate(over="ignore"):
         h = _splitmix64(np.full(prompt_ids.shape, seed, dtype=np.uint64))

@@ -99,7 +99,9 @@ class Datum:
         )
 
     def token_weights(self) -> tuple[float, ...]:
-        return self.weights if self.weights is not None else (0.0,) + (1.0,) * (len(self.tokens) - 1)
+        return (
+            self.weights if self.weights is not None else (0.0,) + (1.0,) * (len(self.tokens) - 1)
+        )
 
 
 def check_tokens(

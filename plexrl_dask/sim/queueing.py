@@ -99,7 +99,9 @@ class SimResult:
 
     def max_wait_over_bound(self) -> float:
         worst = 0.0
-        for r, bound in zip(sorted(self.records, key=lambda r: r.index), self.bounds(), strict=True):
+        for r, bound in zip(
+            sorted(self.records, key=lambda r: r.index), self.bounds(), strict=True
+        ):
             if r.wait > 1e-9:
                 worst = max(worst, r.wait / bound if bound > 0 else float("inf"))
         return worst
@@ -166,12 +168,16 @@ def simulate(
     residency = ResidencyMap()
     estimates = Estimates(load_bandwidths=dict(DEFAULT_LOAD_BANDWIDTHS))
     bytes_of = dict(cluster.model_bytes)
-    dispatcher = Dispatcher(policy, SetupCosts(residency, estimates, lambda m: bytes_of.get(m, 0)), cluster.workers)
+    dispatcher = Dispatcher(
+        policy, SetupCosts(residency, estimates, lambda m: bytes_of.get(m, 0)), cluster.workers
+    )
     holders = {w: _Holder(cluster.hbm_models) for w in cluster.workers}
 
     def report(model: str, worker: str, tier: str, load_s: float = 0.0, source: str = "") -> None:
         residency.apply(
-            ResidencyReport(model, 0, tier, bytes_of.get(model, 0), load_s, worker=worker, source=source)
+            ResidencyReport(
+                model, 0, tier, bytes_of.get(model, 0), load_s, worker=worker, source=source
+            )
         )
 
     for model, workers in cluster.resident.items():
@@ -183,7 +189,9 @@ def simulate(
     records: dict[str, Record] = {}
     true_duration = {x.request.request: x.duration_s for x in ordered}
     seq = itertools.count()
-    events: list[tuple[float, int, int, object]] = []  # (time, 0 completion | 1 arrival, seq, payload)
+    events: list[
+        tuple[float, int, int, object]
+    ] = []  # (time, 0 completion | 1 arrival, seq, payload)
     for x in ordered:
         heapq.heappush(events, (x.request.arrival, 1, next(seq), x.request))
     loads = 0
@@ -197,7 +205,9 @@ def simulate(
                 for w in rec.group:
                     dispatcher.release_worker(w)
                 if learn:
-                    estimates.observe_service(rec.request.deployment, rec.request.op, rec.finish - rec.start)
+                    estimates.observe_service(
+                        rec.request.deployment, rec.request.op, rec.finish - rec.start
+                    )
             else:
                 req = payload
                 assert isinstance(req, Request)
@@ -210,7 +220,9 @@ def simulate(
             setup = 0.0
             for w in d.group:
                 source, evicted = holders[w].use(model)
-                load_s = bytes_of.get(model, 0) / cluster.bandwidths[source] if source != "hbm" else 0.0
+                load_s = (
+                    bytes_of.get(model, 0) / cluster.bandwidths[source] if source != "hbm" else 0.0
+                )
                 setup = max(setup, load_s)
                 for victim in evicted:
                     report(victim, w, "dram")
@@ -231,8 +243,16 @@ def simulate(
 
 
 def _single(
-    name: str, groups: Sequence[Group], t: float, service: float, model: str, *, op: str = "step",
-    order: str = "", job: str = "", estimate: float | None = None,
+    name: str,
+    groups: Sequence[Group],
+    t: float,
+    service: float,
+    model: str,
+    *,
+    op: str = "step",
+    order: str = "",
+    job: str = "",
+    estimate: float | None = None,
 ) -> SimRequest:
     req = Request(
         request=name,
@@ -247,7 +267,9 @@ def _single(
     return SimRequest(req, service)
 
 
-def random_workload(seed: int, n_workers: int = 6, n_requests: int = 150) -> tuple[ClusterModel, list[SimRequest]]:
+def random_workload(
+    seed: int, n_workers: int = 6, n_requests: int = 150
+) -> tuple[ClusterModel, list[SimRequest]]:
     """Jobs with training gangs, aimed writes and data-parallel reads over replicas, Poisson
     arrivals at about full load, log-normal true service times, estimates off by up to 2x."""
     rng = random.Random(seed)
@@ -274,8 +296,17 @@ def random_workload(seed: int, n_workers: int = 6, n_requests: int = 150) -> tup
             k = rng.randrange(len(groups))
             chosen, order = (groups[k],), f"{model}#{k}"
         out.append(
-            _single(f"r{i}", chosen, t, service, model, op=op, order=order, job=f"j{i % 3}",
-                    estimate=service * rng.uniform(0.5, 2.0))
+            _single(
+                f"r{i}",
+                chosen,
+                t,
+                service,
+                model,
+                op=op,
+                order=order,
+                job=f"j{i % 3}",
+                estimate=service * rng.uniform(0.5, 2.0),
+            )
         )
     cluster = ClusterModel(workers, sizes, hbm_models=rng.choice([1, 2]))
     return cluster, out
@@ -313,11 +344,22 @@ def flood(n_flood: int = 400, seed: int = 0) -> tuple[ClusterModel, list[SimRequ
     for i in range(n_flood):
         model = f"a{i % 4}"
         out.append(
-            _single(f"a{i}", [(w,) for w in workers], 0.0, rng.uniform(0.5, 3.0), model,
-                    order=f"{model}#any", job="A")
+            _single(
+                f"a{i}",
+                [(w,) for w in workers],
+                0.0,
+                rng.uniform(0.5, 3.0),
+                model,
+                order=f"{model}#any",
+                job="A",
+            )
         )
     for i in range(40):
-        out.append(_single(f"b{i}", [(w,) for w in workers], 2.5 + 5.0 * i, 0.3, "b", order="b#any", job="B"))
+        out.append(
+            _single(
+                f"b{i}", [(w,) for w in workers], 2.5 + 5.0 * i, 0.3, "b", order="b#any", job="B"
+            )
+        )
     return ClusterModel(workers, sizes, hbm_models=1), out
 
 

@@ -41,7 +41,13 @@ logger = logging.getLogger(__name__)
 class FSDPBackend(TorchBackend):
     """Rank ``groups.current.rank`` of an FSDP2-sharded replica (see the module docstring)."""
 
-    def __init__(self, spec: ModelSpec, device: str | torch.device, groups: ProcessGroupManager, max_batch_size: int = 64):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: str | torch.device,
+        groups: ProcessGroupManager,
+        max_batch_size: int = 64,
+    ):
         super().__init__(spec, device, max_batch_size)
         assert groups.current is not None and groups.mesh is not None
         self.groups = groups
@@ -114,7 +120,9 @@ class FSDPBackend(TorchBackend):
     def sample(self, *args: Any, **kwargs: Any) -> Any:
         from plexrl_dask.errors import OpNotSupported
 
-        raise OpNotSupported("a sharded training deployment does not sample; use a rollout deployment")
+        raise OpNotSupported(
+            "a sharded training deployment does not sample; use a rollout deployment"
+        )
 
     # --- offload, and a new group ---------------------------------------------------------
 
@@ -133,9 +141,13 @@ class FSDPBackend(TorchBackend):
                 }
         state = {
             "params": {n: self._to_host(p.to_local().detach()) for n, p in params.items()},
-            "grads": {n: self._to_host(p.grad.to_local()) for n, p in params.items() if p.grad is not None},
+            "grads": {
+                n: self._to_host(p.grad.to_local()) for n, p in params.items() if p.grad is not None
+            },
             "optim": optim,
-            "hyper": None if self.optimizer is None else [
+            "hyper": None
+            if self.optimizer is None
+            else [
                 {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
             ],
             "version": self.version,
@@ -174,7 +186,9 @@ class FSDPBackend(TorchBackend):
 
         def like(p: DTensor, t: torch.Tensor) -> DTensor:
             local = t.to(self.device, non_blocking=True)
-            return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            return DTensor.from_local(
+                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
 
         with torch.no_grad():
             for n, p in params.items():

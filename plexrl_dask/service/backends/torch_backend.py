@@ -80,7 +80,9 @@ class TorchBackend:
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(cfg.max_position_embeddings)
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.pad_token_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        )
         self._cache_kw = _cache_kwarg(self.model)
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
@@ -89,7 +91,9 @@ class TorchBackend:
 
     # --- validation ------------------------------------------------------------------------
 
-    def _check_tokens(self, seqs: Sequence[Sequence[int]], extra: int = 0, what: str = "sequence") -> None:
+    def _check_tokens(
+        self, seqs: Sequence[Sequence[int]], extra: int = 0, what: str = "sequence"
+    ) -> None:
         check_tokens(seqs, self.vocab_size, self.max_positions, extra, what)
 
     # --- hooks that multi-rank backends override ------------------------------------------
@@ -122,7 +126,9 @@ class TorchBackend:
 
     # --- scoring and training --------------------------------------------------------------
 
-    def _logprobs(self, batch: tuple[Datum, ...], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(
+        self, batch: tuple[Datum, ...], temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L-1) log-probabilities of each predicted token and the validity mask."""
         width = max(len(d.tokens) for d in batch)
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
@@ -145,14 +151,18 @@ class TorchBackend:
         if not (temperature > 0 and math.isfinite(temperature)):
             from plexrl_dask.errors import InvalidSamplingParams
 
-            raise InvalidSamplingParams(f"forward temperature must be finite and > 0, got {temperature}")
+            raise InvalidSamplingParams(
+                f"forward temperature must be finite and > 0, got {temperature}"
+            )
         self._checked(lambda: self._check_tokens([d.tokens for d in batch]))
         self.model.eval()
         with torch.inference_mode():
             logp, _ = self._logprobs(batch, temperature)
         rows = logp.cpu().tolist()
         return ForwardResult(
-            logprobs=tuple((0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch, strict=True))
+            logprobs=tuple(
+                (0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch, strict=True)
+            )
         )
 
     def forward_backward(self, batch: Sequence[Datum], loss: Loss) -> dict[str, float]:
@@ -247,7 +257,9 @@ class TorchBackend:
         with torch.inference_mode():
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start : start + self.max_batch_size]
-                for (i, j), seq in zip(chunk, self._sample_batch(prompts, chunk, params, prompt_ids), strict=True):
+                for (i, j), seq in zip(
+                    chunk, self._sample_batch(prompts, chunk, params, prompt_ids), strict=True
+                ):
                     out[i][j] = seq
         return [list(group) for group in out]  # type: ignore[arg-type]
 
@@ -361,7 +373,9 @@ class TorchBackend:
                     f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(params[n].shape)}"
                 )
             if t.is_floating_point() != params[n].is_floating_point():
-                raise WeightsMismatch(f"{n}: dtype {t.dtype} cannot be copied into {params[n].dtype}")
+                raise WeightsMismatch(
+                    f"{n}: dtype {t.dtype} cannot be copied into {params[n].dtype}"
+                )
         with torch.no_grad():
             for n, t in weights.items():
                 self._assign(params[n], t.to(self.device, params[n].dtype))
@@ -376,7 +390,9 @@ class TorchBackend:
     def save_state(self, path: str) -> dict[str, Any]:
         """Write parameters and optimizer state to ``path`` (see :mod:`..checkpoint`)."""
         meta = {"version": self.version, "model": self.spec.name, "world_size": self._world()}
-        checkpoint.save(self.model, self.optimizer, path, meta, self._distributed(), self._rank() == 0)
+        checkpoint.save(
+            self.model, self.optimizer, path, meta, self._distributed(), self._rank() == 0
+        )
         return {"path": path, "version": self.version}
 
     def load_state(self, path: str) -> int:
@@ -474,7 +490,9 @@ class TorchBackend:
         for mod in self.model.modules():
             for bname in list(mod._buffers):
                 if mod._buffers[bname] is not None:
-                    mod._buffers[bname] = torch.empty(0, dtype=mod._buffers[bname].dtype, device=self.device)
+                    mod._buffers[bname] = torch.empty(
+                        0, dtype=mod._buffers[bname].dtype, device=self.device
+                    )
         if self.optimizer is not None:
             for n, p in params.items():
                 st = self.optimizer.state.get(p)
@@ -522,4 +540,3 @@ class TorchBackend:
 
     def wake(self) -> None:
         self.reload()
-
