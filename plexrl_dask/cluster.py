@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
 from typing import Any
 
 import dask.config
@@ -37,6 +41,11 @@ def local_cluster(
 
     Defaults come from ``plexrl.local-cluster.*``. It binds to 127.0.0.1 on free ports; the
     dashboard too (``cluster.dashboard_link``).
+
+    The workers form one node: unless ``plexrl.state.dram-path`` / ``nvme-path`` are set, the
+    cluster gets its own DRAM tier (on ``/dev/shm``) and NVMe tier (in the temp dir), whose
+    StateManager it stops and whose files it removes when it closes
+    (``cluster.plexrl_state``: the paths).
     """
     gpu = str(config.get("worker.gpu-resource"))
     resources = {gpu: 1, **kwargs.pop("resources", {})}
@@ -52,8 +61,18 @@ def local_cluster(
     # faults: torch training ran 1.2-2x slower in such a worker (benchmarks/RESULTS.md). Nannies
     # read this when they are created, so it also holds for their restarts.
     _drop_leaked_trim_threshold()
+    tiers = _private_tiers() if processes else {}
+    if tiers:
+        # Nannies merge this over their Dask config one top-level key deep: pass the whole
+        # (current) plexrl namespace, or settings made with dask.config.set would be lost.
+        kwargs["config"] = dask.config.merge(
+            {"plexrl": dask.config.get("plexrl")},
+            kwargs.pop("config", None) or {},
+            {"plexrl": {"state": tiers}},
+        )
     with dask.config.set({TRIM_ENV_KEY: None}):
-        return LocalCluster(
+        return PlexRLLocalCluster(
+            tiers,
             n_workers=n_workers,
             threads_per_worker=threads_per_worker,
             processes=processes,
@@ -64,6 +83,48 @@ def local_cluster(
             scheduler_kwargs=scheduler_kwargs,
             **kwargs,
         )
+
+
+class PlexRLLocalCluster(LocalCluster):
+    """A ``LocalCluster`` that owns the node tiers it made for its workers (see
+    :func:`local_cluster`)."""
+
+    def __init__(self, plexrl_state: dict[str, str], *args: Any, **kwargs: Any) -> None:
+        self.plexrl_state = plexrl_state
+        super().__init__(*args, **kwargs)
+
+    async def _close(self) -> None:
+        try:
+            await super()._close()
+        finally:
+            if self.plexrl_state:
+                _remove_tiers(self.plexrl_state)
+
+
+def _private_tiers() -> dict[str, str]:
+    """Fresh DRAM and NVMe tier paths for one local cluster, unless configured."""
+    tiers = {}
+    if config.get("state.dram-path") == "auto":
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+        tiers["dram-path"] = str(base / f"plexrl-dram-{uuid.uuid4().hex[:12]}")
+    if config.get("state.nvme-path") == "auto":
+        tiers["nvme-path"] = tempfile.mkdtemp(prefix="plexrl-nvme-")
+    return tiers
+
+
+def _remove_tiers(tiers: dict[str, str]) -> None:
+    """Stop the tiers' manager (if one runs) and delete what the cluster made."""
+    from plexrl_dask.state_store.node import NodeState, StateConfig
+
+    with dask.config.set({f"plexrl.state.{k}": v for k, v in tiers.items()}):
+        cfg = StateConfig.from_dask_config()
+    try:
+        NodeState(cfg).shutdown()
+    except Exception:  # cleanup must not mask the close
+        logger.warning("could not stop the local cluster's StateManager", exc_info=True)
+    for path in tiers.values():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _drop_leaked_trim_threshold() -> None:

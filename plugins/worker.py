@@ -16,7 +16,9 @@ import os
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from tornado.ioloop import PeriodicCallback
 
+from plexrl_dask import config
 from plexrl_dask.config import WorkerConfig
 from plexrl_dask.policy.residency import PREFETCH_OP, WORKER_TOPIC
 from plexrl_dask.service.holder import holder_of
@@ -69,9 +71,24 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         # A stream op (one-way, batched with the scheduler's other messages); an op a worker
         # has no handler for would break its stream, so it is never removed (see teardown).
         worker.stream_handlers[PREFETCH_OP] = prefetch
+
+        # The node's manager moves offloaded state between tiers on its own (eviction under
+        # DRAM pressure, promotion): re-report tiers so the scheduler's setup costs follow.
+        async def refresh_tiers() -> None:
+            holder = holder_of(worker)
+            if holder is not None:
+                await asyncio.get_running_loop().run_in_executor(None, holder.refresh_tiers)
+
+        interval_ms = 1000 * config.get_seconds("state.report-interval")
+        self._refresh = PeriodicCallback(refresh_tiers, interval_ms)
+        worker.periodic_callbacks["plexrl-tiers"] = self._refresh
+        self._refresh.start()
         worker.log_event(WORKER_TOPIC, {"torch_threads": cfg.torch_threads})
 
     def teardown(self, worker: Any) -> None:
+        refresh = worker.periodic_callbacks.pop("plexrl-tiers", None)
+        if refresh is not None:
+            refresh.stop()
         for handler in HANDLERS:
             worker.handlers.pop(handler, None)
         if PREFETCH_OP in worker.stream_handlers:

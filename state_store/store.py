@@ -838,11 +838,13 @@ class StateStore:
         *,
         shape: tuple[int, ...] | None = None,
         dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tensor ``name`` of a published version, or its ``region`` (canonical coordinates):
         only the chunks the region overlaps are fetched, each checked against its digest.
         ``shape``/``dtype``: what the caller expects of the whole tensor (else
-        :class:`StateMismatch`)."""
+        :class:`StateMismatch`). ``out``: a contiguous CPU tensor of the region's shape and
+        the tensor's dtype to read into (e.g. a pinned buffer); it is returned."""
         manifest = self.manifest(model, version)
         entry = manifest.tensors.get(check_name(name))
         if entry is None:
@@ -860,7 +862,16 @@ class StateStore:
             )
         bounds = _region(entry.shape, region)
         storage = np.dtype(DTYPES[entry.dtype][1])
-        out = np.empty([b - a for a, b in bounds], dtype=storage)
+        want = tuple(b - a for a, b in bounds)
+        if out is None:
+            dst_array = np.empty(want, dtype=storage)
+        else:
+            if tuple(out.shape) != want or out.dtype != DTYPES[entry.dtype][0] or out.device.type != "cpu" or not out.is_contiguous():
+                raise StateMismatch(
+                    f"out for {name!r} must be a contiguous CPU {DTYPES[entry.dtype][0]} tensor of shape {want}, "
+                    f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+                )
+            dst_array = to_storage(out)  # a view: reads land in ``out``
         chunk_bytes = int(np.prod(entry.chunks, dtype=np.int64)) * storage.itemsize
 
         def fetch(idx: tuple[int, ...]) -> None:
@@ -882,7 +893,7 @@ class StateStore:
                 slice(max(a, o) - a, min(b, o + c) - a)
                 for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
             )
-            out[dst] = chunk[src]
+            dst_array[dst] = chunk[src]
 
         # Zarr's on-disk layout (regular grid, edge chunks padded, raw little-endian bytes), read
         # without its per-chunk asyncio pipeline: chunk reads overlap on a few threads and each
@@ -896,7 +907,7 @@ class StateStore:
             fetch(indices[0])
         else:
             list(_io_pool().map(fetch, indices))
-        return from_storage(out, entry.dtype)
+        return out if out is not None else from_storage(dst_array, entry.dtype)
 
     def read_with_zarr(
         self, model: str, version: int, name: str, region: tuple[slice, ...] | None = None

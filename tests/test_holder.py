@@ -85,7 +85,7 @@ def test_budget_of_one_alternately_offloads_the_lru_replica():
 
     counters = holder.status()["counters"]
     # b is loaded once, a once; every switch after b's load offloads the other and reloads.
-    assert counters == {"loads": 2, "reloads": 3, "offloads": 4, "requests": 10, "prefetches": 0}
+    assert counters == {"loads": 2, "reloads": 3, "offloads": 4, "requests": 10, "prefetches": 0, "stash_writes": 0}
 
     tiers = [(e["deployment"], e["tier"]) for e in events]
     assert ("a", "dram") in tiers and ("b", "dram") in tiers
@@ -229,7 +229,7 @@ def test_failed_request_leaves_the_holder_usable():
 
 def test_actor_offload_capacity_and_names():
     holder, events = make_holder(4 * TRAIN_BYTES)
-    assert holder.capacity() == {"budget_bytes": 4 * TRAIN_BYTES, "device": "cpu"}
+    assert holder.capacity() == {"budget_bytes": 4 * TRAIN_BYTES, "device": "cpu", "node": None}
     assert holder.offload("nothing") is False
     a = make_info("a")
     before = weights(holder, a)

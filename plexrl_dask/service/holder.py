@@ -9,9 +9,12 @@ tasks on this worker and use the instance in-process (:func:`holder_of`).
 
 Memory: every replica's device bytes count against ``budget_bytes``. Before a replica is loaded
 or reloaded, and after any request that grew one (optimizer state appears at the first step),
-the least recently used *other* resident replicas are offloaded to host memory until the
-resident total fits. Each transition is reported to the scheduler as a residency event
-(DESIGN §3 schema) with its measured duration.
+the least recently used *other* resident replicas are offloaded until the resident total fits.
+On a worker, offloaded state goes to the node's state store (DRAM tier, NVMe under pressure;
+:mod:`plexrl_dask.service.offload`), shared by the node's workers and deduplicated; a holder
+built without a node (``node=None``: unit tests and tools) keeps it in its own memory. Each
+transition is reported to the scheduler as a residency event (DESIGN §3 schema) with its
+measured duration and the tier it came from or went to.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from plexrl_dask.errors import DeploymentDoesNotFit, DeploymentLost, PlexRLError
 from plexrl_dask.policy.residency import ResidencyReport
 from plexrl_dask.service.backends import BACKENDS
 from plexrl_dask.service.groups import GroupContext
+from plexrl_dask.service.offload import Stasher, StoredState
 from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.state_store.node import NodeState
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,8 @@ HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
 #: The ops that change a replica's state away from what its spec builds.
 MUTATING_OPS = frozenset({"optim_step", "set_weights", "load_state"})
+#: The ops after which an offload must write the state again (gradients count).
+CHANGING_OPS = MUTATING_OPS | {"forward_backward"}
 
 
 @dataclass
@@ -68,6 +75,9 @@ class _Replica:
     last_used: float
     modified: bool = False
     last_transition_s: float = 0.0
+    stasher: Stasher | None = None
+    stash: StoredState | None = None  # the stored copy of the state, while it is current
+    tier: str = "hbm"  # last reported tier
 
 
 def holder_of(worker: Any) -> ReplicaHolder | None:
@@ -93,12 +103,18 @@ class ReplicaHolder:
         budget_bytes: int | None = None,
         max_batch_size: int | None = None,
         report: Callable[[dict[str, Any]], None] | None = None,
+        node: NodeState | None = None,
     ):
         if worker_address is None:
             self._init_on_worker()
             return
         self._init(
-            worker_address, str(device), int(budget_bytes or 0), int(max_batch_size or 1), report
+            worker_address,
+            str(device),
+            int(budget_bytes or 0),
+            int(max_batch_size or 1),
+            report,
+            node,
         )
 
     def _init_on_worker(self) -> None:
@@ -107,6 +123,7 @@ class ReplicaHolder:
         from plexrl_dask import config
         from plexrl_dask.config import WorkerConfig
         from plexrl_dask.policy.residency import HOLDER_TOPIC, RESIDENCY_TOPIC
+        from plexrl_dask.state_store.node import node_state
 
         worker = get_worker()
         cfg = WorkerConfig.from_dask_config()
@@ -118,6 +135,7 @@ class ReplicaHolder:
             budget,
             int(config.get("sampling.max-batch-size")),
             lambda msg: worker.log_event(RESIDENCY_TOPIC, msg),
+            node_state(),
         )
         from distributed.worker import thread_state
 
@@ -133,8 +151,10 @@ class ReplicaHolder:
         budget_bytes: int,
         max_batch_size: int,
         report: Callable[[dict[str, Any]], None] | None,
+        node: NodeState | None = None,
     ) -> None:
         self.worker_address = worker_address
+        self.node = node
         self.device = device
         self.budget_bytes = int(budget_bytes)
         self.max_batch_size = int(max_batch_size)
@@ -144,7 +164,14 @@ class ReplicaHolder:
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
         # from the actor thread; the lock keeps them from seeing a replica mid-transition.
         self._lock = threading.RLock()
-        self.counters = {"loads": 0, "reloads": 0, "offloads": 0, "requests": 0, "prefetches": 0}
+        self.counters = {
+            "loads": 0,
+            "reloads": 0,
+            "offloads": 0,
+            "requests": 0,
+            "prefetches": 0,
+            "stash_writes": 0,
+        }
         self._hint: tuple[str, str] | None = None  # (deployment, uid) predicted to run next
         self.load_seconds = 0.0  # measured time of every load into HBM, summed
 
@@ -181,6 +208,11 @@ class ReplicaHolder:
                 self.counters["requests"] += 1
             if op in MUTATING_OPS:
                 replica.modified = True
+            if op in CHANGING_OPS and replica.stash is not None:
+                # The stored copy no longer is this replica's state: free it (the next
+                # offload writes the new state).
+                stale, replica.stash = replica.stash, None
+                threading.Thread(target=stale.delete, name="plexrl-free-stash", daemon=True).start()
             # A request can grow the replica (gradients, optimizer state): re-balance, and
             # tell the scheduler the new size/version.
             self._make_room(0, keep=info.name)
@@ -206,7 +238,7 @@ class ReplicaHolder:
         if replica is None:
             return self._load(info, group)
         t0 = time.perf_counter()
-        source = "hbm" if replica.backend.resident else "dram"
+        source = "hbm" if replica.backend.resident else replica.tier
         if group is not None and (
             replica.backend.epoch_key != group.key or not replica.backend.resident
         ):
@@ -220,6 +252,8 @@ class ReplicaHolder:
             self.counters["reloads"] += 1
         else:
             return replica
+        if source != "hbm" and replica.stash is not None and replica.stash.source:
+            source = replica.stash.source  # where the read actually found it
         self._emit(replica, "hbm", time.perf_counter() - t0, source=source)
         return replica
 
@@ -251,6 +285,9 @@ class ReplicaHolder:
             backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
         load_s = time.perf_counter() - t0
         replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
+        if self.node is not None:
+            rank = group.rank if group is not None else 0
+            replica.stasher = Stasher(self.node, info.name, info.uid, self.worker_address, rank)
         self._replicas[info.name] = replica
         self.counters["loads"] += 1
         logger.info("loaded %s (%s) on %s in %.2fs", info.name, info.spec.name, self.device, load_s)
@@ -274,15 +311,54 @@ class ReplicaHolder:
 
     def _offload(self, replica: _Replica) -> None:
         t0 = time.perf_counter()
-        replica.backend.offload()
+        if replica.stasher is None:
+            replica.backend.offload()
+            tier = "dram"
+        else:
+            current = replica.stash
+            if current is not None and current.tier() is None:
+                current = None  # deleted behind our back (an operator): write it again
+            stasher = replica.stasher
+
+            def stash(host: dict[str, Any]) -> StoredState:
+                # Unchanged since its stored copy (a rollout replica swapped in and out):
+                # nothing to write.
+                return current if current is not None else stasher(host)
+
+            replica.backend.offload(stash)
+            replica.stash = replica.backend._host
+            tier = replica.stash.tier() or "dram"
+            if current is None:
+                self.counters["stash_writes"] += 1
         self.counters["offloads"] += 1
-        logger.info("offloaded %s from %s", replica.info.name, self.worker_address)
-        self._emit(replica, "dram", time.perf_counter() - t0, source="hbm")
+        logger.info("offloaded %s from %s to %s", replica.info.name, self.worker_address, tier)
+        self._emit(replica, tier, time.perf_counter() - t0, source="hbm")
 
     def _drop(self, name: str, lost: bool = False) -> None:
         replica = self._replicas.pop(name, None)
         if replica is not None:
+            if replica.stash is not None:
+                replica.stash.delete()
             self._emit(replica, "absent", 0.0, lost=lost)
+
+    def refresh_tiers(self) -> int:
+        """Report offloaded replicas whose stored state the node's manager moved (evicted to
+        NVMe, promoted to DRAM) since their last report; returns how many moved. Called
+        periodically by the worker plugin; never waits for a running request."""
+        if self.node is None or not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            moved = 0
+            for replica in self._replicas.values():
+                if replica.backend.resident or replica.stash is None:
+                    continue
+                tier = replica.stash.tier() or "absent"
+                if tier != replica.tier:
+                    self._emit(replica, tier, replica.last_transition_s)
+                    moved += 1
+            return moved
+        finally:
+            self._lock.release()
 
     def _refuse_rebuild(self, info: DeploymentInfo, op: str) -> None:
         """Never rebuild a trained deployment from its spec behind the caller's back."""
@@ -298,6 +374,7 @@ class ReplicaHolder:
         """Report ``replica``'s tier; ``source`` names the tier of a transition just measured
         (``load_s``), empty for a report that only refreshes size and version."""
         replica.last_transition_s = load_s
+        replica.tier = tier
         if tier == "hbm" and source in ("dram", "nvme", "absent"):
             self.load_seconds += load_s
         try:
@@ -335,9 +412,22 @@ class ReplicaHolder:
         for a running request (it gives up; the holder tries again after that request), and a
         request arriving meanwhile waits for it to finish. Multi-rank replicas are rebuilt on their
         group's next request instead (their reload joins a group)."""
-        if self._hint is None or not self._lock.acquire(blocking=False):
+        hint = self._hint
+        if hint is None:
+            return False
+        held = self._replicas.get(hint[0])
+        stash = held.stash if held is not None and held.info.uid == hint[1] else None
+        if stash is not None and held is not None and held.tier == "nvme":
+            # NVMe -> DRAM runs in the node's manager, even while a request runs here.
+            try:
+                stash.node.prefetch(stash.model, stash.version)
+            except Exception:
+                logger.warning("prefetch hint to the node's StateManager failed", exc_info=True)
+        if not self._lock.acquire(blocking=False):
             return False
         try:
+            if self._hint is None:
+                return False
             name, uid = self._hint
             replica = self._replicas.get(name)
             if (
@@ -353,7 +443,10 @@ class ReplicaHolder:
             replica.last_used = time.monotonic()
             self.counters["prefetches"] += 1
             self._hint = None
-            self._emit(replica, "hbm", time.perf_counter() - t0, source="dram")
+            source = replica.tier
+            if replica.stash is not None and replica.stash.source:
+                source = replica.stash.source
+            self._emit(replica, "hbm", time.perf_counter() - t0, source=source)
             logger.info("prefetched %s on %s", name, self.worker_address)
             return True
         finally:
@@ -372,10 +465,15 @@ class ReplicaHolder:
                 "counters": dict(self.counters),
                 "load_seconds": self.load_seconds,
                 "hint": None if self._hint is None else self._hint[0],
+                "node": None if self.node is None else self.node.node_id,
                 "replicas": {
                     n: {
                         "uid": r.info.uid,
                         "resident": r.backend.resident,
+                        "tier": r.tier,
+                        "stored_as": None
+                        if r.stash is None
+                        else f"{r.stash.model}/{r.stash.version}",
                         "bytes": r.backend.state_bytes(),
                         "version": r.backend.version,
                         "modified": r.modified,
@@ -386,7 +484,11 @@ class ReplicaHolder:
 
     def capacity(self) -> dict[str, Any]:
         """What the scheduler needs for placement."""
-        return {"budget_bytes": self.budget_bytes, "device": self.device}
+        return {
+            "budget_bytes": self.budget_bytes,
+            "device": self.device,
+            "node": None if self.node is None else self.node.node_id,
+        }
 
     def offload(self, name: str) -> bool:
         """Offload ``name`` to host memory now; False if it is not held or not resident."""

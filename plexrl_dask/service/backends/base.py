@@ -11,8 +11,8 @@ two transitions (vLLM's ``sleep(level=1)`` / ``wake_up``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -38,8 +38,10 @@ class Backend(Protocol):
     @property
     def resident(self) -> bool: ...
 
-    def offload(self) -> None:
-        """Move all state to host memory and free the device memory it used."""
+    def offload(self, stash: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """Move all state to host memory and free the device memory it used. ``stash``
+        takes the host state and returns what the backend keeps instead (a handle on a copy
+        in the node's tiers, with ``load()``); it runs before the device memory is freed."""
 
     def reload(self) -> None:
         """Bring offloaded state back to the device, bit-identical."""

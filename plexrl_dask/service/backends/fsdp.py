@@ -158,12 +158,14 @@ class FSDPBackend(TorchBackend):
             torch.cuda.synchronize(self.device)
         return state
 
-    def offload(self) -> None:
-        """Move this rank's shards to host memory and free the module. The process group is
-        left alone; the next request rebuilds the module on whatever group it then needs."""
+    def offload(self, stash: Any = None) -> None:
+        """Move this rank's shards to host memory (or into ``stash``, as in
+        :meth:`TorchBackend.offload`) and free the module. The process group is left alone;
+        the next request rebuilds the module on whatever group it then needs."""
         if self._host is not None:
             return
-        self._host = self._export()
+        state = self._export()
+        self._host = state if stash is None else stash(state)
         self.model, self.optimizer = None, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -179,7 +181,7 @@ class FSDPBackend(TorchBackend):
         rank and world size). FSDP2 binds parameters to a mesh, so the module is built anew and
         the local shards of parameters, gradients and optimizer state are copied in bit for
         bit."""
-        state = self._host if self._host is not None else self._export()
+        state = self._host_state() if self._host is not None else self._export()
         new = FSDPBackend(self.spec, self.device, groups, self.max_batch_size)
         new.version, new.pending_backward = state["version"], state["pending_backward"]
         params = dict(new.model.named_parameters())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,7 +87,8 @@ class TorchBackend:
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
         self.pending_backward = 0
-        self._host: dict[str, object] | None = None
+        # Offloaded state: a host dict, or a stash handle (see offload()); None while resident.
+        self._host: Any = None
 
     # --- validation ------------------------------------------------------------------------
 
@@ -461,8 +462,14 @@ class TorchBackend:
         host.copy_(t, non_blocking=True)
         return host
 
-    def offload(self) -> None:
-        """Move every state tensor to host memory and release the device copies."""
+    def offload(self, stash: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """Move every state tensor to host memory and release the device copies.
+
+        ``stash``: takes the host state (a dict of tensors and plain values) and returns what
+        to keep instead, e.g. a handle on a copy in the node's state store
+        (:mod:`plexrl_dask.service.offload`); anything with ``load()`` and ``["bytes"]``. It
+        runs before the device copies are released, so a stash that fails leaves the
+        replica resident and intact."""
         if self._host is not None:
             return
         nbytes = self.state_bytes()
@@ -484,6 +491,14 @@ class TorchBackend:
                     }
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        host: dict[str, Any] = {
+            "params": host_params,
+            "grads": host_grads,
+            "buffers": host_buffers,
+            "optim": host_optim,
+            "bytes": nbytes,
+        }
+        kept = host if stash is None else stash(host)
         for p in params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
             p.grad = None
@@ -499,21 +514,21 @@ class TorchBackend:
                 if st:
                     for k in host_optim.get(n, {}):
                         st[k] = None  # type: ignore[assignment]
-        self._host = {
-            "params": host_params,
-            "grads": host_grads,
-            "buffers": host_buffers,
-            "optim": host_optim,
-            "bytes": nbytes,
-        }
+        self._host = kept
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _host_state(self) -> dict[str, Any]:
+        """The offloaded state as host tensors (read back from its stash if stashed)."""
+        if hasattr(self._host, "load"):
+            return self._host.load(pin_memory=self.device.type == "cuda")  # type: ignore[union-attr]
+        return self._host  # type: ignore[return-value]
 
     def reload(self) -> None:
         """Bring offloaded state back onto the device (bit-identical)."""
         if self._host is None:
             return
-        host = self._host
+        host = self._host_state()
         params = dict(self.model.named_parameters())
         for n, p in params.items():
             p.data = host["params"][n].to(self.device, non_blocking=True)  # type: ignore[index]
