@@ -17,11 +17,26 @@ divergent replica somewhere else.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plexrl_dask.errors import NoPlexRLWorkers, NotRouted, from_status, raise_for_status
+from plexrl_dask.errors import (
+    CheckpointError,
+    CheckpointIncompatible,
+    CheckpointNotFound,
+    NoPlexRLWorkers,
+    NotAStore,
+    NotRouted,
+    PlexRLError,
+    WeightsMismatch,
+    from_status,
+    raise_for_status,
+)
+from plexrl_dask.service.checkpoint import StoreCheckpoint
 from plexrl_dask.service.groups import GroupContext
 from plexrl_dask.service.holder import ReplicaHolder, holder_of
 from plexrl_dask.service.registry import DeploymentInfo
@@ -36,6 +51,8 @@ from plexrl_dask.service.types import (
     SamplingParams,
     as_batch,
 )
+from plexrl_dask.state_store.store import MARKER as STORE_MARKER
+from plexrl_dask.state_store.store import StateStore
 
 #: How long a task waits for its worker's holder to appear (a worker that just started).
 _HOLDER_WAIT_S = 10.0
@@ -198,14 +215,155 @@ def set_weights(
     return _run(deployment, "set_weights", call)
 
 
-def save_state(deployment: str, path: str) -> dict[str, Any]:
-    """Write a checkpoint (parameters + optimizer state) of the deployment to ``path``."""
-    return _run(deployment, "save_state", lambda b: b.save_state(path))
+def save_state(
+    deployment: str,
+    path: str | None = None,
+    publish_id: str = "solo",
+    format: str = "store",
+) -> dict[str, Any]:
+    """Checkpoint the deployment (parameters + optimizer state); every rank of a sharded
+    deployment writes only its own shards. ``format="store"``: a durable version of a state
+    store, the node's NVMe tier when ``path`` is None (else a store at ``path``, e.g. on a
+    shared filesystem), named after the deployment and numbered by its version; every rank
+    passes the same ``publish_id``. ``format="dcp"``: torch DCP at ``path`` (export).
+    Returns ``{"path", "model", "version", "format"}``, which :func:`load_state` accepts."""
+    if format == "dcp":
+        if path is None:
+            raise CheckpointError("a DCP checkpoint needs a path")
+        return _run(deployment, "save_state", lambda b: b.save_state(path))
+    if format != "store":
+        raise CheckpointError(f"unknown checkpoint format {format!r}: 'store' or 'dcp'")
+
+    def call(backend: Any) -> dict[str, Any]:
+        model = checkpoint_model(deployment)
+        if path is None:
+            node = _node(deployment)
+            store = node.store("nvme")
+
+            def opener(version: int, nbytes: int) -> Any:
+                return node.writing(model, version, nbytes, tiers=("nvme",), publish_id=publish_id)
+        else:
+            store = _open_store(path, create=True)
+
+            def opener(version: int, nbytes: int) -> Any:
+                return store.writer(model, version, publish_id)
+
+        return backend.save_state(StoreCheckpoint(store, model), publish_id, opener)
+
+    return _run(deployment, "save_state", call)
 
 
-def load_state(deployment: str, path: str) -> int:
-    """Restore the checkpoint at ``path`` (written at any world size); returns its version."""
-    return _run(deployment, "load_state", lambda b: b.load_state(path))
+def load_state(
+    deployment: str,
+    checkpoint: str | Mapping[str, Any],
+    model: str | None = None,
+    version: int | None = None,
+) -> int:
+    """Restore a checkpoint written at any world size; returns its version. ``checkpoint``:
+    what :func:`save_state` returned, a DCP directory, or the path of a state store (then
+    ``model``, default the deployment's own name or the store's only model, and ``version``,
+    default the latest). Each rank reads only the regions its layout holds."""
+
+    def call(backend: Any) -> int:
+        return backend.load_state(_checkpoint_source(deployment, checkpoint, model, version))
+
+    return _run(deployment, "load_state", call)
+
+
+def publish_weights(deployment: str, store_version: int, publish_id: str) -> dict[str, Any]:
+    """Publish the deployment's parameters to the node's DRAM tier as ``store_version`` of
+    ``weights.<deployment>`` (each rank its own shard regions; tensors unchanged since an
+    earlier publish are deduplicated, not rewritten), and drop its older published versions.
+    Returns the reference :func:`load_weights` takes."""
+    model = f"weights.{checkpoint_model(deployment)}"
+
+    def call(backend: Any) -> dict[str, Any]:
+        node = _node(deployment)
+
+        def opener(version: int, nbytes: int) -> Any:
+            # DRAM only: the writers of one publish must share a tier (a rank diverted to
+            # NVMe would leave the commit without its part); the manager evicts to make room.
+            return node.writing(model, version, nbytes, tiers=("dram",), publish_id=publish_id)
+
+        ref = backend.publish_weights(StoreCheckpoint(node.store("dram"), model, store_version), publish_id, opener)
+        ref["node"] = node.node_id
+        if backend._rank() == 0:
+            for old in node.store("dram").versions(model):
+                if old != store_version:
+                    with contextlib.suppress(PlexRLError):  # one being read stays until later
+                        node.delete(model, old, tiers=("dram",))
+        return ref
+
+    return _run(deployment, "publish_weights", call)
+
+
+def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
+    """Overwrite the parameters with a version :func:`publish_weights` made on this node,
+    reading only what this replica's layout holds; returns the weights' version."""
+
+    def call(backend: Any) -> int:
+        node = _node(deployment)
+        if ref.get("node") != node.node_id:
+            raise WeightsMismatch(
+                f"weights published on node {ref.get('node')!r} cannot be read on node {node.node_id!r}"
+            )
+        with node.pinned(str(ref["model"]), int(ref["version"]), promote=True) as (store, _):
+            return backend.load_weights(StoreCheckpoint(store, str(ref["model"]), int(ref["version"])))
+
+    return _run(deployment, "load_weights", call)
+
+
+def checkpoint_model(deployment: str) -> str:
+    """The store model name of a deployment's checkpoints."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", deployment).lstrip(".") or "deployment"
+
+
+def _node(deployment: str) -> Any:
+    from distributed import get_worker
+
+    holder = holder_of(get_worker())
+    if holder is None or holder.node is None:
+        raise CheckpointError(
+            f"{deployment!r}: this worker has no node state store; pass a checkpoint path"
+        )
+    return holder.node
+
+
+def _open_store(path: str, create: bool = False) -> StateStore:
+    try:
+        return StateStore(path, create=create)
+    except NotAStore as e:
+        if not create and not os.path.exists(path):
+            raise CheckpointNotFound(f"no checkpoint at {path!r}") from None
+        raise CheckpointIncompatible(str(e)) from None
+
+
+def _checkpoint_source(
+    deployment: str, ckpt: str | Mapping[str, Any], model: str | None, version: int | None
+) -> str | StoreCheckpoint:
+    """What a backend loads from: a DCP directory, or a version of a store."""
+    if isinstance(ckpt, Mapping):
+        if ckpt.get("format") == "dcp":
+            return str(ckpt["path"])
+        path, model, version = str(ckpt["path"]), model or ckpt.get("model"), (
+            ckpt.get("version") if version is None else version
+        )
+    else:
+        path = os.fspath(ckpt)
+        if not os.path.isfile(os.path.join(path, STORE_MARKER)):
+            return path  # DCP (or nothing: the DCP reader says which)
+    node = None
+    with contextlib.suppress(CheckpointError):
+        node = _node(deployment)
+    if node is not None and os.path.realpath(path) == os.path.realpath(node.store("nvme").root):
+        store = node.store("nvme")
+    else:
+        store = _open_store(path)
+    if model is None:
+        models = store.models()
+        own = checkpoint_model(deployment)
+        model = own if own in models or len(models) != 1 else models[0]
+    return StoreCheckpoint(store, str(model), None if version is None else int(version))
 
 
 # --- combining the tasks of one request -------------------------------------------------------
@@ -242,7 +400,9 @@ __all__ = [
     "get_weights",
     "load",
     "load_state",
+    "load_weights",
     "optim_step",
+    "publish_weights",
     "save_state",
     "sample",
     "set_weights",

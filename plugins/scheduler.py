@@ -168,6 +168,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             self.policy,
             SetupCosts(self.residency, self.estimates, self._bytes_of, self._budget_of),
         )
+        self.prefetch_hints = bool(config.get("scheduler.prefetch-hints"))
         self.hints: dict[str, tuple[str | None, str]] = {}  # worker -> (deployment, uid) last hinted
         self._touched: set[str] = set()  # workers whose prediction may have changed
         self.decisions: deque[dict[str, Any]] = deque(maxlen=int(config.get("scheduler.decisions-kept")))
@@ -684,6 +685,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         """Tell each worker whose predicted next deployment changed what to prefetch (or that
         nothing is predicted any more)."""
         touched, self._touched = self._touched, set()
+        if not self.prefetch_hints:
+            return
         for worker in touched:
             deployment = self.dispatcher.hint(worker, now)
             info = self.deployments.get(deployment) if deployment else None

@@ -630,7 +630,10 @@ class StateStore:
                 raise NotAStore(
                     f"{self.root} is not a PlexRL state store (no {MARKER}); pass create=True to make one"
                 )
-            if self.root.exists() and any(p.name != MARKER for p in self.root.iterdir()):
+            # (dot files: the temporary of a marker another process is creating right now)
+            if self.root.exists() and any(
+                p.name != MARKER and not p.name.startswith(".") for p in self.root.iterdir()
+            ):
                 raise NotAStore(
                     f"{self.root} is a non-empty directory that is not a state store; refusing to use it"
                 )

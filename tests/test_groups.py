@@ -99,7 +99,8 @@ def test_checkpoint_on_two_ranks_restores_on_one_and_two(runtime, tmp_path):
     for _ in range(2):
         plexrl.result([src.forward_backward(data), src.optim_step(opt)])
     path = str(tmp_path / "ckpt")
-    assert plexrl.result(src.save_state(path)) == {"path": path, "version": 2}
+    saved = plexrl.result(src.save_state(path))
+    assert saved == {"path": path, "model": src.name, "version": 2, "format": "store"}
     one = runtime.deploy(unique("ckpt-one"), spec, world_size=1)
     # Ranks swapped: each worker process re-joins a group under the other rank (a torch mesh
     # interning pitfall made exactly this load the wrong shards; see service/groups.py).
@@ -110,6 +111,12 @@ def test_checkpoint_on_two_ranks_restores_on_one_and_two(runtime, tmp_path):
     for dep in (one, two):
         got = plexrl.result(dep.get_weights())
         assert got.version == 2 and all(torch.equal(got.tensors[n], t) for n, t in want.items())
+    # DCP stays as import/export: the same state through it.
+    exported = plexrl.result(src.save_state(str(tmp_path / "dcp"), format="dcp"))
+    assert exported["format"] == "dcp"
+    assert plexrl.result(one.load_state(exported)) == 2
+    got = plexrl.result(one.get_weights()).tensors
+    assert all(torch.equal(got[n], t) for n, t in want.items())
     # Training continues identically (optimizer state restored too): same step on all three.
     for dep in (src, one, two):
         plexrl.result([dep.forward_backward(data), dep.optim_step(opt)])
@@ -124,8 +131,13 @@ def test_bad_checkpoints_are_refused_and_harmless(runtime, tmp_path):
     with pytest.raises(errors.CheckpointNotFound):
         plexrl.result(dep.load_state(str(tmp_path / "missing")))
     other = runtime.deploy(unique("ckpt-other"), tiny_spec(seed=9, hidden_size=64))
+    in_store = plexrl.result(other.save_state())  # the node's NVMe tier
+    with pytest.raises(errors.CheckpointIncompatible, match="shape"):
+        plexrl.result(dep.load_state(in_store))
+    with pytest.raises(errors.CheckpointNotFound):
+        plexrl.result(dep.load_state({**in_store, "version": 99}))
     path = str(tmp_path / "other")
-    plexrl.result(other.save_state(path))
+    plexrl.result(other.save_state(path, format="dcp"))
     with pytest.raises(errors.CheckpointIncompatible, match="shape"):
         plexrl.result(dep.load_state(path))
     (tmp_path / "other" / "plexrl.json").unlink()  # as if the writer died before the end

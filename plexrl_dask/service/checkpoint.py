@@ -1,4 +1,14 @@
-"""Checkpoints of a replica's state through torch distributed checkpoint (DCP).
+"""Checkpoints of a replica's state: versions of a state store, and torch DCP.
+
+**Store checkpoints** (the primary format; ``save_state()``): parameters and optimizer
+moments are published as one durable version of a state store (the node's NVMe tier, or a
+store on a shared filesystem), every rank writing only its own shard regions in canonical
+coordinates and rank 0 committing once all have: the version becomes visible atomically,
+after every byte is fsynced. Loading reads only the regions a rank's layout holds, so a
+checkpoint written at one world size loads at any other without a rank materialising a tensor
+it does not own.
+
+**DCP** (``save_state(path, format="dcp")``), import/export for interoperability:
 
 ``save_state(path)`` writes the model's parameters and, once it has one, the AdamW state as a
 DCP checkpoint: every rank of a sharded deployment writes only its own shards, in canonical
@@ -13,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from plexrl_dask.errors import CheckpointIncompatible, CheckpointIncomplete, CheckpointNotFound
+from plexrl_dask.state_store.store import StateStore, VersionWriter
 
 META_FILE = "plexrl.json"
 FORMAT = "plexrl-dcp-1"
@@ -172,3 +184,126 @@ def place_like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
             stride=p.stride(),
         )
     return whole.clone()
+
+
+# --- checkpoints as versions of a state store (the primary format) ---------------------------
+
+STORE_FORMAT = "plexrl-store-1"
+
+
+@dataclass(frozen=True)
+class StoreCheckpoint:
+    """A checkpoint that is one version of a state store: ``model`` version ``version``
+    (``None`` when loading: the latest) of ``store``."""
+
+    store: StateStore
+    model: str
+    version: int | None = None
+
+
+def shard_region(p: torch.Tensor) -> tuple[slice, ...] | None:
+    """The region of the canonical (unsharded) tensor that ``p``'s local part holds, by
+    FSDP2's ``torch.chunk`` convention; None for an unsharded tensor (all of it)."""
+    if not hasattr(p, "device_mesh"):
+        return None
+    region = [slice(None)] * p.dim()
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            d = placement.dim
+            n = p.shape[d]
+            ways = p.device_mesh.size(mesh_dim)
+            size = -(-n // ways)
+            start = min(p.device_mesh.get_local_rank(mesh_dim) * size, n)
+            region[d] = slice(start, min(start + size, n))
+    expected = tuple(p.to_local().shape)
+    got = tuple(len(range(*s.indices(n))) for s, n in zip(region, p.shape, strict=True))
+    if got != expected:
+        raise ValueError(f"shard region {region} has shape {got}, the local shard {expected}")
+    return tuple(region)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def write_state(model: torch.nn.Module, optimizer: Any, writer: VersionWriter, rank: int) -> None:
+    """Write this rank's part of the parameters and optimizer state into ``writer``, in
+    canonical coordinates (each rank only its own shard regions; an empty shard nothing)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            local = _local(p.detach())
+            if local.numel():
+                writer.write(f"model/{n}", local, shard_region(p), tuple(p.shape))
+            for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if v.dim() == 0:
+                    if rank == 0:  # the same scalar on every rank
+                        writer.write(f"optim/{n}/{k}", v.detach())
+                elif _local(v).numel():
+                    writer.write(f"optim/{n}/{k}", _local(v.detach()), shard_region(v), tuple(v.shape))
+
+
+def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict[str, Any]]:
+    """The version and metadata of a store checkpoint, after checking it holds ``model``'s
+    parameters with their shapes (:class:`CheckpointNotFound` / ``Incompatible`` otherwise)."""
+    from plexrl_dask.errors import VersionNotFound
+
+    try:
+        manifest = ckpt.store.manifest(ckpt.model, ckpt.version)
+    except VersionNotFound as e:
+        raise CheckpointNotFound(str(e)) from None
+    if manifest.meta.get("format") != STORE_FORMAT:
+        raise CheckpointIncompatible(
+            f"{ckpt.model!r} v{manifest.version} of {ckpt.store.root} is not a checkpoint "
+            f"(format {manifest.meta.get('format')!r})"
+        )
+    for name, p in model.named_parameters():
+        entry = manifest.tensors.get(f"model/{name}")
+        if entry is None:
+            raise CheckpointIncompatible(
+                f"{ckpt.model!r} v{manifest.version} has no parameter {name!r}: it holds another model"
+            )
+        if tuple(entry.shape) != tuple(p.shape):
+            raise CheckpointIncompatible(
+                f"{name}: the checkpoint has shape {tuple(entry.shape)}, the model {tuple(p.shape)}"
+            )
+    return manifest.version, dict(manifest.meta)
+
+
+def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, version: int) -> None:
+    """Load parameters (and the optimizer's moments, if ``optimizer``) reading only this
+    rank's shard regions from the store (zero-redundancy resharding from any layout)."""
+    from torch.distributed.tensor import DTensor
+
+    store, name = ckpt.store, ckpt.model
+    stored = store.manifest(name, version).tensors
+
+    def local_of(p: torch.Tensor, key: str) -> torch.Tensor:
+        region = shard_region(p)
+        if region is not None and any(s.stop - s.start == 0 for s in region if s.start is not None):
+            return torch.empty(tuple(_local(p).shape), dtype=p.dtype)
+        return store.read(name, version, key, region)
+
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for n, p in params.items():
+            _local(p).copy_(local_of(p, f"model/{n}").to(p.device, p.dtype))
+        if optimizer is None:
+            return
+        for n, p in params.items():
+            entries = {}
+            for key in stored:
+                if key.startswith(f"optim/{n}/") and key.count("/") == n.count("/") + 2:
+                    k = key.rsplit("/", 1)[1]
+                    if stored[key].shape == ():
+                        entries[k] = store.read(name, version, key)
+                    else:
+                        local = local_of(p, key).to(p.device)
+                        entries[k] = (
+                            DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                            if hasattr(p, "device_mesh")
+                            else local
+                        )
+            if entries:
+                optimizer.state[p] = entries

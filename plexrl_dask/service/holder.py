@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl_dask.errors import DeploymentDoesNotFit, DeploymentLost, PlexRLError, RankLost
@@ -63,7 +63,7 @@ def default_budget(device: str) -> int:
 HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
 #: The ops that change a replica's state away from what its spec builds.
-MUTATING_OPS = frozenset({"optim_step", "set_weights", "load_state"})
+MUTATING_OPS = frozenset({"optim_step", "set_weights", "load_state", "load_weights"})
 #: The ops after which an offload must write the state again (gradients count).
 CHANGING_OPS = MUTATING_OPS | {"forward_backward"}
 
@@ -78,6 +78,9 @@ class _Replica:
     stasher: Stasher | None = None
     stash: StoredState | None = None  # the stored copy of the state, while it is current
     tier: str = "hbm"  # last reported tier
+    # Held for the whole of this replica's offload or reload: a prefetch may reload it while
+    # another replica's request runs, and its own request then waits for that reload.
+    transition: threading.Lock = field(default_factory=threading.Lock)
 
 
 def holder_of(worker: Any) -> ReplicaHolder | None:
@@ -164,6 +167,13 @@ class ReplicaHolder:
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
         # from the actor thread; the lock keeps them from seeing a replica mid-transition.
         self._lock = threading.RLock()
+        # Memory decisions (victims, bytes promised to a reload in flight): short sections,
+        # taken after _lock where both are needed. A prefetch takes only this one, so it can
+        # overlap a running request.
+        self._moves = threading.RLock()
+        self._incoming = 0  # bytes of reloads in flight outside _lock
+        self._running: str | None = None  # the replica whose request is executing
+        self.critical_load_s = 0.0  # transitions a request waited for before it ran, summed
         self.counters = {
             "loads": 0,
             "reloads": 0,
@@ -187,8 +197,11 @@ class ReplicaHolder:
         """Make ``info``'s replica resident and run ``call(backend)`` on it. ``group`` is the
         rank's group for a multi-rank deployment (joined, or re-joined, first)."""
         with self._lock:
+            t0 = time.perf_counter()
             replica = self._ensure(info, op, group)
+            self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()
+            self._running = info.name
             try:
                 result = call(replica.backend)
             except RuntimeError as e:
@@ -204,6 +217,7 @@ class ReplicaHolder:
                     "with load_state"
                 ) from e
             finally:
+                self._running = None
                 replica.last_used = time.monotonic()
                 self.counters["requests"] += 1
             if op in MUTATING_OPS:
@@ -237,24 +251,25 @@ class ReplicaHolder:
             self._join(group)
         if replica is None:
             return self._load(info, group)
-        t0 = time.perf_counter()
-        source = "hbm" if replica.backend.resident else replica.tier
-        if group is not None and (
-            replica.backend.epoch_key != group.key or not replica.backend.resident
-        ):
-            if not replica.backend.resident:
+        with replica.transition:  # (waits for a prefetch of this replica in flight)
+            t0 = time.perf_counter()
+            source = "hbm" if replica.backend.resident else replica.tier
+            if group is not None and (
+                replica.backend.epoch_key != group.key or not replica.backend.resident
+            ):
+                if not replica.backend.resident:
+                    self._make_room(replica.backend.state_bytes(), keep=info.name)
+                    self.counters["reloads"] += 1
+                replica.backend = replica.backend.rebuilt(self._groups)
+            elif not replica.backend.resident:
                 self._make_room(replica.backend.state_bytes(), keep=info.name)
+                replica.backend.reload()
                 self.counters["reloads"] += 1
-            replica.backend = replica.backend.rebuilt(self._groups)
-        elif not replica.backend.resident:
-            self._make_room(replica.backend.state_bytes(), keep=info.name)
-            replica.backend.reload()
-            self.counters["reloads"] += 1
-        else:
-            return replica
-        if source != "hbm" and replica.stash is not None and replica.stash.source:
-            source = replica.stash.source  # where the read actually found it
-        self._emit(replica, "hbm", time.perf_counter() - t0, source=source)
+            else:
+                return replica
+            if source != "hbm" and replica.stash is not None and replica.stash.source:
+                source = replica.stash.source  # where the read actually found it
+            self._emit(replica, "hbm", time.perf_counter() - t0, source=source)
         return replica
 
     def _join(self, group: GroupContext) -> None:
@@ -295,19 +310,33 @@ class ReplicaHolder:
         return replica
 
     def _resident_bytes(self) -> int:
-        return sum(r.backend.state_bytes() for r in self._replicas.values() if r.backend.resident)
-
-    def _make_room(self, incoming: int, keep: str) -> None:
-        """Offload least-recently-used replicas other than ``keep`` until ``incoming`` more
-        bytes fit in the budget (or nothing else is left to offload)."""
-        victims = sorted(
-            (r for n, r in self._replicas.items() if n != keep and r.backend.resident),
-            key=lambda r: r.last_used,
+        return sum(
+            r.backend.state_bytes() for r in list(self._replicas.values()) if r.backend.resident
         )
-        for victim in victims:
-            if self._resident_bytes() + incoming <= self.budget_bytes:
-                return
-            self._offload(victim)
+
+    def _make_room(self, incoming: int, keep: str) -> bool:
+        """Offload least-recently-used replicas other than ``keep`` (and than the one whose
+        request runs, and those mid-transition) until ``incoming`` more bytes fit in the budget
+        besides the reloads in flight; False if they still do not."""
+        with self._moves:
+            victims = sorted(
+                (
+                    r
+                    for n, r in self._replicas.items()
+                    if n not in (keep, self._running) and r.backend.resident
+                ),
+                key=lambda r: r.last_used,
+            )
+            for victim in victims:
+                if self._resident_bytes() + self._incoming + incoming <= self.budget_bytes:
+                    return True
+                if not victim.transition.acquire(blocking=False):
+                    continue  # a prefetch is bringing it back: not a victim now
+                try:
+                    self._offload(victim)
+                finally:
+                    victim.transition.release()
+            return self._resident_bytes() + self._incoming + incoming <= self.budget_bytes
 
     def _offload(self, replica: _Replica) -> None:
         t0 = time.perf_counter()
@@ -335,11 +364,13 @@ class ReplicaHolder:
         self._emit(replica, tier, time.perf_counter() - t0, source="hbm")
 
     def _drop(self, name: str, lost: bool = False) -> None:
-        replica = self._replicas.pop(name, None)
+        replica = self._replicas.get(name)
         if replica is not None:
-            if replica.stash is not None:
-                replica.stash.delete()
-            self._emit(replica, "absent", 0.0, lost=lost)
+            with replica.transition:
+                self._replicas.pop(name, None)
+                if replica.stash is not None:
+                    replica.stash.delete()
+                self._emit(replica, "absent", 0.0, lost=lost)
 
     def refresh_tiers(self) -> int:
         """Report offloaded replicas whose stored state the node's manager moved (evicted to
@@ -407,42 +438,47 @@ class ReplicaHolder:
         threading.Thread(target=self.prefetch, name="plexrl-prefetch", daemon=True).start()
 
     def prefetch(self) -> bool:
-        """Reload the hinted deployment if it is held here offloaded, offloading least recently
-        used others to make room, so the next request finds its model resident. It never waits
-        for a running request (it gives up; the holder tries again after that request), and a
-        request arriving meanwhile waits for it to finish. Multi-rank replicas are rebuilt on their
-        group's next request instead (their reload joins a group)."""
+        """Bring the hinted deployment back if it is held here offloaded, so that its next
+        request finds it resident: its stored state NVMe -> DRAM in the node's manager, then
+        DRAM -> device here. Both may overlap another deployment's running request: the
+        reload only takes memory that is free or held by idle replicas (never the running
+        one's), and that request's own growth after it ends can offload the prefetched
+        replica again. A request of the prefetched deployment arriving meanwhile waits for the
+        reload in flight. Multi-rank replicas are rebuilt on their group's next request
+        instead (their reload joins a group)."""
         hint = self._hint
         if hint is None:
             return False
-        held = self._replicas.get(hint[0])
-        stash = held.stash if held is not None and held.info.uid == hint[1] else None
-        if stash is not None and held is not None and held.tier == "nvme":
-            # NVMe -> DRAM runs in the node's manager, even while a request runs here.
+        name, uid = hint
+        replica = self._replicas.get(name)
+        if replica is None or replica.info.uid != uid or replica.backend.resident:
+            return False
+        stash = replica.stash
+        if stash is not None and replica.tier == "nvme":
             try:
                 stash.node.prefetch(stash.model, stash.version)
             except Exception:
                 logger.warning("prefetch hint to the node's StateManager failed", exc_info=True)
-        if not self._lock.acquire(blocking=False):
+        if replica.info.world_size > 1 or not replica.transition.acquire(blocking=False):
             return False
         try:
-            if self._hint is None:
+            if replica.backend.resident or self._replicas.get(name) is not replica:
                 return False
-            name, uid = self._hint
-            replica = self._replicas.get(name)
-            if (
-                replica is None
-                or replica.info.uid != uid
-                or replica.backend.resident
-                or replica.info.world_size > 1
-            ):
-                return False
-            t0 = time.perf_counter()
-            self._make_room(replica.backend.state_bytes(), keep=name)
-            replica.backend.reload()
+            nbytes = replica.backend.state_bytes()
+            with self._moves:
+                if name == self._running or not self._make_room(nbytes, keep=name):
+                    return False
+                self._incoming += nbytes
+            try:
+                t0 = time.perf_counter()
+                replica.backend.reload()
+            finally:
+                with self._moves:
+                    self._incoming -= nbytes
             replica.last_used = time.monotonic()
             self.counters["prefetches"] += 1
-            self._hint = None
+            if self._hint == hint:
+                self._hint = None
             source = replica.tier
             if replica.stash is not None and replica.stash.source:
                 source = replica.stash.source
@@ -450,7 +486,7 @@ class ReplicaHolder:
             logger.info("prefetched %s on %s", name, self.worker_address)
             return True
         finally:
-            self._lock.release()
+            replica.transition.release()
 
     # --- actor API (clients, dashboard) ----------------------------------------------------
 
@@ -464,6 +500,7 @@ class ReplicaHolder:
                 "resident_bytes": self._resident_bytes(),
                 "counters": dict(self.counters),
                 "load_seconds": self.load_seconds,
+                "critical_load_seconds": self.critical_load_s,
                 "hint": None if self._hint is None else self._hint[0],
                 "node": None if self.node is None else self.node.node_id,
                 "replicas": {
@@ -496,7 +533,8 @@ class ReplicaHolder:
             replica = self._replicas.get(name)
             if replica is None or not replica.backend.resident:
                 return False
-            self._offload(replica)
+            with replica.transition:
+                self._offload(replica)
             return True
 
     def drop(self, name: str) -> bool:

@@ -202,10 +202,32 @@ class Runtime:
 
     def sync_weights(self, src: Deployment | str, dst: Deployment | str) -> Future:
         """Copy ``src``'s current weights (and version) into ``dst``; the future's result is
-        ``dst``'s new version. The weights move worker to worker, never through the client."""
+        ``dst``'s new version. The weights never go through the client.
+
+        When every worker of both deployments is on one node, this goes through the node's
+        state store: ``src``'s ranks publish their shard regions to the DRAM tier (tensors
+        unchanged since the last sync are not rewritten) and every replica or rank of ``dst``
+        reads only what its layout holds. Across nodes, ``src``'s rank 0 gathers the whole
+        tensors and Dask moves them to ``dst``'s workers."""
         src = self.deployment(src) if isinstance(src, str) else src
         dst = self.deployment(dst) if isinstance(dst, str) else dst
+        nodes = self.nodes_of(*src.info.workers, *dst.info.workers)
+        if len(nodes) == 1 and None not in nodes:
+            # A fresh store version per sync (µs clock: unique and increasing); the weights'
+            # own version travels in the manifest.
+            ref = src._submit(
+                "publish_weights",
+                ops.publish_weights,
+                src._ranks(time.time_ns() // 1000, uuid.uuid4().hex),
+            )
+            n = dst.info.num_workers
+            return dst._submit("load_weights", ops.load_weights, [(ref,)] * n, replica_of=range(n))
         return dst.set_weights(src.get_weights())
+
+    def nodes_of(self, *workers: str) -> set[str | None]:
+        """The node ids (their state store's) of ``workers``, as their holders reported them."""
+        known = self.status()["workers"]
+        return {known.get(w, {}).get("node") for w in workers}
 
 
 def max_batch_size() -> int:
@@ -381,17 +403,36 @@ class Deployment:
         any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)
         return self._submit("sample", ops.sample, tasks, replica_of=any_replica)
 
-    def save_state(self, path: str) -> Future:
-        """Future of ``{"path", "version"}`` once a checkpoint of parameters and optimizer
-        state is written to ``path`` (a directory every rank's worker can reach). Each rank of a
-        sharded deployment writes its own shards; the result loads onto any world size."""
-        return self._submit("save_state", ops.save_state, self._ranks(os.fspath(path)))
+    def save_state(self, path: str | os.PathLike[str] | None = None, format: str = "store") -> Future:
+        """Future of ``{"path", "model", "version", "format"}`` once a checkpoint of parameters
+        and optimizer state is durable. Default: a version in the state store of the node's
+        NVMe tier (``path=None``) or of a store at ``path`` (a directory every rank's worker
+        can reach, e.g. a shared filesystem, for a deployment spanning nodes); published
+        atomically, each rank of a sharded deployment writing only its own shards.
+        ``format="dcp"``: torch DCP at ``path``, for other tools. Either loads onto any world
+        size with :meth:`load_state`."""
+        target = None if path is None else os.fspath(path)
+        publish_id = uuid.uuid4().hex
+        return self._submit("save_state", ops.save_state, self._ranks(target, publish_id, format))
 
-    def load_state(self, path: str) -> Future:
-        """Future of the restored version; every rank (or replica) reads what its layout needs."""
+    def load_state(
+        self,
+        checkpoint: str | os.PathLike[str] | Mapping[str, Any],
+        model: str | None = None,
+        version: int | None = None,
+    ) -> Future:
+        """Future of the restored version. ``checkpoint``: what :meth:`save_state` returned,
+        a DCP directory, or a state store path (``model``: default this deployment's name or
+        the store's only model; ``version``: default the latest). Every rank (or replica)
+        reads only what its layout holds."""
         n = self.info.num_workers
+        if not isinstance(checkpoint, Mapping):
+            checkpoint = os.fspath(checkpoint)
         return self._submit(
-            "load_state", ops.load_state, [(os.fspath(path),)] * n, replica_of=range(n)
+            "load_state",
+            ops.load_state,
+            [(checkpoint, model, version)] * n,
+            replica_of=range(n),
         )
 
     def get_weights(self, names: Sequence[str] | None = None) -> Future:

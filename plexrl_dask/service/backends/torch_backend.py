@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from plexrl_dask.errors import (
+    CheckpointError,
     EmptyBatch,
     InvalidBatch,
     InvalidOptimizerParams,
@@ -33,6 +34,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service import checkpoint
+from plexrl_dask.service.checkpoint import StoreCheckpoint
 from plexrl_dask.service.losses import compute_loss
 from plexrl_dask.service.sampling import choose_tokens, uniforms
 from plexrl_dask.service.types import (
@@ -103,16 +105,22 @@ class TorchBackend:
         """Whether every rank of the request saw ``ok`` (one rank here: ``ok`` itself)."""
         return ok
 
-    def _checked(self, check: Any) -> None:
-        """Run a validation that may raise a typed error, and fail on every rank together if it
-        failed on any (a lone failing rank would leave the others waiting in a collective)."""
+    def _checked(self, check: Any, elsewhere: PlexRLError | None = None) -> Any:
+        """Run a step that may raise a typed error, and fail on every rank together if it
+        failed on any (a lone failing rank would leave the others waiting in a collective);
+        ``elsewhere`` is what the ranks where it succeeded raise. Returns ``check()``."""
         error: Exception | None = None
+        result = None
         try:
-            check()
+            result = check()
         except (PlexRLError, ValueError) as e:
             error = e
         if not self._agree(error is None):
-            raise error or InvalidBatch("another rank's part of this request was invalid")
+            raise error or elsewhere or InvalidBatch("another rank's part of this request was invalid")
+        return result
+
+    def _reshard(self) -> None:
+        """Put parameters back in their sharded form (FSDP); nothing to do unsharded."""
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -388,22 +396,113 @@ class TorchBackend:
     def _distributed(self) -> bool:
         return False
 
-    def save_state(self, path: str) -> dict[str, Any]:
-        """Write parameters and optimizer state to ``path`` (see :mod:`..checkpoint`)."""
+    def save_state(
+        self,
+        path: str | StoreCheckpoint,
+        publish_id: str = "solo",
+        open_writer: Callable[[int, int], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Write parameters and optimizer state (see :mod:`..checkpoint`): to a store version
+        (``path`` a :class:`StoreCheckpoint`; every rank of one save passes the same
+        ``publish_id``; ``open_writer(version, nbytes)`` opens this rank's writer, e.g. with room
+        reserved on the node's tier) or as DCP to the directory ``path``."""
         meta = {"version": self.version, "model": self.spec.name, "world_size": self._world()}
-        checkpoint.save(
-            self.model, self.optimizer, path, meta, self._distributed(), self._rank() == 0
-        )
-        return {"path": path, "version": self.version}
+        if isinstance(path, str):
+            checkpoint.save(
+                self.model, self.optimizer, path, meta, self._distributed(), self._rank() == 0
+            )
+            return {"path": path, "version": self.version, "format": "dcp"}
+        return self._publish(path, publish_id, open_writer, self.optimizer)
 
-    def load_state(self, path: str) -> int:
-        """Replace parameters (and optimizer state, if saved) with the checkpoint at ``path``,
-        from any world size; pending gradients are dropped. Returns the restored version."""
-        meta: dict[str, Any] = {}
+    def publish_weights(
+        self,
+        target: StoreCheckpoint,
+        publish_id: str = "solo",
+        open_writer: Callable[[int, int], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Publish the parameters (no optimizer state) as version ``target.version`` of a
+        store, each rank its own shard regions; the weight version is in the metadata. What
+        :meth:`load_weights` of another deployment reads (weight sync through the store)."""
+        return self._publish(target, publish_id, open_writer, None)
+
+    def _publish(
+        self,
+        target: StoreCheckpoint,
+        publish_id: str,
+        open_writer: Callable[[int, int], Any] | None,
+        optimizer: Any,
+    ) -> dict[str, Any]:
+        self._reshard()
+        version = self.version if target.version is None else int(target.version)
+        nbytes = sum(
+            _local_nbytes(t)
+            for k, t in self._state_tensors().items()
+            if k.startswith("param/") or (optimizer is not None and k.startswith("optim/"))
+        )
+
+        def write() -> None:
+            if open_writer is None:
+                opened = target.store.writer(target.model, version, publish_id)
+            else:
+                opened = open_writer(version, nbytes)
+            with opened as writer:
+                checkpoint.write_state(self.model, optimizer, writer, self._rank())
+
+        what = f"{target.model!r} v{version}"
+        self._checked(write, CheckpointError(f"another rank could not write its part of {what}"))
+        meta = {
+            "version": self.version,
+            "model": self.spec.name,
+            "world_size": self._world(),
+            "format": checkpoint.STORE_FORMAT,
+            "has_optimizer": optimizer is not None,
+        }
+
+        def commit() -> None:
+            if self._rank() == 0:  # every rank's part is closed: all passed the agreement
+                target.store.commit(
+                    target.model, version, publish_id, expected_parts=self._world(), meta=meta
+                )
+
+        self._checked(commit, CheckpointError(f"rank 0 could not commit {what}"))
+        return {
+            "path": str(target.store.root),
+            "model": target.model,
+            "version": version,
+            "format": "store",
+        }
+
+    def load_weights(self, source: StoreCheckpoint) -> int:
+        """Overwrite the parameters with a published version (reading only this rank's
+        regions; the optimizer state is kept, as with :meth:`set_weights`); returns the
+        weights' version."""
+        stored: dict[str, Any] = {}
 
         def check() -> None:
-            meta.update(checkpoint.read_meta(path))
-            checkpoint.check_compatible(self.model, path)
+            try:
+                stored["version"], stored["meta"] = checkpoint.store_meta(self.model, source)
+            except CheckpointError as e:  # another model's weights: the set_weights error
+                raise WeightsMismatch(f"published weights do not fit this model: {e}") from None
+
+        self._checked(check)
+        checkpoint.read_state(self.model, None, source, stored["version"])
+        self.version = int(stored["meta"]["version"])
+        return self.version
+
+    def load_state(self, path: str | StoreCheckpoint) -> int:
+        """Replace parameters (and optimizer state, if saved) with the checkpoint at ``path``
+        (a DCP directory or a :class:`StoreCheckpoint`), from any world size; pending gradients
+        are dropped. Returns the restored version."""
+        meta: dict[str, Any] = {}
+        stored: dict[str, int] = {}
+
+        def check() -> None:
+            if isinstance(path, str):
+                meta.update(checkpoint.read_meta(path))
+                checkpoint.check_compatible(self.model, path)
+            else:
+                stored["version"], found = checkpoint.store_meta(self.model, path)
+                meta.update(found)
 
         self._checked(check)
         if meta["has_optimizer"] and self.optimizer is None:
@@ -412,7 +511,10 @@ class TorchBackend:
             )
         if not meta["has_optimizer"]:
             self.optimizer = None  # moments of the old state do not belong to the restored one
-        checkpoint.load(self.model, self.optimizer, path, self._assign)
+        if isinstance(path, str):
+            checkpoint.load(self.model, self.optimizer, path, self._assign)
+        else:
+            checkpoint.read_state(self.model, self.optimizer, path, stored["version"])
         self.model.zero_grad(set_to_none=True)
         self.pending_backward = 0
         self.version = int(meta["version"])
