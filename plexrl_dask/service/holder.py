@@ -454,7 +454,9 @@ class ReplicaHolder:
         if replica is None or replica.info.uid != uid or replica.backend.resident:
             return False
         stash = replica.stash
-        if stash is not None and replica.tier == "nvme":
+        if stash is not None:
+            # Whatever tier this holder last heard (the manager may have evicted it since):
+            # the manager promotes from NVMe if needed, and only touches it otherwise.
             try:
                 stash.node.prefetch(stash.model, stash.version)
             except Exception:
