@@ -248,7 +248,10 @@ def save_state(
             def opener(version: int, nbytes: int) -> Any:
                 return store.writer(model, version, publish_id)
 
-        return backend.save_state(StoreCheckpoint(store, model), publish_id, opener)
+        target = StoreCheckpoint(store, model)
+        if path is None:
+            target = StoreCheckpoint(store, model, node=node, tier="nvme")
+        return backend.save_state(target, publish_id, opener)
 
     return _run(deployment, "save_state", call)
 
@@ -285,7 +288,8 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
             # NVMe would leave the commit without its part); the manager evicts to make room.
             return node.writing(model, version, nbytes, tiers=("dram",), publish_id=publish_id)
 
-        ref = backend.publish_weights(StoreCheckpoint(node.store("dram"), model, store_version), publish_id, opener)
+        target = StoreCheckpoint(node.store("dram"), model, store_version, node=node, tier="dram")
+        ref = backend.publish_weights(target, publish_id, opener)
         ref["node"] = node.node_id
         if backend._rank() == 0:
             for old in node.store("dram").versions(model):

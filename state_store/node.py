@@ -358,13 +358,22 @@ class NodeState:
         expected_parts: int | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> Manifest:
-        manifest = self.store(tier).commit(
-            model, version, publish_id, expected_parts=expected_parts, meta=dict(meta or {})
+        """Commit a publish whose writers have closed, holding a reservation meanwhile
+        (assembling partly written chunks stores new objects, which collection must not take
+        before the manifest refers to them); the version enters the LRU order."""
+        store = self.store(tier)
+        fragments = sum(
+            p.stat().st_size
+            for p in store._staging(model, version, publish_id).glob("fragments/*/*")
         )
-        self.call(
-            "release", lease="", written=0, published=[model, version]
-        )  # enters the LRU order
-        return manifest
+        lease = self.reserve(fragments, (tier,))
+        before = store.stats.bytes_written
+        try:
+            return store.commit(
+                model, version, publish_id, expected_parts=expected_parts, meta=dict(meta or {})
+            )
+        finally:
+            self.release(lease, store.stats.bytes_written - before, published=(model, version))
 
     def publish(
         self,

@@ -187,12 +187,14 @@ class Objects:
         digest = digest_of(data)
         path = self.path(digest)
         n = len(data)
-        if path.exists():
+        try:
             # Refresh its age: gc never deletes an object younger than its grace period, so an
             # unreferenced object a new publish is about to refer to survives a concurrent gc.
             os.utime(path)
             self.stats.add(dedup_hits=1, bytes_deduplicated=n)
             return digest
+        except FileNotFoundError:
+            pass  # not stored (or collected just now): store it
         with self._lock:
             used = self._used_locked()
             if self.capacity_bytes is not None and used + n > self.capacity_bytes:
@@ -240,10 +242,15 @@ class Objects:
         self.stats.add(bytes_read=len(data), chunks_read=1)
         return data
 
-    def delete(self, digest: str) -> int:
+    def delete(self, digest: str, older_than: float | None = None) -> int:
+        """Remove an object (only if not touched since ``older_than``: a writer reusing it
+        refreshes its age); returns the bytes freed."""
         path = self.path(digest)
         try:
-            n = path.stat().st_size
+            st = path.stat()
+            if older_than is not None and st.st_mtime >= older_than:
+                return 0
+            n = st.st_size
             path.unlink()
         except FileNotFoundError:
             return 0
@@ -791,6 +798,13 @@ class StateStore:
                     "missing) were written by no writer"
                 )
             entries[name] = TensorEntry(name, shape, t["dtype"], chunks, digests)
+        # Every object is still there (a collection racing this publish would show here, as a
+        # typed refusal, never as a visible version with a hole).
+        gone = [d for e in entries.values() for d in e.chunk_digests.values() if not self.objects.path(d).exists()]
+        if gone:
+            raise PublishIncomplete(
+                f"{model!r} v{version}: {len(gone)} chunk objects vanished before the commit (collected?); publish again"
+            )
         manifest = Manifest(model, version, entries, created=time.time(), meta=dict(meta or {}))
         _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
         shutil.rmtree(staging / "fragments", ignore_errors=True)
@@ -1020,9 +1034,15 @@ class StateStore:
                 if now - path.stat().st_mtime > staging_grace_s:
                     path.unlink(missing_ok=True)  # a temporary of a crashed writer
                 continue
-            st = path.stat()
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            gone = 0
             if path.name not in live and st.st_mtime < keep_after:
-                freed += self.objects.delete(path.name)
+                gone = self.objects.delete(path.name, older_than=keep_after)
+            if gone:
+                freed += gone
                 deleted += 1
             else:
                 kept += st.st_size

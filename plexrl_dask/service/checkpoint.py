@@ -199,6 +199,15 @@ class StoreCheckpoint:
     store: StateStore
     model: str
     version: int | None = None
+    #: The node's manager when ``store`` is one of its tiers (``tier``): commits then hold a
+    #: reservation like writes do (assembling chunks stores objects too).
+    node: Any = None
+    tier: str | None = None
+
+    def commit(self, version: int, publish_id: str, expected_parts: int, meta: dict[str, Any]) -> Any:
+        if self.node is not None:
+            return self.node.commit(self.tier, self.model, version, publish_id, expected_parts, meta)
+        return self.store.commit(self.model, version, publish_id, expected_parts=expected_parts, meta=meta)
 
 
 def shard_region(p: torch.Tensor) -> tuple[slice, ...] | None:

@@ -460,9 +460,7 @@ class TorchBackend:
 
         def commit() -> None:
             if self._rank() == 0:  # every rank's part is closed: all passed the agreement
-                target.store.commit(
-                    target.model, version, publish_id, expected_parts=self._world(), meta=meta
-                )
+                target.commit(version, publish_id, self._world(), meta)
 
         self._checked(commit, CheckpointError(f"rank 0 could not commit {what}"))
         return {

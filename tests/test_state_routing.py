@@ -1,0 +1,133 @@
+"""The runtime's state moves through the node's state store, on a real process cluster:
+checkpoints are durable store versions, weight sync goes through the DRAM tier, offloaded
+replicas of a node share one stored copy, and the scheduler hears where the manager put them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import dask
+import torch
+
+import plexrl_dask as plexrl
+from plexrl_dask.state_store.node import NodeState, StateConfig
+from tests.conftest import tiny_spec, unique
+
+WAIT_S = 30.0
+
+
+def node_of(cluster) -> NodeState:
+    with dask.config.set({f"plexrl.state.{k}": v for k, v in cluster.plexrl_state.items()}):
+        return NodeState(StateConfig.from_dask_config())
+
+
+def batch(dep, n: int = 4) -> list[plexrl.Datum]:
+    return [plexrl.Datum(tokens=dep.tokenize(f"{i}+{i * 2}={3 * i}")) for i in range(n)]
+
+
+def weights_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_sync_weights_goes_through_the_dram_tier_and_skips_unchanged_bytes(cluster, runtime):
+    node = node_of(cluster)
+    trainer = runtime.deploy(unique("route-train"), tiny_spec(seed=31), world_size=2)
+    rollout = runtime.deploy(unique("route-roll"), tiny_spec(seed=32), role="rollout", replicas=2)
+    assert runtime.nodes_of(*trainer.info.workers, *rollout.info.workers) == {node.call("hello")["node"]}
+    plexrl.result([trainer.forward_backward(batch(trainer)), trainer.optim_step()])
+    assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
+
+    model = f"weights.{trainer.name}"
+    dram = node.store("dram")
+    versions = dram.versions(model)
+    assert len(versions) == 1  # the trainer's ranks published one version, in the DRAM tier
+    manifest = dram.manifest(model, versions[0])
+    want = plexrl.result(trainer.get_weights()).tensors
+    assert manifest.meta["version"] == 1 and set(manifest.tensors) == {f"model/{n}" for n in want}
+    assert all(torch.equal(dram.read(model, versions[0], f"model/{n}"), t) for n, t in want.items())
+    got = plexrl.result(rollout.get_weights()).tensors
+    assert weights_equal(got, want)
+
+    # Nothing changed since: a second sync stores no new bytes (every chunk deduplicated),
+    # and the older version is dropped.
+    used = node.status()["tiers"]["dram"]["used"]
+    written_before = dram.stats.bytes_written
+    assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
+    assert len(dram.versions(model)) == 1 and dram.versions(model) != versions
+    assert node.status()["tiers"]["dram"]["used"] <= used
+    assert dram.stats.bytes_written == written_before
+    node.close()
+
+
+def test_a_checkpoint_is_a_durable_nvme_version_and_survives_the_manager(cluster, runtime):
+    node = node_of(cluster)
+    spec = tiny_spec(seed=33)
+    src = runtime.deploy(unique("route-ckpt"), spec, world_size=2)
+    data = batch(src)
+    opt = plexrl.AdamWParams(lr=1e-2)
+    plexrl.result([src.forward_backward(data), src.optim_step(opt)])
+    saved = plexrl.result(src.save_state())
+    assert saved["format"] == "store" and saved["version"] == 1
+    nvme = node.store("nvme")
+    assert saved["path"] == str(nvme.root) and nvme.versions(saved["model"]) == [1]
+    manifest = nvme.manifest(saved["model"], 1)
+    assert manifest.meta["has_optimizer"] and any(n.startswith("optim/") for n in manifest.tensors)
+
+    # The node's manager dies; the checkpoint is files on disk: a new deployment (another
+    # layout) loads it through the next manager, and trains on exactly like the source.
+    os.kill(node.call("hello")["pid"], signal.SIGKILL)
+    dst = runtime.deploy(unique("route-restore"), spec, world_size=1)
+    assert plexrl.result(dst.load_state(saved)) == 1
+    assert weights_equal(plexrl.result(dst.get_weights()).tensors, plexrl.result(src.get_weights()).tensors)
+    plexrl.result([src.forward_backward(data), src.optim_step(opt)])
+    plexrl.result([dst.forward_backward(data), dst.optim_step(opt)])
+    a, b = plexrl.result(src.get_weights()).tensors, plexrl.result(dst.get_weights()).tensors
+    assert max(float((a[n] - b[n]).abs().max()) for n in a) <= 1e-6  # FSDP(2) vs 1 rank
+    node.close()
+
+
+def test_replicas_on_one_node_share_one_stored_copy_and_tiers_are_reported(cluster, runtime):
+    node = node_of(cluster)
+    dep = runtime.deploy(unique("route-share"), tiny_spec(seed=34), role="rollout", replicas=2)
+    workers = dep.info.workers
+    assert len(set(workers)) == 2
+    probe = [plexrl.Datum(tokens=dep.tokenize("7+8=15"))]
+    for replica in range(2):
+        with dask.annotate(plexrl={"deployment": dep.name, "replica": replica}):
+            fut = runtime.client.submit(plexrl.ops.forward, dep.name, probe, pure=False)
+        plexrl.result(fut)
+    used = node.status()["tiers"]["dram"]["used"]
+    stored = []
+    for w in workers:
+        holder = runtime.holder(w)
+        assert holder.offload(dep.name).result(timeout=WAIT_S)
+        stored.append(holder.status().result(timeout=WAIT_S)["replicas"][dep.name]["stored_as"])
+    assert stored[0] != stored[1]  # one version per replica...
+    dram = node.status()["tiers"]["dram"]
+    nbytes = dep.info.spec.memory_bytes("rollout")
+    assert dram["used"] - used <= nbytes * 1.05  # ...and one copy of the bytes
+    mine = [v for v in dram["versions"] if f"{v['model']}/{v['version']}" in stored]
+    assert len(mine) == 2 and all(v["bytes"] >= nbytes for v in mine)
+
+    # The manager evicts one to NVMe: its worker re-reports the tier to the scheduler.
+    model, version = stored[0].rsplit("/", 1)
+    assert node.evict(model, int(version))
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        tiers = {
+            r["worker"]: r["tier"] for r in runtime.status()["residency"] if r["deployment"] == dep.name
+        }
+        if tiers.get(workers[0]) == "nvme" and tiers.get(workers[1]) == "dram":
+            break
+        assert time.monotonic() < deadline, tiers
+        time.sleep(0.2)
+    # Both come back bit-identical (one from NVMe).
+    out = []
+    for replica in range(2):
+        with dask.annotate(plexrl={"deployment": dep.name, "replica": replica}):
+            fut = runtime.client.submit(plexrl.ops.forward, dep.name, probe, pure=False)
+        out.append(plexrl.result(fut).logprobs)
+    assert out[0] == out[1]
+    node.close()
