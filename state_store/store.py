@@ -375,6 +375,12 @@ class _VersionZarrStore(Store):
                 yield head
 
 
+#: Zarr's array config is not stored with the array (and open_array ignores one): every open
+#: for writing must say that a chunk equal to the fill value (an all-zero bias) is stored, not
+#: deleted, or the commit would find that chunk missing.
+_WRITE_CONFIG = {"write_empty_chunks": True}
+
+
 def _open_or_create_array(
     store: _VersionZarrStore, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
 ) -> Any:
@@ -383,7 +389,7 @@ def _open_or_create_array(
     storage = DTYPES[dtype][1]
     arr = None
     if (store.meta_root / name / "zarr.json").is_file():
-        arr = zarr.open_array(store=store, path=name, mode="r+")
+        arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_CONFIG)
     else:
         try:
             arr = zarr.create_array(
@@ -396,11 +402,11 @@ def _open_or_create_array(
                 compressors=None,
                 filters=None,
                 attributes={"logical_dtype": dtype},
-                config={"write_empty_chunks": True},
+                config=_WRITE_CONFIG,
                 overwrite=False,
             )
         except zarr.errors.ContainsArrayError:
-            arr = zarr.open_array(store=store, path=name, mode="r+")
+            arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_CONFIG)
     if tuple(arr.shape) != tuple(shape) or arr.attrs.get("logical_dtype") != dtype:
         raise StateMismatch(
             f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "

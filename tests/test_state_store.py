@@ -118,6 +118,17 @@ def test_shard_regions_that_do_not_align_with_chunks_are_assembled(store):
     )
 
 
+def test_all_zero_chunks_assembled_from_shards_are_stored(store):
+    """Regression: Zarr drops a chunk equal to the fill value unless told otherwise on every
+    open; an all-zero bias written by two ranks made the commit fail (PublishIncomplete)."""
+    zeros = torch.zeros(64)
+    for a, b in ((0, 32), (32, 64)):
+        with store.writer("zero", 0, "pub") as w:
+            w.write("bias", zeros[a:b].clone(), (slice(a, b),), (64,))
+    store.commit("zero", 0, "pub", expected_parts=2)
+    assert torch.equal(store.read("zero", 0, "bias"), zeros)
+
+
 def test_a_publish_with_a_missing_region_never_becomes_visible(store):
     # One chunk (2 KiB): the written rows are a fragment; assembling it must not zero-fill
     # the rows nobody wrote (regression: it did).
