@@ -35,6 +35,7 @@ every fetched chunk is checked against its digest (:class:`CorruptState` names t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -143,6 +144,18 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A reusable byte buffer of this thread (fresh multi-MB allocations page-fault on every
+    touch: reusing one keeps chunk copies at memory speed)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 4 << 20), dtype=np.uint8)
+    return buf[:nbytes]
+
+
 def _io_pool() -> ThreadPoolExecutor:
     """Threads that overlap chunk reads (file I/O and hashing release the GIL)."""
     global _POOL
@@ -166,6 +179,10 @@ class Objects:
         self.stats = stats
         self._lock = threading.Lock()
         self._used: int | None = None
+        self._dirs: set[Path] = set()
+        # Unnamed temporaries (O_TMPFILE, linked into place when complete): no name to
+        # create and remove per object. Off where the filesystem or /proc does not allow it.
+        self._tmpfile = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 
     def path(self, digest: str) -> Path:
         return self.root / digest[:2] / digest
@@ -206,26 +223,83 @@ class Objects:
             self._used = used + n  # reserved
         stored = False
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{digest}.{uuid.uuid4().hex}.tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    if self.durable:
-                        f.flush()
-                        os.fsync(f.fileno())
-                os.link(tmp, path)  # never replaces: a concurrent writer of the same bytes wins
-                stored = True
+            if path.parent not in self._dirs:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._dirs.add(path.parent)
+            # Written completely (and fsynced on a durable tier) before it gets its name:
+            # readers and dedup never see a partial object. Linking never replaces: of two
+            # writers of the same bytes, the first wins.
+            with contextlib.suppress(FileExistsError):
+                stored = self._write_new(path, data)
+            if stored:
                 self.stats.add(objects_written=1, bytes_written=n)
-            except FileExistsError:
+            else:
                 self.stats.add(dedup_hits=1, bytes_deduplicated=n)
-            finally:
-                tmp.unlink(missing_ok=True)
         finally:
             if not stored:
                 with self._lock:
                     self._used -= n  # release the reservation
         return digest
+
+    def _write_new(self, path: Path, data: bytes | memoryview) -> bool:
+        if self._tmpfile:
+            dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                try:
+                    fd = os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o644, dir_fd=dirfd)
+                except OSError:
+                    self._tmpfile = False  # (e.g. a filesystem without O_TMPFILE)
+                else:
+                    try:
+                        _write_all(fd, data)
+                        if self.durable:
+                            os.fsync(fd)
+                        # linkat(..., AT_SYMLINK_FOLLOW): CPython uses linkat (which follows
+                        # the /proc link to the open file) only when given a dir fd.
+                        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dirfd, follow_symlinks=True)
+                        return True
+                    finally:
+                        os.close(fd)
+            finally:
+                os.close(dirfd)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, data)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.link(tmp, path)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_into(self, digest: str, what: str, out: memoryview) -> None:
+        """Read object ``digest``, which must be exactly ``len(out)`` bytes, into ``out`` and
+        verify it (``what`` names it in errors)."""
+        try:
+            fd = os.open(self.path(digest), os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptState(f"{what}: chunk object {digest} is missing from {self.root}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != len(out):
+                raise CorruptState(f"{what}: chunk object {digest} has {size} bytes, expected {len(out)}")
+            done = 0
+            while done < size:
+                got = os.readv(fd, [out[done:]])
+                if got == 0:
+                    raise CorruptState(f"{what}: chunk object {digest} ended early")
+                done += got
+        finally:
+            os.close(fd)
+        if digest_of(out) != digest:
+            raise CorruptState(
+                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
+            )
+        self.stats.add(bytes_read=size, chunks_read=1)
 
     def get(self, digest: str, what: str) -> bytes:
         """The bytes of ``digest``, verified (``what`` names them in errors)."""
@@ -258,6 +332,12 @@ class Objects:
             if self._used is not None:
                 self._used -= n
         return n
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _byte_range(data: bytes, byte_range: ByteRequest | None) -> bytes:
@@ -582,10 +662,13 @@ class VersionWriter:
                     for o, (a, _), e in zip(origin, bounds, extent, strict=True)
                 )
             ]
-            if extent == list(chunks):
-                buf = np.ascontiguousarray(block)
+            if extent == list(chunks) and block.flags.c_contiguous:
+                buf = block  # (whole rows: the chunk is already laid out as stored)
             else:
-                buf = np.zeros(chunks, dtype=storage)
+                nbytes = int(np.prod(chunks, dtype=np.int64)) * storage.itemsize
+                buf = _scratch(nbytes).view(storage).reshape(chunks)
+                if extent != list(chunks):
+                    buf.fill(0)  # Zarr pads edge chunks with the fill value
                 buf[tuple(slice(0, e) for e in extent)] = block
             digest = self.store.objects.put(memoryview(buf).cast("B"))
             with self._lock:
@@ -812,6 +895,11 @@ class StateStore:
                 f"{model!r} v{version}: {len(gone)} chunk objects vanished before the commit (collected?); publish again"
             )
         manifest = Manifest(model, version, entries, created=time.time(), meta=dict(meta or {}))
+        if self.durable:
+            # The objects' names are directory entries: durable only once their directories
+            # are fsynced (their bytes were, when written).
+            for d in {self.objects.path(x).parent for x in manifest.digests()}:
+                _fsync_dir(d)
         _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
         shutil.rmtree(staging / "fragments", ignore_errors=True)
         shutil.rmtree(staging / "parts", ignore_errors=True)
@@ -903,11 +991,20 @@ class StateStore:
             what = f"tensor {name!r} of {model!r} v{version}, chunk {key}"
             if digest is None:
                 raise CorruptState(f"{what}: not in the manifest")
-            raw = self.objects.get(digest, what)
-            if len(raw) != chunk_bytes:
-                raise CorruptState(f"{what}: {len(raw)} bytes, expected {chunk_bytes}")
-            chunk = np.frombuffer(raw, dtype=storage).reshape(entry.chunks)
             origin = [i * c for i, c in zip(idx, entry.chunks, strict=True)]
+            whole = all(
+                a <= o and o + c <= b for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
+            )
+            if whole and dst_array.ndim:
+                dst_view = dst_array[
+                    tuple(slice(o - a, o - a + c) for (a, _), o, c in zip(bounds, origin, entry.chunks, strict=True))
+                ]
+                if dst_view.flags.c_contiguous:  # straight into the output, no second copy
+                    self.objects.get_into(digest, what, memoryview(dst_view).cast("B"))
+                    return
+            raw = _scratch(chunk_bytes)
+            self.objects.get_into(digest, what, memoryview(raw))
+            chunk = raw.view(storage).reshape(entry.chunks)
             src = tuple(
                 slice(max(a, o) - o, min(b, o + c) - o)
                 for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
