@@ -2,13 +2,14 @@
 
 - :mod:`~plexrl_dask.state_store.keys`: canonical names, the chunk grid, logical dtypes, manifests;
 - :mod:`~plexrl_dask.state_store.store`: :class:`StateStore`, one tier's versions of models as
-  chunked Zarr arrays over content-addressed, deduplicated chunks, published atomically.
-
-Not built yet (see the state-store issue): the per-node StateManager that owns the DRAM and
-NVMe tiers (capacity, eviction DRAM -> NVMe, promotion, prefetch), and routing the holders'
-offload/reload, ``save_state`` and ``sync_weights`` through the store.
+  chunked Zarr arrays over content-addressed, deduplicated chunks, published atomically;
+- :mod:`~plexrl_dask.state_store.manager`: the per-node StateManager process that owns the DRAM
+  and NVMe tiers (reservations, pins, eviction DRAM -> NVMe, promotion, prefetch, collection);
+- :mod:`~plexrl_dask.state_store.node`: a process's handle on its node's manager
+  (:class:`NodeState`), which finds or starts it and moves bytes directly in the tiers.
 """
 
+from plexrl_dask.state_store.node import NodeState, StateConfig, node_state
 from plexrl_dask.state_store.store import StateStore
 
-__all__ = ["StateStore"]
+__all__ = ["NodeState", "StateConfig", "StateStore", "node_state"]
