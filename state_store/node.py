@@ -190,7 +190,7 @@ class NodeState:
             "starting the StateManager of node %s (%s)", self.cfg.manager.node_id, self.dram_path
         )
         with open(self.dram_path / LOG_FILE, "ab") as log:  # the child keeps its own copy
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
@@ -204,6 +204,9 @@ class NodeState:
                 start_new_session=True,  # outlives this process (a worker may come and go)
                 close_fds=True,
             )
+        # Reap it when it exits (no zombie left in a long-lived worker).
+        threading.Thread(target=proc.wait, name="plexrl-manager-reaper", daemon=True).start()
+        return proc
 
     def _raise_start_failure(self, returncode: int) -> None:
         try:
