@@ -40,10 +40,16 @@ the client accepts that) or refused with :class:`~plexrl_dask.errors.TierFull`.
 background) copy a version found only on NVMe into DRAM, evicting as above; a version that
 cannot fit is read from NVMe where it is.
 
-**Garbage collection safety.** An object may be collected only if no published version, no
-closed writer and no write in progress can refer to it. Writes in progress hold reservations
-(leases); every object a writer stores or reuses is touched after its lease began, so the
-manager keeps every object touched since the oldest open lease began.
+**Garbage collection safety.** An object is collected only if no published version, no
+closed writer and no write in progress refers to it: a write records every object it uses in
+its staging directory *before* looking it up or writing it, and collection checks an object's
+age again right before deleting it (see :meth:`StateStore.gc`). Eviction therefore frees
+exactly the victim's unshared bytes, and a victim that would free nothing is skipped.
+
+**Pins across manager deaths.** Each client also records its pins and open writes in
+``<dram>/clients/<pid>.json`` at every change; a manager honours the records of live
+processes, so a successor started by another client never evicts what a client of its
+predecessor is reading, before or after that client reconnects.
 
 Protocol: newline-delimited JSON, ``{"op": ..., **args}`` -> ``{"ok": true, "result": ...}``
 or ``{"ok": false, "error": <PlexRL error name>, "message": ...}``.
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -80,6 +87,8 @@ START_LOCK_FILE = "start.lock"
 ERROR_FILE = "manager.error"
 LOG_FILE = "manager.log"
 OWNER_FILE = "owner.json"
+#: <dram>/clients/<pid>.json: a client's pins and open writes (TierManager._absent_clients)
+CLIENTS_DIR = "clients"
 STORE_DIR = "store"  # a tier's store, beside the manager's files in the tier directory
 TIERS = ("dram", "nvme")
 
@@ -134,11 +143,13 @@ class TierManager:
         self.nvme = StateStore(Path(cfg.nvme_path) / STORE_DIR, create=True, durable=True)
         self._lock = threading.RLock()
         self._moving: dict[Key, threading.Lock] = {}
-        self._busy: set[Key] = set()  # versions being moved: never a victim
+        self._busy: Counter[Key] = Counter()  # versions being moved (nested): never a victim
         self.pins: dict[Key, Counter[str]] = {}
         self.leases: dict[str, _Lease] = {}
         self.last_used: dict[Key, float] = {}
         self.counters = Counter[str]()
+        self._collected_at = {tier: 0.0 for tier in TIERS}
+        self.client_pids: dict[str, int] = {}  # connection -> client process
         self.used = {
             "dram": self.dram.gc(grace_s=3600.0)["object_bytes"],
             "nvme": self.nvme.gc(grace_s=3600.0)["object_bytes"],
@@ -214,13 +225,43 @@ class TierManager:
         with self._lock:
             held = self.leases.pop(lease, None)
             if held is not None:
-                self.used[held.tier] += int(written)
+                if held.started <= self._collected_at[held.tier]:
+                    # A collection walked the tier during this write and counted what it had
+                    # written by then: count again rather than add twice.
+                    self.used[held.tier] = self.store(held.tier).objects.scan_bytes()
+                else:
+                    self.used[held.tier] += int(written)
             if published is not None:
                 self.last_used[tuple(published)] = time.time()  # type: ignore[index]
 
-    def _oldest_lease(self) -> float | None:
-        with self._lock:
-            return min((lease.started for lease in self.leases.values()), default=None)
+    def _pinned(self, key: Key) -> bool:
+        if key in self.pins:
+            return True
+        return any(
+            (m, int(v)) == key
+            for record in self._absent_clients()
+            for m, v, _ in record.get("pins", [])
+        )
+
+    def _absent_clients(self) -> list[dict[str, Any]]:
+        """Pins and open writes that live client processes recorded in the DRAM directory
+        (:mod:`.node` rewrites its record at every change). They survive this manager: its
+        successor honours them before the clients reconnect and register again, and while
+        they do (so no eviction slips in between)."""
+        out = []
+        for path in (Path(self.cfg.dram_path) / CLIENTS_DIR).glob("*.json"):
+            try:
+                pid = int(path.stem)
+                if pid == os.getpid():
+                    continue
+                os.kill(pid, 0)  # alive? (a dead client's pins died with it)
+            except (ValueError, ProcessLookupError):
+                continue
+            except PermissionError:
+                pass  # alive: another user's process
+            with contextlib.suppress(ValueError, OSError):
+                out.append(json.loads(path.read_text()))
+        return out
 
     # --- pins -----------------------------------------------------------------------------------
 
@@ -291,7 +332,7 @@ class TierManager:
                 logger.info("%s v%d does not fit in DRAM: read from NVMe", model, version)
                 return "nvme"
             with self._lock:
-                self._busy.add(key)
+                self._busy[key] += 1
             written = 0
             try:
                 t0 = time.perf_counter()
@@ -307,7 +348,7 @@ class TierManager:
                 )
             finally:
                 with self._lock:
-                    self._busy.discard(key)
+                    self._busy[key] -= 1
                 self.release(grant["lease"], written, published=key)
             return "dram"
 
@@ -325,13 +366,13 @@ class TierManager:
             grant = self.reserve("manager", nbytes, ["nvme"])
             written = 0
             with self._lock:
-                self._busy.add(key)
+                self._busy[key] += 1
             try:
                 written = self.nvme.copy_version_from(self.dram, model, version)
                 self.counters["persists"] += 1
             finally:
                 with self._lock:
-                    self._busy.discard(key)
+                    self._busy[key] -= 1
                 self.release(grant["lease"], written)
             return written
 
@@ -340,16 +381,16 @@ class TierManager:
         is pinned, moving or not in DRAM."""
         key = (model, version)
         with self._lock:
-            if key in self.pins or key in self._busy or not self.dram.has_version(model, version):
+            if self._pinned(key) or self._busy[key] or not self.dram.has_version(model, version):
                 return False
-            self._busy.add(key)
+            self._busy[key] += 1
         try:
             try:
                 self.persist(model, version)
             except TierFull:
                 return False
             with self._lock:
-                if key in self.pins:  # pinned meanwhile: a reader is on it, keep it
+                if self._pinned(key):  # pinned meanwhile: a reader is on it, keep it
                     return False
                 nbytes = self.dram.manifest(model, version).tensors
                 self.dram.delete_version(model, version)
@@ -361,10 +402,13 @@ class TierManager:
             return True
         finally:
             with self._lock:
-                self._busy.discard(key)
+                self._busy[key] -= 1
 
     def _make_room(self, nbytes: int) -> None:
-        """Evict DRAM versions, least recently used first, until ``nbytes`` more fit."""
+        """Evict DRAM versions, least recently used first, until ``nbytes`` more fit. A
+        version whose eviction would free nothing now (its objects shared with another DRAM
+        version, or touched by a write still open) is not a victim: moving it would cost a
+        copy and gain no room."""
         tried: set[Key] = set()
         while not self._fits("dram", nbytes):
             with self._lock:
@@ -372,14 +416,28 @@ class TierManager:
                     (
                         k
                         for k in self._dram_versions()
-                        if k not in self.pins and k not in self._busy and k not in tried
+                        if not self._pinned(k) and not self._busy[k] and k not in tried
                     ),
                     key=lambda k: self.last_used.get(k, 0.0),
                 )
+            victims = [k for k in victims if self._freeable(k) > 0]
             if not victims:
                 return
             tried.add(victims[0])
             self.evict(*victims[0])
+
+    def _freeable(self, key: Key) -> int:
+        """Bytes that evicting ``key`` from DRAM would free now (its objects that no other
+        version and no publish in progress uses)."""
+        try:
+            mine = self.dram.manifest(*key).digests()
+        except VersionNotFound:
+            return 0
+        freed = 0
+        for digest in mine - self.dram.live_digests(exclude=key):
+            with contextlib.suppress(FileNotFoundError):
+                freed += self.dram.objects.path(digest).stat().st_size
+        return freed
 
     def _dram_versions(self) -> list[Key]:
         return [(m, v) for m in self.dram.models() for v in self.dram.versions(m)]
@@ -416,10 +474,9 @@ class TierManager:
     def collect(self, tier: str) -> dict[str, int]:
         """Garbage-collect ``tier`` now: nothing a version, a closed writer or a write in
         progress refers to is deleted (see the module docstring)."""
-        oldest = self._oldest_lease()
-        report = self.store(tier).gc(
-            grace_s=0.0, keep_since=oldest if oldest is not None else time.time()
-        )
+        with self._lock:
+            self._collected_at[tier] = time.time()
+        report = self.store(tier).gc(grace_s=0.0)
         with self._lock:
             # Bytes of writes still in progress were already on disk in the walk; their leases
             # still reserve them too. Over-counting until they end is the safe direction.
@@ -618,12 +675,15 @@ class ManagerServer:
             self._clients -= 1
             self._idle_since = time.monotonic()
             self.tiers.drop_client(client)
+            self.tiers.client_pids.pop(client, None)
             writer.close()
 
     def _handle(self, client: str, msg: dict[str, Any]) -> Any:
         op = msg.pop("op", None)
         t = self.tiers
         if op == "hello":
+            if "pid" in msg:
+                t.client_pids[client] = int(msg["pid"])
             return {
                 "node": self.cfg.node_id,
                 "pid": os.getpid(),
@@ -688,7 +748,12 @@ def run_manager(cfg: ManagerConfig) -> int:
     lock.truncate()
     lock.write(str(os.getpid()))
     lock.flush()
-    server.run()
+    try:
+        server.run()
+    finally:
+        # Let a successor start at once, not when this process has finished exiting.
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
     return 0
 
 

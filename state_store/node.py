@@ -35,6 +35,7 @@ from plexrl_dask import config
 from plexrl_dask.errors import ManagerUnavailable, PlexRLError, StateStoreError, from_status
 from plexrl_dask.state_store.keys import Manifest
 from plexrl_dask.state_store.manager import (
+    CLIENTS_DIR,
     ERROR_FILE,
     LOCK_FILE,
     LOG_FILE,
@@ -134,7 +135,11 @@ class NodeState:
             s.close()
             return False
         self._sock, self._file = s, s.makefile("rb")
-        hello = self._roundtrip({"op": "hello"}, self.cfg.call_timeout_s)
+        try:
+            hello = self._roundtrip({"op": "hello", "pid": os.getpid()}, self.cfg.call_timeout_s)
+        except (OSError, ValueError):
+            self._close_socket()  # a manager on its way out: not connected
+            return False
         self.manager_pid = hello["pid"]
         self.node_id = hello["node"]
         return True
@@ -159,12 +164,14 @@ class NodeState:
                         ) from None
                     time.sleep(0.05)
             try:
-                if self._connect_once():
-                    return
-                proc = None if self._manager_alive() else self._spawn()
+                proc: subprocess.Popen | None = None
                 while not self._connect_once():
                     if proc is not None and proc.poll() is not None:
-                        self._raise_start_failure(proc.returncode)
+                        self._raise_start_failure(proc.returncode)  # (returns if it lost the election)
+                        proc = None
+                    if proc is None and not self._manager_alive():
+                        # None running, or the last one has just let go of its lock: start one.
+                        proc = self._spawn()
                     if time.monotonic() > deadline:
                         raise ManagerUnavailable(
                             f"the StateManager of {self.dram_path} did not answer within "
@@ -215,8 +222,8 @@ class NodeState:
             err = None
         if err is not None:
             raise from_status({"error": err["error"], "message": err["message"]})
-        if returncode == 0 and self._manager_alive():
-            return  # lost the election to a manager that is starting: keep waiting for it
+        if returncode == 0:
+            return  # lost the election (or stopped at once): keep waiting, start another
         raise ManagerUnavailable(
             f"the StateManager of {self.dram_path} exited with {returncode} (log: {self.dram_path / LOG_FILE})"
         )
@@ -232,6 +239,24 @@ class NodeState:
         """Disconnect (the manager drops this client's pins and reservations)."""
         with self._lock:
             self._close_socket()
+            self._record()
+
+    def _record(self) -> None:
+        """Write this process's pins and open writes where a manager started after the death of
+        the one that knew them honours them until this process reconnects (``clients/<pid>``
+        in the DRAM directory; a few hundred bytes on shared memory)."""
+        path = self.dram_path / CLIENTS_DIR / f"{os.getpid()}.json"
+        if not self._pins and not self._leases:
+            path.unlink(missing_ok=True)
+            return
+        record = {
+            "pins": [[m, v, n] for (m, v), n in self._pins.items()],
+            "leases": [[lease.tier, lease.started] for lease in self._leases.values()],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
 
     def _roundtrip(self, msg: dict[str, Any], timeout: float) -> Any:
         assert self._sock is not None
@@ -318,6 +343,7 @@ class NodeState:
         )
         with self._lock:
             self._leases[lease.id] = lease
+            self._record()
         return lease
 
     def release(
@@ -325,6 +351,7 @@ class NodeState:
     ) -> None:
         with self._lock:
             self._leases.pop(lease.id, None)
+            self._record()
         self.call(
             "release",
             lease=lease.id,
@@ -415,6 +442,7 @@ class NodeState:
         where = self.call("pin", model=model, version=int(version), promote=promote)
         with self._lock:
             self._pins[(model, int(version))] += 1
+            self._record()
         try:
             yield self.store(where["tier"]), where
         finally:
@@ -422,6 +450,7 @@ class NodeState:
                 self._pins[(model, int(version))] -= 1
                 if self._pins[(model, int(version))] <= 0:
                     del self._pins[(model, int(version))]
+                self._record()
             with contextlib.suppress(ManagerUnavailable):
                 self.call("unpin", model=model, version=int(version))
 

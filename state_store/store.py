@@ -44,7 +44,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +191,17 @@ class Objects:
         with self._lock:
             return self._used_locked()
 
+    def scan_bytes(self) -> int:
+        """Walk the objects and return their total size (exact, whoever wrote them)."""
+        total = 0
+        for p in self.root.glob("*/*"):
+            if not p.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    total += p.stat().st_size
+        with self._lock:
+            self._used = total
+        return total
+
     def _used_locked(self) -> int:
         if self._used is None:
             self._used = sum(
@@ -198,10 +209,14 @@ class Objects:
             )
         return self._used
 
-    def put(self, data: bytes | memoryview) -> str:
+    def put(self, data: bytes | memoryview, touch: Callable[[str], None] | None = None) -> str:
         """Store ``data`` once; returns its digest. Safe to call from several threads: the
-        capacity is reserved before the bytes are written."""
+        capacity is reserved before the bytes are written. ``touch(digest)`` runs before the
+        object is looked up or written: a writer records there that it uses the object, so
+        that collection keeps it (see :meth:`StateStore.gc`)."""
         digest = digest_of(data)
+        if touch is not None:
+            touch(digest)
         path = self.path(digest)
         n = len(data)
         try:
@@ -363,12 +378,18 @@ class _VersionZarrStore(Store):
     supports_partial_writes = False
 
     def __init__(
-        self, meta_root: Path, objects: Objects, pointers: dict[str, str], read_only: bool
+        self,
+        meta_root: Path,
+        objects: Objects,
+        pointers: dict[str, str],
+        read_only: bool,
+        touch: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
         self.meta_root = meta_root
         self.objects = objects
         self.pointers = pointers
+        self.touch = touch
         self._lock = threading.Lock()
 
     def __eq__(self, other: object) -> bool:
@@ -419,7 +440,7 @@ class _VersionZarrStore(Store):
         self._check_writable()
         data = value.to_bytes()
         if self._is_chunk(key):
-            digest = await asyncio.to_thread(self.objects.put, data)
+            digest = await asyncio.to_thread(self.objects.put, data, self.touch)
             with self._lock:
                 self.pointers[key] = digest
         else:
@@ -557,6 +578,42 @@ def _check_fragments_cover(
             )
 
 
+class _Touched:
+    """An append-only record of the objects a publish in progress uses (one digest per
+    line, flushed at once): what :meth:`StateStore.gc` keeps besides published versions."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a")  # noqa: SIM115 (closed by close())
+        self._lock = threading.Lock()
+
+    def __call__(self, digest: str) -> None:
+        with self._lock:
+            self._file.write(digest + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _last_activity(staging: Path) -> float:
+    """When a staging directory last changed (its records of use grow as it writes)."""
+    times = [0.0]
+    for p in (staging, *(staging / "touched").glob("*")):
+        with contextlib.suppress(FileNotFoundError):
+            times.append(p.stat().st_mtime)
+    return max(times)
+
+
+def _touched_digests(staging: Path) -> set[str]:
+    out: set[str] = set()
+    for path in (staging / "touched").glob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            out.update(line for line in path.read_text().split() if line)
+    return out
+
+
 class VersionWriter:
     """One writer's part of a publish (one process or rank); see :meth:`StateStore.writer`."""
 
@@ -570,8 +627,9 @@ class VersionWriter:
         self.tensors: dict[str, dict[str, Any]] = {}
         self.fragments: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        self.touched = _Touched(staging / "touched" / self.id)
         self._zarr = _VersionZarrStore(
-            staging / "arrays", store.objects, self.pointers, read_only=False
+            staging / "arrays", store.objects, self.pointers, read_only=False, touch=self.touched
         )
         self._closed = False
 
@@ -670,7 +728,7 @@ class VersionWriter:
                 if extent != list(chunks):
                     buf.fill(0)  # Zarr pads edge chunks with the fill value
                 buf[tuple(slice(0, e) for e in extent)] = block
-            digest = self.store.objects.put(memoryview(buf).cast("B"))
+            digest = self.store.objects.put(memoryview(buf).cast("B"), touch=self.touched)
             with self._lock:
                 self.pointers["/".join((name, "c", *map(str, idx)))] = digest
 
@@ -685,6 +743,7 @@ class VersionWriter:
         """Record this writer's part (its chunk pointers and fragments) for the commit."""
         if self._closed:
             return
+        self.touched.close()
         part = {"tensors": self.tensors, "pointers": self.pointers, "fragments": self.fragments}
         _write_file(
             self.staging / "parts" / f"{self.id}.json",
@@ -863,7 +922,10 @@ class StateStore:
                     )
             fragments.extend(part["fragments"])
         _check_fragments_cover(tensors, fragments, pointers, f"{model!r} v{version}")
-        zstore = _VersionZarrStore(staging / "arrays", self.objects, pointers, read_only=False)
+        touched = _Touched(staging / "touched" / f"commit-{uuid.uuid4().hex}")
+        zstore = _VersionZarrStore(
+            staging / "arrays", self.objects, pointers, read_only=False, touch=touched
+        )
         for frag in fragments:  # sequential read-modify-write of the shared boundary chunks
             t = tensors[frag["name"]]
             arr = _open_or_create_array(
@@ -903,6 +965,7 @@ class StateStore:
         _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
         shutil.rmtree(staging / "fragments", ignore_errors=True)
         shutil.rmtree(staging / "parts", ignore_errors=True)
+        touched.close()
         return self._finish_publish(staging, model, version, manifest)
 
     def _finish_publish(
@@ -933,6 +996,8 @@ class StateStore:
             return existing
         if self.durable:
             _fsync_dir(final.parent)
+        # The manifest refers to every object now: the publish's records of use can go.
+        shutil.rmtree(final / "touched", ignore_errors=True)
         logger.info(
             "published %s v%d (%d tensors) in %s", model, version, len(manifest.tensors), self.root
         )
@@ -1061,10 +1126,14 @@ class StateStore:
         staging = self._staging(model, version, publish_id)
         copied = 0
 
+        touched = _Touched(staging / "touched" / "copy")
+
         def copy(digest: str) -> int:
+            touched(digest)  # (before looking: see Objects.put)
             if self.objects.path(digest).exists():
-                os.utime(self.objects.path(digest))  # see Objects.put: young objects survive gc
-                return 0
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(self.objects.path(digest))
+                    return 0
             data = src.objects.get(digest, f"{model!r} v{version} (copy to {self.root})")
             if self.objects.put(data) != digest:  # pragma: no cover - get() verified it
                 raise CorruptState(f"{model!r} v{version}: object {digest} changed while copied")
@@ -1077,8 +1146,10 @@ class StateStore:
                 shutil.copytree(arrays, staging / "arrays")
             staging.mkdir(parents=True, exist_ok=True)
             _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
+            touched.close()
             self._finish_publish(staging, model, version, manifest)
         finally:
+            touched.close()
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         return copied
@@ -1106,36 +1177,52 @@ class StateStore:
                         counts[digest] = counts.get(digest, 0) + 1
         return counts
 
-    def gc(self, grace_s: float = 3600.0, keep_since: float | None = None) -> dict[str, int]:
-        """Delete objects no published version refers to and no closed writer of an in-flight
-        publish needs, once they are older than ``grace_s`` (a writer that has not closed yet
-        holds its pointers in memory: the grace period covers it, and a dedup hit refreshes an
-        object's age); remove staging directories abandoned longer than ``grace_s``.
-
-        ``keep_since``: a time (``time.time()``) from which every touched object is kept
-        whatever ``grace_s`` says: the start of the oldest write still in progress, which the
-        node's StateManager knows exactly (its leases), so it can collect with no grace."""
-        staging_grace_s = max(grace_s, 3600.0) if keep_since is not None else grace_s
+    def live_digests(self, exclude: tuple[str, int] | None = None, staging_grace_s: float = 3600.0) -> set[str]:
+        """Every object something may still refer to: published versions (but ``exclude``),
+        closed writers' parts and the records of use of publishes in progress (staging
+        directories active within ``staging_grace_s``; older ones are abandoned)."""
+        live: set[str] = set()
+        for model in self.models():
+            for version in self.versions(model):
+                if (model, version) != exclude:
+                    with contextlib.suppress(VersionNotFound):
+                        live |= self.manifest(model, version).digests()
         now = time.time()
-        keep_after = now - grace_s if keep_since is None else min(now - grace_s, keep_since)
-        live = set(self.refcounts())
         staging_root = self.root / "staging"
+        for st in staging_root.glob("*/*") if staging_root.is_dir() else ():
+            if st.parent.name.startswith(".") or now - _last_activity(st) > staging_grace_s:
+                continue
+            live |= _touched_digests(st)
+            for part in (st / "parts").glob("*.json"):
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    live.update(json.loads(part.read_text())["pointers"].values())
+        return live
+
+    def gc(self, grace_s: float = 3600.0, staging_grace_s: float = 3600.0) -> dict[str, int]:
+        """Delete objects nothing refers to (:meth:`live_digests`) and untouched for
+        ``grace_s``; remove staging directories inactive for ``staging_grace_s`` (a crashed
+        publish).
+
+        Exact without a grace period: a publish in progress records each object it uses in
+        its staging directory *before* it looks the object up or writes it, and an object is
+        deleted only if its age, checked again just before the deletion, predates this
+        collection (a writer that found it meanwhile refreshed its age)."""
+        now = time.time()
+        keep_after = now - grace_s
         removed_staging = 0
-        if staging_root.is_dir():
-            for model_dir in staging_root.iterdir():
-                for st in model_dir.iterdir() if model_dir.is_dir() else ():
-                    if now - st.stat().st_mtime > staging_grace_s:
-                        shutil.rmtree(st, ignore_errors=True)
-                        removed_staging += 1
-                        continue
-                    for part in (st / "parts").glob("*.json"):
-                        live.update(json.loads(part.read_text())["pointers"].values())
+        staging_root = self.root / "staging"
+        for st in list(staging_root.glob("*/*")) if staging_root.is_dir() else ():
+            if not st.parent.name.startswith(".") and now - _last_activity(st) > staging_grace_s:
+                shutil.rmtree(st, ignore_errors=True)
+                removed_staging += 1
+        live = self.live_digests(staging_grace_s=staging_grace_s)
         freed = deleted = kept = 0
         objects_root = self.root / "objects"
         for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
             if path.name.startswith("."):
-                if now - path.stat().st_mtime > staging_grace_s:
-                    path.unlink(missing_ok=True)  # a temporary of a crashed writer
+                with contextlib.suppress(FileNotFoundError):
+                    if now - path.stat().st_mtime > staging_grace_s:
+                        path.unlink(missing_ok=True)  # a temporary of a crashed writer
                 continue
             try:
                 st = path.stat()

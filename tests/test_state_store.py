@@ -176,7 +176,7 @@ def test_a_writer_killed_mid_publish_leaves_the_previous_version_readable(store)
     with pytest.raises(errors.VersionNotFound):
         reader.manifest("m", 1)
     # The abandoned publish is garbage once its grace period is over; v0 is untouched.
-    stats = reader.gc(grace_s=0.0)
+    stats = reader.gc(grace_s=0.0, staging_grace_s=0.0)
     assert stats["staging_removed"] == 1 and stats["objects_deleted"] > 0
     for name, t in tensors(3).items():
         assert_bit_equal(reader.read("m", 0, name), t)
