@@ -102,6 +102,25 @@ def digest_of(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+_LIBC: Any = None
+with contextlib.suppress(OSError, AttributeError):
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.syncfs  # noqa: B018 (present on Linux)
+
+
+def _syncfs(path: Path) -> bool:
+    """Flush the whole filesystem holding ``path`` (Linux ``syncfs``); False if unavailable."""
+    if _LIBC is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _LIBC.syncfs(fd) == 0
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -209,11 +228,19 @@ class Objects:
             )
         return self._used
 
-    def put(self, data: bytes | memoryview, touch: Callable[[str], None] | None = None) -> str:
+    def put(
+        self,
+        data: bytes | memoryview,
+        touch: Callable[[str], None] | None = None,
+        pending: Path | None = None,
+    ) -> str:
         """Store ``data`` once; returns its digest. Safe to call from several threads: the
         capacity is reserved before the bytes are written. ``touch(digest)`` runs before the
         object is looked up or written: a writer records there that it uses the object, so
-        that collection keeps it (see :meth:`StateStore.gc`)."""
+        that collection keeps it (see :meth:`StateStore.gc`). ``pending``: a durable
+        publish's directory of new objects, which its commit makes durable all at once and
+        names in the store (:meth:`StateStore._settle`); until then only that publish sees
+        them."""
         digest = digest_of(data)
         if touch is not None:
             touch(digest)
@@ -238,14 +265,16 @@ class Objects:
             self._used = used + n  # reserved
         stored = False
         try:
-            if path.parent not in self._dirs:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._dirs.add(path.parent)
-            # Written completely (and fsynced on a durable tier) before it gets its name:
-            # readers and dedup never see a partial object. Linking never replaces: of two
-            # writers of the same bytes, the first wins.
+            target = path if pending is None else pending / digest
+            if target.parent not in self._dirs:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self._dirs.add(target.parent)
+            # Written completely (and fsynced on a durable tier, unless the commit does it for
+            # the whole publish) before it gets its name: readers and dedup never see a
+            # partial object. Linking never replaces: of two writers of the same bytes, the
+            # first wins.
             with contextlib.suppress(FileExistsError):
-                stored = self._write_new(path, data)
+                stored = self._write_new(target, data, sync=self.durable and pending is None)
             if stored:
                 self.stats.add(objects_written=1, bytes_written=n)
             else:
@@ -256,7 +285,7 @@ class Objects:
                     self._used -= n  # release the reservation
         return digest
 
-    def _write_new(self, path: Path, data: bytes | memoryview) -> bool:
+    def _write_new(self, path: Path, data: bytes | memoryview, sync: bool) -> bool:
         if self._tmpfile:
             dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -267,7 +296,7 @@ class Objects:
                 else:
                     try:
                         _write_all(fd, data)
-                        if self.durable:
+                        if sync:
                             os.fsync(fd)
                         # linkat(..., AT_SYMLINK_FOLLOW): CPython uses linkat (which follows
                         # the /proc link to the open file) only when given a dir fd.
@@ -282,7 +311,7 @@ class Objects:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, data)
-                if self.durable:
+                if sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -316,10 +345,16 @@ class Objects:
             )
         self.stats.add(bytes_read=size, chunks_read=1)
 
-    def get(self, digest: str, what: str) -> bytes:
-        """The bytes of ``digest``, verified (``what`` names them in errors)."""
+    def get(self, digest: str, what: str, pending: Path | None = None) -> bytes:
+        """The bytes of ``digest``, verified (``what`` names them in errors); ``pending``: a
+        publish's own new objects, looked at too."""
         try:
-            data = self.path(digest).read_bytes()
+            try:
+                data = self.path(digest).read_bytes()
+            except FileNotFoundError:
+                if pending is None:
+                    raise
+                data = (pending / digest).read_bytes()
         except FileNotFoundError:
             raise CorruptState(
                 f"{what}: chunk object {digest} is missing from {self.root}"
@@ -384,12 +419,14 @@ class _VersionZarrStore(Store):
         pointers: dict[str, str],
         read_only: bool,
         touch: Callable[[str], None] | None = None,
+        pending: Path | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
         self.meta_root = meta_root
         self.objects = objects
         self.pointers = pointers
         self.touch = touch
+        self.pending = pending
         self._lock = threading.Lock()
 
     def __eq__(self, other: object) -> bool:
@@ -407,7 +444,9 @@ class _VersionZarrStore(Store):
                 digest = self.pointers.get(key)
             if digest is None:
                 return None
-            return self.objects.get(digest, f"tensor {key.rsplit('/c', 1)[0]!r} chunk {key}")
+            return self.objects.get(
+                digest, f"tensor {key.rsplit('/c', 1)[0]!r} chunk {key}", self.pending
+            )
         try:
             return (self.meta_root / key).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -440,7 +479,7 @@ class _VersionZarrStore(Store):
         self._check_writable()
         data = value.to_bytes()
         if self._is_chunk(key):
-            digest = await asyncio.to_thread(self.objects.put, data, self.touch)
+            digest = await asyncio.to_thread(self.objects.put, data, self.touch, self.pending)
             with self._lock:
                 self.pointers[key] = digest
         else:
@@ -628,8 +667,14 @@ class VersionWriter:
         self.fragments: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self.touched = _Touched(staging / "touched" / self.id)
+        self.pending = staging / "pending" if store.durable else None
         self._zarr = _VersionZarrStore(
-            staging / "arrays", store.objects, self.pointers, read_only=False, touch=self.touched
+            staging / "arrays",
+            store.objects,
+            self.pointers,
+            read_only=False,
+            touch=self.touched,
+            pending=self.pending,
         )
         self._closed = False
 
@@ -728,7 +773,9 @@ class VersionWriter:
                 if extent != list(chunks):
                     buf.fill(0)  # Zarr pads edge chunks with the fill value
                 buf[tuple(slice(0, e) for e in extent)] = block
-            digest = self.store.objects.put(memoryview(buf).cast("B"), touch=self.touched)
+            digest = self.store.objects.put(
+                memoryview(buf).cast("B"), touch=self.touched, pending=self.pending
+            )
             with self._lock:
                 self.pointers["/".join((name, "c", *map(str, idx)))] = digest
 
@@ -923,8 +970,9 @@ class StateStore:
             fragments.extend(part["fragments"])
         _check_fragments_cover(tensors, fragments, pointers, f"{model!r} v{version}")
         touched = _Touched(staging / "touched" / f"commit-{uuid.uuid4().hex}")
+        pending = staging / "pending" if self.durable else None
         zstore = _VersionZarrStore(
-            staging / "arrays", self.objects, pointers, read_only=False, touch=touched
+            staging / "arrays", self.objects, pointers, read_only=False, touch=touched, pending=pending
         )
         for frag in fragments:  # sequential read-modify-write of the shared boundary chunks
             t = tensors[frag["name"]]
@@ -949,6 +997,7 @@ class StateStore:
                     "missing) were written by no writer"
                 )
             entries[name] = TensorEntry(name, shape, t["dtype"], chunks, digests)
+        self._settle(staging)
         # Every object is still there (a collection racing this publish would show here, as a
         # typed refusal, never as a visible version with a hole).
         gone = [d for e in entries.values() for d in e.chunk_digests.values() if not self.objects.path(d).exists()]
@@ -957,16 +1006,41 @@ class StateStore:
                 f"{model!r} v{version}: {len(gone)} chunk objects vanished before the commit (collected?); publish again"
             )
         manifest = Manifest(model, version, entries, created=time.time(), meta=dict(meta or {}))
-        if self.durable:
-            # The objects' names are directory entries: durable only once their directories
-            # are fsynced (their bytes were, when written).
-            for d in {self.objects.path(x).parent for x in manifest.digests()}:
-                _fsync_dir(d)
         _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
         shutil.rmtree(staging / "fragments", ignore_errors=True)
         shutil.rmtree(staging / "parts", ignore_errors=True)
         touched.close()
         return self._finish_publish(staging, model, version, manifest)
+
+    def _settle(self, staging: Path) -> None:
+        """Make a durable publish's new objects durable and name them in the store: one
+        ``syncfs`` for all of them (not an fsync per chunk), then links, then a second
+        ``syncfs`` for the links. Until then no other publish dedups against them, so an
+        object name in the store always holds durable bytes."""
+        pending = staging / "pending"
+        names = sorted(os.listdir(pending)) if pending.is_dir() else []
+        if not names:
+            return
+        if not _syncfs(pending):
+            for name in names:
+                fd = os.open(pending / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        dirs = set()
+        for name in names:
+            dst = self.objects.path(name)
+            if dst.parent not in self.objects._dirs:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                self.objects._dirs.add(dst.parent)
+            with contextlib.suppress(FileExistsError):
+                os.link(pending / name, dst)
+            dirs.add(dst.parent)
+        if not _syncfs(pending):
+            for d in dirs:
+                _fsync_dir(d)
+        shutil.rmtree(pending, ignore_errors=True)
 
     def _finish_publish(
         self, staging: Path, model: str, version: int, manifest: Manifest
@@ -1127,6 +1201,7 @@ class StateStore:
         copied = 0
 
         touched = _Touched(staging / "touched" / "copy")
+        pending = staging / "pending" if self.durable else None
 
         def copy(digest: str) -> int:
             touched(digest)  # (before looking: see Objects.put)
@@ -1135,7 +1210,7 @@ class StateStore:
                     os.utime(self.objects.path(digest))
                     return 0
             data = src.objects.get(digest, f"{model!r} v{version} (copy to {self.root})")
-            if self.objects.put(data) != digest:  # pragma: no cover - get() verified it
+            if self.objects.put(data, pending=pending) != digest:  # pragma: no cover - get() verified it
                 raise CorruptState(f"{model!r} v{version}: object {digest} changed while copied")
             return len(data)
 
@@ -1147,6 +1222,7 @@ class StateStore:
             staging.mkdir(parents=True, exist_ok=True)
             _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
             touched.close()
+            self._settle(staging)
             self._finish_publish(staging, model, version, manifest)
         finally:
             touched.close()
