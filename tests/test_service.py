@@ -230,7 +230,8 @@ def test_fifo_ordering_runs_requests_in_arrival_order(runtime):
 
 def test_the_policy_cannot_change_while_requests_wait(runtime):
     slow, big, _ = slow_deployment(runtime, "slow-busy", 36)
-    running = [slow.forward(big) for _ in range(2)]
+    # Three: two wait behind the first, so the queue is still busy a moment after we see it.
+    running = [slow.forward(big) for _ in range(3)]
     deadline = time.monotonic() + 60
     while not runtime.status()["queue"]["pending"]:
         assert time.monotonic() < deadline, "nothing was queued behind the running request"
