@@ -7,7 +7,8 @@ included in our timings:
   shared-memory filesystem (``/dev/shm``) ÷ our tier, both without fsync (a DRAM tier is not
   durable); ``nvme_write_ratio`` / ``nvme_read_ratio``: the same on a disk path with fsync on
   write, reads from a cold page cache (``posix_fadvise(DONTNEED)`` on every file of both arms;
-  no root needed). Each repetition writes new bytes (dedup would otherwise skip them). Each tier
+  no root needed). Each repetition writes new bytes (dedup would otherwise skip them) and reads
+  them back three times, alternating arms; medians over all samples. Each tier
   also against a plain in-memory copy of the same bytes, for context (target >= 0.7 each);
 - ``dedup_stored_ratio``: bytes stored ÷ bytes a per-replica, per-version copy would store, for
   4 rollout replicas each holding 3 policy versions (v1 and v2 change half the tensors) plus a
@@ -18,13 +19,14 @@ included in our timings:
   (counted where objects are read) and of peak allocation during the read (tracemalloc, which
   sees numpy's buffers) ÷ that rank's slice bytes (target <= 1.05 each).
 
-Not measured yet: ``prefetch_critical_path_ratio`` (needs the node's StateManager).
+``prefetch_critical_path_ratio`` needs a live cluster: :mod:`plexrl_dask.bench.prefetch`.
 
 Run: ``python -m plexrl_dask.bench.state_store --json OUT [--quick] [--nvme PATH]``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -40,7 +42,10 @@ import torch
 from plexrl_dask.bench.common import median, parser, report
 from plexrl_dask.state_store import StateStore
 
+logger = logging.getLogger(__name__)
+
 TENSOR_SHAPE = (2048, 1024)  # 8 MB of float32
+READS_PER_REP = 3
 
 
 def _state(total_mb: int, seed: int) -> dict[str, torch.Tensor]:
@@ -97,17 +102,23 @@ def tier(root: Path, durable: bool, total_mb: int, reps: int) -> dict[str, float
         t0 = time.perf_counter()
         store.publish("bench", 0, data)
         times["ours_w"].append(time.perf_counter() - t0)
-        if durable:
-            _drop_cache(paths)
-            _drop_cache([p for p in (store_dir / "objects").glob("*/*")])
-        t0 = time.perf_counter()
-        _raw_read(paths)
-        times["raw_r"].append(time.perf_counter() - t0)
-        reader = StateStore(store_dir)
-        t0 = time.perf_counter()
-        got = reader.read_all("bench", 0)
-        times["ours_r"].append(time.perf_counter() - t0)
-        assert all(torch.equal(got[n], data[n]) for n in data)
+        objects = [p for p in (store_dir / "objects").glob("*/*")]
+        # Reads alternate arms three times per repetition (this shared machine's memory
+        # bandwidth drifts within seconds); NVMe: both arms from a cold page cache each time.
+        for _ in range(READS_PER_REP):
+            if durable:
+                _drop_cache(paths)
+            t0 = time.perf_counter()
+            _raw_read(paths)
+            times["raw_r"].append(time.perf_counter() - t0)
+            if durable:
+                _drop_cache(objects)
+            reader = StateStore(store_dir)
+            t0 = time.perf_counter()
+            got = reader.read_all("bench", 0)
+            times["ours_r"].append(time.perf_counter() - t0)
+            assert all(torch.equal(got[n], data[n]) for n in data)
+            del got
         t0 = time.perf_counter()
         _ = {n: t.clone() for n, t in data.items()}
         times["copy"].append(time.perf_counter() - t0)
@@ -115,6 +126,7 @@ def tier(root: Path, durable: bool, total_mb: int, reps: int) -> dict[str, float
         shutil.rmtree(store_dir)
     gb = nbytes / 1e9
     m = {k: median(v) for k, v in times.items()}
+    logger.info("tier samples: %s", {k: [round(x, 3) for x in v] for k, v in times.items()})
     return {
         "write_ratio": m["raw_w"] / m["ours_w"],
         "read_ratio": m["raw_r"] / m["ours_r"],
