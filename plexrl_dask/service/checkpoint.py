@@ -282,37 +282,50 @@ def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict
 
 def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, version: int) -> None:
     """Load parameters (and the optimizer's moments, if ``optimizer``) reading only this
-    rank's shard regions from the store (zero-redundancy resharding from any layout)."""
+    rank's shard regions from the store (zero-redundancy resharding from any layout), all
+    in one batch of chunk reads."""
     from torch.distributed.tensor import DTensor
 
     store, name = ckpt.store, ckpt.model
     stored = store.manifest(name, version).tensors
-
-    def local_of(p: torch.Tensor, key: str) -> torch.Tensor:
+    params = dict(model.named_parameters())
+    owner: dict[str, torch.Tensor] = {}  # store key -> the parameter it belongs to
+    for n, p in params.items():
+        owner[f"model/{n}"] = p
+        if optimizer is not None:
+            for key in stored:
+                if key.startswith(f"optim/{n}/") and key.count("/") == 2:
+                    owner[key] = p
+    regions: dict[str, tuple[slice, ...] | None] = {}
+    empty: dict[str, torch.Tensor] = {}
+    for key, p in owner.items():
+        if stored[key].shape == ():
+            regions[key] = None  # a scalar (Adam's step): the same on every rank
+            continue
         region = shard_region(p)
         if region is not None and any(s.stop - s.start == 0 for s in region if s.start is not None):
-            return torch.empty(tuple(_local(p).shape), dtype=p.dtype)
-        return store.read(name, version, key, region)
+            empty[key] = torch.empty(tuple(_local(p).shape), dtype=p.dtype)  # an empty shard
+        else:
+            regions[key] = region
+    got = {**store.read_many(name, version, regions), **empty}
 
     with torch.no_grad():
-        params = dict(model.named_parameters())
         for n, p in params.items():
-            _local(p).copy_(local_of(p, f"model/{n}").to(p.device, p.dtype))
+            _local(p).copy_(got[f"model/{n}"].to(p.device, p.dtype))
         if optimizer is None:
             return
         for n, p in params.items():
             entries = {}
-            for key in stored:
-                if key.startswith(f"optim/{n}/") and key.count("/") == n.count("/") + 2:
-                    k = key.rsplit("/", 1)[1]
-                    if stored[key].shape == ():
-                        entries[k] = store.read(name, version, key)
-                    else:
-                        local = local_of(p, key).to(p.device)
-                        entries[k] = (
-                            DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                            if hasattr(p, "device_mesh")
-                            else local
-                        )
+            for key in (k for k in owner if k.startswith(f"optim/{n}/")):
+                k = key.rsplit("/", 1)[1]
+                if stored[key].shape == ():
+                    entries[k] = got[key]
+                else:
+                    local = got[key].to(p.device)
+                    entries[k] = (
+                        DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                        if hasattr(p, "device_mesh")
+                        else local
+                    )
             if entries:
                 optimizer.state[p] = entries

@@ -117,14 +117,18 @@ class StoredState:
         when it fits). ``pin_memory``: read into page-locked buffers (CUDA reloads)."""
         with self.node.pinned(self.model, self.version) as (store, where):
             manifest = store.manifest(self.model, self.version)
-            tensors = {}
-            for name, entry in manifest.tensors.items():
-                out = None
-                if pin_memory:
-                    from plexrl_dask.state_store.keys import DTYPES
+            outs = None
+            if pin_memory:
+                from plexrl_dask.state_store.keys import DTYPES
 
-                    out = torch.empty(entry.shape, dtype=DTYPES[entry.dtype][0], pin_memory=True)
-                tensors[name] = store.read(self.model, self.version, name, out=out)
+                outs = {
+                    name: torch.empty(e.shape, dtype=DTYPES[e.dtype][0], pin_memory=True)
+                    for name, e in manifest.tensors.items()
+                }
+            # Every chunk of every tensor at once on the store's I/O threads.
+            tensors = store.read_many(
+                self.model, self.version, dict.fromkeys(manifest.tensors), out=outs
+            )
             self.source = where["source"]
         return unflatten(self.skeleton, tensors)
 
