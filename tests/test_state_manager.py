@@ -32,7 +32,7 @@ from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum
+from plexrl_dask.service.types import Datum
 from plexrl_dask.state_store.manager import (
     LOCK_FILE,
     LOG_FILE,
@@ -41,6 +41,7 @@ from plexrl_dask.state_store.manager import (
     socket_name,
 )
 from plexrl_dask.state_store.node import NodeState, StateConfig
+from tests.test_holder import fb, step, weights
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -781,26 +782,8 @@ def make_holder(worker: str, node: NodeState | None) -> tuple[ReplicaHolder, lis
     return holder, events
 
 
-def batch(k: int) -> list[Datum]:
-    return [Datum(tokens=tuple(5 + (7 * k + 3 * j + i) % 90 for i in range(10))) for j in range(2)]
-
-
 def forward(holder: ReplicaHolder, info: DeploymentInfo) -> Any:
     return holder.run(info, "forward", lambda b: b.forward([Datum(tokens=(1, 5, 6, 7))]))
-
-
-def fb(holder: ReplicaHolder, info: DeploymentInfo, k: int) -> dict:
-    return holder.run(
-        info, "forward_backward", lambda b: b.forward_backward(batch(k), CrossEntropy())
-    )
-
-
-def step(holder: ReplicaHolder, info: DeploymentInfo) -> dict:
-    return holder.run(info, "optim_step", lambda b: b.optim_step(AdamWParams(lr=1e-2)))
-
-
-def weights(holder: ReplicaHolder, info: DeploymentInfo) -> dict[str, torch.Tensor]:
-    return holder.run(info, "get_weights", lambda b: b.get_weights())
 
 
 def stored_as(holder: ReplicaHolder, name: str) -> tuple[str, int]:

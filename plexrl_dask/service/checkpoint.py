@@ -94,15 +94,19 @@ def read_meta(path: str) -> dict[str, Any]:
 def check_compatible(model: torch.nn.Module, path: str) -> None:
     """Refuse a checkpoint whose parameter names or (global) shapes differ from ``model``'s."""
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    shapes = {k.removeprefix("model."): tuple(v.size) for k, v in stored.items() if k.startswith("model.")}
+    _check_parameters(model, shapes, repr(path))
+
+
+def _check_parameters(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Every parameter of ``model`` is in ``shapes`` (a checkpoint's) with its shape."""
     for name, p in model.named_parameters():
-        entry = stored.get(f"model.{name}")
-        if entry is None:
+        shape = shapes.get(name)
+        if shape is None:
+            raise CheckpointIncompatible(f"{where} has no parameter {name!r}: it holds another model")
+        if tuple(shape) != tuple(p.shape):
             raise CheckpointIncompatible(
-                f"{path!r} has no parameter {name!r}: it holds another model"
-            )
-        if tuple(entry.size) != tuple(p.shape):
-            raise CheckpointIncompatible(
-                f"{name}: the checkpoint has shape {tuple(entry.size)}, the model {tuple(p.shape)}"
+                f"{name}: the checkpoint has shape {tuple(shape)}, the model {tuple(p.shape)}"
             )
 
 
@@ -267,16 +271,8 @@ def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict
             f"{ckpt.model!r} v{manifest.version} of {ckpt.store.root} is not a checkpoint "
             f"(format {manifest.meta.get('format')!r})"
         )
-    for name, p in model.named_parameters():
-        entry = manifest.tensors.get(f"model/{name}")
-        if entry is None:
-            raise CheckpointIncompatible(
-                f"{ckpt.model!r} v{manifest.version} has no parameter {name!r}: it holds another model"
-            )
-        if tuple(entry.shape) != tuple(p.shape):
-            raise CheckpointIncompatible(
-                f"{name}: the checkpoint has shape {tuple(entry.shape)}, the model {tuple(p.shape)}"
-            )
+    shapes = {k.removeprefix("model/"): e.shape for k, e in manifest.tensors.items() if k.startswith("model/")}
+    _check_parameters(model, shapes, f"{ckpt.model!r} v{manifest.version}")
     return manifest.version, dict(manifest.meta)
 
 
