@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from plexrl_dask.service.runtime import Deployment, result
 from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams
-from plexrl_dask.tasks.arithmetic import ArithmeticTask, Problem
+from plexrl_dask.tasks.base import Problem, Task
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def problem_datum(deployment: Deployment, p: Problem) -> Datum:
 
 def supervised_warmup(
     deployment: Deployment,
-    task: ArithmeticTask,
+    task: Task,
     steps: int,
     batch_size: int = 32,
     optim: AdamWParams = AdamWParams(lr=3e-3),
@@ -56,7 +56,7 @@ def _finish(pending, step: int, on_step) -> float:
 
 
 def evaluate(
-    deployment: Deployment, task: ArithmeticTask, problems: list[Problem], max_tokens: int = 8
+    deployment: Deployment, task: Task, problems: list[Problem], max_tokens: int = 8
 ) -> float:
     """Greedy accuracy of ``deployment`` on ``problems``."""
     params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=(task.stop,))

@@ -1,5 +1,7 @@
 """Procedural verifiable tasks: generated problems with exact, programmatic verifiers."""
 
-from plexrl_dask.tasks.arithmetic import ArithmeticTask, Problem
+from plexrl_dask.tasks.arithmetic import ArithmeticTask
+from plexrl_dask.tasks.base import Problem, Task
+from plexrl_dask.tasks.countdown import CountdownTask
 
-__all__ = ["ArithmeticTask", "Problem"]
+__all__ = ["ArithmeticTask", "CountdownTask", "Problem", "Task"]

@@ -11,17 +11,9 @@ import random
 from dataclasses import dataclass
 
 from plexrl_dask.errors import ConfigError
+from plexrl_dask.tasks.base import Problem
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A prompt, its reference answer (the exact completion text), and an id."""
-
-    prompt: str
-    answer: str
-    index: int
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,241 @@
+"""GRPO over the public API: a whole RLVR loop on futures, in a few hundred lines.
+
+One step of :class:`GRPOJob`:
+
+1. ``rollout.sample`` ``prompts_per_step`` problems, ``group_size`` completions each, with a
+   seed that is a pure function of ``(job seed, step)`` (and, inside the sampler, of prompt
+   index and sample index): the same job samples the same tokens wherever it runs;
+2. each completion is scored by the task's exact verifier;
+3. **group-normalised advantages**: ``A = (r - mean(group)) / (std(group) + eps)``, so a group
+   whose samples all score alike teaches nothing (and is dropped from the batch);
+4. ``policy.forward_backward`` with :class:`~plexrl_dask.PolicyGradient` (clipped importance
+   ratio; the old log-probabilities are the policy's own, from a ``forward`` before the first
+   epoch, when there is more than one; with one epoch the ratio is exactly 1) and, when
+   ``kl_coef > 0``, the reference model's log-probabilities from ``reference.forward``;
+5. ``policy.optim_step``, then ``runtime.sync_weights(policy, rollout)``.
+
+Pipelining: everything a step submits goes out at once as futures; the PlexRL scheduler keeps
+each deployment's requests in submission order, so the next step's ``sample`` may be submitted
+as soon as this step's weight sync is (it runs after the sync). The driver only waits for what
+it must read: samples (to score them) and the step's metrics.
+
+Colocated jobs sample from the policy itself (``rollout=None``): no weight sync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plexrl_dask.errors import ConfigError
+from plexrl_dask.service.runtime import Deployment, Runtime, result
+from plexrl_dask.service.types import (
+    AdamWParams,
+    Datum,
+    PolicyGradient,
+    SampleResult,
+    SamplingParams,
+)
+from plexrl_dask.tasks.base import Problem, Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """A GRPO job's hyper-parameters (all of what makes two runs comparable)."""
+
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    max_tokens: int = 32
+    lr: float = 1e-4
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    epochs: int = 1
+    seed: int = 0
+    #: Where problems start in the task's index space (keep clear of a warm-up's indices).
+    problem_offset: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if min(self.steps, self.prompts_per_step, self.group_size, self.epochs) < 1:
+            raise ConfigError(f"steps, prompts_per_step, group_size and epochs must be >= 1: {self}")
+        if self.group_size < 2:
+            raise ConfigError("GRPO needs group_size >= 2 (advantages are relative to the group)")
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """GRPO's advantages of one group: rewards centred on the group mean and scaled by the
+    group's standard deviation (population), all 0 when the group's rewards are equal."""
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    if std < eps:
+        return [0.0] * len(rewards)
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+@dataclass
+class StepRecord:
+    """What one step measured (one JSON line of the job's metrics)."""
+
+    job: str
+    step: int
+    reward_mean: float
+    reward_max: float
+    groups_used: int
+    sampled_tokens: int
+    completion_lengths: list[int]
+    loss: float | None
+    grad_norm: float | None
+    version: int
+    wall_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class GRPOJob:
+    """A GRPO job on deployments of a :class:`Runtime` (see the module docstring).
+
+    ``policy`` trains; ``rollout`` samples (``None``: the policy samples, colocated);
+    ``reference`` scores for the KL term (needed when ``config.kl_coef > 0``).
+    ``metrics_path``: a JSONL file getting one line per step, after a first line with the
+    job's config (everything needed to reproduce the run).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        runtime: Runtime,
+        task: Task,
+        policy: Deployment,
+        config: GRPOConfig,
+        rollout: Deployment | None = None,
+        reference: Deployment | None = None,
+        metrics_path: str | Path | None = None,
+    ) -> None:
+        if config.kl_coef > 0 and reference is None:
+            raise ConfigError("kl_coef > 0 needs a reference deployment")
+        self.name = name
+        self.runtime = runtime
+        self.task = task
+        self.policy = policy
+        self.rollout = rollout
+        self.reference = reference
+        self.config = config
+        self.records: list[StepRecord] = []
+        self.metrics_path = Path(metrics_path) if metrics_path is not None else None
+        if self.metrics_path is not None:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            header = {"job": name, "config": asdict(config), "task": repr(task), "policy": policy.name}
+            self.metrics_path.write_text(json.dumps(header) + "\n")
+
+    # --- one step --------------------------------------------------------------------------
+
+    def _sampler(self) -> Deployment:
+        return self.rollout if self.rollout is not None else self.policy
+
+    def _problems(self, step: int) -> list[Problem]:
+        n = self.config.prompts_per_step
+        return self.task.problems(self.config.problem_offset + step * n, n)
+
+    def _submit_sample(self, step: int) -> Any:
+        c = self.config
+        params = SamplingParams(
+            n=c.group_size,
+            temperature=c.temperature,
+            max_tokens=c.max_tokens,
+            stop=(self.task.stop,),
+            seed=(c.seed * 1_000_003 + step) % 2**31,
+        )
+        return self._sampler().sample([p.prompt for p in self._problems(step)], params)
+
+    def _batch(
+        self, problems: list[Problem], out: SampleResult
+    ) -> tuple[list[Datum], list[float], list[int], int]:
+        """Training data (completions with a non-zero advantage), every reward, every
+        completion length, and how many groups taught something."""
+        data: list[Datum] = []
+        rewards: list[float] = []
+        lengths: list[int] = []
+        groups_used = 0
+        for problem, prompt, group in zip(problems, out.prompt_tokens, out.sequences, strict=True):
+            scores = [self.task.reward(problem, s.text) for s in group]
+            rewards.extend(scores)
+            lengths.extend(len(s.tokens) for s in group)
+            advantages = group_advantages(scores)
+            groups_used += any(advantages)
+            for s, adv in zip(group, advantages, strict=True):
+                if adv != 0.0 and s.tokens:
+                    data.append(Datum.from_prompt_completion(prompt, s.tokens, advantage=adv))
+        return data, rewards, lengths, groups_used
+
+    def _train(self, data: list[Datum]) -> tuple[list[Any], Any]:
+        """Submit this step's training (and the weight sync); returns the futures."""
+        c = self.config
+        if c.kl_coef > 0:
+            assert self.reference is not None
+            ref = result(self.reference.forward(data)).logprobs
+            data = [Datum(d.tokens, d.weights, d.advantages, None, tuple(r)) for d, r in zip(data, ref, strict=True)]
+        if c.epochs > 1:
+            old = result(self.policy.forward(data)).logprobs
+            data = [
+                Datum(d.tokens, d.weights, d.advantages, tuple(o), d.ref_logprobs)
+                for d, o in zip(data, old, strict=True)
+            ]
+        loss = PolicyGradient(clip_low=c.clip, clip_high=c.clip, kl_coef=c.kl_coef)
+        futures = []
+        for _ in range(c.epochs):
+            futures.append(self.policy.forward_backward(data, loss))
+            futures.append(self.policy.optim_step(AdamWParams(lr=c.lr)))
+        sync = None
+        if self.rollout is not None:
+            sync = self.runtime.sync_weights(self.policy, self.rollout)
+        return futures, sync
+
+    def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+        """Run ``config.steps`` steps; returns (and appends to ``records``) their records."""
+        c = self.config
+        pending_sample = self._submit_sample(0)
+        for step in range(c.steps):
+            t0 = time.perf_counter()
+            problems = self._problems(step)
+            out = result(pending_sample)
+            data, rewards, lengths, groups_used = self._batch(problems, out)
+            if data:
+                futures, sync = self._train(data)
+            else:  # every group scored alike: nothing to learn from this step
+                futures, sync = [], None
+            if step + 1 < c.steps:
+                pending_sample = self._submit_sample(step + 1)  # runs after the sync
+            metrics = result(futures) if futures else []
+            fb, opt = (metrics[-2], metrics[-1]) if metrics else (None, None)
+            if sync is not None:
+                version = int(result(sync))
+            else:
+                version = int(opt["version"]) if opt is not None else (self.records[-1].version if self.records else 0)
+            record = StepRecord(
+                job=self.name,
+                step=step,
+                reward_mean=sum(rewards) / len(rewards),
+                reward_max=max(rewards),
+                groups_used=groups_used,
+                sampled_tokens=out.num_tokens(),
+                completion_lengths=lengths,
+                loss=None if fb is None else float(fb["loss"]),
+                grad_norm=None if opt is None else float(opt.get("grad_norm", float("nan"))),
+                version=version,
+                wall_s=time.perf_counter() - t0,
+            )
+            self.records.append(record)
+            if self.metrics_path is not None:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps(asdict(record)) + "\n")
+            if on_step is not None:
+                on_step(record)
+        return self.records
