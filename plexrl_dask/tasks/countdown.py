@@ -14,8 +14,9 @@ numbers, ``k`` uniform in ``[2, len(numbers)]``; its reference answer has ``k - 
 each step's length grows with its operands' digits. So correct answers are short or long
 depending on the problem, and a model that has not learned to stop writes on until
 ``max_tokens``: the length distribution of completions is long-tailed for real, from the
-task, not from a ``max_tokens`` trick (see ``plexrl_dask.bench.multiplex`` for the measured
-percentiles).
+task, not from a ``max_tokens`` trick. Reference answers of the default task (4 numbers up to
+12), over 2,000 problems: p50 15, p90 24, p99 28, max 32 characters; a GRPO job records its
+sampled completions' lengths every step (``completion_lengths`` in its metrics).
 
 **Verifier.** Exact: every step must parse, use only values still available, compute
 correctly, and the last result must equal the target. Any deviation scores 0; a correct

@@ -1,0 +1,49 @@
+"""Procedural tasks: reproducible problems, exact verifiers, and answer lengths that vary."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl_dask import errors
+from plexrl_dask.tasks import ArithmeticTask, CountdownTask, Problem
+
+
+def test_countdown_reference_answers_verify_and_problems_are_reproducible():
+    task = CountdownTask(count=4, max_value=12, seed=3)
+    problems = task.problems(0, 300)
+    assert problems == CountdownTask(count=4, max_value=12, seed=3).problems(0, 300)
+    assert problems != CountdownTask(count=4, max_value=12, seed=4).problems(0, 300)
+    for p in problems:
+        assert task.reward(p, p.answer) == 1.0, p
+        numbers = [int(x) for x in p.prompt.rstrip(":").split(">")[0].split()]
+        assert len(numbers) == 4 and all(1 <= n <= 12 for n in numbers)
+    # Answers have 1 to 3 steps: lengths vary with the problem (the long tail's source).
+    steps = {p.answer.strip("\n").count("\n") + 1 for p in problems}
+    assert steps == {1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("7-3=4\n12*4=48\n\n", 1.0),  # the reference route
+        ("12*7=84\n84-3=81\n\n", 0.0),  # valid steps, wrong target
+        ("12*4=48\n\n", 0.0),  # 4 is not given
+        ("7-3=4\n4*12=48", 1.0),  # another order, no stop string yet: still a derivation
+        ("7-3=5\n12*5=60\n\n", 0.0),  # wrong arithmetic
+        ("7-3=4\n7*4=28\n\n", 0.0),  # 7 used twice
+        ("", 0.0),
+        ("the answer is 48\n\n", 0.0),
+        ("7-3=4\n12*4=48\n\nextra", 1.0),  # what follows the stop string is not the answer
+    ],
+)
+def test_countdown_verifier_is_exact(completion, expected):
+    task = CountdownTask()
+    problem = Problem(prompt="3 7 12 5>48:", answer="7-3=4\n12*4=48\n\n", index=0)
+    assert task.reward(problem, completion) == expected
+
+
+def test_bad_task_configs_are_typed_errors():
+    with pytest.raises(errors.ConfigError):
+        CountdownTask(count=1)
+    with pytest.raises(errors.ConfigError):
+        ArithmeticTask(ops="/")
