@@ -6,12 +6,14 @@ import json
 import math
 from dataclasses import dataclass
 
+import dask
 import pytest
 import torch
+from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
-from plexrl_dask.rl import GRPOConfig, GRPOJob, group_advantages
+from plexrl_dask.rl import GRPOConfig, GRPOJob, group_advantages, run_jobs
 from plexrl_dask.tasks import Problem
 from tests.conftest import tiny_spec, unique
 
@@ -97,3 +99,44 @@ def test_a_rerun_with_the_same_seeds_repeats_and_another_seed_differs(runtime):
         runs.append([(r.reward_mean, r.completion_lengths, r.loss) for r in GRPOJob("r", runtime, task, policy, config).run()])
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+@pytest.fixture(scope="module")
+def tight_client():
+    # Room for about two of the six deployments per worker: jobs running together swap state
+    # through the node's store all the time.
+    budget = int(tiny_spec(seed=0).memory_bytes("train") * 2.5)
+    with (
+        dask.config.set({"plexrl.worker.memory-budget": budget}),
+        plexrl.local_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        yield client
+
+
+def three_jobs(client, tag: str) -> list[GRPOJob]:
+    jobs = []
+    for k in range(3):
+        runtime = plexrl.Runtime(client, job=f"{tag}-{k}")
+        spec = tiny_spec(seed=20 + k)
+        policy = runtime.deploy(unique(f"{tag}-policy{k}"), spec)
+        rollout = runtime.deploy(unique(f"{tag}-rollout{k}"), spec, role="rollout")
+        config = GRPOConfig(steps=3, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=k)
+        jobs.append(GRPOJob(f"job{k}", runtime, FirstCharIsDigit(), policy, config, rollout=rollout))
+    return jobs
+
+
+def test_jobs_multiplexed_on_one_pool_compute_exactly_what_they_compute_alone(tight_client):
+    together = run_jobs(three_jobs(tight_client, "mux"))
+    alone = {job.name: job.run() for job in three_jobs(tight_client, "solo")}
+    runtime = plexrl.Runtime(tight_client, job="check")
+    offloads = sum(
+        runtime.holder(w).status().result(timeout=30)["counters"]["offloads"]
+        for w in runtime.status()["workers"]
+    )
+    assert offloads > 0  # the pool really swapped jobs' state in and out
+    for name, records in alone.items():
+        assert all(r.loss is not None for r in records)
+        got = [(r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in together[name]]
+        want = [(r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in records]
+        assert got == want, name

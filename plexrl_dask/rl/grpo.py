@@ -239,3 +239,26 @@ class GRPOJob:
             if on_step is not None:
                 on_step(record)
         return self.records
+
+
+def run_jobs(
+    jobs: list[GRPOJob],
+    on_step: Callable[[StepRecord], None] | None = None,
+    timeout: float | None = None,
+) -> dict[str, list[StepRecord]]:
+    """Run several jobs at once from one driver (each on its own thread: a job waits only
+    on its own futures), sharing whatever deployments and workers the runtime gave them; the
+    scheduler plugin interleaves their requests. Returns each job's records by name; the
+    first job error is raised once all jobs have stopped. ``timeout`` bounds the whole run
+    (default: ``plexrl.request.timeout`` per step times the longest job's steps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from plexrl_dask import config as plexrl_config
+
+    if len({j.name for j in jobs}) != len(jobs):
+        raise ConfigError("jobs run together need distinct names")
+    if timeout is None:
+        timeout = plexrl_config.request_timeout() * max(j.config.steps for j in jobs)
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="plexrl-job") as pool:
+        futures = {j.name: pool.submit(j.run, on_step) for j in jobs}
+        return {name: f.result(timeout=timeout) for name, f in futures.items()}
