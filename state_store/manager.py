@@ -46,7 +46,7 @@ its staging directory *before* looking it up or writing it, and collection check
 age again right before deleting it (see :meth:`StateStore.gc`). Eviction therefore frees
 exactly the victim's unshared bytes, and a victim that would free nothing is skipped.
 
-**Pins across manager deaths.** Each client also records its pins and open writes in
+**Pins across manager deaths.** Each client also records its pins in
 ``<dram>/clients/<pid>.json`` at every change; a manager honours the records of live
 processes, so a successor started by another client never evicts what a client of its
 predecessor is reading, before or after that client reconnects.
@@ -87,7 +87,7 @@ START_LOCK_FILE = "start.lock"
 ERROR_FILE = "manager.error"
 LOG_FILE = "manager.log"
 OWNER_FILE = "owner.json"
-#: <dram>/clients/<pid>.json: a client's pins and open writes (TierManager._absent_clients)
+#: <dram>/clients/<pid>.json: a client's pins (TierManager._absent_clients)
 CLIENTS_DIR = "clients"
 STORE_DIR = "store"  # a tier's store, beside the manager's files in the tier directory
 TIERS = ("dram", "nvme")
@@ -234,17 +234,18 @@ class TierManager:
             if published is not None:
                 self.last_used[tuple(published)] = time.time()  # type: ignore[index]
 
-    def _pinned(self, key: Key) -> bool:
+    def _pinned(self, key: Key, recorded: set[Key] | None = None) -> bool:
+        """Pinned by a connected client, or in a live client's record (``recorded``: those
+        records' pins, when the caller read them once for many keys)."""
         if key in self.pins:
             return True
-        return any(
-            (m, int(v)) == key
-            for record in self._absent_clients()
-            for m, v, _ in record.get("pins", [])
-        )
+        return key in (self._recorded_pins() if recorded is None else recorded)
+
+    def _recorded_pins(self) -> set[Key]:
+        return {(m, int(v)) for r in self._absent_clients() for m, v, _ in r.get("pins", [])}
 
     def _absent_clients(self) -> list[dict[str, Any]]:
-        """Pins and open writes that live client processes recorded in the DRAM directory
+        """Pins that live client processes recorded in the DRAM directory
         (:mod:`.node` rewrites its record at every change). They survive this manager: its
         successor honours them before the clients reconnect and register again, and while
         they do (so no eviction slips in between)."""
@@ -411,12 +412,13 @@ class TierManager:
         copy and gain no room."""
         tried: set[Key] = set()
         while not self._fits("dram", nbytes):
+            recorded = self._recorded_pins()
             with self._lock:
                 victims = sorted(
                     (
                         k
                         for k in self._dram_versions()
-                        if not self._pinned(k) and not self._busy[k] and k not in tried
+                        if not self._pinned(k, recorded) and not self._busy[k] and k not in tried
                     ),
                     key=lambda k: self.last_used.get(k, 0.0),
                 )

@@ -242,17 +242,15 @@ class NodeState:
             self._record()
 
     def _record(self) -> None:
-        """Write this process's pins and open writes where a manager started after the death of
-        the one that knew them honours them until this process reconnects (``clients/<pid>``
-        in the DRAM directory; a few hundred bytes on shared memory)."""
+        """Write this process's pins where any manager honours them while this process lives,
+        including one started after the death of the manager that knew them (``clients/<pid>``
+        in the DRAM directory; a few hundred bytes on shared memory). Open writes need no
+        record: they record the objects they use in their staging directory."""
         path = self.dram_path / CLIENTS_DIR / f"{os.getpid()}.json"
-        if not self._pins and not self._leases:
+        if not self._pins:
             path.unlink(missing_ok=True)
             return
-        record = {
-            "pins": [[m, v, n] for (m, v), n in self._pins.items()],
-            "leases": [[lease.tier, lease.started] for lease in self._leases.values()],
-        }
+        record = {"pins": [[m, v, n] for (m, v), n in self._pins.items()]}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(record))
@@ -343,7 +341,6 @@ class NodeState:
         )
         with self._lock:
             self._leases[lease.id] = lease
-            self._record()
         return lease
 
     def release(
@@ -351,7 +348,6 @@ class NodeState:
     ) -> None:
         with self._lock:
             self._leases.pop(lease.id, None)
-            self._record()
         self.call(
             "release",
             lease=lease.id,
