@@ -68,6 +68,7 @@ def test_split_and_colocated_jobs_are_bit_identical(runtime, tmp_path):
     assert [r.step for r in split] == [0, 1, 2]
     assert all(r.loss is not None and r.groups_used > 0 for r in split)  # every step trained
     assert [r.version for r in split] == [1, 2, 3]
+    assert [r.sampled_with for r in split] == [r.sampled_with for r in colocated] == [0, 1, 2]
     for a, b in zip(split, colocated, strict=True):
         assert (a.reward_mean, a.completion_lengths, a.loss, a.grad_norm, a.version) == (
             b.reward_mean,
@@ -140,3 +141,26 @@ def test_jobs_multiplexed_on_one_pool_compute_exactly_what_they_compute_alone(ti
         got = [(r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in together[name]]
         want = [(r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in records]
         assert got == want, name
+
+
+def test_split_async_samples_one_version_behind_and_corrects_for_it(runtime):
+    spec = tiny_spec(seed=13)
+    task = FirstCharIsDigit()
+    config = GRPOConfig(steps=4, prompts_per_step=6, group_size=8, max_tokens=6, lr=1e-2, seed=3, staleness=1)
+    policy = runtime.deploy(unique("grpo-async-policy"), spec)
+    rollout = runtime.deploy(unique("grpo-async-rollout"), spec, role="rollout")
+    records = GRPOJob("async", runtime, task, policy, config, rollout=rollout).run()
+    # Step k trains version k on samples drawn with version k - 1 (the first step: version 0).
+    assert [r.sampled_with for r in records] == [0, 0, 1, 2]
+    assert [r.version for r in records] == [1, 2, 3, 4]
+    assert plexrl.result(rollout.get_weights()).version == 4  # and ends with the final weights
+    # Its first step equals the synchronous job's (same samples, same weights); the second
+    # already differs (its samples came from the old weights).
+    sync_policy = runtime.deploy(unique("grpo-sync-policy"), spec)
+    sync_rollout = runtime.deploy(unique("grpo-sync-rollout"), spec, role="rollout")
+    synchronous = GRPOJob("sync", runtime, task, sync_policy, GRPOConfig(**{**config.__dict__, "staleness": 0}), rollout=sync_rollout).run()
+    assert [r.sampled_with for r in synchronous] == [0, 1, 2, 3]
+    assert records[0].completion_lengths == synchronous[0].completion_lengths
+    assert records[0].loss == pytest.approx(synchronous[0].loss, abs=1e-6)  # ratio ~1 vs exactly 1
+    with pytest.raises(errors.ConfigError, match="rollout"):
+        GRPOJob("bad", runtime, task, policy, config)

@@ -19,7 +19,10 @@ each deployment's requests in submission order, so the next step's ``sample`` ma
 as soon as this step's weight sync is (it runs after the sync). The driver only waits for what
 it must read: samples (to score them) and the step's metrics.
 
-Colocated jobs sample from the policy itself (``rollout=None``): no weight sync.
+Modes, same job code: **colocated** samples from the policy itself (``rollout=None``, no weight
+sync); **split** samples from a rollout deployment synced every step; **split-async**
+(``staleness=1``) lets the rollout run one step ahead (see :meth:`GRPOJob.run`). Several jobs
+run together on one pool with :func:`run_jobs` (multiplexed).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class GRPOConfig:
     clip: float = 0.2
     kl_coef: float = 0.0
     epochs: int = 1
+    #: 0: synchronous (on-policy); 1: split-async, the rollout one step ahead.
+    staleness: int = 0
     seed: int = 0
     #: Where problems start in the task's index space (keep clear of a warm-up's indices).
     problem_offset: int = 1_000_000
@@ -67,6 +72,8 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if min(self.steps, self.prompts_per_step, self.group_size, self.epochs) < 1:
             raise ConfigError(f"steps, prompts_per_step, group_size and epochs must be >= 1: {self}")
+        if self.staleness not in (0, 1):
+            raise ConfigError(f"staleness is 0 (synchronous) or 1 (split-async), got {self.staleness}")
         if self.group_size < 2:
             raise ConfigError("GRPO needs group_size >= 2 (advantages are relative to the group)")
 
@@ -94,7 +101,8 @@ class StepRecord:
     completion_lengths: list[int]
     loss: float | None
     grad_norm: float | None
-    version: int
+    version: int  # the policy's version after this step
+    sampled_with: int  # the version of the weights that drew this step's samples
     wall_s: float
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -121,6 +129,8 @@ class GRPOJob:
     ) -> None:
         if config.kl_coef > 0 and reference is None:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
+        if config.staleness and rollout is None:
+            raise ConfigError("a split-async job (staleness 1) needs a rollout deployment")
         self.name = name
         self.runtime = runtime
         self.task = task
@@ -175,50 +185,72 @@ class GRPOJob:
                     data.append(Datum.from_prompt_completion(prompt, s.tokens, advantage=adv))
         return data, rewards, lengths, groups_used
 
-    def _train(self, data: list[Datum]) -> tuple[list[Any], Any]:
-        """Submit this step's training (and the weight sync); returns the futures."""
+    def _train(self, data: list[Datum], old: Any = None) -> list[Any]:
+        """Submit this step's training; returns its futures. ``old``: a future of the
+        behaviour policy's log-probabilities of ``data`` (split-async)."""
         c = self.config
         if c.kl_coef > 0:
             assert self.reference is not None
             ref = result(self.reference.forward(data)).logprobs
             data = [Datum(d.tokens, d.weights, d.advantages, None, tuple(r)) for d, r in zip(data, ref, strict=True)]
-        if c.epochs > 1:
-            old = result(self.policy.forward(data)).logprobs
+        if old is None and c.epochs > 1:
+            old = self.policy.forward(data)
+        if old is not None:
             data = [
                 Datum(d.tokens, d.weights, d.advantages, tuple(o), d.ref_logprobs)
-                for d, o in zip(data, old, strict=True)
+                for d, o in zip(data, result(old).logprobs, strict=True)
             ]
         loss = PolicyGradient(clip_low=c.clip, clip_high=c.clip, kl_coef=c.kl_coef)
         futures = []
         for _ in range(c.epochs):
             futures.append(self.policy.forward_backward(data, loss))
             futures.append(self.policy.optim_step(AdamWParams(lr=c.lr)))
-        sync = None
-        if self.rollout is not None:
-            sync = self.runtime.sync_weights(self.policy, self.rollout)
-        return futures, sync
+        return futures
+
+    def _sync(self) -> Any:
+        """Submit a weight sync policy -> rollout (None when colocated); its result is the
+        version the rollout then holds."""
+        return None if self.rollout is None else self.runtime.sync_weights(self.policy, self.rollout)
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
-        """Run ``config.steps`` steps; returns (and appends to ``records``) their records."""
+        """Run ``config.steps`` steps; returns (and appends to ``records``) their records.
+
+        ``staleness=0`` (synchronous): step ``k`` trains on samples of version ``k`` (the
+        policy after ``k`` steps); the next sample is submitted behind the weight sync.
+        ``staleness=1`` (split-async): the rollout runs ahead by exactly one step: once step
+        ``k``'s samples (drawn with version ``k - 1``) are in, the policy's current weights
+        (version ``k``) are synced and step ``k + 1`` samples while step ``k`` trains; the
+        importance ratio uses the behaviour policy's log-probabilities, scored by the rollout
+        before it takes the new weights."""
         c = self.config
-        pending_sample = self._submit_sample(0)
+        ahead = c.staleness == 1
+        pending, pending_version = self._submit_sample(0), 0
         for step in range(c.steps):
             t0 = time.perf_counter()
             problems = self._problems(step)
-            out = result(pending_sample)
+            out = result(pending)
+            if self.rollout is None:  # colocated: the policy samples with its current weights
+                sampled_with = self.records[-1].version if self.records else 0
+            elif isinstance(pending_version, int):
+                sampled_with = pending_version
+            else:
+                sampled_with = int(result(pending_version))
             data, rewards, lengths, groups_used = self._batch(problems, out)
-            if data:
-                futures, sync = self._train(data)
-            else:  # every group scored alike: nothing to learn from this step
-                futures, sync = [], None
-            if step + 1 < c.steps:
-                pending_sample = self._submit_sample(step + 1)  # runs after the sync
+            old = None
+            if ahead and data:
+                assert self.rollout is not None
+                old = self.rollout.forward(data)  # (queued before the sync below: old weights)
+            if ahead and step + 1 < c.steps:
+                sync = self._sync()
+                pending, pending_version = self._submit_sample(step + 1), sync
+            futures = self._train(data, old) if data else []
+            if not ahead and step + 1 < c.steps:
+                sync = self._sync() if futures else None
+                pending = self._submit_sample(step + 1)  # runs after the sync
+                pending_version = sync if sync is not None else sampled_with
             metrics = result(futures) if futures else []
             fb, opt = (metrics[-2], metrics[-1]) if metrics else (None, None)
-            if sync is not None:
-                version = int(result(sync))
-            else:
-                version = int(opt["version"]) if opt is not None else (self.records[-1].version if self.records else 0)
+            version = int(opt["version"]) if opt is not None else (self.records[-1].version if self.records else 0)
             record = StepRecord(
                 job=self.name,
                 step=step,
@@ -230,6 +262,7 @@ class GRPOJob:
                 loss=None if fb is None else float(fb["loss"]),
                 grad_norm=None if opt is None else float(opt.get("grad_norm", float("nan"))),
                 version=version,
+                sampled_with=sampled_with,
                 wall_s=time.perf_counter() - t0,
             )
             self.records.append(record)
@@ -238,6 +271,8 @@ class GRPOJob:
                     f.write(json.dumps(asdict(record)) + "\n")
             if on_step is not None:
                 on_step(record)
+        if self.rollout is not None:
+            result(self._sync())  # the rollout ends with the final weights
         return self.records
 
 
