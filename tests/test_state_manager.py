@@ -29,7 +29,6 @@ import pytest
 import torch
 
 from plexrl_dask import errors
-from plexrl_dask.models import ModelSpec
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.types import Datum
@@ -41,7 +40,7 @@ from plexrl_dask.state_store.manager import (
     socket_name,
 )
 from plexrl_dask.state_store.node import NodeState, StateConfig
-from tests.test_holder import fb, step, weights
+from tests.test_holder import fb, make_info, spec, step, weights
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -749,24 +748,6 @@ def test_client_of_a_stopping_manager_starts_the_next_one(tiers):
 
 
 # --- replica holders offloading into the node's store -------------------------------------------
-
-
-def spec(seed: int = 0) -> ModelSpec:
-    return ModelSpec.tiny(hidden_size=32, num_layers=1, seed=seed)
-
-
-def make_info(name: str, seed: int = 0, uid: str | None = None) -> DeploymentInfo:
-    s = spec(seed)
-    return DeploymentInfo(
-        name=name,
-        uid=uid or f"uid-{name}",
-        spec=s,
-        role="train",
-        backend="torch",
-        owner="test",
-        memory_bytes=s.memory_bytes("train"),
-        workers=("w1", "w2"),
-    )
 
 
 def make_holder(worker: str, node: NodeState | None) -> tuple[ReplicaHolder, list[dict]]:
