@@ -1163,3 +1163,20 @@ def test_a_gang_with_the_best_ratio_holds_its_free_worker_but_lets_short_work_ba
     free = Dispatcher(CALM, workers=["w0", "w1"])
     free.add(req("long", "w1", s=3.0))
     assert names(free.decide(0.0)) == ["long"]
+
+
+def test_a_read_waiting_for_its_replica_moves_when_that_worker_dies():
+    """Regression (found by the HRRS oracle in CI): a data-parallel read waits for the busy
+    worker that holds its model; when that worker died, nothing re-examined the read, which
+    then never started on the idle replica."""
+    rmap = ResidencyMap()
+    rmap.apply(ResidencyReport("m1", 0, "hbm", 0, 0.0, worker="w0"))
+    sizes = {"m1": 10**9}
+    costs = SetupCosts(rmap, Estimates(), lambda m: sizes.get(m, 0))
+    policy = DispatchPolicy(setup_weight=0.0, patience_factor=0.0, patience_floor_s=1e9)
+    d = Dispatcher(policy, costs, ("w0", "w1"))
+    d.add(Request("r0", (("w0",),), arrival=0.0, service_s=0.1, deployment="m0"))
+    d.add(Request("r1", (("w0",), ("w1",)), arrival=0.0, service_s=0.1, deployment="m1"))
+    assert [x.request.request for x in d.decide(0.0)] == ["r0"]  # r1 waits for w0
+    d.remove_worker("w0")
+    assert [(x.request.request, x.group) for x in d.decide(0.0)] == [("r1", ("w1",))]

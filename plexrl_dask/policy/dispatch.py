@@ -261,7 +261,13 @@ class Dispatcher:
             self._stranded_retry()
 
     def remove_worker(self, worker: str) -> None:
-        """``worker`` left: it runs nothing, and urgent requests that reserved it choose again."""
+        """``worker`` left: it runs nothing, urgent requests that reserved it choose again, and
+        heads that could run on it are looked at again on their other workers (one may have
+        been waiting for this worker to free up: see :meth:`_best_group`)."""
+        for order in self._eligible.get(worker, ()):
+            queue = self._queues.get(order)
+            if queue:
+                self._dirty.update(queue[0].workers)
         self._live.discard(worker)
         self._free.discard(worker)
         self._busy.pop(worker, None)
