@@ -1355,11 +1355,6 @@ class StateStore:
         closed writers' parts and the records of use of publishes in progress (staging
         directories active within ``staging_grace_s``; older ones are abandoned)."""
         live: set[str] = set()
-        for model in self.models():
-            for version in self.versions(model):
-                if (model, version) != exclude:
-                    with contextlib.suppress(VersionNotFound):
-                        live |= self.manifest(model, version).digests()
         now = time.time()
         staging_root = self.root / "staging"
         for st in staging_root.glob("*/*") if staging_root.is_dir() else ():
@@ -1369,6 +1364,13 @@ class StateStore:
             for part in (st / "parts").glob("*.json"):
                 with contextlib.suppress(FileNotFoundError, ValueError):
                     live.update(json.loads(part.read_text())["pointers"].values())
+        # Versions after staging: a publish renames its staging directory into versions/, so
+        # one that moves while we look is seen on one side or the other, never on neither.
+        for model in self.models():
+            for version in self.versions(model):
+                if (model, version) != exclude:
+                    with contextlib.suppress(VersionNotFound):
+                        live |= self.manifest(model, version).digests()
         return live
 
     def gc(self, grace_s: float = 3600.0, staging_grace_s: float = 3600.0) -> dict[str, int]:
