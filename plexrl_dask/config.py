@@ -42,6 +42,7 @@ class WorkerConfig:
     device: str
     memory_budget: int | None  # None: decided from the device ("auto")
     gpu_resource: str
+    timeline_length: int = 10_000
 
     @classmethod
     def from_dask_config(cls) -> WorkerConfig:
@@ -51,6 +52,7 @@ class WorkerConfig:
             device=str(get("worker.device")),
             memory_budget=None if budget in (None, "auto") else int(parse_bytes(budget)),
             gpu_resource=str(get("worker.gpu-resource")),
+            timeline_length=int(get("worker.timeline-length")),
         )
 
 

@@ -179,6 +179,10 @@ class PublishIncomplete(StateStoreError):
     """A publish lacks parts or chunks: the version did not become visible."""
 
 
+class StoreBusy(StateStoreError, TimeoutError):
+    """A store's collection lock stayed taken past its bound (nothing was changed)."""
+
+
 class TierInUse(StateStoreError):
     """A tier path is owned by another node's StateManager (its lease is live): two nodes must
     never share one NVMe tier, whose placement and eviction assume a single owner."""

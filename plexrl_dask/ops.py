@@ -312,7 +312,9 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
                 f"weights published on node {ref.get('node')!r} cannot be read on node {node.node_id!r}"
             )
         with node.pinned(str(ref["model"]), int(ref["version"]), promote=True) as (store, _):
-            return backend.load_weights(StoreCheckpoint(store, str(ref["model"]), int(ref["version"])))
+            return backend.load_weights(
+                StoreCheckpoint(store, str(ref["model"]), int(ref["version"]))
+            )
 
     return _run(deployment, "load_weights", call)
 
@@ -349,8 +351,10 @@ def _checkpoint_source(
     if isinstance(ckpt, Mapping):
         if ckpt.get("format") == "dcp":
             return str(ckpt["path"])
-        path, model, version = str(ckpt["path"]), model or ckpt.get("model"), (
-            ckpt.get("version") if version is None else version
+        path, model, version = (
+            str(ckpt["path"]),
+            model or ckpt.get("model"),
+            (ckpt.get("version") if version is None else version),
         )
     else:
         path = os.fspath(ckpt)

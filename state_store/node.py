@@ -167,7 +167,9 @@ class NodeState:
                 proc: subprocess.Popen | None = None
                 while not self._connect_once():
                     if proc is not None and proc.poll() is not None:
-                        self._raise_start_failure(proc.returncode)  # (returns if it lost the election)
+                        self._raise_start_failure(
+                            proc.returncode
+                        )  # (returns if it lost the election)
                         proc = None
                     if proc is None and not self._manager_alive():
                         # None running, or the last one has just let go of its lock: start one.

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import itertools
 import json
@@ -69,6 +70,7 @@ from plexrl_dask.errors import (
     NotAStore,
     PublishIncomplete,
     StateMismatch,
+    StoreBusy,
     TensorNotFound,
     TierFull,
     VersionConflict,
@@ -162,6 +164,8 @@ class IOStats:
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+#: Bound on waiting for a store's collection lock (a collection walks every object once).
+_COLLECTION_LOCK_TIMEOUT_S = 120.0
 
 
 _SCRATCH = threading.local()
@@ -312,7 +316,9 @@ class Objects:
                             os.fsync(fd)
                         # linkat(..., AT_SYMLINK_FOLLOW): CPython uses linkat (which follows
                         # the /proc link to the open file) only when given a dir fd.
-                        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dirfd, follow_symlinks=True)
+                        os.link(
+                            f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dirfd, follow_symlinks=True
+                        )
                         return True
                     finally:
                         os.close(fd)
@@ -338,11 +344,15 @@ class Objects:
         try:
             fd = os.open(self.path(digest), os.O_RDONLY)
         except FileNotFoundError:
-            raise CorruptState(f"{what}: chunk object {digest} is missing from {self.root}") from None
+            raise CorruptState(
+                f"{what}: chunk object {digest} is missing from {self.root}"
+            ) from None
         try:
             size = os.fstat(fd).st_size
             if size != len(out):
-                raise CorruptState(f"{what}: chunk object {digest} has {size} bytes, expected {len(out)}")
+                raise CorruptState(
+                    f"{what}: chunk object {digest} has {size} bytes, expected {len(out)}"
+                )
             done = 0
             while done < size:
                 got = os.readv(fd, [out[done:]])
@@ -377,23 +387,6 @@ class Objects:
             )
         self.stats.add(bytes_read=len(data), chunks_read=1)
         return data
-
-    def delete(self, digest: str, older_than: float | None = None) -> int:
-        """Remove an object (only if not touched since ``older_than``: a writer reusing it
-        refreshes its age); returns the bytes freed."""
-        path = self.path(digest)
-        try:
-            st = path.stat()
-            if older_than is not None and st.st_mtime >= older_than:
-                return 0
-            n = st.st_size
-            path.unlink()
-        except FileNotFoundError:
-            return 0
-        with self._lock:
-            if self._used is not None:
-                self._used -= n
-        return n
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -570,11 +563,18 @@ def _ensure_array_metadata(
     try:
         existing = json.loads(path.read_text())
     except FileNotFoundError:
-        _write_file(path, json.dumps(_array_metadata(shape, dtype, chunks), indent=2).encode(), durable=False)
+        _write_file(
+            path,
+            json.dumps(_array_metadata(shape, dtype, chunks), indent=2).encode(),
+            durable=False,
+        )
         return
     except ValueError:
         return  # another writer's file mid-replace cannot be seen (atomic rename): unreachable
-    if tuple(existing["shape"]) != tuple(shape) or existing["attributes"].get("logical_dtype") != dtype:
+    if (
+        tuple(existing["shape"]) != tuple(shape)
+        or existing["attributes"].get("logical_dtype") != dtype
+    ):
         raise StateMismatch(
             f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "
             f"it as {tuple(existing['shape'])} {existing['attributes'].get('logical_dtype')}"
@@ -1033,10 +1033,30 @@ class StateStore:
                     )
             fragments.extend(part["fragments"])
         _check_fragments_cover(tensors, fragments, pointers, f"{model!r} v{version}")
+        # From here to the rename into place, no collection runs (see gc): the objects this
+        # publish deduplicated against cannot vanish under it.
+        with self._collection_lock(shared=True):
+            return self._commit_locked(staging, model, version, tensors, pointers, fragments, meta)
+
+    def _commit_locked(
+        self,
+        staging: Path,
+        model: str,
+        version: int,
+        tensors: dict[str, dict[str, Any]],
+        pointers: dict[str, str],
+        fragments: list[dict[str, Any]],
+        meta: dict[str, Any] | None,
+    ) -> Manifest:
         touched = _Touched(staging / "touched" / f"commit-{uuid.uuid4().hex}")
         pending = staging / "pending" if self.durable else None
         zstore = _VersionZarrStore(
-            staging / "arrays", self.objects, pointers, read_only=False, touch=touched, pending=pending
+            staging / "arrays",
+            self.objects,
+            pointers,
+            read_only=False,
+            touch=touched,
+            pending=pending,
         )
         for frag in fragments:  # sequential read-modify-write of the shared boundary chunks
             t = tensors[frag["name"]]
@@ -1062,9 +1082,14 @@ class StateStore:
                 )
             entries[name] = TensorEntry(name, shape, t["dtype"], chunks, digests)
         self._settle(staging)
-        # Every object is still there (a collection racing this publish would show here, as a
-        # typed refusal, never as a visible version with a hole).
-        gone = [d for e in entries.values() for d in e.chunk_digests.values() if not self.objects.path(d).exists()]
+        # Every object is there (a defect elsewhere would show here as a typed refusal, never
+        # as a visible version with a hole).
+        gone = [
+            d
+            for e in entries.values()
+            for d in e.chunk_digests.values()
+            if not self.objects.path(d).exists()
+        ]
         if gone:
             raise PublishIncomplete(
                 f"{model!r} v{version}: {len(gone)} chunk objects vanished before the commit (collected?); publish again"
@@ -1233,11 +1258,15 @@ class StateStore:
                 raise CorruptState(f"{what}: not in the manifest")
             origin = [i * c for i, c in zip(idx, entry.chunks, strict=True)]
             whole = all(
-                a <= o and o + c <= b for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
+                a <= o and o + c <= b
+                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
             )
             if whole and dst_array.ndim:
                 dst_view = dst_array[
-                    tuple(slice(o - a, o - a + c) for (a, _), o, c in zip(bounds, origin, entry.chunks, strict=True))
+                    tuple(
+                        slice(o - a, o - a + c)
+                        for (a, _), o, c in zip(bounds, origin, entry.chunks, strict=True)
+                    )
                 ]
                 if dst_view.flags.c_contiguous:  # straight into the output, no second copy
                     self.objects.get_into(digest, what, memoryview(dst_view).cast("B"))
@@ -1307,7 +1336,9 @@ class StateStore:
                     os.utime(self.objects.path(digest))
                     return 0
             data = src.objects.get(digest, f"{model!r} v{version} (copy to {self.root})")
-            if self.objects.put(data, pending=pending) != digest:  # pragma: no cover - get() verified it
+            if (
+                self.objects.put(data, pending=pending) != digest
+            ):  # pragma: no cover - get() verified it
                 raise CorruptState(f"{model!r} v{version}: object {digest} changed while copied")
             return len(data)
 
@@ -1319,8 +1350,14 @@ class StateStore:
             staging.mkdir(parents=True, exist_ok=True)
             _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
             touched.close()
-            self._settle(staging)
-            self._finish_publish(staging, model, version, manifest)
+            with self._collection_lock(shared=True):
+                self._settle(staging)
+                gone = [d for d in manifest.digests() if not self.objects.path(d).exists()]
+                if gone:  # pragma: no cover - the protocol of gc() rules it out
+                    raise PublishIncomplete(
+                        f"copy of {model!r} v{version}: {len(gone)} objects vanished"
+                    )
+                self._finish_publish(staging, model, version, manifest)
         finally:
             touched.close()
             if staging.exists():
@@ -1350,7 +1387,9 @@ class StateStore:
                         counts[digest] = counts.get(digest, 0) + 1
         return counts
 
-    def live_digests(self, exclude: tuple[str, int] | None = None, staging_grace_s: float = 3600.0) -> set[str]:
+    def live_digests(
+        self, exclude: tuple[str, int] | None = None, staging_grace_s: float = 3600.0
+    ) -> set[str]:
         """Every object something may still refer to: published versions (but ``exclude``),
         closed writers' parts and the records of use of publishes in progress (staging
         directories active within ``staging_grace_s``; older ones are abandoned)."""
@@ -1378,10 +1417,14 @@ class StateStore:
         ``grace_s``; remove staging directories inactive for ``staging_grace_s`` (a crashed
         publish).
 
-        Exact without a grace period: a publish in progress records each object it uses in
-        its staging directory *before* it looks the object up or writes it, and an object is
-        deleted only if its age, checked again just before the deletion, predates this
-        collection (a writer that found it meanwhile refreshed its age)."""
+        Exact without a grace period. A writer records each object it uses in its staging
+        directory *before* it looks the object up (and writes it when absent); a commit
+        verifies and names its objects under a shared lock. A collection holds that lock
+        exclusively and: takes the live set; renames every other object out of the way;
+        takes the live set again; renames back what became live meanwhile (a writer that
+        found it before the rename recorded it before, so the second look sees it; a writer
+        that looked after the rename found nothing and wrote its own copy) and deletes the
+        rest. No commit can see the objects renamed in between."""
         now = time.time()
         keep_after = now - grace_s
         removed_staging = 0
@@ -1390,29 +1433,43 @@ class StateStore:
             if not st.parent.name.startswith(".") and now - _last_activity(st) > staging_grace_s:
                 shutil.rmtree(st, ignore_errors=True)
                 removed_staging += 1
-        live = self.live_digests(staging_grace_s=staging_grace_s)
-        freed = deleted = kept = 0
         objects_root = self.root / "objects"
-        for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
-            if path.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):
-                    if now - path.stat().st_mtime > staging_grace_s:
+        freed = deleted = 0
+        with self._collection_lock(shared=False):
+            live = self.live_digests(staging_grace_s=staging_grace_s)
+            doomed: list[tuple[Path, Path, int]] = []
+            for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                if path.name.startswith("."):
+                    if now - st.st_mtime > staging_grace_s:
                         path.unlink(missing_ok=True)  # a temporary of a crashed writer
-                continue
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            gone = 0
-            if path.name not in live and st.st_mtime < keep_after:
-                gone = self.objects.delete(path.name, older_than=keep_after)
-            if gone:
-                freed += gone
-                deleted += 1
-            else:
-                kept += st.st_size
-        with self.objects._lock:
-            self.objects._used = kept  # a full walk: exact again, whoever wrote meanwhile
+                    continue
+                if path.name in live or st.st_mtime >= keep_after:
+                    continue
+                aside = path.with_name(f".gc-{path.name}-{uuid.uuid4().hex[:8]}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(path, aside)
+                    doomed.append((path, aside, st.st_size))
+            if doomed:
+                live = self.live_digests(staging_grace_s=staging_grace_s)
+            for path, aside, size in doomed:
+                if path.name in live:
+                    with contextlib.suppress(FileExistsError):  # a writer stored it again
+                        os.link(aside, path)
+                else:
+                    freed += size
+                    deleted += 1
+                aside.unlink(missing_ok=True)
+            kept = 0
+            for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
+                if not path.name.startswith("."):
+                    with contextlib.suppress(FileNotFoundError):
+                        kept += path.stat().st_size
+            with self.objects._lock:
+                self.objects._used = kept  # a full walk: exact again, whoever wrote meanwhile
         return {
             "objects_deleted": deleted,
             "bytes_freed": freed,
@@ -1420,6 +1477,30 @@ class StateStore:
             "objects_live": len(live),
             "object_bytes": kept,
         }
+
+    @contextlib.contextmanager
+    def _collection_lock(self, shared: bool) -> Any:
+        """The store's collection lock (an ``flock`` on ``<root>/gc.lock``, across
+        processes): shared by commits, exclusive for :meth:`gc`. Waits at most
+        ``_COLLECTION_LOCK_TIMEOUT_S``, then raises :class:`StoreBusy`."""
+        fd = os.open(self.root / "gc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+            deadline = time.monotonic() + _COLLECTION_LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, mode)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreBusy(
+                            f"store {self.root}: the collection lock stayed taken for "
+                            f"{_COLLECTION_LOCK_TIMEOUT_S:.0f}s; nothing was changed"
+                        ) from None
+                    time.sleep(0.002)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def usage(self) -> dict[str, int]:
         return {

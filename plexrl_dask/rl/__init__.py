@@ -3,4 +3,12 @@
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, group_advantages, run_jobs
 from plexrl_dask.rl.warmup import evaluate, supervised_warmup
 
-__all__ = ["GRPOConfig", "GRPOJob", "StepRecord", "evaluate", "group_advantages", "run_jobs", "supervised_warmup"]
+__all__ = [
+    "GRPOConfig",
+    "GRPOJob",
+    "StepRecord",
+    "evaluate",
+    "group_advantages",
+    "run_jobs",
+    "supervised_warmup",
+]

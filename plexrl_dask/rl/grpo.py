@@ -71,9 +71,13 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         if min(self.steps, self.prompts_per_step, self.group_size, self.epochs) < 1:
-            raise ConfigError(f"steps, prompts_per_step, group_size and epochs must be >= 1: {self}")
+            raise ConfigError(
+                f"steps, prompts_per_step, group_size and epochs must be >= 1: {self}"
+            )
         if self.staleness not in (0, 1):
-            raise ConfigError(f"staleness is 0 (synchronous) or 1 (split-async), got {self.staleness}")
+            raise ConfigError(
+                f"staleness is 0 (synchronous) or 1 (split-async), got {self.staleness}"
+            )
         if self.group_size < 2:
             raise ConfigError("GRPO needs group_size >= 2 (advantages are relative to the group)")
 
@@ -113,7 +117,9 @@ class GRPOJob:
     ``policy`` trains; ``rollout`` samples (``None``: the policy samples, colocated);
     ``reference`` scores for the KL term (needed when ``config.kl_coef > 0``).
     ``metrics_path``: a JSONL file getting one line per step, after a first line with the
-    job's config (everything needed to reproduce the run).
+    job's config (everything needed to reproduce the run). ``start_version``: the weights'
+    version when the job starts (a restored checkpoint's; what the first samples are drawn
+    with).
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class GRPOJob:
         rollout: Deployment | None = None,
         reference: Deployment | None = None,
         metrics_path: str | Path | None = None,
+        start_version: int = 0,
     ) -> None:
         if config.kl_coef > 0 and reference is None:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
@@ -138,11 +145,17 @@ class GRPOJob:
         self.rollout = rollout
         self.reference = reference
         self.config = config
+        self.start_version = int(start_version)
         self.records: list[StepRecord] = []
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            header = {"job": name, "config": asdict(config), "task": repr(task), "policy": policy.name}
+            header = {
+                "job": name,
+                "config": asdict(config),
+                "task": repr(task),
+                "policy": policy.name,
+            }
             self.metrics_path.write_text(json.dumps(header) + "\n")
 
     # --- one step --------------------------------------------------------------------------
@@ -192,7 +205,10 @@ class GRPOJob:
         if c.kl_coef > 0:
             assert self.reference is not None
             ref = result(self.reference.forward(data)).logprobs
-            data = [Datum(d.tokens, d.weights, d.advantages, None, tuple(r)) for d, r in zip(data, ref, strict=True)]
+            data = [
+                Datum(d.tokens, d.weights, d.advantages, None, tuple(r))
+                for d, r in zip(data, ref, strict=True)
+            ]
         if old is None and c.epochs > 1:
             old = self.policy.forward(data)
         if old is not None:
@@ -210,7 +226,9 @@ class GRPOJob:
     def _sync(self) -> Any:
         """Submit a weight sync policy -> rollout (None when colocated); its result is the
         version the rollout then holds."""
-        return None if self.rollout is None else self.runtime.sync_weights(self.policy, self.rollout)
+        return (
+            None if self.rollout is None else self.runtime.sync_weights(self.policy, self.rollout)
+        )
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """Run ``config.steps`` steps; returns (and appends to ``records``) their records.
@@ -224,13 +242,13 @@ class GRPOJob:
         before it takes the new weights."""
         c = self.config
         ahead = c.staleness == 1
-        pending, pending_version = self._submit_sample(0), 0
+        pending, pending_version = self._submit_sample(0), self.start_version
         for step in range(c.steps):
             t0 = time.perf_counter()
             problems = self._problems(step)
             out = result(pending)
             if self.rollout is None:  # colocated: the policy samples with its current weights
-                sampled_with = self.records[-1].version if self.records else 0
+                sampled_with = self.records[-1].version if self.records else self.start_version
             elif isinstance(pending_version, int):
                 sampled_with = pending_version
             else:
@@ -250,7 +268,11 @@ class GRPOJob:
                 pending_version = sync if sync is not None else sampled_with
             metrics = result(futures) if futures else []
             fb, opt = (metrics[-2], metrics[-1]) if metrics else (None, None)
-            version = int(opt["version"]) if opt is not None else (self.records[-1].version if self.records else 0)
+            version = (
+                int(opt["version"])
+                if opt is not None
+                else (self.records[-1].version if self.records else self.start_version)
+            )
             record = StepRecord(
                 job=self.name,
                 step=step,

@@ -94,16 +94,22 @@ def read_meta(path: str) -> dict[str, Any]:
 def check_compatible(model: torch.nn.Module, path: str) -> None:
     """Refuse a checkpoint whose parameter names or (global) shapes differ from ``model``'s."""
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    shapes = {k.removeprefix("model."): tuple(v.size) for k, v in stored.items() if k.startswith("model.")}
+    shapes = {
+        k.removeprefix("model."): tuple(v.size) for k, v in stored.items() if k.startswith("model.")
+    }
     _check_parameters(model, shapes, repr(path))
 
 
-def _check_parameters(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+def _check_parameters(
+    model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], where: str
+) -> None:
     """Every parameter of ``model`` is in ``shapes`` (a checkpoint's) with its shape."""
     for name, p in model.named_parameters():
         shape = shapes.get(name)
         if shape is None:
-            raise CheckpointIncompatible(f"{where} has no parameter {name!r}: it holds another model")
+            raise CheckpointIncompatible(
+                f"{where} has no parameter {name!r}: it holds another model"
+            )
         if tuple(shape) != tuple(p.shape):
             raise CheckpointIncompatible(
                 f"{name}: the checkpoint has shape {tuple(shape)}, the model {tuple(p.shape)}"
@@ -208,10 +214,16 @@ class StoreCheckpoint:
     node: Any = None
     tier: str | None = None
 
-    def commit(self, version: int, publish_id: str, expected_parts: int, meta: dict[str, Any]) -> Any:
+    def commit(
+        self, version: int, publish_id: str, expected_parts: int, meta: dict[str, Any]
+    ) -> Any:
         if self.node is not None:
-            return self.node.commit(self.tier, self.model, version, publish_id, expected_parts, meta)
-        return self.store.commit(self.model, version, publish_id, expected_parts=expected_parts, meta=meta)
+            return self.node.commit(
+                self.tier, self.model, version, publish_id, expected_parts, meta
+            )
+        return self.store.commit(
+            self.model, version, publish_id, expected_parts=expected_parts, meta=meta
+        )
 
 
 def shard_region(p: torch.Tensor) -> tuple[slice, ...] | None:
@@ -254,7 +266,9 @@ def write_state(model: torch.nn.Module, optimizer: Any, writer: VersionWriter, r
                     if rank == 0:  # the same scalar on every rank
                         writer.write(f"optim/{n}/{k}", v.detach())
                 elif _local(v).numel():
-                    writer.write(f"optim/{n}/{k}", _local(v.detach()), shard_region(v), tuple(v.shape))
+                    writer.write(
+                        f"optim/{n}/{k}", _local(v.detach()), shard_region(v), tuple(v.shape)
+                    )
 
 
 def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict[str, Any]]:
@@ -271,7 +285,11 @@ def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict
             f"{ckpt.model!r} v{manifest.version} of {ckpt.store.root} is not a checkpoint "
             f"(format {manifest.meta.get('format')!r})"
         )
-    shapes = {k.removeprefix("model/"): e.shape for k, e in manifest.tensors.items() if k.startswith("model/")}
+    shapes = {
+        k.removeprefix("model/"): e.shape
+        for k, e in manifest.tensors.items()
+        if k.startswith("model/")
+    }
     _check_parameters(model, shapes, f"{ckpt.model!r} v{manifest.version}")
     return manifest.version, dict(manifest.meta)
 
@@ -319,7 +337,9 @@ def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, ve
                 else:
                     local = got[key].to(p.device)
                     entries[k] = (
-                        DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                        DTensor.from_local(
+                            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                        )
                         if hasattr(p, "device_mesh")
                         else local
                     )

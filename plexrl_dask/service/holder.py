@@ -32,6 +32,7 @@ from plexrl_dask.service.backends import BACKENDS
 from plexrl_dask.service.groups import GroupContext
 from plexrl_dask.service.offload import Stasher, StoredState
 from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.timeline import RequestSpan, SpanLog
 from plexrl_dask.state_store.node import NodeState
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class ReplicaHolder:
         max_batch_size: int | None = None,
         report: Callable[[dict[str, Any]], None] | None = None,
         node: NodeState | None = None,
+        timeline_length: int = 10_000,
     ):
         if worker_address is None:
             self._init_on_worker()
@@ -118,6 +120,7 @@ class ReplicaHolder:
             int(max_batch_size or 1),
             report,
             node,
+            timeline_length,
         )
 
     def _init_on_worker(self) -> None:
@@ -139,6 +142,7 @@ class ReplicaHolder:
             int(config.get("sampling.max-batch-size")),
             lambda msg: worker.log_event(RESIDENCY_TOPIC, msg),
             node_state(),
+            cfg.timeline_length,
         )
         from distributed.worker import thread_state
 
@@ -155,6 +159,7 @@ class ReplicaHolder:
         max_batch_size: int,
         report: Callable[[dict[str, Any]], None] | None,
         node: NodeState | None = None,
+        timeline_length: int = 10_000,
     ) -> None:
         self.worker_address = worker_address
         self.node = node
@@ -184,6 +189,7 @@ class ReplicaHolder:
         }
         self._hint: tuple[str, str] | None = None  # (deployment, uid) predicted to run next
         self.load_seconds = 0.0  # measured time of every load into HBM, summed
+        self.spans = SpanLog(timeline_length)
 
     # --- in-process API for request tasks --------------------------------------------------
 
@@ -197,11 +203,12 @@ class ReplicaHolder:
         """Make ``info``'s replica resident and run ``call(backend)`` on it. ``group`` is the
         rank's group for a multi-rank deployment (joined, or re-joined, first)."""
         with self._lock:
-            t0 = time.perf_counter()
+            t0, start = time.perf_counter(), time.time()
             replica = self._ensure(info, op, group)
             self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()
             self._running = info.name
+            ready = time.time()
             try:
                 result = call(replica.backend)
             except RuntimeError as e:
@@ -220,6 +227,11 @@ class ReplicaHolder:
                 self._running = None
                 replica.last_used = time.monotonic()
                 self.counters["requests"] += 1
+                self.spans.add(
+                    RequestSpan(
+                        self.worker_address, info.name, info.owner, op, start, ready, time.time()
+                    )
+                )
             if op in MUTATING_OPS:
                 replica.modified = True
             if op in CHANGING_OPS and replica.stash is not None:
@@ -545,6 +557,11 @@ class ReplicaHolder:
             held = name in self._replicas
             self._drop(name)
             return held
+
+    def timeline(self, since: float = 0.0) -> list[dict[str, Any]]:
+        """The spans of requests that ended after ``since`` (wall-clock seconds), oldest
+        first, as dicts (:class:`~plexrl_dask.service.timeline.RequestSpan` fields)."""
+        return [s.to_dict() for s in self.spans.since(since)]
 
     def names(self) -> list[str]:
         with self._lock:

@@ -93,7 +93,9 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 class StoredState:
     """An offloaded state: one version in the node's tiers (see the module docstring)."""
 
-    def __init__(self, node: NodeState, model: str, version: int, skeleton: Any, nbytes: int) -> None:
+    def __init__(
+        self, node: NodeState, model: str, version: int, skeleton: Any, nbytes: int
+    ) -> None:
         self.node = node
         self.model = model
         self.version = version
@@ -137,7 +139,9 @@ class StoredState:
         try:
             self.node.delete(self.model, self.version)
         except Exception:  # freeing space must never fail a request
-            logger.warning("could not delete offloaded state %s v%d", self.model, self.version, exc_info=True)
+            logger.warning(
+                "could not delete offloaded state %s v%d", self.model, self.version, exc_info=True
+            )
 
 
 class Stasher:
@@ -157,5 +161,7 @@ class Stasher:
         with self._lock:
             version, self._next = self._next, self._next + 1
         self.node.publish(self.model, version, tensors, meta={"skeleton": json.dumps(skeleton)})
-        nbytes = int(state.get("bytes", sum(t.numel() * t.element_size() for t in tensors.values())))
+        nbytes = int(
+            state.get("bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
+        )
         return StoredState(self.node, self.model, version, skeleton, nbytes)

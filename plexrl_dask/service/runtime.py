@@ -47,6 +47,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.timeline import RequestSpan
 from plexrl_dask.service.types import (
     AdamWParams,
     CrossEntropy,
@@ -197,6 +198,22 @@ class Runtime:
             raise NoPlexRLWorkers(f"{worker} has no PlexRL replica holder (yet)")
         with self.client.as_current():  # the actor handle talks through this runtime's client
             return Actor(ReplicaHolder, worker, info["holder_key"])
+
+    def timeline(self, since: float = 0.0) -> list[RequestSpan]:
+        """Every PlexRL worker's request spans that ended after ``since`` (wall-clock
+        seconds), in start order (see :mod:`plexrl_dask.service.timeline`)."""
+        with self.client.as_current():
+            holders = [
+                Actor(ReplicaHolder, w, info["holder_key"])
+                for w, info in self.status()["workers"].items()
+            ]
+        futures = [h.timeline(since) for h in holders]
+        spans = [
+            RequestSpan.from_dict(d)
+            for f in futures
+            for d in f.result(timeout=config.request_timeout())
+        ]
+        return sorted(spans, key=lambda s: s.start)
 
     # --- weights between deployments ---------------------------------------------------------
 
@@ -403,7 +420,9 @@ class Deployment:
         any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)
         return self._submit("sample", ops.sample, tasks, replica_of=any_replica)
 
-    def save_state(self, path: str | os.PathLike[str] | None = None, format: str = "store") -> Future:
+    def save_state(
+        self, path: str | os.PathLike[str] | None = None, format: str = "store"
+    ) -> Future:
         """Future of ``{"path", "model", "version", "format"}`` once a checkpoint of parameters
         and optimizer state is durable. Default: a version in the state store of the node's
         NVMe tier (``path=None``) or of a store at ``path`` (a directory every rank's worker

@@ -233,6 +233,9 @@ class SamplingParams:
     text contains one of the ``stop`` strings (the tokens up to and including the one that
     completed it are kept). Randomness is a pure function of ``(seed, prompt id, sample index,
     position)``, never of the worker or batch, so a request samples the same tokens anywhere.
+    ``ignore_eos`` decodes past the end-of-sequence token (as vLLM's flag of that name): every
+    completion runs to a stop string or ``max_tokens``, which is how decode throughput at a
+    fixed batch size is measured.
     """
 
     n: int = 1
@@ -241,6 +244,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     seed: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         # A lone string is one stop string, not a set of characters.

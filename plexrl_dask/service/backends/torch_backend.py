@@ -116,7 +116,11 @@ class TorchBackend:
         except (PlexRLError, ValueError) as e:
             error = e
         if not self._agree(error is None):
-            raise error or elsewhere or InvalidBatch("another rank's part of this request was invalid")
+            raise (
+                error
+                or elsewhere
+                or InvalidBatch("another rank's part of this request was invalid")
+            )
         return result
 
     def _reshard(self) -> None:
@@ -314,7 +318,7 @@ class TorchBackend:
             for k, r in enumerate(active):
                 tokens[r].append(chosen_l[k])
                 logprobs[r].append(lp_l[k])
-                if chosen_l[k] == self.eos_token_id or (
+                if (chosen_l[k] == self.eos_token_id and not params.ignore_eos) or (
                     longest_stop and self._stopped_by_string(tokens[r], params.stop, longest_stop)
                 ):
                     reasons[r] = "stop"

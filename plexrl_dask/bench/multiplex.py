@@ -1,0 +1,181 @@
+"""Benchmark: the same GRPO jobs isolated (colocated, split, split-async) and multiplexed.
+
+One ``local_cluster`` with as many workers as cores (one torch thread each, so an idle worker
+cannot lend its core to a busy one). First, outside every measurement, each job of the
+standard mix (:mod:`plexrl_dask.rl.catalog`) runs its supervised warm-up and saves a
+checkpoint; every mode then starts each job from it. Then, in one run:
+
+1. one worker's **peak decode throughput** for each job's model at its best batch size
+   (:func:`~plexrl_dask.rl.modes.peak_tokens_per_second`);
+2. every **layout** of every mode that fits the cores (:func:`~plexrl_dask.rl.modes.layouts`:
+   the documented search, the same for every mode), each running all jobs to the end; a
+   mode's cost is its cheapest layout's. Definitions: :mod:`plexrl_dask.rl.ledger`.
+
+Results: ``cost_ratio_vs_{split_async,split,colocated}`` (multiplexed ÷ baseline, each at its
+best layout), ``throughput_to_peak`` (multiplexed) and ``colocated_throughput_to_peak``,
+``reward_trajectories_identical`` (every job's reward and loss per step bit-identical in every
+synchronous layout: colocated, split and multiplexed), ``final_mean_reward`` per job,
+``idle_fraction`` per mode, ``generation_length_p50``/``_p90``/``_p99``/``_max`` over all
+sampled completions, plus every layout's ledger and a PNG of the best multiplexed run.
+
+Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import dask.config
+from distributed import Client
+from rich.console import Console
+
+import plexrl_dask as plexrl
+from plexrl_dask.bench.common import parser, report
+from plexrl_dask.rl.catalog import standard_jobs
+from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, cost_ratio, percentile
+from plexrl_dask.rl.modes import ModeRun, layouts, peak_tokens_per_second, run_mode, warm_start
+from plexrl_dask.rl.report import plot_run, reward_start_end
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {
+    "cost_ratio_vs_split_async": "<= 0.60 (paper: 0.62-0.69)",
+    "throughput_to_peak": ">= 0.80 (paper 0.75)",
+    "colocated_throughput_to_peak": "(paper 0.53)",
+    "reward_trajectories_identical": "true",
+}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=4, help="jobs of the standard mix (1-5)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="at most the cores")
+    p.add_argument(
+        "--png", default=None, help="PNG of the best multiplexed run (default: beside --json)"
+    )
+    p.add_argument(
+        "--memory-budget", default="auto", help="each worker's plexrl.worker.memory-budget"
+    )
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    console = Console()
+    if args.workers > (os.cpu_count() or 1):
+        raise SystemExit(
+            f"--workers {args.workers} > {os.cpu_count()} cores: idle workers would lend cores"
+        )
+    scale = 0.25 if args.quick else 1.0
+    specs = standard_jobs(args.jobs, scale=scale)
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else "multiplex.png")
+
+    settings = {"plexrl.worker.memory-budget": args.memory_budget}
+    with (
+        dask.config.set(settings),
+        tempfile.TemporaryDirectory(prefix="plexrl-bench-") as tmp,
+        plexrl.local_cluster(n_workers=args.workers) as cluster,
+        Client(cluster) as client,
+    ):
+        runtime = plexrl.Runtime(client, job="bench-multiplex")
+        workers = sorted(client.scheduler_info()["workers"])
+        t0 = time.perf_counter()
+        checkpoints = warm_start(runtime, specs, Path(tmp) / "warmup")
+        console.print(
+            f"warm-up of {len(specs)} jobs: {time.perf_counter() - t0:.0f}s (not measured)"
+        )
+
+        peaks: dict[str, float] = {}
+        peak_detail: dict[str, dict[int, float]] = {}
+        for spec in specs:
+            prompt = spec.task.problems(spec.grpo.problem_offset, 1)[0].prompt
+            best, by_batch = peak_tokens_per_second(
+                runtime, spec.model, workers[0], prompt, spec.grpo.max_tokens
+            )
+            peaks[spec.name], peak_detail[spec.name] = best, by_batch
+        console.print(f"peak tokens/s per job: { {k: round(v) for k, v in peaks.items()} }")
+
+        runs: list[ModeRun] = []
+        for mode in MODES:
+            for layout in layouts(mode, args.workers):
+                t0 = time.perf_counter()
+                run = run_mode(
+                    runtime,
+                    specs,
+                    layout,
+                    checkpoints,
+                    workers,
+                    metrics_dir=Path(tmp) / "metrics",
+                    peak_tokens_per_s=peaks,
+                )
+                runs.append(run)
+                s = run.ledger.summary()
+                console.print(
+                    f"{layout.label}: cost {s['cost_worker_seconds']:.1f} worker-s, idle "
+                    f"{s['idle_fraction']:.2f}, throughput-to-peak {s['throughput_to_peak']:.2f} "
+                    f"({time.perf_counter() - t0:.0f}s)"
+                )
+    results, config = summarise(runs, specs, peaks, peak_detail, png)
+    config.update(workers=args.workers, quick=args.quick, memory_budget=args.memory_budget)
+    report("multiplex", results, TARGETS, config, args.json)
+
+
+def summarise(
+    runs: list[ModeRun],
+    specs: list[Any],
+    peaks: dict[str, float],
+    peak_detail: dict[str, dict[int, float]],
+    png: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The benchmark's results from its runs (best layout per mode; see the module docs)."""
+    best = {
+        mode: min(
+            (r for r in runs if r.layout.mode == mode),
+            key=lambda r: r.ledger.reserved_worker_seconds(),
+        )
+        for mode in MODES
+    }
+    mux = best["multiplexed"]
+    synchronous = [r for r in runs if r.layout.mode != "split-async"]
+    identical = all(
+        r.trajectory(s.name) == synchronous[0].trajectory(s.name)
+        for r in synchronous
+        for s in specs
+    )
+    lengths = [n for recs in mux.records.values() for rec in recs for n in rec.completion_lengths]
+    plot_run(mux.records, mux.ledger, png, title=f"{mux.layout.label}: reward per step")
+    results: dict[str, Any] = {
+        "cost_ratio_vs_split_async": cost_ratio(mux.ledger, best["split-async"].ledger),
+        "cost_ratio_vs_split": cost_ratio(mux.ledger, best["split"].ledger),
+        "cost_ratio_vs_colocated": cost_ratio(mux.ledger, best["colocated"].ledger),
+        "throughput_to_peak": mux.ledger.throughput_to_peak(),
+        "colocated_throughput_to_peak": best["colocated"].ledger.throughput_to_peak(),
+        "reward_trajectories_identical": identical,
+        "final_mean_reward": {s.name: reward_start_end(mux.records[s.name])[1] for s in specs},
+        "start_mean_reward": {s.name: reward_start_end(mux.records[s.name])[0] for s in specs},
+        "split_async_final_mean_reward": {
+            s.name: reward_start_end(best["split-async"].records[s.name])[1] for s in specs
+        },
+        "idle_fraction": {mode: best[mode].ledger.idle_fraction() for mode in MODES},
+        "generation_length_p50": percentile(lengths, 0.50),
+        "generation_length_p90": percentile(lengths, 0.90),
+        "generation_length_p99": percentile(lengths, 0.99),
+        "generation_length_max": max(lengths),
+        "best_layout": {mode: best[mode].layout.label for mode in MODES},
+        "layouts": [{"layout": r.layout.label, **r.ledger.summary()} for r in runs],
+        "png": png,
+    }
+    for mode in ISOLATED_MODES:
+        results[f"throughput_to_peak_{mode}"] = best[mode].ledger.throughput_to_peak()
+    config = {
+        "jobs": [s.describe() for s in specs],
+        "peak_tokens_per_s": peaks,
+        "peak_by_batch_size": peak_detail,
+    }
+    return results, config
+
+
+if __name__ == "__main__":
+    main()

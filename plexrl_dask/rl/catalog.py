@@ -1,0 +1,79 @@
+"""The standard job mix: RLVR jobs of different tasks, seeds and model sizes.
+
+The main job (``examples/multiplex.py``) and the multiplexing benchmark draw from this list, so
+both measure the same jobs. Each job is one :class:`~plexrl_dask.rl.modes.JobSpec`; ``scale``
+shrinks steps and warm-up for quick runs and tests without changing anything else.
+
+The mix is chosen for variety, not for flattering numbers: short fixed-format answers
+(arithmetic, a few tokens) beside countdown's worked steps, whose lengths vary with the
+problem (see :mod:`plexrl_dask.tasks.countdown`), and models from 64 to 128 wide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from plexrl_dask.errors import ConfigError
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.rl.grpo import GRPOConfig
+from plexrl_dask.rl.modes import JobSpec
+from plexrl_dask.tasks.arithmetic import ArithmeticTask
+from plexrl_dask.tasks.countdown import CountdownTask
+
+# Shared by every job: 16 prompts x 8 samples per step; sampling at 0.7, where the warmed-up
+# tiny models' rewards rose in the first measurements (benchmarks/RESULTS.md).
+_GRPO = GRPOConfig(steps=24, prompts_per_step=16, group_size=8, temperature=0.7, lr=1e-4)
+
+
+def standard_jobs(count: int = 4, scale: float = 1.0) -> list[JobSpec]:
+    """The first ``count`` jobs of the mix; ``scale`` multiplies GRPO steps and warm-up
+    steps (at least 2 and 10)."""
+    jobs = [
+        JobSpec(
+            "add2",
+            ArithmeticTask(digits=2, ops="+", seed=11),
+            ModelSpec.tiny(hidden_size=128, num_layers=2, seed=11),
+            replace(_GRPO, max_tokens=8, seed=11),
+            warmup_steps=500,
+        ),
+        JobSpec(
+            "countdown3",
+            CountdownTask(count=3, max_value=9, max_result=100, seed=12),
+            ModelSpec.tiny(hidden_size=128, num_layers=2, seed=12),
+            replace(_GRPO, max_tokens=24, seed=12),
+            warmup_steps=500,
+        ),
+        JobSpec(
+            "addsub2",
+            ArithmeticTask(digits=2, ops="+-", seed=13),
+            ModelSpec.tiny(hidden_size=96, num_layers=2, seed=13),
+            replace(_GRPO, max_tokens=8, seed=13),
+            warmup_steps=500,
+        ),
+        JobSpec(
+            "countdown4",
+            CountdownTask(count=4, max_value=12, seed=14),
+            ModelSpec.tiny(hidden_size=128, num_layers=3, seed=14),
+            replace(_GRPO, max_tokens=40, seed=14),
+            warmup_steps=500,
+        ),
+        JobSpec(
+            "add3",
+            ArithmeticTask(digits=3, ops="+", seed=15),
+            ModelSpec.tiny(hidden_size=64, num_layers=2, seed=15),
+            replace(_GRPO, max_tokens=10, seed=15),
+            warmup_steps=500,
+        ),
+    ]
+    if not 1 <= count <= len(jobs):
+        raise ConfigError(f"the standard mix has 1..{len(jobs)} jobs, asked for {count}")
+    if scale <= 0:
+        raise ConfigError(f"scale must be > 0, got {scale}")
+    return [
+        replace(
+            j,
+            grpo=replace(j.grpo, steps=max(2, round(j.grpo.steps * scale))),
+            warmup_steps=max(10, round(j.warmup_steps * scale)),
+        )
+        for j in jobs[:count]
+    ]

@@ -1,0 +1,191 @@
+"""The cost ledger: what a deployment mode reserved, what it used, and what that bought.
+
+Definitions (written before any number was looked at; ``docs`` in the README repeat them):
+
+- **Cost** = reserved worker-seconds. An isolated job (colocated, split, split-async) holds its
+  workers for its whole wall time, and isolated jobs run one after another: the mode's cost is
+  ``Σ_jobs workers_j × wall_j``. The multiplexed run holds its pool for the makespan of all
+  jobs: ``pool × makespan``. Setup that every mode pays alike (deploying, loading the warm-up
+  checkpoint, the first weight sync) is outside both.
+- **Idle fraction** = 1 − busy ÷ reserved worker-seconds, busy being the seconds the reserved
+  workers ran any request (load/reload setup included) inside the reservation.
+- **Rollout-reserved worker-seconds**. Isolated: every worker the job holds for rollout, over
+  the whole of each rollout phase (a phase: the run of one step's ``sample`` request, from its
+  first part's start to its last part's end; ranks that finished early and wait on the long
+  tail count). Multiplexed: the worker-seconds its ``sample`` requests occupied, their setup
+  included (in between, those workers serve other jobs).
+- **Useful rollout tokens**: every sample's tokens up to its end (stop string or EOS
+  included), as the job recorded them.
+- **Throughput-to-peak** = useful tokens ÷ Σ_jobs (rollout-reserved worker-seconds × the peak
+  tokens/s of one worker decoding that job's model at its best batch size, same thread count,
+  measured in the same run).
+
+Everything here is pure: it takes spans and job windows and returns numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from plexrl_dask.service.timeline import RequestSpan, busy_seconds
+
+ISOLATED_MODES = ("colocated", "split", "split-async")
+MODES = (*ISOLATED_MODES, "multiplexed")
+
+
+@dataclass(frozen=True)
+class JobWindow:
+    """One job's part of a mode's run: its deployments, the workers it reserved (isolated
+    modes; empty when it shared a pool) and its wall-clock window."""
+
+    job: str
+    deployments: tuple[str, ...]
+    sampler: str  # the deployment that samples (the policy itself when colocated)
+    workers: tuple[str, ...]
+    rollout_workers: tuple[str, ...]
+    t0: float
+    t1: float
+    useful_tokens: int
+
+    @property
+    def wall_s(self) -> float:
+        return self.t1 - self.t0
+
+
+@dataclass(frozen=True)
+class ModeLedger:
+    """A mode's reservation and use: ``pool`` (multiplexed; empty for isolated modes, whose
+    reservations are per job), the window of the whole run, the jobs' windows, and the
+    spans that ran inside it."""
+
+    mode: str
+    jobs: tuple[JobWindow, ...]
+    spans: tuple[RequestSpan, ...]
+    t0: float
+    t1: float
+    pool: tuple[str, ...] = ()
+    peak_tokens_per_s: Mapping[str, float] = field(default_factory=dict)  # by job
+
+    @property
+    def multiplexed(self) -> bool:
+        return bool(self.pool)
+
+    def reserved_worker_seconds(self) -> float:
+        """The mode's cost (see the module docstring)."""
+        if self.multiplexed:
+            return len(self.pool) * (self.t1 - self.t0)
+        return sum(len(j.workers) * j.wall_s for j in self.jobs)
+
+    def busy_worker_seconds(self) -> float:
+        if self.multiplexed:
+            pool = set(self.pool)
+            return busy_seconds((s for s in self.spans if s.worker in pool), self.t0, self.t1)
+        total = 0.0
+        for j in self.jobs:
+            mine = set(j.workers)
+            total += busy_seconds((s for s in self.spans if s.worker in mine), j.t0, j.t1)
+        return total
+
+    def idle_fraction(self) -> float:
+        reserved = self.reserved_worker_seconds()
+        return 0.0 if reserved <= 0 else max(0.0, 1.0 - self.busy_worker_seconds() / reserved)
+
+    def rollout_worker_seconds(self, job: str) -> float:
+        """``job``'s rollout-reserved worker-seconds (see the module docstring)."""
+        window = self._job(job)
+        mine = [
+            s
+            for s in self.spans
+            if s.deployment in window.deployments and window.t0 <= s.start <= window.t1
+        ]
+        samples = [s for s in mine if s.deployment == window.sampler and s.op == "sample"]
+        if self.multiplexed:
+            return sum(s.seconds for s in samples)
+        held = max(1, len(window.rollout_workers))
+        return held * sum(end - start for start, end in rollout_phases(mine, window.sampler))
+
+    def useful_tokens(self) -> int:
+        return sum(j.useful_tokens for j in self.jobs)
+
+    def throughput_to_peak(self) -> float | None:
+        """Useful tokens ÷ what the rollout-reserved time could have decoded at peak; None
+        without peak measurements."""
+        if not self.peak_tokens_per_s:
+            return None
+        capacity = sum(
+            self.rollout_worker_seconds(j.job) * self.peak_tokens_per_s[j.job] for j in self.jobs
+        )
+        return None if capacity <= 0 else self.useful_tokens() / capacity
+
+    def isolated_cost_lower_bound(self) -> float:
+        """What the jobs would at least have cost run alone, one after another, each on one
+        worker: ``Σ_jobs`` the seconds in which any request of the job ran (an isolated job
+        holds its workers also while its driver scores and between requests, so its real
+        cost is higher)."""
+        total = 0.0
+        for j in self.jobs:
+            mine = sorted(
+                (s.start, s.end)
+                for s in self.spans
+                if s.deployment in j.deployments and s.end > j.t0 and s.start < j.t1
+            )
+            end = float("-inf")
+            for a, b in mine:  # the union of the job's spans
+                a, b = max(a, j.t0, end), min(b, j.t1)
+                if b > a:
+                    total += b - a
+                end = max(end, b)
+        return total
+
+    def makespan(self) -> float:
+        return self.t1 - self.t0
+
+    def _job(self, job: str) -> JobWindow:
+        for j in self.jobs:
+            if j.job == job:
+                return j
+        raise KeyError(job)
+
+    def summary(self) -> dict[str, float | None]:
+        return {
+            "cost_worker_seconds": self.reserved_worker_seconds(),
+            "busy_worker_seconds": self.busy_worker_seconds(),
+            "idle_fraction": self.idle_fraction(),
+            "makespan_s": self.makespan(),
+            "useful_tokens": self.useful_tokens(),
+            "rollout_worker_seconds": sum(self.rollout_worker_seconds(j.job) for j in self.jobs),
+            "throughput_to_peak": self.throughput_to_peak(),
+        }
+
+
+def rollout_phases(spans: Iterable[RequestSpan], sampler: str) -> list[tuple[float, float]]:
+    """The rollout phases of the deployment ``sampler``: maximal runs of its ``sample``
+    spans, in start order, with none of its other requests (a weight load, a scoring pass, a
+    training step when it samples for itself) starting in between; each phase is ``(first
+    start, last end)``."""
+    phases: list[tuple[float, float]] = []
+    current: tuple[float, float] | None = None
+    for s in sorted((s for s in spans if s.deployment == sampler), key=lambda s: s.start):
+        if s.op == "sample":
+            current = (s.start, s.end) if current is None else (current[0], max(current[1], s.end))
+        elif current is not None:
+            phases.append(current)
+            current = None
+    if current is not None:
+        phases.append(current)
+    return phases
+
+
+def cost_ratio(multiplexed: ModeLedger, baseline: ModeLedger) -> float:
+    """Multiplexed cost ÷ a baseline's (below 1: multiplexing is cheaper)."""
+    return multiplexed.reserved_worker_seconds() / baseline.reserved_worker_seconds()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by the nearest-rank rule."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 1))))
+    return float(ordered[rank - 1])

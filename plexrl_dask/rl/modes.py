@@ -1,0 +1,355 @@
+"""The same GRPO jobs in every deployment mode, on one runtime, with what each mode cost.
+
+A :class:`JobSpec` is a whole job: task, model, GRPO config, supervised warm-up. Every mode
+starts each job from the same warm-up checkpoint (:func:`warm_start`, run once) and runs the
+same :class:`~plexrl_dask.rl.grpo.GRPOJob` code; only the deployments differ:
+
+- **colocated**: the job's one training deployment samples too (a sharded deployment cannot
+  sample, so one worker);
+- **split**: a training deployment on one worker, a rollout deployment of ``r`` replicas on
+  ``r`` others, synced every step;
+- **split-async**: the split layout with the rollout one step ahead (``staleness=1``);
+- **multiplexed**: every job's training and rollout deployments on one shared pool of ``p``
+  workers (``r`` rollout replicas per job, sized independently of training; ``r = 0``: each
+  job samples from its training deployment), the jobs running at once, their
+  requests ordered by the scheduler plugin and their state moved by the node's StateManager.
+
+Isolated jobs run one after another. :func:`layouts` is the documented search space: every
+layout of a mode that fits the cores (one torch thread per worker, never more workers than
+cores); each is run and the cheapest kept (:mod:`plexrl_dask.rl.ledger` defines the cost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from plexrl_dask.errors import ConfigError
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
+from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
+from plexrl_dask.rl.warmup import supervised_warmup
+from plexrl_dask.service.runtime import Deployment, Runtime, result
+from plexrl_dask.service.types import AdamWParams, SamplingParams
+from plexrl_dask.tasks.base import Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One RLVR job: everything that makes its runs in different modes the same job."""
+
+    name: str
+    task: Task
+    model: ModelSpec
+    grpo: GRPOConfig
+    warmup_steps: int = 300
+    warmup_batch_size: int = 64
+    warmup_lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"job names are letters, digits, '-' and '_': {self.name!r}")
+        if self.warmup_steps < 0 or self.warmup_batch_size < 1:
+            raise ConfigError(f"warm-up steps >= 0 and batch size >= 1: {self}")
+
+    def config_for(self, mode: str) -> GRPOConfig:
+        """The job's GRPO config in ``mode`` (split-async is the one that runs ahead)."""
+        return replace(self.grpo, staleness=1 if mode == "split-async" else 0)
+
+    def describe(self) -> dict[str, Any]:
+        """What reproduces the job (JSON-able)."""
+        return {
+            "name": self.name,
+            "task": repr(self.task),
+            "model": self.model.to_dict(),
+            "grpo": asdict(self.grpo),
+            "warmup": {
+                "steps": self.warmup_steps,
+                "batch_size": self.warmup_batch_size,
+                "lr": self.warmup_lr,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many workers a mode reserves: per job (isolated) or for the pool (multiplexed),
+    and how many of them (isolated) or of the pool's workers (multiplexed) hold rollout
+    replicas of each job (0: the job samples from its training deployment)."""
+
+    mode: str
+    workers: int
+    rollout_replicas: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode is one of {MODES}, got {self.mode!r}")
+        split = self.mode in ("split", "split-async")
+        if self.workers < 1 or self.rollout_replicas < 0:
+            raise ConfigError(f"a layout needs workers >= 1 and replicas >= 0: {self}")
+        if self.mode == "colocated" and (self.workers, self.rollout_replicas) != (1, 0):
+            raise ConfigError("a colocated job samples from its one-worker training deployment")
+        if split and not 1 <= self.rollout_replicas <= self.workers - 1:
+            raise ConfigError(f"a split layout keeps one worker for training: {self}")
+        if self.mode == "multiplexed" and self.rollout_replicas > self.workers:
+            raise ConfigError(f"a pool's rollout replicas are 0..pool size: {self}")
+
+    @property
+    def label(self) -> str:
+        if self.mode == "colocated":
+            return "colocated, 1 worker per job"
+        if self.mode == "multiplexed":
+            rollout = (
+                f"{self.rollout_replicas} rollout replica(s) per job"
+                if self.rollout_replicas
+                else "each job sampling from its policy"
+            )
+            return f"multiplexed, pool of {self.workers}, {rollout}"
+        return f"{self.mode}, 1 train + {self.rollout_replicas} rollout worker(s) per job"
+
+
+def layouts(mode: str, max_workers: int) -> list[Layout]:
+    """Every layout of ``mode`` on at most ``max_workers`` workers (the search space)."""
+    if max_workers < 1:
+        raise ConfigError("the search needs at least one worker")
+    if mode == "colocated":
+        return [Layout(mode, 1, 0)]
+    if mode in ("split", "split-async"):
+        return [Layout(mode, 1 + r, r) for r in range(1, max_workers)]
+    if mode == "multiplexed":
+        return [Layout(mode, p, r) for p in range(1, max_workers + 1) for r in range(p + 1)]
+    raise ConfigError(f"mode is one of {MODES}, got {mode!r}")
+
+
+@dataclass
+class ModeRun:
+    """A mode's run: its layout, each job's records, and its cost ledger."""
+
+    layout: Layout
+    records: dict[str, list[StepRecord]]
+    ledger: ModeLedger
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def trajectory(self, job: str) -> list[tuple[float, float | None]]:
+        """``job``'s (reward mean, loss) per step: what must match across modes."""
+        return [(r.reward_mean, r.loss) for r in self.records[job]]
+
+
+def warm_start(
+    runtime: Runtime,
+    specs: Sequence[JobSpec],
+    directory: str | os.PathLike[str],
+    on_progress: Callable[[str, int, float], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run every job's supervised warm-up (at once, on whatever workers placement picks) and
+    save each trained state as a checkpoint under ``directory``; returns the checkpoints by
+    job (what ``save_state`` returned, for ``load_state``). ``on_progress(job, step, loss)``
+    is called after every warm-up step."""
+
+    def one(spec: JobSpec) -> dict[str, Any]:
+        name = f"warmup-{spec.name}"
+        policy = runtime.deploy(name, spec.model, owner=spec.name)
+        try:
+            supervised_warmup(
+                policy,
+                spec.task,
+                steps=spec.warmup_steps,
+                batch_size=spec.warmup_batch_size,
+                optim=AdamWParams(lr=spec.warmup_lr),
+                on_step=None
+                if on_progress is None
+                else lambda step, m: on_progress(spec.name, step + 1, float(m["loss"])),
+            )
+            return result(policy.save_state(Path(directory) / spec.name))
+        finally:
+            runtime.undeploy(name)
+
+    with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup") as pool:
+        futures = {s.name: pool.submit(one, s) for s in specs}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@dataclass
+class _Placed:
+    spec: JobSpec
+    runtime: Runtime  # the job's
+    policy: Deployment
+    rollout: Deployment | None
+    workers: tuple[str, ...]
+    rollout_workers: tuple[str, ...]
+    version: int  # restored from the warm-up checkpoint
+
+
+@contextlib.contextmanager
+def _deployed(
+    runtime: Runtime,
+    spec: JobSpec,
+    layout: Layout,
+    checkpoint: dict[str, Any],
+    train_worker: str,
+    rollout_workers: Sequence[str],
+) -> Iterator[_Placed]:
+    """``spec``'s deployments for ``layout``, restored from the warm-up checkpoint and synced;
+    undeployed on exit."""
+    tag = f"{layout.mode}-{spec.name}"
+    names = [f"{tag}-policy"]
+    runtime = Runtime(runtime.client, job=spec.name)  # the job's own: its requests carry its name
+    try:
+        policy = runtime.deploy(names[0], spec.model, workers=[train_worker])
+        version = int(result(policy.load_state(checkpoint)))
+        rollout = None
+        if layout.rollout_replicas:
+            names.append(f"{tag}-rollout")
+            rollout = runtime.deploy(
+                names[1],
+                spec.model,
+                role="rollout",
+                workers=list(rollout_workers),
+                replicas=layout.rollout_replicas,
+            )
+            result(runtime.sync_weights(policy, rollout))
+        held = rollout.info.workers if rollout is not None else (train_worker,)
+        yield _Placed(spec, runtime, policy, rollout, (train_worker, *held), tuple(held), version)
+    finally:
+        for name in names:
+            with contextlib.suppress(Exception):
+                runtime.undeploy(name)
+
+
+def _job(placed: _Placed, mode: str, metrics_dir: Path | None) -> GRPOJob:
+    spec = placed.spec
+    return GRPOJob(
+        spec.name,
+        placed.runtime,
+        spec.task,
+        placed.policy,
+        spec.config_for(mode),
+        rollout=placed.rollout,
+        metrics_path=None if metrics_dir is None else metrics_dir / f"{mode}-{spec.name}.jsonl",
+        start_version=placed.version,
+    )
+
+
+def _window(
+    placed: _Placed, t0: float, t1: float, records: list[StepRecord], pooled: bool
+) -> JobWindow:
+    sampler = placed.rollout if placed.rollout is not None else placed.policy
+    return JobWindow(
+        job=placed.spec.name,
+        deployments=tuple(d.name for d in (placed.policy, placed.rollout) if d is not None),
+        sampler=sampler.name,
+        workers=() if pooled else tuple(dict.fromkeys(placed.workers)),
+        rollout_workers=placed.rollout_workers,
+        t0=t0,
+        t1=t1,
+        useful_tokens=sum(sum(r.completion_lengths) for r in records),
+    )
+
+
+def run_mode(
+    runtime: Runtime,
+    specs: Sequence[JobSpec],
+    layout: Layout,
+    checkpoints: dict[str, dict[str, Any]],
+    workers: Sequence[str],
+    metrics_dir: str | os.PathLike[str] | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+    peak_tokens_per_s: dict[str, float] | None = None,
+) -> ModeRun:
+    """Run ``specs`` in ``layout`` on the first ``layout.workers`` of ``workers``: isolated
+    modes one job after another, multiplexed all at once; returns every job's records and
+    the mode's ledger (``peak_tokens_per_s``, by job, for throughput-to-peak)."""
+    if layout.workers > len(workers):
+        raise ConfigError(f"{layout.label} needs {layout.workers} workers, {len(workers)} given")
+    reserved = list(workers[: layout.workers])
+    out_dir = None if metrics_dir is None else Path(metrics_dir)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    records: dict[str, list[StepRecord]] = {}
+    windows: list[JobWindow] = []
+    if layout.mode in ISOLATED_MODES:
+        first = None
+        for spec in specs:
+            with _deployed(
+                runtime, spec, layout, checkpoints[spec.name], reserved[0], reserved[1:]
+            ) as placed:
+                job = _job(placed, layout.mode, out_dir)
+                t0 = time.time()
+                first = t0 if first is None else first
+                records[spec.name] = job.run(on_step)
+                windows.append(_window(placed, t0, time.time(), records[spec.name], pooled=False))
+        t_start, t_end, pool = first or time.time(), time.time(), ()
+    else:
+        with contextlib.ExitStack() as stack:
+            placed_jobs = [
+                stack.enter_context(
+                    _deployed(
+                        runtime,
+                        spec,
+                        layout,
+                        checkpoints[spec.name],
+                        reserved[i % len(reserved)],
+                        reserved,
+                    )
+                )
+                for i, spec in enumerate(specs)
+            ]
+            jobs = [_job(p, layout.mode, out_dir) for p in placed_jobs]
+            t_start = time.time()
+            records = run_jobs(jobs, on_step)
+            t_end = time.time()
+            windows = [
+                _window(p, t_start, t_end, records[p.spec.name], pooled=True) for p in placed_jobs
+            ]
+        pool = tuple(reserved)
+    ledger = ModeLedger(
+        mode=layout.mode,
+        jobs=tuple(windows),
+        spans=tuple(runtime.timeline(since=t_start)),
+        t0=t_start,
+        t1=t_end,
+        pool=pool,
+        peak_tokens_per_s=dict(peak_tokens_per_s or {}),
+    )
+    return ModeRun(layout, records, ledger)
+
+
+def peak_tokens_per_second(
+    runtime: Runtime,
+    model: ModelSpec,
+    worker: str,
+    prompt: str,
+    max_tokens: int,
+    batch_sizes: Sequence[int] = (8, 16, 32, 64),
+    repeats: int = 2,
+) -> tuple[float, dict[int, float]]:
+    """One worker's decode throughput for ``model`` at each batch size (the best of
+    ``repeats`` requests of ``b`` samples of ``prompt``, every sample decoding ``max_tokens``
+    tokens: ``ignore_eos``, no stop string), timed by the worker's own request spans without
+    setup. Returns the best tokens/s and the measurement per batch size."""
+    name = f"peak-{model.name}-{worker.rsplit(':', 1)[-1]}"
+    deployment = runtime.deploy(name, model, role="rollout", workers=[worker], exist_ok=True)
+    by_batch: dict[int, float] = {}
+    try:
+        for b in batch_sizes:
+            best = 0.0
+            for r in range(repeats):
+                t = time.time()
+                params = SamplingParams(n=b, max_tokens=max_tokens, seed=r, ignore_eos=True)
+                out = result(deployment.sample([prompt], params))
+                spans = [s for s in runtime.timeline(since=t) if s.deployment == name]
+                seconds = sum(s.end - s.ready for s in spans)
+                best = max(best, out.num_tokens() / seconds)
+            by_batch[b] = best
+    finally:
+        runtime.undeploy(name)
+    return max(by_batch.values()), by_batch

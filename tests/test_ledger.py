@@ -1,0 +1,151 @@
+"""The cost ledger and the layout search space: pure arithmetic over hand-built spans."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl_dask import errors
+from plexrl_dask.rl.ledger import JobWindow, ModeLedger, cost_ratio, percentile, rollout_phases
+from plexrl_dask.rl.modes import Layout, layouts
+from plexrl_dask.service.timeline import RequestSpan, SpanLog, busy_seconds, idle_fraction
+
+
+def span(worker, deployment, op, start, end, ready=None):
+    return RequestSpan(
+        worker,
+        deployment,
+        deployment.split("-")[0],
+        op,
+        start,
+        start if ready is None else ready,
+        end,
+    )
+
+
+def window(job, workers, t0, t1, tokens=100, rollout=None, sampler=None):
+    deployments = (f"{job}-policy", f"{job}-rollout")
+    return JobWindow(
+        job=job,
+        deployments=deployments,
+        sampler=sampler or f"{job}-rollout",
+        workers=tuple(workers),
+        rollout_workers=tuple(rollout if rollout is not None else workers[1:]),
+        t0=t0,
+        t1=t1,
+        useful_tokens=tokens,
+    )
+
+
+def test_spans_busy_and_idle():
+    spans = [
+        span("w1", "a-policy", "sample", 0, 2),
+        span("w1", "a-policy", "optim_step", 3, 4),
+        span("w2", "b-policy", "sample", 1, 5),
+    ]
+    assert busy_seconds(spans, 0, 10) == 7
+    assert busy_seconds(spans, 1, 3.5) == pytest.approx(1 + 0.5 + 2.5)
+    assert idle_fraction(spans, ["w1"], 0, 4) == pytest.approx(0.25)
+    assert idle_fraction(spans, [], 0, 4) == 0.0
+    log = SpanLog(2)
+    for s in spans:
+        log.add(s)
+    assert [s.op for s in log.since(0)] == ["optim_step", "sample"]  # bounded: oldest dropped
+    assert log.since(4.5) == [spans[2]]
+    assert RequestSpan.from_dict(spans[0].to_dict()) == spans[0]
+
+
+def test_isolated_ledger_charges_every_held_worker_for_the_whole_job():
+    # Job a: split, train on w1, rollout on w2, from t=0 to t=10; sample [0,4], train [4,9].
+    # Job b: the same workers, from t=10 to t=16.
+    spans = [
+        span("w2", "a-rollout", "sample", 0, 4, ready=0.5),
+        span("w1", "a-policy", "forward_backward", 4, 8),
+        span("w1", "a-policy", "optim_step", 8, 9),
+        span("w2", "a-rollout", "load_weights", 9, 9.5),
+        span("w2", "b-rollout", "sample", 10, 12),
+        span("w1", "b-policy", "forward_backward", 12, 15),
+    ]
+    ledger = ModeLedger(
+        "split",
+        (window("a", ["w1", "w2"], 0, 10), window("b", ["w1", "w2"], 10, 16)),
+        tuple(spans),
+        0,
+        16,
+        peak_tokens_per_s={"a": 100.0, "b": 50.0},
+    )
+    assert ledger.reserved_worker_seconds() == 2 * 10 + 2 * 6
+    assert ledger.busy_worker_seconds() == pytest.approx(4 + 5 + 0.5 + 2 + 3)
+    assert ledger.idle_fraction() == pytest.approx(1 - 14.5 / 32)
+    assert ledger.rollout_worker_seconds("a") == 4  # the phase, setup included, x 1 replica
+    assert ledger.throughput_to_peak() == pytest.approx(200 / (4 * 100 + 2 * 50))
+    assert ledger.isolated_cost_lower_bound() == pytest.approx(9.5 + 5)
+    assert ledger.useful_tokens() == 200
+
+
+def test_multiplexed_ledger_charges_the_pool_for_the_makespan():
+    spans = [
+        span("w1", "a-rollout", "sample", 0, 3, ready=1),
+        span("w2", "b-rollout", "sample", 0, 2),
+        span("w2", "a-policy", "forward_backward", 3, 5),
+        span("w1", "b-policy", "forward_backward", 3, 4),
+    ]
+    jobs = (window("a", [], 0, 5, rollout=["w1"]), window("b", [], 0, 4, rollout=["w2"]))
+    mux = ModeLedger("multiplexed", jobs, tuple(spans), 0, 5, pool=("w1", "w2"))
+    assert mux.reserved_worker_seconds() == 10
+    assert mux.busy_worker_seconds() == 8
+    assert mux.rollout_worker_seconds("a") == 3  # only the worker-seconds its requests used
+    assert mux.throughput_to_peak() is None  # no peak measured
+    isolated = ModeLedger("split", (window("a", ["w1", "w2"], 0, 10),), (), 0, 10)
+    assert cost_ratio(mux, isolated) == pytest.approx(0.5)
+    assert set(mux.summary()) >= {"cost_worker_seconds", "idle_fraction", "throughput_to_peak"}
+
+
+def test_rollout_phases_span_all_parts_until_another_op_of_the_sampler():
+    spans = [
+        span("w2", "a-rollout", "sample", 0, 3),
+        span("w3", "a-rollout", "sample", 0.1, 5),  # a second replica's part: the long tail
+        span("w1", "a-policy", "forward_backward", 2, 6),  # another deployment: no boundary
+        span("w2", "a-rollout", "load_weights", 6, 6.5),
+        span("w2", "a-rollout", "sample", 7, 8),
+    ]
+    assert rollout_phases(spans, "a-rollout") == [(0, 5), (7, 8)]
+    ledger = ModeLedger("split", (window("a", ["w1", "w2", "w3"], 0, 9),), tuple(spans), 0, 9)
+    assert ledger.rollout_worker_seconds("a") == 2 * (
+        5 + 1
+    )  # both replicas held through each phase
+
+
+def test_percentile_nearest_rank():
+    assert percentile([5, 1, 3, 2, 4], 0.5) == 3
+    assert percentile(list(range(1, 101)), 0.99) == 99
+    assert percentile([7], 0.99) == 7
+    with pytest.raises(ValueError):
+        percentile([], 0.5)
+
+
+def test_layout_search_space_and_bad_layouts():
+    assert layouts("colocated", 2) == [Layout("colocated", 1, 0)]
+    assert layouts("split", 2) == [Layout("split", 2, 1)]
+    assert layouts("split-async", 3) == [Layout("split-async", 2, 1), Layout("split-async", 3, 2)]
+    assert [(x.workers, x.rollout_replicas) for x in layouts("multiplexed", 2)] == [
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+    ]
+    assert layouts("split", 1) == []  # a split job needs two workers
+    for bad in [
+        ("colocated", 2, 0),
+        ("split", 1, 1),
+        ("split", 3, 3),
+        ("multiplexed", 1, 2),
+        ("bogus", 1, 0),
+        ("multiplexed", 0, 0),
+    ]:
+        with pytest.raises(errors.ConfigError):
+            Layout(*bad)
+    with pytest.raises(errors.ConfigError):
+        layouts("nope", 2)
+    with pytest.raises(errors.ConfigError):
+        layouts("split", 0)

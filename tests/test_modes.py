@@ -1,0 +1,155 @@
+"""The deployment modes on a real process cluster: the same jobs in every layout, the same
+trajectories, a ledger that adds up, the report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from rich.console import Console
+
+import plexrl_dask as plexrl
+from plexrl_dask import errors
+from plexrl_dask.rl import GRPOConfig
+from plexrl_dask.rl.catalog import standard_jobs
+from plexrl_dask.rl.modes import JobSpec, Layout, peak_tokens_per_second, run_mode, warm_start
+from plexrl_dask.rl.report import plot_run, summary_table
+from tests.conftest import tiny_spec, unique
+from tests.test_grpo import FirstCharIsDigit
+
+CONFIG = GRPOConfig(steps=3, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2)
+
+
+def test_every_mode_runs_the_same_jobs(client, tmp_path):
+    runtime = plexrl.Runtime(client, job=unique("modes"))
+    specs = [
+        JobSpec(
+            unique("j1"),
+            FirstCharIsDigit(),
+            tiny_spec(seed=1),
+            replace(CONFIG, seed=1),
+            warmup_steps=3,
+            warmup_batch_size=8,
+        ),
+        JobSpec(
+            unique("j2"),
+            FirstCharIsDigit(),
+            tiny_spec(seed=2, hidden_size=48, num_heads=4, num_kv_heads=2),
+            replace(CONFIG, seed=2),
+            warmup_steps=4,
+            warmup_batch_size=8,
+        ),
+    ]
+    progress = []
+    checkpoints = warm_start(
+        runtime, specs, tmp_path / "warmup", on_progress=lambda *a: progress.append(a)
+    )
+    assert sorted((job, step) for job, step, _ in progress) == sorted(
+        (s.name, k) for s in specs for k in range(1, s.warmup_steps + 1)
+    )
+    assert {c["version"] for c in checkpoints.values()} == {3, 4}
+
+    workers = sorted(client.scheduler_info()["workers"])
+    grid = [
+        Layout("colocated", 1),
+        Layout("split", 2, 1),
+        Layout("split-async", 2, 1),
+        Layout("multiplexed", 2, 1),
+        Layout("multiplexed", 1, 0),
+    ]
+    runs = {
+        layout: run_mode(runtime, specs, layout, checkpoints, workers, metrics_dir=tmp_path / "m")
+        for layout in grid
+    }
+
+    # The synchronous layouts compute exactly the same thing; the jobs trained.
+    reference = runs[grid[0]]
+    for layout, run in runs.items():
+        for s in specs:
+            assert len(run.records[s.name]) == CONFIG.steps
+            if layout.mode != "split-async":
+                assert run.trajectory(s.name) == reference.trajectory(s.name), layout
+    assert any(loss is not None for s in specs for _, loss in reference.trajectory(s.name))
+    assert [r.sampled_with for r in runs[grid[2]].records[specs[0].name]][:2] == [3, 3]  # ahead
+    # Every synchronous step samples with the weights of the step before (the checkpoint's 3
+    # first); with staleness 1 the second step still samples with them.
+    assert [r.sampled_with for r in reference.records[specs[0].name]] == [3, 4, 5]
+
+    # The ledgers add up.
+    for layout, run in runs.items():
+        ledger = run.ledger
+        assert 0 < ledger.busy_worker_seconds() <= ledger.reserved_worker_seconds() + 1e-6
+        assert 0 <= ledger.idle_fraction() < 1
+        for s in specs:
+            assert ledger.rollout_worker_seconds(s.name) > 0
+        ops = {sp.op for sp in ledger.spans}
+        assert "sample" in ops and "forward_backward" in ops
+        if layout.mode == "multiplexed":
+            assert ledger.reserved_worker_seconds() == pytest.approx(
+                layout.workers * ledger.makespan()
+            )
+            assert {sp.worker for sp in ledger.spans if sp.job in {s.name for s in specs}} <= set(
+                workers[: layout.workers]
+            )
+        else:
+            assert ledger.reserved_worker_seconds() == pytest.approx(
+                sum(layout.workers * w.wall_s for w in ledger.jobs)
+            )
+    assert {sp.job for sp in runs[grid[3]].ledger.spans} >= {
+        s.name for s in specs
+    }  # spans carry the job
+
+    # Nothing is left deployed; every run wrote its metrics with a reproducible header.
+    names = {d.name for d in runtime.deployments()}
+    assert not any(s.name in n for s in specs for n in names)
+    header = json.loads(
+        (tmp_path / "m" / f"multiplexed-{specs[0].name}.jsonl").read_text().splitlines()[0]
+    )
+    assert header["config"]["seed"] == 1
+
+    mux = runs[grid[3]]
+    png = tmp_path / "run.png"
+    plot_run(mux.records, mux.ledger, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    console = Console(record=True, width=150)
+    console.print(
+        summary_table(
+            mux.records, mux.ledger, isolated_estimate=mux.ledger.isolated_cost_lower_bound()
+        )
+    )
+    text = console.export_text()
+    assert specs[0].name in text and "worker-s" in text
+
+
+def test_peak_throughput_decodes_full_batches(client):
+    runtime = plexrl.Runtime(client, job=unique("peak"))
+    worker = sorted(client.scheduler_info()["workers"])[0]
+    best, by_batch = peak_tokens_per_second(
+        runtime, tiny_spec(seed=3), worker, "1+2=", max_tokens=5, batch_sizes=(2, 8), repeats=1
+    )
+    assert set(by_batch) == {2, 8} and best == max(by_batch.values()) > 0
+    assert not [d for d in runtime.deployments() if d.name.startswith("peak-")]
+
+
+def test_bad_job_specs_and_layouts_are_typed_errors(client, tmp_path):
+    with pytest.raises(errors.ConfigError):
+        JobSpec("bad name!", FirstCharIsDigit(), tiny_spec(), CONFIG)
+    with pytest.raises(errors.ConfigError):
+        JobSpec("ok", FirstCharIsDigit(), tiny_spec(), CONFIG, warmup_steps=-1)
+    with pytest.raises(errors.ConfigError):
+        standard_jobs(0)
+    with pytest.raises(errors.ConfigError):
+        standard_jobs(2, scale=0)
+    runtime = plexrl.Runtime(client, job=unique("bad-layout"))
+    spec = JobSpec(unique("j"), FirstCharIsDigit(), tiny_spec(), CONFIG)
+    with pytest.raises(errors.ConfigError, match="needs 3 workers"):
+        run_mode(runtime, [spec], Layout("multiplexed", 3, 1), {}, ["w1", "w2"])
+
+
+def test_standard_mix_scales_steps_only():
+    full, quick = standard_jobs(5), standard_jobs(5, scale=0.25)
+    assert len({s.name for s in full}) == 5 and len({s.model.name for s in full}) >= 3
+    for a, b in zip(full, quick, strict=True):
+        assert replace(b, grpo=a.grpo, warmup_steps=a.warmup_steps) == a
+        assert b.grpo.steps < a.grpo.steps and b.warmup_steps < a.warmup_steps
