@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench-service
+.PHONY: demo quickstart test lint bench-service bench-multiplex
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: $(VENV)/.installed
+	$(PY) examples/multiplex.py
+
+quickstart: $(VENV)/.installed
 	$(PY) examples/quickstart.py
 
 test: $(VENV)/.installed
@@ -23,3 +26,6 @@ test: $(VENV)/.installed
 
 bench-service: $(VENV)/.installed
 	$(PY) -m plexrl_dask.bench.service --json benchmarks/service.json
+
+bench-multiplex: $(VENV)/.installed
+	$(PY) -m plexrl_dask.bench.multiplex --jobs 4 --json benchmarks/multiplex.json

@@ -76,6 +76,14 @@ def test_every_mode_runs_the_same_jobs(client, tmp_path):
     # first); with staleness 1 the second step still samples with them.
     assert [r.sampled_with for r in reference.records[specs[0].name]] == [3, 4, 5]
 
+    # A split-async job multiplexed computes what it computes isolated.
+    ahead = [replace(s, grpo=replace(s.grpo, staleness=1)) for s in specs]
+    mux_async = run_mode(runtime, ahead, Layout("multiplexed", 2, 1), checkpoints, workers)
+    for s in specs:
+        assert mux_async.trajectory(s.name) == runs[grid[2]].trajectory(s.name)
+    with pytest.raises(errors.ConfigError, match="rollout"):  # staleness 1 needs a rollout
+        run_mode(runtime, ahead[:1], Layout("multiplexed", 1, 0), checkpoints, workers)
+
     # The ledgers add up.
     for layout, run in runs.items():
         ledger = run.ledger

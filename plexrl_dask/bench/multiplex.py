@@ -17,6 +17,8 @@ best layout), ``throughput_to_peak`` (multiplexed) and ``colocated_throughput_to
 synchronous layout: colocated, split and multiplexed), ``final_mean_reward`` per job,
 ``idle_fraction`` per mode, ``generation_length_p50``/``_p90``/``_p99``/``_max`` over all
 sampled completions, plus every layout's ledger and a PNG of the best multiplexed run.
+Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
+final rewards with the synchronous job's over ``--seeds`` seeds (within two standard errors?).
 
 Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]``.
 """
@@ -24,9 +26,12 @@ Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]``.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +43,15 @@ import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, cost_ratio, percentile
-from plexrl_dask.rl.modes import ModeRun, layouts, peak_tokens_per_second, run_mode, warm_start
+from plexrl_dask.rl.modes import (
+    JobSpec,
+    Layout,
+    ModeRun,
+    layouts,
+    peak_tokens_per_second,
+    run_mode,
+    warm_start,
+)
 from plexrl_dask.rl.report import plot_run, reward_start_end
 
 logger = logging.getLogger(__name__)
@@ -117,9 +130,77 @@ def main() -> None:
                     f"{s['idle_fraction']:.2f}, throughput-to-peak {s['throughput_to_peak']:.2f} "
                     f"({time.perf_counter() - t0:.0f}s)"
                 )
+        seeds = None
+        if args.seeds:
+            t0 = time.perf_counter()
+            seeds = seed_comparison(
+                runtime, specs, checkpoints, workers, args.seeds, Path(tmp) / "seeds"
+            )
+            console.print(
+                f"split-async vs synchronous over {args.seeds} seeds: {time.perf_counter() - t0:.0f}s"
+            )
     results, config = summarise(runs, specs, peaks, peak_detail, png)
-    config.update(workers=args.workers, quick=args.quick, memory_budget=args.memory_budget)
+    if seeds is not None:
+        results["split_async_vs_sync"] = seeds
+        results["split_async_within_two_se"] = all(v["within_2se"] for v in seeds.values())
+    config.update(
+        workers=args.workers, quick=args.quick, memory_budget=args.memory_budget, seeds=args.seeds
+    )
     report("multiplex", results, TARGETS, config, args.json)
+
+
+def seed_comparison(
+    runtime: plexrl.Runtime,
+    specs: list[JobSpec],
+    checkpoints: dict[str, dict[str, Any]],
+    workers: list[str],
+    seeds: int,
+    metrics_dir: Path,
+) -> dict[str, dict[str, Any]]:
+    """Split-async changes the algorithm (staleness 1), so its rewards are compared with the
+    synchronous job's over ``seeds`` GRPO seeds rather than bit for bit: every (job, seed,
+    staleness) variant runs at once on the shared pool (a multiplexed run is bit-identical
+    to the isolated one of the same algorithm and layout: tests/test_modes.py). Per job: the
+    mean final reward (last 5 steps) of each algorithm over the seeds, their difference and
+    its standard error, and whether the difference is within two standard errors."""
+    variants: list[JobSpec] = []
+    for spec in specs:
+        for k in range(seeds):
+            for staleness in (0, 1):
+                grpo = replace(spec.grpo, seed=spec.grpo.seed + 1000 * k, staleness=staleness)
+                variants.append(replace(spec, name=f"{spec.name}-s{k}-st{staleness}", grpo=grpo))
+    base = {v.name: checkpoints[v.name.rsplit("-s", 1)[0]] for v in variants}
+    t0 = time.perf_counter()
+    run = run_mode(
+        runtime,
+        variants,
+        Layout("multiplexed", len(workers), 1),
+        base,
+        workers,
+        metrics_dir=metrics_dir,
+    )
+    logger.info(
+        "seed comparison: %d jobs multiplexed in %.0fs", len(variants), time.perf_counter() - t0
+    )
+    out: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        finals = {
+            st: [reward_start_end(run.records[f"{spec.name}-s{k}-st{st}"])[1] for k in range(seeds)]
+            for st in (0, 1)
+        }
+        means = {st: statistics.fmean(v) for st, v in finals.items()}
+        se = math.sqrt(
+            sum(statistics.variance(v) / len(v) if len(v) > 1 else 0.0 for v in finals.values())
+        )
+        diff = means[1] - means[0]
+        out[spec.name] = {
+            "sync_final_rewards": finals[0],
+            "split_async_final_rewards": finals[1],
+            "difference": diff,
+            "standard_error": se,
+            "within_2se": abs(diff) <= 2 * se,
+        }
+    return out
 
 
 def summarise(

@@ -62,7 +62,11 @@ class JobSpec:
             raise ConfigError(f"warm-up steps >= 0 and batch size >= 1: {self}")
 
     def config_for(self, mode: str) -> GRPOConfig:
-        """The job's GRPO config in ``mode`` (split-async is the one that runs ahead)."""
+        """The job's GRPO config in ``mode``: the isolated modes fix the algorithm
+        (split-async runs one step ahead, colocated and split are synchronous); a
+        multiplexed job keeps its own ``grpo.staleness``."""
+        if mode == "multiplexed":
+            return self.grpo
         return replace(self.grpo, staleness=1 if mode == "split-async" else 0)
 
     def describe(self) -> dict[str, Any]:
