@@ -2,6 +2,7 @@
 local pool, with live progress per job, a table at the end and a PNG.
 
     python examples/multiplex.py [--jobs 3] [--scale 1.0] [--rollout-replicas 1] [--out runs/multiplex]
+                                 [--model PATH]   # every job on a local HF checkpoint instead
 
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
 core), their requests ordered by the PlexRL scheduler plugin. Every job's per-step metrics go
@@ -12,6 +13,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from distributed import Client
@@ -35,11 +37,14 @@ def main() -> None:
     parser.add_argument("--rollout-replicas", type=int, default=1)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="runs/multiplex")
+    parser.add_argument("--model", default=None, help="a local Hugging Face checkpoint for every job")
     args = parser.parse_args()
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = standard_jobs(args.jobs, scale=args.scale)
+    if args.model:
+        specs = [replace(s, model=plexrl.ModelSpec(path=args.model)) for s in specs]
     layout = Layout("multiplexed", args.workers, args.rollout_replicas)
     (out / "run.json").write_text(
         json.dumps({"layout": layout.label, "jobs": [s.describe() for s in specs]}, indent=2)

@@ -149,3 +149,15 @@ def test_layout_search_space_and_bad_layouts():
         layouts("nope", 2)
     with pytest.raises(errors.ConfigError):
         layouts("split", 0)
+
+
+def test_seed_difference_within_two_standard_errors():
+    from plexrl_dask.rl.ledger import seed_difference
+
+    same = seed_difference([0.30, 0.34, 0.32], [0.31, 0.35, 0.30])
+    assert same["within_2se"] and same["difference"] == pytest.approx(0.0)
+    far = seed_difference([0.10, 0.11, 0.12], [0.50, 0.52, 0.51])
+    assert not far["within_2se"] and far["difference"] == pytest.approx(0.4)
+    assert far["standard_error"] == pytest.approx(((0.01**2 / 3) * 2) ** 0.5)
+    with pytest.raises(ValueError):
+        seed_difference([0.1], [0.2, 0.3])

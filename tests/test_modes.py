@@ -161,3 +161,23 @@ def test_standard_mix_scales_steps_only():
     for a, b in zip(full, quick, strict=True):
         assert replace(b, grpo=a.grpo, warmup_steps=a.warmup_steps) == a
         assert b.grpo.steps < a.grpo.steps and b.warmup_steps < a.warmup_steps
+
+
+def test_the_same_job_runs_on_a_local_checkpoint_path(client, tmp_path):
+    """Nothing in a job depends on the tiny model: a local Hugging Face checkpoint (here one
+    written from a tiny spec) runs through warm-up, restore and GRPO alike."""
+    path = tiny_spec(seed=5).save_pretrained(str(tmp_path / "hf"))
+    runtime = plexrl.Runtime(client, job=unique("path"))
+    spec = JobSpec(
+        unique("p"),
+        FirstCharIsDigit(),
+        path,
+        replace(CONFIG, steps=2),
+        warmup_steps=2,
+        warmup_batch_size=4,
+    )
+    checkpoints = warm_start(runtime, [spec], tmp_path / "warmup")
+    workers = sorted(client.scheduler_info()["workers"])
+    run = run_mode(runtime, [spec], Layout("split", 2, 1), checkpoints, workers)
+    assert [r.sampled_with for r in run.records[spec.name]][0] == 2
+    assert len(run.records[spec.name]) == 2 and run.ledger.useful_tokens() > 0

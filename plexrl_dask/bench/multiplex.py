@@ -26,9 +26,7 @@ Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]``.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -42,7 +40,7 @@ from rich.console import Console
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, cost_ratio, percentile
+from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, cost_ratio, percentile, seed_difference
 from plexrl_dask.rl.modes import (
     JobSpec,
     Layout,
@@ -74,6 +72,12 @@ def main() -> None:
     p.add_argument(
         "--memory-budget", default="auto", help="each worker's plexrl.worker.memory-budget"
     )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="GRPO seeds per job in the split-async comparison (0: skip it; else >= 2)",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     console = Console()
@@ -81,6 +85,8 @@ def main() -> None:
         raise SystemExit(
             f"--workers {args.workers} > {os.cpu_count()} cores: idle workers would lend cores"
         )
+    if args.seeds == 1:
+        raise SystemExit("--seeds: 0 (skip the comparison) or at least 2 (a standard error)")
     scale = 0.25 if args.quick else 1.0
     specs = standard_jobs(args.jobs, scale=scale)
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else "multiplex.png")
@@ -130,6 +136,12 @@ def main() -> None:
                     f"{s['idle_fraction']:.2f}, throughput-to-peak {s['throughput_to_peak']:.2f} "
                     f"({time.perf_counter() - t0:.0f}s)"
                 )
+        # Written now and again at the end: the comparison below is long.
+        results, config = summarise(runs, specs, peaks, peak_detail, png)
+        config.update(
+            workers=args.workers, quick=args.quick, memory_budget=args.memory_budget, seeds=0
+        )
+        report("multiplex", results, TARGETS, config, args.json)
         seeds = None
         if args.seeds:
             t0 = time.perf_counter()
@@ -139,13 +151,11 @@ def main() -> None:
             console.print(
                 f"split-async vs synchronous over {args.seeds} seeds: {time.perf_counter() - t0:.0f}s"
             )
-    results, config = summarise(runs, specs, peaks, peak_detail, png)
-    if seeds is not None:
-        results["split_async_vs_sync"] = seeds
-        results["split_async_within_two_se"] = all(v["within_2se"] for v in seeds.values())
-    config.update(
-        workers=args.workers, quick=args.quick, memory_budget=args.memory_budget, seeds=args.seeds
-    )
+    if seeds is None:
+        return
+    results["split_async_vs_sync"] = seeds
+    results["split_async_within_two_se"] = all(v["within_2se"] for v in seeds.values())
+    config["seeds"] = args.seeds
     report("multiplex", results, TARGETS, config, args.json)
 
 
@@ -164,12 +174,13 @@ def seed_comparison(
     mean final reward (last 5 steps) of each algorithm over the seeds, their difference and
     its standard error, and whether the difference is within two standard errors."""
     variants: list[JobSpec] = []
+    base: dict[str, dict[str, Any]] = {}
     for spec in specs:
         for k in range(seeds):
             for staleness in (0, 1):
                 grpo = replace(spec.grpo, seed=spec.grpo.seed + 1000 * k, staleness=staleness)
                 variants.append(replace(spec, name=f"{spec.name}-s{k}-st{staleness}", grpo=grpo))
-    base = {v.name: checkpoints[v.name.rsplit("-s", 1)[0]] for v in variants}
+                base[variants[-1].name] = checkpoints[spec.name]
     t0 = time.perf_counter()
     run = run_mode(
         runtime,
@@ -188,18 +199,7 @@ def seed_comparison(
             st: [reward_start_end(run.records[f"{spec.name}-s{k}-st{st}"])[1] for k in range(seeds)]
             for st in (0, 1)
         }
-        means = {st: statistics.fmean(v) for st, v in finals.items()}
-        se = math.sqrt(
-            sum(statistics.variance(v) / len(v) if len(v) > 1 else 0.0 for v in finals.values())
-        )
-        diff = means[1] - means[0]
-        out[spec.name] = {
-            "sync_final_rewards": finals[0],
-            "split_async_final_rewards": finals[1],
-            "difference": diff,
-            "standard_error": se,
-            "within_2se": abs(diff) <= 2 * se,
-        }
+        out[spec.name] = seed_difference(finals[0], finals[1])  # split-async - synchronous
     return out
 
 

@@ -1,14 +1,25 @@
-"""RL and supervised loops written only against the public API (futures all the way)."""
+"""RL and supervised loops written only against the public API (futures all the way), the
+deployment modes they run in and the ledger that compares the modes."""
 
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, group_advantages, run_jobs
+from plexrl_dask.rl.ledger import JobWindow, ModeLedger
+from plexrl_dask.rl.modes import JobSpec, Layout, ModeRun, layouts, run_mode, warm_start
 from plexrl_dask.rl.warmup import evaluate, supervised_warmup
 
 __all__ = [
     "GRPOConfig",
     "GRPOJob",
+    "JobSpec",
+    "JobWindow",
+    "Layout",
+    "ModeLedger",
+    "ModeRun",
     "StepRecord",
     "evaluate",
     "group_advantages",
+    "layouts",
     "run_jobs",
+    "run_mode",
     "supervised_warmup",
+    "warm_start",
 ]

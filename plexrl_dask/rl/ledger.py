@@ -25,8 +25,11 @@ Everything here is pure: it takes spans and job windows and returns numbers.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from plexrl_dask.service.timeline import RequestSpan, busy_seconds
 
@@ -180,6 +183,26 @@ def rollout_phases(spans: Iterable[RequestSpan], sampler: str) -> list[tuple[flo
 def cost_ratio(multiplexed: ModeLedger, baseline: ModeLedger) -> float:
     """Multiplexed cost ÷ a baseline's (below 1: multiplexing is cheaper)."""
     return multiplexed.reserved_worker_seconds() / baseline.reserved_worker_seconds()
+
+
+def seed_difference(baseline: Sequence[float], other: Sequence[float]) -> dict[str, Any]:
+    """Compare one result (e.g. final reward) of two algorithms over seeds: the difference of
+    the means (``other - baseline``), its standard error (independent samples:
+    ``sqrt(s_a² / n_a + s_b² / n_b)``) and whether the difference is within two of them.
+    Needs at least two seeds per side."""
+    if min(len(baseline), len(other)) < 2:
+        raise ValueError("a standard error needs at least two seeds per side")
+    diff = statistics.fmean(other) - statistics.fmean(baseline)
+    se = math.sqrt(
+        statistics.variance(baseline) / len(baseline) + statistics.variance(other) / len(other)
+    )
+    return {
+        "baseline": list(baseline),
+        "other": list(other),
+        "difference": diff,
+        "standard_error": se,
+        "within_2se": abs(diff) <= 2 * se,
+    }
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -161,7 +161,8 @@ def warm_start(
 
     def one(spec: JobSpec) -> dict[str, Any]:
         name = f"warmup-{spec.name}"
-        policy = runtime.deploy(name, spec.model, owner=spec.name)
+        job = Runtime(runtime.client, job=spec.name)  # the job's requests carry its name
+        policy = job.deploy(name, spec.model)
         try:
             supervised_warmup(
                 policy,
@@ -175,7 +176,7 @@ def warm_start(
             )
             return result(policy.save_state(Path(directory) / spec.name))
         finally:
-            runtime.undeploy(name)
+            job.undeploy(name)
 
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup") as pool:
         futures = {s.name: pool.submit(one, s) for s in specs}
