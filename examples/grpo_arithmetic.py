@@ -35,24 +35,53 @@ def main() -> None:
         spec = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=2, seed=args.seed)
         policy = runtime.deploy("policy", spec)
         t0 = time.perf_counter()
-        losses = supervised_warmup(policy, task, steps=args.warmup, batch_size=64, optim=plexrl.AdamWParams(lr=1e-3))
-        console.print(f"warm-up: loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
+        losses = supervised_warmup(
+            policy, task, steps=args.warmup, batch_size=64, optim=plexrl.AdamWParams(lr=1e-3)
+        )
+        console.print(
+            f"warm-up: loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)"
+        )
         before = evaluate(policy, task, held_out)
 
-        rollout = runtime.deploy("rollout", spec, role="rollout", workers=[w for w in client.scheduler_info()["workers"] if w != policy.info.worker])
+        rollout = runtime.deploy(
+            "rollout",
+            spec,
+            role="rollout",
+            workers=[w for w in client.scheduler_info()["workers"] if w != policy.info.worker],
+        )
         plexrl.result(runtime.sync_weights(policy, rollout))
-        config = GRPOConfig(steps=args.steps, prompts_per_step=32, group_size=8, max_tokens=8, lr=args.lr, temperature=args.temperature, seed=args.seed)
-        job = GRPOJob("grpo-arithmetic", runtime, task, policy, config, rollout=rollout, metrics_path=args.metrics)
+        config = GRPOConfig(
+            steps=args.steps,
+            prompts_per_step=32,
+            group_size=8,
+            max_tokens=8,
+            lr=args.lr,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
+        job = GRPOJob(
+            "grpo-arithmetic",
+            runtime,
+            task,
+            policy,
+            config,
+            rollout=rollout,
+            metrics_path=args.metrics,
+        )
 
         def show(r) -> None:
-            console.print(f"step {r.step:3d}  reward {r.reward_mean:.3f}  groups {r.groups_used:2d}  loss {r.loss}  {r.wall_s:.1f}s")
+            console.print(
+                f"step {r.step:3d}  reward {r.reward_mean:.3f}  groups {r.groups_used:2d}  loss {r.loss}  {r.wall_s:.1f}s"
+            )
 
         t0 = time.perf_counter()
         records = job.run(on_step=show)
         after = evaluate(policy, task, held_out)
         first = sum(r.reward_mean for r in records[:5]) / 5
         last = sum(r.reward_mean for r in records[-5:]) / 5
-        console.print(f"GRPO {args.steps} steps in {time.perf_counter() - t0:.0f}s: sampled reward (mean of 5 steps) {first:.3f} -> {last:.3f}; greedy accuracy on {len(held_out)} held-out problems {before:.3f} -> {after:.3f}; metrics in {args.metrics}")
+        console.print(
+            f"GRPO {args.steps} steps in {time.perf_counter() - t0:.0f}s: sampled reward (mean of 5 steps) {first:.3f} -> {last:.3f}; greedy accuracy on {len(held_out)} held-out problems {before:.3f} -> {after:.3f}; metrics in {args.metrics}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def main() -> None:
     parser.add_argument("--rollout-replicas", type=int, default=1)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="runs/multiplex")
-    parser.add_argument("--model", default=None, help="a local Hugging Face checkpoint for every job")
+    parser.add_argument(
+        "--model", default=None, help="a local Hugging Face checkpoint for every job"
+    )
     args = parser.parse_args()
     console = Console()
     out = Path(args.out)
@@ -92,7 +94,10 @@ def main() -> None:
         summary_table(
             run.records,
             ledger,
-            isolated_estimate=ledger.isolated_cost_lower_bound(),
+            isolated_estimates={
+                "isolated colocated, at least": ledger.isolated_cost_lower_bound(1),
+                "isolated split, at least": ledger.isolated_cost_lower_bound(2),
+            },
             title=layout.label,
         )
     )

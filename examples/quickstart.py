@@ -17,6 +17,7 @@ from plexrl_dask.tasks import ArithmeticTask
 
 # Worker processes are spawned and re-import this file: everything runs under main().
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=800)
@@ -31,9 +32,13 @@ def main() -> None:
     held_out = task.problems(10_000_000, 64)  # indices the warm-up never reaches
 
     with plexrl.local_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
-        console.print(f"cluster up: {len(client.scheduler_info()['workers'])} workers, dashboard {cluster.dashboard_link}")
+        console.print(
+            f"cluster up: {len(client.scheduler_info()['workers'])} workers, dashboard {cluster.dashboard_link}"
+        )
         runtime = plexrl.Runtime(client, job="quickstart")
-        policy = runtime.deploy("policy", plexrl.ModelSpec.tiny(hidden_size=128, num_layers=2, seed=args.seed))
+        policy = runtime.deploy(
+            "policy", plexrl.ModelSpec.tiny(hidden_size=128, num_layers=2, seed=args.seed)
+        )
         console.print(f"deployed {policy}")
         console.print(f"accuracy before warm-up: {evaluate(policy, task, held_out):.2f}")
 
@@ -45,10 +50,16 @@ def main() -> None:
                 progress.update(bar, advance=1, description=f"warm-up loss {metrics['loss']:.3f}")
 
             losses = supervised_warmup(
-                policy, task, steps=args.steps, batch_size=args.batch_size,
-                optim=plexrl.AdamWParams(lr=args.lr), on_step=on_step,
+                policy,
+                task,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                optim=plexrl.AdamWParams(lr=args.lr),
+                on_step=on_step,
             )
-        console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {time.perf_counter() - t0:.1f}s")
+        console.print(
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {time.perf_counter() - t0:.1f}s"
+        )
         console.print(f"accuracy after warm-up: {evaluate(policy, task, held_out):.2f}")
 
         params = plexrl.SamplingParams(n=4, temperature=0.7, max_tokens=8, stop=("\n",), seed=1)

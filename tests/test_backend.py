@@ -39,7 +39,9 @@ def test_forward_matches_manual_log_softmax(backend):
     out = backend.forward([Datum(tokens=ids)]).logprobs[0]
     with torch.no_grad():
         logits = backend.model(input_ids=torch.tensor([ids])).logits[0]
-    manual = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    manual = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[
+        :, 0
+    ]
     assert out[0] == 0.0 and len(out) == len(ids)
     torch.testing.assert_close(torch.tensor(out[1:]), manual, atol=1e-5, rtol=0)
 
@@ -52,7 +54,10 @@ def test_padding_does_not_change_scores(backend):
 
 
 def test_cross_entropy_training_lowers_loss(backend):
-    batch = [Datum.from_prompt_completion(toks(backend, f"{i}+{i}="), toks(backend, f"{2 * i}\n")) for i in range(8)]
+    batch = [
+        Datum.from_prompt_completion(toks(backend, f"{i}+{i}="), toks(backend, f"{2 * i}\n"))
+        for i in range(8)
+    ]
     first = backend.forward_backward(batch, CrossEntropy())["loss"]
     backend.optim_step(AdamWParams(lr=1e-2))
     for _ in range(20):
@@ -70,7 +75,9 @@ def test_split_batch_with_normalizer_equals_one_call():
     a.forward_backward(data, CrossEntropy())
     b.forward_backward(data[:3], CrossEntropy(normalizer=total))
     b.forward_backward(data[3:], CrossEntropy(normalizer=total))
-    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+    for (n, pa), (_, pb) in zip(
+        a.model.named_parameters(), b.model.named_parameters(), strict=True
+    ):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=n)
 
 
@@ -126,16 +133,21 @@ def test_sampling_is_seeded_per_prompt_and_sample(backend):
     for g_full, g_chunk in zip(full, chunked, strict=True):
         assert [s.tokens for s in g_full] == [s.tokens for s in g_chunk]
         for s_full, s_chunk in zip(g_full, g_chunk, strict=True):
-            assert max(abs(x - y) for x, y in zip(s_full.logprobs, s_chunk.logprobs, strict=True)) < 1e-4
+            assert (
+                max(abs(x - y) for x, y in zip(s_full.logprobs, s_chunk.logprobs, strict=True))
+                < 1e-4
+            )
     # Different seeds or prompt ids give different samples.
-    other = backend.sample(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=12), [0, 1, 2])
+    other = backend.sample(
+        prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=12), [0, 1, 2]
+    )
     assert [s.tokens for g in other for s in g] != [s.tokens for g in full for s in g]
 
 
 def test_greedy_sampling_matches_forward(backend):
     prompt = toks(backend, "5+5=")
     out = backend.sample([prompt], SamplingParams(temperature=0.0, max_tokens=6), [0])[0][0]
-    scored = backend.forward([Datum(tokens=prompt + list(out.tokens))]).logprobs[0][len(prompt):]
+    scored = backend.forward([Datum(tokens=prompt + list(out.tokens))]).logprobs[0][len(prompt) :]
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(scored), atol=1e-4, rtol=0)
     with torch.no_grad():
         logits = backend.model(input_ids=torch.tensor([prompt])).logits[0, -1]
@@ -149,7 +161,9 @@ def test_stop_strings_and_eos(backend):
     for _ in range(60):
         backend.forward_backward(data, CrossEntropy())
         backend.optim_step(AdamWParams(lr=2e-2))
-    out = backend.sample([prompt], SamplingParams(temperature=0.0, max_tokens=10, stop=("\n",)), [0])[0][0]
+    out = backend.sample(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=10, stop=("\n",)), [0]
+    )[0][0]
     assert out.text == "7\n" and out.finish_reason == "stop"
     out = backend.sample([prompt], SamplingParams(temperature=0.0, max_tokens=10), [0])[0][0]
     assert out.text.startswith("7\nxyz") and len(out.tokens) == 10 and out.finish_reason == "length"

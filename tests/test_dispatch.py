@@ -626,7 +626,9 @@ class Model:
                 ]
                 group = None
                 if options:
-                    setup, _, _, group = options[0] if self.policy.placement == "blind" else min(options)
+                    setup, _, _, group = (
+                        options[0] if self.policy.placement == "blind" else min(options)
+                    )
                     if self.waits_for_its_own(r, setup, now):
                         group = None
                 if group is None:

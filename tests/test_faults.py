@@ -17,7 +17,10 @@ from tests.conftest import tiny_spec, unique
 
 @pytest.fixture(scope="module")
 def fault_client():
-    with plexrl.local_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+    with (
+        plexrl.local_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         yield client
 
 
@@ -30,7 +33,9 @@ def _processing(client: Client, prefix: str) -> bool:
 
 def test_rank_killed_mid_request_fails_typed_and_the_deployment_is_restored(fault_client, tmp_path):
     runtime = plexrl.Runtime(fault_client, job="faults")
-    spec = tiny_spec(seed=3, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    spec = tiny_spec(
+        seed=3, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256
+    )
     dep = runtime.deploy(unique("victim"), spec, world_size=2)
     small = [plexrl.Datum(tokens=dep.tokenize(f"{i}*{i}={i * i}")) for i in range(4)]
     plexrl.result([dep.forward_backward(small), dep.optim_step()])
@@ -38,7 +43,10 @@ def test_rank_killed_mid_request_fails_typed_and_the_deployment_is_restored(faul
     plexrl.result(dep.save_state(path))
     saved = plexrl.result(dep.get_weights()).tensors
 
-    big = [plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(32)]
+    big = [
+        plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200))))
+        for _ in range(32)
+    ]
     fut = dep.forward_backward(big)
     deadline = time.monotonic() + 60
     while not _processing(fault_client, f"plexrl-forward_backward-{dep.name}"):
@@ -71,9 +79,14 @@ def test_rank_killed_mid_request_fails_typed_and_the_deployment_is_restored(faul
 def test_worker_killed_mid_request_the_request_completes_elsewhere(fault_client):
     runtime = plexrl.Runtime(fault_client, job="faults-single")
     _wait_for_workers(runtime, 2)
-    spec = tiny_spec(seed=5, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    spec = tiny_spec(
+        seed=5, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256
+    )
     dep = runtime.deploy(unique("single"), spec, role="rollout")  # never modified: rebuildable
-    big = [plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(24)]
+    big = [
+        plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200))))
+        for _ in range(24)
+    ]
     expected = plexrl.result(dep.forward(big), timeout=120)
 
     fut = dep.forward(big)

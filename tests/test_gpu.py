@@ -13,7 +13,9 @@ from tests.conftest import tiny_spec
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine"
+    ),
 ]
 
 

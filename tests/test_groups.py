@@ -15,7 +15,11 @@ STEPS = 3
 
 
 def batch_for(dep_or_backend, n: int = 6) -> list[plexrl.Datum]:
-    tok = dep_or_backend.tokenize if hasattr(dep_or_backend, "info") else (lambda s: dep_or_backend.tokenize([s])[0])
+    tok = (
+        dep_or_backend.tokenize
+        if hasattr(dep_or_backend, "info")
+        else (lambda s: dep_or_backend.tokenize([s])[0])
+    )
     return [plexrl.Datum(tokens=tok(f"{i}+{i * 3}={4 * i}")) for i in range(n)]
 
 
@@ -43,7 +47,14 @@ def test_two_rank_fsdp_equals_one_process_on_the_combined_batch(runtime):
     scored = plexrl.result(dep.forward(data)).logprobs
     expected = ref.forward(data).logprobs
     assert len(scored) == len(data)
-    assert max(abs(a - b) for x, y in zip(scored, expected, strict=True) for a, b in zip(x, y, strict=True)) < 1e-5
+    assert (
+        max(
+            abs(a - b)
+            for x, y in zip(scored, expected, strict=True)
+            for a, b in zip(x, y, strict=True)
+        )
+        < 1e-5
+    )
 
 
 def test_two_gangs_over_the_same_workers_both_complete(runtime):
@@ -53,9 +64,16 @@ def test_two_gangs_over_the_same_workers_both_complete(runtime):
     data = batch_for(a, 4)
     futures = []
     for _ in range(2):  # interleaved: each switch re-forms the workers' process group
-        futures += [a.forward_backward(data), b.forward_backward(data), a.optim_step(), b.optim_step()]
+        futures += [
+            a.forward_backward(data),
+            b.forward_backward(data),
+            a.optim_step(),
+            b.optim_step(),
+        ]
     out = plexrl.result(futures, timeout=300)
-    assert [m["version"] for m in out[2::4]] == [1.0, 2.0] and [m["version"] for m in out[3::4]] == [1.0, 2.0]
+    assert [m["version"] for m in out[2::4]] == [1.0, 2.0] and [
+        m["version"] for m in out[3::4]
+    ] == [1.0, 2.0]
     # Interleaving (and the group rebuilds it caused) changed no bit: a's weights equal those
     # of the same deployment trained alone.
     alone = runtime.deploy(unique("gang-alone"), tiny_spec(seed=1), world_size=2)
@@ -73,7 +91,10 @@ def test_group_bad_input_fails_every_rank_and_the_group_recovers(runtime):
     bad = data[:3] + [plexrl.Datum(tokens=[1, 10**6])]  # only rank 1's half is bad
     with pytest.raises(errors.TokenOutOfVocabulary):
         dep.forward_backward(bad)  # caught before any rank starts
-    nan = [plexrl.Datum(tokens=d.tokens, advantages=[0.0] + [float("nan")] * (len(d.tokens) - 1)) for d in data]
+    nan = [
+        plexrl.Datum(tokens=d.tokens, advantages=[0.0] + [float("nan")] * (len(d.tokens) - 1))
+        for d in data
+    ]
     with pytest.raises(errors.NonFiniteLoss):
         plexrl.result(dep.forward_backward(nan, plexrl.PolicyGradient()), timeout=120)
     with pytest.raises(errors.InvalidBatch, match="at least 2"):
@@ -179,7 +200,8 @@ def test_a_loss_error_on_one_rank_fails_every_rank_and_keeps_the_state(runtime):
     dep = runtime.deploy(unique("fsdp-loss"), tiny_spec(seed=14), world_size=2)
     data = batch_for(dep, 4)
     with_adv = [
-        plexrl.Datum(tokens=d.tokens, advantages=[0.0] + [1.0] * (len(d.tokens) - 1)) for d in data[:2]
+        plexrl.Datum(tokens=d.tokens, advantages=[0.0] + [1.0] * (len(d.tokens) - 1))
+        for d in data[:2]
     ]
     mixed = with_adv + data[2:]  # rank 1's half has no advantages
     before = plexrl.result(dep.get_weights()).tensors

@@ -26,7 +26,9 @@ class FirstCharIsDigit:
     stop: str = "\n"
 
     def problems(self, start: int, count: int) -> list[Problem]:
-        return [Problem(prompt=f"{i % 97}=", answer="1\n", index=i) for i in range(start, start + count)]
+        return [
+            Problem(prompt=f"{i % 97}=", answer="1\n", index=i) for i in range(start, start + count)
+        ]
 
     def reward(self, problem: Problem, completion: str) -> float:
         return 1.0 if completion[:1].isdigit() else 0.0
@@ -61,7 +63,9 @@ def test_split_and_colocated_jobs_are_bit_identical(runtime, tmp_path):
     policy = runtime.deploy(unique("grpo-split-policy"), spec)
     rollout = runtime.deploy(unique("grpo-split-rollout"), spec, role="rollout")
     metrics = tmp_path / "split.jsonl"
-    split = GRPOJob("split", runtime, task, policy, CONFIG, rollout=rollout, metrics_path=metrics).run()
+    split = GRPOJob(
+        "split", runtime, task, policy, CONFIG, rollout=rollout, metrics_path=metrics
+    ).run()
     alone = runtime.deploy(unique("grpo-colocated"), spec)
     colocated = GRPOJob("colocated", runtime, task, alone, CONFIG).run()
 
@@ -96,8 +100,15 @@ def test_a_rerun_with_the_same_seeds_repeats_and_another_seed_differs(runtime):
     runs = []
     for seed in (7, 7, 8):
         policy = runtime.deploy(unique("grpo-rerun"), spec)
-        config = GRPOConfig(steps=2, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=seed)
-        runs.append([(r.reward_mean, r.completion_lengths, r.loss) for r in GRPOJob("r", runtime, task, policy, config).run()])
+        config = GRPOConfig(
+            steps=2, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=seed
+        )
+        runs.append(
+            [
+                (r.reward_mean, r.completion_lengths, r.loss)
+                for r in GRPOJob("r", runtime, task, policy, config).run()
+            ]
+        )
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -122,8 +133,12 @@ def three_jobs(client, tag: str) -> list[GRPOJob]:
         spec = tiny_spec(seed=20 + k)
         policy = runtime.deploy(unique(f"{tag}-policy{k}"), spec)
         rollout = runtime.deploy(unique(f"{tag}-rollout{k}"), spec, role="rollout")
-        config = GRPOConfig(steps=3, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=k)
-        jobs.append(GRPOJob(f"job{k}", runtime, FirstCharIsDigit(), policy, config, rollout=rollout))
+        config = GRPOConfig(
+            steps=3, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=k
+        )
+        jobs.append(
+            GRPOJob(f"job{k}", runtime, FirstCharIsDigit(), policy, config, rollout=rollout)
+        )
     return jobs
 
 
@@ -138,15 +153,22 @@ def test_jobs_multiplexed_on_one_pool_compute_exactly_what_they_compute_alone(ti
     assert offloads > 0  # the pool really swapped jobs' state in and out
     for name, records in alone.items():
         assert all(r.loss is not None for r in records)
-        got = [(r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in together[name]]
-        want = [(r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in records]
+        got = [
+            (r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version)
+            for r in together[name]
+        ]
+        want = [
+            (r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in records
+        ]
         assert got == want, name
 
 
 def test_split_async_samples_one_version_behind_and_corrects_for_it(runtime):
     spec = tiny_spec(seed=13)
     task = FirstCharIsDigit()
-    config = GRPOConfig(steps=4, prompts_per_step=6, group_size=8, max_tokens=6, lr=1e-2, seed=3, staleness=1)
+    config = GRPOConfig(
+        steps=4, prompts_per_step=6, group_size=8, max_tokens=6, lr=1e-2, seed=3, staleness=1
+    )
     policy = runtime.deploy(unique("grpo-async-policy"), spec)
     rollout = runtime.deploy(unique("grpo-async-rollout"), spec, role="rollout")
     records = GRPOJob("async", runtime, task, policy, config, rollout=rollout).run()
@@ -158,7 +180,14 @@ def test_split_async_samples_one_version_behind_and_corrects_for_it(runtime):
     # already differs (its samples came from the old weights).
     sync_policy = runtime.deploy(unique("grpo-sync-policy"), spec)
     sync_rollout = runtime.deploy(unique("grpo-sync-rollout"), spec, role="rollout")
-    synchronous = GRPOJob("sync", runtime, task, sync_policy, GRPOConfig(**{**config.__dict__, "staleness": 0}), rollout=sync_rollout).run()
+    synchronous = GRPOJob(
+        "sync",
+        runtime,
+        task,
+        sync_policy,
+        GRPOConfig(**{**config.__dict__, "staleness": 0}),
+        rollout=sync_rollout,
+    ).run()
     assert [r.sampled_with for r in synchronous] == [0, 1, 2, 3]
     assert records[0].completion_lengths == synchronous[0].completion_lengths
     assert records[0].loss == pytest.approx(synchronous[0].loss, abs=1e-6)  # ratio ~1 vs exactly 1

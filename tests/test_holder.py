@@ -85,7 +85,14 @@ def test_budget_of_one_alternately_offloads_the_lru_replica():
 
     counters = holder.status()["counters"]
     # b is loaded once, a once; every switch after b's load offloads the other and reloads.
-    assert counters == {"loads": 2, "reloads": 3, "offloads": 4, "requests": 10, "prefetches": 0, "stash_writes": 0}
+    assert counters == {
+        "loads": 2,
+        "reloads": 3,
+        "offloads": 4,
+        "requests": 10,
+        "prefetches": 0,
+        "stash_writes": 0,
+    }
 
     tiers = [(e["deployment"], e["tier"]) for e in events]
     assert ("a", "dram") in tiers and ("b", "dram") in tiers

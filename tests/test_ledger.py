@@ -79,6 +79,7 @@ def test_isolated_ledger_charges_every_held_worker_for_the_whole_job():
     assert ledger.rollout_worker_seconds("a") == 4  # the phase, setup included, x 1 replica
     assert ledger.throughput_to_peak() == pytest.approx(200 / (4 * 100 + 2 * 50))
     assert ledger.isolated_cost_lower_bound() == pytest.approx(9.5 + 5)
+    assert ledger.isolated_cost_lower_bound(2) == pytest.approx(2 * (9.5 + 5))
     assert ledger.useful_tokens() == 200
 
 

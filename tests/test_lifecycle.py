@@ -76,13 +76,19 @@ def test_worker_restart_recreates_holder_and_replaces_deployments(small_client):
     params = plexrl.SamplingParams(n=2, max_tokens=6, seed=3)
     before = plexrl.result(fresh.sample(["1+2="], params))
     old = fresh.info.worker
-    _wait_for(lambda: any(
-        r["deployment"] == trained.name and r["modified"] for r in runtime.status()["residency"]
-    ))
+    _wait_for(
+        lambda: any(
+            r["deployment"] == trained.name and r["modified"] for r in runtime.status()["residency"]
+        )
+    )
 
     small_client.restart_workers([old], timeout=120)
-    _wait_for(lambda: len(small_client.scheduler_info()["workers"]) == 1
-              and old not in small_client.scheduler_info()["workers"])
+    _wait_for(
+        lambda: (
+            len(small_client.scheduler_info()["workers"]) == 1
+            and old not in small_client.scheduler_info()["workers"]
+        )
+    )
     new = next(iter(small_client.scheduler_info()["workers"]))
 
     # The restarted worker got a fresh holder (cluster side, not from this client).

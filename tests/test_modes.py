@@ -123,7 +123,9 @@ def test_every_mode_runs_the_same_jobs(client, tmp_path):
     console = Console(record=True, width=150)
     console.print(
         summary_table(
-            mux.records, mux.ledger, isolated_estimate=mux.ledger.isolated_cost_lower_bound()
+            mux.records,
+            mux.ledger,
+            isolated_estimates={"colocated": mux.ledger.isolated_cost_lower_bound()},
         )
     )
     text = console.export_text()

@@ -36,7 +36,9 @@ def test_environment_yml_agrees_with_pyproject():
         name, spec = _split(req)
         conda_name = CONDA_NAMES.get(name, name)
         assert conda_name in conda, f"{name} is in pyproject.toml but not in environment.yml"
-        assert conda[conda_name] == spec, f"{name}: pyproject {spec!r} vs environment.yml {conda[conda_name]!r}"
+        assert conda[conda_name] == spec, (
+            f"{name}: pyproject {spec!r} vs environment.yml {conda[conda_name]!r}"
+        )
     python = conda["python"].removeprefix(">=")
     assert project["requires-python"] == f">={python}"
 
@@ -45,24 +47,54 @@ def test_wheel_installs_and_imports_every_package(tmp_path):
     # Build from a copy: an in-tree build leaves build/ behind, whose stale files could leak
     # into later wheels.
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".venv", ".git", "build", "*.egg-info", "__pycache__", ".*_cache", "bench-out"))
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "build", "*.egg-info", "__pycache__", ".*_cache", "bench-out"
+        ),
+    )
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", str(wheels), str(source)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(source),
+        ],
+        check=True,
+        timeout=300,
     )
     (wheel,) = wheels.glob("plexrl_dask-*.whl")
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
     )
     # Dependencies come from this environment's site-packages, put on PYTHONPATH: that is not a
     # site directory, so the editable install's finder (.pth) is not active and plexrl_dask can
     # only come from the wheel.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]]),
+    }
     code = (
         "import json, plexrl_dask, plexrl_dask.plugins, plexrl_dask.state_store, plexrl_dask.ops, "
         "plexrl_dask.bench.service, plexrl_dask.cli;"
@@ -72,7 +104,12 @@ def test_wheel_installs_and_imports_every_package(tmp_path):
         " 'budget': dask.config.get('plexrl.worker.memory-budget')}))"
     )
     out = subprocess.run(
-        [sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-S", "-c", code],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout.strip().splitlines()[-1])
@@ -82,7 +119,12 @@ def test_wheel_installs_and_imports_every_package(tmp_path):
 
 
 def test_console_script_prints_config():
-    out = subprocess.run([sys.executable, "-m", "plexrl_dask.cli", "config"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "plexrl_dask.cli", "config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["plexrl"]["worker"]["gpu-resource"] == "GPU"
 
@@ -106,30 +148,67 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
     sched_file = tmp_path / "scheduler.json"
     common = {"cwd": tmp_path, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     scheduler = subprocess.Popen(
-        [str(bindir / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
-         "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sched_file),
-         "--preload", "plexrl_dask.plugins"], **common,
+        [
+            str(bindir / "dask"),
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--dashboard-address",
+            "127.0.0.1:0",
+            "--scheduler-file",
+            str(sched_file),
+            "--preload",
+            "plexrl_dask.plugins",
+        ],
+        **common,
     )
     worker = None
     try:
         deadline = time.monotonic() + 60
         while not sched_file.exists():
-            assert time.monotonic() < deadline and scheduler.poll() is None, "scheduler did not start"
+            assert time.monotonic() < deadline and scheduler.poll() is None, (
+                "scheduler did not start"
+            )
             time.sleep(0.2)
         worker = subprocess.Popen(
-            [str(bindir / "dask"), "worker", "--scheduler-file", str(sched_file), "--host", "127.0.0.1",
-             "--nthreads", "1", "--resources", "GPU=1", "--no-dashboard"], **common,
+            [
+                str(bindir / "dask"),
+                "worker",
+                "--scheduler-file",
+                str(sched_file),
+                "--host",
+                "127.0.0.1",
+                "--nthreads",
+                "1",
+                "--resources",
+                "GPU=1",
+                "--no-dashboard",
+            ],
+            **common,
         )
         with Client(scheduler_file=str(sched_file), timeout=60) as client:
             client.wait_for_workers(1, timeout=60)
             runtime = plexrl.Runtime(client, job="preload")
             dep = runtime.deploy("preloaded", plexrl.ModelSpec.tiny(hidden_size=32, num_layers=1))
-            out = plexrl.result(dep.sample(["1+1="], plexrl.SamplingParams(n=2, max_tokens=4)), timeout=120)
+            out = plexrl.result(
+                dep.sample(["1+1="], plexrl.SamplingParams(n=2, max_tokens=4)), timeout=120
+            )
             assert [len(s.tokens) for s in out.sequences[0]] == [4, 4]
             assert runtime.status()["workers"]  # the holder reported from a preload-less worker
             shown = subprocess.run(
-                [sys.executable, "-m", "plexrl_dask.cli", "status", "--scheduler", client.scheduler.address],
-                capture_output=True, text=True, timeout=120,
+                [
+                    sys.executable,
+                    "-m",
+                    "plexrl_dask.cli",
+                    "status",
+                    "--scheduler",
+                    client.scheduler.address,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
             assert shown.returncode == 0, shown.stderr
             assert "preloaded" in shown.stdout and "hbm" in shown.stdout

@@ -57,7 +57,9 @@ def publish(store: StateStore, model_name: str, full: dict[str, torch.Tensor], l
     for rank in range(WAYS):
         with store.writer(model_name, 0, "pub") as w:
             for name, t in full.items():
-                dim = 0 if layout == "fsdp" and t.dim() else tp_dim(name) if layout == "tp" else None
+                dim = (
+                    0 if layout == "fsdp" and t.dim() else tp_dim(name) if layout == "tp" else None
+                )
                 if dim is None:
                     if rank == 0:
                         w.write(name, t)
@@ -67,7 +69,9 @@ def publish(store: StateStore, model_name: str, full: dict[str, torch.Tensor], l
     store.commit(model_name, 0, "pub", expected_parts=WAYS)
 
 
-def read_layout(store: StateStore, model_name: str, full: dict[str, torch.Tensor], layout: str, rank: int) -> tuple[dict, int]:
+def read_layout(
+    store: StateStore, model_name: str, full: dict[str, torch.Tensor], layout: str, rank: int
+) -> tuple[dict, int]:
     """What ``rank`` of ``layout`` reads, and the bytes it fetched from the store."""
     before = store.stats.bytes_read
     out = {}
@@ -130,6 +134,8 @@ def test_tensor_parallel_slices_from_an_fsdp_checkpoint_compute_the_full_mlp(mod
         for name, p in rebuilt.named_parameters():
             dim = tp_dim(name)
             p.copy_(parts[0][name] if dim is None else torch.cat([q[name] for q in parts], dim))
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2)
+    )
     with torch.no_grad():
         assert torch.equal(rebuilt(ids).logits, model(ids).logits)

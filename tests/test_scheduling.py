@@ -14,7 +14,13 @@ from plexrl_dask import ops
 from tests.conftest import tiny_spec, unique
 
 # One size for every model here, so that the budget holds exactly one of them.
-SIZE = {"hidden_size": 192, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "max_positions": 256}
+SIZE = {
+    "hidden_size": 192,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "max_positions": 256,
+}
 SPEC_A, SPEC_B = tiny_spec(seed=41, **SIZE), tiny_spec(seed=42, **SIZE)
 PROMPTS = ["1+2=", "3+4="]
 PARAMS = plexrl.SamplingParams(n=2, max_tokens=6, seed=7)
@@ -40,7 +46,9 @@ def _aimed_load(runtime: plexrl.Runtime, dep: plexrl.Deployment, replica: int) -
 
 def _tier(runtime: plexrl.Runtime, name: str, worker: str) -> str:
     rows = runtime.status()["residency"]
-    return next((r["tier"] for r in rows if r["deployment"] == name and r["worker"] == worker), "absent")
+    return next(
+        (r["tier"] for r in rows if r["deployment"] == name and r["worker"] == worker), "absent"
+    )
 
 
 def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
@@ -69,7 +77,10 @@ def test_data_parallel_requests_run_where_their_model_is_resident(small_runtime)
     # One model per worker: a on w0, b on the replica of b on w1.
     _aimed_load(runtime, a, 0)
     _aimed_load(runtime, b, b.info.workers.index(w1))
-    _wait_for(lambda: _tier(runtime, a.name, w0) == "hbm" and _tier(runtime, b.name, w1) == "hbm", "residency")
+    _wait_for(
+        lambda: _tier(runtime, a.name, w0) == "hbm" and _tier(runtime, b.name, w1) == "hbm",
+        "residency",
+    )
     assert _tier(runtime, a.name, w1) == "dram" and _tier(runtime, b.name, w0) == "dram"
     before = _loads(runtime, [w0, w1])
 
@@ -93,8 +104,13 @@ def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime):
     worker = slow.info.worker
     other = runtime.deploy(unique("other"), SPEC_B, role="rollout", workers=[worker])
     plexrl.result(slow.load())  # slow in HBM, other offloaded (one model fits)
-    _wait_for(lambda: _tier(runtime, other.name, worker) == "dram", "the other model to be offloaded")
-    big = [plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
+    _wait_for(
+        lambda: _tier(runtime, other.name, worker) == "dram", "the other model to be offloaded"
+    )
+    big = [
+        plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200))))
+        for _ in range(8)
+    ]
     holder = runtime.holder(worker)
     before = holder.status().result(timeout=60)["counters"]
     hints_before = runtime.status()["counters"].get("prefetch_hints", 0)
@@ -112,6 +128,8 @@ def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime):
     # `other` was brought back exactly once: by the prefetch when the blocker ended, or (if
     # the request won the race) by the request itself, never both.
     after = status["counters"]
-    assert (after["prefetches"] - before["prefetches"]) + (after["reloads"] - before["reloads"]) == 1
+    assert (after["prefetches"] - before["prefetches"]) + (
+        after["reloads"] - before["reloads"]
+    ) == 1
     runtime.undeploy(slow.name)
     runtime.undeploy(other.name)

@@ -18,7 +18,9 @@ from tests.conftest import tiny_spec, unique
 
 def gpu_workers(client: Client) -> list[str]:
     return sorted(
-        addr for addr, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"].get("GPU")
+        addr
+        for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()
+        if w["resources"].get("GPU")
     )
 
 
@@ -54,7 +56,9 @@ def test_sampling_reproducible_across_workers_and_batches(runtime):
 def test_warmup_lowers_loss_through_the_runtime(runtime):
     dep = runtime.deploy(unique("warm"), tiny_spec(hidden_size=64))
     task = ArithmeticTask(digits=1, ops="+")
-    losses = supervised_warmup(dep, task, steps=40, batch_size=16, optim=plexrl.AdamWParams(lr=1e-2))
+    losses = supervised_warmup(
+        dep, task, steps=40, batch_size=16, optim=plexrl.AdamWParams(lr=1e-2)
+    )
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
 
@@ -134,7 +138,9 @@ def test_bad_input_gives_typed_errors_and_harms_nothing(runtime):
         plexrl.result(dep.forward([plexrl.Datum(tokens=[1, 10**6])]))
     with pytest.raises(errors.SequenceTooLong):
         plexrl.result(dep.sample([[5] * 60], plexrl.SamplingParams(max_tokens=16)))
-    nan = plexrl.Datum(tokens=good[0].tokens, advantages=[0.0] + [float("nan")] * (len(good[0].tokens) - 1))
+    nan = plexrl.Datum(
+        tokens=good[0].tokens, advantages=[0.0] + [float("nan")] * (len(good[0].tokens) - 1)
+    )
     with pytest.raises(errors.NonFiniteLoss):
         plexrl.result(dep.forward_backward([nan], plexrl.PolicyGradient()))
 
@@ -178,9 +184,14 @@ def slow_deployment(runtime, name: str, seed: int):
     """A deployment whose forward on the returned batch keeps its worker busy ~0.5 s, and that
     worker."""
     worker = sorted(runtime.status()["workers"])[0]
-    spec = tiny_spec(seed=seed, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256)
+    spec = tiny_spec(
+        seed=seed, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=256
+    )
     dep = runtime.deploy(unique(name), spec, workers=[worker])
-    big = [plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200)))) for _ in range(8)]
+    big = [
+        plexrl.Datum(tokens=dep.tokenize("".join(str(j % 10) for j in range(200))))
+        for _ in range(8)
+    ]
     return dep, big, worker
 
 
@@ -219,7 +230,11 @@ def test_fifo_ordering_runs_requests_in_arrival_order(runtime):
         runtime.set_policy(ordering="lifo")
     assert runtime.set_policy(ordering="fifo")["patience_factor"] == 0
     try:
-        blocker, queued_long, queued_short = slow.forward(big), slow.forward(big), fast.forward(tiny)
+        blocker, queued_long, queued_short = (
+            slow.forward(big),
+            slow.forward(big),
+            fast.forward(tiny),
+        )
         plexrl.result([blocker, queued_long, queued_short])
     finally:
         restored = runtime.set_policy(ordering="hrrs")

@@ -35,7 +35,9 @@ def test_sync_weights_goes_through_the_dram_tier_and_skips_unchanged_bytes(clust
     node = node_of(cluster)
     trainer = runtime.deploy(unique("route-train"), tiny_spec(seed=31), world_size=2)
     rollout = runtime.deploy(unique("route-roll"), tiny_spec(seed=32), role="rollout", replicas=2)
-    assert runtime.nodes_of(*trainer.info.workers, *rollout.info.workers) == {node.call("hello")["node"]}
+    assert runtime.nodes_of(*trainer.info.workers, *rollout.info.workers) == {
+        node.call("hello")["node"]
+    }
     plexrl.result([trainer.forward_backward(batch(trainer)), trainer.optim_step()])
     assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
 
@@ -80,7 +82,9 @@ def test_a_checkpoint_is_a_durable_nvme_version_and_survives_the_manager(cluster
     os.kill(node.call("hello")["pid"], signal.SIGKILL)
     dst = runtime.deploy(unique("route-restore"), spec, world_size=1)
     assert plexrl.result(dst.load_state(saved)) == 1
-    assert weights_equal(plexrl.result(dst.get_weights()).tensors, plexrl.result(src.get_weights()).tensors)
+    assert weights_equal(
+        plexrl.result(dst.get_weights()).tensors, plexrl.result(src.get_weights()).tensors
+    )
     plexrl.result([src.forward_backward(data), src.optim_step(opt)])
     plexrl.result([dst.forward_backward(data), dst.optim_step(opt)])
     a, b = plexrl.result(src.get_weights()).tensors, plexrl.result(dst.get_weights()).tensors
@@ -117,7 +121,9 @@ def test_replicas_on_one_node_share_one_stored_copy_and_tiers_are_reported(clust
     deadline = time.monotonic() + WAIT_S
     while True:
         tiers = {
-            r["worker"]: r["tier"] for r in runtime.status()["residency"] if r["deployment"] == dep.name
+            r["worker"]: r["tier"]
+            for r in runtime.status()["residency"]
+            if r["deployment"] == dep.name
         }
         if tiers.get(workers[0]) == "nvme" and tiers.get(workers[1]) == "dram":
             break

@@ -121,11 +121,12 @@ class ModeLedger:
         )
         return None if capacity <= 0 else self.useful_tokens() / capacity
 
-    def isolated_cost_lower_bound(self) -> float:
-        """What the jobs would at least have cost run alone, one after another, each on one
-        worker: ``Σ_jobs`` the seconds in which any request of the job ran (an isolated job
-        holds its workers also while its driver scores and between requests, so its real
-        cost is higher)."""
+    def isolated_cost_lower_bound(self, workers_per_job: int = 1) -> float:
+        """What the jobs would at least have cost run alone, one after another, each holding
+        ``workers_per_job`` workers (1: colocated; 2: split): that many × ``Σ_jobs`` the
+        seconds in which any request of the job ran. A synchronous job's requests follow one
+        another, and an isolated job holds its workers also while its driver scores and
+        between requests, so its real cost is higher."""
         total = 0.0
         for j in self.jobs:
             mine = sorted(
@@ -139,7 +140,7 @@ class ModeLedger:
                 if b > a:
                     total += b - a
                 end = max(end, b)
-        return total
+        return workers_per_job * total
 
     def makespan(self) -> float:
         return self.t1 - self.t0

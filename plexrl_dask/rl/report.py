@@ -37,11 +37,11 @@ def reward_start_end(records: Sequence[StepRecord], k: int = 5) -> tuple[float, 
 def summary_table(
     records: Mapping[str, Sequence[StepRecord]],
     ledger: ModeLedger,
-    isolated_estimate: float | None = None,
+    isolated_estimates: Mapping[str, float] | None = None,
     title: str = "multiplexed run",
 ) -> Table:
     """Per job: reward start → end, steps, wall time; then the pool's utilisation and cost
-    (and the ratio to ``isolated_estimate`` worker-seconds when given)."""
+    and its ratio to each of ``isolated_estimates`` (worker-seconds by baseline name)."""
     table = Table(title=title)
     for col in ("job", "reward (first → last 5 steps)", "steps", "wall s", "tokens"):
         table.add_column(col, justify="left" if col == "job" else "right")
@@ -60,10 +60,9 @@ def summary_table(
     util = 1.0 - ledger.idle_fraction()
     pool = f"pool of {len(ledger.pool)}" if ledger.pool else "isolated"
     line = f"{pool}: makespan {ledger.makespan():.1f}s, utilisation {util:.0%}, cost {cost:.1f} worker-s"
-    if isolated_estimate:
-        line += (
-            f" = {cost / isolated_estimate:.2f} × the isolated estimate ({isolated_estimate:.1f})"
-        )
+    for name, estimate in (isolated_estimates or {}).items():
+        if estimate > 0:
+            line += f"; {cost / estimate:.2f} × {name} ({estimate:.1f})"
     table.caption = line
     return table
 
