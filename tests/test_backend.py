@@ -245,3 +245,39 @@ def test_missing_checkpoint_path_is_a_clear_error(tmp_path):
     spec = ModelSpec(path=str(tmp_path / "nothing-here"))
     with pytest.raises(errors.InvalidModelSpec, match="config.json"):
         spec.memory_bytes("train")
+
+
+def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(backend):
+    """The character tokenizer decodes by concatenation, so stop strings are found on token
+    pieces without a decode per row and step; the pieces must be the decoded text, special
+    tokens dropped, for every sequence."""
+    import random
+
+    from plexrl_dask.service.backends.torch_backend import _token_pieces
+
+    pieces = backend._pieces
+    assert pieces is not None and len(pieces) == backend.vocab_size
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(backend.vocab_size) for _ in range(rng.randint(1, 12))]
+        assert "".join(pieces[i] for i in ids) == backend.tokenizer.decode(
+            ids, skip_special_tokens=True
+        )
+    # Sampling with a stop string stops where the decoded text first contains it.
+    params = SamplingParams(n=6, temperature=1.0, max_tokens=12, stop=("1", "+"), seed=4)
+    out = backend.sample([toks(backend, "3+4=")], params, [0])[0]
+    for s in out:
+        cut = [
+            backend.tokenizer.decode(s.tokens[:k], skip_special_tokens=True)
+            for k in range(1, len(s.tokens) + 1)
+        ]
+        hits = [k for k, text in enumerate(cut) if "1" in text or "+" in text]
+        assert (s.finish_reason == "stop") == bool(hits) or s.tokens[-1] == backend.eos_token_id
+        if hits:
+            assert hits[0] == len(s.tokens) - 1
+    # A tokenizer that does not decode by concatenation is decoded instead.
+    from tokenizers import decoders
+
+    other = ModelSpec.tiny(**TINY).build_tokenizer()
+    other.backend_tokenizer.decoder = decoders.WordPiece()
+    assert _token_pieces(other) is None

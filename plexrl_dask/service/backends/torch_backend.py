@@ -69,6 +69,24 @@ def _local_nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _token_pieces(tokenizer: Any) -> list[str] | None:
+    """Each token id's text, when the tokenizer decodes by plain concatenation (a ``Fuse``
+    decoder and no clean-up of spaces, like the character tokenizer of tiny models): then
+    ``decode(ids, skip_special_tokens=True) == "".join(pieces[i] for i in ids)``. ``None``
+    for any other tokenizer, which is then decoded."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "Fuse":
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    special = set(tokenizer.all_special_ids)
+    pieces = [""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        pieces[i] = "" if i in special else token
+    return pieces
+
+
 class TorchBackend:
     """A replica of ``spec`` on ``device`` (see the module docstring)."""
 
@@ -86,6 +104,7 @@ class TorchBackend:
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         )
         self._cache_kw = _cache_kwarg(self.model)
+        self._pieces = _token_pieces(self.tokenizer)
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
         self.pending_backward = 0
@@ -277,7 +296,13 @@ class TorchBackend:
         return [list(group) for group in out]  # type: ignore[arg-type]
 
     def _stopped_by_string(self, tokens: list[int], stops: tuple[str, ...], longest: int) -> bool:
-        tail = self.tokenizer.decode(tokens[-longest:], skip_special_tokens=True)
+        tail_ids = tokens[-longest:]
+        if self._pieces is not None and max(tail_ids) < len(self._pieces):
+            # The tokenizer decodes by concatenation: the same text without a decode call
+            # per row and step (which cost ~30 % of a countdown request's decode time).
+            tail = "".join(self._pieces[t] for t in tail_ids)
+        else:
+            tail = self.tokenizer.decode(tail_ids, skip_special_tokens=True)
         return any(s in tail for s in stops)
 
     def _sample_batch(
