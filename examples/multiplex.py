@@ -1,7 +1,8 @@
 """The main job: three RLVR jobs (different tasks, seeds and model sizes) multiplexed on one
 local pool, with live progress per job, a table at the end and a PNG.
 
-    python examples/multiplex.py [--jobs 3] [--scale 1.0] [--rollout-replicas 1] [--out runs/multiplex]
+    python examples/multiplex.py [--jobs 3] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
+                                 [--out runs/multiplex]
                                  [--model PATH]   # every job on a local HF checkpoint instead
 
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiplies warm-up and GRPO steps"
     )
+    parser.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps of every job")
     parser.add_argument("--rollout-replicas", type=int, default=1)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="runs/multiplex")
@@ -45,6 +47,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = standard_jobs(args.jobs, scale=args.scale)
+    if args.grpo_steps:
+        specs = [replace(s, grpo=replace(s.grpo, steps=args.grpo_steps)) for s in specs]
     if args.model:
         specs = [replace(s, model=plexrl.ModelSpec(path=args.model)) for s in specs]
     layout = Layout("multiplexed", args.workers, args.rollout_replicas)

@@ -20,7 +20,8 @@ sampled completions, plus every layout's ledger and a PNG of the best multiplexe
 Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
 final rewards with the synchronous job's over ``--seeds`` seeds (within two standard errors?).
 
-Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]``.
+Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (about 25 minutes
+on 2 cores, 6 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps, about 6).
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def main() -> None:
         "--memory-budget", default="auto", help="each worker's plexrl.worker.memory-budget"
     )
     p.add_argument(
+        "--steps",
+        type=int,
+        default=24,
+        help="GRPO steps of every job (the main job runs 60; fewer keep the run under 30 min)",
+    )
+    p.add_argument(
         "--seeds",
         type=int,
         default=3,
@@ -88,7 +95,8 @@ def main() -> None:
     if args.seeds == 1:
         raise SystemExit("--seeds: 0 (skip the comparison) or at least 2 (a standard error)")
     scale = 0.25 if args.quick else 1.0
-    specs = standard_jobs(args.jobs, scale=scale)
+    steps = max(2, round(args.steps * scale))
+    specs = [replace(j, grpo=replace(j.grpo, steps=steps)) for j in standard_jobs(args.jobs, scale)]
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else "multiplex.png")
 
     settings = {"plexrl.worker.memory-budget": args.memory_budget}
@@ -139,7 +147,11 @@ def main() -> None:
         # Written now and again at the end: the comparison below is long.
         results, config = summarise(runs, specs, peaks, peak_detail, png)
         config.update(
-            workers=args.workers, quick=args.quick, memory_budget=args.memory_budget, seeds=0
+            workers=args.workers,
+            quick=args.quick,
+            memory_budget=args.memory_budget,
+            seeds=0,
+            steps=steps,
         )
         report("multiplex", results, TARGETS, config, args.json)
         seeds = None
