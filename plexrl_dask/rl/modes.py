@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from plexrl_dask.config import request_timeout
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
@@ -178,9 +179,11 @@ def warm_start(
         finally:
             job.undeploy(name)
 
+    # Every wait inside is bounded by the request timeout; so is the whole, per step.
+    timeout = request_timeout() * (max((s.warmup_steps for s in specs), default=0) + 3)
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup") as pool:
         futures = {s.name: pool.submit(one, s) for s in specs}
-        return {name: f.result() for name, f in futures.items()}
+        return {name: f.result(timeout=timeout) for name, f in futures.items()}
 
 
 @dataclass

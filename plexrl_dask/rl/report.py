@@ -84,7 +84,7 @@ def plot_run(
     jobs = [w.job for w in ledger.jobs]
     colours = {job: plt.get_cmap("tab10")(i % 10) for i, job in enumerate(jobs)}
     fig, (ax_r, ax_t) = plt.subplots(
-        2, 1, figsize=(11, 7), gridspec_kw={"height_ratios": [1, 1.2]}, constrained_layout=True
+        2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [1, 1.2]}, constrained_layout=True
     )
     for job in jobs:
         recs = records[job]
@@ -120,6 +120,14 @@ def plot_run(
         Patch(facecolor="white", edgecolor="black", hatch=OP_STYLE.get(op, ("", 0))[0], label=op)
         for op in ops
     ]
-    ax_t.legend(handles=handles, loc="upper right", fontsize="x-small", ncol=min(4, len(ops) or 1))
+    # Below the lanes: inside, the legend would hide the requests it explains.
+    ax_t.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        fontsize="x-small",
+        ncol=max(1, min(6, len(ops))),
+        frameon=False,
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
