@@ -7,7 +7,7 @@ import pytest
 from plexrl_dask import errors
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger, cost_ratio, percentile, rollout_phases
 from plexrl_dask.rl.modes import Layout, layouts
-from plexrl_dask.service.timeline import RequestSpan, SpanLog, busy_seconds, idle_fraction
+from plexrl_dask.service.timeline import RequestSpan, SpanLog, busy_seconds
 
 
 def span(worker, deployment, op, start, end, ready=None):
@@ -44,8 +44,8 @@ def test_spans_busy_and_idle():
     ]
     assert busy_seconds(spans, 0, 10) == 7
     assert busy_seconds(spans, 1, 3.5) == pytest.approx(1 + 0.5 + 2.5)
-    assert idle_fraction(spans, ["w1"], 0, 4) == pytest.approx(0.25)
-    assert idle_fraction(spans, [], 0, 4) == 0.0
+    assert 1 - busy_seconds([s for s in spans if s.worker == "w1"], 0, 4) / 4 == pytest.approx(0.25)
+    assert busy_seconds(spans, 6, 9) == 0.0
     log = SpanLog(2)
     for s in spans:
         log.add(s)

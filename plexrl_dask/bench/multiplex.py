@@ -20,8 +20,8 @@ sampled completions, plus every layout's ledger and a PNG of the best multiplexe
 Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
 final rewards with the synchronous job's over ``--seeds`` seeds (within two standard errors?).
 
-Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (about 25 minutes
-on 2 cores, 6 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps, about 6).
+Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (17 minutes on
+2 cores, 5 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps).
 """
 
 from __future__ import annotations

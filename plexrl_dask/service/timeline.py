@@ -82,19 +82,6 @@ def busy_seconds(spans: Iterable[RequestSpan], t0: float, t1: float) -> float:
     return sum(inside for _, inside in clip(spans, t0, t1))
 
 
-def idle_fraction(
-    spans: Iterable[RequestSpan], workers: Iterable[str], t0: float, t1: float
-) -> float:
-    """Share of the reserved worker-seconds ``len(workers) × (t1 - t0)`` in which those
-    workers ran no request."""
-    workers = set(workers)
-    reserved = len(workers) * (t1 - t0)
-    if reserved <= 0:
-        return 0.0
-    busy = busy_seconds((s for s in spans if s.worker in workers), t0, t1)
-    return max(0.0, 1.0 - busy / reserved)
-
-
 def by_worker(spans: Iterable[RequestSpan]) -> dict[str, list[RequestSpan]]:
     """Spans grouped by worker, each list in start order."""
     out: dict[str, list[RequestSpan]] = {}
