@@ -3,6 +3,8 @@
 plexrl cluster [--workers N]          start a local PlexRL cluster and keep it running
 plexrl status --scheduler ADDRESS     deployments, residency and worker budgets of a cluster
 plexrl config                         the effective ``plexrl`` configuration
+plexrl simulate [--policy P ...] [--gpus N] [--jobs N] [--json OUT] [--png PREFIX]
+                                      trace-driven simulation of placement policies
 """
 
 from __future__ import annotations
@@ -85,6 +87,37 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from plexrl_dask.config import placement_config
+    from plexrl_dask.sim.study import compare, write_plots
+    from plexrl_dask.sim.workload import WorkloadSpec
+
+    spec = WorkloadSpec.load(args.workload).scaled(args.gpus, args.jobs)
+    if args.offered_load is not None:
+        spec = spec.with_load(args.offered_load)
+    outcomes = compare(spec, args.policy, args.seed, placement_config())
+    table = Table(title=f"{spec.name}: {spec.jobs} jobs on {spec.cluster.gpus} GPUs")
+    cols = ("makespan_h", "mean_jct_h", "mean_slowdown", "user_gpu_hours", "held_gpu_hours",
+            "utilisation", "gpu_double_bookings", "sim_wall_s")  # fmt: skip
+    table.add_column("policy")
+    for c in cols:
+        table.add_column(c, justify="right")
+    summaries = {name: o.summary() for name, o in outcomes.items()}
+    for name, s in summaries.items():
+        table.add_row(name, *(f"{s[c]:.4g}" for c in cols))
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": spec.name, "gpus": spec.cluster.gpus, "jobs": spec.jobs,
+                       "seed": args.seed, "policies": summaries}, f, indent=2)  # fmt: skip
+    if args.png:
+        for path in write_plots(outcomes, args.png):
+            console.print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plexrl", description="PlexRL on Dask")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,7 +135,26 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_status)
     p = sub.add_parser("config", help="print the effective plexrl configuration")
     p.set_defaults(fn=_cmd_config)
+    from plexrl_dask.sim.cluster import POLICIES
+
+    p = sub.add_parser("simulate", help="trace-driven simulation of placement policies")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=POLICIES,
+        help=f"repeatable; default: all of {POLICIES}",
+    )
+    p.add_argument("--gpus", type=int, default=2048)
+    p.add_argument("--jobs", type=int, default=None, help="default: the workload's")
+    p.add_argument("--workload", default="paper2048", help="built-in name or YAML path")
+    p.add_argument("--offered-load", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write per-policy summaries here")
+    p.add_argument("--png", default=None, help="write figures with this path prefix")
+    p.set_defaults(fn=_cmd_simulate)
     args = parser.parse_args(argv)
+    if args.command == "simulate" and not args.policy:
+        args.policy = list(POLICIES)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return int(args.fn(args))
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
+
+if TYPE_CHECKING:
+    from plexrl_dask.policy.spatiotemporal import PlacementConfig
 
 _DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "plexrl.yaml")
 
@@ -59,3 +63,20 @@ class WorkerConfig:
 def request_timeout() -> float:
     """Seconds any client-side wait on a PlexRL request may take before it fails."""
     return get_seconds("request.timeout")
+
+
+def placement_config() -> PlacementConfig:
+    """The spatiotemporal placement's configuration (``plexrl.placement.*``)."""
+    from plexrl_dask.policy.spatiotemporal import PlacementConfig
+
+    return PlacementConfig(
+        slots=int(get("placement.slots")),
+        reserve_quantile=float(get("placement.reserve-quantile")),
+        profile_iterations=int(get("placement.profile-iterations")),
+        group_nodes=int(get("placement.group-nodes")),
+        packing=str(get("placement.packing")),
+        max_padding=float(get("placement.max-padding")),
+        max_skips=int(get("placement.max-skips")),
+        late_tolerance=float(get("placement.late-tolerance")),
+        horizon_periods=int(get("placement.horizon-periods")),
+    )

@@ -192,6 +192,29 @@ class ManagerUnavailable(StateStoreError):
     """The node's StateManager could not be reached or started within its timeout."""
 
 
+# --- placement (spatiotemporal policy, simulator) ---------------------------------------
+
+
+class PlacementError(PlexRLError):
+    """Base class of errors of the spatiotemporal placement and the simulator."""
+
+
+class InvalidTrace(PlacementError, ValueError):
+    """A demand trace, horizon or workload specification is malformed."""
+
+
+class ReservationConflict(PlacementError):
+    """A reservation does not fit its node group in every slot: nothing was reserved."""
+
+
+class JobNotPlaced(PlacementError, _NotFound):
+    """The placement policy has no job of that name (or it is not in the needed state)."""
+
+
+class JobDoesNotFit(PlacementError):
+    """A job needs more GPUs at once than the whole cluster has: it can never run."""
+
+
 class SchedulerBusy(PlexRLError):
     """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
 

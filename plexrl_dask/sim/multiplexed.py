@@ -1,0 +1,456 @@
+"""PlexRL in simulation: node groups shared phase by phase, placed by the policy core.
+
+The :class:`~plexrl_dask.policy.spatiotemporal.SpatiotemporalPlacer` decides (the same object
+the live plugin drives); this module is the runtime that acts on its decisions in simulated
+time, at the granularity of phases (exact for the GPU counts a job holds; within a phase, the
+GPUs it holds are busy for all of it):
+
+- **Profiling.** A new job holds ``max(r, t)`` dedicated GPUs of its group for its first
+  ``profile_iterations`` iterations, run phase after phase as it will run multiplexed (rollout
+  on ``r`` of them, training on ``t``; no interference, a clean trace); each is recorded as ``rollout`` (``r`` GPUs: weight sync + bulk), ``tail`` (``tail_gpus``),
+  ``train`` (``t``). The placer then reserves the trace built from them at the configured
+  quantile, micro-shifted into a group. A later job of the same kind (model) is placed from
+  that trace at once (``reuse_traces``), without profiling.
+- **Iterations of a placed job** start at the job's reserved window
+  (:meth:`~plexrl_dask.policy.spatiotemporal.NodeGroup.window_start`: a job finishing an
+  iteration a little late — within ``late_tolerance`` of its period — starts the next at once,
+  one later waits for its next window). With *backfill*, an iteration that would wait may start
+  at once if :meth:`~plexrl_dask.policy.spatiotemporal.NodeGroup.fits_unreserved` says its
+  estimated phases fit the slack the other reservations leave.
+- **Phases** queue in their group: reserved ones by window start, then unreserved ones; a phase
+  starts when its group has enough free GPUs. A reserved phase that does not fit blocks every
+  unreserved one behind it (backfill never delays a reservation at runtime either), not other
+  reserved ones. The rollout phase keeps ``tail_gpus`` of its GPUs for the tail and frees the
+  rest at once: the shared pool's other jobs use them (this is how request-level multiplexing
+  reclaims the long tail).
+- **Setup.** Training states are parked in HBM (``hbm_park_gb`` per GPU, least recently used
+  first out). A train phase runs on the GPUs that hold its state when they are all free
+  (setup 0); otherwise on free GPUs with the least parked state, paying the load of its state
+  (bytes per GPU over the host-to-device bandwidth) plus the offload of what it evicts. Weight
+  sync is part of every rollout phase (``sync_s``), as in every baseline.
+
+Approximations, stated: GPUs within a group are interchangeable (no intra-group topology);
+DRAM always holds the offloaded states (no NVMe tier); a phase is not preempted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from plexrl_dask.config import placement_config
+from plexrl_dask.policy.horizon import DemandTrace, Phase
+from plexrl_dask.policy.spatiotemporal import (
+    NodeGroup,
+    NodeView,
+    PlacementConfig,
+    PlacementDecision,
+    SpatiotemporalPlacer,
+    backfill_fits,
+)
+from plexrl_dask.sim.cluster import GpuLedger, JobOutcome, SimOutcome
+from plexrl_dask.sim.isolated import fastest_s
+from plexrl_dask.sim.workload import ClusterSpec, SimJob
+
+logger = logging.getLogger(__name__)
+
+_ARRIVE, _PHASE_END, _WINDOW = 0, 1, 2
+_EPS = 1e-9
+
+
+@dataclass
+class _Pending:
+    job: int
+    kind: str  # "profile", "rollout" or "train"
+    gpus: int
+    duration_s: float
+    key: float  # window start (reserved) or submission time (unreserved)
+    reserved: bool
+    seq: int
+
+
+@dataclass
+class _Run:
+    job: SimJob
+    idx: int
+    state: str = "arrived"  # arrived, profiling, placed, done
+    iteration: int = 0
+    group: str = ""
+    start_s: float = -1.0
+    gpu_seconds: float = 0.0
+    trace: DemandTrace | None = None
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    reserved: bool = True
+    key: float = 0.0
+    phase: str = ""  # the phase it holds GPUs for
+    window: float | None = None  # start of the reserved window it waits for
+    pending: _Pending | None = None  # its phase queued in its group
+    releases: list[tuple[float, int]] = field(default_factory=list)  # expected GPU releases
+    need: tuple[float, int] | None = None  # the next reserved phase's expected start, GPUs
+
+
+class _GroupRuntime:
+    """Who holds which GPU of one group, parked training states, and the phase queue."""
+
+    def __init__(self, group: NodeGroup, park_bytes: float, now: float) -> None:
+        self.name = group.name
+        self.gids = np.array([int(g) for g in group.gpus], dtype=np.int64)
+        self.holder = np.full(len(self.gids), -1, dtype=np.int64)
+        self.free = len(self.gids)
+        self.members: set[int] = set()  # jobs placed or profiling here
+        self.waiting: list[_Pending] = []
+        self.home: dict[int, np.ndarray] = {}
+        self.state_bytes: dict[int, float] = {}
+        self.parked = np.zeros(len(self.gids))
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.park_bytes = park_bytes
+        self.born = now
+
+    def choose(self, gpus: int) -> np.ndarray:
+        """``gpus`` free GPUs, those with the least parked state first."""
+        free = np.flatnonzero(self.holder == -1)
+        order = np.argsort(self.parked[free], kind="stable")
+        return free[order[:gpus]]
+
+    def train_gpus(self, job: int, gpus: int, nbytes: float, h2d: float) -> tuple:
+        """GPUs for a train phase and the setup it pays (module docstring)."""
+        home = self.home.get(job)
+        if home is not None and len(home) == gpus and bool((self.holder[home] == -1).all()):
+            self.lru.move_to_end(job)
+            return home, 0.0
+        chosen = self.choose(gpus)
+        if home is not None:
+            self._unpark(job)
+        evicted = np.zeros(len(chosen))
+        for other in list(self.lru):
+            over = self.parked[chosen] + nbytes - self.park_bytes
+            if not (over > 0).any():
+                break
+            if other == job:
+                continue
+            theirs = self.home[other]
+            hit = np.isin(chosen, theirs)
+            if (hit & (over > 0)).any():
+                evicted += hit * self.state_bytes[other]
+                self._unpark(other)
+        self.home[job] = chosen
+        self.state_bytes[job] = nbytes
+        self.parked[chosen] += nbytes
+        self.lru[job] = None
+        return chosen, (nbytes + float(evicted.max(initial=0.0))) / h2d
+
+    def _unpark(self, job: int) -> None:
+        self.parked[self.home.pop(job)] -= self.state_bytes.pop(job)
+        self.lru.pop(job, None)
+
+
+def simulate_multiplexed(
+    jobs: list[SimJob],
+    cluster: ClusterSpec,
+    policy: str,
+    placement: object | None = None,
+    gantt_group: str = "g0",
+    gantt_hours: float = 12.0,
+    progress: bool = False,
+) -> SimOutcome:
+    """Run ``jobs`` under a PlexRL policy (``spread``, ``spread+backfill``, ``pack+backfill``)."""
+    return _Sim(jobs, cluster, policy, placement, gantt_group, gantt_hours, progress).run()
+
+
+class _Sim:
+    def __init__(
+        self,
+        jobs: list[SimJob],
+        cluster: ClusterSpec,
+        policy: str,
+        placement: object | None,
+        gantt_group: str,
+        gantt_hours: float,
+        progress: bool,
+    ) -> None:
+        base = placement if isinstance(placement, PlacementConfig) else placement_config()
+        packing = "pack" if policy.startswith("pack") else "spread"
+        self.config = PlacementConfig(**{**base.__dict__, "packing": packing})
+        self.backfill = policy.endswith("+backfill")
+        self.policy = policy
+        self.cluster = cluster
+        self.placer = SpatiotemporalPlacer(sim_nodes(cluster), self.config)
+        self.runs = [_Run(j, i) for i, j in enumerate(jobs)]
+        self.by_name = {j.name: i for i, j in enumerate(jobs)}
+        self.groups: dict[str, _GroupRuntime] = {}
+        self.ledger = GpuLedger(cluster)
+        self.heap: list[tuple[float, int, int, int, object]] = []
+        self.seq = 0
+        self.events = 0
+        self.held_gpu_seconds = 0.0
+        self.outcomes: list[JobOutcome] = []
+        self.gantt: list[tuple[str, str, float, float, int]] = []
+        self.gantt_group, self.gantt_until = gantt_group, gantt_hours * 3600
+        self.h2d = cluster.h2d_gbps * 1e9
+        self.bar = tqdm(total=len(jobs), desc=policy, disable=not progress, leave=False)
+        for r in self.runs:
+            self._push(r.job.arrival_s, _ARRIVE, r.idx, None)
+
+    # --- event loop ------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, job: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, job, payload))
+
+    def run(self) -> SimOutcome:
+        while self.heap:
+            now, _, kind, j, payload = heapq.heappop(self.heap)
+            self.events += 1
+            if kind == _ARRIVE:
+                r = self.runs[j]
+                gpus = max(r.job.rollout_gpus, r.job.train_gpus)
+                self._apply(self.placer.submit(r.job.name, gpus, now, kind=r.job.model), now)
+            elif kind == _PHASE_END:
+                self._phase_end(j, payload, now)
+            elif kind == _WINDOW:
+                self._window(self.runs[j], payload, now)
+        self.bar.close()
+        assert len(self.outcomes) == len(self.runs), "a job never finished"
+        for g in list(self.groups):  # groups still formed at the end (none, normally)
+            self._close_group(g, max(o.end_s for o in self.outcomes))
+        end = max(o.end_s for o in self.outcomes)
+        return SimOutcome(
+            policy=self.policy,
+            jobs=sorted(self.outcomes, key=lambda o: o.name),
+            held_gpu_seconds=self.held_gpu_seconds,
+            busy_gpu_seconds=self.ledger.busy_gpu_seconds,
+            double_bookings=self.ledger.double_bookings,
+            events=self.events,
+            wall_s=0.0,
+            heatmap=self.ledger.heatmap(end),
+            bin_s=self.ledger.bin_s,
+            gantt=self.gantt,
+            decisions=[d.to_dict() for d in self.placer.log],
+            inputs=list(self.placer.inputs),
+        )
+
+    # --- placement decisions -----------------------------------------------------------------
+
+    def _apply(self, decisions: list[PlacementDecision], now: float) -> None:
+        for d in decisions:
+            if d.kind == "release":
+                self._close_group(d.group, now)
+                continue
+            if d.kind == "wait":
+                continue
+            r = self.runs[self.by_name[d.job]]
+            if d.group not in self.groups:
+                park = self.cluster.hbm_park_gb * 1e9
+                self.groups[d.group] = _GroupRuntime(self.placer.cluster.groups[d.group], park, now)
+            if r.group and r.group != d.group:
+                g = self.groups.get(r.group)
+                if g is not None:
+                    g.members.discard(r.idx)
+                    if r.idx in g.home:
+                        g._unpark(r.idx)
+            r.group = d.group
+            self.groups[d.group].members.add(r.idx)
+            if d.kind == "profile":
+                r.state, r.start_s = "profiling", now
+                n = min(self.config.profile_iterations, r.job.iterations)
+                dur = sum(sum(p.duration_s for p in r.job.iteration_phases(i)) for i in range(n))
+                self._enqueue(r, "profile", d.gpus, dur, reserved=True, key=now, now=now)
+            elif d.kind == "place":
+                r.state = "placed"
+                if r.start_s < 0:  # placed from its kind's trace, without profiling
+                    r.start_s = now
+                    r.trace = self.placer.jobs[r.job.name].trace
+                self._next_iteration(r, now)
+
+    def _close_group(self, name: str, now: float) -> None:
+        g = self.groups.pop(name, None)
+        if g is None:
+            return
+        assert g.free == len(g.gids), f"group {name} dissolved while GPUs are held"
+        self.held_gpu_seconds += len(g.gids) * (now - g.born)
+
+    # --- iterations and phases -------------------------------------------------------------
+
+    def _next_iteration(self, r: _Run, now: float) -> None:
+        if r.iteration >= r.job.iterations:
+            self._finish(r, now)
+            return
+        group = self.placer.group_of(r.job.name)
+        w = group.window_start(r.job.name, now, self.config.late_tolerance)
+        if w <= now + _EPS:
+            self._start_iteration(r, now, reserved=True, key=w)
+            return
+        r.window = w
+        self._push(w, _WINDOW, r.idx, r.iteration)
+        if self.backfill:  # ready before its window: queue it as backfill until then
+            self._start_iteration(r, now, reserved=False, key=w)
+
+    def _window(self, r: _Run, iteration: object, now: float) -> None:
+        if r.state != "placed" or r.iteration != iteration or r.window is None:
+            return  # stale: the iteration ran (or the job moved) meanwhile
+        r.window = None
+        r.reserved, r.key = True, now
+        if r.pending is not None:  # still queued as backfill: it is reserved from now on
+            r.pending.reserved, r.pending.key = True, now
+            self._dispatch(self.groups[r.group], now)
+        elif r.held.size:  # running as backfill: its remaining phases are reserved
+            r.need = (r.releases[-1][0], r.job.train_gpus) if r.phase != "train" else None
+        else:
+            self._start_iteration(r, now, reserved=True, key=now)
+
+    def _start_iteration(self, r: _Run, now: float, reserved: bool, key: float) -> None:
+        r.reserved, r.key = reserved, key
+        if reserved:
+            r.window = None
+        p = r.job.iteration_phases(r.iteration)[0]
+        self._enqueue(r, "rollout", p.gpus, p.duration_s, reserved, key, now)
+
+    def _enqueue(
+        self, r: _Run, kind: str, gpus: int, dur: float, reserved: bool, key: float, now: float
+    ) -> None:
+        g = self.groups[r.group]
+        self.seq += 1
+        r.pending = _Pending(r.idx, kind, gpus, dur, key, reserved, self.seq)
+        g.waiting.append(r.pending)
+        self._dispatch(g, now)
+
+    def _estimate(self, r: _Run, kind: str) -> float:
+        assert r.trace is not None
+        return r.trace.phases[("rollout", "tail", "train").index(kind)].duration_s
+
+    def _dispatch(self, g: _GroupRuntime, now: float) -> None:
+        """Reserved phases by window start, each as soon as its GPUs are free; then backfill
+        (:func:`backfill_fits`) while no reserved phase is blocked."""
+        if not g.waiting:
+            return
+        g.waiting.sort(key=lambda p: (not p.reserved, p.key, p.seq))
+        blocked = False
+        for p in list(g.waiting):
+            if p.gpus > g.free:
+                blocked = blocked or p.reserved
+                continue
+            if not p.reserved:
+                if blocked:
+                    break
+                releases, needs = self._schedule(g, now)
+                est = self._estimate(self.runs[p.job], p.kind)
+                if not backfill_fits(now, g.free, p.gpus, est, releases, needs):
+                    continue
+            g.waiting.remove(p)
+            self._start_phase(g, p, now)
+
+    def _schedule(self, g: _GroupRuntime, now: float) -> tuple[list, list]:
+        """What the group's runtime expects: GPUs released by running phases, GPUs needed by
+        reserved phases (next windows, next phases of reserved iterations, blocked ones)."""
+        releases, needs = [], []
+        for j in g.members:
+            r = self.runs[j]
+            releases.extend(r.releases)
+            if r.window is not None:
+                needs.append((r.window, r.job.rollout_gpus))
+            if r.pending is not None and r.pending.reserved:
+                needs.append((now, r.pending.gpus))
+            if r.need is not None:
+                needs.append(r.need)
+        return releases, needs
+
+    def _start_phase(self, g: _GroupRuntime, p: _Pending, now: float) -> None:
+        r = self.runs[p.job]
+        r.pending = None
+        setup = 0.0
+        if p.kind == "train":
+            local, setup = g.train_gpus(p.job, p.gpus, r.job.train_bytes_per_gpu, self.h2d)
+        else:
+            local = g.choose(p.gpus)
+        g.holder[local] = p.job
+        g.free -= len(local)
+        self.ledger.take(p.job, g.gids[local])
+        r.held, r.phase = local, p.kind
+        if p.kind == "rollout":
+            roll_end = now + self._estimate(r, "rollout")
+            tail_end = roll_end + self._estimate(r, "tail")
+            r.releases = [(roll_end, p.gpus - r.job.tail_gpus), (tail_end, r.job.tail_gpus)]
+            r.need = (tail_end, r.job.train_gpus) if r.reserved else None
+        elif p.kind == "train":
+            r.releases = [(now + setup + self._estimate(r, "train"), p.gpus)]
+            r.need = None
+        else:  # profiling: its end is not estimated (no trace yet)
+            r.releases, r.need = [], None
+        self._push(now + setup + p.duration_s, _PHASE_END, p.job, (p.kind, now))
+
+    def _release(self, g: _GroupRuntime, r: _Run, local: np.ndarray, t0: float, now: float,
+                 kind: str) -> None:  # fmt: skip
+        g.holder[local] = -1
+        g.free += len(local)
+        self.ledger.give(g.gids[local], t0, now)
+        r.gpu_seconds += len(local) * (now - t0)
+        if g.name == self.gantt_group and t0 < self.gantt_until:
+            self.gantt.append((r.job.name, kind, t0, now, len(local)))
+
+    def _phase_end(self, j: int, payload: object, now: float) -> None:
+        kind, t0 = payload  # type: ignore[misc]
+        r = self.runs[j]
+        g = self.groups[r.group]
+        if kind == "profile":
+            self._release(g, r, r.held, t0, now, kind)
+            r.held = r.held[:0]
+            n = min(self.config.profile_iterations, r.job.iterations)
+            r.iteration = n
+            if n >= r.job.iterations:
+                self._finish(r, now)
+            else:
+                recorded = recorded_iterations(r.job, n)
+                r.trace = DemandTrace.from_iterations(recorded, self.config.reserve_quantile)
+                self._apply(self.placer.profiled(r.job.name, r.trace, now), now)
+        elif kind == "rollout":
+            # keep tail_gpus of the rollout GPUs for the tail, free the rest now
+            keep, rest = r.held[: r.job.tail_gpus], r.held[r.job.tail_gpus :]
+            self._release(g, r, rest, t0, now, kind)
+            r.held, r.phase = keep, "tail"
+            tail_end = now + self._estimate(r, "tail")
+            r.releases = [(tail_end, len(keep))]
+            r.need = (tail_end, r.job.train_gpus) if r.reserved else None
+            self._push(now + float(r.job.tail[r.iteration]), _PHASE_END, j, ("tail", t0))
+        elif kind == "tail":
+            self._release(g, r, r.held, t0, now, "rollout")
+            r.held, r.releases = r.held[:0], []
+            train = r.job.iteration_phases(r.iteration)[2]
+            self._enqueue(r, "train", train.gpus, train.duration_s, r.reserved, r.key, now)
+        elif kind == "train":
+            self._release(g, r, r.held, t0, now, kind)
+            r.held, r.releases, r.need = r.held[:0], [], None
+            r.iteration += 1
+            self._next_iteration(r, now)
+        self._dispatch(g, now)
+
+    def _finish(self, r: _Run, now: float) -> None:
+        r.state = "done"
+        ideal = fastest_s(r.job, self.cluster)
+        self.outcomes.append(
+            JobOutcome(r.job.name, r.job.arrival_s, r.start_s, now, r.gpu_seconds, ideal)
+        )
+        self.bar.update()
+        g = self.groups.get(r.group)
+        if g is not None:
+            g.members.discard(r.idx)
+            if r.idx in g.home:
+                g._unpark(r.idx)
+        self._apply(self.placer.finish(r.job.name, now), now)
+
+
+def recorded_iterations(job: SimJob, count: int) -> list[tuple[Phase, ...]]:
+    """The first ``count`` iterations of ``job`` as profiling records them."""
+    return [job.iteration_phases(i) for i in range(min(count, job.iterations))]
+
+
+def sim_nodes(cluster: ClusterSpec) -> list[NodeView]:
+    """The simulated cluster's nodes; GPU names are their global indices."""
+    per = cluster.gpus_per_node
+    return [
+        NodeView(f"n{n}", tuple(str(n * per + k) for k in range(per))) for n in range(cluster.nodes)
+    ]

@@ -1,0 +1,95 @@
+"""Figures of a simulation study: per-policy completion time and cost, a utilisation heatmap
+over time, and a Gantt chart of one node group."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from plexrl_dask.sim.cluster import SimOutcome  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+_PHASE_COLOURS = {"profile": "#999999", "rollout": "#4c72b0", "train": "#dd8452"}
+
+
+def plot_policies(outcomes: Sequence[SimOutcome], path: str | Path) -> Path:
+    """Bars of whole-workload completion time and of user / held GPU-hours per policy."""
+    names = [o.policy for o in outcomes]
+    s = [o.summary() for o in outcomes]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a.bar(names, [x["makespan_h"] for x in s], color="#4c72b0")
+    a.set_ylabel("whole-workload completion time (h)")
+    x = np.arange(len(names))
+    b.bar(x - 0.2, [v["user_gpu_hours"] / 1e3 for v in s], 0.4, label="charged to jobs")
+    b.bar(x + 0.2, [v["held_gpu_hours"] / 1e3 for v in s], 0.4, label="held (reserved)")
+    b.set_xticks(x, names)
+    b.set_ylabel("GPU-hours (thousands)")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_heatmap(outcome: SimOutcome, path: str | Path, max_rows: int = 256) -> Path:
+    """Per-node utilisation (GPUs held by a job's phase or private allocation) over time."""
+    h = outcome.heatmap
+    if h.shape[0] > max_rows:  # average consecutive nodes so the picture stays readable
+        k = int(np.ceil(h.shape[0] / max_rows))
+        pad = (-h.shape[0]) % k
+        h = np.pad(h, ((0, pad), (0, 0))).reshape(-1, k, h.shape[1]).mean(axis=1)
+    fig, ax = plt.subplots(figsize=(11, 4))
+    im = ax.imshow(
+        h,
+        aspect="auto",
+        origin="lower",
+        vmin=0,
+        vmax=1,
+        cmap="viridis",
+        extent=(0, h.shape[1] * outcome.bin_s / 3600, 0, outcome.heatmap.shape[0]),
+        interpolation="nearest",
+    )
+    ax.set_xlabel("time (h)")
+    ax.set_ylabel("node")
+    ax.set_title(f"{outcome.policy}: GPU utilisation per node")
+    fig.colorbar(im, ax=ax, label="busy share")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_gantt(outcome: SimOutcome, path: str | Path, hours: float = 3.0) -> Path:
+    """The phases of the jobs of one node group (the first one formed) over ``hours``."""
+    rows = [g for g in outcome.gantt if g[2] < hours * 3600]
+    jobs = sorted({g[0] for g in rows})
+    fig, ax = plt.subplots(figsize=(11, 0.4 * max(4, len(jobs)) + 1))
+    for y, job in enumerate(jobs):
+        for name, kind, t0, t1, gpus in rows:
+            if name == job:
+                ax.barh(
+                    y, (t1 - t0) / 60, left=t0 / 60, height=0.2 + 0.6 * min(1.0, gpus / 64),
+                    color=_PHASE_COLOURS.get(kind, "#55a868"), edgecolor="none",
+                )  # fmt: skip
+    ax.set_yticks(range(len(jobs)), jobs, fontsize=7)
+    ax.set_xlabel("time (min); bar height grows with the GPUs a phase holds")
+    ax.set_title(f"{outcome.policy}: one node group's jobs")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASE_COLOURS.values()]
+    ax.legend(handles, list(_PHASE_COLOURS), fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig: plt.Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    logger.info("wrote %s", path)
+    return path

@@ -1,0 +1,92 @@
+"""A policy study on one workload: every policy on the same jobs, capacity by bisection, plots.
+
+Shared by ``python -m plexrl_dask.bench.simulate`` and ``plexrl simulate``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from plexrl_dask.policy.spatiotemporal import PlacementConfig
+from plexrl_dask.sim.cluster import SimOutcome, simulate
+from plexrl_dask.sim.workload import WorkloadSpec, generate
+
+logger = logging.getLogger(__name__)
+
+
+def compare(
+    spec: WorkloadSpec,
+    policies: Sequence[str],
+    seed: int = 0,
+    placement: PlacementConfig | None = None,
+    progress: bool = True,
+) -> dict[str, SimOutcome]:
+    """Each policy on the same generated jobs (``spec`` and ``seed``)."""
+    jobs = generate(spec, seed)
+    out = {}
+    for policy in tqdm(policies, desc="policies", disable=not progress):
+        out[policy] = simulate(jobs, spec.cluster, policy, placement, progress=progress)
+        logger.info("%s: %s", policy, out[policy].summary())
+    return out
+
+
+def sustains(
+    spec: WorkloadSpec,
+    policy: str,
+    load: float,
+    slowdown_target: float,
+    seed: int,
+    placement: PlacementConfig | None,
+) -> tuple[bool, float]:
+    """Whether ``policy`` keeps the mean job slowdown within ``slowdown_target`` when jobs
+    arrive offering ``load`` (and the mean slowdown it got)."""
+    jobs = generate(spec.with_load(load), seed)
+    slowdown = simulate(jobs, spec.cluster, policy, placement).summary()["mean_slowdown"]
+    return slowdown <= slowdown_target, slowdown
+
+
+def capacity(
+    spec: WorkloadSpec,
+    policy: str,
+    slowdown_target: float,
+    seed: int = 0,
+    placement: PlacementConfig | None = None,
+    lo: float = 0.05,
+    hi: float = 4.0,
+    steps: int = 8,
+) -> float:
+    """The highest offered load (arrival rate, as a multiple of the cluster's GPU-seconds at
+    split-async cost) that ``policy`` sustains, by bisection over ``[lo, hi]`` (``lo`` if even
+    that is too much)."""
+    if not sustains(spec, policy, lo, slowdown_target, seed, placement)[0]:
+        return lo
+    if sustains(spec, policy, hi, slowdown_target, seed, placement)[0]:
+        return hi
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        ok, got = sustains(spec, policy, mid, slowdown_target, seed, placement)
+        logger.info("%s at load %.3f: mean slowdown %.2f", policy, mid, got)
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo
+
+
+def write_plots(outcomes: dict[str, SimOutcome], prefix: str | Path) -> list[Path]:
+    """The study's figures, as ``<prefix>-policies.png``, ``-heatmap-<policy>.png`` (isolated
+    and the best PlexRL policy) and ``-gantt.png``."""
+    from plexrl_dask.sim.plots import plot_gantt, plot_heatmap, plot_policies
+
+    prefix = str(prefix)
+    paths = [plot_policies(list(outcomes.values()), f"{prefix}-policies.png")]
+    for name in ("isolated", "spread+backfill"):
+        if name in outcomes:
+            safe = name.replace("+", "-")
+            paths.append(plot_heatmap(outcomes[name], f"{prefix}-heatmap-{safe}.png"))
+    with_gantt = [o for o in outcomes.values() if o.gantt]
+    if with_gantt:
+        shown = outcomes.get("spread+backfill", with_gantt[0])
+        paths.append(plot_gantt(shown, f"{prefix}-gantt.png"))
+    return paths

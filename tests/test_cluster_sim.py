@@ -1,0 +1,200 @@
+"""The trace-driven cluster simulator: workloads, every policy, determinism, no double booking,
+and that the simulator's placement decisions are the policy core's own."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from plexrl_dask.cli import main as cli_main
+from plexrl_dask.errors import InvalidTrace
+from plexrl_dask.policy.horizon import Phase
+from plexrl_dask.policy.spatiotemporal import PlacementConfig, replay
+from plexrl_dask.sim.cluster import POLICIES, GpuLedger, simulate
+from plexrl_dask.sim.isolated import isolated_run, iteration_times
+from plexrl_dask.sim.multiplexed import sim_nodes
+from plexrl_dask.sim.workload import (
+    ClusterSpec,
+    WorkloadSpec,
+    generate,
+    load_trace,
+    save_trace,
+)
+
+SMALL = PlacementConfig(slots=32, group_nodes=2)
+
+
+def small_spec(jobs: int = 24, gpus: int = 64, load: float = 2.0) -> WorkloadSpec:
+    spec = WorkloadSpec.load("paper2048").scaled(gpus, jobs).with_load(load)
+    # short jobs keep the test fast; the mix and durations are the committed workload's
+    return WorkloadSpec.from_dict(
+        {
+            "name": "small",
+            "cluster": {**spec.cluster.__dict__},
+            "models": [
+                {
+                    "name": m.name, "params_b": m.params_b, "weight": m.weight,
+                    "rollout_gpus": m.rollout_gpus, "train_gpus": m.train_gpus,
+                    "rollout_bulk_s": {"dist": "lognormal", "median": m.bulk_s.a,
+                                       "sigma": m.bulk_s.b},
+                    "rollout_tail_s": {"dist": "lognormal", "median": m.tail_s.a,
+                                       "sigma": m.tail_s.b},
+                    "train_s": {"dist": "lognormal", "median": m.train_s.a, "sigma": m.train_s.b},
+                }
+                for m in spec.models
+            ],
+            "iterations": {"dist": "uniform", "low": 8, "high": 20},
+            "jobs": jobs,
+            "arrival": {"offered_load": load},
+        }
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs():
+    spec = small_spec()
+    jobs = generate(spec, seed=3)
+    return spec, jobs, {p: simulate(jobs, spec.cluster, p, SMALL) for p in POLICIES}
+
+
+def test_every_policy_runs_every_job_without_double_booking(runs):
+    spec, jobs, outcomes = runs
+    for policy, o in outcomes.items():
+        assert len(o.jobs) == len(jobs), policy
+        assert o.double_bookings == 0, policy
+        assert all(j.end_s > j.start_s >= j.arrival_s for j in o.jobs), policy
+        assert all(j.slowdown >= 1 - 1e-9 for j in o.jobs), policy
+        assert o.busy_gpu_seconds <= o.held_gpu_seconds + 1e-6, policy
+        s = o.summary()
+        assert s["utilisation"] <= 1 + 1e-9 and s["makespan_h"] > 0
+    # what each job is charged: PlexRL charges the GPUs its phases hold, which is never more
+    # than a private allocation holds for the same work in split deployment
+    split = sum(j.gpu_seconds for j in outcomes["split"].jobs)
+    for p in ("spread", "spread+backfill", "pack+backfill"):
+        assert sum(j.gpu_seconds for j in outcomes[p].jobs) < split
+    # the isolated baseline takes each job's cheapest mode
+    iso = {j.name: j.gpu_seconds for j in outcomes["isolated"].jobs}
+    for m in ("colocated", "split", "split-async"):
+        for j in outcomes[m].jobs:
+            assert iso[j.name] <= j.gpu_seconds + 1e-6
+
+
+def test_the_simulators_decisions_are_the_policy_cores(runs):
+    spec, _, outcomes = runs
+    for p in ("spread", "spread+backfill", "pack+backfill"):
+        o = outcomes[p]
+        kinds = {d["kind"] for d in o.decisions}
+        assert {"profile", "place", "release"} <= kinds, p
+        cfg = PlacementConfig(**{**SMALL.__dict__, "packing": p.split("+")[0]})
+        again = [d.to_dict() for d in replay(sim_nodes(spec.cluster), cfg, o.inputs)]
+        assert again == o.decisions, p
+
+
+def test_deterministic_for_a_seed():
+    spec = small_spec(jobs=10)
+    a = simulate(generate(spec, 7), spec.cluster, "spread+backfill", SMALL)
+    b = simulate(generate(spec, 7), spec.cluster, "spread+backfill", SMALL)
+    c = simulate(generate(spec, 8), spec.cluster, "spread+backfill", SMALL)
+
+    def strip(o):
+        return {k: v for k, v in o.summary().items() if k not in ("sim_wall_s", "events_per_s")}
+
+    assert strip(a) == strip(b) and a.decisions == b.decisions and a.gantt == b.gantt
+    assert np.array_equal(a.heatmap, b.heatmap)
+    assert strip(a) != strip(c)
+
+
+def test_the_ledger_counts_a_double_booking():
+    ledger = GpuLedger(ClusterSpec(gpus=16))
+    ledger.take(0, np.array([0, 1, 2]))
+    ledger.take(1, np.array([2, 3]))  # GPU 2 is held by job 0
+    assert ledger.double_bookings == 1
+    ledger.give(np.array([0, 1, 2]), 0.0, 7200.0)
+    h = ledger.heatmap(7200.0)
+    assert h.shape == (2, 2) and h[0, 0] == pytest.approx(3 / 8)
+
+
+def test_isolated_modes_follow_their_definitions():
+    spec = small_spec(jobs=1)
+    [job] = generate(spec, 0)
+    s = job.sync_s
+    split = iteration_times(job, "split", spec.cluster)
+    asyn = iteration_times(job, "split-async", spec.cluster)
+    assert np.allclose(split, s + job.bulk + job.tail + job.train)
+    assert np.allclose(asyn, np.maximum(s + job.bulk + job.tail, job.train))
+    assert (asyn <= split).all()
+    best = isolated_run(job, "best", spec.cluster)
+    assert best.gpu_seconds == min(
+        isolated_run(job, m, spec.cluster).gpu_seconds
+        for m in ("colocated", "split", "split-async")
+    )
+
+
+def test_workload_spec_errors_are_typed(tmp_path):
+    with pytest.raises(InvalidTrace, match="built in"):
+        WorkloadSpec.load("no-such-workload")
+    base = small_spec(jobs=2)
+    d = {
+        "name": "x",
+        "cluster": {"gpus": 16},
+        "models": [{"name": "m", "params_b": 1, "weight": 1, "rollout_gpus": 16,
+                    "train_gpus": 8}],
+        "iterations": 3,
+        "jobs": 2,
+        "arrival": {"offered_load": 1.0},
+    }  # fmt: skip
+    with pytest.raises(InvalidTrace, match="more than the cluster"):
+        WorkloadSpec.from_dict(d)
+    d["models"][0]["rollout_gpus"] = 8
+    d["models"][0]["train_s"] = {"dist": "zipf"}
+    with pytest.raises(InvalidTrace, match="unknown distribution"):
+        WorkloadSpec.from_dict(d)
+    with pytest.raises(InvalidTrace):
+        ClusterSpec(gpus=12, gpus_per_node=8)
+    with pytest.raises(InvalidTrace, match="unknown policy"):
+        simulate(generate(base, 0), base.cluster, "round-robin")
+
+
+def test_recorded_traces_replay(tmp_path):
+    its = [
+        (Phase("rollout", 2, 10.0 + i), Phase("tail", 1, 3.0), Phase("train", 2, 5.0))
+        for i in range(3)
+    ]
+    save_trace(tmp_path / "live.json", its, {"job": "add2"})
+    assert load_trace(tmp_path / "live.json") == its
+    (tmp_path / "w.yaml").write_text(
+        json.dumps({
+            "name": "replayed",
+            "cluster": {"gpus": 16},
+            "models": [{"name": "add2", "params_b": 0.01, "weight": 1, "rollout_gpus": 2,
+                        "train_gpus": 2, "replay": "live.json"}],
+            "iterations": 5,
+            "jobs": 2,
+            "arrival": {"offered_load": 0.5},
+        })
+    )  # fmt: skip
+    spec = WorkloadSpec.load(tmp_path / "w.yaml")
+    jobs = generate(spec, 0)
+    assert jobs[0].bulk.tolist() == [10.0, 11.0, 12.0, 10.0, 11.0]  # cycled
+    assert jobs[0].tail.tolist() == [3.0] * 5
+    out = simulate(jobs, spec.cluster, "spread+backfill", SMALL)
+    assert out.double_bookings == 0 and len(out.jobs) == 2
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(InvalidTrace):
+        load_trace(tmp_path / "bad.json")
+
+
+def test_cli_simulate_writes_json_and_figures(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = cli_main([
+        "simulate", "--policy", "isolated", "--policy", "spread+backfill", "--gpus", "64",
+        "--jobs", "6", "--json", str(out), "--png", str(tmp_path / "fig"),
+    ])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"isolated", "spread+backfill"}
+    assert data["policies"]["spread+backfill"]["gpu_double_bookings"] == 0
+    for name in ("policies", "heatmap-isolated", "heatmap-spread-backfill", "gantt"):
+        assert (tmp_path / f"fig-{name}.png").stat().st_size > 1000
