@@ -79,4 +79,6 @@ def placement_config() -> PlacementConfig:
         max_skips=int(get("placement.max-skips")),
         late_tolerance=float(get("placement.late-tolerance")),
         horizon_periods=int(get("placement.horizon-periods")),
+        group_peaks=float(get("placement.group-peaks")),
+        reuse_traces=bool(get("placement.reuse-traces")),
     )

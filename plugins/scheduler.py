@@ -59,6 +59,7 @@ from plexrl_dask.errors import (
     to_status,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.placement import WorkerView, place_workers
@@ -172,6 +173,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.hints: dict[str, tuple[str | None, str]] = {}  # worker -> (deployment, uid) last hinted
         self._touched: set[str] = set()  # workers whose prediction may have changed
         self.decisions: deque[dict[str, Any]] = deque(maxlen=int(config.get("scheduler.decisions-kept")))
+        # Spatiotemporal placement of jobs into node groups (plugins/placement.py).
+        self.placement: LivePlacement | None = None
+        if config.get("placement.live"):
+            self.placement = LivePlacement(config.placement_config())
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_events: dict[str, asyncio.Event] = {}
 
@@ -189,6 +194,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "plexrl_set_policy": self.set_policy,
                 "plexrl_rendezvous_put": self.rendezvous_put,
                 "plexrl_rendezvous_get": self.rendezvous_get,
+                "plexrl_placement": self.placement_status,
             }
         )
         for worker in self._gpu_workers():
@@ -297,8 +303,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "look it up with runtime.deployment(name)"
                 )
             await self._wait_for_worker_reports()
+            candidates = info.candidates
+            if candidates is None and self.placement is not None:
+                # the job's node group (its dedicated workers while it is profiled)
+                hosts = {w: self.scheduler.workers[w].host for w in self._gpu_workers()}
+                group = self.placement.candidates(
+                    owner, info.num_workers, info.spec.name, hosts, time.monotonic()
+                )
+                if group is not None and len(group) >= info.num_workers:
+                    candidates = group
             workers = place_workers(
-                name, info.memory_bytes, self._worker_views(), info.num_workers, info.candidates
+                name, info.memory_bytes, self._worker_views(), info.num_workers, candidates
             )
             info = info.with_(workers=workers)
             self.deployments[name] = info
@@ -331,7 +346,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 msg={"op": "plexrl_holder_drop", "name": name}, workers=live, on_error="return"
             )
         self.counters["undeploys"] += 1
+        if self.placement is not None and not any(
+            d.owner == info.owner for d in self.deployments.values()
+        ):
+            self.placement.finish(info.owner, time.monotonic())  # its last deployment went
         return {"status": "OK"}
+
+    def placement_status(self, job: str | None = None) -> dict[str, Any]:
+        """The spatiotemporal placement's state, decisions, recorded events and traces."""
+        if self.placement is None:
+            return {"status": "OK", "enabled": False}
+        return {"status": "OK", **self.placement.status(job)}
 
     def get_deployment(self, name: str) -> dict[str, Any]:
         info = self.deployments.get(name)
@@ -740,6 +765,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     self.estimates.observe_service(deployment, op, time.monotonic() - t0)
                     self.job_counters[job]["completed"] += 1
                     self.job_counters[job]["busy_s"] += time.monotonic() - t0
+                    if self.placement is not None:
+                        try:
+                            self.placement.record(job, op, worker, t0, time.monotonic())
+                        except PlexRLError as e:  # a bad trace must not break the scheduler
+                            logger.warning("placement: %s", e)
                 else:
                     self.job_counters[job]["failed"] += 1
             ts = self.scheduler.tasks.get(key)

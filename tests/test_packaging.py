@@ -98,10 +98,12 @@ def test_wheel_installs_and_imports_every_package(tmp_path):
     code = (
         "import json, plexrl_dask, plexrl_dask.plugins, plexrl_dask.state_store, plexrl_dask.ops, "
         "plexrl_dask.bench.service, plexrl_dask.cli;"
+        "from plexrl_dask.sim.workload import WorkloadSpec;"
         "from plexrl_dask.plugins import PlexRLSchedulerPlugin, dask_setup;"
         "import dask.config;"
         "print(json.dumps({'file': plexrl_dask.__file__, 'plugins': plexrl_dask.plugins.__file__,"
-        " 'budget': dask.config.get('plexrl.worker.memory-budget')}))"
+        " 'budget': dask.config.get('plexrl.worker.memory-budget'),"
+        " 'workload': WorkloadSpec.load('paper2048').cluster.gpus}))"
     )
     out = subprocess.run(
         [sys.executable, "-S", "-c", code],
@@ -115,6 +117,7 @@ def test_wheel_installs_and_imports_every_package(tmp_path):
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info["file"].startswith(str(target)) and info["plugins"].startswith(str(target))
     assert info["budget"] == "auto"  # the packaged yaml defaults were found
+    assert info["workload"] == 2048  # and the simulator's committed workload
     assert not (target / "plugins").exists() and not (target / "state_store").exists()
 
 

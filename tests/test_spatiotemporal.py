@@ -13,7 +13,8 @@ from plexrl_dask.errors import (
     PlexRLError,
     ReservationConflict,
 )
-from plexrl_dask.policy.horizon import DemandTrace, Horizon, Phase
+from plexrl_dask.plugins.placement import LivePlacement, nodes_of
+from plexrl_dask.policy.horizon import DemandTrace, Horizon, Phase, TraceRecorder
 from plexrl_dask.policy.spatiotemporal import (
     ClusterView,
     NodeGroup,
@@ -22,7 +23,13 @@ from plexrl_dask.policy.spatiotemporal import (
     Reservation,
     SpatiotemporalPlacer,
     backfill_fits,
+    replay,
 )
+
+
+def cfg(**kw: object) -> PlacementConfig:
+    """A placement config whose horizon is one period of the first job (the analytic cases)."""
+    return PlacementConfig(**{"horizon_periods": 1, "max_padding": 1.5, **kw})
 
 
 def nodes(n: int, per: int = 8) -> list[NodeView]:
@@ -109,7 +116,7 @@ def test_forming_a_group_takes_every_node_or_none():
 
 
 def test_two_anti_correlated_jobs_interleave_at_half_the_isolated_cost():
-    placer = SpatiotemporalPlacer(nodes(1), PlacementConfig(slots=8, group_nodes=1))
+    placer = SpatiotemporalPlacer(nodes(1), cfg(slots=8, group_nodes=1))
     trace = on_off(8, 4.0, 4.0)
     [a] = placer.submit("a", 8, now=0.0, trace=trace)  # known traces: no profiling
     [b] = placer.submit("b", 8, now=0.0, trace=trace)
@@ -125,7 +132,7 @@ def test_two_anti_correlated_jobs_interleave_at_half_the_isolated_cost():
 
 
 def test_a_job_that_does_not_fit_waits_then_runs():
-    placer = SpatiotemporalPlacer(nodes(2), PlacementConfig(slots=8, group_nodes=2))
+    placer = SpatiotemporalPlacer(nodes(2), cfg(slots=8, group_nodes=2))
     [d] = placer.submit("big", 16, now=0.0)
     assert d.kind == "profile" and d.gpus == 16
     [w] = placer.submit("next", 8, now=1.0)
@@ -150,7 +157,7 @@ def test_a_job_that_does_not_fit_waits_then_runs():
 
 
 def test_two_phase_profiles_then_micro_shifts_into_a_shared_group():
-    placer = SpatiotemporalPlacer(nodes(2), PlacementConfig(slots=8, group_nodes=2))
+    placer = SpatiotemporalPlacer(nodes(2), cfg(slots=8, group_nodes=2))
     assert placer.submit("a", 8, now=0.0)[0].kind == "profile"
     assert placer.submit("b", 8, now=0.0)[0].kind == "profile"  # same group: 16 GPUs
     groups = {placer.group_of("a").name, placer.group_of("b").name}
@@ -169,9 +176,7 @@ def test_two_phase_profiles_then_micro_shifts_into_a_shared_group():
 
 def test_spread_balances_and_pack_fills():
     def run(packing: str) -> list[int]:
-        placer = SpatiotemporalPlacer(
-            nodes(2), PlacementConfig(slots=4, group_nodes=1, packing=packing)
-        )
+        placer = SpatiotemporalPlacer(nodes(2), cfg(slots=4, group_nodes=1, packing=packing))
         # two groups of one node each, made by two 8-GPU jobs profiling
         for name in ("x", "y"):
             placer.submit(name, 8, now=0.0)
@@ -202,3 +207,57 @@ def test_config_is_validated():
     for bad in ({"slots": 0}, {"packing": "tetris"}, {"reserve_quantile": 0}, {"max_padding": 0.5}):
         with pytest.raises(InvalidTrace):
             PlacementConfig(**bad)
+
+
+# --- live side: traces from requests, the plugin's placement -----------------------------
+
+
+def test_trace_recorder_cuts_iterations_at_the_next_rollout():
+    rec = TraceRecorder()
+    t = 0.0
+    done = []
+    for _ in range(4):
+        done.append(rec.add("sample", "w0", t, t + 3.0))
+        done.append(rec.add("sample", "w1", t + 0.5, t + 4.0))
+        rec.add("forward_backward", "w0", t + 4.0, t + 6.0)
+        rec.add("optim_step", "w0", t + 6.0, t + 6.5)
+        rec.add("load_weights", "w1", t + 6.5, t + 7.0)
+        rec.add("get_weights", "w1", t + 7.0, t + 7.1)  # not part of a trace
+        t += 7.0
+    assert done == [False, False, True, False, True, False, True, False]
+    assert len(rec.iterations) == 3  # the fourth completes when a fifth starts
+    assert rec.iterations[0] == (
+        Phase("rollout", 2, 4.0),
+        Phase("train", 1, 2.5),
+        Phase("sync", 1, 0.5),
+    )
+    trace = rec.trace(3, 0.9)
+    assert trace is not None and trace.peak_gpus == 2 and trace.period_s == pytest.approx(7.0)
+    assert rec.trace(4, 0.9) is None
+
+
+def test_live_placement_profiles_then_places_and_replays():
+    live = LivePlacement(cfg(slots=16, group_nodes=1, profile_iterations=2))
+    hosts = {"tcp://a:1": "a", "tcp://a:2": "a", "tcp://b:1": "b", "tcp://b:2": "b"}
+    workers = live.candidates("j1", 2, "tiny", hosts, now=0.0)
+    assert workers == ("tcp://a:1", "tcp://a:2")  # its group: node a
+    assert live.candidates("j2", 2, "tiny", hosts, now=0.0) == ("tcp://b:1", "tcp://b:2")
+    assert live.candidates("j3", 2, "tiny", hosts, now=0.0) is None  # waits: best effort
+    t = 0.0
+    for _ in range(3):
+        live.record("j1", "sample", "tcp://a:1", t, t + 2.0)
+        live.record("j1", "forward_backward", "tcp://a:2", t + 2.0, t + 4.0)
+        t += 4.0
+    live.record("j1", "sample", "tcp://a:1", t, t + 2.0)
+    st = live.status()
+    assert st["state"]["jobs"]["j1"]["state"] == "placed"
+    kinds = [d["kind"] for d in st["decisions"]]
+    assert kinds[:4] == ["profile", "profile", "wait", "place"]
+    # j2 finishing frees node b: the queued j3 profiles there
+    live.finish("j2", t)
+    st = live.status()
+    assert st["state"]["jobs"]["j3"]["state"] == "profiling"
+    # the recorded events, replayed through a fresh placer, give the same decisions
+    again = replay(nodes_of(hosts), live.config, st["inputs"])
+    assert [d.to_dict() for d in again] == st["decisions"]
+    assert len(st["traces"]["j1"]) == 3

@@ -22,6 +22,7 @@ Pure: numpy only, no Dask.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -191,3 +192,63 @@ class Horizon:
     def flat(self, gpus: int) -> np.ndarray:
         """A profile holding ``gpus`` in every slot (a dedicated reservation)."""
         return np.full(self.slots, gpus, dtype=np.int64)
+
+
+#: How the runtime's ops map onto phase kinds (ops not listed are not part of a job's trace).
+OP_PHASES = {
+    "sample": "rollout",
+    "forward": "train",  # reference / old-policy log-probabilities, on the training side
+    "forward_backward": "train",
+    "optim_step": "train",
+    "publish_weights": "sync",
+    "load_weights": "sync",
+}
+
+
+class TraceRecorder:
+    """Turns a job's completed requests into iterations of phases (the live runtime's side of
+    two-phase placement; the simulator records the same :class:`Phase` tuples).
+
+    An iteration is the ops from one rollout to the next: a ``rollout`` op after a ``train``
+    op starts a new one. Within an iteration, each kind becomes one phase lasting from its
+    first op's start to its last op's end, holding as many GPUs as distinct workers ran it,
+    in the order the kinds first appeared. An iteration is complete when the next one starts.
+    """
+
+    def __init__(self, keep: int = 64) -> None:
+        self._current: list[tuple[str, str, float, float]] = []  # (kind, worker, start, end)
+        self.iterations: deque[tuple[Phase, ...]] = deque(maxlen=keep)  # the most recent
+
+    def add(self, op: str, worker: str, start: float, end: float) -> bool:
+        """Record one request (one rank of it); True if it completed an iteration."""
+        kind = OP_PHASES.get(op)
+        if kind is None or end < start:
+            return False
+        done = False
+        if kind == "rollout" and any(k == "train" for k, *_ in self._current):
+            self.iterations.append(self._phases(self._current))
+            self._current = []
+            done = True
+        self._current.append((kind, worker, start, end))
+        return done
+
+    @staticmethod
+    def _phases(records: list[tuple[str, str, float, float]]) -> tuple[Phase, ...]:
+        order: list[str] = []
+        for kind, *_ in records:
+            if kind not in order:
+                order.append(kind)
+        out = []
+        for kind in order:
+            rs = [r for r in records if r[0] == kind]
+            span = max(r[3] for r in rs) - min(r[2] for r in rs)
+            out.append(Phase(kind, len({r[1] for r in rs}), span))
+        return tuple(out)
+
+    def trace(self, count: int, quantile: float) -> DemandTrace | None:
+        """The trace of the last ``count`` complete iterations (None until there are that
+        many with one structure)."""
+        its = list(self.iterations)[-count:]
+        if len(its) < count or len({tuple(p.kind for p in it) for it in its}) != 1:
+            return None
+        return DemandTrace.from_iterations(its, quantile)

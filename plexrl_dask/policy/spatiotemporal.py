@@ -74,12 +74,12 @@ class PlacementConfig:
     slots: int = 96  # slots per horizon period
     reserve_quantile: float = 0.9  # a phase reserves this quantile of its recorded durations
     profile_iterations: int = 3  # iterations recorded before a job is placed for good
-    group_nodes: int = 4  # nodes a new group is formed with (more if a job needs them)
+    group_nodes: int = 64  # nodes a new group is formed with (more if a job needs them)
     packing: str = "spread"  # "spread" or "pack"
-    max_padding: float = 1.5  # a job is not locked to a horizon that slows it more than this
-    max_skips: int = 64  # a waiting job passed over this often blocks the jobs behind it
+    max_padding: float = 2.0  # a job is not locked to a horizon that slows it more than this
+    max_skips: int = 1000  # a waiting job passed over this often blocks the jobs behind it
     late_tolerance: float = 0.05  # runtime: fraction of its period a job may start late
-    horizon_periods: int = 1  # a group's horizon spans this many periods of its first job
+    horizon_periods: int = 4  # a group's horizon spans this many periods of its first job
     group_peaks: float = 1.0  # a new group holds at least this many of its first job's peak
     reuse_traces: bool = True  # a job of a kind profiled before is placed from that trace
 
@@ -275,10 +275,7 @@ class ClusterView:
         self.groups: dict[str, NodeGroup] = {}
         self.slots = slots
         self._next_group = 0
-
-    @property
-    def total_gpus(self) -> int:
-        return sum(len(n.gpus) for n in self.nodes.values())
+        self.total_gpus = sum(len(n.gpus) for n in nodes)
 
     @property
     def free_gpus(self) -> int:
@@ -553,6 +550,41 @@ class SpatiotemporalPlacer:
         return self._decide("release", "", group=group, time=now)
 
 
+class BackfillSchedule:
+    """What a group's runtime expects from ``now`` on, for the Backfill test.
+
+    ``releases`` are ``(time, gpus)`` the running phases are expected to free (one expected at
+    or before ``now`` is overdue: its GPUs are still held and when they come free is unknown,
+    so it is not counted), ``needs`` ``(time, gpus)`` of reserved phases expected to start
+    (times before ``now`` mean "now"). Built once, it answers :meth:`fits` in O(log n).
+    """
+
+    def __init__(
+        self,
+        now: float,
+        free: int,
+        releases: Iterable[tuple[float, int]],
+        needs: Iterable[tuple[float, int]],
+    ) -> None:
+        events = sorted(
+            [(t, 1, g) for t, g in releases if t > now] + [(max(t, now), 0, -g) for t, g in needs]
+        )  # at one instant, needs (0) come before releases (1): conservative
+        self.now = now
+        self.free = free
+        self.times = np.array([now] + [t for t, _, _ in events])
+        avail = free + np.cumsum([0] + [g for _, _, g in events])
+        self.low = np.minimum.accumulate(avail)  # the least free GPUs up to each event
+
+    def fits(self, gpus: int, duration_s: float) -> bool:
+        """May ``gpus`` GPUs run unreserved work for ``duration_s`` from ``now``? Yes if at
+        every moment of ``[now, now + duration_s)`` the free GPUs, minus this work, plus what
+        has been released, cover what reserved phases have needed so far."""
+        if gpus > self.free:
+            return False
+        last = int(np.searchsorted(self.times, self.now + duration_s, side="left")) - 1
+        return bool(self.low[last] >= gpus)
+
+
 def backfill_fits(
     now: float,
     free: int,
@@ -561,28 +593,9 @@ def backfill_fits(
     releases: Iterable[tuple[float, int]],
     needs: Iterable[tuple[float, int]],
 ) -> bool:
-    """May ``gpus`` of the ``free`` GPUs run unreserved work for ``duration_s`` from ``now``?
-
-    ``releases`` are ``(time, gpus)`` the running phases are expected to free (one expected at
-    or before ``now`` is overdue: its GPUs are still held, and when they come free is unknown,
-    so it is not counted), ``needs`` ``(time, gpus)`` of reserved phases expected to start
-    (times before ``now`` mean "now").
-    Yes if at every moment of ``[now, now + duration_s]`` the free GPUs, minus this work, plus
-    what has been released, cover what reserved phases have needed so far.
-    """
-    if gpus > free:
-        return False
-    end = now + duration_s
-    events = sorted(
-        [(t, 1, g) for t, g in releases if now < t < end]
-        + [(max(t, now), 0, g) for t, g in needs if t < end]
-    )  # at one instant, needs (0) come before releases (1): conservative
-    avail = free - gpus
-    for _, release, g in events:
-        avail += g if release else -g
-        if avail < 0:
-            return False
-    return True
+    """The Backfill test (module docstring) for one piece of work: see
+    :class:`BackfillSchedule`."""
+    return BackfillSchedule(now, free, releases, needs).fits(gpus, duration_s)
 
 
 def replay(

@@ -38,6 +38,7 @@ from plexrl_dask.errors import (
     InvalidModelSpec,
     InvalidOptimizerParams,
     InvalidSamplingParams,
+    JobNotPlaced,
     NoPlexRLWorkers,
     OpNotSupported,
     PlexRLError,
@@ -190,6 +191,27 @@ class Runtime:
         ``placement``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``; see the
         ``plexrl_set_policy`` handler). Returns the policy now in force."""
         return self._call("plexrl_set_policy", **knobs)["policy"]
+
+    def placement(self, job: str | None = None) -> dict[str, Any]:
+        """The spatiotemporal placement (``plugins/placement.py``): node groups and their load,
+        the queue, every decision, the recorded placement events (replay them with
+        :func:`plexrl_dask.policy.spatiotemporal.replay`) and the recorded iterations of
+        ``job`` (default: every job)."""
+        return self._call("plexrl_placement", job=job)
+
+    def save_trace(self, path: str | os.PathLike, job: str | None = None) -> list:
+        """Write ``job``'s (default: this runtime's job) recorded iterations to ``path`` in the
+        simulator's replay format (:func:`plexrl_dask.sim.workload.save_trace`); returns them."""
+        from plexrl_dask.policy.horizon import Phase
+        from plexrl_dask.sim.workload import save_trace
+
+        job = job or self.job
+        raw = self.placement(job)["traces"].get(job)
+        if not raw:
+            raise JobNotPlaced(f"no recorded iterations of job {job!r} yet")
+        its = [tuple(Phase(k, int(g), float(d)) for k, g, d in it) for it in raw]
+        save_trace(path, its, {"job": job, "source": "live"})
+        return its
 
     def holder(self, worker: str) -> Actor:
         """The replica holder of ``worker`` as a Dask actor (``.status().result()``, ...)."""

@@ -46,12 +46,12 @@ from tqdm import tqdm
 from plexrl_dask.config import placement_config
 from plexrl_dask.policy.horizon import DemandTrace, Phase
 from plexrl_dask.policy.spatiotemporal import (
+    BackfillSchedule,
     NodeGroup,
     NodeView,
     PlacementConfig,
     PlacementDecision,
     SpatiotemporalPlacer,
-    backfill_fits,
 )
 from plexrl_dask.sim.cluster import GpuLedger, JobOutcome, SimOutcome
 from plexrl_dask.sim.isolated import fastest_s
@@ -330,6 +330,7 @@ class _Sim:
             return
         g.waiting.sort(key=lambda p: (not p.reserved, p.key, p.seq))
         blocked = False
+        schedule: BackfillSchedule | None = None  # built once, again after each start
         for p in list(g.waiting):
             if p.gpus > g.free:
                 blocked = blocked or p.reserved
@@ -337,12 +338,13 @@ class _Sim:
             if not p.reserved:
                 if blocked:
                     break
-                releases, needs = self._schedule(g, now)
-                est = self._estimate(self.runs[p.job], p.kind)
-                if not backfill_fits(now, g.free, p.gpus, est, releases, needs):
+                if schedule is None:
+                    schedule = BackfillSchedule(now, g.free, *self._schedule(g, now))
+                if not schedule.fits(p.gpus, self._estimate(self.runs[p.job], p.kind)):
                     continue
             g.waiting.remove(p)
             self._start_phase(g, p, now)
+            schedule = None
 
     def _schedule(self, g: _GroupRuntime, now: float) -> tuple[list, list]:
         """What the group's runtime expects: GPUs released by running phases, GPUs needed by

@@ -237,6 +237,13 @@ class WorkloadSpec:
             self.offered_load, self.arrival, self.base,
         )  # fmt: skip
 
+    def batch(self) -> WorkloadSpec:
+        """The same jobs, all submitted at time 0."""
+        return WorkloadSpec(
+            self.name, self.cluster, self.models, self.jobs, self.iterations,
+            self.offered_load, "batch", self.base,
+        )  # fmt: skip
+
     def with_load(self, offered_load: float) -> WorkloadSpec:
         return WorkloadSpec(
             self.name, self.cluster, self.models, self.jobs, self.iterations,

@@ -1,0 +1,66 @@
+"""Spatiotemporal placement live: a job on a real process cluster is profiled on dedicated
+workers, then micro-shifted into its group; its recorded trace replays in the simulator, and
+the plugin's placement decisions are exactly what the policy core decides for the recorded
+events."""
+
+from __future__ import annotations
+
+import plexrl_dask as plexrl
+from plexrl_dask.plugins.placement import nodes_of
+from plexrl_dask.policy.spatiotemporal import PlacementConfig, replay
+from plexrl_dask.sim.cluster import simulate
+from plexrl_dask.sim.workload import WorkloadSpec, generate, load_trace
+from tests.conftest import tiny_spec, unique
+
+
+def run_iterations(dep: plexrl.Deployment, n: int) -> None:
+    """``n`` on-policy iterations: sample (rollout), then forward_backward + optim_step."""
+    data = [plexrl.Datum(tokens=dep.tokenize("12+21=33"))]
+    params = plexrl.SamplingParams(n=2, max_tokens=4, seed=1)
+    for _ in range(n):
+        plexrl.result(dep.sample(["1+1="], params))
+        plexrl.result([dep.forward_backward(data), dep.optim_step()])
+
+
+def test_a_job_is_profiled_then_placed_and_its_trace_replays(runtime, tmp_path):
+    job = runtime.job
+    dep = runtime.deploy(unique("placed"), tiny_spec(seed=3))
+    state = runtime.placement(job)
+    assert state["enabled"] and state["state"]["jobs"][job]["state"] == "profiling"
+    group = state["state"]["jobs"][job]["group"]
+    [g] = [x for x in state["state"]["groups"] if x["name"] == group]
+    assert set(dep.info.workers) <= {w for n in state["nodes"] for w in n["gpus"]}
+    config = PlacementConfig(**state["config"])
+    run_iterations(dep, config.profile_iterations + 1)  # the last rollout closes the 3rd
+    state = runtime.placement(job)
+    assert state["state"]["jobs"][job]["state"] == "placed"
+    mine = [d for d in state["decisions"] if d["job"] == job]
+    assert [d["kind"] for d in mine] == ["profile", "place"]
+    assert mine[1]["locked_period_s"] > 0 and mine[1]["group"] == group
+    # the plugin decided exactly what the policy core decides for the recorded events
+    nodes = nodes_of({w: n["name"] for n in state["nodes"] for w in n["gpus"]})
+    again = [d.to_dict() for d in replay(nodes, config, state["inputs"])]
+    assert again == list(state["decisions"])  # (msgpack sends lists as tuples)
+    assert g["capacity"] >= 1
+    # the recorded trace, in the simulator's replay format, drives a simulation
+    its = runtime.save_trace(tmp_path / "live.json")
+    assert len(its) >= config.profile_iterations
+    assert [p.kind for p in its[0]] == ["rollout", "train"]
+    assert load_trace(tmp_path / "live.json") == its
+    spec = WorkloadSpec.from_dict(
+        {
+            "name": "live-replay",
+            "cluster": {"gpus": 8},
+            "models": [{"name": "tiny", "params_b": 0.001, "weight": 1, "rollout_gpus": 1,
+                        "train_gpus": 1, "replay": "live.json"}],
+            "iterations": 6,
+            "jobs": 3,
+            "arrival": {"offered_load": 1.0},
+        },
+        base=tmp_path,
+    )  # fmt: skip
+    out = simulate(generate(spec, 0), spec.cluster, "spread+backfill", config)
+    assert len(out.jobs) == 3 and out.double_bookings == 0
+    # its last deployment gone, the job leaves the placer
+    runtime.undeploy(dep.name)
+    assert job not in runtime.placement()["state"]["jobs"]
