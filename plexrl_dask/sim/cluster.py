@@ -11,7 +11,7 @@
 - ``spread``, ``spread+backfill``, ``pack+backfill``: PlexRL. Jobs share node groups through the
   policy core's :class:`~plexrl_dask.policy.spatiotemporal.SpatiotemporalPlacer` (profiled on
   dedicated capacity, then micro-shifted into a group), and run phase by phase, each phase on
-  specific GPUs of its group (:mod:`plexrl_dask.sim.multiplexed`).
+  specific GPUs of its group (:class:`plexrl_dask.sim.multiplexed.MultiplexedSim`).
 
 Both kinds report through :class:`SimOutcome`; :class:`GpuLedger` records who holds every GPU
 (each start checks the GPUs are free, counting any double booking), the per-node utilisation
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from plexrl_dask.errors import InvalidTrace
+from plexrl_dask.policy.spatiotemporal import PlacementConfig
 from plexrl_dask.sim.workload import ClusterSpec, SimJob
 
 ISOLATED_POLICIES = ("isolated", "colocated", "split", "split-async")
@@ -142,7 +143,7 @@ def simulate(
     jobs: list[SimJob],
     cluster: ClusterSpec,
     policy: str,
-    placement: object | None = None,
+    placement: PlacementConfig | None = None,
     gantt_group: str = "g0",
     gantt_hours: float = 12.0,
     progress: bool = False,
@@ -163,10 +164,10 @@ def simulate(
 
         out = simulate_isolated(jobs, cluster, policy, progress=progress)
     else:
-        from plexrl_dask.sim.multiplexed import simulate_multiplexed
+        from plexrl_dask.sim.multiplexed import MultiplexedSim
 
-        out = simulate_multiplexed(
-            jobs, cluster, policy, placement, gantt_group, gantt_hours, progress=progress
-        )
+        out = MultiplexedSim(
+            jobs, cluster, policy, placement, gantt_group, gantt_hours, progress
+        ).run()
     out.wall_s = time.perf_counter() - t0
     return out

@@ -149,31 +149,21 @@ class _GroupRuntime:
         self.lru.pop(job, None)
 
 
-def simulate_multiplexed(
-    jobs: list[SimJob],
-    cluster: ClusterSpec,
-    policy: str,
-    placement: object | None = None,
-    gantt_group: str = "g0",
-    gantt_hours: float = 12.0,
-    progress: bool = False,
-) -> SimOutcome:
-    """Run ``jobs`` under a PlexRL policy (``spread``, ``spread+backfill``, ``pack+backfill``)."""
-    return _Sim(jobs, cluster, policy, placement, gantt_group, gantt_hours, progress).run()
+class MultiplexedSim:
+    """One run of ``jobs`` under a PlexRL policy (``spread``, ``spread+backfill``,
+    ``pack+backfill``); :meth:`run` returns its outcome."""
 
-
-class _Sim:
     def __init__(
         self,
         jobs: list[SimJob],
         cluster: ClusterSpec,
         policy: str,
-        placement: object | None,
-        gantt_group: str,
-        gantt_hours: float,
-        progress: bool,
+        placement: PlacementConfig | None = None,
+        gantt_group: str = "g0",
+        gantt_hours: float = 12.0,
+        progress: bool = False,
     ) -> None:
-        base = placement if isinstance(placement, PlacementConfig) else placement_config()
+        base = placement or placement_config()
         packing = "pack" if policy.startswith("pack") else "spread"
         self.config = PlacementConfig(**{**base.__dict__, "packing": packing})
         self.backfill = policy.endswith("+backfill")
