@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo quickstart test lint bench-service bench-multiplex
+.PHONY: demo quickstart test lint bench-service bench-multiplex bench-dashboard
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,7 @@ bench-service: $(VENV)/.installed
 
 bench-multiplex: $(VENV)/.installed
 	$(PY) -m plexrl_dask.bench.multiplex --jobs 4 --json benchmarks/multiplex.json
+
+# Needs Chromium and chromedriver (Debian: apt-get install chromium chromium-driver).
+bench-dashboard: $(VENV)/.installed
+	$(PY) -m plexrl_dask.bench.dashboard --json benchmarks/dashboard.json --screenshots benchmarks/dashboard/synthetic

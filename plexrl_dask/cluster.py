@@ -144,6 +144,10 @@ def install(client: Client) -> None:
     Workers need ``plexrl_dask`` importable and must advertise the GPU resource
     (``dask worker ... --resources GPU=1``) to get a replica holder.
     """
+    from plexrl_dask.dashboard.state import PlexRLDashboardPlugin
     from plexrl_dask.plugins import PlexRLSchedulerPlugin
 
     client.register_plugin(PlexRLSchedulerPlugin())
+    # The dashboard's data and JSON routes; its pages join the dashboard menu only through the
+    # preload (the menu is built when the scheduler starts).
+    client.register_plugin(PlexRLDashboardPlugin())

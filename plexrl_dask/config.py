@@ -15,6 +15,8 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
+from plexrl_dask.errors import ConfigError
+
 if TYPE_CHECKING:
     from plexrl_dask.policy.spatiotemporal import PlacementConfig
 
@@ -58,6 +60,53 @@ class WorkerConfig:
             gpu_resource=str(get("worker.gpu-resource")),
             timeline_length=int(get("worker.timeline-length")),
         )
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    """Bounds and intervals of the PlexRL dashboard pages (``plexrl.dashboard.*``)."""
+
+    update_interval_s: float
+    queue_rows: int
+    decisions_shown: int
+    timeline_window_s: float
+    spans_kept: int
+    timeline_batch: int
+    span_poll_interval_s: float
+    node_poll_interval_s: float
+    poll_timeout_s: float
+    residency_cells: int
+    jobs_shown: int
+    steps_kept: int
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ConfigError(
+                    f"plexrl.dashboard.{name.replace('_', '-')} must be > 0, got {value!r}"
+                )
+
+    @classmethod
+    def from_dask_config(cls) -> DashboardConfig:
+        try:
+            return cls(
+                update_interval_s=get_seconds("dashboard.update-interval"),
+                queue_rows=int(get("dashboard.queue-rows")),
+                decisions_shown=int(get("dashboard.decisions-shown")),
+                timeline_window_s=get_seconds("dashboard.timeline-window"),
+                spans_kept=int(get("dashboard.spans-kept")),
+                timeline_batch=int(get("dashboard.timeline-batch")),
+                span_poll_interval_s=get_seconds("dashboard.span-poll-interval"),
+                node_poll_interval_s=get_seconds("dashboard.node-poll-interval"),
+                poll_timeout_s=get_seconds("dashboard.poll-timeout"),
+                residency_cells=int(get("dashboard.residency-cells")),
+                jobs_shown=int(get("dashboard.jobs-shown")),
+                steps_kept=int(get("dashboard.steps-kept")),
+            )
+        except (TypeError, ValueError, KeyError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"invalid plexrl.dashboard setting: {e}") from e
 
 
 def request_timeout() -> float:

@@ -219,6 +219,20 @@ class SchedulerBusy(PlexRLError):
     """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
 
 
+class InvalidJobReport(PlexRLError, ValueError):
+    """A job's per-step report (``plexrl-job`` event, :mod:`plexrl_dask.dashboard.jobs`) is
+    malformed: a missing or mistyped field, a negative step, a non-finite reward."""
+
+
+class InvalidDashboardQuery(PlexRLError, ValueError):
+    """A query parameter of a PlexRL dashboard JSON route is malformed (answered with 400)."""
+
+
+class BrowserUnavailable(PlexRLError):
+    """The headless browser the dashboard tests and benchmark drive (Chromium, its driver,
+    selenium) is not installed."""
+
+
 _BY_NAME: dict[str, type[PlexRLError]] = {}
 
 

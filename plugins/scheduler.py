@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections import Counter, defaultdict, deque
@@ -80,7 +81,9 @@ ANNOTATION = "plexrl"
 PARKED = "plexrl-parked://nowhere"
 
 
-def dispatch_policy_from_config(ordering: str | None = None, placement: str | None = None) -> DispatchPolicy:
+def dispatch_policy_from_config(
+    ordering: str | None = None, placement: str | None = None
+) -> DispatchPolicy:
     """The dispatch rule configured under ``plexrl.scheduler``, with ``ordering`` ("hrrs" or
     "fifo") and ``placement`` ("residency" or "blind") overriding the configured ones."""
     ordering = ordering or str(config.get("scheduler.ordering"))
@@ -170,9 +173,13 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             SetupCosts(self.residency, self.estimates, self._bytes_of, self._budget_of),
         )
         self.prefetch_hints = bool(config.get("scheduler.prefetch-hints"))
-        self.hints: dict[str, tuple[str | None, str]] = {}  # worker -> (deployment, uid) last hinted
+        self.hints: dict[
+            str, tuple[str | None, str]
+        ] = {}  # worker -> (deployment, uid) last hinted
         self._touched: set[str] = set()  # workers whose prediction may have changed
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=int(config.get("scheduler.decisions-kept")))
+        self.decisions: deque[dict[str, Any]] = deque(
+            maxlen=int(config.get("scheduler.decisions-kept"))
+        )
         # Spatiotemporal placement of jobs into node groups (plugins/placement.py).
         self.placement: LivePlacement | None = None
         if config.get("placement.live"):
@@ -378,13 +385,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         return {
             "status": "OK",
             "deployments": [info.to_dict() for info in self.deployments.values()],
-            "residency": [
-                {**r.to_event(), "worker": r.worker} for r in self.residency.reports()
-            ],
+            "residency": [{**r.to_event(), "worker": r.worker} for r in self.residency.reports()],
             "workers": {w: dict(c) for w, c in self.worker_capacity.items()},
             "counters": dict(self.counters),
             "jobs": {job: dict(c) for job, c in self.job_counters.items()},
-            "queue": self._queue_status(),
+            "queue": self.queue_view(100),
             "decisions": list(self.decisions)[-50:],
             "hints": {w: d for w, (d, _) in self.hints.items() if d is not None},
             "policy": dataclasses.asdict(self.policy),
@@ -404,7 +409,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         are pending, so every request is decided under the policy it arrived under."""
         try:
             if self.pending:
-                raise SchedulerBusy(f"{len(self.pending)} requests are pending; change the policy when idle")
+                raise SchedulerBusy(
+                    f"{len(self.pending)} requests are pending; change the policy when idle"
+                )
             policy = dispatch_policy_from_config(ordering, placement)
             knobs = {
                 "setup_weight": setup_weight,
@@ -413,7 +420,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             }
             if (ordering or config.get("scheduler.ordering")) == "hrrs":
                 try:
-                    policy = dataclasses.replace(policy, **{k: v for k, v in knobs.items() if v is not None})
+                    policy = dataclasses.replace(
+                        policy, **{k: v for k, v in knobs.items() if v is not None}
+                    )
                 except ValueError as e:
                     raise ConfigError(str(e)) from e
         except PlexRLError as e:
@@ -422,12 +431,31 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         logger.info("dispatch policy is now %s", policy)
         return {"status": "OK", "policy": dataclasses.asdict(policy)}
 
-    def _queue_status(self, limit: int = 100) -> dict[str, Any]:
-        """The first ``limit`` admitted requests with their current ratios, and the totals."""
-        now = time.monotonic()
+    def queue_view(self, limit: int, now: float | None = None) -> dict[str, Any]:
+        """The queue as plain data, for ``status`` and the dashboard: the first ``limit``
+        admitted requests in arrival order (the longest-waiting), each with its current HRRS
+        ratio and setup on its best live group (the cheapest setup, as the dispatcher ranks
+        them; ``worker``: that group), plus totals: pending, admitted, busy workers and pending
+        requests per deployment. Bounded by ``limit`` and the number of deployments, however
+        long the queue is (it runs on the scheduler's event loop). ``now``: the dispatcher's
+        clock (``time.monotonic()``), echoed in the result."""
+        now = time.monotonic() if now is None else now
+        costs = self.dispatcher.costs
+        # Requests of one deployment and candidate groups share their setup and best group:
+        # look them up once per update (setup costs are the expensive part).
+        memo: dict[tuple[str, tuple], tuple[float, tuple[str, ...]]] = {}
         rows = []
         for req in itertools.islice(self.dispatcher.pending(), limit):
-            ratio, setup = self.dispatcher.ratio(req, now)
+            key = (req.deployment, req.groups)
+            if key not in memo:
+                _, setup = self.dispatcher.ratio(req, now)  # the cheapest live group's setup
+                best = next(
+                    (g for g in req.groups if costs.setup_s(req.deployment, g) == setup), ()
+                )
+                memo[key] = (setup, best if math.isfinite(setup) else ())
+            setup, best = memo[key]
+            wait = now - req.arrival
+            ratio = self.dispatcher.policy.ratio(wait, req.service_s, setup) if best else 0.0
             rows.append(
                 {
                     "request": req.request,
@@ -435,7 +463,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "op": req.op,
                     "job": req.job,
                     "groups": [list(g) for g in req.groups],
-                    "wait_s": now - req.arrival,
+                    "worker": list(best),
+                    "wait_s": wait,
                     "ratio": ratio,
                     "service_s": req.service_s,
                     "setup_s": setup,
@@ -443,9 +472,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 }
             )
         return {
+            "now": now,
             "pending": len(self.pending),
             "admitted": len(self.dispatcher),
             "busy": self.dispatcher.busy,
+            "by_deployment": {name: len(q) for name, q in self._by_deployment.items()},
             "top": rows,
         }
 
@@ -465,7 +496,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         try:
             await asyncio.wait_for(event.wait(), timeout)
         except TimeoutError:
-            return to_status(GroupTimeout(f"rank 0 of group {key} did not publish its address in {timeout:.0f}s"))
+            return to_status(
+                GroupTimeout(f"rank 0 of group {key} did not publish its address in {timeout:.0f}s")
+            )
         return {"status": "OK", "address": self._rendezvous[key]}
 
     # --- placement ---------------------------------------------------------------------------
@@ -532,7 +565,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if old:
             asyncio.ensure_future(
                 self.scheduler.broadcast(
-                    msg={"op": "plexrl_holder_drop", "name": info.name}, workers=old, on_error="return"
+                    msg={"op": "plexrl_holder_drop", "name": info.name},
+                    workers=old,
+                    on_error="return",
                 )
             )
         self.counters["replacements"] += 1
@@ -541,7 +576,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     # --- routing and dispatch ----------------------------------------------------------------
 
-    def update_graph(self, scheduler: Any, *, annotations: dict | None = None, **kwargs: Any) -> None:
+    def update_graph(
+        self, scheduler: Any, *, annotations: dict | None = None, **kwargs: Any
+    ) -> None:
         routed = False
         for key in (annotations or {}).get(ANNOTATION, {}):
             ts = scheduler.tasks.get(key)
@@ -675,7 +712,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 break
         if recommendations:
             self.counters["dispatched"] += released
-            self.scheduler.transitions(recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}")
+            self.scheduler.transitions(
+                recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}"
+            )
         self._send_hints(now)
 
     def _release(self, decision: Any, now: float, recommendations: dict[Any, str]) -> None:
@@ -785,8 +824,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         elif finish == "no-worker":
             request = self.pending.get(self.key_request.get(key, ""))
             live = self.scheduler.workers
-            if request is None or request.groups is None or any(
-                w not in live for g in request.groups for w in g
+            if (
+                request is None
+                or request.groups is None
+                or any(w not in live for g in request.groups for w in g)
             ):
                 self._soon(self._reroute_orphans)  # its target left while it waited
             else:
@@ -866,7 +907,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 return  # a late report of an undeployed incarnation
             self.residency.apply(report)
             if report.tier == "hbm":
-                self.estimates.observe_load(report.deployment, report.source, report.load_s, report.bytes)
+                self.estimates.observe_load(
+                    report.deployment, report.source, report.load_s, report.bytes
+                )
             if report.modified and not info.modified:
                 info = self.deployments[report.deployment] = info.with_(modified=True)
             if report.tier == "absent" and report.modified and report.lost and info.world_size > 1:

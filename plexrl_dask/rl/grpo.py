@@ -14,6 +14,9 @@ One step of :class:`GRPOJob`:
    ``kl_coef > 0``, the reference model's log-probabilities from ``reference.forward``;
 5. ``policy.optim_step``, then ``runtime.sync_weights(policy, rollout)``.
 
+After each step the driver reports it to the scheduler (``plexrl-job`` event,
+:mod:`plexrl_dask.dashboard.jobs`) under its runtime's job name, for the dashboard's Jobs page.
+
 Pipelining: everything a step submits goes out at once as futures; the PlexRL scheduler keeps
 each deployment's requests in submission order, so the next step's ``sample`` may be submitted
 as soon as this step's weight sync is (it runs after the sync). The driver only waits for what
@@ -36,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexrl_dask.config import request_timeout
+from plexrl_dask.dashboard.jobs import JobStepReport, report_step
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import (
@@ -230,6 +235,27 @@ class GRPOJob:
             None if self.rollout is None else self.runtime.sync_weights(self.policy, self.rollout)
         )
 
+    def _report(self, record: StepRecord) -> None:
+        """Report the step to the scheduler for the dashboard's Jobs page (best effort: a
+        report that cannot be delivered is logged, the job goes on)."""
+        report_step(
+            self.runtime.client,
+            JobStepReport(
+                job=self.runtime.job,
+                name=self.name,
+                step=record.step,
+                steps=self.config.steps,
+                reward_mean=record.reward_mean,
+                reward_max=record.reward_max,
+                sampled_tokens=record.sampled_tokens,
+                loss=record.loss,
+                version=record.version,
+                wall_s=record.wall_s,
+                time=time.time(),
+            ),
+            timeout=request_timeout(),
+        )
+
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """Run ``config.steps`` steps; returns (and appends to ``records``) their records.
 
@@ -288,6 +314,7 @@ class GRPOJob:
                 wall_s=time.perf_counter() - t0,
             )
             self.records.append(record)
+            self._report(record)
             if self.metrics_path is not None:
                 with open(self.metrics_path, "a") as f:
                     f.write(json.dumps(asdict(record)) + "\n")

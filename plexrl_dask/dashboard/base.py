@@ -1,0 +1,182 @@
+"""Shared parts of the PlexRL pages: the page base class and helpers for Bokeh sources.
+
+:class:`Page` is distributed's :class:`~distributed.dashboard.components.DashboardComponent`
+with what every PlexRL page needs: the scheduler, the ``plexrl.dashboard`` settings, a banner
+for a scheduler without the plugin, and an ``update()`` that times each update
+(:data:`UPDATE_MS`). The helpers send a browser only what changed: :func:`set_data` nothing
+when a source's data is equal, :func:`refresh` a patch of the changed columns when the rows
+are the same; numeric columns travel as binary arrays (:func:`floats`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+from bokeh.core.properties import without_property_validation
+from bokeh.models import (
+    ColumnDataSource,
+    DataTable,
+    Div,
+    Legend,
+    LegendItem,
+    NumberFormatter,
+    TableColumn,
+)
+from bokeh.palettes import Category20
+from distributed.dashboard.components import DashboardComponent
+
+from plexrl_dask.config import DashboardConfig
+from plexrl_dask.dashboard.state import PlexRLDashboardPlugin, dashboard_of
+
+logger = logging.getLogger(__name__)
+
+NOT_INSTALLED = (
+    "<b>The PlexRL dashboard plugin is not installed on this scheduler.</b> Start the scheduler "
+    "with <code>--preload plexrl_dask.plugins</code> or use <code>plexrl_dask.local_cluster()</code>."
+)
+TIER_COLORS = {"hbm": "#2ca02c", "dram": "#ff7f0e", "nvme": "#1f77b4", "absent": "#dddddd"}
+#: Colour of the strip under a request's bar, by op (dark and distinct from job colours).
+OP_COLORS = {
+    "sample": "#252525",
+    "forward": "#737373",
+    "forward_backward": "#e7298a",
+    "optim_step": "#e6ab02",
+    "sync_weights": "#1b9e77",
+    "load_weights": "#1b9e77",
+    "publish_weights": "#66a61e",
+    "save_state": "#7570b3",
+    "load_state": "#7570b3",
+    "load": "#a6761d",
+}
+OTHER_OP = "#bdbdbd"
+#: Top and bottom border of the Timeline and its idle bars: their lanes line up.
+BORDER = 40
+# Category20's strong hues first, then its light ones, without the greys (grey is setup).
+PALETTE = tuple(
+    c for c in (*Category20[20][0::2], *Category20[20][1::2]) if c not in ("#7f7f7f", "#c7c7c7")
+)
+
+
+def side_legend(title: str, renderer: Any, field: str) -> Legend:
+    """A compact legend grouping ``renderer``'s rows by ``field`` (in the browser)."""
+    return Legend(
+        items=[LegendItem(label={"field": field}, renderers=[renderer])],
+        title=title,
+        label_text_font_size="8pt",
+        title_text_font_size="8pt",
+        glyph_height=10,
+        glyph_width=14,
+        label_height=10,
+        spacing=1,
+        padding=4,
+        border_line_alpha=0,
+    )
+
+
+def job_color(plugin: PlexRLDashboardPlugin, job: str) -> str:
+    """A job's colour, the same on every page and every reload (by the order the dashboard
+    first saw the job; the palette cycles after 18 jobs)."""
+    return PALETTE[plugin.job_slot(job) % len(PALETTE)]
+
+
+def fit_table(table: DataTable, rows: int, max_rows: int) -> None:
+    """Size a table to its rows (header included), up to ``max_rows`` (then it scrolls)."""
+    height = 32 + 25 * max(1, min(rows, max_rows))
+    if table.height != height:
+        table.height = height
+
+
+def short(worker: str) -> str:
+    """``tcp://10.0.0.1:4321`` -> ``10.0.0.1:4321``."""
+    return worker.split("://", 1)[-1]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality of column values: arrays, and lists that may hold arrays (ragged columns)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    if isinstance(a, list) and isinstance(b, list) and a and isinstance(a[0], np.ndarray):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def set_data(source: ColumnDataSource, data: dict[str, Any]) -> bool:
+    """Replace ``source``'s data unless it is equal (no message to the browser then)."""
+    old = source.data
+    if old.keys() == data.keys() and all(same(old[k], v) for k, v in data.items()):
+        return False
+    source.data = data
+    return True
+
+
+def refresh(source: ColumnDataSource, data: dict[str, Any], key: str) -> None:
+    """Show ``data`` in ``source``: when its ``key`` column is unchanged (the same rows),
+    patch only the columns that changed (one small message, numbers as binary); else replace
+    everything."""
+    old = source.data
+    if old.keys() != data.keys() or not same(old[key], data[key]):
+        source.data = data
+        return
+    n = len(data[key])
+    patches = {k: [(slice(0, n), v)] for k, v in data.items() if not same(old[k], v)}
+    if patches:
+        source.patch(patches)
+
+
+def floats(values: Any) -> np.ndarray:
+    """A numeric column as an array (sent as binary; ``None`` becomes NaN)."""
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def table_columns(spec: list[tuple]) -> list[TableColumn]:
+    """Table columns from ``(field, title, number format or None[, width])``; widths are
+    relative (the table fills the page): numbers narrow, text wider."""
+    out = []
+    for field, title, fmt, *width in spec:
+        kwargs: dict[str, Any] = {"field": field, "title": title}
+        kwargs["width"] = width[0] if width else (100 if fmt is not None else 200)
+        if fmt is not None:
+            kwargs["formatter"] = NumberFormatter(format=fmt)
+        out.append(TableColumn(**kwargs))
+    return out
+
+
+#: Recent update durations per page class, for the benchmark and for operators who want to
+#: see what the pages cost the scheduler (bounded): wall-clock ms (how long the event loop was
+#: held) and the thread's CPU ms (the work itself, without time the thread waited for a core
+#: or the GIL).
+UPDATE_MS: dict[str, deque[float]] = {}
+UPDATE_CPU_MS: dict[str, deque[float]] = {}
+
+
+class Page(DashboardComponent):
+    """Shared parts: the scheduler, the config, the not-installed banner, and ``update()``,
+    which times the page's ``_update()`` into :data:`UPDATE_MS`."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.cfg = DashboardConfig.from_dask_config()
+        self.banner = Div(text="", name="plexrl-banner")
+        self._times = UPDATE_MS.setdefault(type(self).__name__, deque(maxlen=10_000))
+        self._cpu = UPDATE_CPU_MS.setdefault(type(self).__name__, deque(maxlen=10_000))
+
+    @without_property_validation  # (as distributed's own updates: values are ours)
+    def update(self) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        self._update()
+        self._cpu.append(1000 * (time.thread_time() - c0))
+        self._times.append(1000 * (time.perf_counter() - t0))
+
+    def _update(self) -> None:
+        raise NotImplementedError
+
+    def plugin(self) -> PlexRLDashboardPlugin | None:
+        plugin = dashboard_of(self.scheduler)
+        banner = "" if plugin is not None and plugin.plexrl is not None else NOT_INSTALLED
+        if self.banner.text != banner:
+            self.banner.text = banner
+        return plugin if banner == "" else None

@@ -1,0 +1,327 @@
+"""The table pages: Queue and Jobs (see :mod:`plexrl_dask.dashboard.components`).
+
+Both redraw from the dashboard plugin's views; the Queue patches its tables in place while
+their rows stay the same (times and ratios move every update), the Jobs page redraws only when
+a span or a step report arrived, and its reward curves only on a report.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from bokeh.layouts import column
+from bokeh.models import ColumnDataSource, DataTable, Div
+from bokeh.plotting import figure
+
+from plexrl_dask.dashboard.base import (
+    Page,
+    fit_table,
+    floats,
+    job_color,
+    refresh,
+    set_data,
+    short,
+    table_columns,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class QueuePage(Page):
+    """The top pending requests (the longest-waiting admitted ones) with their current HRRS
+    ratio and setup on their best worker, totals per deployment for the rest, and the most
+    recent dispatch decisions with their reasons."""
+
+    REQUEST_FIELDS = (
+        "request",
+        "job",
+        "deployment",
+        "op",
+        "wait_s",
+        "ratio",
+        "setup_s",
+        "service_s",
+        "worker",
+        "urgent",
+    )
+    DECISION_FIELDS = (
+        "time",
+        "job",
+        "deployment",
+        "op",
+        "workers",
+        "wait_s",
+        "ratio",
+        "setup_s",
+        "reason",
+    )
+
+    def __init__(self, scheduler: Any, **kwargs: Any) -> None:
+        super().__init__(scheduler)
+        self.summary = Div(text="", name="plexrl-queue-summary")
+        self.source = ColumnDataSource(
+            {c: [] for c in self.REQUEST_FIELDS}, name="plexrl-queue-requests"
+        )
+        self.totals = ColumnDataSource(
+            {c: [] for c in ("deployment", "owner", "pending", "shown")}, name="plexrl-queue-totals"
+        )
+        self.decisions = ColumnDataSource(
+            {c: [] for c in self.DECISION_FIELDS}, name="plexrl-queue-decisions"
+        )
+        self.requests_table = requests = DataTable(
+            source=self.source,
+            columns=table_columns(
+                [
+                    ("job", "job", None),
+                    ("deployment", "deployment", None),
+                    ("op", "op", None),
+                    ("wait_s", "wait (s)", "0.00"),
+                    ("ratio", "HRRS ratio", "0.00"),
+                    ("setup_s", "setup (s)", "0.000"),
+                    ("service_s", "service (s)", "0.000"),
+                    ("worker", "best worker", None),
+                    ("urgent", "urgent", None),
+                    ("request", "request", None, 300),
+                ]
+            ),
+            height=330,
+            sizing_mode="stretch_width",
+            index_position=None,
+        )
+        self.totals_table = totals = DataTable(
+            source=self.totals,
+            columns=table_columns(
+                [
+                    ("deployment", "deployment", None),
+                    ("owner", "owner job", None),
+                    ("pending", "pending", "0,0"),
+                    ("shown", "listed above", "0,0"),
+                ]
+            ),
+            height=150,
+            sizing_mode="stretch_width",
+            index_position=None,
+        )
+        self.decisions_table = decisions = DataTable(
+            source=self.decisions,
+            columns=table_columns(
+                [
+                    ("time", "time", None),
+                    ("job", "job", None),
+                    ("deployment", "deployment", None),
+                    ("op", "op", None),
+                    ("workers", "worker(s)", None),
+                    ("wait_s", "waited (s)", "0.00"),
+                    ("ratio", "ratio", "0.00"),
+                    ("reason", "reason", None, 420),
+                ]
+            ),
+            height=260,
+            sizing_mode="stretch_width",
+            index_position=None,
+        )
+        self.root = column(
+            self.banner,
+            self.summary,
+            Div(text="<b>Top pending requests</b> (longest-waiting first)"),
+            requests,
+            Div(text="<b>Pending per deployment</b>"),
+            totals,
+            Div(text="<b>Most recent decisions</b>"),
+            decisions,
+            **kwargs,
+        )
+
+    def _update(self) -> None:
+        plugin = self.plugin()
+        if plugin is None:
+            return
+        view = plugin.queue_view()
+        q = view["queue"]
+        top = q["top"]
+        policy = view["policy"]
+        summary = (
+            f"<b>{q['pending']:,}</b> pending requests (<b>{q['admitted']:,}</b> admitted to the "
+            f"dispatcher), <b>{len(q['busy'])}</b> busy workers · policy: setup weight "
+            f"{policy['setup_weight']}, patience {policy['patience_factor']}×(service+setup)+"
+            f"{policy['patience_floor_s']}s, placement {policy['placement']}"
+        )
+        if self.summary.text != summary:
+            self.summary.text = summary
+        refresh(
+            self.source,
+            {
+                "request": [r["request"] for r in top],
+                "job": [r["job"] for r in top],
+                "deployment": [r["deployment"] for r in top],
+                "op": [r["op"] for r in top],
+                "wait_s": floats(r["wait_s"] for r in top),
+                "ratio": floats(r["ratio"] for r in top),
+                "setup_s": floats(r["setup_s"] for r in top),
+                "service_s": floats(r["service_s"] for r in top),
+                "worker": [", ".join(short(w) for w in r["worker"]) for r in top],
+                "urgent": ["yes" if r["urgent"] else "" for r in top],
+            },
+            key="request",
+        )
+        shown: dict[str, int] = {}
+        for r in top:
+            shown[r["deployment"]] = shown.get(r["deployment"], 0) + 1
+        by = sorted(q["by_deployment"].items(), key=lambda kv: (-kv[1], kv[0]))
+        fit_table(self.requests_table, len(top), 20)
+        fit_table(self.totals_table, len(by), 10)
+        fit_table(self.decisions_table, len(view["decisions"]), 20)
+        refresh(
+            self.totals,
+            {
+                "deployment": [d for d, _ in by],
+                "owner": [view["owners"].get(d, "") for d, _ in by],
+                "pending": np.array([n for _, n in by], dtype=float),
+                "shown": np.array([shown.get(d, 0) for d, _ in by], dtype=float),
+            },
+            key="deployment",
+        )
+        ds = view["decisions"]
+        set_data(
+            self.decisions,
+            {
+                "time": [
+                    datetime.fromtimestamp(d["time"]).strftime("%H:%M:%S.%f")[:-3] for d in ds
+                ],
+                "job": [d["job"] for d in ds],
+                "deployment": [d["deployment"] for d in ds],
+                "op": [d["op"] for d in ds],
+                "workers": [", ".join(short(w) for w in d["workers"]) for d in ds],
+                "wait_s": floats(d["wait_s"] for d in ds),
+                "ratio": floats(d["ratio"] for d in ds),
+                "setup_s": floats(d["setup_s"] for d in ds),
+                "reason": [d["reason"] for d in ds],
+            },
+        )
+
+
+class JobsPage(Page):
+    """Per job: progress, rewards (table and curves), GPU-seconds charged (busy + setup), its
+    share of the pool, and the cost it would at least have had isolated."""
+
+    FIELDS = (
+        "job", "name", "progress", "step", "reward_mean", "reward_max", "loss", "charged_s",
+        "busy_s", "setup_s", "share", "isolated_s", "isolated_workers", "requests",
+        "mean_wait_s", "failed", "color",
+    )  # fmt: skip
+
+    def __init__(self, scheduler: Any, **kwargs: Any) -> None:
+        super().__init__(scheduler)
+        self._version: Any = None
+        self._reports_version: Any = None
+        self.source = ColumnDataSource({c: [] for c in self.FIELDS}, name="plexrl-jobs-table")
+        self.curves = ColumnDataSource(
+            {c: [] for c in ("job", "xs", "ys", "color")}, name="plexrl-jobs-rewards"
+        )
+        self.summary = Div(text="", name="plexrl-jobs-summary")
+        table = DataTable(
+            source=self.source,
+            columns=table_columns(
+                [
+                    ("job", "job", None, 260),
+                    ("name", "run", None),
+                    ("progress", "steps", None),
+                    ("reward_mean", "reward (mean)", "0.000"),
+                    ("reward_max", "reward (max)", "0.000"),
+                    ("charged_s", "GPU-s charged", "0.0"),
+                    ("busy_s", "busy s", "0.0"),
+                    ("setup_s", "setup s", "0.0"),
+                    ("share", "share of pool", "0.0%"),
+                    ("isolated_s", "isolated est. GPU-s", "0.0"),
+                    ("isolated_workers", "isolated workers", "0"),
+                    ("requests", "requests", "0,0"),
+                    ("mean_wait_s", "mean queue wait s", "0.000"),
+                    ("failed", "failed", "0"),
+                ]
+            ),
+            height=220,
+            sizing_mode="stretch_width",
+            index_position=None,
+        )
+        fig = figure(
+            title="Mean reward per step",
+            x_axis_label="step",
+            y_axis_label="reward",
+            tools="pan,wheel_zoom,box_zoom,reset,save",
+            height=320,
+            sizing_mode="stretch_width",
+        )
+        fig.multi_line(
+            xs="xs",
+            ys="ys",
+            line_color="color",
+            line_width=2,
+            legend_field="job",
+            source=self.curves,
+        )
+        fig.legend.location = "bottom_right"
+        fig.xaxis.ticker.min_interval = 1  # steps are whole
+        self.figure = fig
+        self.table = table
+        self.root = column(self.banner, self.summary, table, fig, **kwargs)
+
+    def _update(self) -> None:
+        plugin = self.plugin()
+        if plugin is None:
+            return
+        ledger = plugin.ledger
+        version = (
+            ledger.version,
+            len(plugin.plexrl.job_counters),
+            sum(int(c.get("dispatched", 0)) for c in plugin.plexrl.job_counters.values()),
+        )
+        redraw_curves = ledger.reports_version != self._reports_version
+        if version == self._version and not redraw_curves:
+            return
+        self._version = version
+        view = plugin.jobs_view(with_history=False)
+        jobs = view["jobs"]
+        summary = (
+            f"<b>{len(jobs)}</b> jobs · <b>{view['charged_s']:.1f}</b> GPU-seconds charged in "
+            "all (busy + setup of their requests); isolated estimate: the workers a job's "
+            "deployments hold × the seconds any of its requests ran"
+        )
+        if self.summary.text != summary:
+            self.summary.text = summary
+        data: dict[str, list] = {f: [] for f in self.FIELDS}
+        for j in jobs:
+            for f in self.FIELDS:
+                if f == "progress":
+                    data[f].append(f"{j['step']}/{j['steps']}" if j["steps"] else str(j["step"]))
+                elif f == "color":
+                    data[f].append(job_color(plugin, j["job"]))
+                else:
+                    data[f].append(j[f])
+        set_data(self.source, data)
+        fit_table(self.table, len(jobs), 20)
+        if redraw_curves:
+            self._reports_version = ledger.reports_version
+            curves = {j["job"]: _thin(ledger.history.get(j["job"], ())) for j in jobs}
+            curves = {job: h for job, h in curves.items() if h}
+            set_data(
+                self.curves,
+                {
+                    "job": list(curves),
+                    "xs": [np.array([h[0] for h in hist], dtype=float) for hist in curves.values()],
+                    "ys": [np.array([h[1] for h in hist]) for hist in curves.values()],
+                    "color": [job_color(plugin, job) for job in curves],
+                },
+            )
+
+
+def _thin(history: Any, points: int = 200) -> list:
+    """At most about ``points`` evenly spaced entries of a reward history, the last one kept
+    (a curve needs no more pixels than that; the JSON route has every step)."""
+    hist = list(history)
+    if len(hist) <= points:
+        return hist
+    stride = -(-len(hist) // points)
+    return hist[::-stride][::-1]

@@ -1,0 +1,467 @@
+"""The dashboard's data and pages on a scheduler with a synthetic plugin state.
+
+Each page's ``update()`` is called on a real in-process scheduler (``gen_cluster``, no GPU
+workers: the PlexRL plugin and the dashboard plugin hold a synthetic state built by the
+benchmark's :func:`fill_synthetic`), and the page's data sources are compared with that state;
+the JSON routes are fetched over HTTP and compared with the plugin's views at the same instant.
+The job accounting is checked against the cost ledger.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dask
+import pytest
+from distributed.utils_test import gen_cluster
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+
+from plexrl_dask import errors
+from plexrl_dask.bench.dashboard import add_request, churn, fill_synthetic
+from plexrl_dask.dashboard import PAGES, ROUTES_MODULE
+from plexrl_dask.dashboard.browser import fetch_json
+from plexrl_dask.dashboard.components import JobsPage, QueuePage, ResidencyPage, TimelinePage, short
+from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport, UnionSeconds
+from plexrl_dask.dashboard.routes import add_routes
+from plexrl_dask.dashboard.state import PlexRLDashboardPlugin, SpanStore, dashboard_of, finite
+from plexrl_dask.plugins import PlexRLSchedulerPlugin
+from plexrl_dask.rl.ledger import JobWindow, ModeLedger
+from plexrl_dask.service.timeline import RequestSpan
+
+_PLEXRL = copy.deepcopy(dask.config.get("plexrl"))
+_PLEXRL["dashboard"].update({"queue-rows": 7, "decisions-shown": 5, "timeline-batch": 50})
+CONFIG = {"plexrl": _PLEXRL}
+DASHBOARD = {"dashboard": True, "dashboard_address": "127.0.0.1:0"}
+
+
+def report(job: str = "job-a", step: int = 0, **overrides) -> JobStepReport:
+    fields = dict(
+        job=job,
+        name="grpo",
+        step=step,
+        steps=10,
+        reward_mean=0.5,
+        reward_max=1.0,
+        sampled_tokens=100,
+        loss=0.1,
+        version=step + 1,
+        wall_s=1.0,
+        time=1000.0 + step,
+    )
+    return JobStepReport(**{**fields, **overrides})
+
+
+# --- pure parts ----------------------------------------------------------------------------------
+
+
+def test_job_reports_round_trip_and_bad_ones_are_typed_errors():
+    r = report(loss=None)
+    assert JobStepReport.from_event(r.to_event()) == r
+    assert JobStepReport.from_event({**r.to_event(), "newer_field": 1}) == r
+    for bad in (
+        {"step": -1},
+        {"job": ""},
+        {"reward_mean": math.nan},
+        {"steps": 1.5},
+        {"loss": "x"},
+    ):
+        with pytest.raises(errors.InvalidJobReport):
+            report(**bad)
+    with pytest.raises(errors.InvalidJobReport, match="lacks"):
+        JobStepReport.from_event({"job": "a"})
+    with pytest.raises(errors.InvalidJobReport):
+        JobStepReport.from_event(["not", "a", "dict"])
+
+
+def random_spans(rng: random.Random, job: str, deployments: list[str], n: int) -> list[RequestSpan]:
+    spans, t = [], 0.0
+    for _ in range(n):
+        t += rng.uniform(-0.5, 1.0)  # overlapping and gapped
+        run, setup = rng.uniform(0.01, 1.0), rng.choice((0.0, rng.uniform(0, 0.3)))
+        w = f"w{rng.randrange(3)}"
+        spans.append(
+            RequestSpan(w, rng.choice(deployments), job, "sample", t, t + setup, t + setup + run)
+        )
+    return spans
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_job_charges_and_isolated_estimate_equal_the_cost_ledger(seed):
+    """Spans arriving in any order give the ledger's isolated lower bound (workers × union of
+    the job's spans) and exact busy/setup sums."""
+    rng = random.Random(seed)
+    spans = random_spans(rng, "a", ["a-policy", "a-rollout"], 300) + random_spans(
+        rng, "b", ["b-policy"], 200
+    )
+    ledger = JobLedger()
+    shuffled = spans[:]
+    rng.shuffle(shuffled)
+    for s in shuffled:
+        ledger.span(s)
+    ledger.set_layout("a", 3)
+    windows = (
+        JobWindow("a", ("a-policy", "a-rollout"), "a-rollout", (), (), -math.inf, math.inf, 0),
+        JobWindow("b", ("b-policy",), "b-policy", (), (), -math.inf, math.inf, 0),
+    )
+    mode = ModeLedger("multiplexed", windows, tuple(spans), -math.inf, math.inf, pool=("w0",))
+    for job, workers in (("a", 3), ("b", 1)):
+        single = ModeLedger(
+            "multiplexed", tuple(w for w in windows if w.job == job), tuple(spans), 0, 1, ("w0",)
+        )
+        assert ledger.isolated_estimate_s(job) == pytest.approx(
+            single.isolated_cost_lower_bound(workers)
+        )
+        mine = [s for s in spans if s.job == job]
+        c = ledger.charges[job]
+        assert c.requests == len(mine)
+        assert c.busy_s == pytest.approx(sum(s.end - s.ready for s in mine))
+        assert c.setup_s == pytest.approx(sum(s.ready - s.start for s in mine))
+        assert c.charged_s == pytest.approx(sum(s.seconds for s in mine))
+    assert mode.isolated_cost_lower_bound(1) == pytest.approx(
+        ledger.charges["a"].union.seconds + ledger.charges["b"].union.seconds
+    )
+
+
+def test_union_seconds_folds_the_past_without_losing_length():
+    u = UnionSeconds(horizon_s=5.0)
+    for i in range(1000):  # 1 s intervals every 2 s, in order: half covered
+        u.add(2.0 * i, 2.0 * i + 1.0)
+    assert u.seconds == pytest.approx(1000.0)
+    assert len(u._starts) <= 4  # folded: bounded memory
+    u.add(0.0, 10.0)  # a very late interval reaching into the folded past counts nothing twice
+    assert u.seconds == pytest.approx(1000.0)
+
+
+def test_span_store_windows_and_sequence_numbers():
+    store = SpanStore(kept=4, window_s=10.0)
+    spans = [
+        RequestSpan("w", "d", "j", "op", t, t + 0.5, t + 1.0)
+        for t in (0.0, 2.0, 4.0, 6.0, 8.0, 9.5)
+    ]
+    for s in spans:
+        store.add(s)
+    seq, got = store.since(0, 100)  # only the kept ones are still there
+    assert got == spans[-4:] and seq == 6
+    assert store.since(seq, 100) == (6, [])
+    assert store.since(3, 2) == (5, spans[3:5])
+    # window [5, 15]: the span at 4..5 ended at its start and is out; 6..7, 8..9, 9.5..10.5 in
+    busy, setup = store.lanes(15.0)["w"]
+    assert (busy, setup) == pytest.approx((1.5, 1.5))
+    busy, setup = store.lanes(16.25)["w"]  # window [6.25, 16.25]: the 6..7 span is cut
+    assert (busy, setup) == pytest.approx((1.5, 1.25))
+    assert [s.start for s in store.recent(7.5, 10)] == [8.0, 9.5]
+
+
+# --- pages on a scheduler ------------------------------------------------------------------------
+
+
+async def installed(c, s) -> tuple[PlexRLSchedulerPlugin, PlexRLDashboardPlugin]:
+    await c.register_plugin(PlexRLSchedulerPlugin())
+    await c.register_plugin(PlexRLDashboardPlugin())
+    return s.plugins["plexrl"], dashboard_of(s)
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_queue_page_shows_the_top_requests_and_totals_of_a_long_queue(c, s):
+    plexrl, dash = await installed(c, s)
+    syn = fill_synthetic(s, requests=10_000, workers=64, spans_per_worker=2, steps=3)
+    page = QueuePage(s)
+    page.update()
+    data = page.source.data
+    top = list(plexrl.dispatcher.pending())[:7]  # queue-rows: the longest-waiting admitted ones
+    assert data["request"] == [r.request for r in top] == syn.requests[:7]
+    assert data["deployment"] == [r.deployment for r in top]
+    assert data["job"] == [r.job for r in top]
+    assert all(r > 0 for r in data["ratio"]) and all(w > 0 for w in data["wait_s"])
+    totals = page.totals.data
+    assert sum(totals["pending"]) == 10_000 == len(plexrl.pending)
+    assert sum(totals["shown"]) == 7
+    assert totals["owner"] == [plexrl.deployments[d].owner for d in totals["deployment"]]
+    assert "10,000</b> pending" in page.summary.text
+    decisions = page.decisions.data
+    newest = list(plexrl.decisions)[::-1][:5]
+    assert decisions["deployment"] == [d["deployment"] for d in newest]
+    assert all(decisions["reason"]) and len(decisions["reason"]) == 5
+    # A released request leaves the page on the next update.
+    first = syn.requests.pop(0)
+    plexrl.dispatcher.remove(first)
+    page.update()
+    assert first not in page.source.data["request"]
+    assert len(page.source.data["request"]) == 7
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_residency_page_shows_every_report_and_bytes_per_node(c, s):
+    plexrl, dash = await installed(c, s)
+    fill_synthetic(s, requests=10, workers=24, spans_per_worker=1, steps=1)
+    page = ResidencyPage(s)
+    page.update()
+    reports = plexrl.residency.reports()
+    data = page.source.data
+    assert list(zip(data["deployment"], data["worker"], data["tier"], strict=True)) == [
+        (r.deployment, r.worker, r.tier) for r in reports
+    ]
+    assert data["bytes"] == [r.bytes for r in reports]
+    nodes = page.nodes.data
+    for n, node in enumerate(nodes["node"]):
+        mine = [r for r in reports if plexrl.worker_capacity[r.worker]["node"] == node]
+        for tier in ("hbm", "dram", "nvme"):
+            assert nodes[f"{tier}_bytes"][n] == sum(r.bytes for r in mine if r.tier == tier)
+    assert set(page.heat.y_range.factors) == {r.deployment for r in reports}
+    # No change: no work (the sources are left alone).
+    before = page.source.data
+    page.update()
+    assert page.source.data is before
+    # Reports arrive: only their cells change (an absent one stays, invisible), and the node
+    # totals follow.
+    r, moved = reports[0], reports[1]
+    plexrl.residency.apply(type(r)(r.deployment, r.version, "absent", 0, 0.0, r.worker, r.uid))
+    dash.mark_residency(r.deployment, r.worker)
+    new_tier = "nvme" if moved.tier != "nvme" else "dram"
+    plexrl.residency.apply(
+        type(moved)(moved.deployment, 2, new_tier, moved.bytes, 0.5, moved.worker, moved.uid)
+    )
+    dash.mark_residency(moved.deployment, moved.worker)
+    page.update()
+    data = page.source.data
+    i = list(zip(data["deployment"], data["worker"], strict=True)).index((r.deployment, r.worker))
+    assert data["tier"][i] == "absent" and data["bytes"][i] == 0
+    j = list(zip(data["deployment"], data["worker"], strict=True)).index(
+        (moved.deployment, moved.worker)
+    )
+    assert (data["tier"][j], data["version"][j]) == (new_tier, 2)
+    shown = {
+        (d, w, t)
+        for d, w, t in zip(data["deployment"], data["worker"], data["tier"], strict=True)
+        if t != "absent"
+    }
+    assert shown == {
+        (c["deployment"], c["worker"], c["tier"]) for c in dash.residency_view()["cells"]
+    }
+    nodes = page.nodes.data
+    for n, node in enumerate(nodes["node"]):
+        for tier in ("hbm", "dram", "nvme"):
+            want = sum(
+                x.bytes
+                for x in plexrl.residency.reports()
+                if x.tier == tier and plexrl.worker_capacity[x.worker]["node"] == node
+            )
+            assert nodes[f"{tier}_bytes"][n] == want
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_timeline_page_streams_new_spans_in_bounded_batches(c, s):
+    plexrl, dash = await installed(c, s)
+    syn = fill_synthetic(s, requests=10, workers=8, spans_per_worker=20, steps=1)
+    page = TimelinePage(s)
+    page.update()  # a new page starts with the newest timeline-batch (50) spans
+    kept = dash.spans.since(0, 10**6)[1]
+    assert len(page.source.data["start"]) == 50
+    assert list(page.source.data["start"]) == [1000 * sp.start for sp in kept[-50:]]
+    churn(s, syn, random.Random(0), dt=20.0)  # 160 new spans: four updates to catch up
+    new = dash.spans.next_seq - len(kept)
+    sizes = []
+    for _ in range(5):
+        n0 = len(page.source.data["start"])
+        page.update()
+        sizes.append(len(page.source.data["start"]) - n0)
+    assert max(sizes) <= 50 and sum(sizes) == new
+    streamed = set(zip(page.source.data["worker"], page.source.data["start"], strict=True))
+    assert {(sp.worker, 1000 * sp.start) for sp in dash.spans.since(0, 10**6)[1][-new:]} <= streamed
+    # Running requests and every worker's lane, labelled with its idle fraction.
+    running = page.running.data
+    assert sorted(running["worker"]) == sorted(v[3] for v in plexrl.started.values())
+    lanes = page._lanes  # a lane per worker, with its idle fraction beside it
+    assert set(lanes) >= set(syn.workers)
+    assert list(page.source.data["lane"]) == [lanes[w] for w in page.source.data["worker"]]
+    labels = page.figure.yaxis[0].major_label_overrides
+    assert all(labels[lanes[w]] == short(w) for w in syn.workers)
+    page._idle_at = float("-inf")  # idle fractions are refreshed every 2 s: now
+    page.update()
+    rows = dash.worker_lanes(time.time())[0]
+    idle = dict(zip(page.idle.data["worker"], page.idle.data["idle"], strict=True))
+    for w in rows:
+        assert idle[w["worker"]] == pytest.approx(w["idle_fraction"], abs=0.01)
+    assert list(page.colors.factors) == sorted(set(page.source.data["job"]), key=dash.job_slot)
+    # Only spans that waited for a setup get a (hatched) setup bar.
+    waited = [s for s in dash.spans.since(0, 10**6)[1] if s.ready > s.start]
+    assert set(page.setups.data["start"]) <= {1000 * s.start for s in waited}
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_jobs_page_shows_steps_rewards_and_charges(c, s):
+    plexrl, dash = await installed(c, s)
+    s.log_event(JOB_TOPIC, report("job-a", 0, reward_mean=0.25).to_event())
+    s.log_event(JOB_TOPIC, report("job-a", 1, reward_mean=0.75).to_event())
+    s.log_event(JOB_TOPIC, {"job": "broken"})  # ignored (counted), never raised in the hook
+    dash.add_spans(
+        [
+            RequestSpan("w1", "a-policy", "job-a", "sample", 10.0, 11.0, 13.0),
+            RequestSpan("w1", "b-policy", "job-b", "sample", 13.0, 13.0, 14.0),
+        ]
+    )
+    page = JobsPage(s)
+    page.update()
+    data = page.source.data
+    assert data["job"] == ["job-a", "job-b"] or data["job"] == ["job-b", "job-a"]
+    a = data["job"].index("job-a")
+    assert data["progress"][a] == "2/10" and data["reward_mean"][a] == 0.75
+    assert data["charged_s"][a] == pytest.approx(3.0) and data["setup_s"][a] == pytest.approx(1.0)
+    assert data["share"][a] == pytest.approx(0.75)
+    assert data["isolated_s"][a] == pytest.approx(3.0)
+    curves = page.curves.data
+    assert curves["job"] == ["job-a"]
+    assert list(curves["xs"][0]) == [0, 1] and list(curves["ys"][0]) == [0.25, 0.75]
+    assert dash.counters["bad_job_reports"] == 1
+    # A new step redraws the curve (ragged columns of arrays compare safely).
+    s.log_event(JOB_TOPIC, report("job-a", 2, reward_mean=0.5).to_event())
+    page.update()
+    assert list(page.curves.data["ys"][0]) == [0.25, 0.75, 0.5]
+    assert page.source.data["progress"][page.source.data["job"].index("job-a")] == "3/10"
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_pages_without_the_plugin_say_so(c, s):
+    for cls in (TimelinePage, ResidencyPage, QueuePage, JobsPage):
+        page = cls(s)
+        page.update()
+        assert "not installed" in page.banner.text
+
+
+# --- JSON routes ---------------------------------------------------------------------------------
+
+
+async def get_json(s, path: str):
+    port = s.http_server.port
+    resp = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{port}{path}", request_timeout=30)
+    assert resp.headers["Content-Type"] == "application/json"
+    return json.loads(resp.body)
+
+
+def same(view: dict) -> dict:
+    """``view`` as the routes encode it."""
+    return json.loads(json.dumps(finite(view)))
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_json_routes_return_exactly_the_plugin_state(c, s):
+    plexrl, dash = await installed(c, s)
+    fill_synthetic(s, requests=500, workers=32, spans_per_worker=5, steps=4)
+    data = await get_json(s, "/plexrl/queue.json")
+    assert data == same(dash.queue_view(now=data["queue"]["now"]))
+    assert [r["request"] for r in data["queue"]["top"]] == [
+        r.request for r in list(plexrl.dispatcher.pending())[:7]
+    ]
+    data = await get_json(s, "/plexrl/queue.json?limit=300")
+    assert len(data["queue"]["top"]) == 300 and data["queue"]["pending"] == 500
+    data = await get_json(s, "/plexrl/timeline.json")
+    assert data == same(dash.timeline_view(now=data["now"]))
+    assert len(data["spans"]) == 50  # timeline-batch
+    data = await get_json(s, "/plexrl/timeline.json?limit=1000")
+    window = dash.cfg.timeline_window_s
+    kept = dash.spans.since(0, 10**6)[1]
+    assert data["spans"] == same([sp.to_dict() for sp in kept if sp.end > data["now"] - window])
+    assert await get_json(s, "/plexrl/residency.json") == same(dash.residency_view())
+    data = await get_json(s, "/plexrl/jobs.json")
+    assert data == same(dash.jobs_view())
+    assert {j["job"] for j in data["jobs"]} == {f"job-{k}" for k in range(8)}
+    for bad in (
+        "/plexrl/queue.json?limit=0",
+        "/plexrl/queue.json?limit=ten",
+        "/plexrl/jobs.json?limit=3",
+    ):
+        with pytest.raises(HTTPClientError) as e:
+            await get_json(s, bad)
+        assert e.value.code == 400
+        assert json.loads(e.value.response.body)["error"] == "InvalidDashboardQuery"
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[],
+    config={
+        **CONFIG,
+        "distributed.scheduler.http.routes": ["distributed.http.health", ROUTES_MODULE],
+    },
+    scheduler_kwargs=DASHBOARD,
+)
+async def test_routes_from_the_config_answer_404_without_the_plugin(c, s):
+    with pytest.raises(HTTPClientError) as e:
+        await get_json(s, "/plexrl/jobs.json")
+    assert e.value.code == 404
+    assert "not installed" in json.loads(e.value.response.body)["message"]
+    # Installing the plugin later does not add the routes twice; they answer at once.
+    await c.register_plugin(PlexRLSchedulerPlugin())
+    await c.register_plugin(PlexRLDashboardPlugin())
+    assert (await get_json(s, "/plexrl/jobs.json"))["installed"] is True
+    assert add_routes(s) is False  # already served (from the config)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_queue_view_ratio_and_best_worker_on_live_workers(c, s, a):
+    """With a live worker the queue view gives each request its HRRS ratio and the group the
+    dispatcher would rank best."""
+    plexrl, dash = await installed(c, s)
+    fill_synthetic(s, requests=0, workers=4, spans_per_worker=0, steps=0, decisions=0)
+    plexrl.dispatcher.add_worker(a.address)
+    name = next(iter(plexrl.deployments))
+    info = plexrl.deployments[name]
+    plexrl.deployments[name] = info.with_(workers=(a.address,))
+    add_request(plexrl, "r1", name, "forward", info.owner, 0.0)
+    view = dash.queue_view(now=100.0)
+    (row,) = view["queue"]["top"]
+    ratio, setup = plexrl.dispatcher.ratio(next(iter(plexrl.dispatcher.pending())), 100.0)
+    assert row["worker"] == [a.address] and row["wait_s"] == 100.0
+    assert row["ratio"] == pytest.approx(ratio) and row["setup_s"] == pytest.approx(setup)
+
+
+def test_a_preloaded_dask_scheduler_serves_the_pages_and_routes(tmp_path):
+    """The shared-cluster path: ``dask scheduler --preload plexrl_dask.plugins`` lists the
+    pages in its menu data and answers the JSON routes."""
+    bindir = Path(sys.executable).parent
+    sched_file = tmp_path / "scheduler.json"
+    scheduler = subprocess.Popen(
+        [
+            str(bindir / "dask"),
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--dashboard-address",
+            "127.0.0.1:0",
+            "--scheduler-file",
+            str(sched_file),
+            "--preload",
+            "plexrl_dask.plugins",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            assert time.monotonic() < deadline and scheduler.poll() is None, "no scheduler"
+            time.sleep(0.2)
+        port = json.loads(sched_file.read_text())["services"]["dashboard"]
+        base = f"http://127.0.0.1:{port}"
+        plots = fetch_json(f"{base}/individual-plots.json")
+        assert set(PAGES) <= set(plots.values())
+        jobs = fetch_json(f"{base}/plexrl/jobs.json")
+        assert jobs["installed"] is True and jobs["jobs"] == []
+        queue = fetch_json(f"{base}/plexrl/queue.json")
+        assert queue["queue"]["pending"] == 0
+    finally:
+        scheduler.terminate()
+        try:
+            scheduler.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            scheduler.kill()
