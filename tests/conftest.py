@@ -8,7 +8,9 @@ fail on worker processes that outlive another module.
 
 from __future__ import annotations
 
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from distributed import Client
@@ -43,3 +45,17 @@ def client(cluster):
 @pytest.fixture
 def runtime(client):
     return plexrl.Runtime(client, job=unique("test-job"))
+
+
+def preloaded_scheduler_argv(scheduler_file: Path) -> list[str]:
+    """``dask scheduler`` on free 127.0.0.1 ports with the PlexRL preload (the shared-cluster
+    path), writing its address to ``scheduler_file``."""
+    return [
+        str(Path(sys.executable).parent / "dask"),
+        "scheduler",
+        "--host", "127.0.0.1",
+        "--port", "0",
+        "--dashboard-address", "127.0.0.1:0",
+        "--scheduler-file", str(scheduler_file),
+        "--preload", "plexrl_dask.plugins",
+    ]  # fmt: skip

@@ -14,9 +14,7 @@ import json
 import math
 import random
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import dask
 import pytest
@@ -34,6 +32,7 @@ from plexrl_dask.dashboard.state import PlexRLDashboardPlugin, SpanStore, dashbo
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger
 from plexrl_dask.service.timeline import RequestSpan
+from tests.conftest import preloaded_scheduler_argv
 
 _PLEXRL = copy.deepcopy(dask.config.get("plexrl"))
 _PLEXRL["dashboard"].update({"queue-rows": 7, "decisions-shown": 5, "timeline-batch": 50})
@@ -425,23 +424,9 @@ async def test_queue_view_ratio_and_best_worker_on_live_workers(c, s, a):
 def test_a_preloaded_dask_scheduler_serves_the_pages_and_routes(tmp_path):
     """The shared-cluster path: ``dask scheduler --preload plexrl_dask.plugins`` lists the
     pages in its menu data and answers the JSON routes."""
-    bindir = Path(sys.executable).parent
     sched_file = tmp_path / "scheduler.json"
     scheduler = subprocess.Popen(
-        [
-            str(bindir / "dask"),
-            "scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--dashboard-address",
-            "127.0.0.1:0",
-            "--scheduler-file",
-            str(sched_file),
-            "--preload",
-            "plexrl_dask.plugins",
-        ],
+        preloaded_scheduler_argv(sched_file),
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import preloaded_scheduler_argv
+
 ROOT = Path(__file__).resolve().parents[1]
 # conda-forge names of PyPI packages that differ
 CONDA_NAMES = {"torch": "pytorch", "xxhash": "python-xxhash"}
@@ -151,20 +153,7 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
     sched_file = tmp_path / "scheduler.json"
     common = {"cwd": tmp_path, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     scheduler = subprocess.Popen(
-        [
-            str(bindir / "dask"),
-            "scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--dashboard-address",
-            "127.0.0.1:0",
-            "--scheduler-file",
-            str(sched_file),
-            "--preload",
-            "plexrl_dask.plugins",
-        ],
+        preloaded_scheduler_argv(sched_file),
         **common,
     )
     worker = None
