@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from plexrl_dask.policy.horizon import TraceRecorder
+from plexrl_dask.policy.horizon import DemandTrace, Phase, TraceRecorder
 from plexrl_dask.policy.spatiotemporal import (
     NodeView,
     PlacementConfig,
@@ -107,8 +107,8 @@ class LivePlacement:
             return
         # the recorded trace counts the workers it saw; never more than the job was given
         if trace.peak_gpus > j.gpus:
-            trace = type(trace)(
-                tuple(type(p)(p.kind, min(p.gpus, j.gpus), p.duration_s) for p in trace.phases)
+            trace = DemandTrace(
+                tuple(Phase(p.kind, min(p.gpus, j.gpus), p.duration_s) for p in trace.phases)
             )
         self._log(self.placer.profiled(job, trace, end))
 
