@@ -72,6 +72,7 @@ class DashboardConfig:
     timeline_window_s: float
     spans_kept: int
     timeline_batch: int
+    idle_lanes_per_update: int
     span_poll_interval_s: float
     node_poll_interval_s: float
     poll_timeout_s: float
@@ -96,6 +97,7 @@ class DashboardConfig:
                 timeline_window_s=get_seconds("dashboard.timeline-window"),
                 spans_kept=int(get("dashboard.spans-kept")),
                 timeline_batch=int(get("dashboard.timeline-batch")),
+                idle_lanes_per_update=int(get("dashboard.idle-lanes-per-update")),
                 span_poll_interval_s=get_seconds("dashboard.span-poll-interval"),
                 node_poll_interval_s=get_seconds("dashboard.node-poll-interval"),
                 poll_timeout_s=get_seconds("dashboard.poll-timeout"),

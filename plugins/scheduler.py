@@ -35,7 +35,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import math
 import time
 import uuid
 from collections import Counter, defaultdict, deque
@@ -440,7 +439,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         long the queue is (it runs on the scheduler's event loop). ``now``: the dispatcher's
         clock (``time.monotonic()``), echoed in the result."""
         now = time.monotonic() if now is None else now
-        costs = self.dispatcher.costs
         # Requests of one deployment and candidate groups share their setup and best group:
         # look them up once per update (setup costs are the expensive part).
         memo: dict[tuple[str, tuple], tuple[float, tuple[str, ...]]] = {}
@@ -448,11 +446,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for req in itertools.islice(self.dispatcher.pending(), limit):
             key = (req.deployment, req.groups)
             if key not in memo:
-                _, setup = self.dispatcher.ratio(req, now)  # the cheapest live group's setup
-                best = next(
-                    (g for g in req.groups if costs.setup_s(req.deployment, g) == setup), ()
-                )
-                memo[key] = (setup, best if math.isfinite(setup) else ())
+                memo[key] = self.dispatcher.best_group(req)
             setup, best = memo[key]
             wait = now - req.arrival
             ratio = self.dispatcher.policy.ratio(wait, req.service_s, setup) if best else 0.0

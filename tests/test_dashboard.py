@@ -207,7 +207,7 @@ async def test_residency_page_shows_every_report_and_bytes_per_node(c, s):
     assert list(zip(data["deployment"], data["worker"], data["tier"], strict=True)) == [
         (r.deployment, r.worker, r.tier) for r in reports
     ]
-    assert data["bytes"] == [r.bytes for r in reports]
+    assert list(data["bytes"]) == [r.bytes for r in reports]
     nodes = page.nodes.data
     for n, node in enumerate(nodes["node"]):
         mine = [r for r in reports if plexrl.worker_capacity[r.worker]["node"] == node]
@@ -282,8 +282,7 @@ async def test_timeline_page_streams_new_spans_in_bounded_batches(c, s):
     assert list(page.source.data["lane"]) == [lanes[w] for w in page.source.data["worker"]]
     labels = page.figure.yaxis[0].major_label_overrides
     assert all(labels[lanes[w]] == short(w) for w in syn.workers)
-    page._idle_at = float("-inf")  # idle fractions are refreshed every 2 s: now
-    page.update()
+    page.update()  # refreshes the idle fractions of up to 64 lanes: all 8 here
     rows = dash.worker_lanes(time.time())[0]
     idle = dict(zip(page.idle.data["worker"], page.idle.data["idle"], strict=True))
     for w in rows:
@@ -291,7 +290,10 @@ async def test_timeline_page_streams_new_spans_in_bounded_batches(c, s):
     assert list(page.colors.factors) == sorted(set(page.source.data["job"]), key=dash.job_slot)
     # Only spans that waited for a setup get a (hatched) setup bar.
     waited = [s for s in dash.spans.since(0, 10**6)[1] if s.ready > s.start]
-    assert set(page.setups.data["start"]) <= {1000 * s.start for s in waited}
+    setups = {
+        st for st, w in zip(page.source.data["start"], page.source.data["waited"], strict=True) if w
+    }
+    assert setups and setups <= {1000 * s.start for s in waited}
 
 
 @gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
@@ -324,6 +326,51 @@ async def test_jobs_page_shows_steps_rewards_and_charges(c, s):
     page.update()
     assert list(page.curves.data["ys"][0]) == [0.25, 0.75, 0.5]
     assert page.source.data["progress"][page.source.data["job"].index("job-a")] == "3/10"
+    # Rows keep their places while activity moves (job-b is now the most recent), and a
+    # second job's curve joins; a step of one job then changes only its own curve.
+    rows = list(page.source.data["job"])
+    dash.add_spans([RequestSpan("w1", "b-policy", "job-b", "sample", 20.0, 20.0, 22.0)])
+    s.log_event(JOB_TOPIC, report("job-b", 0, reward_mean=0.1).to_event())
+    page.update()
+    assert list(page.source.data["job"]) == rows
+    assert page.source.data["charged_s"][rows.index("job-b")] == pytest.approx(3.0)
+    assert list(page.curves.data["job"]) == [j for j in rows if j in ("job-a", "job-b")]
+    b_curve = page.curves.data["ys"][list(page.curves.data["job"]).index("job-b")]
+    s.log_event(JOB_TOPIC, report("job-a", 3, reward_mean=0.9).to_event())
+    page.update()
+    curves = page.curves.data
+    assert curves["ys"][list(curves["job"]).index("job-b")] is b_curve
+    assert list(curves["ys"][list(curves["job"]).index("job-a")]) == [0.25, 0.75, 0.5, 0.9]
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[],
+    config={
+        "plexrl": {**_PLEXRL, "dashboard": {**_PLEXRL["dashboard"], "idle-lanes-per-update": 3}}
+    },
+    scheduler_kwargs=DASHBOARD,
+)
+async def test_timeline_refreshes_idle_fractions_a_few_lanes_per_update(c, s):
+    plexrl, dash = await installed(c, s)
+    syn = fill_synthetic(s, requests=10, workers=8, spans_per_worker=20, steps=1)
+    page = TimelinePage(s)
+    page.update()  # every lane appears at once, with its idle fraction
+    assert list(page.idle.data["worker"]) == list(page._lanes)
+    assert set(page._lanes) >= set(syn.workers)
+    churn(s, syn, random.Random(1), dt=120.0)  # busy workers: their fractions drop
+    want = {w["worker"]: w["idle_fraction"] for w in dash.worker_lanes(time.time())[0]}
+    stale = dict(zip(page.idle.data["worker"], page.idle.data["idle"], strict=True))
+    changed = {w for w in want if abs(want[w] - stale[w]) > 0.01}
+    assert len(changed) > 3
+    page.update()  # at most 3 lanes refreshed per update
+    now = dict(zip(page.idle.data["worker"], page.idle.data["idle"], strict=True))
+    assert sum(now[w] != stale[w] for w in want) <= 3
+    for _ in range(2):  # 8 lanes: all refreshed after three updates
+        page.update()
+    now = dict(zip(page.idle.data["worker"], page.idle.data["idle"], strict=True))
+    for w, idle in want.items():
+        assert now[w] == pytest.approx(idle, abs=0.01)
 
 
 @gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)

@@ -14,6 +14,12 @@ and a plain-task workload keeps the scheduler busy as a real one is (2 worker pr
   the scheduler's event loop, the Bokeh messages to the browser included; a page's first
   update, when it opens, is reported apart as ``first_update_ms_max``). Target <= 5 ms.
   ``update_cpu_ms_p99`` is the same in thread CPU time (without waits for a core or the GIL).
+  Garbage collections of the process that ran inside an update are part of its time; they
+  are the cost of everything the scheduler allocated, so ``updates_with_gc``,
+  ``update_gc_ms_max`` and ``update_ms_p99_outside_gc[_<page>]`` (each update less the
+  collections inside it) tell the pages' own work apart.
+- ``inbound_patches``: the document changes the browsers sent back (each handled on the
+  scheduler's loop), by kind.
 - ``scheduler_loop_lag_ratio``: the scheduler's event-loop lag (mean overshoot of a 10 ms
   ticker on its loop) with the four pages open and updating ÷ without, in the same run; phases
   alternate (without, with, without, with, ...) so drift of the machine hits both. Target
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -297,6 +304,62 @@ class LoopTicker:
         return out
 
 
+class GcRecorder:
+    """The garbage collections of this process, as ``(start, end)`` on ``perf_counter``: a
+    collection that runs inside a page's update is part of its wall time, but is the cost of
+    everything the process allocated, not of that update alone."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.spans.append((self._t0, time.perf_counter()))
+
+    def __enter__(self) -> GcRecorder:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def inside(self, t0: float, ms: float) -> float:
+        """Milliseconds of collections inside ``[t0, t0 + ms]``."""
+        t1 = t0 + ms / 1000
+        return 1000 * sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in self.spans)
+
+
+class InboundPatches:
+    """Document patches the browsers send back to the scheduler (each is handled on its
+    event loop): how many, and of which kinds."""
+
+    def __init__(self) -> None:
+        from bokeh.server.session import ServerSession
+
+        self.kinds: dict[str, int] = {}
+        self._cls = ServerSession
+        self._orig = ServerSession._handle_patch
+        recorder = self
+
+        def counted(session: Any, message: Any, connection: Any) -> Any:
+            for event in message.content.get("events", ()):
+                kind = f"{event.get('kind')}:{event.get('attr', '')}"
+                recorder.kinds[kind] = recorder.kinds.get(kind, 0) + 1
+            return recorder._orig(session, message, connection)
+
+        self._counted = counted
+
+    def __enter__(self) -> InboundPatches:
+        self._cls._handle_patch = self._counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cls._handle_patch = self._orig
+
+
 def _separate(pid: int) -> None:
     """Keep the browser and the workers off the scheduler's core: this process (the
     scheduler) on CPU 0, its child processes (worker processes, the browser driver and the
@@ -379,10 +442,15 @@ def run(args: Any) -> dict[str, Any]:
         lags: dict[str, list[float]] = {"without": [], "with": []}
         wall: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
+        in_gc: dict[str, list[float]] = {}  # ms of garbage collection inside each update
         first: list[float] = []
         shots = Path(args.screenshots) if args.screenshots else None
         try:
-            with Browser(width=1400, height=1000) as browser:
+            with (
+                Browser(width=1400, height=1000) as browser,
+                GcRecorder() as collections,
+                InboundPatches() as inbound,
+            ):
                 _separate(browser.driver.service.process.pid)
                 for r in range(rounds):
                     _wait_no_sessions(client, scheduler)  # closed pages' sessions linger
@@ -392,16 +460,34 @@ def run(args: Any) -> dict[str, Any]:
                     handles = _open_pages(browser, base)
                     _separate(browser.driver.service.process.pid)
                     first.extend(ms for v in pages.UPDATE_MS.values() for ms in v)
-                    for stats in (pages.UPDATE_MS, pages.UPDATE_CPU_MS):
+                    for stats in (pages.UPDATE_MS, pages.UPDATE_CPU_MS, pages.UPDATE_STARTED):
                         for v in stats.values():
                             v.clear()
+                    collections.spans.clear()
                     ticker.take()
+                    phase_t0 = time.perf_counter()
                     time.sleep(phase_s)
                     lags["with"].extend(ticker.take())
                     for name, v in pages.UPDATE_MS.items():
                         wall.setdefault(name, []).extend(v)
                     for name, v in pages.UPDATE_CPU_MS.items():
                         cpu.setdefault(name, []).extend(v)
+                    for name, v in pages.UPDATE_MS.items():
+                        started = pages.UPDATE_STARTED[name]
+                        gcs = [
+                            collections.inside(t0, ms) for t0, ms in zip(started, v, strict=True)
+                        ]
+                        in_gc.setdefault(name, []).extend(gcs)
+                        slowest = sorted(zip(v, started, gcs, strict=True), reverse=True)[:3]
+                        logger.info(
+                            "round %d, %s: slowest updates %s",
+                            r,
+                            name,
+                            ", ".join(
+                                f"{ms:.1f} ms at {t0 - phase_t0:.1f} s (gc {g:.1f})"
+                                for ms, t0, g in slowest
+                            ),
+                        )
                     logger.info(
                         "round %d: lag %.3f ms without pages, %.3f ms with",
                         r,
@@ -425,7 +511,18 @@ def run(args: Any) -> dict[str, Any]:
         for name in wall:
             results[f"update_ms_p99_{name}"] = _p(wall[name], 0.99)
             results[f"update_cpu_ms_p99_{name}"] = _p(cpu[name], 0.99)
+            results[f"update_ms_p99_outside_gc_{name}"] = _p(
+                [ms - g for ms, g in zip(wall[name], in_gc[name], strict=True)], 0.99
+            )
             results[f"updates_{name}"] = len(wall[name])
+        gcs = [ms for v in in_gc.values() for ms in v]
+        results["updates_with_gc"] = sum(ms > 0 for ms in gcs)
+        results["update_gc_ms_max"] = max(gcs, default=0.0)
+        results["update_ms_p99_outside_gc"] = _p(
+            [ms - g for name in wall for ms, g in zip(wall[name], in_gc[name], strict=True)],
+            0.99,
+        )
+        results["inbound_patches"] = dict(inbound.kinds)
         results["first_update_ms_max"] = max(first, default=float("nan"))
         results["loop_lag_ms_without"] = 1000 * statistics.fmean(lags["without"])
         results["loop_lag_ms_with"] = 1000 * statistics.fmean(lags["with"])

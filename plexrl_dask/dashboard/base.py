@@ -5,25 +5,30 @@ with what every PlexRL page needs: the scheduler, the ``plexrl.dashboard`` setti
 for a scheduler without the plugin, and an ``update()`` that times each update
 (:data:`UPDATE_MS`). The helpers send a browser only what changed: :func:`set_data` nothing
 when a source's data is equal, :func:`refresh` a patch of the changed columns when the rows
-are the same; numeric columns travel as binary arrays (:func:`floats`).
+are the same. Columns are typed for cheap messages: long numeric ones as binary arrays
+(:func:`floats`), short ones (:func:`numbers`) and text (:func:`strings`) inside the message.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from typing import Any
 
 import numpy as np
 from bokeh.core.properties import without_property_validation
+from bokeh.core.serialization import Serializer
 from bokeh.models import (
+    CellEditor,
     ColumnDataSource,
     DataTable,
     Div,
     Legend,
     LegendItem,
     NumberFormatter,
+    StringFormatter,
     TableColumn,
 )
 from bokeh.palettes import Category20
@@ -98,7 +103,9 @@ def short(worker: str) -> str:
 def same(a: Any, b: Any) -> bool:
     """Equality of column values: arrays, and lists that may hold arrays (ragged columns)."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        a, b = np.asarray(a), np.asarray(b)
+        nan = a.dtype.kind == "f" and b.dtype.kind == "f"  # a missing number is unchanged
+        return bool(np.array_equal(a, b, equal_nan=nan))
     if isinstance(a, list) and isinstance(b, list) and a and isinstance(a[0], np.ndarray):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
@@ -128,19 +135,57 @@ def refresh(source: ColumnDataSource, data: dict[str, Any], key: str) -> None:
 
 
 def floats(values: Any) -> np.ndarray:
-    """A numeric column as an array (sent as binary; ``None`` becomes NaN)."""
+    """A long numeric column as an array (sent as binary; ``None`` becomes NaN)."""
     return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+class Texts(list):
+    """A text column: a list of ``str`` that Bokeh sends as it is.
+
+    Bokeh's serialiser encodes a plain list element by element (an encoder call per string:
+    milliseconds on the event loop for a few hundred spans), and a NumPy string array costs a
+    copy and a comparison of the whole column on every stream; the encoder registered for
+    this type below returns the strings in one piece."""
+
+
+class Numbers(list):
+    """A short numeric column (a table's): a list of numbers (or ``None``) sent as JSON.
+
+    A binary array costs a buffer of its own (an id and extra websocket frames) per column,
+    more than a few dozen numbers in the message itself; only non-finite numbers need the
+    serialiser's encoding."""
+
+
+def _encode_numbers(column: Numbers, serializer: Serializer) -> list:
+    return [v if v is None or math.isfinite(v) else serializer.encode(v) for v in column]
+
+
+Serializer.register(Texts, lambda column, _serializer: list(column))
+Serializer.register(Numbers, _encode_numbers)
+
+
+def strings(values: Any) -> Texts:
+    """A text column (``None`` becomes ``""``): see :class:`Texts`."""
+    return Texts("" if v is None else str(v) for v in values)
+
+
+def numbers(values: Any) -> Numbers:
+    """A short numeric column (``None`` stays missing): see :class:`Numbers`."""
+    return Numbers(None if v is None else float(v) for v in values)
 
 
 def table_columns(spec: list[tuple]) -> list[TableColumn]:
     """Table columns from ``(field, title, number format or None[, width])``; widths are
-    relative (the table fills the page): numbers narrow, text wider."""
+    relative (the table fills the page): numbers narrow, text wider.
+
+    The columns share one (unused: tables are read-only) editor and one text formatter:
+    every model of a page's document costs each message to the browser a little."""
+    editor, text = CellEditor(), StringFormatter()
     out = []
     for field, title, fmt, *width in spec:
-        kwargs: dict[str, Any] = {"field": field, "title": title}
+        kwargs: dict[str, Any] = {"field": field, "title": title, "editor": editor}
         kwargs["width"] = width[0] if width else (100 if fmt is not None else 200)
-        if fmt is not None:
-            kwargs["formatter"] = NumberFormatter(format=fmt)
+        kwargs["formatter"] = NumberFormatter(format=fmt) if fmt is not None else text
         out.append(TableColumn(**kwargs))
     return out
 
@@ -151,6 +196,9 @@ def table_columns(spec: list[tuple]) -> list[TableColumn]:
 #: or the GIL).
 UPDATE_MS: dict[str, deque[float]] = {}
 UPDATE_CPU_MS: dict[str, deque[float]] = {}
+#: When each of those updates started (``time.perf_counter()``), to line them up with other
+#: events of the process (the benchmark's garbage collections).
+UPDATE_STARTED: dict[str, deque[float]] = {}
 
 
 class Page(DashboardComponent):
@@ -163,6 +211,7 @@ class Page(DashboardComponent):
         self.banner = Div(text="", name="plexrl-banner")
         self._times = UPDATE_MS.setdefault(type(self).__name__, deque(maxlen=10_000))
         self._cpu = UPDATE_CPU_MS.setdefault(type(self).__name__, deque(maxlen=10_000))
+        self._started = UPDATE_STARTED.setdefault(type(self).__name__, deque(maxlen=10_000))
 
     @without_property_validation  # (as distributed's own updates: values are ours)
     def update(self) -> None:
@@ -170,6 +219,7 @@ class Page(DashboardComponent):
         self._update()
         self._cpu.append(1000 * (time.thread_time() - c0))
         self._times.append(1000 * (time.perf_counter() - t0))
+        self._started.append(t0)
 
     def _update(self) -> None:
         raise NotImplementedError

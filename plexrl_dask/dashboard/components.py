@@ -25,12 +25,14 @@ import numpy as np
 from bokeh.layouts import column, row
 from bokeh.models import (
     CategoricalColorMapper,
+    CDSView,
     ColumnDataSource,
     DataTable,
     DatetimeTickFormatter,
     Div,
     FactorRange,
     FixedTicker,
+    GroupFilter,
     HoverTool,
     NumeralTickFormatter,
     Range1d,
@@ -48,10 +50,13 @@ from plexrl_dask.dashboard.base import (
     OTHER_OP,
     TIER_COLORS,
     Page,
+    floats,
     job_color,
+    numbers,
     set_data,
     short,
     side_legend,
+    strings,
     table_columns,
 )
 from plexrl_dask.dashboard.state import PlexRLDashboardPlugin
@@ -76,25 +81,22 @@ class TimelinePage(Page):
         self._lanes: dict[str, int] = {}
         self._jobs: list[str] = []  # seen, not yet in the colour mapping
         self._known: set[str] = set()
-        self._idle_at = float("-inf")
+        self._idle_next = 0  # the lane whose idle fraction is refreshed next
+        self._workers_seen = (-1, -1)
         self._scrolled_at = float("-inf")
-        strings = ("worker", "job", "deployment", "op")
-        numbers = ("lane", "start", "ready", "end", "setup_s", "run_s")
+        texts = ("worker", "job", "deployment", "op", "waited")
+        values = ("lane", "start", "ready", "end", "setup_s", "run_s")
         self.source = ColumnDataSource(
-            {**{c: [] for c in strings}, **{c: np.zeros(0) for c in numbers}},
+            {**{c: strings(()) for c in texts}, **{c: np.zeros(0) for c in values}},
             name="plexrl-timeline-spans",
-        )
-        # only spans that waited for a setup: hatched bars are costly to draw
-        self.setups = ColumnDataSource(
-            {"job": [], **{c: np.zeros(0) for c in ("lane", "start", "ready")}},
-            name="plexrl-timeline-setups",
         )
         self.running = ColumnDataSource(
             {c: [] for c in ("worker", "lane", "job", "deployment", "op", "start", "until")},
             name="plexrl-timeline-running",
         )
         self.idle = ColumnDataSource(
-            {"worker": [], "lane": np.zeros(0), "idle": np.zeros(0)}, name="plexrl-timeline-idle"
+            {"worker": strings(()), "lane": numbers(()), "idle": numbers(())},
+            name="plexrl-timeline-idle",
         )
         self.colors = CategoricalColorMapper(factors=[], palette=[])
         ops = CategoricalColorMapper(
@@ -145,7 +147,7 @@ class TimelinePage(Page):
             side_legend("op (strip)", strip, "op"),
             "right",
         )
-        fig.hbar(
+        fig.hbar(  # only the spans that waited for a setup: hatched bars are costly to draw
             y="lane",
             left="start",
             right="ready",
@@ -154,7 +156,8 @@ class TimelinePage(Page):
             line_color=color,
             hatch_pattern="/",
             hatch_color="#555555",
-            source=self.setups,
+            source=self.source,
+            view=CDSView(filter=GroupFilter(column_name="waited", group="yes")),
         )
         live = fig.hbar(
             y="lane",
@@ -219,6 +222,42 @@ class TimelinePage(Page):
             lane = self._lanes[worker] = len(self._lanes)
         return lane
 
+    def _refresh_idle(
+        self, plugin: PlexRLDashboardPlugin, now: float, running: list[dict[str, Any]]
+    ) -> None:
+        """The idle fractions beside the lanes (one row per lane, in lane order): a new
+        lane's at once, the others in turn, ``idle-lanes-per-update`` of them per update (an
+        update stays bounded however many workers there are; fractions over the window move
+        slowly)."""
+        seen = (len(self.scheduler.workers), len(plugin.spans.workers))
+        if seen != self._workers_seen:  # PlexRL workers, and workers with spans not sent yet
+            self._workers_seen = seen
+            for w in sorted({*plugin.gpu_workers(), *plugin.spans.workers} - self._lanes.keys()):
+                self._lane(w)
+        live = {r["worker"]: r["start"] for r in running}
+        workers = list(self._lanes)
+        shown = len(self.idle.data["worker"])
+        if shown < len(workers):
+            new = workers[shown:]
+            self.idle.stream(
+                {
+                    "worker": strings(new),
+                    "lane": numbers(range(shown, len(workers))),
+                    "idle": numbers(plugin.idle_fraction(w, now, live.get(w)) for w in new),
+                }
+            )
+        k = min(self.cfg.idle_lanes_per_update, shown)
+        old = self.idle.data["idle"]
+        patches = []
+        for i in range(self._idle_next, self._idle_next + k):
+            i %= shown
+            value = plugin.idle_fraction(workers[i], now, live.get(workers[i]))
+            if abs(value - old[i]) >= 0.005:  # the tooltip shows whole per cent
+                patches.append((i, value))
+        self._idle_next = (self._idle_next + k) % max(1, shown)
+        if patches:
+            self.idle.patch({"idle": patches})
+
     def _job(self, job: str) -> None:
         if job not in self._known:
             self._known.add(job)
@@ -248,10 +287,11 @@ class TimelinePage(Page):
             lane = np.array([self._lane(sp.worker) for sp in spans], dtype=float)
             self.source.stream(
                 {
-                    "worker": [sp.worker for sp in spans],
-                    "job": [sp.job for sp in spans],
-                    "deployment": [sp.deployment for sp in spans],
-                    "op": [sp.op for sp in spans],
+                    "worker": strings(sp.worker for sp in spans),
+                    "job": strings(sp.job for sp in spans),
+                    "deployment": strings(sp.deployment for sp in spans),
+                    "op": strings(sp.op for sp in spans),
+                    "waited": strings("yes" if sp.ready > sp.start else "" for sp in spans),
                     "lane": lane,
                     "start": 1000 * start,
                     "ready": 1000 * ready,
@@ -261,46 +301,21 @@ class TimelinePage(Page):
                 },
                 rollover=self.cfg.spans_kept,
             )
-            waited = ready > start
-            if waited.any():
-                self.setups.stream(
-                    {
-                        "job": [sp.job for sp, w in zip(spans, waited, strict=True) if w],
-                        "lane": lane[waited],
-                        "start": 1000 * start[waited],
-                        "ready": 1000 * ready[waited],
-                    },
-                    rollover=self.cfg.spans_kept,
-                )
         set_data(
             self.running,
             {
-                "worker": [r["worker"] for r in running],
-                "lane": [self._lane(r["worker"]) for r in running],
-                "job": [r["job"] for r in running],
-                "deployment": [r["deployment"] for r in running],
-                "op": [r["op"] for r in running],
-                "start": [1000 * r["start"] for r in running],
+                "worker": strings(r["worker"] for r in running),
+                "lane": numbers(self._lane(r["worker"]) for r in running),
+                "job": strings(r["job"] for r in running),
+                "deployment": strings(r["deployment"] for r in running),
+                "op": strings(r["op"] for r in running),
+                "start": numbers(1000 * r["start"] for r in running),
                 # drawn to the plot's right edge (now), so the source changes only when what
                 # runs does
-                "until": [1000 * (r["start"] + 86400) for r in running],
+                "until": numbers(1000 * (r["start"] + 86400) for r in running),
             },
         )
-        if now - self._idle_at >= 2.0:  # idle fractions over the window move slowly
-            self._idle_at = now
-            workers, _ = plugin.worker_lanes(now)
-            for w in workers:
-                self._lane(w["worker"])
-            idle = dict.fromkeys(self._lanes, 0.0)
-            idle.update((w["worker"], w["idle_fraction"]) for w in workers)
-            set_data(
-                self.idle,
-                {
-                    "worker": list(idle),
-                    "lane": np.array([self._lanes[w] for w in idle], dtype=float),
-                    "idle": np.array(list(idle.values())),
-                },
-            )
+        self._refresh_idle(plugin, now, running)
         if len(self._lanes) != lanes:  # new workers: their lanes and labels
             n = len(self._lanes)
             self.y_range.update(start=-0.5, end=n - 0.5)
@@ -320,6 +335,9 @@ class ResidencyPage(Page):
     blank), the bytes per tier per node as the workers report them, and each node
     StateManager's stored bytes and dedup savings."""
 
+    #: The cells' text columns (the others are numbers).
+    TEXT = ("text", "deployment", "worker", "label", "tier", "color", "size", "node")
+
     def __init__(self, scheduler: Any, **kwargs: Any) -> None:
         super().__init__(scheduler)
         self._structure: Any = None
@@ -329,19 +347,7 @@ class ResidencyPage(Page):
         self._rows: dict[tuple[str, str], int] = {}
         self._totals: dict[str, dict[str, int]] = {}
         self._truncated = 0
-        cell_cols = (
-            "text",
-            "deployment",
-            "worker",
-            "label",
-            "tier",
-            "color",
-            "bytes",
-            "size",
-            "version",
-            "load_s",
-            "node",
-        )
+        cell_cols = (*self.TEXT, "bytes", "version", "load_s")
         self.source = ColumnDataSource({c: [] for c in cell_cols}, name="plexrl-residency-cells")
         self.nodes = ColumnDataSource(
             {c: [] for c in ("node", "hbm_bytes", "dram_bytes", "nvme_bytes")},
@@ -361,7 +367,7 @@ class ResidencyPage(Page):
                 ("worker", "@worker"),
                 ("tier", "@tier"),
                 ("bytes", "@size"),
-                ("version", "@version"),
+                ("version", "@version{0}"),
                 ("last transition", "@load_s{0.000} s"),
             ],
             height=360,
@@ -479,10 +485,12 @@ class ResidencyPage(Page):
         self._note()
         self._labels = len(cells) <= 64
         self._rows = {(c["deployment"], c["worker"]): i for i, c in enumerate(cells)}
-        data: dict[str, list] = {col: [] for col in self.source.data}
+        data: dict[str, Any] = {col: [] for col in self.source.data}
         for c in cells:
             for k, v in self._row(c).items():
                 data[k].append(v)
+        for k in data:
+            data[k] = strings(data[k]) if k in self.TEXT else floats(data[k])
         set_data(self.source, data)
         workers = [short(w) for w in view["workers"]]
         deployments = list(view["deployments"])

@@ -135,21 +135,31 @@ class SpanStore:
                 out.append(s)
         return out[::-1]
 
+    @property
+    def workers(self) -> Any:
+        """The workers with spans kept (a view: its length is cheap)."""
+        return self._lanes.keys()
+
     def lanes(self, now: float) -> dict[str, tuple[float, float]]:
         """Per worker, (busy s, setup s) of its spans inside ``[now - window, now]``."""
+        return {worker: self.lane(worker, now) for worker in list(self._lanes)}
+
+    def lane(self, worker: str, now: float) -> tuple[float, float]:
+        """``worker``'s (busy s, setup s) inside ``[now - window, now]`` (zeros without
+        spans)."""
+        lane = self._lanes.get(worker)
+        if lane is None:
+            return 0.0, 0.0
         t0 = now - self.window_s
-        out = {}
-        for worker, lane in self._lanes.items():
-            self._evict(worker, t0)
-            busy, setup = self._lane_s[worker]
-            if lane and lane[0].start < t0:  # the first span started before the window
-                first = lane[0]
-                cut = t0 - first.start
-                setup_cut = min(cut, first.ready - first.start)
-                setup -= setup_cut
-                busy -= cut - setup_cut
-            out[worker] = (max(0.0, busy), max(0.0, setup))
-        return out
+        self._evict(worker, t0)
+        busy, setup = self._lane_s[worker]
+        if lane and lane[0].start < t0:  # the first span started before the window
+            first = lane[0]
+            cut = t0 - first.start
+            setup_cut = min(cut, first.ready - first.start)
+            setup -= setup_cut
+            busy -= cut - setup_cut
+        return max(0.0, busy), max(0.0, setup)
 
     def forget_worker(self, worker: str) -> None:
         self._lanes.pop(worker, None)
@@ -426,24 +436,33 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
         """Per PlexRL worker (and any worker with spans in the window): busy and setup
         seconds inside the Timeline window and its idle fraction (what runs now counts as
         busy); and the running requests. ``now``: wall clock."""
-        window = self.cfg.timeline_window_s
         lanes = self.spans.lanes(now)
         running = self.running()
-        live = {r["worker"]: r for r in running}
+        live = {r["worker"]: r["start"] for r in running}
         workers = []
         for w in sorted(set(self.gpu_workers()) | set(lanes)):
             busy, setup = lanes.get(w, (0.0, 0.0))
-            run = live.get(w)
-            active = busy + setup + (min(window, max(0.0, now - run["start"])) if run else 0.0)
             workers.append(
                 {
                     "worker": w,
                     "busy_s": busy,
                     "setup_s": setup,
-                    "idle_fraction": max(0.0, 1.0 - active / window),
+                    "idle_fraction": self._idle(busy + setup, live.get(w), now),
                 }
             )
         return workers, running
+
+    def idle_fraction(self, worker: str, now: float, running_since: float | None) -> float:
+        """:meth:`worker_lanes`' idle fraction of one worker; ``running_since``: the wall
+        clock start of what it runs now, if anything."""
+        busy, setup = self.spans.lane(worker, now)
+        return self._idle(busy + setup, running_since, now)
+
+    def _idle(self, active: float, running_since: float | None, now: float) -> float:
+        window = self.cfg.timeline_window_s
+        if running_since is not None:  # what runs now counts as busy
+            active += min(window, max(0.0, now - running_since))
+        return max(0.0, 1.0 - active / window)
 
     def timeline_view(self, now: float | None = None, limit: int | None = None) -> dict[str, Any]:
         """:meth:`worker_lanes` and the newest ``limit`` (default ``timeline-batch``) spans
@@ -527,10 +546,22 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
             "stores": {n: self.nodes[n] for n in sorted(self.nodes)},
         }
 
-    def queue_view(self, now: float | None = None, limit: int | None = None) -> dict[str, Any]:
+    def decisions_mark(self) -> tuple[int, int, Any]:
+        """Changes when a decision is recorded or the policy (which the reasons cite) is
+        changed: when the decisions :meth:`queue_view` lists change."""
+        if self.plexrl is None:
+            return 0, 0, None
+        decisions = self.plexrl.decisions
+        # the newest entry stays alive in the deque, so a new one cannot reuse its id
+        return len(decisions), id(decisions[-1]) if decisions else 0, self.plexrl.policy
+
+    def queue_view(
+        self, now: float | None = None, limit: int | None = None, with_decisions: bool = True
+    ) -> dict[str, Any]:
         """The PlexRL plugin's :meth:`queue_view` (``queue-rows`` requests; ``now`` on its
         monotonic clock), the owners of the deployments in its totals, and the most recent
-        ``decisions-shown`` decisions, newest first, each with its reason."""
+        ``decisions-shown`` decisions, newest first, each with its reason (none without
+        ``with_decisions``)."""
         plexrl = self.plexrl
         if plexrl is None:
             return {"installed": False, "queue": None, "owners": {}, "decisions": [], "policy": {}}
@@ -544,7 +575,9 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
         }
         decisions = [
             {**d, "reason": decision_reason(d, policy)}
-            for d in itertools.islice(reversed(plexrl.decisions), self.cfg.decisions_shown)
+            for d in itertools.islice(
+                reversed(plexrl.decisions), self.cfg.decisions_shown if with_decisions else 0
+            )
         ]
         owners = {
             name: info.owner

@@ -19,13 +19,15 @@ from bokeh.plotting import figure
 from plexrl_dask.dashboard.base import (
     Page,
     fit_table,
-    floats,
     job_color,
+    numbers,
     refresh,
     set_data,
     short,
+    strings,
     table_columns,
 )
+from plexrl_dask.dashboard.state import PlexRLDashboardPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class QueuePage(Page):
 
     def __init__(self, scheduler: Any, **kwargs: Any) -> None:
         super().__init__(scheduler)
+        self._decisions_mark: tuple | None = None  # of the decisions shown
         self.summary = Div(text="", name="plexrl-queue-summary")
         self.source = ColumnDataSource(
             {c: [] for c in self.REQUEST_FIELDS}, name="plexrl-queue-requests"
@@ -139,7 +142,8 @@ class QueuePage(Page):
         plugin = self.plugin()
         if plugin is None:
             return
-        view = plugin.queue_view()
+        mark = plugin.decisions_mark()
+        view = plugin.queue_view(with_decisions=mark != self._decisions_mark)
         q = view["queue"]
         top = q["top"]
         policy = view["policy"]
@@ -154,16 +158,16 @@ class QueuePage(Page):
         refresh(
             self.source,
             {
-                "request": [r["request"] for r in top],
-                "job": [r["job"] for r in top],
-                "deployment": [r["deployment"] for r in top],
-                "op": [r["op"] for r in top],
-                "wait_s": floats(r["wait_s"] for r in top),
-                "ratio": floats(r["ratio"] for r in top),
-                "setup_s": floats(r["setup_s"] for r in top),
-                "service_s": floats(r["service_s"] for r in top),
-                "worker": [", ".join(short(w) for w in r["worker"]) for r in top],
-                "urgent": ["yes" if r["urgent"] else "" for r in top],
+                "request": strings(r["request"] for r in top),
+                "job": strings(r["job"] for r in top),
+                "deployment": strings(r["deployment"] for r in top),
+                "op": strings(r["op"] for r in top),
+                "wait_s": numbers(r["wait_s"] for r in top),
+                "ratio": numbers(r["ratio"] for r in top),
+                "setup_s": numbers(r["setup_s"] for r in top),
+                "service_s": numbers(r["service_s"] for r in top),
+                "worker": strings(", ".join(short(w) for w in r["worker"]) for r in top),
+                "urgent": strings("yes" if r["urgent"] else "" for r in top),
             },
             key="request",
         )
@@ -173,32 +177,35 @@ class QueuePage(Page):
         by = sorted(q["by_deployment"].items(), key=lambda kv: (-kv[1], kv[0]))
         fit_table(self.requests_table, len(top), 20)
         fit_table(self.totals_table, len(by), 10)
-        fit_table(self.decisions_table, len(view["decisions"]), 20)
         refresh(
             self.totals,
             {
-                "deployment": [d for d, _ in by],
-                "owner": [view["owners"].get(d, "") for d, _ in by],
-                "pending": np.array([n for _, n in by], dtype=float),
-                "shown": np.array([shown.get(d, 0) for d, _ in by], dtype=float),
+                "deployment": strings(d for d, _ in by),
+                "owner": strings(view["owners"].get(d, "") for d, _ in by),
+                "pending": numbers(n for _, n in by),
+                "shown": numbers(shown.get(d, 0) for d, _ in by),
             },
             key="deployment",
         )
+        if mark == self._decisions_mark:
+            return
+        self._decisions_mark = mark
         ds = view["decisions"]
+        fit_table(self.decisions_table, len(ds), 20)
         set_data(
             self.decisions,
             {
-                "time": [
+                "time": strings(
                     datetime.fromtimestamp(d["time"]).strftime("%H:%M:%S.%f")[:-3] for d in ds
-                ],
-                "job": [d["job"] for d in ds],
-                "deployment": [d["deployment"] for d in ds],
-                "op": [d["op"] for d in ds],
-                "workers": [", ".join(short(w) for w in d["workers"]) for d in ds],
-                "wait_s": floats(d["wait_s"] for d in ds),
-                "ratio": floats(d["ratio"] for d in ds),
-                "setup_s": floats(d["setup_s"] for d in ds),
-                "reason": [d["reason"] for d in ds],
+                ),
+                "job": strings(d["job"] for d in ds),
+                "deployment": strings(d["deployment"] for d in ds),
+                "op": strings(d["op"] for d in ds),
+                "workers": strings(", ".join(short(w) for w in d["workers"]) for d in ds),
+                "wait_s": numbers(d["wait_s"] for d in ds),
+                "ratio": numbers(d["ratio"] for d in ds),
+                "setup_s": numbers(d["setup_s"] for d in ds),
+                "reason": strings(d["reason"] for d in ds),
             },
         )
 
@@ -212,11 +219,13 @@ class JobsPage(Page):
         "busy_s", "setup_s", "share", "isolated_s", "isolated_workers", "requests",
         "mean_wait_s", "failed", "color",
     )  # fmt: skip
+    TEXT = ("job", "name", "progress", "color")
 
     def __init__(self, scheduler: Any, **kwargs: Any) -> None:
         super().__init__(scheduler)
         self._version: Any = None
         self._reports_version: Any = None
+        self._marks: dict[str, tuple] = {}  # job -> (length, last entry) of its curve as sent
         self.source = ColumnDataSource({c: [] for c in self.FIELDS}, name="plexrl-jobs-table")
         self.curves = ColumnDataSource(
             {c: [] for c in ("job", "xs", "ys", "color")}, name="plexrl-jobs-rewards"
@@ -283,7 +292,9 @@ class JobsPage(Page):
             return
         self._version = version
         view = plugin.jobs_view(with_history=False)
-        jobs = view["jobs"]
+        # rows in the order the dashboard first saw the jobs (their colours' order), so a row
+        # stays where it is while its numbers move and an update is one small patch
+        jobs = sorted(view["jobs"], key=lambda j: plugin.job_slot(j["job"]))
         summary = (
             f"<b>{len(jobs)}</b> jobs · <b>{view['charged_s']:.1f}</b> GPU-seconds charged in "
             "all (busy + setup of their requests); isolated estimate: the workers a job's "
@@ -291,7 +302,7 @@ class JobsPage(Page):
         )
         if self.summary.text != summary:
             self.summary.text = summary
-        data: dict[str, list] = {f: [] for f in self.FIELDS}
+        data: dict[str, Any] = {f: [] for f in self.FIELDS}
         for j in jobs:
             for f in self.FIELDS:
                 if f == "progress":
@@ -300,20 +311,43 @@ class JobsPage(Page):
                     data[f].append(job_color(plugin, j["job"]))
                 else:
                     data[f].append(j[f])
-        set_data(self.source, data)
+        refresh(
+            self.source,
+            {f: strings(v) if f in self.TEXT else numbers(v) for f, v in data.items()},
+            key="job",
+        )
         fit_table(self.table, len(jobs), 20)
         if redraw_curves:
             self._reports_version = ledger.reports_version
-            curves = {j["job"]: _thin(ledger.history.get(j["job"], ())) for j in jobs}
-            curves = {job: h for job, h in curves.items() if h}
-            set_data(
-                self.curves,
-                {
-                    "job": list(curves),
-                    "xs": [np.array([h[0] for h in hist], dtype=float) for hist in curves.values()],
-                    "ys": [np.array([h[1] for h in hist]) for hist in curves.values()],
-                    "color": [job_color(plugin, job) for job in curves],
-                },
+            self._draw_curves(plugin, [j["job"] for j in jobs])
+
+    def _draw_curves(self, plugin: PlexRLDashboardPlugin, jobs: list[str]) -> None:
+        """The reward curves of ``jobs``: only the curves whose history changed are sent (a
+        patch), unless the jobs shown changed (then all)."""
+        history = plugin.ledger.history
+        marks = {}
+        for job in jobs:
+            hist = history.get(job)
+            if hist:
+                marks[job] = (len(hist), hist[-1])
+        shown = list(marks)
+        changed = [i for i, job in enumerate(shown) if self._marks.get(job) != marks[job]]
+        self._marks = marks
+        if not changed:
+            return
+        curves = [_thin(history[job]) for job in shown]
+        xs = [np.array([h[0] for h in hist], dtype=float) for hist in curves]
+        ys = [np.array([h[1] for h in hist], dtype=float) for hist in curves]
+        if list(self.curves.data["job"]) != shown:
+            self.curves.data = {
+                "job": strings(shown),
+                "xs": xs,
+                "ys": ys,
+                "color": strings(job_color(plugin, job) for job in shown),
+            }
+        else:
+            self.curves.patch(
+                {"xs": [(i, xs[i]) for i in changed], "ys": [(i, ys[i]) for i in changed]}
             )
 
 

@@ -351,11 +351,21 @@ class Dispatcher:
 
     def ratio(self, request: Request, now: float) -> tuple[float, float]:
         """``request``'s current best (ratio, setup) over its live groups (setup ``inf`` if none)."""
-        setups = [self._setup(request, g) for g in request.groups if self._all_live(g)]
-        setup = min(setups) if setups else float("inf")
-        if not setups:
+        setup, group = self.best_group(request)
+        if not group:
             return 0.0, setup
         return self.policy.ratio(now - request.arrival, request.service_s, setup), setup
+
+    def best_group(self, request: Request) -> tuple[float, Group]:
+        """``request``'s live group with the cheapest setup (the first of equals) and that
+        setup; ``(inf, ())`` when none of its groups is live."""
+        best: tuple[float, Group] = (float("inf"), ())
+        for g in request.groups:
+            if self._all_live(g):
+                setup = self._setup(request, g)
+                if setup < best[0] or not best[1]:
+                    best = (setup, g)
+        return best
 
     def is_urgent(self, request: str) -> bool:
         e = self._entries.get(request)
