@@ -282,7 +282,7 @@ async def test_timeline_page_streams_new_spans_in_bounded_batches(c, s):
     assert list(page.source.data["lane"]) == [lanes[w] for w in page.source.data["worker"]]
     labels = page.figure.yaxis[0].major_label_overrides
     assert all(labels[lanes[w]] == short(w) for w in syn.workers)
-    page.update()  # refreshes the idle fractions of up to 64 lanes: all 8 here
+    page.update()  # refreshes the idle fractions of up to 32 lanes: all 8 here
     rows = dash.worker_lanes(time.time())[0]
     idle = dict(zip(page.idle.data["worker"], page.idle.data["idle"], strict=True))
     for w in rows:

@@ -25,7 +25,15 @@ and a plain-task workload keeps the scheduler busy as a real one is (2 worker pr
   alternate (without, with, without, with, ...) so drift of the machine hits both. Target
   <= 1.1. The browser runs on other CPUs than this process (see ``_separate``), so what is
   measured is the pages' work on the scheduler, not the browser competing for its core.
-  ``loop_lag_ms_*`` give the lags themselves (mean and p99).
+  ``loop_lag_ms_*`` give the lags themselves (mean and p99), ``lag_ratio_per_round`` each
+  round's ratio (how much the machine's noise moves it). A garbage collection of the process
+  (a full one takes hundreds of milliseconds here) delays a tick by its whole length, and a
+  phase has one or none. The process's allocations schedule one about once a minute, and
+  opening the pages (new documents and sessions) tips it into the phase that follows, so
+  every phase starts after a ``gc.collect()`` (outside the measured windows, the same for
+  both): what a phase measures is its own work and the collections that work causes.
+  ``scheduler_loop_lag_ratio_outside_gc`` is the ratio without the ticks any collection
+  delayed, ``gc_ms_per_s_{without,with}`` how much collecting each phase had.
 
 It also saves one screenshot per page (``--screenshots DIR``) of that state.
 
@@ -35,6 +43,7 @@ Run: ``python -m plexrl_dask.bench.dashboard --json OUT [--quick]``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import gc
 import itertools
@@ -285,32 +294,34 @@ def churn(scheduler: Any, syn: Synthetic, rng: random.Random, dt: float) -> None
 
 
 class LoopTicker:
-    """Event-loop lag of the loop it runs on: how late a ``interval`` sleep wakes up."""
+    """Event-loop lag of the loop it runs on: how late an ``interval`` sleep wakes up. Each
+    tick is ``(woke, lag)``, ``woke`` on ``perf_counter``, lag in seconds."""
 
     def __init__(self, interval: float = 0.01) -> None:
         self.interval = interval
-        self.lags: list[float] = []
+        self.ticks: list[tuple[float, float]] = []
         self._stop = False
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while not self._stop:
-            t0 = loop.time()
+            t0 = time.perf_counter()
             await asyncio.sleep(self.interval)
-            self.lags.append(max(0.0, loop.time() - t0 - self.interval))
+            t1 = time.perf_counter()
+            self.ticks.append((t1, max(0.0, t1 - t0 - self.interval)))
 
-    def take(self) -> list[float]:
-        out, self.lags = self.lags, []
+    def take(self) -> list[tuple[float, float]]:
+        out, self.ticks = self.ticks, []
         return out
 
 
 class GcRecorder:
     """The garbage collections of this process, as ``(start, end)`` on ``perf_counter``: a
-    collection that runs inside a page's update is part of its wall time, but is the cost of
-    everything the process allocated, not of that update alone."""
+    collection that runs inside a page's update (or delays a lag tick) is part of what is
+    measured, but is the cost of everything the process allocated, not of that update."""
 
     def __init__(self) -> None:
-        self.spans: list[tuple[float, float]] = []
+        self.spans: list[tuple[float, float]] = []  # in start order
+        self.full: list[tuple[float, float]] = []  # the full (generation 2) ones
         self._t0 = 0.0
 
     def _callback(self, phase: str, info: dict) -> None:
@@ -318,6 +329,8 @@ class GcRecorder:
             self._t0 = time.perf_counter()
         else:
             self.spans.append((self._t0, time.perf_counter()))
+            if info.get("generation") == 2:
+                self.full.append(self.spans[-1])
 
     def __enter__(self) -> GcRecorder:
         gc.callbacks.append(self._callback)
@@ -327,9 +340,12 @@ class GcRecorder:
         gc.callbacks.remove(self._callback)
 
     def inside(self, t0: float, ms: float) -> float:
-        """Milliseconds of collections inside ``[t0, t0 + ms]``."""
+        """Milliseconds of collections inside ``[t0, t0 + ms / 1000]``."""
         t1 = t0 + ms / 1000
-        return 1000 * sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in self.spans)
+        # a collection is short: none that started a second earlier is still running
+        lo = bisect.bisect_left(self.spans, (t0 - 1.0, t0 - 1.0))
+        hi = bisect.bisect_right(self.spans, (t1, t1))
+        return 1000 * sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in self.spans[lo:hi])
 
 
 class InboundPatches:
@@ -391,8 +407,8 @@ def run(args: Any) -> dict[str, Any]:
     from plexrl_dask.dashboard import base as pages
     from plexrl_dask.dashboard.browser import Browser
 
-    phase_s = 6.0 if args.quick else 20.0
-    rounds = 2 if args.quick else 4
+    phase_s = args.phase_s or (6.0 if args.quick else 15.0)
+    rounds = args.rounds or (2 if args.quick else 6)
     rng = random.Random(1)
     results: dict[str, Any] = {"console_errors": 0}
     with (
@@ -439,7 +455,8 @@ def run(args: Any) -> dict[str, Any]:
         future = asyncio.run_coroutine_threadsafe(background(), client.loop.asyncio_loop)
         load = _PlainLoad(client, args.tasks_per_s)
         load.start()
-        lags: dict[str, list[float]] = {"without": [], "with": []}
+        ticks: dict[str, list[tuple[float, float]]] = {"without": [], "with": []}
+        per_round: list[float] = []  # each round's lag ratio: how much rounds disagree
         wall: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
         in_gc: dict[str, list[float]] = {}  # ms of garbage collection inside each update
@@ -454,20 +471,24 @@ def run(args: Any) -> dict[str, Any]:
                 _separate(browser.driver.service.process.pid)
                 for r in range(rounds):
                     _wait_no_sessions(client, scheduler)  # closed pages' sessions linger
-                    ticker.take()
+                    _collect(ticker)  # each phase starts from the same collector state
+                    without_t0 = time.perf_counter()
                     time.sleep(phase_s)
-                    lags["without"].extend(ticker.take())
+                    without = ticker.take()
+                    ticks["without"].extend(without)
+                    opened_t0 = time.perf_counter()
                     handles = _open_pages(browser, base)
                     _separate(browser.driver.service.process.pid)
                     first.extend(ms for v in pages.UPDATE_MS.values() for ms in v)
                     for stats in (pages.UPDATE_MS, pages.UPDATE_CPU_MS, pages.UPDATE_STARTED):
                         for v in stats.values():
                             v.clear()
-                    collections.spans.clear()
-                    ticker.take()
+                    _collect(ticker)
                     phase_t0 = time.perf_counter()
                     time.sleep(phase_s)
-                    lags["with"].extend(ticker.take())
+                    with_pages = ticker.take()
+                    ticks["with"].extend(with_pages)
+                    per_round.append(_mean_lag(with_pages) / _mean_lag(without))
                     for name, v in pages.UPDATE_MS.items():
                         wall.setdefault(name, []).extend(v)
                     for name, v in pages.UPDATE_CPU_MS.items():
@@ -489,10 +510,18 @@ def run(args: Any) -> dict[str, Any]:
                             ),
                         )
                     logger.info(
-                        "round %d: lag %.3f ms without pages, %.3f ms with",
+                        "round %d: lag %.3f ms without pages, %.3f ms with; full collections "
+                        "(s into the round: %.1f opening pages, %.1f with them) %s",
                         r,
-                        1000 * statistics.fmean(lags["without"]),
-                        1000 * statistics.fmean(lags["with"]),
+                        1000 * _mean_lag(without),
+                        1000 * _mean_lag(with_pages),
+                        opened_t0 - without_t0,
+                        phase_t0 - without_t0,
+                        [
+                            f"{t0 - without_t0:.1f} s: {1000 * (t1 - t0):.0f} ms"
+                            for t0, t1 in collections.full
+                            if t0 >= without_t0
+                        ],
                     )
                     if r == rounds - 1 and shots is not None:
                         for url, handle in handles.items():
@@ -524,13 +553,34 @@ def run(args: Any) -> dict[str, Any]:
         )
         results["inbound_patches"] = dict(inbound.kinds)
         results["first_update_ms_max"] = max(first, default=float("nan"))
-        results["loop_lag_ms_without"] = 1000 * statistics.fmean(lags["without"])
-        results["loop_lag_ms_with"] = 1000 * statistics.fmean(lags["with"])
+        results["loop_lag_ms_without"] = 1000 * _mean_lag(ticks["without"])
+        results["loop_lag_ms_with"] = 1000 * _mean_lag(ticks["with"])
         results["scheduler_loop_lag_ratio"] = (
             results["loop_lag_ms_with"] / results["loop_lag_ms_without"]
         )
-        results["loop_lag_ms_p99_without"] = 1000 * _p(lags["without"], 0.99)
-        results["loop_lag_ms_p99_with"] = 1000 * _p(lags["with"], 0.99)
+        results["lag_ratio_per_round"] = [round(x, 3) for x in per_round]
+        results["loop_lag_ms_p99_without"] = 1000 * _p([lag for _, lag in ticks["without"]], 0.99)
+        results["loop_lag_ms_p99_with"] = 1000 * _p([lag for _, lag in ticks["with"]], 0.99)
+        # The same without the ticks a garbage collection delayed (in either phase), and how
+        # much collecting each phase had: collections are the whole process's cost.
+        interval = ticker.interval
+        clean = {
+            phase: [
+                (t, lag)
+                for t, lag in ts
+                if collections.inside(t - interval - lag, 1000 * (interval + lag)) == 0
+            ]
+            for phase, ts in ticks.items()
+        }
+        results["scheduler_loop_lag_ratio_outside_gc"] = _mean_lag(clean["with"]) / _mean_lag(
+            clean["without"]
+        )
+        for phase, ts in ticks.items():
+            seconds = len(ts) * interval + sum(lag for _, lag in ts)
+            gc_ms = sum(
+                collections.inside(t - interval - lag, 1000 * (interval + lag)) for t, lag in ts
+            )
+            results[f"gc_ms_per_s_{phase}"] = gc_ms / max(seconds, 1e-9)
         results["plain_tasks_done"] = load.done
         results["queued_requests"] = len(scheduler.plugins["plexrl"].pending)
     return results
@@ -562,6 +612,18 @@ def on_loop(client: Any, fn: Any, timeout: float = 300.0) -> Any:
         return fn()
 
     return asyncio.run_coroutine_threadsafe(call(), client.loop.asyncio_loop).result(timeout)
+
+
+def _collect(ticker: LoopTicker) -> None:
+    """A full collection before a phase (see the module docstring); the tick it delayed is
+    dropped with what the ticker recorded so far."""
+    gc.collect()
+    time.sleep(0.2)
+    ticker.take()
+
+
+def _mean_lag(ticks: list[tuple[float, float]]) -> float:
+    return statistics.fmean(lag for _, lag in ticks) if ticks else float("nan")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -640,6 +702,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=256)
     p.add_argument("--spans-per-worker", type=int, default=20)
     p.add_argument("--tasks-per-s", type=float, default=200.0)
+    p.add_argument("--rounds", type=int, default=None, help="without/with pairs (default 6)")
+    p.add_argument("--phase-s", type=float, default=None, help="seconds per phase (default 15)")
     p.add_argument("--screenshots", metavar="DIR", default=None, help="save one PNG per page here")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
