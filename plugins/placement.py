@@ -6,8 +6,11 @@ live events, and keeps what it needs to act on its decisions:
 
 - **Nodes** are hosts, **GPUs** are the PlexRL workers on them (one worker per GPU). The placer
   is built from the GPU workers present when the first job arrives (and rebuilt while no job
-  is placed, as workers come); workers that join later are used by request dispatch but not by
-  placement until the placer is idle again.
+  is placed, as workers come). While jobs are placed, a worker on a new host, or on a host no
+  group holds, joins placement as a free GPU of that node (waiting jobs that now fit are
+  admitted); a worker that joins a host in a group, or one that leaves, is used (or missed) by
+  request dispatch but changes placement only once the placer is idle again (a group's
+  capacity would change under its reservations).
 - **Jobs** are deployment owners (``Runtime(job=...)``). A job's first deployment submits it,
   needing as many GPUs as that deployment spans (a job's deployments share workers: the
   scheduler swaps them, so the job needs its largest deployment's span, not the sum). While
@@ -59,17 +62,28 @@ class LivePlacement:
     def __init__(self, config: PlacementConfig) -> None:
         self.config = config
         self.placer: SpatiotemporalPlacer | None = None
-        self._workers: dict[str, str] = {}  # the worker -> host the placer was built from
+        self._built_from: dict[str, str] = {}  # the worker -> host the placer was built from
+        self._workers: dict[str, str] = {}  # ... and of the nodes added since
         self.recorders: dict[str, TraceRecorder] = {}
 
-    def _ensure_placer(self, worker_hosts: Mapping[str, str]) -> SpatiotemporalPlacer:
+    def sync_workers(self, worker_hosts: Mapping[str, str], now: float) -> SpatiotemporalPlacer:
+        """Bring the placer up to the GPU workers present (see the module docstring): rebuilt
+        while idle, else new hosts added as free nodes."""
         idle = self.placer is None or not self.placer.jobs
         if idle and dict(worker_hosts) != self._workers:
             # a fresh placer over today's workers: its inputs and log start anew (status and
             # replay cover the placer in force)
+            self._built_from = dict(worker_hosts)
             self._workers = dict(worker_hosts)
             self.placer = SpatiotemporalPlacer(nodes_of(worker_hosts), self.config)
         assert self.placer is not None
+        cluster = self.placer.cluster
+        new = {
+            w: h for w, h in worker_hosts.items() if w not in self._workers and cluster.can_add(h)
+        }
+        for node in nodes_of(new):
+            self._log(self.placer.add_node(node, now))
+            self._workers.update((w, node.name) for w in node.gpus)
         return self.placer
 
     def candidates(
@@ -80,7 +94,7 @@ class LivePlacement:
         its first deployment."""
         if not worker_hosts:
             return None  # no GPU worker yet: deploy reports that
-        placer = self._ensure_placer(worker_hosts)
+        placer = self.sync_workers(worker_hosts, now)
         j = placer.jobs.get(job)
         if j is None:
             gpus = max(1, min(gpus, placer.cluster.total_gpus))
@@ -123,7 +137,8 @@ class LivePlacement:
                         d.offset, d.reason)  # fmt: skip
 
     def status(self, job: str | None = None) -> dict[str, Any]:
-        """The placer's state, its decisions and inputs (for replay), recorded iterations."""
+        """The placer's state, its decisions and inputs (for replay: ``nodes`` are those it
+        was built from; nodes added later are among its inputs), recorded iterations."""
         if self.placer is None:
             return {"enabled": True, "state": None, "decisions": [], "inputs": [], "traces": {}}
         traces = {
@@ -134,7 +149,7 @@ class LivePlacement:
         return {
             "enabled": True,
             "config": dict(self.config.__dict__),
-            "nodes": [{"name": n.name, "gpus": list(n.gpus)} for n in nodes_of(self._workers)],
+            "nodes": [{"name": n.name, "gpus": list(n.gpus)} for n in nodes_of(self._built_from)],
             "state": self.placer.state(),
             "decisions": [d.to_dict() for d in self.placer.log],
             "inputs": list(self.placer.inputs),

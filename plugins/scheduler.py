@@ -892,6 +892,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ws = scheduler.workers.get(worker)
         if ws is not None and ws.resources.get(self.gpu_resource, 0) >= 1:
             self.dispatcher.add_worker(worker)
+            if self.placement is not None and self.placement.placer is not None:
+                # a new host is a free node for placement at once (waiting jobs may start)
+                hosts = {w: self.scheduler.workers[w].host for w in self._gpu_workers()}
+                self.placement.sync_workers(hosts, time.monotonic())
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == RESIDENCY_TOPIC and isinstance(msg, dict):

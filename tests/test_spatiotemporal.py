@@ -10,6 +10,7 @@ from plexrl_dask.errors import (
     InvalidTrace,
     JobDoesNotFit,
     JobNotPlaced,
+    PlacementError,
     PlexRLError,
     ReservationConflict,
 )
@@ -261,3 +262,41 @@ def test_live_placement_profiles_then_places_and_replays():
     again = replay(nodes_of(hosts), live.config, st["inputs"])
     assert [d.to_dict() for d in again] == st["decisions"]
     assert len(st["traces"]["j1"]) == 3
+
+
+def test_gpus_that_join_are_free_for_groups_and_admit_waiting_jobs():
+    placer = SpatiotemporalPlacer(nodes(1), cfg(slots=8, group_nodes=1))
+    assert placer.submit("a", 8, now=0.0)[0].kind == "profile"
+    assert placer.submit("b", 8, now=0.0)[0].kind == "wait"
+    # a new node's GPUs register one by one: the node grows while it is free
+    assert placer.add_node(NodeView("n1", ("n1/0",)), now=1.0) == []
+    [d] = placer.add_node(NodeView("n1", tuple(f"n1/{k}" for k in range(1, 8))), now=1.5)
+    assert (d.kind, d.job) == ("profile", "b") and placer.group_of("b").gpus[0] == "n1/0"
+    assert placer.cluster.total_gpus == 16
+    with pytest.raises(PlacementError):  # a node in a group cannot grow under reservations
+        placer.add_node(NodeView("n1", ("n1/8",)), now=2.0)
+    with pytest.raises(PlacementError):  # nor can a GPU join twice
+        placer.add_node(NodeView("n2", ("n0/0",)), now=2.0)
+    again = replay(nodes(1), placer.config, placer.inputs)
+    assert [x.to_dict() for x in again] == [x.to_dict() for x in placer.log]
+
+
+def test_live_placement_adds_workers_of_new_hosts_while_jobs_are_placed():
+    live = LivePlacement(cfg(slots=16, group_nodes=1, profile_iterations=2))
+    hosts = {"tcp://a:1": "a", "tcp://a:2": "a"}
+    assert live.candidates("j1", 2, "tiny", hosts, now=0.0) == ("tcp://a:1", "tcp://a:2")
+    assert live.candidates("j2", 2, "tiny", hosts, now=0.0) is None  # waits
+    # host b's workers register one at a time; j2 starts once b holds its 2 GPUs
+    live.sync_workers({**hosts, "tcp://b:1": "b"}, now=1.0)
+    assert live.status()["state"]["jobs"]["j2"]["state"] == "waiting"
+    grown = {**hosts, "tcp://b:1": "b", "tcp://b:2": "b"}
+    live.sync_workers(grown, now=2.0)
+    assert live.status()["state"]["jobs"]["j2"]["state"] == "profiling"
+    assert live.candidates("j2", 2, "tiny", grown, now=2.0) == ("tcp://b:1", "tcp://b:2")
+    # a worker joining host a (in j1's group) waits until the placer is idle
+    live.sync_workers({**grown, "tcp://a:3": "a"}, now=3.0)
+    assert live.placer is not None and live.placer.cluster.total_gpus == 4
+    st = live.status()
+    assert [n["name"] for n in st["nodes"]] == ["a"]  # what it was built from; b is an input
+    again = replay(nodes_of(hosts), live.config, st["inputs"])
+    assert [d.to_dict() for d in again] == st["decisions"]

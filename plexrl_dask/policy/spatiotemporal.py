@@ -58,6 +58,7 @@ from plexrl_dask.errors import (
     InvalidTrace,
     JobDoesNotFit,
     JobNotPlaced,
+    PlacementError,
     ReservationConflict,
 )
 from plexrl_dask.policy.horizon import DemandTrace, Horizon
@@ -301,6 +302,25 @@ class ClusterView:
             have += len(self.nodes[n].gpus)
         return take if have >= gpus else None
 
+    def add_node(self, node: NodeView) -> None:
+        """GPUs that joined: a new node, free after the others (groups take nodes in order),
+        or more GPUs of a node that is free (its workers register one by one). A node in a
+        group cannot grow: its group's capacity is under reservations."""
+        known = {g for n in self.nodes.values() for g in n.gpus}
+        if not node.gpus or known & set(node.gpus):
+            raise PlacementError(f"node {node.name!r}: GPUs {list(node.gpus)} must be new")
+        old = self.nodes.get(node.name)
+        if old is not None and node.name not in self.free:
+            raise PlacementError(f"node {node.name!r} is in a group: it cannot grow now")
+        if old is None:
+            self.free.append(node.name)
+        self.nodes[node.name] = NodeView(node.name, (*(old.gpus if old else ()), *node.gpus))
+        self.total_gpus += len(node.gpus)
+
+    def can_add(self, node: str) -> bool:
+        """Whether GPUs of ``node`` may join now (a new node, or a free one)."""
+        return node not in self.nodes or node in self.free
+
     def form_group(self, node_names: Sequence[str], now: float) -> NodeGroup:
         """A new group of exactly these free nodes (all of them or, if any is taken, none)."""
         if not node_names or any(n not in self.free for n in node_names):
@@ -404,6 +424,15 @@ class SpatiotemporalPlacer:
         if not old.reservations:
             out.append(self._dissolve(old.name, now))
         return out + self._admit(now)
+
+    def add_node(self, node: NodeView, now: float) -> list[PlacementDecision]:
+        """GPUs joined the cluster (``node``: a new node, or more GPUs of a free one): they
+        are free for new groups, and waiting jobs that now fit are admitted. (A node that
+        leaves is not handled: reservations would have to move.)"""
+        self.cluster.add_node(node)
+        self.inputs.append({"event": "add_node", "node": node.name, "gpus": list(node.gpus),
+                            "now": now})  # fmt: skip
+        return self._admit(now)
 
     def finish(self, job: str, now: float) -> list[PlacementDecision]:
         """``job`` ended (or was cancelled): free its reservation, admit waiting jobs."""
@@ -606,7 +635,9 @@ def replay(
     placer = SpatiotemporalPlacer(nodes, config)
     for e in inputs:
         trace = DemandTrace.from_dict(e["trace"]) if e.get("trace") else None
-        if e["event"] == "submit":
+        if e["event"] == "add_node":
+            placer.add_node(NodeView(str(e["node"]), tuple(e["gpus"])), float(e["now"]))
+        elif e["event"] == "submit":
             placer.submit(e["job"], int(e["gpus"]), float(e["now"]), trace, str(e["kind"]))
         elif e["event"] == "profiled":
             assert trace is not None
