@@ -10,6 +10,7 @@ The job accounting is checked against the cost ledger.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -194,6 +195,17 @@ async def test_queue_page_shows_the_top_requests_and_totals_of_a_long_queue(c, s
     page.update()
     assert first not in page.source.data["request"]
     assert len(page.source.data["request"]) == 7
+    # The decisions are rebuilt only when one is recorded, or the policy (their reasons) moves.
+    shown = page.decisions.data
+    page.update()
+    assert page.decisions.data is shown
+    plexrl.decisions.append({**newest[0], "request": "a-new-one", "deployment": "newest"})
+    page.update()
+    assert page.decisions.data["deployment"][0] == "newest"
+    reasons = list(page.decisions.data["reason"])
+    plexrl.policy = dataclasses.replace(plexrl.policy, setup_weight=0.0, patience_factor=0.0)
+    page.update()
+    assert list(page.decisions.data["reason"]) != reasons
 
 
 @gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
