@@ -5,6 +5,13 @@ events."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dask
+
 import plexrl_dask as plexrl
 from plexrl_dask.plugins.placement import nodes_of
 from plexrl_dask.policy.spatiotemporal import PlacementConfig, replay
@@ -64,3 +71,43 @@ def test_a_job_is_profiled_then_placed_and_its_trace_replays(runtime, tmp_path):
     # its last deployment gone, the job leaves the placer
     runtime.undeploy(dep.name)
     assert job not in runtime.placement()["state"]["jobs"]
+
+
+def test_a_worker_on_a_new_host_joins_placement_while_a_job_is_placed(runtime, cluster):
+    """A real worker process on another loopback address (another "host") joins while a job
+    profiles: the scheduler adds its host as a free node at once (a recorded input that
+    replays), and the job keeps its group."""
+    dep = runtime.deploy(unique("joined"), tiny_spec(seed=4))
+    before = runtime.placement()
+    assert before["state"]["jobs"][runtime.job]["state"] == "profiling"
+    worker = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "dask"), "worker", cluster.scheduler_address,
+            "--host", "127.0.0.2", "--nthreads", "1", "--no-nanny",
+            "--resources", f"{dask.config.get('plexrl.worker.gpu-resource')}=1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = runtime.placement()
+            added = [e for e in state["inputs"] if e["event"] == "add_node"]
+            if added:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the new worker's host never joined placement")
+        [e] = added
+        assert e["node"] == "127.0.0.2" and len(e["gpus"]) == 1
+        assert state["state"]["capacity"]["cluster"] == before["state"]["capacity"]["cluster"] + 1
+        assert state["state"]["jobs"][runtime.job] == before["state"]["jobs"][runtime.job]
+        nodes = nodes_of({w: n["name"] for n in state["nodes"] for w in n["gpus"]})
+        config = PlacementConfig(**state["config"])
+        again = [d.to_dict() for d in replay(nodes, config, state["inputs"])]
+        assert again == list(state["decisions"])
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+        runtime.undeploy(dep.name)
