@@ -90,8 +90,9 @@ class LivePlacement:
         self, job: str, gpus: int, kind: str, worker_hosts: Mapping[str, str], now: float
     ) -> tuple[str, ...] | None:
         """The workers ``job``'s next deployment (spanning ``gpus`` workers) may use: those of
-        its node group; None while the job waits (best effort: anywhere). Submits the job on
-        its first deployment."""
+        its node group that are still present (a worker that left stays in its group's
+        capacity, but a deployment cannot go there); None while the job waits (best effort:
+        anywhere). Submits the job on its first deployment."""
         if not worker_hosts:
             return None  # no GPU worker yet: deploy reports that
         placer = self.sync_workers(worker_hosts, now)
@@ -106,7 +107,7 @@ class LivePlacement:
             logger.info("job %s waits for placement (%s): best effort meanwhile", job,
                         j.waited_reason)  # fmt: skip
             return None
-        return placer.group_of(job).gpus
+        return tuple(w for w in placer.group_of(job).gpus if w in worker_hosts)
 
     def record(self, job: str, op: str, worker: str, start: float, end: float) -> None:
         """A request of ``job`` completed; profile the job once its trace is recorded."""

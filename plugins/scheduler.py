@@ -318,6 +318,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 )
                 if group is not None and len(group) >= info.num_workers:
                     candidates = group
+                elif group is not None:  # workers of its group left: best effort meanwhile
+                    logger.warning(
+                        "job %s: its node group has %d live workers, %s needs %d; placing it "
+                        "anywhere", owner, len(group), name, info.num_workers
+                    )  # fmt: skip
             workers = place_workers(
                 name, info.memory_bytes, self._worker_views(), info.num_workers, candidates
             )

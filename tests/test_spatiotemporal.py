@@ -262,6 +262,9 @@ def test_live_placement_profiles_then_places_and_replays():
     again = replay(nodes_of(hosts), live.config, st["inputs"])
     assert [d.to_dict() for d in again] == st["decisions"]
     assert len(st["traces"]["j1"]) == 3
+    # a worker of j1's group leaves: its next deployment may not go there
+    gone = {w: h for w, h in hosts.items() if w != "tcp://a:2"}
+    assert live.candidates("j1", 2, "tiny", gone, now=t) == ("tcp://a:1",)
 
 
 def test_gpus_that_join_are_free_for_groups_and_admit_waiting_jobs():
