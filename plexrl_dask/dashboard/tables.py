@@ -335,10 +335,15 @@ class JobsPage(Page):
         self._marks = marks
         if not changed:
             return
-        curves = [_thin(history[job]) for job in shown]
-        xs = [np.array([h[0] for h in hist], dtype=float) for hist in curves]
-        ys = [np.array([h[1] for h in hist], dtype=float) for hist in curves]
-        if list(self.curves.data["job"]) != shown:
+        redraw = list(self.curves.data["job"]) != shown
+        if redraw:
+            changed = list(range(len(shown)))
+        xs, ys = [], []
+        for i in changed:
+            hist = _thin(history[shown[i]])
+            xs.append(np.array([h[0] for h in hist], dtype=float))
+            ys.append(np.array([h[1] for h in hist], dtype=float))
+        if redraw:
             self.curves.data = {
                 "job": strings(shown),
                 "xs": xs,
@@ -347,7 +352,10 @@ class JobsPage(Page):
             }
         else:
             self.curves.patch(
-                {"xs": [(i, xs[i]) for i in changed], "ys": [(i, ys[i]) for i in changed]}
+                {
+                    "xs": list(zip(changed, xs, strict=True)),
+                    "ys": list(zip(changed, ys, strict=True)),
+                }
             )
 
 
