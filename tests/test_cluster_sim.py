@@ -3,6 +3,7 @@ and that the simulator's placement decisions are the policy core's own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,10 +12,10 @@ import pytest
 from plexrl_dask.cli import main as cli_main
 from plexrl_dask.errors import InvalidTrace
 from plexrl_dask.policy.horizon import Phase
-from plexrl_dask.policy.spatiotemporal import PlacementConfig, replay
+from plexrl_dask.policy.spatiotemporal import NodeGroup, PlacementConfig, replay
 from plexrl_dask.sim.cluster import POLICIES, GpuLedger, simulate
 from plexrl_dask.sim.isolated import isolated_run, iteration_times
-from plexrl_dask.sim.multiplexed import sim_nodes
+from plexrl_dask.sim.multiplexed import _GroupRuntime, sim_nodes
 from plexrl_dask.sim.workload import (
     ClusterSpec,
     WorkloadSpec,
@@ -198,3 +199,31 @@ def test_cli_simulate_writes_json_and_figures(tmp_path, capsys):
     assert data["policies"]["spread+backfill"]["gpu_double_bookings"] == 0
     for name in ("policies", "heatmap-isolated", "heatmap-spread-backfill", "gantt"):
         assert (tmp_path / f"fig-{name}.png").stat().st_size > 1000
+
+
+def test_states_beyond_host_dram_load_from_nvme_and_cost_more(runs):
+    spec, jobs, out = runs
+    unbounded = out["spread+backfill"]
+    assert unbounded.nvme_loads == 0  # the committed workload: DRAM holds every state
+    # little HBM to park states in and less DRAM: evicted states overflow onto NVMe
+    tight = dataclasses.replace(spec.cluster, hbm_park_gb=1.0, dram_gb_per_gpu=1.0, nvme_gbps=2.0)
+    small = simulate(jobs, tight, "spread+backfill", SMALL)
+    assert small.nvme_loads > 0 and small.double_bookings == 0
+    assert len(small.jobs) == len(jobs)
+    with pytest.raises(InvalidTrace):
+        dataclasses.replace(spec.cluster, dram_gb_per_gpu=-1.0)
+
+
+def test_a_state_evicted_past_dram_costs_its_nvme_read():
+    group = NodeGroup("g", sim_nodes(ClusterSpec(gpus=8))[:1], 8, 0.0)
+    gb, h2d, nvme = 1e9, 25e9, 1.5e9  # NVMe share per GPU slower than host-to-device
+    for dram_gb, want in ((float("inf"), 10 * gb / h2d), (15.0, 10 * gb / nvme)):
+        # HBM parks one 10 GB state per GPU; DRAM holds 15 GB per GPU, or everything
+        g = _GroupRuntime(group, 10 * gb, 0.0, dram_bytes=dram_gb * gb * 8,
+                          nvme_bytes_per_s=nvme)  # fmt: skip
+        g.train_gpus(0, 8, 10 * gb, h2d)  # job 0's state parks on all 8 GPUs
+        g.train_gpus(1, 8, 10 * gb, h2d)  # job 1 evicts it to DRAM (80 GB)
+        g.train_gpus(2, 8, 10 * gb, h2d)  # job 2 evicts job 1; DRAM overflows: 0 to NVMe
+        _, setup = g.train_gpus(0, 8, 10 * gb, h2d)  # job 0 back: evicts job 2
+        assert setup == pytest.approx(want + 10 * gb / h2d)  # its load + the offload
+    assert g.nvme_loads == 1 and list(g.dram) == [2] and list(g.on_nvme) == [1]

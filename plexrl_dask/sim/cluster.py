@@ -71,6 +71,7 @@ class SimOutcome:
     gantt: list[tuple[str, str, float, float, int]] = field(default_factory=list, repr=False)
     decisions: list[dict] = field(default_factory=list, repr=False)  # placement decisions
     inputs: list[dict] = field(default_factory=list, repr=False)  # placement events
+    nvme_loads: int = 0  # training states loaded from NVMe (DRAM was full)
 
     @property
     def makespan_s(self) -> float:
@@ -91,6 +92,7 @@ class SimOutcome:
             "busy_gpu_hours": self.busy_gpu_seconds / 3600,
             "utilisation": self.busy_gpu_seconds / max(self.held_gpu_seconds, 1e-9),
             "gpu_double_bookings": self.double_bookings,
+            "nvme_loads": self.nvme_loads,
             "events": self.events,
             "sim_wall_s": self.wall_s,
             "events_per_s": self.events / max(self.wall_s, 1e-9),

@@ -28,9 +28,18 @@ GPUs it holds are busy for all of it):
   (setup 0); otherwise on free GPUs with the least parked state, paying the load of its state
   (bytes per GPU over the host-to-device bandwidth) plus the offload of what it evicts. Weight
   sync is part of every rollout phase (``sync_s``), as in every baseline.
+- **Tiers below HBM.** A state evicted from HBM goes to its group's host DRAM
+  (``dram_gb_per_gpu`` × the group's GPUs; unbounded if unset). When DRAM is full, the least
+  recently used states there move to NVMe. Loading a state from NVMe costs
+  ``max(bytes / NVMe share, bytes / host-to-device)`` per GPU instead of the host-to-device
+  time: the NVMe read and the copy to the GPU are pipelined in chunks, and each GPU gets
+  ``nvme_gbps / gpus_per_node`` of its node's NVMe bandwidth.
 
-Approximations, stated: GPUs within a group are interchangeable (no intra-group topology);
-DRAM always holds the offloaded states (no NVMe tier); a phase is not preempted.
+Approximations, stated:
+- GPUs within a group are interchangeable (no intra-group topology).
+- Writes to NVMe are off the critical path: they overlap the phases that follow.
+- A job's first training state, and the state of a job that changed groups, start in DRAM.
+- A phase is not preempted.
 """
 
 from __future__ import annotations
@@ -97,7 +106,14 @@ class _Run:
 class _GroupRuntime:
     """Who holds which GPU of one group, parked training states, and the phase queue."""
 
-    def __init__(self, group: NodeGroup, park_bytes: float, now: float) -> None:
+    def __init__(
+        self,
+        group: NodeGroup,
+        park_bytes: float,
+        now: float,
+        dram_bytes: float = float("inf"),
+        nvme_bytes_per_s: float = float("inf"),
+    ) -> None:
         self.name = group.name
         self.gids = np.array([int(g) for g in group.gpus], dtype=np.int64)
         self.holder = np.full(len(self.gids), -1, dtype=np.int64)
@@ -110,6 +126,14 @@ class _GroupRuntime:
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.park_bytes = park_bytes
         self.born = now
+        # offloaded states (bytes on all their GPUs), least recently used first, and those
+        # that overflowed DRAM onto NVMe
+        self.dram: OrderedDict[int, float] = OrderedDict()
+        self.dram_bytes = dram_bytes
+        self.dram_used = 0.0
+        self.on_nvme: dict[int, float] = {}
+        self.nvme_per_gpu = nvme_bytes_per_s
+        self.nvme_loads = 0
 
     def choose(self, gpus: int) -> np.ndarray:
         """``gpus`` free GPUs, those with the least parked state first."""
@@ -126,6 +150,12 @@ class _GroupRuntime:
         chosen = self.choose(gpus)
         if home is not None:
             self._unpark(job)
+        load_s = nbytes / h2d
+        if self.on_nvme.pop(job, None) is not None:
+            self.nvme_loads += 1
+            load_s = max(load_s, nbytes / self.nvme_per_gpu)
+        elif job in self.dram:
+            self.dram_used -= self.dram.pop(job)
         evicted = np.zeros(len(chosen))
         for other in list(self.lru):
             over = self.parked[chosen] + nbytes - self.park_bytes
@@ -137,16 +167,35 @@ class _GroupRuntime:
             hit = np.isin(chosen, theirs)
             if (hit & (over > 0)).any():
                 evicted += hit * self.state_bytes[other]
-                self._unpark(other)
+                self._offload(other)
         self.home[job] = chosen
         self.state_bytes[job] = nbytes
         self.parked[chosen] += nbytes
         self.lru[job] = None
-        return chosen, (nbytes + float(evicted.max(initial=0.0))) / h2d
+        return chosen, load_s + float(evicted.max(initial=0.0)) / h2d
 
     def _unpark(self, job: int) -> None:
         self.parked[self.home.pop(job)] -= self.state_bytes.pop(job)
         self.lru.pop(job, None)
+
+    def _offload(self, job: int) -> None:
+        """``job``'s state leaves HBM for DRAM; what overflows DRAM goes to NVMe (LRU)."""
+        total = self.state_bytes[job] * len(self.home[job])
+        self._unpark(job)
+        self.dram[job] = total
+        self.dram_used += total
+        while self.dram_used > self.dram_bytes and self.dram:
+            old, size = self.dram.popitem(last=False)
+            self.dram_used -= size
+            self.on_nvme[old] = size
+
+    def forget(self, job: int) -> None:
+        """``job`` left the group (finished, or moved): its state is gone from every tier."""
+        if job in self.home:
+            self._unpark(job)
+        if job in self.dram:
+            self.dram_used -= self.dram.pop(job)
+        self.on_nvme.pop(job, None)
 
 
 class MultiplexedSim:
@@ -178,6 +227,7 @@ class MultiplexedSim:
         self.seq = 0
         self.events = 0
         self.held_gpu_seconds = 0.0
+        self.nvme_loads = 0  # of the groups closed so far
         self.outcomes: list[JobOutcome] = []
         self.gantt: list[tuple[str, str, float, float, int]] = []
         self.gantt_group, self.gantt_until = gantt_group, gantt_hours * 3600
@@ -222,6 +272,7 @@ class MultiplexedSim:
             gantt=self.gantt,
             decisions=[d.to_dict() for d in self.placer.log],
             inputs=list(self.placer.inputs),
+            nvme_loads=self.nvme_loads,
         )
 
     # --- placement decisions -----------------------------------------------------------------
@@ -235,14 +286,12 @@ class MultiplexedSim:
                 continue
             r = self.runs[self.by_name[d.job]]
             if d.group not in self.groups:
-                park = self.cluster.hbm_park_gb * 1e9
-                self.groups[d.group] = _GroupRuntime(self.placer.cluster.groups[d.group], park, now)
+                self.groups[d.group] = self._group_runtime(d.group, now)
             if r.group and r.group != d.group:
                 g = self.groups.get(r.group)
                 if g is not None:
                     g.members.discard(r.idx)
-                    if r.idx in g.home:
-                        g._unpark(r.idx)
+                    g.forget(r.idx)
             r.group = d.group
             self.groups[d.group].members.add(r.idx)
             if d.kind == "profile":
@@ -262,6 +311,7 @@ class MultiplexedSim:
         if g is None:
             return
         assert g.free == len(g.gids), f"group {name} dissolved while GPUs are held"
+        self.nvme_loads += g.nvme_loads
         self.held_gpu_seconds += len(g.gids) * (now - g.born)
 
     # --- iterations and phases -------------------------------------------------------------
@@ -430,9 +480,20 @@ class MultiplexedSim:
         g = self.groups.get(r.group)
         if g is not None:
             g.members.discard(r.idx)
-            if r.idx in g.home:
-                g._unpark(r.idx)
+            g.forget(r.idx)
         self._apply(self.placer.finish(r.job.name, now), now)
+
+    def _group_runtime(self, name: str, now: float) -> _GroupRuntime:
+        c = self.cluster
+        group = self.placer.cluster.groups[name]
+        dram = float("inf") if c.dram_gb_per_gpu is None else c.dram_gb_per_gpu * 1e9
+        return _GroupRuntime(
+            group,
+            c.hbm_park_gb * 1e9,
+            now,
+            dram_bytes=dram * len(group.gpus),
+            nvme_bytes_per_s=c.nvme_gbps * 1e9 / c.gpus_per_node,
+        )
 
 
 def recorded_iterations(job: SimJob, count: int) -> list[tuple[Phase, ...]]:

@@ -49,6 +49,10 @@ class ClusterSpec:
     hbm_park_gb: float = 40.0  # HBM per GPU that may hold parked training states
     h2d_gbps: float = 25.0  # host (pinned DRAM) to GPU, per GPU
     sync_gbps: float = 50.0  # weight sync (trainer to rollout replicas), per job
+    # Host DRAM per GPU that holds offloaded training states (None: unbounded, every state
+    # fits); states beyond it go to NVMe, least recently used first.
+    dram_gb_per_gpu: float | None = None
+    nvme_gbps: float = 12.0  # NVMe read bandwidth per node (shared by its GPUs)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % self.gpus_per_node:
@@ -56,8 +60,10 @@ class ClusterSpec:
                 f"gpus ({self.gpus}) must be a positive multiple of gpus_per_node "
                 f"({self.gpus_per_node})"
             )
-        if min(self.hbm_park_gb, self.h2d_gbps, self.sync_gbps) <= 0:
-            raise InvalidTrace("hbm_park_gb, h2d_gbps and sync_gbps must be > 0")
+        if min(self.hbm_park_gb, self.h2d_gbps, self.sync_gbps, self.nvme_gbps) <= 0:
+            raise InvalidTrace("hbm_park_gb, h2d_gbps, sync_gbps and nvme_gbps must be > 0")
+        if self.dram_gb_per_gpu is not None and self.dram_gb_per_gpu < 0:
+            raise InvalidTrace(f"dram_gb_per_gpu must be >= 0, got {self.dram_gb_per_gpu}")
 
     @property
     def nodes(self) -> int:
