@@ -342,8 +342,8 @@ class GcRecorder:
     def inside(self, t0: float, ms: float) -> float:
         """Milliseconds of collections inside ``[t0, t0 + ms / 1000]``."""
         t1 = t0 + ms / 1000
-        # a collection is short: none that started a second earlier is still running
-        lo = bisect.bisect_left(self.spans, (t0 - 1.0, t0 - 1.0))
+        # full collections take up to ~0.7 s here: none that started 10 s earlier still runs
+        lo = bisect.bisect_left(self.spans, (t0 - 10.0, t0 - 10.0))
         hi = bisect.bisect_right(self.spans, (t1, t1))
         return 1000 * sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in self.spans[lo:hi])
 
