@@ -168,17 +168,20 @@ def sample(
     prompts: Sequence[str | Sequence[int]],
     params: SamplingParams = SamplingParams(),
     prompt_ids: Sequence[int] | None = None,
+    stream_rows: int | None = None,
 ) -> SampleResult:
     """``params.n`` completions of each prompt (strings or token ids).
 
     ``prompt_ids`` key each prompt's randomness (default: its position); a caller that splits
     one logical request into several passes the global positions, so the split changes nothing.
+    ``stream_rows``: rows per continuously batched stream (default: the worker's
+    ``plexrl.sampling.stream-rows``).
     """
     ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
 
     def call(backend: Any) -> SampleResult:
         tokens = backend.tokenize(prompts)
-        groups = backend.sample(tokens, params, ids)
+        groups = backend.sample(tokens, params, ids, stream_rows)
         return SampleResult(
             prompt_tokens=tuple(tuple(t) for t in tokens),
             sequences=tuple(tuple(g) for g in groups),

@@ -165,8 +165,8 @@ def test_rollout_replicas_sample_exactly_like_one(runtime):
     one = runtime.deploy(unique("rep1"), spec, role="rollout")
     two = runtime.deploy(unique("rep2"), spec, role="rollout", replicas=2)
     assert len(set(two.info.workers)) == 2
-    # Prompts are split at whole sampling batches (64 rows = 16 prompts x 4 samples): 40
-    # prompts give the replicas 32 and 8.
+    # Prompts are split at whole sampling streams (plexrl.sampling.stream-rows, 128 rows =
+    # 32 prompts x 4 samples): 40 prompts give the replicas 32 and 8.
     prompts = [f"{i}+{i % 7}=" for i in range(40)]
     params = plexrl.SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=5)
     r1, r2 = plexrl.result([one.sample(prompts, params), two.sample(prompts, params)])

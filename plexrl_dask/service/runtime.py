@@ -46,6 +46,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.service.decode import stream_settings
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.timeline import RequestSpan
@@ -269,19 +270,15 @@ class Runtime:
         return {known.get(w, {}).get("node") for w in workers}
 
 
-def max_batch_size() -> int:
-    return int(config.get("sampling.max-batch-size"))
-
-
 def split_prompts(
-    num_prompts: int, replicas: int, n: int, batch_size: int
+    num_prompts: int, replicas: int, n: int, stream_rows: int
 ) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` prompt ranges, one per replica that gets work.
 
     Ranges start at multiples of the smallest prompt count whose ``n`` samples fill whole
-    sampling batches, so every replica decodes exactly the batches one replica would have:
-    the split changes no bit of the result."""
-    unit = batch_size // math.gcd(n, batch_size)
+    sampling streams (:mod:`~plexrl_dask.service.decode`), so every replica decodes exactly the
+    streams one replica would have: the split changes no bit of the result."""
+    unit = stream_rows // math.gcd(n, stream_rows)
     units = math.ceil(num_prompts / unit)
     per = [units // replicas + (1 if i < units % replicas else 0) for i in range(replicas)]
     out, start = [], 0
@@ -435,8 +432,11 @@ class Deployment:
                 "a rollout deployment (sync_weights into it)"
             )
         ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
-        chunks = split_prompts(len(prompts), self.info.replicas, params.n, max_batch_size())
-        tasks = [(list(prompts[a:b]), params, ids[a:b]) for a, b in chunks]
+        stream_rows, _ = stream_settings()
+        chunks = split_prompts(len(prompts), self.info.replicas, params.n, stream_rows)
+        # The stream length travels with the request: the split and the decoding agree even
+        # where the workers' configuration differs from the client's.
+        tasks = [(list(prompts[a:b]), params, ids[a:b], stream_rows) for a, b in chunks]
         # Parts are data-parallel (replica None): the scheduler runs each on whichever replica
         # frees up first and holds the model warmest; any replica gives the same bits.
         any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)

@@ -24,14 +24,15 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def uniforms(
-    seed: int, prompt_ids: np.ndarray, sample_ids: np.ndarray, position: int
+    seed: int, prompt_ids: np.ndarray, sample_ids: np.ndarray, position: int | np.ndarray
 ) -> np.ndarray:
-    """One uniform in [0, 1) per (prompt_id, sample_id) pair at ``position``, as float64."""
+    """One uniform in [0, 1) per (prompt_id, sample_id) pair at ``position`` (the token's
+    index in its completion: one for all pairs, or one per pair), as float64."""
     with np.errstate(over="ignore"):
         h = _splitmix64(np.full(prompt_ids.shape, seed, dtype=np.uint64))
         h = _splitmix64(h ^ prompt_ids.astype(np.uint64))
         h = _splitmix64(h ^ sample_ids.astype(np.uint64))
-        h = _splitmix64(h ^ np.uint64(position))
+        h = _splitmix64(h ^ np.asarray(position).astype(np.uint64))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -64,8 +64,11 @@ class RolloutBackend(Backend, Protocol):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         prompt_ids: Sequence[int],
+        stream_rows: int | None = None,
     ) -> list[list[SampledSequence]]:
-        """``params.n`` completions of each prompt; randomness keyed by ``prompt_ids``."""
+        """``params.n`` completions of each prompt; randomness keyed by ``prompt_ids``; rows
+        decoded in streams of ``stream_rows`` (a request split at stream boundaries samples
+        exactly like one that is not)."""
 
     def sleep(self) -> None: ...
 

@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from plexrl_dask.errors import (
@@ -35,8 +34,8 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service import checkpoint
 from plexrl_dask.service.checkpoint import StoreCheckpoint
+from plexrl_dask.service.decode import StreamDecoder, stream_settings
 from plexrl_dask.service.losses import compute_loss
-from plexrl_dask.service.sampling import choose_tokens, uniforms
 from plexrl_dask.service.types import (
     AdamWParams,
     Datum,
@@ -56,11 +55,6 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     before."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-def _output_cache(out: object) -> object:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def _local_nbytes(t: torch.Tensor) -> int:
@@ -103,7 +97,8 @@ class TorchBackend:
         self.pad_token_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         )
-        self._cache_kw = _cache_kwarg(self.model)
+        self.cache_kw = _cache_kwarg(self.model)
+        self.forward_params = frozenset(inspect.signature(self.model.forward).parameters)
         self._pieces = _token_pieces(self.tokenizer)
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
@@ -275,27 +270,31 @@ class TorchBackend:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         prompt_ids: Sequence[int],
+        stream_rows: int | None = None,
     ) -> list[list[SampledSequence]]:
-        """``params.n`` completions per prompt, batched over ``max_batch_size`` sequences."""
+        """``params.n`` completions per prompt. Rows (prompt, sample), in that order, are cut
+        into streams of ``stream_rows`` (default ``plexrl.sampling.stream-rows``), each decoded
+        with continuous batching, ``max_batch_size`` rows at a time
+        (:mod:`plexrl_dask.service.decode`)."""
         prompts = [list(p) for p in prompts]
         self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
         if len(prompt_ids) != len(prompts):
             raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
-        # Rows in (prompt, sample) order, cut into batches of max_batch_size: a request split at
-        # batch boundaries (over replicas) decodes exactly the same batches.
+        per_stream, refill_min = stream_settings(stream_rows)
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
         self.model.eval()
         with torch.inference_mode():
-            for start in range(0, len(rows), self.max_batch_size):
-                chunk = rows[start : start + self.max_batch_size]
-                for (i, j), seq in zip(
-                    chunk, self._sample_batch(prompts, chunk, params, prompt_ids), strict=True
-                ):
+            for start in range(0, len(rows), per_stream):
+                chunk = rows[start : start + per_stream]
+                decoder = StreamDecoder(self, prompts, chunk, params, prompt_ids, refill_min)
+                for (i, j), seq in zip(chunk, decoder.run(), strict=True):
                     out[i][j] = seq
         return [list(group) for group in out]  # type: ignore[arg-type]
 
-    def _stopped_by_string(self, tokens: list[int], stops: tuple[str, ...], longest: int) -> bool:
+    def stopped_by_string(self, tokens: list[int], stops: tuple[str, ...], longest: int) -> bool:
+        """Whether the text of ``tokens`` ends in a way that contains one of ``stops``
+        (``longest``: the longest stop's length in characters, an upper bound in tokens)."""
         tail_ids = tokens[-longest:]
         if self._pieces is not None and max(tail_ids) < len(self._pieces):
             # The tokenizer decodes by concatenation: the same text without a decode call
@@ -304,81 +303,6 @@ class TorchBackend:
         else:
             tail = self.tokenizer.decode(tail_ids, skip_special_tokens=True)
         return any(s in tail for s in stops)
-
-    def _sample_batch(
-        self,
-        prompts: list[list[int]],
-        rows: list[tuple[int, int]],
-        params: SamplingParams,
-        prompt_ids: Sequence[int],
-    ) -> list[SampledSequence]:
-        b = len(rows)
-        width = max(len(prompts[i]) for i, _ in rows)
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
-        for r, (i, _) in enumerate(rows):
-            p = prompts[i]
-            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)  # left padding
-            mask[r, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache = _output_cache(out)
-        logits = out.logits[:, -1]
-        next_pos = positions[:, -1:] + 1
-
-        pid = np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64)
-        sid = np.array([j for _, j in rows], dtype=np.int64)
-        tokens: list[list[int]] = [[] for _ in rows]
-        logprobs: list[list[float]] = [[] for _ in rows]
-        reasons = ["length"] * b
-        active = list(range(b))  # rows still generating, in cache order
-        longest_stop = max((len(s) for s in params.stop), default=0)
-
-        for step in range(params.max_tokens):
-            u = uniforms(params.seed, pid[active], sid[active], step)
-            chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
-            chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
-            keep: list[int] = []
-            for k, r in enumerate(active):
-                tokens[r].append(chosen_l[k])
-                logprobs[r].append(lp_l[k])
-                if (chosen_l[k] == self.eos_token_id and not params.ignore_eos) or (
-                    longest_stop and self._stopped_by_string(tokens[r], params.stop, longest_stop)
-                ):
-                    reasons[r] = "stop"
-                else:
-                    keep.append(k)
-            if not keep or step == params.max_tokens - 1:
-                break
-            if len(keep) < len(active):
-                # Drop finished rows from the batch (and the KV cache) so the long tail of
-                # generation lengths does not keep paying for finished sequences.
-                sel = torch.tensor(keep, device=self.device)
-                cache.reorder_cache(sel)
-                mask, next_pos, chosen = mask[sel], next_pos[sel], chosen[sel]
-                active = [active[k] for k in keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = self.model(
-                input_ids=chosen[:, None],
-                attention_mask=mask,
-                position_ids=next_pos,
-                use_cache=True,
-                **{self._cache_kw: cache},
-            )
-            cache = _output_cache(out)
-            logits = out.logits[:, -1]
-            next_pos = next_pos + 1
-
-        return [
-            SampledSequence(
-                tokens=tuple(tokens[r]),
-                logprobs=tuple(logprobs[r]),
-                text=self.tokenizer.decode(tokens[r], skip_special_tokens=True),
-                finish_reason=reasons[r],
-            )
-            for r in range(b)
-        ]
 
     # --- weights ---------------------------------------------------------------------------
 

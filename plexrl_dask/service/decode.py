@@ -1,0 +1,355 @@
+"""Continuous batching: one sampling stream decoded with its batch kept full.
+
+A rollout request's completions end at different lengths (the long tail). Decoding a fixed
+batch until its longest row ends leaves the batch emptier at every step, while each step's cost
+on a small model is mostly fixed. A **stream** is a contiguous run of a request's rows (prompt ×
+sample, in that order) decoded at most ``max_batch_size`` at a time: when rows end, their slots
+are refilled from the stream's waiting rows, so the batch stays full until the stream runs out.
+
+How it works, and why:
+
+- Waiting rows are **prefilled ahead**, ``max_batch_size`` at a time (one forward over their
+  left-padded prompts), and parked with their KV cache, attention mask, next position and
+  next-token logits. Admitting them is a splice of tensors, not a forward: a refill costs no
+  model call of its own.
+- Rows are admitted once ``refill_min_rows`` slots are free (or the batch is empty, or every
+  waiting row fits), in row order. Fewer, larger splices cost less than one per finished row.
+- Every row's content stays right-aligned in the cache (left padding; one column appended per
+  step), so joining two sets of rows pads the narrower on the left, and columns that no row
+  attends to any more are cut from the left. The cache is never wider than the longest live row.
+- Token choice is a pure function of (seed, prompt id, sample index, **the row's own token
+  position**) (:mod:`plexrl_dask.service.sampling`), so a row samples from the same uniforms
+  whenever it is admitted. The logits themselves depend, in the last bits, on which rows share a
+  batch (CPU and GPU matmuls are not batch-invariant). The admission schedule is a pure function
+  of the stream's rows and outcomes, so a stream decodes bit-identically on any worker; the
+  runtime splits a request over replicas only at stream boundaries
+  (:func:`~plexrl_dask.service.runtime.split_prompts`), so any replica count gives the same bits.
+- Cache layers other than plain growing ones (sliding windows, static caches) cannot be spliced:
+  such a model decodes each batch of the stream to its end before admitting the next (what the
+  backend did before streams existed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from plexrl_dask import config
+from plexrl_dask.errors import ConfigError
+from plexrl_dask.service.sampling import choose_tokens, uniforms
+from plexrl_dask.service.types import SampledSequence, SamplingParams
+
+if TYPE_CHECKING:
+    from plexrl_dask.service.backends.torch_backend import TorchBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Rows:
+    """Rows of a stream with their decoding state, all on the model's device.
+
+    ``index``: the rows' positions in the stream; ``keys``/``values``: per layer,
+    ``(rows, kv_heads, width, head_dim)``, left-padded; ``mask``: ``(rows, width)``, 1 where a
+    row has a token; ``next_pos``: ``(rows, 1)`` position id of each row's next token;
+    ``logits``: ``(rows, vocab)`` for each row's next token.
+    """
+
+    index: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+    next_pos: torch.Tensor
+    logits: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def select(self, picks: Sequence[int], trim: bool = True) -> Rows:
+        """The rows at ``picks`` (positions in this set), in that order; with ``trim``, the
+        columns no picked row attends to are cut from the left."""
+        sel = torch.tensor(list(picks), dtype=torch.long, device=self.mask.device)
+        mask = self.mask.index_select(0, sel)
+        cut = 0
+        if trim:
+            live = torch.nonzero(mask.any(dim=0))
+            cut = int(live[0, 0]) if len(live) else 0
+        return Rows(
+            [self.index[p] for p in picks],
+            [k.index_select(0, sel)[:, :, cut:] for k in self.keys],
+            [v.index_select(0, sel)[:, :, cut:] for v in self.values],
+            mask[:, cut:],
+            self.next_pos.index_select(0, sel),
+            self.logits.index_select(0, sel),
+        )
+
+    def split(self, count: int) -> tuple[Rows, Rows | None]:
+        """The first ``count`` rows and the rest (None when none are left)."""
+        if count >= len(self):
+            return self, None
+        return self.select(range(count)), self.select(range(count, len(self)))
+
+    @staticmethod
+    def join(a: Rows, b: Rows) -> Rows:
+        """``a``'s rows then ``b``'s, the narrower set padded on the left."""
+        width = max(a.mask.shape[1], b.mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        return Rows(
+            a.index + b.index,
+            [torch.cat([pad(x, 2), pad(y, 2)]) for x, y in zip(a.keys, b.keys, strict=True)],
+            [torch.cat([pad(x, 2), pad(y, 2)]) for x, y in zip(a.values, b.values, strict=True)],
+            torch.cat([pad(a.mask, 1), pad(b.mask, 1)]),
+            torch.cat([a.next_pos, b.next_pos]),
+            torch.cat([a.logits, b.logits]),
+        )
+
+
+def stream_settings(stream_rows: int | None = None) -> tuple[int, int]:
+    """``(stream_rows, refill_min_rows)``: ``stream_rows`` if given, else
+    ``plexrl.sampling.stream-rows``, and ``plexrl.sampling.refill-min-rows``.
+    :class:`~plexrl_dask.errors.ConfigError` unless both are positive integers."""
+    rows = config.get("sampling.stream-rows") if stream_rows is None else stream_rows
+    refill = config.get("sampling.refill-min-rows")
+    for name, value in (("stream-rows", rows), ("refill-min-rows", refill)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"plexrl.sampling.{name} must be an integer >= 1, got {value!r}")
+    return int(rows), int(refill)  # type: ignore[arg-type]
+
+
+def _layers(cache: object) -> list[object]:
+    return list(getattr(cache, "layers", []))
+
+
+def _spliceable(cache: object) -> bool:
+    """Whether every layer of ``cache`` is a plain growing one (batch rows can be spliced)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = _layers(cache)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+class StreamDecoder:
+    """Decodes one stream of ``rows`` (``(prompt index, sample index)`` pairs) of one request
+    on ``backend``'s model (see the module docstring). Use :meth:`run` once."""
+
+    def __init__(
+        self,
+        backend: TorchBackend,
+        prompts: list[list[int]],
+        rows: list[tuple[int, int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        refill_min_rows: int,
+    ):
+        self.backend = backend
+        self.model = backend.model
+        self.device = backend.device
+        self.prompts = prompts
+        self.rows = rows
+        self.params = params
+        self.batch_size = backend.max_batch_size
+        self.refill_min_rows = max(1, int(refill_min_rows))
+        self.pid = np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64)
+        self.sid = np.array([j for _, j in rows], dtype=np.int64)
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.logprobs: list[list[float]] = [[] for _ in rows]
+        self.reasons = ["length"] * len(rows)
+        self.prefilled = 0  # rows [0, prefilled) have been prefilled
+        self.cache: object = None  # the batch's cache object, its tensors swapped in per step
+        self.spliceable = True
+        self.forwards = 0
+        self.logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in backend.forward_params else {}
+
+    # --- model calls ------------------------------------------------------------------------
+
+    def _prefill(self, count: int) -> Rows:
+        """Prefill the next ``count`` rows of the stream. The samples of one prompt share its
+        prefill: each distinct prompt goes through the model once, and its cache and logits
+        are copied to every row that continues it."""
+        start = self.prefilled
+        picked = list(range(start, start + count))
+        self.prefilled += count
+        distinct: dict[int, int] = {}  # prompt index -> its row in the prefill
+        of_row = [distinct.setdefault(self.rows[r][0], len(distinct)) for r in picked]
+        width = max(len(self.prompts[i]) for i in distinct)
+        ids = torch.full((len(distinct), width), self.backend.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for i, k in distinct.items():
+            p = self.prompts[i]
+            ids[k, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[k, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **self.logits_kw,
+        )
+        self.forwards += 1
+        cache = _output_cache(out)
+        if self.cache is None:
+            self.spliceable = _spliceable(cache)
+        if self.cache is None or not self.spliceable:
+            # Not spliceable: rows are only prefilled into an empty batch, whose cache this is.
+            self.cache = cache
+        layers = _layers(cache) if self.spliceable else []
+        prompts = Rows(
+            list(range(len(distinct))),
+            [layer.keys for layer in layers],  # type: ignore[attr-defined]
+            [layer.values for layer in layers],  # type: ignore[attr-defined]
+            mask,
+            positions[:, -1:] + 1,
+            out.logits[:, -1].float(),
+        )
+        if len(distinct) == count:  # one sample per prompt: nothing to copy
+            prompts.index = picked
+            return prompts
+        rows = prompts.select(of_row, trim=False)
+        rows.index = picked
+        if not self.spliceable:
+            self.cache.reorder_cache(  # type: ignore[attr-defined]
+                torch.tensor(of_row, dtype=torch.long, device=self.device)
+            )
+        return rows
+
+    def _step(self, batch: Rows, chosen: torch.Tensor) -> Rows:
+        """Feed each row its chosen token; the rows with their grown cache and new logits."""
+        if self.spliceable:
+            for layer, k, v in zip(_layers(self.cache), batch.keys, batch.values, strict=True):
+                layer.keys, layer.values = k, v  # type: ignore[attr-defined]
+        mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+        out = self.model(
+            input_ids=chosen[:, None],
+            attention_mask=mask,
+            position_ids=batch.next_pos,
+            use_cache=True,
+            **{self.backend.cache_kw: self.cache},
+        )
+        self.forwards += 1
+        self.cache = _output_cache(out)
+        layers = _layers(self.cache) if self.spliceable else []
+        return Rows(
+            batch.index,
+            [layer.keys for layer in layers],  # type: ignore[attr-defined]
+            [layer.values for layer in layers],  # type: ignore[attr-defined]
+            mask,
+            batch.next_pos + 1,
+            out.logits[:, -1].float(),
+        )
+
+    # --- the stream -------------------------------------------------------------------------
+
+    def _admit(
+        self, batch: Rows | None, live: list[int], waiting: Rows | None
+    ) -> tuple[Rows | None, list[int], Rows | None]:
+        """Refill ``batch`` (``live``: the positions of its unfinished rows) from the waiting
+        rows when the admission rule says so; returns the batch, its live positions and the
+        rows still waiting."""
+        remaining = (len(self.rows) - self.prefilled) + (0 if waiting is None else len(waiting))
+        free = self.batch_size - len(live)
+        if remaining == 0 or free == 0:
+            return batch, live, waiting
+        if live and (not self.spliceable or free < min(self.refill_min_rows, remaining)):
+            return batch, live, waiting
+        take = min(free, remaining)
+        while waiting is None or len(waiting) < take:
+            more = self._prefill(min(self.batch_size, len(self.rows) - self.prefilled))
+            waiting = more if waiting is None else Rows.join(waiting, more)
+        admitted, waiting = waiting.split(take)
+        if batch is not None and live:
+            admitted = Rows.join(self._compact(batch, live), admitted)
+        return admitted, list(range(len(admitted))), waiting
+
+    def _compact(self, batch: Rows, live: list[int]) -> Rows:
+        """``batch`` without its finished rows (``live``: the positions of the others)."""
+        if len(live) == len(batch):
+            return batch
+        if not self.spliceable:
+            self.cache.reorder_cache(  # type: ignore[attr-defined]
+                torch.tensor(live, dtype=torch.long, device=self.device)
+            )
+        return batch.select(live, trim=self.spliceable)
+
+    def run(self) -> list[SampledSequence]:
+        """Decode every row of the stream; their completions in row order.
+
+        A finished row stays in the batch (fed padding, its output ignored) until
+        ``refill_min_rows`` rows have finished or waiting rows are admitted: dropping rows
+        copies the whole cache, and on a small batch a few idle rows cost less than that."""
+        params = self.params
+        stops = params.stop
+        longest_stop = max((len(s) for s in stops), default=0)
+        eos = None if params.ignore_eos else self.backend.eos_token_id
+        batch: Rows | None = None
+        live: list[int] = []  # positions in the batch of the rows still generating
+        waiting: Rows | None = None
+        while True:
+            batch, live, waiting = self._admit(batch, live, waiting)
+            if batch is None:
+                break
+            every = len(live) == len(batch)
+            live_t = torch.tensor(live, dtype=torch.long, device=self.device)
+            logits = batch.logits if every else batch.logits.index_select(0, live_t)
+            index = [batch.index[p] for p in live]
+            position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
+            u = uniforms(params.seed, self.pid[index], self.sid[index], position)
+            chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
+            chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
+            still: list[int] = []
+            for k, r in enumerate(index):
+                seq = self.tokens[r]
+                seq.append(chosen_l[k])
+                self.logprobs[r].append(lp_l[k])
+                if chosen_l[k] == eos or (
+                    longest_stop and self.backend.stopped_by_string(seq, stops, longest_stop)
+                ):
+                    self.reasons[r] = "stop"
+                elif len(seq) < params.max_tokens:
+                    still.append(live[k])
+            if not still:
+                batch, live = None, []
+                continue
+            if every:
+                feed = chosen
+            else:
+                feed = torch.full((len(batch),), self.backend.pad_token_id, dtype=chosen.dtype)
+                feed = feed.to(chosen.device).index_copy_(0, live_t, chosen)
+            live = still
+            if len(batch) - len(live) >= self.refill_min_rows:
+                batch = self._compact(batch, live)
+                feed = feed[torch.tensor(live, dtype=torch.long, device=feed.device)]
+                live = list(range(len(batch)))
+            batch = self._step(batch, feed)
+        logger.debug("stream of %d rows: %d model calls", len(self.rows), self.forwards)
+        decode = self.backend.tokenizer.decode
+        return [
+            SampledSequence(
+                tokens=tuple(self.tokens[r]),
+                logprobs=tuple(self.logprobs[r]),
+                text=decode(self.tokens[r], skip_special_tokens=True),
+                finish_reason=self.reasons[r],
+            )
+            for r in range(len(self.rows))
+        ]
+
+
+def _output_cache(out: object) -> object:
+    """The KV cache a model call returned (``cache`` in recent transformers,
+    ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values  # type: ignore[attr-defined]
