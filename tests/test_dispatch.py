@@ -18,7 +18,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from plexrl_dask.policy.dispatch import Decision, Dispatcher, DispatchPolicy, Request
@@ -597,7 +597,21 @@ class Model:
         least crowded, then first; blind: the first) and does not rather wait for a busy group
         of its own, it starts there; otherwise (ratio at its cheapest live group) it holds the
         free workers of the group it can start on soonest until that group's busy workers end,
-        and is passed over."""
+        and is passed over. A start can change what a passed-over head would do (it may have
+        taken the busy group that head waited for, or changed which group it starts on
+        soonest), so after each start every head is looked at again.
+
+        Like ``Dispatcher.decide``, the pass is repeated, its holds made afresh, until it
+        starts nothing: a decision releases everything that may start now, so deciding again
+        at the same instant releases nothing (and a hold made before a head of higher ratio
+        became a head does not bind that head)."""
+        out: list[tuple] = []
+        while step := self._greedy_pass(now):
+            out += step
+        return out
+
+    def _greedy_pass(self, now: float) -> list[tuple]:
+        """One pass of :meth:`greedy`."""
         out = []
         held: dict[str, float] = {}
         passed: set[str] = set()
@@ -646,6 +660,7 @@ class Model:
             if group is not None:
                 self.start(r, group, now + setup + r.service_s)
                 out.append((r.request, group, setup, ratio, False))
+                passed.clear()
                 continue
             passed.add(r.request)
             soonest = None
@@ -737,15 +752,17 @@ def residencies():
         max_size=15,
     )
     sizes = st.lists(st.sampled_from([0, GB, 4 * GB]), min_size=len(MODELS), max_size=len(MODELS))
+    return st.builds(setup_costs, tiers, sizes)
 
-    def build(tiers, sizes):
-        rmap = ResidencyMap()
-        for (m, w), tier in sorted(tiers.items()):
-            rmap.apply(ResidencyReport(m, 0, tier, 0, 0.0, worker=w))
-        by_model = dict(zip(MODELS, sizes, strict=True))
-        return SetupCosts(rmap, Estimates(), lambda m: by_model.get(m, 0))
 
-    return st.builds(build, tiers, sizes)
+def setup_costs(tiers: dict[tuple[str, str], str], sizes: list[int]) -> SetupCosts:
+    """``SetupCosts`` with deployment ``m`` in ``tiers[m, w]`` on worker ``w`` (absent where not
+    listed), model ``MODELS[i]`` of ``sizes[i]`` bytes."""
+    rmap = ResidencyMap()
+    for (m, w), tier in sorted(tiers.items()):
+        rmap.apply(ResidencyReport(m, 0, tier, 0, 0.0, worker=w))
+    by_model = dict(zip(MODELS, sizes, strict=True))
+    return SetupCosts(rmap, Estimates(), lambda m: by_model.get(m, 0))
 
 
 def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
@@ -802,6 +819,55 @@ def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
     st.sampled_from([0.0, 0.5, 2.0, 10.0]),
     st.sampled_from([0.0, 8.0]),
     st.sampled_from(["residency", "blind"]),
+)
+# Regressions (the oracle lagged the documented rule; the dispatcher was right). A read waits
+# for its replica (w0 free, w1 overdue: no hold), a lower-ratio single then takes w0, so the read
+# no longer waits and loads on w2+w4 in the same decision.
+@example(
+    events=[
+        ("add", (("w0", "w1"),), "", "m0", 0.0, 0.1),
+        ("decide", 0.0),
+        ("release", "w0"),
+        ("decide", 3.0),
+        ("add", (("w0",),), "", "m0", 0.0, 4.0),
+        ("add", (("w2", "w4"), ("w0", "w1")), "", "m0", 0.0, 0.1),
+        ("decide", 0.25),
+    ],
+    costs=setup_costs({("m0", "w0"): "nvme", ("m0", "w1"): "hbm"}, [4 * GB, 0, 0]),
+    alpha=0.0,
+    beta=8.0,
+    placement="residency",
+)
+# A start on w3 makes the blocked r2 start soonest on w0+w4 instead: it holds w4 against r4.
+@example(
+    events=[
+        ("add", (("w0",),), "", "m2", 0.0, 0.1),
+        ("add", (("w0", "w1"),), "", "m0", 0.0, 0.1),
+        ("add", (("w0", "w4"), ("w3", "w1")), "", "m0", 0.0, 0.1),
+        ("add", (("w3",),), "", "m0", 0.0, 0.1),
+        ("add", (("w4",),), "", "m0", 0.0, 0.1),
+        ("decide", 0.0),
+    ],
+    costs=setup_costs({}, [GB, 0, 0]),
+    alpha=0.0,
+    beta=0.0,
+    placement="residency",
+)
+# r3 becomes a head (r1 started) after the gang r2 held w1; r3 has the higher ratio, so that
+# hold does not bind it: it starts (in the dispatcher's next pass of the same decision).
+@example(
+    events=[
+        ("add", (("w0",),), "", "m0", 0.0, 0.1),
+        ("decide", 0.0),
+        ("add", (("w2",),), "o0", "m0", 0.0, 0.1),
+        ("add", (("w0", "w1"),), "", "m0", 0.0, 0.5),
+        ("add", (("w1",),), "o0", "m0", 0.0, 1.0),
+        ("decide", 0.0),
+    ],
+    costs=setup_costs({}, [GB, 0, 0]),
+    alpha=0.5,
+    beta=0.0,
+    placement="residency",
 )
 def test_hrrs_matches_greedy_oracle_while_nothing_is_urgent(events, costs, alpha, beta, placement):
     policy = DispatchPolicy(

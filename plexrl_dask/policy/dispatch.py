@@ -443,7 +443,9 @@ class Dispatcher:
         workers of the group it expects to start on soonest until that group's busy workers
         are expected to finish, and a lower-ratio request may use a held worker only if it is
         expected to end by then (EASY backfilling, by estimates). So a gang with the best ratio
-        is not overtaken indefinitely by singles before it turns urgent."""
+        is not overtaken indefinitely by singles before it turns urgent. A start looks again at
+        the heads that could use its workers: one that was waiting may now start elsewhere (the
+        start took the busy group it waited for) or hold another group."""
         urgent: list[_Entry] = []
         heads: list[_Entry] = []
         seen: set[str] = set()
