@@ -37,6 +37,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.service.checkpoint import StoreCheckpoint
+from plexrl_dask.service.decode import Streams
 from plexrl_dask.service.groups import GroupContext
 from plexrl_dask.service.holder import ReplicaHolder, holder_of
 from plexrl_dask.service.registry import DeploymentInfo
@@ -168,20 +169,20 @@ def sample(
     prompts: Sequence[str | Sequence[int]],
     params: SamplingParams = SamplingParams(),
     prompt_ids: Sequence[int] | None = None,
-    stream_rows: int | None = None,
+    streams: Streams | None = None,
 ) -> SampleResult:
     """``params.n`` completions of each prompt (strings or token ids).
 
     ``prompt_ids`` key each prompt's randomness (default: its position); a caller that splits
     one logical request into several passes the global positions, so the split changes nothing.
-    ``stream_rows``: rows per continuously batched stream (default: the worker's
-    ``plexrl.sampling.stream-rows``).
+    ``streams``: how rows are continuously batched (default: the worker's
+    ``plexrl.sampling.*``).
     """
     ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
 
     def call(backend: Any) -> SampleResult:
         tokens = backend.tokenize(prompts)
-        groups = backend.sample(tokens, params, ids, stream_rows)
+        groups = backend.sample(tokens, params, ids, streams)
         return SampleResult(
             prompt_tokens=tuple(tuple(t) for t in tokens),
             sequences=tuple(tuple(g) for g in groups),

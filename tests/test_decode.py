@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 
 import dask
+import numpy as np
 import pytest
 import torch
 
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.decode import stream_settings
+from plexrl_dask.service.decode import StreamDecoder, Streams
 from plexrl_dask.service.types import Datum, SamplingParams
 from tests.conftest import tiny_spec
 
@@ -28,8 +29,15 @@ PROMPTS = ["12+3=", "4+5=", "99+1=", "7*8=", "1+1=", "60-7="]
 PARAMS = SamplingParams(n=4, temperature=1.0, max_tokens=14, stop=("1", "5", "9"), seed=7)
 
 
-def backend_of(spec: ModelSpec, batch: int) -> TorchBackend:
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def backend_of(spec: ModelSpec, batch: int) -> TorchBackend:
     return TorchBackend(spec, "cpu", max_batch_size=batch)
 
 
@@ -56,10 +64,14 @@ class ModelCalls:
         return [s for s in self.shapes if s[1] == 1]
 
 
-def assert_scores_match_forward(backend: TorchBackend, prompts, result) -> None:
+def assert_scores_match_forward(backend: TorchBackend, prompts, result, temperature=1.0) -> None:
+    """Sampling log-probabilities (under ``temperature``; greedy ones under the raw logits,
+    temperature 1) equal teacher-forced scoring of the same text."""
     for prompt, group in zip(prompts, result, strict=True):
         for seq in group:
-            full = backend.forward([Datum(tokens=prompt + list(seq.tokens))], temperature=1.0)
+            full = backend.forward(
+                [Datum(tokens=prompt + list(seq.tokens))], temperature=temperature or 1.0
+            )
             scored = full.logprobs[0][len(prompt) :]
             torch.testing.assert_close(
                 torch.tensor(seq.logprobs), torch.tensor(scored), atol=1e-4, rtol=0
@@ -71,13 +83,12 @@ def test_a_stream_refills_its_batch_and_scores_like_forward():
     prompts = backend.tokenize(PROMPTS)
     ids = list(range(len(prompts)))
     rows = len(prompts) * PARAMS.n
-    with dask.config.set({"plexrl.sampling.refill-min-rows": 1}):
-        calls = ModelCalls(backend)
-        streamed = backend.sample(prompts, PARAMS, ids, stream_rows=rows)
-        calls.close()
-        batched_calls = ModelCalls(backend)
-        batched = backend.sample(prompts, PARAMS, ids, stream_rows=4)  # one batch per stream
-        batched_calls.close()
+    calls = ModelCalls(backend)
+    streamed = backend.sample(prompts, PARAMS, ids, Streams(rows, 1))
+    calls.close()
+    batched_calls = ModelCalls(backend)
+    batched = backend.sample(prompts, PARAMS, ids, Streams(4, 1))  # one batch per stream
+    batched_calls.close()
 
     lengths = sorted(len(s.tokens) for g in streamed for s in g)
     assert lengths[0] < lengths[-1]  # the lengths vary, so there is something to refill
@@ -102,17 +113,16 @@ def test_a_stream_refills_its_batch_and_scores_like_forward():
     assert_scores_match_forward(backend, prompts, streamed)
     assert_scores_match_forward(backend, prompts, batched)
     # The same request again is bit-identical.
-    with dask.config.set({"plexrl.sampling.refill-min-rows": 1}):
-        assert backend.sample(prompts, PARAMS, ids, stream_rows=rows) == streamed
+    assert backend.sample(prompts, PARAMS, ids, Streams(rows, 1)) == streamed
 
 
 def test_a_request_split_at_stream_boundaries_samples_bit_identically():
     backend = backend_of(tiny_spec(seed=6), batch=4)
     prompts = backend.tokenize(PROMPTS)
     # Streams of 8 rows = 2 prompts x 4 samples: cut after prompt 2 or 4, nothing changes.
-    whole = backend.sample(prompts, PARAMS, list(range(6)), stream_rows=8)
-    parts = backend.sample(prompts[:2], PARAMS, [0, 1], stream_rows=8) + backend.sample(
-        prompts[2:], PARAMS, [2, 3, 4, 5], stream_rows=8
+    whole = backend.sample(prompts, PARAMS, list(range(6)), Streams(8, 2))
+    parts = backend.sample(prompts[:2], PARAMS, [0, 1], Streams(8, 2)) + backend.sample(
+        prompts[2:], PARAMS, [2, 3, 4, 5], Streams(8, 2)
     )
     assert whole == parts
 
@@ -120,18 +130,49 @@ def test_a_request_split_at_stream_boundaries_samples_bit_identically():
 def test_refill_threshold_batches_admissions():
     backend = backend_of(tiny_spec(seed=5), batch=4)
     prompts = backend.tokenize(PROMPTS)
-    by_threshold = {}
+    steps = {}
     for threshold in (1, 4):
-        with dask.config.set({"plexrl.sampling.refill-min-rows": threshold}):
-            calls = ModelCalls(backend)
-            out = backend.sample(prompts, PARAMS, list(range(6)), stream_rows=24)
-            calls.close()
-        by_threshold[threshold] = (out, calls)
+        calls = ModelCalls(backend)
+        out = backend.sample(prompts, PARAMS, list(range(6)), Streams(24, threshold))
+        calls.close()
         assert max(b for b, _ in calls.shapes) <= 4
-    # Waiting for 4 free slots (the whole batch) admits only into an empty batch, so the
-    # stream decodes batch after batch: at least as many steps as refilling at once.
-    assert len(by_threshold[4][1].steps) >= len(by_threshold[1][1].steps)
-    assert_scores_match_forward(backend, prompts, by_threshold[4][0])
+        assert_scores_match_forward(backend, prompts, out)
+        steps[threshold] = calls.steps
+    # Waiting for 4 free slots (the whole batch) admits only into an empty batch: between
+    # two prefills the batch only shrinks, never refilled.
+    sizes = [b for b, _ in calls.shapes]
+    prefill_at = [k for k, (_, width) in enumerate(calls.shapes) if width > 1]
+    for a, b in zip(prefill_at, prefill_at[1:] + [len(sizes)], strict=True):
+        run = sizes[a + 1 : b]
+        assert run == sorted(run, reverse=True)
+    assert len(steps[4]) > len(steps[1])
+
+
+def test_mixed_prompts_share_prefills_and_score_like_forward():
+    """Several prompts per prefill (n=3 does not divide the batch of 5), prompts of very
+    different lengths, refilling at every free slot; then the edge cases of the length and
+    stop rules."""
+    backend = backend_of(tiny_spec(seed=9), batch=5)
+    texts = ["1=", "123456789+987654321=", "45*6=", "7-", "31415+2718=", "0="]
+    prompts = backend.tokenize(texts)
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=12, stop=("3", "8"), seed=2)
+    calls = ModelCalls(backend)
+    out = backend.sample(prompts, params, list(range(6)), Streams(18, 1))
+    calls.close()
+    assert max(b for b, _ in calls.shapes) <= 5
+    # Prefills hold one row per distinct prompt: 5 rows span 2 or 3 prompts.
+    assert any(b > 1 for b, _ in calls.prefills)
+    assert sum(b for b, _ in calls.prefills) < len(prompts) * params.n
+    assert_scores_match_forward(backend, prompts, out, params.temperature)
+    for edge in (
+        SamplingParams(n=3, temperature=1.0, max_tokens=1, seed=4),
+        SamplingParams(n=1, temperature=0.0, max_tokens=7, stop=("2",), seed=4),
+        SamplingParams(n=2, temperature=1.0, max_tokens=9, ignore_eos=True, seed=4),
+    ):
+        result = backend.sample(prompts, edge, list(range(6)), Streams(7, 1))
+        assert_scores_match_forward(backend, prompts, result, edge.temperature)
+        if edge.ignore_eos or edge.max_tokens == 1:
+            assert all(len(s.tokens) == edge.max_tokens for g in result for s in g)
 
 
 def test_sliding_window_models_decode_through_the_fallback():
@@ -140,10 +181,16 @@ def test_sliding_window_models_decode_through_the_fallback():
     config.update(use_sliding_window=True, sliding_window=6, max_window_layers=0)
     backend = backend_of(dataclasses.replace(spec, config=tuple(sorted(config.items()))), 4)
     prompts = backend.tokenize(PROMPTS[:3])
+    rows = [(i, j) for i in range(3) for j in range(PARAMS.n)]
     calls = ModelCalls(backend)
-    out = backend.sample(prompts, PARAMS, [0, 1, 2], stream_rows=12)
+    with torch.inference_mode():
+        decoder = StreamDecoder(backend, prompts, rows, PARAMS, [0, 1, 2], refill_min_rows=1)
+        sequences = decoder.run()
     calls.close()
+    assert not decoder.spliceable  # the fallback ran: batches one after another
     assert max(b for b, _ in calls.shapes) <= 4
+    out = [sequences[i * PARAMS.n : (i + 1) * PARAMS.n] for i in range(3)]
+    assert out == backend.sample(prompts, PARAMS, [0, 1, 2], Streams(12, 1))
     assert_scores_match_forward(backend, prompts, out)
 
 
@@ -154,6 +201,7 @@ def test_bad_stream_settings_are_config_errors(key, value):
         dask.config.set({f"plexrl.sampling.{key}": value}),
         pytest.raises(errors.ConfigError, match=key),
     ):
-        stream_settings()
+        Streams.from_config()
     with pytest.raises(errors.ConfigError, match="stream-rows"):
-        stream_settings(0)
+        Streams(0, 1)
+    assert Streams(np.int64(8), 2) == Streams(8, 2)

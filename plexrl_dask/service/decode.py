@@ -16,7 +16,7 @@ How it works, and why:
   waiting row fits), in row order. Fewer, larger splices cost less than one per finished row.
 - Every row's content stays right-aligned in the cache (left padding; one column appended per
   step), so joining two sets of rows pads the narrower on the left, and columns that no row
-  attends to any more are cut from the left. The cache is never wider than the longest live row.
+  attends to any more are cut from the left whenever rows are dropped.
 - Token choice is a pure function of (seed, prompt id, sample index, **the row's own token
   position**) (:mod:`plexrl_dask.service.sampling`), so a row samples from the same uniforms
   whenever it is admitted. The logits themselves depend, in the last bits, on which rows share a
@@ -32,6 +32,7 @@ How it works, and why:
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -117,16 +118,27 @@ class Rows:
         )
 
 
-def stream_settings(stream_rows: int | None = None) -> tuple[int, int]:
-    """``(stream_rows, refill_min_rows)``: ``stream_rows`` if given, else
-    ``plexrl.sampling.stream-rows``, and ``plexrl.sampling.refill-min-rows``.
-    :class:`~plexrl_dask.errors.ConfigError` unless both are positive integers."""
-    rows = config.get("sampling.stream-rows") if stream_rows is None else stream_rows
-    refill = config.get("sampling.refill-min-rows")
-    for name, value in (("stream-rows", rows), ("refill-min-rows", refill)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"plexrl.sampling.{name} must be an integer >= 1, got {value!r}")
-    return int(rows), int(refill)  # type: ignore[arg-type]
+@dataclass(frozen=True)
+class Streams:
+    """How a request's rows are decoded: ``rows`` per stream, waiting rows admitted once
+    ``refill_min_rows`` slots are free. Chosen by the client and sent with the request, so the
+    split over replicas and the decoding agree whatever the workers' configuration."""
+
+    rows: int
+    refill_min_rows: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("stream-rows", self.rows), ("refill-min-rows", self.refill_min_rows)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"plexrl.sampling.{name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "rows", int(self.rows))
+        object.__setattr__(self, "refill_min_rows", int(self.refill_min_rows))
+
+    @classmethod
+    def from_config(cls) -> Streams:
+        """``plexrl.sampling.stream-rows`` and ``plexrl.sampling.refill-min-rows``;
+        :class:`~plexrl_dask.errors.ConfigError` unless both are positive integers."""
+        return cls(config.get("sampling.stream-rows"), config.get("sampling.refill-min-rows"))  # type: ignore[arg-type]
 
 
 def _layers(cache: object) -> list[object]:
@@ -134,11 +146,21 @@ def _layers(cache: object) -> list[object]:
 
 
 def _spliceable(cache: object) -> bool:
-    """Whether every layer of ``cache`` is a plain growing one (batch rows can be spliced)."""
-    from transformers.cache_utils import DynamicLayer
+    """Whether ``cache`` is a plain, on-device ``DynamicCache`` whose every layer is a plain
+    growing one holding tensors: then its rows can be selected and joined as tensors. Caches
+    with state outside their layers' keys and values (sliding windows, offloading, caches of
+    other kinds) cannot."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
+    if type(cache) is not DynamicCache or getattr(cache, "offloading", False):
+        return False
     layers = _layers(cache)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return bool(layers) and all(
+        type(layer) is DynamicLayer
+        and getattr(layer, "is_initialized", True)
+        and isinstance(getattr(layer, "keys", None), torch.Tensor)
+        for layer in layers
+    )
 
 
 class StreamDecoder:
@@ -227,11 +249,17 @@ class StreamDecoder:
             )
         return rows
 
-    def _step(self, batch: Rows, chosen: torch.Tensor) -> Rows:
-        """Feed each row its chosen token; the rows with their grown cache and new logits."""
+    def _step(self, batch: Rows, chosen: torch.Tensor, advance: torch.Tensor | None) -> Rows:
+        """Feed each row its chosen token; the rows with their grown cache and new logits.
+        ``advance``: ``(rows, 1)``, 1 for rows still generating and 0 for finished ones (whose
+        position then stays put, inside the range every row's prompt and ``max_tokens`` were
+        checked against); None when every row is generating."""
         if self.spliceable:
             for layer, k, v in zip(_layers(self.cache), batch.keys, batch.values, strict=True):
                 layer.keys, layer.values = k, v  # type: ignore[attr-defined]
+            # The cache holds them now: without these references, each layer's old tensor is
+            # freed as soon as the forward has grown it (one cache in memory, not two).
+            batch.keys, batch.values = [], []
         mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
         out = self.model(
             input_ids=chosen[:, None],
@@ -248,7 +276,7 @@ class StreamDecoder:
             [layer.keys for layer in layers],  # type: ignore[attr-defined]
             [layer.values for layer in layers],  # type: ignore[attr-defined]
             mask,
-            batch.next_pos + 1,
+            batch.next_pos + (1 if advance is None else advance),
             out.logits[:, -1].float(),
         )
 
@@ -267,10 +295,13 @@ class StreamDecoder:
         if live and (not self.spliceable or free < min(self.refill_min_rows, remaining)):
             return batch, live, waiting
         take = min(free, remaining)
+        # Prefill ahead in whole batches (one forward for up to max_batch_size rows): at most
+        # that many rows' prompt caches wait beside the batch.
         while waiting is None or len(waiting) < take:
             more = self._prefill(min(self.batch_size, len(self.rows) - self.prefilled))
             waiting = more if waiting is None else Rows.join(waiting, more)
         admitted, waiting = waiting.split(take)
+        assert self.spliceable or waiting is None, "an unspliceable cache is never split"
         if batch is not None and live:
             admitted = Rows.join(self._compact(batch, live), admitted)
         return admitted, list(range(len(admitted))), waiting
@@ -288,9 +319,10 @@ class StreamDecoder:
     def run(self) -> list[SampledSequence]:
         """Decode every row of the stream; their completions in row order.
 
-        A finished row stays in the batch (fed padding, its output ignored) until
-        ``refill_min_rows`` rows have finished or waiting rows are admitted: dropping rows
-        copies the whole cache, and on a small batch a few idle rows cost less than that."""
+        While rows wait to be admitted, a finished row stays in the batch (fed padding, its
+        position frozen, its output ignored) until ``refill_min_rows`` rows have finished:
+        dropping rows copies the whole cache, and a few idle rows cost less than that. Once
+        nothing waits, finished rows are dropped at once."""
         params = self.params
         stops = params.stop
         longest_stop = max((len(s) for s in stops), default=0)
@@ -303,9 +335,12 @@ class StreamDecoder:
             if batch is None:
                 break
             every = len(live) == len(batch)
-            live_t = torch.tensor(live, dtype=torch.long, device=self.device)
-            logits = batch.logits if every else batch.logits.index_select(0, live_t)
             index = [batch.index[p] for p in live]
+            if every:
+                logits = batch.logits
+            else:
+                live_t = torch.tensor(live, dtype=torch.long, device=batch.logits.device)
+                logits = batch.logits.index_select(0, live_t)
             position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
             u = uniforms(params.seed, self.pid[index], self.sid[index], position)
             chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
@@ -327,14 +362,26 @@ class StreamDecoder:
             if every:
                 feed = chosen
             else:
-                feed = torch.full((len(batch),), self.backend.pad_token_id, dtype=chosen.dtype)
-                feed = feed.to(chosen.device).index_copy_(0, live_t, chosen)
+                feed = torch.full(
+                    (len(batch),),
+                    self.backend.pad_token_id,
+                    dtype=chosen.dtype,
+                    device=chosen.device,
+                )
+                feed.index_copy_(0, live_t.to(chosen.device), chosen)
             live = still
-            if len(batch) - len(live) >= self.refill_min_rows:
+            nothing_waits = waiting is None and self.prefilled == len(self.rows)
+            dead = len(batch) - len(live)
+            if dead and (nothing_waits or dead >= self.refill_min_rows):
                 batch = self._compact(batch, live)
                 feed = feed[torch.tensor(live, dtype=torch.long, device=feed.device)]
                 live = list(range(len(batch)))
-            batch = self._step(batch, feed)
+            advance = None
+            if len(live) < len(batch):
+                advance = torch.zeros((len(batch), 1), dtype=batch.next_pos.dtype)
+                advance[live] = 1
+                advance = advance.to(batch.next_pos.device)
+            batch = self._step(batch, feed, advance)
         logger.debug("stream of %d rows: %d model calls", len(self.rows), self.forwards)
         decode = self.backend.tokenizer.decode
         return [

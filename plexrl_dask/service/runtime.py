@@ -46,7 +46,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service.decode import stream_settings
+from plexrl_dask.service.decode import Streams
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.timeline import RequestSpan
@@ -432,11 +432,11 @@ class Deployment:
                 "a rollout deployment (sync_weights into it)"
             )
         ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
-        stream_rows, _ = stream_settings()
-        chunks = split_prompts(len(prompts), self.info.replicas, params.n, stream_rows)
-        # The stream length travels with the request: the split and the decoding agree even
-        # where the workers' configuration differs from the client's.
-        tasks = [(list(prompts[a:b]), params, ids[a:b], stream_rows) for a, b in chunks]
+        streams = Streams.from_config()
+        chunks = split_prompts(len(prompts), self.info.replicas, params.n, streams.rows)
+        # The streams travel with the request, so the split and the decoding agree whatever
+        # the workers' configuration (their max-batch-size, a memory bound, is theirs).
+        tasks = [(list(prompts[a:b]), params, ids[a:b], streams) for a, b in chunks]
         # Parts are data-parallel (replica None): the scheduler runs each on whichever replica
         # frees up first and holds the model warmest; any replica gives the same bits.
         any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from plexrl_dask.service.decode import Streams
 from plexrl_dask.service.types import (
     AdamWParams,
     Datum,
@@ -64,11 +65,11 @@ class RolloutBackend(Backend, Protocol):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         prompt_ids: Sequence[int],
-        stream_rows: int | None = None,
+        streams: Streams | None = None,
     ) -> list[list[SampledSequence]]:
         """``params.n`` completions of each prompt; randomness keyed by ``prompt_ids``; rows
-        decoded in streams of ``stream_rows`` (a request split at stream boundaries samples
-        exactly like one that is not)."""
+        decoded in ``streams`` (a request split at stream boundaries samples exactly like one
+        that is not)."""
 
     def sleep(self) -> None: ...
 

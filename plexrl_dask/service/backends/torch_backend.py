@@ -34,7 +34,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service import checkpoint
 from plexrl_dask.service.checkpoint import StoreCheckpoint
-from plexrl_dask.service.decode import StreamDecoder, stream_settings
+from plexrl_dask.service.decode import StreamDecoder, Streams
 from plexrl_dask.service.losses import compute_loss
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -270,24 +270,26 @@ class TorchBackend:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         prompt_ids: Sequence[int],
-        stream_rows: int | None = None,
+        streams: Streams | None = None,
     ) -> list[list[SampledSequence]]:
         """``params.n`` completions per prompt. Rows (prompt, sample), in that order, are cut
-        into streams of ``stream_rows`` (default ``plexrl.sampling.stream-rows``), each decoded
-        with continuous batching, ``max_batch_size`` rows at a time
+        into streams of ``streams.rows`` (default: ``plexrl.sampling.*``), each decoded with
+        continuous batching, ``max_batch_size`` rows at a time
         (:mod:`plexrl_dask.service.decode`)."""
         prompts = [list(p) for p in prompts]
         self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
         if len(prompt_ids) != len(prompts):
             raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
-        per_stream, refill_min = stream_settings(stream_rows)
+        streams = Streams.from_config() if streams is None else streams
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
         self.model.eval()
         with torch.inference_mode():
-            for start in range(0, len(rows), per_stream):
-                chunk = rows[start : start + per_stream]
-                decoder = StreamDecoder(self, prompts, chunk, params, prompt_ids, refill_min)
+            for start in range(0, len(rows), streams.rows):
+                chunk = rows[start : start + streams.rows]
+                decoder = StreamDecoder(
+                    self, prompts, chunk, params, prompt_ids, streams.refill_min_rows
+                )
                 for (i, j), seq in zip(chunk, decoder.run(), strict=True):
                     out[i][j] = seq
         return [list(group) for group in out]  # type: ignore[arg-type]
