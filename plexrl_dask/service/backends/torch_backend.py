@@ -50,13 +50,6 @@ from plexrl_dask.service.types import (
 logger = logging.getLogger(__name__)
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """Name of the KV-cache argument: ``cache`` in recent transformers, ``past_key_values``
-    before."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _local_nbytes(t: torch.Tensor) -> int:
     """Bytes this process holds for ``t`` (its local shard, for a DTensor)."""
     local = t.to_local() if hasattr(t, "to_local") else t
@@ -97,8 +90,9 @@ class TorchBackend:
         self.pad_token_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         )
-        self.cache_kw = _cache_kwarg(self.model)
         self.forward_params = frozenset(inspect.signature(self.model.forward).parameters)
+        # The KV-cache argument: ``cache`` in recent transformers, ``past_key_values`` before.
+        self.cache_kw = "cache" if "cache" in self.forward_params else "past_key_values"
         self._pieces = _token_pieces(self.tokenizer)
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
