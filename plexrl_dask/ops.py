@@ -52,6 +52,7 @@ from plexrl_dask.service.types import (
     SamplingParams,
     as_batch,
 )
+from plexrl_dask.state_store import peer
 from plexrl_dask.state_store.store import MARKER as STORE_MARKER
 from plexrl_dask.state_store.store import StateStore
 
@@ -281,7 +282,10 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
     """Publish the deployment's parameters to the node's DRAM tier as ``store_version`` of
     ``weights.<deployment>`` (each rank its own shard regions; tensors unchanged since an
     earlier publish are deduplicated, not rewritten), and drop its older published versions.
-    Returns the reference :func:`load_weights` takes."""
+    Returns the reference :func:`load_weights` takes: the version, its node, and a worker of
+    that node that serves it to other nodes."""
+    from distributed import get_worker
+
     model = f"weights.{checkpoint_model(deployment)}"
 
     def call(backend: Any) -> dict[str, Any]:
@@ -295,30 +299,46 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
         target = StoreCheckpoint(node.store("dram"), model, store_version, node=node, tier="dram")
         ref = backend.publish_weights(target, publish_id, opener)
         ref["node"] = node.node_id
+        ref["source"] = get_worker().address
         if backend._rank() == 0:
-            for old in node.store("dram").versions(model):
-                if old != store_version:
-                    with contextlib.suppress(PlexRLError):  # one being read stays until later
-                        node.delete(model, old, tiers=("dram",))
+            _drop_older(node, model, store_version)
         return ref
 
     return _run(deployment, "publish_weights", call)
 
 
+def _drop_older(node: Any, model: str, keep: int) -> None:
+    """Delete ``model``'s DRAM versions other than ``keep`` on ``node`` (weights versions:
+    only the newest is read again)."""
+    for old in node.store("dram").versions(model):
+        if old != keep:
+            with contextlib.suppress(PlexRLError):  # one being read stays until later
+                node.delete(model, old, tiers=("dram",))
+
+
 def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
-    """Overwrite the parameters with a version :func:`publish_weights` made on this node,
-    reading only what this replica's layout holds; returns the weights' version."""
+    """Overwrite the parameters with a version :func:`publish_weights` made, reading only what
+    this replica's layout holds; returns the weights' version. A version published on another
+    node is first imported into this node's tiers from the worker that published it, once per
+    node and only the objects this node lacks (:mod:`plexrl_dask.state_store.peer`)."""
+    from distributed import get_worker
+
+    model, version = str(ref["model"]), int(ref["version"])
 
     def call(backend: Any) -> int:
         node = _node(deployment)
         if ref.get("node") != node.node_id:
-            raise WeightsMismatch(
-                f"weights published on node {ref.get('node')!r} cannot be read on node {node.node_id!r}"
-            )
-        with node.pinned(str(ref["model"]), int(ref["version"]), promote=True) as (store, _):
-            return backend.load_weights(
-                StoreCheckpoint(store, str(ref["model"]), int(ref["version"]))
-            )
+            if not ref.get("source"):
+                raise WeightsMismatch(
+                    f"weights published on node {ref.get('node')!r} name no worker to import "
+                    f"them from onto node {node.node_id!r}"
+                )
+            peer.pull_version(node, get_worker(), str(ref["source"]), model, version)
+            # The version before this one stayed until now: its objects deduplicated the
+            # import (unchanged tensors did not cross the network again).
+            _drop_older(node, model, version)
+        with node.pinned(model, version, promote=True) as (store, _):
+            return backend.load_weights(StoreCheckpoint(store, model, version))
 
     return _run(deployment, "load_weights", call)
 

@@ -2,8 +2,9 @@
 
 The scheduler plugin registers this plugin cluster-wide, so every worker that joins (including
 one restarted by its nanny) gets it. On a worker advertising the GPU resource it fixes torch's
-thread count (DESIGN §5), adds the ``plexrl_holder_*`` worker handlers and the handler of the
-scheduler's prefetch hints (passed to the holder), and announces the worker
+thread count (DESIGN §5), adds the ``plexrl_holder_*`` worker handlers, the handlers that serve
+this node's stored versions to other nodes (:mod:`plexrl_dask.state_store.peer`) and the
+handler of the scheduler's prefetch hints (passed to the holder), and announces the worker
 on the ``plexrl-worker`` topic; the scheduler plugin answers by creating the worker's
 :class:`ReplicaHolder` actor. Workers without the GPU resource are left alone.
 """
@@ -16,16 +17,20 @@ import os
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import to_serialize
 from tornado.ioloop import PeriodicCallback
 
 from plexrl_dask import config
 from plexrl_dask.config import WorkerConfig
+from plexrl_dask.errors import StateStoreError, to_status
 from plexrl_dask.policy.residency import PREFETCH_OP, WORKER_TOPIC
 from plexrl_dask.service.holder import holder_of
+from plexrl_dask.state_store import peer
+from plexrl_dask.state_store.peer import MANIFEST_HANDLER, OBJECTS_HANDLER
 
 logger = logging.getLogger(__name__)
 
-HANDLERS = ("plexrl_holder_status", "plexrl_holder_drop")
+HANDLERS = ("plexrl_holder_status", "plexrl_holder_drop", MANIFEST_HANDLER, OBJECTS_HANDLER)
 
 
 class PlexRLWorkerPlugin(WorkerPlugin):
@@ -61,6 +66,34 @@ class PlexRLWorkerPlugin(WorkerPlugin):
                 return False
             return await asyncio.get_running_loop().run_in_executor(None, holder.drop, name)
 
+        # A peer node importing a version from this node's tiers (state_store.peer).
+        def node_state() -> Any:
+            holder = holder_of(worker)
+            if holder is None or holder.node is None:
+                raise StateStoreError(f"worker {worker.address} has no node state store")
+            return holder.node
+
+        async def store_manifest(model: str, version: int) -> dict[str, Any]:
+            def serve() -> dict[str, Any]:
+                try:
+                    return peer.serve_manifest(node_state(), model, version)
+                except StateStoreError as e:
+                    return to_status(e)
+
+            return await asyncio.get_running_loop().run_in_executor(None, serve)
+
+        async def store_objects(model: str, version: int, digests: list[str]) -> dict[str, Any]:
+            def serve() -> dict[str, Any]:
+                try:
+                    reply = peer.serve_objects(node_state(), model, version, list(digests))
+                except StateStoreError as e:
+                    return to_status(e)
+                if "objects" in reply:  # as frames of their own, not copied into the message
+                    reply["objects"] = {d: to_serialize(b) for d, b in reply["objects"].items()}
+                return reply
+
+            return await asyncio.get_running_loop().run_in_executor(None, serve)
+
         def prefetch(deployment: str | None, uid: str = "") -> None:
             holder = holder_of(worker)
             if holder is not None:
@@ -68,6 +101,8 @@ class PlexRLWorkerPlugin(WorkerPlugin):
 
         worker.handlers["plexrl_holder_status"] = holder_status
         worker.handlers["plexrl_holder_drop"] = holder_drop
+        worker.handlers[MANIFEST_HANDLER] = store_manifest
+        worker.handlers[OBJECTS_HANDLER] = store_objects
         # A stream op (one-way, batched with the scheduler's other messages); an op a worker
         # has no handler for would break its stream, so it is never removed (see teardown).
         worker.stream_handlers[PREFETCH_OP] = prefetch

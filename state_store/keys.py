@@ -7,12 +7,24 @@ never on the layout (FSDP shard, tensor-parallel shard, replica) that wrote it. 
 lets identical bytes written by different layouts land in identical chunks (dedup) and lets a
 reader fetch exactly the chunks its slice needs (resharding).
 
-**Chunk grid.** A tensor larger than ``target_bytes`` (4 MiB: Zarr's per-chunk overhead and
-strided copies make smaller chunks slow, NOTES-dask.md) has dims 0 and 1 halved where even (so
-2-way shards of either dim, FSDP rows or tensor-parallel columns, align with chunk boundaries),
-then the larger of the two halved again while a chunk exceeds the target: big tensors align
-with 4-, 8-, ...-way shards too. A smaller tensor is one chunk (a slice of it fetches it
-whole: few bytes).
+**Chunk grid.** It depends on a tensor's shape, dtype and ``split_dims``: the dims its readers
+may split it along. Every layout splits dim 0 (FSDP shards, tensor-parallel output rows), so
+that is the default; a tensor the model's tensor-parallel plan splits by input columns (a
+row-parallel linear's weight ``[out, in]``: o and down projections) also has dim 1
+(:func:`split_dims_from_tp_plan`). The hint comes from the model's configuration and the
+tensor's name, so every writer of a tensor (any layout, any replica, the reference model and
+the policy alike) chooses the same grid. A tensor larger than 1/16 of ``target_bytes`` (4 MiB:
+Zarr's per-chunk overhead makes smaller chunks slow, NOTES-dask.md) has each split dim halved
+where even (so 2-way shards of each align with chunk boundaries), then the largest of them
+halved again while a chunk exceeds the target: big tensors align with 4-, 8-, ...-way shards too (a
+tensor whose rows alone exceed the target is cut by columns too, to keep chunks bounded). A
+smaller tensor is one chunk (a slice of it fetches it whole: few bytes).
+
+Why not split dim 1 everywhere: a chunk that spans whole rows is one contiguous run of the
+tensor, so a full or dim-0 read lands straight in the output with one kernel copy; a chunk cut
+by columns must go through a buffer and a strided copy, which measured 2.5x slower on the DRAM
+tier (``benchmarks/RESULTS.md``). Only the tensors that tensor-parallel readers really cut by
+columns pay that.
 
 **Logical dtypes.** Zarr 3.1 has no bfloat16: such tensors are stored as their raw bits
 (uint16) with the logical dtype recorded, and come back bit-exactly.
@@ -51,6 +63,9 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
 _BY_TORCH = {t: name for name, (t, _) in DTYPES.items()}
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+#: Tensors above 1/16 of the chunk target are cut in two along each split dim at least, so
+#: 2-way shards of a 4 MB projection fetch only their half; smaller ones stay one chunk.
+_SPLIT_FRACTION = 16
 
 
 def check_model(model: str) -> str:
@@ -98,28 +113,66 @@ def from_storage(array: np.ndarray, dtype: str) -> torch.Tensor:
     return t.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else t
 
 
+#: The dims every reader may split a tensor along (see the module docstring).
+ROW_SPLITS: tuple[int, ...] = (0,)
+#: Row-parallel tensor-parallel weights: split by rows (FSDP) and by input columns.
+ROW_AND_COLUMN_SPLITS: tuple[int, ...] = (0, 1)
+
+
+def check_split_dims(split_dims: tuple[int, ...]) -> tuple[int, ...]:
+    dims = tuple(sorted(set(split_dims)))
+    if not dims or any(isinstance(d, bool) or d not in (0, 1) for d in dims):
+        raise InvalidStateKey(f"split_dims must be (0,) or (0, 1), got {split_dims!r}")
+    return dims
+
+
 def chunk_shape(
-    shape: tuple[int, ...], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES
+    shape: tuple[int, ...],
+    itemsize: int,
+    target_bytes: int = DEFAULT_CHUNK_BYTES,
+    split_dims: tuple[int, ...] = ROW_SPLITS,
 ) -> tuple[int, ...]:
-    """The chunk grid of a tensor (see the module docstring)."""
+    """The chunk grid of a tensor whose readers may split ``split_dims`` (see the module
+    docstring)."""
     if not shape:
         return ()
+    dims = [d for d in check_split_dims(split_dims) if d < len(shape)]
     chunks = [max(1, n) for n in shape]
 
     def nbytes() -> int:
         return int(np.prod(chunks)) * itemsize
 
-    if nbytes() > target_bytes:
-        for d in range(min(2, len(shape))):
+    if nbytes() > target_bytes // _SPLIT_FRACTION:
+        for d in dims:
             if shape[d] % 2 == 0:
                 chunks[d] = shape[d] // 2
     while nbytes() > target_bytes:
-        candidates = [d for d in range(min(2, len(shape))) if chunks[d] % 2 == 0]
+        candidates = [d for d in dims if chunks[d] % 2 == 0]
+        if not candidates:  # few, very long rows: keep chunks bounded, cut columns too
+            candidates = [d for d in range(min(2, len(shape))) if chunks[d] % 2 == 0]
         if not candidates:
             break
         d = max(candidates, key=lambda d: (chunks[d], -d))
         chunks[d] //= 2
     return tuple(chunks)
+
+
+def split_dims_from_tp_plan(
+    names: list[str], plan: dict[str, str] | None
+) -> dict[str, tuple[int, ...]]:
+    """The parameters among ``names`` that a tensor-parallel ``plan`` (Hugging Face's
+    ``base_model_tp_plan`` form: module patterns with ``*`` for a layer index -> style) splits
+    by input columns: the weights of modules whose style is row-wise (``"rowwise"``,
+    ``"rowwise_rep"``, ...; an embedding's row-wise split is by vocabulary rows, dim 0). Those
+    map to :data:`ROW_AND_COLUMN_SPLITS`; every other name is left out (it takes the default,
+    :data:`ROW_SPLITS`). Patterns match at the end of a module path, after any prefix (the base
+    model's attribute, ``model.``)."""
+    rowwise = [
+        re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + r"\.weight$")
+        for pattern, style in (plan or {}).items()
+        if "rowwise" in style and "embedding" not in style
+    ]
+    return {n: ROW_AND_COLUMN_SPLITS for n in names if any(r.search(n) for r in rowwise)}
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,18 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from dask.utils import parse_bytes
 
 from plexrl_dask import config
 from plexrl_dask.errors import ManagerUnavailable, PlexRLError, StateStoreError, from_status
-from plexrl_dask.state_store.keys import Manifest
+from plexrl_dask.state_store.keys import DTYPES, ROW_SPLITS, Manifest
 from plexrl_dask.state_store.manager import (
     CLIENTS_DIR,
     ERROR_FILE,
@@ -410,8 +411,10 @@ class NodeState:
         tensors: Mapping[str, torch.Tensor],
         meta: Mapping[str, Any] | None = None,
         tiers: tuple[str, ...] = ("dram", "nvme"),
+        split_dims: Mapping[str, tuple[int, ...]] | None = None,
     ) -> tuple[str, Manifest]:
-        """Publish whole tensors from this process as one version; returns (tier, manifest)."""
+        """Publish whole tensors from this process as one version; returns (tier, manifest).
+        ``split_dims``: as :meth:`StateStore.publish`'s."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         publish_id = os.urandom(8).hex()
         lease = self.reserve(nbytes, tiers)
@@ -419,7 +422,7 @@ class NodeState:
         try:
             with lease.store.writer(model, version, publish_id) as w:
                 for name, t in tensors.items():
-                    w.write(name, t)
+                    w.write(name, t, split_dims=(split_dims or {}).get(name, ROW_SPLITS))
             manifest = lease.store.commit(
                 model, version, publish_id, expected_parts=1, meta=dict(meta or {})
             )
@@ -430,6 +433,36 @@ class NodeState:
         return lease.tier, manifest
 
     # --- reading ----------------------------------------------------------------------------------
+
+    def import_version(
+        self,
+        manifest: Manifest,
+        fetch: Callable[[list[str]], Mapping[str, bytes]],
+        tiers: tuple[str, ...] = ("dram",),
+    ) -> tuple[str, int]:
+        """Publish the version ``manifest`` describes on this node (the first of ``tiers``
+        with room), fetching only the objects the tier lacks (:meth:`StateStore.import_version`);
+        returns (tier, bytes fetched). A version already on one of ``tiers`` is not fetched."""
+        for tier in tiers:
+            if self.store(tier).has_version(manifest.model, manifest.version):
+                return tier, 0
+        nbytes = sum(
+            int(np.prod(e.chunks, dtype=np.int64)) * np.dtype(DTYPES[e.dtype][1]).itemsize
+            for e in manifest.tensors.values()
+            for _ in e.chunk_digests
+        )
+        lease = self.reserve(nbytes, tiers)
+        before = lease.store.stats.bytes_written
+        fetched = None
+        try:
+            fetched = lease.store.import_version(manifest, fetch)
+        finally:
+            self.release(
+                lease,
+                lease.store.stats.bytes_written - before,
+                published=None if fetched is None else (manifest.model, manifest.version),
+            )
+        return lease.tier, fetched
 
     @contextlib.contextmanager
     def pinned(

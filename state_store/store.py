@@ -46,7 +46,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +79,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.state_store.keys import (
     DEFAULT_CHUNK_BYTES,
     DTYPES,
+    ROW_SPLITS,
     Manifest,
     TensorEntry,
     check_model,
@@ -163,7 +164,10 @@ class IOStats:
 
 
 _POOL: ThreadPoolExecutor | None = None
+_DISK_POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+#: How many object bytes one request of an import asks its source for.
+IMPORT_BATCH_BYTES = 64 << 20
 #: Bound on waiting for a store's collection lock (a collection walks every object once).
 _COLLECTION_LOCK_TIMEOUT_S = 120.0
 
@@ -180,16 +184,18 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def _run_fetches(fetches: list[Callable[[], None]]) -> None:
-    """Run chunk fetches on the I/O threads (inline when there is one)."""
+def _run_fetches(fetches: list[Callable[[], None]], disk: bool) -> None:
+    """Run chunk fetches on the I/O threads (inline when there is one); ``disk``: they read a
+    store on a disk, whose reads wait on the device more than they compute."""
     if len(fetches) == 1:
         fetches[0]()
     elif fetches:
-        list(_io_pool().map(lambda f: f(), fetches))
+        list((_disk_read_pool() if disk else _io_pool()).map(lambda f: f(), fetches))
 
 
 def _io_pool() -> ThreadPoolExecutor:
-    """Threads that overlap chunk reads (file I/O and hashing release the GIL)."""
+    """Threads that overlap chunk writes and memory-tier reads (file I/O and hashing release
+    the GIL)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
@@ -200,6 +206,21 @@ def _io_pool() -> ThreadPoolExecutor:
                 thread_name_prefix="plexrl-store",
             )
         return _POOL
+
+
+def _disk_read_pool() -> ThreadPoolExecutor:
+    """Threads for reads from a disk tier: twice as many as cores (at least 4), so the device
+    sees several requests at once while other threads hash. Cold NVMe-tier reads here went
+    from 0.76-0.84 to 0.87-1.25 of a raw sequential read with 4 threads instead of 2
+    (``benchmarks/RESULTS.md``)."""
+    global _DISK_POOL
+    with _POOL_LOCK:
+        if _DISK_POOL is None:
+            _DISK_POOL = ThreadPoolExecutor(
+                max_workers=max(4, min(16, 2 * (os.cpu_count() or 1))),
+                thread_name_prefix="plexrl-store-disk",
+            )
+        return _DISK_POOL
 
 
 class Objects:
@@ -744,10 +765,14 @@ class VersionWriter:
         tensor: torch.Tensor,
         region: tuple[slice, ...] | None = None,
         shape: tuple[int, ...] | None = None,
+        split_dims: tuple[int, ...] = ROW_SPLITS,
     ) -> None:
         """Write ``tensor`` as the ``region`` (canonical coordinates) of tensor ``name`` of full
         ``shape`` (default: the whole tensor). Chunks the region covers completely are stored
-        now (deduplicated); partly covered chunks are kept as fragments for the commit."""
+        now (deduplicated); partly covered chunks are kept as fragments for the commit.
+        ``split_dims``: the dims readers may split the tensor along, which choose its chunk
+        grid (:mod:`~plexrl_dask.state_store.keys`); every writer of a tensor must give the
+        same (else :class:`StateMismatch`, here or at the commit)."""
         if self._closed:
             raise StateMismatch("this writer is closed")
         check_name(name)
@@ -759,12 +784,16 @@ class VersionWriter:
                 f"tensor {name!r}: data of shape {tuple(tensor.shape)} does not fill region "
                 f"{[slice(a, b) for a, b in bounds]} of shape {full}"
             )
-        chunks = chunk_shape(full, np.dtype(DTYPES[dtype][1]).itemsize, self.store.chunk_bytes)
+        chunks = chunk_shape(
+            full, np.dtype(DTYPES[dtype][1]).itemsize, self.store.chunk_bytes, split_dims
+        )
         known = self.tensors.setdefault(
             name, {"shape": list(full), "dtype": dtype, "chunks": list(chunks)}
         )
-        if known["shape"] != list(full) or known["dtype"] != dtype:
-            raise StateMismatch(f"tensor {name!r} written as {full} {dtype} and as {known}")
+        if known != {"shape": list(full), "dtype": dtype, "chunks": list(chunks)}:
+            raise StateMismatch(
+                f"tensor {name!r} written as {full} {dtype} in chunks {chunks} and as {known}"
+            )
         _ensure_array_metadata(self._zarr.meta_root, name, full, dtype, chunks)
         data = to_storage(tensor)
         if not full:  # a scalar: one chunk, key "c", its bytes as they are
@@ -987,12 +1016,14 @@ class StateStore:
         version: int,
         tensors: dict[str, torch.Tensor],
         meta: dict[str, Any] | None = None,
+        split_dims: Mapping[str, tuple[int, ...]] | None = None,
     ) -> Manifest:
-        """Write whole tensors and commit (one writer)."""
+        """Write whole tensors and commit (one writer). ``split_dims``: per tensor name, the
+        dims its readers may split (default :data:`~.keys.ROW_SPLITS`)."""
         publish_id = uuid.uuid4().hex
         with self.writer(model, version, publish_id) as w:
             for name, t in tensors.items():
-                w.write(name, t)
+                w.write(name, t, split_dims=(split_dims or {}).get(name, ROW_SPLITS))
         return self.commit(model, version, publish_id, expected_parts=1, meta=meta)
 
     def commit(
@@ -1185,7 +1216,7 @@ class StateStore:
         :class:`StateMismatch`). ``out``: a contiguous CPU tensor of the region's shape and
         the tensor's dtype to read into (e.g. a pinned buffer); it is returned."""
         fetches, result = self._plan_read(model, version, name, region, shape, dtype, out)
-        _run_fetches(fetches)
+        _run_fetches(fetches, self.durable)
         return result()
 
     def read_many(
@@ -1202,7 +1233,7 @@ class StateStore:
             self._plan_read(model, version, name, region, None, None, (out or {}).get(name))
             for name, region in regions.items()
         ]
-        _run_fetches([f for fetches, _ in plans for f in fetches])
+        _run_fetches([f for fetches, _ in plans for f in fetches], self.durable)
         return {name: result() for name, (_, result) in zip(regions, plans, strict=True)}
 
     def _plan_read(
@@ -1321,48 +1352,91 @@ class StateStore:
         like any publish. Returns the bytes copied (0: already here)."""
         if self.has_version(model, version):
             return 0
-        manifest = src.manifest(model, version)
-        publish_id = f"copy-{uuid.uuid4().hex}"
+        what = f"{model!r} v{version} (copy to {self.root})"
+        return self.import_version(
+            src.manifest(model, version),
+            lambda digests: {d: src.objects.get(d, what) for d in digests},
+        )
+
+    def import_version(
+        self,
+        manifest: Manifest,
+        fetch: Callable[[list[str]], Mapping[str, bytes]],
+        batch_bytes: int = IMPORT_BATCH_BYTES,
+    ) -> int:
+        """Publish the version ``manifest`` describes, taking the objects this store lacks from
+        ``fetch`` (a list of digests -> their bytes; another tier, another node's store). They
+        are asked for in batches of about ``batch_bytes``, in the order the tensors list them,
+        and each is checked against its digest on arrival (:class:`CorruptState` naming it
+        otherwise, and nothing is published); the version appears atomically like any publish.
+        Returns the bytes fetched (0: the version was already here)."""
+        model, version = manifest.model, manifest.version
+        if self.has_version(model, version):
+            return 0
+        publish_id = f"import-{uuid.uuid4().hex}"
         staging = self._staging(model, version, publish_id)
-        copied = 0
-
-        touched = _Touched(staging / "touched" / "copy")
+        touched = _Touched(staging / "touched" / "import")
         pending = staging / "pending" if self.durable else None
+        sizes: dict[str, int] = {}
+        for entry in manifest.tensors.values():
+            itemsize = np.dtype(DTYPES[entry.dtype][1]).itemsize
+            nbytes = int(np.prod(entry.chunks, dtype=np.int64)) * itemsize
+            for digest in entry.chunk_digests.values():
+                sizes.setdefault(digest, nbytes)
+        what = f"{model!r} v{version} (import to {self.root})"
 
-        def copy(digest: str) -> int:
+        def lacking(digest: str) -> bool:
             touched(digest)  # (before looking: see Objects.put)
-            if self.objects.path(digest).exists():
-                with contextlib.suppress(FileNotFoundError):
-                    os.utime(self.objects.path(digest))
-                    return 0
-            data = src.objects.get(digest, f"{model!r} v{version} (copy to {self.root})")
-            if (
-                self.objects.put(data, pending=pending) != digest
-            ):  # pragma: no cover - get() verified it
-                raise CorruptState(f"{model!r} v{version}: object {digest} changed while copied")
-            return len(data)
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.objects.path(digest))
+                return False
+            return True
+
+        def store_batch(batch: list[str]) -> int:
+            got = fetch(batch)
+            total = 0
+            for digest in batch:
+                data = got.get(digest)
+                if data is None:
+                    raise CorruptState(f"{what}: the source has no object {digest}")
+                if self.objects.put(data, pending=pending) != digest:
+                    raise CorruptState(
+                        f"{what}: object {digest} arrived with other bytes (corrupted in transit "
+                        "or at the source)"
+                    )
+                total += len(data)
+            return total
 
         try:
-            copied = sum(_io_pool().map(copy, sorted(manifest.digests())))
-            arrays = src._version_dir(model, version) / "arrays"
-            if arrays.is_dir():
-                shutil.copytree(arrays, staging / "arrays")
+            missing = [d for d in sizes if lacking(d)]
+            batches: list[list[str]] = []
+            size = batch_bytes
+            for digest in missing:
+                if size + sizes[digest] > batch_bytes:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(digest)
+                size += sizes[digest]
+            # Batches in flight together: the next is fetched while the last is stored.
+            fetched = sum(_io_pool().map(store_batch, batches))
+            for name, entry in manifest.tensors.items():
+                _ensure_array_metadata(
+                    staging / "arrays", name, entry.shape, entry.dtype, entry.chunks
+                )
             staging.mkdir(parents=True, exist_ok=True)
             _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
             touched.close()
             with self._collection_lock(shared=True):
                 self._settle(staging)
-                gone = [d for d in manifest.digests() if not self.objects.path(d).exists()]
+                gone = [d for d in sizes if not self.objects.path(d).exists()]
                 if gone:  # pragma: no cover - the protocol of gc() rules it out
-                    raise PublishIncomplete(
-                        f"copy of {model!r} v{version}: {len(gone)} objects vanished"
-                    )
+                    raise PublishIncomplete(f"import of {what}: {len(gone)} objects vanished")
                 self._finish_publish(staging, model, version, manifest)
         finally:
             touched.close()
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
-        return copied
+        return fetched
 
     # --- space -------------------------------------------------------------------------------
 

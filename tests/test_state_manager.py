@@ -32,6 +32,8 @@ from plexrl_dask import errors
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.types import Datum
+from plexrl_dask.state_store import peer
+from plexrl_dask.state_store.keys import Manifest
 from plexrl_dask.state_store.manager import (
     LOCK_FILE,
     LOG_FILE,
@@ -40,6 +42,7 @@ from plexrl_dask.state_store.manager import (
     socket_name,
 )
 from plexrl_dask.state_store.node import NodeState, StateConfig
+from plexrl_dask.state_store.store import digest_of
 from tests.test_holder import fb, make_info, spec, step, weights
 
 MiB = 1 << 20
@@ -844,3 +847,27 @@ def test_training_replica_evicted_to_nvme_reloads_and_trains_bit_identically(tie
     assert status["version"] == reference.status()["replicas"]["trainee"]["version"] == 5
     # The stale stored state (superseded by training) is freed.
     wait_for(lambda: node.locate(model, version) is None, "the stale stash to be deleted")
+
+
+def test_a_node_serves_only_the_versions_it_holds_typed(tiers):
+    """The serving side of imports between nodes (state_store.peer): status dicts, typed
+    errors, and only the objects of the version asked for."""
+    node = NodeState(tiers())
+    try:
+        node.publish("m", 1, make_tensors(1))
+        node.publish("other", 1, make_tensors(2))
+        reply = peer.serve_manifest(node, "m", 1)
+        assert reply["status"] == "OK"
+        manifest = Manifest.from_json(reply["manifest"])
+        digests = sorted(manifest.digests())
+        got = peer.serve_objects(node, "m", 1, digests)
+        assert got["status"] == "OK" and set(got["objects"]) == set(digests)
+        assert all(digest_of(b) == d for d, b in got["objects"].items())
+        missing = peer.serve_manifest(node, "m", 7)
+        assert missing["status"] == "error" and missing["error"] == "VersionNotFound"
+        assert peer.serve_manifest(node, "../x", 1)["error"] == "InvalidStateKey"
+        theirs = sorted(node.store("dram").manifest("other", 1).digests())
+        stray = peer.serve_objects(node, "m", 1, theirs)
+        assert stray["status"] == "error" and "has no objects" in stray["message"]
+    finally:
+        node.close()

@@ -4,9 +4,13 @@ replicas of a node share one stored copy, and the scheduler hears where the mana
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import dask
 import torch
@@ -137,3 +141,79 @@ def test_replicas_on_one_node_share_one_stored_copy_and_tiers_are_reported(clust
         out.append(plexrl.result(fut).logprobs)
     assert out[0] == out[1]
     node.close()
+
+
+def test_sync_weights_to_another_node_imports_the_version_once_and_only_new_bytes(
+    cluster, runtime, tmp_path
+):
+    """A real worker process with its own node tiers ("node-b": another DRAM and NVMe path, as
+    on another host) holds the rollout replica: the trainer's version crosses to node B through
+    the store (worker to worker), not through the client."""
+    here = node_of(cluster)
+    b_tiers = {
+        "dram-path": str(tmp_path / "b-dram"),
+        "nvme-path": str(tmp_path / "b-nvme"),
+        "node-id": "node-b",
+    }
+    env = {
+        **os.environ,
+        **{f"DASK_PLEXRL__STATE__{k.upper().replace('-', '_')}": v for k, v in b_tiers.items()},
+    }
+    worker = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "dask"), "worker", cluster.scheduler_address,
+            "--host", "127.0.0.1", "--nthreads", "1", "--no-nanny",
+            "--resources", f"{dask.config.get('plexrl.worker.gpu-resource')}=1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    with dask.config.set({f"plexrl.state.{k}": v for k, v in b_tiers.items()}):
+        node_b = NodeState(StateConfig.from_dask_config())
+    trainer = rollout = None
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            known = runtime.status()["workers"]
+            b = [w for w, info in known.items() if info.get("node") == "node-b"]
+            if b:
+                break
+            assert time.monotonic() < deadline, "node B's worker never registered its node"
+            time.sleep(0.5)
+        a = [w for w, info in known.items() if info.get("node") == here.node_id]
+        trainer = runtime.deploy(unique("cross-train"), tiny_spec(seed=35), workers=a[:1])
+        rollout = runtime.deploy(
+            unique("cross-roll"), tiny_spec(seed=36), role="rollout", workers=b
+        )
+        assert runtime.nodes_of(*trainer.info.workers) == {here.node_id}
+        assert runtime.nodes_of(*rollout.info.workers) == {"node-b"}
+        plexrl.result([trainer.forward_backward(batch(trainer)), trainer.optim_step()])
+        assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
+        want = plexrl.result(trainer.get_weights()).tensors
+        assert weights_equal(plexrl.result(rollout.get_weights()).tensors, want)
+
+        model = f"weights.{trainer.name}"
+        [version] = node_b.store("dram").versions(model)  # imported into node B's DRAM tier
+        assert version in here.store("dram").versions(model)
+        manifest = node_b.store("dram").manifest(model, version)
+        assert manifest.to_json() == here.store("dram").manifest(model, version).to_json()
+        used = node_b.status()["tiers"]["dram"]["used"]
+        assert used >= sum(e.nbytes for e in manifest.tensors.values())
+
+        # Nothing changed since: the next version shares every object, so nothing new is
+        # stored on node B, and the older version is dropped there too.
+        assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
+        [again] = node_b.store("dram").versions(model)
+        assert again != version
+        assert node_b.status()["tiers"]["dram"]["used"] == used
+        assert weights_equal(plexrl.result(rollout.get_weights()).tensors, want)
+    finally:
+        for dep in (trainer, rollout):
+            if dep is not None:
+                runtime.undeploy(dep.name)
+        worker.terminate()
+        worker.wait(timeout=60)
+        with contextlib.suppress(Exception):
+            node_b.shutdown()
+        here.close()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from plexrl_dask import errors
-from plexrl_dask.state_store.keys import chunk_shape
+from plexrl_dask.state_store.keys import ROW_AND_COLUMN_SPLITS, chunk_shape
 from plexrl_dask.state_store.store import StateStore
 
 KB = 1024
@@ -68,6 +68,29 @@ def test_regions_read_only_the_chunks_they_overlap(store):
     assert store.stats.bytes_read - before == half.numel() * 4
     cols = store.read("m", 0, "w", (slice(None), slice(24, 48)))
     assert torch.equal(cols, t[:, 24:])
+
+
+def test_the_chunk_grid_follows_the_dims_readers_split(store):
+    kb4 = 4 * KB
+    assert chunk_shape((64, 48), 4, kb4) == (16, 48)  # whole rows: contiguous chunks
+    assert chunk_shape((64, 48), 4, kb4, ROW_AND_COLUMN_SPLITS) == (32, 24)
+    assert chunk_shape((3, 4096), 4, kb4) == (3, 256)  # rows alone too long: columns cut too
+    assert chunk_shape((10,), 4, kb4) == (10,)
+    for bad in ((), (2,), (0, 2), (True,)):
+        with pytest.raises(errors.InvalidStateKey):
+            chunk_shape((64, 48), 4, kb4, bad)
+    # Writers of one tensor must agree on its grid: a disagreement never becomes a version.
+    t = torch.randn(64, 48)
+    w0, w1 = store.writer("m", 0, "p"), store.writer("m", 0, "p")
+    w0.write("w", t[:32], (slice(0, 32),), (64, 48))
+    w1.write("w", t[32:], (slice(32, 64),), (64, 48), ROW_AND_COLUMN_SPLITS)
+    w0.close(), w1.close()
+    with pytest.raises(errors.StateMismatch, match="disagree"):
+        store.commit("m", 0, "p", expected_parts=2)
+    assert not store.has_version("m", 0)
+    with store.writer("m", 1, "q") as w, pytest.raises(errors.StateMismatch, match="chunks"):
+        w.write("w", t[:32], (slice(0, 32),), (64, 48))
+        w.write("w", t[32:], (slice(32, 64),), (64, 48), ROW_AND_COLUMN_SPLITS)
 
 
 def test_identical_bytes_are_stored_once_across_replicas_versions_and_models(store):
@@ -373,3 +396,45 @@ def test_commits_wait_for_a_collection_and_give_up_typed(store, monkeypatch):
         os.close(fd)
     store.commit("m", 0, "p", expected_parts=1)
     assert store.versions("m") == [0]
+
+
+def test_an_import_fetches_only_the_objects_a_store_lacks_and_checks_each(tmp_path):
+    src = StateStore(tmp_path / "a", create=True, durable=False, chunk_bytes=4 * KB)
+    dst = StateStore(tmp_path / "b", create=True, durable=True, chunk_bytes=4 * KB)
+    frozen, trained = torch.randn(64, 48), torch.randn(64, 48)
+    src.publish("w", 1, {"frozen": frozen, "trained": trained})
+    src.publish("w", 2, {"frozen": frozen, "trained": trained + 1})
+    asked: list[str] = []
+
+    def fetch(digests: list[str]) -> dict[str, bytes]:
+        asked.extend(digests)
+        return {d: src.objects.get(d, "test") for d in digests}
+
+    v1 = src.manifest("w", 1)
+    assert dst.import_version(v1, fetch, batch_bytes=8 * KB) == len(v1.digests()) * 3 * KB
+    assert sorted(asked) == sorted(v1.digests())
+    asked.clear()
+    v2 = src.manifest("w", 2)
+    fetched = dst.import_version(v2, fetch)
+    assert sorted(asked) == sorted(v2.digests() - v1.digests())  # the frozen tensor stayed
+    assert fetched == len(asked) * 3 * KB
+    assert torch.equal(dst.read("w", 2, "trained"), trained + 1)
+    assert dst.import_version(v2, fetch) == 0  # already here
+    assert dst.read_with_zarr("w", 2, "frozen").equal(frozen)  # a valid Zarr array too
+
+    # Bytes corrupted in transit, or an object the source lacks: typed, nothing published.
+    src.publish("w", 3, {"trained": trained + 2})
+    v3 = src.manifest("w", 3)
+
+    def flipped(digests: list[str]) -> dict[str, bytes]:
+        got = fetch(digests)
+        d = digests[0]
+        got[d] = bytes([got[d][0] ^ 1]) + got[d][1:]
+        return got
+
+    with pytest.raises(errors.CorruptState, match="other bytes"):
+        dst.import_version(v3, flipped)
+    with pytest.raises(errors.CorruptState, match="has no object"):
+        dst.import_version(v3, lambda digests: {})
+    assert not dst.has_version("w", 3) and dst.versions("w") == [1, 2]
+    assert dst.import_version(v3, fetch) > 0 and dst.read("w", 3, "trained").equal(trained + 2)

@@ -1,7 +1,11 @@
 """Benchmark of the state store's tiers, dedup and resharding reads (issue: state store).
 
-Same run, same bytes (>= 256 MB of float32 state, in 8 MB tensors), hashing and digests
-included in our timings:
+Same run, same bytes, hashing and digests included in our timings. The state (>= 256 MB of
+float32) is shaped like a real model's: the parameters of a Qwen2-architecture decoder (see
+``_LAYER``), chunked as the store chunks any model's state, by the architecture's own
+tensor-parallel plan: the row-parallel weights (o and down projections, ~20 % of the bytes
+here; ``column_chunked_fraction``) in chunks cut by rows and columns, everything else in
+chunks of whole rows (``state_store.keys``).
 
 - ``dram_write_ratio`` / ``dram_read_ratio``: raw file write/read of the same bytes to the same
   shared-memory filesystem (``/dev/shm``) ÷ our tier, both without fsync (a DRAM tier is not
@@ -15,7 +19,9 @@ included in our timings:
   reference model equal to v0; ``dedup_ideal_ratio``: the unique-bytes fraction of the same
   (target: stored <= 1.05 x ideal);
 - ``reshard_fetch_ratio`` / ``reshard_peak_alloc_ratio``: 2 FSDP ranks publish row halves, 2
-  tensor-parallel ranks read column halves; max over TP ranks of bytes fetched from the store
+  tensor-parallel ranks read what the plan gives them (column-parallel weights and biases: row
+  halves; row-parallel weights: column halves; norms and embeddings: whole, as a TP rank holds
+  them); max over TP ranks of bytes fetched from the store
   (counted where objects are read) and of peak allocation during the read (tracemalloc, which
   sees numpy's buffers) ÷ that rank's slice bytes (target <= 1.05 each).
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -41,17 +48,73 @@ import torch
 
 from plexrl_dask.bench.common import median, parser, report
 from plexrl_dask.state_store import StateStore
+from plexrl_dask.state_store.keys import ROW_SPLITS, split_dims_from_tp_plan
 
 logger = logging.getLogger(__name__)
 
-TENSOR_SHAPE = (2048, 1024)  # 8 MB of float32
 READS_PER_REP = 3
+
+# The state is shaped like a real model's: a Qwen2-architecture decoder (hidden 1024, MLP
+# 2816, 16 query and 8 key/value heads of 64, vocabulary 32768, tied embeddings), with as many
+# layers as reach the asked size, chunked by the architecture's own tensor-parallel plan.
+HIDDEN, MLP, KV, VOCAB = 1024, 2816, 512, 32768
+_LAYER = {
+    "input_layernorm.weight": (HIDDEN,),
+    "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+    "self_attn.q_proj.bias": (HIDDEN,),
+    "self_attn.k_proj.weight": (KV, HIDDEN),
+    "self_attn.k_proj.bias": (KV,),
+    "self_attn.v_proj.weight": (KV, HIDDEN),
+    "self_attn.v_proj.bias": (KV,),
+    "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+    "post_attention_layernorm.weight": (HIDDEN,),
+    "mlp.gate_proj.weight": (MLP, HIDDEN),
+    "mlp.up_proj.weight": (MLP, HIDDEN),
+    "mlp.down_proj.weight": (HIDDEN, MLP),
+}
+
+
+def _shapes(total_mb: int) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of the benchmark's model: at least ``total_mb`` MB of fp32."""
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    per_layer = sum(int(np.prod(s)) for s in _LAYER.values()) * 4
+    layers = max(1, -(-(total_mb * 10**6 - VOCAB * HIDDEN * 4) // per_layer))
+    for i in range(layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in _LAYER.items()})
+    return shapes
+
+
+def _tp_plan() -> dict[str, str]:
+    from transformers import Qwen2Config
+
+    return dict(Qwen2Config.base_model_tp_plan)
+
+
+def _split_dims(names: list[str]) -> dict[str, tuple[int, ...]]:
+    return split_dims_from_tp_plan(names, _tp_plan())
 
 
 def _state(total_mb: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    n = max(1, total_mb // 8)
-    return {f"layers.{i}.weight": torch.randn(*TENSOR_SHAPE, generator=g) for i in range(n)}
+    return {n: torch.randn(*s, generator=g) for n, s in _shapes(total_mb).items()}
+
+
+def _tp_region(name: str, shape: tuple[int, ...], rank: int) -> tuple[slice, ...] | None:
+    """Rank ``rank`` of 2's slice of ``name`` under the architecture's tensor-parallel plan:
+    column-wise modules split their weight and bias by output rows, row-wise ones their weight
+    by input columns; everything else (norms, embeddings) is replicated (None: all of it)."""
+    for pattern, style in _tp_plan().items():
+        module = re.compile(r"(^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + r"\.")
+        if not module.search(name):
+            continue
+        dim = 1 if "rowwise" in style and name.endswith(".weight") else 0
+        if "rowwise" in style and dim == 0:
+            return None  # a row-parallel bias is added once, after the all-reduce
+        half = shape[dim] // 2
+        region = [slice(None)] * len(shape)
+        region[dim] = slice(rank * half, (rank + 1) * half)
+        return tuple(region)
+    return None
 
 
 def _drop_cache(paths: list[Path]) -> None:
@@ -85,6 +148,7 @@ def _raw_read(paths: list[Path]) -> list[np.ndarray]:
 def tier(root: Path, durable: bool, total_mb: int, reps: int) -> dict[str, float]:
     """Write and read ratios of our tier at ``root`` against raw files there."""
     base = _state(total_mb, 0)
+    dims = _split_dims(list(base))
     nbytes = sum(t.numel() * 4 for t in base.values())
     times: dict[str, list[float]] = {
         "raw_w": [],
@@ -102,7 +166,7 @@ def tier(root: Path, durable: bool, total_mb: int, reps: int) -> dict[str, float
         times["raw_w"].append(time.perf_counter() - t0)
         store = StateStore(store_dir, create=True, durable=durable)
         t0 = time.perf_counter()
-        store.publish("bench", 0, data)
+        store.publish("bench", 0, data, split_dims=dims)
         times["ours_w"].append(time.perf_counter() - t0)
         objects = [p for p in (store_dir / "objects").glob("*/*")]
         # Reads alternate arms three times per repetition (this shared machine's memory
@@ -145,6 +209,7 @@ def tier(root: Path, durable: bool, total_mb: int, reps: int) -> dict[str, float
 def dedup(root: Path, total_mb: int) -> dict[str, float]:
     store = StateStore(root / "dedup", create=True, durable=False)
     versions = [_state(total_mb, 1)]
+    dims = _split_dims(list(versions[0]))
     for v in (1, 2):
         nxt = dict(versions[-1])
         for name in sorted(nxt)[::2]:  # half the tensors change, half stay frozen
@@ -154,9 +219,9 @@ def dedup(root: Path, total_mb: int) -> dict[str, float]:
     copies = 0
     for replica in range(4):
         for v, tensors in enumerate(versions):
-            store.publish(f"rollout-{replica}", v, tensors)
+            store.publish(f"rollout-{replica}", v, tensors, split_dims=dims)
             copies += 1
-    store.publish("reference", 0, versions[0])
+    store.publish("reference", 0, versions[0], split_dims=dims)
     copies += 1
     naive = copies * size
     changed = sum(t.numel() * 4 for n, t in versions[0].items() if n in sorted(versions[0])[::2])
@@ -170,30 +235,37 @@ def dedup(root: Path, total_mb: int) -> dict[str, float]:
 def reshard(root: Path, total_mb: int) -> dict[str, float]:
     store = StateStore(root / "reshard", create=True, durable=False)
     full = _state(total_mb, 2)
-    rows, cols = TENSOR_SHAPE
+    dims = _split_dims(list(full))
     for rank in range(2):  # FSDP(2): each rank writes its dim-0 shard
         with store.writer("policy", 1, "fsdp") as w:
             for name, t in full.items():
+                rows = t.shape[0]
                 w.write(
                     name,
                     t[rank * rows // 2 : (rank + 1) * rows // 2],
                     (slice(rank * rows // 2, (rank + 1) * rows // 2),),
-                    shape=t.shape,
+                    tuple(t.shape),
+                    dims.get(name, ROW_SPLITS),
                 )
     store.commit("policy", 1, "fsdp", expected_parts=2)
     fetch, peak = [], []
-    for rank in range(2):  # TP(2): each rank reads its column half (a row-parallel layout)
+    for rank in range(2):  # TP(2) by the plan: row or column halves, or the whole tensor
         reader = StateStore(store.root)
-        sl = (slice(None), slice(rank * cols // 2, (rank + 1) * cols // 2))
-        slice_bytes = sum(t[sl].numel() * 4 for t in full.values())
+        regions = {n: _tp_region(n, tuple(t.shape), rank) for n, t in full.items()}
+        slice_bytes = sum(
+            (t if regions[n] is None else t[regions[n]]).numel() * 4 for n, t in full.items()
+        )
         tracemalloc.start()
         tracemalloc.reset_peak()
         got = {}
         for name in full:
-            got[name] = reader.read("policy", 1, name, sl)
+            got[name] = reader.read("policy", 1, name, regions[name])
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        assert all(torch.equal(got[n], full[n][sl]) for n in full)
+        assert all(
+            torch.equal(got[n], full[n] if regions[n] is None else full[n][regions[n]])
+            for n in full
+        )
         fetch.append(reader.stats.bytes_read / slice_bytes)
         peak.append(top / slice_bytes)
         del got
@@ -220,6 +292,11 @@ def main() -> None:
     finally:
         shutil.rmtree(dram_root, ignore_errors=True)
         shutil.rmtree(nvme_root, ignore_errors=True)
+    shapes = _shapes(total_mb)
+    split = _split_dims(list(shapes))
+    results["column_chunked_fraction"] = sum(int(np.prod(shapes[n])) for n in split) / sum(
+        int(np.prod(v)) for v in shapes.values()
+    )
     results["dedup_stored_over_ideal"] = (
         results["dedup_stored_ratio"] / results["dedup_ideal_ratio"]
     )

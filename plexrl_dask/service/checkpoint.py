@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from plexrl_dask.errors import CheckpointIncompatible, CheckpointIncomplete, CheckpointNotFound
+from plexrl_dask.state_store.keys import ROW_SPLITS, split_dims_from_tp_plan
 from plexrl_dask.state_store.store import StateStore, VersionWriter
 
 META_FILE = "plexrl.json"
@@ -251,14 +252,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def split_dims(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Per parameter name, the dims tensor-parallel readers split besides rows, from the
+    model's own tensor-parallel plan (Hugging Face's ``base_model_tp_plan``); parameters not
+    listed are split by rows only. This chooses each tensor's chunk grid in the store
+    (:mod:`~plexrl_dask.state_store.keys`)."""
+    config = getattr(model, "config", None)
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    plan.update(getattr(model, "_tp_plan", None) or {})
+    return split_dims_from_tp_plan([n for n, _ in model.named_parameters()], plan)
+
+
 def write_state(model: torch.nn.Module, optimizer: Any, writer: VersionWriter, rank: int) -> None:
     """Write this rank's part of the parameters and optimizer state into ``writer``, in
-    canonical coordinates (each rank only its own shard regions; an empty shard nothing)."""
+    canonical coordinates (each rank only its own shard regions; an empty shard nothing).
+    Optimizer moments take their parameter's chunk grid."""
+    dims = split_dims(model)
     with torch.no_grad():
         for n, p in model.named_parameters():
+            split = dims.get(n, ROW_SPLITS)
             local = _local(p.detach())
             if local.numel():
-                writer.write(f"model/{n}", local, shard_region(p), tuple(p.shape))
+                writer.write(f"model/{n}", local, shard_region(p), tuple(p.shape), split)
             for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
                 if not isinstance(v, torch.Tensor):
                     continue
@@ -267,7 +282,11 @@ def write_state(model: torch.nn.Module, optimizer: Any, writer: VersionWriter, r
                         writer.write(f"optim/{n}/{k}", v.detach())
                 elif _local(v).numel():
                     writer.write(
-                        f"optim/{n}/{k}", _local(v.detach()), shard_region(v), tuple(v.shape)
+                        f"optim/{n}/{k}",
+                        _local(v.detach()),
+                        shard_region(v),
+                        tuple(v.shape),
+                        split,
                     )
 
 
