@@ -231,7 +231,11 @@ def save_state(
     store, the node's NVMe tier when ``path`` is None (else a store at ``path``, e.g. on a
     shared filesystem), named after the deployment and numbered by its version; every rank
     passes the same ``publish_id``. ``format="dcp"``: torch DCP at ``path`` (export).
-    Returns ``{"path", "model", "version", "format"}``, which :func:`load_state` accepts."""
+    Ranks on other nodes than rank 0's send their shards to rank 0, which writes them there.
+    Returns ``{"path", "model", "version", "format"}`` (and, on the node's tier, ``"node"`` and
+    ``"source"``: its node and a worker there), which :func:`load_state` accepts."""
+    from distributed import get_worker
+
     if format == "dcp":
         if path is None:
             raise CheckpointError("a DCP checkpoint needs a path")
@@ -256,7 +260,10 @@ def save_state(
         target = StoreCheckpoint(store, model)
         if path is None:
             target = StoreCheckpoint(store, model, node=node, tier="nvme")
-        return backend.save_state(target, publish_id, opener)
+        ref = backend.save_state(target, publish_id, opener)
+        if path is None:  # on this node's tier: where ranks on other nodes import it from
+            ref["node"], ref["source"] = node.node_id, get_worker().address
+        return ref
 
     return _run(deployment, "save_state", call)
 
@@ -375,6 +382,9 @@ def _checkpoint_source(
     if isinstance(ckpt, Mapping):
         if ckpt.get("format") == "dcp":
             return str(ckpt["path"])
+        elsewhere = _import_from_peer(deployment, ckpt, model, version)
+        if elsewhere is not None:
+            return elsewhere
         path, model, version = (
             str(ckpt["path"]),
             model or ckpt.get("model"),
@@ -396,6 +406,27 @@ def _checkpoint_source(
         own = checkpoint_model(deployment)
         model = own if own in models or len(models) != 1 else models[0]
     return StoreCheckpoint(store, str(model), None if version is None else int(version))
+
+
+def _import_from_peer(
+    deployment: str, ckpt: Mapping[str, Any], model: str | None, version: int | None
+) -> StoreCheckpoint | None:
+    """A checkpoint :func:`save_state` wrote on another node's tier, imported into this node's
+    NVMe tier from the worker that wrote it (only the objects this node lacks); None when
+    ``ckpt`` is on this node or names no node."""
+    from distributed import get_worker
+
+    if "node" not in ckpt or not ckpt.get("source"):
+        return None
+    node = _node(deployment)
+    if ckpt["node"] == node.node_id:
+        return None
+    name = str(model or ckpt["model"])
+    number = int(ckpt["version"] if version is None else version)
+    tier, _ = peer.pull_version(
+        node, get_worker(), str(ckpt["source"]), name, number, tiers=("nvme",)
+    )
+    return StoreCheckpoint(node.store(tier), name, number)
 
 
 # --- combining the tasks of one request -------------------------------------------------------

@@ -6,7 +6,9 @@
 - :mod:`~plexrl_dask.state_store.manager`: the per-node StateManager process that owns the DRAM
   and NVMe tiers (reservations, pins, eviction DRAM -> NVMe, promotion, prefetch, collection);
 - :mod:`~plexrl_dask.state_store.node`: a process's handle on its node's manager
-  (:class:`NodeState`), which finds or starts it and moves bytes directly in the tiers.
+  (:class:`NodeState`), which finds or starts it and moves bytes directly in the tiers;
+- :mod:`~plexrl_dask.state_store.peer`: versions between nodes: a node imports another node's
+  version from a worker there (only the objects it lacks, each checked on arrival).
 """
 
 from plexrl_dask.state_store.node import NodeState, StateConfig, node_state

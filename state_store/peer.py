@@ -109,10 +109,16 @@ def _import_lock(node: NodeState, model: str, version: int, timeout: float) -> I
 
 
 def pull_version(
-    node: NodeState, worker: Any, source: str, model: str, version: int
+    node: NodeState,
+    worker: Any,
+    source: str,
+    model: str,
+    version: int,
+    tiers: tuple[str, ...] = ("dram", "nvme"),
 ) -> tuple[str, int]:
-    """Import ``model`` ``version`` into this node's DRAM tier (or NVMe, when DRAM cannot make
-    room) from the node of the worker at ``source``, called from a task running on ``worker``;
+    """Import ``model`` ``version`` into the first of this node's ``tiers`` with room (DRAM,
+    else NVMe, by default; a checkpoint goes to NVMe) from the node of the worker at
+    ``source``, called from a task running on ``worker``;
     returns (tier, bytes that crossed the network). A version this node already has costs
     nothing. Raises the serving side's typed error (e.g. :class:`VersionNotFound`), or
     :class:`ManagerUnavailable` when the source does not answer in time."""
@@ -135,7 +141,7 @@ def pull_version(
         return reply
 
     with _import_lock(node, model, version, timeout):
-        for tier in ("dram", "nvme"):
+        for tier in tiers:
             if node.store(tier).has_version(model, version):
                 return tier, 0
         manifest = Manifest.from_json(
@@ -146,7 +152,7 @@ def pull_version(
             return call(OBJECTS_HANDLER, model=model, version=version, digests=digests)["objects"]
 
         t0 = time.perf_counter()
-        tier, fetched = node.import_version(manifest, fetch, tiers=("dram", "nvme"))
+        tier, fetched = node.import_version(manifest, fetch, tiers=tiers)
         logger.info(
             "imported %s v%d from %s: %.1f MB in %.2f s (%d MB of it already here)",
             model,

@@ -143,12 +143,12 @@ def test_replicas_on_one_node_share_one_stored_copy_and_tiers_are_reported(clust
     node.close()
 
 
-def test_sync_weights_to_another_node_imports_the_version_once_and_only_new_bytes(
-    cluster, runtime, tmp_path
-):
+def test_weights_and_checkpoints_cross_nodes_through_the_store(cluster, runtime, tmp_path):
     """A real worker process with its own node tiers ("node-b": another DRAM and NVMe path, as
-    on another host) holds the rollout replica: the trainer's version crosses to node B through
-    the store (worker to worker), not through the client."""
+    on another host) joins the two workers of node A. A trainer with one rank on each node
+    publishes through rank 0's node (the other rank sends its shards there); rollout replicas on
+    both nodes load it, node B's importing the version once, worker to worker, never through
+    the client; a checkpoint written the same way restores onto another two-node layout."""
     here = node_of(cluster)
     b_tiers = {
         "dram-path": str(tmp_path / "b-dram"),
@@ -171,7 +171,7 @@ def test_sync_weights_to_another_node_imports_the_version_once_and_only_new_byte
     )  # fmt: skip
     with dask.config.set({f"plexrl.state.{k}": v for k, v in b_tiers.items()}):
         node_b = NodeState(StateConfig.from_dask_config())
-    trainer = rollout = None
+    deployed = []
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -181,36 +181,56 @@ def test_sync_weights_to_another_node_imports_the_version_once_and_only_new_byte
                 break
             assert time.monotonic() < deadline, "node B's worker never registered its node"
             time.sleep(0.5)
-        a = [w for w, info in known.items() if info.get("node") == here.node_id]
-        trainer = runtime.deploy(unique("cross-train"), tiny_spec(seed=35), workers=a[:1])
-        rollout = runtime.deploy(
-            unique("cross-roll"), tiny_spec(seed=36), role="rollout", workers=b
-        )
-        assert runtime.nodes_of(*trainer.info.workers) == {here.node_id}
-        assert runtime.nodes_of(*rollout.info.workers) == {"node-b"}
+        a = sorted(w for w, info in known.items() if info.get("node") == here.node_id)
+        assert len(a) == 2
+
+        def deploy(name, spec, **kw):
+            deployed.append(runtime.deploy(unique(name), spec, **kw))
+            return deployed[-1]
+
+        spec = tiny_spec(seed=35)
+        trainer = deploy("cross-train", spec, world_size=2, workers=[a[0], b[0]])
+        roll_a = deploy("cross-roll-a", tiny_spec(seed=36), role="rollout", workers=[a[1]])
+        roll_b = deploy("cross-roll-b", tiny_spec(seed=37), role="rollout", workers=b)
+        assert runtime.nodes_of(*trainer.info.workers) == {here.node_id, "node-b"}
+        home = runtime.status()["workers"][trainer.info.workers[0]]["node"]
+        home_node = here if home == here.node_id else node_b
+        other = node_b if home_node is here else here
         plexrl.result([trainer.forward_backward(batch(trainer)), trainer.optim_step()])
-        assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
         want = plexrl.result(trainer.get_weights()).tensors
-        assert weights_equal(plexrl.result(rollout.get_weights()).tensors, want)
+        for roll in (roll_a, roll_b):
+            assert plexrl.result(runtime.sync_weights(trainer, roll)) == 1
+            assert weights_equal(plexrl.result(roll.get_weights()).tensors, want)
 
         model = f"weights.{trainer.name}"
-        [version] = node_b.store("dram").versions(model)  # imported into node B's DRAM tier
-        assert version in here.store("dram").versions(model)
-        manifest = node_b.store("dram").manifest(model, version)
-        assert manifest.to_json() == here.store("dram").manifest(model, version).to_json()
-        used = node_b.status()["tiers"]["dram"]["used"]
+        [version] = home_node.store("dram").versions(model)  # the newest only
+        [imported] = other.store("dram").versions(model)  # imported by the other node
+        assert imported == version
+        manifest = other.store("dram").manifest(model, version)
+        assert manifest.to_json() == home_node.store("dram").manifest(model, version).to_json()
+        used = other.status()["tiers"]["dram"]["used"]
         assert used >= sum(e.nbytes for e in manifest.tensors.values())
 
         # Nothing changed since: the next version shares every object, so nothing new is
-        # stored on node B, and the older version is dropped there too.
-        assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
-        [again] = node_b.store("dram").versions(model)
+        # stored on the importing node, and the older version is dropped there too.
+        roll_other = roll_b if other is node_b else roll_a
+        assert plexrl.result(runtime.sync_weights(trainer, roll_other)) == 1
+        [again] = other.store("dram").versions(model)
         assert again != version
-        assert node_b.status()["tiers"]["dram"]["used"] == used
-        assert weights_equal(plexrl.result(rollout.get_weights()).tensors, want)
+        assert other.status()["tiers"]["dram"]["used"] == used
+        assert weights_equal(plexrl.result(roll_other.get_weights()).tensors, want)
+
+        # A checkpoint of the two-node trainer is one version on rank 0's node; another
+        # two-node layout (ranks swapped) restores it, its away rank importing it first.
+        saved = plexrl.result(trainer.save_state())
+        assert saved["node"] == home and home_node.store("nvme").versions(saved["model"]) == [1]
+        restored = deploy("cross-restore", spec, world_size=2, workers=[b[0], a[1]])
+        assert plexrl.result(restored.load_state(saved)) == 1
+        assert weights_equal(plexrl.result(restored.get_weights()).tensors, want)
+        assert other.store("nvme").versions(saved["model"]) == [1]
     finally:
-        for dep in (trainer, rollout):
-            if dep is not None:
+        for dep in deployed:
+            with contextlib.suppress(Exception):
                 runtime.undeploy(dep.name)
         worker.terminate()
         worker.wait(timeout=60)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,31 +264,88 @@ def split_dims(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return split_dims_from_tp_plan([n for n, _ in model.named_parameters()], plan)
 
 
-def write_state(model: torch.nn.Module, optimizer: Any, writer: VersionWriter, rank: int) -> None:
-    """Write this rank's part of the parameters and optimizer state into ``writer``, in
-    canonical coordinates (each rank only its own shard regions; an empty shard nothing).
-    Optimizer moments take their parameter's chunk grid."""
+@dataclass(frozen=True)
+class Entry:
+    """One tensor a rank writes into a version: its local ``data``, the ``region`` of the
+    canonical tensor of full ``shape`` it is (None: all of it), and its chunk-grid hint."""
+
+    name: str
+    data: torch.Tensor
+    region: tuple[slice, ...] | None
+    shape: tuple[int, ...]
+    split: tuple[int, ...]
+
+    def write(self, writer: VersionWriter) -> None:
+        writer.write(self.name, self.data, self.region, self.shape, self.split)
+
+
+def state_entries(model: torch.nn.Module, optimizer: Any, rank: int) -> list[Entry]:
+    """This rank's part of the parameters and optimizer state, in canonical coordinates (each
+    rank only its own shard regions; an empty shard nothing), in the same order on every rank.
+    Optimizer moments take their parameter's chunk grid; scalar state (Adam's step) is the
+    same on every rank and written by rank 0."""
     dims = split_dims(model)
+    out = []
     with torch.no_grad():
         for n, p in model.named_parameters():
             split = dims.get(n, ROW_SPLITS)
             local = _local(p.detach())
             if local.numel():
-                writer.write(f"model/{n}", local, shard_region(p), tuple(p.shape), split)
+                out.append(Entry(f"model/{n}", local, shard_region(p), tuple(p.shape), split))
             for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
                 if not isinstance(v, torch.Tensor):
                     continue
                 if v.dim() == 0:
-                    if rank == 0:  # the same scalar on every rank
-                        writer.write(f"optim/{n}/{k}", v.detach())
+                    if rank == 0:
+                        out.append(Entry(f"optim/{n}/{k}", v.detach(), None, (), ROW_SPLITS))
                 elif _local(v).numel():
-                    writer.write(
-                        f"optim/{n}/{k}",
-                        _local(v.detach()),
-                        shard_region(v),
-                        tuple(v.shape),
-                        split,
+                    out.append(
+                        Entry(
+                            f"optim/{n}/{k}",
+                            _local(v.detach()),
+                            shard_region(v),
+                            tuple(v.shape),
+                            split,
+                        )
                     )
+    return out
+
+
+def write_state(model: torch.nn.Module, optimizer: Any, writer: VersionWriter, rank: int) -> None:
+    """Write this rank's :func:`state_entries` into ``writer``."""
+    for entry in state_entries(model, optimizer, rank):
+        entry.write(writer)
+
+
+def send_entries(entries: list[Entry], dst: int) -> None:
+    """Send ``entries`` to rank ``dst`` of the process group (which writes them for this rank,
+    :func:`recv_entries`): their descriptions first, then each tensor as it is, its local
+    shard only."""
+    meta = [
+        (
+            e.name,
+            tuple(e.data.shape),
+            str(e.data.dtype).removeprefix("torch."),
+            e.region,
+            e.shape,
+            e.split,
+        )
+        for e in entries
+    ]
+    torch.distributed.send_object_list([meta], dst=dst)
+    for e in entries:
+        torch.distributed.send(e.data.contiguous(), dst=dst)
+
+
+def recv_entries(src: int, device: torch.device) -> Iterator[Entry]:
+    """The entries rank ``src`` sends with :func:`send_entries`, one tensor at a time (one
+    shard in memory at once)."""
+    box: list[Any] = [None]
+    torch.distributed.recv_object_list(box, src=src)
+    for name, local_shape, dtype, region, shape, split in box[0]:
+        data = torch.empty(local_shape, dtype=getattr(torch, dtype), device=device)
+        torch.distributed.recv(data, src=src)
+        yield Entry(name, data, region, tuple(shape), tuple(split))
 
 
 def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict[str, Any]]:

@@ -244,22 +244,16 @@ class Runtime:
         """Copy ``src``'s current weights (and version) into ``dst``; the future's result is
         ``dst``'s new version. The weights never go through the client.
 
-        When every worker of ``src`` is on one node, this goes through the state store:
-        ``src``'s ranks publish their shard regions to that node's DRAM tier (tensors unchanged
-        since the last sync are not rewritten), and every replica or rank of ``dst`` reads only
-        what its layout holds. A ``dst`` worker on another node first imports the version into
-        its own node's tiers from a worker of ``src`` (once per node, only the objects that
-        node lacks: :mod:`plexrl_dask.state_store.peer`). When ``src`` itself spans nodes (or
-        its workers have no store), its rank 0 gathers the whole tensors and Dask moves them
-        to ``dst``'s workers."""
+        This goes through the state store: ``src``'s ranks publish their shard regions to
+        the DRAM tier of rank 0's node (ranks on other nodes send theirs to rank 0; tensors
+        unchanged since the last sync are not rewritten), and every replica or rank of
+        ``dst`` reads only what its layout holds. A ``dst`` worker on another node first
+        imports the version into its own node's tiers from rank 0's worker (once per node, only
+        the objects that node lacks: :mod:`plexrl_dask.state_store.peer`). Only when a worker
+        has no node store does ``src``'s rank 0 gather the whole tensors for Dask to move."""
         src = self.deployment(src) if isinstance(src, str) else src
         dst = self.deployment(dst) if isinstance(dst, str) else dst
-        src_nodes = self.nodes_of(*src.info.workers)
-        if (
-            len(src_nodes) == 1
-            and None not in src_nodes
-            and None not in self.nodes_of(*dst.info.workers)
-        ):
+        if None not in self.nodes_of(*src.info.workers, *dst.info.workers):
             # A fresh store version per sync (µs clock: unique and increasing); the weights'
             # own version travels in the manifest.
             ref = src._submit(

@@ -66,6 +66,11 @@ class FSDPBackend(TorchBackend):
     def _agree(self, ok: bool) -> bool:
         return self.groups.all_ok(ok)
 
+    def _gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def _distributed(self) -> bool:
         return True
 

@@ -113,6 +113,10 @@ class TorchBackend:
         """Whether every rank of the request saw ``ok`` (one rank here: ``ok`` itself)."""
         return ok
 
+    def _gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (one rank here)."""
+        return [obj]
+
     def _checked(self, check: Any, elsewhere: PlexRLError | None = None) -> Any:
         """Run a step that may raise a typed error, and fail on every rank together if it
         failed on any (a lone failing rank would leave the others waiting in a collective);
@@ -388,14 +392,32 @@ class TorchBackend:
             for k, t in self._state_tensors().items()
             if k.startswith("param/") or (optimizer is not None and k.startswith("optim/"))
         )
+        # A node tier is local to its node: ranks on other nodes than rank 0's send their
+        # shards to rank 0, which writes them into its node's tier beside its own (one shard
+        # in flight at a time: nothing is gathered whole).
+        nodes = self._gather_object(None if target.node is None else target.node.node_id)
+        home = [r for r, n in enumerate(nodes) if n == nodes[0]]
+        away = [r for r in range(len(nodes)) if r not in home]
 
         def write() -> None:
+            entries = checkpoint.state_entries(self.model, optimizer, self._rank())
+            if self._rank() in away:
+                checkpoint.send_entries(entries, dst=0)
+                return
             if open_writer is None:
                 opened = target.store.writer(target.model, version, publish_id)
             else:
-                opened = open_writer(version, nbytes)
+                # Rank 0 also writes the away ranks' shards (FSDP shards are of one size).
+                opened = open_writer(
+                    version, nbytes * (1 + (len(away) if self._rank() == 0 else 0))
+                )
             with opened as writer:
-                checkpoint.write_state(self.model, optimizer, writer, self._rank())
+                for entry in entries:
+                    entry.write(writer)
+                if self._rank() == 0:
+                    for src in away:
+                        for entry in checkpoint.recv_entries(src, self.device):
+                            entry.write(writer)
 
         what = f"{target.model!r} v{version}"
         self._checked(write, CheckpointError(f"another rank could not write its part of {what}"))
@@ -409,7 +431,7 @@ class TorchBackend:
 
         def commit() -> None:
             if self._rank() == 0:  # every rank's part is closed: all passed the agreement
-                target.commit(version, publish_id, self._world(), meta)
+                target.commit(version, publish_id, len(home), meta)
 
         self._checked(commit, CheckpointError(f"rank 0 could not commit {what}"))
         return {
