@@ -2,7 +2,10 @@
 
 - :mod:`~plexrl_dask.state_store.keys`: canonical names, the chunk grid, logical dtypes, manifests;
 - :mod:`~plexrl_dask.state_store.store`: :class:`StateStore`, one tier's versions of models as
-  chunked Zarr arrays over content-addressed, deduplicated chunks, published atomically;
+  chunked Zarr arrays over content-addressed, deduplicated chunks, published atomically; below
+  it :mod:`~plexrl_dask.state_store.writer` (one writer's part of a publish),
+  :mod:`~plexrl_dask.state_store.zarr_layout` (a version's Zarr layout and metadata) and
+  :mod:`~plexrl_dask.state_store.objects` (the content-addressed chunk objects, verified reads);
 - :mod:`~plexrl_dask.state_store.manager`: the per-node StateManager process that owns the DRAM
   and NVMe tiers (reservations, pins, eviction DRAM -> NVMe, promotion, prefetch, collection);
 - :mod:`~plexrl_dask.state_store.node`: a process's handle on its node's manager

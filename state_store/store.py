@@ -20,21 +20,24 @@ fragments (at most one chunk per shard boundary is touched twice). Objects no ma
 to are garbage: :meth:`StateStore.gc` counts references from every manifest and deletes the
 rest (mark and sweep, so counts can never drift).
 
-**Atomic versions.** Writers write objects (immutable; written to a temporary name, fsynced on
-a durable tier, then linked into place) and their parts into a staging directory; the commit
-writes the manifest there, fsyncs, and renames the staging directory to
-``versions/<model>/<version>`` in one ``rename``. A crash at any point before leaves the
-previous versions untouched and nothing visible; of two concurrent publishers of one version
-the first rename wins and the second finds an identical version (fine) or a different one
-(:class:`VersionConflict`).
+**Atomic versions.** Writers (:mod:`~plexrl_dask.state_store.writer`) write objects (immutable,
+never visible partly written: :mod:`~plexrl_dask.state_store.objects`) and their parts into a
+staging directory; the commit writes the manifest there, fsyncs, and renames the staging
+directory to ``versions/<model>/<version>`` in one ``rename``. A crash at any point before
+leaves the previous versions untouched and nothing visible; of two concurrent publishers of one
+version the first rename wins and the second finds an identical version (fine) or a different
+one (:class:`VersionConflict`).
 
-**Reads** go through Zarr: a region of a tensor fetches exactly the chunks it overlaps, and
-every fetched chunk is checked against its digest (:class:`CorruptState` names the tensor).
+**Reads** go through Zarr's layout (:mod:`~plexrl_dask.state_store.zarr_layout`): a region of a
+tensor fetches exactly the chunks it overlaps, and every fetched chunk is checked against its
+digest (:class:`CorruptState` names the tensor).
+
+This module: :class:`StateStore` (publish and commit, reads, imports and tier copies,
+collection).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import functools
@@ -43,27 +46,15 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 import zarr
-from zarr.abc.store import (
-    ByteRequest,
-    OffsetByteRequest,
-    RangeByteRequest,
-    Store,
-    SuffixByteRequest,
-)
-from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from plexrl_dask.errors import (
     CorruptState,
@@ -72,7 +63,6 @@ from plexrl_dask.errors import (
     StateMismatch,
     StoreBusy,
     TensorNotFound,
-    TierFull,
     VersionConflict,
     VersionNotFound,
 )
@@ -85,10 +75,27 @@ from plexrl_dask.state_store.keys import (
     check_model,
     check_name,
     check_version,
-    chunk_shape,
     from_storage,
-    logical_dtype,
     to_storage,
+)
+from plexrl_dask.state_store.objects import (
+    IOStats,
+    Objects,
+    _fsync_dir,
+    _io_pool,
+    _run_fetches,
+    _scratch,
+    _syncfs,
+    _write_file,
+)
+from plexrl_dask.state_store.objects import digest_of as digest_of  # re-exported
+from plexrl_dask.state_store.writer import VersionWriter, _region, _Touched
+from plexrl_dask.state_store.zarr_layout import _byte_range as _byte_range  # re-exported
+from plexrl_dask.state_store.zarr_layout import (
+    _chunk_keys,
+    _ensure_array_metadata,
+    _open_or_create_array,
+    _VersionZarrStore,
 )
 
 logger = logging.getLogger(__name__)
@@ -96,570 +103,10 @@ logger = logging.getLogger(__name__)
 MARKER = "plexrl-store.json"
 FORMAT = 1
 
-
-def digest_of(data: bytes | memoryview) -> str:
-    """A chunk's content digest: XXH3-128. It is not cryptographic. It detects corruption and
-    identifies identical chunks for dedup, where an accidental collision is about 2^-128
-    likely. It runs at ~11 GB/s on one core here, against blake2b's 0.7, and the tier
-    bandwidth targets include the hashing. Stores inside one cluster's trust boundary need
-    no more."""
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-_LIBC: Any = None
-with contextlib.suppress(OSError, AttributeError):
-    import ctypes
-
-    _LIBC = ctypes.CDLL(None, use_errno=True)
-    _LIBC.syncfs  # noqa: B018 (present on Linux)
-
-
-def _syncfs(path: Path) -> bool:
-    """Flush the whole filesystem holding ``path`` (Linux ``syncfs``); False if unavailable."""
-    if _LIBC is None:
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _LIBC.syncfs(fd) == 0
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes | memoryview, durable: bool) -> None:
-    """Write ``path`` atomically (temporary name, then rename), fsynced when ``durable``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-@dataclass
-class IOStats:
-    """Bytes moved by one store object (instrumentation for the benchmarks and tests)."""
-
-    objects_written: int = 0
-    bytes_written: int = 0
-    dedup_hits: int = 0
-    bytes_deduplicated: int = 0
-    bytes_read: int = 0
-    chunks_read: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self.lock:
-            for k, v in counts.items():
-                setattr(self, k, getattr(self, k) + v)
-
-
-_POOL: ThreadPoolExecutor | None = None
-_DISK_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 #: How many object bytes one request of an import asks its source for.
 IMPORT_BATCH_BYTES = 64 << 20
 #: Bound on waiting for a store's collection lock (a collection walks every object once).
 _COLLECTION_LOCK_TIMEOUT_S = 120.0
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """A reusable byte buffer of this thread (fresh multi-MB allocations page-fault on every
-    touch: reusing one keeps chunk copies at memory speed)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(max(nbytes, 4 << 20), dtype=np.uint8)
-    return buf[:nbytes]
-
-
-def _run_fetches(fetches: list[Callable[[], None]], disk: bool) -> None:
-    """Run chunk fetches on the I/O threads (inline when there is one); ``disk``: they read a
-    store on a disk, whose reads wait on the device more than they compute."""
-    if len(fetches) == 1:
-        fetches[0]()
-    elif fetches:
-        list((_disk_read_pool() if disk else _io_pool()).map(lambda f: f(), fetches))
-
-
-def _io_pool() -> ThreadPoolExecutor:
-    """Threads that overlap chunk writes and memory-tier reads (file I/O and hashing release
-    the GIL)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(
-                # One per core (at least 2, to overlap file I/O with hashing and copying): more
-                # threads than cores made tmpfs writes 2x slower here (GIL contention).
-                max_workers=max(2, min(8, os.cpu_count() or 1)),
-                thread_name_prefix="plexrl-store",
-            )
-        return _POOL
-
-
-def _disk_read_pool() -> ThreadPoolExecutor:
-    """Threads for reads from a disk tier: twice as many as cores (at least 4), so the device
-    sees several requests at once while other threads hash. Cold NVMe-tier reads here went
-    from 0.76-0.84 to 0.87-1.25 of a raw sequential read with 4 threads instead of 2
-    (``benchmarks/RESULTS.md``)."""
-    global _DISK_POOL
-    with _POOL_LOCK:
-        if _DISK_POOL is None:
-            _DISK_POOL = ThreadPoolExecutor(
-                max_workers=max(4, min(16, 2 * (os.cpu_count() or 1))),
-                thread_name_prefix="plexrl-store-disk",
-            )
-        return _DISK_POOL
-
-
-class Objects:
-    """Content-addressed chunk bytes of one store, with an optional capacity."""
-
-    def __init__(
-        self, root: Path, durable: bool, capacity_bytes: int | None, stats: IOStats
-    ) -> None:
-        self.root = root
-        self.durable = durable
-        self.capacity_bytes = capacity_bytes
-        self.stats = stats
-        self._lock = threading.Lock()
-        self._used: int | None = None
-        self._dirs: set[Path] = set()
-        # Unnamed temporaries (O_TMPFILE, linked into place when complete): no name to
-        # create and remove per object. Off where the filesystem or /proc does not allow it.
-        self._tmpfile = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
-
-    def path(self, digest: str) -> Path:
-        return self.root / digest[:2] / digest
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used_locked()
-
-    def scan_bytes(self) -> int:
-        """Walk the objects and return their total size (exact, whoever wrote them)."""
-        total = 0
-        for p in self.root.glob("*/*"):
-            if not p.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):
-                    total += p.stat().st_size
-        with self._lock:
-            self._used = total
-        return total
-
-    def _used_locked(self) -> int:
-        if self._used is None:
-            self._used = sum(
-                p.stat().st_size for p in self.root.glob("*/*") if not p.name.startswith(".")
-            )
-        return self._used
-
-    def put(
-        self,
-        data: bytes | memoryview,
-        touch: Callable[[str], None] | None = None,
-        pending: Path | None = None,
-    ) -> str:
-        """Store ``data`` once; returns its digest. Safe to call from several threads: the
-        capacity is reserved before the bytes are written. ``touch(digest)`` runs before the
-        object is looked up or written: a writer records there that it uses the object, so
-        that collection keeps it (see :meth:`StateStore.gc`). ``pending``: a durable
-        publish's directory of new objects, which its commit makes durable all at once and
-        names in the store (:meth:`StateStore._settle`); until then only that publish sees
-        them."""
-        digest = digest_of(data)
-        if touch is not None:
-            touch(digest)
-        path = self.path(digest)
-        n = len(data)
-        try:
-            # Refresh its age: gc never deletes an object younger than its grace period, so an
-            # unreferenced object a new publish is about to refer to survives a concurrent gc.
-            os.utime(path)
-            self.stats.add(dedup_hits=1, bytes_deduplicated=n)
-            return digest
-        except FileNotFoundError:
-            pass  # not stored (or collected just now): store it
-        with self._lock:
-            used = self._used_locked()
-            if self.capacity_bytes is not None and used + n > self.capacity_bytes:
-                raise TierFull(
-                    f"store {self.root.parent} is full: {used} of {self.capacity_bytes} bytes used, "
-                    f"{n} more needed; stored versions are intact (free some with delete_version "
-                    "+ gc, or raise the capacity)"
-                )
-            self._used = used + n  # reserved
-        stored = False
-        try:
-            target = path if pending is None else pending / digest
-            if target.parent not in self._dirs:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self._dirs.add(target.parent)
-            # Written completely (and fsynced on a durable tier, unless the commit does it for
-            # the whole publish) before it gets its name: readers and dedup never see a
-            # partial object. Linking never replaces: of two writers of the same bytes, the
-            # first wins.
-            with contextlib.suppress(FileExistsError):
-                stored = self._write_new(target, data, sync=self.durable and pending is None)
-            if stored:
-                self.stats.add(objects_written=1, bytes_written=n)
-            else:
-                self.stats.add(dedup_hits=1, bytes_deduplicated=n)
-        finally:
-            if not stored:
-                with self._lock:
-                    self._used -= n  # release the reservation
-        return digest
-
-    def _write_new(self, path: Path, data: bytes | memoryview, sync: bool) -> bool:
-        if self._tmpfile:
-            dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                try:
-                    fd = os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o644, dir_fd=dirfd)
-                except OSError:
-                    self._tmpfile = False  # (e.g. a filesystem without O_TMPFILE)
-                else:
-                    try:
-                        _write_all(fd, data)
-                        if sync:
-                            os.fsync(fd)
-                        # linkat(..., AT_SYMLINK_FOLLOW): CPython uses linkat (which follows
-                        # the /proc link to the open file) only when given a dir fd.
-                        os.link(
-                            f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dirfd, follow_symlinks=True
-                        )
-                        return True
-                    finally:
-                        os.close(fd)
-            finally:
-                os.close(dirfd)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, data)
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.link(tmp, path)
-            return True
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def get_into(self, digest: str, what: str, out: memoryview) -> None:
-        """Read object ``digest``, which must be exactly ``len(out)`` bytes, into ``out`` and
-        verify it (``what`` names it in errors)."""
-        try:
-            fd = os.open(self.path(digest), os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptState(
-                f"{what}: chunk object {digest} is missing from {self.root}"
-            ) from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != len(out):
-                raise CorruptState(
-                    f"{what}: chunk object {digest} has {size} bytes, expected {len(out)}"
-                )
-            done = 0
-            while done < size:
-                got = os.readv(fd, [out[done:]])
-                if got == 0:
-                    raise CorruptState(f"{what}: chunk object {digest} ended early")
-                done += got
-        finally:
-            os.close(fd)
-        if digest_of(out) != digest:
-            raise CorruptState(
-                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
-            )
-        self.stats.add(bytes_read=size, chunks_read=1)
-
-    def get(self, digest: str, what: str, pending: Path | None = None) -> bytes:
-        """The bytes of ``digest``, verified (``what`` names them in errors); ``pending``: a
-        publish's own new objects, looked at too."""
-        try:
-            try:
-                data = self.path(digest).read_bytes()
-            except FileNotFoundError:
-                if pending is None:
-                    raise
-                data = (pending / digest).read_bytes()
-        except FileNotFoundError:
-            raise CorruptState(
-                f"{what}: chunk object {digest} is missing from {self.root}"
-            ) from None
-        if digest_of(data) != digest:
-            raise CorruptState(
-                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
-            )
-        self.stats.add(bytes_read=len(data), chunks_read=1)
-        return data
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _byte_range(data: bytes, byte_range: ByteRequest | None) -> bytes:
-    """``data`` cut to a Zarr byte request (whole chunks are verified before any cut)."""
-    if byte_range is None:
-        return data
-    if isinstance(byte_range, RangeByteRequest):
-        return data[byte_range.start : byte_range.end]
-    if isinstance(byte_range, OffsetByteRequest):
-        return data[byte_range.offset :]
-    if isinstance(byte_range, SuffixByteRequest):
-        return data[len(data) - byte_range.suffix :] if byte_range.suffix else b""
-    raise TypeError(f"unexpected byte range {byte_range!r}")
-
-
-class _VersionZarrStore(Store):
-    """The Zarr store of one version's arrays: metadata as files under ``meta_root``, chunk
-    keys (``<name>/c/...``) resolved through ``pointers`` to content-addressed objects."""
-
-    supports_writes = True
-    supports_deletes = True
-    supports_listing = True
-    supports_partial_writes = False
-
-    def __init__(
-        self,
-        meta_root: Path,
-        objects: Objects,
-        pointers: dict[str, str],
-        read_only: bool,
-        touch: Callable[[str], None] | None = None,
-        pending: Path | None = None,
-    ) -> None:
-        super().__init__(read_only=read_only)
-        self.meta_root = meta_root
-        self.objects = objects
-        self.pointers = pointers
-        self.touch = touch
-        self.pending = pending
-        self._lock = threading.Lock()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _VersionZarrStore) and other.meta_root == self.meta_root
-
-    @staticmethod
-    def _is_chunk(key: str) -> bool:
-        # Metadata keys end in zarr.json (tensor names may contain a segment "c"); zarr's
-        # probes for v2 metadata (.zarray, ...) resolve to "absent" either way.
-        return not key.endswith("zarr.json")
-
-    def _read(self, key: str) -> bytes | None:
-        if self._is_chunk(key):
-            with self._lock:
-                digest = self.pointers.get(key)
-            if digest is None:
-                return None
-            return self.objects.get(
-                digest, f"tensor {key.rsplit('/c', 1)[0]!r} chunk {key}", self.pending
-            )
-        try:
-            return (self.meta_root / key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            return None
-
-    async def get(
-        self,
-        key: str,
-        prototype: BufferPrototype | None = None,
-        byte_range: ByteRequest | None = None,
-    ) -> Buffer | None:
-        prototype = prototype or default_buffer_prototype()
-        # File I/O and hashing off the event loop, so Zarr's concurrent chunk reads overlap.
-        data = await asyncio.to_thread(self._read, key)
-        if data is None:
-            return None
-        return prototype.buffer.from_bytes(_byte_range(data, byte_range))
-
-    async def get_partial_values(
-        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
-    ) -> list[Buffer | None]:
-        return [await self.get(k, prototype, r) for k, r in key_ranges]
-
-    async def exists(self, key: str) -> bool:
-        if self._is_chunk(key):
-            return key in self.pointers
-        return (self.meta_root / key).is_file()
-
-    async def set(self, key: str, value: Buffer) -> None:
-        self._check_writable()
-        data = value.to_bytes()
-        if self._is_chunk(key):
-            digest = await asyncio.to_thread(self.objects.put, data, self.touch, self.pending)
-            with self._lock:
-                self.pointers[key] = digest
-        else:
-            _write_file(self.meta_root / key, data, durable=False)
-
-    async def delete(self, key: str) -> None:
-        self._check_writable()
-        if self._is_chunk(key):
-            with self._lock:
-                self.pointers.pop(key, None)
-        else:
-            (self.meta_root / key).unlink(missing_ok=True)
-
-    async def list(self) -> AsyncIterator[str]:
-        for key in sorted(self.pointers):
-            yield key
-        for p in sorted(self.meta_root.rglob("zarr.json")):
-            yield str(p.relative_to(self.meta_root))
-
-    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        async for key in self.list():
-            if key.startswith(prefix):
-                yield key
-
-    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
-        prefix = prefix.rstrip("/")
-        seen = set()
-        async for key in self.list_prefix(f"{prefix}/" if prefix else ""):
-            rest = key[len(prefix) + 1 :] if prefix else key
-            head = rest.split("/", 1)[0]
-            if head not in seen:
-                seen.add(head)
-                yield head
-
-
-#: Zarr's array config is not stored with the array (and open_array ignores one): every open
-#: for writing must say that a chunk equal to the fill value (an all-zero bias) is stored, not
-#: deleted, or the commit would find that chunk missing.
-_WRITE_CONFIG = {"write_empty_chunks": True}
-
-
-def _array_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]) -> dict[str, Any]:
-    """The Zarr v3 metadata of a tensor's array, as Zarr itself writes it for our arrays
-    (raw little-endian bytes, no compression, regular grid, fill value 0)."""
-    storage = DTYPES[dtype][1]
-    bytes_codec: dict[str, Any] = {"name": "bytes"}
-    if np.dtype(storage).itemsize > 1:
-        bytes_codec["configuration"] = {"endian": "little"}
-    if storage == "bool":
-        fill: Any = False
-    elif np.dtype(storage).kind == "f":
-        fill = 0.0
-    else:
-        fill = 0
-    return {
-        "shape": list(shape),
-        "data_type": storage,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": [bytes_codec],
-        "attributes": {"logical_dtype": dtype},
-        "zarr_format": 3,
-        "node_type": "array",
-        "storage_transformers": [],
-    }
-
-
-def _ensure_array_metadata(
-    meta_root: Path, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
-) -> None:
-    """Write the array's ``zarr.json`` unless a writer of this publish already did (they all
-    write the same), refusing a tensor published with another shape or dtype. Written
-    directly: Zarr's own array creation cost a third of a publish's time."""
-    path = meta_root / name / "zarr.json"
-    try:
-        existing = json.loads(path.read_text())
-    except FileNotFoundError:
-        _write_file(
-            path,
-            json.dumps(_array_metadata(shape, dtype, chunks), indent=2).encode(),
-            durable=False,
-        )
-        return
-    except ValueError:
-        return  # another writer's file mid-replace cannot be seen (atomic rename): unreachable
-    if (
-        tuple(existing["shape"]) != tuple(shape)
-        or existing["attributes"].get("logical_dtype") != dtype
-    ):
-        raise StateMismatch(
-            f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "
-            f"it as {tuple(existing['shape'])} {existing['attributes'].get('logical_dtype')}"
-        )
-
-
-def _open_or_create_array(
-    store: _VersionZarrStore, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
-) -> Any:
-    """The array ``name`` of a publish, created on first use (writers of one publish create
-    identical metadata; the first to write it wins)."""
-    storage = DTYPES[dtype][1]
-    arr = None
-    if (store.meta_root / name / "zarr.json").is_file():
-        arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_CONFIG)
-    else:
-        try:
-            arr = zarr.create_array(
-                store=store,
-                name=name,
-                shape=shape,
-                chunks=chunks,
-                dtype=storage,
-                fill_value=False if storage == "bool" else 0,
-                compressors=None,
-                filters=None,
-                attributes={"logical_dtype": dtype},
-                config=_WRITE_CONFIG,
-                overwrite=False,
-            )
-        except zarr.errors.ContainsArrayError:
-            arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_CONFIG)
-    if tuple(arr.shape) != tuple(shape) or arr.attrs.get("logical_dtype") != dtype:
-        raise StateMismatch(
-            f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "
-            f"it as {tuple(arr.shape)} {arr.attrs.get('logical_dtype')}"
-        )
-    return arr
-
-
-def _region(
-    shape: tuple[int, ...], region: tuple[slice, ...] | None
-) -> tuple[tuple[int, int], ...]:
-    """Normalized ``(start, stop)`` per dim (full extent where ``region`` is shorter)."""
-    region = tuple(region or ())
-    if len(region) > len(shape):
-        raise StateMismatch(f"region {region} has more dims than shape {shape}")
-    out = []
-    for d, n in enumerate(shape):
-        s = region[d] if d < len(region) else slice(None)
-        if not isinstance(s, slice) or s.step not in (None, 1):
-            raise StateMismatch(f"regions are unit-step slices, got {s!r} in dim {d}")
-        start, stop, _ = s.indices(n)
-        if stop < start:
-            raise StateMismatch(f"empty or reversed region {s!r} in dim {d} of {shape}")
-        out.append((start, stop))
-    return tuple(out)
-
-
-def _chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[str]:
-    if not shape:
-        return ["c"]
-    grid = [range(-(-n // c)) for n, c in zip(shape, chunks, strict=True)]
-    return ["c/" + "/".join(map(str, idx)) for idx in itertools.product(*grid)]
 
 
 def _check_fragments_cover(
@@ -698,25 +145,6 @@ def _check_fragments_cover(
             )
 
 
-class _Touched:
-    """An append-only record of the objects a publish in progress uses (one digest per
-    line, flushed at once): what :meth:`StateStore.gc` keeps besides published versions."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a")  # noqa: SIM115 (closed by close())
-        self._lock = threading.Lock()
-
-    def __call__(self, digest: str) -> None:
-        with self._lock:
-            self._file.write(digest + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()
-
-
 def _last_activity(staging: Path) -> float:
     """When a staging directory last changed (its records of use grow as it writes)."""
     times = [0.0]
@@ -732,172 +160,6 @@ def _touched_digests(staging: Path) -> set[str]:
         with contextlib.suppress(FileNotFoundError):
             out.update(line for line in path.read_text().split() if line)
     return out
-
-
-class VersionWriter:
-    """One writer's part of a publish (one process or rank); see :meth:`StateStore.writer`."""
-
-    def __init__(self, store: StateStore, model: str, version: int, staging: Path) -> None:
-        self.store = store
-        self.model = model
-        self.version = version
-        self.staging = staging
-        self.id = uuid.uuid4().hex
-        self.pointers: dict[str, str] = {}
-        self.tensors: dict[str, dict[str, Any]] = {}
-        self.fragments: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self.touched = _Touched(staging / "touched" / self.id)
-        self.pending = staging / "pending" if store.durable else None
-        self._zarr = _VersionZarrStore(
-            staging / "arrays",
-            store.objects,
-            self.pointers,
-            read_only=False,
-            touch=self.touched,
-            pending=self.pending,
-        )
-        self._closed = False
-
-    def write(
-        self,
-        name: str,
-        tensor: torch.Tensor,
-        region: tuple[slice, ...] | None = None,
-        shape: tuple[int, ...] | None = None,
-        split_dims: tuple[int, ...] = ROW_SPLITS,
-    ) -> None:
-        """Write ``tensor`` as the ``region`` (canonical coordinates) of tensor ``name`` of full
-        ``shape`` (default: the whole tensor). Chunks the region covers completely are stored
-        now (deduplicated); partly covered chunks are kept as fragments for the commit.
-        ``split_dims``: the dims readers may split the tensor along, which choose its chunk
-        grid (:mod:`~plexrl_dask.state_store.keys`); every writer of a tensor must give the
-        same (else :class:`StateMismatch`, here or at the commit)."""
-        if self._closed:
-            raise StateMismatch("this writer is closed")
-        check_name(name)
-        dtype = logical_dtype(tensor)
-        full = tuple(int(n) for n in (shape if shape is not None else tensor.shape))
-        bounds = _region(full, region)
-        if tuple(b - a for a, b in bounds) != tuple(tensor.shape):
-            raise StateMismatch(
-                f"tensor {name!r}: data of shape {tuple(tensor.shape)} does not fill region "
-                f"{[slice(a, b) for a, b in bounds]} of shape {full}"
-            )
-        chunks = chunk_shape(
-            full, np.dtype(DTYPES[dtype][1]).itemsize, self.store.chunk_bytes, split_dims
-        )
-        known = self.tensors.setdefault(
-            name, {"shape": list(full), "dtype": dtype, "chunks": list(chunks)}
-        )
-        if known != {"shape": list(full), "dtype": dtype, "chunks": list(chunks)}:
-            raise StateMismatch(
-                f"tensor {name!r} written as {full} {dtype} in chunks {chunks} and as {known}"
-            )
-        _ensure_array_metadata(self._zarr.meta_root, name, full, dtype, chunks)
-        data = to_storage(tensor)
-        if not full:  # a scalar: one chunk, key "c", its bytes as they are
-            digest = self.store.objects.put(
-                np.ascontiguousarray(data).tobytes(), touch=self.touched, pending=self.pending
-            )
-            with self._lock:
-                self.pointers[f"{name}/c"] = digest
-            return
-        # The aligned interior: chunk boundaries inside the region, per dim.
-        inner = []
-        for (a, b), c in zip(bounds, chunks, strict=True):
-            lo = -(-a // c) * c
-            hi = (b // c) * c if b != full[len(inner)] else b
-            inner.append((lo, max(lo, hi)))
-        if all(hi > lo for lo, hi in inner):
-            self._put_chunks(name, data, bounds, inner, full, chunks)
-        # The rest of the region (a shell around the interior) becomes fragments: split the
-        # region into boxes, one per combination of [before, inner, after] per dim.
-        pieces = []
-        for (a, b), (lo, hi) in zip(bounds, inner, strict=True):
-            if hi <= lo:
-                pieces.append([(a, b)])
-            else:
-                pieces.append([p for p in ((a, lo), (lo, hi), (hi, b)) if p[1] > p[0]])
-        for box in itertools.product(*pieces):
-            if all(box[d] == inner[d] for d in range(len(box))) and all(
-                hi > lo for lo, hi in inner
-            ):
-                continue
-            sl = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(box, bounds, strict=True))
-            path = self.staging / "fragments" / self.id / f"{len(self.fragments)}.npy"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(path, np.ascontiguousarray(data[sl]))
-            self.fragments.append(
-                {
-                    "name": name,
-                    "region": [list(p) for p in box],
-                    "file": str(path.relative_to(self.staging)),
-                }
-            )
-
-    def _put_chunks(
-        self,
-        name: str,
-        data: np.ndarray,
-        bounds: tuple[tuple[int, int], ...],
-        inner: list[tuple[int, int]],
-        full: tuple[int, ...],
-        chunks: tuple[int, ...],
-    ) -> None:
-        """Store the chunks of the aligned ``inner`` box, in Zarr's layout (C order, edge
-        chunks padded with the fill value 0), on a few threads."""
-        storage = data.dtype
-
-        def put(idx: tuple[int, ...]) -> None:
-            origin = [i * c for i, c in zip(idx, chunks, strict=True)]
-            extent = [min(c, n - o) for c, n, o in zip(chunks, full, origin, strict=True)]
-            block = data[
-                tuple(
-                    slice(o - a, o - a + e)
-                    for o, (a, _), e in zip(origin, bounds, extent, strict=True)
-                )
-            ]
-            if extent == list(chunks) and block.flags.c_contiguous:
-                buf = block  # (whole rows: the chunk is already laid out as stored)
-            else:
-                nbytes = int(np.prod(chunks, dtype=np.int64)) * storage.itemsize
-                buf = _scratch(nbytes).view(storage).reshape(chunks)
-                if extent != list(chunks):
-                    buf.fill(0)  # Zarr pads edge chunks with the fill value
-                buf[tuple(slice(0, e) for e in extent)] = block
-            digest = self.store.objects.put(
-                memoryview(buf).cast("B"), touch=self.touched, pending=self.pending
-            )
-            with self._lock:
-                self.pointers["/".join((name, "c", *map(str, idx)))] = digest
-
-        indices = list(
-            itertools.product(
-                *(range(lo // c, -(-hi // c)) for (lo, hi), c in zip(inner, chunks, strict=True))
-            )
-        )
-        list(_io_pool().map(put, indices))
-
-    def close(self) -> None:
-        """Record this writer's part (its chunk pointers and fragments) for the commit."""
-        if self._closed:
-            return
-        self.touched.close()
-        part = {"tensors": self.tensors, "pointers": self.pointers, "fragments": self.fragments}
-        _write_file(
-            self.staging / "parts" / f"{self.id}.json",
-            json.dumps(part).encode(),
-            self.store.durable,
-        )
-        self._closed = True
-
-    def __enter__(self) -> VersionWriter:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
-            self.close()
 
 
 class StateStore:

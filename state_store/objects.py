@@ -1,0 +1,344 @@
+"""Content-addressed objects: the chunk bytes of one store, each named by its digest.
+
+An object is the bytes of one chunk of the canonical grid (:mod:`~plexrl_dask.state_store.keys`),
+stored as ``objects/ab/abcdef...`` under its 128-bit content digest (:func:`digest_of`): identical
+bytes are stored once, whatever wrote them. Objects are immutable. One is written completely to
+an unnamed or temporary file (fsynced on a durable tier, or all at once by a durable publish's
+commit), then linked into place, never replacing an existing one: readers and dedup never see a
+partial object. Every read checks the bytes against their digest (:class:`CorruptState`).
+
+Also here: the I/O threads and per-thread scratch buffers that writers and readers share, and
+the file helpers (atomic writes, fsyncs) of the layers above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from plexrl_dask.errors import CorruptState, TierFull
+
+
+def digest_of(data: bytes | memoryview) -> str:
+    """A chunk's content digest: XXH3-128. It is not cryptographic. It detects corruption and
+    identifies identical chunks for dedup, where an accidental collision is about 2^-128
+    likely. It runs at ~11 GB/s on one core here, against blake2b's 0.7, and the tier
+    bandwidth targets include the hashing. Stores inside one cluster's trust boundary need
+    no more."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+_LIBC: Any = None
+with contextlib.suppress(OSError, AttributeError):
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.syncfs  # noqa: B018 (present on Linux)
+
+
+def _syncfs(path: Path) -> bool:
+    """Flush the whole filesystem holding ``path`` (Linux ``syncfs``); False if unavailable."""
+    if _LIBC is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _LIBC.syncfs(fd) == 0
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes | memoryview, durable: bool) -> None:
+    """Write ``path`` atomically (temporary name, then rename), fsynced when ``durable``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class IOStats:
+    """Bytes moved by one store object (instrumentation for the benchmarks and tests)."""
+
+    objects_written: int = 0
+    bytes_written: int = 0
+    dedup_hits: int = 0
+    bytes_deduplicated: int = 0
+    bytes_read: int = 0
+    chunks_read: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_DISK_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A reusable byte buffer of this thread (fresh multi-MB allocations page-fault on every
+    touch: reusing one keeps chunk copies at memory speed)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 4 << 20), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def _run_fetches(fetches: list[Callable[[], None]], disk: bool) -> None:
+    """Run chunk fetches on the I/O threads (inline when there is one); ``disk``: they read a
+    store on a disk, whose reads wait on the device more than they compute."""
+    if len(fetches) == 1:
+        fetches[0]()
+    elif fetches:
+        list((_disk_read_pool() if disk else _io_pool()).map(lambda f: f(), fetches))
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """Threads that overlap chunk writes and memory-tier reads (file I/O and hashing release
+    the GIL)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(
+                # One per core (at least 2, to overlap file I/O with hashing and copying): more
+                # threads than cores made tmpfs writes 2x slower here (GIL contention).
+                max_workers=max(2, min(8, os.cpu_count() or 1)),
+                thread_name_prefix="plexrl-store",
+            )
+        return _POOL
+
+
+def _disk_read_pool() -> ThreadPoolExecutor:
+    """Threads for reads from a disk tier: twice as many as cores (at least 4), so the device
+    sees several requests at once while other threads hash. Cold NVMe-tier reads here went
+    from 0.76-0.84 to 0.87-1.25 of a raw sequential read with 4 threads instead of 2
+    (``benchmarks/RESULTS.md``)."""
+    global _DISK_POOL
+    with _POOL_LOCK:
+        if _DISK_POOL is None:
+            _DISK_POOL = ThreadPoolExecutor(
+                max_workers=max(4, min(16, 2 * (os.cpu_count() or 1))),
+                thread_name_prefix="plexrl-store-disk",
+            )
+        return _DISK_POOL
+
+
+class Objects:
+    """Content-addressed chunk bytes of one store, with an optional capacity."""
+
+    def __init__(
+        self, root: Path, durable: bool, capacity_bytes: int | None, stats: IOStats
+    ) -> None:
+        self.root = root
+        self.durable = durable
+        self.capacity_bytes = capacity_bytes
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._used: int | None = None
+        self._dirs: set[Path] = set()
+        # Unnamed temporaries (O_TMPFILE, linked into place when complete): no name to
+        # create and remove per object. Off where the filesystem or /proc does not allow it.
+        self._tmpfile = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest[:2] / digest
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_locked()
+
+    def scan_bytes(self) -> int:
+        """Walk the objects and return their total size (exact, whoever wrote them)."""
+        total = 0
+        for p in self.root.glob("*/*"):
+            if not p.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    total += p.stat().st_size
+        with self._lock:
+            self._used = total
+        return total
+
+    def _used_locked(self) -> int:
+        if self._used is None:
+            self._used = sum(
+                p.stat().st_size for p in self.root.glob("*/*") if not p.name.startswith(".")
+            )
+        return self._used
+
+    def put(
+        self,
+        data: bytes | memoryview,
+        touch: Callable[[str], None] | None = None,
+        pending: Path | None = None,
+    ) -> str:
+        """Store ``data`` once; returns its digest. Safe to call from several threads: the
+        capacity is reserved before the bytes are written. ``touch(digest)`` runs before the
+        object is looked up or written: a writer records there that it uses the object, so
+        that collection keeps it (see :meth:`StateStore.gc`). ``pending``: a durable
+        publish's directory of new objects, which its commit makes durable all at once and
+        names in the store (:meth:`StateStore._settle`); until then only that publish sees
+        them."""
+        digest = digest_of(data)
+        if touch is not None:
+            touch(digest)
+        path = self.path(digest)
+        n = len(data)
+        try:
+            # Refresh its age: gc never deletes an object younger than its grace period, so an
+            # unreferenced object a new publish is about to refer to survives a concurrent gc.
+            os.utime(path)
+            self.stats.add(dedup_hits=1, bytes_deduplicated=n)
+            return digest
+        except FileNotFoundError:
+            pass  # not stored (or collected just now): store it
+        with self._lock:
+            used = self._used_locked()
+            if self.capacity_bytes is not None and used + n > self.capacity_bytes:
+                raise TierFull(
+                    f"store {self.root.parent} is full: {used} of {self.capacity_bytes} bytes used, "
+                    f"{n} more needed; stored versions are intact (free some with delete_version "
+                    "+ gc, or raise the capacity)"
+                )
+            self._used = used + n  # reserved
+        stored = False
+        try:
+            target = path if pending is None else pending / digest
+            if target.parent not in self._dirs:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self._dirs.add(target.parent)
+            # Written completely (and fsynced on a durable tier, unless the commit does it for
+            # the whole publish) before it gets its name: readers and dedup never see a
+            # partial object. Linking never replaces: of two writers of the same bytes, the
+            # first wins.
+            with contextlib.suppress(FileExistsError):
+                stored = self._write_new(target, data, sync=self.durable and pending is None)
+            if stored:
+                self.stats.add(objects_written=1, bytes_written=n)
+            else:
+                self.stats.add(dedup_hits=1, bytes_deduplicated=n)
+        finally:
+            if not stored:
+                with self._lock:
+                    self._used -= n  # release the reservation
+        return digest
+
+    def _write_new(self, path: Path, data: bytes | memoryview, sync: bool) -> bool:
+        if self._tmpfile:
+            dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                try:
+                    fd = os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o644, dir_fd=dirfd)
+                except OSError:
+                    self._tmpfile = False  # (e.g. a filesystem without O_TMPFILE)
+                else:
+                    try:
+                        _write_all(fd, data)
+                        if sync:
+                            os.fsync(fd)
+                        # linkat(..., AT_SYMLINK_FOLLOW): CPython uses linkat (which follows
+                        # the /proc link to the open file) only when given a dir fd.
+                        os.link(
+                            f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dirfd, follow_symlinks=True
+                        )
+                        return True
+                    finally:
+                        os.close(fd)
+            finally:
+                os.close(dirfd)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, data)
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.link(tmp, path)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_into(self, digest: str, what: str, out: memoryview) -> None:
+        """Read object ``digest``, which must be exactly ``len(out)`` bytes, into ``out`` and
+        verify it (``what`` names it in errors)."""
+        try:
+            fd = os.open(self.path(digest), os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptState(
+                f"{what}: chunk object {digest} is missing from {self.root}"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != len(out):
+                raise CorruptState(
+                    f"{what}: chunk object {digest} has {size} bytes, expected {len(out)}"
+                )
+            done = 0
+            while done < size:
+                got = os.readv(fd, [out[done:]])
+                if got == 0:
+                    raise CorruptState(f"{what}: chunk object {digest} ended early")
+                done += got
+        finally:
+            os.close(fd)
+        if digest_of(out) != digest:
+            raise CorruptState(
+                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
+            )
+        self.stats.add(bytes_read=size, chunks_read=1)
+
+    def get(self, digest: str, what: str, pending: Path | None = None) -> bytes:
+        """The bytes of ``digest``, verified (``what`` names them in errors); ``pending``: a
+        publish's own new objects, looked at too."""
+        try:
+            try:
+                data = self.path(digest).read_bytes()
+            except FileNotFoundError:
+                if pending is None:
+                    raise
+                data = (pending / digest).read_bytes()
+        except FileNotFoundError:
+            raise CorruptState(
+                f"{what}: chunk object {digest} is missing from {self.root}"
+            ) from None
+        if digest_of(data) != digest:
+            raise CorruptState(
+                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
+            )
+        self.stats.add(bytes_read=len(data), chunks_read=1)
+        return data
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
