@@ -20,7 +20,7 @@ import torch
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.decode import StreamDecoder, Streams
+from plexrl_dask.service.decode import StreamDecoder, Streams, output_cache
 from plexrl_dask.service.types import Datum, SamplingParams
 from tests.conftest import tiny_spec
 
@@ -37,20 +37,24 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def backend_of(spec: ModelSpec, batch: int) -> TorchBackend:
-    return TorchBackend(spec, "cpu", max_batch_size=batch)
+def backend_of(spec: ModelSpec, batch: int, decode_step: str = "auto") -> TorchBackend:
+    with dask.config.set({"plexrl.sampling.decode-step": decode_step}):
+        backend = TorchBackend(spec, "cpu", max_batch_size=batch)
+    assert (backend.decode_step is None) == (decode_step == "hf")
+    return backend
 
 
 class ModelCalls:
-    """Records the ``input_ids`` shape of every call of the backend's model (a forward
-    pre-hook on the real module)."""
+    """Records the token shape of every call of the backend's model: a forward pre-hook on
+    its real embedding module, which every call embeds its tokens through once, the HF
+    forward and the decode step alike."""
 
     def __init__(self, backend: TorchBackend):
         self.shapes: list[tuple[int, int]] = []
-        self.handle = backend.model.register_forward_pre_hook(self._record, with_kwargs=True)
+        self.handle = backend.model.model.embed_tokens.register_forward_pre_hook(self._record)
 
-    def _record(self, module, args, kwargs) -> None:
-        self.shapes.append(tuple(kwargs["input_ids"].shape))
+    def _record(self, module, args) -> None:
+        self.shapes.append(tuple(args[0].shape))
 
     def close(self) -> None:
         self.handle.remove()
@@ -78,8 +82,9 @@ def assert_scores_match_forward(backend: TorchBackend, prompts, result, temperat
             )
 
 
-def test_a_stream_refills_its_batch_and_scores_like_forward():
-    backend = backend_of(tiny_spec(seed=5), batch=4)
+@pytest.mark.parametrize("decode_step", ["auto", "hf"])
+def test_a_stream_refills_its_batch_and_scores_like_forward(decode_step):
+    backend = backend_of(tiny_spec(seed=5), batch=4, decode_step=decode_step)
     prompts = backend.tokenize(PROMPTS)
     ids = list(range(len(prompts)))
     rows = len(prompts) * PARAMS.n
@@ -148,11 +153,12 @@ def test_refill_threshold_batches_admissions():
     assert len(steps[4]) > len(steps[1])
 
 
-def test_mixed_prompts_share_prefills_and_score_like_forward():
+@pytest.mark.parametrize("decode_step", ["auto", "hf"])
+def test_mixed_prompts_share_prefills_and_score_like_forward(decode_step):
     """Several prompts per prefill (n=3 does not divide the batch of 5), prompts of very
     different lengths, refilling at every free slot; then the edge cases of the length and
     stop rules."""
-    backend = backend_of(tiny_spec(seed=9), batch=5)
+    backend = backend_of(tiny_spec(seed=9), batch=5, decode_step=decode_step)
     texts = ["1=", "123456789+987654321=", "45*6=", "7-", "31415+2718=", "0="]
     prompts = backend.tokenize(texts)
     params = SamplingParams(n=3, temperature=0.9, max_tokens=12, stop=("3", "8"), seed=2)
@@ -179,7 +185,10 @@ def test_sliding_window_models_decode_through_the_fallback():
     spec = tiny_spec(seed=8)
     config = dict(spec.config)
     config.update(use_sliding_window=True, sliding_window=6, max_window_layers=0)
-    backend = backend_of(dataclasses.replace(spec, config=tuple(sorted(config.items()))), 4)
+    backend = TorchBackend(
+        dataclasses.replace(spec, config=tuple(sorted(config.items()))), "cpu", max_batch_size=4
+    )
+    assert backend.decode_step is None  # sliding windows: the HF forward, always
     prompts = backend.tokenize(PROMPTS[:3])
     rows = [(i, j) for i in range(3) for j in range(PARAMS.n)]
     calls = ModelCalls(backend)
@@ -205,3 +214,53 @@ def test_bad_stream_settings_are_config_errors(key, value):
     with pytest.raises(errors.ConfigError, match="stream-rows"):
         Streams(0, 1)
     assert Streams(np.int64(8), 2) == Streams(8, 2)
+
+
+def test_the_decode_step_computes_what_the_hf_forward_computes():
+    """One step over left-padded rows with a grown cache, against the HF forward of the same
+    model on the same cache: equal logits (to float rounding) and equal caches."""
+    from transformers.cache_utils import DynamicCache
+
+    backend = backend_of(tiny_spec(seed=3, num_layers=3), batch=8)
+    model, g = backend.model, torch.Generator().manual_seed(0)
+    ids = torch.randint(3, backend.vocab_size, (5, 9), generator=g)
+    mask = torch.ones(5, 9, dtype=torch.long)
+    mask[1, :4] = mask[3, :7] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        cache = output_cache(model(input_ids=ids, attention_mask=mask, position_ids=positions))
+        keys = [layer.keys.clone() for layer in cache.layers]
+        values = [layer.values.clone() for layer in cache.layers]
+        token = torch.randint(3, backend.vocab_size, (5,), generator=g)
+        grown = torch.cat([mask, torch.ones(5, 1, dtype=torch.long)], dim=1)
+        at = positions[:, -1:] + 1
+        want = model(
+            input_ids=token[:, None],
+            attention_mask=grown,
+            position_ids=at,
+            **{backend.cache_kw: cache},
+        )
+        logits, new_keys, new_values = backend.decode_step(token, grown, at, keys, values)
+    torch.testing.assert_close(logits, want.logits[:, -1].float(), atol=1e-5, rtol=0)
+    grown_cache = output_cache(want)
+    assert isinstance(grown_cache, DynamicCache)
+    for layer, k, v in zip(grown_cache.layers, new_keys, new_values, strict=True):
+        torch.testing.assert_close(k, layer.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(v, layer.values, atol=1e-6, rtol=0)
+
+
+def test_the_decode_step_is_used_only_where_it_is_the_same_math():
+    from plexrl_dask.service.decode_step import DecodeStep
+
+    spec = tiny_spec(seed=3)
+    model = spec.build_model("cpu")
+    assert DecodeStep.for_model(model) is not None
+    with dask.config.set({"plexrl.sampling.decode-step": "hf"}):
+        assert DecodeStep.for_model(model) is None
+    with (
+        dask.config.set({"plexrl.sampling.decode-step": "fast"}),
+        pytest.raises(errors.ConfigError, match="decode-step"),
+    ):
+        DecodeStep.for_model(model)
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "linear"}
+    assert DecodeStep.for_model(model) is None  # scaled rotary embeddings: not this math

@@ -194,6 +194,7 @@ class StreamDecoder:
         self.spliceable = True
         self.forwards = 0
         self.logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in backend.forward_params else {}
+        self.step = backend.decode_step  # None: decode steps through the HF forward
 
     # --- model calls ------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class StreamDecoder:
             **self.logits_kw,
         )
         self.forwards += 1
-        cache = _output_cache(out)
+        cache = output_cache(out)
         if self.cache is None:
             self.spliceable = _spliceable(cache)
         if self.cache is None or not self.spliceable:
@@ -254,13 +255,18 @@ class StreamDecoder:
         ``advance``: ``(rows, 1)``, 1 for rows still generating and 0 for finished ones (whose
         position then stays put, inside the range every row's prompt and ``max_tokens`` were
         checked against); None when every row is generating."""
+        mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+        next_pos = batch.next_pos + (1 if advance is None else advance)
+        if self.spliceable and self.step is not None:
+            logits, keys, values = self.step(chosen, mask, batch.next_pos, batch.keys, batch.values)
+            self.forwards += 1
+            return Rows(batch.index, keys, values, mask, next_pos, logits)
         if self.spliceable:
             for layer, k, v in zip(_layers(self.cache), batch.keys, batch.values, strict=True):
                 layer.keys, layer.values = k, v  # type: ignore[attr-defined]
             # The cache holds them now: without these references, each layer's old tensor is
             # freed as soon as the forward has grown it (one cache in memory, not two).
             batch.keys, batch.values = [], []
-        mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
         out = self.model(
             input_ids=chosen[:, None],
             attention_mask=mask,
@@ -269,14 +275,14 @@ class StreamDecoder:
             **{self.backend.cache_kw: self.cache},
         )
         self.forwards += 1
-        self.cache = _output_cache(out)
+        self.cache = output_cache(out)
         layers = _layers(self.cache) if self.spliceable else []
         return Rows(
             batch.index,
             [layer.keys for layer in layers],  # type: ignore[attr-defined]
             [layer.values for layer in layers],  # type: ignore[attr-defined]
             mask,
-            batch.next_pos + (1 if advance is None else advance),
+            next_pos,
             out.logits[:, -1].float(),
         )
 
@@ -395,7 +401,7 @@ class StreamDecoder:
         ]
 
 
-def _output_cache(out: object) -> object:
+def output_cache(out: object) -> object:
     """The KV cache a model call returned (``cache`` in recent transformers,
     ``past_key_values`` before)."""
     cache = getattr(out, "cache", None)

@@ -35,6 +35,7 @@ from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service import checkpoint
 from plexrl_dask.service.checkpoint import StoreCheckpoint
 from plexrl_dask.service.decode import StreamDecoder, Streams
+from plexrl_dask.service.decode_step import DecodeStep
 from plexrl_dask.service.losses import compute_loss
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -94,6 +95,9 @@ class TorchBackend:
         # The KV-cache argument: ``cache`` in recent transformers, ``past_key_values`` before.
         self.cache_kw = "cache" if "cache" in self.forward_params else "past_key_values"
         self._pieces = _token_pieces(self.tokenizer)
+        # Decode steps computed from the modules' weights where the architecture allows
+        # (plexrl_dask.service.decode_step); None: through the HF forward.
+        self.decode_step = DecodeStep.for_model(self.model)
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
         self.pending_backward = 0
