@@ -11,8 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +139,34 @@ def _drop_leaked_trim_threshold() -> None:
     if leaked is not None and os.environ.get(TRIM_ENV) == str(leaked):
         del os.environ[TRIM_ENV]
         logger.info("removed %s=%s left in this process by another Dask nanny", TRIM_ENV, leaked)
+
+
+def worker_process(
+    scheduler_address: str,
+    state: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    **popen: Any,
+) -> subprocess.Popen:
+    """A ``dask worker`` process (one thread, no nanny, one unit of the GPU resource) joining
+    ``scheduler_address`` from ``host``. ``state``: its ``plexrl.state.*`` settings, passed
+    through its environment; its own ``dram-path``, ``nvme-path`` and ``node-id`` make it
+    another node, as if on another host (how the tests and ``bench.weight_sync`` try weight
+    sync between nodes on one machine). Output is discarded unless ``popen`` says otherwise;
+    the caller terminates the process."""
+    env = dict(os.environ)
+    for key, value in (state or {}).items():
+        env[f"DASK_PLEXRL__STATE__{key.upper().replace('-', '_')}"] = value
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    popen.setdefault("stderr", subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "dask"), "worker", scheduler_address,
+            "--host", host, "--nthreads", "1", "--no-nanny",
+            "--resources", f"{config.get('worker.gpu-resource')}=1",
+        ],
+        env=env,
+        **popen,
+    )  # fmt: skip
 
 
 def install(client: Client) -> None:

@@ -105,6 +105,10 @@ def _import_lock(node: NodeState, model: str, version: int, timeout: float) -> I
         try:
             yield
         finally:
+            # One lock file per version would pile up (a sync makes a version): remove it. A
+            # process already waiting on this file then locks an unlinked one beside a newer
+            # file's holder: at worst the version is imported twice, which is idempotent.
+            path.unlink(missing_ok=True)
             fcntl.flock(f, fcntl.LOCK_UN)
 
 

@@ -5,14 +5,10 @@ events."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
-
-import dask
 
 import plexrl_dask as plexrl
+from plexrl_dask.cluster import worker_process
 from plexrl_dask.plugins.placement import nodes_of
 from plexrl_dask.policy.spatiotemporal import PlacementConfig, replay
 from plexrl_dask.sim.cluster import simulate
@@ -80,15 +76,7 @@ def test_a_worker_on_a_new_host_joins_placement_while_a_job_is_placed(runtime, c
     dep = runtime.deploy(unique("joined"), tiny_spec(seed=4))
     before = runtime.placement()
     assert before["state"]["jobs"][runtime.job]["state"] == "profiling"
-    worker = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "dask"), "worker", cluster.scheduler_address,
-            "--host", "127.0.0.2", "--nthreads", "1", "--no-nanny",
-            "--resources", f"{dask.config.get('plexrl.worker.gpu-resource')}=1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    worker = worker_process(cluster.scheduler_address, host="127.0.0.2")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import dask
 import torch
 
 import plexrl_dask as plexrl
+from plexrl_dask.cluster import worker_process
 from plexrl_dask.state_store.node import NodeState, StateConfig
 from tests.conftest import tiny_spec, unique
 
@@ -155,20 +153,7 @@ def test_weights_and_checkpoints_cross_nodes_through_the_store(cluster, runtime,
         "nvme-path": str(tmp_path / "b-nvme"),
         "node-id": "node-b",
     }
-    env = {
-        **os.environ,
-        **{f"DASK_PLEXRL__STATE__{k.upper().replace('-', '_')}": v for k, v in b_tiers.items()},
-    }
-    worker = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "dask"), "worker", cluster.scheduler_address,
-            "--host", "127.0.0.1", "--nthreads", "1", "--no-nanny",
-            "--resources", f"{dask.config.get('plexrl.worker.gpu-resource')}=1",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    worker = worker_process(cluster.scheduler_address, b_tiers)
     with dask.config.set({f"plexrl.state.{k}": v for k, v in b_tiers.items()}):
         node_b = NodeState(StateConfig.from_dask_config())
     deployed = []
@@ -217,6 +202,7 @@ def test_weights_and_checkpoints_cross_nodes_through_the_store(cluster, runtime,
         assert plexrl.result(runtime.sync_weights(trainer, roll_other)) == 1
         [again] = other.store("dram").versions(model)
         assert again != version
+        assert not list((other.dram_path / "imports").glob("*.lock"))  # none left behind
         assert other.status()["tiers"]["dram"]["used"] == used
         assert weights_equal(plexrl.result(roll_other.get_weights()).tensors, want)
 

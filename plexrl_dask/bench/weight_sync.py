@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +37,7 @@ from rich.progress import track
 
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import median, parser, report, time_call
+from plexrl_dask.cluster import worker_process
 from plexrl_dask.state_store.node import NodeState, StateConfig
 
 logger = logging.getLogger(__name__)
@@ -47,22 +45,6 @@ logger = logging.getLogger(__name__)
 SPEC = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, max_positions=256)
 NODE_B = "bench-node-b"
 REGISTER_TIMEOUT_S = 120.0
-
-
-def _start_node_b(address: str, tiers: dict[str, str]) -> subprocess.Popen:
-    env = dict(os.environ)
-    for key, value in tiers.items():
-        env[f"DASK_PLEXRL__STATE__{key.upper().replace('-', '_')}"] = value
-    return subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "dask"), "worker", address,
-            "--host", "127.0.0.1", "--nthreads", "1", "--no-nanny",
-            "--resources", f"{dask.config.get('plexrl.worker.gpu-resource')}=1",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
 
 
 def _worker_of(runtime: plexrl.Runtime, node: str) -> str:
@@ -92,7 +74,7 @@ def run(trials: int) -> dict[str, Any]:
             Client(cluster, set_as_default=False) as client,
         ):
             runtime = plexrl.Runtime(client, job="bench-weight-sync")
-            worker = _start_node_b(cluster.scheduler_address, tiers)
+            worker = worker_process(cluster.scheduler_address, tiers)
             b = _worker_of(runtime, NODE_B)
             a = [w for w in runtime.status()["workers"] if w != b]
             trainer = runtime.deploy("sync-trainer", spec, workers=a)
