@@ -280,7 +280,13 @@ def load_state(
     default the latest). Each rank reads only the regions its layout holds."""
 
     def call(backend: Any) -> int:
-        return backend.load_state(_checkpoint_source(deployment, checkpoint, model, version))
+        # Finding the checkpoint may import it from another node: a rank that fails there
+        # fails with the others, not alone (they would wait for it in a collective).
+        source = backend._checked(
+            lambda: _checkpoint_source(deployment, checkpoint, model, version),
+            CheckpointError("another rank of this deployment could not reach the checkpoint"),
+        )
+        return backend.load_state(source)
 
     return _run(deployment, "load_state", call)
 
@@ -334,13 +340,24 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
 
     def call(backend: Any) -> int:
         node = _node(deployment)
-        if ref.get("node") != node.node_id:
+        here = ref.get("node") == node.node_id
+
+        def fetch() -> None:
+            if here:
+                return
             if not ref.get("source"):
                 raise WeightsMismatch(
                     f"weights published on node {ref.get('node')!r} name no worker to import "
                     f"them from onto node {node.node_id!r}"
                 )
             peer.pull_version(node, get_worker(), str(ref["source"]), model, version)
+
+        # Every rank takes part, so a rank that fails to import fails with the others rather
+        # than leaving them waiting for it in a collective.
+        backend._checked(
+            fetch, WeightsMismatch("another rank of this deployment could not import the weights")
+        )
+        if not here:
             # The version before this one stayed until now: its objects deduplicated the
             # import (unchanged tensors did not cross the network again).
             _drop_older(node, model, version)
