@@ -33,7 +33,7 @@ from plexrl_dask.errors import (
     ManagerUnavailable,
     PlexRLError,
     StateStoreError,
-    from_status,
+    raise_for_status,
     to_status,
 )
 from plexrl_dask.state_store.keys import Manifest, check_model, check_version
@@ -140,9 +140,7 @@ def pull_version(
             raise ManagerUnavailable(
                 f"worker {source} did not serve {model!r} v{version} ({type(e).__name__}: {e})"
             ) from None
-        if reply.get("status") != "OK":
-            raise from_status(reply)
-        return reply
+        return raise_for_status(reply)
 
     with _import_lock(node, model, version, timeout):
         for tier in tiers:

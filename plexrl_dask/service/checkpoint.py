@@ -311,12 +311,6 @@ def state_entries(model: torch.nn.Module, optimizer: Any, rank: int) -> list[Ent
     return out
 
 
-def write_state(model: torch.nn.Module, optimizer: Any, writer: VersionWriter, rank: int) -> None:
-    """Write this rank's :func:`state_entries` into ``writer``."""
-    for entry in state_entries(model, optimizer, rank):
-        entry.write(writer)
-
-
 def send_entries(entries: list[Entry], dst: int) -> None:
     """Send ``entries`` to rank ``dst`` of the process group (which writes them for this rank,
     :func:`recv_entries`): their descriptions first, then each tensor as it is, its local
