@@ -56,6 +56,20 @@ class DeploymentLost(DeploymentError):
     """The worker that held a deployment's trained state died; the state is gone."""
 
 
+class DeploymentBusy(DeploymentError):
+    """The deployment has requests in flight; the action needs it idle (relocation)."""
+
+
+class DeploymentRelocating(DeploymentError):
+    """The deployment is moving to its job's node group: only restoring its state is allowed
+    until the move completes."""
+
+
+class RelocationFailed(DeploymentError):
+    """A relocated deployment's state could not be restored in its new place; the message
+    names the checkpoint that holds it."""
+
+
 # --- requests ----------------------------------------------------------------------------
 
 

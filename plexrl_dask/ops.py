@@ -17,7 +17,9 @@ divergent replica somewhere else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import re
 import time
@@ -55,6 +57,8 @@ from plexrl_dask.service.types import (
 from plexrl_dask.state_store import peer
 from plexrl_dask.state_store.store import MARKER as STORE_MARKER
 from plexrl_dask.state_store.store import StateStore
+
+logger = logging.getLogger(__name__)
 
 #: How long a task waits for its worker's holder to appear (a worker that just started).
 _HOLDER_WAIT_S = 10.0
@@ -225,12 +229,14 @@ def save_state(
     path: str | None = None,
     publish_id: str = "solo",
     format: str = "store",
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Checkpoint the deployment (parameters + optimizer state); every rank of a sharded
     deployment writes only its own shards. ``format="store"``: a durable version of a state
     store, the node's NVMe tier when ``path`` is None (else a store at ``path``, e.g. on a
     shared filesystem), named after the deployment and numbered by its version; every rank
-    passes the same ``publish_id``. ``format="dcp"``: torch DCP at ``path`` (export).
+    passes the same ``publish_id`` (``model``: the store model, default the deployment's
+    :func:`checkpoint_model`). ``format="dcp"``: torch DCP at ``path`` (export).
     Ranks on other nodes than rank 0's send their shards to rank 0, which writes them there.
     Returns ``{"path", "model", "version", "format"}`` (and, on the node's tier, ``"node"`` and
     ``"source"``: its node and a worker there), which :func:`load_state` accepts."""
@@ -243,8 +249,10 @@ def save_state(
     if format != "store":
         raise CheckpointError(f"unknown checkpoint format {format!r}: 'store' or 'dcp'")
 
+    name = model or checkpoint_model(deployment)
+
     def call(backend: Any) -> dict[str, Any]:
-        model = checkpoint_model(deployment)
+        model = name
         if path is None:
             node = _node(deployment)
             store = node.store("nvme")
@@ -365,6 +373,24 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
             return backend.load_weights(StoreCheckpoint(store, model, version))
 
     return _run(deployment, "load_weights", call)
+
+
+async def drop_checkpoint(model: str, version: int, dask_worker: Any = None) -> bool:
+    """Delete version ``version`` of store model ``model`` from this worker's node tiers (run
+    with ``Client.run``: a relocation's transient checkpoint); False if the node had none."""
+    holder = holder_of(dask_worker)
+    if holder is None or holder.node is None:
+        return False
+
+    def delete() -> bool:
+        try:
+            return any(holder.node.delete(model, version).values())
+        except PlexRLError as e:  # being read right now, or the manager is gone: left there
+            logger.warning("could not delete %s v%d on this node: %s", model, version, e)
+            return False
+
+    # (a call to the node's manager: not on the worker's event loop)
+    return await asyncio.get_running_loop().run_in_executor(None, delete)
 
 
 def checkpoint_model(deployment: str) -> str:

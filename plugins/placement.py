@@ -18,13 +18,16 @@ live events, and keeps what it needs to act on its decisions:
   group. A job the placer makes wait (no capacity for its dedicated profiling) keeps its place
   in the placer's queue and meanwhile runs *best effort*: its deployments go wherever deploy
   places them and its requests are ordered by HRRS with everyone else's, as on a pool smaller
-  than its jobs (the local cluster); it moves to its group's workers for the deployments it
-  makes once admitted.
+  than its jobs (the local cluster); once admitted, its deployments go to its group's workers
+  (the new ones at once, the existing ones when it relocates: see below).
 - **Traces.** Every completed request of a job (its op, worker, start and end) feeds the job's
   :class:`~plexrl_dask.policy.horizon.TraceRecorder`; after ``profile_iterations`` complete
   iterations the trace goes to ``placer.profiled``, and the job is micro-shifted into a shared
-  group. A group change applies to the deployments the job makes from then on; moving its
-  existing replicas to the new group (through the state store) is not done yet.
+  group. A group change applies to the deployments the job makes from then on, and to
+  re-placements (after a worker loss); the job's existing deployments move there when it calls
+  ``Runtime.relocate()`` at a point where none of its requests are in flight (``GRPOJob``
+  does, between steps): each is re-placed in its group, its trained state carried through the
+  state store (see the scheduler plugin's ``relocations`` and ``relocate`` handlers).
 - **Finish.** When a job's last deployment is undeployed, ``placer.finish``.
 
 Everything here is state + decisions; no I/O.
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from plexrl_dask.policy.horizon import DemandTrace, Phase, TraceRecorder
@@ -107,7 +110,16 @@ class LivePlacement:
             logger.info("job %s waits for placement (%s): best effort meanwhile", job,
                         j.waited_reason)  # fmt: skip
             return None
-        return tuple(w for w in placer.group_of(job).gpus if w in worker_hosts)
+        return self.group_workers(job, worker_hosts)
+
+    def group_workers(self, job: str, live: Collection[str]) -> tuple[str, ...] | None:
+        """The workers of ``job``'s node group that are in ``live``, in the group's order;
+        None while the job has no group (not submitted, or waiting)."""
+        j = None if self.placer is None else self.placer.jobs.get(job)
+        if j is None or j.state == "waiting":
+            return None
+        assert self.placer is not None
+        return tuple(w for w in self.placer.group_of(job).gpus if w in live)
 
     def record(self, job: str, op: str, worker: str, start: float, end: float) -> None:
         """A request of ``job`` completed; profile the job once its trace is recorded."""

@@ -20,6 +20,9 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
 - re-places a deployment whose worker left (rebuilt from its spec on another worker) unless its
   state was modified (then it is ``lost`` and requests fail with :class:`DeploymentLost`), and
   re-routes the requests that were waiting for the dead worker;
+- relocates a job's idle deployments into its placement group when the job asks
+  (``plexrl_relocations`` lists them, ``plexrl_relocate`` re-places one: rebuilt from its spec
+  there if unmodified, else ``relocating`` until the job restores the checkpoint it saved);
 - registers the worker plugin on every worker, present and future, and, owning a client of
   its own, creates each GPU worker's :class:`ReplicaHolder` **actor** when the worker announces
   itself (so no job's client owns a holder, and a worker that comes back gets a new one).
@@ -48,9 +51,11 @@ from distributed.protocol.pickle import dumps
 from plexrl_dask import config
 from plexrl_dask.errors import (
     ConfigError,
+    DeploymentBusy,
     DeploymentExists,
     DeploymentLost,
     DeploymentNotFound,
+    DeploymentRelocating,
     GroupTimeout,
     NotRouted,
     PlexRLError,
@@ -201,6 +206,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "plexrl_rendezvous_put": self.rendezvous_put,
                 "plexrl_rendezvous_get": self.rendezvous_get,
                 "plexrl_placement": self.placement_status,
+                "plexrl_relocations": self.relocations,
+                "plexrl_relocate": self.relocate,
             }
         )
         for worker in self._gpu_workers():
@@ -368,6 +375,79 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if self.placement is None:
             return {"status": "OK", "enabled": False}
         return {"status": "OK", **self.placement.status(job)}
+
+    def relocations(self, owner: str) -> dict[str, Any]:
+        """``owner``'s deployments placed outside its node group while the group has room for
+        them: ``{"status": "OK", "moves": [{"name", "uid", "modified", "workers", "group"}]}``
+        (empty without placement, while the job waits, or for deployments given workers)."""
+        moves = []
+        for info in self.deployments.values():
+            if info.owner != owner or info.candidates is not None or info.state != "placed":
+                continue
+            group = self._candidates(info)
+            if group is not None and not set(info.workers) <= set(group):
+                moves.append(
+                    {
+                        "name": info.name,
+                        "uid": info.uid,
+                        "modified": info.modified,
+                        "workers": list(info.workers),
+                        "group": list(group),
+                    }
+                )
+        return {"status": "OK", "moves": moves}
+
+    def relocate(self, name: str, uid: str) -> dict[str, Any]:
+        """Move idle deployment ``name`` (incarnation ``uid``, as ``relocations`` listed it)
+        into its job's node group: ``unplaced`` if its state is unmodified (its next request
+        rebuilds it there from its spec), else ``relocating`` (refusing every request but
+        ``load_state``, which places it there and restores the checkpoint the job saved first).
+        Returns ``{"status": "OK", "state": ...}``; :class:`DeploymentNotFound` for another
+        incarnation, :class:`DeploymentBusy` while any of its requests is in flight."""
+        try:
+            info = self.deployments.get(name)
+            if info is None or info.uid != uid:
+                raise DeploymentNotFound(
+                    f"deployment {name!r} incarnation {uid!r} is gone (undeployed or re-placed "
+                    "since it was listed); list the relocations again"
+                )
+            busy = self._in_flight(name)
+            if busy:
+                raise DeploymentBusy(
+                    f"{name!r} has {busy} requests in flight; relocate it when none of its "
+                    "job's requests are (between steps)"
+                )
+            state = "relocating" if info.modified else "unplaced"
+            self.deployments[name] = info.with_(state=state)
+            self.counters["relocations"] += 1
+            logger.info("relocating %s (%s) from %s", name, state, list(info.workers))
+            return {"status": "OK", "state": state}
+        except PlexRLError as e:
+            return to_status(e)
+
+    def _in_flight(self, name: str) -> int:
+        """``name``'s requests whose tasks have not all finished."""
+        tasks = self.scheduler.tasks
+        done = ("memory", "erred", "released", "forgotten")
+        return sum(
+            1
+            for r in self.pending.values()
+            if r.deployment == name
+            and (
+                len(r.keys) < r.ranks
+                or any(k in tasks and tasks[k].state not in done for k in r.keys.values())
+            )
+        )
+
+    def _candidates(self, info: DeploymentInfo) -> tuple[str, ...] | None:
+        """Where ``info`` may be (re)placed: the workers it was given, else its job's node
+        group's live workers when they are enough for it, else anywhere (None)."""
+        if info.candidates is not None:
+            return info.candidates
+        if self.placement is None:
+            return None
+        group = self.placement.group_workers(info.owner, self.scheduler.workers)
+        return group if group is not None and len(group) >= info.num_workers else None
 
     def get_deployment(self, name: str) -> dict[str, Any]:
         info = self.deployments.get(name)
@@ -547,6 +627,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         """``info`` with a live worker, placing it again if its worker left."""
         if info.state == "placed" and all(w in self.scheduler.workers for w in info.workers):
             return info
+        if info.state == "relocating":
+            raise DeploymentRelocating(
+                f"{info.name!r} is moving to its job's node group: restore the checkpoint "
+                "saved for the move (Runtime.relocate does) before other requests"
+            )
         if info.state == "lost":
             raise DeploymentLost(
                 f"a worker holding {info.name!r} left the cluster and its trained state "
@@ -554,8 +639,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 "deployment.load_state(path) (save them with save_state), or undeploy it"
             )
         workers = place_workers(
-            info.name, info.memory_bytes, self._worker_views(), info.num_workers, info.candidates
-        )
+            info.name, info.memory_bytes, self._worker_views(), info.num_workers,
+            self._candidates(info),
+        )  # fmt: skip
         # A new incarnation (new uid): no surviving holder reuses state of the old placement
         # under a different rank, and late reports of the old one are ignored.
         placed = info.with_(workers=workers, state="placed", uid=uuid.uuid4().hex)
@@ -621,12 +707,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     f"{name!r} has world_size {info.world_size} and {info.replicas} replicas; "
                     f"a request for rank {rank}/{ranks} of replica {replica} does not fit it"
                 )
-            if info.state == "lost" and ann.get("op") == "load_state":
-                # Restoring a checkpoint is how a lost deployment comes back: a new incarnation
-                # (new uid, so no holder reuses a stale rank), placed anew.
+            if info.state in ("lost", "relocating") and ann.get("op") == "load_state":
+                # Restoring a checkpoint is how a lost (or relocating) deployment comes back: a
+                # new incarnation (new uid, so no holder reuses a stale rank), placed anew.
                 info = info.with_(state="unplaced")
                 self.deployments[name] = info
-            if info.state == "lost" or self._worker_views():
+            if info.state in ("lost", "relocating") or self._worker_views():
                 info = self._placed(info)
                 groups = _groups(info, replica)
                 ann.update(uid=info.uid, modified=info.modified)
@@ -886,7 +972,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             holder.release()  # else Dask would try to recreate the actor on the dead worker
         self.residency.forget_worker(worker)
         for name, info in list(self.deployments.items()):
-            if worker in info.workers:
+            if worker in info.workers and info.state != "relocating":  # (its state is saved)
                 state = "lost" if info.modified else "unplaced"
                 # (workers kept: survivors of the old placement are told to drop it later)
                 self.deployments[name] = info.with_(state=state)

@@ -20,7 +20,8 @@ After each step the driver reports it to the scheduler (``plexrl-job`` event,
 Pipelining: everything a step submits goes out at once as futures; the PlexRL scheduler keeps
 each deployment's requests in submission order, so the next step's ``sample`` may be submitted
 as soon as this step's weight sync is (it runs after the sync). The driver only waits for what
-it must read: samples (to score them) and the step's metrics.
+it must read: samples (to score them) and the step's metrics. Once per step, when nothing of
+the job is in flight, it follows the job's placement (:meth:`GRPOJob._relocate`).
 
 Modes, same job code: **colocated** samples from the policy itself (``rollout=None``, no weight
 sync); **split** samples from a rollout deployment synced every step; **split-async**
@@ -41,7 +42,7 @@ from typing import Any
 
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
-from plexrl_dask.errors import ConfigError
+from plexrl_dask.errors import ConfigError, DeploymentBusy
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -235,6 +236,17 @@ class GRPOJob:
             None if self.rollout is None else self.runtime.sync_weights(self.policy, self.rollout)
         )
 
+    def _relocate(self) -> None:
+        """Follow the job's placement (``Runtime.relocate``) at the one point of a step where
+        none of its requests are in flight: this step's samples are in, the previous step's
+        training and weight sync are done, and the next step is not submitted yet. Moving
+        changes no result (state is restored bit for bit; sampling is seeded per step)."""
+        try:
+            for move in self.runtime.relocate():
+                logger.info("%s: %s moved into the job's node group", self.name, move["name"])
+        except DeploymentBusy as e:  # another driver of this job has requests in flight
+            logger.info("%s: relocation deferred to the next step: %s", self.name, e)
+
     def _report(self, record: StepRecord) -> None:
         """Report the step to the scheduler for the dashboard's Jobs page (best effort: a
         report that cannot be delivered is logged, the job goes on)."""
@@ -279,6 +291,7 @@ class GRPOJob:
                 sampled_with = pending_version
             else:
                 sampled_with = int(result(pending_version))
+            self._relocate()
             data, rewards, lengths, groups_used = self._batch(problems, out)
             old = None
             if ahead and data:

@@ -26,8 +26,9 @@ class DeploymentInfo:
     ``candidates``, when set, are the only workers it may be placed on (then and after a
     worker loss). ``memory_bytes`` is what one rank/replica needs on its worker.
     ``state`` is ``"placed"``, ``"unplaced"`` (its worker left and its state can be rebuilt from
-    the spec, so the next request places it again) or ``"lost"`` (its worker left with trained
-    state that exists nowhere else).
+    the spec, so the next request places it again), ``"lost"`` (its worker left with trained
+    state that exists nowhere else) or ``"relocating"`` (moving to its job's node group: its
+    trained state was saved, and ``load_state`` places and restores it there).
     """
 
     name: str

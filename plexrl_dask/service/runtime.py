@@ -42,6 +42,7 @@ from plexrl_dask.errors import (
     NoPlexRLWorkers,
     OpNotSupported,
     PlexRLError,
+    RelocationFailed,
     RequestTimeout,
     raise_for_status,
 )
@@ -213,6 +214,60 @@ class Runtime:
         its = [tuple(Phase(k, int(g), float(d)) for k, g, d in it) for it in raw]
         save_trace(path, its, {"job": job, "source": "live"})
         return its
+
+    def relocate(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Move this job's deployments that sit outside its node group into it: those it
+        made best effort while it waited for placement, or before it was micro-shifted into
+        another group (``plugins/placement.py``). Call it where none of the job's requests are
+        in flight (``GRPOJob`` does, between steps); a deployment with a request in flight is
+        refused with :class:`DeploymentBusy` and nothing of it changes.
+
+        A deployment with trained state is checkpointed on its node's NVMe tier, re-placed in
+        the group and restored there bit for bit (imported from the old node when the group is
+        on others); the checkpoint's copies are deleted once it is restored. An unmodified one
+        is rebuilt from its spec by its next request. Returns the moves made: ``name``,
+        ``workers`` (before), ``group``, ``restored`` (state carried) and, with state, the new
+        ``workers``. Nothing to move costs one scheduler call.
+
+        If the restore fails, the deployment stays ``relocating`` (its requests are refused
+        with :class:`DeploymentRelocating`) and :class:`RelocationFailed` names the checkpoint,
+        which is kept: restore it with ``load_state``."""
+        done = []
+        for move in self._call("plexrl_relocations", owner=self.job)["moves"]:
+            name, restored = move["name"], None
+            dep = Deployment(self, DeploymentInfo.from_dict(
+                self._call("plexrl_get_deployment", name=name)["deployment"]
+            ))  # fmt: skip
+            if move["modified"]:
+                # its own store model: deleting the move's copies never touches a checkpoint
+                # the job saved itself
+                model = f"{ops.checkpoint_model(name)}.relocate-{move['uid'][:12]}"
+                restored = result(dep.save_state(model=model), timeout)
+            self._call("plexrl_relocate", name=name, uid=move["uid"])
+            entry = {**move, "restored": restored is not None}
+            entry.pop("uid")
+            entry.pop("modified")
+            if restored is not None:
+                try:
+                    result(dep.load_state(restored), timeout)
+                except PlexRLError as e:
+                    raise RelocationFailed(
+                        f"{name!r} could not be restored in its node group ({e}); its state is "
+                        f"checkpoint {dict(restored)}: restore it with load_state"
+                    ) from e
+                now = self._call("plexrl_get_deployment", name=name)["deployment"]["workers"]
+                entry["now"] = list(now)
+                # the checkpoint where it was written and where it was imported to
+                self.client.run(
+                    ops.drop_checkpoint,
+                    restored["model"],
+                    int(restored["version"]),
+                    workers=sorted({restored.get("source") or now[0], *now}),
+                    on_error="return",
+                )
+            logger.info("job %s relocated %s into its group: %s", self.job, name, entry)
+            done.append(entry)
+        return done
 
     def holder(self, worker: str) -> Actor:
         """The replica holder of ``worker`` as a Dask actor (``.status().result()``, ...)."""
@@ -444,7 +499,10 @@ class Deployment:
         return self._submit("sample", ops.sample, tasks, replica_of=any_replica)
 
     def save_state(
-        self, path: str | os.PathLike[str] | None = None, format: str = "store"
+        self,
+        path: str | os.PathLike[str] | None = None,
+        format: str = "store",
+        model: str | None = None,
     ) -> Future:
         """Future of ``{"path", "model", "version", "format"}`` once a checkpoint of parameters
         and optimizer state is durable. Default: a version in the state store of the node's
@@ -452,10 +510,13 @@ class Deployment:
         can reach, e.g. a shared filesystem, for a deployment spanning nodes); published
         atomically, each rank of a sharded deployment writing only its own shards.
         ``format="dcp"``: torch DCP at ``path``, for other tools. Either loads onto any world
-        size with :meth:`load_state`."""
+        size with :meth:`load_state`. ``model``: the store's model name for it (default: the
+        deployment's name, made safe for a store)."""
         target = None if path is None else os.fspath(path)
         publish_id = uuid.uuid4().hex
-        return self._submit("save_state", ops.save_state, self._ranks(target, publish_id, format))
+        return self._submit(
+            "save_state", ops.save_state, self._ranks(target, publish_id, format, model)
+        )
 
     def load_state(
         self,
