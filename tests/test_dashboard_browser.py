@@ -190,6 +190,21 @@ def test_every_page_shows_what_its_route_reports_in_chromium(tmp_path):
                     if page == "timeline":
                         assert {s["job"] for s in data["spans"]} >= names
                         assert {r["op"] for r in data["running"]} == {"hold"}
+                        # the browser scrolls the time axis itself, to the scheduler's now
+                        end = browser.model_property("plexrl-timeline-x", "end")
+                        browser.wait_for(
+                            lambda end=end: (
+                                browser.model_property("plexrl-timeline-x", "end") > end + 500
+                            ),
+                            "the time axis scrolling",
+                        )
+                        assert (
+                            abs(
+                                browser.model_property("plexrl-timeline-x", "end")
+                                - 1000 * time.time()
+                            )
+                            < 5000
+                        )
                     if page == "residency":
                         assert {"hbm", "dram"} <= {t for _, _, t in want}
         finally:

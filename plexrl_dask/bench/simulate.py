@@ -8,8 +8,14 @@ committed before any comparison) in the same run:
 - ``user_cost_ratio.<policy>``: GPU-hours charged to the jobs ÷ isolated, and
   ``held_cost_ratio.<policy>``: GPU-hours reserved (private allocations or node groups) ÷
   isolated;
+- ``completion_time_floor_ratio``: the lowest ``completion_time_ratio`` any policy could
+  reach on these jobs: the last ``arrival + ideal time`` (each job's fastest isolated time on
+  an empty cluster) ÷ the isolated completion time. Near 1, the workload is arrival-bound and
+  the completion time cannot tell policies apart (then the batch variant and the capacity
+  multiplier do);
 - ``batch.completion_time_ratio.<policy>``: the same jobs all submitted at once (how fast a
-  backlog drains), Spread+Backfill and isolated;
+  backlog drains), Spread+Backfill and isolated (and ``batch.completion_time_floor_ratio``:
+  there the floor is the longest job, and the work bound is ``user_cost_ratio``);
 - ``capacity_multiplier``: the highest arrival rate Spread+Backfill sustains with the mean job
   slowdown (completion time ÷ the job's fastest isolated time on an empty cluster) at most
   ``--slowdown-target`` (2.0), found by bisection over Poisson streams of ``--capacity-jobs``
@@ -80,8 +86,12 @@ def main() -> None:
             results[f"batch.completion_time_ratio.{name}"] = s["makespan_h"] / iso_b["makespan_h"]
             results[f"batch.utilisation.{name}"] = s["utilisation"]
         results["batch.gpu_double_bookings"] = sum(o.double_bookings for o in batch.values())
+        results["batch.completion_time_floor_ratio"] = (
+            iso_b["floor_makespan_h"] / iso_b["makespan_h"]
+        )
     sb = outcomes["spread+backfill"].summary()
     results["completion_time_ratio"] = results["completion_time_ratio.spread+backfill"]
+    results["completion_time_floor_ratio"] = iso["floor_makespan_h"] / iso["makespan_h"]
     results["isolated_makespan_h"] = iso["makespan_h"]
     results["gpu_double_bookings"] = sum(o.double_bookings for o in outcomes.values())
     results["sim_wall_s"] = sb["sim_wall_s"]

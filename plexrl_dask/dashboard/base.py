@@ -224,6 +224,9 @@ class Page(DashboardComponent):
     def _update(self) -> None:
         raise NotImplementedError
 
+    def attach(self, doc: Any) -> None:
+        """Add what the page needs on its document beyond its root (browser-side callbacks)."""
+
     def plugin(self) -> PlexRLDashboardPlugin | None:
         plugin = dashboard_of(self.scheduler)
         banner = "" if plugin is not None and plugin.plexrl is not None else NOT_INSTALLED

@@ -125,6 +125,18 @@ class Browser:
         the page's document has it)."""
         return self.driver.execute_script(_SOURCE_JS, name, columns)
 
+    def model_property(self, name: str, prop: str) -> Any:
+        """Property ``prop`` of the page's model named ``name`` as the browser holds it (None
+        until the page's document has it)."""
+        return self.driver.execute_script(
+            "const [name, prop] = arguments;"
+            "for (const doc of (window.Bokeh && window.Bokeh.documents) || []) {"
+            "  const m = doc.get_model_by_name(name); if (m != null) return m[prop]; }"
+            "return null;",
+            name,
+            prop,
+        )
+
     def wait_for(
         self, predicate: Callable[[], bool], what: str, timeout: float | None = None
     ) -> None:

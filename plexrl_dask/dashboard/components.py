@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from bokeh.models import (
     CategoricalColorMapper,
     CDSView,
     ColumnDataSource,
+    CustomJS,
     DataTable,
     DatetimeTickFormatter,
     Div,
@@ -50,6 +52,7 @@ from plexrl_dask.dashboard.base import (
     OTHER_OP,
     TIER_COLORS,
     Page,
+    Texts,
     floats,
     job_color,
     numbers,
@@ -64,6 +67,19 @@ from plexrl_dask.dashboard.tables import JobsPage, QueuePage
 from plexrl_dask.policy.residency import TIERS
 
 logger = logging.getLogger(__name__)
+
+
+_SPAN_FIELDS = attrgetter("worker", "deployment", "job", "op", "start", "ready", "end")
+
+#: The Timeline's scrolling, in the browser (``xr``: the x range; ``made_ms``: the scheduler's
+#: clock when the page was made, which the spans' times are on).
+_SCROLL_JS = """
+const offset = made_ms - Date.now();
+setInterval(() => {
+  const now = Date.now() + offset;
+  xr.setv({start: now - (xr.end - xr.start), end: now});
+}, INTERVAL_MS);
+"""
 
 
 class TimelinePage(Page):
@@ -83,7 +99,6 @@ class TimelinePage(Page):
         self._known: set[str] = set()
         self._idle_next = 0  # the lane whose idle fraction is refreshed next
         self._workers_seen = (-1, -1)
-        self._scrolled_at = float("-inf")
         texts = ("worker", "job", "deployment", "op", "waited")
         values = ("lane", "start", "ready", "end", "setup_s", "run_s")
         self.source = ColumnDataSource(
@@ -103,7 +118,14 @@ class TimelinePage(Page):
             factors=list(OP_COLORS), palette=list(OP_COLORS.values()), nan_color=OTHER_OP
         )
         now_ms = 1000 * time.time()
-        self.x_range = Range1d(now_ms - 1000 * self.cfg.timeline_window_s, now_ms)
+        # Scrolled by the browser itself (attach()): not a message from the scheduler every
+        # second, and, not syncable, not one back from every browser either.
+        self.x_range = Range1d(
+            now_ms - 1000 * self.cfg.timeline_window_s,
+            now_ms,
+            syncable=False,
+            name="plexrl-timeline-x",
+        )
         self.y_range = Range1d(-0.5, 0.5)
         fig = figure(
             title="PlexRL timeline: requests per worker (colour: job; bottom strip: op; grey "
@@ -216,6 +238,18 @@ class TimelinePage(Page):
         self.idle_figure = idle
         self.root = column(self.banner, row(fig, idle, **kwargs), **kwargs)
 
+    def attach(self, doc: Any) -> None:
+        """Scroll in the browser: once the document is ready, every update interval the x range
+        ends at the scheduler's now (the browser's clock, corrected by its offset from the
+        scheduler's when the page was made) and keeps its width (a zoom holds)."""
+        doc.js_on_event(
+            "document_ready",
+            CustomJS(
+                args={"xr": self.x_range, "made_ms": self.x_range.end},
+                code=_SCROLL_JS.replace("INTERVAL_MS", str(int(1000 * self.cfg.update_interval_s))),
+            ),
+        )
+
     def _lane(self, worker: str) -> int:
         lane = self._lanes.get(worker)
         if lane is None:
@@ -274,24 +308,29 @@ class TimelinePage(Page):
             self._seq = max(0, store.next_seq - self.cfg.timeline_batch)
         self._seq, spans = store.since(self._seq, self.cfg.timeline_batch)
         running = plugin.running()
-        for job in itertools.chain((sp.job for sp in spans), (r["job"] for r in running)):
-            self._job(job)
+        # one pass over the spans (an update holds the event loop: every pass counts)
+        worker, deployment, job, op, start, ready, end = (
+            zip(*map(_SPAN_FIELDS, spans), strict=True) if spans else ((),) * 7
+        )
+        for name in dict.fromkeys(itertools.chain(job, (r["job"] for r in running))):
+            self._job(name)
         if self._jobs:  # new jobs: extend the colour mapping before data that needs it
             factors = [*self.colors.factors, *self._jobs]
             self._jobs = []
             self.colors.update(factors=factors, palette=[job_color(plugin, job) for job in factors])
         if spans:
-            start = np.array([sp.start for sp in spans])
-            ready = np.array([sp.ready for sp in spans])
-            end = np.array([sp.end for sp in spans])
-            lane = np.array([self._lane(sp.worker) for sp in spans], dtype=float)
+            lanes_of = self._lanes
+            lane = np.array(
+                [lanes_of[w] if w in lanes_of else self._lane(w) for w in worker], dtype=float
+            )
+            start, ready, end = np.array(start), np.array(ready), np.array(end)
             self.source.stream(
                 {
-                    "worker": strings(sp.worker for sp in spans),
-                    "job": strings(sp.job for sp in spans),
-                    "deployment": strings(sp.deployment for sp in spans),
-                    "op": strings(sp.op for sp in spans),
-                    "waited": strings("yes" if sp.ready > sp.start else "" for sp in spans),
+                    "worker": Texts(worker),
+                    "job": Texts(job),
+                    "deployment": Texts(deployment),
+                    "op": Texts(op),
+                    "waited": Texts(np.where(ready > start, "yes", "").tolist()),
                     "lane": lane,
                     "start": 1000 * start,
                     "ready": 1000 * ready,
@@ -325,9 +364,6 @@ class TimelinePage(Page):
             }
             height = min(1400, 220 + 30 * max(4, n))
             self.figure.height = self.idle_figure.height = height
-        if now - self._scrolled_at >= 0.9:  # at most once a second: two messages each time
-            self._scrolled_at = now
-            self.x_range.update(start=1000 * (now - self.cfg.timeline_window_s), end=1000 * now)
 
 
 class ResidencyPage(Page):
@@ -610,6 +646,7 @@ def page_doc(cls_name: str, title: str) -> Callable[[Any, dict, Any], None]:
         with log_errors():
             page = PAGE_CLASSES[cls_name](scheduler, sizing_mode="stretch_width")
             page.update()
+            page.attach(doc)
             interval_ms = int(1000 * page.cfg.update_interval_s)
             add_periodic_callback(doc, page, interval_ms)
             doc.add_root(page.root)
