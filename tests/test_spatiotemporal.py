@@ -175,6 +175,24 @@ def test_two_phase_profiles_then_micro_shifts_into_a_shared_group():
     assert g.load.max() == 16
 
 
+def test_jobs_waiting_with_a_kind_just_profiled_take_its_trace():
+    """A waiting job of a kind profiled meanwhile is placed from that trace (no profiling of
+    its own), and the simulator can run it best effort before then."""
+    placer = SpatiotemporalPlacer(nodes(1), cfg(slots=8, group_nodes=1))
+    assert placer.submit("first", 8, now=0.0, kind="m")[0].kind == "profile"
+    assert placer.submit("second", 8, now=0.0, kind="m")[0].kind == "wait"
+    assert placer.submit("other", 8, now=0.0, kind="n")[0].kind == "wait"
+    trace = on_off(8, 4.0, 4.0)
+    # its kind's trace places the waiting job at once, in the first one's off half; the job
+    # of another kind still needs 8 dedicated GPUs in every slot and waits
+    out = placer.profiled("first", trace, now=1.0)
+    assert [(d.kind, d.job) for d in out] == [("place", "first"), ("place", "second")]
+    assert placer.jobs["second"].trace == trace and placer.jobs["other"].trace is None
+    assert placer.state()["queue"] == ["other"]
+    placer.finish("first", 2.0)
+    assert [(d.kind, d.job) for d in placer.finish("second", 3.0)][-1] == ("profile", "other")
+
+
 def test_spread_balances_and_pack_fills():
     def run(packing: str) -> list[int]:
         placer = SpatiotemporalPlacer(nodes(2), cfg(slots=4, group_nodes=1, packing=packing))
@@ -254,10 +272,11 @@ def test_live_placement_profiles_then_places_and_replays():
     assert st["state"]["jobs"]["j1"]["state"] == "placed"
     kinds = [d["kind"] for d in st["decisions"]]
     assert kinds[:4] == ["profile", "profile", "wait", "place"]
-    # j2 finishing frees node b: the queued j3 profiles there
+    # j2 finishing frees node b: the queued j3, of j1's kind, is placed from j1's trace
     live.finish("j2", t)
     st = live.status()
-    assert st["state"]["jobs"]["j3"]["state"] == "profiling"
+    assert st["state"]["jobs"]["j3"]["state"] == "placed"
+    assert [d["kind"] for d in st["decisions"] if d["job"] == "j3"] == ["wait", "place"]
     # the recorded events, replayed through a fresh placer, give the same decisions
     again = replay(nodes_of(hosts), live.config, st["inputs"])
     assert [d.to_dict() for d in again] == st["decisions"]

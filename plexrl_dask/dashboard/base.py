@@ -5,8 +5,9 @@ with what every PlexRL page needs: the scheduler, the ``plexrl.dashboard`` setti
 for a scheduler without the plugin, and an ``update()`` that times each update
 (:data:`UPDATE_MS`). The helpers send a browser only what changed: :func:`set_data` nothing
 when a source's data is equal, :func:`refresh` a patch of the changed columns when the rows
-are the same. Columns are typed for cheap messages: long numeric ones as binary arrays
-(:func:`floats`), short ones (:func:`numbers`) and text (:func:`strings`) inside the message.
+are the same. Columns are typed for cheap updates: long numeric ones redrawn whole as binary
+arrays (:func:`floats`), short or streamed ones (:func:`numbers`) and text (:func:`strings`)
+inside the message.
 """
 
 from __future__ import annotations
@@ -149,11 +150,13 @@ class Texts(list):
 
 
 class Numbers(list):
-    """A short numeric column (a table's): a list of numbers (or ``None``) sent as JSON.
+    """A numeric column sent as JSON: a list of numbers (or ``None``).
 
-    A binary array costs a buffer of its own (an id and extra websocket frames) per column,
-    more than a few dozen numbers in the message itself; only non-finite numbers need the
-    serialiser's encoding."""
+    For a table's short columns: a binary array costs a buffer of its own (an id and extra
+    websocket frames) per column, more than a few dozen numbers in the message itself. For a
+    streamed column (the Timeline's spans): Bokeh appends to an array column by copying every
+    kept row on each stream, to a list in place (1.0 ms against 0.35 for 256 spans into
+    20,000, measured here). Only non-finite numbers need the serialiser's encoding."""
 
 
 def _encode_numbers(column: Numbers, serializer: Serializer) -> list:

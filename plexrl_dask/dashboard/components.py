@@ -51,6 +51,7 @@ from plexrl_dask.dashboard.base import (
     OP_COLORS,
     OTHER_OP,
     TIER_COLORS,
+    Numbers,
     Page,
     Texts,
     floats,
@@ -89,7 +90,7 @@ class TimelinePage(Page):
 
     Workers are lanes ``0, 1, ...`` in order of first appearance (a lane never moves, so
     streamed spans stay valid). Colours are mapped in the browser from the job
-    and op columns, and numbers travel as binary arrays: a stream carries only what is new."""
+    and op columns; a stream carries only what is new."""
 
     def __init__(self, scheduler: Any, **kwargs: Any) -> None:
         super().__init__(scheduler)
@@ -102,7 +103,7 @@ class TimelinePage(Page):
         texts = ("worker", "job", "deployment", "op", "waited")
         values = ("lane", "start", "ready", "end", "setup_s", "run_s")
         self.source = ColumnDataSource(
-            {**{c: strings(()) for c in texts}, **{c: np.zeros(0) for c in values}},
+            {**{c: strings(()) for c in texts}, **{c: numbers(()) for c in values}},
             name="plexrl-timeline-spans",
         )
         self.running = ColumnDataSource(
@@ -320,10 +321,10 @@ class TimelinePage(Page):
             self.colors.update(factors=factors, palette=[job_color(plugin, job) for job in factors])
         if spans:
             lanes_of = self._lanes
-            lane = np.array(
-                [lanes_of[w] if w in lanes_of else self._lane(w) for w in worker], dtype=float
-            )
+            lane = [float(lanes_of[w] if w in lanes_of else self._lane(w)) for w in worker]
             start, ready, end = np.array(start), np.array(ready), np.array(end)
+            # Numbers, not arrays: Bokeh appends to an array column by copying all the kept
+            # rows (20,000) on every stream, to a list in place
             self.source.stream(
                 {
                     "worker": Texts(worker),
@@ -331,12 +332,12 @@ class TimelinePage(Page):
                     "deployment": Texts(deployment),
                     "op": Texts(op),
                     "waited": Texts(np.where(ready > start, "yes", "").tolist()),
-                    "lane": lane,
-                    "start": 1000 * start,
-                    "ready": 1000 * ready,
-                    "end": 1000 * end,
-                    "setup_s": ready - start,
-                    "run_s": end - ready,
+                    "lane": Numbers(lane),
+                    "start": Numbers((1000 * start).tolist()),
+                    "ready": Numbers((1000 * ready).tolist()),
+                    "end": Numbers((1000 * end).tolist()),
+                    "setup_s": Numbers((ready - start).tolist()),
+                    "run_s": Numbers((end - ready).tolist()),
                 },
                 rollover=self.cfg.spans_kept,
             )

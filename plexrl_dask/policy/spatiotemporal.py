@@ -38,8 +38,10 @@ reserved schedule): work outside a job's own reserved windows (an iteration that
 before its window) may take free GPUs now only if, over its whole estimated duration, the GPUs
 the running phases are expected to release keep covering every reserved phase expected to
 start (a job's next window, the next phase of an iteration running in its window) plus its
-own: it fills slack and, as far as the estimates hold, delays no reservation. Phases are not
-preempted, so an estimate that runs over can delay one by the overrun.
+own: it fills slack and, as far as the estimates hold, delays no reservation. The runtime
+applies it to placed jobs' early iterations and to waiting jobs' best-effort iterations (of
+jobs whose kind's trace is known). Reserved phases are not preempted, so an estimate that
+runs over can delay one by the overrun.
 
 **Queue.** Jobs that fit nowhere wait in arrival order; a later job may go ahead of one that
 does not fit (backfill of whole jobs), but a job passed over ``max_skips`` times blocks the
@@ -82,7 +84,7 @@ class PlacementConfig:
     late_tolerance: float = 0.05  # runtime: fraction of its period a job may start late
     horizon_periods: int = 4  # a group's horizon spans this many periods of its first job
     group_peaks: float = 1.0  # a new group holds at least this many of its first job's peak
-    reuse_traces: bool = True  # a job of a kind profiled before is placed from that trace
+    reuse_traces: bool = True  # a job of a kind profiled before (or waiting then) uses its trace
 
     def __post_init__(self) -> None:
         if min(self.slots, self.profile_iterations, self.group_nodes, self.horizon_periods) < 1:
@@ -411,6 +413,15 @@ class SpatiotemporalPlacer:
         j.trace = trace
         if j.kind:
             self.known[j.kind] = trace
+            if self.config.reuse_traces:  # jobs of its kind still waiting need no profiling
+                for name in self.queue:
+                    other = self.jobs[name]
+                    if (
+                        other.kind == j.kind
+                        and other.trace is None
+                        and trace.peak_gpus <= other.gpus
+                    ):
+                        other.trace = trace
         old = self.cluster.groups[j.group]
         old.release(job)
         choice = self._best_group(trace, now)

@@ -72,6 +72,8 @@ class SimOutcome:
     decisions: list[dict] = field(default_factory=list, repr=False)  # placement decisions
     inputs: list[dict] = field(default_factory=list, repr=False)  # placement events
     nvme_loads: int = 0  # training states loaded from NVMe (DRAM was full)
+    best_effort_iterations: int = 0  # iterations of waiting jobs run by Backfill
+    preempted_phases: int = 0  # best-effort phases stopped because their group was released
 
     @property
     def makespan_s(self) -> float:
@@ -101,6 +103,8 @@ class SimOutcome:
             "utilisation": self.busy_gpu_seconds / max(self.held_gpu_seconds, 1e-9),
             "gpu_double_bookings": self.double_bookings,
             "nvme_loads": self.nvme_loads,
+            "best_effort_iterations": self.best_effort_iterations,
+            "preempted_phases": self.preempted_phases,
             "events": self.events,
             "sim_wall_s": self.wall_s,
             "events_per_s": self.events / max(self.wall_s, 1e-9),

@@ -15,8 +15,13 @@ GPUs it holds are busy for all of it):
   (:meth:`~plexrl_dask.policy.spatiotemporal.NodeGroup.window_start`: a job finishing an
   iteration a little late — within ``late_tolerance`` of its period — starts the next at once,
   one later waits for its next window). With *backfill*, an iteration that would wait may start
-  at once if :meth:`~plexrl_dask.policy.spatiotemporal.NodeGroup.fits_unreserved` says its
-  estimated phases fit the slack the other reservations leave.
+  at once if :class:`~plexrl_dask.policy.spatiotemporal.BackfillSchedule` says its estimated
+  phases fit the slack the other reservations leave.
+- **Waiting jobs, best effort** (with *backfill*): a job the placer keeps waiting whose kind's
+  trace is known runs iterations in a group's slack under the same test, as the live runtime
+  runs a waiting job best effort; once placed it moves to its own group at the end of the
+  iteration. Its state is parked in the group it ran in. If that group is released meanwhile,
+  its phase in progress is preempted (charged, and the iteration run again later).
 - **Phases** queue in their group: reserved ones by window start, then unreserved ones; a phase
   starts when its group has enough free GPUs. A reserved phase that does not fit blocks every
   unreserved one behind it (backfill never delays a reservation at runtime either), not other
@@ -39,7 +44,7 @@ Approximations, stated:
 - GPUs within a group are interchangeable (no intra-group topology).
 - Writes to NVMe are off the critical path: they overlap the phases that follow.
 - A job's first training state, and the state of a job that changed groups, start in DRAM.
-- A phase is not preempted.
+- A reserved phase is not preempted (only best-effort work, when its group is released).
 """
 
 from __future__ import annotations
@@ -101,6 +106,9 @@ class _Run:
     pending: _Pending | None = None  # its phase queued in its group
     releases: list[tuple[float, int]] = field(default_factory=list)  # expected GPU releases
     need: tuple[float, int] | None = None  # the next reserved phase's expected start, GPUs
+    phase_t0: float = 0.0  # when the phase it holds GPUs for started
+    epoch: int = 0  # bumped when its best-effort work is preempted (stale phase ends)
+    admitted: str = ""  # the group the placer gave it while it ran best effort
 
 
 class _GroupRuntime:
@@ -202,6 +210,9 @@ class MultiplexedSim:
     """One run of ``jobs`` under a PlexRL policy (``spread``, ``spread+backfill``,
     ``pack+backfill``); :meth:`run` returns its outcome."""
 
+    #: Waiting jobs looked at (in queue order) when a group has slack for best-effort work.
+    BEST_EFFORT_SCAN = 32
+
     def __init__(
         self,
         jobs: list[SimJob],
@@ -228,6 +239,8 @@ class MultiplexedSim:
         self.events = 0
         self.held_gpu_seconds = 0.0
         self.nvme_loads = 0  # of the groups closed so far
+        self.best_effort_iterations = 0  # waiting jobs' iterations started by Backfill
+        self.preempted_phases = 0  # best-effort phases stopped by their group's release
         self.outcomes: list[JobOutcome] = []
         self.gantt: list[tuple[str, str, float, float, int]] = []
         self.gantt_group, self.gantt_until = gantt_group, gantt_hours * 3600
@@ -273,6 +286,8 @@ class MultiplexedSim:
             decisions=[d.to_dict() for d in self.placer.log],
             inputs=list(self.placer.inputs),
             nvme_loads=self.nvme_loads,
+            best_effort_iterations=self.best_effort_iterations,
+            preempted_phases=self.preempted_phases,
         )
 
     # --- placement decisions -----------------------------------------------------------------
@@ -280,6 +295,7 @@ class MultiplexedSim:
     def _apply(self, decisions: list[PlacementDecision], now: float) -> None:
         for d in decisions:
             if d.kind == "release":
+                self._evict_best_effort(d.group, now)
                 self._close_group(d.group, now)
                 continue
             if d.kind == "wait":
@@ -287,6 +303,12 @@ class MultiplexedSim:
             r = self.runs[self.by_name[d.job]]
             if d.group not in self.groups:
                 self.groups[d.group] = self._group_runtime(d.group, now)
+            if r.state == "best_effort":  # placed while it ran best effort (from its trace)
+                assert d.kind == "place", "a job runs best effort only from a known trace"
+                r.admitted = d.group
+                if not r.held.size and r.pending is None:  # between iterations: move now
+                    self._next_iteration(r, now)
+                continue  # else it moves when its best-effort iteration ends
             if r.group and r.group != d.group:
                 g = self.groups.get(r.group)
                 if g is not None:
@@ -320,6 +342,11 @@ class MultiplexedSim:
         if r.iteration >= r.job.iterations:
             self._finish(r, now)
             return
+        if r.state == "best_effort":
+            if not r.admitted:
+                return  # still waiting: idle in its group until Backfill picks it again
+            self._move(r, r.admitted, now)
+            r.state, r.admitted = "placed", ""
         group = self.placer.group_of(r.job.name)
         w = group.window_start(r.job.name, now, self.config.late_tolerance)
         if w <= now + _EPS:
@@ -385,6 +412,85 @@ class MultiplexedSim:
             g.waiting.remove(p)
             self._start_phase(g, p, now)
             schedule = None
+        if self.backfill and not blocked and g.free:
+            self._best_effort(g, now)
+
+    def _best_effort(self, g: _GroupRuntime, now: float) -> None:
+        """Backfill with waiting jobs' work: an iteration of a job the placer keeps waiting
+        (one whose kind's trace is known, so its phases can be estimated) starts in ``g``'s
+        slack when its rollout fits the backfill schedule, as the live runtime runs a waiting
+        job best effort. Jobs that already ran here come first (their state is parked here),
+        then the placer's queue in order (the first ``BEST_EFFORT_SCAN``). The rest of the
+        iteration queues as backfill in ``g``; when the placer admits the job, it moves to its
+        group at the end of the iteration."""
+        here = sorted(j for j in g.members if self.runs[j].state == "best_effort")
+        queued = [self.by_name[n] for n in self.placer.queue[: self.BEST_EFFORT_SCAN]]
+        schedule: BackfillSchedule | None = None
+        for j in dict.fromkeys([*here, *queued]):
+            r = self.runs[j]
+            if r.held.size or r.pending is not None or r.state not in ("arrived", "best_effort"):
+                continue
+            trace = r.trace or self.placer.jobs[r.job.name].trace
+            if trace is None or max(r.job.rollout_gpus, r.job.train_gpus) > len(g.gids):
+                continue
+            if r.job.rollout_gpus > g.free:
+                continue
+            if schedule is None:
+                schedule = BackfillSchedule(now, g.free, *self._schedule(g, now))
+            if not schedule.fits(r.job.rollout_gpus, trace.phases[0].duration_s):
+                continue
+            if r.group != g.name:
+                self._move(r, g.name, now)
+            if r.start_s < 0:
+                r.start_s = now
+            r.state, r.trace, r.reserved, r.key = "best_effort", trace, False, now
+            self.best_effort_iterations += 1
+            p = r.job.iteration_phases(r.iteration)[0]
+            self.seq += 1
+            self._start_phase(
+                g, _Pending(j, "rollout", p.gpus, p.duration_s, now, False, self.seq), now
+            )
+            schedule = None
+            if not g.free:
+                break
+
+    def _move(self, r: _Run, group: str, now: float) -> None:
+        """``r`` leaves its group (its parked state is gone there) for ``group``."""
+        old = self.groups.get(r.group)
+        if old is not None:
+            old.members.discard(r.idx)
+            old.forget(r.idx)
+        r.group = group
+        self.groups[group].members.add(r.idx)
+
+    def _evict_best_effort(self, name: str, now: float) -> None:
+        """Group ``name`` is released: best-effort work in it stops (a phase in progress is
+        preempted, its GPU-seconds charged and its iteration run again later)."""
+        g = self.groups.get(name)
+        if g is None:
+            return
+        for j in sorted(g.members):
+            r = self.runs[j]
+            if r.state != "best_effort":
+                continue
+            if r.held.size:
+                self._release(g, r, r.held, r.phase_t0, now, r.phase)
+                r.held = r.held[:0]
+                self.preempted_phases += 1
+            if r.pending is not None:
+                g.waiting.remove(r.pending)
+                r.pending = None
+            r.epoch += 1
+            r.releases, r.need = [], None
+            g.members.discard(j)
+            g.forget(j)
+            r.group = ""
+            if r.admitted:
+                self.groups[r.admitted].members.add(j)
+                r.group, r.state, r.admitted = r.admitted, "placed", ""
+                self._next_iteration(r, now)
+            else:
+                r.state = "arrived"
 
     def _schedule(self, g: _GroupRuntime, now: float) -> tuple[list, list]:
         """What the group's runtime expects: GPUs released by running phases, GPUs needed by
@@ -423,7 +529,8 @@ class MultiplexedSim:
             r.need = None
         else:  # profiling: its end is not estimated (no trace yet)
             r.releases, r.need = [], None
-        self._push(now + setup + p.duration_s, _PHASE_END, p.job, (p.kind, now))
+        r.phase_t0 = now
+        self._push(now + setup + p.duration_s, _PHASE_END, p.job, (p.kind, now, r.epoch))
 
     def _release(self, g: _GroupRuntime, r: _Run, local: np.ndarray, t0: float, now: float,
                  kind: str) -> None:  # fmt: skip
@@ -435,8 +542,10 @@ class MultiplexedSim:
             self.gantt.append((r.job.name, kind, t0, now, len(local)))
 
     def _phase_end(self, j: int, payload: object, now: float) -> None:
-        kind, t0 = payload  # type: ignore[misc]
+        kind, t0, epoch = payload  # type: ignore[misc]
         r = self.runs[j]
+        if epoch != r.epoch:
+            return  # the best-effort phase was preempted (its group was released)
         g = self.groups[r.group]
         if kind == "profile":
             self._release(g, r, r.held, t0, now, kind)
@@ -457,7 +566,7 @@ class MultiplexedSim:
             tail_end = now + self._estimate(r, "tail")
             r.releases = [(tail_end, len(keep))]
             r.need = (tail_end, r.job.train_gpus) if r.reserved else None
-            self._push(now + float(r.job.tail[r.iteration]), _PHASE_END, j, ("tail", t0))
+            self._push(now + float(r.job.tail[r.iteration]), _PHASE_END, j, ("tail", t0, r.epoch))
         elif kind == "tail":
             self._release(g, r, r.held, t0, now, "rollout")
             r.held, r.releases = r.held[:0], []
