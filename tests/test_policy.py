@@ -257,6 +257,33 @@ def test_map_forget_worker_and_deployment():
     assert len(m.reports()) == 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["apply", "forget_worker", "forget_deployment"]),
+            st.sampled_from("abc"),
+            st.sampled_from(["w1", "w2"]),
+            st.sampled_from(TIERS),
+            st.integers(0, 1000),
+        ),
+        max_size=40,
+    )
+)
+def test_map_hbm_bytes_follow_every_change(steps):
+    """The per-worker HBM total kept with each change equals the sum of the reports."""
+    m = ResidencyMap()
+    for op, d, w, tier, nbytes in steps:
+        if op == "apply":
+            m.apply(_report(deployment=d, worker=w, tier=tier, bytes=nbytes))
+        elif op == "forget_worker":
+            m.forget_worker(w)
+        else:
+            m.forget_deployment(d)
+        for worker in ("w1", "w2"):
+            assert m.hbm_bytes(worker) == m.bytes_by_tier(worker)["hbm"]
+
+
 def test_map_bytes_by_tier():
     m = ResidencyMap()
     assert m.bytes_by_tier("w1") == {"hbm": 0, "dram": 0, "nvme": 0}

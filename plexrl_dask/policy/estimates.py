@@ -133,12 +133,16 @@ class SetupCosts:
         budget = self.budget_of(worker) if self.budget_of is not None else 0
         if budget <= 0:
             return 0.0
+        own = self.residency.get(deployment, worker)
+        held = self.residency.hbm_bytes(worker) - (own.bytes if own and own.tier == "hbm" else 0)
+        need = nbytes - (budget - held)
+        if need <= 0:  # it fits beside what is there (the common case: no list, no sort)
+            return 0.0
         residents = [
             r
             for r in self.residency.on_worker(worker)
             if r.tier == "hbm" and r.deployment != deployment
         ]
-        need = nbytes - (budget - sum(r.bytes for r in residents))
         cost = 0.0
         for r in sorted(residents, key=lambda r: (-r.bytes, r.deployment)):
             if need <= 0:

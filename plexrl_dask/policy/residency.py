@@ -70,25 +70,42 @@ class ResidencyMap:
     def __init__(self) -> None:
         self._reports: dict[tuple[str, str], ResidencyReport] = {}
         self._by_worker: dict[str, dict[str, ResidencyReport]] = {}
+        # bytes in HBM per worker, kept with every change: setup costs ask it per candidate
+        # worker of every request they rank
+        self._hbm_bytes: dict[str, int] = {}
 
     def apply(self, report: ResidencyReport) -> None:
         key = (report.deployment, report.worker)
         held = self._by_worker.setdefault(report.worker, {})
-        if report.tier == "absent":
-            self._reports.pop(key, None)
-            held.pop(report.deployment, None)
-        else:
+        self._drop(key)
+        if report.tier != "absent":
             self._reports[key] = report
             held[report.deployment] = report
+            if report.tier == "hbm":
+                self._hbm_bytes[report.worker] = (
+                    self._hbm_bytes.get(report.worker, 0) + report.bytes
+                )
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        old = self._reports.pop(key, None)
+        if old is None:
+            return
+        self._by_worker.get(old.worker, {}).pop(old.deployment, None)
+        if old.tier == "hbm":
+            self._hbm_bytes[old.worker] -= old.bytes
 
     def forget_worker(self, worker: str) -> None:
         for deployment in self._by_worker.pop(worker, {}):
             self._reports.pop((deployment, worker), None)
+        self._hbm_bytes.pop(worker, None)
 
     def forget_deployment(self, deployment: str) -> None:
         for key in [k for k in self._reports if k[0] == deployment]:
-            del self._reports[key]
-            self._by_worker.get(key[1], {}).pop(deployment, None)
+            self._drop(key)
+
+    def hbm_bytes(self, worker: str) -> int:
+        """Bytes of the deployments ``worker`` holds in HBM."""
+        return self._hbm_bytes.get(worker, 0)
 
     def tier(self, deployment: str, worker: str) -> str:
         report = self._reports.get((deployment, worker))
