@@ -489,12 +489,10 @@ def run(args: Any) -> dict[str, Any]:
                     with_pages = ticker.take()
                     ticks["with"].extend(with_pages)
                     per_round.append(_mean_lag(with_pages) / _mean_lag(without))
-                    for name, v in pages.UPDATE_MS.items():
+                    for name in list(pages.UPDATE_MS):
+                        v, ms_cpu, started = _phase_updates(name, phase_t0)
                         wall.setdefault(name, []).extend(v)
-                    for name, v in pages.UPDATE_CPU_MS.items():
-                        cpu.setdefault(name, []).extend(v)
-                    for name, v in pages.UPDATE_MS.items():
-                        started = pages.UPDATE_STARTED[name]
+                        cpu.setdefault(name, []).extend(ms_cpu)
                         gcs = [
                             collections.inside(t0, ms) for t0, ms in zip(started, v, strict=True)
                         ]
@@ -612,6 +610,23 @@ def on_loop(client: Any, fn: Any, timeout: float = 300.0) -> Any:
         return fn()
 
     return asyncio.run_coroutine_threadsafe(call(), client.loop.asyncio_loop).result(timeout)
+
+
+def _phase_updates(name: str, phase_t0: float) -> tuple[list[float], list[float], list[float]]:
+    """Page ``name``'s update wall ms, CPU ms and start times, of the updates that started in
+    the phase (from ``phase_t0``). One in flight while the benchmark forced its collection
+    before the phase (in this thread, holding the GIL) would count that collection, which is
+    the benchmark's and not the page's. The pages keep updating meanwhile: each deque is read
+    at once (``list`` of a deque holds the GIL), and ``update()`` appends CPU, wall, start in
+    that order, so the shortest of the three lines up with the others."""
+    from plexrl_dask.dashboard import base as pages
+
+    ms_cpu = list(pages.UPDATE_CPU_MS[name])
+    ms = list(pages.UPDATE_MS[name])
+    started = list(pages.UPDATE_STARTED[name])
+    n = min(len(ms), len(ms_cpu), len(started))
+    rows = [row for row in zip(ms[:n], ms_cpu[:n], started[:n], strict=True) if row[2] >= phase_t0]
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
 def _collect(ticker: LoopTicker) -> None:
