@@ -235,18 +235,15 @@ class Runtime:
         done = []
         for move in self._call("plexrl_relocations", owner=self.job)["moves"]:
             name, restored = move["name"], None
-            dep = Deployment(self, DeploymentInfo.from_dict(
-                self._call("plexrl_get_deployment", name=name)["deployment"]
-            ))  # fmt: skip
+            dep = self.deployment(name)
             if move["modified"]:
                 # its own store model: deleting the move's copies never touches a checkpoint
                 # the job saved itself
                 model = f"{ops.checkpoint_model(name)}.relocate-{move['uid'][:12]}"
                 restored = result(dep.save_state(model=model), timeout)
             self._call("plexrl_relocate", name=name, uid=move["uid"])
-            entry = {**move, "restored": restored is not None}
-            entry.pop("uid")
-            entry.pop("modified")
+            entry = {k: move[k] for k in ("name", "workers", "group")}
+            entry["restored"] = restored is not None
             if restored is not None:
                 try:
                     result(dep.load_state(restored), timeout)
@@ -255,8 +252,8 @@ class Runtime:
                         f"{name!r} could not be restored in its node group ({e}); its state is "
                         f"checkpoint {dict(restored)}: restore it with load_state"
                     ) from e
-                now = self._call("plexrl_get_deployment", name=name)["deployment"]["workers"]
-                entry["now"] = list(now)
+                now = list(self.deployment(name).info.workers)
+                entry["now"] = now
                 # the checkpoint where it was written and where it was imported to
                 self.client.run(
                     ops.drop_checkpoint,

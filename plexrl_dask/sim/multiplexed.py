@@ -309,13 +309,7 @@ class MultiplexedSim:
                 if not r.held.size and r.pending is None:  # between iterations: move now
                     self._next_iteration(r, now)
                 continue  # else it moves when its best-effort iteration ends
-            if r.group and r.group != d.group:
-                g = self.groups.get(r.group)
-                if g is not None:
-                    g.members.discard(r.idx)
-                    g.forget(r.idx)
-            r.group = d.group
-            self.groups[d.group].members.add(r.idx)
+            self._move(r, d.group)
             if d.kind == "profile":
                 r.state, r.start_s = "profiling", now
                 n = min(self.config.profile_iterations, r.job.iterations)
@@ -345,7 +339,7 @@ class MultiplexedSim:
         if r.state == "best_effort":
             if not r.admitted:
                 return  # still waiting: idle in its group until Backfill picks it again
-            self._move(r, r.admitted, now)
+            self._move(r, r.admitted)
             r.state, r.admitted = "placed", ""
         group = self.placer.group_of(r.job.name)
         w = group.window_start(r.job.name, now, self.config.late_tolerance)
@@ -440,7 +434,7 @@ class MultiplexedSim:
             if not schedule.fits(r.job.rollout_gpus, trace.phases[0].duration_s):
                 continue
             if r.group != g.name:
-                self._move(r, g.name, now)
+                self._move(r, g.name)
             if r.start_s < 0:
                 r.start_s = now
             r.state, r.trace, r.reserved, r.key = "best_effort", trace, False, now
@@ -454,13 +448,14 @@ class MultiplexedSim:
             if not g.free:
                 break
 
-    def _move(self, r: _Run, group: str, now: float) -> None:
-        """``r`` leaves its group (its parked state is gone there) for ``group``."""
-        old = self.groups.get(r.group)
-        if old is not None:
-            old.members.discard(r.idx)
-            old.forget(r.idx)
-        r.group = group
+    def _move(self, r: _Run, group: str) -> None:
+        """``r`` joins ``group``, leaving its previous one (its parked state is gone there)."""
+        if r.group != group:
+            old = self.groups.get(r.group)
+            if old is not None:
+                old.members.discard(r.idx)
+                old.forget(r.idx)
+            r.group = group
         self.groups[group].members.add(r.idx)
 
     def _evict_best_effort(self, name: str, now: float) -> None:
@@ -486,8 +481,8 @@ class MultiplexedSim:
             g.forget(j)
             r.group = ""
             if r.admitted:
-                self.groups[r.admitted].members.add(j)
-                r.group, r.state, r.admitted = r.admitted, "placed", ""
+                self._move(r, r.admitted)
+                r.state, r.admitted = "placed", ""
                 self._next_iteration(r, now)
             else:
                 r.state = "arrived"
