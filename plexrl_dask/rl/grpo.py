@@ -42,7 +42,7 @@ from typing import Any
 
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
-from plexrl_dask.errors import ConfigError, DeploymentBusy
+from plexrl_dask.errors import CheckpointError, ConfigError, DeploymentBusy, StateStoreError
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -153,6 +153,7 @@ class GRPOJob:
         self.config = config
         self.start_version = int(start_version)
         self.records: list[StepRecord] = []
+        self._stay = False  # set when the job's deployments cannot follow its placement
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,12 +241,24 @@ class GRPOJob:
         """Follow the job's placement (``Runtime.relocate``) at the one point of a step where
         none of its requests are in flight: this step's samples are in, the previous step's
         training and weight sync are done, and the next step is not submitted yet. Moving
-        changes no result (state is restored bit for bit; sampling is seeded per step)."""
+        changes no result (state is restored bit for bit; sampling is seeded per step). If
+        state cannot be checkpointed for a move (workers without a node store, a full tier),
+        nothing moved: the deployments stay where they are and the job stops trying. A failed
+        restore (``RelocationFailed``) ends the job: that deployment refuses requests until
+        its checkpoint is restored."""
+        if self._stay:
+            return
         try:
             for move in self.runtime.relocate():
                 logger.info("%s: %s moved into the job's node group", self.name, move["name"])
         except DeploymentBusy as e:  # another driver of this job has requests in flight
             logger.info("%s: relocation deferred to the next step: %s", self.name, e)
+        except (CheckpointError, StateStoreError) as e:
+            self._stay = True
+            logger.warning(
+                "%s: its deployments cannot move into its node group (%s); they stay where "
+                "they are", self.name, e,
+            )  # fmt: skip
 
     def _report(self, record: StepRecord) -> None:
         """Report the step to the scheduler for the dashboard's Jobs page (best effort: a
