@@ -264,3 +264,38 @@ def test_the_decode_step_is_used_only_where_it_is_the_same_math():
         DecodeStep.for_model(model)
     model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "linear"}
     assert DecodeStep.for_model(model) is None  # scaled rotary embeddings: not this math
+
+
+@pytest.mark.parametrize("fuse", ["64MiB", 0])
+def test_a_prefill_through_the_decode_step_computes_what_the_hf_forward_computes(fuse):
+    """Left-padded prompts of several lengths through a bound step (fused projections or
+    not): the HF forward's last-token logits, and its keys and values wherever a row has a
+    token (padding is never attended to, so what is stored there does not matter)."""
+    with dask.config.set({"plexrl.sampling.fused-weights-max-bytes": fuse}):
+        backend = backend_of(tiny_spec(seed=4, num_layers=2), batch=8)
+    step = backend.decode_step.bind()
+    assert all((layer.qkv is not None) == (fuse != 0) for layer in step.layers)
+    model, g = backend.model, torch.Generator().manual_seed(1)
+    ids = torch.randint(3, backend.vocab_size, (4, 7), generator=g)
+    mask = torch.ones(4, 7, dtype=torch.long)
+    mask[0, :3] = mask[2, :6] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        logits, keys, values = step(ids, mask, positions, None, None)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, want.logits[:, -1].float(), atol=1e-5, rtol=0)
+    held = mask.bool()[:, None, :, None]
+    for layer, k, v in zip(output_cache(want).layers, keys, values, strict=True):
+        assert torch.isfinite(k).all() and torch.isfinite(v).all()
+        torch.testing.assert_close(k * held, layer.keys * held, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v * held, layer.values * held, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("value", [-1, "lots", True, 1.5])
+def test_a_bad_fused_weights_budget_is_a_config_error(value):
+    with (
+        dask.config.set({"plexrl.sampling.fused-weights-max-bytes": value}),
+        pytest.raises(errors.ConfigError, match="fused-weights-max-bytes"),
+    ):
+        backend_of(tiny_spec(seed=4), batch=4)

@@ -152,7 +152,9 @@ def test_jobs_multiplexed_on_one_pool_compute_exactly_what_they_compute_alone(ti
     )
     assert offloads > 0  # the pool really swapped jobs' state in and out
     for name, records in alone.items():
-        assert all(r.loss is not None for r in records)
+        # Every job trained (a step whose groups all scored alike has nothing to train on, so
+        # it has no loss; that is an outcome of the samples, compared below like the rest).
+        assert sum(r.loss is not None for r in records) >= 2
         got = [
             (r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version)
             for r in together[name]

@@ -186,12 +186,39 @@ def test_tiny_top_p_is_greedy(logits, u):
     assert row[0, chosen] >= row[0].max() - 1e-5
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    logits=st.lists(
+        st.floats(min_value=-20.0, max_value=20.0, allow_nan=False, width=32),
+        min_size=2,
+        max_size=40,
+    ),
+    temperature=st.floats(min_value=0.005, max_value=4.0),
+    u=st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+)
+def test_untruncated_choice_is_the_inverse_cdf_in_vocabulary_order(logits, temperature, u):
+    # top_p = 1 walks the CDF in vocabulary order: the chosen token is the first whose
+    # cumulative mass exceeds u x total, and never one without mass (low temperatures
+    # underflow most of the vocabulary to exactly zero).
+    row = torch.tensor([logits], dtype=torch.float32)
+    tokens, logprobs = choose_tokens(row, temperature, 1.0, np.array([u]))
+    chosen = int(tokens[0])
+    p = _probs(row, temperature)[0]
+    assert p[chosen] > 0.0
+    cdf = np.cumsum(p)
+    target = u * cdf[-1]
+    assert cdf[chosen] > target or chosen == int(np.flatnonzero(p > 0)[-1])
+    assert chosen == 0 or cdf[chosen - 1] <= target
+    assert math.isfinite(float(logprobs[0])) and float(logprobs[0]) <= 0.0
+
+
 def test_extreme_uniforms_stay_in_vocabulary():
     logits = _random_logits(4, 30, 5)
     logits[:, 10:] = -1e4  # effectively zero mass on most of the vocabulary
     for u in (0.0, 1.0 - 2**-53):
-        tokens, _ = choose_tokens(logits, 1.0, 0.95, np.full(4, u))
-        assert ((tokens >= 0) & (tokens < 10)).all()
+        for temperature, top_p in ((1.0, 0.95), (0.001, 1.0)):
+            tokens, _ = choose_tokens(logits, temperature, top_p, np.full(4, u))
+            assert ((tokens >= 0) & (tokens < 10)).all()
 
 
 def _empirical(

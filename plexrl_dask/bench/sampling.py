@@ -1,4 +1,4 @@
-"""Benchmark: sampling in continuously batched streams against batch by batch, one replica.
+"""Benchmark: how one replica decodes a GRPO step's request (batch size, streams), in-process.
 
 In-process (no cluster), one torch thread, on the standard job mix's models after their
 supervised warm-up (so completion lengths are the jobs' real, long-tailed ones). For each job,
@@ -6,18 +6,22 @@ every round draws new problems and a new seed and times the same request under e
 alternating arms (:func:`~plexrl_dask.bench.common.interleaved`):
 
 - a GRPO step's request (``prompts_per_step`` × ``group_size`` rows, 128 in the mix):
-  ``batch`` (streams of ``max_batch_size`` rows: each batch decodes to its end, the behaviour
-  before streams) against ``stream-128`` (the default streams);
-- a request four times larger (512 rows): ``batch`` against ``stream-512``.
+  ``b64-batch`` (batches of 64 rows, each decoded to its end: before streams),
+  ``b64-stream`` (at most 64 rows at a time, finished rows' slots refilled from the request's
+  other rows: the default until ``max-batch-size`` became 128) and ``b128`` (the whole
+  request as one batch: the default now);
+- a request four times larger (512 rows), at the configured ``max-batch-size``: ``batch``
+  (batch by batch) against ``stream-512`` (one stream, refilled).
 
-Every arm shares prompt prefills (one forward per distinct prompt); that part of the change
-has no switch, so it is not separated here. Results per job: tokens/s of each arm, the median
-over rounds of each arm's time ÷ the ``batch`` arm's (below 1: streams are faster), and each
-arm's tokens/s ÷ the replica's peak (``ignore_eos`` decoding of 64 rows of one prompt, best of
-3, the same definition as ``bench.multiplex``'s peak). The rows of all arms of a round are
-the same, so they sample the same tokens up to rounding: the token counts are reported too.
+Results per job: tokens/s of each arm; the median over rounds of an arm's time ÷ its
+baseline's (``b128`` ÷ ``b64-stream``; ``stream-512`` ÷ ``batch``; below 1: faster); and each
+arm's tokens/s ÷ the replica's peak: ``ignore_eos`` decoding of ``b`` rows of one prompt for
+the job's ``max_tokens``, best of 3 at its best ``b`` (powers of two from 8 to twice
+``max-batch-size``), the same definition as ``bench.multiplex``'s. The rows of all arms of a
+round are the same, so they sample the same tokens up to rounding: the token counts are
+reported too.
 
-Run: ``python -m plexrl_dask.bench.sampling --json OUT [--quick]`` (about 10 minutes on this
+Run: ``python -m plexrl_dask.bench.sampling --json OUT [--quick]`` (about 12 minutes on this
 2-core machine, most of it warm-up; ``--quick``: 100 warm-up steps, 4 rounds, 2 jobs).
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +46,10 @@ from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, Sampling
 
 logger = logging.getLogger(__name__)
 
-TARGETS = {"stream_time_ratio_128": "< 1 (streams faster)"}
+TARGETS = {
+    "batch128_time_ratio": "< 1 (a whole request per batch beats 64-row streams)",
+    "stream_time_ratio_512": "< 1 (streams faster)",
+}
 
 
 def warmed_backend(spec: JobSpec, steps: int, batch: int) -> TorchBackend:
@@ -59,52 +67,76 @@ def warmed_backend(spec: JobSpec, steps: int, batch: int) -> TorchBackend:
     return backend
 
 
-def peak(backend: TorchBackend, prompt: list[int], max_tokens: int, batch: int) -> float:
-    """Decode tokens/s of ``batch`` rows of one prompt, every row to ``max_tokens``."""
-    params = SamplingParams(n=batch, max_tokens=max_tokens, seed=0, ignore_eos=True)
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        out = backend.sample([prompt], params, [0], Streams(batch, batch))
-        best = max(best, sum(len(s.tokens) for s in out[0]) / (time.perf_counter() - t0))
-    return best
+def peak(backend: TorchBackend, prompt: list[int], max_tokens: int) -> dict[int, float]:
+    """Decode tokens/s of ``b`` rows of one prompt, every row to ``max_tokens``, best of 3,
+    for ``b`` the powers of two from 8 to twice the backend's ``max_batch_size``."""
+    out: dict[int, float] = {}
+    b = 8
+    while b <= 2 * backend.max_batch_size:
+        params = SamplingParams(n=b, max_tokens=max_tokens, seed=0, ignore_eos=True)
+        best = 0.0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            got = backend.sample([prompt], params, [0], Streams.from_config())
+            best = max(best, sum(len(s.tokens) for s in got[0]) / (time.perf_counter() - t0))
+        out[b] = best
+        b *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class Arm:
+    """How a request is decoded: at most ``batch`` rows at a time, in ``streams``."""
+
+    batch: int
+    streams: Streams
 
 
 def time_arms(
     backend: TorchBackend,
     prompts: list[list[int]],
     params: SamplingParams,
-    arms: dict[tuple[int, str], Streams],
-    size: int,
+    arms: dict[str, Arm],
 ) -> dict[str, tuple[float, int]]:
-    """``(seconds, tokens)`` of the request under each arm of ``size``, arms alternating."""
+    """``(seconds, tokens)`` of the request under each arm, arms alternating."""
     ids = list(range(len(prompts)))
     made: dict[str, int] = {}
+    configured = backend.max_batch_size
 
-    def call(name: str, streams: Streams) -> None:
-        out = backend.sample(prompts, params, ids, streams)
+    def call(name: str, arm: Arm) -> None:
+        backend.max_batch_size = arm.batch  # read by each stream's decoder as it starts
+        try:
+            out = backend.sample(prompts, params, ids, arm.streams)
+        finally:
+            backend.max_batch_size = configured
         made[name] = sum(len(s.tokens) for group in out for s in group)
 
-    mine = {name: s for (sz, name), s in arms.items() if sz == size}
-    timed = interleaved({n: (lambda n=n, s=s: call(n, s)) for n, s in mine.items()}, 1)
+    timed = interleaved({n: (lambda n=n, a=a: call(n, a)) for n, a in arms.items()}, 1)
     return {name: (ts[0], made[name]) for name, ts in timed.items()}
 
 
 def measure_job(spec: JobSpec, warmup: int, rounds: int, batch: int) -> dict[str, Any]:
-    """Every arm of the module docstring, for one job."""
+    """Every arm of the module docstring, for one job (``batch``: the configured
+    ``max-batch-size``)."""
     backend = warmed_backend(spec, warmup, batch)
     g = spec.grpo
+    rows = g.prompts_per_step * g.group_size
     arms = {
-        (128, "batch"): Streams(batch, batch),
-        (128, "stream-128"): Streams.from_config(),
-        (512, "batch"): Streams(batch, batch),
-        (512, "stream-512"): Streams(g.prompts_per_step * 4 * g.group_size, 16),
+        1: {
+            "b64-batch": Arm(64, Streams(64, 64)),
+            "b64-stream": Arm(64, Streams(max(rows, 128), 16)),
+            "b128": Arm(128, Streams(max(rows, 256), 16)),
+        },
+        4: {
+            "batch": Arm(batch, Streams(batch, batch)),
+            "stream-512": Arm(batch, Streams(4 * rows, 16)),
+        },
     }
-    times: dict[tuple[int, str], list[float]] = {a: [] for a in arms}
-    tokens: dict[tuple[int, str], int] = dict.fromkeys(arms, 0)
+    times: dict[tuple[int, str], list[float]] = {(k, a): [] for k in arms for a in arms[k]}
+    tokens: dict[tuple[int, str], int] = dict.fromkeys(times, 0)
     for r in tqdm(range(rounds), desc=f"rounds {spec.name}", leave=False):
-        for size in (128, 512):
-            count = g.prompts_per_step * (size // 128)
+        for k, mine in arms.items():
+            count = g.prompts_per_step * k
             problems = spec.task.problems(1_000_000 + r * count, count)
             prompts = backend.tokenize([p.prompt for p in problems])
             params = SamplingParams(
@@ -114,22 +146,26 @@ def measure_job(spec: JobSpec, warmup: int, rounds: int, batch: int) -> dict[str
                 stop=(spec.task.stop,),
                 seed=r,
             )
-            for name, (seconds, made) in time_arms(backend, prompts, params, arms, size).items():
-                times[(size, name)].append(seconds)
-                tokens[(size, name)] += made
-    top = peak(backend, prompts[0], g.max_tokens, batch)
-    out: dict[str, Any] = {"peak_tokens_per_s": top}
-    for size, arm in arms:
-        rate = tokens[(size, arm)] / sum(times[(size, arm)])
-        key = f"{size}_{arm}"
+            for name, (seconds, made) in time_arms(backend, prompts, params, mine).items():
+                times[(k, name)].append(seconds)
+                tokens[(k, name)] += made
+    by_batch = peak(backend, prompts[0], g.max_tokens)
+    top = max(by_batch.values())
+    out: dict[str, Any] = {"peak_tokens_per_s": top, "peak_by_batch_size": by_batch}
+    for k, arm in times:
+        rate = tokens[(k, arm)] / sum(times[(k, arm)])
+        key = f"{k * rows}_{arm}"
         out[f"tokens_per_s_{key}"] = rate
         out[f"to_peak_{key}"] = rate / top
-        out[f"tokens_{key}"] = tokens[(size, arm)]
-        if arm != "batch":
-            base = times[(size, "batch")]
-            out[f"time_ratio_{size}"] = statistics.median(
-                t / b for t, b in zip(times[(size, arm)], base, strict=True)
-            )
+        out[f"tokens_{key}"] = tokens[(k, arm)]
+
+    def ratio(k: int, arm: str, base: str) -> float:
+        pairs = zip(times[(k, arm)], times[(k, base)], strict=True)
+        return statistics.median(t / b for t, b in pairs)
+
+    out["batch128_time_ratio"] = ratio(1, "b128", "b64-stream")
+    out["stream64_time_ratio"] = ratio(1, "b64-stream", "b64-batch")
+    out["stream_time_ratio_512"] = ratio(4, "stream-512", "batch")
     return out
 
 
@@ -148,14 +184,13 @@ def main() -> None:
         warmup = 100 if args.quick else spec.warmup_steps
         per_job[spec.name] = measure_job(spec, warmup, rounds, batch)
     results: dict[str, Any] = {}
-    for size in (128, 512):
-        ratios = [j[f"time_ratio_{size}"] for j in per_job.values()]
-        results[f"stream_time_ratio_{size}"] = statistics.median(ratios)
-    for name, j in per_job.items():
-        results[f"{name}_time_ratio_128"] = j["time_ratio_128"]
-        results[f"{name}_time_ratio_512"] = j["time_ratio_512"]
-        results[f"{name}_to_peak_128_batch"] = j["to_peak_128_batch"]
-        results[f"{name}_to_peak_128_stream"] = j["to_peak_128_stream-128"]
+    for key in ("batch128_time_ratio", "stream64_time_ratio", "stream_time_ratio_512"):
+        results[key] = statistics.median(j[key] for j in per_job.values())
+    for spec in jobs:
+        j, rows = per_job[spec.name], spec.grpo.prompts_per_step * spec.grpo.group_size
+        results[f"{spec.name}_batch128_time_ratio"] = j["batch128_time_ratio"]
+        for arm in ("b64-batch", "b64-stream", "b128"):
+            results[f"{spec.name}_to_peak_{arm}"] = j[f"to_peak_{rows}_{arm}"]
     setup = {
         "jobs": [s.name for s in jobs],
         "rounds": rounds,

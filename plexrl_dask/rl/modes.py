@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from plexrl_dask import config
 from plexrl_dask.config import request_timeout
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
@@ -337,13 +338,20 @@ def peak_tokens_per_second(
     worker: str,
     prompt: str,
     max_tokens: int,
-    batch_sizes: Sequence[int] = (8, 16, 32, 64),
+    batch_sizes: Sequence[int] | None = None,
     repeats: int = 2,
 ) -> tuple[float, dict[int, float]]:
     """One worker's decode throughput for ``model`` at each batch size (the best of
     ``repeats`` requests of ``b`` samples of ``prompt``, every sample decoding ``max_tokens``
     tokens: ``ignore_eos``, no stop string), timed by the worker's own request spans without
-    setup. Returns the best tokens/s and the measurement per batch size."""
+    setup. Returns the best tokens/s and the measurement per batch size. The default batch
+    sizes are the powers of two from 8 to twice ``plexrl.sampling.max-batch-size`` (past it,
+    a request decodes as consecutive full batches)."""
+    if batch_sizes is None:
+        top = 2 * int(config.get("sampling.max-batch-size"))  # type: ignore[call-overload]
+        batch_sizes = [8]
+        while batch_sizes[-1] * 2 <= top:
+            batch_sizes.append(batch_sizes[-1] * 2)
     name = f"peak-{model.name}-{worker.rsplit(':', 1)[-1]}"
     deployment = runtime.deploy(name, model, role="rollout", workers=[worker], exist_ok=True)
     by_batch: dict[int, float] = {}

@@ -42,7 +42,7 @@ import torch
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError
-from plexrl_dask.service.sampling import choose_tokens, uniforms
+from plexrl_dask.service.sampling import choose_tokens, row_keys, uniforms_at
 from plexrl_dask.service.types import SampledSequence, SamplingParams
 
 if TYPE_CHECKING:
@@ -184,8 +184,11 @@ class StreamDecoder:
         self.params = params
         self.batch_size = backend.max_batch_size
         self.refill_min_rows = max(1, int(refill_min_rows))
-        self.pid = np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64)
-        self.sid = np.array([j for _, j in rows], dtype=np.int64)
+        self.keys = row_keys(
+            params.seed,
+            np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64),
+            np.array([j for _, j in rows], dtype=np.int64),
+        )
         self.tokens: list[list[int]] = [[] for _ in rows]
         self.logprobs: list[list[float]] = [[] for _ in rows]
         self.reasons = ["length"] * len(rows)
@@ -194,7 +197,8 @@ class StreamDecoder:
         self.spliceable = True
         self.forwards = 0
         self.logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in backend.forward_params else {}
-        self.step = backend.decode_step  # None: decode steps through the HF forward
+        # The decode step over the weights as this stream starts; None: through the HF forward.
+        self.step = None if backend.decode_step is None else backend.decode_step.bind()
 
     # --- model calls ------------------------------------------------------------------------
 
@@ -216,29 +220,14 @@ class StreamDecoder:
             mask[k, width - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **self.logits_kw,
-        )
         self.forwards += 1
-        cache = output_cache(out)
-        if self.cache is None:
-            self.spliceable = _spliceable(cache)
-        if self.cache is None or not self.spliceable:
-            # Not spliceable: rows are only prefilled into an empty batch, whose cache this is.
-            self.cache = cache
-        layers = _layers(cache) if self.spliceable else []
-        prompts = Rows(
-            list(range(len(distinct))),
-            [layer.keys for layer in layers],  # type: ignore[attr-defined]
-            [layer.values for layer in layers],  # type: ignore[attr-defined]
-            mask,
-            positions[:, -1:] + 1,
-            out.logits[:, -1].float(),
-        )
+        if self.step is not None:
+            logits, keys, values = self.step(ids, mask, positions, None, None)
+            prompts = Rows(
+                list(range(len(distinct))), keys, values, mask, positions[:, -1:] + 1, logits
+            )
+        else:
+            prompts = self._prefill_hf(ids, mask, positions)
         if len(distinct) == count:  # one sample per prompt: nothing to copy
             prompts.index = picked
             return prompts
@@ -249,6 +238,32 @@ class StreamDecoder:
                 torch.tensor(of_row, dtype=torch.long, device=self.device)
             )
         return rows
+
+    def _prefill_hf(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Rows:
+        """The prompts ``ids`` through the HF forward, their cache kept as the batch's cache
+        object when it cannot be spliced."""
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **self.logits_kw,
+        )
+        cache = output_cache(out)
+        if self.cache is None:
+            self.spliceable = _spliceable(cache)
+        if self.cache is None or not self.spliceable:
+            # Not spliceable: rows are only prefilled into an empty batch, whose cache this is.
+            self.cache = cache
+        layers = _layers(cache) if self.spliceable else []
+        return Rows(
+            list(range(ids.shape[0])),
+            [layer.keys for layer in layers],  # type: ignore[attr-defined]
+            [layer.values for layer in layers],  # type: ignore[attr-defined]
+            mask,
+            positions[:, -1:] + 1,
+            out.logits[:, -1].float(),
+        )
 
     def _step(self, batch: Rows, chosen: torch.Tensor, advance: torch.Tensor | None) -> Rows:
         """Feed each row its chosen token; the rows with their grown cache and new logits.
@@ -322,16 +337,28 @@ class StreamDecoder:
             )
         return batch.select(live, trim=self.spliceable)
 
+    def _drop_finished(self, dead: int, nothing_waits: bool) -> bool:
+        """Whether to cut the ``dead`` finished rows from the batch now.
+
+        Dropping copies the whole cache; a finished row left in costs one row of every step.
+        While rows wait, finished ones go once ``refill_min_rows`` of them can be replaced
+        (fewer, larger splices). Once nothing waits, they go at once: keeping them until they
+        were as many as the live rows measured slower on the standard jobs' countdown streams
+        (a copy of a small cache costs less than the rows it saves)."""
+        return bool(dead) and (nothing_waits or dead >= self.refill_min_rows)
+
     def run(self) -> list[SampledSequence]:
         """Decode every row of the stream; their completions in row order.
 
-        While rows wait to be admitted, a finished row stays in the batch (fed padding, its
-        position frozen, its output ignored) until ``refill_min_rows`` rows have finished:
-        dropping rows copies the whole cache, and a few idle rows cost less than that. Once
-        nothing waits, finished rows are dropped at once."""
+        A finished row stays in the batch (fed padding, its position frozen, its output
+        ignored) until :meth:`_drop_finished` says the finished rows are worth a copy of the
+        cache."""
         params = self.params
         stops = params.stop
         longest_stop = max((len(s) for s in stops), default=0)
+        # A stop string that appears in a row's text for the first time ends in its newest
+        # token: the full check runs only after tokens whose text holds a stop's last character.
+        may_stop = self.backend.tokens_ending(s[-1] for s in stops if s)
         eos = None if params.ignore_eos else self.backend.eos_token_id
         batch: Rows | None = None
         live: list[int] = []  # positions in the batch of the rows still generating
@@ -348,16 +375,19 @@ class StreamDecoder:
                 live_t = torch.tensor(live, dtype=torch.long, device=batch.logits.device)
                 logits = batch.logits.index_select(0, live_t)
             position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
-            u = uniforms(params.seed, self.pid[index], self.sid[index], position)
+            u = uniforms_at(self.keys[index], position)
             chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
             chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
             still: list[int] = []
             for k, r in enumerate(index):
                 seq = self.tokens[r]
-                seq.append(chosen_l[k])
+                token = chosen_l[k]
+                seq.append(token)
                 self.logprobs[r].append(lp_l[k])
-                if chosen_l[k] == eos or (
-                    longest_stop and self.backend.stopped_by_string(seq, stops, longest_stop)
+                if token == eos or (
+                    longest_stop
+                    and (may_stop is None or token in may_stop)
+                    and self.backend.stopped_by_string(seq, stops, longest_stop)
                 ):
                     self.reasons[r] = "stop"
                 elif len(seq) < params.max_tokens:
@@ -377,8 +407,7 @@ class StreamDecoder:
                 feed.index_copy_(0, live_t.to(chosen.device), chosen)
             live = still
             nothing_waits = waiting is None and self.prefilled == len(self.rows)
-            dead = len(batch) - len(live)
-            if dead and (nothing_waits or dead >= self.refill_min_rows):
+            if self._drop_finished(len(batch) - len(live), nothing_waits):
                 batch = self._compact(batch, live)
                 feed = feed[torch.tensor(live, dtype=torch.long, device=feed.device)]
                 live = list(range(len(batch)))

@@ -23,23 +23,38 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def row_keys(seed: int, prompt_ids: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
+    """The hash of (seed, prompt_id, sample_id) for each pair: what :func:`uniforms_at` needs
+    to draw that row's uniform at any position. A decoder computes it once per row, not once
+    per row and step."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(np.full(prompt_ids.shape, seed, dtype=np.uint64))
+        h = _splitmix64(h ^ prompt_ids.astype(np.uint64))
+        return _splitmix64(h ^ sample_ids.astype(np.uint64))
+
+
+def uniforms_at(keys: np.ndarray, position: int | np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per row key (:func:`row_keys`) at ``position`` (the token's index
+    in its completion: one for all rows, or one per row), as float64."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(keys ^ np.asarray(position).astype(np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
 def uniforms(
     seed: int, prompt_ids: np.ndarray, sample_ids: np.ndarray, position: int | np.ndarray
 ) -> np.ndarray:
     """One uniform in [0, 1) per (prompt_id, sample_id) pair at ``position`` (the token's
     index in its completion: one for all pairs, or one per pair), as float64."""
-    with np.errstate(over="ignore"):
-        h = _splitmix64(np.full(prompt_ids.shape, seed, dtype=np.uint64))
-        h = _splitmix64(h ^ prompt_ids.astype(np.uint64))
-        h = _splitmix64(h ^ sample_ids.astype(np.uint64))
-        h = _splitmix64(h ^ np.asarray(position).astype(np.uint64))
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return uniforms_at(row_keys(seed, prompt_ids, sample_ids), position)
 
 
 def choose_tokens(
     logits: torch.Tensor, temperature: float, top_p: float, u: np.ndarray
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` (B, V) by inverse-CDF sampling with uniforms ``u``.
+    """Pick one token per row of ``logits`` (B, V) by inverse-CDF sampling with uniforms ``u``
+    (the CDF in vocabulary order when ``top_p >= 1``; in descending probability, truncated to
+    the nucleus, otherwise).
 
     Returns ``(tokens, logprobs)``: the log-probability is under ``log_softmax(logits /
     temperature)`` (before top-p truncation), or under ``log_softmax(logits)`` when greedy.
@@ -53,13 +68,23 @@ def choose_tokens(
     logp = torch.log_softmax(logits / temperature, dim=-1)
     # float64 for the CDF so that the inverse lookup is not at the mercy of fp32 rounding.
     probs = logp.double().exp()
+    if top_p >= 1.0:
+        # No truncation: the CDF in vocabulary order is as exact an inverse as the sorted one,
+        # without a sort per step (which cost as much as the rest of the choice together).
+        cdf = probs.cumsum(dim=-1)
+        target = torch.from_numpy(u).to(cdf.device)[:, None] * cdf[:, -1:]
+        idx = torch.searchsorted(cdf, target, right=True)
+        # Rounding at the top end must not land past the last token with mass.
+        vocab = probs.shape[-1]
+        last = (vocab - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)
+        tokens = torch.minimum(idx, last)[:, 0]
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     cdf = sorted_p.cumsum(dim=-1)
-    if top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        keep = (cdf - sorted_p) < top_p
-        sorted_p = sorted_p * keep
-        cdf = sorted_p.cumsum(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    keep = (cdf - sorted_p) < top_p
+    sorted_p = sorted_p * keep
+    cdf = sorted_p.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.from_numpy(u).to(cdf.device)[:, None] * total
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)

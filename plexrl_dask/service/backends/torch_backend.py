@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -295,6 +295,17 @@ class TorchBackend:
                 for (i, j), seq in zip(chunk, decoder.run(), strict=True):
                     out[i][j] = seq
         return [list(group) for group in out]  # type: ignore[arg-type]
+
+    def tokens_ending(self, chars: Iterable[str]) -> frozenset[int] | None:
+        """The token ids whose text holds one of ``chars``, plus every id the tokenizer has no
+        text for (those are decoded, so they are never ruled out); None when the tokenizer does
+        not decode by concatenation (then no token is ruled out)."""
+        if self._pieces is None:
+            return None
+        chars = set(chars)
+        held = {i for i, piece in enumerate(self._pieces) if any(c in piece for c in chars)}
+        beyond = range(len(self._pieces), max(len(self._pieces), self.vocab_size))
+        return frozenset(held.union(beyond))
 
     def stopped_by_string(self, tokens: list[int], stops: tuple[str, ...], longest: int) -> bool:
         """Whether the text of ``tokens`` ends in a way that contains one of ``stops``
