@@ -108,6 +108,17 @@ class ModeLedger:
         held = max(1, len(window.rollout_workers))
         return held * sum(end - start for start, end in rollout_phases(mine, window.sampler))
 
+    def rollout_setup_seconds(self, job: str) -> float:
+        """The setup (loads and reloads before they ran) inside ``job``'s ``sample`` spans."""
+        window = self._job(job)
+        return sum(
+            s.setup_seconds
+            for s in self.spans
+            if s.deployment == window.sampler
+            and s.op == "sample"
+            and window.t0 <= s.start <= window.t1
+        )
+
     def useful_tokens(self) -> int:
         return sum(j.useful_tokens for j in self.jobs)
 
@@ -151,15 +162,30 @@ class ModeLedger:
                 return j
         raise KeyError(job)
 
-    def summary(self) -> dict[str, float | None]:
+    def summary(self) -> dict[str, Any]:
+        """The mode's numbers, and per job its rollout-reserved worker-seconds, useful tokens
+        and throughput-to-peak (where peaks were measured)."""
+        per_job = {}
+        for j in self.jobs:
+            seconds = self.rollout_worker_seconds(j.job)
+            peak = self.peak_tokens_per_s.get(j.job)
+            per_job[j.job] = {
+                "rollout_worker_seconds": seconds,
+                "rollout_setup_seconds": self.rollout_setup_seconds(j.job),
+                "useful_tokens": j.useful_tokens,
+                "throughput_to_peak": j.useful_tokens / (seconds * peak)
+                if peak and seconds > 0
+                else None,
+            }
         return {
             "cost_worker_seconds": self.reserved_worker_seconds(),
             "busy_worker_seconds": self.busy_worker_seconds(),
             "idle_fraction": self.idle_fraction(),
             "makespan_s": self.makespan(),
             "useful_tokens": self.useful_tokens(),
-            "rollout_worker_seconds": sum(self.rollout_worker_seconds(j.job) for j in self.jobs),
+            "rollout_worker_seconds": sum(v["rollout_worker_seconds"] for v in per_job.values()),
             "throughput_to_peak": self.throughput_to_peak(),
+            "jobs": per_job,
         }
 
 
