@@ -78,6 +78,15 @@ def test_isolated_ledger_charges_every_held_worker_for_the_whole_job():
     assert ledger.idle_fraction() == pytest.approx(1 - 14.5 / 32)
     assert ledger.rollout_worker_seconds("a") == 4  # the phase, setup included, x 1 replica
     assert ledger.throughput_to_peak() == pytest.approx(200 / (4 * 100 + 2 * 50))
+    summary = ledger.summary()
+    assert summary["jobs"]["a"] == {
+        "rollout_worker_seconds": 4,
+        "rollout_setup_seconds": 0.5,
+        "useful_tokens": 100,
+        "throughput_to_peak": pytest.approx(100 / (4 * 100)),
+    }
+    assert summary["jobs"]["b"]["rollout_setup_seconds"] == 0
+    assert summary["rollout_worker_seconds"] == 4 + 2
     assert ledger.isolated_cost_lower_bound() == pytest.approx(9.5 + 5)
     assert ledger.isolated_cost_lower_bound(2) == pytest.approx(2 * (9.5 + 5))
     assert ledger.useful_tokens() == 200

@@ -6,10 +6,14 @@ standard mix (:mod:`plexrl_dask.rl.catalog`) runs its supervised warm-up and sav
 checkpoint; every mode then starts each job from it. Then, in one run:
 
 1. one worker's **peak decode throughput** for each job's model at its best batch size
-   (:func:`~plexrl_dask.rl.modes.peak_tokens_per_second`);
+   (:func:`~plexrl_dask.rl.modes.peak_tokens_per_second`), at the start;
 2. every **layout** of every mode that fits the cores (:func:`~plexrl_dask.rl.modes.layouts`:
-   the documented search, the same for every mode), each running all jobs to the end; a
-   mode's cost is its cheapest layout's. Definitions: :mod:`plexrl_dask.rl.ledger`.
+   the documented search, the same for every mode), each running all jobs to the end, each
+   right after the peaks are measured again (its throughput-to-peak divides by those: this
+   machine's speed drifts over minutes, and a ratio of two different minutes' speeds would
+   measure the drift); a mode's cost is its cheapest layout's. Definitions:
+   :mod:`plexrl_dask.rl.ledger`. ``throughput_to_peak_run_start_peaks`` gives the ratio
+   against the first peaks too.
 
 Results: ``cost_ratio_vs_{split_async,split,colocated}`` (multiplexed ÷ baseline, each at its
 best layout), ``throughput_to_peak`` (multiplexed) and ``colocated_throughput_to_peak``,
@@ -20,8 +24,8 @@ sampled completions, plus every layout's ledger and a PNG of the best multiplexe
 Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
 final rewards with the synchronous job's over ``--seeds`` seeds (within two standard errors?).
 
-Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (17 minutes on
-2 cores, 5 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps).
+Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (about 15 minutes
+on 2 cores, 4–8 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps).
 """
 
 from __future__ import annotations
@@ -114,20 +118,18 @@ def main() -> None:
             f"warm-up of {len(specs)} jobs: {time.perf_counter() - t0:.0f}s (not measured)"
         )
 
-        peaks: dict[str, float] = {}
-        peak_detail: dict[str, dict[int, float]] = {}
-        for spec in specs:
-            prompt = spec.task.problems(spec.grpo.problem_offset, 1)[0].prompt
-            best, by_batch = peak_tokens_per_second(
-                runtime, spec.model, workers[0], prompt, spec.grpo.max_tokens
-            )
-            peaks[spec.name], peak_detail[spec.name] = best, by_batch
+        # The peaks are measured at the start and again right before each layout, whose
+        # ledger uses the ones next to it: this VM's speed drifts by a third over minutes,
+        # and a peak from another minute than the requests it divides would measure the drift.
+        peaks, peak_detail = measure_peaks(runtime, specs, workers[0])
         console.print(f"peak tokens/s per job: { {k: round(v) for k, v in peaks.items()} }")
 
         runs: list[ModeRun] = []
+        layout_peaks: dict[str, dict[str, dict[int, float]]] = {}
         for mode in MODES:
             for layout in layouts(mode, args.workers):
                 t0 = time.perf_counter()
+                here, detail = measure_peaks(runtime, specs, workers[0])
                 run = run_mode(
                     runtime,
                     specs,
@@ -135,9 +137,10 @@ def main() -> None:
                     checkpoints,
                     workers,
                     metrics_dir=Path(tmp) / "metrics",
-                    peak_tokens_per_s=peaks,
+                    peak_tokens_per_s=here,
                 )
                 runs.append(run)
+                layout_peaks[layout.label] = detail
                 s = run.ledger.summary()
                 console.print(
                     f"{layout.label}: cost {s['cost_worker_seconds']:.1f} worker-s, idle "
@@ -145,7 +148,7 @@ def main() -> None:
                     f"({time.perf_counter() - t0:.0f}s)"
                 )
         # Written now and again at the end: the comparison below is long.
-        results, config = summarise(runs, specs, peaks, peak_detail, png)
+        results, config = summarise(runs, specs, peaks, peak_detail, layout_peaks, png)
         config.update(
             workers=args.workers,
             quick=args.quick,
@@ -215,14 +218,31 @@ def seed_comparison(
     return out
 
 
+def measure_peaks(
+    runtime: Any, specs: list[Any], worker: str
+) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
+    """Every job's peak tokens/s on ``worker`` and its measurement per batch size."""
+    peaks: dict[str, float] = {}
+    detail: dict[str, dict[int, float]] = {}
+    for spec in specs:
+        prompt = spec.task.problems(spec.grpo.problem_offset, 1)[0].prompt
+        peaks[spec.name], detail[spec.name] = peak_tokens_per_second(
+            runtime, spec.model, worker, prompt, spec.grpo.max_tokens
+        )
+    return peaks, detail
+
+
 def summarise(
     runs: list[ModeRun],
     specs: list[Any],
     peaks: dict[str, float],
     peak_detail: dict[str, dict[int, float]],
+    layout_peaks: dict[str, dict[str, dict[int, float]]],
     png: str,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The benchmark's results from its runs (best layout per mode; see the module docs)."""
+    """The benchmark's results from its runs (best layout per mode; see the module docs).
+    ``peaks``/``peak_detail``: measured at the start of the run; ``layout_peaks``: right
+    before each layout (its ledger's peaks)."""
     best = {
         mode: min(
             (r for r in runs if r.layout.mode == mode),
@@ -245,6 +265,11 @@ def summarise(
         "cost_ratio_vs_colocated": cost_ratio(mux.ledger, best["colocated"].ledger),
         "throughput_to_peak": mux.ledger.throughput_to_peak(),
         "colocated_throughput_to_peak": best["colocated"].ledger.throughput_to_peak(),
+        # the same against the peaks measured at the start of the run (before this session's
+        # per-layout peaks; kept to show what the machine's drift does to the ratio)
+        "throughput_to_peak_run_start_peaks": replace(
+            mux.ledger, peak_tokens_per_s=peaks
+        ).throughput_to_peak(),
         "reward_trajectories_identical": identical,
         "final_mean_reward": {s.name: reward_start_end(mux.records[s.name])[1] for s in specs},
         "start_mean_reward": {s.name: reward_start_end(mux.records[s.name])[0] for s in specs},
@@ -257,7 +282,17 @@ def summarise(
         "generation_length_p99": percentile(lengths, 0.99),
         "generation_length_max": max(lengths),
         "best_layout": {mode: best[mode].layout.label for mode in MODES},
-        "layouts": [{"layout": r.layout.label, **r.ledger.summary()} for r in runs],
+        "layouts": [
+            {
+                "layout": r.layout.label,
+                **r.ledger.summary(),
+                "peak_by_batch_size": layout_peaks.get(r.layout.label, {}),
+                "throughput_to_peak_run_start_peaks": replace(
+                    r.ledger, peak_tokens_per_s=peaks
+                ).throughput_to_peak(),
+            }
+            for r in runs
+        ],
         "png": png,
     }
     for mode in ISOLATED_MODES:

@@ -18,7 +18,7 @@ Definitions (written before any number was looked at; ``docs`` in the README rep
   included), as the job recorded them.
 - **Throughput-to-peak** = useful tokens ÷ Σ_jobs (rollout-reserved worker-seconds × the peak
   tokens/s of one worker decoding that job's model at its best batch size, same thread count,
-  measured in the same run).
+  measured in the same run; ``bench.multiplex`` measures it right before each layout).
 
 Everything here is pure: it takes spans and job windows and returns numbers.
 """
@@ -94,30 +94,31 @@ class ModeLedger:
         reserved = self.reserved_worker_seconds()
         return 0.0 if reserved <= 0 else max(0.0, 1.0 - self.busy_worker_seconds() / reserved)
 
-    def rollout_worker_seconds(self, job: str) -> float:
-        """``job``'s rollout-reserved worker-seconds (see the module docstring)."""
+    def _spans_of(self, job: str) -> list[RequestSpan]:
+        """The spans of ``job``'s deployments that started inside its window."""
         window = self._job(job)
-        mine = [
+        return [
             s
             for s in self.spans
             if s.deployment in window.deployments and window.t0 <= s.start <= window.t1
         ]
-        samples = [s for s in mine if s.deployment == window.sampler and s.op == "sample"]
+
+    def _samples_of(self, job: str) -> list[RequestSpan]:
+        sampler = self._job(job).sampler
+        return [s for s in self._spans_of(job) if s.deployment == sampler and s.op == "sample"]
+
+    def rollout_worker_seconds(self, job: str) -> float:
+        """``job``'s rollout-reserved worker-seconds (see the module docstring)."""
         if self.multiplexed:
-            return sum(s.seconds for s in samples)
+            return sum(s.seconds for s in self._samples_of(job))
+        window = self._job(job)
         held = max(1, len(window.rollout_workers))
-        return held * sum(end - start for start, end in rollout_phases(mine, window.sampler))
+        phases = rollout_phases(self._spans_of(job), window.sampler)
+        return held * sum(end - start for start, end in phases)
 
     def rollout_setup_seconds(self, job: str) -> float:
         """The setup (loads and reloads before they ran) inside ``job``'s ``sample`` spans."""
-        window = self._job(job)
-        return sum(
-            s.setup_seconds
-            for s in self.spans
-            if s.deployment == window.sampler
-            and s.op == "sample"
-            and window.t0 <= s.start <= window.t1
-        )
+        return sum(s.setup_seconds for s in self._samples_of(job))
 
     def useful_tokens(self) -> int:
         return sum(j.useful_tokens for j in self.jobs)

@@ -337,22 +337,13 @@ class StreamDecoder:
             )
         return batch.select(live, trim=self.spliceable)
 
-    def _drop_finished(self, dead: int, nothing_waits: bool) -> bool:
-        """Whether to cut the ``dead`` finished rows from the batch now.
-
-        Dropping copies the whole cache; a finished row left in costs one row of every step.
-        While rows wait, finished ones go once ``refill_min_rows`` of them can be replaced
-        (fewer, larger splices). Once nothing waits, they go at once: keeping them until they
-        were as many as the live rows measured slower on the standard jobs' countdown streams
-        (a copy of a small cache costs less than the rows it saves)."""
-        return bool(dead) and (nothing_waits or dead >= self.refill_min_rows)
-
     def run(self) -> list[SampledSequence]:
         """Decode every row of the stream; their completions in row order.
 
-        A finished row stays in the batch (fed padding, its position frozen, its output
-        ignored) until :meth:`_drop_finished` says the finished rows are worth a copy of the
-        cache."""
+        While rows wait to be admitted, a finished row stays in the batch (fed padding, its
+        position frozen, its output ignored) until ``refill_min_rows`` rows have finished:
+        dropping rows copies the whole cache, and a few idle rows cost less than that. Once
+        nothing waits, finished rows are dropped at once."""
         params = self.params
         stops = params.stop
         longest_stop = max((len(s) for s in stops), default=0)
@@ -407,7 +398,8 @@ class StreamDecoder:
                 feed.index_copy_(0, live_t.to(chosen.device), chosen)
             live = still
             nothing_waits = waiting is None and self.prefilled == len(self.rows)
-            if self._drop_finished(len(batch) - len(live), nothing_waits):
+            dead = len(batch) - len(live)
+            if dead and (nothing_waits or dead >= self.refill_min_rows):
                 batch = self._compact(batch, live)
                 feed = feed[torch.tensor(live, dtype=torch.long, device=feed.device)]
                 live = list(range(len(batch)))

@@ -130,7 +130,6 @@ class DecodeStep:
         self.head_dim = int(
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         )
-        self.hidden = int(cfg.hidden_size)
         self.eps = float(cfg.rms_norm_eps)
         self.rotary = self.base.rotary_emb
         self.fuse_max_bytes = fuse_max_bytes

@@ -95,6 +95,7 @@ class TorchBackend:
         # The KV-cache argument: ``cache`` in recent transformers, ``past_key_values`` before.
         self.cache_kw = "cache" if "cache" in self.forward_params else "past_key_values"
         self._pieces = _token_pieces(self.tokenizer)
+        self._ending: dict[frozenset[str], frozenset[int]] = {}  # tokens_ending's answers
         # Decode steps computed from the modules' weights where the architecture allows
         # (plexrl_dask.service.decode_step); None: through the HF forward.
         self.decode_step = DecodeStep.for_model(self.model)
@@ -302,10 +303,13 @@ class TorchBackend:
         not decode by concatenation (then no token is ruled out)."""
         if self._pieces is None:
             return None
-        chars = set(chars)
-        held = {i for i, piece in enumerate(self._pieces) if any(c in piece for c in chars)}
-        beyond = range(len(self._pieces), max(len(self._pieces), self.vocab_size))
-        return frozenset(held.union(beyond))
+        key = frozenset(chars)
+        known = self._ending.get(key)
+        if known is None:  # a pass over the vocabulary: once per set of stop strings
+            held = {i for i, piece in enumerate(self._pieces) if any(c in piece for c in key)}
+            beyond = range(len(self._pieces), max(len(self._pieces), self.vocab_size))
+            known = self._ending[key] = frozenset(held.union(beyond))
+        return known
 
     def stopped_by_string(self, tokens: list[int], stops: tuple[str, ...], longest: int) -> bool:
         """Whether the text of ``tokens`` ends in a way that contains one of ``stops``
