@@ -240,7 +240,7 @@ def test_the_decode_step_computes_what_the_hf_forward_computes():
             position_ids=at,
             **{backend.cache_kw: cache},
         )
-        logits, new_keys, new_values = backend.decode_step(token, grown, at, keys, values)
+        logits, new_keys, new_values = backend.decode_step.bind()(token, grown, at, keys, values)
     torch.testing.assert_close(logits, want.logits[:, -1].float(), atol=1e-5, rtol=0)
     grown_cache = output_cache(want)
     assert isinstance(grown_cache, DynamicCache)

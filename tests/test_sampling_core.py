@@ -86,6 +86,13 @@ def test_uniforms_do_not_swap_prompt_and_sample():
 # --- choose_tokens ------------------------------------------------------------------------------
 
 
+# One row of logits, and one uniform, as the property tests below draw them.
+LOGIT_ROWS = st.lists(
+    st.floats(min_value=-20.0, max_value=20.0, allow_nan=False, width=32), min_size=2, max_size=40
+)
+UNIFORMS = st.floats(min_value=0.0, max_value=1.0, exclude_max=True)
+
+
 def _random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, vocab, generator=g) * 3.0
@@ -142,14 +149,10 @@ def _probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    logits=st.lists(
-        st.floats(min_value=-20.0, max_value=20.0, allow_nan=False, width=32),
-        min_size=2,
-        max_size=40,
-    ),
+    logits=LOGIT_ROWS,
     temperature=st.floats(min_value=0.05, max_value=4.0),
     top_p=st.floats(min_value=1e-6, max_value=1.0, exclude_max=True),
-    u=st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+    u=UNIFORMS,
 )
 def test_top_p_never_picks_outside_the_nucleus(logits, temperature, top_p, u):
     row = torch.tensor([logits], dtype=torch.float32)
@@ -167,12 +170,8 @@ def test_top_p_never_picks_outside_the_nucleus(logits, temperature, top_p, u):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    logits=st.lists(
-        st.floats(min_value=-20.0, max_value=20.0, allow_nan=False, width=32),
-        min_size=2,
-        max_size=40,
-    ),
-    u=st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+    logits=LOGIT_ROWS,
+    u=UNIFORMS,
 )
 def test_tiny_top_p_is_greedy(logits, u):
     row = torch.tensor([logits], dtype=torch.float32)
@@ -188,13 +187,9 @@ def test_tiny_top_p_is_greedy(logits, u):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    logits=st.lists(
-        st.floats(min_value=-20.0, max_value=20.0, allow_nan=False, width=32),
-        min_size=2,
-        max_size=40,
-    ),
+    logits=LOGIT_ROWS,
     temperature=st.floats(min_value=0.005, max_value=4.0),
-    u=st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
+    u=UNIFORMS,
 )
 def test_untruncated_choice_is_the_inverse_cdf_in_vocabulary_order(logits, temperature, u):
     # top_p = 1 walks the CDF in vocabulary order: the chosen token is the first whose

@@ -207,18 +207,6 @@ class DecodeStep:
             )
         return BoundStep(self, layers)
 
-    @torch.no_grad()
-    def __call__(
-        self,
-        tokens: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        keys: list[torch.Tensor] | None,
-        values: list[torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """One call of a freshly bound step: see :meth:`BoundStep.__call__`."""
-        return self.bind()(tokens, mask, positions, keys, values)
-
 
 class BoundStep:
     """A :class:`DecodeStep` over weights gathered by :meth:`DecodeStep.bind`. Call it inside
