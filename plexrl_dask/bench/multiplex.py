@@ -24,8 +24,8 @@ sampled completions, plus every layout's ledger and a PNG of the best multiplexe
 Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
 final rewards with the synchronous job's over ``--seeds`` seeds (within two standard errors?).
 
-Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (about 15 minutes
-on 2 cores, 4–8 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps).
+Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (19 minutes on
+2 cores in its one run with the per-layout peaks, 8 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main() -> None:
         )
 
         # The peaks are measured at the start and again right before each layout, whose
-        # ledger uses the ones next to it: this VM's speed drifts by a third over minutes,
+        # ledger uses the ones next to it: this VM's speed drifts over minutes,
         # and a peak from another minute than the requests it divides would measure the drift.
         peaks, peak_detail = measure_peaks(runtime, specs, workers[0])
         console.print(f"peak tokens/s per job: { {k: round(v) for k, v in peaks.items()} }")
