@@ -139,6 +139,25 @@ def test_union_seconds_folds_the_past_without_losing_length():
     assert u.seconds == pytest.approx(1000.0)
 
 
+def test_number_columns_encode_as_bokeh_expects_and_as_copies():
+    """Finite numbers go out as a plain list (a copy: the message becomes JSON later, and a
+    streamed source's lists grow in place); missing stays null; non-finite numbers get
+    Bokeh's own encoding, whatever else the column holds."""
+    from bokeh.core.serialization import Serializer
+
+    from plexrl_dask.dashboard.base import Numbers, numbers
+
+    column = numbers([1, 2.5, None])
+    out = Serializer().encode(column)
+    assert out == [1.0, 2.5, None]
+    finite = Numbers([1.0, 2.0])
+    out = Serializer().encode(finite)
+    assert out == [1.0, 2.0] and out is not finite
+    for bad in ([float("inf"), 1.0], [float("nan")], [1e308, 1e308, float("-inf")]):
+        want = Serializer().encode(list(bad))  # how Bokeh encodes a plain list of them
+        assert Serializer().encode(Numbers(bad)) == want
+
+
 def test_span_store_windows_and_sequence_numbers():
     store = SpanStore(kept=4, window_s=10.0)
     spans = [
@@ -284,14 +303,19 @@ async def test_timeline_page_streams_new_spans_in_bounded_batches(c, s):
         page.update()
         sizes.append(len(page.source.data["start"]) - n0)
     assert max(sizes) <= 50 and sum(sizes) == new
-    streamed = set(zip(page.source.data["worker"], page.source.data["start"], strict=True))
+    # a span's worker is its lane's (the idle source has a row per lane, in lane order)
+    lane_worker = list(page.idle.data["worker"])
+    streamed = {
+        (lane_worker[int(lane)], st)
+        for lane, st in zip(page.source.data["lane"], page.source.data["start"], strict=True)
+    }
     assert {(sp.worker, 1000 * sp.start) for sp in dash.spans.since(0, 10**6)[1][-new:]} <= streamed
     # Running requests and every worker's lane, labelled with its idle fraction.
     running = page.running.data
     assert sorted(running["worker"]) == sorted(v[3] for v in plexrl.started.values())
     lanes = page._lanes  # a lane per worker, with its idle fraction beside it
     assert set(lanes) >= set(syn.workers)
-    assert list(page.source.data["lane"]) == [lanes[w] for w in page.source.data["worker"]]
+    assert lane_worker == sorted(lanes, key=lanes.get)
     labels = page.figure.yaxis[0].major_label_overrides
     assert all(labels[lanes[w]] == short(w) for w in syn.workers)
     page.update()  # refreshes the idle fractions of up to 32 lanes: all 8 here

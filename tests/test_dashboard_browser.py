@@ -74,8 +74,14 @@ def until(predicate, what: str, timeout: float = WAIT_S) -> None:
 def page_rows(browser: Browser, page: str) -> set | list | None:
     """What the page in the browser shows, keyed like :func:`route_rows`."""
     if page == "timeline":
-        d = browser.source("plexrl-timeline-spans", ["worker", "start"])
-        return None if d is None else set(zip(d["worker"], d["start"], strict=True))
+        d = browser.source("plexrl-timeline-spans", ["lane", "start"])
+        lanes = browser.source("plexrl-timeline-idle", ["worker"])  # a row per lane, in order
+        if d is None or lanes is None:
+            return None
+        workers = lanes["worker"]
+        if any(lane >= len(workers) for lane in d["lane"]):
+            return None  # a span's lane before its row beside the lanes
+        return {(workers[int(lane)], st) for lane, st in zip(d["lane"], d["start"], strict=True)}
     if page == "residency":
         d = browser.source("plexrl-residency-cells", ["deployment", "worker", "tier"])
         if d is None:
@@ -190,6 +196,19 @@ def test_every_page_shows_what_its_route_reports_in_chromium(tmp_path):
                     if page == "timeline":
                         assert {s["job"] for s in data["spans"]} >= names
                         assert {r["op"] for r in data["running"]} == {"hold"}
+                        # the tooltip's worker, setup and run seconds, derived in the browser
+                        shown = browser.source("plexrl-timeline-spans", ["start"])["start"]
+                        by_start = {1000 * s["start"]: s for s in data["spans"]}
+                        i = next(i for i, st in enumerate(shown) if st in by_start)
+                        span = by_start[shown[i]]
+                        worker = browser.hover_value("plexrl-timeline-hover-worker", i)
+                        assert worker == span["worker"]
+                        setup = browser.hover_value("plexrl-timeline-hover-setup", i)
+                        ran = browser.hover_value("plexrl-timeline-hover-ran", i)
+                        assert float(setup) == pytest.approx(
+                            span["ready"] - span["start"], abs=2e-3
+                        )
+                        assert float(ran) == pytest.approx(span["end"] - span["ready"], abs=2e-3)
                         # the browser scrolls the time axis itself, to the scheduler's now
                         end = browser.model_property("plexrl-timeline-x", "end")
                         browser.wait_for(

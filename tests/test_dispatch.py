@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -1213,6 +1214,39 @@ def test_a_load_that_displaces_residents_costs_their_reload_too():
     assert costs.setup_s("big", ("w0",)) == 0.0
     no_budget = SetupCosts(residency, est, lambda m: 2 * GB)
     assert no_budget.setup_s("new", ("w0",)) == pytest.approx(own)
+
+
+def test_cached_setup_costs_follow_every_change_they_depend_on():
+    """The per-(deployment, worker) cache is invisible: after any sequence of residency
+    reports, forgotten workers and deployments, observed loads, and changes of a deployment's
+    bytes or a worker's budget, every cost equals a fresh, uncached computation's."""
+    rng = random.Random(7)
+    workers, models = ["w0", "w1", "w2"], ["a", "b", "c", "d"]
+    residency, est = ResidencyMap(), Estimates()
+    sizes = {m: rng.randint(1, 4) * GB for m in models}
+    budgets = {w: 6 * GB for w in workers}
+    cached = SetupCosts(residency, est, sizes.__getitem__, budgets.__getitem__)
+    for _ in range(600):
+        kind = rng.randrange(7)
+        m, w = rng.choice(models), rng.choice(workers)
+        if kind <= 2:
+            tier = rng.choice(("hbm", "dram", "nvme", "absent"))
+            residency.apply(ResidencyReport(m, 0, tier, sizes[m], 0.1, worker=w))
+        elif kind == 3:
+            est.observe_load(m, rng.choice(("dram", "nvme", "absent")), rng.uniform(0.1, 3), GB)
+        elif kind == 4:
+            sizes[m] = rng.randint(1, 4) * GB
+        elif kind == 5:
+            budgets[w] = rng.randint(2, 8) * GB
+        elif rng.random() < 0.5:
+            residency.forget_worker(w)
+        else:
+            residency.forget_deployment(m)
+            est.forget(m)
+        fresh = SetupCosts(residency, est, sizes.__getitem__, budgets.__getitem__)
+        for group in (("w0",), ("w1",), ("w2",), ("w0", "w2")):
+            for model in models:
+                assert cached.setup_s(model, group) == fresh.setup_s(model, group)
 
 
 def test_a_gang_with_the_best_ratio_holds_its_free_worker_but_lets_short_work_backfill():

@@ -12,6 +12,7 @@ inside the message.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ from bokeh.models import (
     ColumnDataSource,
     DataTable,
     Div,
+    GlyphRenderer,
     Legend,
     LegendItem,
     NumberFormatter,
@@ -81,6 +83,18 @@ def side_legend(title: str, renderer: Any, field: str) -> Legend:
         padding=4,
         border_line_alpha=0,
     )
+
+
+def lean(*figures: Any) -> None:
+    """Leave the selected, unselected and muted looks of ``figures``' glyphs to the browser.
+    The pages have no selection tools and no muting legends, so those glyphs never show,
+    but as models of their own each would be walked by every message the page sends (Bokeh
+    lists a document's models per message): ``"auto"`` is BokehJS's default look instead."""
+    for fig in figures:
+        for renderer in fig.renderers:
+            if isinstance(renderer, GlyphRenderer):
+                renderer.nonselection_glyph = "auto"
+                renderer.muted_glyph = "auto"
 
 
 def job_color(plugin: PlexRLDashboardPlugin, job: str) -> str:
@@ -160,6 +174,12 @@ class Numbers(list):
 
 
 def _encode_numbers(column: Numbers, serializer: Serializer) -> list:
+    # A finite sum means every value is a finite number (inf and nan propagate through a
+    # sum, None fails it): the common case goes through in C, as a copy, because the message
+    # is turned into JSON later and the source's lists may grow in place before that.
+    with contextlib.suppress(TypeError):
+        if math.isfinite(sum(column)):
+            return list(column)
     return [v if v is None or math.isfinite(v) else serializer.encode(v) for v in column]
 
 
@@ -174,7 +194,7 @@ def strings(values: Any) -> Texts:
 
 def numbers(values: Any) -> Numbers:
     """A short numeric column (``None`` stays missing): see :class:`Numbers`."""
-    return Numbers(None if v is None else float(v) for v in values)
+    return Numbers([None if v is None else float(v) for v in values])
 
 
 def table_columns(spec: list[tuple]) -> list[TableColumn]:

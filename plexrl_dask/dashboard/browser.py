@@ -137,6 +137,19 @@ class Browser:
             prop,
         )
 
+    def hover_value(self, name: str, index: int) -> str | None:
+        """What the page's tooltip formatter ``name`` (a ``CustomJSHover``) shows for row
+        ``index`` of its source (None until the page's document has it)."""
+        return self.driver.execute_script(
+            "const [name, index] = arguments;"
+            "for (const doc of (window.Bokeh && window.Bokeh.documents) || []) {"
+            "  const m = doc.get_model_by_name(name);"
+            "  if (m != null) return m.format(null, '', {index}); }"
+            "return null;",
+            name,
+            index,
+        )
+
     def wait_for(
         self, predicate: Callable[[], bool], what: str, timeout: float | None = None
     ) -> None:

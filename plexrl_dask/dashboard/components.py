@@ -28,7 +28,9 @@ from bokeh.models import (
     CDSView,
     ColumnDataSource,
     CustomJS,
+    CustomJSHover,
     DataTable,
+    DatetimeTicker,
     DatetimeTickFormatter,
     Div,
     FactorRange,
@@ -55,6 +57,7 @@ from plexrl_dask.dashboard.base import (
     Texts,
     floats,
     job_color,
+    lean,
     numbers,
     set_data,
     short,
@@ -78,6 +81,18 @@ setInterval(() => {
   xr.setv({start: now - (xr.end - xr.start), end: now});
 }, INTERVAL_MS);
 """
+#: A span's tooltip values, in the browser (``spans``: the span source; ``idle``: the idle
+#: source, one row per lane in lane order): WHAT is ``setup`` or ``ran`` (seconds, from the
+#: span's start, ready and end in ms) or ``worker`` (the lane's).
+_SPAN_HOVER = """
+const i = special_vars.index;
+const d = spans.data;
+if ("WHAT" === "worker") {
+  return String(idle.data.worker[d.lane[i]] ?? "");
+}
+const s = "WHAT" === "setup" ? d.ready[i] - d.start[i] : d.end[i] - d.ready[i];
+return (s / 1000).toFixed(3);
+"""
 
 
 class TimelinePage(Page):
@@ -97,8 +112,10 @@ class TimelinePage(Page):
         self._known: set[str] = set()
         self._idle_next = 0  # the lane whose idle fraction is refreshed next
         self._workers_seen = (-1, -1)
-        texts = ("worker", "job", "deployment", "op", "waited")
-        values = ("lane", "start", "ready", "end", "setup_s", "run_s")
+        # What the tooltip derives (setup and run seconds, the worker of a lane) is computed
+        # in the browser (_SPAN_HOVER): every streamed column costs each update its encoding.
+        texts = ("job", "deployment", "op", "waited")
+        values = ("lane", "start", "ready", "end")
         self.source = ColumnDataSource(
             {**{c: strings(()) for c in texts}, **{c: numbers(()) for c in values}},
             name="plexrl-timeline-spans",
@@ -142,6 +159,9 @@ class TimelinePage(Page):
         fig.xaxis.formatter = DatetimeTickFormatter(
             seconds="%H:%M:%S", minsec="%H:%M:%S", minutes="%H:%M", hourmin="%H:%M", context=None
         )
+        # Bokeh's own date-time ticks up to half a day (the spans kept cover minutes), without
+        # its day, month and year tickers: fewer models for every message to walk
+        fig.xaxis.ticker = DatetimeTicker(tickers=DatetimeTicker().tickers[:3])
         color = {"field": "job", "transform": self.colors}
         run = fig.hbar(
             y="lane",
@@ -197,10 +217,18 @@ class TimelinePage(Page):
                     ("job", "@job"),
                     ("deployment", "@deployment"),
                     ("op", "@op"),
-                    ("setup", "@setup_s{0.000} s"),
-                    ("ran", "@run_s{0.000} s"),
-                    ("worker", "@worker"),
+                    ("setup", "@ready{setup} s"),
+                    ("ran", "@end{ran} s"),
+                    ("worker", "@lane{worker}"),
                 ],
+                formatters={
+                    field: CustomJSHover(
+                        args={"spans": self.source, "idle": self.idle},
+                        code=_SPAN_HOVER.replace("WHAT", what),
+                        name=f"plexrl-timeline-hover-{what}",
+                    )
+                    for field, what in (("@ready", "setup"), ("@end", "ran"), ("@lane", "worker"))
+                },
             ),
             HoverTool(
                 renderers=[live],
@@ -234,6 +262,7 @@ class TimelinePage(Page):
         idle.yaxis.visible = False
         idle.ygrid.visible = False
         self.idle_figure = idle
+        lean(fig, idle)
         self.root = column(self.banner, row(fig, idle, **kwargs), **kwargs)
 
     def attach(self, doc: Any) -> None:
@@ -279,14 +308,25 @@ class TimelinePage(Page):
                 }
             )
         k = min(self.cfg.idle_lanes_per_update, shown)
+        if k == 0:
+            return
+        # the next k lanes in turn, as at most two runs of consecutive lanes (it wraps): a
+        # slice patch of a list of numbers encodes in one piece, where a patch per index
+        # encodes an (index, value) pair per lane
+        first = self._idle_next
+        runs = [(first, min(first + k, shown))]
+        if first + k > shown:
+            runs.append((0, first + k - shown))
         old = self.idle.data["idle"]
         patches = []
-        for i in range(self._idle_next, self._idle_next + k):
-            i %= shown
-            value = plugin.idle_fraction(workers[i], now, live.get(workers[i]))
-            if abs(value - old[i]) >= 0.005:  # the tooltip shows whole per cent
-                patches.append((i, value))
-        self._idle_next = (self._idle_next + k) % max(1, shown)
+        for a, b in runs:
+            values = [
+                plugin.idle_fraction(workers[i], now, live.get(workers[i])) for i in range(a, b)
+            ]
+            # the tooltip shows whole per cent: smaller moves are not worth a message
+            if any(abs(v - o) >= 0.005 for v, o in zip(values, old[a:b], strict=True)):
+                patches.append((slice(a, b), Numbers(values)))
+        self._idle_next = (first + k) % shown
         if patches:
             self.idle.patch({"idle": patches})
 
@@ -329,7 +369,6 @@ class TimelinePage(Page):
             # rows (20,000) on every stream, to a list in place
             self.source.stream(
                 {
-                    "worker": Texts(worker),
                     "job": Texts(job),
                     "deployment": Texts(deployment),
                     "op": Texts(op),
@@ -338,8 +377,6 @@ class TimelinePage(Page):
                     "start": Numbers((1000 * start).tolist()),
                     "ready": Numbers((1000 * ready).tolist()),
                     "end": Numbers((1000 * end).tolist()),
-                    "setup_s": Numbers((ready - start).tolist()),
-                    "run_s": Numbers((end - ready).tolist()),
                 },
                 rollover=self.cfg.spans_kept,
             )
@@ -457,6 +494,7 @@ class ResidencyPage(Page):
         bars.legend.location = "top_left"
         bars.legend.orientation = "horizontal"
         self.bars = bars
+        lean(heat, bars)
         table = DataTable(
             source=self.stores,
             columns=table_columns(

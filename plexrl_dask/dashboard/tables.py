@@ -11,7 +11,6 @@ import logging
 from datetime import datetime
 from typing import Any
 
-import numpy as np
 from bokeh.layouts import column
 from bokeh.models import ColumnDataSource, DataTable, Div
 from bokeh.plotting import figure
@@ -20,6 +19,7 @@ from plexrl_dask.dashboard.base import (
     Page,
     fit_table,
     job_color,
+    lean,
     numbers,
     refresh,
     set_data,
@@ -273,6 +273,7 @@ class JobsPage(Page):
         )
         fig.legend.location = "bottom_right"
         fig.xaxis.ticker.min_interval = 1  # steps are whole
+        lean(fig)
         self.figure = fig
         self.table = table
         self.root = column(self.banner, self.summary, table, fig, **kwargs)
@@ -339,10 +340,10 @@ class JobsPage(Page):
         if redraw:
             changed = list(range(len(shown)))
         xs, ys = [], []
-        for i in changed:
+        for i in changed:  # lists, not arrays: an array is a binary buffer (an id) of its own
             hist = _thin(history[shown[i]])
-            xs.append(np.array([h[0] for h in hist], dtype=float))
-            ys.append(np.array([h[1] for h in hist], dtype=float))
+            xs.append(numbers(h[0] for h in hist))
+            ys.append(numbers(h[1] for h in hist))
         if redraw:
             self.curves.data = {
                 "job": strings(shown),

@@ -48,6 +48,8 @@ class Estimates:
     _service: dict[tuple[str, str], float] = field(default_factory=dict)
     _load: dict[tuple[str, str], float] = field(default_factory=dict)
     _bandwidth: dict[str, float] = field(default_factory=dict)
+    #: Bumped by every change to a setup estimate (what cached setup costs check).
+    setup_stamp: int = 0
 
     def __post_init__(self) -> None:
         missing = set(LOAD_SOURCES) - set(self.load_bandwidths)
@@ -70,6 +72,7 @@ class Estimates:
         if source not in LOAD_SOURCES or seconds <= 0:
             return  # a regroup of resident state, or an unknown origin: not a tier's load
         key = (deployment, source)
+        self.setup_stamp += 1
         self._load[key] = self._blend(self._load.get(key), seconds)
         if nbytes > 0:
             self._bandwidth[source] = self._blend(self._bandwidth.get(source), nbytes / seconds)
@@ -88,6 +91,7 @@ class Estimates:
         return nbytes / bandwidth
 
     def forget(self, deployment: str) -> None:
+        self.setup_stamp += 1
         for table in (self._load, self._service):
             for key in [k for k in table if k[0] == deployment]:
                 del table[key]
@@ -102,7 +106,14 @@ class SetupCosts:
     worker holds in HBM also costs what it displaces: the estimated reload of the residents it
     would push out (largest first, a stand-in for the holder's LRU order, which the scheduler
     does not see), because those come back later at that price.
+
+    Costs are cached per (deployment, worker) and recomputed when the worker's residency
+    (:meth:`ResidencyMap.stamp`), the setup estimates (``Estimates.setup_stamp``), the
+    deployment's bytes or the worker's budget change.
     """
+
+    #: Cached (deployment, worker) costs kept at most (then the cache starts over).
+    CACHE_ENTRIES = 1 << 18
 
     def __init__(
         self,
@@ -115,6 +126,7 @@ class SetupCosts:
         self.estimates = estimates
         self.bytes_of = bytes_of
         self.budget_of = budget_of
+        self._cache: dict[tuple[str, str], tuple[tuple[int, int, int, int], float]] = {}
 
     def setup_s(self, deployment: str, group: tuple[str, ...]) -> float:
         nbytes = 0
@@ -123,14 +135,28 @@ class SetupCosts:
             tier = self.residency.tier(deployment, w)
             if tier != "hbm":
                 nbytes = nbytes or self.bytes_of(deployment)
-                cost = self.estimates.setup(deployment, tier, nbytes) + self._displacement(
-                    deployment, nbytes, w
-                )
-                worst = max(worst, cost)
+                worst = max(worst, self._worker_setup(deployment, tier, nbytes, w))
         return worst
 
-    def _displacement(self, deployment: str, nbytes: int, worker: str) -> float:
+    def _worker_setup(self, deployment: str, tier: str, nbytes: int, worker: str) -> float:
+        # The dispatcher and the Queue page ask for the same (deployment, worker) pairs many
+        # times between two changes; the cost is a function of exactly what the key and the
+        # stamp hold (the worker's residency, the setup estimates, the bytes and the budget).
         budget = self.budget_of(worker) if self.budget_of is not None else 0
+        stamp = (self.residency.stamp(worker), self.estimates.setup_stamp, nbytes, budget)
+        key = (deployment, worker)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        cost = self.estimates.setup(deployment, tier, nbytes) + self._displacement(
+            deployment, nbytes, worker, budget
+        )
+        if len(self._cache) >= self.CACHE_ENTRIES:  # bounded: entries of gone deployments
+            self._cache.clear()
+        self._cache[key] = (stamp, cost)
+        return cost
+
+    def _displacement(self, deployment: str, nbytes: int, worker: str, budget: int) -> float:
         if budget <= 0:
             return 0.0
         own = self.residency.get(deployment, worker)
@@ -138,17 +164,13 @@ class SetupCosts:
         need = nbytes - (budget - held)
         if need <= 0:  # it fits beside what is there (the common case: no list, no sort)
             return 0.0
-        residents = [
-            r
-            for r in self.residency.on_worker(worker)
-            if r.tier == "hbm" and r.deployment != deployment
-        ]
         cost = 0.0
-        for r in sorted(residents, key=lambda r: (-r.bytes, r.deployment)):
+        for r in self.residency.hbm_largest_first(worker):
             if need <= 0:
                 break
-            cost += self.estimates.setup(r.deployment, "dram", r.bytes)
-            need -= r.bytes
+            if r.deployment != deployment:
+                cost += self.estimates.setup(r.deployment, "dram", r.bytes)
+                need -= r.bytes
         return cost
 
     def crowding(self, worker: str) -> int:

@@ -73,11 +73,29 @@ class ResidencyMap:
         # bytes in HBM per worker, kept with every change: setup costs ask it per candidate
         # worker of every request they rank
         self._hbm_bytes: dict[str, int] = {}
+        # each worker's HBM residents, largest first, made when asked and dropped with any
+        # change there: a load that does not fit walks them per candidate worker, and the
+        # dispatcher and the Queue page rank hundreds of candidates between two changes
+        self._hbm_order: dict[str, tuple[ResidencyReport, ...]] = {}
+        # per worker, the number of the last change there (numbers never repeat, a forgotten
+        # worker's included): what a cache of costs derived from a worker's residency checks
+        self._changes = 0
+        self._stamps: dict[str, int] = {}
+
+    def _changed(self, worker: str) -> None:
+        self._hbm_order.pop(worker, None)
+        self._changes += 1
+        self._stamps[worker] = self._changes
+
+    def stamp(self, worker: str) -> int:
+        """Changes whenever anything ``worker`` holds changes (0: nothing reported yet)."""
+        return self._stamps.get(worker, 0)
 
     def apply(self, report: ResidencyReport) -> None:
         key = (report.deployment, report.worker)
         held = self._by_worker.setdefault(report.worker, {})
         self._drop(key)
+        self._changed(report.worker)
         if report.tier != "absent":
             self._reports[key] = report
             held[report.deployment] = report
@@ -91,6 +109,7 @@ class ResidencyMap:
         if old is None:
             return
         self._by_worker.get(old.worker, {}).pop(old.deployment, None)
+        self._changed(old.worker)
         if old.tier == "hbm":
             self._hbm_bytes[old.worker] -= old.bytes
 
@@ -98,6 +117,7 @@ class ResidencyMap:
         for deployment in self._by_worker.pop(worker, {}):
             self._reports.pop((deployment, worker), None)
         self._hbm_bytes.pop(worker, None)
+        self._changed(worker)
 
     def forget_deployment(self, deployment: str) -> None:
         for key in [k for k in self._reports if k[0] == deployment]:
@@ -106,6 +126,18 @@ class ResidencyMap:
     def hbm_bytes(self, worker: str) -> int:
         """Bytes of the deployments ``worker`` holds in HBM."""
         return self._hbm_bytes.get(worker, 0)
+
+    def hbm_largest_first(self, worker: str) -> tuple[ResidencyReport, ...]:
+        """The reports of the deployments ``worker`` holds in HBM, largest first (ties by
+        name): the order in which a load that does not fit is charged for what it displaces."""
+        order = self._hbm_order.get(worker)
+        if order is None:
+            held = self._by_worker.get(worker, {}).values()
+            order = tuple(
+                sorted((r for r in held if r.tier == "hbm"), key=lambda r: (-r.bytes, r.deployment))
+            )
+            self._hbm_order[worker] = order
+        return order
 
     def tier(self, deployment: str, worker: str) -> str:
         report = self._reports.get((deployment, worker))
