@@ -7,7 +7,7 @@ over ``--workers`` (256) workers' residency (each holds a few of the deployments
 or NVMe), the Timeline's spans, job step reports and recent decisions. The state keeps
 changing the whole time (new spans, residency moves, requests replaced, new steps: ``churn``),
 and a plain-task workload keeps the scheduler busy as a real one is (2 worker processes,
-``--tasks-per-s``), the same in every phase.
+``--tasks-per-s`` submitted by a client in a process of its own), the same in every phase.
 
 - ``update_ms_p99``: the 99th percentile of every page's ``update()`` wall time (all four pages
   open in a headless Chromium, updating every ``plexrl.dashboard.update-interval``; measured on
@@ -34,6 +34,11 @@ and a plain-task workload keeps the scheduler busy as a real one is (2 worker pr
   both): what a phase measures is its own work and the collections that work causes.
   ``scheduler_loop_lag_ratio_outside_gc`` is the ratio without the ticks any collection
   delayed, ``gc_ms_per_s_{without,with}`` how much collecting each phase had.
+
+``machine_before`` / ``machine_after``: how often this machine itself stalls a busy thread
+(:func:`machine_stalls`, on the scheduler's CPU, before and after the measured run, with
+nothing else of ours running): the rate of stalls longer than 5 ms is what a tail of a few
+updates in several hundred can be made of.
 
 It also saves one screenshot per page (``--screenshots DIR``) of that state.
 
@@ -411,6 +416,10 @@ def run(args: Any) -> dict[str, Any]:
     rounds = args.rounds or (2 if args.quick else 6)
     rng = random.Random(1)
     results: dict[str, Any] = {"console_errors": 0}
+    # the machine's own stalls on the CPU the scheduler will run on, before anything starts
+    probe_s = 5.0 if args.quick else 15.0
+    cpu0 = min(os.sched_getaffinity(0))
+    results["machine_before"] = machine_stalls(probe_s, cpu0)
     with (
         LocalCluster(
             n_workers=2,  # plain worker processes (no GPU resource) for the plain-task load
@@ -453,7 +462,7 @@ def run(args: Any) -> dict[str, Any]:
                 await loop_task
 
         future = asyncio.run_coroutine_threadsafe(background(), client.loop.asyncio_loop)
-        load = _PlainLoad(client, args.tasks_per_s)
+        load = _PlainLoad(scheduler.address, args.tasks_per_s)
         load.start()
         ticks: dict[str, list[tuple[float, float]]] = {"without": [], "with": []}
         per_round: list[float] = []  # each round's lag ratio: how much rounds disagree
@@ -581,7 +590,35 @@ def run(args: Any) -> dict[str, Any]:
             results[f"gc_ms_per_s_{phase}"] = gc_ms / max(seconds, 1e-9)
         results["plain_tasks_done"] = load.done
         results["queued_requests"] = len(scheduler.plugins["plexrl"].pending)
+    results["machine_after"] = machine_stalls(probe_s, cpu0)
     return results
+
+
+def machine_stalls(seconds: float, cpu: int | None = None) -> dict[str, float]:
+    """How often this machine stops a busy thread: a pure-Python loop on one CPU (``cpu``)
+    for ``seconds``, nothing else of ours running, counting the gaps between two iterations
+    longer than 1 and 5 ms (a virtual machine's stolen time, interrupts; an iteration itself
+    takes well under a microsecond). Context for a tail: an update of ``d`` ms has about
+    ``rate * d / 1000`` chance of holding a stall."""
+    old = os.sched_getaffinity(0)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    try:
+        gaps = []
+        t_end = time.perf_counter() + seconds
+        last = time.perf_counter()
+        while last < t_end:
+            now = time.perf_counter()
+            if now - last > 1e-3:
+                gaps.append(now - last)
+            last = now
+    finally:
+        os.sched_setaffinity(0, old)
+    return {
+        "stalls_over_1ms_per_s": sum(g > 1e-3 for g in gaps) / seconds,
+        "stalls_over_5ms_per_s": sum(g > 5e-3 for g in gaps) / seconds,
+        "stall_ms_max": 1000 * max(gaps, default=0.0),
+    }
 
 
 def _wait_no_sessions(client: Any, scheduler: Any, timeout: float = 90.0) -> None:
@@ -681,30 +718,54 @@ def _close_pages(browser: Any, handles: dict[str, str]) -> None:
 
 
 class _PlainLoad:
-    """Plain Dask tasks at about ``rate`` per second, from a thread, until stopped."""
+    """Plain Dask tasks at about ``rate`` per second, submitted by a client in a process of
+    its own (as a user's client is), until stopped.
 
-    def __init__(self, client: Any, rate: float) -> None:
-        self.client = client
-        self.rate = rate
-        self.done = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="plain-load", daemon=True)
+    A client thread inside the scheduler's process would compete with the event loop for
+    the GIL: the loop thread then waits up to the interpreter's switch interval (5 ms) for
+    it, inside whatever the loop runs (measured: page updates whose wall time exceeded
+    their CPU time by about that much, in the runs where the load was such a thread). A real
+    scheduler's process holds no client; the scheduler handles the same tasks either way."""
+
+    def __init__(self, address: str, rate: float) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._done = ctx.Value("q", 0)
+        self._process = ctx.Process(
+            target=_plain_load,
+            args=(address, rate, self._stop, self._done),
+            name="plain-load",
+            daemon=True,
+        )
+
+    @property
+    def done(self) -> int:
+        return int(self._done.value)
 
     def start(self) -> None:
-        self._thread.start()
+        self._process.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=60)
+        self._process.join(timeout=60)
+        if self._process.is_alive():
+            self._process.kill()
 
-    def _run(self) -> None:
-        batch = max(1, int(self.rate / 10))
-        while not self._stop.is_set():
+
+def _plain_load(address: str, rate: float, stop: Any, done: Any) -> None:
+    from distributed import Client
+
+    batch = max(1, int(rate / 10))
+    with Client(address, set_as_default=False) as client:
+        while not stop.is_set():
             t0 = time.monotonic()
-            futures = self.client.map(_noop, range(batch), pure=False)
-            self.client.gather(futures)
-            self.done += batch
-            self._stop.wait(max(0.0, 0.1 - (time.monotonic() - t0)))
+            futures = client.map(_noop, range(batch), pure=False)
+            client.gather(futures)
+            with done.get_lock():
+                done.value += batch
+            stop.wait(max(0.0, 0.1 - (time.monotonic() - t0)))
 
 
 def _noop(x: int) -> int:
