@@ -171,3 +171,13 @@ def test_seed_difference_within_two_standard_errors():
     assert far["standard_error"] == pytest.approx(((0.01**2 / 3) * 2) ** 0.5)
     with pytest.raises(ValueError):
         seed_difference([0.1], [0.2, 0.3])
+
+
+def test_a_layouts_peak_is_the_mean_of_the_measurements_around_it_at_the_best_batch_size():
+    from plexrl_dask.bench.multiplex import bracketed
+
+    before = {"a": {8: 100.0, 16: 200.0}, "b": {8: 50.0, 16: 40.0}}
+    after = {"a": {8: 300.0, 16: 100.0}, "b": {8: 30.0, 16: 60.0}}
+    # a: means 200 (b=8) and 150 (b=16); b: means 40 and 50
+    assert bracketed(before, after) == {"a": 200.0, "b": 50.0}
+    assert bracketed(before, before) == {"a": 200.0, "b": 50.0}

@@ -8,12 +8,13 @@ checkpoint; every mode then starts each job from it. Then, in one run:
 1. one worker's **peak decode throughput** for each job's model at its best batch size
    (:func:`~plexrl_dask.rl.modes.peak_tokens_per_second`), at the start;
 2. every **layout** of every mode that fits the cores (:func:`~plexrl_dask.rl.modes.layouts`:
-   the documented search, the same for every mode), each running all jobs to the end, each
-   right after the peaks are measured again (its throughput-to-peak divides by those: this
-   machine's speed drifts over minutes, and a ratio of two different minutes' speeds would
-   measure the drift); a mode's cost is its cheapest layout's. Definitions:
-   :mod:`plexrl_dask.rl.ledger`. ``throughput_to_peak_run_start_peaks`` gives the ratio
-   against the first peaks too.
+   the documented search, the same for every mode), each running all jobs to the end, with
+   the peaks measured again right before and right after it; its throughput-to-peak divides
+   by their mean at each batch size (:func:`bracketed`): this machine's speed drifts over
+   minutes, and a ratio of two different minutes' speeds would measure the drift. A mode's
+   cost is its cheapest layout's. Definitions: :mod:`plexrl_dask.rl.ledger`.
+   ``throughput_to_peak_peaks_before`` and ``throughput_to_peak_run_start_peaks`` give the
+   ratio against the peaks right before the layout only and against the first peaks.
 
 Results: ``cost_ratio_vs_{split_async,split,colocated}`` (multiplexed ÷ baseline, each at its
 best layout), ``throughput_to_peak`` (multiplexed) and ``colocated_throughput_to_peak``,
@@ -118,18 +119,21 @@ def main() -> None:
             f"warm-up of {len(specs)} jobs: {time.perf_counter() - t0:.0f}s (not measured)"
         )
 
-        # The peaks are measured at the start and again right before each layout, whose
-        # ledger uses the ones next to it: this VM's speed drifts over minutes,
-        # and a peak from another minute than the requests it divides would measure the drift.
+        # The peaks are measured at the start and again around each layout, whose ledger
+        # uses the ones next to it: this VM's speed drifts over minutes, and a peak from
+        # another minute than the requests it divides would measure the drift.
         peaks, peak_detail = measure_peaks(runtime, specs, workers[0])
         console.print(f"peak tokens/s per job: { {k: round(v) for k, v in peaks.items()} }")
 
         runs: list[ModeRun] = []
-        layout_peaks: dict[str, dict[str, dict[int, float]]] = {}
+        # per layout, the peaks measured right before it and right after it (the next
+        # layout's "before"; one more measurement after the last layout)
+        brackets: list[dict[str, dict[int, float]]] = []
         for mode in MODES:
             for layout in layouts(mode, args.workers):
                 t0 = time.perf_counter()
                 here, detail = measure_peaks(runtime, specs, workers[0])
+                brackets.append(detail)
                 run = run_mode(
                     runtime,
                     specs,
@@ -140,13 +144,24 @@ def main() -> None:
                     peak_tokens_per_s=here,
                 )
                 runs.append(run)
-                layout_peaks[layout.label] = detail
                 s = run.ledger.summary()
                 console.print(
                     f"{layout.label}: cost {s['cost_worker_seconds']:.1f} worker-s, idle "
-                    f"{s['idle_fraction']:.2f}, throughput-to-peak {s['throughput_to_peak']:.2f} "
-                    f"({time.perf_counter() - t0:.0f}s)"
+                    f"{s['idle_fraction']:.2f}, throughput-to-peak against the peaks before it "
+                    f"{s['throughput_to_peak']:.2f} ({time.perf_counter() - t0:.0f}s)"
                 )
+        brackets.append(measure_peaks(runtime, specs, workers[0])[1])
+        layout_peaks = {
+            r.layout.label: {"before": brackets[i], "after": brackets[i + 1]}
+            for i, r in enumerate(runs)
+        }
+        runs = [
+            replace(
+                r,
+                ledger=replace(r.ledger, peak_tokens_per_s=bracketed(brackets[i], brackets[i + 1])),
+            )
+            for i, r in enumerate(runs)
+        ]
         # Written now and again at the end: the comparison below is long.
         results, config = summarise(runs, specs, peaks, peak_detail, layout_peaks, png)
         config.update(
@@ -232,6 +247,14 @@ def measure_peaks(
     return peaks, detail
 
 
+def bracketed(
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]
+) -> dict[str, float]:
+    """Per job, the peak over the minutes of a layout: at each batch size the mean of its
+    measurement right before and right after the layout, then the best batch size."""
+    return {job: max((by_b[b] + after[job][b]) / 2 for b in by_b) for job, by_b in before.items()}
+
+
 def summarise(
     runs: list[ModeRun],
     specs: list[Any],
@@ -242,7 +265,8 @@ def summarise(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The benchmark's results from its runs (best layout per mode; see the module docs).
     ``peaks``/``peak_detail``: measured at the start of the run; ``layout_peaks``: right
-    before each layout (its ledger's peaks)."""
+    before and right after each layout (its ledger's peaks are :func:`bracketed` from
+    them)."""
     best = {
         mode: min(
             (r for r in runs if r.layout.mode == mode),
@@ -265,8 +289,12 @@ def summarise(
         "cost_ratio_vs_colocated": cost_ratio(mux.ledger, best["colocated"].ledger),
         "throughput_to_peak": mux.ledger.throughput_to_peak(),
         "colocated_throughput_to_peak": best["colocated"].ledger.throughput_to_peak(),
-        # the same against the peaks measured at the start of the run (before this session's
-        # per-layout peaks; kept to show what the machine's drift does to the ratio)
+        # the same against the peaks measured right before the layout only, and against
+        # those at the start of the run: what the machine's drift does to the ratio
+        "throughput_to_peak_peaks_before": _against_before(mux, layout_peaks),
+        "colocated_throughput_to_peak_peaks_before": _against_before(
+            best["colocated"], layout_peaks
+        ),
         "throughput_to_peak_run_start_peaks": replace(
             mux.ledger, peak_tokens_per_s=peaks
         ).throughput_to_peak(),
@@ -287,6 +315,7 @@ def summarise(
                 "layout": r.layout.label,
                 **r.ledger.summary(),
                 "peak_by_batch_size": layout_peaks.get(r.layout.label, {}),
+                "throughput_to_peak_peaks_before": _against_before(r, layout_peaks),
                 "throughput_to_peak_run_start_peaks": replace(
                     r.ledger, peak_tokens_per_s=peaks
                 ).throughput_to_peak(),
@@ -303,6 +332,12 @@ def summarise(
         "peak_by_batch_size": peak_detail,
     }
     return results, config
+
+
+def _against_before(run: ModeRun, layout_peaks: dict[str, dict[str, Any]]) -> float:
+    before = layout_peaks[run.layout.label]["before"]
+    peaks = {job: max(by_b.values()) for job, by_b in before.items()}
+    return replace(run.ledger, peak_tokens_per_s=peaks).throughput_to_peak()
 
 
 if __name__ == "__main__":

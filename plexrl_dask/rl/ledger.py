@@ -18,7 +18,8 @@ Definitions (written before any number was looked at; ``docs`` in the README rep
   included), as the job recorded them.
 - **Throughput-to-peak** = useful tokens ÷ Σ_jobs (rollout-reserved worker-seconds × the peak
   tokens/s of one worker decoding that job's model at its best batch size, same thread count,
-  measured in the same run; ``bench.multiplex`` measures it right before each layout).
+  measured in the same run; ``bench.multiplex`` measures it right before and right after
+  each layout and divides by their mean).
 
 Everything here is pure: it takes spans and job windows and returns numbers.
 """
