@@ -260,9 +260,8 @@ def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(bac
     rng = random.Random(0)
     for _ in range(300):
         ids = [rng.randrange(backend.vocab_size) for _ in range(rng.randint(1, 12))]
-        assert "".join(pieces[i] for i in ids) == backend.tokenizer.decode(
-            ids, skip_special_tokens=True
-        )
+        assert backend.text(ids) == backend.tokenizer.decode(ids, skip_special_tokens=True)
+    assert backend.text([]) == ""
     # Sampling with a stop string stops where the decoded text first contains it.
     params = SamplingParams(n=6, temperature=1.0, max_tokens=12, stop=("1", "+"), seed=4)
     out = backend.sample([toks(backend, "3+4=")], params, [0])[0]
@@ -272,6 +271,7 @@ def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(bac
             for k in range(1, len(s.tokens) + 1)
         ]
         hits = [k for k, text in enumerate(cut) if "1" in text or "+" in text]
+        assert s.text == cut[-1]  # the completion's text, joined from pieces, is its decode
         assert (s.finish_reason == "stop") == bool(hits) or s.tokens[-1] == backend.eos_token_id
         if hits:
             assert hits[0] == len(s.tokens) - 1
@@ -281,3 +281,9 @@ def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(bac
     other = ModelSpec.tiny(**TINY).build_tokenizer()
     other.backend_tokenizer.decoder = decoders.WordPiece()
     assert _token_pieces(other) is None
+    backend._pieces = None  # such a backend's texts are the tokenizer's decode
+    try:
+        ids = [5, 6, backend.eos_token_id, 7]
+        assert backend.text(ids) == backend.tokenizer.decode(ids, skip_special_tokens=True)
+    finally:
+        backend._pieces = pieces

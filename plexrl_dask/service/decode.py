@@ -410,12 +410,12 @@ class StreamDecoder:
                 advance = advance.to(batch.next_pos.device)
             batch = self._step(batch, feed, advance)
         logger.debug("stream of %d rows: %d model calls", len(self.rows), self.forwards)
-        decode = self.backend.tokenizer.decode
+        text = self.backend.text
         return [
             SampledSequence(
                 tokens=tuple(self.tokens[r]),
                 logprobs=tuple(self.logprobs[r]),
-                text=decode(self.tokens[r], skip_special_tokens=True),
+                text=text(self.tokens[r]),
                 finish_reason=self.reasons[r],
             )
             for r in range(len(self.rows))
