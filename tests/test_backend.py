@@ -229,6 +229,20 @@ def test_non_finite_gradient_is_discarded(backend):
     backend.optim_step(AdamWParams())  # recovers
 
 
+def test_tokenize_encodes_strings_in_one_call_and_keeps_token_lists(backend):
+    """Strings are encoded together, token lists pass through, and the order is the
+    caller's: the same ids as encoding each string on its own."""
+    prompts = ["12+3=", [5, 6, 7], "9-4=", "", [1]]
+    one_by_one = [
+        list(backend.tokenizer(p, add_special_tokens=False)["input_ids"])
+        if isinstance(p, str)
+        else p
+        for p in prompts
+    ]
+    assert backend.tokenize(prompts) == one_by_one
+    assert backend.tokenize([[4, 2]]) == [[4, 2]] and backend.tokenize([]) == []
+
+
 def test_local_checkpoint_loads_like_the_tiny_model(tmp_path):
     spec = tiny_spec(seed=5)
     path_spec = spec.save_pretrained(str(tmp_path / "ckpt"))

@@ -260,13 +260,13 @@ class TorchBackend:
 
     def tokenize(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Prompts as token ids (strings are encoded with the deployment's tokenizer)."""
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append(list(self.tokenizer(p, add_special_tokens=False)["input_ids"]))
-            else:
-                out.append([int(t) for t in p])
-        return out
+        texts = [p for p in prompts if isinstance(p, str)]
+        # One tokenizer call for all of them: a call costs ~35 us of its own per string, as
+        # much as encoding a short prompt (a GRPO step's 16 prompts: ~0.5 ms of its request).
+        encoded = iter(
+            self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        )
+        return [list(next(encoded)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
 
     def sample(
         self,
