@@ -173,6 +173,23 @@ def test_seed_difference_within_two_standard_errors():
         seed_difference([0.1], [0.2, 0.3])
 
 
+def test_seed_difference_reports_the_paired_view_of_the_same_seeds():
+    """Every pair lower by about the same amount: within two standard errors of the
+    independent samples (the seeds spread widely), far outside the paired ones."""
+    from plexrl_dask.rl.ledger import seed_difference
+
+    base = [0.10, 0.20, 0.30, 0.40]
+    other = [0.09, 0.188, 0.291, 0.389]
+    out = seed_difference(base, other)
+    assert out["within_2se"] and not out["paired_within_2se"]
+    assert (out["pairs_higher"], out["pairs_lower"]) == (0, 4)
+    pairs = [-0.01, -0.012, -0.009, -0.011]
+    mean = sum(pairs) / 4
+    sd = (sum((d - mean) ** 2 for d in pairs) / 3) ** 0.5
+    assert out["paired_standard_error"] == pytest.approx(sd / 2)
+    assert "paired_standard_error" not in seed_difference([0.1, 0.2], [0.1, 0.2, 0.3])
+
+
 def test_a_layouts_peak_is_the_mean_of_the_measurements_around_it_at_the_best_batch_size():
     from plexrl_dask.bench.multiplex import bracketed
 

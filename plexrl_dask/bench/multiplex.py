@@ -23,10 +23,15 @@ synchronous layout: colocated, split and multiplexed), ``final_mean_reward`` per
 ``idle_fraction`` per mode, ``generation_length_p50``/``_p90``/``_p99``/``_max`` over all
 sampled completions, plus every layout's ledger and a PNG of the best multiplexed run.
 Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
-final rewards with the synchronous job's over ``--seeds`` seeds (within two standard errors?).
+final rewards with the synchronous job's over ``--seeds`` seeds (default 5): within two
+standard errors of independent samples (``split_async_within_two_se``), and seed by seed
+(``paired_*``: the same seeds ran both ways). Three seeds leave each side's spread with two
+degrees of freedom: one job's standard error read 0.0017 with three seeds and 0.0098 with
+five, in runs of the same code on the same machine.
 
-Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (19 minutes on
-2 cores in its one run with the per-layout peaks, 8 of them warm-up; ``--quick``: a quarter of the warm-up and GRPO steps).
+Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (8-20 minutes on
+2 cores as the machine's speed varies, 2-8 of them warm-up; ``--quick``: a quarter of the
+warm-up and GRPO steps).
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def main() -> None:
     p.add_argument(
         "--seeds",
         type=int,
-        default=3,
+        default=5,
         help="GRPO seeds per job in the split-async comparison (0: skip it; else >= 2)",
     )
     args = p.parse_args()

@@ -218,20 +218,36 @@ def seed_difference(baseline: Sequence[float], other: Sequence[float]) -> dict[s
     """Compare one result (e.g. final reward) of two algorithms over seeds: the difference of
     the means (``other - baseline``), its standard error (independent samples:
     ``sqrt(s_a² / n_a + s_b² / n_b)``) and whether the difference is within two of them.
-    Needs at least two seeds per side."""
+    Needs at least two seeds per side.
+
+    When both sides ran the same seeds in the same order (equal lengths), the seed-by-seed
+    view is reported as well: the standard error of the mean of the paired differences,
+    whether the difference is within two of those, and how many pairs went each way. Pairs
+    share their problems and first samples, so this view sees a small effect that the
+    spread between seeds hides."""
     if min(len(baseline), len(other)) < 2:
         raise ValueError("a standard error needs at least two seeds per side")
     diff = statistics.fmean(other) - statistics.fmean(baseline)
     se = math.sqrt(
         statistics.variance(baseline) / len(baseline) + statistics.variance(other) / len(other)
     )
-    return {
+    out: dict[str, Any] = {
         "baseline": list(baseline),
         "other": list(other),
         "difference": diff,
         "standard_error": se,
         "within_2se": abs(diff) <= 2 * se,
     }
+    if len(baseline) == len(other):
+        pairs = [o - b for b, o in zip(baseline, other, strict=True)]
+        paired_se = statistics.stdev(pairs) / math.sqrt(len(pairs))
+        out.update(
+            paired_standard_error=paired_se,
+            paired_within_2se=abs(diff) <= 2 * paired_se,
+            pairs_higher=sum(d > 0 for d in pairs),
+            pairs_lower=sum(d < 0 for d in pairs),
+        )
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:
