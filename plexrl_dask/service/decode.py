@@ -198,7 +198,10 @@ class StreamDecoder:
         self.forwards = 0
         self.logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in backend.forward_params else {}
         # The decode step over the weights as this stream starts; None: through the HF forward.
-        self.step = None if backend.decode_step is None else backend.decode_step.bind()
+        self.step = None
+        if backend.decode_step is not None:
+            longest = max(len(prompts[i]) for i in {i for i, _ in rows})
+            self.step = backend.decode_step.bind(longest + params.max_tokens)
 
     # --- model calls ------------------------------------------------------------------------
 

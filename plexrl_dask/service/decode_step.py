@@ -51,36 +51,94 @@ MODES = ("auto", "hf")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # The HF RMSNorm's operations, in its order (statistics in float32); the casts are
-    # skipped where they are the identity.
+    # The HF RMSNorm's operations, in its order (statistics in float32). In float32,
+    # ``F.rms_norm`` computes the same bits in one call (the tests compare them).
     if x.dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+@dataclass(frozen=True)
+class _Norm:
+    """An RMSNorm of a bound step. ``weight`` None: the weight is folded into the copy of the
+    projection that reads the norm (``W · diag(weight)``), and the mean of squares is one
+    matrix product with a column of ``1 / features`` that adds ``eps`` as it goes: on the CPU,
+    about half of ``F.rms_norm``'s time at a decode step's shapes, whose reduction kernels
+    cost more than their arithmetic. (Float32 only; the sums' order differs from HF's, within
+    float rounding.)"""
+
+    weight: torch.Tensor | None
+    eps: float
+    mean_column: torch.Tensor | None = None  # (features, 1) of 1 / features
+    eps_cell: torch.Tensor | None = None  # (1, 1) holding eps
+
+    @classmethod
+    def folded(cls, weight: torch.Tensor, eps: float) -> _Norm:
+        features = weight.shape[0]
+        column = torch.full((features, 1), 1.0 / features, dtype=weight.dtype, device=weight.device)
+        return cls(
+            None, eps, column, torch.full((1, 1), eps, dtype=weight.dtype, device=weight.device)
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(tokens, features)``."""
+        if self.weight is not None:
+            return _rms_norm(x, self.weight, self.eps)
+        assert self.mean_column is not None and self.eps_cell is not None
+        return x * torch.addmm(self.eps_cell, x.square(), self.mean_column).rsqrt_()
 
 
-def _weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written
+    as ``x * cos + cat(x2, x1) * cat(-sin1, sin2)``: the same products, bit for bit (a sign
+    moves from one factor to the other), in one ``roll`` instead of two slices, a negation
+    and a concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def _fused(*modules: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One projection doing what ``modules`` do side by side (outputs concatenated)."""
+@dataclass(frozen=True)
+class _Proj:
+    """One linear projection of a bound step. ``transposed``: ``weight`` is a contiguous
+    ``(in, out)`` copy, multiplied with ``mm``/``addmm`` (on the CPU, a third to a half of
+    ``F.linear``'s time at a decode step's shapes: it skips the transposed-weight path);
+    otherwise it is the module's own ``(out, in)`` weight, through ``F.linear``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    transposed: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(tokens, in)`` -> ``(tokens, out)``."""
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
+
+
+def _proj(*modules: torch.nn.Module, copy: bool, scale: torch.Tensor | None = None) -> _Proj:
+    """One projection doing what ``modules`` do side by side (outputs concatenated); with
+    ``copy``, laid out as a transposed copy, its inputs first scaled by ``scale`` (a norm's
+    weight folded in: ``W · diag(scale)``). Without ``copy``, a single module as it is."""
+    if not copy:
+        assert len(modules) == 1 and scale is None, "fusing or folding copies the weights"
+        return _Proj(modules[0].weight, modules[0].bias, transposed=False)
     weight = torch.cat([m.weight for m in modules])
+    if scale is not None:
+        weight = weight * scale
+    weight = weight.t().contiguous()
     biases = [m.bias for m in modules]
-    if all(b is None for b in biases):
-        return weight, None
-    return weight, torch.cat(
-        [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in modules]
-    )
-
-
-Projection = tuple[torch.Tensor, torch.Tensor | None]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                for m in modules
+            ]
+        )
+    return _Proj(weight, bias, transposed=True)
 
 
 @dataclass(frozen=True)
@@ -89,18 +147,18 @@ class _Layer:
     are the fused projections (None where the copies were too large: then ``q``, ``k``,
     ``v``/``gate``, ``up`` are used)."""
 
-    input_norm: torch.Tensor
-    qkv: Projection | None
-    q: Projection
-    k: Projection
-    v: Projection
-    o: Projection
+    input_norm: _Norm
+    qkv: _Proj | None
+    q: _Proj | None
+    k: _Proj | None
+    v: _Proj | None
+    o: _Proj
     scaling: float
-    post_norm: torch.Tensor
-    gate_up: Projection | None
-    gate: Projection
-    up: Projection
-    down: Projection
+    post_norm: _Norm
+    gate_up: _Proj | None
+    gate: _Proj | None
+    up: _Proj | None
+    down: _Proj
 
 
 def fused_weights_max_bytes() -> int:
@@ -133,6 +191,8 @@ class DecodeStep:
         self.eps = float(cfg.rms_norm_eps)
         self.rotary = self.base.rotary_emb
         self.fuse_max_bytes = fuse_max_bytes
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+        self._tables = {}
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> DecodeStep | None:
@@ -174,68 +234,114 @@ class DecodeStep:
             return "rotary embedding"
         return None
 
-    def _fuses(self) -> bool:
-        """Whether the fused copies of the q/k/v and gate/up weights fit the budget."""
-        total = 0
+    def _copies(self) -> bool:
+        """Whether the bound step's copies of the weights (every projection transposed, q/k/v
+        and gate/up fused, the output head) fit ``fused-weights-max-bytes``."""
+        modules = [self.model.lm_head]
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                total += m.weight.numel() * m.weight.element_size()
+            modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+            modules += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        total = sum(m.weight.numel() * m.weight.element_size() for m in modules)
         return total <= self.fuse_max_bytes
 
-    def bind(self) -> BoundStep:
-        """The step over the weights the model holds now (see the module docstring)."""
-        fuse = self._fuses()
+    def rotary_tables(
+        self, positions: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and signed ``sin`` (:func:`_rotate`) for positions ``0 .. positions - 1``,
+        ``(positions, head_dim)`` on ``like``'s device and in its dtype, computed as the HF
+        rotary embedding computes them (each entry one float32 product of a position and an
+        inverse frequency, then cos/sin, the attention scaling, the cast). Kept per device and
+        dtype and grown on demand: inverse frequencies are buffers, never trained."""
+        key = (like.device, like.dtype)
+        have = self._tables.get(key)
+        if have is None or have[0].shape[0] < positions:
+            count = max(positions, 2 * have[0].shape[0] if have is not None else 0)
+            inv_freq = self.rotary.inv_freq.to(device=like.device, dtype=torch.float32)
+            at = torch.arange(count, device=like.device, dtype=torch.float32)
+            freqs = at[:, None] * inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            scaling = float(self.rotary.attention_scaling)
+            if scaling != 1.0:
+                cos, sin = cos * scaling, sin * scaling
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            have = self._tables[key] = (cos.to(like.dtype), sin.to(like.dtype))
+        return have
+
+    def bind(self, positions: int | None = None) -> BoundStep:
+        """The step over the weights the model holds now (see the module docstring), for
+        tokens at positions below ``positions`` (default: the model's
+        ``max_position_embeddings``; a stream passes its longest prompt plus ``max_tokens``)."""
+        if positions is None:
+            positions = int(self.model.config.max_position_embeddings)
+        copy = self._copies()
+        # Norm weights are folded into the copies of the projections that read them.
+        fold = copy and self.model.lm_head.weight.dtype == torch.float32
+
+        def norm(module: torch.nn.Module) -> tuple[_Norm, torch.Tensor | None]:
+            if fold:
+                return _Norm.folded(module.weight, self.eps), module.weight
+            return _Norm(module.weight, self.eps), None
+
         layers = []
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            input_norm, into_qkv = norm(layer.input_layernorm)
+            post_norm, into_mlp = norm(layer.post_attention_layernorm)
+            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
             layers.append(
                 _Layer(
-                    input_norm=layer.input_layernorm.weight,
-                    qkv=_fused(attn.q_proj, attn.k_proj, attn.v_proj) if fuse else None,
-                    q=_weight(attn.q_proj),
-                    k=_weight(attn.k_proj),
-                    v=_weight(attn.v_proj),
-                    o=_weight(attn.o_proj),
+                    input_norm=input_norm,
+                    qkv=_proj(*qkv, copy=True, scale=into_qkv) if copy else None,
+                    q=None if copy else _proj(attn.q_proj, copy=False),
+                    k=None if copy else _proj(attn.k_proj, copy=False),
+                    v=None if copy else _proj(attn.v_proj, copy=False),
+                    o=_proj(attn.o_proj, copy=copy),
                     scaling=float(attn.scaling),
-                    post_norm=layer.post_attention_layernorm.weight,
-                    gate_up=_fused(mlp.gate_proj, mlp.up_proj) if fuse else None,
-                    gate=_weight(mlp.gate_proj),
-                    up=_weight(mlp.up_proj),
-                    down=_weight(mlp.down_proj),
+                    post_norm=post_norm,
+                    gate_up=(
+                        _proj(mlp.gate_proj, mlp.up_proj, copy=True, scale=into_mlp)
+                        if copy
+                        else None
+                    ),
+                    gate=None if copy else _proj(mlp.gate_proj, copy=False),
+                    up=None if copy else _proj(mlp.up_proj, copy=False),
+                    down=_proj(mlp.down_proj, copy=copy),
                 )
             )
-        return BoundStep(self, layers)
+        final_norm, into_head = norm(self.base.norm)
+        head = _proj(self.model.lm_head, copy=copy, scale=into_head)
+        return BoundStep(self, layers, final_norm, head, positions)
 
 
 class BoundStep:
     """A :class:`DecodeStep` over weights gathered by :meth:`DecodeStep.bind`. Call it inside
     ``torch.inference_mode()`` or ``no_grad``."""
 
-    def __init__(self, step: DecodeStep, layers: list[_Layer]) -> None:
+    def __init__(
+        self, step: DecodeStep, layers: list[_Layer], norm: _Norm, head: _Proj, positions: int
+    ) -> None:
         self.step = step
         self.layers = layers
+        self.norm = norm
+        self.head = head
         self.embed = step.base.embed_tokens
-        self.norm = step.base.norm.weight
-        head = step.model.lm_head
-        self.head = (head.weight, head.bias)
-        self.inv_freq = step.rotary.inv_freq.to(torch.float32)
-        self.attention_scaling = float(step.rotary.attention_scaling)
+        self.positions = positions
+        self.cos, self.sin_signed = step.rotary_tables(positions, self.embed.weight)
+        # On the CPU in float32, attention written out as two batched products around a
+        # softmax, with the mask as one additive bias per step shared by every layer, costs
+        # half of ``scaled_dot_product_attention`` or less at a decode step's shapes (one
+        # query per row; benchmarks/RESULTS.md). Elsewhere SDPA's fused kernels are kept.
+        weight = self.embed.weight
+        self.manual_attention = weight.device.type == "cpu" and weight.dtype == torch.float32
 
-    def _rotary(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin`` of shape ``(rows, 1, tokens, head_dim)``, as the HF rotary
-        embedding computes them."""
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[..., None].to(torch.float32) * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if self.attention_scaling != 1.0:
-            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-        if dtype != torch.float32:
-            cos, sin = cos.to(dtype), sin.to(dtype)
-        return cos[:, None], sin[:, None]
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and the signed ``sin`` (:func:`_rotate`) at ``positions``, shaped
+        ``(rows, 1, tokens, head_dim)``: rows of the tables built at :meth:`DecodeStep.bind`."""
+        cos = F.embedding(positions, self.cos)
+        return cos[:, None], F.embedding(positions, self.sin_signed)[:, None]
 
     @staticmethod
     def _attend(mask: torch.Tensor, new: int) -> torch.Tensor:
@@ -251,6 +357,32 @@ class BoundStep:
         # into every later product with the cache (masked weights are zero, NaN times zero
         # is not).
         return (attend & (cols <= at)) | (cols == at)
+
+    def _decode_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The mask of a one-token step as an additive bias, ``(rows * kv_heads, 1, width)``:
+        0 where a row has a token, -inf elsewhere (the new token is always a token, so no
+        row's softmax is all -inf)."""
+        rows, width = mask.shape
+        bias = torch.zeros((rows, width), dtype=dtype, device=mask.device)
+        bias.masked_fill_(mask == 0, float("-inf"))
+        kv = self.step.kv_heads
+        return bias[:, None, None, :].expand(rows, kv, 1, width).reshape(rows * kv, 1, width)
+
+    def _attention_one(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One query per row: ``q`` ``(rows, heads, 1, head_dim)`` against the contiguous
+        cache ``k``/``v`` ``(rows, kv_heads, width, head_dim)``; query head ``h`` reads kv head
+        ``h // (heads / kv_heads)``, as HF's ``repeat_kv`` and SDPA's ``enable_gqa`` do.
+        Returns ``(rows, heads * head_dim)``, ready for the output projection."""
+        rows, heads, _, head_dim = q.shape
+        kv, width = k.shape[1], k.shape[2]
+        q3 = q.reshape(rows * kv, heads // kv, head_dim)
+        scores = torch.baddbmm(
+            bias, q3, k.view(rows * kv, width, head_dim).transpose(1, 2), alpha=scale
+        )
+        out = torch.bmm(scores.softmax(dim=-1), v.view(rows * kv, width, head_dim))
+        return out.view(rows, heads * head_dim)
 
     def __call__(
         self,
@@ -273,22 +405,24 @@ class BoundStep:
             tokens = tokens[:, None]
         rows, new = tokens.shape
         heads, kv_heads, head_dim = s.heads, s.kv_heads, s.head_dim
-        shape = (rows, new, -1)
-        x = self.embed(tokens)
-        cos, sin = self._rotary(positions, x.dtype)
-        attend = self._attend(mask, new)
+        # Every projection runs on (rows * new, features): two-dimensional products.
+        x = self.embed(tokens).view(rows * new, -1)
+        cos, sin = self._rotary(positions)
+        one = new == 1 and keys is not None and self.manual_attention
+        attend = self._decode_bias(mask, x.dtype) if one else self._attend(mask, new)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, s.eps)
+            h = layer.input_norm(x)
             if layer.qkv is not None:
-                qkv = F.linear(h, *layer.qkv).view(rows, new, heads + 2 * kv_heads, head_dim)
+                qkv = layer.qkv(h).view(rows, new, heads + 2 * kv_heads, head_dim)
                 qkv = qkv.transpose(1, 2)
                 qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
                 q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
             else:
-                q = F.linear(h, *layer.q).view(rows, new, heads, head_dim).transpose(1, 2)
-                k = F.linear(h, *layer.k).view(rows, new, kv_heads, head_dim).transpose(1, 2)
-                v = F.linear(h, *layer.v).view(rows, new, kv_heads, head_dim).transpose(1, 2)
+                assert layer.q is not None and layer.k is not None and layer.v is not None
+                q = layer.q(h).view(rows, new, heads, head_dim).transpose(1, 2)
+                k = layer.k(h).view(rows, new, kv_heads, head_dim).transpose(1, 2)
+                v = layer.v(h).view(rows, new, kv_heads, head_dim).transpose(1, 2)
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             if keys is None or values is None:
                 k, v = k.contiguous(), v.contiguous()
@@ -298,15 +432,20 @@ class BoundStep:
                 keys[i] = values[i] = None  # type: ignore[call-overload]  # (freed as we go)
             new_keys.append(k)
             new_values.append(v)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attend, scale=layer.scaling, enable_gqa=True
-            )
-            x = x + F.linear(out.transpose(1, 2).reshape(shape), *layer.o)
-            h = _rms_norm(x, layer.post_norm, s.eps)
-            if layer.gate_up is not None:
-                gate, up = F.linear(h, *layer.gate_up).chunk(2, dim=-1)
+            if one:
+                out = self._attention_one(q, k, v, attend, layer.scaling)
             else:
-                gate, up = F.linear(h, *layer.gate), F.linear(h, *layer.up)
-            x = x + F.linear(F.silu(gate) * up, *layer.down)
-        last = _rms_norm(x[:, -1], self.norm, s.eps)
-        return F.linear(last, *self.head).float(), new_keys, new_values
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attend, scale=layer.scaling, enable_gqa=True
+                )
+                out = out.transpose(1, 2).reshape(rows * new, heads * head_dim)
+            x = x + layer.o(out)
+            h = layer.post_norm(x)
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            else:
+                assert layer.gate is not None and layer.up is not None
+                gate, up = layer.gate(h), layer.up(h)
+            x = x + layer.down(F.silu(gate) * up)
+        last = self.norm(x.view(rows, new, -1)[:, -1])
+        return self.head(last).float(), new_keys, new_values
