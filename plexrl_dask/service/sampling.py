@@ -74,10 +74,15 @@ def choose_tokens(
         cdf = probs.cumsum(dim=-1)
         target = torch.from_numpy(u).to(cdf.device)[:, None] * cdf[:, -1:]
         idx = torch.searchsorted(cdf, target, right=True)
-        # Rounding at the top end must not land past the last token with mass.
+        # The token found has mass (its CDF entry exceeds the target, the one before does
+        # not), unless rounding put the target at the very top (u within 2^-53 of 1): then
+        # it is past the end, and the last token with mass is meant. Checked, not computed
+        # every step: that is five operations a step for a case almost never met.
         vocab = probs.shape[-1]
-        last = (vocab - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)
-        tokens = torch.minimum(idx, last)[:, 0]
+        if int(idx.max()) >= vocab:
+            last = (vocab - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)
+            idx = torch.minimum(idx, last)
+        tokens = idx[:, 0]
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     cdf = sorted_p.cumsum(dim=-1)
