@@ -299,3 +299,35 @@ def test_a_bad_fused_weights_budget_is_a_config_error(value):
         pytest.raises(errors.ConfigError, match="fused-weights-max-bytes"),
     ):
         backend_of(tiny_spec(seed=4), batch=4)
+
+
+def test_the_weight_layout_is_kept_until_the_weights_change():
+    """``bind`` lays the weights out once and reuses the layout while no parameter was
+    written; after an optimizer step or ``set_weights`` it lays them out again, and sampling
+    then gives what a backend built with those weights gives. Offloading drops the layout."""
+    from plexrl_dask.service.types import AdamWParams, CrossEntropy
+
+    backend = backend_of(tiny_spec(seed=6), batch=8)
+    step = backend.decode_step
+    first = step.bind(32).layers
+    assert step.bind(32).layers is first
+    prompts, ids = backend.tokenize(PROMPTS), list(range(len(PROMPTS)))
+    before = backend.sample(prompts, PARAMS, ids, Streams(8, 1))
+
+    data = [Datum.from_prompt_completion(*backend.tokenize(["12+3=", "15\n"]))]
+    backend.forward_backward(data, CrossEntropy())
+    backend.optim_step(AdamWParams(lr=0.05))
+    trained = step.bind(32).layers
+    assert trained is not first
+    fresh = backend_of(tiny_spec(seed=6), batch=8)
+    fresh.set_weights(backend.get_weights())
+    after = backend.sample(prompts, PARAMS, ids, Streams(8, 1))
+    assert after == fresh.sample(prompts, PARAMS, ids, Streams(8, 1))
+    assert after != before  # the step changed what is sampled, so a stale layout would show
+
+    backend.set_weights(fresh.get_weights())
+    assert step.bind(32).layers is not trained
+    backend.offload()
+    assert step._layout is None
+    backend.reload()
+    assert backend.sample(prompts, PARAMS, ids, Streams(8, 1)) == after

@@ -16,11 +16,25 @@ still generating, expensive. :class:`DecodeStep` computes exactly the layers' ma
 :meth:`DecodeStep.bind` reads the modules' weights once, for one stream of a request (a
 request never runs beside a weight update of its replica, so every step of the stream sees
 the weights the request started with). Binding also gathers what a step would otherwise look
-up through ``nn.Module`` attributes per layer and per call, and, where the copies are small
-(``plexrl.sampling.fused-weights-max-bytes``), concatenates the q/k/v and the gate/up
-projections so that each is one matrix product: on small models the count of operations is
-the cost. A bound step takes several tokens per row as well (causal within them), which is how
-prompts are prefilled without the HF forward.
+up through ``nn.Module`` attributes per layer and per call. Where the copies are small
+(``plexrl.sampling.fused-weights-max-bytes``: every projection's weight, the output head's
+included), it lays the weights out for the CPU's cheapest path, because on small models the
+count and kind of operations is the cost, not their arithmetic:
+
+- q/k/v and gate/up are concatenated, so that each is one matrix product;
+- every projection is a transposed contiguous copy, multiplied as a 2-D ``mm``/``addmm``
+  (``F.linear`` on the module's weight took 1.3-3.3x as long at decode shapes here);
+- each RMSNorm's weight is folded into the copy of the projection that reads it, and the
+  norm's mean of squares is one matrix product that adds ``eps`` (``F.rms_norm``'s reduction
+  kernels took 1.7-1.8x as long at these shapes);
+- the rotary ``cos``/``sin`` are tables over the stream's positions, looked up per step;
+  ``rotate_half`` is a ``roll`` against a sign-folded ``sin`` (the same products);
+- on the CPU in float32, a one-token step's attention is two batched products around a
+  softmax, with the mask as one additive bias shared by all layers (SDPA elsewhere).
+
+Together these took 25 % off a step's time in-process here, at 1 to 128 rows
+(`benchmarks/RESULTS.md`). A bound step takes several tokens per row as well (causal within
+them), which is how prompts are prefilled without the HF forward.
 
 It agrees with the HF forward up to float rounding (tested: log-probabilities of sampled
 tokens equal teacher-forced scoring within 1e-4), and it is used for sampling only; scoring and
@@ -193,6 +207,7 @@ class DecodeStep:
         self.fuse_max_bytes = fuse_max_bytes
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
         self._tables = {}
+        self._layout: tuple[tuple[int, ...], list[_Layer], _Norm, _Proj] | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> DecodeStep | None:
@@ -270,12 +285,36 @@ class DecodeStep:
             have = self._tables[key] = (cos.to(like.dtype), sin.to(like.dtype))
         return have
 
+    def _weights_stamp(self) -> tuple[int, ...]:
+        """Where every parameter's data lives and how often it was written in place: equal
+        stamps, equal weights. Optimizer steps, ``set_weights`` and state loads write in place
+        (each bumps the tensor's version counter); offload and reload swap the data (a new
+        address, and :meth:`release` drops the layout first)."""
+        params = list(self.model.parameters())
+        return tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
+
+    def release(self) -> None:
+        """Drop the weight layout and rotary tables kept for the next :meth:`bind` (the
+        backend calls this before it offloads the model: they hold device memory)."""
+        self._layout = None
+        self._tables.clear()
+
     def bind(self, positions: int | None = None) -> BoundStep:
         """The step over the weights the model holds now (see the module docstring), for
         tokens at positions below ``positions`` (default: the model's
-        ``max_position_embeddings``; a stream passes its longest prompt plus ``max_tokens``)."""
+        ``max_position_embeddings``; a stream passes its longest prompt plus ``max_tokens``).
+        The weight layout is kept while the weights are unchanged: laying it out again costs
+        a few ms per request on the tiny models, a tenth of a short-answer request."""
         if positions is None:
             positions = int(self.model.config.max_position_embeddings)
+        stamp = self._weights_stamp()
+        if self._layout is None or self._layout[0] != stamp:
+            self._layout = (stamp, *self._lay_out())
+        _, layers, norm, head = self._layout
+        return BoundStep(self, layers, norm, head, positions)
+
+    def _lay_out(self) -> tuple[list[_Layer], _Norm, _Proj]:
+        """The layers, the final norm and the head as :meth:`bind` lays them out."""
         copy = self._copies()
         # Norm weights are folded into the copies of the projections that read them.
         fold = copy and self.model.lm_head.weight.dtype == torch.float32
@@ -312,8 +351,7 @@ class DecodeStep:
                 )
             )
         final_norm, into_head = norm(self.base.norm)
-        head = _proj(self.model.lm_head, copy=copy, scale=into_head)
-        return BoundStep(self, layers, final_norm, head, positions)
+        return layers, final_norm, _proj(self.model.lm_head, copy=copy, scale=into_head)
 
 
 class BoundStep:

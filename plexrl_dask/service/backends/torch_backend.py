@@ -567,6 +567,8 @@ class TorchBackend:
         replica resident and intact."""
         if self._host is not None:
             return
+        if self.decode_step is not None:
+            self.decode_step.release()
         nbytes = self.state_bytes()
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
