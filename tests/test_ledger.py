@@ -198,3 +198,20 @@ def test_a_layouts_peak_is_the_mean_of_the_measurements_around_it_at_the_best_ba
     # a: means 200 (b=8) and 150 (b=16); b: means 40 and 50
     assert bracketed(before, after) == {"a": 200.0, "b": 50.0}
     assert bracketed(before, before) == {"a": 200.0, "b": 50.0}
+
+
+def test_the_tail_bound_is_one_without_a_fixed_step_cost_and_counts_the_tail_with_one():
+    """``bench.sampling``'s tail bound: with a step cost proportional to its rows, any lengths
+    reach the peak (1.0); with equal lengths, any step-cost curve does; with a fixed cost per
+    step, a long tail of few rows costs what the formula says."""
+    from plexrl_dask.bench.sampling import tail_bound
+
+    proportional = {b: 0.01 * b for b in (1, 2, 4, 8)}
+    assert tail_bound([[3, 9, 1, 5, 2, 7, 7, 4]], proportional) == pytest.approx(1.0)
+    fixed = {b: 1.0 + 0.5 * b for b in (1, 2, 4, 8)}
+    assert tail_bound([[6] * 8, [2] * 8], fixed) == pytest.approx(1.0)
+    # 8 rows: 7 end at 2 tokens, 1 at 5. Steps 1..4 feed 8, 1, 1, 1 rows (tokens after the
+    # first: 7 * 1 + 4 = 11). Cost 5 + 3 * 1.5 = 9.5; the best b / step(b) is 8 / 5.
+    assert tail_bound([[2] * 7 + [5]], fixed) == pytest.approx(11 / 9.5 / (8 / 5))
+    # Between measured sizes the cost is linear: 6 rows cost what 4 and 8 rows cost, halfway.
+    assert tail_bound([[2] * 6], fixed) == pytest.approx(6 / 4.0 / (8 / 5))

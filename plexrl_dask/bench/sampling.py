@@ -21,6 +21,16 @@ the job's ``max_tokens``, best of 3 at its best ``b`` (powers of two from 8 to t
 round are the same, so they sample the same tokens up to rounding: the token counts are
 reported too.
 
+Where a request's to-peak is lost, split in two (``tail_bound_b128``): a decode step's cost
+at ``b`` rows, ``step(b)``, is measured from the peak's own requests (a ``max_tokens``-token
+request less a one-token request, over ``max_tokens - 1`` steps, best of 3, at 1…128 rows,
+linear in between). The tail bound is the to-peak that decoding the b128 arm's own completions
+would reach if every step cost exactly ``step(rows still generating)``: its decode-step tokens
+(every token but each row's first, which the prefill gives) ÷ ``Σ step(b_s)`` ÷ the best
+``b / step(b)``. It is what the lengths' long tail alone allows an engine with this step-cost
+curve; the rest of the gap to ``to_peak_b128`` is prefill and per-request work, compaction,
+token choice and stop checks.
+
 Run: ``python -m plexrl_dask.bench.sampling --json OUT [--quick]`` (about 12 minutes on this
 2-core machine, most of it warm-up; ``--quick``: 100 warm-up steps, 4 rounds, 2 jobs).
 """
@@ -67,6 +77,49 @@ def warmed_backend(spec: JobSpec, steps: int, batch: int) -> TorchBackend:
     return backend
 
 
+def step_seconds(backend: TorchBackend, prompt: list[int], max_tokens: int) -> dict[int, float]:
+    """Seconds of one decode step at ``b`` rows of one prompt (``b``: 1, 2, 4 … 128), from the
+    peak's kind of request: ``max_tokens`` tokens per row less one token per row, best of 3
+    each, over the ``max_tokens - 1`` steps between them."""
+    out: dict[int, float] = {}
+    b = 1
+    while b <= backend.max_batch_size:
+        best: dict[int, float] = {}
+        for tokens in (max_tokens, 1):
+            params = SamplingParams(n=b, max_tokens=tokens, seed=0, ignore_eos=True)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                backend.sample([prompt], params, [0], Streams.from_config())
+                spent = time.perf_counter() - t0
+                best[tokens] = min(best.get(tokens, spent), spent)
+        out[b] = max(best[max_tokens] - best[1], 1e-9) / (max_tokens - 1)
+        b *= 2
+    return out
+
+
+def tail_bound(lengths: list[list[int]], step: dict[int, float]) -> float:
+    """The to-peak of decoding requests whose rows end at ``lengths`` (one list per request)
+    if a step at ``b`` live rows cost ``step[b]`` (interpolated linearly between measured
+    sizes), against the best ``b / step[b]`` (see the module docstring)."""
+    sizes = sorted(step)
+
+    def cost(rows: int) -> float:
+        below = max(s for s in sizes if s <= rows)
+        above = min((s for s in sizes if s >= rows), default=below)
+        if above == below:
+            return step[below] * rows / below  # past the largest size: batches of it
+        share = (rows - below) / (above - below)
+        return step[below] + share * (step[above] - step[below])
+
+    tokens = seconds = 0.0
+    for request in lengths:
+        tokens += sum(n - 1 for n in request)
+        for s in range(1, max(request)):
+            seconds += cost(sum(n > s for n in request))
+    best = max(b / t for b, t in step.items())
+    return tokens / seconds / best
+
+
 def peak(backend: TorchBackend, prompt: list[int], max_tokens: int) -> dict[int, float]:
     """Decode tokens/s of ``b`` rows of one prompt, every row to ``max_tokens``, best of 3,
     for ``b`` the powers of two from 8 to twice the backend's ``max_batch_size``."""
@@ -97,10 +150,10 @@ def time_arms(
     prompts: list[list[int]],
     params: SamplingParams,
     arms: dict[str, Arm],
-) -> dict[str, tuple[float, int]]:
-    """``(seconds, tokens)`` of the request under each arm, arms alternating."""
+) -> dict[str, tuple[float, list[int]]]:
+    """``(seconds, completion lengths)`` of the request under each arm, arms alternating."""
     ids = list(range(len(prompts)))
-    made: dict[str, int] = {}
+    made: dict[str, list[int]] = {}
     configured = backend.max_batch_size
 
     def call(name: str, arm: Arm) -> None:
@@ -109,7 +162,7 @@ def time_arms(
             out = backend.sample(prompts, params, ids, arm.streams)
         finally:
             backend.max_batch_size = configured
-        made[name] = sum(len(s.tokens) for group in out for s in group)
+        made[name] = [len(s.tokens) for group in out for s in group]
 
     timed = interleaved({n: (lambda n=n, a=a: call(n, a)) for n, a in arms.items()}, 1)
     return {name: (ts[0], made[name]) for name, ts in timed.items()}
@@ -134,6 +187,7 @@ def measure_job(spec: JobSpec, warmup: int, rounds: int, batch: int) -> dict[str
     }
     times: dict[tuple[int, str], list[float]] = {(k, a): [] for k in arms for a in arms[k]}
     tokens: dict[tuple[int, str], int] = dict.fromkeys(times, 0)
+    lengths: list[list[int]] = []  # the b128 arm's completion lengths, per round
     for r in tqdm(range(rounds), desc=f"rounds {spec.name}", leave=False):
         for k, mine in arms.items():
             count = g.prompts_per_step * k
@@ -148,10 +202,18 @@ def measure_job(spec: JobSpec, warmup: int, rounds: int, batch: int) -> dict[str
             )
             for name, (seconds, made) in time_arms(backend, prompts, params, mine).items():
                 times[(k, name)].append(seconds)
-                tokens[(k, name)] += made
+                tokens[(k, name)] += sum(made)
+                if (k, name) == (1, "b128"):
+                    lengths.append(made)
     by_batch = peak(backend, prompts[0], g.max_tokens)
     top = max(by_batch.values())
-    out: dict[str, Any] = {"peak_tokens_per_s": top, "peak_by_batch_size": by_batch}
+    step = step_seconds(backend, prompts[0], g.max_tokens)
+    out: dict[str, Any] = {
+        "peak_tokens_per_s": top,
+        "peak_by_batch_size": by_batch,
+        "step_seconds": step,
+        "tail_bound_b128": tail_bound(lengths, step),
+    }
     for k, arm in times:
         rate = tokens[(k, arm)] / sum(times[(k, arm)])
         key = f"{k * rows}_{arm}"
@@ -191,6 +253,7 @@ def main() -> None:
         results[f"{spec.name}_batch128_time_ratio"] = j["batch128_time_ratio"]
         for arm in ("b64-batch", "b64-stream", "b128"):
             results[f"{spec.name}_to_peak_{arm}"] = j[f"to_peak_{rows}_{arm}"]
+        results[f"{spec.name}_tail_bound_b128"] = j["tail_bound_b128"]
     setup = {
         "jobs": [s.name for s in jobs],
         "rounds": rounds,
