@@ -32,8 +32,10 @@ count and kind of operations is the cost, not their arithmetic:
 - on the CPU in float32, a one-token step's attention is two batched products around a
   softmax, with the mask as one additive bias shared by all layers (SDPA elsewhere).
 
-Together these took 25 % off a step's time in-process here, at 1 to 128 rows
-(`benchmarks/RESULTS.md`). A bound step takes several tokens per row as well (causal within
+Together they cut a step to 0.62-0.88 of its earlier time (about a quarter off) at 1 to 128
+rows in-process here (`benchmarks/RESULTS.md`). The layout is kept across requests while the
+weights are unchanged (at most ``fused-weights-max-bytes`` per deployment, beside the
+weights) and dropped when the model is offloaded. A bound step takes several tokens per row as well (causal within
 them), which is how prompts are prefilled without the HF forward.
 
 It agrees with the HF forward up to float rounding (tested: log-probabilities of sampled
@@ -66,7 +68,7 @@ MODES = ("auto", "hf")
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # The HF RMSNorm's operations, in its order (statistics in float32). In float32,
-    # ``F.rms_norm`` computes the same bits in one call (the tests compare them).
+    # ``F.rms_norm`` computes them in one call (the same bits, where we compared).
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.to(torch.float32)
@@ -288,8 +290,8 @@ class DecodeStep:
     def _weights_stamp(self) -> tuple[int, ...]:
         """Where every parameter's data lives and how often it was written in place: equal
         stamps, equal weights. Optimizer steps, ``set_weights`` and state loads write in place
-        (each bumps the tensor's version counter); offload and reload swap the data (a new
-        address, and :meth:`release` drops the layout first)."""
+        (each bumps the tensor's version counter); offloading drops the layout
+        (:meth:`release`), and data put elsewhere changes its address."""
         params = list(self.model.parameters())
         return tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
 
