@@ -216,23 +216,28 @@ def test_bad_stream_settings_are_config_errors(key, value):
     assert Streams(np.int64(8), 2) == Streams(8, 2)
 
 
-def test_the_decode_step_computes_what_the_hf_forward_computes():
+@pytest.mark.parametrize("rows", [5, 40])
+def test_the_decode_step_computes_what_the_hf_forward_computes(rows):
     """One step over left-padded rows with a grown cache, against the HF forward of the same
-    model on the same cache: equal logits (to float rounding) and equal caches."""
+    model on the same cache: equal logits (to float rounding) and equal caches. Through SDPA
+    (5 rows) and through the written-out attention (40 rows)."""
     from transformers.cache_utils import DynamicCache
 
+    from plexrl_dask.service.decode_step import MANUAL_ATTENTION_MIN_ROWS
+
+    assert 5 < MANUAL_ATTENTION_MIN_ROWS <= 40
     backend = backend_of(tiny_spec(seed=3, num_layers=3), batch=8)
     model, g = backend.model, torch.Generator().manual_seed(0)
-    ids = torch.randint(3, backend.vocab_size, (5, 9), generator=g)
-    mask = torch.ones(5, 9, dtype=torch.long)
+    ids = torch.randint(3, backend.vocab_size, (rows, 9), generator=g)
+    mask = torch.ones(rows, 9, dtype=torch.long)
     mask[1, :4] = mask[3, :7] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
         cache = output_cache(model(input_ids=ids, attention_mask=mask, position_ids=positions))
         keys = [layer.keys.clone() for layer in cache.layers]
         values = [layer.values.clone() for layer in cache.layers]
-        token = torch.randint(3, backend.vocab_size, (5,), generator=g)
-        grown = torch.cat([mask, torch.ones(5, 1, dtype=torch.long)], dim=1)
+        token = torch.randint(3, backend.vocab_size, (rows,), generator=g)
+        grown = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
         at = positions[:, -1:] + 1
         want = model(
             input_ids=token[:, None],

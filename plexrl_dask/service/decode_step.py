@@ -29,8 +29,9 @@ count and kind of operations is the cost, not their arithmetic:
   kernels took 1.7-1.8x as long at these shapes);
 - the rotary ``cos``/``sin`` are tables over the stream's positions, looked up per step;
   ``rotate_half`` is a ``roll`` against a sign-folded ``sin`` (the same products);
-- on the CPU in float32, a one-token step's attention is two batched products around a
-  softmax, with the mask as one additive bias shared by all layers (SDPA elsewhere).
+- on the CPU in float32, a one-token step of 32 rows or more computes attention as two
+  batched products around a softmax, with the mask as one additive bias shared by all layers
+  (SDPA elsewhere, and for fewer rows, where SDPA is the faster).
 
 Together they cut a step to 0.62-0.88 of its earlier time (about a quarter off) at 1 to 128
 rows in-process here (`benchmarks/RESULTS.md`). The layout is kept across requests while the
@@ -64,6 +65,12 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 MODES = ("auto", "hf")
+# From this many rows, a one-token step's attention on the CPU is written out (two batched
+# products around a softmax, the mask one bias shared by every layer); below it, SDPA. Whole
+# steps of the job mix's models, in-process: written out, 0.78-0.97x SDPA's time at 32-128
+# rows, 1.0-1.18x at 1-16 (benchmarks/RESULTS.md). The same rule on every worker, so
+# replicas still sample alike.
+MANUAL_ATTENTION_MIN_ROWS = 32
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,7 +88,7 @@ class _Norm:
     """An RMSNorm of a bound step. ``weight`` None: the weight is folded into the copy of the
     projection that reads the norm (``W · diag(weight)``), and the mean of squares is one
     matrix product with a column of ``1 / features`` that adds ``eps`` as it goes: on the CPU,
-    about half of ``F.rms_norm``'s time at a decode step's shapes, whose reduction kernels
+    0.55-0.6 of ``F.rms_norm``'s time at a decode step's shapes, whose reduction kernels
     cost more than their arithmetic. (Float32 only; the sums' order differs from HF's, within
     float rounding.)"""
 
@@ -117,7 +124,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 @dataclass(frozen=True)
 class _Proj:
     """One linear projection of a bound step. ``transposed``: ``weight`` is a contiguous
-    ``(in, out)`` copy, multiplied with ``mm``/``addmm`` (on the CPU, a third to a half of
+    ``(in, out)`` copy, multiplied with ``mm``/``addmm`` (on the CPU, 0.3-0.75 of
     ``F.linear``'s time at a decode step's shapes: it skips the transposed-weight path);
     otherwise it is the module's own ``(out, in)`` weight, through ``F.linear``."""
 
@@ -368,12 +375,9 @@ class BoundStep:
         self.norm = norm
         self.head = head
         self.embed = step.base.embed_tokens
-        self.positions = positions
         self.cos, self.sin_signed = step.rotary_tables(positions, self.embed.weight)
-        # On the CPU in float32, attention written out as two batched products around a
-        # softmax, with the mask as one additive bias per step shared by every layer, costs
-        # half of ``scaled_dot_product_attention`` or less at a decode step's shapes (one
-        # query per row; benchmarks/RESULTS.md). Elsewhere SDPA's fused kernels are kept.
+        # On the CPU in float32, one-token steps of MANUAL_ATTENTION_MIN_ROWS rows or more
+        # write attention out; elsewhere SDPA's fused kernels are kept.
         weight = self.embed.weight
         self.manual_attention = weight.device.type == "cpu" and weight.dtype == torch.float32
 
@@ -448,7 +452,12 @@ class BoundStep:
         # Every projection runs on (rows * new, features): two-dimensional products.
         x = self.embed(tokens).view(rows * new, -1)
         cos, sin = self._rotary(positions)
-        one = new == 1 and keys is not None and self.manual_attention
+        one = (
+            new == 1
+            and keys is not None
+            and self.manual_attention
+            and rows >= MANUAL_ATTENTION_MIN_ROWS
+        )
         attend = self._decode_bias(mask, x.dtype) if one else self._attend(mask, new)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
