@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from plexrl_dask import errors
@@ -215,3 +217,4 @@ def test_the_tail_bound_is_one_without_a_fixed_step_cost_and_counts_the_tail_wit
     assert tail_bound([[2] * 7 + [5]], fixed) == pytest.approx(11 / 9.5 / (8 / 5))
     # Between measured sizes the cost is linear: 6 rows cost what 4 and 8 rows cost, halfway.
     assert tail_bound([[2] * 6], fixed) == pytest.approx(6 / 4.0 / (8 / 5))
+    assert math.isnan(tail_bound([[1] * 8], fixed))  # every row ended at its first token

@@ -81,6 +81,8 @@ def step_seconds(backend: TorchBackend, prompt: list[int], max_tokens: int) -> d
     """Seconds of one decode step at ``b`` rows of one prompt (``b``: 1, 2, 4 … 128), from the
     peak's kind of request: ``max_tokens`` tokens per row less one token per row, best of 3
     each, over the ``max_tokens - 1`` steps between them."""
+    if max_tokens < 2:
+        raise ValueError(f"a step's cost needs max_tokens >= 2, got {max_tokens}")
     out: dict[int, float] = {}
     b = 1
     while b <= backend.max_batch_size:
@@ -100,7 +102,8 @@ def step_seconds(backend: TorchBackend, prompt: list[int], max_tokens: int) -> d
 def tail_bound(lengths: list[list[int]], step: dict[int, float]) -> float:
     """The to-peak of decoding requests whose rows end at ``lengths`` (one list per request)
     if a step at ``b`` live rows cost ``step[b]`` (interpolated linearly between measured
-    sizes), against the best ``b / step[b]`` (see the module docstring)."""
+    sizes), against the best ``b / step[b]`` (see the module docstring); NaN when no row
+    needed a decode step."""
     sizes = sorted(step)
 
     def cost(rows: int) -> float:
@@ -116,6 +119,8 @@ def tail_bound(lengths: list[list[int]], step: dict[int, float]) -> float:
         tokens += sum(n - 1 for n in request)
         for s in range(1, max(request)):
             seconds += cost(sum(n > s for n in request))
+    if seconds == 0:
+        return float("nan")  # every row ended at its first token: no decode step to bound
     best = max(b / t for b, t in step.items())
     return tokens / seconds / best
 

@@ -200,7 +200,7 @@ class StreamDecoder:
         # The decode step over the weights as this stream starts; None: through the HF forward.
         self.step = None
         if backend.decode_step is not None:
-            longest = max(len(prompts[i]) for i in {i for i, _ in rows})
+            longest = max(len(prompts[i]) for i, _ in rows)
             self.step = backend.decode_step.bind(longest + params.max_tokens)
 
     # --- model calls ------------------------------------------------------------------------
