@@ -49,16 +49,25 @@ class WorkerConfig:
     memory_budget: int | None  # None: decided from the device ("auto")
     gpu_resource: str
     timeline_length: int = 10_000
+    profile_interval_s: float | None = None  # None: Dask's own
+
+    def __post_init__(self) -> None:
+        if self.profile_interval_s is not None and not self.profile_interval_s > 0:
+            raise ConfigError(
+                f"plexrl.worker.profile-interval must be > 0 or null, got {self.profile_interval_s}"
+            )
 
     @classmethod
     def from_dask_config(cls) -> WorkerConfig:
         budget = get("worker.memory-budget")
+        profile = get("worker.profile-interval")
         return cls(
             torch_threads=int(get("worker.torch-threads")),
             device=str(get("worker.device")),
             memory_budget=None if budget in (None, "auto") else int(parse_bytes(budget)),
             gpu_resource=str(get("worker.gpu-resource")),
             timeline_length=int(get("worker.timeline-length")),
+            profile_interval_s=None if profile is None else get_seconds("worker.profile-interval"),
         )
 
 

@@ -2,11 +2,12 @@
 
 The scheduler plugin registers this plugin cluster-wide, so every worker that joins (including
 one restarted by its nanny) gets it. On a worker advertising the GPU resource it fixes torch's
-thread count (DESIGN §5), adds the ``plexrl_holder_*`` worker handlers, the handlers that serve
-this node's stored versions to other nodes (:mod:`plexrl_dask.state_store.peer`) and the
-handler of the scheduler's prefetch hints (passed to the holder), and announces the worker
-on the ``plexrl-worker`` topic; the scheduler plugin answers by creating the worker's
-:class:`ReplicaHolder` actor. Workers without the GPU resource are left alone.
+thread count (DESIGN §5) and the interval of Dask's profiler
+(``plexrl.worker.profile-interval``), adds the ``plexrl_holder_*`` worker handlers, the
+handlers that serve this node's stored versions to other nodes
+(:mod:`plexrl_dask.state_store.peer`) and the handler of the scheduler's prefetch hints
+(passed to the holder), and announces the worker on the ``plexrl-worker`` topic; the
+scheduler plugin answers by creating the worker's :class:`ReplicaHolder` actor. Workers without the GPU resource are left alone.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
+        profiler = worker.periodic_callbacks.get("profile")
+        if profiler is not None and cfg.profile_interval_s is not None:
+            # Dask's profiler samples on the event loop, holding the GIL the request thread
+            # then waits for (plexrl.worker.profile-interval). Tornado reads the period anew
+            # each time it schedules the next call.
+            profiler.callback_time = 1000 * cfg.profile_interval_s
         if os.environ.get("MALLOC_TRIM_THRESHOLD_"):
             logger.warning(
                 "MALLOC_TRIM_THRESHOLD_ is set in this worker (Dask's default pre-spawn "

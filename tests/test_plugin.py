@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import dask
 import pytest
+from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster, Nanny, Worker
 from distributed.diagnostics.plugin import SchedulerPlugin as SchedulerPluginBase
 from distributed.utils_test import gen_cluster, inc
@@ -126,13 +127,19 @@ async def test_gpu_workers_get_holders_and_report_capacity(c, s, a, b):
 @gen_cluster(
     client=True,
     nthreads=[("127.0.0.1", 1, GPU), ("127.0.0.1", 1)],
-    config=CONFIG,
+    config={**CONFIG, "distributed.worker.profile.enabled": True},  # off in gen_cluster
     timeout=60,
 )
 async def test_workers_without_the_gpu_resource_get_no_holder(c, s, gpu, plain):
     plugin = await install(c, s, [gpu])
     assert holder_of(gpu) is not None
     assert holder_of(plain) is None
+    # Dask's profiler samples the GPU worker's requests at plexrl.worker.profile-interval
+    # (100ms), the plain worker's at Dask's own interval.
+    assert gpu.periodic_callbacks["profile"].callback_time == 100
+    assert plain.periodic_callbacks["profile"].callback_time == 1000 * parse_timedelta(
+        dask.config.get("distributed.worker.profile.interval")
+    )
     assert "plexrl_holder_status" not in plain.handlers
     assert set(plugin.worker_capacity) == {gpu.address}
     # Placement only ever considers the GPU worker.
@@ -534,3 +541,17 @@ async def test_a_plexrl_task_is_parked_before_dask_first_places_it(c, s, a, b):
     # A plain task in the same graph stream is placed by Dask as usual.
     assert ("waiting", "processing") in log.log[plain.key]
     assert plugin.counters["dispatched"] == 3
+
+
+def test_worker_profile_interval_is_positive_or_null():
+    from plexrl_dask.config import WorkerConfig
+
+    with dask.config.set({"plexrl.worker.profile-interval": "250ms"}):
+        assert WorkerConfig.from_dask_config().profile_interval_s == 0.25
+    with dask.config.set({"plexrl.worker.profile-interval": None}):
+        assert WorkerConfig.from_dask_config().profile_interval_s is None
+    with (
+        dask.config.set({"plexrl.worker.profile-interval": "0s"}),
+        pytest.raises(errors.ConfigError, match="profile-interval"),
+    ):
+        WorkerConfig.from_dask_config()
