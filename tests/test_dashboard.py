@@ -23,7 +23,7 @@ from distributed.utils_test import gen_cluster
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
 from plexrl_dask import errors
-from plexrl_dask.bench.dashboard import add_request, churn, fill_synthetic
+from plexrl_dask.bench.dashboard import ReferenceWork, add_request, churn, fill_synthetic
 from plexrl_dask.dashboard import PAGES, ROUTES_MODULE
 from plexrl_dask.dashboard.browser import fetch_json
 from plexrl_dask.dashboard.components import JobsPage, QueuePage, ResidencyPage, TimelinePage, short
@@ -137,6 +137,20 @@ def test_union_seconds_folds_the_past_without_losing_length():
     assert len(u._starts) <= 4  # folded: bounded memory
     u.add(0.0, 10.0)  # a very late interval reaching into the folded past counts nothing twice
     assert u.seconds == pytest.approx(1000.0)
+
+
+def test_the_benchmarks_reference_work_is_fixed_and_counted_by_window():
+    ref = ReferenceWork(target_ms=0.5)
+    assert ref.iterations >= 1_000
+    n = ref.iterations
+    for _ in range(3):
+        ref.run_once()
+    assert ref.iterations == n  # fixed once: the same work every run
+    assert all(wall > 0 and cpu >= 0 for _, wall, cpu in ref.runs)
+    (a, _, _), (b, _, _), (c, _, _) = ref.runs
+    assert ref.within([(b, c)]) == [ref.runs[1]]  # a window holds the runs started in it
+    assert ref.within([(a, b), (c, c + 1)]) == [ref.runs[0], ref.runs[2]]
+    assert ref.within([]) == []
 
 
 def test_number_columns_encode_as_bokeh_expects_and_as_copies():

@@ -39,6 +39,13 @@ and a plain-task workload keeps the scheduler busy as a real one is (2 worker pr
   ``scheduler_loop_lag_ratio_outside_gc`` is the ratio without the ticks any collection
   delayed, ``gc_ms_per_s_{without,with}`` how much collecting each phase had.
 
+``reference_ms_p50`` / ``_p99`` / ``_max``, ``reference_cpu_ms_p99`` and ``reference_over_5ms``:
+a fixed piece of pure-Python work (:class:`ReferenceWork`, about 1.5 ms when the run starts)
+timed on the scheduler's loop as often as the pages update (all together), in every phase, counted in the
+phases with the pages open: how far this machine alone spreads the time of the same work, in
+the same seconds as the updates (a stall probe sees the machine stop a thread, not run it
+slower).
+
 ``machine_before`` / ``machine_after``: how often this machine itself stalls a busy thread
 (:func:`machine_stalls`, on the scheduler's CPU, before and after the measured run, with
 nothing else of ours running): the rate of stalls longer than 5 ms is what a tail of a few
@@ -67,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl_dask.bench.common import parser, report
+from plexrl_dask.config import DashboardConfig
 from plexrl_dask.dashboard import PAGES
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobStepReport
 from plexrl_dask.dashboard.state import dashboard_of
@@ -323,6 +331,36 @@ class LoopTicker:
         return out
 
 
+class ReferenceWork:
+    """A fixed piece of pure-Python work, timed on the scheduler's loop beside the pages'
+    updates, at their interval: how much this machine alone spreads the time of the same work.
+    The work is an integer loop (it allocates nothing the garbage collector tracks), its
+    length fixed once, before the cluster starts, to take about ``target_ms`` then. Each run
+    is ``(started, wall ms, thread CPU ms)``."""
+
+    def __init__(self, target_ms: float = 1.5) -> None:
+        probe = 20_000
+        took = min(self._timed(probe)[0] for _ in range(7))
+        self.iterations = max(1_000, round(probe * target_ms / max(took, 1e-6)))
+        self.runs: list[tuple[float, float, float]] = []
+
+    @staticmethod
+    def _timed(n: int) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        x = 0
+        for i in range(n):
+            x += i
+        return 1000 * (time.perf_counter() - t0), 1000 * (time.thread_time() - c0)
+
+    def run_once(self) -> None:
+        started = time.perf_counter()
+        wall, cpu = self._timed(self.iterations)
+        self.runs.append((started, wall, cpu))
+
+    def within(self, windows: list[tuple[float, float]]) -> list[tuple[float, float, float]]:
+        return [r for r in self.runs if any(a <= r[0] < b for a, b in windows)]
+
+
 class GcRecorder:
     """The garbage collections of this process, as ``(start, end)`` on ``perf_counter``: a
     collection that runs inside a page's update (or delays a lag tick) is part of what is
@@ -424,6 +462,7 @@ def run(args: Any) -> dict[str, Any]:
     probe_s = 5.0 if args.quick else 15.0
     cpu0 = min(os.sched_getaffinity(0))
     results["machine_before"] = machine_stalls(probe_s, cpu0)
+    reference = ReferenceWork()
     with (
         LocalCluster(
             n_workers=2,  # plain worker processes (no GPU resource) for the plain-task load
@@ -449,18 +488,24 @@ def run(args: Any) -> dict[str, Any]:
         )
         results["fill_s"] = time.perf_counter() - t0
         ticker = LoopTicker()
+        # as often as the pages update, all together
+        reference_period = DashboardConfig.from_dask_config().update_interval_s / len(PAGES)
+        with_windows: list[tuple[float, float]] = []  # the phases with the pages open
         stop = threading.Event()
 
         async def background() -> None:
             # the cluster's churn and the lag ticker, on the scheduler's loop, in every phase
             loop_task = asyncio.ensure_future(ticker.run())
-            last = time.monotonic()
+            last = last_reference = time.monotonic()
             try:
                 while not stop.is_set():
                     await asyncio.sleep(0.1)
                     now = time.monotonic()
                     churn(scheduler, syn, rng, now - last)
                     last = now
+                    if now - last_reference >= reference_period:
+                        reference.run_once()
+                        last_reference = now
             finally:
                 ticker._stop = True
                 await loop_task
@@ -499,6 +544,7 @@ def run(args: Any) -> dict[str, Any]:
                     _collect(ticker)
                     phase_t0 = time.perf_counter()
                     time.sleep(phase_s)
+                    with_windows.append((phase_t0, time.perf_counter()))
                     with_pages = ticker.take()
                     ticks["with"].extend(with_pages)
                     per_round.append(_mean_lag(with_pages) / _mean_lag(without))
@@ -574,6 +620,15 @@ def run(args: Any) -> dict[str, Any]:
         )
         results["updates_over_5ms"] = sum(ms > 5.0 for ms in everything)
         results["updates_over_5ms_cpu"] = sum(ms > 5.0 for v in cpu.values() for ms in v)
+        # the same fixed work, at the same moments: what the machine alone does to a tail
+        ref = reference.within(with_windows)
+        results["reference_iterations"] = reference.iterations
+        results["reference_runs"] = len(ref)
+        results["reference_ms_p50"] = _p([w for _, w, _ in ref], 0.5)
+        results["reference_ms_p99"] = _p([w for _, w, _ in ref], 0.99)
+        results["reference_cpu_ms_p99"] = _p([c for _, _, c in ref], 0.99)
+        results["reference_ms_max"] = max((w for _, w, _ in ref), default=float("nan"))
+        results["reference_over_5ms"] = sum(w > 5.0 for _, w, _ in ref)
         results["inbound_patches"] = dict(inbound.kinds)
         results["first_update_ms_max"] = max(first, default=float("nan"))
         results["loop_lag_ms_without"] = 1000 * _mean_lag(ticks["without"])
