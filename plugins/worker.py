@@ -7,7 +7,8 @@ thread count (DESIGN §5) and the interval of Dask's profiler
 handlers that serve this node's stored versions to other nodes
 (:mod:`plexrl_dask.state_store.peer`) and the handler of the scheduler's prefetch hints
 (passed to the holder), and announces the worker on the ``plexrl-worker`` topic; the
-scheduler plugin answers by creating the worker's :class:`ReplicaHolder` actor. Workers without the GPU resource are left alone.
+scheduler plugin answers by creating the worker's :class:`ReplicaHolder` actor. Workers
+without the GPU resource are left alone.
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ and a plain-task workload keeps the scheduler busy as a real one is (2 worker pr
 
 ``reference_ms_p50`` / ``_p99`` / ``_max``, ``reference_cpu_ms_p99`` and ``reference_over_5ms``:
 a fixed piece of pure-Python work (:class:`ReferenceWork`, about 1.5 ms when the run starts)
-timed on the scheduler's loop as often as the pages update (all together), in every phase, counted in the
-phases with the pages open: how far this machine alone spreads the time of the same work, in
-the same seconds as the updates (a stall probe sees the machine stop a thread, not run it
-slower).
+timed on the scheduler's loop as often as the pages update (all together), in every phase,
+counted in the phases with the pages open: how far this machine alone spreads the time of
+the same work, in the same seconds as the updates (a stall probe sees the machine stop a
+thread, not run it slower).
 
 ``machine_before`` / ``machine_after``: how often this machine itself stalls a busy thread
 (:func:`machine_stalls`, on the scheduler's CPU, before and after the measured run, with
@@ -333,7 +333,8 @@ class LoopTicker:
 
 class ReferenceWork:
     """A fixed piece of pure-Python work, timed on the scheduler's loop beside the pages'
-    updates, at their interval: how much this machine alone spreads the time of the same work.
+    updates, as often as they update: how much this machine alone spreads the time of the
+    same work.
     The work is an integer loop (it allocates nothing the garbage collector tracks), its
     length fixed once, before the cluster starts, to take about ``target_ms`` then. Each run
     is ``(started, wall ms, thread CPU ms)``."""
