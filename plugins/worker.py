@@ -48,10 +48,12 @@ class PlexRLWorkerPlugin(WorkerPlugin):
 
         torch.set_num_threads(cfg.torch_threads)
         profiler = worker.periodic_callbacks.get("profile")
+        self._profile_ms = None  # Dask's own interval, restored by teardown
         if profiler is not None and cfg.profile_interval_s is not None:
             # Dask's profiler samples on the event loop, holding the GIL the request thread
             # then waits for (plexrl.worker.profile-interval). Tornado reads the period anew
             # each time it schedules the next call.
+            self._profile_ms = profiler.callback_time
             profiler.callback_time = 1000 * cfg.profile_interval_s
         if os.environ.get("MALLOC_TRIM_THRESHOLD_"):
             logger.warning(
@@ -132,6 +134,9 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         refresh = worker.periodic_callbacks.pop("plexrl-tiers", None)
         if refresh is not None:
             refresh.stop()
+        profiler = worker.periodic_callbacks.get("profile")
+        if profiler is not None and getattr(self, "_profile_ms", None) is not None:
+            profiler.callback_time = self._profile_ms
         for handler in HANDLERS:
             worker.handlers.pop(handler, None)
         if PREFETCH_OP in worker.stream_handlers:

@@ -137,15 +137,17 @@ async def test_workers_without_the_gpu_resource_get_no_holder(c, s, gpu, plain):
     # Dask's profiler samples the GPU worker's requests at plexrl.worker.profile-interval
     # (100ms), the plain worker's at Dask's own interval.
     assert gpu.periodic_callbacks["profile"].callback_time == 100
-    assert plain.periodic_callbacks["profile"].callback_time == 1000 * parse_timedelta(
-        dask.config.get("distributed.worker.profile.interval")
-    )
+    dask_ms = 1000 * parse_timedelta(dask.config.get("distributed.worker.profile.interval"))
+    assert plain.periodic_callbacks["profile"].callback_time == dask_ms
     assert "plexrl_holder_status" not in plain.handlers
     assert set(plugin.worker_capacity) == {gpu.address}
     # Placement only ever considers the GPU worker.
     for k in range(3):
         info = (await deploy(c, unique(f"d{k}")))["deployment"]
         assert list(info["workers"]) == [gpu.address]
+    # Removing the worker plugin gives Dask its own profiler interval back.
+    await c.unregister_worker_plugin("plexrl-worker")
+    assert gpu.periodic_callbacks["profile"].callback_time == dask_ms
 
 
 @gen_cluster(
