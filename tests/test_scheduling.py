@@ -107,21 +107,30 @@ def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime):
     _wait_for(
         lambda: _tier(runtime, other.name, worker) == "dram", "the other model to be offloaded"
     )
+    # The property needs `queued` to reach the scheduler while `blocker` runs. Both batches are
+    # built first, so that only two submits lie between them, and the blocker takes about half
+    # a second here (a CI run once lost the race with a blocker a quarter as long).
     big = [
         plexrl.Datum(tokens=slow.tokenize("".join(str(j % 10) for j in range(200))))
-        for _ in range(8)
+        for _ in range(32)
     ]
+    small = [plexrl.Datum(tokens=other.tokenize("2+2=4"))]
     holder = runtime.holder(worker)
     before = holder.status().result(timeout=60)["counters"]
     hints_before = runtime.status()["counters"].get("prefetch_hints", 0)
 
     blocker = slow.forward(big)
-    queued = other.forward([plexrl.Datum(tokens=other.tokenize("2+2=4"))])
+    queued = other.forward(small)
     plexrl.result([blocker, queued], timeout=120)
 
     # While the blocker ran, the scheduler predicted `other` next on that worker and said so,
     # then, once it ran, that nothing more is predicted there (two hints).
-    _wait_for(lambda: runtime.status()["counters"]["prefetch_hints"] >= hints_before + 2, "hints")
+    waited = [d["wait_s"] for d in runtime.status()["decisions"] if d["deployment"] == other.name]
+    assert waited and waited[-1] > 0, "the queued request did not wait for the blocker"
+    _wait_for(
+        lambda: runtime.status()["counters"].get("prefetch_hints", 0) >= hints_before + 2,
+        "hints",
+    )
     assert worker not in runtime.status()["hints"]
     status = holder.status().result(timeout=60)
     assert status["hint"] is None
