@@ -94,14 +94,18 @@ def dispatch_policy_from_config(
     placement = placement or str(config.get("scheduler.placement"))
     if ordering not in ("hrrs", "fifo"):
         raise ConfigError(f"ordering must be 'hrrs' or 'fifo', got {ordering!r}")
+    lookahead = config.get("scheduler.lookahead")
+    if not isinstance(lookahead, bool):
+        raise ConfigError(f"scheduler.lookahead must be true or false, got {lookahead!r}")
     try:
         if ordering == "fifo":
-            return DispatchPolicy.fifo(placement)
+            return DispatchPolicy.fifo(placement, lookahead=lookahead)
         return DispatchPolicy(
             setup_weight=float(config.get("scheduler.setup-weight")),
             patience_factor=float(config.get("scheduler.patience-factor")),
             patience_floor_s=config.get_seconds("scheduler.patience-floor"),
             placement=placement,
+            lookahead=lookahead,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -161,8 +165,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.key_request: dict[Any, str] = {}
         self.group_epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
         self.worker_group: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
-        # key -> (release time, deployment, op, worker, job) of a released task
+        # key -> (start, deployment, op, worker, job) of a released task; the start is the
+        # release, or for a task queued behind another (lookahead) when that one ended.
         self.started: dict[Any, tuple[float, str, str, str, str]] = {}
+        self.queued_behind: dict[str, Any] = {}  # worker -> key of its queued task
         self.job_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.estimates = Estimates(
             service_prior_s=config.get_seconds("scheduler.service-prior"),
@@ -486,17 +492,25 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         setup_weight: float | None = None,
         patience_factor: float | None = None,
         patience_floor_s: float | None = None,
+        lookahead: bool | None = None,
     ) -> dict[str, Any]:
         """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
         (the configured HRRS knobs unless given) or "fifo" (default: the configured one);
-        ``placement`` "residency" or "blind". Refused with :class:`SchedulerBusy` while requests
-        are pending, so every request is decided under the policy it arrived under."""
+        ``placement`` "residency" or "blind"; ``lookahead`` on or off (default: the
+        configured one). Refused with :class:`SchedulerBusy` while requests are pending or
+        released ones wait behind others, so every request is decided under the policy it
+        arrived under."""
         try:
-            if self.pending:
+            if self.pending or self.queued_behind:
                 raise SchedulerBusy(
-                    f"{len(self.pending)} requests are pending; change the policy when idle"
+                    f"{len(self.pending)} requests are pending and {len(self.queued_behind)} "
+                    "queued behind others; change the policy when idle"
                 )
+            if lookahead is not None and not isinstance(lookahead, bool):
+                raise ConfigError(f"lookahead must be true or false, got {lookahead!r}")
             policy = dispatch_policy_from_config(ordering, placement)
+            if lookahead is not None:
+                policy = dataclasses.replace(policy, lookahead=lookahead)
             knobs = {
                 "setup_weight": setup_weight,
                 "patience_factor": patience_factor,
@@ -519,8 +533,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         """The queue as plain data, for ``status`` and the dashboard: the first ``limit``
         admitted requests in arrival order (the longest-waiting), each with its current HRRS
         ratio and setup on its best live group (the cheapest setup, as the dispatcher ranks
-        them; ``worker``: that group), plus totals: pending, admitted, busy workers and pending
-        requests per deployment. Bounded by ``limit`` and the number of deployments, however
+        them; ``worker``: that group), plus totals: pending, admitted, busy workers (worker ->
+        request running there), the requests queued behind them (lookahead; worker -> request)
+        and pending requests per deployment. Bounded by ``limit`` and the number of deployments, however
         long the queue is (it runs on the scheduler's event loop). ``now``: the dispatcher's
         clock (``time.monotonic()``), echoed in the result."""
         now = time.monotonic() if now is None else now
@@ -555,6 +570,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "pending": len(self.pending),
             "admitted": len(self.dispatcher),
             "busy": self.dispatcher.busy,
+            "queued": self.dispatcher.queued,
             "by_deployment": {name: len(q) for name, q in self._by_deployment.items()},
             "top": rows,
         }
@@ -770,6 +786,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     deployment=r.deployment,
                     op=r.op,
                     job=r.job,
+                    # Results of other tasks, which the worker may still be fetching when the
+                    # request is released (nothing may be queued behind it, or that would
+                    # start first).
+                    inputs=any(tasks[k].dependencies for k in r.keys.values()),
                 )
             )
             r.admitted = True
@@ -824,6 +844,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 ANNOTATION: {**ts.annotations[ANNOTATION], **extra, "worker": worker},
             }
             self.started[key] = (now, request.deployment, request.op, worker, request.job)
+            if decision.behind is not None:
+                self.queued_behind[worker] = key
             recommendations[key] = "processing"
             self._touched.add(worker)
         self.job_counters[request.job]["dispatched"] += 1
@@ -883,7 +905,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             started = self.started.pop(key, None)
             if started is not None:
                 t0, deployment, op, worker, job = started
-                self.dispatcher.release_worker(worker)
+                queued = self.queued_behind.pop(worker, None)
+                if queued is not None and queued != key and queued in self.started:
+                    # The task queued behind this one starts on the worker now.
+                    self.started[queued] = (time.monotonic(), *self.started[queued][1:])
+                self.dispatcher.release_worker(worker, self.key_request[key])
                 self._touched.add(worker)
                 if finish == "memory":
                     self.estimates.observe_service(deployment, op, time.monotonic() - t0)
@@ -966,6 +992,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.hints.pop(worker, None)
         for key in [k for k, v in self.started.items() if v[3] == worker]:
             del self.started[key]
+        self.queued_behind.pop(worker, None)
         self.worker_group.pop(worker, None)
         holder = self._holders.pop(worker, None)
         if holder is not None:

@@ -29,7 +29,13 @@ from plexrl_dask.dashboard.browser import fetch_json
 from plexrl_dask.dashboard.components import JobsPage, QueuePage, ResidencyPage, TimelinePage, short
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport, UnionSeconds
 from plexrl_dask.dashboard.routes import add_routes
-from plexrl_dask.dashboard.state import PlexRLDashboardPlugin, SpanStore, dashboard_of, finite
+from plexrl_dask.dashboard.state import (
+    PlexRLDashboardPlugin,
+    SpanStore,
+    dashboard_of,
+    decision_reason,
+    finite,
+)
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger
 from plexrl_dask.service.timeline import RequestSpan
@@ -547,3 +553,21 @@ def test_a_preloaded_dask_scheduler_serves_the_pages_and_routes(tmp_path):
             scheduler.wait(timeout=30)
         except subprocess.TimeoutExpired:
             scheduler.kill()
+
+
+def test_decision_reasons_say_why_and_where_a_request_was_released():
+    hrrs = {"setup_weight": 2.0, "patience_factor": 8.0}
+    fifo = {"setup_weight": 0.0, "patience_factor": 0.0}
+    assert (
+        decision_reason({"ratio": 1.5, "setup_s": 0.0}, hrrs)
+        == "highest ratio 1.50 on a free worker, resident (no setup)"
+    )
+    assert decision_reason({"ratio": 1.5, "setup_s": 0.25, "behind": "r1"}, hrrs) == (
+        "highest ratio 1.50 on a busy worker, after a 0.25s load, "
+        "queued behind the request running there"
+    )
+    assert decision_reason({"urgent": True, "wait_s": 12.0, "behind": "r1"}, hrrs) == (
+        "urgent: waited 12.0s, past its patience; resident (no setup), "
+        "queued behind the request running there"
+    )
+    assert decision_reason({"behind": None}, fifo) == "fifo: oldest request, resident (no setup)"

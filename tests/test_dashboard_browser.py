@@ -162,7 +162,8 @@ def test_every_page_shows_what_its_route_reports_in_chromium(tmp_path):
         holder = jobs[1].runtime.holder(rollout.info.workers[0])
         assert holder.offload(rollout.name).result(timeout=WAIT_S)
 
-        # A frozen queue: a request holds the first job's worker, four more wait behind it.
+        # A frozen queue: a request holds the first job's worker, four more wait behind it
+        # (with lookahead, the first of them queued on the worker, the others pending).
         first = jobs[0]
         gate = Event(unique("dash-gate"), client=client)
         with dask.annotate(
@@ -174,7 +175,11 @@ def test_every_page_shows_what_its_route_reports_in_chromium(tmp_path):
         )
         queued = [first.policy.forward([datum]) for _ in range(4)]
         until(
-            lambda: fetch_json(f"{base}/plexrl/queue.json")["queue"]["admitted"] == 4,
+            lambda: (
+                (q := fetch_json(f"{base}/plexrl/queue.json")["queue"])["admitted"]
+                + len(q["queued"])
+                == 4
+            ),
             "four requests queued behind the held worker",
         )
         try:

@@ -466,6 +466,7 @@ def test_decision_to_dict():
         "service_s": 2.0,
         "setup_s": 0.5,
         "urgent": False,
+        "behind": None,
     }
 
 
@@ -1282,3 +1283,244 @@ def test_a_read_waiting_for_its_replica_moves_when_that_worker_dies():
     assert [x.request.request for x in d.decide(0.0)] == ["r0"]  # r1 waits for w0
     d.remove_worker("w0")
     assert [(x.request.request, x.group) for x in d.decide(0.0)] == [("r1", ("w1",))]
+
+
+# --- lookahead: one single-worker request queued behind a running one -----------------------
+
+AHEAD = replace(CALM, lookahead=True)
+
+
+def test_lookahead_queues_the_next_request_behind_the_running_one():
+    d = Dispatcher(AHEAD, workers=["w0"])
+    d.add(req("a", "w0", s=1.0))
+    d.add(req("b", "w0", s=1.0))
+    d.add(req("c", "w0", s=1.0))
+    decisions = d.decide(0.0)
+    assert names(decisions) == ["a", "b"]  # b queued: one slot only
+    assert decisions[0].behind is None and decisions[1].behind == "a"
+    assert decisions[1].to_dict()["behind"] == "a"
+    assert d.busy == {"w0": "a"} and d.queued == {"w0": "b"} and "c" in d
+    assert d.hint("w0", 0.0) == "b"  # what comes next there is known
+    assert d.decide(0.5) == []
+    d.release_worker("w0", "a")  # a ends; b runs; the slot opens for c
+    assert d.busy == {"w0": "b"} and d.queued == {}
+    [dec] = d.decide(1.0)
+    assert dec.request.request == "c" and dec.behind == "b"
+    d.release_worker("w0", "b")
+    d.release_worker("w0", "c")
+    assert d.busy == {} and d.decide(3.0) == []
+    # Without lookahead, the same requests wait for the worker to be free.
+    off = Dispatcher(CALM, workers=["w0"])
+    off.add(req("a", "w0"))
+    off.add(req("b", "w0"))
+    assert names(off.decide(0.0)) == ["a"] and off.queued == {}
+
+
+def test_a_cancelled_queued_request_reopens_the_slot_and_its_estimate():
+    d = Dispatcher(AHEAD, workers=["w0", "w1"])
+    d.add(req("a", "w0", s=1.0))
+    d.add(req("b", "w0", s=5.0))
+    assert names(d.decide(0.0)) == ["a", "b"]
+    d.release_worker("w0", "b")  # cancelled while queued: a still runs
+    assert d.busy == {"w0": "a"} and d.queued == {}
+    d.release_worker("w0", "zzz")  # a stale report changes nothing
+    assert d.busy == {"w0": "a"}
+    # w0 is expected free at 1.0 again (not 6.0): a read resident there waits for it rather
+    # than loading on the idle w1 (2 s), and is queued behind a.
+    d.costs = TableCosts({("m", "w1"): 2.0})
+    d.add(req("read", "w0", "w1", t=0.0, s=0.5, dep="m"))
+    [dec] = d.decide(0.1)
+    assert dec.request.request == "read" and dec.group == ("w0",) and dec.behind == "a"
+
+
+def test_lookahead_never_lets_a_single_overtake_a_gang_that_comes_first():
+    d = Dispatcher(AHEAD, workers=["w0", "w1"])
+    d.add(req("x", "w0", s=1.0))
+    assert names(d.decide(0.0)) == ["x"]
+    d.add(req("gang", ("w0", "w1"), t=-10.0, s=1.0))  # waited long: the best ratio on w0
+    d.add(req("single", "w0", t=0.0, s=1.0))
+    assert d.decide(0.0) == [] and d.queued == {}  # (w1 is held for the gang meanwhile)
+    d.release_worker("w0", "x")
+    gang, single = d.decide(1.0)  # the gang starts, then the single is queued behind it
+    assert gang.request.request == "gang" and gang.behind is None
+    assert single.request.request == "single" and single.behind == "gang"
+    # A single that comes first on the gang's busy worker is queued there.
+    e = Dispatcher(AHEAD, workers=["w0", "w1"])
+    e.add(req("x", "w0", s=1.0))
+    assert names(e.decide(0.0)) == ["x"]
+    e.add(req("gang", ("w0", "w1"), t=0.0, s=1.0))
+    e.add(req("single", "w0", t=-10.0, s=1.0))
+    [dec] = e.decide(0.0)
+    assert dec.request.request == "single" and dec.behind == "x"
+
+
+def test_lookahead_respects_reservations_and_queues_an_urgent_single_on_its_worker():
+    policy = replace(HRRS, lookahead=True)
+    d = Dispatcher(policy, workers=["w0", "w1"])
+    d.add(req("x", "w0", s=1.0))
+    d.add(req("y", "w1", s=1.0))
+    assert names(d.decide(0.0)) == ["x", "y"]
+    d.add(req("gang", ("w0", "w1"), t=0.0, s=1.0))
+    d.add(req("late", "w0", t=0.0, s=0.1))
+    # Past the gang's patience (8 * 1 + 2 s) it reserves both workers: nothing may be queued
+    # there but the reserver, and a gang is never queued.
+    decisions = d.decide(11.0)
+    assert d.is_urgent("gang") and names(decisions) == [] and d.queued == {}
+    d.release_worker("w0", "x")
+    d.release_worker("w1", "y")
+    gang, late = d.decide(12.0)  # the gang starts; late, urgent too, reserved w0 after it
+    assert gang.request.request == "gang" and late.behind == "gang" and late.urgent
+    # An urgent single that reserved a busy worker alone is queued there once the slot opens.
+    u = Dispatcher(policy, workers=["w0"])
+    u.add(req("x", "w0", s=100.0))
+    u.add(req("y", "w0", s=100.0))
+    assert names(u.decide(0.0)) == ["x", "y"]
+    u.add(req("z", "w0", t=0.0, s=1.0))
+    assert u.decide(11.0) == [] and u.is_urgent("z")  # slot taken by y
+    u.release_worker("w0", "x")
+    [dec] = u.decide(12.0)
+    assert dec.request.request == "z" and dec.urgent and dec.behind == "y"
+
+
+def test_the_predicted_single_goes_where_it_is_expected_to_start_soonest():
+    # m is resident on w0 (busy until 0.5) and would load for 2 s on w1 (busy until 0.2): it
+    # is queued behind w0's request, not w1's.
+    costs = TableCosts({("m", "w1"): 2.0})
+    d = Dispatcher(AHEAD, costs, workers=["w0", "w1"])
+    d.add(req("on0", "w0", s=0.5))
+    d.add(req("on1", "w1", s=0.2))
+    assert names(d.decide(0.0)) == ["on0", "on1"]
+    d.add(req("read", "w0", "w1", t=0.0, s=0.5, dep="m"))
+    [dec] = d.decide(0.0)
+    assert dec.group == ("w0",) and dec.behind == "on0"
+    assert d.queued == {"w0": "read"}
+
+
+def lookahead_safety(model: Model, queued: dict, decisions: list[Decision]) -> None:
+    """What every decision with lookahead must satisfy: heads only, on one of their groups;
+    either on free live workers, or (single-worker) behind the request running on a live busy
+    worker with nothing queued yet, which takes no inputs."""
+    for dec in decisions:
+        r = dec.request
+        assert model.queues[r.order_key][0] == r
+        assert dec.group in r.groups
+        if dec.behind is None:
+            assert set(dec.group) <= model.live - model.busy
+            model.start(r, dec.group)
+            for w in dec.group:
+                model.running[w] = r.request
+        else:
+            (w,) = dec.group
+            assert w in model.live and w in model.busy and w not in queued
+            assert model.running[w] == dec.behind
+            assert not model.inputs[dec.behind]
+            model.remove(r.request)
+            queued[w] = r.request
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops(max_groups=3, orders=st.sampled_from(["", "o0", "o1"])),
+    residencies(),
+    st.builds(
+        DispatchPolicy,
+        setup_weight=st.sampled_from([0.0, 2.0]),
+        patience_factor=st.sampled_from([0.0, 1.0, 8.0]),
+        patience_floor_s=st.sampled_from([0.0, 0.5, 2.0, 1e9]),
+        placement=st.sampled_from(["residency", "blind"]),
+        lookahead=st.just(True),
+    ),
+)
+def test_lookahead_decisions_keep_one_running_and_one_queued_per_worker(events, costs, policy):
+    d = Dispatcher(policy, costs, ORACLE_WORKERS)
+    model = Model(policy, costs, ORACLE_WORKERS)
+    model.running, model.inputs = {}, {}
+    queued: dict[str, str] = {}
+    now, added = 0.0, []
+
+    def end(w: str, rid: str | None) -> None:
+        """The request ``rid`` (default: the running one) on ``w`` ended."""
+        if rid is not None and queued.get(w) == rid:
+            del queued[w]
+        elif w in queued:
+            model.running[w] = queued.pop(w)
+        else:
+            model.release(w)
+            model.running.pop(w, None)
+
+    for ev in events:
+        kind = ev[0]
+        if kind == "add":
+            _, groups, order, dep, lag, service = ev
+            inputs = len(added) % 3 == 0
+            r = Request(f"r{len(added)}", groups, now - lag, service, order, dep, inputs=inputs)
+            model.inputs[r.request] = inputs
+            added.append(r.request)
+            d.add(r)
+            model.add(r)
+        elif kind == "decide":
+            now += ev[1]
+            lookahead_safety(model, queued, d.decide(now))
+            assert d.decide(now) == []
+        elif kind == "release":
+            if ev[1] in model.busy:
+                d.release_worker(ev[1], model.running.get(ev[1]))
+                end(ev[1], None)
+        elif kind == "remove" and added:
+            rid = added[ev[1] % len(added)]
+            where = [w for w, q in queued.items() if q == rid]
+            if where:  # cancelled while queued
+                d.release_worker(where[0], rid)
+                end(where[0], rid)
+            elif rid in d:
+                d.remove(rid)
+                model.remove(rid)
+        elif kind == "kill":
+            d.remove_worker(ev[1])
+            model.live.discard(ev[1])
+            model.release(ev[1])
+            model.running.pop(ev[1], None)
+            queued.pop(ev[1], None)
+        elif kind == "revive":
+            d.add_worker(ev[1])
+            model.live.add(ev[1])
+        assert set(d.busy) == model.busy
+        assert d.queued == queued
+        assert [r.request for r in d.pending()] == [r.request for r in model.pending()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(6, 150), (2, 40), (4, 80)]), any_policy)
+def test_random_workloads_keep_the_dispatch_promises_with_lookahead(seed, size, policy):
+    cluster, workload = random_workload(seed, *size)
+    result = simulate(workload, cluster, replace(policy, lookahead=True))
+    check_promises(workload, result)
+    assert any(r.start > r.released for r in result.records) or size[1] < 100
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+@pytest.mark.parametrize("name", ADVERSARIAL)
+def test_adversarial_workloads_keep_the_dispatch_promises_with_lookahead(name, policy):
+    cluster, workload = ADVERSARIAL[name]()
+    check_promises(workload, simulate(workload, cluster, replace(policy, lookahead=True)))
+
+
+def test_nothing_is_queued_behind_a_request_that_takes_inputs():
+    # Its worker may still be fetching them when the request is released: a request queued
+    # behind it would start first (a sample overtaking the weight load before it).
+    d = Dispatcher(AHEAD, workers=["w0"])
+    d.add(replace(req("load", "w0", s=1.0), inputs=True))
+    d.add(req("sample", "w0", s=1.0))
+    assert names(d.decide(0.0)) == ["load"] and d.queued == {}
+    d.release_worker("w0", "load")
+    d.add(req("after", "w0", s=1.0))
+    assert names(d.decide(1.0)) == ["sample", "after"]  # after a request without inputs: yes
+    # A request with inputs may itself be queued; once it runs, nothing goes behind it.
+    d.add(replace(req("load2", "w0", s=1.0), inputs=True))
+    d.release_worker("w0", "sample")  # "after" runs; load2 is queued behind it
+    assert [x.request.request for x in d.decide(2.0)] == ["load2"]
+    d.add(req("last", "w0", s=1.0))
+    d.release_worker("w0", "after")  # load2 runs
+    assert d.decide(3.0) == [] and d.busy == {"w0": "load2"}
+    d.release_worker("w0", "load2")
+    assert names(d.decide(4.0)) == ["last"]

@@ -98,8 +98,10 @@ def test_data_parallel_requests_run_where_their_model_is_resident(small_runtime)
     runtime.undeploy(b.name)
 
 
-def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime):
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
+def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime, lookahead):
     runtime = small_runtime
+    runtime.set_policy(lookahead=lookahead)
     slow = runtime.deploy(unique("slow"), tiny_spec(seed=43, **SIZE), role="rollout")
     worker = slow.info.worker
     other = runtime.deploy(unique("other"), SPEC_B, role="rollout", workers=[worker])
@@ -123,10 +125,15 @@ def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime):
     queued = other.forward(small)
     plexrl.result([blocker, queued], timeout=120)
 
-    # While the blocker ran, the scheduler predicted `other` next on that worker and said so,
-    # then, once it ran, that nothing more is predicted there (two hints).
-    waited = [d["wait_s"] for d in runtime.status()["decisions"] if d["deployment"] == other.name]
-    assert waited and waited[-1] > 0, "the queued request did not wait for the blocker"
+    # While the blocker ran, the scheduler predicted `other` next on that worker (with
+    # lookahead: queued it there) and said so, then, once it ran, that nothing more is
+    # predicted there (two hints).
+    decision = [d for d in runtime.status()["decisions"] if d["deployment"] == other.name][-1]
+    assert decision["op"] == "forward"
+    if lookahead:
+        assert decision["behind"] is not None, "the request was not queued behind the blocker"
+    else:
+        assert decision["wait_s"] > 0, "the queued request did not wait for the blocker"
     _wait_for(
         lambda: runtime.status()["counters"].get("prefetch_hints", 0) >= hints_before + 2,
         "hints",
@@ -142,3 +149,4 @@ def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime):
     ) == 1
     runtime.undeploy(slow.name)
     runtime.undeploy(other.name)
+    runtime.set_policy(lookahead=True)

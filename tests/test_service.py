@@ -195,13 +195,21 @@ def slow_deployment(runtime, name: str, seed: int):
     return dep, big, worker
 
 
-def test_hrrs_lets_a_short_request_overtake_a_long_one(runtime):
-    slow, big, worker = slow_deployment(runtime, "slow", 30)
+@pytest.mark.parametrize("lookahead", [False, True], ids=["no-lookahead", "lookahead"])
+def test_hrrs_lets_a_short_request_overtake_a_long_one(runtime, lookahead):
+    slow, big, worker = slow_deployment(runtime, f"slow-{lookahead}", 30)
     fast = runtime.deploy(unique("fast"), tiny_spec(seed=31), workers=[worker])
     tiny = [plexrl.Datum(tokens=fast.tokenize("1+1=2"))]
     plexrl.result([slow.forward(big), fast.forward(tiny)])  # the plugin learns both service times
-    blocker, queued_long, queued_short = slow.forward(big), slow.forward(big), fast.forward(tiny)
-    plexrl.result([blocker, queued_long, queued_short])
+    runtime.set_policy(lookahead=lookahead)
+    try:
+        # With lookahead a second blocker takes the slot behind the first, so that both
+        # queued requests are pending together when a decision is made for that worker.
+        blockers = [slow.forward(big) for _ in range(2 if lookahead else 1)]
+        queued_long, queued_short = slow.forward(big), fast.forward(tiny)
+        plexrl.result([*blockers, queued_long, queued_short])
+    finally:
+        runtime.set_policy(lookahead=True)
     order = [d["request"] for d in runtime.status()["decisions"]]
     short_key, long_key = queued_short.key, queued_long.key  # single-task requests: id == key
     assert order.index(short_key) < order.index(long_key)

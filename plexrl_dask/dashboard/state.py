@@ -71,12 +71,15 @@ def decision_reason(d: dict[str, Any], policy: dict[str, Any]) -> str:
     """Why the dispatcher released a request, in words, from its decision record."""
     setup = d.get("setup_s") or 0.0
     where = "resident (no setup)" if setup <= 0 else f"after a {setup:.2f}s load"
+    if d.get("behind"):
+        where += ", queued behind the request running there"
     if policy.get("setup_weight", 0) == 0 and policy.get("patience_factor", 0) == 0:
         return f"fifo: oldest request, {where}"
     if d.get("urgent"):
         return f"urgent: waited {d.get('wait_s', 0):.1f}s, past its patience; {where}"
     ratio = d.get("ratio") or 0.0
-    return f"highest ratio {ratio:.2f} on a free worker, {where}"
+    worker = "a busy worker" if d.get("behind") else "a free worker"
+    return f"highest ratio {ratio:.2f} on {worker}, {where}"
 
 
 class SpanStore:
@@ -412,12 +415,13 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
         )
 
     def running(self) -> list[dict[str, Any]]:
-        """Requests released and not finished: one row per rank (at most one per worker),
-        ``start`` on the wall clock."""
+        """Requests started and not finished: one row per rank (at most one per worker; a
+        request queued behind a running one is not listed), ``start`` on the wall clock."""
         plexrl = self.plexrl
         if plexrl is None:
             return []
         offset = self._wall_minus_monotonic
+        queued = set(plexrl.queued_behind.values())
         rows = [
             {
                 "worker": worker,
@@ -426,9 +430,10 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 "op": op,
                 "start": t0 + offset,
             }
-            for t0, deployment, op, worker, job in itertools.islice(
-                plexrl.started.values(), 4 * max(1, len(self.scheduler.workers))
+            for key, (t0, deployment, op, worker, job) in itertools.islice(
+                plexrl.started.items(), 4 * max(1, len(self.scheduler.workers))
             )
+            if key not in queued
         ]
         return sorted(rows, key=lambda r: r["worker"])
 

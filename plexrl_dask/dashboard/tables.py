@@ -149,9 +149,11 @@ class QueuePage(Page):
         policy = view["policy"]
         summary = (
             f"<b>{q['pending']:,}</b> pending requests (<b>{q['admitted']:,}</b> admitted to the "
-            f"dispatcher), <b>{len(q['busy'])}</b> busy workers · policy: setup weight "
+            f"dispatcher), <b>{len(q['busy'])}</b> busy workers, <b>{len(q.get('queued', ()))}"
+            f"</b> requests queued behind running ones · policy: setup weight "
             f"{policy['setup_weight']}, patience {policy['patience_factor']}×(service+setup)+"
-            f"{policy['patience_floor_s']}s, placement {policy['placement']}"
+            f"{policy['patience_floor_s']}s, placement {policy['placement']}, lookahead "
+            f"{'on' if policy.get('lookahead') else 'off'}"
         )
         if self.summary.text != summary:
             self.summary.text = summary

@@ -83,8 +83,25 @@ reservers at the top of their per-worker heaps: with 10,000 queued requests it c
 heap operations per released request, not a pass over the queue.
 
 **Prefetch hints.** :meth:`Dispatcher.hint` names the deployment a worker is predicted to run
-next (its first urgent reserver, else its best eligible head by ratio), for the worker to load
-ahead of time.
+next (the request queued there, below; else its first urgent reserver, else its best eligible
+head by ratio), for the worker to load ahead of time.
+
+**Lookahead** (``DispatchPolicy.lookahead``). A released request reaches its worker a few
+milliseconds later: a completion travels to the scheduler, the release travels back, the task
+starts. Requests that wait for a busy worker pay that each time. With lookahead, a worker that
+runs a request may also hold *one* single-worker request queued behind it, which starts there
+as soon as the running one ends. It is the request the rule would pick for that worker when it
+frees up, decided now: its first urgent reserver if that reserved the worker alone, else the
+first single-worker head eligible there in the order :meth:`Dispatcher.hint` uses (urgent ones
+by arrival, then by ratio) that is expected to start on this worker no later than on any other
+of its groups (expected ends of what runs and is queued, plus setup). If a gang comes first
+there, nothing is queued: a single does not overtake a gang that way. Nor is anything queued
+behind a request with ``inputs`` (it takes other tasks' results, which its worker may still be
+fetching when it is released): the request queued behind it could start first. A queued request
+counts as released (:class:`Decision` ``behind`` names the request it waits for). The bound above then
+holds with ``2 B`` for ``B`` (a reserved worker may still run one request and hold one queued
+before the urgent request), and a request released behind another starts at most ``B`` after
+its release.
 """
 
 from __future__ import annotations
@@ -105,7 +122,8 @@ class Request:
 
     ``groups``: its candidate groups, each with one distinct worker per rank (all of one size);
     ``order``: requests of one order run in arrival order; ``arrival``: when it could first run
-    (seconds on the clock ``decide`` gets); ``service_s``: the estimated service time.
+    (seconds on the clock ``decide`` gets); ``service_s``: the estimated service time;
+    ``inputs``: its tasks take other tasks' results (nothing is queued behind it: lookahead).
     """
 
     request: str
@@ -116,6 +134,7 @@ class Request:
     deployment: str = ""
     op: str = ""
     job: str = ""
+    inputs: bool = False
 
     def __post_init__(self) -> None:
         if not self.groups or any(not g or len(set(g)) != len(g) for g in self.groups):
@@ -160,6 +179,7 @@ class DispatchPolicy:
     patience_factor: float = 8.0  # beta
     patience_floor_s: float = 2.0  # floor
     placement: str = "residency"  # or "blind"
+    lookahead: bool = False  # queue one single-worker request behind a running one
 
     def __post_init__(self) -> None:
         if not all(
@@ -170,8 +190,14 @@ class DispatchPolicy:
             raise ValueError(f"placement must be 'residency' or 'blind', got {self.placement!r}")
 
     @classmethod
-    def fifo(cls, placement: str = "residency") -> DispatchPolicy:
-        return cls(setup_weight=0.0, patience_factor=0.0, patience_floor_s=0.0, placement=placement)
+    def fifo(cls, placement: str = "residency", lookahead: bool = False) -> DispatchPolicy:
+        return cls(
+            setup_weight=0.0,
+            patience_factor=0.0,
+            patience_floor_s=0.0,
+            placement=placement,
+            lookahead=lookahead,
+        )
 
     def ratio(self, wait_s: float, service_s: float, setup_s: float) -> float:
         return (max(0.0, wait_s) + service_s) / (service_s + self.setup_weight * setup_s)
@@ -190,6 +216,7 @@ class Decision:
     setup_s: float
     wait_s: float
     urgent: bool
+    behind: str | None = None  # lookahead: queued behind this request, running on the worker
 
     def to_dict(self) -> dict:
         r = self.request
@@ -204,6 +231,7 @@ class Decision:
             "service_s": r.service_s,
             "setup_s": self.setup_s,
             "urgent": self.urgent,
+            "behind": self.behind,
         }
 
 
@@ -238,6 +266,11 @@ class Dispatcher:
         self._free: set[str] = set(self._live)
         self._busy: dict[str, str] = {}  # worker -> request running there
         self._busy_until: dict[str, float] = {}  # worker -> estimated end of what runs there
+        # Lookahead: worker -> (request queued behind the running one, its deployment, the
+        # estimated end of the running one); and the busy workers whose slot to look at.
+        self._next: dict[str, tuple[str, str, float, bool]] = {}
+        self._next_dirty: set[str] = set()
+        self._inputs: set[str] = set()  # workers whose running request has inputs
         self._queues: dict[str, deque[_Entry]] = {}
         self._entries: dict[str, _Entry] = {}  # pending, in order of add()
         self._eligible: dict[str, set[str]] = {}  # worker -> orders with a non-urgent head there
@@ -272,6 +305,8 @@ class Dispatcher:
         self._free.discard(worker)
         self._busy.pop(worker, None)
         self._busy_until.pop(worker, None)
+        self._next.pop(worker, None)
+        self._inputs.discard(worker)
         for _, _, rid in self._reservers.pop(worker, []):
             e = self._entries.get(rid)
             if e is not None and e.reserved is not None and worker in e.reserved:
@@ -326,9 +361,30 @@ class Dispatcher:
             e.reserved = None
         return e.request
 
-    def release_worker(self, worker: str) -> None:
-        """The task running on ``worker`` ended (each rank of a gang frees its own worker)."""
+    def release_worker(self, worker: str, request: str | None = None) -> None:
+        """The task of ``request`` on ``worker`` ended (each rank of a gang frees its own
+        worker). Without ``request``, or naming the running one: the running task; a request
+        queued behind it (lookahead) then runs there, else the worker is free. Naming the
+        queued request: it ended (cancelled) before it ran, and the slot is open again. A request
+        that neither runs nor waits there changes nothing."""
+        queued = self._next.get(worker)
+        stale = request is not None and request != self._busy.get(worker)
+        if stale and (queued is None or request != queued[0]):
+            return  # neither runs nor waits here
+        if queued is not None:
+            if request == queued[0]:
+                self._busy_until[worker] = queued[2]
+            else:
+                self._busy[worker] = queued[0]  # it starts now; its estimated end stands
+                if queued[3]:
+                    self._inputs.add(worker)
+                else:
+                    self._inputs.discard(worker)
+            del self._next[worker]
+            self._next_dirty.add(worker)
+            return
         self._busy_until.pop(worker, None)
+        self._inputs.discard(worker)
         if self._busy.pop(worker, None) is not None and worker in self._live:
             self._free.add(worker)
             self._dirty.add(worker)
@@ -344,6 +400,11 @@ class Dispatcher:
     @property
     def busy(self) -> dict[str, str]:
         return dict(self._busy)
+
+    @property
+    def queued(self) -> dict[str, str]:
+        """Worker -> the request queued behind its running one (lookahead)."""
+        return {w: q[0] for w, q in self._next.items()}
 
     def pending(self) -> Iterator[Request]:
         """Pending requests, in the order they were added."""
@@ -372,8 +433,12 @@ class Dispatcher:
         return bool(e and e.urgent)
 
     def hint(self, worker: str, now: float) -> str | None:
-        """The deployment ``worker`` is predicted to run next: that of its first urgent
-        reserver, else of the best head that may run there (by ratio), else ``None``."""
+        """The deployment ``worker`` is predicted to run next: that of the request queued
+        there (lookahead), else of its first urgent reserver, else of the best head that may
+        run there (by ratio), else ``None``."""
+        queued = self._next.get(worker)
+        if queued is not None:
+            return queued[1] or None
         top = self._top_reserver(worker)
         if top is not None:
             return top.request.deployment or None
@@ -396,11 +461,85 @@ class Dispatcher:
         while True:
             self._promote(now)
             released = len(out)
+            if self.policy.lookahead:
+                self._next_dirty |= self._dirty - self._free
             dirty, self._dirty = self._dirty & self._free, set()
             if not (self._release_urgent(dirty, now, out) and self._release_best(dirty, now, out)):
                 self._dirty |= dirty  # stopped early: look at them again after promoting
+            elif self.policy.lookahead and len(out) == released:
+                self._release_lookahead(now, out)
             if len(out) == released:
                 return out
+
+    def _release_lookahead(self, now: float, out: list[Decision]) -> None:
+        """Queue, on each busy worker with an open slot, the request it would run next (see
+        the module docstring), until a release makes an overdue request a head."""
+        watch, self._next_dirty = sorted(self._next_dirty), set()
+        for i, w in enumerate(watch):
+            if w not in self._live or w not in self._busy or w in self._next or w in self._inputs:
+                continue
+            e, blocked = self._next_for(w, now)
+            if e is None:
+                if blocked:
+                    self._next_dirty.add(w)  # a gang comes first: look again as time passes
+                continue
+            out.append(self._queue_behind(e, w, now))
+            if self._overdue_next(e, now):
+                self._next_dirty.update(watch[i + 1 :])
+                return
+
+    def _next_for(self, worker: str, now: float) -> tuple[_Entry | None, bool]:
+        """The single-worker request to queue behind ``worker``'s running one, if any; and
+        whether a gang (or an urgent request reserved elsewhere) comes first there."""
+        top = self._top_reserver(worker)
+        if top is not None:
+            return (top, False) if top.reserved == (worker,) else (None, False)
+        ranked = []
+        for order in self._eligible.get(worker, ()):
+            e = self._queues[order][0]
+            setup = min(self._setup(e.request, g) for g in e.request.groups if worker in g)
+            ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
+            ranked.append(((not e.urgent, e.rank if e.urgent else (-ratio, e.seq)), e))
+        for _, e in sorted(ranked, key=lambda x: x[0]):
+            if (worker,) not in e.request.groups:
+                return None, True
+            if self._soonest_on(e, worker, now):
+                return e, False
+        return None, False
+
+    def _soonest_on(self, e: _Entry, worker: str, now: float) -> bool:
+        """Whether ``e`` is expected to start on ``worker`` alone (after what runs and is
+        queued there, and its setup) no later than on any other of its live groups."""
+
+        def eta(group: Group) -> float:
+            ready = max(self._busy_until.get(w, now) if w in self._busy else now for w in group)
+            return max(now, ready) + self._setup(e.request, group)
+
+        here = eta((worker,))
+        return all(
+            here <= eta(g)
+            for g in e.request.groups
+            if g != (worker,)
+            and self._all_live(g)
+            and all(self._top_reserver(w) in (None, e) for w in g)
+        )
+
+    def _queue_behind(self, e: _Entry, worker: str, now: float) -> Decision:
+        setup = self._setup(e.request, (worker,))
+        ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
+        running_until = self._busy_until.get(worker, now)
+        self._next[worker] = (
+            e.request.request,
+            e.request.deployment,
+            running_until,
+            e.request.inputs,
+        )
+        self._busy_until[worker] = max(now, running_until) + setup + e.request.service_s
+        behind = self._busy[worker]
+        self.remove(e.request.request)  # (also drops its reservation)
+        return Decision(
+            e.request, (worker,), ratio, setup, now - e.request.arrival, e.urgent, behind
+        )
 
     def _promote(self, now: float) -> None:
         """Heads that have waited their patience become urgent and reserve a group."""
@@ -675,6 +814,12 @@ class Dispatcher:
             self._busy[w] = rid
             self._busy_until[w] = now + setup + e.request.service_s
             self._free.discard(w)
+            if e.request.inputs:
+                self._inputs.add(w)
+            else:
+                self._inputs.discard(w)
+        if self.policy.lookahead:
+            self._next_dirty.update(group)  # a slot opened behind it
         self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent)
 

@@ -7,14 +7,16 @@ load from the tier its model is in on each worker, at that tier's bandwidth; the
 sets the pace) plus its service time. Workers hold up to ``hbm_models`` models in HBM and
 offload the least recently used to DRAM, as the replica holder does, and report residency as
 holders do; the estimates learn from completions and loads as the plugin's do (service time
-observed from release to completion, setup from each load).
+observed from start to completion, setup from each load). With lookahead, a request released
+behind a running one starts when that one ends; its model is made resident in the holder model
+at its release (the simulated holder has no prefetch of its own).
 
 Deterministic: no randomness inside (workload generators take a seed). Events at one instant
 are applied in a fixed order (completions, then arrivals) before one decision.
 
 :class:`SimResult` checks a run against the dispatch rule's promises: the starvation bound of
 :mod:`plexrl_dask.policy.dispatch` for every request, one request per worker at a time, and
-submission order within each order.
+release in submission order within each order.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Record:
     group: Group = ()
     setup_s: float = 0.0
     urgent: bool = False
+    released: float = float("nan")  # = start, unless queued behind another (lookahead)
 
     @property
     def wait(self) -> float:
@@ -76,13 +79,15 @@ class Record:
 class SimResult:
     records: list[Record]
     loads: int
+    lookahead: bool = False
 
     def responses(self) -> list[float]:
         return [r.response for r in self.records]
 
     def bounds(self) -> list[float]:
         """The bound on each request's wait (the module docstring of
-        :mod:`plexrl_dask.policy.dispatch`): ``P_max + |E| * B``."""
+        :mod:`plexrl_dask.policy.dispatch`): ``P_max + |E| * B``; with lookahead, where a
+        released request may wait behind one more, ``P_max + (2 |E| + 1) * B``."""
         recs = sorted(self.records, key=lambda r: r.index)
         out = [0.0] * len(recs)
         p_max = 0.0
@@ -90,11 +95,14 @@ class SimResult:
             p_max = max(p_max, r.patience)
             a, s = r.request.arrival, r.start
             t0 = a + p_max
-            pending = sum(1 for q in recs[: i + 1] if q.start > t0)
+            pending = sum(1 for q in recs[: i + 1] if q.released > t0)
             blocking = max(
                 (q.finish - q.start for q in recs if q.start < s and q.finish > a), default=0.0
             )
-            out[r.index] = p_max + pending * blocking
+            if self.lookahead:
+                out[r.index] = p_max + (2 * pending + 1) * blocking
+            else:
+                out[r.index] = p_max + pending * blocking
         return out
 
     def max_wait_over_bound(self) -> float:
@@ -121,7 +129,8 @@ class SimResult:
         return bad
 
     def order_violations(self) -> list[tuple[str, str]]:
-        """Pairs of one order that started out of arrival order."""
+        """Pairs of one order that were released out of arrival order (on one worker, what is
+        released first also starts first)."""
         by_order: dict[str, list[Record]] = {}
         for r in sorted(self.records, key=lambda r: r.index):
             by_order.setdefault(r.request.order_key, []).append(r)
@@ -129,7 +138,7 @@ class SimResult:
             (a.request.request, b.request.request)
             for recs in by_order.values()
             for a, b in itertools.pairwise(recs)
-            if b.start < a.start
+            if b.released < a.released
         ]
 
 
@@ -195,6 +204,7 @@ def simulate(
     for x in ordered:
         heapq.heappush(events, (x.request.arrival, 1, next(seq), x.request))
     loads = 0
+    free_at: dict[str, float] = {}  # worker -> end of the last request released there
     while events:
         now = events[0][0]
         while events and events[0][0] == now:
@@ -203,7 +213,7 @@ def simulate(
                 rec = payload
                 assert isinstance(rec, Record)
                 for w in rec.group:
-                    dispatcher.release_worker(w)
+                    dispatcher.release_worker(w, rec.request.request)
                 if learn:
                     estimates.observe_service(
                         rec.request.deployment, rec.request.op, rec.finish - rec.start
@@ -231,12 +241,18 @@ def simulate(
                     loads += 1
                     if learn:
                         estimates.observe_load(model, source, load_s, bytes_of.get(model, 0))
-            rec.start, rec.group, rec.setup_s, rec.urgent = now, d.group, setup, d.urgent
-            rec.finish = now + setup + true_duration[d.request.request]
+            start = now
+            if d.behind is not None:
+                start = max([now] + [free_at.get(w, now) for w in d.group])
+            rec.released, rec.start, rec.group = now, start, d.group
+            rec.setup_s, rec.urgent = setup, d.urgent
+            rec.finish = start + setup + true_duration[d.request.request]
+            for w in d.group:
+                free_at[w] = rec.finish
             heapq.heappush(events, (rec.finish, 0, next(seq), rec))
     if len(dispatcher):
         raise RuntimeError(f"{len(dispatcher)} requests never started (no live group?)")
-    return SimResult(list(records.values()), loads)
+    return SimResult(list(records.values()), loads, policy.lookahead)
 
 
 # --- workloads -------------------------------------------------------------------------------
