@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 
@@ -249,3 +252,48 @@ def test_actor_offload_capacity_and_names():
     assert resident(holder) == {"a": True}
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert holder.status()["counters"]["reloads"] == 1
+
+
+def test_a_prefetch_never_offloads_the_replica_a_request_starts_on():
+    """Regression (found by the multiplexed benchmark with lookahead): a prefetch chose its
+    victims, the idle ``a`` among them, and offloaded them one by one; a request of ``a`` that
+    started in between ran on a replica the prefetch then offloaded (an optimizer step saw no
+    gradient). A request now marks its replica running under the lock victims are chosen
+    under, and brings it back if a prefetch took it first."""
+    import threading
+
+    big = ModelSpec.tiny(hidden_size=32, num_layers=2, seed=3)
+    holder, _ = make_holder(150_000)  # room for x and a (75 kB each), or for c (137 kB)
+    x, a = make_info("x", seed=1, memory_bytes=75_000), make_info("a", seed=2, memory_bytes=75_000)
+    c = dataclasses.replace(make_info("c", memory_bytes=140_000), spec=big)
+    for info in (c, x, a):  # c loaded first, then offloaded to make room for x and a
+        weights(holder, info)
+    assert resident(holder) == {"c": False, "x": True, "a": True}
+
+    offloading, go = threading.Event(), threading.Event()
+    original = holder._offload
+
+    def slow_offload(replica):
+        if replica.info.name == "x" and not offloading.is_set():
+            offloading.set()
+            assert go.wait(10)
+        original(replica)
+
+    holder._offload = slow_offload
+    holder.hint("c", c.uid)  # the prefetch thread: victims x, then a, for c's 137 kB
+    assert offloading.wait(10)
+    seen: list[bool] = []
+
+    def call(backend):
+        seen.append(backend.resident)
+        time.sleep(0.3)  # (with the old code, the prefetch offloaded a meanwhile)
+        seen.append(backend.resident)
+        return backend.get_weights()
+
+    request = threading.Thread(target=lambda: holder.run(a, "get_weights", call))
+    request.start()
+    time.sleep(0.1)
+    go.set()
+    request.join(30)
+    assert not request.is_alive() and seen == [True, True]
+    assert resident(holder)["a"]

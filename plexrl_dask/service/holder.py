@@ -204,10 +204,17 @@ class ReplicaHolder:
         rank's group for a multi-rank deployment (joined, or re-joined, first)."""
         with self._lock:
             t0, start = time.perf_counter(), time.time()
-            replica = self._ensure(info, op, group)
+            while True:
+                replica = self._ensure(info, op, group)
+                # A prefetch (another thread) offloads idle replicas to make room, and it
+                # decides which are idle under _moves: mark this one running under the same
+                # lock, and bring it back if a prefetch took it after _ensure.
+                with self._moves:
+                    if replica.backend.resident and self._replicas.get(info.name) is replica:
+                        self._running = info.name
+                        break
             self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()
-            self._running = info.name
             ready = time.time()
             try:
                 result = call(replica.backend)
@@ -329,7 +336,8 @@ class ReplicaHolder:
     def _make_room(self, incoming: int, keep: str) -> bool:
         """Offload least-recently-used replicas other than ``keep`` (and than the one whose
         request runs, and those mid-transition) until ``incoming`` more bytes fit in the budget
-        besides the reloads in flight; False if they still do not."""
+        besides the reloads in flight; False if they still do not. A request marks its replica
+        running under ``_moves`` (see :meth:`run`), so none starts on a victim meanwhile."""
         with self._moves:
             victims = sorted(
                 (
