@@ -802,7 +802,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for request in [r for r in self.pending.values() if r.forgotten(tasks)]:
             self._forget(request)
         now = time.monotonic()
+        # Requests released to free workers, then those queued behind a running one: a worker
+        # runs what it is sent in the order it arrives, and one decision may release a request
+        # to a free worker and queue the next of the same order behind it (the transition
+        # engine would send one batch of recommendations in reverse).
         recommendations: dict[Any, str] = {}
+        queued: dict[Any, str] = {}
         released = 0
         while True:
             to_admit, self._to_admit = self._to_admit, set()
@@ -810,16 +815,16 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 self._admit(name)
             decisions = self.dispatcher.decide(now)
             for decision in decisions:
-                self._release(decision, now, recommendations)
+                self._release(decision, now, queued if decision.behind else recommendations)
             released += len(decisions)
             # A release can lift the barrier of a request behind it: admit and decide again.
             if not decisions or not self._to_admit:
                 break
-        if recommendations:
+        if released:
             self.counters["dispatched"] += released
-            self.scheduler.transitions(
-                recommendations, stimulus_id=f"plexrl-dispatch-{time.time()}"
-            )
+        for recs in (recommendations, queued):
+            if recs:
+                self.scheduler.transitions(recs, stimulus_id=f"plexrl-dispatch-{time.time()}")
         self._send_hints(now)
 
     def _release(self, decision: Any, now: float, recommendations: dict[Any, str]) -> None:

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from distributed import Client
+from distributed import Client, Event
 
 import plexrl_dask as plexrl
 
@@ -59,3 +59,12 @@ def preloaded_scheduler_argv(scheduler_file: Path) -> list[str]:
         "--scheduler-file", str(scheduler_file),
         "--preload", "plexrl_dask.plugins",
     ]  # fmt: skip
+
+
+def hold(deployment: str, gate: str, timeout: float, *inputs: object) -> str:
+    """A PlexRL-routed request (submit it under a ``plexrl`` annotation naming ``deployment``)
+    that keeps its worker until the distributed Event ``gate`` is set. ``inputs``: futures to
+    depend on, which makes it a request that takes inputs."""
+    if not Event(gate).wait(timeout=timeout):
+        raise TimeoutError(f"gate {gate} stayed closed for {timeout}s")
+    return deployment

@@ -29,7 +29,7 @@ from plexrl_dask.dashboard import PAGES
 from plexrl_dask.dashboard.browser import Browser, fetch_json, find_chromium
 from plexrl_dask.rl import GRPOConfig, GRPOJob, run_jobs
 from plexrl_dask.tasks import Problem
-from tests.conftest import tiny_spec, unique
+from tests.conftest import hold, tiny_spec, unique
 
 pytestmark = pytest.mark.skipif(
     find_chromium() is None,
@@ -54,13 +54,6 @@ class StartsWithDigit:
 
     def reward(self, problem: Problem, completion: str) -> float:
         return 1.0 if completion[:1].isdigit() else 0.0
-
-
-def hold(deployment: str, gate: str, timeout: float) -> str:
-    """A PlexRL-routed request that keeps its worker until the gate opens."""
-    if not Event(gate).wait(timeout=timeout):
-        raise TimeoutError(f"gate {gate} stayed closed for {timeout}s")
-    return deployment
 
 
 def until(predicate, what: str, timeout: float = WAIT_S) -> None:

@@ -7,13 +7,13 @@ import time
 import dask
 import pytest
 import torch
-from distributed import Client
+from distributed import Client, Event
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.rl import supervised_warmup
 from plexrl_dask.tasks import ArithmeticTask
-from tests.conftest import tiny_spec, unique
+from tests.conftest import hold, tiny_spec, unique
 
 
 def gpu_workers(client: Client) -> list[str]:
@@ -103,6 +103,34 @@ def test_pipelined_steps_run_in_order(runtime):
     out = plexrl.result(futs)
     assert [m["version"] for m in out[1::2]] == [1.0, 2.0, 3.0]
     assert out[4]["loss"] < out[0]["loss"]
+
+
+def test_requests_of_one_deployment_released_together_run_in_order(runtime):
+    """Regression (found by bench.multiplex with lookahead): one decision released a
+    forward_backward to a free worker and queued its optim_step behind it, and the worker got
+    them in reverse (the step ran first, on no gradient). A request that takes an input holds
+    the worker here, so nothing is queued behind it and both pairs pend together."""
+    dep = runtime.deploy(unique("together"), tiny_spec(seed=3))
+    data = [plexrl.Datum(tokens=dep.tokenize("9+9=18"))]
+    gate = Event(unique("together-gate"), client=runtime.client)
+    token = runtime.client.submit(str, "an input", pure=False)
+    with dask.annotate(plexrl={"deployment": dep.name, "job": runtime.job, "op": "hold"}):
+        blocker = runtime.client.submit(hold, dep.name, gate.name, 120.0, token, pure=False)
+    futs = []
+    try:
+        for _ in range(2):
+            futs += [dep.forward_backward(data), dep.optim_step()]
+        deadline = time.monotonic() + 60
+        while runtime.status()["queue"]["admitted"] < 1:
+            assert time.monotonic() < deadline, "the requests never reached the dispatcher"
+            time.sleep(0.05)
+    finally:
+        gate.set()
+    assert blocker.result(timeout=60) == dep.name
+    out = plexrl.result(futs, timeout=120)
+    assert [m["version"] for m in out[1::2]] == [1.0, 2.0]
+    steps = [d for d in runtime.status()["decisions"] if d["request"] == futs[1].key]
+    assert steps and steps[0]["behind"] == futs[0].key  # queued behind its forward_backward
 
 
 def test_sync_weights(runtime):
