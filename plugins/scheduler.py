@@ -169,6 +169,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         # release, or for a task queued behind another (lookahead) when that one ended.
         self.started: dict[Any, tuple[float, str, str, str, str]] = {}
         self.queued_behind: dict[str, Any] = {}  # worker -> key of its queued task
+        self._releases = 0  # requests released so far (their tasks' Dask priority)
         self.job_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.estimates = Estimates(
             service_prior_s=config.get_seconds("scheduler.service-prior"),
@@ -840,9 +841,16 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         extra: dict[str, Any] = {"dispatched": True}
         if request.ranks > 1:
             extra["epoch"] = self._group_epoch(request.deployment, decision.group)
+        # A worker runs the tasks waiting on it by Dask priority, which ties for requests
+        # submitted within fifo-timeout of each other (each is a one-task graph): order them
+        # by release instead, so that a worker runs PlexRL requests in the order they were
+        # released to it (a forward_backward before the optim_step queued behind it). Ahead
+        # of ordinary tasks of any generation on the same worker.
+        self._releases += 1
         for rank, key in request.keys.items():
             ts = tasks[key]
             worker = decision.group[rank]
+            ts.priority = (ts.priority[0] if ts.priority else 0, -1, self._releases)
             ts.worker_restrictions = {worker}
             ts.annotations = {
                 **ts.annotations,

@@ -131,6 +131,13 @@ def test_requests_of_one_deployment_released_together_run_in_order(runtime):
     assert [m["version"] for m in out[1::2]] == [1.0, 2.0]
     steps = [d for d in runtime.status()["decisions"] if d["request"] == futs[1].key]
     assert steps and steps[0]["behind"] == futs[0].key  # queued behind its forward_backward
+    # Dask priorities tie for one-task graphs submitted close together; released tasks carry
+    # their release order instead, which the worker follows among the tasks waiting on it.
+    priorities = runtime.client.run_on_scheduler(
+        lambda dask_scheduler, keys: [list(dask_scheduler.tasks[k].priority) for k in keys],
+        keys=[f.key for f in futs],
+    )
+    assert priorities == sorted(priorities) and len({tuple(p) for p in priorities}) == 4
 
 
 def test_sync_weights(runtime):
