@@ -906,17 +906,21 @@ def safety(model: Model, now: float, decisions: list[Decision]) -> list[tuple]:
     return [(x.request.request, x.group, x.setup_s, x.ratio, x.urgent) for x in decisions]
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    ops(max_groups=3, orders=st.sampled_from(["", "o0", "o1"])),
-    residencies(),
-    st.builds(
+def urgency_policies(lookahead: bool = False, floors=(0.0, 0.5, 2.0)):
+    """HRRS policies whose requests turn urgent soon, late or (floor 1e9) never."""
+    return st.builds(
         DispatchPolicy,
         setup_weight=st.sampled_from([0.0, 2.0]),
         patience_factor=st.sampled_from([0.0, 1.0, 8.0]),
-        patience_floor_s=st.sampled_from([0.0, 0.5, 2.0]),
+        patience_floor_s=st.sampled_from(floors),
         placement=st.sampled_from(["residency", "blind"]),
-    ),
+        lookahead=st.just(lookahead),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops(max_groups=3, orders=st.sampled_from(["", "o0", "o1"])), residencies(), urgency_policies()
 )
 def test_decisions_with_urgency_start_heads_on_free_groups_only(events, costs, policy):
     d = Dispatcher(policy, costs, ORACLE_WORKERS)
@@ -1422,14 +1426,7 @@ def lookahead_safety(model: Model, queued: dict, decisions: list[Decision]) -> N
 @given(
     ops(max_groups=3, orders=st.sampled_from(["", "o0", "o1"])),
     residencies(),
-    st.builds(
-        DispatchPolicy,
-        setup_weight=st.sampled_from([0.0, 2.0]),
-        patience_factor=st.sampled_from([0.0, 1.0, 8.0]),
-        patience_floor_s=st.sampled_from([0.0, 0.5, 2.0, 1e9]),
-        placement=st.sampled_from(["residency", "blind"]),
-        lookahead=st.just(True),
-    ),
+    urgency_policies(lookahead=True, floors=(0.0, 0.5, 2.0, 1e9)),
 )
 def test_lookahead_decisions_keep_one_running_and_one_queued_per_worker(events, costs, policy):
     d = Dispatcher(policy, costs, ORACLE_WORKERS)
