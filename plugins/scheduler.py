@@ -535,9 +535,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         admitted requests in arrival order (the longest-waiting), each with its current HRRS
         ratio and setup on its best live group (the cheapest setup, as the dispatcher ranks
         them; ``worker``: that group), plus totals: pending, admitted, busy workers (worker ->
-        request running there), the requests queued behind them (lookahead; worker -> request)
-        and pending requests per deployment. Bounded by ``limit`` and the number of deployments, however
-        long the queue is (it runs on the scheduler's event loop). ``now``: the dispatcher's
+        request running there), the requests queued behind them (lookahead; worker ->
+        request) and pending requests per deployment. Bounded by ``limit`` and the number of
+        deployments, however long the queue is (it runs on the scheduler's event loop). ``now``: the dispatcher's
         clock (``time.monotonic()``), echoed in the result."""
         now = time.monotonic() if now is None else now
         # Requests of one deployment and candidate groups share their setup and best group:

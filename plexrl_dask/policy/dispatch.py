@@ -92,16 +92,16 @@ starts. Requests that wait for a busy worker pay that each time. With lookahead,
 runs a request may also hold *one* single-worker request queued behind it, which starts there
 as soon as the running one ends. It is the request the rule would pick for that worker when it
 frees up, decided now: its first urgent reserver if that reserved the worker alone, else the
-first single-worker head eligible there in the order :meth:`Dispatcher.hint` uses (urgent ones
-by arrival, then by ratio) that is expected to start on this worker no later than on any other
-of its groups (expected ends of what runs and is queued, plus setup). If a gang comes first
-there, nothing is queued: a single does not overtake a gang that way. Nor is anything queued
-behind a request with ``inputs`` (it takes other tasks' results, which its worker may still be
-fetching when it is released): the request queued behind it could start first. A queued request
-counts as released (:class:`Decision` ``behind`` names the request it waits for). The bound above then
-holds with ``2 B`` for ``B`` (a reserved worker may still run one request and hold one queued
-before the urgent request), and a request released behind another starts at most ``B`` after
-its release.
+first single-worker head eligible there (urgent heads by arrival, then the rest by ratio) that
+is expected to start on this worker no later than on any other of its groups (expected ends of
+what runs and is queued, plus setup). If a gang comes first there, nothing is queued: a single
+does not overtake a gang that way. Nor is anything queued behind a request with ``inputs`` (it
+takes other tasks' results, which its worker may still be fetching when it is released): the
+request queued behind it could start first. A queued request counts as released
+(:class:`Decision` ``behind`` names the request it waits for). The bound above then holds with
+``2 B`` for ``B`` (a reserved worker may still run one request and hold one queued before the
+urgent request), and a request released behind another starts at most ``B`` after its
+release.
 """
 
 from __future__ import annotations
@@ -267,7 +267,8 @@ class Dispatcher:
         self._busy: dict[str, str] = {}  # worker -> request running there
         self._busy_until: dict[str, float] = {}  # worker -> estimated end of what runs there
         # Lookahead: worker -> (request queued behind the running one, its deployment, the
-        # estimated end of the running one); and the busy workers whose slot to look at.
+        # estimated end of the running one, whether it has inputs); and the busy workers
+        # whose slot to look at.
         self._next: dict[str, tuple[str, str, float, bool]] = {}
         self._next_dirty: set[str] = set()
         self._inputs: set[str] = set()  # workers whose running request has inputs
@@ -490,7 +491,7 @@ class Dispatcher:
 
     def _next_for(self, worker: str, now: float) -> tuple[_Entry | None, bool]:
         """The single-worker request to queue behind ``worker``'s running one, if any; and
-        whether a gang (or an urgent request reserved elsewhere) comes first there."""
+        whether a gang comes first there (ratios move with time: look again later)."""
         top = self._top_reserver(worker)
         if top is not None:
             return (top, False) if top.reserved == (worker,) else (None, False)
