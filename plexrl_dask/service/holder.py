@@ -206,6 +206,7 @@ class ReplicaHolder:
             t0, start = time.perf_counter(), time.time()
             while True:
                 replica = self._ensure(info, op, group)
+                replica.last_used = time.monotonic()  # (the last victim a prefetch would pick)
                 # A prefetch (another thread) offloads idle replicas to make room, and it
                 # decides which are idle under _moves: mark this one running under the same
                 # lock, and bring it back if a prefetch took it after _ensure.
