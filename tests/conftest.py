@@ -8,14 +8,24 @@ fail on worker processes that outlive another module.
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
 from distributed import Client, Event
+from hypothesis import settings
 
 import plexrl_dask as plexrl
+
+# Property tests explore fresh examples on every developer run; CI (.ci/run sets
+# HYPOTHESIS_PROFILE=ci) replays a fixed set, so a green run at a commit stays green on CI and
+# a failure there is a real regression, not a newly drawn example. print_blob makes any failure
+# reproducible with @reproduce_failure.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=64)
 
