@@ -297,3 +297,20 @@ def test_a_prefetch_never_offloads_the_replica_a_request_starts_on():
     request.join(30)
     assert not request.is_alive() and seen == [True, True]
     assert resident(holder)["a"]
+
+
+def test_a_span_records_the_cpu_time_of_the_requests_own_thread():
+    holder, _ = make_holder(10 * TRAIN_BYTES)
+    info = make_info("a")
+    fb(holder, info)  # loads the replica: setup, not run time
+
+    def spin(seconds: float) -> None:
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
+
+    holder.run(info, "forward", lambda b: spin(0.2))
+    holder.run(info, "forward", lambda b: time.sleep(0.2))  # waits: no CPU
+    busy, waiting = holder.spans.since(0)[-2:]
+    assert busy.cpu_s >= 0.2 and busy.cpu_s <= busy.run_seconds + 0.01
+    assert waiting.run_seconds >= 0.2 and waiting.cpu_s < 0.05

@@ -7,7 +7,14 @@ import math
 import pytest
 
 from plexrl_dask import errors
-from plexrl_dask.rl.ledger import JobWindow, ModeLedger, cost_ratio, percentile, rollout_phases
+from plexrl_dask.rl.ledger import (
+    JobWindow,
+    ModeLedger,
+    cost_ratio,
+    cpu_share,
+    percentile,
+    rollout_phases,
+)
 from plexrl_dask.rl.modes import Layout, layouts
 from plexrl_dask.service.timeline import RequestSpan, SpanLog, busy_seconds
 
@@ -86,6 +93,7 @@ def test_isolated_ledger_charges_every_held_worker_for_the_whole_job():
         "rollout_setup_seconds": 0.5,
         "useful_tokens": 100,
         "throughput_to_peak": pytest.approx(100 / (4 * 100)),
+        "rollout_cpu_share": None,  # hand-built spans measured no CPU time
     }
     assert summary["jobs"]["b"]["rollout_setup_seconds"] == 0
     assert summary["rollout_worker_seconds"] == 4 + 2
@@ -110,6 +118,30 @@ def test_multiplexed_ledger_charges_the_pool_for_the_makespan():
     isolated = ModeLedger("split", (window("a", ["w1", "w2"], 0, 10),), (), 0, 10)
     assert cost_ratio(mux, isolated) == pytest.approx(0.5)
     assert set(mux.summary()) >= {"cost_worker_seconds", "idle_fraction", "throughput_to_peak"}
+
+
+def test_cpu_share_is_cpu_over_run_time_of_the_spans_that_measured_it():
+    def timed(deployment, op, start, ready, end, cpu):
+        return RequestSpan("w1", deployment, deployment.split("-")[0], op, start, ready, end, cpu)
+
+    spans = [
+        timed("a-rollout", "sample", 0, 1, 3, 1.5),  # setup [0, 1] is not run time
+        timed("a-rollout", "sample", 3, 3, 5, 2.0),
+        timed("a-policy", "forward_backward", 5, 5, 9, 1.0),  # not rollout
+        span("w1", "b-rollout", "sample", 5, 6),  # built elsewhere: no CPU time
+        timed("b-rollout", "sample", 6, 6, 7, 0.25),
+    ]
+    assert cpu_share(spans[:2]) == pytest.approx(3.5 / 4)
+    assert cpu_share(spans[3:4]) is None
+    assert cpu_share([]) is None
+    jobs = (window("a", [], 0, 9, rollout=["w1"]), window("b", [], 5, 9, rollout=["w1"]))
+    mux = ModeLedger("multiplexed", jobs, tuple(spans), 0, 9, pool=("w1",))
+    assert mux.rollout_cpu_share("a") == pytest.approx(3.5 / 4)
+    assert mux.rollout_cpu_share("b") == pytest.approx(0.25)  # the unmeasured span is left out
+    assert mux.rollout_cpu_share() == pytest.approx(3.75 / 5)
+    summary = mux.summary()
+    assert summary["rollout_cpu_share"] == pytest.approx(3.75 / 5)
+    assert summary["jobs"]["b"]["rollout_cpu_share"] == pytest.approx(0.25)
 
 
 def test_rollout_phases_span_all_parts_until_another_op_of_the_sampler():

@@ -22,6 +22,10 @@ best layout), ``throughput_to_peak`` (multiplexed) and ``colocated_throughput_to
 synchronous layout: colocated, split and multiplexed), ``final_mean_reward`` per job,
 ``idle_fraction`` per mode, ``generation_length_p50``/``_p90``/``_p99``/``_max`` over all
 sampled completions, plus every layout's ledger and a PNG of the best multiplexed run.
+A diagnostic of where to-peak goes: ``rollout_cpu_share`` (multiplexed; ``colocated_…``), the
+share of the rollout requests' run time their threads were on a CPU, against
+``peak_cpu_share``, the same share of the peak requests around that layout
+(:func:`~plexrl_dask.rl.ledger.cpu_share`); each layout's ledger has both.
 Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
 final rewards with the synchronous job's over ``--seeds`` seeds (default 5): within two
 standard errors of independent samples (``split_async_within_two_se``), and seed by seed
@@ -51,7 +55,14 @@ from rich.console import Console
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, cost_ratio, percentile, seed_difference
+from plexrl_dask.rl.ledger import (
+    ISOLATED_MODES,
+    MODES,
+    cost_ratio,
+    cpu_share,
+    percentile,
+    seed_difference,
+)
 from plexrl_dask.rl.modes import (
     JobSpec,
     Layout,
@@ -127,18 +138,21 @@ def main() -> None:
         # The peaks are measured at the start and again around each layout, whose ledger
         # uses the ones next to it: this VM's speed drifts over minutes, and a peak from
         # another minute than the requests it divides would measure the drift.
-        peaks, peak_detail = measure_peaks(runtime, specs, workers[0])
+        peaks, peak_detail, _ = measure_peaks(runtime, specs, workers[0])
         console.print(f"peak tokens/s per job: { {k: round(v) for k, v in peaks.items()} }")
 
         runs: list[ModeRun] = []
         # per layout, the peaks measured right before it and right after it (the next
-        # layout's "before"; one more measurement after the last layout)
+        # layout's "before"; one more measurement after the last layout), with the peak
+        # requests' CPU share
         brackets: list[dict[str, dict[int, float]]] = []
+        shares: list[float | None] = []
         for mode in MODES:
             for layout in layouts(mode, args.workers):
                 t0 = time.perf_counter()
-                here, detail = measure_peaks(runtime, specs, workers[0])
+                here, detail, share = measure_peaks(runtime, specs, workers[0])
                 brackets.append(detail)
+                shares.append(share)
                 run = run_mode(
                     runtime,
                     specs,
@@ -155,10 +169,15 @@ def main() -> None:
                     f"{s['idle_fraction']:.2f}, throughput-to-peak against the peaks before it "
                     f"{s['throughput_to_peak']:.2f} ({time.perf_counter() - t0:.0f}s)"
                 )
-        brackets.append(measure_peaks(runtime, specs, workers[0])[1])
+        _, detail, share = measure_peaks(runtime, specs, workers[0])
+        brackets.append(detail)
+        shares.append(share)
         layout_peaks = {
             r.layout.label: {"before": brackets[i], "after": brackets[i + 1]}
             for i, r in enumerate(runs)
+        }
+        peak_shares = {
+            r.layout.label: _mean_share(shares[i], shares[i + 1]) for i, r in enumerate(runs)
         }
         runs = [
             replace(
@@ -168,7 +187,7 @@ def main() -> None:
             for i, r in enumerate(runs)
         ]
         # Written now and again at the end: the comparison below is long.
-        results, config = summarise(runs, specs, peaks, peak_detail, layout_peaks, png)
+        results, config = summarise(runs, specs, peaks, peak_detail, layout_peaks, png, peak_shares)
         config.update(
             workers=args.workers,
             quick=args.quick,
@@ -240,16 +259,19 @@ def seed_comparison(
 
 def measure_peaks(
     runtime: Any, specs: list[Any], worker: str
-) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
-    """Every job's peak tokens/s on ``worker`` and its measurement per batch size."""
+) -> tuple[dict[str, float], dict[str, dict[int, float]], float | None]:
+    """Every job's peak tokens/s on ``worker``, its measurement per batch size, and the
+    peak requests' :func:`~plexrl_dask.rl.ledger.cpu_share`."""
     peaks: dict[str, float] = {}
     detail: dict[str, dict[int, float]] = {}
+    t0 = time.time()
     for spec in specs:
         prompt = spec.task.problems(spec.grpo.problem_offset, 1)[0].prompt
         peaks[spec.name], detail[spec.name] = peak_tokens_per_second(
             runtime, spec.model, worker, prompt, spec.grpo.max_tokens
         )
-    return peaks, detail
+    spans = [s for s in runtime.timeline(since=t0) if s.op == "sample" and s.start >= t0]
+    return peaks, detail, cpu_share(spans)
 
 
 def bracketed(
@@ -267,11 +289,13 @@ def summarise(
     peak_detail: dict[str, dict[int, float]],
     layout_peaks: dict[str, dict[str, dict[int, float]]],
     png: str,
+    peak_shares: dict[str, float | None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The benchmark's results from its runs (best layout per mode; see the module docs).
     ``peaks``/``peak_detail``: measured at the start of the run; ``layout_peaks``: right
     before and right after each layout (its ledger's peaks are :func:`bracketed` from
-    them)."""
+    them); ``peak_shares``: per layout, the CPU share of the peak requests around it."""
+    peak_shares = peak_shares or {}
     best = {
         mode: min(
             (r for r in runs if r.layout.mode == mode),
@@ -303,6 +327,11 @@ def summarise(
         "throughput_to_peak_run_start_peaks": replace(
             mux.ledger, peak_tokens_per_s=peaks
         ).throughput_to_peak(),
+        # where to-peak goes: the share of the rollout requests' run time their threads were
+        # on a CPU, against the same share of the peak requests around the layout
+        "rollout_cpu_share": mux.ledger.rollout_cpu_share(),
+        "peak_cpu_share": peak_shares.get(mux.layout.label),
+        "colocated_rollout_cpu_share": best["colocated"].ledger.rollout_cpu_share(),
         "reward_trajectories_identical": identical,
         "final_mean_reward": {s.name: reward_start_end(mux.records[s.name])[1] for s in specs},
         "start_mean_reward": {s.name: reward_start_end(mux.records[s.name])[0] for s in specs},
@@ -324,6 +353,7 @@ def summarise(
                 "throughput_to_peak_run_start_peaks": replace(
                     r.ledger, peak_tokens_per_s=peaks
                 ).throughput_to_peak(),
+                "peak_cpu_share": peak_shares.get(r.layout.label),
             }
             for r in runs
         ],
@@ -337,6 +367,11 @@ def summarise(
         "peak_by_batch_size": peak_detail,
     }
     return results, config
+
+
+def _mean_share(a: float | None, b: float | None) -> float | None:
+    known = [x for x in (a, b) if x is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _against_before(run: ModeRun, layout_peaks: dict[str, dict[str, Any]]) -> float:

@@ -21,6 +21,12 @@ Definitions (written before any number was looked at; ``docs`` in the README rep
   measured in the same run; ``bench.multiplex`` measures it right before and right after
   each layout and divides by their mean).
 
+A diagnostic beside them, not a definition of the gain: the **CPU share** of a set of requests
+is the CPU seconds their threads spent running (``RequestSpan.cpu_s``) ÷ their wall seconds
+after setup. A request that waited for a core (other processes) or for the GIL (the worker's
+event loop) reads below 1; comparing the rollout requests' share with the peak requests'
+says how much of a to-peak shortfall is such waiting rather than the engine's work.
+
 Everything here is pure: it takes spans and job windows and returns numbers.
 """
 
@@ -121,6 +127,11 @@ class ModeLedger:
         """The setup (loads and reloads before they ran) inside ``job``'s ``sample`` spans."""
         return sum(s.setup_seconds for s in self._samples_of(job))
 
+    def rollout_cpu_share(self, job: str | None = None) -> float | None:
+        """:func:`cpu_share` of ``job``'s ``sample`` requests (default: every job's)."""
+        jobs = [j.job for j in self.jobs] if job is None else [job]
+        return cpu_share(s for j in jobs for s in self._samples_of(j))
+
     def useful_tokens(self) -> int:
         return sum(j.useful_tokens for j in self.jobs)
 
@@ -178,6 +189,7 @@ class ModeLedger:
                 "throughput_to_peak": j.useful_tokens / (seconds * peak)
                 if peak and seconds > 0
                 else None,
+                "rollout_cpu_share": self.rollout_cpu_share(j.job),
             }
         return {
             "cost_worker_seconds": self.reserved_worker_seconds(),
@@ -187,8 +199,20 @@ class ModeLedger:
             "useful_tokens": self.useful_tokens(),
             "rollout_worker_seconds": sum(v["rollout_worker_seconds"] for v in per_job.values()),
             "throughput_to_peak": self.throughput_to_peak(),
+            "rollout_cpu_share": self.rollout_cpu_share(),
             "jobs": per_job,
         }
+
+
+def cpu_share(spans: Iterable[RequestSpan]) -> float | None:
+    """CPU seconds ÷ wall seconds after setup, summed over the ``spans`` that measured their
+    CPU time (see the module docstring); None when none did or they ran no time."""
+    cpu = wall = 0.0
+    for s in spans:
+        if s.cpu_s is not None:
+            cpu += s.cpu_s
+            wall += s.run_seconds
+    return cpu / wall if wall > 0 else None
 
 
 def rollout_phases(spans: Iterable[RequestSpan], sampler: str) -> list[tuple[float, float]]:

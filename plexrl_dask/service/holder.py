@@ -216,7 +216,7 @@ class ReplicaHolder:
                         break
             self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()
-            ready = time.time()
+            ready, cpu0 = time.time(), time.thread_time()
             try:
                 result = call(replica.backend)
             except RuntimeError as e:
@@ -237,7 +237,14 @@ class ReplicaHolder:
                 self.counters["requests"] += 1
                 self.spans.add(
                     RequestSpan(
-                        self.worker_address, info.name, info.owner, op, start, ready, time.time()
+                        self.worker_address,
+                        info.name,
+                        info.owner,
+                        op,
+                        start,
+                        ready,
+                        time.time(),
+                        time.thread_time() - cpu0,
                     )
                 )
             if op in MUTATING_OPS:

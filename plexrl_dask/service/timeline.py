@@ -3,7 +3,10 @@
 Every request a replica holder runs leaves one :class:`RequestSpan`: the deployment, its owning
 job, the op, and three wall-clock instants — ``start`` (the request began on the worker and
 waited for its replica to be resident), ``ready`` (the replica was resident: everything before
-is *setup*, a load or reload) and ``end``. Spans of one node's workers share a clock
+is *setup*, a load or reload) and ``end``, and ``cpu_s``: the CPU seconds the request's own
+thread spent from ``ready`` to ``end`` (``time.thread_time``). A request that had its core and
+the GIL throughout has ``cpu_s`` close to ``end - ready``; the difference is time it waited
+for them (other processes on the core, the worker's event loop holding the GIL). Spans of one node's workers share a clock
 (``time.time``), so a driver on the same host can put them on one timeline with its own
 instants. Holders keep the most recent ``plexrl.worker.timeline-length`` spans.
 
@@ -31,6 +34,7 @@ class RequestSpan:
     start: float
     ready: float
     end: float
+    cpu_s: float | None = None  # None: not measured (spans built elsewhere than a holder)
 
     @property
     def seconds(self) -> float:
@@ -40,6 +44,11 @@ class RequestSpan:
     @property
     def setup_seconds(self) -> float:
         return self.ready - self.start
+
+    @property
+    def run_seconds(self) -> float:
+        """Wall seconds of the request's own work (after its setup)."""
+        return self.end - self.ready
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
