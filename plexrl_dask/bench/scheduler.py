@@ -16,13 +16,16 @@ Every comparison is within one run (this machine is shared and noisy):
   from run to run), replayed identically under each policy from the same residency, rounds
   interleaved:
   ``hrrs_vs_fifo_mean_response_ratio`` and ``_p99_`` against residency-aware FIFO and
-  ``model_loads_ratio`` against residency-blind FIFO (all < 1 is the point);
+  ``model_loads_ratio`` against residency-blind FIFO (all < 1 is the point); every policy
+  runs with dispatch lookahead (the default), and ``lookahead_mean_response_ratio`` /
+  ``_p99_`` compare HRRS with it against HRRS without it (``sim_lookahead_…``: the same in
+  simulation);
 - ``max_wait_over_bound``: the largest observed wait ÷ the proven bound of
   :mod:`plexrl_dask.policy.dispatch`, over simulated random and adversarial workloads (gang
   against a stream of singles, long against a stream of shorts, one job flooding the queue),
   under HRRS and both FIFOs (target <= 1). The simulated workloads also give ``sim_*`` ratios.
 
-Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (~12 min; ``--quick``: ~4 min).
+Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (~15 min; ``--quick``: ~5 min).
 """
 
 from __future__ import annotations
@@ -50,15 +53,19 @@ from plexrl_dask.sim.queueing import ADVERSARIAL, random_workload, simulate
 
 logger = logging.getLogger(__name__)
 
+# Every policy with dispatch lookahead (the default), and HRRS once more without it: the
+# lookahead's own effect, in the same run.
 POLICIES = {
-    "hrrs": DispatchPolicy(),
-    "fifo": DispatchPolicy.fifo(),
-    "fifo_blind": DispatchPolicy.fifo("blind"),
+    "hrrs": DispatchPolicy(lookahead=True),
+    "fifo": DispatchPolicy.fifo(lookahead=True),
+    "fifo_blind": DispatchPolicy.fifo("blind", lookahead=True),
+    "hrrs_no_lookahead": DispatchPolicy(lookahead=False),
 }
 LIVE_POLICIES = {
-    "hrrs": {"ordering": "hrrs", "placement": "residency"},
-    "fifo": {"ordering": "fifo", "placement": "residency"},
-    "fifo_blind": {"ordering": "fifo", "placement": "blind"},
+    "hrrs": {"ordering": "hrrs", "placement": "residency", "lookahead": True},
+    "fifo": {"ordering": "fifo", "placement": "residency", "lookahead": True},
+    "fifo_blind": {"ordering": "fifo", "placement": "blind", "lookahead": True},
+    "hrrs_no_lookahead": {"ordering": "hrrs", "placement": "residency", "lookahead": False},
 }
 
 
@@ -194,6 +201,8 @@ def simulated(quick: bool) -> dict[str, float]:
         / statistics.fmean(mean_resp["fifo"]),
         "sim_model_loads_ratio": loads["hrrs"] / max(1, loads["fifo_blind"]),
         "sim_fifo_vs_blind_model_loads_ratio": loads["fifo"] / max(1, loads["fifo_blind"]),
+        "sim_lookahead_mean_response_ratio": statistics.fmean(mean_resp["hrrs"])
+        / statistics.fmean(mean_resp["hrrs_no_lookahead"]),
     }
 
 
@@ -354,6 +363,10 @@ def live_mixed(quick: bool) -> dict[str, Any]:
         / statistics.fmean(responses["fifo"]),
         "hrrs_vs_fifo_p99_response_ratio": p99(responses["hrrs"]) / p99(responses["fifo"]),
         "model_loads_ratio": loads["hrrs"] / max(1, loads["fifo_blind"]),
+        "lookahead_mean_response_ratio": statistics.fmean(responses["hrrs"])
+        / statistics.fmean(responses["hrrs_no_lookahead"]),
+        "lookahead_p99_response_ratio": p99(responses["hrrs"])
+        / p99(responses["hrrs_no_lookahead"]),
         "live_requests_per_policy_run": len(schedule),
     }
     for name in LIVE_POLICIES:
