@@ -314,3 +314,20 @@ def test_a_span_records_the_cpu_time_of_the_requests_own_thread():
     busy, waiting = holder.spans.since(0)[-2:]
     assert busy.cpu_s >= 0.2 and busy.cpu_s <= busy.run_seconds + 0.01
     assert waiting.run_seconds >= 0.2 and waiting.cpu_s < 0.05
+
+
+def test_a_request_that_changes_nothing_sends_no_residency_report():
+    holder, events = make_holder(10 * TRAIN_BYTES)
+    info = make_info("a")
+    fb(holder, info)  # the load, then the report that the replica grew (its gradients)
+    assert len(events) == 2 and events[1]["bytes"] > events[0]["bytes"]
+    n = len(events)
+    for _ in range(3):  # the same state each time: nothing to tell the scheduler
+        holder.run(info, "forward", lambda b: b.forward(batch(0)))
+    assert len(events) == n
+    step(holder, info)  # a new version: reported
+    assert len(events) == n + 1 and events[-1]["version"] == events[n - 1]["version"] + 1
+    holder.run(info, "forward", lambda b: b.forward(batch(0)))
+    assert len(events) == n + 1
+    holder.offload("a")  # a transition is always reported
+    assert events[-1]["tier"] != "hbm"

@@ -79,6 +79,7 @@ class _Replica:
     stasher: Stasher | None = None
     stash: StoredState | None = None  # the stored copy of the state, while it is current
     tier: str = "hbm"  # last reported tier
+    last_report: ResidencyReport | None = None  # the last report sent for this replica
     # Held for the whole of this replica's offload or reload: a prefetch may reload it while
     # another replica's request runs, and its own request then waits for that reload.
     transition: threading.Lock = field(default_factory=threading.Lock)
@@ -257,7 +258,10 @@ class ReplicaHolder:
             # A request can grow the replica (gradients, optimizer state): re-balance, and
             # tell the scheduler the new size/version.
             self._make_room(0, keep=info.name)
-            self._emit(replica, "hbm", replica.last_transition_s)
+            # Most requests (samples, forwards) change nothing the scheduler knows: a report
+            # would cost a message on both event loops and invalidate the scheduler's setup
+            # costs for this worker, per request. Only a change is sent.
+            self._emit(replica, "hbm", replica.last_transition_s, unless_unchanged=True)
         if self._hint is not None:
             if self._hint[0] == info.name:
                 self._hint = None  # the prediction came true: nothing left to prefetch
@@ -428,10 +432,18 @@ class ReplicaHolder:
             )
 
     def _emit(
-        self, replica: _Replica, tier: str, load_s: float, lost: bool = False, source: str = ""
+        self,
+        replica: _Replica,
+        tier: str,
+        load_s: float,
+        lost: bool = False,
+        source: str = "",
+        unless_unchanged: bool = False,
     ) -> None:
         """Report ``replica``'s tier; ``source`` names the tier of a transition just measured
-        (``load_s``), empty for a report that only refreshes size and version."""
+        (``load_s``), empty for a report that only refreshes size and version. With
+        ``unless_unchanged``, nothing is sent when the report equals the last one sent for
+        this replica."""
         replica.last_transition_s = load_s
         replica.tier = tier
         if tier == "hbm" and source in ("dram", "nvme", "absent"):
@@ -448,7 +460,10 @@ class ReplicaHolder:
                 lost=lost,
                 source=source,
             )
+            if unless_unchanged and report == replica.last_report:
+                return
             self._report(report.to_event())
+            replica.last_report = report
         except Exception:  # reporting must never fail a request
             logger.warning("could not send a residency report", exc_info=True)
 
