@@ -4,11 +4,12 @@ Every request a replica holder runs leaves one :class:`RequestSpan`: the deploym
 job, the op, and three wall-clock instants — ``start`` (the request began on the worker and
 waited for its replica to be resident), ``ready`` (the replica was resident: everything before
 is *setup*, a load or reload) and ``end``, and ``cpu_s``: the CPU seconds the request's own
-thread spent from ``ready`` to ``end`` (``time.thread_time``). A request that had its core and
-the GIL throughout has ``cpu_s`` close to ``end - ready``; the difference is time it waited
-for them (other processes on the core, the worker's event loop holding the GIL). Spans of one node's workers share a clock
-(``time.time``), so a driver on the same host can put them on one timeline with its own
-instants. Holders keep the most recent ``plexrl.worker.timeline-length`` spans.
+thread spent from ``ready`` to ``end`` (``time.thread_time``). A request that had its core
+and the GIL throughout has ``cpu_s`` close to ``end - ready``; the difference is time it
+waited for them (other processes on the core, the worker's event loop holding the GIL).
+Spans of one node's workers share a clock (``time.time``), so a driver on the same host can
+put them on one timeline with its own instants. Holders keep the most recent
+``plexrl.worker.timeline-length`` spans.
 
 The functions below are pure: they measure worker-seconds over spans, which is how the
 multiplexing benchmark and the main job report utilisation and idle time.
