@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo quickstart test lint bench-service bench-multiplex bench-dashboard
+.PHONY: demo quickstart test lint bench-service bench-multiplex bench-dashboard device-wheels
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,3 +33,14 @@ bench-multiplex: $(VENV)/.installed
 # Needs Chromium and chromedriver (Debian: apt-get install chromium chromium-driver).
 bench-dashboard: $(VENV)/.installed
 	$(PY) -m plexrl_dask.bench.dashboard --json benchmarks/dashboard.json --screenshots benchmarks/dashboard/synthetic
+
+# The device machine (one GPU) has torch and transformers but not these: wheels for its Python
+# 3.12, in .whl/ (ignored), carried to it with the run (see README "The GPU checks").
+DEVICE_PACKAGES := dask distributed zarr numcodecs donfig google-crc32c locket partd tblib tornado zict
+device-wheels: $(VENV)/.installed
+	rm -rf .whl
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+		--platform manylinux1_x86_64 -d .whl \
+		$(foreach p,$(DEVICE_PACKAGES),$(p)==$(shell $(PY) -c "import importlib.metadata as m; print(m.version('$(p)'))"))

@@ -62,10 +62,10 @@ TARGETS = {
 }
 
 
-def warmed_backend(spec: JobSpec, steps: int, batch: int) -> TorchBackend:
-    """The job's model after ``steps`` supervised steps on its task's answers (the job's
-    warm-up batch size and learning rate), in-process."""
-    backend = TorchBackend(spec.model, "cpu", max_batch_size=batch)
+def warmed_backend(spec: JobSpec, steps: int, batch: int, device: str = "cpu") -> TorchBackend:
+    """The job's model on ``device`` after ``steps`` supervised steps on its task's answers
+    (the job's warm-up batch size and learning rate), in-process."""
+    backend = TorchBackend(spec.model, device, max_batch_size=batch)
     optim = AdamWParams(lr=spec.warmup_lr)
     for step in tqdm(range(steps), desc=f"warm-up {spec.name}", leave=False):
         problems = spec.task.problems(step * spec.warmup_batch_size, spec.warmup_batch_size)
@@ -173,10 +173,12 @@ def time_arms(
     return {name: (ts[0], made[name]) for name, ts in timed.items()}
 
 
-def measure_job(spec: JobSpec, warmup: int, rounds: int, batch: int) -> dict[str, Any]:
+def measure_job(
+    spec: JobSpec, warmup: int, rounds: int, batch: int, device: str = "cpu"
+) -> dict[str, Any]:
     """Every arm of the module docstring, for one job (``batch``: the configured
-    ``max-batch-size``)."""
-    backend = warmed_backend(spec, warmup, batch)
+    ``max-batch-size``), on ``device`` (``bench.device`` runs it on a GPU)."""
+    backend = warmed_backend(spec, warmup, batch, device)
     g = spec.grpo
     rows = g.prompts_per_step * g.group_size
     arms = {

@@ -9,8 +9,9 @@ the gang got the same epoch, they all rebuild together.
 
 Rendezvous: rank 0 opens a ``TCPStore`` on a free port of its own host and publishes
 ``host:port`` through the scheduler plugin (``plexrl_rendezvous_put``); the other ranks read it
-(``plexrl_rendezvous_get``, bounded by the group timeout). Backend: gloo on the CPU, NCCL on
-CUDA.
+(``plexrl_rendezvous_get``, bounded by the group timeout). A group of one meets no one: it opens
+a store of its own and needs no scheduler (``bench.device`` shards a model that way). Backend:
+gloo on the CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class ProcessGroupManager:
     """Owns this worker process's default process group (see the module docstring)."""
 
     def __init__(self, worker: Any, device: str):
+        """``worker``: the Dask worker whose scheduler relays the rendezvous (None is allowed
+        for groups of one, which need none)."""
         self.worker = worker
         self.device = torch.device(device)
         self.current: GroupContext | None = None
@@ -71,9 +74,45 @@ class ProcessGroupManager:
         self.leave()
         timeout = group_timeout()
         td = datetime.timedelta(seconds=timeout)
+        if ctx.world_size == 1:
+            # A group of one has no peer to meet: a store of its own, nothing published.
+            store = dist.TCPStore("127.0.0.1", 0, 1, True, td, wait_for_workers=False)
+        else:
+            store = self._rendezvous(ctx, timeout, td)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(ctx.key, store),
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout=td,
+                **({"device_id": self.device} if self.device.type == "cuda" else {}),
+            )
+        except RuntimeError as e:
+            raise GroupTimeout(f"process group {ctx.key} did not form: {e}") from e
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._store = store
+        self.current = ctx
+        # A mesh name unique to this group: torch interns equal meshes, and a mesh equal to an
+        # earlier group's (same shape, device, names) came back with that group's coordinate
+        # for this process, i.e. its old rank (torch 2.13; reproduced with two processes).
+        name = "plexrl_" + "".join(c if c.isalnum() else "_" for c in ctx.key)
+        self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=(name,))
+        logger.info(
+            "joined group %s as rank %d/%d (%s)", ctx.key, ctx.rank, ctx.world_size, backend
+        )
+        return self.mesh
+
+    def _rendezvous(self, ctx: GroupContext, timeout: float, td: datetime.timedelta) -> Any:
+        """The group's ``TCPStore``: rank 0 opens it and publishes its address through the
+        scheduler; the other ranks read the address and connect."""
         from distributed.comm.addressing import get_address_host
         from distributed.utils import sync
 
+        if self.worker is None:
+            raise GroupTimeout(f"group {ctx.key} of {ctx.world_size} needs a Dask worker to meet")
         host = get_address_host(self.worker.address)
         rpc = self.worker.scheduler
         if ctx.rank == 0:
@@ -103,31 +142,7 @@ class ProcessGroupManager:
                 raise GroupTimeout(
                     f"rank {ctx.rank} could not reach rank 0 at {address}: {e}"
                 ) from e
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        try:
-            dist.init_process_group(
-                backend,
-                store=dist.PrefixStore(ctx.key, store),
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                timeout=td,
-                **({"device_id": self.device} if self.device.type == "cuda" else {}),
-            )
-        except RuntimeError as e:
-            raise GroupTimeout(f"process group {ctx.key} did not form: {e}") from e
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._store = store
-        self.current = ctx
-        # A mesh name unique to this group: torch interns equal meshes, and a mesh equal to an
-        # earlier group's (same shape, device, names) came back with that group's coordinate
-        # for this process, i.e. its old rank (torch 2.13; reproduced with two processes).
-        name = "plexrl_" + "".join(c if c.isalnum() else "_" for c in ctx.key)
-        self.mesh = init_device_mesh(self.device.type, (ctx.world_size,), mesh_dim_names=(name,))
-        logger.info(
-            "joined group %s as rank %d/%d (%s)", ctx.key, ctx.rank, ctx.world_size, backend
-        )
-        return self.mesh
+        return store
 
     def leave(self) -> None:
         if self.current is None:

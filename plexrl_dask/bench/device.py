@@ -1,0 +1,243 @@
+"""The GPU checks, in one run: what the device machine is lent for (see README "Device").
+
+Everything runs in this process, on ``--device`` (``cuda`` by default; ``cpu`` runs the same
+code with gloo, which is how the tests keep this module working on machines without a GPU).
+No Dask cluster is started: the parts measured are the backends themselves, so the machine
+needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` imports.
+
+- **Budget** (``budget_fraction``): the ``"auto"`` memory budget the replica holder uses on
+  this device ÷ the device's memory (0.9 on a GPU).
+- **Offload and reload through the backend** (``offload_gbps``, ``reload_gbps``): a training
+  replica (weights, Adam moments; ``--hidden`` × ``--layers``) is offloaded to host memory and
+  reloaded with :meth:`TorchBackend.offload` / :meth:`TorchBackend.reload` (pinned host
+  buffers on CUDA), ``--reps`` times, interleaved with the baseline in the same run: one
+  ``copy_`` of the same number of bytes between the device and a pinned buffer allocated once
+  (``plain_*_gbps``), and the same with the pinned buffer allocated per copy
+  (``plain_alloc_*_gbps``: the backend allocates its host buffers per offload).
+  ``offload_ratio`` / ``reload_ratio``: the backend's GB/s ÷ the plain copy's (medians).
+  ``reload_bit_identical``: every parameter after the first round trip equals its value before.
+  On the CPU there is nothing to move (device memory is host memory): the numbers are reported
+  but say nothing about a GPU.
+- **FSDP2 on a group of one** (``fsdp_*``): the same model built twice from the same seed, one
+  sharded with ``fully_shard`` on a one-rank process group (NCCL on CUDA, gloo on the CPU;
+  :class:`~plexrl_dask.service.groups.ProcessGroupManager`), one plain, each taking
+  ``--fsdp-steps`` identical ``forward_backward`` + ``optim_step`` steps. ``fsdp_losses``
+  both runs' losses, ``fsdp_max_loss_diff`` and ``fsdp_max_weight_diff`` (after the last
+  step) how far apart they end, ``fsdp_step_time_ratio`` the sharded step's median time ÷ the
+  plain one's.
+- **Sampling** (``<job>_*``): ``bench.sampling``'s per-job measurement on this device: the
+  job's model after its supervised warm-up, a GRPO step's 128-row request decoded as one batch
+  (``to_peak_b128``) and in 64-row streams, against the replica's ``ignore_eos`` peak at its
+  best batch size, and the tail bound of the request's own completion lengths.
+
+Run: ``python -m plexrl_dask.bench.device --json OUT [--quick] [--device cpu]`` (on the H200:
+a few minutes; ``--quick`` shrinks every part).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plexrl_dask import config
+from plexrl_dask.bench.common import parser, report
+from plexrl_dask.bench.sampling import measure_job
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.rl.catalog import standard_jobs
+from plexrl_dask.service.backends import TorchBackend
+from plexrl_dask.service.backends.fsdp import FSDPBackend
+from plexrl_dask.service.groups import GroupContext, ProcessGroupManager
+from plexrl_dask.service.holder import default_budget
+from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {
+    "offload_ratio": ">= 0.8 (the backend's offload GB/s ÷ a plain pinned copy_'s, on a GPU)",
+    "reload_ratio": ">= 0.8 (the same for reload)",
+    "reload_bit_identical": "true",
+    "fsdp_max_loss_diff": "~0 (float rounding: FSDP2 on one rank computes what the plain model does)",
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the checks ran on."""
+    info: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            name=props.name,
+            memory_bytes=int(props.total_memory),
+            cuda=torch.version.cuda,
+            nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
+        )
+    return info
+
+
+def _batch(backend: TorchBackend, rows: int) -> list[Datum]:
+    texts = [(f"{i}+{i + 7}=", f"{2 * i + 7}") for i in range(rows)]
+    return [Datum.from_prompt_completion(*backend.tokenize([p, c])) for p, c in texts]
+
+
+def check_budget(device: torch.device) -> dict[str, Any]:
+    """The holder's ``"auto"`` budget on ``device`` against the device's memory."""
+    budget = default_budget(str(device))
+    out: dict[str, Any] = {"budget_bytes": budget}
+    if device.type == "cuda":
+        out["budget_fraction"] = budget / torch.cuda.get_device_properties(device).total_memory
+    return out
+
+
+def check_offload(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
+    """The backend's offload/reload against plain pinned copies of the same bytes (see the
+    module docstring), ``reps`` rounds, arms alternating."""
+    backend = TorchBackend(spec, device)
+    backend.forward_backward(_batch(backend, 8), CrossEntropy())
+    backend.optim_step(AdamWParams(lr=1e-4))  # Adam's moments exist: a training replica
+    nbytes = backend.state_bytes()
+    before = backend.get_weights()
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pinned = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("offload", "reload", "plain_offload", "plain_reload")
+    }
+    times.update(plain_alloc_offload=[], plain_alloc_reload=[])
+    identical = None
+    for r in range(reps):
+        times["offload"].append(_timed(backend.offload, device))
+        times["reload"].append(_timed(backend.reload, device))
+        if r == 0:
+            after = backend.get_weights()
+            identical = all(torch.equal(before[n], after[n]) for n in before)
+        times["plain_offload"].append(_timed(lambda: host.copy_(flat, non_blocking=True), device))
+        times["plain_reload"].append(_timed(lambda: flat.copy_(host, non_blocking=True), device))
+
+        def alloc_offload() -> None:
+            fresh = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            fresh.copy_(flat, non_blocking=True)
+
+        def alloc_reload() -> None:
+            fresh = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            flat.copy_(fresh, non_blocking=True)
+
+        times["plain_alloc_offload"].append(_timed(alloc_offload, device))
+        times["plain_alloc_reload"].append(_timed(alloc_reload, device))
+    gbps = {f"{k}_gbps": nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    return {
+        "state_bytes": nbytes,
+        **gbps,
+        "offload_ratio": gbps["offload_gbps"] / gbps["plain_offload_gbps"],
+        "reload_ratio": gbps["reload_gbps"] / gbps["plain_reload_gbps"],
+        "reload_bit_identical": identical,
+    }
+
+
+def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, Any]:
+    """FSDP2 on a one-rank group against the plain model, step by step (module docstring)."""
+    groups = ProcessGroupManager(None, str(device))
+    groups.join(GroupContext(uid="device-check", epoch=0, rank=0, world_size=1))
+    try:
+        sharded = FSDPBackend(spec, device, groups)
+        plain = TorchBackend(spec, device)
+        batch = _batch(plain, 16)
+        optim = AdamWParams(lr=1e-3)
+        losses: dict[str, list[float]] = {"fsdp": [], "plain": []}
+        seconds: dict[str, list[float]] = {"fsdp": [], "plain": []}
+        for _ in range(steps):
+            for name, backend in (("fsdp", sharded), ("plain", plain)):
+                got: dict[str, float] = {}
+
+                def step(backend: TorchBackend = backend, got: dict[str, float] = got) -> None:
+                    got.update(backend.forward_backward(batch, CrossEntropy()))
+                    backend.optim_step(optim)
+
+                seconds[name].append(_timed(step, device))
+                losses[name].append(float(got["loss"]))
+        a, b = sharded.get_weights(), plain.get_weights()
+        weight_diff = max(float((a[n] - b[n]).abs().max()) for n in b)
+    finally:
+        groups.leave()
+    return {
+        "fsdp_backend": "nccl" if device.type == "cuda" else "gloo",
+        "fsdp_losses": losses,
+        "fsdp_max_loss_diff": max(
+            abs(x - y) for x, y in zip(losses["fsdp"], losses["plain"], strict=True)
+        ),
+        "fsdp_max_weight_diff": weight_diff,
+        "fsdp_step_time_ratio": statistics.median(seconds["fsdp"][1:] or seconds["fsdp"])
+        / statistics.median(seconds["plain"][1:] or seconds["plain"]),
+    }
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (the device machine) or cpu")
+    p.add_argument("--hidden", type=int, default=None, help="offload/FSDP model width")
+    p.add_argument("--layers", type=int, default=None, help="offload/FSDP model depth")
+    p.add_argument("--reps", type=int, default=None, help="offload rounds")
+    p.add_argument("--fsdp-steps", type=int, default=None)
+    p.add_argument("--jobs", type=int, default=None, help="jobs of the mix to sample (0: none)")
+    p.add_argument("--rounds", type=int, default=None, help="sampling rounds per job")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA device (use --device cpu)")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as a PlexRL worker runs
+    big = device.type == "cuda" and not args.quick
+    hidden = args.hidden or (1024 if big else 64)
+    layers = args.layers or (12 if big else 2)
+    spec = ModelSpec.tiny(hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=4)
+    reps = args.reps or (2 if args.quick else 7)
+    steps = args.fsdp_steps or (2 if args.quick else 5)
+    jobs = standard_jobs(4)[: (1 if args.quick else 2) if args.jobs is None else args.jobs]
+    rounds = args.rounds or (2 if args.quick else 8)
+
+    results: dict[str, Any] = {}
+    results.update(check_budget(device))
+    results.update(check_offload(spec, device, reps))
+    results.update(check_fsdp(spec, device, steps))
+    batch = int(config.get("sampling.max-batch-size"))  # type: ignore[call-overload]
+    per_job: dict[str, Any] = {}
+    for job in jobs:
+        warmup = 30 if args.quick else job.warmup_steps
+        j = per_job[job.name] = measure_job(job, warmup, rounds, batch, str(device))
+        rows = job.grpo.prompts_per_step * job.grpo.group_size
+        results[f"{job.name}_peak_tokens_per_s"] = j["peak_tokens_per_s"]
+        results[f"{job.name}_to_peak_b128"] = j[f"to_peak_{rows}_b128"]
+        results[f"{job.name}_tail_bound_b128"] = j["tail_bound_b128"]
+        results[f"{job.name}_batch128_time_ratio"] = j["batch128_time_ratio"]
+    setup = {
+        **device_info(device),
+        "model": {"hidden": hidden, "layers": layers, "parameters": spec.num_parameters()},
+        "reps": reps,
+        "fsdp_steps": steps,
+        "jobs": [j.name for j in jobs],
+        "rounds": rounds,
+        "per_job": per_job,
+    }
+    report("device", results, TARGETS, setup, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The device machine's script (``bench.device``) runs end to end here, on the CPU with gloo,
+so that the one run a GPU session gets is not spent finding its bugs; and a group of one
+forms without a scheduler."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plexrl_dask.errors import GroupTimeout
+from plexrl_dask.service.groups import GroupContext, ProcessGroupManager
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_checks_run_on_the_cpu(tmp_path):
+    out = tmp_path / "device.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "plexrl_dask.bench.device", "--device", "cpu", "--quick",
+         "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    results, setup = payload["results"], payload["config"]
+    assert setup["device"] == "cpu" and setup["model"]["parameters"] > 0
+    assert results["reload_bit_identical"] is True
+    assert results["state_bytes"] > 0 and results["offload_gbps"] > 0
+    # one rank of FSDP2 over gloo computes what the plain model computes
+    assert results["fsdp_backend"] == "gloo"
+    losses = results["fsdp_losses"]
+    assert len(losses["fsdp"]) == len(losses["plain"]) == 2
+    assert results["fsdp_max_loss_diff"] <= 1e-6 and results["fsdp_max_weight_diff"] <= 1e-6
+    assert results["add2_peak_tokens_per_s"] > 0
+    assert results["add2_to_peak_b128"] > 0 and 0 < results["add2_tail_bound_b128"] <= 1
+
+
+def test_a_larger_group_needs_a_worker_to_meet():
+    groups = ProcessGroupManager(None, "cpu")
+    with pytest.raises(GroupTimeout, match="needs a Dask worker"):
+        groups.join(GroupContext(uid="u", epoch=0, rank=0, world_size=2))
+    assert groups.current is None
