@@ -88,6 +88,7 @@ class DashboardConfig:
     residency_cells: int
     jobs_shown: int
     steps_kept: int
+    curves_per_update: int = 4
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -113,6 +114,7 @@ class DashboardConfig:
                 residency_cells=int(get("dashboard.residency-cells")),
                 jobs_shown=int(get("dashboard.jobs-shown")),
                 steps_kept=int(get("dashboard.steps-kept")),
+                curves_per_update=int(get("dashboard.curves-per-update")),
             )
         except (TypeError, ValueError, KeyError) as e:
             if isinstance(e, ConfigError):

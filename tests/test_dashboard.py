@@ -399,6 +399,46 @@ async def test_jobs_page_shows_steps_rewards_and_charges(c, s):
     assert list(curves["ys"][list(curves["job"]).index("job-a")]) == [0.25, 0.75, 0.5, 0.9]
 
 
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_jobs_page_sends_a_bounded_number_of_curves_per_update(c, s):
+    """Every job steps at once: an update sends at most ``curves-per-update`` curves, those
+    longest out of date first, and the next updates send the rest without new steps."""
+    _, dash = await installed(c, s)
+    jobs = [f"job-{k}" for k in range(5)]
+    for job in jobs:
+        s.log_event(JOB_TOPIC, report(job, 0, reward_mean=0.1).to_event())
+    with dask.config.set({"plexrl.dashboard.curves-per-update": 2}):
+        page = JobsPage(s)
+    assert page.cfg.curves_per_update == 2
+    page.update()  # the jobs shown are new: every curve, once
+    shown = list(page.curves.data["job"])
+    assert sorted(shown) == jobs
+
+    def ys(job: str) -> list[float]:
+        return list(page.curves.data["ys"][shown.index(job)])
+
+    for job in jobs:
+        s.log_event(JOB_TOPIC, report(job, 1, reward_mean=0.2).to_event())
+    current = []
+    for _ in range(3):
+        before = {job: ys(job) for job in jobs}
+        page.update()
+        sent = [job for job in jobs if ys(job) != before[job]]
+        assert 1 <= len(sent) <= 2 and not set(sent) & set(current)
+        current += sent
+    assert sorted(current) == jobs and all(ys(job) == [0.1, 0.2] for job in jobs)
+    # nothing is left to send: an update without news sends nothing
+    before = {job: ys(job) for job in jobs}
+    page.update()
+    assert {job: ys(job) for job in jobs} == before
+    # the curves sent last wait longest next time
+    for job in jobs:
+        s.log_event(JOB_TOPIC, report(job, 2, reward_mean=0.3).to_event())
+    page.update()
+    first = [job for job in jobs if ys(job)[-1] == 0.3]
+    assert len(first) == 2 and not set(first) & set(current[-1:])
+
+
 @gen_cluster(
     client=True,
     nthreads=[],

@@ -228,6 +228,9 @@ class JobsPage(Page):
         self._version: Any = None
         self._reports_version: Any = None
         self._marks: dict[str, tuple] = {}  # job -> (length, last entry) of its curve as sent
+        self._sent: dict[str, int] = {}  # job -> the update that last sent its curve
+        self._updates = 0
+        self._curves_pending = False  # curves changed that no update has sent yet
         self.source = ColumnDataSource({c: [] for c in self.FIELDS}, name="plexrl-jobs-table")
         self.curves = ColumnDataSource(
             {c: [] for c in ("job", "xs", "ys", "color")}, name="plexrl-jobs-rewards"
@@ -290,9 +293,10 @@ class JobsPage(Page):
             len(plugin.plexrl.job_counters),
             sum(int(c.get("dispatched", 0)) for c in plugin.plexrl.job_counters.values()),
         )
-        redraw_curves = ledger.reports_version != self._reports_version
+        redraw_curves = ledger.reports_version != self._reports_version or self._curves_pending
         if version == self._version and not redraw_curves:
             return
+        self._updates += 1
         self._version = version
         view = plugin.jobs_view(with_history=False)
         # rows in the order the dashboard first saw the jobs (their colours' order), so a row
@@ -322,11 +326,13 @@ class JobsPage(Page):
         fit_table(self.table, len(jobs), 20)
         if redraw_curves:
             self._reports_version = ledger.reports_version
-            self._draw_curves(plugin, [j["job"] for j in jobs])
+            self._curves_pending = not self._draw_curves(plugin, [j["job"] for j in jobs])
 
-    def _draw_curves(self, plugin: PlexRLDashboardPlugin, jobs: list[str]) -> None:
+    def _draw_curves(self, plugin: PlexRLDashboardPlugin, jobs: list[str]) -> bool:
         """The reward curves of ``jobs``: only the curves whose history changed are sent (a
-        patch), unless the jobs shown changed (then all)."""
+        patch), at most ``plexrl.dashboard.curves-per-update`` of them, those longest out of
+        date first, unless the jobs shown changed (then all, once). Returns whether every
+        curve shown is now current (else the next update sends more)."""
         history = plugin.ledger.history
         marks = {}
         for job in jobs:
@@ -335,12 +341,24 @@ class JobsPage(Page):
                 marks[job] = (len(hist), hist[-1])
         shown = list(marks)
         changed = [i for i, job in enumerate(shown) if self._marks.get(job) != marks[job]]
-        self._marks = marks
         if not changed:
-            return
+            return True
         redraw = list(self.curves.data["job"]) != shown
         if redraw:
             changed = list(range(len(shown)))
+            self._marks = marks
+        else:
+            # bounded work per update: a curve is a few hundred numbers, and every job may
+            # have stepped since the last update
+            changed.sort(key=lambda i: self._sent.get(shown[i], -1))
+            changed = sorted(changed[: self.cfg.curves_per_update])
+            self._marks = {job: self._marks[job] for job in shown if job in self._marks}
+            for i in changed:
+                self._marks[shown[i]] = marks[shown[i]]
+        self._sent = {job: self._sent[job] for job in shown if job in self._sent}
+        for i in changed:
+            self._sent[shown[i]] = self._updates
+        pending = any(self._marks.get(job) != marks[job] for job in shown)
         xs, ys = [], []
         for i in changed:  # lists, not arrays: an array is a binary buffer (an id) of its own
             hist = _thin(history[shown[i]])
@@ -360,6 +378,7 @@ class JobsPage(Page):
                     "ys": list(zip(changed, ys, strict=True)),
                 }
             )
+        return not pending
 
 
 def _thin(history: Any, points: int = 200) -> list:
