@@ -1,6 +1,6 @@
 """The device machine's script (``bench.device``) runs end to end here, on the CPU with gloo,
-so that the one run a GPU session gets is not spent finding its bugs; and a group of one
-forms without a scheduler."""
+so that the one run a GPU session gets is not spent finding its bugs; a group of one forms
+without a scheduler; NCCL gets a device with an index."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from plexrl_dask.errors import GroupTimeout
-from plexrl_dask.service.groups import GroupContext, ProcessGroupManager
+from plexrl_dask.service.groups import GroupContext, ProcessGroupManager, indexed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,8 @@ def test_device_checks_run_on_the_cpu(tmp_path):
     # one rank of FSDP2 over gloo computes what the plain model computes
     assert results["fsdp_backend"] == "gloo"
     losses = results["fsdp_losses"]
-    assert len(losses["fsdp"]) == len(losses["plain"]) == 2
+    assert len(losses["fsdp"]) == len(losses["plain"]) == 3  # 2 steps, offload, rebuild, 1
+    assert results["fsdp_rebuilt_bit_identical"] is True
     assert results["fsdp_max_loss_diff"] <= 1e-6 and results["fsdp_max_weight_diff"] <= 1e-6
     assert results["add2_peak_tokens_per_s"] > 0
     assert results["add2_to_peak_b128"] > 0 and 0 < results["add2_tail_bound_b128"] <= 1
@@ -47,3 +49,10 @@ def test_a_larger_group_needs_a_worker_to_meet():
     with pytest.raises(GroupTimeout, match="needs a Dask worker"):
         groups.join(GroupContext(uid="u", epoch=0, rank=0, world_size=2))
     assert groups.current is None
+
+
+def test_an_nccl_device_id_carries_an_index():
+    assert indexed(torch.device("cpu")) == torch.device("cpu")
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)  # no CUDA call needed
+    if torch.cuda.is_available():
+        assert indexed(torch.device("cuda")).index == torch.cuda.current_device()

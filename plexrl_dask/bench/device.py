@@ -24,7 +24,9 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
   ``--fsdp-steps`` identical ``forward_backward`` + ``optim_step`` steps. ``fsdp_losses``
   both runs' losses, ``fsdp_max_loss_diff`` and ``fsdp_max_weight_diff`` (after the last
   step) how far apart they end, ``fsdp_step_time_ratio`` the sharded step's median time ÷ the
-  plain one's.
+  plain one's. Then the sharded rank is offloaded and rebuilt on its group, as the holder does
+  between requests: ``fsdp_rebuilt_bit_identical``, and one more step of both (its loss is
+  the last of ``fsdp_losses``).
 - **Sampling** (``<job>_*``): ``bench.sampling``'s per-job measurement on this device: the
   job's model after its supervised warm-up, a GRPO step's 128-row request decoded as one batch
   (``to_peak_b128``) and in 64-row streams, against the replica's ``ignore_eos`` peak at its
@@ -62,6 +64,7 @@ TARGETS = {
     "reload_ratio": ">= 0.8 (the same for reload)",
     "reload_bit_identical": "true",
     "fsdp_max_loss_diff": "~0 (float rounding: FSDP2 on one rank computes what the plain model does)",
+    "fsdp_rebuilt_bit_identical": "true",
 }
 
 
@@ -78,6 +81,11 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def _version(v: Any) -> str:
+    # a tuple in recent torch, one packed int before
+    return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+
+
 def device_info(device: torch.device) -> dict[str, Any]:
     """What the checks ran on."""
     info: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
@@ -87,7 +95,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
             name=props.name,
             memory_bytes=int(props.total_memory),
             cuda=torch.version.cuda,
-            nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
+            nccl=_version(torch.cuda.nccl.version()),
         )
     return info
 
@@ -162,7 +170,8 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
         optim = AdamWParams(lr=1e-3)
         losses: dict[str, list[float]] = {"fsdp": [], "plain": []}
         seconds: dict[str, list[float]] = {"fsdp": [], "plain": []}
-        for _ in range(steps):
+
+        def both() -> None:
             for name, backend in (("fsdp", sharded), ("plain", plain)):
                 got: dict[str, float] = {}
 
@@ -172,8 +181,18 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
 
                 seconds[name].append(_timed(step, device))
                 losses[name].append(float(got["loss"]))
+
+        for _ in range(steps):
+            both()
         a, b = sharded.get_weights(), plain.get_weights()
         weight_diff = max(float((a[n] - b[n]).abs().max()) for n in b)
+        # The rank's offload (pinned host shards on CUDA) and its rebuild on the group, as
+        # the holder does between requests; then one more step of both.
+        sharded.offload()
+        sharded = sharded.rebuilt(groups)
+        back = sharded.get_weights()
+        rebuilt_identical = all(torch.equal(a[n], back[n]) for n in a)
+        both()
     finally:
         groups.leave()
     return {
@@ -183,6 +202,7 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
             abs(x - y) for x, y in zip(losses["fsdp"], losses["plain"], strict=True)
         ),
         "fsdp_max_weight_diff": weight_diff,
+        "fsdp_rebuilt_bit_identical": rebuilt_identical,
         "fsdp_step_time_ratio": statistics.median(seconds["fsdp"][1:] or seconds["fsdp"])
         / statistics.median(seconds["plain"][1:] or seconds["plain"]),
     }

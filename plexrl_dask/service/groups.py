@@ -44,6 +44,14 @@ class GroupContext:
         return f"{self.uid}:{self.epoch}"
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: an accelerator without one (``"cuda"``) is the current one.
+    ``init_process_group`` binds NCCL to a ``device_id`` and refuses one without an index."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.device(device.type, torch.cuda.current_device())
+
+
 def group_timeout() -> float:
     return config.get_seconds("group.timeout")
 
@@ -87,7 +95,7 @@ class ProcessGroupManager:
                 rank=ctx.rank,
                 world_size=ctx.world_size,
                 timeout=td,
-                **({"device_id": self.device} if self.device.type == "cuda" else {}),
+                **({"device_id": indexed(self.device)} if self.device.type == "cuda" else {}),
             )
         except RuntimeError as e:
             raise GroupTimeout(f"process group {ctx.key} did not form: {e}") from e
