@@ -1,4 +1,4 @@
-"""The GPU checks, in one run: what the device machine is lent for (see README "Device").
+"""The GPU checks, in one run: what the device machine is lent for (README "The GPU checks").
 
 Everything runs in this process, on ``--device`` (``cuda`` by default; ``cpu`` runs the same
 code with gloo, which is how the tests keep this module working on machines without a GPU).
@@ -125,10 +125,9 @@ def check_offload(spec: ModelSpec, device: torch.device, reps: int) -> dict[str,
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     pinned = device.type == "cuda"
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    times: dict[str, list[float]] = {
-        k: [] for k in ("offload", "reload", "plain_offload", "plain_reload")
-    }
-    times.update(plain_alloc_offload=[], plain_alloc_reload=[])
+    arms = ["offload", "reload"]
+    arms += [f"plain{kind}_{way}" for kind in ("", "_alloc") for way in ("offload", "reload")]
+    times: dict[str, list[float]] = {k: [] for k in arms}
     identical = None
     for r in range(reps):
         times["offload"].append(_timed(backend.offload, device))
