@@ -400,6 +400,22 @@ async def test_jobs_page_shows_steps_rewards_and_charges(c, s):
 
 
 @gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_jobs_page_drops_the_curve_of_a_job_no_longer_shown(c, s):
+    """A job pushed off the page by another job's requests (no new step anywhere) takes its
+    curve with it."""
+    _, dash = await installed(c, s)
+    s.log_event(JOB_TOPIC, report("job-a", 0, reward_mean=0.5).to_event())
+    dash.cfg = dataclasses.replace(dash.cfg, jobs_shown=1)
+    page = JobsPage(s)
+    page.update()
+    assert list(page.curves.data["job"]) == ["job-a"]
+    dash.add_spans([RequestSpan("w1", "b-policy", "job-b", "sample", 30.0, 30.0, 31.0)])
+    page.update()
+    assert page.source.data["job"] == ["job-b"]
+    assert list(page.curves.data["job"]) == []
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
 async def test_jobs_page_sends_a_bounded_number_of_curves_per_update(c, s):
     """Every job steps at once: an update sends at most ``curves-per-update`` curves, those
     longest out of date first, and the next updates send the rest without new steps."""

@@ -324,9 +324,9 @@ class JobsPage(Page):
             key="job",
         )
         fit_table(self.table, len(jobs), 20)
-        if redraw_curves:
-            self._reports_version = ledger.reports_version
-            self._curves_pending = not self._draw_curves(plugin, [j["job"] for j in jobs])
+        # (also without a new step: the jobs shown change with other activity)
+        self._reports_version = ledger.reports_version
+        self._curves_pending = not self._draw_curves(plugin, [j["job"] for j in jobs])
 
     def _draw_curves(self, plugin: PlexRLDashboardPlugin, jobs: list[str]) -> bool:
         """The reward curves of ``jobs``: only the curves whose history changed are sent (a
@@ -341,9 +341,9 @@ class JobsPage(Page):
                 marks[job] = (len(hist), hist[-1])
         shown = list(marks)
         changed = [i for i, job in enumerate(shown) if self._marks.get(job) != marks[job]]
-        if not changed:
-            return True
         redraw = list(self.curves.data["job"]) != shown
+        if not changed and not redraw:
+            return True
         if redraw:
             changed = list(range(len(shown)))
             self._marks = marks
