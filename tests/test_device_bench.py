@@ -39,6 +39,7 @@ def test_device_checks_run_on_the_cpu(tmp_path):
     losses = results["fsdp_losses"]
     assert len(losses["fsdp"]) == len(losses["plain"]) == 3  # 2 steps, offload, rebuild, 1
     assert results["fsdp_rebuilt_bit_identical"] is True
+    assert results["fsdp_offload_released"] is True  # nothing kept the offloaded module alive
     assert results["fsdp_max_loss_diff"] <= 1e-6 and results["fsdp_max_weight_diff"] <= 1e-6
     assert results["add2_peak_tokens_per_s"] > 0
     assert results["add2_to_peak_b128"] > 0 and 0 < results["add2_tail_bound_b128"] <= 1

@@ -250,3 +250,70 @@ def test_the_tail_bound_is_one_without_a_fixed_step_cost_and_counts_the_tail_wit
     # Between measured sizes the cost is linear: 6 rows cost what 4 and 8 rows cost, halfway.
     assert tail_bound([[2] * 6], fixed) == pytest.approx(6 / 4.0 / (8 / 5))
     assert math.isnan(tail_bound([[1] * 8], fixed))  # every row ended at its first token
+
+
+def test_the_benchmark_reports_the_modes_that_fit_no_layout_as_not_run(tmp_path):
+    """On one worker (a machine with one GPU) split and split-async have no layout: the
+    benchmark's summary reports them as not run, with None for what they would have given,
+    and still compares the multiplexed pool with the colocated jobs."""
+    from types import SimpleNamespace
+
+    from plexrl_dask.bench.multiplex import modes_not_run, summarise
+    from plexrl_dask.rl.grpo import StepRecord
+    from plexrl_dask.rl.modes import ModeRun
+
+    assert set(modes_not_run(1)) == {"split", "split-async"}
+    assert modes_not_run(2) == {}
+
+    def records(job):
+        return [
+            StepRecord(job, k, 0.1 * k, 1.0, 2, 40, [3, 5], 0.5 - 0.1 * k, 1.0, k + 1, k, 1.0)
+            for k in range(2)
+        ]
+
+    colocated = ModeLedger(
+        "colocated",
+        (window("a", ["w1"], 0, 4, rollout=["w1"], sampler="a-policy"),),
+        (span("w1", "a-policy", "sample", 0, 2), span("w1", "a-policy", "forward_backward", 2, 4)),
+        0,
+        4,
+        peak_tokens_per_s={"a": 100.0},
+    )
+    pooled = ModeLedger(
+        "multiplexed",
+        (window("a", [], 0, 3, rollout=["w1"], sampler="a-policy"),),
+        (span("w1", "a-policy", "sample", 0, 1), span("w1", "a-policy", "forward_backward", 1, 3)),
+        0,
+        3,
+        pool=("w1",),
+        peak_tokens_per_s={"a": 100.0},
+    )
+    runs = [
+        ModeRun(Layout("colocated", 1, 0), {"a": records("a")}, colocated),
+        ModeRun(Layout("multiplexed", 1, 0), {"a": records("a")}, pooled),
+    ]
+    job = SimpleNamespace(name="a", describe=lambda: {"name": "a"})
+    peaks = {"a": {8: 100.0}}
+    layout_peaks = {r.layout.label: {"before": peaks, "after": peaks} for r in runs}
+    results, _ = summarise(
+        runs,
+        [job],
+        {"a": 100.0},
+        peaks,
+        layout_peaks,
+        str(tmp_path / "p.png"),
+        {},
+        modes_not_run(1),
+    )
+    assert results["cost_ratio_vs_colocated"] == pytest.approx(3 / 4)
+    assert results["cost_ratio_vs_split"] is None and results["cost_ratio_vs_split_async"] is None
+    assert results["throughput_to_peak_split"] is None
+    assert results["split_async_final_mean_reward"] is None
+    assert results["idle_fraction"]["split"] is None
+    assert results["best_layout"]["split-async"] is None
+    assert set(results["modes_not_run"]) == {"split", "split-async"}
+    assert results["throughput_to_peak"] == pytest.approx(100 / (1 * 100))
+    assert results["reward_trajectories_identical"] is True
+    assert (tmp_path / "p.png").exists()
+    with pytest.raises(ValueError, match="colocated"):
+        summarise(runs[1:], [job], {"a": 100.0}, peaks, layout_peaks, str(tmp_path / "q.png"))

@@ -25,8 +25,10 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
   both runs' losses, ``fsdp_max_loss_diff`` and ``fsdp_max_weight_diff`` (after the last
   step) how far apart they end, ``fsdp_step_time_ratio`` the sharded step's median time ÷ the
   plain one's. Then the sharded rank is offloaded and rebuilt on its group, as the holder does
-  between requests: ``fsdp_rebuilt_bit_identical``, and one more step of both (its loss is
-  the last of ``fsdp_losses``).
+  between requests: ``fsdp_offload_released`` (the offload let go of every parameter of the
+  module, its gradients and moments with them; ``fsdp_offload_freed_bytes``: the device
+  memory that freed, on CUDA), ``fsdp_rebuilt_bit_identical``, and one more step of both (its
+  loss is the last of ``fsdp_losses``).
 - **Sampling** (``<job>_*``): ``bench.sampling``'s per-job measurement on this device: the
   job's model after its supervised warm-up, a GRPO step's 128-row request decoded as one batch
   (``to_peak_b128``) and in 64-row streams, against the replica's ``ignore_eos`` peak at its
@@ -38,9 +40,11 @@ a few minutes; ``--quick`` shrinks every part).
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +69,7 @@ TARGETS = {
     "reload_bit_identical": "true",
     "fsdp_max_loss_diff": "~0 (float rounding: FSDP2 on one rank computes what the plain model does)",
     "fsdp_rebuilt_bit_identical": "true",
+    "fsdp_offload_released": "true",
 }
 
 
@@ -79,6 +84,11 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - t0
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes the caching allocator has handed out on ``device`` (0 off CUDA)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def _version(v: Any) -> str:
@@ -186,8 +196,14 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
         a, b = sharded.get_weights(), plain.get_weights()
         weight_diff = max(float((a[n] - b[n]).abs().max()) for n in b)
         # The rank's offload (pinned host shards on CUDA) and its rebuild on the group, as
-        # the holder does between requests; then one more step of both.
+        # the holder does between requests; then one more step of both. The offload must
+        # free the module's parameters, gradients and moments: nothing else may hold them.
+        held = [weakref.ref(p) for p in sharded.model.parameters()]
+        allocated = _allocated(device)
         sharded.offload()
+        gc.collect()
+        released = not any(r() is not None for r in held)
+        freed = allocated - _allocated(device)
         sharded = sharded.rebuilt(groups)
         back = sharded.get_weights()
         rebuilt_identical = all(torch.equal(a[n], back[n]) for n in a)
@@ -202,6 +218,8 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
         ),
         "fsdp_max_weight_diff": weight_diff,
         "fsdp_rebuilt_bit_identical": rebuilt_identical,
+        "fsdp_offload_released": released,
+        "fsdp_offload_freed_bytes": freed if device.type == "cuda" else None,
         "fsdp_step_time_ratio": statistics.median(seconds["fsdp"][1:] or seconds["fsdp"])
         / statistics.median(seconds["plain"][1:] or seconds["plain"]),
     }

@@ -33,6 +33,12 @@ standard errors of independent samples (``split_async_within_two_se``), and seed
 degrees of freedom: one job's standard error read 0.0017 with three seeds and 0.0098 with
 five, in runs of the same code on the same machine.
 
+A mode none of whose layouts fits ``--workers`` is not run: on one worker (a machine with one
+GPU, where ``--workers`` defaults to the GPUs and may not exceed them) split and split-async
+need a second one. ``modes_not_run`` names them, and every result that needs them
+(``cost_ratio_vs_split_async``, ``cost_ratio_vs_split``, their to-peaks, idle fractions and
+rewards) is None.
+
 Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (8-20 minutes on
 2 cores as the machine's speed varies, 2-8 of them warm-up; ``--quick``: a quarter of the
 warm-up and GRPO steps).
@@ -44,6 +50,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -87,7 +94,12 @@ TARGETS = {
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=4, help="jobs of the standard mix (1-5)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="at most the cores")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="at most the cores, and the GPUs where CUDA is visible (default: as many)",
+    )
     p.add_argument(
         "--png", default=None, help="PNG of the best multiplexed run (default: beside --json)"
     )
@@ -109,9 +121,17 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     console = Console()
+    if args.workers is None:
+        args.workers = _visible_gpus() or os.cpu_count() or 1
     if args.workers > (os.cpu_count() or 1):
         raise SystemExit(
             f"--workers {args.workers} > {os.cpu_count()} cores: idle workers would lend cores"
+        )
+    gpus = _visible_gpus()
+    if gpus and args.workers > gpus:
+        raise SystemExit(
+            f"--workers {args.workers} > {gpus} GPUs: workers would share a GPU (on a GPU "
+            f"machine every worker is one GPU)"
         )
     if args.seeds == 1:
         raise SystemExit("--seeds: 0 (skip the comparison) or at least 2 (a standard error)")
@@ -120,6 +140,9 @@ def main() -> None:
     specs = [replace(j, grpo=replace(j.grpo, steps=steps)) for j in standard_jobs(args.jobs, scale)]
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else "multiplex.png")
 
+    not_run = modes_not_run(args.workers)
+    for mode, why in not_run.items():
+        console.print(f"{mode}: not run ({why})")
     settings = {"plexrl.worker.memory-budget": args.memory_budget}
     with (
         dask.config.set(settings),
@@ -187,7 +210,9 @@ def main() -> None:
             for i, r in enumerate(runs)
         ]
         # Written now and again at the end: the comparison below is long.
-        results, config = summarise(runs, specs, peaks, peak_detail, layout_peaks, png, peak_shares)
+        results, config = summarise(
+            runs, specs, peaks, peak_detail, layout_peaks, png, peak_shares, not_run
+        )
         config.update(
             workers=args.workers,
             quick=args.quick,
@@ -290,11 +315,14 @@ def summarise(
     layout_peaks: dict[str, dict[str, dict[int, float]]],
     png: str,
     peak_shares: dict[str, float | None] | None = None,
+    not_run: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The benchmark's results from its runs (best layout per mode; see the module docs).
     ``peaks``/``peak_detail``: measured at the start of the run; ``layout_peaks``: right
     before and right after each layout (its ledger's peaks are :func:`bracketed` from
-    them); ``peak_shares``: per layout, the CPU share of the peak requests around it."""
+    them); ``peak_shares``: per layout, the CPU share of the peak requests around it;
+    ``not_run``: the modes no layout of which fitted, with why (their results are None).
+    The multiplexed mode and the colocated one fit any worker count and must have run."""
     peak_shares = peak_shares or {}
     best = {
         mode: min(
@@ -302,8 +330,16 @@ def summarise(
             key=lambda r: r.ledger.reserved_worker_seconds(),
         )
         for mode in MODES
+        if any(r.layout.mode == mode for r in runs)
     }
+    for needed in ("multiplexed", "colocated"):
+        if needed not in best:
+            raise ValueError(f"no {needed} layout among the runs")
     mux = best["multiplexed"]
+
+    def of_best(mode: str, what: Callable[[ModeRun], Any]) -> Any:
+        return what(best[mode]) if mode in best else None
+
     synchronous = [r for r in runs if r.layout.mode != "split-async"]
     identical = all(
         r.trajectory(s.name) == synchronous[0].trajectory(s.name)
@@ -313,8 +349,10 @@ def summarise(
     lengths = [n for recs in mux.records.values() for rec in recs for n in rec.completion_lengths]
     plot_run(mux.records, mux.ledger, png, title=f"{mux.layout.label}: reward per step")
     results: dict[str, Any] = {
-        "cost_ratio_vs_split_async": cost_ratio(mux.ledger, best["split-async"].ledger),
-        "cost_ratio_vs_split": cost_ratio(mux.ledger, best["split"].ledger),
+        "cost_ratio_vs_split_async": of_best(
+            "split-async", lambda r: cost_ratio(mux.ledger, r.ledger)
+        ),
+        "cost_ratio_vs_split": of_best("split", lambda r: cost_ratio(mux.ledger, r.ledger)),
         "cost_ratio_vs_colocated": cost_ratio(mux.ledger, best["colocated"].ledger),
         "throughput_to_peak": mux.ledger.throughput_to_peak(),
         "colocated_throughput_to_peak": best["colocated"].ledger.throughput_to_peak(),
@@ -335,15 +373,19 @@ def summarise(
         "reward_trajectories_identical": identical,
         "final_mean_reward": {s.name: reward_start_end(mux.records[s.name])[1] for s in specs},
         "start_mean_reward": {s.name: reward_start_end(mux.records[s.name])[0] for s in specs},
-        "split_async_final_mean_reward": {
-            s.name: reward_start_end(best["split-async"].records[s.name])[1] for s in specs
+        "split_async_final_mean_reward": of_best(
+            "split-async",
+            lambda r: {s.name: reward_start_end(r.records[s.name])[1] for s in specs},
+        ),
+        "idle_fraction": {
+            mode: of_best(mode, lambda r: r.ledger.idle_fraction()) for mode in MODES
         },
-        "idle_fraction": {mode: best[mode].ledger.idle_fraction() for mode in MODES},
         "generation_length_p50": percentile(lengths, 0.50),
         "generation_length_p90": percentile(lengths, 0.90),
         "generation_length_p99": percentile(lengths, 0.99),
         "generation_length_max": max(lengths),
-        "best_layout": {mode: best[mode].layout.label for mode in MODES},
+        "best_layout": {mode: of_best(mode, lambda r: r.layout.label) for mode in MODES},
+        "modes_not_run": dict(not_run or {}),
         "layouts": [
             {
                 "layout": r.layout.label,
@@ -360,13 +402,35 @@ def summarise(
         "png": png,
     }
     for mode in ISOLATED_MODES:
-        results[f"throughput_to_peak_{mode}"] = best[mode].ledger.throughput_to_peak()
+        results[f"throughput_to_peak_{mode}"] = of_best(
+            mode, lambda r: r.ledger.throughput_to_peak()
+        )
     config = {
         "jobs": [s.describe() for s in specs],
         "peak_tokens_per_s": peaks,
         "peak_by_batch_size": peak_detail,
     }
     return results, config
+
+
+def modes_not_run(workers: int) -> dict[str, str]:
+    """The modes of which no layout fits ``workers`` workers, with why (split and split-async
+    need a rollout worker beside the training one)."""
+    return {
+        mode: f"every layout of it needs more than {workers} worker(s)"
+        for mode in MODES
+        if not layouts(mode, workers)
+    }
+
+
+def _visible_gpus() -> int:
+    """CUDA devices this process sees (0 without CUDA): the workers' devices, since
+    ``plexrl.worker.device`` "auto" puts every worker on the GPU where there is one."""
+    import torch
+
+    if str(dask.config.get("plexrl.worker.device")) == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
 
 
 def _mean_share(a: float | None, b: float | None) -> float | None:

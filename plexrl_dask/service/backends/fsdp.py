@@ -49,6 +49,9 @@ class FSDPBackend(TorchBackend):
         max_batch_size: int = 64,
     ):
         super().__init__(spec, device, max_batch_size)
+        # A sharded rank never samples (see sample): a decode step would only keep the
+        # module, and with it every shard and gradient, alive after an offload.
+        self.decode_step = None
         assert groups.current is not None and groups.mesh is not None
         self.groups = groups
         self.mesh = groups.mesh
