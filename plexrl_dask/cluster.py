@@ -21,7 +21,7 @@ from typing import Any
 
 import dask.config
 from dask.utils import parse_bytes
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
 
 from plexrl_dask import config
 
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 PRELOAD = "plexrl_dask.plugins"
 TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRIM_ENV_KEY = f"distributed.nanny.pre-spawn-environ.{TRIM_ENV}"
+CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def local_cluster(
@@ -73,6 +74,8 @@ def local_cluster(
             kwargs.pop("config", None) or {},
             {"plexrl": {"state": tiers}},
         )
+    if processes:
+        kwargs.setdefault("worker_class", PlexRLNanny)
     with dask.config.set({TRIM_ENV_KEY: None}):
         return PlexRLLocalCluster(
             tiers,
@@ -102,6 +105,42 @@ class PlexRLLocalCluster(LocalCluster):
         finally:
             if self.plexrl_state:
                 _remove_tiers(self.plexrl_state)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand to local workers: the entries of its own
+    ``CUDA_VISIBLE_DEVICES`` when set, else every device CUDA reports; none when
+    ``plexrl.worker.device`` is "cpu" or there is no CUDA."""
+    if str(config.get("worker.device")) == "cpu":
+        return []
+    listed = os.environ.get(CUDA_ENV)
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+class PlexRLNanny(Nanny):
+    """The nanny of a local PlexRL worker: on a node with more than one GPU, its worker sees
+    one of them, chosen by the worker's name (``local_cluster`` names them 0, 1, ...), through
+    ``CUDA_VISIBLE_DEVICES``.
+
+    Every worker holds one unit of the GPU resource and puts its replicas on the device it
+    calls "cuda", so without this every worker of the node would share GPU 0 (and an NCCL
+    group of two of them would hold one GPU twice). Hiding the others, as one process per GPU
+    is launched elsewhere, also keeps FSDP2 and the object collectives, which use the
+    current device, on the worker's GPU. A name past the GPU count wraps around (scaling a
+    cluster beyond its GPUs shares them); an explicit ``env={"CUDA_VISIBLE_DEVICES": ...}``
+    is left as given."""
+
+    def __init__(self, *args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> None:
+        gpus = visible_gpus()
+        name = kwargs.get("name")
+        if len(gpus) > 1 and isinstance(name, int) and CUDA_ENV not in (env or {}):
+            env = {**(env or {}), CUDA_ENV: gpus[name % len(gpus)]}
+            logger.info("local worker %s gets GPU %s of %s", name, env[CUDA_ENV], gpus)
+        super().__init__(*args, env=env, **kwargs)
 
 
 def _private_tiers() -> dict[str, str]:

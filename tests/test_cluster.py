@@ -1,0 +1,49 @@
+"""``local_cluster``'s workers on a node with several GPUs: one GPU each, by worker name.
+
+No GPU exists here: the node's GPU list is given (``visible_gpus`` is what the nannies ask),
+and the real worker processes show the ``CUDA_VISIBLE_DEVICES`` they were started with."""
+
+from __future__ import annotations
+
+import os
+
+import dask
+from distributed import Client
+
+import plexrl_dask as plexrl
+from plexrl_dask import cluster
+
+
+def _cuda_env() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")  # in the worker's process
+
+
+def test_the_gpus_a_node_offers_follow_its_own_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 7")
+    assert cluster.visible_gpus() == ["2", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cluster.visible_gpus() == []  # CUDA's own meaning: no GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with dask.config.set({"plexrl.worker.device": "cpu"}):
+        assert cluster.visible_gpus() == []  # CPU workers get no GPU
+
+
+def test_each_local_worker_sees_one_gpu_of_the_node(monkeypatch):
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: ["3", "5"])
+    with (
+        plexrl.local_cluster(n_workers=2) as c,
+        Client(c, set_as_default=False) as client,
+    ):
+        seen = client.run(_cuda_env)
+        names = {w["id"]: a for a, w in client.scheduler_info()["workers"].items()}
+        assert (seen[names[0]], seen[names[1]]) == ("3", "5")
+
+
+def test_one_gpu_or_an_explicit_choice_is_left_alone(monkeypatch):
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: ["0"])
+    with (
+        plexrl.local_cluster(n_workers=1) as c,
+        Client(c, set_as_default=False) as client,
+    ):
+        seen = client.run(_cuda_env)
+        assert list(seen.values()) == [os.environ.get("CUDA_VISIBLE_DEVICES")]
