@@ -57,3 +57,16 @@ def test_an_nccl_device_id_carries_an_index():
     assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)  # no CUDA call needed
     if torch.cuda.is_available():
         assert indexed(torch.device("cuda")).index == torch.cuda.current_device()
+
+
+def test_a_sharded_rank_refuses_a_cuda_device_other_than_the_current_one():
+    from plexrl_dask.errors import ConfigError
+    from plexrl_dask.service.backends.fsdp import check_device
+
+    def current() -> int:
+        return 0
+
+    for ok in (torch.device("cpu"), torch.device("cuda"), torch.device("cuda", 0)):
+        check_device(ok, current)  # no CUDA call: the current device is given
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        check_device(torch.device("cuda", 1), current)

@@ -24,18 +24,32 @@ every rank materialises the full model once while building it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service.backends.torch_backend import TorchBackend
 from plexrl_dask.service.checkpoint import local_shard
 from plexrl_dask.service.groups import ProcessGroupManager
 
 logger = logging.getLogger(__name__)
+
+
+def check_device(device: torch.device, current: Callable[[], int]) -> None:
+    """Raise :class:`ConfigError` for a CUDA device other than the thread's current one
+    (``current()``): FSDP2 puts the shards on the current device whatever the module's
+    device, so the shards and the inputs would end up on different GPUs. One worker per GPU
+    (``CUDA_VISIBLE_DEVICES``; ``local_cluster`` does this) keeps every rank on "cuda"."""
+    if device.type == "cuda" and device.index is not None and device.index != current():
+        raise ConfigError(
+            f"a sharded deployment runs on the current CUDA device ({current()}), not on "
+            f"{device}: give each worker one GPU through CUDA_VISIBLE_DEVICES and use 'cuda'"
+        )
 
 
 class FSDPBackend(TorchBackend):
@@ -48,6 +62,7 @@ class FSDPBackend(TorchBackend):
         groups: ProcessGroupManager,
         max_batch_size: int = 64,
     ):
+        check_device(torch.device(device), torch.cuda.current_device)
         super().__init__(spec, device, max_batch_size)
         # A sharded rank never samples (see sample): a decode step would only keep the
         # module, and with it every shard and gradient, alive after an offload.
