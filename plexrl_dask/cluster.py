@@ -110,15 +110,16 @@ class PlexRLLocalCluster(LocalCluster):
 def visible_gpus() -> list[str]:
     """The GPUs this process may hand to local workers: the entries of its own
     ``CUDA_VISIBLE_DEVICES`` when set, else every device CUDA reports; none when
-    ``plexrl.worker.device`` is "cpu" or there is no CUDA."""
-    if str(config.get("worker.device")) == "cpu":
+    ``plexrl.worker.device`` is "cpu" or torch has no CUDA (the workers then run on the CPU,
+    whatever the variable says)."""
+    import torch
+
+    if str(config.get("worker.device")) == "cpu" or not torch.cuda.is_available():
         return []
     listed = os.environ.get(CUDA_ENV)
     if listed is not None:
         return [d.strip() for d in listed.split(",") if d.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 class PlexRLNanny(Nanny):

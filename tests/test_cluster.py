@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import dask
+import torch
 from distributed import Client
 
 import plexrl_dask as plexrl
@@ -20,6 +21,9 @@ def _cuda_env() -> str | None:
 
 def test_the_gpus_a_node_offers_follow_its_own_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 7")
+    if not torch.cuda.is_available():
+        assert cluster.visible_gpus() == []  # workers run on the CPU whatever it says
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cluster.visible_gpus() == ["2", "7"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert cluster.visible_gpus() == []  # CUDA's own meaning: no GPU

@@ -61,6 +61,7 @@ from rich.console import Console
 
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
+from plexrl_dask.cluster import visible_gpus
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.ledger import (
     ISOLATED_MODES,
@@ -122,12 +123,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     console = Console()
     if args.workers is None:
-        args.workers = _visible_gpus() or os.cpu_count() or 1
+        args.workers = len(visible_gpus()) or os.cpu_count() or 1
     if args.workers > (os.cpu_count() or 1):
         raise SystemExit(
             f"--workers {args.workers} > {os.cpu_count()} cores: idle workers would lend cores"
         )
-    gpus = _visible_gpus()
+    gpus = len(visible_gpus())
     if gpus and args.workers > gpus:
         raise SystemExit(
             f"--workers {args.workers} > {gpus} GPUs: workers would share a GPU (on a GPU "
@@ -421,16 +422,6 @@ def modes_not_run(workers: int) -> dict[str, str]:
         for mode in MODES
         if not layouts(mode, workers)
     }
-
-
-def _visible_gpus() -> int:
-    """CUDA devices this process sees (0 without CUDA): the workers' devices, since
-    ``plexrl.worker.device`` "auto" puts every worker on the GPU where there is one."""
-    import torch
-
-    if str(dask.config.get("plexrl.worker.device")) == "cpu" or not torch.cuda.is_available():
-        return 0
-    return torch.cuda.device_count()
 
 
 def _mean_share(a: float | None, b: float | None) -> float | None:
