@@ -797,11 +797,17 @@ def test_holders_of_one_node_store_one_copy_and_skip_unchanged_rewrites(tiers):
     assert dram["dedup_saved_bytes"] >= nbytes
     assert h1.counters["stash_writes"] == h2.counters["stash_writes"] == 1
 
-    # An unchanged replica (forward only) offloaded again reuses its stored version.
+    # An unchanged replica (forward only) offloaded again reuses its stored version, without
+    # copying its state to the host first (on a GPU, a device-to-host copy of every byte).
     forward(h1, info)
     assert h1.status()["replicas"]["shared"]["resident"]
     assert ev1[-1]["tier"] == "hbm"
+    backend = h1._replicas["shared"].backend
+    copied: list[int] = []
+    to_host = backend._to_host
+    backend._to_host = lambda t: (copied.append(t.numel()), to_host(t))[1]
     assert h1.offload("shared")
+    assert copied == []
     assert h1.counters["stash_writes"] == 1 and h1.counters["offloads"] == 2
     assert stored_as(h1, "shared") == (m1, v1)
     s2 = node.status()

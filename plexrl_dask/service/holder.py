@@ -379,14 +379,9 @@ class ReplicaHolder:
             current = replica.stash
             if current is not None and current.tier() is None:
                 current = None  # deleted behind our back (an operator): write it again
-            stasher = replica.stasher
-
-            def stash(host: dict[str, Any]) -> StoredState:
-                # Unchanged since its stored copy (a rollout replica swapped in and out):
-                # nothing to write.
-                return current if current is not None else stasher(host)
-
-            replica.backend.offload(stash)
+            # Unchanged since its stored copy (a rollout replica swapped in and out): nothing
+            # to copy to the host, nothing to write.
+            replica.backend.offload(replica.stasher, stored=current)
             replica.stash = replica.backend._host
             tier = replica.stash.tier() or "dram"
             if current is None:

@@ -39,10 +39,14 @@ class Backend(Protocol):
     @property
     def resident(self) -> bool: ...
 
-    def offload(self, stash: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def offload(
+        self, stash: Callable[[dict[str, Any]], Any] | None = None, stored: Any = None
+    ) -> None:
         """Move all state to host memory and free the device memory it used. ``stash``
         takes the host state and returns what the backend keeps instead (a handle on a copy
-        in the node's tiers, with ``load()``); it runs before the device memory is freed."""
+        in the node's tiers, with ``load()``); it runs before the device memory is freed.
+        ``stored``: such a handle on a copy of exactly the current state, kept instead of
+        copying the state to the host at all."""
 
     def reload(self) -> None:
         """Bring offloaded state back to the device, bit-identical."""

@@ -181,14 +181,17 @@ class FSDPBackend(TorchBackend):
             torch.cuda.synchronize(self.device)
         return state
 
-    def offload(self, stash: Any = None) -> None:
-        """Move this rank's shards to host memory (or into ``stash``, as in
-        :meth:`TorchBackend.offload`) and free the module. The process group is left alone;
-        the next request rebuilds the module on whatever group it then needs."""
+    def offload(self, stash: Any = None, stored: Any = None) -> None:
+        """Move this rank's shards to host memory (or into ``stash``, or keep ``stored``
+        instead, as in :meth:`TorchBackend.offload`) and free the module. The process group
+        is left alone; the next request rebuilds the module on whatever group it then needs."""
         if self._host is not None:
             return
-        state = self._export()
-        self._host = state if stash is None else stash(state)
+        if stored is not None:
+            self._host = stored
+        else:
+            state = self._export()
+            self._host = state if stash is None else stash(state)
         self.model, self.optimizer = None, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -557,45 +557,53 @@ class TorchBackend:
         host.copy_(t, non_blocking=True)
         return host
 
-    def offload(self, stash: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def offload(
+        self, stash: Callable[[dict[str, Any]], Any] | None = None, stored: Any = None
+    ) -> None:
         """Move every state tensor to host memory and release the device copies.
 
         ``stash``: takes the host state (a dict of tensors and plain values) and returns what
         to keep instead, e.g. a handle on a copy in the node's state store
         (:mod:`plexrl_dask.service.offload`); anything with ``load()`` and ``["bytes"]``. It
         runs before the device copies are released, so a stash that fails leaves the
-        replica resident and intact."""
+        replica resident and intact. ``stored``: such a handle on a copy of exactly the
+        current state (a rollout replica swapped out unchanged since its last offload); then
+        nothing is copied to the host, the device copies are released and ``stored`` kept."""
         if self._host is not None:
             return
         if self.decode_step is not None:
             self.decode_step.release()
-        nbytes = self.state_bytes()
         params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        host_params = {n: self._to_host(p.data) for n, p in params.items()}
-        host_grads = {n: self._to_host(p.grad) for n, p in params.items() if p.grad is not None}
-        host_buffers = {n: self._to_host(b) for n, b in buffers.items()}
-        host_optim: dict[str, dict[str, torch.Tensor]] = {}
+        # Optimizer state that lives on the device (Adam's "step" stays on the CPU on CUDA).
+        device_optim: dict[str, list[str]] = {}
         if self.optimizer is not None:
             for n, p in params.items():
                 st = self.optimizer.state.get(p)
                 if st:
-                    # Only what lives on the device moves (Adam's "step" stays on the CPU on CUDA).
-                    host_optim[n] = {
-                        k: self._to_host(v)
+                    device_optim[n] = [
+                        k
                         for k, v in st.items()
                         if isinstance(v, torch.Tensor) and v.device.type == self.device.type
-                    }
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        host: dict[str, Any] = {
-            "params": host_params,
-            "grads": host_grads,
-            "buffers": host_buffers,
-            "optim": host_optim,
-            "bytes": nbytes,
-        }
-        kept = host if stash is None else stash(host)
+                    ]
+        if stored is not None:
+            kept = stored
+        else:
+            nbytes = self.state_bytes()
+            host: dict[str, Any] = {
+                "params": {n: self._to_host(p.data) for n, p in params.items()},
+                "grads": {
+                    n: self._to_host(p.grad) for n, p in params.items() if p.grad is not None
+                },
+                "buffers": {n: self._to_host(b) for n, b in self.model.named_buffers()},
+                "optim": {
+                    n: {k: self._to_host(self.optimizer.state[params[n]][k]) for k in keys}  # type: ignore[union-attr]
+                    for n, keys in device_optim.items()
+                },
+                "bytes": nbytes,
+            }
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            kept = host if stash is None else stash(host)
         for p in params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
             p.grad = None
@@ -605,12 +613,10 @@ class TorchBackend:
                     mod._buffers[bname] = torch.empty(
                         0, dtype=mod._buffers[bname].dtype, device=self.device
                     )
-        if self.optimizer is not None:
-            for n, p in params.items():
-                st = self.optimizer.state.get(p)
-                if st:
-                    for k in host_optim.get(n, {}):
-                        st[k] = None  # type: ignore[assignment]
+        for n, keys in device_optim.items():
+            st = self.optimizer.state[params[n]]  # type: ignore[union-attr]
+            for k in keys:
+                st[k] = None  # type: ignore[assignment]
         self._host = kept
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
