@@ -177,9 +177,11 @@ class ModelSpec:
         from transformers import AutoModelForCausalLM
 
         if self.config is not None:
-            # Seed a private generator state so init does not depend on what ran before.
+            # Seed a private generator state so init does not depend on what ran before. The
+            # model is built on the CPU: only the CPU generator is seeded (and restored after),
+            # so the CUDA generators of the process are left as they were.
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed)
+                torch.default_generator.manual_seed(self.seed)
                 model = AutoModelForCausalLM.from_config(
                     self.hf_config(), attn_implementation="sdpa"
                 )
