@@ -51,3 +51,9 @@ def test_one_gpu_or_an_explicit_choice_is_left_alone(monkeypatch):
     ):
         seen = client.run(_cuda_env)
         assert list(seen.values()) == [os.environ.get("CUDA_VISIBLE_DEVICES")]
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: ["3", "5"])
+    with (
+        plexrl.local_cluster(n_workers=1, env={"CUDA_VISIBLE_DEVICES": "9"}) as c,
+        Client(c, set_as_default=False) as client,
+    ):
+        assert list(client.run(_cuda_env).values()) == ["9"]  # the caller's choice stands
