@@ -13,6 +13,11 @@ deployment's replicas, or ``None`` to let the scheduler pick any replica (for re
 replica holds the same weights); ``request``/``rank``/``ranks`` are set by the runtime for multi-rank
 calls). A task without it fails with :class:`NotRouted` instead of silently loading a second,
 divergent replica somewhere else.
+
+The scheduler unpickles these functions by reference (it deserialises every task it is
+sent), so this module imports the model stack and the store (torch, Zarr) only inside the
+functions that run on workers: the scheduler stays without them
+(``plexrl_dask.models.spec`` says why).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plexrl_dask.errors import (
     CheckpointError,
@@ -38,9 +43,6 @@ from plexrl_dask.errors import (
     from_status,
     raise_for_status,
 )
-from plexrl_dask.service.checkpoint import StoreCheckpoint
-from plexrl_dask.service.decode import Streams
-from plexrl_dask.service.groups import GroupContext
 from plexrl_dask.service.holder import ReplicaHolder, holder_of
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.types import (
@@ -52,11 +54,13 @@ from plexrl_dask.service.types import (
     NamedWeights,
     SampleResult,
     SamplingParams,
+    Streams,
     as_batch,
 )
-from plexrl_dask.state_store import peer
-from plexrl_dask.state_store.store import MARKER as STORE_MARKER
-from plexrl_dask.state_store.store import StateStore
+
+if TYPE_CHECKING:
+    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.state_store.store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +134,8 @@ def _run(deployment: str, op: str, call: Any) -> Any:
     )
     group = None
     if info.world_size > 1:
+        from plexrl_dask.service.groups import GroupContext
+
         group = GroupContext(
             uid=info.uid, epoch=int(ann["epoch"]), rank=int(ann["rank"]), world_size=info.world_size
         )
@@ -265,6 +271,8 @@ def save_state(
             def opener(version: int, nbytes: int) -> Any:
                 return store.writer(model, version, publish_id)
 
+        from plexrl_dask.service.checkpoint import StoreCheckpoint
+
         target = StoreCheckpoint(store, model)
         if path is None:
             target = StoreCheckpoint(store, model, node=node, tier="nvme")
@@ -317,6 +325,8 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
             # NVMe would leave the commit without its part); the manager evicts to make room.
             return node.writing(model, version, nbytes, tiers=("dram",), publish_id=publish_id)
 
+        from plexrl_dask.service.checkpoint import StoreCheckpoint
+
         target = StoreCheckpoint(node.store("dram"), model, store_version, node=node, tier="dram")
         ref = backend.publish_weights(target, publish_id, opener)
         ref["node"] = node.node_id
@@ -343,6 +353,9 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
     node is first imported into this node's tiers from the worker that published it, once per
     node and only the objects this node lacks (:mod:`plexrl_dask.state_store.peer`)."""
     from distributed import get_worker
+
+    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.state_store import peer
 
     model, version = str(ref["model"]), int(ref["version"])
 
@@ -410,6 +423,8 @@ def _node(deployment: str) -> Any:
 
 
 def _open_store(path: str, create: bool = False) -> StateStore:
+    from plexrl_dask.state_store.store import StateStore
+
     try:
         return StateStore(path, create=create)
     except NotAStore as e:
@@ -422,6 +437,9 @@ def _checkpoint_source(
     deployment: str, ckpt: str | Mapping[str, Any], model: str | None, version: int | None
 ) -> str | StoreCheckpoint:
     """What a backend loads from: a DCP directory, or a version of a store."""
+    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.state_store.store import MARKER as STORE_MARKER
+
     if isinstance(ckpt, Mapping):
         if ckpt.get("format") == "dcp":
             return str(ckpt["path"])
@@ -458,6 +476,9 @@ def _import_from_peer(
     NVMe tier from the worker that wrote it (only the objects this node lacks); None when
     ``ckpt`` is on this node or names no node."""
     from distributed import get_worker
+
+    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.state_store import peer
 
     if "node" not in ckpt or not ckpt.get("source"):
         return None

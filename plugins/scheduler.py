@@ -259,13 +259,13 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self._holders[worker] = None  # claimed: one holder per worker incarnation
         try:
             client = await self._holder_client()
-            from plexrl_dask.service.holder import HOLDER_KEY_PREFIX, ReplicaHolder
+            from plexrl_dask.plugins.worker import HOLDER_KEY_PREFIX, new_replica_holder
 
             if worker not in self.scheduler.workers:
                 self._holders.pop(worker, None)  # it left while the client connected
                 return
             self._holders[worker] = client.submit(
-                ReplicaHolder,
+                new_replica_holder,
                 actor=True,
                 workers=[worker],
                 allow_other_workers=False,

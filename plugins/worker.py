@@ -26,13 +26,22 @@ from plexrl_dask import config
 from plexrl_dask.config import WorkerConfig
 from plexrl_dask.errors import StateStoreError, to_status
 from plexrl_dask.policy.residency import PREFETCH_OP, WORKER_TOPIC
-from plexrl_dask.service.holder import holder_of
-from plexrl_dask.state_store import peer
-from plexrl_dask.state_store.peer import MANIFEST_HANDLER, OBJECTS_HANDLER
 
 logger = logging.getLogger(__name__)
 
-HANDLERS = ("plexrl_holder_status", "plexrl_holder_drop", MANIFEST_HANDLER, OBJECTS_HANDLER)
+HOLDER_HANDLERS = ("plexrl_holder_status", "plexrl_holder_drop")
+#: Key prefix of the holder actors (one key per worker incarnation).
+HOLDER_KEY_PREFIX = "plexrl-replica-holder"
+
+
+def new_replica_holder() -> Any:
+    """A :class:`~plexrl_dask.service.holder.ReplicaHolder` for the worker this runs on: the
+    task the scheduler plugin submits as the worker's holder actor (the actor is what this
+    returns). The scheduler submits this function rather than the class because pickling
+    the class would import its module, and torch with it, into the scheduler."""
+    from plexrl_dask.service.holder import ReplicaHolder
+
+    return ReplicaHolder()
 
 
 class PlexRLWorkerPlugin(WorkerPlugin):
@@ -44,7 +53,12 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         cfg = WorkerConfig.from_dask_config()
         if worker.state.total_resources.get(cfg.gpu_resource, 0) < 1:
             return
+        # Imported here, not with the module: the scheduler imports this class to register it
+        # and must not load torch and Zarr for that (plexrl_dask.models.spec says why).
         import torch
+
+        from plexrl_dask.service.holder import holder_of
+        from plexrl_dask.state_store import peer
 
         torch.set_num_threads(cfg.torch_threads)
         profiler = worker.periodic_callbacks.get("profile")
@@ -111,8 +125,8 @@ class PlexRLWorkerPlugin(WorkerPlugin):
 
         worker.handlers["plexrl_holder_status"] = holder_status
         worker.handlers["plexrl_holder_drop"] = holder_drop
-        worker.handlers[MANIFEST_HANDLER] = store_manifest
-        worker.handlers[OBJECTS_HANDLER] = store_objects
+        worker.handlers[peer.MANIFEST_HANDLER] = store_manifest
+        worker.handlers[peer.OBJECTS_HANDLER] = store_objects
         # A stream op (one-way, batched with the scheduler's other messages); an op a worker
         # has no handler for would break its stream, so it is never removed (see teardown).
         worker.stream_handlers[PREFETCH_OP] = prefetch
@@ -137,7 +151,9 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         profiler = worker.periodic_callbacks.get("profile")
         if profiler is not None and getattr(self, "_profile_ms", None) is not None:
             profiler.callback_time = self._profile_ms
-        for handler in HANDLERS:
+        from plexrl_dask.state_store.peer import MANIFEST_HANDLER, OBJECTS_HANDLER
+
+        for handler in (*HOLDER_HANDLERS, MANIFEST_HANDLER, OBJECTS_HANDLER):
             worker.handlers.pop(handler, None)
         if PREFETCH_OP in worker.stream_handlers:
             worker.stream_handlers[PREFETCH_OP] = lambda **_: None

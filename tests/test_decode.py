@@ -20,8 +20,8 @@ import torch
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.decode import StreamDecoder, Streams, output_cache
-from plexrl_dask.service.types import Datum, SamplingParams
+from plexrl_dask.service.decode import StreamDecoder, output_cache
+from plexrl_dask.service.types import Datum, SamplingParams, Streams
 from tests.conftest import tiny_spec
 
 PROMPTS = ["12+3=", "4+5=", "99+1=", "7*8=", "1+1=", "60-7="]

@@ -11,11 +11,14 @@ import sys
 import sysconfig
 import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from plexrl_dask.dashboard import PAGES
+from plexrl_dask.dashboard.routes import ROUTES
 from tests.conftest import preloaded_scheduler_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +191,12 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
                 dep.sample(["1+1="], plexrl.SamplingParams(n=2, max_tokens=4)), timeout=120
             )
             assert [len(s.tokens) for s in out.sequences[0]] == [4, 4]
+            # a training step and a checkpoint round trip: every kind of task the jobs send
+            datum = plexrl.Datum.from_prompt_completion(dep.tokenize("1+1="), dep.tokenize("2"))
+            fb = dep.forward_backward([datum], plexrl.CrossEntropy())
+            step = dep.optim_step(plexrl.AdamWParams(lr=1e-3))
+            ckpt = plexrl.result(dep.save_state(str(tmp_path / "ckpt")), timeout=120)
+            plexrl.result([fb, step, dep.load_state(ckpt)], timeout=120)
             assert runtime.status()["workers"]  # the holder reported from a preload-less worker
             shown = subprocess.run(
                 [
@@ -204,6 +213,19 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
             )
             assert shown.returncode == 0, shown.stderr
             assert "preloaded" in shown.stdout and "hbm" in shown.stdout
+            # Every PlexRL page built once (a GET creates its Bokeh session on the scheduler)
+            # and every JSON route served: the scheduler has done all its kinds of work.
+            base = client.dashboard_link.rsplit("/", 1)[0]
+            for path in (*PAGES, *(f"/{route}" for route, _, _ in ROUTES)):
+                with urllib.request.urlopen(base + path, timeout=60) as page:
+                    assert page.status == 200, path
+            # ...and never needed the model stack: a lean scheduler (models/spec.py says why).
+            heavy = client.run_on_scheduler(
+                lambda: [
+                    m for m in ("torch", "transformers", "tokenizers", "zarr") if m in sys.modules
+                ]
+            )
+            assert heavy == []
     finally:
         for proc in (worker, scheduler):
             if proc is not None:
@@ -212,3 +234,13 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def test_bench_scheduler_footprint_probes_a_lean_preloaded_scheduler():
+    """bench.scheduler's process footprint: the preloaded scheduler, probed for real."""
+    from plexrl_dask.bench.scheduler import _scheduler_process
+
+    probe = _scheduler_process(preload=True)
+    assert probe["heavy_modules"] == []
+    assert probe["objects"] > 0 and probe["full_gc_ms"] > 0 and probe["rss_mb"] > 0
+    assert probe["start_s"] > 0

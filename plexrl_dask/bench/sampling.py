@@ -51,8 +51,7 @@ from plexrl_dask.bench.common import interleaved, parser, report
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.modes import JobSpec
 from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.decode import Streams
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams, Streams
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,13 @@ Every comparison is within one run (this machine is shared and noisy):
   :mod:`plexrl_dask.policy.dispatch`, over simulated random and adversarial workloads (gang
   against a stream of singles, long against a stream of shorts, one job flooding the queue),
   under HRRS and both FIFOs (target <= 1). The simulated workloads also give ``sim_*`` ratios.
+- ``scheduler_footprint``: a real ``dask scheduler`` process with ``--preload
+  plexrl_dask.plugins`` beside one without, started alike, each with a client connected and
+  Dask's status page and (with the preload) every PlexRL page built once: seconds until it
+  serves, resident memory, objects the garbage collector tracks, the length of a full
+  collection (which stops the scheduler's event loop for its whole length), and whether the
+  model stack (torch, transformers, Zarr) was imported. ``scheduler_full_gc_ratio_vs_plain``
+  and ``scheduler_rss_ratio_vs_plain`` are the preloaded scheduler's ÷ the plain one's.
 
 Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (~15 min; ``--quick``: ~5 min).
 """
@@ -31,11 +38,17 @@ Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (~15 min; ``--quick``:
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -100,6 +113,91 @@ def plain_task_throughput(quick: bool) -> dict[str, float]:
         "plain_tasks_per_s_with_plugin": n / median(times["with"]),
         "plain_task_throughput_ratio": median(times["without"]) / median(times["with"]),
     }
+
+
+# --- the scheduler process ----------------------------------------------------------------------
+
+#: Modules a scheduler never needs (the model stack and the store).
+HEAVY_MODULES = ("torch", "transformers", "tokenizers", "zarr")
+
+
+def _scheduler_probe() -> dict[str, Any]:
+    """Run on a scheduler: what it imported, its tracked objects, a full collection's length
+    (the median of three) and its resident memory."""
+    import gc
+
+    import psutil
+
+    pauses = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - t0)
+    return {
+        "heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules],
+        "objects": len(gc.get_objects()),
+        "full_gc_ms": 1000 * statistics.median(pauses),
+        "rss_mb": psutil.Process().memory_info().rss / 2**20,
+    }
+
+
+def _scheduler_process(preload: bool, timeout: float = 120.0) -> dict[str, Any]:
+    """Start ``dask scheduler`` (with the PlexRL preload or without) on free 127.0.0.1 ports,
+    connect a client, build Dask's status page and (with the preload) every PlexRL page once
+    (a page's GET creates its Bokeh document on the scheduler), probe it, stop it."""
+    from plexrl_dask.dashboard import PAGES
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sched_file = Path(tmp) / "scheduler.json"
+        argv = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1"]
+        argv += ["--port", "0", "--dashboard-address", "127.0.0.1:0"]
+        argv += ["--scheduler-file", str(sched_file)]
+        argv += ["--preload", "plexrl_dask.plugins"] if preload else []
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout
+            while not sched_file.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"dask scheduler (preload={preload}) did not start")
+                time.sleep(0.02)
+            start_s = time.perf_counter() - t0
+            address = json.loads(sched_file.read_text())["address"]
+            with Client(address, timeout=timeout, set_as_default=False) as client:
+                base = client.dashboard_link.rsplit("/", 1)[0]
+                for path in ("/status", *(PAGES if preload else ())):
+                    with urllib.request.urlopen(base + path, timeout=timeout) as page:
+                        page.read()
+                return {"start_s": start_s, **client.run_on_scheduler(_scheduler_probe)}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def scheduler_footprint(quick: bool) -> dict[str, Any]:
+    """The preloaded scheduler process against a plain one (see the module docstring); each
+    figure is the median over the starts, the two kinds alternating."""
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for _ in range(2 if quick else 3):
+        for preload in (False, True):
+            runs[preload].append(_scheduler_process(preload))
+    out: dict[str, Any] = {}
+    for preload, name in ((False, "plain"), (True, "preloaded")):
+        for key in ("start_s", "rss_mb", "objects", "full_gc_ms"):
+            out[f"scheduler_{name}_{key}"] = median([r[key] for r in runs[preload]])
+        out[f"scheduler_{name}_heavy_modules"] = sorted(
+            {m for r in runs[preload] for m in r["heavy_modules"]}
+        )
+    out["scheduler_full_gc_ratio_vs_plain"] = (
+        out["scheduler_preloaded_full_gc_ms"] / out["scheduler_plain_full_gc_ms"]
+    )
+    out["scheduler_rss_ratio_vs_plain"] = (
+        out["scheduler_preloaded_rss_mb"] / out["scheduler_plain_rss_mb"]
+    )
+    return out
 
 
 # --- decision latency --------------------------------------------------------------------------
@@ -392,6 +490,7 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     logging.basicConfig(level=logging.WARNING)
     results: dict[str, Any] = {}
+    results.update(scheduler_footprint(args.quick))
     results.update(plain_task_throughput(args.quick))
     results.update(decision_latency(args.quick))
     results.update(simulated(args.quick))

@@ -13,15 +13,19 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from plexrl_dask.errors import InvalidModelSpec
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Bytes per parameter of each dtype. torch (and transformers) are imported only where a model
+# is built or sized: the scheduler handles specs and never needs them (a process that imports
+# torch holds ~5x the objects, and every full garbage collection of its event loop walks them).
+_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Adam keeps two fp32 moments per parameter, and training holds a gradient per parameter.
 _ADAM_STATE_BYTES_PER_PARAM = 8
 
@@ -122,7 +126,9 @@ class ModelSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def hf_config(self) -> Any:
         """The ``transformers`` config of the model (read from disk for a checkpoint)."""
@@ -144,6 +150,7 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         """Parameter count, computed on the meta device (no memory, no weights read)."""
+        import torch
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
@@ -155,7 +162,7 @@ class ModelSpec:
         moments for training. (KV-cache memory of sampling is bounded by the sampling batch
         size and checked when sampling, not here.)"""
         n = self.num_parameters()
-        weight_bytes = n * torch.tensor([], dtype=self.torch_dtype).element_size()
+        weight_bytes = n * _DTYPES[self.dtype]
         if role == "train":
             return 2 * weight_bytes + n * _ADAM_STATE_BYTES_PER_PARAM
         return weight_bytes
@@ -174,6 +181,7 @@ class ModelSpec:
 
     def build_model(self, device: str | torch.device = "cpu") -> torch.nn.Module:
         """Build the model on ``device`` in ``self.dtype``, deterministically."""
+        import torch
         from transformers import AutoModelForCausalLM
 
         if self.config is not None:

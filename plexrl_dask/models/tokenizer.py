@@ -9,9 +9,10 @@ any Hugging Face tokenizer and the rest of the code never knows it was made here
 from __future__ import annotations
 
 import string
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -22,6 +23,10 @@ CHARACTERS = tuple(c for c in string.printable if c not in "\t\r\x0b\x0c")
 def build_char_tokenizer(characters: tuple[str, ...] = CHARACTERS) -> PreTrainedTokenizerFast:
     """Build a character-level tokenizer: ids 0-3 are ``<pad> <bos> <eos> <unk>``, then one id
     per character in ``characters`` (in order). Unknown characters map to ``<unk>``."""
+    # Imported here: the vocabulary above is what specs need (the scheduler among them).
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     if len(set(characters)) != len(characters):
         raise ValueError("tokenizer characters must be unique")
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(characters))}

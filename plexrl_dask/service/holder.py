@@ -15,6 +15,10 @@ On a worker, offloaded state goes to the node's state store (DRAM tier, NVMe und
 built without a node (``node=None``: unit tests and tools) keeps it in its own memory. Each
 transition is reported to the scheduler as a residency event (DESIGN §3 schema) with its
 measured duration and the tier it came from or went to.
+
+This module imports the model stack (backends, torch, the node's store) only where a replica
+is loaded: the scheduler plugin's client learns each holder actor's type, so it imports this
+module, and the scheduler never needs torch or Zarr (``plexrl_dask.models.spec`` says why).
 """
 
 from __future__ import annotations
@@ -24,16 +28,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plexrl_dask.errors import DeploymentDoesNotFit, DeploymentLost, PlexRLError, RankLost
 from plexrl_dask.policy.residency import ResidencyReport
-from plexrl_dask.service.backends import BACKENDS
-from plexrl_dask.service.groups import GroupContext
-from plexrl_dask.service.offload import Stasher, StoredState
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.timeline import RequestSpan, SpanLog
-from plexrl_dask.state_store.node import NodeState
+
+if TYPE_CHECKING:
+    from plexrl_dask.service.groups import GroupContext
+    from plexrl_dask.service.offload import Stasher, StoredState
+    from plexrl_dask.state_store.node import NodeState
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +64,6 @@ def default_budget(device: str) -> int:
         return int(total * _CUDA_BUDGET_FRACTION)
     return _CPU_DEFAULT_BUDGET
 
-
-#: Key prefix of the holder actors (one key per worker incarnation).
-HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
 #: The ops that change a replica's state away from what its spec builds.
 MUTATING_OPS = frozenset({"optim_step", "set_weights", "load_state", "load_weights"})
@@ -319,6 +321,9 @@ class ReplicaHolder:
                 f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
             )
         self._make_room(info.memory_bytes, keep=info.name)
+        from plexrl_dask.service.backends import BACKENDS
+        from plexrl_dask.service.offload import Stasher
+
         backend_cls = BACKENDS.get(info.backend)
         if backend_cls is None:
             raise PlexRLError(f"unknown backend {info.backend!r}; available: {sorted(BACKENDS)}")

@@ -47,7 +47,6 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service.decode import Streams
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.timeline import RequestSpan
@@ -59,6 +58,7 @@ from plexrl_dask.service.types import (
     NamedWeights,
     PolicyGradient,
     SamplingParams,
+    Streams,
     as_batch,
     check_tokens,
 )

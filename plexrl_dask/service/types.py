@@ -15,10 +15,13 @@ its returned log-probability is 0.0.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from plexrl_dask import config
 from plexrl_dask.errors import (
+    ConfigError,
     EmptyBatch,
     InvalidLoss,
     InvalidOptimizerParams,
@@ -265,6 +268,29 @@ class SamplingParams:
             problems.append(f"seed must be an int in [0, 2**63) (got {self.seed!r})")
         if problems:
             raise InvalidSamplingParams("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Streams:
+    """How a request's rows are decoded: ``rows`` per stream, waiting rows admitted once
+    ``refill_min_rows`` slots are free. Chosen by the client and sent with the request, so the
+    split over replicas and the decoding agree whatever the workers' configuration."""
+
+    rows: int
+    refill_min_rows: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("stream-rows", self.rows), ("refill-min-rows", self.refill_min_rows)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"plexrl.sampling.{name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "rows", int(self.rows))
+        object.__setattr__(self, "refill_min_rows", int(self.refill_min_rows))
+
+    @classmethod
+    def from_config(cls) -> Streams:
+        """``plexrl.sampling.stream-rows`` and ``plexrl.sampling.refill-min-rows``;
+        :class:`~plexrl_dask.errors.ConfigError` unless both are positive integers."""
+        return cls(config.get("sampling.stream-rows"), config.get("sampling.refill-min-rows"))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

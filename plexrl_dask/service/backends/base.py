@@ -16,7 +16,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from plexrl_dask.service.decode import Streams
 from plexrl_dask.service.types import (
     AdamWParams,
     Datum,
@@ -24,6 +23,7 @@ from plexrl_dask.service.types import (
     Loss,
     SampledSequence,
     SamplingParams,
+    Streams,
 )
 
 

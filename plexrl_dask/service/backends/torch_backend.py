@@ -34,7 +34,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service import checkpoint
 from plexrl_dask.service.checkpoint import StoreCheckpoint
-from plexrl_dask.service.decode import StreamDecoder, Streams
+from plexrl_dask.service.decode import StreamDecoder
 from plexrl_dask.service.decode_step import DecodeStep
 from plexrl_dask.service.losses import compute_loss
 from plexrl_dask.service.types import (
@@ -44,6 +44,7 @@ from plexrl_dask.service.types import (
     Loss,
     SampledSequence,
     SamplingParams,
+    Streams,
     as_batch,
     check_tokens,
 )
