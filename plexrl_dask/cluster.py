@@ -8,14 +8,17 @@ plugins, exactly as a shared cluster would with ``dask scheduler --preload plexr
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from dask.utils import parse_bytes
 from distributed import Client, LocalCluster, Nanny
 
 from plexrl_dask import config
+from plexrl_dask.errors import SchedulerNotStarted
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +211,50 @@ def worker_process(
         env=env,
         **popen,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def scheduler_process(
+    directory: str | os.PathLike[str], preload: bool = True, timeout: float = 60.0
+) -> Iterator[dict[str, Any]]:
+    """A ``dask scheduler`` process on free 127.0.0.1 ports, with ``--preload
+    plexrl_dask.plugins`` unless ``preload`` is false (the shared-cluster path, run locally),
+    writing its scheduler file into ``directory``. Yields that file's contents (``address``,
+    ``services`` with the dashboard's port, ...) once the scheduler serves; stops the process
+    on exit. :class:`~plexrl_dask.errors.SchedulerNotStarted` when it exits first or does not
+    serve within ``timeout`` seconds."""
+    sched_file = Path(directory) / "scheduler.json"
+    argv = [
+        str(Path(sys.executable).parent / "dask"), "scheduler",
+        "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+        "--scheduler-file", str(sched_file),
+        *(("--preload", PRELOAD) if preload else ()),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not sched_file.exists():
+            if proc.poll() is not None:
+                raise SchedulerNotStarted(f"dask scheduler exited with {proc.returncode} on start")
+            if time.monotonic() > deadline:
+                raise SchedulerNotStarted(f"dask scheduler did not start within {timeout}s")
+            time.sleep(0.02)
+        yield json.loads(sched_file.read_text())
+    finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Terminate ``proc`` (a scheduler or worker process) and wait for it; kill it if it is
+    still there after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
 
 
 def install(client: Client) -> None:

@@ -233,6 +233,11 @@ class SchedulerBusy(PlexRLError):
     """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
 
 
+class SchedulerNotStarted(PlexRLError):
+    """A ``dask scheduler`` process (:func:`plexrl_dask.cluster.scheduler_process`) exited or
+    did not serve within its timeout."""
+
+
 class InvalidJobReport(PlexRLError, ValueError):
     """A job's per-step report (``plexrl-job`` event, :mod:`plexrl_dask.dashboard.jobs`) is
     malformed: a missing or mistyped field, a negative step, a non-finite reward."""

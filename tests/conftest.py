@@ -9,9 +9,7 @@ fail on worker processes that outlive another module.
 from __future__ import annotations
 
 import os
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 from distributed import Client, Event
@@ -55,20 +53,6 @@ def client(cluster):
 @pytest.fixture
 def runtime(client):
     return plexrl.Runtime(client, job=unique("test-job"))
-
-
-def preloaded_scheduler_argv(scheduler_file: Path) -> list[str]:
-    """``dask scheduler`` on free 127.0.0.1 ports with the PlexRL preload (the shared-cluster
-    path), writing its address to ``scheduler_file``."""
-    return [
-        str(Path(sys.executable).parent / "dask"),
-        "scheduler",
-        "--host", "127.0.0.1",
-        "--port", "0",
-        "--dashboard-address", "127.0.0.1:0",
-        "--scheduler-file", str(scheduler_file),
-        "--preload", "plexrl_dask.plugins",
-    ]  # fmt: skip
 
 
 def hold(deployment: str, gate: str, timeout: float, *inputs: object) -> str:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 
 import dask
+import pytest
 import torch
 from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask import cluster
+from plexrl_dask.errors import SchedulerNotStarted
 
 
 def _cuda_env() -> str | None:
@@ -57,3 +59,11 @@ def test_one_gpu_or_an_explicit_choice_is_left_alone(monkeypatch):
         Client(c, set_as_default=False) as client,
     ):
         assert list(client.run(_cuda_env).values()) == ["9"]  # the caller's choice stands
+
+
+def test_a_scheduler_process_that_does_not_serve_in_time_is_a_typed_error(tmp_path):
+    with (
+        pytest.raises(SchedulerNotStarted, match="did not start within 0.0s"),
+        cluster.scheduler_process(tmp_path, timeout=0.0),
+    ):
+        pass

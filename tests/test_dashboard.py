@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import random
-import subprocess
 import time
 
 import dask
@@ -24,6 +23,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
 from plexrl_dask import errors
 from plexrl_dask.bench.dashboard import ReferenceWork, add_request, churn, fill_synthetic
+from plexrl_dask.cluster import scheduler_process
 from plexrl_dask.dashboard import PAGES, ROUTES_MODULE
 from plexrl_dask.dashboard.browser import fetch_json
 from plexrl_dask.dashboard.components import JobsPage, QueuePage, ResidencyPage, TimelinePage, short
@@ -39,7 +39,6 @@ from plexrl_dask.dashboard.state import (
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger
 from plexrl_dask.service.timeline import RequestSpan
-from tests.conftest import preloaded_scheduler_argv
 
 _PLEXRL = copy.deepcopy(dask.config.get("plexrl"))
 _PLEXRL["dashboard"].update({"queue-rows": 7, "decisions-shown": 5, "timeline-batch": 50})
@@ -583,32 +582,14 @@ async def test_queue_view_ratio_and_best_worker_on_live_workers(c, s, a):
 def test_a_preloaded_dask_scheduler_serves_the_pages_and_routes(tmp_path):
     """The shared-cluster path: ``dask scheduler --preload plexrl_dask.plugins`` lists the
     pages in its menu data and answers the JSON routes."""
-    sched_file = tmp_path / "scheduler.json"
-    scheduler = subprocess.Popen(
-        preloaded_scheduler_argv(sched_file),
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not sched_file.exists():
-            assert time.monotonic() < deadline and scheduler.poll() is None, "no scheduler"
-            time.sleep(0.2)
-        port = json.loads(sched_file.read_text())["services"]["dashboard"]
-        base = f"http://127.0.0.1:{port}"
+    with scheduler_process(tmp_path) as info:
+        base = f"http://127.0.0.1:{info['services']['dashboard']}"
         plots = fetch_json(f"{base}/individual-plots.json")
         assert set(PAGES) <= set(plots.values())
         jobs = fetch_json(f"{base}/plexrl/jobs.json")
         assert jobs["installed"] is True and jobs["jobs"] == []
         queue = fetch_json(f"{base}/plexrl/queue.json")
         assert queue["queue"]["pending"] == 0
-    finally:
-        scheduler.terminate()
-        try:
-            scheduler.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            scheduler.kill()
 
 
 def test_decision_reasons_say_why_and_where_a_request_was_released():

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -17,9 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from plexrl_dask.bench.scheduler import HEAVY_MODULES
+from plexrl_dask.cluster import scheduler_process, stop_process
 from plexrl_dask.dashboard import PAGES
 from plexrl_dask.dashboard.routes import ROUTES
-from tests.conftest import preloaded_scheduler_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 # conda-forge names of PyPI packages that differ
@@ -152,88 +152,59 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
 
     import plexrl_dask as plexrl
 
-    bindir = Path(sys.executable).parent
-    sched_file = tmp_path / "scheduler.json"
-    common = {"cwd": tmp_path, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    scheduler = subprocess.Popen(
-        preloaded_scheduler_argv(sched_file),
-        **common,
-    )
-    worker = None
-    try:
-        deadline = time.monotonic() + 60
-        while not sched_file.exists():
-            assert time.monotonic() < deadline and scheduler.poll() is None, (
-                "scheduler did not start"
-            )
-            time.sleep(0.2)
+    with scheduler_process(tmp_path) as info:
         worker = subprocess.Popen(
-            [
-                str(bindir / "dask"),
-                "worker",
-                "--scheduler-file",
-                str(sched_file),
-                "--host",
-                "127.0.0.1",
-                "--nthreads",
-                "1",
-                "--resources",
-                "GPU=1",
-                "--no-dashboard",
-            ],
-            **common,
-        )
-        with Client(scheduler_file=str(sched_file), timeout=60) as client:
-            client.wait_for_workers(1, timeout=60)
-            runtime = plexrl.Runtime(client, job="preload")
-            dep = runtime.deploy("preloaded", plexrl.ModelSpec.tiny(hidden_size=32, num_layers=1))
-            out = plexrl.result(
-                dep.sample(["1+1="], plexrl.SamplingParams(n=2, max_tokens=4)), timeout=120
-            )
-            assert [len(s.tokens) for s in out.sequences[0]] == [4, 4]
-            # a training step and a checkpoint round trip: every kind of task the jobs send
-            datum = plexrl.Datum.from_prompt_completion(dep.tokenize("1+1="), dep.tokenize("2"))
-            fb = dep.forward_backward([datum], plexrl.CrossEntropy())
-            step = dep.optim_step(plexrl.AdamWParams(lr=1e-3))
-            ckpt = plexrl.result(dep.save_state(str(tmp_path / "ckpt")), timeout=120)
-            plexrl.result([fb, step, dep.load_state(ckpt)], timeout=120)
-            assert runtime.status()["workers"]  # the holder reported from a preload-less worker
-            shown = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "plexrl_dask.cli",
-                    "status",
-                    "--scheduler",
-                    client.scheduler.address,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert shown.returncode == 0, shown.stderr
-            assert "preloaded" in shown.stdout and "hbm" in shown.stdout
-            # Every PlexRL page built once (a GET creates its Bokeh session on the scheduler)
-            # and every JSON route served: the scheduler has done all its kinds of work.
-            base = client.dashboard_link.rsplit("/", 1)[0]
-            for path in (*PAGES, *(f"/{route}" for route, _, _ in ROUTES)):
-                with urllib.request.urlopen(base + path, timeout=60) as page:
-                    assert page.status == 200, path
-            # ...and never needed the model stack: a lean scheduler (models/spec.py says why).
-            heavy = client.run_on_scheduler(
-                lambda: [
-                    m for m in ("torch", "transformers", "tokenizers", "zarr") if m in sys.modules
-                ]
-            )
-            assert heavy == []
-    finally:
-        for proc in (worker, scheduler):
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            [str(Path(sys.executable).parent / "dask"), "worker", info["address"],
+             "--host", "127.0.0.1", "--nthreads", "1", "--resources", "GPU=1", "--no-dashboard"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            with Client(info["address"], timeout=60) as client:
+                client.wait_for_workers(1, timeout=60)
+                runtime = plexrl.Runtime(client, job="preload")
+                dep = runtime.deploy(
+                    "preloaded", plexrl.ModelSpec.tiny(hidden_size=32, num_layers=1)
+                )
+                out = plexrl.result(
+                    dep.sample(["1+1="], plexrl.SamplingParams(n=2, max_tokens=4)), timeout=120
+                )
+                assert [len(s.tokens) for s in out.sequences[0]] == [4, 4]
+                # a training step and a checkpoint round trip: every kind of task the jobs send
+                datum = plexrl.Datum.from_prompt_completion(dep.tokenize("1+1="), dep.tokenize("2"))
+                fb = dep.forward_backward([datum], plexrl.CrossEntropy())
+                step = dep.optim_step(plexrl.AdamWParams(lr=1e-3))
+                ckpt = plexrl.result(dep.save_state(str(tmp_path / "ckpt")), timeout=120)
+                plexrl.result([fb, step, dep.load_state(ckpt)], timeout=120)
+                # the holder reported from a preload-less worker
+                assert runtime.status()["workers"]
+                shown = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "plexrl_dask.cli",
+                        "status",
+                        "--scheduler",
+                        client.scheduler.address,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert shown.returncode == 0, shown.stderr
+                assert "preloaded" in shown.stdout and "hbm" in shown.stdout
+                # Every PlexRL page built once (a GET creates its Bokeh session on the scheduler)
+                # and every JSON route served: the scheduler has done all its kinds of work.
+                base = client.dashboard_link.rsplit("/", 1)[0]
+                for path in (*PAGES, *(f"/{route}" for route, _, _ in ROUTES)):
+                    with urllib.request.urlopen(base + path, timeout=60) as page:
+                        assert page.status == 200, path
+                # ...and never needed the model stack: a lean scheduler (models/spec.py says why).
+                heavy = client.run_on_scheduler(
+                    lambda: [m for m in HEAVY_MODULES if m in sys.modules]
+                )
+                assert heavy == []
+        finally:
+            stop_process(worker)
 
 
 def test_bench_scheduler_footprint_probes_a_lean_preloaded_scheduler():

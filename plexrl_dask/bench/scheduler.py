@@ -38,17 +38,14 @@ Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (~15 min; ``--quick``:
 from __future__ import annotations
 
 import heapq
-import json
 import logging
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import dask
@@ -58,7 +55,7 @@ from rich.progress import track
 
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import interleaved, median, parser, report
-from plexrl_dask.cluster import TRIM_ENV_KEY
+from plexrl_dask.cluster import TRIM_ENV_KEY, scheduler_process
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.residency import ResidencyMap, ResidencyReport
@@ -142,39 +139,21 @@ def _scheduler_probe() -> dict[str, Any]:
 
 
 def _scheduler_process(preload: bool, timeout: float = 120.0) -> dict[str, Any]:
-    """Start ``dask scheduler`` (with the PlexRL preload or without) on free 127.0.0.1 ports,
-    connect a client, build Dask's status page and (with the preload) every PlexRL page once
-    (a page's GET creates its Bokeh document on the scheduler), probe it, stop it."""
+    """Start ``dask scheduler`` (with the PlexRL preload or without), connect a client, build
+    Dask's status page and (with the preload) every PlexRL page once (a page's GET creates its
+    Bokeh document on the scheduler), probe it, stop it."""
     from plexrl_dask.dashboard import PAGES
 
     with tempfile.TemporaryDirectory() as tmp:
-        sched_file = Path(tmp) / "scheduler.json"
-        argv = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1"]
-        argv += ["--port", "0", "--dashboard-address", "127.0.0.1:0"]
-        argv += ["--scheduler-file", str(sched_file)]
-        argv += ["--preload", "plexrl_dask.plugins"] if preload else []
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + timeout
-            while not sched_file.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"dask scheduler (preload={preload}) did not start")
-                time.sleep(0.02)
+        with scheduler_process(tmp, preload=preload, timeout=timeout) as info:
             start_s = time.perf_counter() - t0
-            address = json.loads(sched_file.read_text())["address"]
-            with Client(address, timeout=timeout, set_as_default=False) as client:
+            with Client(info["address"], timeout=timeout, set_as_default=False) as client:
                 base = client.dashboard_link.rsplit("/", 1)[0]
                 for path in ("/status", *(PAGES if preload else ())):
                     with urllib.request.urlopen(base + path, timeout=timeout) as page:
                         page.read()
                 return {"start_s": start_s, **client.run_on_scheduler(_scheduler_probe)}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def scheduler_footprint(quick: bool) -> dict[str, Any]:
