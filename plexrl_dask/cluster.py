@@ -35,6 +35,9 @@ PRELOAD = "plexrl_dask.plugins"
 TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRIM_ENV_KEY = f"distributed.nanny.pre-spawn-environ.{TRIM_ENV}"
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
+#: The model stack and the store: what workers and drivers import, and a scheduler never needs
+#: (``plexrl_dask.models.spec`` says why; ``bench.scheduler`` and a test check it).
+MODEL_STACK = ("torch", "transformers", "tokenizers", "zarr")
 
 
 def local_cluster(

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from plexrl_dask.bench.scheduler import HEAVY_MODULES
-from plexrl_dask.cluster import scheduler_process, stop_process
+from plexrl_dask.cluster import MODEL_STACK, scheduler_process, stop_process
 from plexrl_dask.dashboard import PAGES
 from plexrl_dask.dashboard.routes import ROUTES
 
@@ -200,7 +199,7 @@ def test_scheduler_preload_on_a_plain_dask_cluster(tmp_path):
                         assert page.status == 200, path
                 # ...and never needed the model stack: a lean scheduler (models/spec.py says why).
                 heavy = client.run_on_scheduler(
-                    lambda: [m for m in HEAVY_MODULES if m in sys.modules]
+                    lambda: [m for m in MODEL_STACK if m in sys.modules]
                 )
                 assert heavy == []
         finally:

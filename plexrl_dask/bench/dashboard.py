@@ -67,6 +67,7 @@ import logging
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl_dask.bench.common import parser, report
+from plexrl_dask.cluster import MODEL_STACK
 from plexrl_dask.config import DashboardConfig
 from plexrl_dask.dashboard import PAGES
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobStepReport
@@ -662,6 +664,9 @@ def run(args: Any) -> dict[str, Any]:
             results[f"gc_ms_per_s_{phase}"] = gc_ms / max(seconds, 1e-9)
         results["plain_tasks_done"] = load.done
         results["queued_requests"] = len(scheduler.plugins["plexrl"].pending)
+        # The scheduler runs in this process: none of the model stack here, as in a
+        # preloaded `dask scheduler` (its full collections walk whatever the process holds).
+        results["model_stack_imported"] = [m for m in MODEL_STACK if m in sys.modules]
     results["machine_after"] = machine_stalls(probe_s, cpu0)
     return results
 

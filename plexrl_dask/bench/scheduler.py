@@ -55,7 +55,7 @@ from rich.progress import track
 
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import interleaved, median, parser, report
-from plexrl_dask.cluster import TRIM_ENV_KEY, scheduler_process
+from plexrl_dask.cluster import MODEL_STACK, TRIM_ENV_KEY, scheduler_process
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.residency import ResidencyMap, ResidencyReport
@@ -114,9 +114,6 @@ def plain_task_throughput(quick: bool) -> dict[str, float]:
 
 # --- the scheduler process ----------------------------------------------------------------------
 
-#: Modules a scheduler never needs (the model stack and the store).
-HEAVY_MODULES = ("torch", "transformers", "tokenizers", "zarr")
-
 
 def _scheduler_probe() -> dict[str, Any]:
     """Run on a scheduler: what it imported, its tracked objects, a full collection's length
@@ -131,7 +128,7 @@ def _scheduler_probe() -> dict[str, Any]:
         gc.collect()
         pauses.append(time.perf_counter() - t0)
     return {
-        "heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules],
+        "heavy_modules": [m for m in MODEL_STACK if m in sys.modules],
         "objects": len(gc.get_objects()),
         "full_gc_ms": 1000 * statistics.median(pauses),
         "rss_mb": psutil.Process().memory_info().rss / 2**20,
