@@ -17,8 +17,15 @@ rank's shards through DCP, restorable on any world size.
 
 Offload moves a rank's local shards to host memory and frees its module; the next request
 rebuilds the module on its group (the same one, or a new one if the workers ran another group
-in between) and copies the shards back, bit for bit. Limit (until the state store lands):
-every rank materialises the full model once while building it.
+in between) and copies the shards back, bit for bit.
+
+Building: every rank builds the whole model in host memory (the seeded init, or a checkpoint
+read), never on the device. ``fully_shard`` moves each unit's parameters and buffers to the
+mesh's device as it shards that unit (FSDP2's ``_move_states_to_device``), so a GPU holds
+the shards made so far and at most one unit unsharded, not the whole model: a deployment
+too large for one GPU can still be built across several. (Limit: the host holds the whole
+model once per rank while it is built, and a rebuild runs the init again before the shards
+are copied in.)
 """
 
 from __future__ import annotations
@@ -80,6 +87,12 @@ class FSDPBackend(TorchBackend):
         fully_shard(self.model, mesh=self.mesh)
 
     # --- collective hooks ------------------------------------------------------------------
+
+    def _build_model(self) -> torch.nn.Module:
+        # On the host: fully_shard below moves each unit to the device as it shards it (see
+        # the module docstring). The same values as built on the device: the init runs on
+        # the CPU either way.
+        return self.spec.build_model("cpu")
 
     def _agree(self, ok: bool) -> bool:
         return self.groups.all_ok(ok)

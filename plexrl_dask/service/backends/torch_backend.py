@@ -84,7 +84,7 @@ class TorchBackend:
         self.device = torch.device(device)
         self.max_batch_size = int(max_batch_size)
         self.tokenizer = spec.build_tokenizer()
-        self.model = spec.build_model(self.device)
+        self.model = self._build_model()
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(cfg.max_position_embeddings)
@@ -105,6 +105,10 @@ class TorchBackend:
         self.pending_backward = 0
         # Offloaded state: a host dict, or a stash handle (see offload()); None while resident.
         self._host: Any = None
+
+    def _build_model(self) -> torch.nn.Module:
+        """The spec's model, on this replica's device."""
+        return self.spec.build_model(self.device)
 
     # --- validation ------------------------------------------------------------------------
 
