@@ -49,3 +49,32 @@ def test_sampling_on_cuda_is_seeded():
     prompts = backend.tokenize(["1+1=", "22+33="])
     params = SamplingParams(n=2, max_tokens=8, seed=4)
     assert backend.sample(prompts, params, [0, 1]) == backend.sample(prompts, params, [0, 1])
+
+
+def test_reload_beside_a_busy_default_stream_is_bit_identical():
+    """A prefetch reloads on a stream of its own while another request's kernels run on the
+    default stream (TorchBackend's copy_stream): the weights still come back bit for bit."""
+    import threading
+
+    backend = TorchBackend(tiny_spec(hidden_size=256, num_layers=4), "cuda")
+    data = [Datum(tokens=backend.tokenize([f"{i}+{i}={2 * i}"])[0]) for i in range(8)]
+    backend.forward_backward(data, CrossEntropy())
+    backend.optim_step(AdamWParams(lr=1e-3))
+    before = backend.get_weights()
+    backend.offload()
+    a = torch.randn(2048, 2048, device="cuda")
+
+    def busy() -> None:
+        out = a
+        for _ in range(100):
+            out = torch.mm(a, out).tanh_()
+        torch.cuda.synchronize()
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    backend.reload()
+    thread.join(timeout=120)
+    after = backend.get_weights()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    backend.forward_backward(data, CrossEntropy())
+    backend.optim_step(AdamWParams(lr=1e-3))

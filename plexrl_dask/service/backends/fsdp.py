@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service.backends.torch_backend import TorchBackend
+from plexrl_dask.service.backends.torch_backend import TorchBackend, copy_stream
 from plexrl_dask.service.checkpoint import local_shard
 from plexrl_dask.service.groups import ProcessGroupManager
 
@@ -166,32 +166,34 @@ class FSDPBackend(TorchBackend):
         """This rank's local shards (parameters, gradients, optimizer state) and counters, on
         the host (pinned buffers on CUDA; on the CPU the tensors are handed over uncopied)."""
         self._reshard()  # a forward leaves the root unsharded; the optimizer refers to shards
-        params = dict(self.model.named_parameters())
-        optim: dict[str, dict[str, torch.Tensor]] = {}
-        if self.optimizer is not None:
-            for n, p in params.items():
-                optim[n] = {
-                    k: self._to_host(v.to_local() if isinstance(v, DTensor) else v)
-                    for k, v in self.optimizer.state.get(p, {}).items()
-                    if isinstance(v, torch.Tensor)
-                }
-        state = {
-            "params": {n: self._to_host(p.to_local().detach()) for n, p in params.items()},
-            "grads": {
-                n: self._to_host(p.grad.to_local()) for n, p in params.items() if p.grad is not None
-            },
-            "optim": optim,
-            "hyper": None
-            if self.optimizer is None
-            else [
-                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
-            ],
-            "version": self.version,
-            "pending_backward": self.pending_backward,
-            "bytes": self.state_bytes(),
-        }
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with copy_stream(self.device):  # beside another request: see copy_stream
+            params = dict(self.model.named_parameters())
+            optim: dict[str, dict[str, torch.Tensor]] = {}
+            if self.optimizer is not None:
+                for n, p in params.items():
+                    optim[n] = {
+                        k: self._to_host(v.to_local() if isinstance(v, DTensor) else v)
+                        for k, v in self.optimizer.state.get(p, {}).items()
+                        if isinstance(v, torch.Tensor)
+                    }
+            state = {
+                "params": {n: self._to_host(p.to_local().detach()) for n, p in params.items()},
+                "grads": {
+                    n: self._to_host(p.grad.to_local())
+                    for n, p in params.items()
+                    if p.grad is not None
+                },
+                "optim": optim,
+                "hyper": None
+                if self.optimizer is None
+                else [
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in self.optimizer.param_groups
+                ],
+                "version": self.version,
+                "pending_backward": self.pending_backward,
+                "bytes": self.state_bytes(),
+            }
         return state
 
     def offload(self, stash: Any = None, stored: Any = None) -> None:

@@ -13,10 +13,11 @@ continues bit-identically.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,40 @@ def _local_nbytes(t: torch.Tensor) -> int:
     """Bytes this process holds for ``t`` (its local shard, for a DTensor)."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
+
+
+@contextlib.contextmanager
+def copy_stream(device: torch.device) -> Iterator[None]:
+    """Run the enclosed copies between host and ``device`` on a CUDA stream of their own,
+    and wait for those copies alone when the block ends (on the CPU: nothing to do).
+
+    Offloads and reloads run beside another replica's request (a prefetch runs in its own
+    thread; a request makes room by offloading idle replicas). On the default stream their
+    copies would queue behind that request's kernels, and a device-wide synchronize would
+    wait for all of them; on a stream of their own they go to the copy engines meanwhile.
+    Before its first copy the stream waits for what is already queued on the default stream,
+    which may still read memory the allocator hands the new copies. Tensors made here are
+    used on the default stream afterwards: :func:`used_by_default_stream` marks them, so
+    that their memory is not handed to this stream again while that stream may use it."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.default_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def used_by_default_stream(tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+    """Mark device ``tensors`` made inside :func:`copy_stream` as used on the default stream
+    (the caching allocator then waits for that stream before it reuses their memory)."""
+    if device.type != "cuda":
+        return
+    default = torch.cuda.default_stream(device)
+    for t in tensors:
+        if t.device.type == "cuda":
+            t.record_stream(default)
 
 
 def _token_pieces(tokenizer: Any) -> list[str] | None:
@@ -594,20 +629,19 @@ class TorchBackend:
             kept = stored
         else:
             nbytes = self.state_bytes()
-            host: dict[str, Any] = {
-                "params": {n: self._to_host(p.data) for n, p in params.items()},
-                "grads": {
-                    n: self._to_host(p.grad) for n, p in params.items() if p.grad is not None
-                },
-                "buffers": {n: self._to_host(b) for n, b in self.model.named_buffers()},
-                "optim": {
-                    n: {k: self._to_host(self.optimizer.state[params[n]][k]) for k in keys}  # type: ignore[union-attr]
-                    for n, keys in device_optim.items()
-                },
-                "bytes": nbytes,
-            }
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            with copy_stream(self.device):
+                host: dict[str, Any] = {
+                    "params": {n: self._to_host(p.data) for n, p in params.items()},
+                    "grads": {
+                        n: self._to_host(p.grad) for n, p in params.items() if p.grad is not None
+                    },
+                    "buffers": {n: self._to_host(b) for n, b in self.model.named_buffers()},
+                    "optim": {
+                        n: {k: self._to_host(self.optimizer.state[params[n]][k]) for k in keys}  # type: ignore[union-attr]
+                        for n, keys in device_optim.items()
+                    },
+                    "bytes": nbytes,
+                }
             kept = host if stash is None else stash(host)
         for p in params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
@@ -638,23 +672,23 @@ class TorchBackend:
             return
         host = self._host_state()
         params = dict(self.model.named_parameters())
-        for n, p in params.items():
-            p.data = host["params"][n].to(self.device, non_blocking=True)  # type: ignore[index]
-            g = host["grads"].get(n)  # type: ignore[union-attr]
-            p.grad = None if g is None else g.to(self.device, non_blocking=True)
-        buffers = host["buffers"]
-        for mod_name, mod in self.model.named_modules():
-            for bname in list(mod._buffers):
-                full = f"{mod_name}.{bname}" if mod_name else bname
-                if full in buffers:  # type: ignore[operator]
-                    mod._buffers[bname] = buffers[full].to(self.device, non_blocking=True)  # type: ignore[index]
-        if self.optimizer is not None:
-            for n, st in host["optim"].items():  # type: ignore[union-attr]
-                target = self.optimizer.state[params[n]]
-                for k, v in st.items():
-                    target[k] = v.to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with copy_stream(self.device):
+            for n, p in params.items():
+                p.data = host["params"][n].to(self.device, non_blocking=True)  # type: ignore[index]
+                g = host["grads"].get(n)  # type: ignore[union-attr]
+                p.grad = None if g is None else g.to(self.device, non_blocking=True)
+            buffers = host["buffers"]
+            for mod_name, mod in self.model.named_modules():
+                for bname in list(mod._buffers):
+                    full = f"{mod_name}.{bname}" if mod_name else bname
+                    if full in buffers:  # type: ignore[operator]
+                        mod._buffers[bname] = buffers[full].to(self.device, non_blocking=True)  # type: ignore[index]
+            if self.optimizer is not None:
+                for n, st in host["optim"].items():  # type: ignore[union-attr]
+                    target = self.optimizer.state[params[n]]
+                    for k, v in st.items():
+                        target[k] = v.to(self.device, non_blocking=True)
+        used_by_default_stream(self._state_tensors().values(), self.device)
         self._host = None
 
     # Rollout-engine names for the same transitions (vLLM: sleep(level=1) / wake_up()).
