@@ -9,9 +9,11 @@ a hub: loads pass ``local_files_only=True``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,17 @@ logger = logging.getLogger(__name__)
 # is built or sized: the scheduler handles specs and never needs them (a process that imports
 # torch holds ~5x the objects, and every full garbage collection of its event loop walks them).
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_HF_IMPORT = threading.Lock()
+
+
+def hf(name: str) -> Any:
+    """``transformers.<name>``, imported on first use. Under a lock: transformers resolves its
+    names lazily, and threads that first touch it at once (jobs deploying in parallel) can
+    see a name missing ("cannot import name 'Qwen2Config'")."""
+    with _HF_IMPORT:
+        return getattr(importlib.import_module("transformers"), name)
+
+
 # Adam keeps two fp32 moments per parameter, and training holds a gradient per parameter.
 _ADAM_STATE_BYTES_PER_PARAM = 8
 
@@ -133,13 +146,9 @@ class ModelSpec:
     def hf_config(self) -> Any:
         """The ``transformers`` config of the model (read from disk for a checkpoint)."""
         if self.config is not None:
-            from transformers import Qwen2Config
-
-            return Qwen2Config(**dict(self.config))
+            return hf("Qwen2Config")(**dict(self.config))
         self._check_path()
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+        return hf("AutoConfig").from_pretrained(self.path, local_files_only=True)
 
     def _check_path(self) -> None:
         if not os.path.isfile(os.path.join(str(self.path), "config.json")):
@@ -151,10 +160,9 @@ class ModelSpec:
     def num_parameters(self) -> int:
         """Parameter count, computed on the meta device (no memory, no weights read)."""
         import torch
-        from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config())
+            model = hf("AutoModelForCausalLM").from_config(self.hf_config())
         return sum(p.numel() for p in model.parameters())
 
     def memory_bytes(self, role: str) -> int:
@@ -175,28 +183,24 @@ class ModelSpec:
 
             return build_char_tokenizer()
         self._check_path()
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        return hf("AutoTokenizer").from_pretrained(self.path, local_files_only=True)
 
     def build_model(self, device: str | torch.device = "cpu") -> torch.nn.Module:
         """Build the model on ``device`` in ``self.dtype``, deterministically."""
         import torch
-        from transformers import AutoModelForCausalLM
 
+        auto_model = hf("AutoModelForCausalLM")
         if self.config is not None:
             # Seed a private generator state so init does not depend on what ran before. The
             # model is built on the CPU: only the CPU generator is seeded (and restored after),
             # so the CUDA generators of the process are left as they were.
             with torch.random.fork_rng(devices=[]):
                 torch.default_generator.manual_seed(self.seed)
-                model = AutoModelForCausalLM.from_config(
-                    self.hf_config(), attn_implementation="sdpa"
-                )
+                model = auto_model.from_config(self.hf_config(), attn_implementation="sdpa")
             model = model.to(dtype=self.torch_dtype)
         else:
             self._check_path()
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto_model.from_pretrained(
                 self.path,
                 local_files_only=True,
                 dtype=self.torch_dtype,

@@ -25,7 +25,8 @@ def build_char_tokenizer(characters: tuple[str, ...] = CHARACTERS) -> PreTrained
     per character in ``characters`` (in order). Unknown characters map to ``<unk>``."""
     # Imported here: the vocabulary above is what specs need (the scheduler among them).
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    from plexrl_dask.models.spec import hf
 
     if len(set(characters)) != len(characters):
         raise ValueError("tokenizer characters must be unique")
@@ -34,6 +35,6 @@ def build_char_tokenizer(characters: tuple[str, ...] = CHARACTERS) -> PreTrained
     # An empty split pattern isolates every character, so "12" is two tokens.
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    return hf("PreTrainedTokenizerFast")(
         tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
     )
