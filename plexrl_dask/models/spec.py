@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Bytes per parameter of each dtype. torch (and transformers) are imported only where a model
-# is built or sized: the scheduler handles specs and never needs them (a process that imports
-# torch holds ~5x the objects, and every full garbage collection of its event loop walks them).
-_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# is built or sized: the scheduler handles specs and never needs them (a preloaded scheduler
+# that imported them held 400,573 tracked objects against 138,365 without, measured, and every
+# full garbage collection of its event loop walks them).
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HF_IMPORT = threading.Lock()
 
 
@@ -61,8 +62,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if (self.path is None) == (self.config is None):
             raise InvalidModelSpec("give exactly one of ModelSpec(path=...) or ModelSpec.tiny(...)")
-        if self.dtype not in _DTYPES:
-            raise InvalidModelSpec(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise InvalidModelSpec(f"dtype {self.dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
         # The path is checked where it is read (client at deploy, worker at load), not here:
         # the scheduler handles specs of paths that exist only on the workers' filesystem.
 
@@ -170,7 +171,7 @@ class ModelSpec:
         moments for training. (KV-cache memory of sampling is bounded by the sampling batch
         size and checked when sampling, not here.)"""
         n = self.num_parameters()
-        weight_bytes = n * _DTYPES[self.dtype]
+        weight_bytes = n * _DTYPE_BYTES[self.dtype]
         if role == "train":
             return 2 * weight_bytes + n * _ADAM_STATE_BYTES_PER_PARAM
         return weight_bytes
