@@ -2,17 +2,22 @@
 local pool, with live progress per job, a table at the end and a PNG.
 
     python examples/multiplex.py [--jobs 3] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
-                                 [--out runs/multiplex]
+                                 [--out runs/multiplex] [--checkpoint-every N] [--fresh]
                                  [--model PATH]   # every job on a local HF checkpoint instead
 
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
 core), their requests ordered by the PlexRL scheduler plugin. Every job's per-step metrics go
 to ``<out>/multiplexed-<job>.jsonl`` (the first line: the config that reproduces it).
+
+Every job checkpoints itself under ``<out>/checkpoints`` every few steps: stopped (Ctrl-C, a
+lost machine), the same command resumes each job after its last checkpoint, without its
+warm-up, and computes what an uninterrupted run computes. ``--fresh`` starts over.
 """
 
 import argparse
 import json
 import os
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import plexrl_dask as plexrl
 from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.rl.modes import Layout, run_mode, warm_start
+from plexrl_dask.rl.modes import Layout, resumable, run_mode, warm_start
 from plexrl_dask.rl.report import plot_run, summary_table
 
 # Worker processes are spawned and re-import this file: everything runs under main().
@@ -42,16 +47,26 @@ def main() -> None:
     parser.add_argument(
         "--model", default=None, help="a local Hugging Face checkpoint for every job"
     )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="GRPO steps between checkpoints"
+    )
+    parser.add_argument("--fresh", action="store_true", help="ignore checkpoints: start over")
     args = parser.parse_args()
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = out / "checkpoints"
+    if args.fresh:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
     specs = standard_jobs(args.jobs, scale=args.scale)
     if args.grpo_steps:
         specs = [replace(s, grpo=replace(s.grpo, steps=args.grpo_steps)) for s in specs]
     if args.model:
         specs = [replace(s, model=plexrl.ModelSpec(path=args.model)) for s in specs]
     layout = Layout("multiplexed", args.workers, args.rollout_replicas)
+    resumed = resumable(checkpoint_dir, layout.mode, specs)
+    if resumed:
+        console.print(f"resuming {', '.join(resumed)} from {checkpoint_dir} (--fresh starts over)")
     (out / "run.json").write_text(
         json.dumps({"layout": layout.label, "jobs": [s.describe() for s in specs]}, indent=2)
     )
@@ -77,8 +92,17 @@ def main() -> None:
                     rows[job], completed=step, description=f"{job}: warm-up loss {loss:.3f}"
                 )
 
-            checkpoints = warm_start(runtime, specs, out / "warmup", on_progress=warmed)
             warm = {s.name: s.warmup_steps for s in specs}
+            for name, saved in resumed.items():
+                progress.update(
+                    rows[name],
+                    completed=warm[name] + saved.steps_done,
+                    description=f"{name}: resumed after {saved.steps_done} GRPO steps",
+                )
+            # (a resumed job starts from its checkpoint's state: no warm-up)
+            fresh = [s for s in specs if s.name not in resumed]
+            checkpoints = warm_start(runtime, fresh, out / "warmup", on_progress=warmed)
+            checkpoints |= {name: saved.policy for name, saved in resumed.items()}
 
             def stepped(r) -> None:
                 progress.update(
@@ -89,7 +113,15 @@ def main() -> None:
 
             t0 = time.perf_counter()
             run = run_mode(
-                runtime, specs, layout, checkpoints, workers, metrics_dir=out, on_step=stepped
+                runtime,
+                specs,
+                layout,
+                checkpoints,
+                workers,
+                metrics_dir=out,
+                on_step=stepped,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_every=args.checkpoint_every,
             )
         console.print(f"GRPO: {len(specs)} jobs multiplexed in {time.perf_counter() - t0:.0f}s")
 

@@ -11,23 +11,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_main_job_runs_end_to_end(tmp_path):
-    out = tmp_path / "run"
+def main_job(out: Path, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "multiplex.py"),
-            "--scale",
-            "0.02",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=tmp_path,
+        cwd=out.parent,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def steps(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
+
+
+def test_the_main_job_runs_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = main_job(out, "--scale", "0.02")
     jobs = ["add2", "countdown3", "addsub2"]
     for job in jobs:
         assert job in proc.stdout
@@ -39,3 +41,13 @@ def test_the_main_job_runs_end_to_end(tmp_path):
     assert (out / "multiplex.png").read_bytes()[:4] == b"\x89PNG"
     run = json.loads((out / "run.json").read_text())
     assert [j["name"] for j in run["jobs"]] == jobs
+
+    # The same command again resumes every job from its checkpoint (no warm-up); here it
+    # goes on for one more step, which continues the first run's steps unchanged.
+    before = {job: steps(out / f"multiplexed-{job}.jsonl") for job in jobs}
+    proc = main_job(out, "--scale", "0.02", "--grpo-steps", "3")
+    assert "resuming add2, countdown3, addsub2" in proc.stdout
+    for job in jobs:
+        after = steps(out / f"multiplexed-{job}.jsonl")
+        assert [r["step"] for r in after] == [0, 1, 2]
+        assert after[:2] == before[job]  # restored, not redone: wall times included

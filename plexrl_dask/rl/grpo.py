@@ -42,7 +42,25 @@ from typing import Any
 
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
-from plexrl_dask.errors import CheckpointError, ConfigError, DeploymentBusy, StateStoreError
+from plexrl_dask.errors import (
+    CheckpointError,
+    CheckpointIncompatible,
+    CheckpointIncomplete,
+    ConfigError,
+    DeploymentBusy,
+    StateStoreError,
+)
+from plexrl_dask.rl.checkpoint import (
+    JobCheckpoint,
+    JobCheckpoints,
+    append_step,
+    model_identity,
+    new_checkpoint,
+    prune,
+    read_checkpoint,
+    read_steps,
+    write_checkpoint,
+)
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -125,7 +143,9 @@ class GRPOJob:
     ``metrics_path``: a JSONL file getting one line per step, after a first line with the
     job's config (everything needed to reproduce the run). ``start_version``: the weights'
     version when the job starts (a restored checkpoint's; what the first samples are drawn
-    with).
+    with). ``checkpoints``: where the job saves itself every few steps and, when that
+    directory already holds its checkpoint, resumes from it (:mod:`plexrl_dask.rl.checkpoint`;
+    the resumed run's records equal an uninterrupted run's).
     """
 
     def __init__(
@@ -139,6 +159,7 @@ class GRPOJob:
         reference: Deployment | None = None,
         metrics_path: str | Path | None = None,
         start_version: int = 0,
+        checkpoints: JobCheckpoints | None = None,
     ) -> None:
         if config.kl_coef > 0 and reference is None:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
@@ -154,6 +175,9 @@ class GRPOJob:
         self.start_version = int(start_version)
         self.records: list[StepRecord] = []
         self._stay = False  # set when the job's deployments cannot follow its placement
+        self.checkpoints = checkpoints
+        self._saved: JobCheckpoint | None = None  # the newest checkpoint taken or resumed
+        self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -281,6 +305,92 @@ class GRPOJob:
             timeout=request_timeout(),
         )
 
+    def _resume(self) -> tuple[int, Any]:
+        """Restore the job from its checkpoint directory, if it holds a checkpoint: the
+        policy's state (and a split-async job's rollout state; a split job's rollout is
+        synced from the policy), the records of the steps done, the metrics file. Returns
+        the first step to run and what its samples' version comes from (an int, or the
+        future of a weight sync). Nothing is loaded before the checkpoint has been checked
+        against this job (:class:`CheckpointIncompatible`, :class:`CheckpointIncomplete`)."""
+        ck = self.checkpoints
+        saved = None if ck is None else read_checkpoint(ck.directory)
+        if ck is None or saved is None:
+            if ck is not None:
+                ck.directory.mkdir(parents=True, exist_ok=True)
+                # steps of an earlier run that never reached a checkpoint: redone
+                read_steps(ck.directory, 0)
+            return 0, self.start_version
+        if not ck.resume:
+            raise CheckpointError(
+                f"{ck.directory} holds a checkpoint of {saved.steps_done} steps of "
+                f"{saved.job!r}; resume it or give a new directory"
+            )
+        saved.check(
+            self.name, asdict(self.config), repr(self.task), model_identity(self.policy.info.spec)
+        )
+        if (saved.rollout is None) != (self.config.staleness == 0):
+            raise CheckpointIncompatible(
+                "a split-async job resumes with its rollout's saved weights: the checkpoint "
+                f"has {'none' if saved.rollout is None else 'them'}"
+            )
+        if saved.rollout is not None and self.rollout is None:
+            raise ConfigError("a split-async job needs a rollout deployment")  # (as __init__)
+        records = [StepRecord(**r) for r in read_steps(ck.directory, saved.steps_done)]
+        loads = [self.policy.load_state(saved.policy)]
+        if saved.rollout is not None:
+            assert self.rollout is not None
+            loads.append(self.rollout.load_state(saved.rollout))
+        versions = [int(v) for v in result(loads)]
+        if versions[0] != saved.version or (records and records[-1].version != saved.version):
+            raise CheckpointIncomplete(
+                f"{ck.directory}: the policy restored version {versions[0]}, its checkpoint "
+                f"says {saved.version} after {saved.steps_done} steps"
+            )
+        self.records = records
+        self._saved = saved
+        if self.metrics_path is not None:
+            with open(self.metrics_path, "a") as f:
+                f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
+        logger.info(
+            "%s: resumed from %s after %d steps (policy version %d)",
+            self.name, ck.directory, saved.steps_done, saved.version,
+        )  # fmt: skip
+        if self.rollout is None:
+            return saved.steps_done, None  # (colocated: the records say the version)
+        if saved.rollout is not None:
+            return saved.steps_done, versions[1]
+        return saved.steps_done, self._sync()
+
+    def _checkpoint(self, record: StepRecord) -> None:
+        """Record the step in the checkpoint directory and, when one is due, save the
+        state (policy; a split-async job's rollout too) and then the manifest."""
+        ck = self.checkpoints
+        if ck is None:
+            return
+        append_step(ck.directory, asdict(record))
+        done = record.step + 1
+        if not ck.due(done, self.config.steps):
+            return
+        saves = [self.policy.save_state(ck.store)]
+        if self.config.staleness:
+            assert self.rollout is not None
+            saves.append(self.rollout.save_state(ck.store))
+        saved = result(saves)
+        self._saved = new_checkpoint(
+            self._saved,
+            ck.keep,
+            job=self.name,
+            config=asdict(self.config),
+            task=repr(self.task),
+            model=model_identity(self.policy.info.spec),
+            steps_done=done,
+            version=record.version,
+            policy=saved[0],
+            rollout=saved[1] if len(saved) > 1 else None,
+        )
+        write_checkpoint(ck.directory, self._saved)
+        prune(ck, self._saved)
+
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """Run ``config.steps`` steps; returns (and appends to ``records``) their records.
 
@@ -290,11 +400,18 @@ class GRPOJob:
         ``k``'s samples (drawn with version ``k - 1``) are in, the policy's current weights
         (version ``k``) are synced and step ``k + 1`` samples while step ``k`` trains; the
         importance ratio uses the behaviour policy's log-probabilities, scored by the rollout
-        before it takes the new weights."""
+        before it takes the new weights.
+
+        With ``checkpoints``, a job whose directory holds its checkpoint starts after the
+        steps it records, and the returned records include those."""
         c = self.config
         ahead = c.staleness == 1
-        pending, pending_version = self._submit_sample(0), self.start_version
-        for step in range(c.steps):
+        first, pending_version = self._resume()
+        self.first_step = first
+        if first >= c.steps:
+            return self.records
+        pending = self._submit_sample(first)
+        for step in range(first, c.steps):
             t0 = time.perf_counter()
             problems = self._problems(step)
             out = result(pending)
@@ -310,8 +427,11 @@ class GRPOJob:
             if ahead and data:
                 assert self.rollout is not None
                 old = self.rollout.forward(data)  # (queued before the sync below: old weights)
-            if ahead and step + 1 < c.steps:
+            # (ahead, the sync for the next step's samples is what a checkpoint saves of the
+            # rollout: it is made after the last step too, so the job can be continued)
+            if ahead and (step + 1 < c.steps or self.checkpoints is not None):
                 sync = self._sync()
+            if ahead and step + 1 < c.steps:
                 pending, pending_version = self._submit_sample(step + 1), sync
             futures = self._train(data, old) if data else []
             if not ahead and step + 1 < c.steps:
@@ -344,6 +464,7 @@ class GRPOJob:
             if self.metrics_path is not None:
                 with open(self.metrics_path, "a") as f:
                     f.write(json.dumps(asdict(record)) + "\n")
+            self._checkpoint(record)
             if on_step is not None:
                 on_step(record)
         if self.rollout is not None:

@@ -35,6 +35,7 @@ from plexrl_dask import config
 from plexrl_dask.config import request_timeout
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.rl.checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
 from plexrl_dask.rl.warmup import supervised_warmup
@@ -180,6 +181,8 @@ def warm_start(
         finally:
             job.undeploy(name)
 
+    if not specs:
+        return {}
     # Every wait inside is bounded by the request timeout; so is the whole, per step.
     timeout = request_timeout() * (max((s.warmup_steps for s in specs), default=0) + 3)
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup") as pool:
@@ -234,8 +237,38 @@ def _deployed(
                 runtime.undeploy(name)
 
 
-def _job(placed: _Placed, mode: str, metrics_dir: Path | None) -> GRPOJob:
+def job_checkpoint_dir(directory: str | os.PathLike[str], mode: str, job: str) -> Path:
+    """Where :func:`run_mode` keeps ``job``'s checkpoints in ``mode`` under ``directory``."""
+    return Path(directory) / f"{mode}-{job}"
+
+
+def resumable(
+    directory: str | os.PathLike[str], mode: str, specs: Sequence[JobSpec]
+) -> dict[str, JobCheckpoint]:
+    """The jobs of ``specs`` with a checkpoint of ``mode`` under ``directory``, by name.
+    A checkpoint's ``policy`` is a starting point for :func:`run_mode` in place of the
+    warm-up's (the job then resumes after the steps its checkpoint holds)."""
+    found = {}
+    for spec in specs:
+        saved = read_checkpoint(job_checkpoint_dir(directory, mode, spec.name))
+        if saved is not None:
+            found[spec.name] = saved
+    return found
+
+
+def _job(
+    placed: _Placed,
+    mode: str,
+    metrics_dir: Path | None,
+    checkpoint_dir: Path | None = None,
+    checkpoint_every: int | None = None,
+) -> GRPOJob:
     spec = placed.spec
+    checkpoints = None
+    if checkpoint_dir is not None:
+        checkpoints = JobCheckpoints.at(
+            job_checkpoint_dir(checkpoint_dir, mode, spec.name), every=checkpoint_every
+        )
     return GRPOJob(
         spec.name,
         placed.runtime,
@@ -245,11 +278,17 @@ def _job(placed: _Placed, mode: str, metrics_dir: Path | None) -> GRPOJob:
         rollout=placed.rollout,
         metrics_path=None if metrics_dir is None else metrics_dir / f"{mode}-{spec.name}.jsonl",
         start_version=placed.version,
+        checkpoints=checkpoints,
     )
 
 
 def _window(
-    placed: _Placed, t0: float, t1: float, records: list[StepRecord], pooled: bool
+    placed: _Placed,
+    t0: float,
+    t1: float,
+    records: list[StepRecord],
+    pooled: bool,
+    first: int = 0,
 ) -> JobWindow:
     sampler = placed.rollout if placed.rollout is not None else placed.policy
     return JobWindow(
@@ -260,7 +299,8 @@ def _window(
         rollout_workers=placed.rollout_workers,
         t0=t0,
         t1=t1,
-        useful_tokens=sum(sum(r.completion_lengths) for r in records),
+        # (the steps run in this window: a resumed job's records begin with restored ones)
+        useful_tokens=sum(sum(r.completion_lengths) for r in records if r.step >= first),
     )
 
 
@@ -273,14 +313,22 @@ def run_mode(
     metrics_dir: str | os.PathLike[str] | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     peak_tokens_per_s: dict[str, float] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
 ) -> ModeRun:
     """Run ``specs`` in ``layout`` on the first ``layout.workers`` of ``workers``: isolated
     modes one job after another, multiplexed all at once; returns every job's records and
-    the mode's ledger (``peak_tokens_per_s``, by job, for throughput-to-peak)."""
+    the mode's ledger (``peak_tokens_per_s``, by job, for throughput-to-peak).
+
+    ``checkpoint_dir``: each job checkpoints every ``checkpoint_every`` steps (default: the
+    config's) under :func:`job_checkpoint_dir`, and a job that has a checkpoint there
+    resumes after its steps (start it from :func:`resumable`'s state). The ledger then
+    covers the steps run in this call."""
     if layout.workers > len(workers):
         raise ConfigError(f"{layout.label} needs {layout.workers} workers, {len(workers)} given")
     reserved = list(workers[: layout.workers])
     out_dir = None if metrics_dir is None else Path(metrics_dir)
+    ck_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[StepRecord]] = {}
@@ -291,11 +339,13 @@ def run_mode(
             with _deployed(
                 runtime, spec, layout, checkpoints[spec.name], reserved[0], reserved[1:]
             ) as placed:
-                job = _job(placed, layout.mode, out_dir)
+                job = _job(placed, layout.mode, out_dir, ck_dir, checkpoint_every)
                 t0 = time.time()
                 first = t0 if first is None else first
                 records[spec.name] = job.run(on_step)
-                windows.append(_window(placed, t0, time.time(), records[spec.name], pooled=False))
+                windows.append(
+                    _window(placed, t0, time.time(), records[spec.name], False, job.first_step)
+                )
         t_start, t_end, pool = first or time.time(), time.time(), ()
     else:
         with contextlib.ExitStack() as stack:
@@ -312,12 +362,13 @@ def run_mode(
                 )
                 for i, spec in enumerate(specs)
             ]
-            jobs = [_job(p, layout.mode, out_dir) for p in placed_jobs]
+            jobs = [_job(p, layout.mode, out_dir, ck_dir, checkpoint_every) for p in placed_jobs]
             t_start = time.time()
             records = run_jobs(jobs, on_step)
             t_end = time.time()
             windows = [
-                _window(p, t_start, t_end, records[p.spec.name], pooled=True) for p in placed_jobs
+                _window(p, t_start, t_end, records[p.spec.name], True, j.first_step)
+                for p, j in zip(placed_jobs, jobs, strict=True)
             ]
         pool = tuple(reserved)
     ledger = ModeLedger(

@@ -1,0 +1,245 @@
+"""Checkpoints of a whole GRPO job, and resuming one bit for bit.
+
+A job that runs for hours on a shared pool will meet a dead driver, a preempted node or an
+operator's restart. With :class:`JobCheckpoints` a :class:`~plexrl_dask.rl.grpo.GRPOJob`
+saves, every ``every`` steps and after its last, what its next step depends on, and a job
+started again on the same directory continues from there. Because sampling is seeded per
+(job, step, prompt, sample) and state is saved and restored bit for bit, the resumed job's
+records (rewards, losses, lengths, versions) are exactly those of a run that never stopped.
+
+What a step depends on is: the policy's parameters and optimizer state; for a split-async
+job (``staleness=1``) also the rollout's parameters, which are one version behind the
+policy's (the next step's samples and its behaviour log-probabilities come from them); the
+records of the steps done; and the job's config. A split (synchronous) job's rollout holds
+the policy's weights, so a resume re-syncs it instead of saving it; a colocated job has none.
+
+A checkpoint directory holds::
+
+    job.json         the manifest: steps done, versions, what ``save_state`` returned
+    steps.jsonl      one record per step done (appended every step; the manifest says how
+                     many lines belong to the checkpoint, later ones are redone on resume)
+    state/           a state store with the saved versions (``Deployment.save_state``)
+
+The manifest is replaced atomically after every save has returned (saves are themselves
+atomic versions of the store), so a crash at any point leaves the previous checkpoint whole.
+Only the ``keep`` newest checkpoints' versions stay in the store; older ones are deleted and
+their unshared chunks collected. The directory must be reachable by the driver and by the
+workers of the policy's rank 0 and of the rollout's replica 0: a local disk on a local
+cluster, a shared filesystem otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plexrl_dask import config
+from plexrl_dask.errors import (
+    CheckpointError,
+    CheckpointIncompatible,
+    CheckpointIncomplete,
+    ConfigError,
+    StateStoreError,
+)
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "job.json"
+STEPS = "steps.jsonl"
+STORE = "state"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class JobCheckpoints:
+    """Where and how often a job checkpoints (``plexrl.job-checkpoint.*`` for the defaults).
+
+    ``every``: steps between checkpoints (the job's last step is always saved). ``keep``: how
+    many of the newest checkpoints stay in the store. ``resume``: continue from the
+    directory's checkpoint when there is one (``False``: a checkpoint there is an error, so
+    that a new run never silently continues an old one)."""
+
+    directory: Path
+    every: int
+    keep: int
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directory", Path(self.directory))
+        if not (isinstance(self.every, int) and self.every >= 1):
+            raise ConfigError(f"checkpoints every {self.every!r} steps: give an integer >= 1")
+        if not (isinstance(self.keep, int) and self.keep >= 1):
+            raise ConfigError(f"keep {self.keep!r} checkpoints: give an integer >= 1")
+
+    @classmethod
+    def at(
+        cls,
+        directory: str | os.PathLike[str],
+        every: int | None = None,
+        keep: int | None = None,
+        resume: bool = True,
+    ) -> JobCheckpoints:
+        """Checkpoints in ``directory``, ``every`` and ``keep`` defaulting to the config's."""
+        return cls(
+            Path(directory),
+            int(config.get("job-checkpoint.every")) if every is None else every,
+            int(config.get("job-checkpoint.keep")) if keep is None else keep,
+            resume,
+        )
+
+    def due(self, steps_done: int, steps: int) -> bool:
+        """Whether a checkpoint is taken once ``steps_done`` of ``steps`` steps are done."""
+        return steps_done % self.every == 0 or steps_done == steps
+
+    @property
+    def store(self) -> str:
+        """The state store's path (what ``save_state`` writes to)."""
+        return str(self.directory / STORE)
+
+
+@dataclass(frozen=True)
+class JobCheckpoint:
+    """One checkpoint (the manifest): enough, with the store's versions and the first
+    ``steps_done`` lines of ``steps.jsonl``, to continue the job exactly."""
+
+    job: str
+    config: dict[str, Any]  # the GRPOConfig's fields
+    task: str  # the task's repr
+    model: dict[str, Any]  # the policy's architecture (:func:`model_identity`)
+    steps_done: int
+    version: int  # the policy's, after the last step done
+    policy: dict[str, Any]  # what the policy's save_state returned
+    rollout: dict[str, Any] | None  # the rollout's (split-async only)
+    #: Older checkpoints kept: their (policy, rollout) saves, newest first.
+    kept: list[list[dict[str, Any] | None]] = field(default_factory=list)
+    time: float = 0.0
+    format: int = FORMAT
+
+    def check(self, job: str, job_config: dict[str, Any], task: str, model: dict[str, Any]) -> None:
+        """Raise :class:`CheckpointIncompatible` unless this checkpoint is of the same job:
+        same name, task, model architecture and config (``steps`` may differ: a job may be
+        continued for more steps than it first ran)."""
+        mine = {k: v for k, v in self.config.items() if k != "steps"}
+        # (as the manifest holds it: through JSON)
+        theirs = {k: v for k, v in json.loads(json.dumps(job_config)).items() if k != "steps"}
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        model = json.loads(json.dumps(model))
+        if self.job != job or self.task != task or self.model != model or differ:
+            what = [f"job {self.job!r} != {job!r}"] if self.job != job else []
+            what += [f"task {self.task} != {task}"] if self.task != task else []
+            what += [f"model {self.model} != {model}"] if self.model != model else []
+            what += [f"config {k}: {mine.get(k)!r} != {theirs.get(k)!r}" for k in differ]
+            raise CheckpointIncompatible(
+                f"the checkpoint is of another job ({'; '.join(what)}); resume it with the "
+                "same job, or give a new directory"
+            )
+
+
+def model_identity(spec: Any) -> dict[str, Any]:
+    """What a checkpoint's model must match, of a :class:`~plexrl_dask.ModelSpec`: the
+    architecture of a config-built model and the dtype. Not the init seed (the checkpoint
+    replaces the initial weights) nor a checkpoint's path (the same base model may sit
+    elsewhere on another machine; a model of other shapes fails the load with
+    :class:`CheckpointIncompatible`)."""
+    config = None if spec.config is None else [list(kv) for kv in spec.config]
+    return {"config": config, "dtype": spec.dtype}
+
+
+def read_checkpoint(directory: str | os.PathLike[str]) -> JobCheckpoint | None:
+    """The checkpoint in ``directory`` (None when there is none). A manifest that cannot be
+    read is a :class:`CheckpointError` (never silently a fresh start)."""
+    path = Path(directory) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read the job checkpoint {path}: {e}") from e
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a job checkpoint of format {FORMAT}")
+    try:
+        return JobCheckpoint(**raw)
+    except TypeError as e:
+        raise CheckpointError(f"{path} is not a job checkpoint: {e}") from e
+
+
+def write_checkpoint(directory: str | os.PathLike[str], ckpt: JobCheckpoint) -> None:
+    """Replace the manifest atomically (written beside it, flushed, renamed over it)."""
+    path = Path(directory) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(asdict(ckpt), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_step(directory: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Append one step's record to ``steps.jsonl``."""
+    with open(Path(directory) / STEPS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_steps(directory: str | os.PathLike[str], steps_done: int) -> list[dict[str, Any]]:
+    """The first ``steps_done`` records of ``steps.jsonl``, and the file cut to them (the
+    steps after the checkpoint are redone). Fewer lines than that, or a record of another
+    step, is a :class:`CheckpointIncomplete`."""
+    path = Path(directory) / STEPS
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    try:
+        records = [json.loads(line) for line in lines[:steps_done]]
+    except ValueError as e:
+        raise CheckpointIncomplete(f"{path}: a record is not JSON: {e}") from e
+    if len(records) < steps_done or [r.get("step") for r in records] != list(range(steps_done)):
+        raise CheckpointIncomplete(
+            f"{path} holds {len(records)} readable steps of the {steps_done} its checkpoint "
+            "says are done"
+        )
+    if len(lines) > steps_done:
+        tmp = path.with_name(f".{STEPS}.tmp")
+        tmp.write_text("".join(line + "\n" for line in lines[:steps_done]))
+        os.replace(tmp, path)
+    return records
+
+
+def prune(checkpoints: JobCheckpoints, ckpt: JobCheckpoint) -> dict[str, int]:
+    """Delete the store's versions that no kept checkpoint refers to, and collect their
+    chunks that nothing else shares. Returns the store's collection counts. Best effort: a
+    failure is logged (the checkpoint itself is already whole)."""
+    from plexrl_dask.state_store.store import StateStore
+
+    live = {(s["model"], int(s["version"])) for pair in ckpt.kept for s in pair if s}
+    live |= {(s["model"], int(s["version"])) for s in (ckpt.policy, ckpt.rollout) if s}
+    try:
+        store = StateStore(checkpoints.store)
+        # Every model of the job's store: a resumed job's deployments may have new names.
+        for model in store.models():
+            for version in store.versions(model):
+                if (model, version) not in live:
+                    store.delete_version(model, version)
+        # Only this job writes here and nothing is being written now (the saves returned):
+        # no grace period is needed for objects; a crashed publish's staging keeps its own.
+        return store.gc(grace_s=0.0)
+    except (OSError, StateStoreError) as e:
+        logger.warning("pruning old checkpoints in %s failed: %s", checkpoints.store, e)
+        return {}
+
+
+def new_checkpoint(
+    previous: JobCheckpoint | None,
+    keep: int,
+    **fields: Any,
+) -> JobCheckpoint:
+    """The manifest of a new checkpoint, keeping the ``keep - 1`` newest earlier ones."""
+    kept: list[list[dict[str, Any] | None]] = []
+    if previous is not None and keep > 1:
+        kept = [[previous.policy, previous.rollout], *previous.kept][: keep - 1]
+    return JobCheckpoint(kept=kept, time=time.time(), **fields)

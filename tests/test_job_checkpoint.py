@@ -1,0 +1,153 @@
+"""A GRPO job's checkpoints: stopped and resumed on new deployments, it computes exactly what
+an uninterrupted run computes; a checkpoint of another job is refused and left whole."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+
+import plexrl_dask as plexrl
+from plexrl_dask import errors
+from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint
+from plexrl_dask.state_store.store import StateStore
+from tests.conftest import tiny_spec, unique
+from tests.test_grpo import FirstCharIsDigit
+
+CONFIG = GRPOConfig(steps=5, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=5)
+MODES = {"colocated": 0, "split": 0, "split-async": 1}
+
+
+class Stop(Exception):
+    """The driver dies (raised from ``on_step``)."""
+
+
+def deployments(runtime, mode: str, seed: int):
+    policy = runtime.deploy(unique(f"ck-{mode}-policy"), tiny_spec(seed=seed))
+    if mode == "colocated":
+        return policy, None
+    rollout = runtime.deploy(unique(f"ck-{mode}-rollout"), tiny_spec(seed=seed), role="rollout")
+    plexrl.result(runtime.sync_weights(policy, rollout))
+    return policy, rollout
+
+
+def job(runtime, mode: str, seed: int, config: GRPOConfig = CONFIG, **kwargs) -> GRPOJob:
+    policy, rollout = deployments(runtime, mode, seed)
+    config = replace(config, staleness=MODES[mode])
+    return GRPOJob(mode, runtime, FirstCharIsDigit(), policy, config, rollout=rollout, **kwargs)
+
+
+def comparable(records) -> list[dict]:
+    return [{k: v for k, v in asdict(r).items() if k != "wall_s"} for r in records]
+
+
+def stop_after(step: int):
+    def on_step(record) -> None:
+        if record.step == step:
+            raise Stop
+
+    return on_step
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_resumed_job_computes_what_an_uninterrupted_run_computes(runtime, tmp_path, mode):
+    whole = job(runtime, mode, seed=21)
+    want = whole.run()
+    assert all(r.loss is not None for r in want)  # every step trained
+
+    # Every 2 steps, stopped after step 2: the checkpoint holds 2 steps, step 2 is redone.
+    ck = JobCheckpoints.at(tmp_path / "ck", every=2, keep=2)
+    first = job(runtime, mode, seed=21, checkpoints=ck)
+    with pytest.raises(Stop):
+        first.run(stop_after(2))
+    saved = read_checkpoint(ck.directory)
+    assert saved is not None and saved.steps_done == 2
+    assert (saved.rollout is not None) == (mode == "split-async")
+    assert len((ck.directory / "steps.jsonl").read_text().splitlines()) == 3
+    for d in (first.policy, first.rollout):
+        if d is not None:
+            runtime.undeploy(d.name)
+
+    # New deployments from another initialisation: what they hold comes from the checkpoint.
+    metrics = tmp_path / "resumed.jsonl"
+    resumed = job(runtime, mode, seed=99, checkpoints=ck, metrics_path=metrics)
+    got = resumed.run()
+    assert comparable(got) == comparable(want)
+    final = plexrl.result(whole.policy.get_weights()).tensors
+    weights = plexrl.result(resumed.policy.get_weights())
+    assert weights.version == want[-1].version
+    assert all(torch.equal(weights.tensors[n], t) for n, t in final.items())
+    if resumed.rollout is not None:  # and the rollout ends with the final weights
+        synced = plexrl.result(resumed.rollout.get_weights()).tensors
+        assert all(torch.equal(synced[n], t) for n, t in final.items())
+
+    # The directory: every step once, the last checkpoint at the end, two checkpoints kept.
+    saved = read_checkpoint(ck.directory)
+    assert saved.steps_done == 5 and saved.version == want[-1].version
+    lines = [json.loads(line) for line in (ck.directory / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4]
+    assert [r["reward_mean"] for r in lines] == [r.reward_mean for r in want]
+    store = StateStore(ck.store)
+    held = {(m, v) for m in store.models() for v in store.versions(m)}
+    kept = [saved.policy, saved.rollout, *(s for pair in saved.kept for s in pair)]
+    assert held == {(s["model"], s["version"]) for s in kept if s}
+    assert len(saved.kept) == 1 and saved.kept[0][0]["version"] == want[3].version
+    # The metrics file of the resumed run reads as an uninterrupted run's.
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert rows[0]["config"]["seed"] == CONFIG.seed
+    assert [r["step"] for r in rows[1:]] == [0, 1, 2, 3, 4]
+
+    # A finished job resumed again does nothing more; continued for more steps, it goes on
+    # exactly as a longer run would.
+    assert comparable(job(runtime, mode, seed=99, checkpoints=ck).run()) == comparable(want)
+    if mode == "split-async":
+        longer = job(runtime, mode, seed=21, config=replace(CONFIG, steps=7)).run()
+        more = job(runtime, mode, seed=99, config=replace(CONFIG, steps=7), checkpoints=ck)
+        assert comparable(more.run()) == comparable(longer)
+
+
+def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path):
+    ck = JobCheckpoints.at(tmp_path / "ck", every=1)
+    short = replace(CONFIG, steps=2)
+    done = job(runtime, "colocated", seed=22, config=short, checkpoints=ck).run()
+    manifest = (ck.directory / "job.json").read_bytes()
+    steps = (ck.directory / "steps.jsonl").read_bytes()
+
+    other = job(runtime, "colocated", seed=23, config=replace(short, lr=2e-2), checkpoints=ck)
+    with pytest.raises(errors.CheckpointIncompatible, match="lr"):
+        other.run()
+    # nothing was loaded into the other job's deployment, nothing in the directory changed
+    assert plexrl.result(other.policy.get_weights()).version == 0
+    assert (ck.directory / "job.json").read_bytes() == manifest
+    assert (ck.directory / "steps.jsonl").read_bytes() == steps
+    wider = runtime.deploy(unique("ck-wider"), tiny_spec(seed=23, hidden_size=64))
+    with pytest.raises(errors.CheckpointIncompatible, match="model"):
+        GRPOJob("colocated", runtime, FirstCharIsDigit(), wider, short, checkpoints=ck).run()
+    with pytest.raises(errors.CheckpointIncompatible, match="staleness"):
+        job(runtime, "split-async", seed=23, config=short, checkpoints=ck).run()
+    with pytest.raises(errors.CheckpointError, match="resume it or give a new directory"):
+        job(
+            runtime, "colocated", seed=23, config=short, checkpoints=replace(ck, resume=False)
+        ).run()
+
+    # The same job still resumes from it, untouched by the refusals.
+    again = job(runtime, "colocated", seed=23, config=short, checkpoints=ck).run()
+    assert comparable(again) == comparable(done)
+
+    # A damaged directory is a typed error, never a silent fresh start.
+    (ck.directory / "steps.jsonl").write_bytes(steps.splitlines(keepends=True)[0])
+    with pytest.raises(errors.CheckpointIncomplete, match="1 readable steps of the 2"):
+        job(runtime, "colocated", seed=23, config=short, checkpoints=ck).run()
+    (ck.directory / "job.json").write_text("{")
+    with pytest.raises(errors.CheckpointError, match="cannot read"):
+        job(runtime, "colocated", seed=23, config=short, checkpoints=ck).run()
+
+
+def test_checkpoint_settings_are_checked():
+    for bad in ({"every": 0}, {"keep": 0}, {"every": 1.5}):
+        with pytest.raises(errors.ConfigError):
+            JobCheckpoints.at("/tmp/unused", **bad)
+    ck = JobCheckpoints.at("/tmp/unused", every=3)
+    assert [n for n in range(1, 8) if ck.due(n, 7)] == [3, 6, 7]
