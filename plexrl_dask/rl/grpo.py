@@ -178,6 +178,7 @@ class GRPOJob:
         self.checkpoints = checkpoints
         self._saved: JobCheckpoint | None = None  # the newest checkpoint taken or resumed
         self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
+        self.checkpoint_s: list[float] = []  # how long each checkpoint held up the driver
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -371,6 +372,7 @@ class GRPOJob:
         done = record.step + 1
         if not ck.due(done, self.config.steps):
             return
+        t0 = time.perf_counter()
         saves = [self.policy.save_state(ck.store)]
         if self.config.staleness:
             assert self.rollout is not None
@@ -390,6 +392,10 @@ class GRPOJob:
         )
         write_checkpoint(ck.directory, self._saved)
         prune(ck, self._saved)
+        self.checkpoint_s.append(time.perf_counter() - t0)
+        logger.debug(
+            "%s: checkpoint after %d steps in %.3fs", self.name, done, self.checkpoint_s[-1]
+        )
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """Run ``config.steps`` steps; returns (and appends to ``records``) their records.
