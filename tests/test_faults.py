@@ -110,3 +110,52 @@ def _wait_for_workers(runtime: plexrl.Runtime, n: int) -> None:
     while len(runtime.status()["workers"]) < n:
         assert time.monotonic() < deadline, f"fewer than {n} workers reported in"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("dies", ["policy", "rollout"])
+def test_a_job_whose_worker_dies_goes_back_to_its_checkpoint_and_computes_the_same(
+    fault_client, tmp_path, dies
+):
+    """A split GRPO job with checkpoints every 2 steps; after step 2 the worker holding its
+    policy (or its rollout, synced and so not rebuildable from its spec) is killed. The job
+    goes back to its checkpoint of 2 steps by itself, restores both deployments on the
+    workers there are, redoes step 2 and ends with exactly an uninterrupted run's records."""
+    from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints
+    from tests.test_grpo import FirstCharIsDigit
+
+    runtime = plexrl.Runtime(fault_client, job=unique("faults-grpo"))
+    _wait_for_workers(runtime, 2)
+    config = GRPOConfig(steps=5, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=5)
+
+    def job(tag: str, **kwargs) -> GRPOJob:
+        spec = tiny_spec(seed=31)
+        policy = runtime.deploy(unique(f"{tag}-policy"), spec)
+        rollout = runtime.deploy(unique(f"{tag}-rollout"), spec, role="rollout")
+        plexrl.result(runtime.sync_weights(policy, rollout))
+        return GRPOJob("faulty", runtime, FirstCharIsDigit(), policy, config, rollout, **kwargs)
+
+    whole = job("whole")
+    want = whole.run()
+    # (read now: the worker about to be killed may hold this one too)
+    expected = plexrl.result(whole.policy.get_weights()).tensors
+    victim_job = job("victim", checkpoints=JobCheckpoints.at(tmp_path / "ck", every=2))
+    killed: list[str] = []
+
+    def kill(record) -> None:
+        if record.step == 2 and not killed:
+            target = victim_job.policy if dies == "policy" else victim_job.rollout
+            worker = runtime.deployment(target.name).info.workers[0]
+            pid = fault_client.run(os.getpid, workers=[worker])[worker]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(worker)
+
+    got = victim_job.run(kill)
+    assert killed and len(victim_job.recoveries) == 1, victim_job.recoveries
+    assert "Lost" in victim_job.recoveries[0]
+
+    def comparable(records):
+        return [(r.step, r.reward_mean, r.completion_lengths, r.loss, r.version) for r in records]
+
+    assert comparable(got) == comparable(want)
+    final = plexrl.result(runtime.deployment(victim_job.policy.name).get_weights()).tensors
+    assert all(torch.equal(final[n], t) for n, t in expected.items())

@@ -64,7 +64,7 @@ def test_a_resumed_job_computes_what_an_uninterrupted_run_computes(runtime, tmp_
         first.run(stop_after(2))
     saved = read_checkpoint(ck.directory)
     assert saved is not None and saved.steps_done == 2
-    assert (saved.rollout is not None) == (mode == "split-async")
+    assert (saved.rollout is not None) == (mode != "colocated")
     assert len((ck.directory / "steps.jsonl").read_text().splitlines()) == 3
     for d in (first.policy, first.rollout):
         if d is not None:
@@ -102,10 +102,9 @@ def test_a_resumed_job_computes_what_an_uninterrupted_run_computes(runtime, tmp_
     # A finished job resumed again does nothing more; continued for more steps, it goes on
     # exactly as a longer run would.
     assert comparable(job(runtime, mode, seed=99, checkpoints=ck).run()) == comparable(want)
-    if mode == "split-async":
-        longer = job(runtime, mode, seed=21, config=replace(CONFIG, steps=7)).run()
-        more = job(runtime, mode, seed=99, config=replace(CONFIG, steps=7), checkpoints=ck)
-        assert comparable(more.run()) == comparable(longer)
+    longer = job(runtime, mode, seed=21, config=replace(CONFIG, steps=7)).run()
+    more = job(runtime, mode, seed=99, config=replace(CONFIG, steps=7), checkpoints=ck)
+    assert comparable(more.run()) == comparable(longer)
 
 
 def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path):

@@ -7,11 +7,14 @@ started again on the same directory continues from there. Because sampling is se
 (job, step, prompt, sample) and state is saved and restored bit for bit, the resumed job's
 records (rewards, losses, lengths, versions) are exactly those of a run that never stopped.
 
-What a step depends on is: the policy's parameters and optimizer state; for a split-async
-job (``staleness=1``) also the rollout's parameters, which are one version behind the
-policy's (the next step's samples and its behaviour log-probabilities come from them); the
-records of the steps done; and the job's config. A split (synchronous) job's rollout holds
-the policy's weights, so a resume re-syncs it instead of saving it; a colocated job has none.
+What a step depends on is: the policy's parameters and optimizer state; the rollout's
+parameters (a split job's are the policy's, which the content-addressed store keeps once; a
+split-async job's are one version behind, and the next step's samples and behaviour
+log-probabilities come from them); the records of the steps done; and the job's config.
+Saving the rollout also lets a job restore it when the worker that held it died: a running
+job that loses a deployment's state goes back to its last checkpoint by itself
+(``max_recoveries`` times), and a job starting afresh saves its initial state first, so
+there is always one to go back to.
 
 A checkpoint directory holds::
 
@@ -62,12 +65,14 @@ class JobCheckpoints:
     ``every``: steps between checkpoints (the job's last step is always saved). ``keep``: how
     many of the newest checkpoints stay in the store. ``resume``: continue from the
     directory's checkpoint when there is one (``False``: a checkpoint there is an error, so
-    that a new run never silently continues an old one)."""
+    that a new run never silently continues an old one). ``max_recoveries``: how many times
+    a running job goes back to its last checkpoint after losing a deployment's state."""
 
     directory: Path
     every: int
     keep: int
     resume: bool = True
+    max_recoveries: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
@@ -75,6 +80,8 @@ class JobCheckpoints:
             raise ConfigError(f"checkpoints every {self.every!r} steps: give an integer >= 1")
         if not (isinstance(self.keep, int) and self.keep >= 1):
             raise ConfigError(f"keep {self.keep!r} checkpoints: give an integer >= 1")
+        if not (isinstance(self.max_recoveries, int) and self.max_recoveries >= 0):
+            raise ConfigError(f"max_recoveries {self.max_recoveries!r}: give an integer >= 0")
 
     @classmethod
     def at(
@@ -83,13 +90,17 @@ class JobCheckpoints:
         every: int | None = None,
         keep: int | None = None,
         resume: bool = True,
+        max_recoveries: int | None = None,
     ) -> JobCheckpoints:
-        """Checkpoints in ``directory``, ``every`` and ``keep`` defaulting to the config's."""
+        """Checkpoints in ``directory``; what is not given comes from the config."""
         return cls(
             Path(directory),
             int(config.get("job-checkpoint.every")) if every is None else every,
             int(config.get("job-checkpoint.keep")) if keep is None else keep,
             resume,
+            int(config.get("job-checkpoint.max-recoveries"))
+            if max_recoveries is None
+            else max_recoveries,
         )
 
     def due(self, steps_done: int, steps: int) -> bool:
@@ -114,7 +125,7 @@ class JobCheckpoint:
     steps_done: int
     version: int  # the policy's, after the last step done
     policy: dict[str, Any]  # what the policy's save_state returned
-    rollout: dict[str, Any] | None  # the rollout's (split-async only)
+    rollout: dict[str, Any] | None  # the rollout's (None: the job had none)
     #: Older checkpoints kept: their (policy, rollout) saves, newest first.
     kept: list[list[dict[str, Any] | None]] = field(default_factory=list)
     time: float = 0.0

@@ -48,6 +48,8 @@ from plexrl_dask.errors import (
     CheckpointIncomplete,
     ConfigError,
     DeploymentBusy,
+    DeploymentLost,
+    RankLost,
     StateStoreError,
 )
 from plexrl_dask.rl.checkpoint import (
@@ -179,16 +181,13 @@ class GRPOJob:
         self._saved: JobCheckpoint | None = None  # the newest checkpoint taken or resumed
         self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
         self.checkpoint_s: list[float] = []  # how long each checkpoint held up the driver
+        self.recoveries: list[str] = []  # why the job went back to its checkpoint, each time
+        self._header = {"job": name, "config": asdict(config), "task": repr(task)}
+        self._header["policy"] = policy.name
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            header = {
-                "job": name,
-                "config": asdict(config),
-                "task": repr(task),
-                "policy": policy.name,
-            }
-            self.metrics_path.write_text(json.dumps(header) + "\n")
+            self._write_metrics([])
 
     # --- one step --------------------------------------------------------------------------
 
@@ -306,22 +305,33 @@ class GRPOJob:
             timeout=request_timeout(),
         )
 
-    def _resume(self) -> tuple[int, Any]:
+    def _write_metrics(self, records: list[StepRecord]) -> None:
+        """(Re)write the metrics file: its header and ``records`` (a resumed job's file reads
+        as an uninterrupted run's)."""
+        if self.metrics_path is not None:
+            lines = [json.dumps(self._header), *(json.dumps(asdict(r)) for r in records)]
+            self.metrics_path.write_text("".join(line + "\n" for line in lines))
+
+    def _resume(self, recovering: bool = False) -> tuple[int, Any]:
         """Restore the job from its checkpoint directory, if it holds a checkpoint: the
-        policy's state (and a split-async job's rollout state; a split job's rollout is
-        synced from the policy), the records of the steps done, the metrics file. Returns
-        the first step to run and what its samples' version comes from (an int, or the
-        future of a weight sync). Nothing is loaded before the checkpoint has been checked
-        against this job (:class:`CheckpointIncompatible`, :class:`CheckpointIncomplete`)."""
+        policy's state, the rollout's (from a checkpoint of a job that had none: synced from
+        the policy), the records of the steps done, the metrics file. Returns the first step
+        to run and what its samples' version comes from (an int, or the future of a weight
+        sync). Nothing is loaded before the checkpoint has been checked against this job
+        (:class:`CheckpointIncompatible`, :class:`CheckpointIncomplete`). A job starting
+        afresh with checkpoints first saves its initial state, so that a failure before its
+        first step's checkpoint can be recovered too. ``recovering``: after a lost
+        deployment, from the job's own checkpoint (whatever ``resume`` says)."""
         ck = self.checkpoints
-        saved = None if ck is None else read_checkpoint(ck.directory)
-        if ck is None or saved is None:
-            if ck is not None:
-                ck.directory.mkdir(parents=True, exist_ok=True)
-                # steps of an earlier run that never reached a checkpoint: redone
-                read_steps(ck.directory, 0)
+        if ck is None:
             return 0, self.start_version
-        if not ck.resume:
+        saved = read_checkpoint(ck.directory)
+        if saved is None:
+            ck.directory.mkdir(parents=True, exist_ok=True)
+            read_steps(ck.directory, 0)  # steps of an earlier run that never checkpointed
+            self._save(0, self.start_version)
+            return 0, self.start_version
+        if not (ck.resume or recovering):
             raise CheckpointError(
                 f"{ck.directory} holds a checkpoint of {saved.steps_done} steps of "
                 f"{saved.job!r}; resume it or give a new directory"
@@ -329,17 +339,14 @@ class GRPOJob:
         saved.check(
             self.name, asdict(self.config), repr(self.task), model_identity(self.policy.info.spec)
         )
-        if (saved.rollout is None) != (self.config.staleness == 0):
+        if self.config.staleness and saved.rollout is None:
             raise CheckpointIncompatible(
-                "a split-async job resumes with its rollout's saved weights: the checkpoint "
-                f"has {'none' if saved.rollout is None else 'them'}"
+                "a split-async job resumes with its rollout's saved weights (one version "
+                "behind the policy's): the checkpoint has none"
             )
-        if saved.rollout is not None and self.rollout is None:
-            raise ConfigError("a split-async job needs a rollout deployment")  # (as __init__)
         records = [StepRecord(**r) for r in read_steps(ck.directory, saved.steps_done)]
         loads = [self.policy.load_state(saved.policy)]
-        if saved.rollout is not None:
-            assert self.rollout is not None
+        if self.rollout is not None and saved.rollout is not None:
             loads.append(self.rollout.load_state(saved.rollout))
         versions = [int(v) for v in result(loads)]
         if versions[0] != saved.version or (records and records[-1].version != saved.version):
@@ -349,33 +356,37 @@ class GRPOJob:
             )
         self.records = records
         self._saved = saved
-        if self.metrics_path is not None:
-            with open(self.metrics_path, "a") as f:
-                f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
+        self._write_metrics(records)
         logger.info(
             "%s: resumed from %s after %d steps (policy version %d)",
             self.name, ck.directory, saved.steps_done, saved.version,
         )  # fmt: skip
         if self.rollout is None:
             return saved.steps_done, None  # (colocated: the records say the version)
-        if saved.rollout is not None:
+        # A split-async rollout is one version behind, as saved. A split job's rollout was
+        # saved with the policy's weights, except after its last step (no sync follows it).
+        if len(versions) > 1 and (self.config.staleness or versions[1] == versions[0]):
             return saved.steps_done, versions[1]
         return saved.steps_done, self._sync()
 
     def _checkpoint(self, record: StepRecord) -> None:
-        """Record the step in the checkpoint directory and, when one is due, save the
-        state (policy; a split-async job's rollout too) and then the manifest."""
+        """Record the step in the checkpoint directory; take a checkpoint when one is due."""
         ck = self.checkpoints
         if ck is None:
             return
         append_step(ck.directory, asdict(record))
-        done = record.step + 1
-        if not ck.due(done, self.config.steps):
-            return
+        if ck.due(record.step + 1, self.config.steps):
+            self._save(record.step + 1, record.version)
+
+    def _save(self, done: int, version: int) -> None:
+        """Save the policy's state and the rollout's weights (a split job's are the policy's
+        bytes, which the store keeps once; a split-async job's are one version behind), then
+        the manifest of ``done`` steps; then prune older checkpoints."""
+        ck = self.checkpoints
+        assert ck is not None
         t0 = time.perf_counter()
         saves = [self.policy.save_state(ck.store)]
-        if self.config.staleness:
-            assert self.rollout is not None
+        if self.rollout is not None:
             saves.append(self.rollout.save_state(ck.store))
         saved = result(saves)
         self._saved = new_checkpoint(
@@ -386,16 +397,14 @@ class GRPOJob:
             task=repr(self.task),
             model=model_identity(self.policy.info.spec),
             steps_done=done,
-            version=record.version,
+            version=version,
             policy=saved[0],
             rollout=saved[1] if len(saved) > 1 else None,
         )
         write_checkpoint(ck.directory, self._saved)
         prune(ck, self._saved)
         self.checkpoint_s.append(time.perf_counter() - t0)
-        logger.debug(
-            "%s: checkpoint after %d steps in %.3fs", self.name, done, self.checkpoint_s[-1]
-        )
+        logger.debug("%s: checkpoint of %d steps in %.3fs", self.name, done, self.checkpoint_s[-1])
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """Run ``config.steps`` steps; returns (and appends to ``records``) their records.
@@ -409,11 +418,33 @@ class GRPOJob:
         before it takes the new weights.
 
         With ``checkpoints``, a job whose directory holds its checkpoint starts after the
-        steps it records, and the returned records include those."""
+        steps it records (the returned records include those), and a job that loses a
+        deployment's state (:class:`DeploymentLost`, :class:`RankLost`: a worker died) goes
+        back to its last checkpoint, restores its deployments on the workers there are, and
+        goes on, at most ``checkpoints.max_recoveries`` times (``recoveries`` says why each
+        time). The steps after that checkpoint are redone and compute what they computed
+        before."""
+        while True:
+            try:
+                return self._run(on_step, recovering=bool(self.recoveries))
+            except (DeploymentLost, RankLost) as e:
+                ck = self.checkpoints
+                if ck is None or self._saved is None or len(self.recoveries) >= ck.max_recoveries:
+                    raise
+                self.recoveries.append(f"{type(e).__name__}: {e}")
+                logger.warning(
+                    "%s: %s; back to its checkpoint after %d steps (recovery %d of %d)",
+                    self.name, e, self._saved.steps_done, len(self.recoveries), ck.max_recoveries,
+                )  # fmt: skip
+
+    def _run(
+        self, on_step: Callable[[StepRecord], None] | None, recovering: bool
+    ) -> list[StepRecord]:
         c = self.config
         ahead = c.staleness == 1
-        first, pending_version = self._resume()
-        self.first_step = first
+        first, pending_version = self._resume(recovering)
+        if not recovering:  # (the first step this run() ran, for its ledger)
+            self.first_step = first
         if first >= c.steps:
             return self.records
         pending = self._submit_sample(first)
