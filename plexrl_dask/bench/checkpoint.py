@@ -3,10 +3,12 @@ running GRPO job, and what resuming costs against redoing the steps.
 
 A real process ``local_cluster`` of 2 workers. One GRPO job of the standard mix's ``add2``
 task, on two models: the mix's own (128 wide, 2 layers) and a wider one (384 wide, 3 layers,
-about 10x the parameters; ``--quick`` leaves it out), each in two modes: colocated (the policy alone is saved) and
-split-async (the rollout's weights too). Each model first gets a short supervised warm-up
-(``--warmup`` steps, saved once), so that its GRPO steps train (an untrained model scores 0
-on every sample, and a step without reward variance trains nothing). Per model and mode, in
+about 10x the parameters; ``--quick`` leaves it out), each in three modes: colocated (the
+policy alone is saved), split (the rollout's weights too, the policy's bytes, which the store
+keeps once) and split-async (the rollout's weights one version behind: saved in full). Each
+model first gets a short supervised warm-up (``--warmup`` steps, saved once), so that its GRPO
+steps train (an untrained model scores 0 on every sample, and a step without reward variance
+trains nothing). A run with checkpoints also saves its initial state first. Per model and mode, in
 alternating order, ``reps`` runs of ``steps`` steps each, every run on fresh deployments
 restored from the warm-up:
 
@@ -50,7 +52,8 @@ MODELS = {
     "small": dict(hidden_size=128, num_layers=2),  # the mix's add2 model
     "wide": dict(hidden_size=384, num_layers=3, num_heads=6, num_kv_heads=2),
 }
-MODES = {"colocated": 0, "split-async": 1}
+#: mode -> (has a rollout deployment, staleness)
+MODES = {"colocated": (False, 0), "split": (True, 0), "split-async": (True, 1)}
 ARMS = {"none": None, "every_5": 5, "every_1": 1}
 
 
@@ -65,6 +68,7 @@ def _comparable(records: list[StepRecord]) -> list[dict[str, Any]]:
 def _measure(
     runtime: plexrl.Runtime,
     spec: plexrl.ModelSpec,
+    split: bool,
     staleness: int,
     key: str,
     steps: int,
@@ -84,7 +88,7 @@ def _measure(
         policy = runtime.deploy(f"ck-{key}-{made}-policy", spec)
         plexrl.result(policy.load_state(warm))
         rollout = None
-        if staleness:
+        if split:
             rollout = runtime.deploy(f"ck-{key}-{made}-rollout", spec, role="rollout")
             plexrl.result(runtime.sync_weights(policy, rollout))
         plexrl.result(policy.load())  # the deployments' setup is outside the timed run
@@ -173,9 +177,9 @@ def run(steps: int, reps: int, warmup: int, models: list[str]) -> dict[str, Any]
                 logger.info(
                     "%s: warm-up of %d steps in %.0fs", size, warmup, time.perf_counter() - t0
                 )
-                for mode, staleness in MODES.items():
+                for mode, (split, staleness) in MODES.items():
                     out, same = _measure(
-                        runtime, spec, staleness, f"{size}_{mode}", steps, reps, tmp, warm,
+                        runtime, spec, split, staleness, f"{size}_{mode}", steps, reps, tmp, warm,
                         lambda: progress.advance(bar),
                     )  # fmt: skip
                     results |= out
