@@ -12,6 +12,7 @@ import torch
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint
+from plexrl_dask.rl.checkpoint import hold
 from plexrl_dask.state_store.store import StateStore
 from tests.conftest import tiny_spec, unique
 from tests.test_grpo import FirstCharIsDigit
@@ -130,6 +131,12 @@ def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path
         job(
             runtime, "colocated", seed=23, config=short, checkpoints=replace(ck, resume=False)
         ).run()
+
+    # another job runs on this directory: refused, nothing touched
+    rival = job(runtime, "colocated", seed=23, config=short, checkpoints=ck)
+    with hold(ck.directory), pytest.raises(errors.CheckpointError, match="in use by another"):
+        rival.run()
+    assert (ck.directory / "job.json").read_bytes() == manifest
 
     # The same job still resumes from it, untouched by the refusals.
     again = job(runtime, "colocated", seed=23, config=short, checkpoints=ck).run()

@@ -19,6 +19,7 @@ there is always one to go back to.
 A checkpoint directory holds::
 
     job.json         the manifest: steps done, versions, what ``save_state`` returned
+    lock             held (``flock``) by the job running on the directory, if any
     steps.jsonl      one record per step done (appended every step; the manifest says how
                      many lines belong to the checkpoint, later ones are redone on resume)
     state/           a state store with the saved versions (``Deployment.save_state``)
@@ -33,10 +34,13 @@ cluster, a shared filesystem otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "job.json"
 STEPS = "steps.jsonl"
 STORE = "state"
+LOCK = "lock"
 FORMAT = 1
 
 
@@ -159,6 +164,27 @@ def model_identity(spec: Any) -> dict[str, Any]:
     :class:`CheckpointIncompatible`)."""
     config = None if spec.config is None else [list(kv) for kv in spec.config]
     return {"config": config, "dtype": spec.dtype}
+
+
+@contextlib.contextmanager
+def hold(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold ``directory`` for one running job (an exclusive ``flock`` on its ``lock`` file,
+    released when the block ends or the process dies). A second job on the same directory
+    would prune the first one's saves: it gets a :class:`CheckpointError` instead. (On a
+    shared filesystem this is as reliable as its ``flock``.)"""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / LOCK, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(
+                f"{path} is in use by another running job: give each job its own directory"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def read_checkpoint(directory: str | os.PathLike[str]) -> JobCheckpoint | None:

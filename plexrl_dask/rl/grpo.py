@@ -31,6 +31,7 @@ run together on one pool with :func:`run_jobs` (multiplexed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -56,6 +57,7 @@ from plexrl_dask.rl.checkpoint import (
     JobCheckpoint,
     JobCheckpoints,
     append_step,
+    hold,
     model_identity,
     new_checkpoint,
     prune,
@@ -424,18 +426,24 @@ class GRPOJob:
         goes on, at most ``checkpoints.max_recoveries`` times (``recoveries`` says why each
         time). The steps after that checkpoint are redone and compute what they computed
         before."""
-        while True:
-            try:
-                return self._run(on_step, recovering=bool(self.recoveries))
-            except (DeploymentLost, RankLost) as e:
-                ck = self.checkpoints
-                if ck is None or self._saved is None or len(self.recoveries) >= ck.max_recoveries:
-                    raise
-                self.recoveries.append(f"{type(e).__name__}: {e}")
-                logger.warning(
-                    "%s: %s; back to its checkpoint after %d steps (recovery %d of %d)",
-                    self.name, e, self._saved.steps_done, len(self.recoveries), ck.max_recoveries,
-                )  # fmt: skip
+        ck = self.checkpoints
+        with contextlib.nullcontext() if ck is None else hold(ck.directory):
+            while True:
+                try:
+                    return self._run(on_step, recovering=bool(self.recoveries))
+                except (DeploymentLost, RankLost) as e:
+                    if (
+                        ck is None
+                        or self._saved is None
+                        or len(self.recoveries) >= ck.max_recoveries
+                    ):
+                        raise
+                    self.recoveries.append(f"{type(e).__name__}: {e}")
+                    logger.warning(
+                        "%s: %s; back to its checkpoint after %d steps (recovery %d of %d)",
+                        self.name, e, self._saved.steps_done, len(self.recoveries),
+                        ck.max_recoveries,
+                    )  # fmt: skip
 
     def _run(
         self, on_step: Callable[[StepRecord], None] | None, recovering: bool
