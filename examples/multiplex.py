@@ -145,4 +145,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # every job stopped before its next step
+        Console().print("stopped: the same command resumes every job from its last checkpoint")
+        raise SystemExit(130) from None

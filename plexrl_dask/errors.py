@@ -238,6 +238,12 @@ class SchedulerNotStarted(PlexRLError):
     did not serve within its timeout."""
 
 
+class JobStopped(PlexRLError):
+    """A job was asked to stop (:meth:`GRPOJob.stop`: its driver was interrupted, or
+    ``run_jobs`` timed out) and stopped between two steps; its last checkpoint, if it has
+    checkpoints, stands."""
+
+
 class InvalidJobReport(PlexRLError, ValueError):
     """A job's per-step report (``plexrl-job`` event, :mod:`plexrl_dask.dashboard.jobs`) is
     malformed: a missing or mistyped field, a negative step, a non-finite reward."""

@@ -11,7 +11,7 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
-from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint
+from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint, run_jobs
 from plexrl_dask.rl.checkpoint import hold
 from plexrl_dask.state_store.store import StateStore
 from tests.conftest import tiny_spec, unique
@@ -149,6 +149,19 @@ def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path
     (ck.directory / "job.json").write_text("{")
     with pytest.raises(errors.CheckpointError, match="cannot read"):
         job(runtime, "colocated", seed=23, config=short, checkpoints=ck).run()
+
+
+def test_jobs_past_their_timeout_stop_before_their_next_step(runtime, tmp_path):
+    """``run_jobs`` past its timeout (as on Ctrl-C) stops every job between two steps,
+    instead of waiting for the rest of its steps; the checkpoint holds every step done."""
+    ck = JobCheckpoints.at(tmp_path / "ck", every=1)
+    endless = job(runtime, "colocated", seed=24, config=replace(CONFIG, steps=1000), checkpoints=ck)
+    with pytest.raises(errors.RequestTimeout, match="stopped before its next step"):
+        run_jobs([endless], timeout=3.0)
+    assert len(endless.records) < 1000
+    assert read_checkpoint(ck.directory).steps_done == len(endless.records)
+    with pytest.raises(errors.JobStopped):  # (a stopped job stays stopped)
+        endless.run()
 
 
 def test_checkpoint_settings_are_checked():

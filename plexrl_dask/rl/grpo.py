@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -50,7 +51,9 @@ from plexrl_dask.errors import (
     ConfigError,
     DeploymentBusy,
     DeploymentLost,
+    JobStopped,
     RankLost,
+    RequestTimeout,
     StateStoreError,
 )
 from plexrl_dask.rl.checkpoint import (
@@ -184,6 +187,7 @@ class GRPOJob:
         self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
         self.checkpoint_s: list[float] = []  # how long each checkpoint held up the driver
         self.recoveries: list[str] = []  # why the job went back to its checkpoint, each time
+        self._stop = threading.Event()
         self._header = {"job": name, "config": asdict(config), "task": repr(task)}
         self._header["policy"] = policy.name
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
@@ -445,6 +449,12 @@ class GRPOJob:
                         ck.max_recoveries,
                     )  # fmt: skip
 
+    def stop(self) -> None:
+        """Ask the running job to stop before its next step (from any thread): ``run()``
+        then raises :class:`JobStopped`. What it abandons (the next step's samples in
+        flight) changes no state; its last checkpoint stands."""
+        self._stop.set()
+
     def _run(
         self, on_step: Callable[[StepRecord], None] | None, recovering: bool
     ) -> list[StepRecord]:
@@ -457,6 +467,8 @@ class GRPOJob:
             return self.records
         pending = self._submit_sample(first)
         for step in range(first, c.steps):
+            if self._stop.is_set():
+                raise JobStopped(f"{self.name} stopped before step {step} of {c.steps}")
             t0 = time.perf_counter()
             problems = self._problems(step)
             out = result(pending)
@@ -526,8 +538,11 @@ def run_jobs(
     on its own futures), sharing whatever deployments and workers the runtime gave them; the
     scheduler plugin interleaves their requests. Returns each job's records by name; the
     first job error is raised once all jobs have stopped. ``timeout`` bounds the whole run
-    (default: ``plexrl.request.timeout`` per step times the longest job's steps)."""
-    from concurrent.futures import ThreadPoolExecutor
+    (default: ``plexrl.request.timeout`` per step times the longest job's steps): past it,
+    or when the driver is interrupted (Ctrl-C), every job is stopped before its next step
+    (:meth:`GRPOJob.stop`) and, once they have, :class:`RequestTimeout` (or the interrupt)
+    is raised."""
+    from concurrent.futures import ThreadPoolExecutor, wait
 
     from plexrl_dask import config as plexrl_config
 
@@ -537,4 +552,18 @@ def run_jobs(
         timeout = plexrl_config.request_timeout() * max(j.config.steps for j in jobs)
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="plexrl-job") as pool:
         futures = {j.name: pool.submit(j.run, on_step) for j in jobs}
-        return {name: f.result(timeout=timeout) for name, f in futures.items()}
+        try:
+            _, running = wait(futures.values(), timeout=timeout)
+        except BaseException:  # (an interrupt: the pool's exit waits for the jobs to stop)
+            for j in jobs:
+                j.stop()
+            raise
+        if running:
+            for j in jobs:
+                j.stop()
+            late = [name for name, f in futures.items() if f in running]
+            raise RequestTimeout(
+                f"jobs {late} did not finish in {timeout:.0f}s; every job was stopped before "
+                "its next step"
+            )
+        return {name: f.result() for name, f in futures.items()}
