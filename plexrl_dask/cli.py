@@ -5,6 +5,7 @@ plexrl status --scheduler ADDRESS     deployments, residency and worker budgets 
 plexrl config                         the effective ``plexrl`` configuration
 plexrl simulate [--policy P ...] [--gpus N] [--jobs N] [--json OUT] [--png PREFIX]
                                       trace-driven simulation of placement policies
+plexrl checkpoint DIR [DIR ...]       what GRPO job checkpoint directories hold
 """
 
 from __future__ import annotations
@@ -118,6 +119,38 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    import datetime
+    from pathlib import Path
+
+    from plexrl_dask.errors import CheckpointError
+    from plexrl_dask.rl.checkpoint import read_checkpoint
+
+    rc = 0
+    for directory in args.directory:
+        try:
+            saved = read_checkpoint(directory)
+        except CheckpointError as e:
+            console.print(f"[red]{directory}: {e}[/red]")
+            rc = 2
+            continue
+        if saved is None:
+            console.print(f"[red]{directory}: no job checkpoint here[/red]")
+            rc = 2
+            continue
+        size = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+        when = datetime.datetime.fromtimestamp(saved.time).isoformat(timespec="seconds")
+        rollout = "none" if saved.rollout is None else f"version {saved.rollout['version']}"
+        console.print(
+            f"[bold]{directory}[/bold]: job {saved.job}, {saved.steps_done} of "
+            f"{saved.config.get('steps')} steps done, policy version {saved.version}, rollout "
+            f"{rollout}, {1 + len(saved.kept)} checkpoint(s) kept, saved {when}, "
+            f"{size / 2**20:.1f} MiB",
+            soft_wrap=True,
+        )
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plexrl", description="PlexRL on Dask")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write per-policy summaries here")
     p.add_argument("--png", default=None, help="write figures with this path prefix")
     p.set_defaults(fn=_cmd_simulate)
+    p = sub.add_parser("checkpoint", help="what GRPO job checkpoint directories hold")
+    p.add_argument("directory", nargs="+")
+    p.set_defaults(fn=_cmd_checkpoint)
     args = parser.parse_args(argv)
     if args.command == "simulate" and not args.policy:
         args.policy = list(POLICIES)

@@ -11,6 +11,7 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
+from plexrl_dask.cli import main as cli_main
 from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint, run_jobs
 from plexrl_dask.rl.checkpoint import hold
 from plexrl_dask.state_store.store import StateStore
@@ -108,7 +109,7 @@ def test_a_resumed_job_computes_what_an_uninterrupted_run_computes(runtime, tmp_
     assert comparable(more.run()) == comparable(longer)
 
 
-def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path):
+def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path, capsys):
     ck = JobCheckpoints.at(tmp_path / "ck", every=1)
     short = replace(CONFIG, steps=2)
     done = job(runtime, "colocated", seed=22, config=short, checkpoints=ck).run()
@@ -137,6 +138,12 @@ def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path
     with hold(ck.directory), pytest.raises(errors.CheckpointError, match="in use by another"):
         rival.run()
     assert (ck.directory / "job.json").read_bytes() == manifest
+
+    # What the directory holds, for an operator (and a typed refusal of what is not one).
+    assert cli_main(["checkpoint", str(ck.directory)]) == 0
+    shown = capsys.readouterr().out
+    assert "job colocated, 2 of 2 steps done" in shown
+    assert cli_main(["checkpoint", str(tmp_path / "nothing")]) == 2
 
     # The same job still resumes from it, untouched by the refusals.
     again = job(runtime, "colocated", seed=23, config=short, checkpoints=ck).run()
