@@ -121,10 +121,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     import datetime
-    from pathlib import Path
 
     from plexrl_dask.errors import CheckpointError
-    from plexrl_dask.rl.checkpoint import read_checkpoint
+    from plexrl_dask.rl.checkpoint import directory_bytes, read_checkpoint
 
     rc = 0
     for directory in args.directory:
@@ -138,7 +137,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
             console.print(f"[red]{directory}: no job checkpoint here[/red]")
             rc = 2
             continue
-        size = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+        size = directory_bytes(directory)
         when = datetime.datetime.fromtimestamp(saved.time).isoformat(timespec="seconds")
         rollout = "none" if saved.rollout is None else f"version {saved.rollout['version']}"
         console.print(

@@ -177,3 +177,27 @@ def test_checkpoint_settings_are_checked():
             JobCheckpoints.at("/tmp/unused", **bad)
     ck = JobCheckpoints.at("/tmp/unused", every=3)
     assert [n for n in range(1, 8) if ck.due(n, 7)] == [3, 6, 7]
+
+
+class NeverRight(FirstCharIsDigit):
+    """A task no completion solves: no step trains (every group's rewards are equal)."""
+
+    def reward(self, problem, completion: str) -> float:
+        return 0.0
+
+
+def test_a_job_whose_steps_train_nothing_resumes(runtime, tmp_path):
+    """The manifest holds the deployment's own version, not the records' (which, without
+    training, repeat the caller's ``start_version``): such a job resumes too."""
+    ck = JobCheckpoints.at(tmp_path / "ck", every=1)
+    config = replace(CONFIG, steps=3)
+
+    def idle(seed: int) -> GRPOJob:
+        policy = runtime.deploy(unique("ck-idle"), tiny_spec(seed=seed))
+        return GRPOJob("idle", runtime, NeverRight(), policy, config, start_version=7,
+                       checkpoints=ck)  # fmt: skip
+
+    with pytest.raises(Stop):
+        idle(25).run(stop_after(1))
+    got = idle(26).run()
+    assert [r.loss for r in got] == [None] * 3 and read_checkpoint(ck.directory).version == 0

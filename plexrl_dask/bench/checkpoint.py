@@ -45,6 +45,7 @@ import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.rl import GRPOJob, JobCheckpoints, StepRecord, supervised_warmup
 from plexrl_dask.rl.catalog import standard_jobs
+from plexrl_dask.rl.checkpoint import directory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,6 @@ MODELS = {
 #: mode -> (has a rollout deployment, staleness)
 MODES = {"colocated": (False, 0), "split": (True, 0), "split-async": (True, 1)}
 ARMS = {"none": None, "every_5": 5, "every_1": 1}
-
-
-def _dir_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
 def _comparable(records: list[StepRecord]) -> list[dict[str, Any]]:
@@ -86,15 +83,16 @@ def _measure(
         nonlocal made
         made += 1
         policy = runtime.deploy(f"ck-{key}-{made}-policy", spec)
-        plexrl.result(policy.load_state(warm))
+        version = int(plexrl.result(policy.load_state(warm)))
         rollout = None
         if split:
             rollout = runtime.deploy(f"ck-{key}-{made}-rollout", spec, role="rollout")
             plexrl.result(runtime.sync_weights(policy, rollout))
         plexrl.result(policy.load())  # the deployments' setup is outside the timed run
         return GRPOJob(
-            base.name, runtime, base.task, policy, config, rollout=rollout, checkpoints=checkpoints
-        )
+            base.name, runtime, base.task, policy, config, rollout=rollout,
+            start_version=version, checkpoints=checkpoints,
+        )  # fmt: skip
 
     def done(j: GRPOJob) -> None:
         for d in (j.policy, j.rollout):
@@ -126,7 +124,7 @@ def _measure(
         for arm in ("every_5", "every_1")
     }
     out[f"save_s_{key}"] = statistics.median(saves)
-    out[f"checkpoint_mb_{key}"] = _dir_mb(last_dir)
+    out[f"checkpoint_mb_{key}"] = directory_bytes(last_dir) / 2**20
     # resume: the last run's checkpoint of all its steps, restored on fresh deployments
     resumes = []
     for _ in range(2):

@@ -128,7 +128,7 @@ class JobCheckpoint:
     task: str  # the task's repr
     model: dict[str, Any]  # the policy's architecture (:func:`model_identity`)
     steps_done: int
-    version: int  # the policy's, after the last step done
+    version: int  # the policy deployment's version, as saved after the last step done
     policy: dict[str, Any]  # what the policy's save_state returned
     rollout: dict[str, Any] | None  # the rollout's (None: the job had none)
     #: Older checkpoints kept: their (policy, rollout) saves, newest first.
@@ -185,6 +185,11 @@ def hold(directory: str | os.PathLike[str]) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def directory_bytes(directory: str | os.PathLike[str]) -> int:
+    """Bytes of the files under ``directory`` (a checkpoint directory's size on disk)."""
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
 
 
 def read_checkpoint(directory: str | os.PathLike[str]) -> JobCheckpoint | None:

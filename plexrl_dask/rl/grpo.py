@@ -188,8 +188,9 @@ class GRPOJob:
         self.checkpoint_s: list[float] = []  # how long each checkpoint held up the driver
         self.recoveries: list[str] = []  # why the job went back to its checkpoint, each time
         self._stop = threading.Event()
-        self._header = {"job": name, "config": asdict(config), "task": repr(task)}
-        self._header["policy"] = policy.name
+        self._header = {
+            "job": name, "config": asdict(config), "task": repr(task), "policy": policy.name
+        }  # fmt: skip
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -335,7 +336,7 @@ class GRPOJob:
         if saved is None:
             ck.directory.mkdir(parents=True, exist_ok=True)
             read_steps(ck.directory, 0)  # steps of an earlier run that never checkpointed
-            self._save(0, self.start_version)
+            self._save(0)
             return 0, self.start_version
         if not (ck.resume or recovering):
             raise CheckpointError(
@@ -355,7 +356,7 @@ class GRPOJob:
         if self.rollout is not None and saved.rollout is not None:
             loads.append(self.rollout.load_state(saved.rollout))
         versions = [int(v) for v in result(loads)]
-        if versions[0] != saved.version or (records and records[-1].version != saved.version):
+        if versions[0] != saved.version:
             raise CheckpointIncomplete(
                 f"{ck.directory}: the policy restored version {versions[0]}, its checkpoint "
                 f"says {saved.version} after {saved.steps_done} steps"
@@ -382,9 +383,9 @@ class GRPOJob:
             return
         append_step(ck.directory, asdict(record))
         if ck.due(record.step + 1, self.config.steps):
-            self._save(record.step + 1, record.version)
+            self._save(record.step + 1)
 
-    def _save(self, done: int, version: int) -> None:
+    def _save(self, done: int) -> None:
         """Save the policy's state and the rollout's weights (a split job's are the policy's
         bytes, which the store keeps once; a split-async job's are one version behind), then
         the manifest of ``done`` steps; then prune older checkpoints."""
@@ -403,7 +404,7 @@ class GRPOJob:
             task=repr(self.task),
             model=model_identity(self.policy.info.spec),
             steps_done=done,
-            version=version,
+            version=int(saved[0]["version"]),  # (the deployment's, as saved)
             policy=saved[0],
             rollout=saved[1] if len(saved) > 1 else None,
         )

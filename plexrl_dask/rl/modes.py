@@ -247,7 +247,8 @@ def resumable(
 ) -> dict[str, JobCheckpoint]:
     """The jobs of ``specs`` with a checkpoint of ``mode`` under ``directory``, by name.
     A checkpoint's ``policy`` is a starting point for :func:`run_mode` in place of the
-    warm-up's (the job then resumes after the steps its checkpoint holds)."""
+    warm-up's (the job then resumes after the steps its checkpoint holds; its own restore
+    loads that state once more, a one-time cost at a resume)."""
     found = {}
     for spec in specs:
         saved = read_checkpoint(job_checkpoint_dir(directory, mode, spec.name))
