@@ -11,6 +11,7 @@ from distributed import Client
 from rich.console import Console
 
 import plexrl_dask as plexrl
+from plexrl_dask.cli import positive_float, positive_int
 from plexrl_dask.rl import GRPOConfig, GRPOJob, evaluate, supervised_warmup
 from plexrl_dask.tasks import ArithmeticTask
 
@@ -19,9 +20,9 @@ from plexrl_dask.tasks import ArithmeticTask
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=800)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--warmup", type=positive_int, default=800)
+    parser.add_argument("--steps", type=positive_int, default=60)
+    parser.add_argument("--lr", type=positive_float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics", default="runs/grpo_arithmetic.jsonl")
@@ -77,8 +78,8 @@ def main() -> None:
         t0 = time.perf_counter()
         records = job.run(on_step=show)
         after = evaluate(policy, task, held_out)
-        first = sum(r.reward_mean for r in records[:5]) / 5
-        last = sum(r.reward_mean for r in records[-5:]) / 5
+        first = sum(r.reward_mean for r in records[:5]) / len(records[:5])
+        last = sum(r.reward_mean for r in records[-5:]) / len(records[-5:])
         console.print(
             f"GRPO {args.steps} steps in {time.perf_counter() - t0:.0f}s: sampled reward (mean of 5 steps) {first:.3f} -> {last:.3f}; greedy accuracy on {len(held_out)} held-out problems {before:.3f} -> {after:.3f}; metrics in {args.metrics}"
         )

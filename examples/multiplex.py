@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import plexrl_dask as plexrl
+from plexrl_dask.cli import nonnegative_int, positive_float, positive_int
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.modes import Layout, resumable, run_mode, warm_start
 from plexrl_dask.rl.report import plot_run, summary_table
@@ -36,19 +37,21 @@ from plexrl_dask.rl.report import plot_run, summary_table
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--jobs", type=positive_int, default=3)
     parser.add_argument(
-        "--scale", type=float, default=1.0, help="multiplies warm-up and GRPO steps"
+        "--scale", type=positive_float, default=1.0, help="multiplies warm-up and GRPO steps"
     )
-    parser.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps of every job")
-    parser.add_argument("--rollout-replicas", type=int, default=1)
-    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--grpo-steps", type=positive_int, default=None, help="GRPO steps of every job"
+    )
+    parser.add_argument("--rollout-replicas", type=nonnegative_int, default=1)
+    parser.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="runs/multiplex")
     parser.add_argument(
         "--model", default=None, help="a local Hugging Face checkpoint for every job"
     )
     parser.add_argument(
-        "--checkpoint-every", type=int, default=None, help="GRPO steps between checkpoints"
+        "--checkpoint-every", type=positive_int, default=None, help="GRPO steps between checkpoints"
     )
     parser.add_argument("--fresh", action="store_true", help="ignore checkpoints: start over")
     args = parser.parse_args()

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 import plexrl_dask as plexrl
+from plexrl_dask.cli import positive_float, positive_int
 from plexrl_dask.rl import evaluate, supervised_warmup
 from plexrl_dask.tasks import ArithmeticTask
 
@@ -20,10 +21,10 @@ from plexrl_dask.tasks import ArithmeticTask
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--steps", type=positive_int, default=800)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--workers", type=positive_int, default=2)
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     console = Console()

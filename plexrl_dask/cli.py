@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import threading
 
@@ -21,9 +22,41 @@ from rich.console import Console
 from rich.table import Table
 
 from plexrl_dask import config as _config  # noqa: F401  (registers defaults)
+from plexrl_dask.errors import PlexRLError
 
 logger = logging.getLogger(__name__)
 console = Console()
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (else argparse's usage error, exit 2)."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0 (else argparse's usage error, exit 2)."""
+    return _int_at_least(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (else argparse's usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -154,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plexrl", description="PlexRL on Dask")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("cluster", help="start a local PlexRL cluster and keep it running")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--workers", type=positive_int, default=None)
     p.add_argument(
         "--dashboard", default="127.0.0.1:8787", help="dashboard address (':0' for any port)"
     )
@@ -163,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--scheduler", required=True, help="scheduler address, e.g. tcp://127.0.0.1:8786"
     )
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=positive_float, default=10.0)
     p.set_defaults(fn=_cmd_status)
     p = sub.add_parser("config", help="print the effective plexrl configuration")
     p.set_defaults(fn=_cmd_config)
@@ -176,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         choices=POLICIES,
         help=f"repeatable; default: all of {POLICIES}",
     )
-    p.add_argument("--gpus", type=int, default=2048)
-    p.add_argument("--jobs", type=int, default=None, help="default: the workload's")
+    p.add_argument("--gpus", type=positive_int, default=2048)
+    p.add_argument("--jobs", type=positive_int, default=None, help="default: the workload's")
     p.add_argument("--workload", default="paper2048", help="built-in name or YAML path")
-    p.add_argument("--offered-load", type=float, default=None)
+    p.add_argument("--offered-load", type=positive_float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write per-policy summaries here")
     p.add_argument("--png", default=None, help="write figures with this path prefix")
@@ -191,7 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate" and not args.policy:
         args.policy = list(POLICIES)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except PlexRLError as e:  # the user's input or cluster, not a bug: no traceback
+        console.print(f"[red]plexrl {args.command}: {type(e).__name__}: {e}[/red]")
+        return 2
+    except OSError as e:  # e.g. no scheduler at the address given
+        console.print(f"[red]plexrl {args.command}: {e}[/red]")
+        return 2
 
 
 if __name__ == "__main__":

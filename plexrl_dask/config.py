@@ -7,6 +7,7 @@ same defaults, and users override them the usual Dask ways.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,11 +34,24 @@ def get(key: str) -> object:
     return dask.config.get(f"plexrl.{key}")
 
 
-def get_seconds(key: str) -> float:
-    """Return ``plexrl.<key>`` parsed as a duration in seconds."""
-    value = parse_timedelta(get(key), default="s")
-    assert value is not None
-    return float(value)
+def get_seconds(key: str, *, positive: bool = True) -> float:
+    """Return ``plexrl.<key>`` parsed as a duration in seconds (a number of seconds or a
+    string such as ``"2s"`` or ``"100ms"``).
+
+    Raises :class:`ConfigError` for a missing (null) or unparsable value, and for one that is
+    not finite, negative, or (with ``positive``, the default) zero: every duration here bounds
+    a wait or sets an interval, and "no timeout" is not a setting this runtime offers."""
+    raw = get(key)
+    try:
+        if raw is None:
+            raise TypeError("null")
+        value = float(parse_timedelta(raw, default="s"))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"plexrl.{key} must be a duration such as '30s', got {raw!r}") from e
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"plexrl.{key} must be a finite duration {bound}, got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,16 @@ def placement_config() -> PlacementConfig:
     """The spatiotemporal placement's configuration (``plexrl.placement.*``)."""
     from plexrl_dask.policy.spatiotemporal import PlacementConfig
 
-    return PlacementConfig(
+    try:
+        return _placement_config(PlacementConfig)
+    except (TypeError, ValueError, KeyError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"invalid plexrl.placement setting: {e}") from e
+
+
+def _placement_config(cls: type[PlacementConfig]) -> PlacementConfig:
+    return cls(
         slots=int(get("placement.slots")),
         reserve_quantile=float(get("placement.reserve-quantile")),
         profile_iterations=int(get("placement.profile-iterations")),

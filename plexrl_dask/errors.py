@@ -229,6 +229,10 @@ class JobDoesNotFit(PlacementError):
     """A job needs more GPUs at once than the whole cluster has: it can never run."""
 
 
+class PluginsNotInstalled(PlexRLError):
+    """The scheduler has no PlexRL handlers: the plugins were never installed on it."""
+
+
 class SchedulerBusy(PlexRLError):
     """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
 

@@ -258,24 +258,34 @@ def save_state(
     name = model or checkpoint_model(deployment)
 
     def call(backend: Any) -> dict[str, Any]:
+        from plexrl_dask.service.checkpoint import StoreCheckpoint
+
         model = name
+
+        def open_target() -> tuple[Any, StoreCheckpoint]:
+            if path is None:
+                node = _node(deployment)
+                return node, StoreCheckpoint(node.store("nvme"), model, node=node, tier="nvme")
+            try:
+                return None, StoreCheckpoint(_open_store(path, create=True), model)
+            except OSError as e:
+                raise CheckpointError(f"cannot write a checkpoint at {path!r}: {e}") from e
+
+        # Every rank opens the store before any collective: one that cannot (the path on its
+        # node, its manager) fails together with the others, whose state stays as it was.
+        node, target = backend._checked(
+            open_target, CheckpointError("another rank could not open the checkpoint store")
+        )
+        store = target.store
         if path is None:
-            node = _node(deployment)
-            store = node.store("nvme")
 
             def opener(version: int, nbytes: int) -> Any:
                 return node.writing(model, version, nbytes, tiers=("nvme",), publish_id=publish_id)
         else:
-            store = _open_store(path, create=True)
 
             def opener(version: int, nbytes: int) -> Any:
                 return store.writer(model, version, publish_id)
 
-        from plexrl_dask.service.checkpoint import StoreCheckpoint
-
-        target = StoreCheckpoint(store, model)
-        if path is None:
-            target = StoreCheckpoint(store, model, node=node, tier="nvme")
         ref = backend.save_state(target, publish_id, opener)
         if path is None:  # on this node's tier: where ranks on other nodes import it from
             ref["node"], ref["source"] = node.node_id, get_worker().address

@@ -103,7 +103,7 @@ def dispatch_policy_from_config(
         return DispatchPolicy(
             setup_weight=float(config.get("scheduler.setup-weight")),
             patience_factor=float(config.get("scheduler.patience-factor")),
-            patience_floor_s=config.get_seconds("scheduler.patience-floor"),
+            patience_floor_s=config.get_seconds("scheduler.patience-floor", positive=False),
             placement=placement,
             lookahead=lookahead,
         )

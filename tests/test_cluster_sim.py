@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -166,6 +167,17 @@ def test_workload_spec_errors_are_typed(tmp_path):
         ClusterSpec(gpus=12, gpus_per_node=8)
     with pytest.raises(InvalidTrace, match="unknown policy"):
         simulate(generate(base, 0), base.cluster, "round-robin")
+    # What `plexrl simulate --gpus/--jobs/--offered-load` builds is validated too.
+    paper = WorkloadSpec.load("paper2048")
+    with pytest.raises(InvalidTrace, match="no job class .* fits 8 GPUs"):
+        paper.scaled(8)
+    with pytest.raises(InvalidTrace, match="gpus >= 1"):
+        paper.scaled(0)
+    with pytest.raises(InvalidTrace, match="jobs >= 1"):
+        paper.scaled(64, jobs=0)
+    for load in (0.0, -1.0, math.nan):
+        with pytest.raises(InvalidTrace, match="offered_load"):
+            paper.with_load(load)
 
 
 def test_recorded_traces_replay(tmp_path):
@@ -209,6 +221,21 @@ def test_cli_simulate_writes_json_and_figures(tmp_path, capsys):
     assert data["policies"]["spread+backfill"]["gpu_double_bookings"] == 0
     for name in ("policies", "heatmap-isolated", "heatmap-spread-backfill", "gantt"):
         assert (tmp_path / f"fig-{name}.png").stat().st_size > 1000
+
+
+def test_cli_refuses_bad_arguments_and_inputs_without_a_traceback(capsys):
+    # argparse refuses what is not a positive number (usage error, exit 2) ...
+    for argv in (["simulate", "--gpus", "0"], ["simulate", "--jobs", "-3"],
+                 ["simulate", "--offered-load", "nan"], ["status", "--scheduler", "x",
+                 "--timeout", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        assert info.value.code == 2
+        assert "must be" in capsys.readouterr().err
+    # ... and a typed error of the command is one line, not a traceback, with exit 2.
+    assert cli_main(["simulate", "--policy", "isolated", "--gpus", "8"]) == 2
+    out = capsys.readouterr().out
+    assert "InvalidTrace" in out and "no job class" in out and "Traceback" not in out
 
 
 def test_states_beyond_host_dram_load_from_nvme_and_cost_more(runs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import dask
 import pytest
 import torch
@@ -211,3 +213,46 @@ def test_a_loss_error_on_one_rank_fails_every_rank_and_keeps_the_state(runtime):
     assert all(torch.equal(after[n], t) for n, t in before.items())
     out = plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
     assert out[1]["version"] == 1.0
+
+
+def _store_unwritable(on: bool) -> None:
+    """(Run on one worker.) Make ``save_state`` to a path fail there as a read-only
+    filesystem would, or undo it."""
+    from plexrl_dask import ops
+
+    if on:
+        ops._open_store_saved = ops._open_store
+
+        def refuse(path: str, create: bool = False) -> None:
+            raise PermissionError(13, "Permission denied (injected on this worker)", path)
+
+        ops._open_store = refuse
+    elif hasattr(ops, "_open_store_saved"):
+        ops._open_store = ops._open_store_saved
+
+
+def test_a_checkpoint_path_one_rank_cannot_write_fails_every_rank_at_once(runtime, tmp_path):
+    """One rank's node cannot write the path: every rank fails with a CheckpointError, at
+    once (not after the group timeout in a collective), and every rank keeps its state."""
+    dep = runtime.deploy(unique("ckpt-rank"), tiny_spec(seed=15), world_size=2)
+    data = batch_for(dep, 4)
+    plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
+    before = plexrl.result(dep.get_weights()).tensors
+    rank1 = dep.info.workers[1]
+    runtime.client.run(_store_unwritable, True, workers=[rank1])
+    try:
+        with (
+            dask.config.set({"plexrl.group.timeout": "60s"}),
+            pytest.raises(errors.CheckpointError, match="cannot write|another rank"),
+        ):
+            t0 = time.monotonic()
+            plexrl.result(dep.save_state(str(tmp_path / "store")), timeout=120)
+        assert time.monotonic() - t0 < 30  # agreed on, not timed out
+    finally:
+        runtime.client.run(_store_unwritable, False, workers=[rank1])
+    after = plexrl.result(dep.get_weights()).tensors
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    # Nothing was lost: it trains on, and now saves and restores.
+    plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
+    saved = plexrl.result(dep.save_state(str(tmp_path / "store")), timeout=120)
+    assert plexrl.result(dep.load_state(saved), timeout=120) == saved["version"] == 2

@@ -381,6 +381,21 @@ async def test_annotated_op_without_the_plugin_fails_not_routed(c, s, a, b):
         await asyncio.wait_for(fut, WAIT_S)
 
 
+def test_a_runtime_on_a_scheduler_without_the_plugins_says_to_install_them(capsys):
+    from plexrl_dask.cli import main as cli_main
+
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        runtime = plexrl_dask.Runtime(client, job="no-plugins")
+        for call in (runtime.status, runtime.deployments, lambda: runtime.deployment("x")):
+            with pytest.raises(errors.PluginsNotInstalled, match="install the PlexRL plugins"):
+                call()
+        assert cli_main(["status", "--scheduler", cluster.scheduler_address]) == 2
+        assert "PluginsNotInstalled" in capsys.readouterr().out
+
+
 # --- parking ------------------------------------------------------------------------------------
 
 

@@ -178,6 +178,19 @@ def test_bad_input_gives_typed_errors_and_harms_nothing(runtime):
     )
     with pytest.raises(errors.NonFiniteLoss):
         plexrl.result(dep.forward_backward([nan], plexrl.PolicyGradient()))
+    for bad in ([1, 2], ["1+1=", None], [[1, "2"]]):
+        with pytest.raises(errors.InvalidSamplingParams, match="prompt"):
+            dep.sample(bad)
+    for size in ({"world_size": 0}, {"replicas": -1}, {"world_size": 1.5}):
+        with pytest.raises(errors.ConfigError, match=next(iter(size))):
+            runtime.deploy(unique("no"), tiny_spec(), **size)
+    weights = plexrl.result(dep.get_weights()).tensors
+    with pytest.raises(errors.WeightsMismatch, match="torch.Tensor"):
+        plexrl.result(dep.set_weights({n: t.numpy() for n, t in weights.items()}))
+    with pytest.raises(errors.CheckpointError, match="path"):
+        dep.load_state({"model": dep.name, "version": 1})
+    with pytest.raises(errors.CheckpointError, match="path"):
+        dep.load_state(42)
 
     # The deployment still trains; the bystander is unchanged; the registry is intact.
     out = plexrl.result([dep.forward_backward(good), dep.optim_step()])

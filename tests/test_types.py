@@ -161,6 +161,10 @@ def test_sampling_params_defaults_are_valid():
         ({"seed": -1}, "seed"),
         ({"seed": 2**63}, "seed"),
         ({"seed": 1.0}, "seed"),
+        ({"temperature": None}, "temperature"),
+        ({"temperature": "0.7"}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"temperature": True}, "temperature"),
     ],
 )
 def test_sampling_params_out_of_range(kwargs, fragment):
@@ -212,6 +216,12 @@ def test_adamw_defaults_are_valid():
         {"weight_decay": math.nan},
         {"grad_clip": 0.0},
         {"grad_clip": -1.0},
+        {"lr": None},
+        {"lr": "1e-3"},
+        {"beta1": None},
+        {"eps": None},
+        {"weight_decay": None},
+        {"grad_clip": "1.0"},
     ],
 )
 def test_adamw_out_of_range(kwargs):

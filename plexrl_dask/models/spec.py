@@ -84,7 +84,11 @@ class ModelSpec:
         """A small Qwen2-architecture model with random init and the character tokenizer."""
         from plexrl_dask.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
 
-        if min(hidden_size, num_layers, num_heads, num_kv_heads, max_positions) < 1:
+        sizes = (hidden_size, num_layers, num_heads, num_kv_heads, max_positions)
+        sizes += () if intermediate_size is None else (intermediate_size,)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*sizes, seed)):
+            raise InvalidModelSpec(f"tiny model sizes and seed must be integers, got {sizes}")
+        if min(sizes) < 1:
             raise InvalidModelSpec("tiny model sizes must all be positive")
         if hidden_size % num_heads or num_heads % num_kv_heads:
             raise InvalidModelSpec(

@@ -644,17 +644,26 @@ def replay(
     """The decisions a fresh placer makes for recorded ``inputs`` (``placer.inputs`` of a live
     plugin or of a simulation): equal to the recorder's own ``log`` when both run this code."""
     placer = SpatiotemporalPlacer(nodes, config)
-    for e in inputs:
-        trace = DemandTrace.from_dict(e["trace"]) if e.get("trace") else None
-        if e["event"] == "add_node":
-            placer.add_node(NodeView(str(e["node"]), tuple(e["gpus"])), float(e["now"]))
-        elif e["event"] == "submit":
-            placer.submit(e["job"], int(e["gpus"]), float(e["now"]), trace, str(e["kind"]))
-        elif e["event"] == "profiled":
-            assert trace is not None
-            placer.profiled(e["job"], trace, float(e["now"]))
-        elif e["event"] == "finish":
-            placer.finish(e["job"], float(e["now"]))
-        else:
-            raise InvalidTrace(f"unknown placement event {e['event']!r}")
+    for i, e in enumerate(inputs):
+        try:
+            _replay_one(placer, e)
+        except (KeyError, TypeError, ValueError) as err:  # (InvalidTrace is a ValueError)
+            why = str(err) if isinstance(err, InvalidTrace) else f"malformed ({err!r})"
+            raise InvalidTrace(f"placement input {i} ({e!r:.120}): {why}") from err
     return placer.log
+
+
+def _replay_one(placer: SpatiotemporalPlacer, e: dict) -> None:
+    trace = DemandTrace.from_dict(e["trace"]) if e.get("trace") else None
+    if e["event"] == "add_node":
+        placer.add_node(NodeView(str(e["node"]), tuple(e["gpus"])), float(e["now"]))
+    elif e["event"] == "submit":
+        placer.submit(e["job"], int(e["gpus"]), float(e["now"]), trace, str(e["kind"]))
+    elif e["event"] == "profiled":
+        if trace is None:
+            raise InvalidTrace("a 'profiled' placement input carries no trace")
+        placer.profiled(e["job"], trace, float(e["now"]))
+    elif e["event"] == "finish":
+        placer.finish(e["job"], float(e["now"]))
+    else:
+        raise InvalidTrace(f"unknown placement event {e['event']!r}")

@@ -547,6 +547,8 @@ def run_jobs(
 
     from plexrl_dask import config as plexrl_config
 
+    if not jobs:
+        raise ConfigError("run_jobs needs at least one job")
     if len({j.name for j in jobs}) != len(jobs):
         raise ConfigError("jobs run together need distinct names")
     if timeout is None:

@@ -26,14 +26,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from plexrl_dask import config
 from plexrl_dask.config import request_timeout
-from plexrl_dask.errors import ConfigError
+from plexrl_dask.errors import ConfigError, RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
@@ -187,7 +187,11 @@ def warm_start(
     timeout = request_timeout() * (max((s.warmup_steps for s in specs), default=0) + 3)
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup") as pool:
         futures = {s.name: pool.submit(one, s) for s in specs}
-        return {name: f.result(timeout=timeout) for name, f in futures.items()}
+        _, running = wait(futures.values(), timeout=timeout)
+        if running:  # (each still-running warm-up ends within a request timeout per step)
+            late = [name for name, f in futures.items() if f in running]
+            raise RequestTimeout(f"the warm-ups of {late} did not finish in {timeout:.0f} s")
+        return {name: f.result() for name, f in futures.items()}
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import os
 import time
 import uuid
@@ -33,6 +34,8 @@ from distributed import Actor, Client, Future, get_client
 
 from plexrl_dask import config, ops
 from plexrl_dask.errors import (
+    CheckpointError,
+    ConfigError,
     InvalidBatch,
     InvalidLoss,
     InvalidModelSpec,
@@ -42,6 +45,7 @@ from plexrl_dask.errors import (
     NoPlexRLWorkers,
     OpNotSupported,
     PlexRLError,
+    PluginsNotInstalled,
     RelocationFailed,
     RequestTimeout,
     raise_for_status,
@@ -108,12 +112,13 @@ class Runtime:
             status = self.client.sync(rpc, **kwargs, callback_timeout=config.request_timeout())
         except TimeoutError as e:
             raise RequestTimeout(f"the scheduler did not answer {handler} in time") from e
-        except (KeyError, AttributeError) as e:
-            raise PlexRLError(
+        if not isinstance(status, dict):
+            # A scheduler without the handler logs "No handler found" and answers None.
+            raise PluginsNotInstalled(
                 f"the scheduler has no {handler!r} handler: install the PlexRL plugins "
                 "(plexrl_dask.local_cluster(), plexrl_dask.install(client), or "
                 "`dask scheduler --preload plexrl_dask.plugins`)"
-            ) from e
+            )
         return raise_for_status(status)
 
     # --- deployments -------------------------------------------------------------------------
@@ -144,6 +149,9 @@ class Runtime:
             raise InvalidModelSpec(
                 f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}"
             )
+        for what, value in (("world_size", world_size), ("replicas", replicas)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
         uid = uuid.uuid4().hex
         hf = model.hf_config()
         status = self._call(
@@ -208,7 +216,10 @@ class Runtime:
         from plexrl_dask.sim.workload import save_trace
 
         job = job or self.job
-        raw = self.placement(job)["traces"].get(job)
+        placement = self.placement(job)
+        if not placement.get("enabled", True) or "traces" not in placement:
+            raise JobNotPlaced("the spatiotemporal placement is off (plexrl.placement.live)")
+        raw = placement["traces"].get(job)
         if not raw:
             raise JobNotPlaced(f"no recorded iterations of job {job!r} yet")
         its = [tuple(Phase(k, int(g), float(d)) for k, g, d in it) for it in raw]
@@ -477,6 +488,15 @@ class Deployment:
             raise InvalidSamplingParams(
                 "prompts must be a non-empty list of strings or token lists"
             )
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) and not (
+                hasattr(prompt, "__len__")  # a list, tuple or array of token ids
+                and hasattr(prompt, "__iter__")
+                and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+            ):
+                raise InvalidSamplingParams(
+                    f"prompt {i} must be a string or a list of token ids, got {prompt!r:.80}"
+                )
         if prompt_ids is not None and len(prompt_ids) != len(prompts):
             raise InvalidSamplingParams(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
         if self.info.world_size > 1:
@@ -526,8 +546,17 @@ class Deployment:
         the store's only model; ``version``: default the latest). Every rank (or replica)
         reads only what its layout holds."""
         n = self.info.num_workers
-        if not isinstance(checkpoint, Mapping):
-            checkpoint = os.fspath(checkpoint)
+        if isinstance(checkpoint, Mapping):
+            if "path" not in checkpoint:
+                raise CheckpointError(
+                    "a checkpoint mapping is what save_state returned and has a 'path'; got "
+                    f"keys {sorted(checkpoint)}"
+                )
+        else:
+            try:
+                checkpoint = os.fspath(checkpoint)
+            except TypeError as e:
+                raise CheckpointError(f"a checkpoint path is needed, got {checkpoint!r}") from e
         return self._submit(
             "load_state",
             ops.load_state,

@@ -32,6 +32,15 @@ from plexrl_dask.errors import (
 )
 
 
+def _real(value: object) -> bool:
+    """A finite real number (not a bool): what every numeric parameter here must be."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
 def _floats(values: Sequence[float] | None) -> tuple[float, ...] | None:
     return None if values is None else tuple(float(v) for v in values)
 
@@ -212,12 +221,16 @@ class AdamWParams:
     grad_clip: float | None = 1.0
 
     def __post_init__(self) -> None:
+        betas = (self.beta1, self.beta2)
+        clip = self.grad_clip
+        # Each check first asks for a finite number, so a None or a string fails it with a
+        # message (not a TypeError from the comparison).
         checks = {
-            "lr must be finite and >= 0": math.isfinite(self.lr) and self.lr >= 0,
-            "beta1 and beta2 must be in [0, 1)": 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-            "eps must be > 0": self.eps > 0,
-            "weight_decay must be >= 0": self.weight_decay >= 0,
-            "grad_clip must be None or > 0": self.grad_clip is None or self.grad_clip > 0,
+            "lr must be finite and >= 0": _real(self.lr) and self.lr >= 0,
+            "beta1 and beta2 must be in [0, 1)": all(_real(b) and 0 <= b < 1 for b in betas),
+            "eps must be > 0": _real(self.eps) and self.eps > 0,
+            "weight_decay must be >= 0": _real(self.weight_decay) and self.weight_decay >= 0,
+            "grad_clip must be None or > 0": clip is None or (_real(clip) and clip > 0),
         }
         for message, ok in checks.items():
             if not ok:
@@ -256,9 +269,9 @@ class SamplingParams:
         problems = []
         if not (isinstance(self.n, int) and self.n >= 1):
             problems.append(f"n must be an int >= 1 (got {self.n!r})")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            problems.append(f"temperature must be finite and >= 0 (got {self.temperature})")
-        if not (0 < self.top_p <= 1):
+        if not (_real(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be finite and >= 0 (got {self.temperature!r})")
+        if not (_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1] (got {self.top_p})")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an int >= 1 (got {self.max_tokens!r})")

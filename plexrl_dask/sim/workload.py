@@ -219,7 +219,7 @@ class WorkloadSpec:
         return spec
 
     def validate(self) -> None:
-        if self.jobs < 1 or self.offered_load <= 0 or not self.models:
+        if self.jobs < 1 or not self.offered_load > 0 or not self.models:
             raise InvalidTrace("a workload needs jobs >= 1, offered_load > 0 and models")
         if self.arrival not in ("poisson", "batch"):
             raise InvalidTrace(f"arrival process {self.arrival!r}: poisson or batch")
@@ -236,12 +236,19 @@ class WorkloadSpec:
 
     def scaled(self, gpus: int, jobs: int | None = None) -> WorkloadSpec:
         """The same mix on ``gpus`` GPUs (job classes that no longer fit are dropped)."""
+        if gpus < 1:
+            raise InvalidTrace(f"a cluster needs gpus >= 1, got {gpus}")
         cluster = ClusterSpec(**{**self.cluster.__dict__, "gpus": gpus})
         models = tuple(m for m in self.models if m.rollout_gpus + m.train_gpus <= gpus)
+        if not models:
+            raise InvalidTrace(
+                f"no job class of workload {self.name!r} fits {gpus} GPUs (the smallest needs "
+                f"{min(m.rollout_gpus + m.train_gpus for m in self.models)})"
+            )
         return WorkloadSpec(
-            self.name, cluster, models, jobs or self.jobs, self.iterations,
+            self.name, cluster, models, self.jobs if jobs is None else jobs, self.iterations,
             self.offered_load, self.arrival, self.base,
-        )  # fmt: skip
+        ).validated()  # fmt: skip
 
     def batch(self) -> WorkloadSpec:
         """The same jobs, all submitted at time 0."""
@@ -251,10 +258,16 @@ class WorkloadSpec:
         )  # fmt: skip
 
     def with_load(self, offered_load: float) -> WorkloadSpec:
+        """The same jobs, arriving to offer ``offered_load`` times the cluster's capacity."""
         return WorkloadSpec(
             self.name, self.cluster, self.models, self.jobs, self.iterations,
             offered_load, self.arrival, self.base,
-        )  # fmt: skip
+        ).validated()  # fmt: skip
+
+    def validated(self) -> WorkloadSpec:
+        """``self``, after :meth:`validate`."""
+        self.validate()
+        return self
 
 
 def generate(spec: WorkloadSpec, seed: int = 0) -> list[SimJob]:

@@ -165,12 +165,15 @@ class TorchBackend:
     def _checked(self, check: Any, elsewhere: PlexRLError | None = None) -> Any:
         """Run a step that may raise a typed error, and fail on every rank together if it
         failed on any (a lone failing rank would leave the others waiting in a collective);
-        ``elsewhere`` is what the ranks where it succeeded raise. Returns ``check()``."""
+        ``elsewhere`` is what the ranks where it succeeded raise. Returns ``check()``.
+
+        Typed errors, value errors and OS errors (a checkpoint path one node cannot write)
+        are agreed on; each leaves every rank's state as it was."""
         error: Exception | None = None
         result = None
         try:
             result = check()
-        except (PlexRLError, ValueError) as e:
+        except (PlexRLError, ValueError, OSError) as e:
             error = e
         if not self._agree(error is None):
             raise (
@@ -394,6 +397,8 @@ class TorchBackend:
                 f"missing {missing[:5]} (pass strict=False to update a subset)"
             )
         for n, t in weights.items():
+            if not isinstance(t, torch.Tensor):
+                raise WeightsMismatch(f"{n}: a torch.Tensor is needed, got {type(t).__name__}")
             if tuple(t.shape) != tuple(params[n].shape):
                 raise WeightsMismatch(
                     f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(params[n].shape)}"
