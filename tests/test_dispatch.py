@@ -28,6 +28,7 @@ from plexrl_dask.policy.residency import TIERS, ResidencyMap, ResidencyReport
 from plexrl_dask.service.runtime import split_prompts
 from plexrl_dask.sim.queueing import (
     ADVERSARIAL,
+    ClusterModel,
     flood,
     gang_vs_singles,
     long_vs_short_stream,
@@ -431,6 +432,24 @@ def test_hint_names_the_top_urgent_reserver_else_the_best_head_else_nothing():
     assert d.hint("w0", 2.0) == "quick"
     d.add(req("anon", "w1", t=2.0, dep="x"))
     assert d.hint("w1", 2.0) == "x"
+
+
+def test_only_a_queued_request_or_an_urgent_reserver_is_committed():
+    """A hint from the best head is a prediction (no prefetch may evict for it); the request
+    queued behind the running one, or an urgent reserver, is what the worker runs next."""
+    d = Dispatcher(AHEAD, workers=["w0", "w1"])
+    occupy(d, "w0", "w1")
+    d.add(req("quick", ("w0",), ("w1",), t=0.0, s=0.1, dep="quick"))
+    assert d.hint("w0", 0.0) == "quick" and d.committed("w0") is None  # either worker
+    assert d.decide(0.0)[0].behind is not None  # lookahead queues it behind one of them
+    [w] = d.queued
+    assert d.committed(w) == d.hint(w, 0.0) == "quick"
+    urgent = Dispatcher(DispatchPolicy(patience_factor=0.0, patience_floor_s=1.0), workers=["w0"])
+    occupy(urgent, "w0")
+    urgent.add(req("late", "w0", t=0.0, dep="late"))
+    assert urgent.committed("w0") is None
+    assert urgent.decide(2.0) == [] and urgent.is_urgent("late")
+    assert urgent.committed("w0") == "late"
 
 
 def test_hint_of_a_request_without_deployment_is_none():
@@ -1530,3 +1549,30 @@ def test_nothing_is_queued_behind_a_request_that_takes_inputs():
     assert d.decide(3.0) == [] and d.busy == {"w0": "load2"}
     d.release_worker("w0", "load2")
     assert names(d.decide(4.0)) == ["last"]
+
+
+# --- the live benchmark's mix, simulated ----------------------------------------------------
+
+
+def test_the_live_benchmarks_mix_in_the_simulator_keeps_the_promises_and_gains():
+    """bench.scheduler's live workload (a 2-rank trainer's steps among short and long samples
+    of two rollout models, one of which fits beside the trainer per worker) replayed in the
+    simulator: HRRS answers faster on average and loads fewer models than FIFO, and every
+    wait stays within the proven bound."""
+    from plexrl_dask.bench.scheduler import (
+        POLICIES,
+        _sim_live_requests,
+        live_schedule,
+        simulated_live_mix,
+    )
+
+    service = {"train": 0.317, "sample_a": 0.031, "sample_b": 0.030, "sample_b_long": 0.111}
+    schedules = [live_schedule(service, 20.0, seed=seed) for seed in range(2)]
+    out = simulated_live_mix(schedules, service, load_s=0.085)
+    assert out["sim_live_mix_hrrs_vs_fifo_mean_response_ratio"] < 1
+    assert out["sim_live_mix_hrrs_model_loads"] < out["sim_live_mix_fifo_model_loads"]
+    cluster = ClusterModel(("w0", "w1"), hbm_models=2)
+    for name in ("hrrs", "fifo"):
+        res = simulate(_sim_live_requests(schedules[0], service), cluster, POLICIES[name])
+        assert res.max_wait_over_bound() <= 1.0 + 1e-9
+        assert res.overlaps() == [] and res.order_violations() == []

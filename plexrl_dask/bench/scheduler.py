@@ -13,13 +13,19 @@ Every comparison is within one run (this machine is shared and noisy):
   2-replica deployments of two models; budgets fit the trainer's shard and one rollout model
   per worker), open-loop arrivals at about 70 % load computed from service times measured in
   the same run (near saturation the queue's growth, and with it every response time, swings
-  from run to run), replayed identically under each policy from the same residency, rounds
-  interleaved:
+  from run to run); each round draws its own arrival realisation (3 in a full run, 1 quick)
+  and replays it identically under each policy from the same residency, rounds interleaved,
+  responses pooled over the rounds:
   ``hrrs_vs_fifo_mean_response_ratio`` and ``_p99_`` against residency-aware FIFO and
   ``model_loads_ratio`` against residency-blind FIFO (all < 1 is the point); every policy
   runs with dispatch lookahead (the default), and ``lookahead_mean_response_ratio`` /
   ``_p99_`` compare HRRS with it against HRRS without it (``sim_lookahead_…``: the same in
   simulation);
+  ``hrrs_vs_fifo_p99_response_ratio_per_round`` gives each realisation's ratio and
+  ``live_{p99,mean}_response_s_by_action`` which actions make each policy's tail;
+  ``sim_live_mix_*`` are the same schedules in the queueing simulator
+  (:func:`simulated_live_mix`), with this run's service and load times: the dispatch rule
+  alone, without Dask's round trips, prefetches or this machine's noise.
 - ``max_wait_over_bound``: the largest observed wait ÷ the proven bound of
   :mod:`plexrl_dask.policy.dispatch`, over simulated random and adversarial workloads (gang
   against a stream of singles, long against a stream of shorts, one job flooding the queue),
@@ -32,7 +38,8 @@ Every comparison is within one run (this machine is shared and noisy):
   model stack (torch, transformers, Zarr) was imported. ``scheduler_full_gc_ratio_vs_plain``
   and ``scheduler_rss_ratio_vs_plain`` are the preloaded scheduler's ÷ the plain one's.
 
-Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (~15 min; ``--quick``: ~5 min).
+Run: ``python -m plexrl_dask.bench.scheduler --json OUT`` (~15 min; ``--quick``: ~5 min;
+``--only SECTION``, repeatable: footprint, plain, decisions, simulated, live).
 """
 
 from __future__ import annotations
@@ -283,6 +290,25 @@ def simulated(quick: bool) -> dict[str, float]:
 # --- the live mixed workload ---------------------------------------------------------------------
 
 
+def live_schedule(
+    service: dict[str, float], duration_s: float, load: float = 0.7, seed: int = 0
+) -> list[tuple[float, str]]:
+    """Open-loop arrivals of the live mix's actions (``service``: each action's measured
+    seconds): each action a Poisson stream, rates set so that the expected busy worker-time
+    is ``load`` of both workers (the trainer's gang takes both)."""
+    rng = random.Random(seed)
+    weight = {"train": 2.0, "sample_a": 1.0, "sample_b": 1.0, "sample_b_long": 1.0}
+    share = {"train": 0.35, "sample_a": 0.25, "sample_b": 0.25, "sample_b_long": 0.15}
+    events = []
+    for name, frac in share.items():
+        rate = load * 2 * frac / (service[name] * weight[name])
+        t = rng.expovariate(rate)
+        while t < duration_s:
+            events.append((t, name))
+            t += rng.expovariate(rate)
+    return sorted(events)
+
+
 class _LiveWorkload:
     """Three jobs on one 2-worker cluster; see the module docstring."""
 
@@ -340,22 +366,15 @@ class _LiveWorkload:
             out[name] = median(times[1:])
         return out
 
-    def schedule(
-        self, service: dict[str, float], load: float = 0.7, seed: int = 0
-    ) -> list[tuple[float, str]]:
-        """Open-loop arrivals: each action a Poisson stream, rates set so that the expected
-        busy worker-time is ``load`` of both workers (the trainer's gang takes both)."""
-        rng = random.Random(seed)
-        weight = {"train": 2.0, "sample_a": 1.0, "sample_b": 1.0, "sample_b_long": 1.0}
-        share = {"train": 0.35, "sample_a": 0.25, "sample_b": 0.25, "sample_b_long": 0.15}
-        events = []
-        for name, frac in share.items():
-            rate = load * 2 * frac / (service[name] * weight[name])
-            t = rng.expovariate(rate)
-            while t < self.duration_s:
-                events.append((t, name))
-                t += rng.expovariate(rate)
-        return sorted(events)
+    def schedule(self, service: dict[str, float], seed: int = 0) -> list[tuple[float, str]]:
+        """This workload's arrivals (:func:`live_schedule`) over its duration."""
+        return live_schedule(service, self.duration_s, seed=seed)
+
+    @staticmethod
+    def load_time_s(seconds: dict[str, float], counts: dict[str, int]) -> float:
+        """The mean measured load over every policy's runs (the simulator's load time)."""
+        n = sum(counts.values())
+        return sum(seconds.values()) / n if n else 0.08
 
     def loads(self) -> tuple[int, float]:
         """Loads into HBM so far (builds, reloads, prefetches) and their measured seconds."""
@@ -368,8 +387,8 @@ class _LiveWorkload:
         return count, seconds
 
     def run(self, schedule: list[tuple[float, str]]) -> tuple[list[float], int, float]:
-        """Replay ``schedule``; returns the response times, and the model loads it caused
-        with their measured seconds."""
+        """Replay ``schedule``; returns the response times (in schedule order), and the model
+        loads it caused with their measured seconds."""
         self.reset_residency()
         loads0, seconds0 = self.loads()
         done: dict[int, float] = {}
@@ -416,15 +435,25 @@ def live_mixed(quick: bool) -> dict[str, Any]:
         work = _LiveWorkload(client, quick)
         admin = work.jobs["trainer"]
         service = work.service_times()
-        schedule = work.schedule(service)
+        # One arrival realisation per round, each replayed under every policy: the p99 of one
+        # realisation turns on its bursts (a few trainer actions arriving together), so the
+        # comparison pools several.
+        schedules = [work.schedule(service, seed=r) for r in range(1 if quick else 3)]
         responses: dict[str, list[float]] = {p: [] for p in LIVE_POLICIES}
+        # by action (which requests make each policy's tail) and by round (how much rounds
+        # disagree): the p99 of ~1,000 responses is their tenth-longest
+        by_action: dict[str, dict[str, list[float]]] = {p: {} for p in LIVE_POLICIES}
+        rounds: dict[str, list[list[float]]] = {p: [] for p in LIVE_POLICIES}
         loads: dict[str, int] = dict.fromkeys(LIVE_POLICIES, 0)
         load_s: dict[str, float] = dict.fromkeys(LIVE_POLICIES, 0.0)
-        for _ in range(1 if quick else 3):
+        for schedule in schedules:
             for name, knobs in track(LIVE_POLICIES.items(), description="live policies"):
                 admin.set_policy(**knobs)
                 got, n_loads, seconds = work.run(schedule)
                 responses[name] += got
+                rounds[name].append(got)
+                for (_, action), r in zip(schedule, got, strict=False):
+                    by_action[name].setdefault(action, []).append(r)
                 loads[name] += n_loads
                 load_s[name] += seconds
         admin.set_policy(**LIVE_POLICIES["hrrs"])
@@ -441,7 +470,7 @@ def live_mixed(quick: bool) -> dict[str, Any]:
         / statistics.fmean(responses["hrrs_no_lookahead"]),
         "lookahead_p99_response_ratio": p99(responses["hrrs"])
         / p99(responses["hrrs_no_lookahead"]),
-        "live_requests_per_policy_run": len(schedule),
+        "live_requests_per_policy_run": statistics.fmean(len(x) for x in schedules),
     }
     for name in LIVE_POLICIES:
         out[f"live_{name}_mean_response_s"] = statistics.fmean(responses[name])
@@ -449,8 +478,92 @@ def live_mixed(quick: bool) -> dict[str, Any]:
         out[f"live_{name}_model_loads"] = loads[name]
         out[f"live_{name}_load_seconds"] = load_s[name]
     out["live_service_s"] = {k: round(v, 4) for k, v in service.items()}
+    out["live_p99_response_s_by_action"] = {
+        name: {a: round(p99(xs), 4) for a, xs in sorted(actions.items())}
+        for name, actions in by_action.items()
+    }
+    out["live_mean_response_s_by_action"] = {
+        name: {a: round(statistics.fmean(xs), 4) for a, xs in sorted(actions.items())}
+        for name, actions in by_action.items()
+    }
+    out["hrrs_vs_fifo_p99_response_ratio_per_round"] = [
+        round(p99(h) / p99(f), 3) for h, f in zip(rounds["hrrs"], rounds["fifo"], strict=True)
+    ]
+    out.update(simulated_live_mix(schedules, service, work.load_time_s(load_s, loads)))
     return out
 
+
+SIM_WORKERS = ("w0", "w1")
+
+
+def simulated_live_mix(
+    schedules: list[list[tuple[float, str]]], service: dict[str, float], load_s: float
+) -> dict[str, Any]:
+    """The live schedules in the queueing simulator, with the service and load times measured
+    in the same run: what the dispatch rule alone does with this workload, without Dask's
+    round trips, the holders' prefetches or this machine's noise (responses pooled over the
+    schedules, as live). Each worker holds the trainer's shard and one rollout model."""
+    from plexrl_dask.sim.queueing import ClusterModel, simulate
+
+    nbytes = 100_000_000  # any size: the bandwidth below makes a load take ``load_s``
+    cluster = ClusterModel(
+        SIM_WORKERS,
+        dict.fromkeys(("trainer", "roll-a", "roll-b"), nbytes),
+        hbm_models=2,
+        bandwidths=dict.fromkeys(("dram", "nvme", "absent"), nbytes / max(load_s, 1e-3)),
+        resident={"trainer": SIM_WORKERS, "roll-a": ("w0",), "roll-b": ("w1",)},
+    )
+    out: dict[str, Any] = {}
+    means, p99s = {}, {}
+    for name in ("hrrs", "fifo"):
+        resp, loads = [], 0
+        for schedule in schedules:
+            res = simulate(_sim_live_requests(schedule, service), cluster, POLICIES[name])
+            finish = {r.request.request: r.finish for r in res.records}
+            for i, (t, action) in enumerate(schedule):
+                last = f"{i}-optim_step" if action == "train" else f"{i}-sample"
+                resp.append(finish[last] - t)
+            loads += res.loads
+        means[name], p99s[name] = statistics.fmean(resp), float(np.percentile(resp, 99))
+        out[f"sim_live_mix_{name}_model_loads"] = loads
+    out["sim_live_mix_hrrs_vs_fifo_mean_response_ratio"] = means["hrrs"] / means["fifo"]
+    out["sim_live_mix_hrrs_vs_fifo_p99_response_ratio"] = p99s["hrrs"] / p99s["fifo"]
+    out["sim_live_mix_load_s"] = load_s
+    return out
+
+
+def _sim_live_requests(schedule: list[tuple[float, str]], service: dict[str, float]) -> list[Any]:
+    """A schedule's actions as simulated requests: the trainer's action is its two gang
+    requests (forward_backward, then optim_step: its response ends with the second), a
+    sample goes to either replica of its model."""
+    from plexrl_dask.sim.queueing import sim_request
+
+    # forward_backward took most of the measured train action (optim_step ~ a fifth)
+    split = {"forward_backward": 0.8, "optim_step": 0.2}
+    requests = []
+    for i, (t, action) in enumerate(schedule):
+        if action == "train":
+            for k, (op, share) in enumerate(split.items()):
+                requests.append(
+                    sim_request(f"{i}-{op}", [SIM_WORKERS], t + k * 1e-6, share * service[action],
+                                "trainer", op=op, order="trainer#0", job="trainer")
+                )  # fmt: skip
+        else:
+            model = "roll-a" if action == "sample_a" else "roll-b"
+            requests.append(
+                sim_request(f"{i}-sample", [(w,) for w in SIM_WORKERS], t, service[action],
+                            model, op="sample", order=f"{model}#any", job=model)
+            )  # fmt: skip
+    return requests
+
+
+SECTIONS = {
+    "footprint": scheduler_footprint,
+    "plain": plain_task_throughput,
+    "decisions": decision_latency,
+    "simulated": simulated,
+    "live": live_mixed,
+}
 
 TARGETS = {
     "plain_task_throughput_ratio": ">= 0.9",
@@ -463,14 +576,19 @@ TARGETS = {
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=SECTIONS,
+        help="run only this section (repeatable; default: all)",
+    )
+    args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     results: dict[str, Any] = {}
-    results.update(scheduler_footprint(args.quick))
-    results.update(plain_task_throughput(args.quick))
-    results.update(decision_latency(args.quick))
-    results.update(simulated(args.quick))
-    results.update(live_mixed(args.quick))
+    for name, section in SECTIONS.items():
+        if not args.only or name in args.only:
+            results.update(section(args.quick))
     report(
         "scheduler",
         results,

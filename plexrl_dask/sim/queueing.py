@@ -258,7 +258,7 @@ def simulate(
 # --- workloads -------------------------------------------------------------------------------
 
 
-def _single(
+def sim_request(
     name: str,
     groups: Sequence[Group],
     t: float,
@@ -270,6 +270,9 @@ def _single(
     job: str = "",
     estimate: float | None = None,
 ) -> SimRequest:
+    """A request of ``model`` arriving at ``t`` that runs on one of ``groups`` for
+    ``service`` seconds (dispatch sees ``estimate``, default the truth); ``order`` names its
+    ordering chain (default: its own)."""
     req = Request(
         request=name,
         groups=tuple(tuple(g) for g in groups),
@@ -312,7 +315,7 @@ def random_workload(
             k = rng.randrange(len(groups))
             chosen, order = (groups[k],), f"{model}#{k}"
         out.append(
-            _single(
+            sim_request(
                 f"r{i}",
                 chosen,
                 t,
@@ -333,20 +336,20 @@ def gang_vs_singles(n_singles: int = 300) -> tuple[ClusterModel, list[SimRequest
     (different models, always resident): without reservations the two workers are never free
     at once."""
     workers = ("w0", "w1")
-    out = [_single("gang", [("w0", "w1")], 1.0, 2.0, "trainer")]
+    out = [sim_request("gang", [("w0", "w1")], 1.0, 2.0, "trainer")]
     for i in range(n_singles):
         for w, offset in (("w0", 0.0), ("w1", 0.25)):
-            out.append(_single(f"s{w}-{i}", [(w,)], 0.5 + offset + 0.5 * i, 0.45, f"roll-{w}"))
+            out.append(sim_request(f"s{w}-{i}", [(w,)], 0.5 + offset + 0.5 * i, 0.45, f"roll-{w}"))
     return ClusterModel(workers, hbm_models=3), out
 
 
 def long_vs_short_stream(n_short: int = 400) -> tuple[ClusterModel, list[SimRequest]]:
     """One long request against a continuous stream of short ones on the same worker: HRRS lets
     the short ones overtake, until the long one's patience runs out."""
-    out = [_single("warmup", [("w0",)], 0.0, 1.0, "short")]
-    out.append(_single("long", [("w0",)], 0.5, 20.0, "long", estimate=5.0))
+    out = [sim_request("warmup", [("w0",)], 0.0, 1.0, "short")]
+    out.append(sim_request("long", [("w0",)], 0.5, 20.0, "long", estimate=5.0))
     for i in range(n_short):
-        out.append(_single(f"short{i}", [("w0",)], 0.6 + 0.25 * i, 0.2, "short"))
+        out.append(sim_request(f"short{i}", [("w0",)], 0.6 + 0.25 * i, 0.2, "short"))
     return ClusterModel(("w0",), hbm_models=2), out
 
 
@@ -360,7 +363,7 @@ def flood(n_flood: int = 400, seed: int = 0) -> tuple[ClusterModel, list[SimRequ
     for i in range(n_flood):
         model = f"a{i % 4}"
         out.append(
-            _single(
+            sim_request(
                 f"a{i}",
                 [(w,) for w in workers],
                 0.0,
@@ -372,7 +375,7 @@ def flood(n_flood: int = 400, seed: int = 0) -> tuple[ClusterModel, list[SimRequ
         )
     for i in range(40):
         out.append(
-            _single(
+            sim_request(
                 f"b{i}", [(w,) for w in workers], 2.5 + 5.0 * i, 0.3, "b", order="b#any", job="B"
             )
         )
