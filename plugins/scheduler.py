@@ -184,8 +184,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             SetupCosts(self.residency, self.estimates, self._bytes_of, self._budget_of),
         )
         self.prefetch_hints = bool(config.get("scheduler.prefetch-hints"))
-        # worker -> (deployment, uid, whether it may evict) last hinted
-        self.hints: dict[str, tuple[str | None, str, bool]] = {}
+        self.hints: dict[
+            str, tuple[str | None, str]
+        ] = {}  # worker -> (deployment, uid) last hinted
         self._touched: set[str] = set()  # workers whose prediction may have changed
         self.decisions: deque[dict[str, Any]] = deque(
             maxlen=int(config.get("scheduler.decisions-kept"))
@@ -481,7 +482,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "jobs": {job: dict(c) for job, c in self.job_counters.items()},
             "queue": self.queue_view(100),
             "decisions": list(self.decisions)[-50:],
-            "hints": {w: h[0] for w, h in self.hints.items() if h[0] is not None},
+            "hints": {w: d for w, (d, _) in self.hints.items() if d is not None},
             "policy": dataclasses.asdict(self.policy),
         }
 
@@ -873,22 +874,16 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for worker in touched:
             deployment = self.dispatcher.hint(worker, now)
             info = self.deployments.get(deployment) if deployment else None
-            # A hint the dispatcher has committed to may make room (offload idle replicas):
-            # that load happens anyway. A prediction may only use free memory: evicting a
-            # replica for a guess that turns out wrong costs two loads instead of none.
-            certain = deployment is not None and self.dispatcher.committed(worker) == deployment
-            hint = (deployment, info.uid, certain) if info is not None else (None, "", False)
+            hint = (deployment, info.uid) if info is not None else (None, "")
             comm = self.scheduler.stream_comms.get(worker)
             # Only workers whose holder reported in have the handler (an unknown op would
             # break the worker's stream).
             if comm is None or worker not in self.worker_capacity:
                 continue
-            if self.hints.get(worker, (None, "", False)) == hint:
+            if self.hints.get(worker, (None, "")) == hint:
                 continue
             self.hints[worker] = hint
-            comm.send(
-                {"op": PREFETCH_OP, "deployment": hint[0], "uid": hint[1], "evict": hint[2]}
-            )
+            comm.send({"op": PREFETCH_OP, "deployment": hint[0], "uid": hint[1]})
             self.counters["prefetch_hints"] += 1
 
     def _group_epoch(self, deployment: str, workers: tuple[str, ...]) -> int:

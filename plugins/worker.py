@@ -118,10 +118,10 @@ class PlexRLWorkerPlugin(WorkerPlugin):
 
             return await asyncio.get_running_loop().run_in_executor(None, serve)
 
-        def prefetch(deployment: str | None, uid: str = "", evict: bool = True) -> None:
+        def prefetch(deployment: str | None, uid: str = "") -> None:
             holder = holder_of(worker)
             if holder is not None:
-                holder.hint(deployment, uid, evict=evict)
+                holder.hint(deployment, uid)
 
         worker.handlers["plexrl_holder_status"] = holder_status
         worker.handlers["plexrl_holder_drop"] = holder_drop

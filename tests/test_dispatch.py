@@ -434,24 +434,6 @@ def test_hint_names_the_top_urgent_reserver_else_the_best_head_else_nothing():
     assert d.hint("w1", 2.0) == "x"
 
 
-def test_only_a_queued_request_or_an_urgent_reserver_is_committed():
-    """A hint from the best head is a prediction (no prefetch may evict for it); the request
-    queued behind the running one, or an urgent reserver, is what the worker runs next."""
-    d = Dispatcher(AHEAD, workers=["w0", "w1"])
-    occupy(d, "w0", "w1")
-    d.add(req("quick", ("w0",), ("w1",), t=0.0, s=0.1, dep="quick"))
-    assert d.hint("w0", 0.0) == "quick" and d.committed("w0") is None  # either worker
-    assert d.decide(0.0)[0].behind is not None  # lookahead queues it behind one of them
-    [w] = d.queued
-    assert d.committed(w) == d.hint(w, 0.0) == "quick"
-    urgent = Dispatcher(DispatchPolicy(patience_factor=0.0, patience_floor_s=1.0), workers=["w0"])
-    occupy(urgent, "w0")
-    urgent.add(req("late", "w0", t=0.0, dep="late"))
-    assert urgent.committed("w0") is None
-    assert urgent.decide(2.0) == [] and urgent.is_urgent("late")
-    assert urgent.committed("w0") == "late"
-
-
 def test_hint_of_a_request_without_deployment_is_none():
     d = Dispatcher(CALM, workers=["w0"])
     occupy(d, "w0")

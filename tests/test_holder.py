@@ -254,28 +254,6 @@ def test_actor_offload_capacity_and_names():
     assert holder.status()["counters"]["reloads"] == 1
 
 
-def test_a_predicted_hint_prefetches_only_into_free_memory():
-    """A hint the scheduler only predicts (``evict=False``) never offloads an idle replica
-    to make room; one it has committed to does."""
-    one = spec().memory_bytes("rollout")  # weights only: these replicas never train
-    holder, _ = make_holder(int(one * 1.5))  # one resident replica at a time
-    a, b = make_info("a", seed=1, memory_bytes=one), make_info("b", seed=2, memory_bytes=one)
-    for info in (a, b):  # a loaded, then offloaded for b
-        weights(holder, info)
-    assert resident(holder) == {"a": False, "b": True}
-    holder.hint("a", a.uid, evict=False)
-    assert holder.prefetch() is False  # (and the thread the hint started did nothing either)
-    time.sleep(0.2)
-    assert resident(holder) == {"a": False, "b": True}
-    assert holder.counters["prefetches"] == 0
-    holder.hint("a", a.uid, evict=True)
-    deadline = time.monotonic() + 10
-    while not resident(holder)["a"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert resident(holder) == {"a": True, "b": False}
-    assert holder.counters["prefetches"] == 1
-
-
 def test_a_prefetch_never_offloads_the_replica_a_request_starts_on():
     """Regression (found by the multiplexed benchmark with lookahead): a prefetch chose its
     victims, the idle ``a`` among them, and offloaded them one by one; a request of ``a`` that

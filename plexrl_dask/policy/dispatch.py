@@ -433,22 +433,10 @@ class Dispatcher:
         e = self._entries.get(request)
         return bool(e and e.urgent)
 
-    def committed(self, worker: str) -> str | None:
-        """The deployment ``worker`` will run next, as far as decisions already taken say:
-        that of the request queued there (lookahead), else of its first urgent reserver;
-        ``None`` when its next request is only a prediction (see :meth:`hint`)."""
-        queued = self._next.get(worker)
-        if queued is not None:
-            return queued[1] or None
-        top = self._top_reserver(worker)
-        return None if top is None else (top.request.deployment or None)
-
     def hint(self, worker: str, now: float) -> str | None:
         """The deployment ``worker`` is predicted to run next: that of the request queued
         there (lookahead), else of its first urgent reserver, else of the best head that may
-        run there (by ratio), else ``None``. Only the first two are decisions already taken
-        (:meth:`committed`); the best head may yet go to another worker, or lose its place
-        to a later arrival."""
+        run there (by ratio), else ``None``."""
         queued = self._next.get(worker)
         if queued is not None:
             return queued[1] or None

@@ -191,7 +191,6 @@ class ReplicaHolder:
             "stash_writes": 0,
         }
         self._hint: tuple[str, str] | None = None  # (deployment, uid) predicted to run next
-        self._hint_evicts = True  # whether its prefetch may offload idle replicas
         self.load_seconds = 0.0  # measured time of every load into HBM, summed
         self.spans = SpanLog(timeline_length)
 
@@ -470,13 +469,10 @@ class ReplicaHolder:
 
     # --- prefetch ------------------------------------------------------------------------------
 
-    def hint(self, deployment: str | None, uid: str = "", evict: bool = True) -> None:
+    def hint(self, deployment: str | None, uid: str = "") -> None:
         """The scheduler predicts ``deployment`` runs here next (``None``: nothing queued for
         this worker): bring it back from host memory when this worker is idle (see
-        :meth:`prefetch`). With ``evict`` (the scheduler has committed to it) the reload may
-        offload idle replicas to make room; without (a prediction), it only uses free
-        memory. Never blocks."""
-        self._hint_evicts = evict
+        :meth:`prefetch`). Never blocks."""
         self._hint = None if deployment is None else (deployment, uid)
         if self._hint is not None:
             self._prefetch_soon()
@@ -488,12 +484,12 @@ class ReplicaHolder:
         """Bring the hinted deployment back if it is held here offloaded, so that its next
         request finds it resident: its stored state NVMe -> DRAM in the node's manager, then
         DRAM -> device here. Both may overlap another deployment's running request: the
-        reload only takes memory that is free or, for a hint that may evict, held by idle
-        replicas (never the running one's), and that request's own growth after it ends can
-        offload the prefetched replica again. A request of the prefetched deployment arriving meanwhile waits for the
+        reload only takes memory that is free or held by idle replicas (never the running
+        one's), and that request's own growth after it ends can offload the prefetched
+        replica again. A request of the prefetched deployment arriving meanwhile waits for the
         reload in flight. Multi-rank replicas are rebuilt on their group's next request
         instead (their reload joins a group)."""
-        hint, evicts = self._hint, self._hint_evicts
+        hint = self._hint
         if hint is None:
             return False
         name, uid = hint
@@ -515,13 +511,8 @@ class ReplicaHolder:
                 return False
             nbytes = replica.backend.state_bytes()
             with self._moves:
-                if name == self._running:
+                if name == self._running or not self._make_room(nbytes, keep=name):
                     return False
-                if evicts:
-                    if not self._make_room(nbytes, keep=name):
-                        return False
-                elif self._resident_bytes() + self._incoming + nbytes > self.budget_bytes:
-                    return False  # a prediction only takes free memory
                 self._incoming += nbytes
             try:
                 t0 = time.perf_counter()
