@@ -146,24 +146,20 @@ def placement_config() -> PlacementConfig:
     from plexrl_dask.policy.spatiotemporal import PlacementConfig
 
     try:
-        return _placement_config(PlacementConfig)
+        return PlacementConfig(
+            slots=int(get("placement.slots")),
+            reserve_quantile=float(get("placement.reserve-quantile")),
+            profile_iterations=int(get("placement.profile-iterations")),
+            group_nodes=int(get("placement.group-nodes")),
+            packing=str(get("placement.packing")),
+            max_padding=float(get("placement.max-padding")),
+            max_skips=int(get("placement.max-skips")),
+            late_tolerance=float(get("placement.late-tolerance")),
+            horizon_periods=int(get("placement.horizon-periods")),
+            group_peaks=float(get("placement.group-peaks")),
+            reuse_traces=bool(get("placement.reuse-traces")),
+        )
     except (TypeError, ValueError, KeyError) as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"invalid plexrl.placement setting: {e}") from e
-
-
-def _placement_config(cls: type[PlacementConfig]) -> PlacementConfig:
-    return cls(
-        slots=int(get("placement.slots")),
-        reserve_quantile=float(get("placement.reserve-quantile")),
-        profile_iterations=int(get("placement.profile-iterations")),
-        group_nodes=int(get("placement.group-nodes")),
-        packing=str(get("placement.packing")),
-        max_padding=float(get("placement.max-padding")),
-        max_skips=int(get("placement.max-skips")),
-        late_tolerance=float(get("placement.late-tolerance")),
-        horizon_periods=int(get("placement.horizon-periods")),
-        group_peaks=float(get("placement.group-peaks")),
-        reuse_traces=bool(get("placement.reuse-traces")),
-    )
