@@ -102,10 +102,9 @@ def main() -> None:
                     completed=warm[name] + saved.steps_done,
                     description=f"{name}: resumed after {saved.steps_done} GRPO steps",
                 )
-            # (a resumed job starts from its checkpoint's state: no warm-up)
+            # (a resumed job starts from its own checkpoint, which run_mode loads: no warm-up)
             fresh = [s for s in specs if s.name not in resumed]
             checkpoints = warm_start(runtime, fresh, out / "warmup", on_progress=warmed)
-            checkpoints |= {name: saved.policy for name, saved in resumed.items()}
 
             def stepped(r) -> None:
                 progress.update(

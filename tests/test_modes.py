@@ -4,6 +4,7 @@ trajectories, a ledger that adds up, the report."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,14 @@ import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.rl import GRPOConfig
 from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.rl.modes import JobSpec, Layout, peak_tokens_per_second, run_mode, warm_start
+from plexrl_dask.rl.modes import (
+    JobSpec,
+    Layout,
+    peak_tokens_per_second,
+    resumable,
+    run_mode,
+    warm_start,
+)
 from plexrl_dask.rl.report import plot_run, summary_table
 from tests.conftest import tiny_spec, unique
 from tests.test_grpo import FirstCharIsDigit
@@ -183,3 +191,49 @@ def test_the_same_job_runs_on_a_local_checkpoint_path(client, tmp_path):
     run = run_mode(runtime, [spec], Layout("split", 2, 1), checkpoints, workers)
     assert [r.sampled_with for r in run.records[spec.name]][0] == 2
     assert len(run.records[spec.name]) == 2 and run.ledger.useful_tokens() > 0
+
+
+@pytest.mark.parametrize("layout", [Layout("multiplexed", 2, 1), Layout("split", 2, 1)])
+def test_a_resumed_mode_loads_each_state_once_and_continues_the_run(client, tmp_path, layout):
+    """A job with a checkpoint under ``checkpoint_dir`` needs no starting state: its
+    deployments load the checkpoint once (no warm-up state before it, no weight sync of a
+    state about to be replaced), and the records continue the interrupted run's."""
+    runtime = plexrl.Runtime(client, job=unique("resume"))
+    spec = JobSpec(
+        unique("r"),
+        FirstCharIsDigit(),
+        tiny_spec(seed=7),
+        replace(CONFIG, steps=2, seed=7),
+        warmup_steps=2,
+        warmup_batch_size=4,
+    )
+    start = warm_start(runtime, [spec], tmp_path / "warmup")
+    workers = sorted(client.scheduler_info()["workers"])
+    ck = tmp_path / "ck"
+    assert resumable(ck, layout.mode, [spec]) == {}
+    first = run_mode(runtime, [spec], layout, start, workers, checkpoint_dir=ck, checkpoint_every=1)
+    assert set(resumable(ck, layout.mode, [spec])) == {spec.name}
+
+    longer = replace(spec, grpo=replace(spec.grpo, steps=3))
+    t0 = time.time()
+    resumed = run_mode(runtime, [longer], layout, {}, workers, checkpoint_dir=ck)
+    records = resumed.records[spec.name]
+    assert [r.step for r in records] == [0, 1, 2]
+    assert records[:2] == first.records[spec.name]  # restored, not redone
+    # Each of the job's two deployments loaded one state, once, and no weights were synced
+    # before those restores (the syncs after them: the rollout's saved weights are one
+    # version behind the policy's after a last step, and the final weights at the end).
+    spans = sorted(
+        (sp for sp in runtime.timeline(since=t0) if sp.job == spec.name), key=lambda sp: sp.start
+    )
+    ops = [sp.op for sp in spans]
+    assert ops.count("load_state") == 2, ops
+    restored = max(i for i, op in enumerate(ops) if op == "load_state")
+    assert "load_weights" not in ops[:restored] and ops.count("load_weights") == 2, ops
+    assert resumed.ledger.useful_tokens() == sum(records[2].completion_lengths)
+
+    # Without a checkpoint to resume, a job without a starting state is refused up front.
+    other = replace(spec, name=unique("none"))
+    with pytest.raises(errors.ConfigError, match="neither a starting state"):
+        run_mode(runtime, [other], layout, {}, workers, checkpoint_dir=ck)
+    assert not [d for d in runtime.deployments() if other.name in d.name]

@@ -202,7 +202,7 @@ class _Placed:
     rollout: Deployment | None
     workers: tuple[str, ...]
     rollout_workers: tuple[str, ...]
-    version: int  # restored from the warm-up checkpoint
+    version: int  # restored from the starting state (0 when the job restores its own)
 
 
 @contextlib.contextmanager
@@ -210,18 +210,19 @@ def _deployed(
     runtime: Runtime,
     spec: JobSpec,
     layout: Layout,
-    checkpoint: dict[str, Any],
+    checkpoint: dict[str, Any] | None,
     train_worker: str,
     rollout_workers: Sequence[str],
 ) -> Iterator[_Placed]:
-    """``spec``'s deployments for ``layout``, restored from the warm-up checkpoint and synced;
-    undeployed on exit."""
+    """``spec``'s deployments for ``layout``, restored from ``checkpoint`` (the starting
+    state) and synced; undeployed on exit. ``checkpoint`` None: nothing is loaded or synced,
+    since the job restores both from its own checkpoint as it starts."""
     tag = f"{layout.mode}-{spec.name}"
     names = [f"{tag}-policy"]
     runtime = Runtime(runtime.client, job=spec.name)  # the job's own: its requests carry its name
     try:
         policy = runtime.deploy(names[0], spec.model, workers=[train_worker])
-        version = int(result(policy.load_state(checkpoint)))
+        version = 0 if checkpoint is None else int(result(policy.load_state(checkpoint)))
         rollout = None
         if layout.rollout_replicas:
             names.append(f"{tag}-rollout")
@@ -232,7 +233,8 @@ def _deployed(
                 workers=list(rollout_workers),
                 replicas=layout.rollout_replicas,
             )
-            result(runtime.sync_weights(policy, rollout))
+            if checkpoint is not None:
+                result(runtime.sync_weights(policy, rollout))
         held = rollout.info.workers if rollout is not None else (train_worker,)
         yield _Placed(spec, runtime, policy, rollout, (train_worker, *held), tuple(held), version)
     finally:
@@ -249,10 +251,9 @@ def job_checkpoint_dir(directory: str | os.PathLike[str], mode: str, job: str) -
 def resumable(
     directory: str | os.PathLike[str], mode: str, specs: Sequence[JobSpec]
 ) -> dict[str, JobCheckpoint]:
-    """The jobs of ``specs`` with a checkpoint of ``mode`` under ``directory``, by name.
-    A checkpoint's ``policy`` is a starting point for :func:`run_mode` in place of the
-    warm-up's (the job then resumes after the steps its checkpoint holds; its own restore
-    loads that state once more, a one-time cost at a resume)."""
+    """The jobs of ``specs`` with a checkpoint of ``mode`` under ``directory``, by name:
+    given that directory, :func:`run_mode` resumes them after the steps their checkpoints
+    hold, and needs no starting state for them."""
     found = {}
     for spec in specs:
         saved = read_checkpoint(job_checkpoint_dir(directory, mode, spec.name))
@@ -324,16 +325,28 @@ def run_mode(
     """Run ``specs`` in ``layout`` on the first ``layout.workers`` of ``workers``: isolated
     modes one job after another, multiplexed all at once; returns every job's records and
     the mode's ledger (``peak_tokens_per_s``, by job, for throughput-to-peak).
+    ``checkpoints``: each job's starting state by name (what ``save_state`` returned, e.g.
+    by :func:`warm_start`).
 
     ``checkpoint_dir``: each job checkpoints every ``checkpoint_every`` steps (default: the
     config's) under :func:`job_checkpoint_dir`, and a job that has a checkpoint there
-    resumes after its steps (start it from :func:`resumable`'s state). The ledger then
-    covers the steps run in this call."""
+    resumes after its steps: its state is loaded once, from that checkpoint, and it needs
+    no starting state (:func:`resumable` lists them). The ledger then covers the steps run
+    in this call. A job with neither raises :class:`ConfigError` before anything is
+    deployed."""
     if layout.workers > len(workers):
         raise ConfigError(f"{layout.label} needs {layout.workers} workers, {len(workers)} given")
     reserved = list(workers[: layout.workers])
     out_dir = None if metrics_dir is None else Path(metrics_dir)
     ck_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+    resuming = {} if ck_dir is None else resumable(ck_dir, layout.mode, specs)
+    starts = {s.name: None if s.name in resuming else checkpoints.get(s.name) for s in specs}
+    missing = [name for name, start in starts.items() if start is None and name not in resuming]
+    if missing:
+        raise ConfigError(
+            f"jobs {missing} have neither a starting state in `checkpoints` nor a checkpoint "
+            f"of {layout.mode!r} to resume under {ck_dir}"
+        )
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[StepRecord]] = {}
@@ -342,7 +355,7 @@ def run_mode(
         first = None
         for spec in specs:
             with _deployed(
-                runtime, spec, layout, checkpoints[spec.name], reserved[0], reserved[1:]
+                runtime, spec, layout, starts[spec.name], reserved[0], reserved[1:]
             ) as placed:
                 job = _job(placed, layout.mode, out_dir, ck_dir, checkpoint_every)
                 t0 = time.time()
@@ -360,7 +373,7 @@ def run_mode(
                         runtime,
                         spec,
                         layout,
-                        checkpoints[spec.name],
+                        starts[spec.name],
                         reserved[i % len(reserved)],
                         reserved,
                     )
