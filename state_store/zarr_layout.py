@@ -12,6 +12,7 @@ path lay chunks out the same way without Zarr's per-chunk pipeline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import threading
@@ -193,6 +194,12 @@ def _array_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...])
     }
 
 
+@functools.lru_cache(maxsize=4096)
+def _array_metadata_bytes(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]) -> bytes:
+    """:func:`_array_metadata` encoded (a model's arrays repeat in every version it saves)."""
+    return json.dumps(_array_metadata(shape, dtype, chunks), indent=2).encode()
+
+
 def _ensure_array_metadata(
     meta_root: Path, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
 ) -> None:
@@ -203,11 +210,7 @@ def _ensure_array_metadata(
     try:
         existing = json.loads(path.read_text())
     except FileNotFoundError:
-        _write_file(
-            path,
-            json.dumps(_array_metadata(shape, dtype, chunks), indent=2).encode(),
-            durable=False,
-        )
+        _write_file(path, _array_metadata_bytes(tuple(shape), dtype, tuple(chunks)), durable=False)
         return
     except ValueError:
         return  # another writer's file mid-replace cannot be seen (atomic rename): unreachable

@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,6 +212,48 @@ def test_a_writer_killed_mid_publish_leaves_the_previous_version_readable(store)
     assert on_disk == reader.manifest("m", 0).digests()
     for name, t in tensors(3).items():
         assert_bit_equal(reader.read("m", 0, name), t)
+
+
+@pytest.mark.parametrize("syncfs", [True, False])
+def test_a_durable_publish_flushes_what_it_names_before_it_is_visible(store, monkeypatch, syncfs):
+    """Before the rename that makes a version visible, every byte and name it holds is on
+    disk: one ``syncfs`` where Linux has it; otherwise an fsync of every object, every
+    array's metadata and every directory holding them."""
+    from plexrl_dask.state_store import store as store_module
+
+    flushed: list[str] = []
+    real_syncfs, real_fsync, real_rename = store_module._syncfs, os.fsync, os.rename
+
+    def record_syncfs(path):
+        flushed.append(f"syncfs:{path}")
+        return real_syncfs(path) if syncfs else False
+
+    def record_fsync(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def record_rename(src, dst):
+        flushed.append(f"rename:{src}")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(store_module, "_syncfs", record_syncfs)
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(store_module.os, "rename", record_rename)
+    ts = tensors(5)
+    manifest = store.publish("m", 0, ts)
+    renamed = [i for i, f in enumerate(flushed) if f.startswith("rename:")]
+    assert len(renamed) == 1
+    staging = flushed[renamed[0]].removeprefix("rename:")
+    before = flushed[: renamed[0]]
+    if syncfs:  # the objects (once linked too), then the version's metadata
+        assert [f for f in before if f.startswith("syncfs:")][-1] == f"syncfs:{staging}"
+    else:
+        metadata = [f"{staging}/arrays/{n}/zarr.json" for n in ts]
+        dirs = {str(Path(m).parent) for m in metadata} | {f"{staging}/arrays", staging}
+        assert set(metadata) | dirs <= set(before)
+        assert sum("/pending/" in f for f in before) == len(manifest.digests())
+    for name, t in ts.items():
+        assert_bit_equal(StateStore(store.root).read("m", 0, name), t)
 
 
 def test_corrupted_chunk_is_a_typed_error_naming_the_tensor(store):
