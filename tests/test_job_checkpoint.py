@@ -132,6 +132,13 @@ def test_a_checkpoint_of_another_job_is_refused_and_left_whole(runtime, tmp_path
         job(
             runtime, "colocated", seed=23, config=short, checkpoints=replace(ck, resume=False)
         ).run()
+    # A job that must resume (its deployments were given no state) and finds no checkpoint
+    # fails typed: no fresh start from whatever its deployments hold, nothing written.
+    gone = replace(ck, directory=tmp_path / "removed", required=True)
+    with pytest.raises(errors.CheckpointNotFound, match="holds no checkpoint"):
+        job(runtime, "colocated", seed=23, config=short, checkpoints=gone).run()
+    assert read_checkpoint(gone.directory) is None
+    assert {f.name for f in gone.directory.iterdir()} <= {"lock"}  # (the job's lock file)
 
     # another job runs on this directory: refused, nothing touched
     rival = job(runtime, "colocated", seed=23, config=short, checkpoints=ck)

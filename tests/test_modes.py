@@ -237,3 +237,41 @@ def test_a_resumed_mode_loads_each_state_once_and_continues_the_run(client, tmp_
     with pytest.raises(errors.ConfigError, match="neither a starting state"):
         run_mode(runtime, [other], layout, {}, workers, checkpoint_dir=ck)
     assert not [d for d in runtime.deployments() if other.name in d.name]
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_a_job_resumed_from_its_initial_checkpoint_records_what_a_fresh_run_does(client, tmp_path):
+    """A job stopped before its first checkpointed step leaves the checkpoint of its initial
+    state (steps_done 0): resumed from it with no starting state, a colocated job records
+    the version it sampled with and trained to as an uninterrupted run does."""
+    runtime = plexrl.Runtime(client, job=unique("resume0"))
+    spec = JobSpec(
+        unique("z"),
+        FirstCharIsDigit(),
+        tiny_spec(seed=8),
+        replace(CONFIG, steps=2, seed=8),
+        warmup_steps=2,
+        warmup_batch_size=4,
+    )
+    start = warm_start(runtime, [spec], tmp_path / "warmup")
+    workers = sorted(client.scheduler_info()["workers"])
+    layout = Layout("multiplexed", 1, 0)  # each job samples from its policy
+    uninterrupted = run_mode(runtime, [spec], layout, start, workers).records[spec.name]
+
+    def interrupt(record):
+        raise _Interrupt(record.step)
+
+    ck = tmp_path / "ck"
+    with pytest.raises(_Interrupt):
+        run_mode(runtime, [spec], layout, start, workers, on_step=interrupt, checkpoint_dir=ck)
+    assert resumable(ck, layout.mode, [spec])[spec.name].steps_done == 0
+    resumed = run_mode(runtime, [spec], layout, {}, workers, checkpoint_dir=ck).records[spec.name]
+
+    def what(records):
+        return [(r.step, r.reward_mean, r.loss, r.version, r.sampled_with) for r in records]
+
+    assert what(resumed) == what(uninterrupted)
+    assert resumed[0].sampled_with == 2  # the warm-up's version, restored from the checkpoint

@@ -71,13 +71,16 @@ class JobCheckpoints:
     many of the newest checkpoints stay in the store. ``resume``: continue from the
     directory's checkpoint when there is one (``False``: a checkpoint there is an error, so
     that a new run never silently continues an old one). ``max_recoveries``: how many times
-    a running job goes back to its last checkpoint after losing a deployment's state."""
+    a running job goes back to its last checkpoint after losing a deployment's state.
+    ``required``: the job must resume from a checkpoint there (its deployments were given no
+    starting state of their own); none is :class:`CheckpointNotFound`, never a fresh start."""
 
     directory: Path
     every: int
     keep: int
     resume: bool = True
     max_recoveries: int = 3
+    required: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
@@ -96,6 +99,7 @@ class JobCheckpoints:
         keep: int | None = None,
         resume: bool = True,
         max_recoveries: int | None = None,
+        required: bool = False,
     ) -> JobCheckpoints:
         """Checkpoints in ``directory``; what is not given comes from the config."""
         return cls(
@@ -106,6 +110,7 @@ class JobCheckpoints:
             int(config.get("job-checkpoint.max-recoveries"))
             if max_recoveries is None
             else max_recoveries,
+            required,
         )
 
     def due(self, steps_done: int, steps: int) -> bool:

@@ -48,6 +48,7 @@ from plexrl_dask.errors import (
     CheckpointError,
     CheckpointIncompatible,
     CheckpointIncomplete,
+    CheckpointNotFound,
     ConfigError,
     DeploymentBusy,
     DeploymentLost,
@@ -333,6 +334,11 @@ class GRPOJob:
         if ck is None:
             return 0, self.start_version
         saved = read_checkpoint(ck.directory)
+        if saved is None and ck.required:
+            raise CheckpointNotFound(
+                f"{self.name} was to resume from {ck.directory}, which holds no checkpoint "
+                "now (removed since?); its deployments hold no state to start from"
+            )
         if saved is None:
             ck.directory.mkdir(parents=True, exist_ok=True)
             read_steps(ck.directory, 0)  # steps of an earlier run that never checkpointed

@@ -202,7 +202,8 @@ class _Placed:
     rollout: Deployment | None
     workers: tuple[str, ...]
     rollout_workers: tuple[str, ...]
-    version: int  # restored from the starting state (0 when the job restores its own)
+    version: int  # of the starting state (a resumed job's: its checkpoint's)
+    resumed: bool  # the job restores its checkpoint (nothing was loaded here)
 
 
 @contextlib.contextmanager
@@ -210,19 +211,20 @@ def _deployed(
     runtime: Runtime,
     spec: JobSpec,
     layout: Layout,
-    checkpoint: dict[str, Any] | None,
+    start: dict[str, Any] | JobCheckpoint,
     train_worker: str,
     rollout_workers: Sequence[str],
 ) -> Iterator[_Placed]:
-    """``spec``'s deployments for ``layout``, restored from ``checkpoint`` (the starting
-    state) and synced; undeployed on exit. ``checkpoint`` None: nothing is loaded or synced,
-    since the job restores both from its own checkpoint as it starts."""
+    """``spec``'s deployments for ``layout``, restored from ``start`` (what ``save_state``
+    returned) and synced; undeployed on exit. ``start`` a job's checkpoint: nothing is loaded
+    or synced, since the job restores both from it as it starts."""
     tag = f"{layout.mode}-{spec.name}"
     names = [f"{tag}-policy"]
     runtime = Runtime(runtime.client, job=spec.name)  # the job's own: its requests carry its name
+    resumed = isinstance(start, JobCheckpoint)
     try:
         policy = runtime.deploy(names[0], spec.model, workers=[train_worker])
-        version = 0 if checkpoint is None else int(result(policy.load_state(checkpoint)))
+        version = start.version if resumed else int(result(policy.load_state(start)))
         rollout = None
         if layout.rollout_replicas:
             names.append(f"{tag}-rollout")
@@ -233,10 +235,12 @@ def _deployed(
                 workers=list(rollout_workers),
                 replicas=layout.rollout_replicas,
             )
-            if checkpoint is not None:
+            if not resumed:
                 result(runtime.sync_weights(policy, rollout))
         held = rollout.info.workers if rollout is not None else (train_worker,)
-        yield _Placed(spec, runtime, policy, rollout, (train_worker, *held), tuple(held), version)
+        yield _Placed(
+            spec, runtime, policy, rollout, (train_worker, *held), tuple(held), version, resumed
+        )
     finally:
         for name in names:
             with contextlib.suppress(Exception):
@@ -273,7 +277,9 @@ def _job(
     checkpoints = None
     if checkpoint_dir is not None:
         checkpoints = JobCheckpoints.at(
-            job_checkpoint_dir(checkpoint_dir, mode, spec.name), every=checkpoint_every
+            job_checkpoint_dir(checkpoint_dir, mode, spec.name),
+            every=checkpoint_every,
+            required=placed.resumed,
         )
     return GRPOJob(
         spec.name,
@@ -340,8 +346,8 @@ def run_mode(
     out_dir = None if metrics_dir is None else Path(metrics_dir)
     ck_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
     resuming = {} if ck_dir is None else resumable(ck_dir, layout.mode, specs)
-    starts = {s.name: None if s.name in resuming else checkpoints.get(s.name) for s in specs}
-    missing = [name for name, start in starts.items() if start is None and name not in resuming]
+    starts = {s.name: resuming.get(s.name) or checkpoints.get(s.name) for s in specs}
+    missing = [name for name, start in starts.items() if start is None]
     if missing:
         raise ConfigError(
             f"jobs {missing} have neither a starting state in `checkpoints` nor a checkpoint "
