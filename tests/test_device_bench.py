@@ -46,6 +46,32 @@ def test_device_checks_run_on_the_cpu(tmp_path):
     assert results["fsdp_max_loss_diff"] <= 1e-6 and results["fsdp_max_weight_diff"] <= 1e-6
     assert results["add2_peak_tokens_per_s"] > 0
     assert results["add2_to_peak_b128"] > 0 and 0 < results["add2_tail_bound_b128"] <= 1
+    assert not [k for k in results if k.endswith("_error")]
+
+
+def test_a_failing_device_check_keeps_the_others_numbers(tmp_path, monkeypatch):
+    """The device run is rare: one check that fails is recorded (``<check>_error``, exit 1)
+    and the others still run and land in the JSON, which is written after every check."""
+    from plexrl_dask.bench import device
+
+    def broken(*args):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setattr(device, "check_fsdp", broken)
+    out = tmp_path / "device.json"
+    monkeypatch.setattr(
+        sys, "argv", ["device", "--device", "cpu", "--quick", "--jobs", "0", "--json", str(out)]
+    )
+    threads = torch.get_num_threads()  # (main sets one thread, as a worker has)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            device.main()
+    finally:
+        torch.set_num_threads(threads)
+    assert stop.value.code == 1
+    results = json.loads(out.read_text())["results"]
+    assert results["fsdp_error"] == "RuntimeError: NCCL error: unhandled system error"
+    assert results["reload_bit_identical"] is True and results["overlap_bit_identical"] is True
 
 
 def test_a_larger_group_needs_a_worker_to_meet():

@@ -71,6 +71,18 @@ def report(
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
         table.add_row(key, shown, targets.get(key, ""))
     Console().print(table)
+    write_json(name, results, targets, config, out)
+
+
+def write_json(
+    name: str,
+    results: dict[str, Any],
+    targets: dict[str, str],
+    config: dict[str, Any],
+    out: str | None,
+) -> None:
+    """Write the benchmark's JSON to ``out`` (nothing when None): what :func:`report` writes,
+    also usable for partial results while a long benchmark runs."""
     if out:
         payload = {
             "benchmark": name,

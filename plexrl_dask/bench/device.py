@@ -50,6 +50,7 @@ a few minutes; ``--quick`` shrinks every part).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import statistics
@@ -57,12 +58,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plexrl_dask import config
-from plexrl_dask.bench.common import parser, report
+from plexrl_dask.bench.common import parser, report, write_json
 from plexrl_dask.bench.sampling import measure_job
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.catalog import standard_jobs
@@ -71,6 +72,9 @@ from plexrl_dask.service.backends.fsdp import FSDPBackend
 from plexrl_dask.service.groups import GroupContext, ProcessGroupManager
 from plexrl_dask.service.holder import default_budget
 from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum
+
+if TYPE_CHECKING:
+    from plexrl_dask.rl.modes import JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +115,15 @@ def _version(v: Any) -> str:
 
 def device_info(device: torch.device) -> dict[str, Any]:
     """What the checks ran on."""
-    info: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    import transformers
+
+    # (the device image's versions are not this machine's: the decode step reads
+    # transformers' module internals)
+    info: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(
@@ -214,8 +226,13 @@ def check_overlap(spec: ModelSpec, device: torch.device, reps: int) -> dict[str,
         "reload_beside": [],
     }
 
+    failed: list[BaseException] = []
+
     def kernels_beside() -> None:
-        times["kernels_beside"].append(wall(kernels))
+        try:
+            times["kernels_beside"].append(wall(kernels))
+        except BaseException as e:  # (raised again below, not lost with the thread)
+            failed.append(e)
 
     for _ in range(reps):
         times["kernels"].append(wall(kernels))
@@ -227,6 +244,8 @@ def check_overlap(spec: ModelSpec, device: torch.device, reps: int) -> dict[str,
         time.sleep(0.001)  # the products are queued first
         times["reload_beside"].append(wall(backend.reload))
         busy.join()
+        if failed:
+            raise failed[0]
     after = backend.get_weights()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
@@ -320,21 +339,9 @@ def main() -> None:
     jobs = standard_jobs(4)[: (1 if args.quick else 2) if args.jobs is None else args.jobs]
     rounds = args.rounds or (2 if args.quick else 8)
 
-    results: dict[str, Any] = {}
-    results.update(check_budget(device))
-    results.update(check_offload(spec, device, reps))
-    results.update(check_overlap(spec, device, reps))
-    results.update(check_fsdp(spec, device, steps))
     batch = int(config.get("sampling.max-batch-size"))  # type: ignore[call-overload]
+    results: dict[str, Any] = {}
     per_job: dict[str, Any] = {}
-    for job in jobs:
-        warmup = 30 if args.quick else job.warmup_steps
-        j = per_job[job.name] = measure_job(job, warmup, rounds, batch, str(device))
-        rows = job.grpo.prompts_per_step * job.grpo.group_size
-        results[f"{job.name}_peak_tokens_per_s"] = j["peak_tokens_per_s"]
-        results[f"{job.name}_to_peak_b128"] = j[f"to_peak_{rows}_b128"]
-        results[f"{job.name}_tail_bound_b128"] = j["tail_bound_b128"]
-        results[f"{job.name}_batch128_time_ratio"] = j["batch128_time_ratio"]
     setup = {
         **device_info(device),
         "model": {"hidden": hidden, "layers": layers, "parameters": spec.num_parameters()},
@@ -344,7 +351,39 @@ def main() -> None:
         "rounds": rounds,
         "per_job": per_job,
     }
+
+    def section(name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        # A device run is rare and short: a failing check must not cost the others' numbers.
+        # Its error is recorded, and the JSON is rewritten after every section.
+        t0 = time.perf_counter()
+        try:
+            results.update(fn())
+        except Exception as e:  # noqa: BLE001 (recorded, and the run goes on)
+            logger.exception("device check %s failed", name)
+            results[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        logger.warning("device check %s: %.1f s", name, time.perf_counter() - t0)
+        write_json("device", results, TARGETS, setup, args.json)
+
+    def job_section(job: JobSpec) -> dict[str, Any]:
+        warmup = 30 if args.quick else job.warmup_steps
+        j = per_job[job.name] = measure_job(job, warmup, rounds, batch, str(device))
+        rows = job.grpo.prompts_per_step * job.grpo.group_size
+        return {
+            f"{job.name}_peak_tokens_per_s": j["peak_tokens_per_s"],
+            f"{job.name}_to_peak_b128": j[f"to_peak_{rows}_b128"],
+            f"{job.name}_tail_bound_b128": j["tail_bound_b128"],
+            f"{job.name}_batch128_time_ratio": j["batch128_time_ratio"],
+        }
+
+    section("budget", lambda: check_budget(device))
+    section("offload", lambda: check_offload(spec, device, reps))
+    section("overlap", lambda: check_overlap(spec, device, reps))
+    section("fsdp", lambda: check_fsdp(spec, device, steps))
+    for job in jobs:
+        section(job.name, functools.partial(job_section, job))
     report("device", results, TARGETS, setup, args.json)
+    if any(k.endswith("_error") for k in results):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

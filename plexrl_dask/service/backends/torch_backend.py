@@ -60,7 +60,7 @@ def _local_nbytes(t: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def copy_stream(device: torch.device) -> Iterator[None]:
+def copy_stream(device: torch.device, after_default: bool = True) -> Iterator[None]:
     """Run the enclosed copies between host and ``device`` on a CUDA stream of their own,
     and wait for those copies alone when the block ends (on the CPU: nothing to do).
 
@@ -68,15 +68,20 @@ def copy_stream(device: torch.device) -> Iterator[None]:
     thread; a request makes room by offloading idle replicas). On the default stream their
     copies would queue behind that request's kernels, and a device-wide synchronize would
     wait for all of them; on a stream of their own they go to the copy engines meanwhile.
-    Before its first copy the stream waits for what is already queued on the default stream,
-    which may still read memory the allocator hands the new copies. Tensors made here are
-    used on the default stream afterwards: :func:`used_by_default_stream` marks them, so
-    that their memory is not handed to this stream again while that stream may use it."""
+
+    ``after_default``: the stream first waits for what is already queued on the default
+    stream. An offload needs it: its copies read device tensors that queued kernels (the
+    replica's last optimizer step) may still write. A reload does not (``False``): it reads
+    pinned host memory, and writes device memory allocated here, on this stream, which the
+    caching allocator hands only to this stream's work, and only once the streams that used
+    it are done with it. Tensors made here are used on the default stream afterwards:
+    :func:`used_by_default_stream` marks them so."""
     if device.type != "cuda":
         yield
         return
     stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.default_stream(device))
+    if after_default:
+        stream.wait_stream(torch.cuda.default_stream(device))
     with torch.cuda.stream(stream):
         yield
     stream.synchronize()
@@ -677,7 +682,9 @@ class TorchBackend:
             return
         host = self._host_state()
         params = dict(self.model.named_parameters())
-        with copy_stream(self.device):
+        # (not after the default stream's work: this is what lets a prefetch overlap the
+        # running request's kernels)
+        with copy_stream(self.device, after_default=False):
             for n, p in params.items():
                 p.data = host["params"][n].to(self.device, non_blocking=True)  # type: ignore[index]
                 g = host["grads"].get(n)  # type: ignore[union-attr]
