@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -314,6 +315,17 @@ def test_the_benchmark_reports_the_modes_that_fit_no_layout_as_not_run(tmp_path)
     assert set(results["modes_not_run"]) == {"split", "split-async"}
     assert results["throughput_to_peak"] == pytest.approx(100 / (1 * 100))
     assert results["reward_trajectories_identical"] is True
+    assert results["trajectory_steps_trained"] == 2
     assert (tmp_path / "p.png").exists()
     with pytest.raises(ValueError, match="colocated"):
         summarise(runs[1:], [job], {"a": 100.0}, peaks, layout_peaks, str(tmp_path / "q.png"))
+    # Equal trajectories of steps that trained nothing (no loss) are not evidence.
+    untrained = [
+        ModeRun(r.layout, {"a": [replace(rec, loss=None) for rec in r.records["a"]]}, r.ledger)
+        for r in runs
+    ]
+    results, _ = summarise(
+        untrained, [job], {"a": 100.0}, peaks, layout_peaks, str(tmp_path / "u.png")
+    )
+    assert results["reward_trajectories_identical"] is False
+    assert results["trajectory_steps_trained"] == 0

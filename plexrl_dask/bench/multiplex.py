@@ -19,7 +19,8 @@ checkpoint; every mode then starts each job from it. Then, in one run:
 Results: ``cost_ratio_vs_{split_async,split,colocated}`` (multiplexed ÷ baseline, each at its
 best layout), ``throughput_to_peak`` (multiplexed) and ``colocated_throughput_to_peak``,
 ``reward_trajectories_identical`` (every job's reward and loss per step bit-identical in every
-synchronous layout: colocated, split and multiplexed), ``final_mean_reward`` per job,
+synchronous layout: colocated, split and multiplexed; false if no step trained, and
+``trajectory_steps_trained`` counts those that did), ``final_mean_reward`` per job,
 ``idle_fraction`` per mode, ``generation_length_p50``/``_p90``/``_p99``/``_max`` over all
 sampled completions, plus every layout's ledger and a PNG of the best multiplexed run.
 A diagnostic of where to-peak goes: ``rollout_cpu_share`` (multiplexed; ``colocated_…``), the
@@ -342,7 +343,9 @@ def summarise(
         return what(best[mode]) if mode in best else None
 
     synchronous = [r for r in runs if r.layout.mode != "split-async"]
-    identical = all(
+    # (steps that trained: equal trajectories of steps that trained nothing would prove little)
+    trained = sum(loss is not None for s in specs for _, loss in synchronous[0].trajectory(s.name))
+    identical = trained > 0 and all(
         r.trajectory(s.name) == synchronous[0].trajectory(s.name)
         for r in synchronous
         for s in specs
@@ -372,6 +375,7 @@ def summarise(
         "peak_cpu_share": peak_shares.get(mux.layout.label),
         "colocated_rollout_cpu_share": best["colocated"].ledger.rollout_cpu_share(),
         "reward_trajectories_identical": identical,
+        "trajectory_steps_trained": trained,
         "final_mean_reward": {s.name: reward_start_end(mux.records[s.name])[1] for s in specs},
         "start_mean_reward": {s.name: reward_start_end(mux.records[s.name])[0] for s in specs},
         "split_async_final_mean_reward": of_best(
