@@ -134,7 +134,25 @@ class VersionWriter:
             raise StateMismatch(
                 f"tensor {name!r} written as {full} {dtype} in chunks {chunks} and as {known}"
             )
-        _ensure_array_metadata(self._zarr.meta_root, name, full, dtype, chunks)
+        # The array's metadata file on an I/O thread, beside this tensor's chunks (file
+        # system calls release the GIL); waited for before write returns.
+        metadata = _io_pool().submit(
+            _ensure_array_metadata, self._zarr.meta_root, name, full, dtype, chunks
+        )
+        try:
+            self._write_data(name, tensor, bounds, full, chunks)
+        finally:
+            metadata.result()
+
+    def _write_data(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        bounds: tuple[tuple[int, int], ...],
+        full: tuple[int, ...],
+        chunks: tuple[int, ...],
+    ) -> None:
+        """Store ``tensor``'s chunks and fragments (see :meth:`write`)."""
         data = to_storage(tensor)
         if not full:  # a scalar: one chunk, key "c", its bytes as they are
             digest = self.store.objects.put(
