@@ -193,22 +193,27 @@ def test_the_same_job_runs_on_a_local_checkpoint_path(client, tmp_path):
     assert len(run.records[spec.name]) == 2 and run.ledger.useful_tokens() > 0
 
 
+def warmed_job(client, tmp_path, prefix: str, seed: int):
+    """A 2-step job after a 2-step warm-up: its runtime, spec, starting state and workers."""
+    runtime = plexrl.Runtime(client, job=unique(f"{prefix}-runtime"))
+    spec = JobSpec(
+        unique(prefix),
+        FirstCharIsDigit(),
+        tiny_spec(seed=seed),
+        replace(CONFIG, steps=2, seed=seed),
+        warmup_steps=2,
+        warmup_batch_size=4,
+    )
+    start = warm_start(runtime, [spec], tmp_path / "warmup")
+    return runtime, spec, start, sorted(client.scheduler_info()["workers"])
+
+
 @pytest.mark.parametrize("layout", [Layout("multiplexed", 2, 1), Layout("split", 2, 1)])
 def test_a_resumed_mode_loads_each_state_once_and_continues_the_run(client, tmp_path, layout):
     """A job with a checkpoint under ``checkpoint_dir`` needs no starting state: its
     deployments load the checkpoint once (no warm-up state before it, no weight sync of a
     state about to be replaced), and the records continue the interrupted run's."""
-    runtime = plexrl.Runtime(client, job=unique("resume"))
-    spec = JobSpec(
-        unique("r"),
-        FirstCharIsDigit(),
-        tiny_spec(seed=7),
-        replace(CONFIG, steps=2, seed=7),
-        warmup_steps=2,
-        warmup_batch_size=4,
-    )
-    start = warm_start(runtime, [spec], tmp_path / "warmup")
-    workers = sorted(client.scheduler_info()["workers"])
+    runtime, spec, start, workers = warmed_job(client, tmp_path, "r", seed=7)
     ck = tmp_path / "ck"
     assert resumable(ck, layout.mode, [spec]) == {}
     first = run_mode(runtime, [spec], layout, start, workers, checkpoint_dir=ck, checkpoint_every=1)
@@ -247,17 +252,7 @@ def test_a_job_resumed_from_its_initial_checkpoint_records_what_a_fresh_run_does
     """A job stopped before its first checkpointed step leaves the checkpoint of its initial
     state (steps_done 0): resumed from it with no starting state, a colocated job records
     the version it sampled with and trained to as an uninterrupted run does."""
-    runtime = plexrl.Runtime(client, job=unique("resume0"))
-    spec = JobSpec(
-        unique("z"),
-        FirstCharIsDigit(),
-        tiny_spec(seed=8),
-        replace(CONFIG, steps=2, seed=8),
-        warmup_steps=2,
-        warmup_batch_size=4,
-    )
-    start = warm_start(runtime, [spec], tmp_path / "warmup")
-    workers = sorted(client.scheduler_info()["workers"])
+    runtime, spec, start, workers = warmed_job(client, tmp_path, "z", seed=8)
     layout = Layout("multiplexed", 1, 0)  # each job samples from its policy
     uninterrupted = run_mode(runtime, [spec], layout, start, workers).records[spec.name]
 
