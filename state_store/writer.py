@@ -14,6 +14,9 @@ import itertools
 import json
 import threading
 import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,11 @@ from plexrl_dask.state_store.zarr_layout import _ensure_array_metadata, _Version
 
 if TYPE_CHECKING:
     from plexrl_dask.state_store.store import StateStore
+
+#: Bytes of chunks one writer keeps queued on the I/O threads before a write waits: writes of
+#: many small tensors overlap (each used to wait for its own chunks), and the host copies
+#: they read stay bounded.
+INFLIGHT_BYTES = 64 << 20
 
 
 def _region(
@@ -98,6 +106,8 @@ class VersionWriter:
             pending=self.pending,
         )
         self._closed = False
+        self._inflight: deque[tuple[Future, int]] = deque()  # (queued work, its chunk bytes)
+        self._inflight_bytes = 0
 
     def write(
         self,
@@ -134,15 +144,36 @@ class VersionWriter:
             raise StateMismatch(
                 f"tensor {name!r} written as {full} {dtype} in chunks {chunks} and as {known}"
             )
-        # The array's metadata file on an I/O thread, beside this tensor's chunks (file
-        # system calls release the GIL); waited for before write returns.
-        metadata = _io_pool().submit(
-            _ensure_array_metadata, self._zarr.meta_root, name, full, dtype, chunks
-        )
-        try:
-            self._write_data(name, tensor, bounds, full, chunks)
-        finally:
-            metadata.result()
+        # The array's metadata file on an I/O thread, beside the chunks (file system calls
+        # release the GIL).
+        self._submit(0, _ensure_array_metadata, self._zarr.meta_root, name, full, dtype, chunks)
+        self._write_data(name, tensor, bounds, full, chunks)
+
+    def _submit(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the store's I/O threads; :meth:`close` waits for it (and
+        raises its error). A write waits for the oldest while more than
+        :data:`INFLIGHT_BYTES` of chunks are queued: the tensors they read stay alive until
+        then."""
+        self._inflight.append((_io_pool().submit(fn, *args), nbytes))
+        self._inflight_bytes += nbytes
+        while self._inflight_bytes > INFLIGHT_BYTES:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        future, nbytes = self._inflight.popleft()
+        self._inflight_bytes -= nbytes
+        future.result()
+
+    def _drain(self, quiet: bool = False) -> None:
+        """Wait for everything queued; its first error is raised unless ``quiet``."""
+        error = None
+        while self._inflight:
+            try:
+                self._wait_oldest()
+            except Exception as e:  # noqa: BLE001 (the first is raised, after all are done)
+                error = error or e
+        if error is not None and not quiet:
+            raise error
 
     def _write_data(
         self,
@@ -230,17 +261,17 @@ class VersionWriter:
             with self._lock:
                 self.pointers["/".join((name, "c", *map(str, idx)))] = digest
 
-        indices = list(
-            itertools.product(
-                *(range(lo // c, -(-hi // c)) for (lo, hi), c in zip(inner, chunks, strict=True))
-            )
-        )
-        list(_io_pool().map(put, indices))
+        nbytes = int(np.prod(chunks, dtype=np.int64)) * storage.itemsize
+        for idx in itertools.product(
+            *(range(lo // c, -(-hi // c)) for (lo, hi), c in zip(inner, chunks, strict=True))
+        ):
+            self._submit(nbytes, put, idx)
 
     def close(self) -> None:
         """Record this writer's part (its chunk pointers and fragments) for the commit."""
         if self._closed:
             return
+        self._drain()
         self.touched.close()
         part = {"tensors": self.tensors, "pointers": self.pointers, "fragments": self.fragments}
         _write_file(
@@ -256,3 +287,5 @@ class VersionWriter:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
+        else:  # not a part of the publish; but nothing of it keeps writing after this
+            self._drain(quiet=True)
