@@ -118,8 +118,10 @@ class VersionWriter:
         split_dims: tuple[int, ...] = ROW_SPLITS,
     ) -> None:
         """Write ``tensor`` as the ``region`` (canonical coordinates) of tensor ``name`` of full
-        ``shape`` (default: the whole tensor). Chunks the region covers completely are stored
-        now (deduplicated); partly covered chunks are kept as fragments for the commit.
+        ``shape`` (default: the whole tensor). Chunks the region covers completely are queued
+        for storing (deduplicated) on the I/O threads, done by :meth:`close` at the latest;
+        partly covered chunks are kept as fragments for the commit. ``tensor`` must not
+        change until then.
         ``split_dims``: the dims readers may split the tensor along, which choose its chunk
         grid (:mod:`~plexrl_dask.state_store.keys`); every writer of a tensor must give the
         same (else :class:`StateMismatch`, here or at the commit)."""
