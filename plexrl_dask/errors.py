@@ -56,6 +56,11 @@ class DeploymentLost(DeploymentError):
     """The worker that held a deployment's trained state died; the state is gone."""
 
 
+class BackendUnavailable(DeploymentError):
+    """The deployment's backend cannot run on its worker (vLLM without CUDA or without the
+    ``vllm`` package, a worker process not allowed children, ...)."""
+
+
 class DeploymentBusy(DeploymentError):
     """The deployment has requests in flight; the action needs it idle (relocation)."""
 

@@ -3,6 +3,9 @@ elsewhere (CI and the development machines have none)."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import dask
 import pytest
 import torch
 
@@ -78,3 +81,109 @@ def test_reload_beside_a_busy_default_stream_is_bit_identical():
     assert all(torch.equal(before[n], after[n]) for n in before)
     backend.forward_backward(data, CrossEntropy())
     backend.optim_step(AdamWParams(lr=1e-3))
+
+
+# --- the vLLM backend (also needs the vllm package) ----------------------------------------
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="needs the vllm package (CUDA builds only; not installed on this machine)",
+)
+# head_dim 64 and bf16: shapes and a dtype every vLLM attention backend takes.
+VLLM_SPEC = dict(
+    hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=256, dtype="bfloat16"
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_replica():
+    from plexrl_dask.service.backends import VLLMBackend
+
+    with dask.config.set(
+        {"plexrl.vllm.enforce-eager": True, "plexrl.vllm.kv-cache-memory": "1GiB"}
+    ):
+        backend = VLLMBackend(tiny_spec(**VLLM_SPEC), "cuda", max_batch_size=64)
+    yield backend
+    backend.close()
+
+
+def _trainer_logprobs(trainer: TorchBackend, prompt: list[int], seq) -> list[float]:
+    datum = Datum.from_prompt_completion(prompt, list(seq.tokens))
+    return list(trainer.forward([datum]).logprobs[0][len(prompt) :])
+
+
+@needs_vllm
+def test_vllm_samples_each_row_from_its_own_seed(vllm_replica):
+    prompts = vllm_replica.tokenize(["1+1=", "22+33=", "7*8="])
+    params = SamplingParams(n=3, max_tokens=12, seed=4)
+    first = vllm_replica.sample(prompts, params, [0, 1, 2])
+    assert vllm_replica.sample(prompts, params, [0, 1, 2]) == first
+    # a request split over replicas samples every row as the whole request does
+    assert vllm_replica.sample([prompts[2], prompts[0]], params, [2, 0]) == [first[2], first[0]]
+    for group in first:
+        for seq in group:
+            assert 1 <= len(seq.tokens) <= 12 and seq.finish_reason in ("stop", "length")
+            assert all(lp <= 0.0 for lp in seq.logprobs)
+            assert seq.text == vllm_replica.text(seq.tokens)
+
+
+@needs_vllm
+def test_vllm_logprobs_are_the_trainers_at_the_temperature(vllm_replica):
+    trainer = TorchBackend(tiny_spec(**VLLM_SPEC), "cuda")
+    prompts = vllm_replica.tokenize(["12+34=", "5-3="])
+    out = vllm_replica.sample(prompts, SamplingParams(n=4, max_tokens=10, seed=1), [0, 1])
+    gaps = [
+        abs(a - b)
+        for prompt, group in zip(prompts, out, strict=True)
+        for seq in group
+        for a, b in zip(seq.logprobs, _trainer_logprobs(trainer, prompt, seq), strict=True)
+    ]
+    assert max(gaps) < 0.1  # the same model in bf16 through other kernels
+
+
+@needs_vllm
+def test_vllm_sleep_frees_the_gpu_and_wake_samples_the_same(vllm_replica):
+    prompts = vllm_replica.tokenize(["3+4="])
+    params = SamplingParams(n=4, max_tokens=8, seed=2)
+    before = vllm_replica.sample(prompts, params, [0])
+    free_awake = torch.cuda.mem_get_info()[0]
+    vllm_replica.offload()
+    assert not vllm_replica.resident
+    assert torch.cuda.mem_get_info()[0] > free_awake + vllm_replica.cfg.kv_cache_bytes // 2
+    vllm_replica.reload()
+    assert vllm_replica.resident
+    assert vllm_replica.sample(prompts, params, [0]) == before
+
+
+@needs_vllm
+def test_vllm_loads_published_weights_and_refuses_what_it_cannot_do(vllm_replica, tmp_path):
+    from plexrl_dask import errors
+    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.state_store.store import StateStore
+
+    trainer = TorchBackend(tiny_spec(**VLLM_SPEC), "cuda")
+    data = [Datum(tokens=trainer.tokenize([f"{i}+{i}={2 * i}"])[0]) for i in range(16)]
+    for _ in range(5):
+        trainer.forward_backward(data, CrossEntropy())
+        trainer.optim_step(AdamWParams(lr=3e-3))
+    store = StateStore(tmp_path / "store", create=True)
+    trainer.save_state(StoreCheckpoint(store, "policy", trainer.version))
+    assert vllm_replica.load_weights(StoreCheckpoint(store, "policy")) == trainer.version == 5
+    prompts = vllm_replica.tokenize(["4+4="])
+    out = vllm_replica.sample(prompts, SamplingParams(n=4, max_tokens=8, seed=3), [0])
+    for seq in out[0]:
+        trained = _trainer_logprobs(trainer, prompts[0], seq)
+        assert max(abs(a - b) for a, b in zip(seq.logprobs, trained, strict=True)) < 0.1
+
+    with pytest.raises(errors.InvalidSamplingParams, match="top_p"):
+        vllm_replica.sample(prompts, SamplingParams(top_p=0.9), [0])
+    with pytest.raises(errors.WeightsMismatch):
+        vllm_replica.set_weights({"model.norm.weight": torch.ones(3)}, strict=False)
+    with pytest.raises(errors.OpNotSupported):
+        vllm_replica.get_weights()
+    with pytest.raises(errors.OpNotSupported):
+        vllm_replica.forward(data)
+    # set_weights goes through the same engine call: back to the untrained weights
+    untrained = TorchBackend(tiny_spec(**VLLM_SPEC), "cpu").get_weights()
+    vllm_replica.set_weights(untrained, version=0)
+    assert vllm_replica.version == 0

@@ -39,6 +39,16 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
   module, its gradients and moments with them; ``fsdp_offload_freed_bytes``: the device
   memory that freed, on CUDA), ``fsdp_rebuilt_bit_identical``, and one more step of both (its
   loss is the last of ``fsdp_losses``).
+- **The vLLM backend** (``vllm_*``; ``vllm_skipped`` says why not where CUDA or the ``vllm``
+  package is missing): one model (``--hidden`` × ``--layers``, bf16) as a vLLM replica and as
+  a torch replica, a GRPO step's shape (16 prompts × 8 samples, ``ignore_eos``, 64 tokens)
+  sampled ``--reps`` times by each, interleaved: ``vllm_tokens_per_s``,
+  ``torch_tokens_per_s`` and their ratio ``vllm_to_torch_ratio``; ``vllm_repeat_identical``
+  (the same request twice samples the same rows); a sleep and a wake
+  (``vllm_sleep_s``, ``vllm_wake_s``, ``vllm_sleep_freed_bytes``,
+  ``vllm_wake_identical``: the request after waking samples what it did before); and a
+  published version of the torch replica's weights loaded into the engine
+  (``vllm_load_weights_s``).
 - **Sampling** (``<job>_*``): ``bench.sampling``'s per-job measurement on this device: the
   job's model after its supervised warm-up, a GRPO step's 128-row request decoded as one batch
   (``to_peak_b128``) and in 64-row streams, against the replica's ``ignore_eos`` peak at its
@@ -50,6 +60,7 @@ a few minutes; ``--quick`` shrinks every part).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -87,6 +98,8 @@ TARGETS = {
     "fsdp_max_loss_diff": "~0 (float rounding: FSDP2 on one rank computes what the plain model does)",
     "fsdp_rebuilt_bit_identical": "true",
     "fsdp_offload_released": "true",
+    "vllm_repeat_identical": "true",
+    "vllm_wake_identical": "true",
 }
 
 
@@ -314,6 +327,68 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
     }
 
 
+def check_vllm(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
+    from plexrl_dask.service.backends.vllm_backend import VLLMBackend, unavailable_reason
+
+    reason = unavailable_reason(device)
+    if reason is not None:
+        return {"vllm_skipped": reason}
+    import tempfile
+
+    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.service.types import SamplingParams
+    from plexrl_dask.state_store.store import StateStore
+
+    spec = dataclasses.replace(spec, dtype="bfloat16")
+    engine = VLLMBackend(spec, device, max_batch_size=128)
+    try:
+        torch_replica = TorchBackend(spec, device, max_batch_size=128)
+        prompts = torch_replica.tokenize([f"{i}+{2 * i}=" for i in range(16)])
+        ids = list(range(len(prompts)))
+        params = SamplingParams(n=8, max_tokens=64, ignore_eos=True, seed=0)
+        times: dict[str, list[float]] = {"vllm": [], "torch": []}
+        tokens: dict[str, int] = {}
+        outs = []
+        for _ in range(reps):
+            for name, backend in (("vllm", engine), ("torch", torch_replica)):
+                t0 = time.perf_counter()
+                out = backend.sample(prompts, params, ids)
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
+                tokens[name] = sum(len(s.tokens) for g in out for s in g)
+                if name == "vllm":
+                    outs.append(out)
+        rate = {n: tokens[n] / statistics.median(t) for n, t in times.items()}
+        free = torch.cuda.mem_get_info(device)[0]
+        t0 = time.perf_counter()
+        engine.offload()
+        sleep_s = time.perf_counter() - t0
+        freed = torch.cuda.mem_get_info(device)[0] - free
+        t0 = time.perf_counter()
+        engine.reload()
+        wake_s = time.perf_counter() - t0
+        woken = engine.sample(prompts, params, ids)
+        with tempfile.TemporaryDirectory() as tmp:
+            store = StateStore(tmp, create=True)
+            torch_replica.publish_weights(StoreCheckpoint(store, "policy", 1))
+            t0 = time.perf_counter()
+            engine.load_weights(StoreCheckpoint(store, "policy", 1))
+            load_s = time.perf_counter() - t0
+    finally:
+        engine.close()
+    return {
+        "vllm_tokens_per_s": rate["vllm"],
+        "torch_tokens_per_s": rate["torch"],
+        "vllm_to_torch_ratio": rate["vllm"] / rate["torch"],
+        "vllm_repeat_identical": all(o == outs[0] for o in outs),
+        "vllm_sleep_s": sleep_s,
+        "vllm_sleep_freed_bytes": int(freed),
+        "vllm_wake_s": wake_s,
+        "vllm_wake_identical": woken == outs[0],
+        "vllm_load_weights_s": load_s,
+    }
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (the device machine) or cpu")
@@ -379,6 +454,7 @@ def main() -> None:
     section("offload", lambda: check_offload(spec, device, reps))
     section("overlap", lambda: check_overlap(spec, device, reps))
     section("fsdp", lambda: check_fsdp(spec, device, steps))
+    section("vllm", lambda: check_vllm(spec, device, reps))
     for job in jobs:
         section(job.name, functools.partial(job_section, job))
     report("device", results, TARGETS, setup, args.json)

@@ -377,8 +377,8 @@ class ReplicaHolder:
 
     def _offload(self, replica: _Replica) -> None:
         t0 = time.perf_counter()
-        if replica.stasher is None:
-            replica.backend.offload()
+        if replica.stasher is None or not getattr(replica.backend, "stashes", True):
+            replica.backend.offload()  # (a backend that keeps its own host copy: vLLM)
             tier = "dram"
         else:
             current = replica.stash
@@ -402,6 +402,9 @@ class ReplicaHolder:
                 self._replicas.pop(name, None)
                 if replica.stash is not None:
                     replica.stash.delete()
+                close = getattr(replica.backend, "close", None)
+                if close is not None:  # a backend with a process or files of its own (vLLM)
+                    close()
                 self._emit(replica, "absent", 0.0, lost=lost)
 
     def refresh_tiers(self) -> int:

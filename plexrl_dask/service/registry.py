@@ -14,6 +14,8 @@ from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
 
 ROLES = ("train", "rollout")
+#: What ``deploy(backend=...)`` accepts (plexrl_dask/service/backends/).
+BACKEND_NAMES = ("torch", "vllm")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class DeploymentInfo:
             raise ConfigError("a training deployment has one replica (shard it with world_size)")
         if self.role == "rollout" and self.world_size != 1:
             raise ConfigError("rollout replicas are single-rank (scale them with replicas)")
+        if self.backend not in BACKEND_NAMES:
+            raise ConfigError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        if self.backend == "vllm" and self.role != "rollout":
+            raise ConfigError(
+                "the vllm backend only samples: deploy it with role='rollout', and the policy "
+                "it syncs from with backend='torch'"
+            )
 
     @property
     def num_workers(self) -> int:

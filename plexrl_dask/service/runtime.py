@@ -143,7 +143,10 @@ class Runtime:
         identical existing deployment is returned instead of raising ``DeploymentExists``.
         ``workers`` restricts placement to those worker addresses. ``world_size`` shards a
         training deployment over that many workers (one FSDP2 group); ``replicas`` runs that
-        many data-parallel copies of a rollout deployment.
+        many data-parallel copies of a rollout deployment. ``backend``: ``"torch"`` (training
+        and rollout, any device) or ``"vllm"`` (rollout on CUDA workers with the ``vllm``
+        package; its budget includes ``plexrl.vllm.kv-cache-memory`` and
+        ``overhead-memory``).
         """
         if not isinstance(model, ModelSpec):
             raise InvalidModelSpec(
@@ -154,6 +157,12 @@ class Runtime:
                 raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
         uid = uuid.uuid4().hex
         hf = model.hf_config()
+        memory_bytes = -(-model.memory_bytes(role) // world_size)  # per rank, rounded up
+        if backend == "vllm":
+            from plexrl_dask.service.backends.vllm_backend import VLLMConfig
+
+            # the engine's KV cache and overhead sit beside the weights on its GPU
+            memory_bytes = VLLMConfig.from_dask_config().device_bytes(memory_bytes)
         status = self._call(
             "plexrl_deploy",
             name=name,
@@ -162,7 +171,7 @@ class Runtime:
             role=role,
             backend=backend,
             owner=owner or self.job,
-            memory_bytes=-(-model.memory_bytes(role) // world_size),  # per rank, rounded up
+            memory_bytes=memory_bytes,
             exist_ok=exist_ok,
             candidates=None if workers is None else list(workers),
             world_size=world_size,

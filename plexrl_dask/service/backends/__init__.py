@@ -2,7 +2,10 @@
 
 from plexrl_dask.service.backends.base import RolloutBackend, TrainBackend
 from plexrl_dask.service.backends.torch_backend import TorchBackend
+from plexrl_dask.service.backends.vllm_backend import VLLMBackend
 
-BACKENDS: dict[str, type] = {"torch": TorchBackend}
+#: Backends by the name ``deploy(backend=...)`` takes. (The vLLM module imports ``vllm`` only
+#: when a replica is built, so this registry loads everywhere.)
+BACKENDS: dict[str, type] = {"torch": TorchBackend, "vllm": VLLMBackend}
 
-__all__ = ["BACKENDS", "RolloutBackend", "TorchBackend", "TrainBackend"]
+__all__ = ["BACKENDS", "RolloutBackend", "TorchBackend", "TrainBackend", "VLLMBackend"]

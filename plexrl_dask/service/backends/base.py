@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from plexrl_dask.errors import WeightsMismatch
 from plexrl_dask.service.types import (
     AdamWParams,
     Datum,
@@ -25,6 +26,40 @@ from plexrl_dask.service.types import (
     SamplingParams,
     Streams,
 )
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    """Prompts as token ids: strings encoded with ``tokenizer`` (no special tokens added),
+    token-id sequences passed through as ints."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    # One tokenizer call for all of them: a call costs ~35 us of its own per string, as
+    # much as encoding a short prompt (a GRPO step's 16 prompts: ~0.5 ms of its request).
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    return [list(next(encoded)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+
+def check_weights(
+    params: Mapping[str, torch.Tensor], weights: Mapping[str, Any], strict: bool
+) -> None:
+    """Refuse ``weights`` (by canonical name) that do not fit ``params`` (a model's named
+    parameters; meta tensors will do): unknown names, missing ones when ``strict``, a
+    non-tensor, another shape, or a float/integer mismatch. :class:`WeightsMismatch`."""
+    unknown = sorted(set(weights) - set(params))
+    missing = sorted(set(params) - set(weights)) if strict else []
+    if unknown or missing:
+        raise WeightsMismatch(
+            f"set_weights names do not match the model: unknown {unknown[:5]}, "
+            f"missing {missing[:5]} (pass strict=False to update a subset)"
+        )
+    for n, t in weights.items():
+        if not isinstance(t, torch.Tensor):
+            raise WeightsMismatch(f"{n}: a torch.Tensor is needed, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(params[n].shape):
+            raise WeightsMismatch(
+                f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(params[n].shape)}"
+            )
+        if t.is_floating_point() != params[n].is_floating_point():
+            raise WeightsMismatch(f"{n}: dtype {t.dtype} cannot be copied into {params[n].dtype}")
 
 
 @runtime_checkable
