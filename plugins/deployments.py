@@ -1,0 +1,383 @@
+"""The deployment registry half of the PlexRL scheduler plugin.
+
+:class:`DeploymentRegistry` is a base of :class:`~plexrl_dask.plugins.scheduler.PlexRLSchedulerPlugin`
+(which holds all the state, built in its ``__init__``, and registers these handlers): what a
+deployment is and where it lives, apart from how its requests are routed.
+
+- the ``plexrl_deploy`` / ``undeploy`` / ``get_deployment`` / ``list_deployments`` handlers:
+  register a deployment and place it through the policy core (:func:`place_workers`) on the
+  capacity each worker's replica holder reports, within its job's node group when the
+  spatiotemporal placement is live;
+- ``plexrl_relocations`` / ``plexrl_relocate`` / ``plexrl_placement``: moving a job's idle
+  deployments into its node group, and the placement's state;
+- re-placing a deployment whose worker left (:meth:`DeploymentRegistry._placed`);
+- creating each GPU worker's replica-holder actor, owned by the plugin's own client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from plexrl_dask.errors import (
+    DeploymentBusy,
+    DeploymentExists,
+    DeploymentLost,
+    DeploymentNotFound,
+    DeploymentRelocating,
+    PlexRLError,
+    to_status,
+)
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.plugins.placement import LivePlacement
+from plexrl_dask.policy.dispatch import Dispatcher
+from plexrl_dask.policy.estimates import Estimates
+from plexrl_dask.policy.placement import WorkerView, place_workers
+from plexrl_dask.policy.residency import ResidencyMap
+from plexrl_dask.service.registry import DeploymentInfo
+
+logger = logging.getLogger(__name__)
+
+
+class DeploymentRegistry:
+    """Deployment handlers and placement of the scheduler plugin (see the module docstring).
+    The attributes below are the plugin's, set in its ``__init__`` and ``start``."""
+
+    scheduler: Any
+    gpu_resource: str
+    report_timeout: float
+    deployments: dict[str, DeploymentInfo]
+    residency: ResidencyMap
+    estimates: Estimates
+    dispatcher: Dispatcher
+    worker_capacity: dict[str, dict[str, Any]]
+    counters: Counter[str]
+    placement: LivePlacement | None
+    pending: dict[str, Any]
+    group_epochs: dict[str, int]
+    worker_group: dict[str, tuple[str, int]]
+    _client: Any
+    _client_lock: asyncio.Lock
+    _holders: dict[str, Any]
+
+    _soon: Callable[[Callable[[], None]], None]  # run on the next loop iteration
+    _reroute_orphans: Callable[[], None]
+
+    # --- replica holders ---------------------------------------------------------------------
+
+    async def _holder_client(self) -> Any:
+        async with self._client_lock:
+            if self._client is None:
+                from distributed import Client
+
+                self._client = await Client(
+                    self.scheduler.address,
+                    asynchronous=True,
+                    security=self.scheduler.security,
+                    name="plexrl-scheduler-plugin",
+                    set_as_default=False,
+                )
+            return self._client
+
+    async def _create_holder(self, worker: str) -> None:
+        """Submit the replica-holder actor of ``worker``, owned by this plugin's client."""
+        if worker in self._holders or worker not in self.scheduler.workers:
+            return
+        self._holders[worker] = None  # claimed: one holder per worker incarnation
+        try:
+            client = await self._holder_client()
+            from plexrl_dask.plugins.worker import HOLDER_KEY_PREFIX, new_replica_holder
+
+            if worker not in self.scheduler.workers:
+                self._holders.pop(worker, None)  # it left while the client connected
+                return
+            self._holders[worker] = client.submit(
+                new_replica_holder,
+                actor=True,
+                workers=[worker],
+                allow_other_workers=False,
+                key=f"{HOLDER_KEY_PREFIX}-{uuid.uuid4().hex}",
+                pure=False,
+            )
+            self.counters["holders_created"] += 1
+        except Exception:
+            self._holders.pop(worker, None)
+            logger.exception("could not create the replica holder of %s", worker)
+
+    # --- registry handlers ------------------------------------------------------------------
+
+    async def deploy(
+        self,
+        name: str,
+        uid: str,
+        spec: dict,
+        role: str,
+        backend: str,
+        owner: str,
+        memory_bytes: int,
+        exist_ok: bool = False,
+        candidates: list[str] | None = None,
+        world_size: int = 1,
+        replicas: int = 1,
+        vocab_size: int = 0,
+        max_positions: int = 0,
+    ) -> dict[str, Any]:
+        """Register and place a deployment. Returns ``{"status": "OK", "deployment": {...},
+        "created": bool}`` or an error status."""
+        try:
+            info = DeploymentInfo(
+                name=name,
+                uid=uid,
+                spec=ModelSpec.from_dict(spec),
+                role=role,
+                backend=backend,
+                owner=owner,
+                memory_bytes=int(memory_bytes),
+                candidates=None if candidates is None else tuple(candidates),
+                world_size=int(world_size),
+                replicas=int(replicas),
+                vocab_size=int(vocab_size),
+                max_positions=int(max_positions),
+            )
+            existing = self.deployments.get(name)
+            if existing is not None:
+                same = existing.same_model_and_layout(info)
+                if exist_ok and same:
+                    return {"status": "OK", "deployment": existing.to_dict(), "created": False}
+                raise DeploymentExists(
+                    f"a deployment named {name!r} already exists (owner {existing.owner!r}, "
+                    f"model {existing.spec.name}); pick another name, undeploy it first, or "
+                    "look it up with runtime.deployment(name)"
+                )
+            await self._wait_for_worker_reports()
+            candidates = info.candidates
+            if candidates is None and self.placement is not None:
+                # the job's node group (its dedicated workers while it is profiled)
+                hosts = {w: self.scheduler.workers[w].host for w in self._gpu_workers()}
+                group = self.placement.candidates(
+                    owner, info.num_workers, info.spec.name, hosts, time.monotonic()
+                )
+                if group is not None and len(group) >= info.num_workers:
+                    candidates = group
+                elif group is not None:  # workers of its group left: best effort meanwhile
+                    logger.warning(
+                        "job %s: its node group has %d live workers, %s needs %d; placing it "
+                        "anywhere", owner, len(group), name, info.num_workers
+                    )  # fmt: skip
+            workers = place_workers(
+                name, info.memory_bytes, self._worker_views(), info.num_workers, candidates
+            )
+            info = info.with_(workers=workers)
+            self.deployments[name] = info
+            self.counters["deploys"] += 1
+            logger.info("deployed %s (%s) on %s", name, info.spec.name, info.workers)
+            return {"status": "OK", "deployment": info.to_dict(), "created": True}
+        except PlexRLError as e:
+            return to_status(e)
+
+    async def undeploy(self, name: str, uid: str | None = None) -> dict[str, Any]:
+        """Remove a deployment and free its replicas. With ``uid``, only that incarnation."""
+        info = self.deployments.get(name)
+        if info is None or (uid is not None and info.uid != uid):
+            return to_status(DeploymentNotFound(f"no deployment named {name!r}"))
+        del self.deployments[name]
+        self.residency.forget_deployment(name)
+        self.estimates.forget(name)
+        for w in [w for w, g in self.worker_group.items() if g[0] == info.uid]:
+            del self.worker_group[w]
+        self.group_epochs.pop(info.uid, None)
+        # Its queued requests fail with DeploymentNotFound instead of waiting forever.
+        for request in [r for r in self.pending.values() if r.deployment == name]:
+            request.groups = None  # stale: routed again (to the error) by _reroute_orphans
+            self.dispatcher.remove(request.request)
+            request.admitted = False
+        self._soon(self._reroute_orphans)
+        live = [w for w in info.workers if w in self.scheduler.workers]
+        if live:
+            await self.scheduler.broadcast(
+                msg={"op": "plexrl_holder_drop", "name": name}, workers=live, on_error="return"
+            )
+        self.counters["undeploys"] += 1
+        if self.placement is not None and not any(
+            d.owner == info.owner for d in self.deployments.values()
+        ):
+            self.placement.finish(info.owner, time.monotonic())  # its last deployment went
+        return {"status": "OK"}
+
+    def placement_status(self, job: str | None = None) -> dict[str, Any]:
+        """The spatiotemporal placement's state, decisions, recorded events and traces."""
+        if self.placement is None:
+            return {"status": "OK", "enabled": False}
+        return {"status": "OK", **self.placement.status(job)}
+
+    def relocations(self, owner: str) -> dict[str, Any]:
+        """``owner``'s deployments placed outside its node group while the group has room for
+        them: ``{"status": "OK", "moves": [{"name", "uid", "modified", "workers", "group"}]}``
+        (empty without placement, while the job waits, or for deployments given workers)."""
+        moves = []
+        for info in self.deployments.values():
+            if info.owner != owner or info.candidates is not None or info.state != "placed":
+                continue
+            group = self._candidates(info)
+            if group is not None and not set(info.workers) <= set(group):
+                moves.append(
+                    {
+                        "name": info.name,
+                        "uid": info.uid,
+                        "modified": info.modified,
+                        "workers": list(info.workers),
+                        "group": list(group),
+                    }
+                )
+        return {"status": "OK", "moves": moves}
+
+    def relocate(self, name: str, uid: str) -> dict[str, Any]:
+        """Move idle deployment ``name`` (incarnation ``uid``, as ``relocations`` listed it)
+        into its job's node group: ``unplaced`` if its state is unmodified (its next request
+        rebuilds it there from its spec), else ``relocating`` (refusing every request but
+        ``load_state``, which places it there and restores the checkpoint the job saved first).
+        Returns ``{"status": "OK", "state": ...}``; :class:`DeploymentNotFound` for another
+        incarnation, :class:`DeploymentBusy` while any of its requests is in flight."""
+        try:
+            info = self.deployments.get(name)
+            if info is None or info.uid != uid:
+                raise DeploymentNotFound(
+                    f"deployment {name!r} incarnation {uid!r} is gone (undeployed or re-placed "
+                    "since it was listed); list the relocations again"
+                )
+            busy = self._in_flight(name)
+            if busy:
+                raise DeploymentBusy(
+                    f"{name!r} has {busy} requests in flight; relocate it when none of its "
+                    "job's requests are (between steps)"
+                )
+            state = "relocating" if info.modified else "unplaced"
+            self.deployments[name] = info.with_(state=state)
+            self.counters["relocations"] += 1
+            logger.info("relocating %s (%s) from %s", name, state, list(info.workers))
+            return {"status": "OK", "state": state}
+        except PlexRLError as e:
+            return to_status(e)
+
+    def _in_flight(self, name: str) -> int:
+        """``name``'s requests whose tasks have not all finished."""
+        tasks = self.scheduler.tasks
+        done = ("memory", "erred", "released", "forgotten")
+        return sum(
+            1
+            for r in self.pending.values()
+            if r.deployment == name
+            and (
+                len(r.keys) < r.ranks
+                or any(k in tasks and tasks[k].state not in done for k in r.keys.values())
+            )
+        )
+
+    def _candidates(self, info: DeploymentInfo) -> tuple[str, ...] | None:
+        """Where ``info`` may be (re)placed: the workers it was given, else its job's node
+        group's live workers when they are enough for it, else anywhere (None)."""
+        if info.candidates is not None:
+            return info.candidates
+        if self.placement is None:
+            return None
+        group = self.placement.group_workers(info.owner, self.scheduler.workers)
+        return group if group is not None and len(group) >= info.num_workers else None
+
+    def get_deployment(self, name: str) -> dict[str, Any]:
+        info = self.deployments.get(name)
+        if info is None:
+            known = sorted(self.deployments)[:10]
+            return to_status(
+                DeploymentNotFound(f"no deployment named {name!r}; registered: {known}")
+            )
+        return {"status": "OK", "deployment": info.to_dict()}
+
+    def list_deployments(self) -> dict[str, Any]:
+        return {
+            "status": "OK",
+            "deployments": [info.to_dict() for info in self.deployments.values()],
+        }
+
+    # --- placement ---------------------------------------------------------------------------
+
+    def _bytes_of(self, deployment: str) -> int:
+        info = self.deployments.get(deployment)
+        return info.memory_bytes if info is not None else 0
+
+    def _budget_of(self, worker: str) -> int:
+        return int(self.worker_capacity.get(worker, {}).get("budget_bytes", 0))
+
+    def _gpu_workers(self) -> list[str]:
+        return [
+            addr
+            for addr, ws in self.scheduler.workers.items()
+            if ws.resources.get(self.gpu_resource, 0) >= 1
+        ]
+
+    async def _wait_for_worker_reports(self) -> None:
+        """Give freshly started GPU workers a bounded time to report their capacity."""
+        deadline = time.monotonic() + self.report_timeout
+        while time.monotonic() < deadline:
+            gpu = self._gpu_workers()
+            if gpu and all(w in self.worker_capacity for w in gpu):
+                return
+            await asyncio.sleep(0.05)
+
+    def _worker_views(self) -> list[WorkerView]:
+        committed: Counter[str] = Counter()
+        count: Counter[str] = Counter()
+        for info in self.deployments.values():
+            for w in info.workers:
+                committed[w] += info.memory_bytes
+                count[w] += 1
+        return [
+            WorkerView(
+                address=w,
+                budget_bytes=int(self.worker_capacity[w]["budget_bytes"]),
+                committed_bytes=committed[w],
+                num_deployments=count[w],
+            )
+            for w in self._gpu_workers()
+            if w in self.worker_capacity
+        ]
+
+    def _placed(self, info: DeploymentInfo) -> DeploymentInfo:
+        """``info`` with a live worker, placing it again if its worker left."""
+        if info.state == "placed" and all(w in self.scheduler.workers for w in info.workers):
+            return info
+        if info.state == "relocating":
+            raise DeploymentRelocating(
+                f"{info.name!r} is moving to its job's node group: restore the checkpoint "
+                "saved for the move (Runtime.relocate does) before other requests"
+            )
+        if info.state == "lost":
+            raise DeploymentLost(
+                f"a worker holding {info.name!r} left the cluster and its trained state "
+                "(modified since deploy) went with it; restore a checkpoint with "
+                "deployment.load_state(path) (save them with save_state), or undeploy it"
+            )
+        workers = place_workers(
+            info.name, info.memory_bytes, self._worker_views(), info.num_workers,
+            self._candidates(info),
+        )  # fmt: skip
+        # A new incarnation (new uid): no surviving holder reuses state of the old placement
+        # under a different rank, and late reports of the old one are ignored.
+        placed = info.with_(workers=workers, state="placed", uid=uuid.uuid4().hex)
+        self.deployments[info.name] = placed
+        old = [w for w in info.workers if w in self.scheduler.workers and w not in workers]
+        if old:
+            asyncio.ensure_future(
+                self.scheduler.broadcast(
+                    msg={"op": "plexrl_holder_drop", "name": info.name},
+                    workers=old,
+                    on_error="return",
+                )
+            )
+        self.counters["replacements"] += 1
+        logger.info("re-placed %s on %s", info.name, workers)
+        return placed
