@@ -270,3 +270,16 @@ def test_a_job_resumed_from_its_initial_checkpoint_records_what_a_fresh_run_does
 
     assert what(resumed) == what(uninterrupted)
     assert resumed[0].sampled_with == 2  # the warm-up's version, restored from the checkpoint
+
+
+def test_a_job_with_a_vllm_rollout_is_refused_where_vllm_cannot_run(client, tmp_path):
+    """``rollout_backend="vllm"`` deploys the job's rollout on vLLM; a CPU cluster cannot run
+    it, and the run fails with the typed error, leaving no deployment of the job behind."""
+    with pytest.raises(errors.ConfigError, match="rollout_backend"):
+        JobSpec("ok", FirstCharIsDigit(), tiny_spec(), CONFIG, rollout_backend="tensorrt")
+    runtime, spec, start, workers = warmed_job(client, tmp_path, "v", seed=3)
+    spec = replace(spec, rollout_backend="vllm")
+    assert spec.describe()["rollout_backend"] == "vllm"
+    with pytest.raises(errors.BackendUnavailable, match="CUDA"):
+        run_mode(runtime, [spec], Layout("split", 2, 1), start, workers)
+    assert not [d for d in runtime.deployments() if spec.name in d.name]

@@ -39,6 +39,7 @@ from plexrl_dask.rl.checkpoint import JobCheckpoint, JobCheckpoints, read_checkp
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
 from plexrl_dask.rl.warmup import supervised_warmup
+from plexrl_dask.service.registry import BACKEND_NAMES
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import AdamWParams, SamplingParams
 from plexrl_dask.tasks.base import Task
@@ -57,12 +58,19 @@ class JobSpec:
     warmup_steps: int = 300
     warmup_batch_size: int = 64
     warmup_lr: float = 1e-3
+    #: The backend of the job's rollout deployments (in layouts that have them): "torch", or
+    #: "vllm" on CUDA workers with the vllm package. Training is always on "torch".
+    rollout_backend: str = "torch"
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"job names are letters, digits, '-' and '_': {self.name!r}")
         if self.warmup_steps < 0 or self.warmup_batch_size < 1:
             raise ConfigError(f"warm-up steps >= 0 and batch size >= 1: {self}")
+        if self.rollout_backend not in BACKEND_NAMES:
+            raise ConfigError(
+                f"rollout_backend is one of {BACKEND_NAMES}, got {self.rollout_backend!r}"
+            )
 
     def config_for(self, mode: str) -> GRPOConfig:
         """The job's GRPO config in ``mode``: the isolated modes fix the algorithm
@@ -79,6 +87,7 @@ class JobSpec:
             "task": repr(self.task),
             "model": self.model.to_dict(),
             "grpo": asdict(self.grpo),
+            "rollout_backend": self.rollout_backend,
             "warmup": {
                 "steps": self.warmup_steps,
                 "batch_size": self.warmup_batch_size,
@@ -232,6 +241,7 @@ def _deployed(
                 names[1],
                 spec.model,
                 role="rollout",
+                backend=spec.rollout_backend,
                 workers=list(rollout_workers),
                 replicas=layout.rollout_replicas,
             )
