@@ -142,6 +142,11 @@ class CheckpointIncompatible(CheckpointError):
     """The checkpoint holds a different model (parameter names or shapes differ)."""
 
 
+class EngineFailed(RequestError):
+    """A rollout engine (vLLM) failed a call or did not finish it in time; the replica's
+    engine was stopped, so the deployment must be deployed again."""
+
+
 class OpNotSupported(RequestError):
     """The deployment's role or layout does not offer this operation."""
 

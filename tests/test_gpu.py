@@ -177,13 +177,20 @@ def test_vllm_loads_published_weights_and_refuses_what_it_cannot_do(vllm_replica
 
     with pytest.raises(errors.InvalidSamplingParams, match="top_p"):
         vllm_replica.sample(prompts, SamplingParams(top_p=0.9), [0])
+    with pytest.raises(errors.InvalidSamplingParams, match="temperature"):
+        vllm_replica.sample(prompts, SamplingParams(temperature=0.005), [0])
+    with pytest.raises(errors.WeightsMismatch, match="every parameter or none"):
+        vllm_replica.set_weights({"model.norm.weight": torch.ones(256)}, strict=False)
     with pytest.raises(errors.WeightsMismatch):
-        vllm_replica.set_weights({"model.norm.weight": torch.ones(3)}, strict=False)
+        vllm_replica.set_weights({"model.norm.weight": torch.ones(3)})
     with pytest.raises(errors.OpNotSupported):
         vllm_replica.get_weights()
     with pytest.raises(errors.OpNotSupported):
         vllm_replica.forward(data)
     # set_weights goes through the same engine call: back to the untrained weights
-    untrained = TorchBackend(tiny_spec(**VLLM_SPEC), "cpu").get_weights()
-    vllm_replica.set_weights(untrained, version=0)
+    fresh = TorchBackend(tiny_spec(**VLLM_SPEC), "cuda")
+    vllm_replica.set_weights(fresh.get_weights(), version=0)
     assert vllm_replica.version == 0
+    for seq in vllm_replica.sample(prompts, SamplingParams(n=4, max_tokens=8, seed=3), [0])[0]:
+        untrained = _trainer_logprobs(fresh, prompts[0], seq)
+        assert max(abs(a - b) for a, b in zip(seq.logprobs, untrained, strict=True)) < 0.1

@@ -8,9 +8,18 @@ and runtime as the torch backend. What it does, against vLLM's public API (writt
   spec is written out as one first, :meth:`ModelSpec.save_pretrained`), with sleep mode on,
   ``logprobs_mode="processed_logprobs"`` (log-probabilities of the distribution sampled from),
   a fixed KV cache (``plexrl.vllm.kv-cache-memory``: engines of several deployments share one
-  GPU's budget) and at most ``max_batch_size`` sequences at a time. vLLM runs its engine core in
-  a process of its own (its default), so every replica's device memory, and its sleep, is its
-  own; the Dask worker process must therefore be allowed children.
+  GPU's budget), a memory request of exactly the replica's budget (``gpu_memory_utilization``
+  = :meth:`state_bytes` ÷ the GPU's memory: vLLM refuses to start unless that much is free),
+  the longest context that KV cache holds (``max_model_len=-1``) and at most
+  ``max_batch_size`` sequences at a time. vLLM's engine core runs in a process of its own
+  (forced: ``VLLM_ENABLE_V1_MULTIPROCESSING=1``), so every replica's device memory, and its
+  sleep, is its own (in one process, vLLM's sleep-mode allocator is shared, and sleeping one
+  engine would offload them all); the Dask worker process must therefore be allowed children.
+- **Every engine call is bounded** (``plexrl.vllm.call-timeout``; vLLM's own ``timeout`` is not
+  enforced by its single-GPU executor): a call runs on the replica's engine thread and is
+  waited for with that timeout. A call that times out or fails (other than vLLM refusing its
+  input) may leave the engine half-way through a weight load or a sleep, so the engine is
+  stopped and the replica answers :class:`EngineFailed` from then on (deploy it again).
 - **Sampling.** Each (prompt, sample) row is one vLLM request with ``n=1`` and a seed derived
   from ``(seed, prompt id, sample index)`` (:func:`row_seeds`, the same hash the torch backend
   keys its draws with), so a row's randomness never depends on the worker, the batch or how a
@@ -28,10 +37,14 @@ and runtime as the torch backend. What it does, against vLLM's public API (writt
   prefix cache is reset, since it holds keys and values computed with the old weights.
   ``get_weights`` is refused: vLLM holds the weights in its fused layout, and the canonical ones
   are in the trainer deployment and the store.
-- **Residency.** ``offload`` is ``sleep(level=1)``: vLLM copies the weights to host memory of
-  its engine process and frees the GPU's; ``reload`` is ``wake_up()``. That host copy is the
-  engine's own, so the node's tiers (deduplication, eviction to NVMe) do not hold a vLLM
-  replica's offloaded weights (``stashes`` is False).
+- **Residency.** ``offload`` is ``sleep(level=1)``: vLLM copies the weights to pinned host
+  memory of its engine process and frees the GPU's; ``reload`` is ``wake_up()``. That host copy
+  is the engine's own (kept after waking too), so the node's tiers (deduplication, eviction to
+  NVMe, their accounting) do not hold a vLLM replica's offloaded weights (``stashes`` is
+  False). A sleeping engine still holds its process's CUDA context on the GPU.
+- **Temperatures** outside vLLM's range (above 2, or below 0.01 but not 0, which it would
+  silently raise to 0.01) are refused, since the log-probabilities would not be at the
+  requested temperature.
 
 Only rollout: the training ops raise :class:`OpNotSupported`. It needs CUDA and the ``vllm``
 package on the worker, and raises :class:`BackendUnavailable` (which fails the deploy) where
@@ -47,6 +60,8 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +75,7 @@ from plexrl_dask.errors import (
     CheckpointError,
     ConfigError,
     EmptyBatch,
+    EngineFailed,
     InvalidSamplingParams,
     OpNotSupported,
     PlexRLError,
@@ -196,6 +212,15 @@ def _reload_from_store(worker: Any, root: str, model: str, version: int) -> int:
     return len(keys)
 
 
+def _reload_from_bytes(worker: Any, blob: bytes) -> int:
+    """Hand the tensors of a safetensors ``blob`` to the worker's model by canonical name."""
+    from safetensors.torch import load
+
+    tensors = load(blob)
+    worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+    return len(tensors)
+
+
 class VLLMBackend:
     """A rollout replica of ``spec`` served by vLLM on ``device`` (see the module docstring)."""
 
@@ -209,10 +234,10 @@ class VLLMBackend:
             raise BackendUnavailable(f"cannot run a vLLM replica of {spec.name}: {reason}")
         self.spec = spec
         self.device = torch.device(device)
-        if self.device.index not in (None, 0, torch.cuda.current_device()):
+        if self.device.index not in (None, 0):
             raise BackendUnavailable(
-                f"vLLM runs on the worker's visible GPU; {self.device} is not it (run one worker "
-                "per GPU, each seeing its own)"
+                f"vLLM runs on the worker's first visible GPU; {self.device} is not it (run one "
+                "worker per GPU, each seeing its own)"
             )
         self.max_batch_size = int(max_batch_size)
         self.cfg = VLLMConfig.from_dask_config()
@@ -221,40 +246,50 @@ class VLLMBackend:
         # set_weights are checked against before anything reaches the engine.
         with torch.device("meta"):
             self._reference = hf("AutoModelForCausalLM").from_config(spec.hf_config())
-        hf_cfg = self._reference.config
-        self.vocab_size = int(hf_cfg.vocab_size)
-        self.max_positions = int(hf_cfg.max_position_embeddings)
+        self.vocab_size = int(self._reference.config.vocab_size)
         self._weight_bytes = spec.memory_bytes("rollout")
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if self.state_bytes() > total:
+            raise BackendUnavailable(
+                f"a vLLM replica of {spec.name} needs {self.state_bytes() / 2**30:.1f} GiB "
+                f"(weights, plexrl.vllm.kv-cache-memory and overhead-memory), more than the "
+                f"GPU's {total / 2**30:.1f} GiB"
+            )
+        self._failed: str | None = None  # why the engine was stopped, once it was
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="plexrl-vllm")
         self._tmpdir: str | None = None
-        path = spec.path
-        if path is None:  # a config-built model: vLLM loads checkpoints, so write it as one
-            self._tmpdir = tempfile.mkdtemp(prefix="plexrl-vllm-")
-            path = spec.save_pretrained(self._tmpdir).path
-        # Read by vLLM when it starts, in this process and in the engine process it spawns
-        # (which inherits the environment). Functions sent to the engine process (a weight
-        # load reading the store there) travel pickled, which vLLM allows only when told: the
-        # pickles go only between this worker and the engine process it started.
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        if self.cfg.batch_invariant:
-            os.environ["VLLM_BATCH_INVARIANT"] = "1"
-        from vllm import LLM
-
         try:
+            path = spec.path
+            if path is None:  # a config-built model: vLLM loads checkpoints, so write one
+                self._tmpdir = tempfile.mkdtemp(prefix="plexrl-vllm-")
+                path = spec.save_pretrained(self._tmpdir).path
+            # Read by vLLM when it starts, here and in the engine process it spawns (which
+            # inherits the environment), so each is set every time. Functions sent to the
+            # engine process (a weight load reading the store there) travel pickled, which
+            # vLLM allows only when told; the pickles go only between this worker and the
+            # engine process it started.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            os.environ["VLLM_BATCH_INVARIANT"] = "1" if self.cfg.batch_invariant else "0"
+            from vllm import LLM
+
             self.llm = LLM(
                 model=path,
                 tokenizer=path,
                 dtype=spec.dtype,
                 seed=0,
-                max_model_len=self.max_positions,
+                max_model_len=-1,  # the longest the KV cache holds, up to the model's
                 max_num_seqs=self.max_batch_size,
                 kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
+                gpu_memory_utilization=min(1.0, self.state_bytes() / total),
                 enable_sleep_mode=True,
                 enforce_eager=self.cfg.enforce_eager,
                 logprobs_mode="processed_logprobs",
             )
-        except Exception:
-            self._remove_tmpdir()
+        except BaseException:
+            self.close()
             raise
+        self.max_positions = int(self.llm.llm_engine.model_config.max_model_len)
         self.version = 0
         self._asleep = False
         self._host: Any = None  # the holder's view of an offloaded replica: None while resident
@@ -283,12 +318,42 @@ class VLLMBackend:
                 logger.warning(
                     "vLLM engine of %s did not shut down cleanly", self.spec.name, exc_info=True
                 )
-        self._remove_tmpdir()
-
-    def _remove_tmpdir(self) -> None:
+        self._engine_thread.shutdown(wait=False, cancel_futures=True)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, an engine call, within ``plexrl.vllm.call-timeout``. vLLM
+        refusing the input (``ValueError``) leaves the engine as it was; a timeout or any
+        other failure stops it (see the module docstring)."""
+        if self._failed is not None:
+            raise EngineFailed(self._failed)
+        future = self._engine_thread.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=self.cfg.call_timeout_s)
+        except FuturesTimeout:
+            self._stop(f"{what} did not finish in {self.cfg.call_timeout_s:.0f} s")
+            raise RequestTimeout(
+                f"the vLLM engine of {self.spec.name}: {what} did not finish in "
+                f"{self.cfg.call_timeout_s:.0f} s (plexrl.vllm.call-timeout); the engine was "
+                "stopped, deploy the deployment again"
+            ) from None
+        except ValueError as e:
+            raise InvalidSamplingParams(f"vLLM refused the {what}: {e}") from e
+        except Exception as e:
+            self._stop(f"{what} failed: {type(e).__name__}: {e}")
+            raise EngineFailed(
+                f"the vLLM engine of {self.spec.name} failed {what} ({type(e).__name__}: {e}); "
+                "it was stopped, deploy the deployment again"
+            ) from e
+
+    def _stop(self, why: str) -> None:
+        self._failed = (
+            f"the vLLM engine of {self.spec.name} was stopped ({why}); deploy the deployment again"
+        )
+        logger.error("%s", self._failed)
+        self.close()
 
     # --- residency -----------------------------------------------------------------------
 
@@ -297,7 +362,7 @@ class VLLMBackend:
         ``stash``/``stored`` are ignored (see :attr:`stashes`)."""
         if self._asleep:
             return
-        self.llm.sleep(level=1)
+        self._call("sleep", self.llm.sleep, level=1)
         self._asleep = True
         self._host = {"bytes": self.state_bytes()}
 
@@ -305,7 +370,7 @@ class VLLMBackend:
         """``wake_up()``: weights back on the GPU, bit-identical, and a fresh KV cache."""
         if not self._asleep:
             return
-        self.llm.wake_up()
+        self._call("wake_up", self.llm.wake_up)
         self._asleep = False
         self._host = None
 
@@ -346,6 +411,12 @@ class VLLMBackend:
                 "log-probabilities would be those of the truncated distribution, not of the "
                 "distribution before truncation that the loss expects"
             )
+        t = params.temperature
+        if t > 2.0 or 0.0 < t < 0.01:
+            raise InvalidSamplingParams(
+                f"the vLLM backend samples at temperature 0 or in [0.01, 2] (got {t}): vLLM "
+                "refuses higher ones and raises lower ones to 0.01"
+            )
         seeds = row_seeds(params.seed, prompt_ids, params.n)
         inputs, row_params = [], []
         for i, prompt in enumerate(prompts):
@@ -364,7 +435,7 @@ class VLLMBackend:
                         logprobs=0,  # the sampled token's only
                     )
                 )
-        outputs = self.llm.generate(inputs, row_params, use_tqdm=False)
+        outputs = self._call("generate", self.llm.generate, inputs, row_params, use_tqdm=False)
         rows = iter(outputs)
         result = []
         for _ in prompts:
@@ -385,10 +456,13 @@ class VLLMBackend:
             version, meta = checkpoint.store_meta(self._reference, source)
         except CheckpointError as e:
             raise WeightsMismatch(f"published weights do not fit this model: {e}") from None
-        self._engine_call(
-            _reload_from_store, root=str(source.store.root), model=source.model, version=version
+        self._engine_rpc(
+            "a weight load",
+            _reload_from_store,
+            root=str(source.store.root),
+            model=source.model,
+            version=version,
         )
-        self.llm.reset_prefix_cache()
         self.version = int(meta["version"])
         return self.version
 
@@ -396,12 +470,18 @@ class VLLMBackend:
         self, weights: Mapping[str, torch.Tensor], version: int | None = None, strict: bool = True
     ) -> None:
         """Overwrite parameters by canonical name (checked first, as the torch backend does)."""
-        check_weights(dict(self._reference.named_parameters()), weights, strict)
-        # (vLLM's own message encoding carries the tensors: a list of (name, tensor) pairs
-        # is the iterable its worker's reload_weights takes)
-        pairs = [(n, t.detach().to("cpu").contiguous()) for n, t in weights.items()]
-        self._engine_call("reload_weights", weights_iterator=pairs, is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()
+        params = dict(self._reference.named_parameters())
+        if not strict and set(weights) != set(params):
+            raise WeightsMismatch(
+                "a vLLM replica takes every parameter or none: vLLM rebuilds each layer it is "
+                "given from zeros, so part of a fused layer (q_proj of qkv_proj) would zero the "
+                f"rest; {len(params) - len(set(weights) & set(params))} parameters are missing"
+            )
+        check_weights(params, weights, strict=True)
+        from safetensors.torch import save
+
+        blob = save({n: t.detach().to("cpu").contiguous() for n, t in weights.items()})
+        self._engine_rpc("a weight update", _reload_from_bytes, blob=blob)
         if version is not None:
             self.version = int(version)
 
@@ -411,18 +491,13 @@ class VLLMBackend:
             "weights from the training deployment or the published store version"
         )
 
-    def _engine_call(self, method: str | Callable[..., Any], **kwargs: Any) -> list[Any]:
-        """Run ``method`` (a worker method's name, or a function taking the worker first) in
-        the engine process, within ``plexrl.vllm.call-timeout``."""
+    def _engine_rpc(self, what: str, fn: Callable[..., Any], **kwargs: Any) -> None:
+        """Run ``fn(worker, **kwargs)`` in the engine process, then drop the prefix cache
+        (its keys and values were computed with the weights before)."""
         if self._asleep:
             self.reload()  # (the holder makes a replica resident first; kept safe here)
-        try:
-            return self.llm.collective_rpc(method, timeout=self.cfg.call_timeout_s, kwargs=kwargs)
-        except TimeoutError as e:
-            raise RequestTimeout(
-                f"vLLM engine of {self.spec.name} did not finish {getattr(method, '__name__', method)} "
-                f"in {self.cfg.call_timeout_s:.0f}s"
-            ) from e
+        self._call(what, self.llm.collective_rpc, fn, kwargs=kwargs)
+        self._call("reset_prefix_cache", self.llm.reset_prefix_cache)
 
     # --- not a trainer -------------------------------------------------------------------
 
@@ -443,6 +518,15 @@ class VLLMBackend:
 
     def save_state(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_a_trainer("save_state")
+
+    def publish_weights(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_a_trainer("publish_weights")
+
+    def _rank(self) -> int:
+        return 0
+
+    def _world(self) -> int:
+        return 1
 
     def load_state(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_a_trainer("load_state")
