@@ -4,6 +4,7 @@ local pool, with live progress per job, a table at the end and a PNG.
     python examples/multiplex.py [--jobs 3] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
                                  [--out runs/multiplex] [--checkpoint-every N] [--fresh]
                                  [--model PATH]   # every job on a local HF checkpoint instead
+                                 [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
 
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
 core), their requests ordered by the PlexRL scheduler plugin. Every job's per-step metrics go
@@ -22,6 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import dask
 from distributed import Client
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -54,7 +56,18 @@ def main() -> None:
         "--checkpoint-every", type=positive_int, default=None, help="GRPO steps between checkpoints"
     )
     parser.add_argument("--fresh", action="store_true", help="ignore checkpoints: start over")
+    parser.add_argument(
+        "--rollout-backend",
+        choices=("torch", "vllm"),
+        default="torch",
+        help="the rollout replicas' engine (vllm: CUDA workers with the vllm package)",
+    )
     args = parser.parse_args()
+    if args.rollout_backend == "vllm":
+        if not args.rollout_replicas:
+            parser.error("--rollout-backend vllm needs --rollout-replicas >= 1")
+        # each vLLM replica runs its engine in a child process of its worker
+        dask.config.set({"distributed.worker.daemon": False})
     console = Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,6 +79,7 @@ def main() -> None:
         specs = [replace(s, grpo=replace(s.grpo, steps=args.grpo_steps)) for s in specs]
     if args.model:
         specs = [replace(s, model=plexrl.ModelSpec(path=args.model)) for s in specs]
+    specs = [replace(s, rollout_backend=args.rollout_backend) for s in specs]
     layout = Layout("multiplexed", args.workers, args.rollout_replicas)
     resumed = resumable(checkpoint_dir, layout.mode, specs)
     if resumed:

@@ -41,6 +41,7 @@ def test_the_main_job_runs_end_to_end(tmp_path):
     assert (out / "multiplex.png").read_bytes()[:4] == b"\x89PNG"
     run = json.loads((out / "run.json").read_text())
     assert [j["name"] for j in run["jobs"]] == jobs
+    assert {j["rollout_backend"] for j in run["jobs"]} == {"torch"}
 
     # The same command again resumes every job from its checkpoint (no warm-up); here it
     # goes on for one more step, which continues the first run's steps unchanged.
@@ -51,3 +52,12 @@ def test_the_main_job_runs_end_to_end(tmp_path):
         after = steps(out / f"multiplexed-{job}.jsonl")
         assert [r["step"] for r in after] == [0, 1, 2]
         assert after[:2] == before[job]  # restored, not redone: wall times included
+
+
+def test_a_vllm_rollout_needs_rollout_replicas(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
+         "--rollout-backend", "vllm", "--rollout-replicas", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "needs --rollout-replicas >= 1" in proc.stderr
