@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from plexrl_dask import errors
+from plexrl_dask.service.backends import BACKENDS, TorchBackend
 from plexrl_dask.service.holder import ReplicaHolder
 from plexrl_dask.service.registry import DeploymentInfo
 from plexrl_dask.service.types import Datum
@@ -773,6 +774,35 @@ def forward(holder: ReplicaHolder, info: DeploymentInfo) -> Any:
 def stored_as(holder: ReplicaHolder, name: str) -> tuple[str, int]:
     model, version = holder.status()["replicas"][name]["stored_as"].rsplit("/", 1)
     return model, int(version)
+
+
+class EngineOwnedHostCopy(TorchBackend):
+    """Stands in for the vLLM backend, which needs CUDA: a backend that keeps its own host copy
+    when offloaded (``stashes`` False: vLLM's sleep) and has an engine to stop (``close``)."""
+
+    stashes = False
+
+    def close(self) -> None:
+        self.closed = getattr(self, "closed", 0) + 1
+
+
+def test_a_backend_keeping_its_own_host_copy_is_not_stashed_and_is_closed_on_drop(
+    tiers, monkeypatch
+):
+    monkeypatch.setitem(BACKENDS, "vllm", EngineOwnedHostCopy)
+    node = NodeState(tiers(dram_capacity=64 * MiB))
+    info = dataclasses.replace(make_info("engine", seed=5), role="rollout", backend="vllm")
+    holder, events = make_holder("w1", node)
+    first = forward(holder, info)
+    assert holder.offload("engine")
+    assert events[-1]["tier"] == "dram"
+    assert holder.status()["replicas"]["engine"]["stored_as"] is None
+    assert tier_versions(node.status(), "dram") == set()  # nothing written to the node
+    assert holder.counters["stash_writes"] == 0
+    assert forward(holder, info) == first  # back from its own copy
+    backend = holder._replicas["engine"].backend
+    assert holder.drop("engine")
+    assert backend.closed == 1
 
 
 def test_holders_of_one_node_store_one_copy_and_skip_unchanged_rewrites(tiers):
