@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -203,10 +203,16 @@ class TensorEntry:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(storage).itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"], d["chunks"] = list(self.shape), list(self.chunks)
-        d["digest"] = self.digest
-        return d
+        # (built by hand: dataclasses.asdict deep-copies recursively, and a publish writes a
+        # manifest of every tensor)
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "chunks": list(self.chunks),
+            "chunk_digests": dict(self.chunk_digests),
+            "digest": self.digest,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorEntry:
@@ -242,7 +248,7 @@ class Manifest:
                 "meta": self.meta,
                 "tensors": {n: t.to_dict() for n, t in sorted(self.tensors.items())},
             },
-            indent=1,
+            separators=(",", ":"),  # compact: json's C encoder (an indent takes the Python one)
         )
 
     @classmethod
