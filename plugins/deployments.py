@@ -352,8 +352,16 @@ class DeploymentRegistry:
             return info
         if info.state == "relocating":
             raise DeploymentRelocating(
-                f"{info.name!r} is moving to its job's node group: restore the checkpoint "
+                f"{info.name!r} is moving to its job's node group: load its weights "
+                "(runtime.sync_weights) before other requests"
+                if info.weights_only
+                else f"{info.name!r} is moving to its job's node group: restore the checkpoint "
                 "saved for the move (Runtime.relocate does) before other requests"
+            )
+        if info.state == "lost" and info.weights_only:
+            raise DeploymentLost(
+                f"a worker holding {info.name!r} left the cluster with the weights it was given; "
+                "load them again (runtime.sync_weights) before other requests"
             )
         if info.state == "lost":
             raise DeploymentLost(

@@ -407,9 +407,10 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                     f"{name!r} has world_size {info.world_size} and {info.replicas} replicas; "
                     f"a request for rank {rank}/{ranks} of replica {replica} does not fit it"
                 )
-            if info.state in ("lost", "relocating") and ann.get("op") == "load_state":
-                # Restoring a checkpoint is how a lost (or relocating) deployment comes back: a
-                # new incarnation (new uid, so no holder reuses a stale rank), placed anew.
+            if info.state in ("lost", "relocating") and info.revived_by(str(ann.get("op"))):
+                # Restoring a checkpoint (or a weights-only deployment's weights) is how a lost
+                # (or relocating) deployment comes back: a new incarnation (new uid, so no
+                # holder reuses a stale rank), placed anew.
                 info = info.with_(state="unplaced")
                 self.deployments[name] = info
             if info.state in ("lost", "relocating") or self._worker_views():
@@ -718,7 +719,9 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             if info is None or info.uid != report.uid:
                 return  # a late report of an undeployed incarnation
             self.residency.apply(report)
-            if report.tier == "hbm":
+            # (not a weights-only engine's: its start and wake are not a copy of the bytes it
+            # reports, and the tiers' bandwidths are shared by every deployment)
+            if report.tier == "hbm" and not info.weights_only:
                 self.estimates.observe_load(
                     report.deployment, report.source, report.load_s, report.bytes
                 )

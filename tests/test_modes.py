@@ -283,3 +283,7 @@ def test_a_job_with_a_vllm_rollout_is_refused_where_vllm_cannot_run(client, tmp_
     with pytest.raises(errors.BackendUnavailable, match="CUDA"):
         run_mode(runtime, [spec], Layout("split", 2, 1), start, workers)
     assert not [d for d in runtime.deployments() if spec.name in d.name]
+    # split-async scores old log-probabilities on the rollout: refused before deploying
+    with pytest.raises(errors.ConfigError, match="staleness 1"):
+        run_mode(runtime, [spec], Layout("split-async", 2, 1), start, workers)
+    assert not [d for d in runtime.deployments() if spec.name in d.name]

@@ -10,7 +10,9 @@ after the move ends on the very bits of a run that never moved.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import dask
 import pytest
@@ -22,6 +24,7 @@ from plexrl_dask.cluster import worker_process
 from plexrl_dask.errors import DeploymentNotFound, DeploymentRelocating
 from plexrl_dask.state_store.node import NodeState, StateConfig
 from tests.conftest import tiny_spec
+from tests.test_weights_only_rollout import StandInForVLLM
 
 WAIT_S = 120.0
 
@@ -68,7 +71,7 @@ def until(what: str, check) -> None:
 
 
 def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
-    cluster, client, tmp_path
+    cluster, client, tmp_path, monkeypatch
 ):
     # what four steps give, on a deployment that never moves
     reference = plexrl.Runtime(client, job="reloc-reference")
@@ -84,8 +87,13 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
     mover = plexrl.Runtime(client, job="reloc-mover")
     policy = mover.deploy("reloc-policy", tiny_spec(seed=41))
     frozen = mover.deploy("reloc-frozen", tiny_spec(seed=43))
+    # a weights-only rollout (vLLM's contract; a CPU stand-in here, on every worker to come)
+    client.register_plugin(StandInForVLLM())
+    with dask.config.set({"plexrl.vllm.kv-cache-memory": "1MiB", "plexrl.vllm.overhead-memory": 0}):
+        rollout = mover.deploy("reloc-rollout", tiny_spec(seed=41), role="rollout", backend="vllm")
     assert job_state(mover)["state"] == "waiting"
     train(policy, 2)  # best effort, on the hog's workers
+    plexrl.result(mover.sync_weights(policy, rollout))
     plexrl.result(frozen.forward([plexrl.Datum(tokens=frozen.tokenize("1+1=2"))]))
     assert mover.relocate() == []  # no group yet: nothing to follow
 
@@ -94,6 +102,11 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         "nvme-path": str(tmp_path / "b-nvme"),
         "node-id": "node-b",
     }
+    # (the new worker unpickles the stand-in's plugin from this repository's tests)
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
     worker = worker_process(cluster.scheduler_address, b_tiers, host="127.0.0.2")
     try:
         until("the job is admitted on the new host", lambda: job_state(mover)["state"] != "waiting")
@@ -102,14 +115,16 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         until("the new worker reports its node", lambda: b[0] in mover.status()["workers"])
 
         moves = {m["name"]: m for m in mover.relocate()}
-        assert set(moves) == {"reloc-policy", "reloc-frozen"}
+        assert set(moves) == {"reloc-policy", "reloc-frozen", "reloc-rollout"}
         assert moves["reloc-policy"]["restored"] and moves["reloc-policy"]["now"] == b
         assert not moves["reloc-frozen"]["restored"]
+        assert not moves["reloc-frozen"]["needs_weights"]
+        assert moves["reloc-rollout"]["needs_weights"] and not moves["reloc-rollout"]["restored"]
         assert set(moves["reloc-policy"]["workers"]) <= set(
             hog.deployment("reloc-hog").info.workers
         )
         assert mover.relocate() == []  # done: nothing outside the group any more
-        assert mover.status()["counters"]["relocations"] == 2
+        assert mover.status()["counters"]["relocations"] == 3
 
         # the trained state came along bit for bit (optimizer moments included)
         train(policy, 2)
@@ -117,6 +132,15 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         got = weights(policy)
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[k], expected[k]) for k in got)
+        # the weights-only rollout refuses to sample until it is given weights, which place
+        # it in the group
+        params = plexrl.SamplingParams(n=4, max_tokens=6, seed=2)
+        with pytest.raises(DeploymentRelocating, match="sync_weights"):
+            plexrl.result(rollout.sample(["12+3="], params))
+        plexrl.result(mover.sync_weights(policy, rollout))
+        assert mover.deployment("reloc-rollout").info.workers == tuple(b)
+        sampled = plexrl.result(rollout.sample(["12+3="], params))
+        assert sampled == plexrl.result(policy.sample(["12+3="], params))
         # the unmodified one is rebuilt there by its next request
         plexrl.result(frozen.forward([plexrl.Datum(tokens=frozen.tokenize("1+1=2"))]))
         assert mover.deployment("reloc-frozen").info.workers == tuple(b)
@@ -142,6 +166,6 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
     finally:
         worker.terminate()
         worker.wait(timeout=60)
-        for name in ("reloc-policy", "reloc-frozen"):
+        for name in ("reloc-policy", "reloc-frozen", "reloc-rollout"):
             mover.undeploy(name)
         hog.undeploy("reloc-hog")

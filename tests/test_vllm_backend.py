@@ -91,11 +91,23 @@ def test_without_cuda_the_backend_says_why():
         VLLMBackend(tiny_spec(), "cpu")
 
 
+def test_the_registry_names_every_backend_the_workers_have():
+    from plexrl_dask.service.backends import BACKENDS
+    from plexrl_dask.service.registry import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
+
+    assert set(BACKEND_NAMES) == set(BACKENDS)
+    assert set(WEIGHTS_ONLY_BACKENDS) == {n for n, cls in BACKENDS.items() if not cls.stashes}
+
+
 def test_the_registry_takes_vllm_for_rollout_only():
     base = dict(
         name="r", uid="u", spec=tiny_spec(), owner="j", memory_bytes=1, role="rollout"
     )  # fmt: skip
-    assert DeploymentInfo(**base, backend="vllm").backend == "vllm"
+    info = DeploymentInfo(**base, backend="vllm")
+    assert info.weights_only and info.revived_by("load_weights") and info.revived_by("load_state")
+    assert not info.revived_by("sample")
+    torch_info = DeploymentInfo(**base, backend="torch")
+    assert not torch_info.weights_only and not torch_info.revived_by("load_weights")
     with pytest.raises(errors.ConfigError, match="role='rollout'"):
         DeploymentInfo(**{**base, "role": "train"}, backend="vllm")
     with pytest.raises(errors.ConfigError, match="backend must be one of"):

@@ -173,6 +173,12 @@ class GRPOJob:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
         if config.staleness and rollout is None:
             raise ConfigError("a split-async job (staleness 1) needs a rollout deployment")
+        if config.staleness and rollout.info.weights_only:
+            raise ConfigError(
+                f"a split-async job (staleness 1) scores its samples' old log-probabilities "
+                f"on its rollout, which a {rollout.info.backend} rollout does not do: run it "
+                "with staleness 0, or a torch rollout"
+            )
         self.name = name
         self.runtime = runtime
         self.task = task
@@ -399,7 +405,9 @@ class GRPOJob:
         assert ck is not None
         t0 = time.perf_counter()
         saves = [self.policy.save_state(ck.store)]
-        if self.rollout is not None:
+        if self.rollout is not None and not self.rollout.info.weights_only:
+            # (a weights-only rollout, vLLM, holds the policy's weights after every step
+            # but the last; a resumed job syncs it again)
             saves.append(self.rollout.save_state(ck.store))
         saved = result(saves)
         self._saved = new_checkpoint(

@@ -39,7 +39,7 @@ from plexrl_dask.rl.checkpoint import JobCheckpoint, JobCheckpoints, read_checkp
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
 from plexrl_dask.rl.warmup import supervised_warmup
-from plexrl_dask.service.registry import BACKEND_NAMES
+from plexrl_dask.service.registry import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import AdamWParams, SamplingParams
 from plexrl_dask.tasks.base import Task
@@ -352,6 +352,18 @@ def run_mode(
     deployed."""
     if layout.workers > len(workers):
         raise ConfigError(f"{layout.label} needs {layout.workers} workers, {len(workers)} given")
+    scoring = [
+        s.name
+        for s in specs
+        if s.rollout_backend in WEIGHTS_ONLY_BACKENDS
+        and layout.rollout_replicas
+        and s.config_for(layout.mode).staleness
+    ]
+    if scoring:
+        raise ConfigError(
+            f"jobs {scoring} run one step ahead (staleness 1), which scores old log-probabilities "
+            "on the rollout: a vllm rollout does not score; use staleness 0 or a torch rollout"
+        )
     reserved = list(workers[: layout.workers])
     out_dir = None if metrics_dir is None else Path(metrics_dir)
     ck_dir = None if checkpoint_dir is None else Path(checkpoint_dir)

@@ -377,7 +377,7 @@ class ReplicaHolder:
 
     def _offload(self, replica: _Replica) -> None:
         t0 = time.perf_counter()
-        if replica.stasher is None or not getattr(replica.backend, "stashes", True):
+        if replica.stasher is None or not replica.backend.stashes:
             replica.backend.offload()  # (a backend that keeps its own host copy: vLLM)
             tier = "dram"
         else:
@@ -428,7 +428,7 @@ class ReplicaHolder:
 
     def _refuse_rebuild(self, info: DeploymentInfo, op: str) -> None:
         """Never rebuild a trained deployment from its spec behind the caller's back."""
-        if info.modified and op != "load_state":
+        if info.modified and not info.revived_by(op):
             raise DeploymentLost(
                 f"{info.name!r} has trained state but this worker ({self.worker_address}) holds "
                 "none of it; restore a checkpoint with deployment.load_state(path)"

@@ -16,6 +16,10 @@ from plexrl_dask.models.spec import ModelSpec
 ROLES = ("train", "rollout")
 #: What ``deploy(backend=...)`` accepts (plexrl_dask/service/backends/).
 BACKEND_NAMES = ("torch", "vllm")
+#: Backends whose whole state is the weights they are given (``load_weights``,
+#: ``set_weights``): they hold nothing to checkpoint, and loading weights brings one back
+#: after its worker left or it moved (a rollout engine: vLLM).
+WEIGHTS_ONLY_BACKENDS = ("vllm",)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,17 @@ class DeploymentInfo:
                 "the vllm backend only samples: deploy it with role='rollout', and the policy "
                 "it syncs from with backend='torch'"
             )
+
+    @property
+    def weights_only(self) -> bool:
+        """Its state is only the weights it is given (see ``WEIGHTS_ONLY_BACKENDS``)."""
+        return self.backend in WEIGHTS_ONLY_BACKENDS
+
+    def revived_by(self, op: str) -> bool:
+        """Whether ``op`` restores all of this deployment's state, so that it may place a
+        ``lost`` or ``relocating`` deployment anew: ``load_state``, and for a weights-only
+        deployment a weight load too."""
+        return op == "load_state" or (self.weights_only and op in ("load_weights", "set_weights"))
 
     @property
     def num_workers(self) -> int:

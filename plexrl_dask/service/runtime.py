@@ -245,9 +245,10 @@ class Runtime:
         A deployment with trained state is checkpointed on its node's NVMe tier, re-placed in
         the group and restored there bit for bit (imported from the old node when the group is
         on others); the checkpoint's copies are deleted once it is restored. An unmodified one
-        is rebuilt from its spec by its next request. Returns the moves made: ``name``,
-        ``workers`` (before), ``group``, ``restored`` (state carried) and, with state, the new
-        ``workers``. Nothing to move costs one scheduler call.
+        is rebuilt from its spec by its next request, and a weights-only one (vLLM) that was
+        given weights waits for its next weight load (``sync_weights``), which places it in the
+        group. Returns the moves made: ``name``, ``workers`` (before), ``group``, ``restored``
+        (state carried), ``needs_weights`` and, with state, the new ``workers``. Nothing to move costs one scheduler call.
 
         If the restore fails, the deployment stays ``relocating`` (its requests are refused
         with :class:`DeploymentRelocating`) and :class:`RelocationFailed` names the checkpoint,
@@ -256,7 +257,7 @@ class Runtime:
         for move in self._call("plexrl_relocations", owner=self.job)["moves"]:
             name, restored = move["name"], None
             dep = self.deployment(name)
-            if move["modified"]:
+            if move["modified"] and not dep.info.weights_only:
                 # its own store model: deleting the move's copies never touches a checkpoint
                 # the job saved itself
                 model = f"{ops.checkpoint_model(name)}.relocate-{move['uid'][:12]}"
@@ -264,6 +265,8 @@ class Runtime:
             self._call("plexrl_relocate", name=name, uid=move["uid"])
             entry = {k: move[k] for k in ("name", "workers", "group")}
             entry["restored"] = restored is not None
+            # a weights-only deployment (vLLM) is placed anew by its next weight load
+            entry["needs_weights"] = bool(move["modified"] and dep.info.weights_only)
             if restored is not None:
                 try:
                     result(dep.load_state(restored), timeout)

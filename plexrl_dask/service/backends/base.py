@@ -64,9 +64,14 @@ def check_weights(
 
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend offers the holder: weights by canonical name, residency moves."""
+    """What every backend offers the holder: weights by canonical name, residency moves.
+    A backend may also have ``close()`` (called when the holder drops the replica: an engine
+    process, files of its own)."""
 
     version: int
+    #: Whether ``offload`` hands its host state to the holder's ``stash`` (kept in the node's
+    #: tiers); False for an engine that keeps its own host copy (vLLM's sleep).
+    stashes: bool
 
     def state_bytes(self) -> int:
         """Device bytes the replica occupies while resident (weights, grads, optimizer)."""

@@ -120,6 +120,9 @@ def _token_pieces(tokenizer: Any) -> list[str] | None:
 class TorchBackend:
     """A replica of ``spec`` on ``device`` (see the module docstring)."""
 
+    #: Offload hands the holder its host state to keep in the node's tiers (``stash``).
+    stashes = True
+
     def __init__(self, spec: ModelSpec, device: str | torch.device, max_batch_size: int = 64):
         self.spec = spec
         self.device = torch.device(device)

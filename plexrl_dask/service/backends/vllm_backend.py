@@ -16,10 +16,14 @@ and runtime as the torch backend. What it does, against vLLM's public API (writt
   sleep, is its own (in one process, vLLM's sleep-mode allocator is shared, and sleeping one
   engine would offload them all); the Dask worker process must therefore be allowed children.
 - **Every engine call is bounded** (``plexrl.vllm.call-timeout``; vLLM's own ``timeout`` is not
-  enforced by its single-GPU executor): a call runs on the replica's engine thread and is
-  waited for with that timeout. A call that times out or fails (other than vLLM refusing its
-  input) may leave the engine half-way through a weight load or a sleep, so the engine is
-  stopped and the replica answers :class:`EngineFailed` from then on (deploy it again).
+  enforced by its single-GPU executor, and its client waits for the engine without one): a
+  call runs on a daemon thread and is waited for with that timeout. A call that times out
+  (:class:`RequestTimeout`) or fails (:class:`EngineFailed`; vLLM refusing a request's input
+  is :class:`InvalidSamplingParams` instead) may leave the engine half-way through a weight
+  load or a sleep, so the engine is stopped: the replica answers :class:`EngineFailed`, holds
+  no device memory, and must be undeployed and deployed again. Starting the engine is bounded
+  by vLLM's own start-up timeout (``VLLM_ENGINE_READY_TIMEOUT_S``); a failed start is
+  :class:`BackendUnavailable`.
 - **Sampling.** Each (prompt, sample) row is one vLLM request with ``n=1`` and a seed derived
   from ``(seed, prompt id, sample index)`` (:func:`row_seeds`, the same hash the torch backend
   keys its draws with), so a row's randomness never depends on the worker, the batch or how a
@@ -32,8 +36,12 @@ and runtime as the torch backend. What it does, against vLLM's public API (writt
 - **Weights.** A published version is loaded by the engine process itself, straight from the
   node's store tier (``collective_rpc`` with a function of this module and the store's path,
   the model and the version; vLLM's worker ``reload_weights`` takes checkpoint-format names and
-  fuses q/k/v and gate/up as it does at load time); ``set_weights`` sends the tensors to the
-  same ``reload_weights`` in vLLM's own message encoding. Either way the
+  fuses q/k/v and gate/up as it does at load time; names the model does not have are refused
+  before, as vLLM's loader would fail on them inside the engine); ``set_weights`` sends the
+  tensors as one safetensors blob to a function that hands them to the same ``reload_weights``
+  (vLLM's message encoding would deliver raw tensors as lists), and takes every parameter or
+  none (vLLM rebuilds each layer it is given from zeros, so part of a fused layer would zero
+  the rest of it). Either way the
   prefix cache is reset, since it holds keys and values computed with the old weights.
   ``get_weights`` is refused: vLLM holds the weights in its fused layout, and the canonical ones
   are in the trainer deployment and the store.
@@ -59,9 +67,8 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +98,9 @@ from plexrl_dask.service.sampling import row_keys
 from plexrl_dask.service.types import SampledSequence, SamplingParams, Streams, check_tokens
 
 logger = logging.getLogger(__name__)
+
+#: What a deployment whose engine was stopped needs (same name: a new incarnation).
+RECOVER = "undeploy it (runtime.undeploy(name)) and deploy it again"
 
 
 @dataclass(frozen=True)
@@ -256,7 +266,6 @@ class VLLMBackend:
                 f"GPU's {total / 2**30:.1f} GiB"
             )
         self._failed: str | None = None  # why the engine was stopped, once it was
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="plexrl-vllm")
         self._tmpdir: str | None = None
         try:
             path = spec.path
@@ -273,19 +282,27 @@ class VLLMBackend:
             os.environ["VLLM_BATCH_INVARIANT"] = "1" if self.cfg.batch_invariant else "0"
             from vllm import LLM
 
-            self.llm = LLM(
-                model=path,
-                tokenizer=path,
-                dtype=spec.dtype,
-                seed=0,
-                max_model_len=-1,  # the longest the KV cache holds, up to the model's
-                max_num_seqs=self.max_batch_size,
-                kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
-                gpu_memory_utilization=min(1.0, self.state_bytes() / total),
-                enable_sleep_mode=True,
-                enforce_eager=self.cfg.enforce_eager,
-                logprobs_mode="processed_logprobs",
-            )
+            try:
+                self.llm = LLM(
+                    model=path,
+                    tokenizer=path,
+                    dtype=spec.dtype,
+                    seed=0,
+                    max_model_len=-1,  # the longest the KV cache holds, up to the model's
+                    max_num_seqs=self.max_batch_size,
+                    kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
+                    gpu_memory_utilization=min(1.0, self.state_bytes() / total),
+                    enable_sleep_mode=True,
+                    enforce_eager=self.cfg.enforce_eager,
+                    logprobs_mode="processed_logprobs",
+                )
+            except Exception as e:  # (vLLM's own: RuntimeError, ValueError, TimeoutError)
+                raise BackendUnavailable(
+                    f"vLLM could not start an engine for {spec.name} ({type(e).__name__}: "
+                    f"{e}); it needs {self.state_bytes() / 2**30:.1f} GiB of the GPU free "
+                    "(weights, plexrl.vllm.kv-cache-memory, plexrl.vllm.overhead-memory): free "
+                    "GPU memory or lower those, and see the worker's log for vLLM's reason"
+                ) from e
         except BaseException:
             self.close()
             raise
@@ -297,6 +314,8 @@ class VLLMBackend:
     # --- what the holder asks ------------------------------------------------------------
 
     def state_bytes(self) -> int:
+        if self._failed is not None:
+            return 0  # its engine is gone: it holds nothing, and must not be made room for
         return self.cfg.device_bytes(self._weight_bytes)
 
     @property
@@ -318,40 +337,49 @@ class VLLMBackend:
                 logger.warning(
                     "vLLM engine of %s did not shut down cleanly", self.spec.name, exc_info=True
                 )
-        self._engine_thread.shutdown(wait=False, cancel_futures=True)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``, an engine call, within ``plexrl.vllm.call-timeout``. vLLM
-        refusing the input (``ValueError``) leaves the engine as it was; a timeout or any
+        """``fn(*args, **kwargs)``, an engine call, within ``plexrl.vllm.call-timeout``, on a
+        daemon thread of its own (vLLM's client waits for its engine without a timeout, so a
+        call that never returns must not hold the process at exit). vLLM refusing a
+        ``generate``'s input (``ValueError``) leaves the engine as it was; a timeout or any
         other failure stops it (see the module docstring)."""
         if self._failed is not None:
             raise EngineFailed(self._failed)
-        future = self._engine_thread.submit(fn, *args, **kwargs)
-        try:
-            return future.result(timeout=self.cfg.call_timeout_s)
-        except FuturesTimeout:
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 (handed to the caller below)
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, name=f"plexrl-vllm-{what}", daemon=True)
+        thread.start()
+        thread.join(self.cfg.call_timeout_s)
+        if thread.is_alive():
             self._stop(f"{what} did not finish in {self.cfg.call_timeout_s:.0f} s")
             raise RequestTimeout(
                 f"the vLLM engine of {self.spec.name}: {what} did not finish in "
                 f"{self.cfg.call_timeout_s:.0f} s (plexrl.vllm.call-timeout); the engine was "
-                "stopped, deploy the deployment again"
-            ) from None
-        except ValueError as e:
-            raise InvalidSamplingParams(f"vLLM refused the {what}: {e}") from e
-        except Exception as e:
-            self._stop(f"{what} failed: {type(e).__name__}: {e}")
-            raise EngineFailed(
-                f"the vLLM engine of {self.spec.name} failed {what} ({type(e).__name__}: {e}); "
-                "it was stopped, deploy the deployment again"
-            ) from e
+                f"stopped: {RECOVER}"
+            )
+        error = outcome.get("error")
+        if error is None:
+            return outcome.get("result")
+        if isinstance(error, ValueError) and what == "generate":
+            raise InvalidSamplingParams(f"vLLM refused the request: {error}") from error
+        self._stop(f"{what} failed: {type(error).__name__}: {error}")
+        raise EngineFailed(
+            f"the vLLM engine of {self.spec.name} failed {what} ({type(error).__name__}: "
+            f"{error}); it was stopped: {RECOVER}"
+        ) from error
 
     def _stop(self, why: str) -> None:
-        self._failed = (
-            f"the vLLM engine of {self.spec.name} was stopped ({why}); deploy the deployment again"
-        )
+        self._failed = f"the vLLM engine of {self.spec.name} was stopped ({why}): {RECOVER}"
         logger.error("%s", self._failed)
         self.close()
 
@@ -361,6 +389,10 @@ class VLLMBackend:
         """``sleep(level=1)``: weights to the engine's host memory, KV cache discarded.
         ``stash``/``stored`` are ignored (see :attr:`stashes`)."""
         if self._asleep:
+            return
+        if self._failed is not None:  # nothing left to move (and no other request may fail
+            self._asleep = True  # on making room for this one)
+            self._host = {"bytes": 0}
             return
         self._call("sleep", self.llm.sleep, level=1)
         self._asleep = True
@@ -456,6 +488,13 @@ class VLLMBackend:
             version, meta = checkpoint.store_meta(self._reference, source)
         except CheckpointError as e:
             raise WeightsMismatch(f"published weights do not fit this model: {e}") from None
+        names = {n for n, _ in self._reference.named_parameters()}
+        stored = source.store.manifest(source.model, version).tensors
+        extra = sorted(k[6:] for k in stored if k.startswith("model/") and k[6:] not in names)
+        if extra:  # (vLLM's loader would fail on them inside the engine, stopping it)
+            raise WeightsMismatch(
+                f"published weights do not fit this model: it has no parameters {extra[:5]}"
+            )
         self._engine_rpc(
             "a weight load",
             _reload_from_store,
@@ -475,7 +514,8 @@ class VLLMBackend:
             raise WeightsMismatch(
                 "a vLLM replica takes every parameter or none: vLLM rebuilds each layer it is "
                 "given from zeros, so part of a fused layer (q_proj of qkv_proj) would zero the "
-                f"rest; {len(params) - len(set(weights) & set(params))} parameters are missing"
+                f"rest; {len(set(params) - set(weights))} missing, "
+                f"{len(set(weights) - set(params))} unknown"
             )
         check_weights(params, weights, strict=True)
         from safetensors.torch import save
