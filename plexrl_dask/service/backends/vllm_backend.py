@@ -105,7 +105,8 @@ RECOVER = "undeploy it (runtime.undeploy(name)) and deploy it again"
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    """How a vLLM replica runs (``plexrl.vllm.*``)."""
+    """How a vLLM replica runs (``plexrl.vllm.*``). A deployment's budget is computed from the
+    deploying client's configuration and the replica's from its worker's: keep them equal."""
 
     kv_cache_bytes: int
     overhead_bytes: int
