@@ -430,8 +430,11 @@ class ReplicaHolder:
         """Never rebuild a trained deployment from its spec behind the caller's back."""
         if info.modified and not info.revived_by(op):
             raise DeploymentLost(
-                f"{info.name!r} has trained state but this worker ({self.worker_address}) holds "
-                "none of it; restore a checkpoint with deployment.load_state(path)"
+                f"{info.name!r} was given weights but this worker ({self.worker_address}) holds "
+                "none of them; load them again (runtime.sync_weights)"
+                if info.weights_only
+                else f"{info.name!r} has trained state but this worker ({self.worker_address}) "
+                "holds none of it; restore a checkpoint with deployment.load_state(path)"
             )
 
     def _emit(

@@ -248,7 +248,8 @@ class Runtime:
         is rebuilt from its spec by its next request, and a weights-only one (vLLM) that was
         given weights waits for its next weight load (``sync_weights``), which places it in the
         group. Returns the moves made: ``name``, ``workers`` (before), ``group``, ``restored``
-        (state carried), ``needs_weights`` and, with state, the new ``workers``. Nothing to move costs one scheduler call.
+        (state carried), ``needs_weights`` and, with state, the new ``workers``. Nothing to
+        move costs one scheduler call.
 
         If the restore fails, the deployment stays ``relocating`` (its requests are refused
         with :class:`DeploymentRelocating`) and :class:`RelocationFailed` names the checkpoint,
