@@ -5,6 +5,7 @@ local pool, with live progress per job, a table at the end and a PNG.
                                  [--out runs/multiplex] [--checkpoint-every N] [--fresh]
                                  [--model PATH]   # every job on a local HF checkpoint instead
                                  [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
+                                 [--slurm GPUS [--slurm-queue Q ...] [--dry-run]]   # on SLURM
 
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
 core), their requests ordered by the PlexRL scheduler plugin. Every job's per-step metrics go
@@ -62,7 +63,34 @@ def main() -> None:
         default="torch",
         help="the rollout replicas' engine (vllm: CUDA workers with the vllm package)",
     )
-    args = parser.parse_args()
+    slurm = parser.add_argument_group("on SLURM (dask-jobqueue), instead of a local cluster")
+    slurm.add_argument(
+        "--slurm",
+        type=positive_int,
+        default=None,
+        metavar="GPUS",
+        help="submit GPUS jobs of one GPU and one PlexRL worker each",
+    )
+    slurm.add_argument("--slurm-cores", type=positive_int, default=8)
+    slurm.add_argument("--slurm-memory", default="64GB")
+    slurm.add_argument("--slurm-walltime", default="04:00:00")
+    slurm.add_argument("--slurm-queue", default=None)
+    slurm.add_argument("--slurm-account", default=None)
+    slurm.add_argument(
+        "--slurm-scheduler-host",
+        default=None,
+        help="the address the jobs reach the scheduler at (default: dask-jobqueue's choice)",
+    )
+    slurm.add_argument(
+        "--slurm-wait",
+        type=positive_float,
+        default=3600.0,
+        help="seconds to wait for the jobs to start",
+    )
+    slurm.add_argument("--dry-run", action="store_true", help="print the job script and stop")
+    args = parser.parse_args()  # fmt: skip
+    if args.dry_run and not args.slurm:
+        parser.error("--dry-run prints the SLURM job script: give --slurm GPUS")
     if args.rollout_backend == "vllm":
         if not args.rollout_replicas:
             parser.error("--rollout-backend vllm needs --rollout-replicas >= 1")
@@ -80,6 +108,8 @@ def main() -> None:
     if args.model:
         specs = [replace(s, model=plexrl.ModelSpec(path=args.model)) for s in specs]
     specs = [replace(s, rollout_backend=args.rollout_backend) for s in specs]
+    if args.slurm:
+        args.workers = args.slurm  # the pool: one worker per GPU job
     layout = Layout("multiplexed", args.workers, args.rollout_replicas)
     resumed = resumable(checkpoint_dir, layout.mode, specs)
     if resumed:
@@ -88,7 +118,26 @@ def main() -> None:
         json.dumps({"layout": layout.label, "jobs": [s.describe() for s in specs]}, indent=2)
     )
 
-    with plexrl.local_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
+    if args.slurm:
+        site = {
+            "cores": args.slurm_cores,
+            "memory": args.slurm_memory,
+            "walltime": args.slurm_walltime,
+            **({"queue": args.slurm_queue} if args.slurm_queue else {}),
+            **({"account": args.slurm_account} if args.slurm_account else {}),
+        }
+        if args.slurm_scheduler_host:
+            site["scheduler_options"] = {"host": args.slurm_scheduler_host}
+        cluster_cm = plexrl.slurm_cluster(
+            args.slurm, args.rollout_backend, submit=not args.dry_run, **site
+        )
+    else:
+        cluster_cm = plexrl.local_cluster(n_workers=args.workers)
+    with cluster_cm as cluster, Client(cluster) as client:
+        if args.dry_run:
+            print(cluster.job_script())  # (plain: a console would wrap its long lines)
+            return
+        client.wait_for_workers(args.workers, timeout=args.slurm_wait if args.slurm else None)
         console.print(f"cluster: {args.workers} workers, dashboard {client.dashboard_link}")
         runtime = plexrl.Runtime(client, job="main")
         workers = sorted(client.scheduler_info()["workers"])

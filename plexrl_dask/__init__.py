@@ -22,6 +22,7 @@ _LAZY = {
     "ops": "plexrl_dask.ops",
     "install": "plexrl_dask.cluster",
     "local_cluster": "plexrl_dask.cluster",
+    "slurm_cluster": "plexrl_dask.cluster",
     "ModelSpec": "plexrl_dask.models",
     "Deployment": "plexrl_dask.service.runtime",
     "Runtime": "plexrl_dask.service.runtime",
@@ -67,4 +68,5 @@ __all__ = [
     "local_cluster",
     "ops",
     "result",
+    "slurm_cluster",
 ]

@@ -3,7 +3,8 @@
 ``local_cluster()`` is the embedded default (DESIGN §5): a process ``LocalCluster`` on
 127.0.0.1 whose workers advertise the GPU resource and whose scheduler preloads the PlexRL
 plugins, exactly as a shared cluster would with ``dask scheduler --preload plexrl_dask.plugins``.
-``install(client)`` adds the plugins to a running cluster instead.
+``install(client)`` adds the plugins to a running cluster instead. ``slurm_cluster()`` starts
+one on SLURM through dask-jobqueue (``jobqueue_options()`` for its other job queues).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dask.utils import parse_bytes
 from distributed import Client, LocalCluster, Nanny
 
 from plexrl_dask import config
-from plexrl_dask.errors import SchedulerNotStarted
+from plexrl_dask.errors import ConfigError, SchedulerNotStarted
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,64 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout)
+
+
+def jobqueue_options(rollout_backend: str = "torch") -> dict[str, Any]:
+    """What makes a dask-jobqueue cluster (``SLURMCluster``, ``PBSCluster``, ...) a PlexRL
+    cluster, as keyword arguments to give it beside the site's own (queue, account, cores,
+    memory, walltime, and the directive that gives a job one GPU, e.g. SLURM's
+    ``job_extra_directives=["--gres=gpu:1"]``):
+
+    - ``scheduler_options``: the scheduler, which dask-jobqueue runs in this process, preloads
+      the PlexRL plugins; they register the worker plugin on every worker that joins;
+    - ``processes=1`` and ``worker_extra_args``: one worker per job (so per GPU, which the job
+      sees alone through the queue's ``CUDA_VISIBLE_DEVICES``), advertising the GPU resource;
+    - ``job_script_prologue``: with a vLLM rollout (``rollout_backend="vllm"``), workers that
+      may start the engines' processes (``distributed.worker.daemon: false``)."""
+    prologue = []
+    if rollout_backend == "vllm":
+        prologue.append("export DASK_DISTRIBUTED__WORKER__DAEMON=False")
+    return {
+        "processes": 1,
+        "worker_extra_args": ["--resources", f"{config.get('worker.gpu-resource')}=1"],
+        "scheduler_options": {"preload": [PRELOAD]},
+        "job_script_prologue": prologue,
+    }
+
+
+@contextlib.contextmanager
+def slurm_cluster(
+    gpus: int, rollout_backend: str = "torch", submit: bool = True, **site: Any
+) -> Iterator[Any]:
+    """A dask-jobqueue ``SLURMCluster`` of ``gpus`` jobs of one GPU and one PlexRL worker each
+    (:func:`jobqueue_options`), closed on exit. ``site``: the ``SLURMCluster`` arguments of
+    your site (``cores``, ``memory``, ``queue``, ``account``, ``walltime``, and
+    ``job_extra_directives``, by default ``["--gres=gpu:1"]``). The jobs are submitted on
+    entry (not with ``submit=False``: to read ``cluster.job_script()``); wait for their
+    workers with ``client.wait_for_workers(gpus, timeout=...)``. Needs ``pip install
+    plexrl-dask[jobqueue]``."""
+    try:
+        from dask_jobqueue import SLURMCluster
+    except ImportError as e:
+        raise ConfigError(
+            "slurm_cluster needs dask-jobqueue: pip install plexrl-dask[jobqueue]"
+        ) from e
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"gpus must be an integer >= 1, got {gpus!r}")
+    options = jobqueue_options(rollout_backend)
+    site.setdefault("job_extra_directives", ["--gres=gpu:1"])
+    for key in ("worker_extra_args", "job_script_prologue"):  # ours, then the site's
+        site[key] = [*options.pop(key), *site.get(key, [])]
+    scheduler = {**options.pop("scheduler_options"), **site.get("scheduler_options", {})}
+    scheduler["preload"] = [PRELOAD, *(p for p in scheduler["preload"] if p != PRELOAD)]
+    site["scheduler_options"] = scheduler
+    cluster = SLURMCluster(**{**options, **site})
+    try:
+        if submit:
+            cluster.scale(jobs=gpus)
+        yield cluster
+    finally:
+        cluster.close()
 
 
 def install(client: Client) -> None:

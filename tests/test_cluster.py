@@ -13,7 +13,7 @@ import torch
 from distributed import Client
 
 import plexrl_dask as plexrl
-from plexrl_dask import cluster
+from plexrl_dask import cluster, errors
 from plexrl_dask.errors import SchedulerNotStarted
 
 
@@ -65,5 +65,30 @@ def test_a_scheduler_process_that_does_not_serve_in_time_is_a_typed_error(tmp_pa
     with (
         pytest.raises(SchedulerNotStarted, match="did not start within 0.0s"),
         cluster.scheduler_process(tmp_path, timeout=0.0),
+    ):
+        pass
+
+
+def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
+    """dask-jobqueue's SLURMCluster with PlexRL's options (no SLURM here: nothing is submitted):
+    its scheduler, in this process, runs the PlexRL plugins, and its job script starts one
+    worker per job with the GPU resource and one GPU (workers that may have children when the
+    rollout is vLLM); the site's own options are kept beside PlexRL's."""
+    site = dict(cores=1, memory="1GB", scheduler_options={"host": "127.0.0.1"})
+    with plexrl.slurm_cluster(
+        2, submit=False, worker_extra_args=["--lifetime", "3h"], **site
+    ) as slurm:
+        assert "plexrl" in slurm.scheduler.plugins
+        assert slurm.scheduler.address.startswith("tcp://127.0.0.1:")
+        script = slurm.job_script()
+        assert "#SBATCH --gres=gpu:1" in script
+        assert "--resources GPU=1" in script and "--lifetime 3h" in script
+        assert "DAEMON" not in script
+        assert not slurm.workers  # nothing submitted
+    with plexrl.slurm_cluster(1, "vllm", submit=False, **site) as slurm:
+        assert "export DASK_DISTRIBUTED__WORKER__DAEMON=False" in slurm.job_script()
+    with (
+        pytest.raises(errors.ConfigError, match="gpus"),
+        plexrl.slurm_cluster(0, submit=False, **site),
     ):
         pass

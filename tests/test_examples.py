@@ -61,3 +61,19 @@ def test_a_vllm_rollout_needs_rollout_replicas(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "needs --rollout-replicas >= 1" in proc.stderr
+
+
+def test_the_main_job_on_slurm_prints_its_job_script(tmp_path):
+    """``--slurm GPUS --dry-run``: the SLURMCluster is built (its scheduler with the PlexRL
+    plugins, in that process) and its job script printed whole; nothing is submitted."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
+         "--slurm", "4", "--slurm-queue", "gpu", "--slurm-scheduler-host", "127.0.0.1",
+         "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "#SBATCH -p gpu" in proc.stdout and "#SBATCH --gres=gpu:1" in proc.stdout
+    worker = [line for line in proc.stdout.splitlines() if "dask_worker" in line]
+    assert len(worker) == 1 and worker[0].endswith("--resources GPU=1")
+    assert "tcp://127.0.0.1:" in worker[0]
