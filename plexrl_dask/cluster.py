@@ -273,6 +273,10 @@ def jobqueue_options(rollout_backend: str = "torch") -> dict[str, Any]:
       sees alone through the queue's ``CUDA_VISIBLE_DEVICES``), advertising the GPU resource;
     - ``job_script_prologue``: with a vLLM rollout (``rollout_backend="vllm"``), workers that
       may start the engines' processes (``distributed.worker.daemon: false``)."""
+    from plexrl_dask.service.registry import BACKEND_NAMES
+
+    if rollout_backend not in BACKEND_NAMES:
+        raise ConfigError(f"rollout_backend is one of {BACKEND_NAMES}, got {rollout_backend!r}")
     prologue = []
     if rollout_backend == "vllm":
         prologue.append("export DASK_DISTRIBUTED__WORKER__DAEMON=False")
@@ -307,8 +311,11 @@ def slurm_cluster(
     site.setdefault("job_extra_directives", ["--gres=gpu:1"])
     for key in ("worker_extra_args", "job_script_prologue"):  # ours, then the site's
         site[key] = [*options.pop(key), *site.get(key, [])]
-    scheduler = {**options.pop("scheduler_options"), **site.get("scheduler_options", {})}
-    scheduler["preload"] = [PRELOAD, *(p for p in scheduler["preload"] if p != PRELOAD)]
+    scheduler = {**site.get("scheduler_options", {})}
+    preloads = scheduler.get("preload", [])
+    preloads = [preloads] if isinstance(preloads, str) else list(preloads)
+    scheduler["preload"] = [PRELOAD, *(p for p in preloads if p != PRELOAD)]
+    options.pop("scheduler_options")
     site["scheduler_options"] = scheduler
     cluster = SLURMCluster(**{**options, **site})
     try:

@@ -87,6 +87,8 @@ def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
         assert not slurm.workers  # nothing submitted
     with plexrl.slurm_cluster(1, "vllm", submit=False, **site) as slurm:
         assert "export DASK_DISTRIBUTED__WORKER__DAEMON=False" in slurm.job_script()
+    with pytest.raises(errors.ConfigError, match="rollout_backend"):
+        cluster.jobqueue_options("tensorrt")
     with (
         pytest.raises(errors.ConfigError, match="gpus"),
         plexrl.slurm_cluster(0, submit=False, **site),
