@@ -25,7 +25,7 @@ from typing import Any
 
 import dask.config
 from dask.utils import parse_bytes
-from distributed import Client, LocalCluster, Nanny
+from distributed import Client, LocalCluster, Nanny, Security
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError, SchedulerNotStarted
@@ -189,19 +189,53 @@ def _drop_leaked_trim_threshold() -> None:
         logger.info("removed %s=%s left in this process by another Dask nanny", TRIM_ENV, leaked)
 
 
+#: ``Security`` attributes and the Dask settings a ``dask scheduler`` / ``dask worker`` process
+#: reads them from (``distributed.security.Security`` reads the same keys).
+_TLS_SETTINGS = {
+    "tls_ca_file": "DISTRIBUTED__COMM__TLS__CA_FILE",
+    "tls_ciphers": "DISTRIBUTED__COMM__TLS__CIPHERS",
+    "tls_scheduler_cert": "DISTRIBUTED__COMM__TLS__SCHEDULER__CERT",
+    "tls_scheduler_key": "DISTRIBUTED__COMM__TLS__SCHEDULER__KEY",
+    "tls_worker_cert": "DISTRIBUTED__COMM__TLS__WORKER__CERT",
+    "tls_worker_key": "DISTRIBUTED__COMM__TLS__WORKER__KEY",
+    "tls_client_cert": "DISTRIBUTED__COMM__TLS__CLIENT__CERT",
+    "tls_client_key": "DISTRIBUTED__COMM__TLS__CLIENT__KEY",
+}
+
+
+def tls_environment(security: Security | None) -> dict[str, str]:
+    """The environment variables that give a ``dask scheduler`` or ``dask worker`` process
+    started from here the TLS settings of ``security``: its CA, ciphers and each role's
+    certificate and key, as ``Security`` holds them (file paths, or the PEM text itself, as
+    ``Security.temporary()`` makes: Dask accepts either, so no key is written to disk), and
+    whether encryption is required. Empty for None or a ``Security`` without TLS. A key in the
+    environment is readable by the same user only (``/proc/PID/environ``)."""
+    if security is None or not security.tls_ca_file:
+        return {}
+    env = {
+        f"DASK_{name}": str(value)
+        for attr, name in _TLS_SETTINGS.items()
+        if (value := getattr(security, attr, None))
+    }
+    env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] = str(bool(security.require_encryption))
+    return env
+
+
 def worker_process(
     scheduler_address: str,
     state: Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
+    security: Security | None = None,
     **popen: Any,
 ) -> subprocess.Popen:
     """A ``dask worker`` process (one thread, no nanny, one unit of the GPU resource) joining
     ``scheduler_address`` from ``host``. ``state``: its ``plexrl.state.*`` settings, passed
     through its environment; its own ``dram-path``, ``nvme-path`` and ``node-id`` make it
     another node, as if on another host (how the tests and ``bench.weight_sync`` try weight
-    sync between nodes on one machine). Output is discarded unless ``popen`` says otherwise;
-    the caller terminates the process."""
-    env = dict(os.environ)
+    sync between nodes on one machine). ``security``: the worker's TLS settings
+    (:func:`tls_environment`) for a ``tls://`` scheduler. Output is discarded unless ``popen``
+    says otherwise; the caller terminates the process."""
+    env = {**os.environ, **tls_environment(security)}
     for key, value in (state or {}).items():
         env[f"DASK_PLEXRL__STATE__{key.upper().replace('-', '_')}"] = value
     popen.setdefault("stdout", subprocess.DEVNULL)
@@ -219,23 +253,33 @@ def worker_process(
 
 @contextlib.contextmanager
 def scheduler_process(
-    directory: str | os.PathLike[str], preload: bool = True, timeout: float = 60.0
+    directory: str | os.PathLike[str],
+    preload: bool = True,
+    timeout: float = 60.0,
+    security: Security | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A ``dask scheduler`` process on free 127.0.0.1 ports, with ``--preload
     plexrl_dask.plugins`` unless ``preload`` is false (the shared-cluster path, run locally),
-    writing its scheduler file into ``directory``. Yields that file's contents (``address``,
-    ``services`` with the dashboard's port, ...) once the scheduler serves; stops the process
-    on exit. :class:`~plexrl_dask.errors.SchedulerNotStarted` when it exits first or does not
-    serve within ``timeout`` seconds."""
+    writing its scheduler file into ``directory``. ``security`` with TLS: it listens on
+    ``tls://`` with those settings (:func:`tls_environment`). Yields that file's contents
+    (``address``, ``services`` with the dashboard's port, ...) once the scheduler serves; stops
+    the process on exit. :class:`~plexrl_dask.errors.SchedulerNotStarted` when it exits first
+    or does not serve within ``timeout`` seconds."""
     sched_file = Path(directory) / "scheduler.json"
+    tls = tls_environment(security)
     argv = [
         str(Path(sys.executable).parent / "dask"), "scheduler",
         "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
         "--scheduler-file", str(sched_file),
+        *(("--protocol", "tls") if tls else ()),
         *(("--preload", PRELOAD) if preload else ()),
     ]  # fmt: skip
     proc = subprocess.Popen(
-        argv, cwd=directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        argv,
+        cwd=directory,
+        env={**os.environ, **tls},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,153 @@
+"""PlexRL on a cluster whose Dask comms are TLS (DESIGN §5: "TLS through Dask's Security"):
+requests, the groups' rendezvous, weight versions moved between nodes and the dashboard's polls
+of the workers all go through Dask's comms, so they run encrypted with the cluster's
+``Security``. Certificates come from ``Security.temporary()`` (needs ``cryptography``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+
+import dask
+import pytest
+import torch
+from distributed import Client, Security
+
+import plexrl_dask as plexrl
+from plexrl_dask.cluster import scheduler_process, tls_environment, worker_process
+from plexrl_dask.state_store.node import NodeState, StateConfig
+from tests.conftest import tiny_spec, unique
+
+pytest.importorskip("cryptography", reason="Security.temporary() makes its certificates with it")
+
+WAIT_S = 120.0
+
+
+def batch(dep, n: int = 4) -> list[plexrl.Datum]:
+    return [plexrl.Datum(tokens=dep.tokenize(f"{i}+{i * 2}={3 * i}")) for i in range(n)]
+
+
+def fetch_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def train_sync_sample(runtime: plexrl.Runtime, trainer, rollouts) -> dict:
+    """One training step on ``trainer``, its weights synced into every rollout replica (each
+    then holds exactly them) and sampled from; the trainer's weights."""
+    plexrl.result([trainer.forward_backward(batch(trainer)), trainer.optim_step()])
+    want = plexrl.result(trainer.get_weights()).tensors
+    params = plexrl.SamplingParams(max_tokens=6, n=2, seed=3)
+    texts = set()
+    for roll in rollouts:
+        assert plexrl.result(runtime.sync_weights(trainer, roll)) == 1
+        got = plexrl.result(roll.get_weights()).tensors
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        result = plexrl.result(roll.sample(["1+2=", "3+4="], params))
+        texts.add(tuple(s.text for seqs in result.sequences for s in seqs))
+    assert len(texts) == 1, "the same weights and seeds sampled differently on another worker"
+    return want
+
+
+def test_tls_environment_carries_each_role_and_nothing_without_tls():
+    sec = Security.temporary()
+    env = tls_environment(sec)
+    assert env["DASK_DISTRIBUTED__COMM__TLS__CA_FILE"] == sec.tls_ca_file
+    assert env["DASK_DISTRIBUTED__COMM__TLS__WORKER__KEY"] == sec.tls_worker_key
+    assert env["DASK_DISTRIBUTED__COMM__TLS__SCHEDULER__CERT"] == sec.tls_scheduler_cert
+    assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
+    assert tls_environment(None) == {} and tls_environment(Security()) == {}
+
+
+def test_a_tls_local_cluster_trains_a_group_and_syncs_its_replicas():
+    """``local_cluster(security=..., protocol="tls")``: a two-rank trainer (its rendezvous
+    through the scheduler), a rollout replica synced from it and sampled, the dashboard's
+    Timeline filled by polls of both workers."""
+    sec = Security.temporary()
+    with (
+        plexrl.local_cluster(n_workers=2, security=sec, protocol="tls") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        assert cluster.scheduler_address.startswith("tls://")
+        runtime = plexrl.Runtime(client, job=unique("tls"))
+        trainer = runtime.deploy(unique("tls-train"), tiny_spec(seed=41), world_size=2)
+        roll = runtime.deploy(unique("tls-roll"), tiny_spec(seed=42), role="rollout")
+        train_sync_sample(runtime, trainer, [roll])
+
+        base = cluster.dashboard_link.rsplit("/", 1)[0]
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            timeline = fetch_json(f"{base}/plexrl/timeline.json")
+            workers = {s["worker"] for s in timeline["spans"]}
+            if workers == set(trainer.info.workers):
+                break
+            assert time.monotonic() < deadline, f"the Timeline saw only {workers}"
+            time.sleep(0.5)
+        assert all(w.startswith("tls://") for w in workers)
+
+
+def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
+    """The shared-cluster path: ``dask scheduler --protocol tls --preload plexrl_dask.plugins``
+    and two ``dask worker`` processes on different nodes (own tiers), all with the same
+    certificates. A trainer with a rank on each node publishes on rank 0's node; the rollout
+    replica on the other node imports that version worker to worker, over TLS."""
+    sec = Security.temporary()
+    workers = []
+
+    def tiers_of(node: str) -> NodeState:
+        paths = {"dram-path": tmp_path / f"{node}-dram", "nvme-path": tmp_path / f"{node}-nvme"}
+        with dask.config.set({f"plexrl.state.{k}": str(v) for k, v in paths.items()}):
+            return NodeState(StateConfig.from_dask_config())
+
+    with scheduler_process(tmp_path, security=sec) as info:
+        address = info["address"]
+        assert address.startswith("tls://")
+        try:
+            for node in ("node-a", "node-b"):
+                tiers = {
+                    "dram-path": str(tmp_path / f"{node}-dram"),
+                    "nvme-path": str(tmp_path / f"{node}-nvme"),
+                    "node-id": node,
+                }
+                workers.append(worker_process(address, tiers, security=sec))
+            with Client(address, security=sec, set_as_default=False, timeout=60) as client:
+                client.wait_for_workers(2, timeout=WAIT_S)
+                runtime = plexrl.Runtime(client, job=unique("tls-shared"))
+                deadline = time.monotonic() + WAIT_S
+                while True:  # the holders register their nodes as they start
+                    known = runtime.status()["workers"]
+                    nodes = {info.get("node"): w for w, info in known.items()}
+                    if {"node-a", "node-b"} <= set(nodes):
+                        break
+                    assert time.monotonic() < deadline, f"nodes never registered: {known}"
+                    time.sleep(0.5)
+                trainer = runtime.deploy(
+                    unique("tls-x-train"),
+                    tiny_spec(seed=43),
+                    world_size=2,
+                    workers=[nodes["node-a"], nodes["node-b"]],
+                )
+                rolls = [
+                    runtime.deploy(
+                        unique(f"tls-x-roll-{n}"), tiny_spec(seed=44), role="rollout", workers=[w]
+                    )
+                    for n, w in sorted(nodes.items())
+                ]
+                train_sync_sample(runtime, trainer, rolls)
+                # The version was published on rank 0's node and imported by the other.
+                model = f"weights.{trainer.name}"
+                stored = {}
+                for node in nodes:
+                    with contextlib.closing(tiers_of(node)) as state:
+                        stored[node] = state.store("dram").versions(model)
+                assert len(set(map(tuple, stored.values()))) == 1 and stored["node-a"], stored
+        finally:
+            for proc in workers:
+                with contextlib.suppress(Exception):
+                    proc.terminate()
+                    proc.wait(timeout=60)
+            for node in ("node-a", "node-b"):  # their managers outlive the workers
+                with contextlib.suppress(Exception):
+                    tiers_of(node).shutdown()
