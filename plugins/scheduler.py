@@ -719,11 +719,16 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             if info is None or info.uid != report.uid:
                 return  # a late report of an undeployed incarnation
             self.residency.apply(report)
-            # (not a weights-only engine's: its start and wake are not a copy of the bytes it
-            # reports, and the tiers' bandwidths are shared by every deployment)
-            if report.tier == "hbm" and not info.weights_only:
+            if report.tier == "hbm":
+                # A weights-only engine's load time is learned as its own, but not as the
+                # tier's bandwidth, which every deployment's first estimate shares: its start
+                # and wake are not a copy of the bytes it reports (its budget holds a KV cache
+                # and overhead that a wake allocates, not moves).
                 self.estimates.observe_load(
-                    report.deployment, report.source, report.load_s, report.bytes
+                    report.deployment,
+                    report.source,
+                    report.load_s,
+                    0 if info.weights_only else report.bytes,
                 )
             if report.modified and not info.modified:
                 info = self.deployments[report.deployment] = info.with_(modified=True)

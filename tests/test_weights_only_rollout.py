@@ -114,3 +114,35 @@ def test_a_split_async_job_cannot_score_on_a_vllm_rollout(client):
     runtime = plexrl.Runtime(client, job=unique("weights-only-async"))
     with pytest.raises(errors.ConfigError, match="scores its samples' old log-probabilities"):
         _job(runtime, "async", "vllm", config=GRPOConfig(steps=2, staleness=1))
+
+
+def _load_estimates(deployment: str, dask_scheduler=None) -> dict:
+    est = dask_scheduler.plugins["plexrl"].estimates
+    learned = {tier: t for (dep, tier), t in est._load.items() if dep == deployment}
+    return {"learned": learned, "bandwidth": dict(est._bandwidth)}
+
+
+def test_a_weights_only_wake_is_learned_as_its_own_time_not_a_tier_bandwidth(client):
+    """A vLLM replica's wake allocates its KV cache and overhead rather than copying them, so
+    its load times teach the scheduler that deployment's setup, not the tier's bandwidth that
+    every other deployment's first estimate divides by."""
+    runtime = plexrl.Runtime(client, job=unique("weights-only-wake"))
+    spec = tiny_spec(seed=33)
+    policy = runtime.deploy(unique("wake-policy"), spec)
+    rollout = runtime.deploy(unique("wake-rollout"), spec, role="rollout", backend="vllm")
+    plexrl.result(runtime.sync_weights(policy, rollout))
+    before = client.run_on_scheduler(_load_estimates, rollout.name)
+    assert set(before["learned"]) == {"absent"}  # its start
+
+    holder = runtime.holder(rollout.info.workers[0])
+    assert holder.offload(rollout.name).result(timeout=60)
+    params = plexrl.SamplingParams(max_tokens=4, seed=1)
+    plexrl.result(rollout.sample(["1+1="], params))  # wakes it from host memory
+    deadline = time.monotonic() + 60
+    while (
+        "dram" not in (after := client.run_on_scheduler(_load_estimates, rollout.name))["learned"]
+    ):
+        assert time.monotonic() < deadline, f"the wake was never observed: {after}"
+        time.sleep(0.05)
+    assert after["learned"]["dram"] > 0
+    assert after["bandwidth"].get("dram") == before["bandwidth"].get("dram")

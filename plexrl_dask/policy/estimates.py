@@ -15,7 +15,11 @@ start from documented priors (``plexrl.scheduler.*``):
   order-of-magnitude guesses, not measurements (no GPU was available to measure them; learning
   replaces them after the first loads): DRAM 10 GB/s, below PCIe 4/5's nominal host-to-device
   rates; NVMe 2 GB/s, one local SSD; absent 0.5 GB/s, building a model and initialising or
-  reading its weights. A deployment in HBM costs nothing.
+  reading its weights. A deployment in HBM costs nothing. A weights-only engine's loads (a
+  vLLM replica's start and wake, whose budget holds a KV cache that a wake allocates rather
+  than copies) are learned as its own times only, never as a tier's bandwidth; before its
+  first load from a tier, its estimate is its whole budget over that tier's bandwidth (an
+  overestimate of a wake: the weights are what is copied).
 
 :class:`SetupCosts` puts them together with the residency map into the ``Costs`` the
 dispatcher asks (:mod:`plexrl_dask.policy.dispatch`); the live plugin and the simulators use it
