@@ -6,6 +6,8 @@ plexrl config                         the effective ``plexrl`` configuration
 plexrl simulate [--policy P ...] [--gpus N] [--jobs N] [--json OUT] [--png PREFIX]
                                       trace-driven simulation of placement policies
 plexrl checkpoint DIR [DIR ...]       what GRPO job checkpoint directories hold
+plexrl kube-spec --name N --gpus G --image I [...]
+                                      a PlexRL cluster for the Dask Kubernetes operator (YAML)
 """
 
 from __future__ import annotations
@@ -183,6 +185,33 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     return rc
 
 
+def _cmd_kube_spec(args: argparse.Namespace) -> int:
+    from plexrl_dask.kubernetes import kube_cluster_spec
+
+    def resources(cpu: str | None, memory: str | None) -> dict[str, str]:
+        return {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
+
+    spec = kube_cluster_spec(
+        args.name,
+        args.gpus,
+        args.image,
+        gpus_per_pod=args.gpus_per_pod,
+        rollout_backend=args.rollout_backend,
+        worker_resources=resources(args.worker_cpu, args.worker_memory),
+        scheduler_resources=resources(args.scheduler_cpu, args.scheduler_memory),
+        dram_size=args.dram_size,
+        shared_volume=(
+            {"persistentVolumeClaim": {"claimName": args.shared_claim}}
+            if args.shared_claim
+            else None
+        ),
+        shared_path=args.shared_path,
+    )
+    # plain print: YAML for kubectl, which a console would wrap and colour
+    print(yaml.safe_dump(spec, sort_keys=False), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plexrl", description="PlexRL on Dask")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -220,6 +249,22 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("checkpoint", help="what GRPO job checkpoint directories hold")
     p.add_argument("directory", nargs="+")
     p.set_defaults(fn=_cmd_checkpoint)
+    p = sub.add_parser(
+        "kube-spec", help="print a PlexRL cluster for the Dask Kubernetes operator (YAML)"
+    )
+    p.add_argument("--name", required=True, help="the DaskCluster's name")
+    p.add_argument("--gpus", type=positive_int, required=True)
+    p.add_argument("--image", required=True, help="an image with plexrl-dask installed")
+    p.add_argument("--gpus-per-pod", type=positive_int, default=1)
+    p.add_argument("--rollout-backend", default="torch", choices=("torch", "vllm"))
+    p.add_argument("--dram-size", default="16Gi", help="each worker pod's in-memory /dev/shm")
+    p.add_argument("--worker-cpu", default=None)
+    p.add_argument("--worker-memory", default=None)
+    p.add_argument("--scheduler-cpu", default=None)
+    p.add_argument("--scheduler-memory", default=None)
+    p.add_argument("--shared-claim", default=None, help="a PVC for checkpoints, on every worker")
+    p.add_argument("--shared-path", default="/plexrl/shared")
+    p.set_defaults(fn=_cmd_kube_spec)
     args = parser.parse_args(argv)
     if args.command == "simulate" and not args.policy:
         args.policy = list(POLICIES)

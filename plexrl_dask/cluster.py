@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +146,29 @@ class PlexRLNanny(Nanny):
     def __init__(self, *args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> None:
         gpus = visible_gpus()
         name = kwargs.get("name")
-        if len(gpus) > 1 and isinstance(name, int) and CUDA_ENV not in (env or {}):
-            env = {**(env or {}), CUDA_ENV: gpus[name % len(gpus)]}
-            logger.info("local worker %s gets GPU %s of %s", name, env[CUDA_ENV], gpus)
+        gpu = gpu_of_worker(name, gpus)
+        if gpu is not None and CUDA_ENV not in (env or {}):
+            env = {**(env or {}), CUDA_ENV: gpu}
+            logger.info("local worker %s gets GPU %s of %s", name, gpu, gpus)
         super().__init__(*args, env=env, **kwargs)
+
+
+def gpu_of_worker(name: object, gpus: Sequence[str]) -> str | None:
+    """The GPU (an entry of ``gpus``, the node's visible devices) of the worker called
+    ``name``, for a node that runs one worker per GPU: worker ``k`` gets ``gpus[k % len]``,
+    ``k`` being the name itself (an int, as ``local_cluster`` names them) or its last
+    ``-``-separated part (``dask worker --nworkers N --name X`` names them ``X-0`` ...
+    ``X-{N-1}``). None (leave the worker all of them) with fewer than two GPUs or a name
+    without such a number."""
+    if len(gpus) < 2:
+        return None
+    if isinstance(name, int) and not isinstance(name, bool):
+        index = name
+    elif isinstance(name, str) and name.rpartition("-")[2].isdecimal():
+        index = int(name.rpartition("-")[2])
+    else:
+        return None
+    return gpus[index % len(gpus)]
 
 
 def _private_tiers() -> dict[str, str]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping
 
+import dask
 import pytest
 from distributed import Client, Event
 from hypothesis import settings
@@ -34,6 +36,15 @@ def tiny_spec(seed: int = 0, **overrides) -> plexrl.ModelSpec:
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def node_state(tiers: Mapping[str, object]):
+    """A client of the node whose ``plexrl.state.*`` settings are ``tiers`` (``dram-path``,
+    ``nvme-path``, ...): its manager's status and stores, or ``shutdown()`` to stop it."""
+    from plexrl_dask.state_store.node import NodeState, StateConfig
+
+    with dask.config.set({f"plexrl.state.{k}": str(v) for k, v in tiers.items()}):
+        return NodeState(StateConfig.from_dask_config())
 
 
 @pytest.fixture(scope="module")

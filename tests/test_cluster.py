@@ -94,3 +94,49 @@ def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
         plexrl.slurm_cluster(0, submit=False, **site),
     ):
         pass
+
+
+def test_gpu_of_worker_follows_the_number_in_a_workers_name():
+    gpus = ["3", "5"]
+    assert [cluster.gpu_of_worker(n, gpus) for n in (0, 1, 2)] == ["3", "5", "3"]
+    assert [cluster.gpu_of_worker(f"pod-a-{k}", gpus) for k in (0, 1)] == ["3", "5"]
+    assert cluster.gpu_of_worker("pod-a", gpus) is None  # no number: all of them
+    assert cluster.gpu_of_worker(None, gpus) is None
+    assert cluster.gpu_of_worker(True, gpus) is None
+    assert cluster.gpu_of_worker(1, ["0"]) is None  # one GPU: nothing to choose
+
+
+def test_the_gpu_nanny_preload_gives_each_worker_of_a_machine_one_gpu(monkeypatch):
+    """``dask worker --nworkers 2 --name pod --preload-nanny plexrl_dask.gpu_nanny`` on a
+    machine with GPUs 3 and 5: real nannies named as that command names them, each worker
+    process started with its own GPU; a nanny whose config sets the variable keeps it."""
+    import asyncio
+
+    from distributed import Nanny, Scheduler
+
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: ["3", "5"])
+
+    async def run() -> dict:
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
+            nannies = [
+                Nanny(
+                    s.address, name=f"pod-{k}", nthreads=1, preload_nanny=["plexrl_dask.gpu_nanny"]
+                )
+                for k in (0, 1)
+            ]
+            with dask.config.set({"distributed.nanny.environ": {"CUDA_VISIBLE_DEVICES": "9"}}):
+                nannies.append(
+                    Nanny(
+                        s.address, name="pod-2", nthreads=1, preload_nanny=["plexrl_dask.gpu_nanny"]
+                    )
+                )
+            try:
+                await asyncio.gather(*nannies)
+                async with Client(s.address, asynchronous=True) as c:
+                    seen = await c.run(_cuda_env)
+                    names = {w["name"]: a for a, w in s.identity()["workers"].items()}
+                    return {name: seen[addr] for name, addr in names.items()}
+            finally:
+                await asyncio.gather(*(n.close() for n in nannies))
+
+    assert asyncio.run(asyncio.wait_for(run(), 120)) == {"pod-0": "3", "pod-1": "5", "pod-2": "9"}

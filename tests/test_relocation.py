@@ -22,8 +22,7 @@ from distributed import Client
 import plexrl_dask as plexrl
 from plexrl_dask.cluster import worker_process
 from plexrl_dask.errors import DeploymentNotFound, DeploymentRelocating
-from plexrl_dask.state_store.node import NodeState, StateConfig
-from tests.conftest import tiny_spec
+from tests.conftest import node_state, tiny_spec
 from tests.test_weights_only_rollout import StandInForVLLM
 
 WAIT_S = 120.0
@@ -42,11 +41,6 @@ def cluster():
 def client(cluster):
     with Client(cluster, set_as_default=False) as c:
         yield c
-
-
-def node(tiers: dict[str, str]) -> NodeState:
-    with dask.config.set({f"plexrl.state.{k}": v for k, v in tiers.items()}):
-        return NodeState(StateConfig.from_dask_config())
 
 
 def train(dep: plexrl.Deployment, steps: int) -> None:
@@ -147,7 +141,7 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         # the move's checkpoint was written on the old node, imported on the new one, and
         # both copies are gone
         for tiers in (cluster.plexrl_state, b_tiers):
-            store = node(tiers).store("nvme")
+            store = node_state(tiers).store("nvme")
             [model] = [m for m in store.models() if m.startswith("reloc-policy.relocate-")]
             assert store.versions(model) == []
 

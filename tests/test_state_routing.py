@@ -14,15 +14,14 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask.cluster import worker_process
-from plexrl_dask.state_store.node import NodeState, StateConfig
-from tests.conftest import tiny_spec, unique
+from plexrl_dask.state_store.node import NodeState
+from tests.conftest import node_state, tiny_spec, unique
 
 WAIT_S = 30.0
 
 
 def node_of(cluster) -> NodeState:
-    with dask.config.set({f"plexrl.state.{k}": v for k, v in cluster.plexrl_state.items()}):
-        return NodeState(StateConfig.from_dask_config())
+    return node_state(cluster.plexrl_state)
 
 
 def batch(dep, n: int = 4) -> list[plexrl.Datum]:
@@ -154,8 +153,7 @@ def test_weights_and_checkpoints_cross_nodes_through_the_store(cluster, runtime,
         "node-id": "node-b",
     }
     worker = worker_process(cluster.scheduler_address, b_tiers)
-    with dask.config.set({f"plexrl.state.{k}": v for k, v in b_tiers.items()}):
-        node_b = NodeState(StateConfig.from_dask_config())
+    node_b = node_state(b_tiers)
     deployed = []
     try:
         deadline = time.monotonic() + 120

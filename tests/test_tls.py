@@ -10,15 +10,14 @@ import json
 import time
 import urllib.request
 
-import dask
 import pytest
 import torch
 from distributed import Client, Security
 
 import plexrl_dask as plexrl
 from plexrl_dask.cluster import scheduler_process, tls_environment, worker_process
-from plexrl_dask.state_store.node import NodeState, StateConfig
-from tests.conftest import tiny_spec, unique
+from plexrl_dask.state_store.node import NodeState
+from tests.conftest import node_state, tiny_spec, unique
 
 pytest.importorskip("cryptography", reason="Security.temporary() makes its certificates with it")
 
@@ -97,9 +96,9 @@ def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
     workers = []
 
     def tiers_of(node: str) -> NodeState:
-        paths = {"dram-path": tmp_path / f"{node}-dram", "nvme-path": tmp_path / f"{node}-nvme"}
-        with dask.config.set({f"plexrl.state.{k}": str(v) for k, v in paths.items()}):
-            return NodeState(StateConfig.from_dask_config())
+        return node_state(
+            {"dram-path": tmp_path / f"{node}-dram", "nvme-path": tmp_path / f"{node}-nvme"}
+        )
 
     with scheduler_process(tmp_path, security=sec) as info:
         address = info["address"]

@@ -1,0 +1,232 @@
+"""The DaskCluster resource of a PlexRL cluster (``plexrl_dask.kubernetes``).
+
+No Kubernetes runs here. The resource is checked as data, and its pods' commands are started as
+local processes with what the operator and the kubelet would give them (the scheduler's
+address and the worker's name in the environment, ``$(VAR)`` expanded in the arguments), only
+the ports, hosts and the volumes' paths made local: they form a PlexRL cluster that trains,
+syncs weights between its pods and samples."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from distributed import Client
+
+import plexrl_dask as plexrl
+from plexrl_dask import errors
+from plexrl_dask.cli import main as plexrl_main
+from plexrl_dask.cluster import stop_process
+from plexrl_dask.kubernetes import NVME_MOUNT, kube_cluster_spec
+from tests.conftest import node_state, tiny_spec, unique
+from tests.test_tls import train_sync_sample
+
+WAIT_S = 120.0
+
+
+def container(spec: dict, role: str) -> dict:
+    [c] = spec["spec"][role]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in c.get("env", [])}
+
+
+def test_a_pod_per_gpu_and_a_pod_per_machine():
+    one = kube_cluster_spec("rl", 4, "registry/plexrl:1")
+    assert one["apiVersion"] == "kubernetes.dask.org/v1" and one["kind"] == "DaskCluster"
+    assert one["spec"]["worker"]["replicas"] == 4
+    w = container(one, "worker")
+    assert w["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "--nworkers" not in w["args"] and "--preload-nanny" not in w["args"]
+    assert w["args"][:2] == ["dask", "worker"] and "$(DASK_WORKER_NAME)" in w["args"]
+    assert " ".join(w["args"]).endswith("--resources GPU=1 --dashboard-address 8788")
+    s = container(one, "scheduler")
+    assert s["args"] == [
+        "dask",
+        "scheduler",
+        "--host",
+        "0.0.0.0",
+        "--preload",
+        "plexrl_dask.plugins",
+    ]
+    assert {p["containerPort"] for p in s["ports"]} == {8786, 8787}
+    assert one["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == "rl"
+
+    machine = kube_cluster_spec(
+        "rl",
+        16,
+        "registry/plexrl:1",
+        gpus_per_pod=8,
+        rollout_backend="vllm",
+        worker_resources={"cpu": "64", "memory": "1000Gi"},
+        dram_size="400Gi",
+        shared_volume={"persistentVolumeClaim": {"claimName": "runs"}},
+        shared_path="/runs",
+        env={"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s"},
+    )
+    assert machine["spec"]["worker"]["replicas"] == 2
+    w = container(machine, "worker")
+    assert w["resources"]["limits"] == {"cpu": "64", "memory": "1000Gi", "nvidia.com/gpu": "8"}
+    assert w["resources"]["requests"] == w["resources"]["limits"]
+    args = " ".join(w["args"])
+    assert "--nworkers 8 --preload-nanny plexrl_dask.gpu_nanny" in args
+    env = env_of(w)
+    assert env["DASK_DISTRIBUTED__WORKER__DAEMON"] == "False"  # vLLM engines are children
+    assert env["DASK_PLEXRL__STATE__NVME_PATH"] == NVME_MOUNT
+    assert int(env["DASK_PLEXRL__STATE__DRAM_CAPACITY"]) == int(400 * 2**30 * 0.9)
+    assert env["DASK_PLEXRL__REQUEST__TIMEOUT"] == "1200s"
+    assert env_of(container(machine, "scheduler")) == {"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s"}
+    mounts = {m["name"]: m["mountPath"] for m in w["volumeMounts"]}
+    assert mounts == {
+        "plexrl-dram": "/dev/shm",
+        "plexrl-nvme": NVME_MOUNT,
+        "plexrl-shared": "/runs",
+    }
+    volumes = {v["name"]: v for v in machine["spec"]["worker"]["spec"]["volumes"]}
+    assert volumes["plexrl-dram"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "400Gi"}
+    assert volumes["plexrl-shared"]["persistentVolumeClaim"] == {"claimName": "runs"}
+    # YAML without anchors: no two places share one object
+    assert "&id" not in yaml.safe_dump(machine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"name": "RL"}, "lowercase"),
+        ({"name": "-rl"}, "lowercase"),
+        ({"name": "r" * 41}, "lowercase"),
+        ({"gpus": 0}, "gpus must be"),
+        ({"gpus": True}, "gpus must be"),
+        ({"gpus": 6, "gpus_per_pod": 4}, "multiple of gpus_per_pod"),
+        ({"gpus_per_pod": 0}, "gpus_per_pod must be"),
+        ({"rollout_backend": "sglang"}, "rollout_backend"),
+        ({"image": ""}, "image"),
+        ({"dram_size": "16GiB"}, "quantity"),
+        ({"idle_timeout": -1}, "idle_timeout"),
+        ({"shared_path": "runs"}, "absolute"),
+    ],
+)
+def test_values_the_operator_or_plexrl_would_refuse_are_typed_errors(kwargs, match):
+    args = {"name": "rl", "gpus": 4, "image": "registry/plexrl:1", **kwargs}
+    with pytest.raises(errors.ConfigError, match=match):
+        kube_cluster_spec(args.pop("name"), args.pop("gpus"), args.pop("image"), **args)
+
+
+def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys):
+    assert plexrl_main(
+        ["kube-spec", "--name", "rl", "--gpus", "8", "--gpus-per-pod", "4", "--image", "img:1",
+         "--worker-memory", "256Gi", "--shared-claim", "runs"]
+    ) == 0  # fmt: skip
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == kube_cluster_spec(
+        "rl",
+        8,
+        "img:1",
+        gpus_per_pod=4,
+        worker_resources={"memory": "256Gi"},
+        shared_volume={"persistentVolumeClaim": {"claimName": "runs"}},
+    )
+    assert plexrl_main(["kube-spec", "--name", "rl", "--gpus", "6", "--gpus-per-pod", "4",
+                        "--image", "img:1"]) == 2  # fmt: skip
+    assert "multiple of gpus_per_pod" in capsys.readouterr().out
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's ``$(VAR)`` expansion of a container argument."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def start(c: dict, env: dict[str, str], *local: str) -> subprocess.Popen:
+    """Run container ``c``'s command here: its environment plus ``env``, its arguments
+    expanded, ``local`` arguments after them (the last of a repeated option wins)."""
+    full = {**os.environ, **env_of(c), **env}
+    argv = [expand(a, full) for a in c["args"]]
+    assert argv[0] == "dask"
+    argv[0] = str(Path(sys.executable).parent / "dask")
+    return subprocess.Popen(
+        [*argv, *local], env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
+    """Two worker pods of two GPUs' workers each: a trainer with a rank in each pod, rollout
+    replicas in both, weights published in one pod's tiers and imported by the other's."""
+    spec = kube_cluster_spec("rl", 4, "registry/plexrl:1", gpus_per_pod=2, dram_size="1Gi")
+    sched_file = tmp_path / "scheduler.json"
+    procs = [
+        start(
+            container(spec, "scheduler"),
+            {},
+            "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+            "--scheduler-file", str(sched_file),
+        )
+    ]  # fmt: skip
+    pods = ("rl-default-worker-0a1b2c", "rl-default-worker-3d4e5f")
+    tiers = {pod: {"dram-path": tmp_path / pod / "dram", "nvme-path": tmp_path / pod / "nvme"}
+             for pod in pods}  # fmt: skip
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not sched_file.exists():
+            assert procs[0].poll() is None, "the scheduler's command exited"
+            assert time.monotonic() < deadline, "the scheduler's command never served"
+            time.sleep(0.05)
+        address = json.loads(sched_file.read_text())["address"]
+        for pod in pods:
+            local_mounts = {  # the pod's volumes, and its host name as the node's name
+                "DASK_PLEXRL__STATE__DRAM_PATH": str(tiers[pod]["dram-path"]),
+                "DASK_PLEXRL__STATE__NVME_PATH": str(tiers[pod]["nvme-path"]),
+                "DASK_PLEXRL__STATE__NODE_ID": pod,
+            }
+            operator = {"DASK_SCHEDULER_ADDRESS": address, "DASK_WORKER_NAME": pod}
+            procs.append(
+                start(
+                    container(spec, "worker"), {**operator, **local_mounts}, "--host", "127.0.0.1"
+                )
+            )
+        with Client(address, set_as_default=False, timeout=60) as client:
+            client.wait_for_workers(4, timeout=WAIT_S)
+            names = sorted(w["name"] for w in client.scheduler_info()["workers"].values())
+            assert names == sorted(f"{pod}-{k}" for pod in pods for k in (0, 1))
+            runtime = plexrl.Runtime(client, job=unique("kube"))
+            deadline = time.monotonic() + WAIT_S
+            while True:  # each holder registers its node (pod) as it starts
+                by_node: dict[str, list[str]] = {}
+                for w, info in runtime.status()["workers"].items():
+                    by_node.setdefault(info.get("node"), []).append(w)
+                if sorted(map(len, by_node.values())) == [2, 2] and set(by_node) == set(pods):
+                    break
+                assert time.monotonic() < deadline, f"pods never registered: {by_node}"
+                time.sleep(0.5)
+            a, b = (sorted(by_node[pod]) for pod in pods)
+            trainer = runtime.deploy(
+                unique("kube-train"), tiny_spec(seed=51), world_size=2, workers=[a[0], b[0]]
+            )
+            rolls = [
+                runtime.deploy(unique("kube-roll"), tiny_spec(seed=52), role="rollout", workers=[w])
+                for w in (a[1], b[1])
+            ]
+            train_sync_sample(runtime, trainer, rolls)
+            # one version of the trainer's weights in each pod's DRAM tier, the same one
+            model = f"weights.{trainer.name}"
+            stored = []
+            for pod in pods:
+                with contextlib.closing(node_state(tiers[pod])) as node:
+                    stored.append(node.store("dram").versions(model))
+            assert stored[0] and stored[0] == stored[1], stored
+    finally:
+        for proc in reversed(procs):
+            with contextlib.suppress(Exception):
+                stop_process(proc, timeout=60)
+        for pod in pods:  # the pods' managers outlive their workers
+            with contextlib.suppress(Exception):
+                node_state(tiers[pod]).shutdown()
