@@ -6,6 +6,7 @@ local pool, with live progress per job, a table at the end and a PNG.
                                  [--model PATH]   # every job on a local HF checkpoint instead
                                  [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
                                  [--slurm GPUS [--slurm-queue Q ...] [--dry-run]]   # on SLURM
+                                 [--scheduler ADDRESS --workers N]   # on a running cluster
 
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
 core), their requests ordered by the PlexRL scheduler plugin. Every job's per-step metrics go
@@ -17,6 +18,7 @@ warm-up, and computes what an uninterrupted run computes. ``--fresh`` starts ove
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +38,20 @@ from plexrl_dask.rl.modes import Layout, resumable, run_mode, warm_start
 from plexrl_dask.rl.report import plot_run, summary_table
 
 # Worker processes are spawned and re-import this file: everything runs under main().
+
+
+def gpu_workers(client: Client, n: int, timeout: float | None) -> list[str]:
+    """The cluster's PlexRL workers (those with the GPU resource), once there are ``n``."""
+    resource = dask.config.get("plexrl.worker.gpu-resource")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        found = sorted(a for a, w in info.items() if w.get("resources", {}).get(resource, 0) >= 1)
+        if len(found) >= n:
+            return found
+        if deadline is not None and time.monotonic() > deadline:
+            raise SystemExit(f"{len(found)} of {n} PlexRL workers joined within {timeout:.0f}s")
+        time.sleep(0.2)
 
 
 def main() -> None:
@@ -88,9 +104,26 @@ def main() -> None:
         help="seconds to wait for the jobs to start",
     )
     slurm.add_argument("--dry-run", action="store_true", help="print the job script and stop")
+    running = parser.add_argument_group(
+        "on a running PlexRL cluster (Kubernetes, dask scheduler --preload), instead of a local one"
+    )
+    running.add_argument(
+        "--scheduler",
+        default=None,
+        metavar="ADDRESS",
+        help="its scheduler; the pool is --workers of its GPU workers",
+    )
+    running.add_argument(
+        "--scheduler-wait",
+        type=positive_float,
+        default=600.0,
+        help="seconds to wait for --workers workers to join it",
+    )
     args = parser.parse_args()  # fmt: skip
     if args.dry_run and not args.slurm:
         parser.error("--dry-run prints the SLURM job script: give --slurm GPUS")
+    if args.slurm and args.scheduler:
+        parser.error("--slurm starts a cluster, --scheduler joins one: give one of them")
     if args.rollout_backend == "vllm":
         if not args.rollout_replicas:
             parser.error("--rollout-backend vllm needs --rollout-replicas >= 1")
@@ -131,16 +164,18 @@ def main() -> None:
         cluster_cm = plexrl.slurm_cluster(
             args.slurm, args.rollout_backend, submit=not args.dry_run, **site
         )
+    elif args.scheduler:
+        cluster_cm = contextlib.nullcontext(args.scheduler)
     else:
         cluster_cm = plexrl.local_cluster(n_workers=args.workers)
     with cluster_cm as cluster, Client(cluster) as client:
         if args.dry_run:
             print(cluster.job_script())  # (plain: a console would wrap its long lines)
             return
-        client.wait_for_workers(args.workers, timeout=args.slurm_wait if args.slurm else None)
+        wait = args.slurm_wait if args.slurm else args.scheduler_wait if args.scheduler else None
+        workers = gpu_workers(client, args.workers, wait)
         console.print(f"cluster: {args.workers} workers, dashboard {client.dashboard_link}")
         runtime = plexrl.Runtime(client, job="main")
-        workers = sorted(client.scheduler_info()["workers"])
         columns = (
             TextColumn("{task.description:<44}"),
             BarColumn(),

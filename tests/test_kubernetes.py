@@ -30,6 +30,7 @@ from tests.conftest import node_state, tiny_spec, unique
 from tests.test_tls import train_sync_sample
 
 WAIT_S = 120.0
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def container(spec: dict, role: str) -> dict:
@@ -223,6 +224,19 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
                 with contextlib.closing(node_state(tiers[pod])) as node:
                     stored.append(node.store("dram").versions(model))
             assert stored[0] and stored[0] == stored[1], stored
+
+            # The main job, from a driver outside the pods (as from a pod of its own).
+            out = tmp_path / "run"
+            proc = subprocess.run(
+                [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(out),
+                 "--scheduler", address, "--workers", "4", "--jobs", "2", "--scale", "0.02"],
+                capture_output=True, text=True, timeout=600, cwd=tmp_path,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "cluster: 4 workers" in proc.stdout
+            for job in ("add2", "countdown3"):
+                lines = (out / f"multiplexed-{job}.jsonl").read_text().splitlines()
+                assert [json.loads(line)["step"] for line in lines[1:]] == [0, 1]
     finally:
         for proc in reversed(procs):
             with contextlib.suppress(Exception):
