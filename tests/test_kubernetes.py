@@ -100,6 +100,41 @@ def test_a_pod_per_gpu_and_a_pod_per_machine():
     assert "&id" not in yaml.safe_dump(machine)
 
 
+def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
+    """The operator's ``DaskCluster`` schema (dask-kubernetes' ``templates.yaml``): worker
+    ``replicas``/``metadata``/``spec`` (a PodSpec), scheduler ``metadata``/``spec``/``service``
+    (a ServiceSpec). The PodSpecs and the ServiceSpec go through the Kubernetes API's own
+    models and back unchanged: a misspelt or misplaced field would be dropped, a number
+    given as a string turned into one."""
+    api = pytest.importorskip("kubernetes.client").ApiClient()
+
+    def round_trip(data: dict, kind: str) -> dict:
+        return api.sanitize_for_serialization(
+            api.deserialize(json.dumps(data), kind, "application/json")
+        )
+
+    for kwargs in ({}, {"gpus_per_pod": 4, "rollout_backend": "vllm",
+                        "shared_volume": {"persistentVolumeClaim": {"claimName": "runs"}},
+                        "nvme_volume": {"hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
+                        "worker_resources": {"cpu": "32", "memory": "500Gi"},
+                        "scheduler_resources": {"cpu": "4"}}):  # fmt: skip
+        spec = kube_cluster_spec("rl", 8, "registry/plexrl:1", **kwargs)
+        assert set(spec) == {"apiVersion", "kind", "metadata", "spec"}
+        assert set(spec["spec"]) == {"idleTimeout", "worker", "scheduler"}
+        worker, scheduler = spec["spec"]["worker"], spec["spec"]["scheduler"]
+        assert set(worker) <= {"replicas", "metadata", "spec"} and isinstance(
+            worker["replicas"], int
+        )
+        assert set(scheduler) <= {"metadata", "spec", "service"}
+        for pod in (worker["spec"], scheduler["spec"]):
+            assert round_trip(pod, "V1PodSpec") == pod
+        assert round_trip(scheduler["service"], "V1ServiceSpec") == scheduler["service"]
+
+    broken = kube_cluster_spec("rl", 8, "registry/plexrl:1")["spec"]["worker"]["spec"]
+    broken["containers"][0]["volumeMount"] = broken["containers"][0].pop("volumeMounts")
+    assert round_trip(broken, "V1PodSpec") != broken  # (the check would see it)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
