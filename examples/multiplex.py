@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,8 +41,21 @@ from plexrl_dask.rl.report import plot_run, summary_table
 # Worker processes are spawned and re-import this file: everything runs under main().
 
 
+@contextlib.contextmanager
+def connect(cluster: object, timeout: float) -> Iterator[Client]:
+    """A client of ``cluster`` (a cluster object, or a running scheduler's address, waited for
+    up to ``timeout`` seconds: then a one-line error, not a traceback)."""
+    try:
+        client = Client(cluster, **({"timeout": timeout} if isinstance(cluster, str) else {}))
+    except OSError as e:
+        raise SystemExit(f"no scheduler reached at {cluster}: {e}") from None
+    with client:
+        yield client
+
+
 def gpu_workers(client: Client, n: int, timeout: float | None) -> list[str]:
-    """The cluster's PlexRL workers (those with the GPU resource), once there are ``n``."""
+    """The addresses of the cluster's PlexRL workers (those with the GPU resource), sorted,
+    once at least ``n`` have joined (the pool is the first ``n``: ``run_mode``)."""
     resource = dask.config.get("plexrl.worker.gpu-resource")
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -165,10 +179,13 @@ def main() -> None:
             args.slurm, args.rollout_backend, submit=not args.dry_run, **site
         )
     elif args.scheduler:
+        # (a tls:// scheduler: the client's certificates come from Dask's config, e.g.
+        # DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT; a vLLM rollout needs workers started with
+        # distributed.worker.daemon false)
         cluster_cm = contextlib.nullcontext(args.scheduler)
     else:
         cluster_cm = plexrl.local_cluster(n_workers=args.workers)
-    with cluster_cm as cluster, Client(cluster) as client:
+    with cluster_cm as cluster, connect(cluster, args.scheduler_wait) as client:
         if args.dry_run:
             print(cluster.job_script())  # (plain: a console would wrap its long lines)
             return

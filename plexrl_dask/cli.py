@@ -28,6 +28,7 @@ from plexrl_dask.errors import PlexRLError
 
 logger = logging.getLogger(__name__)
 console = Console()
+err_console = Console(stderr=True)  # (not into a pipe: `plexrl kube-spec ... | kubectl apply -f -`)
 
 
 def _int_at_least(text: str, least: int) -> int:
@@ -165,11 +166,11 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
         try:
             saved = read_checkpoint(directory)
         except CheckpointError as e:
-            console.print(f"[red]{directory}: {e}[/red]")
+            err_console.print(f"[red]{directory}: {e}[/red]")
             rc = 2
             continue
         if saved is None:
-            console.print(f"[red]{directory}: no job checkpoint here[/red]")
+            err_console.print(f"[red]{directory}: no job checkpoint here[/red]")
             rc = 2
             continue
         size = directory_bytes(directory)
@@ -272,10 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except PlexRLError as e:  # the user's input or cluster, not a bug: no traceback
-        console.print(f"[red]plexrl {args.command}: {type(e).__name__}: {e}[/red]")
+        err_console.print(f"[red]plexrl {args.command}: {type(e).__name__}: {e}[/red]")
         return 2
     except OSError as e:  # e.g. no scheduler at the address given
-        console.print(f"[red]plexrl {args.command}: {e}[/red]")
+        err_console.print(f"[red]plexrl {args.command}: {e}[/red]")
         return 2
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -209,33 +210,47 @@ def _drop_leaked_trim_threshold() -> None:
 
 
 #: ``Security`` attributes and the Dask settings a ``dask scheduler`` / ``dask worker`` process
-#: reads them from (``distributed.security.Security`` reads the same keys).
-_TLS_SETTINGS = {
+#: reads them from (``distributed.security.Security`` reads the same keys): what every role
+#: shares, then each role's own certificate and key.
+_TLS_SHARED = {
     "tls_ca_file": "DISTRIBUTED__COMM__TLS__CA_FILE",
     "tls_ciphers": "DISTRIBUTED__COMM__TLS__CIPHERS",
-    "tls_scheduler_cert": "DISTRIBUTED__COMM__TLS__SCHEDULER__CERT",
-    "tls_scheduler_key": "DISTRIBUTED__COMM__TLS__SCHEDULER__KEY",
-    "tls_worker_cert": "DISTRIBUTED__COMM__TLS__WORKER__CERT",
-    "tls_worker_key": "DISTRIBUTED__COMM__TLS__WORKER__KEY",
-    "tls_client_cert": "DISTRIBUTED__COMM__TLS__CLIENT__CERT",
-    "tls_client_key": "DISTRIBUTED__COMM__TLS__CLIENT__KEY",
 }
+_TLS_ROLE = {
+    role: {
+        f"tls_{role}_cert": f"DISTRIBUTED__COMM__TLS__{role.upper()}__CERT",
+        f"tls_{role}_key": f"DISTRIBUTED__COMM__TLS__{role.upper()}__KEY",
+    }
+    for role in ("scheduler", "worker", "client")
+}
+_TLS_VERSIONS = {ssl.TLSVersion.TLSv1_2: "1.2", ssl.TLSVersion.TLSv1_3: "1.3"}
 
 
-def tls_environment(security: Security | None) -> dict[str, str]:
-    """The environment variables that give a ``dask scheduler`` or ``dask worker`` process
-    started from here the TLS settings of ``security``: its CA, ciphers and each role's
-    certificate and key, as ``Security`` holds them (file paths, or the PEM text itself, as
-    ``Security.temporary()`` makes: Dask accepts either, so no key is written to disk), and
-    whether encryption is required. Empty for None or a ``Security`` without TLS. A key in the
-    environment is readable by the same user only (``/proc/PID/environ``)."""
+def tls_environment(security: Security | None, role: str) -> dict[str, str]:
+    """The environment variables that give a ``dask scheduler`` (``role="scheduler"``) or
+    ``dask worker`` (``role="worker"``) process started from here the TLS settings of
+    ``security`` that its role uses: the CA, ciphers and TLS versions, its role's certificate
+    and key, the client role's where ``security`` has them (for clients the process opens),
+    and whether encryption is required. Values are as ``Security`` holds them: file paths, or
+    the PEM text itself (``Security.temporary()``), which Dask writes to a temporary file of
+    its own while it builds a TLS context. Empty for None or a ``Security`` without TLS.
+    The environment is readable by the same user, and inherited by the process's children."""
+    if role not in ("scheduler", "worker"):
+        raise ConfigError(f"role is 'scheduler' or 'worker', got {role!r}")
     if security is None or not security.tls_ca_file:
         return {}
+    settings = {**_TLS_SHARED, **_TLS_ROLE[role], **_TLS_ROLE["client"]}
     env = {
         f"DASK_{name}": str(value)
-        for attr, name in _TLS_SETTINGS.items()
+        for attr, name in settings.items()
         if (value := getattr(security, attr, None))
     }
+    for attr in ("tls_min_version", "tls_max_version"):
+        version = getattr(security, attr, None)
+        if version is not None:
+            if version not in _TLS_VERSIONS:
+                raise ConfigError(f"{attr} {version!r} is not one Dask's settings can name")
+            env[f"DASK_DISTRIBUTED__COMM__TLS__{attr[4:].upper()}"] = _TLS_VERSIONS[version]
     env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] = str(bool(security.require_encryption))
     return env
 
@@ -254,7 +269,7 @@ def worker_process(
     sync between nodes on one machine). ``security``: the worker's TLS settings
     (:func:`tls_environment`) for a ``tls://`` scheduler. Output is discarded unless ``popen``
     says otherwise; the caller terminates the process."""
-    env = {**os.environ, **tls_environment(security)}
+    env = {**os.environ, **tls_environment(security, "worker")}
     for key, value in (state or {}).items():
         env[f"DASK_PLEXRL__STATE__{key.upper().replace('-', '_')}"] = value
     popen.setdefault("stdout", subprocess.DEVNULL)
@@ -285,7 +300,7 @@ def scheduler_process(
     the process on exit. :class:`~plexrl_dask.errors.SchedulerNotStarted` when it exits first
     or does not serve within ``timeout`` seconds."""
     sched_file = Path(directory) / "scheduler.json"
-    tls = tls_environment(security)
+    tls = tls_environment(security, "scheduler")
     argv = [
         str(Path(sys.executable).parent / "dask"), "scheduler",
         "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
@@ -301,16 +316,27 @@ def scheduler_process(
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + timeout
-        while not sched_file.exists():
-            if proc.poll() is not None:
-                raise SchedulerNotStarted(f"dask scheduler exited with {proc.returncode} on start")
-            if time.monotonic() > deadline:
-                raise SchedulerNotStarted(f"dask scheduler did not start within {timeout}s")
-            time.sleep(0.02)
-        yield json.loads(sched_file.read_text())
+        yield read_scheduler_file(sched_file, proc, timeout)
     finally:
         stop_process(proc)
+
+
+def read_scheduler_file(
+    path: str | os.PathLike[str], proc: subprocess.Popen, timeout: float
+) -> dict[str, Any]:
+    """The contents of the scheduler file that ``proc`` (a ``dask scheduler`` process) writes
+    at ``path`` once it serves: waited for (Dask does not write it atomically, so until it
+    reads whole). :class:`~plexrl_dask.errors.SchedulerNotStarted` when the process exits
+    first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            return json.loads(Path(path).read_text())
+        if proc.poll() is not None:
+            raise SchedulerNotStarted(f"dask scheduler exited with {proc.returncode} on start")
+        if time.monotonic() > deadline:
+            raise SchedulerNotStarted(f"dask scheduler did not start within {timeout}s")
+        time.sleep(0.02)
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:

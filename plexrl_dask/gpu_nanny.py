@@ -9,8 +9,10 @@ only its own GPU through ``CUDA_VISIBLE_DEVICES``::
 
 The nannies are named ``X-0`` ... ``X-{N-1}``; nanny ``X-k`` starts its worker with the k-th
 visible GPU (:func:`plexrl_dask.cluster.gpu_of_worker`, the rule ``local_cluster`` uses). It
-sets nothing with fewer than two GPUs, for a name without a number, or where
-``distributed.nanny.environ`` already sets ``CUDA_VISIBLE_DEVICES``.
+sets nothing with fewer than two GPUs, for a name without a number (and warns: each such
+worker would use the first GPU), or where ``distributed.nanny.environ`` already sets
+``CUDA_VISIBLE_DEVICES``. It imports torch in the nanny's process to count the GPUs (the
+CUDA driver, not a context on any GPU).
 """
 
 from __future__ import annotations
@@ -32,3 +34,10 @@ def dask_setup(nanny: Any) -> None:
     if gpu is not None:
         nanny.env[CUDA_ENV] = gpu
         logger.info("worker %s gets GPU %s of %s", nanny.name, gpu, gpus)
+    elif len(gpus) > 1:
+        logger.warning(
+            "worker %r sees all of GPUs %s: its name has no number (dask worker --nworkers N "
+            "--name X names them X-0 ... X-{N-1}), so every such worker uses the first",
+            nanny.name,
+            gpus,
+        )

@@ -4,9 +4,10 @@
 of a PlexRL cluster: a scheduler pod that preloads the PlexRL plugins and a worker group of
 pods with GPUs, one PlexRL worker per GPU. Apply it with ``kubectl apply -f`` (``plexrl
 kube-spec`` prints it as YAML) or hand it to dask-kubernetes: ``KubeCluster(
-custom_cluster_spec=kube_cluster_spec(...))``. The operator gives every worker container
-``DASK_SCHEDULER_ADDRESS`` (the scheduler's service) and ``DASK_WORKER_NAME`` (its pod), which
-the commands below use.
+custom_cluster_spec=kube_cluster_spec(...))``. The operator makes each worker pod through a
+Deployment of its own and gives its container ``DASK_SCHEDULER_ADDRESS`` (the scheduler's
+service) and ``DASK_WORKER_NAME`` (that Deployment's name, kept by a pod that replaces
+another), which the commands below use.
 
 What a pod is to PlexRL:
 
@@ -19,12 +20,17 @@ What a pod is to PlexRL:
   whole machine) keeps offloaded replicas and weight versions in one place for all its GPUs,
   and weights reach another pod worker to worker, through Dask's comms.
 - **``gpus_per_pod`` workers.** ``dask worker --nworkers N`` with the nanny preload
-  :mod:`plexrl_dask.gpu_nanny`, which gives each worker one of the pod's GPUs.
+  :mod:`plexrl_dask.gpu_nanny`, which gives each worker one of the pod's GPUs. Each worker's
+  Dask memory limit is its share of the pod's memory less the DRAM tier's room, which the
+  same cgroup is charged for. **A cluster of such pods has a fixed size:** the operator
+  scales down by retiring *workers* and deleting the Deployments named after them, which
+  exist only for pods of one worker (``gpus_per_pod=1``), so do not scale or autoscale it.
 - **A shared volume** (``shared_volume`` mounted at ``shared_path``, e.g. a ReadWriteMany
   claim) for job checkpoint directories, which the driver and the workers must both reach.
 
 The image must hold this package and its dependencies (and vLLM for ``rollout_backend=
-"vllm"``). ``tests/test_kubernetes.py`` starts the resource's scheduler and worker commands as
+"vllm"``); a driver run in a pod (``examples/multiplex.py --scheduler``) needs the repository's
+``examples/`` too. ``tests/test_kubernetes.py`` starts the resource's scheduler and worker commands as
 local processes, environments included, and runs PlexRL on them; no Kubernetes cluster was
 available to apply it to.
 """
@@ -47,14 +53,25 @@ GPU_NANNY = "plexrl_dask.gpu_nanny"
 SCHEDULER_PORT, DASHBOARD_PORT, WORKER_DASHBOARD_PORT = 8786, 8787, 8788
 #: Where a worker pod mounts its NVMe tier.
 NVME_MOUNT = "/plexrl/nvme"
-#: The operator prefixes service and pod names with the cluster's name (a DNS-1123 label of
-#: at most 63 characters, the longest suffix being "-scheduler" and a worker group's).
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
-#: A Kubernetes quantity of bytes, e.g. "16Gi" (not "16GiB").
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+#: The operator names the scheduler's Service "<name>-scheduler" (a DNS-1035 label: a letter
+#: first) and each worker's Deployment "<name>-default-worker-<10 hex digits>" (26 more
+#: characters; a label holds 63).
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,35}[a-z0-9])?$")
+#: A Kubernetes quantity of bytes, e.g. "16Gi" (not "16GiB"), up to peta.
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+#: The DRAM tier's directory inside the pod's /dev/shm (stated, not derived from the user name:
+#: an image may run as a user id without a name).
+DRAM_PATH = "/dev/shm/plexrl-dram"
 #: Of the in-memory /dev/shm, the share the DRAM tier may fill (the rest: torch's own shared
 #: memory, and a margin before the kubelet evicts a pod over its volume's size limit).
 DRAM_SHARE = 0.9
+
+
+def _quantity(label: str, value: object) -> int:
+    """Bytes of a Kubernetes quantity (ConfigError unless a positive one)."""
+    if not isinstance(value, str) or not _QUANTITY.match(value) or parse_bytes(value) <= 0:
+        raise ConfigError(f"{label} must be a Kubernetes quantity like '16Gi', got {value!r}")
+    return parse_bytes(value)
 
 
 def _env(values: Mapping[str, str]) -> list[dict[str, str]]:
@@ -80,7 +97,8 @@ def kube_cluster_spec(
 ) -> dict[str, Any]:
     """The ``DaskCluster`` resource of a PlexRL cluster of ``gpus`` GPUs (module docstring).
 
-    - ``name``: the cluster's name (lowercase letters, digits and ``-``, at most 40).
+    - ``name``: the cluster's name (lowercase letters, digits and ``-``, a letter first, at
+      most 37).
     - ``gpus``, ``gpus_per_pod``: ``gpus / gpus_per_pod`` worker pods (it must divide), each
       asking for ``gpus_per_pod`` of ``gpu_resource`` and running that many workers.
     - ``image``: the scheduler's and the workers' container image.
@@ -101,7 +119,8 @@ def kube_cluster_spec(
 
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(
-            f"name must be 1-40 lowercase letters, digits or '-', not at an end: {name!r}"
+            "name must be 1-37 lowercase letters, digits or '-', a letter first and no '-' "
+            f"last: {name!r}"
         )
     for label, value in (("gpus", gpus), ("gpus_per_pod", gpus_per_pod)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -112,18 +131,35 @@ def kube_cluster_spec(
         raise ConfigError(f"rollout_backend is one of {BACKEND_NAMES}, got {rollout_backend!r}")
     if not isinstance(image, str) or not image:
         raise ConfigError(f"image must name a container image, got {image!r}")
-    if not isinstance(idle_timeout, int) or idle_timeout < 0:
+    if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, int) or idle_timeout < 0:
         raise ConfigError(f"idle_timeout must be an integer >= 0, got {idle_timeout!r}")
-    if not isinstance(dram_size, str) or not _QUANTITY.match(dram_size):
-        raise ConfigError(f"dram_size must be a Kubernetes quantity like '16Gi', got {dram_size!r}")
-    if not shared_path.startswith("/"):
-        raise ConfigError(f"shared_path must be absolute, got {shared_path!r}")
+    dram_bytes = _quantity("dram_size", dram_size)
+    if not isinstance(shared_path, str) or not shared_path.startswith("/"):
+        raise ConfigError(f"shared_path must be an absolute path, got {shared_path!r}")
+    if any(
+        shared_path == p or shared_path.startswith(p + "/") or p.startswith(shared_path + "/")
+        for p in ("/dev/shm", NVME_MOUNT)
+    ):
+        raise ConfigError(f"shared_path {shared_path!r} overlaps the tiers' mounts")
+    for label, volume in (("nvme_volume", nvme_volume), ("shared_volume", shared_volume)):
+        if volume is not None and (not isinstance(volume, Mapping) or "name" in volume):
+            raise ConfigError(f"{label} is a pod volume's source, without a name: {volume!r}")
+    memory_limit = None
+    if worker_resources and "memory" in worker_resources:
+        room = _quantity("worker_resources['memory']", worker_resources["memory"]) - dram_bytes
+        if room <= 0:
+            raise ConfigError(
+                f"a worker pod's memory ({worker_resources['memory']}) must exceed its "
+                f"dram_size ({dram_size}), which the pod's memory limit includes"
+            )
+        memory_limit = room // gpus_per_pod
 
     common = dict(env or {})
     worker_env = {
-        "DASK_PLEXRL__STATE__NVME_PATH": NVME_MOUNT,
+        "DASK_PLEXRL__STATE__DRAM_PATH": DRAM_PATH,
         # (stated, not "auto": a memory-backed emptyDir may report the machine's memory)
-        "DASK_PLEXRL__STATE__DRAM_CAPACITY": str(int(parse_bytes(dram_size) * DRAM_SHARE)),
+        "DASK_PLEXRL__STATE__DRAM_CAPACITY": str(int(dram_bytes * DRAM_SHARE)),
+        "DASK_PLEXRL__STATE__NVME_PATH": NVME_MOUNT,
         **common,
     }
     if rollout_backend == "vllm":
@@ -133,6 +169,7 @@ def kube_cluster_spec(
         "--name", "$(DASK_WORKER_NAME)",
         "--nthreads", "1",
         "--resources", f"{config.get('worker.gpu-resource')}=1",
+        *(("--memory-limit", str(memory_limit)) if memory_limit is not None else ()),
     ]  # fmt: skip
     ports = []
     if gpus_per_pod == 1:

@@ -44,6 +44,23 @@ from plexrl_dask.service.registry import DeploymentInfo
 logger = logging.getLogger(__name__)
 
 
+def client_security(security: Any) -> Any:
+    """The ``Security`` of the client the plugin opens to its own scheduler: the scheduler's,
+    with the scheduler's certificate and key in the client role where the cluster names no
+    client certificate (``dask scheduler --tls-cert ... --tls-key ...`` sets only the
+    scheduler's). The certificate must then be valid for client authentication too, as Dask's
+    and most clusters' are (no extended key usage, or both)."""
+    if security.tls_client_cert or not security.tls_scheduler_cert:
+        return security
+    from distributed import Security
+
+    fields = {name: getattr(security, name) for name in Security.__slots__}
+    fields.update(
+        tls_client_cert=security.tls_scheduler_cert, tls_client_key=security.tls_scheduler_key
+    )
+    return Security(**fields)
+
+
 class DeploymentRegistry:
     """Deployment handlers and placement of the scheduler plugin (see the module docstring).
     The attributes below are the plugin's, set in its ``__init__`` and ``start``."""
@@ -78,7 +95,7 @@ class DeploymentRegistry:
                 self._client = await Client(
                     self.scheduler.address,
                     asynchronous=True,
-                    security=self.scheduler.security,
+                    security=client_security(self.scheduler.security),
                     name="plexrl-scheduler-plugin",
                     set_as_default=False,
                 )

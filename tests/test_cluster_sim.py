@@ -234,8 +234,8 @@ def test_cli_refuses_bad_arguments_and_inputs_without_a_traceback(capsys):
         assert "must be" in capsys.readouterr().err
     # ... and a typed error of the command is one line, not a traceback, with exit 2.
     assert cli_main(["simulate", "--policy", "isolated", "--gpus", "8"]) == 2
-    out = capsys.readouterr().out
-    assert "InvalidTrace" in out and "no job class" in out and "Traceback" not in out
+    err = capsys.readouterr().err  # (errors on stderr: stdout may be piped on)
+    assert "InvalidTrace" in err and "no job class" in err and "Traceback" not in err
 
 
 def test_states_beyond_host_dram_load_from_nvme_and_cost_more(runs):

@@ -77,3 +77,26 @@ def test_the_main_job_on_slurm_prints_its_job_script(tmp_path):
     worker = [line for line in proc.stdout.splitlines() if "dask_worker" in line]
     assert len(worker) == 1 and worker[0].endswith("--resources GPU=1")
     assert "tcp://127.0.0.1:" in worker[0]
+
+
+def test_the_main_job_says_when_it_reaches_no_scheduler(tmp_path):
+    """``--scheduler ADDRESS`` joins a running cluster (run in ``tests/test_kubernetes.py``);
+    nothing listening there is a one-line error within ``--scheduler-wait``."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
+         "--scheduler", f"tcp://127.0.0.1:{port}", "--scheduler-wait", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "no scheduler reached at" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
+         "--scheduler", f"tcp://127.0.0.1:{port}", "--slurm", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "give one of them" in proc.stderr

@@ -24,7 +24,7 @@ from distributed import Client
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.cli import main as plexrl_main
-from plexrl_dask.cluster import stop_process
+from plexrl_dask.cluster import read_scheduler_file, stop_process
 from plexrl_dask.kubernetes import NVME_MOUNT, kube_cluster_spec
 from tests.conftest import node_state, tiny_spec, unique
 from tests.test_tls import train_sync_sample
@@ -81,9 +81,12 @@ def test_a_pod_per_gpu_and_a_pod_per_machine():
     assert w["resources"]["requests"] == w["resources"]["limits"]
     args = " ".join(w["args"])
     assert "--nworkers 8 --preload-nanny plexrl_dask.gpu_nanny" in args
+    # each worker's share of the pod's memory, less the in-memory /dev/shm it is charged for
+    assert f"--memory-limit {600 * 2**30 // 8}" in args
     env = env_of(w)
     assert env["DASK_DISTRIBUTED__WORKER__DAEMON"] == "False"  # vLLM engines are children
     assert env["DASK_PLEXRL__STATE__NVME_PATH"] == NVME_MOUNT
+    assert env["DASK_PLEXRL__STATE__DRAM_PATH"].startswith("/dev/shm/")
     assert int(env["DASK_PLEXRL__STATE__DRAM_CAPACITY"]) == int(400 * 2**30 * 0.9)
     assert env["DASK_PLEXRL__REQUEST__TIMEOUT"] == "1200s"
     assert env_of(container(machine, "scheduler")) == {"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s"}
@@ -101,9 +104,9 @@ def test_a_pod_per_gpu_and_a_pod_per_machine():
 
 
 def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
-    """The operator's ``DaskCluster`` schema (dask-kubernetes' ``templates.yaml``): worker
-    ``replicas``/``metadata``/``spec`` (a PodSpec), scheduler ``metadata``/``spec``/``service``
-    (a ServiceSpec). The PodSpecs and the ServiceSpec go through the Kubernetes API's own
+    """The fields the operator's ``DaskCluster`` schema defines (dask-kubernetes'
+    ``templates.yaml``, restated here): worker ``replicas``/``metadata``/``spec`` (a PodSpec),
+    scheduler ``metadata``/``spec``/``service`` (a ServiceSpec). The PodSpecs and the ServiceSpec go through the Kubernetes API's own
     models and back unchanged: a misspelt or misplaced field would be dropped, a number
     given as a string turned into one."""
     api = pytest.importorskip("kubernetes.client").ApiClient()
@@ -140,7 +143,8 @@ def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
     [
         ({"name": "RL"}, "lowercase"),
         ({"name": "-rl"}, "lowercase"),
-        ({"name": "r" * 41}, "lowercase"),
+        ({"name": "1rl"}, "a letter first"),  # its Service's name must start with one
+        ({"name": "r" * 38}, "lowercase"),  # its workers' Deployments' names would be too long
         ({"gpus": 0}, "gpus must be"),
         ({"gpus": True}, "gpus must be"),
         ({"gpus": 6, "gpus_per_pod": 4}, "multiple of gpus_per_pod"),
@@ -148,8 +152,17 @@ def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
         ({"rollout_backend": "sglang"}, "rollout_backend"),
         ({"image": ""}, "image"),
         ({"dram_size": "16GiB"}, "quantity"),
+        ({"dram_size": "0"}, "quantity"),
+        ({"dram_size": "1Ei"}, "quantity"),
         ({"idle_timeout": -1}, "idle_timeout"),
+        ({"idle_timeout": True}, "idle_timeout"),
         ({"shared_path": "runs"}, "absolute"),
+        ({"shared_path": "/dev/shm/runs"}, "overlaps"),
+        ({"shared_path": "/plexrl"}, "overlaps"),
+        ({"nvme_volume": {"name": "x", "emptyDir": {}}}, "without a name"),
+        ({"shared_volume": "runs"}, "without a name"),
+        ({"worker_resources": {"memory": "16Gi"}}, "must exceed its dram_size"),
+        ({"worker_resources": {"memory": "lots"}}, "quantity"),
     ],
 )
 def test_values_the_operator_or_plexrl_would_refuse_are_typed_errors(kwargs, match):
@@ -174,7 +187,8 @@ def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys):
     )
     assert plexrl_main(["kube-spec", "--name", "rl", "--gpus", "6", "--gpus-per-pod", "4",
                         "--image", "img:1"]) == 2  # fmt: skip
-    assert "multiple of gpus_per_pod" in capsys.readouterr().out
+    shown = capsys.readouterr()
+    assert "multiple of gpus_per_pod" in shown.err and not shown.out  # nothing for kubectl
 
 
 def expand(arg: str, env: dict[str, str]) -> str:
@@ -182,16 +196,16 @@ def expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
-def start(c: dict, env: dict[str, str], *local: str) -> subprocess.Popen:
+def start(c: dict, env: dict[str, str], log: Path, *local: str) -> subprocess.Popen:
     """Run container ``c``'s command here: its environment plus ``env``, its arguments
-    expanded, ``local`` arguments after them (the last of a repeated option wins)."""
+    expanded, ``local`` arguments after them (the last of a repeated option wins); its output
+    into ``log`` (kept in the test's temporary directory)."""
     full = {**os.environ, **env_of(c), **env}
     argv = [expand(a, full) for a in c["args"]]
     assert argv[0] == "dask"
     argv[0] = str(Path(sys.executable).parent / "dask")
-    return subprocess.Popen(
-        [*argv, *local], env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    with open(log, "wb") as out:
+        return subprocess.Popen([*argv, *local], env=full, stdout=out, stderr=subprocess.STDOUT)
 
 
 def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
@@ -203,6 +217,7 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
         start(
             container(spec, "scheduler"),
             {},
+            tmp_path / "scheduler.log",
             "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
             "--scheduler-file", str(sched_file),
         )
@@ -211,12 +226,7 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
     tiers = {pod: {"dram-path": tmp_path / pod / "dram", "nvme-path": tmp_path / pod / "nvme"}
              for pod in pods}  # fmt: skip
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not sched_file.exists():
-            assert procs[0].poll() is None, "the scheduler's command exited"
-            assert time.monotonic() < deadline, "the scheduler's command never served"
-            time.sleep(0.05)
-        address = json.loads(sched_file.read_text())["address"]
+        address = read_scheduler_file(sched_file, procs[0], WAIT_S)["address"]
         for pod in pods:
             local_mounts = {  # the pod's volumes, and its host name as the node's name
                 "DASK_PLEXRL__STATE__DRAM_PATH": str(tiers[pod]["dram-path"]),
@@ -226,7 +236,11 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
             operator = {"DASK_SCHEDULER_ADDRESS": address, "DASK_WORKER_NAME": pod}
             procs.append(
                 start(
-                    container(spec, "worker"), {**operator, **local_mounts}, "--host", "127.0.0.1"
+                    container(spec, "worker"),
+                    {**operator, **local_mounts},
+                    tmp_path / f"{pod}.log",
+                    "--host",
+                    "127.0.0.1",
                 )
             )
         with Client(address, set_as_default=False, timeout=60) as client:

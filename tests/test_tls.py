@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import time
 import urllib.request
 
@@ -15,7 +16,8 @@ import torch
 from distributed import Client, Security
 
 import plexrl_dask as plexrl
-from plexrl_dask.cluster import scheduler_process, tls_environment, worker_process
+from plexrl_dask import errors
+from plexrl_dask.cluster import scheduler_process, stop_process, tls_environment, worker_process
 from plexrl_dask.state_store.node import NodeState
 from tests.conftest import node_state, tiny_spec, unique
 
@@ -50,14 +52,32 @@ def train_sync_sample(runtime: plexrl.Runtime, trainer, rollouts) -> dict:
     return want
 
 
-def test_tls_environment_carries_each_role_and_nothing_without_tls():
-    sec = Security.temporary()
-    env = tls_environment(sec)
-    assert env["DASK_DISTRIBUTED__COMM__TLS__CA_FILE"] == sec.tls_ca_file
-    assert env["DASK_DISTRIBUTED__COMM__TLS__WORKER__KEY"] == sec.tls_worker_key
-    assert env["DASK_DISTRIBUTED__COMM__TLS__SCHEDULER__CERT"] == sec.tls_scheduler_cert
-    assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
-    assert tls_environment(None) == {} and tls_environment(Security()) == {}
+def test_tls_environment_carries_a_roles_own_settings_and_nothing_without_tls():
+    sec = Security.temporary(tls_min_version=ssl.TLSVersion.TLSv1_3)
+    worker = tls_environment(sec, "worker")
+    assert worker["DASK_DISTRIBUTED__COMM__TLS__CA_FILE"] == sec.tls_ca_file
+    assert worker["DASK_DISTRIBUTED__COMM__TLS__WORKER__KEY"] == sec.tls_worker_key
+    assert worker["DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT"] == sec.tls_client_cert
+    assert worker["DASK_DISTRIBUTED__COMM__TLS__MIN_VERSION"] == "1.3"
+    assert worker["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
+    assert not any("SCHEDULER" in k for k in worker)  # a worker never gets its key
+    scheduler = tls_environment(sec, "scheduler")
+    assert scheduler["DASK_DISTRIBUTED__COMM__TLS__SCHEDULER__KEY"] == sec.tls_scheduler_key
+    assert not any("WORKER" in k for k in scheduler)
+    assert tls_environment(None, "worker") == {} and tls_environment(Security(), "worker") == {}
+    with pytest.raises(errors.ConfigError, match="role"):
+        tls_environment(sec, "client")
+
+
+def role(sec: Security, name: str) -> Security:
+    """``sec`` with one role's certificate only, as ``dask scheduler|worker --tls-ca-file
+    --tls-cert --tls-key`` sets it."""
+    return Security(
+        tls_ca_file=sec.tls_ca_file,
+        require_encryption=True,
+        **{f"tls_{name}_cert": getattr(sec, f"tls_{name}_cert")},
+        **{f"tls_{name}_key": getattr(sec, f"tls_{name}_key")},
+    )
 
 
 def test_a_tls_local_cluster_trains_a_group_and_syncs_its_replicas():
@@ -89,9 +109,10 @@ def test_a_tls_local_cluster_trains_a_group_and_syncs_its_replicas():
 
 def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
     """The shared-cluster path: ``dask scheduler --protocol tls --preload plexrl_dask.plugins``
-    and two ``dask worker`` processes on different nodes (own tiers), all with the same
-    certificates. A trainer with a rank on each node publishes on rank 0's node; the rollout
-    replica on the other node imports that version worker to worker, over TLS."""
+    and two ``dask worker`` processes on different nodes (own tiers), each with its own
+    role's certificate alone, as the README's command lines give them (the plugin's own client
+    then uses the scheduler's). A trainer with a rank on each node publishes on rank 0's node;
+    the rollout replica on the other node imports that version worker to worker, over TLS."""
     sec = Security.temporary()
     workers = []
 
@@ -100,7 +121,7 @@ def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
             {"dram-path": tmp_path / f"{node}-dram", "nvme-path": tmp_path / f"{node}-nvme"}
         )
 
-    with scheduler_process(tmp_path, security=sec) as info:
+    with scheduler_process(tmp_path, security=role(sec, "scheduler")) as info:
         address = info["address"]
         assert address.startswith("tls://")
         try:
@@ -110,7 +131,7 @@ def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
                     "nvme-path": str(tmp_path / f"{node}-nvme"),
                     "node-id": node,
                 }
-                workers.append(worker_process(address, tiers, security=sec))
+                workers.append(worker_process(address, tiers, security=role(sec, "worker")))
             with Client(address, security=sec, set_as_default=False, timeout=60) as client:
                 client.wait_for_workers(2, timeout=WAIT_S)
                 runtime = plexrl.Runtime(client, job=unique("tls-shared"))
@@ -145,8 +166,7 @@ def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
         finally:
             for proc in workers:
                 with contextlib.suppress(Exception):
-                    proc.terminate()
-                    proc.wait(timeout=60)
+                    stop_process(proc, timeout=60)
             for node in ("node-a", "node-b"):  # their managers outlive the workers
                 with contextlib.suppress(Exception):
                     tiers_of(node).shutdown()
