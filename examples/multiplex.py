@@ -99,7 +99,13 @@ def main() -> None:
         type=positive_int,
         default=None,
         metavar="GPUS",
-        help="submit GPUS jobs of one GPU and one PlexRL worker each",
+        help="submit jobs for GPUS GPUs in all, one PlexRL worker per GPU",
+    )
+    slurm.add_argument(
+        "--slurm-gpus-per-job",
+        type=positive_int,
+        default=1,
+        help="GPUs (and workers) per job; GPUS must be a multiple",
     )
     slurm.add_argument("--slurm-cores", type=positive_int, default=8)
     slurm.add_argument("--slurm-memory", default="64GB")
@@ -138,6 +144,8 @@ def main() -> None:
         parser.error("--dry-run prints the SLURM job script: give --slurm GPUS")
     if args.slurm and args.scheduler:
         parser.error("--slurm starts a cluster, --scheduler joins one: give one of them")
+    if args.slurm and args.slurm % args.slurm_gpus_per_job:
+        parser.error("--slurm GPUS must be a multiple of --slurm-gpus-per-job")
     if args.rollout_backend == "vllm":
         if not args.rollout_replicas:
             parser.error("--rollout-backend vllm needs --rollout-replicas >= 1")
@@ -176,7 +184,11 @@ def main() -> None:
         if args.slurm_scheduler_host:
             site["scheduler_options"] = {"host": args.slurm_scheduler_host}
         cluster_cm = plexrl.slurm_cluster(
-            args.slurm, args.rollout_backend, submit=not args.dry_run, **site
+            args.slurm,
+            args.rollout_backend,
+            submit=not args.dry_run,
+            gpus_per_job=args.slurm_gpus_per_job,
+            **site,
         )
     elif args.scheduler:
         # (a tls:// scheduler: the client's certificates come from Dask's config, e.g.

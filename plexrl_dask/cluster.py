@@ -34,6 +34,8 @@ from plexrl_dask.errors import ConfigError, SchedulerNotStarted
 logger = logging.getLogger(__name__)
 
 PRELOAD = "plexrl_dask.plugins"
+#: The nanny preload that gives each worker of a machine with several GPUs one of them.
+GPU_NANNY = "plexrl_dask.gpu_nanny"
 TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRIM_ENV_KEY = f"distributed.nanny.pre-spawn-environ.{TRIM_ENV}"
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
@@ -350,28 +352,34 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait(timeout=timeout)
 
 
-def jobqueue_options(rollout_backend: str = "torch") -> dict[str, Any]:
+def jobqueue_options(rollout_backend: str = "torch", gpus_per_job: int = 1) -> dict[str, Any]:
     """What makes a dask-jobqueue cluster (``SLURMCluster``, ``PBSCluster``, ...) a PlexRL
     cluster, as keyword arguments to give it beside the site's own (queue, account, cores,
-    memory, walltime, and the directive that gives a job one GPU, e.g. SLURM's
-    ``job_extra_directives=["--gres=gpu:1"]``):
+    memory, walltime, and the directive that gives a job ``gpus_per_job`` GPUs, e.g. SLURM's
+    ``job_extra_directives=["--gres=gpu:4"]``):
 
     - ``scheduler_options``: the scheduler, which dask-jobqueue runs in this process, preloads
       the PlexRL plugins; they register the worker plugin on every worker that joins;
-    - ``processes=1`` and ``worker_extra_args``: one worker per job (so per GPU, which the job
-      sees alone through the queue's ``CUDA_VISIBLE_DEVICES``), advertising the GPU resource;
+    - ``processes=gpus_per_job`` and ``worker_extra_args``: one worker per GPU of the job,
+      advertising the GPU resource; with several, the nanny preload :mod:`plexrl_dask.gpu_nanny`
+      gives each one of the GPUs the queue made visible to the job (its
+      ``CUDA_VISIBLE_DEVICES``). A job's workers share a node's tiers;
     - ``job_script_prologue``: with a vLLM rollout (``rollout_backend="vllm"``), workers that
       may start the engines' processes (``distributed.worker.daemon: false``)."""
     from plexrl_dask.service.registry import BACKEND_NAMES
 
     if rollout_backend not in BACKEND_NAMES:
         raise ConfigError(f"rollout_backend is one of {BACKEND_NAMES}, got {rollout_backend!r}")
+    config.count("gpus_per_job", gpus_per_job)
     prologue = []
     if rollout_backend == "vllm":
         prologue.append("export DASK_DISTRIBUTED__WORKER__DAEMON=False")
+    worker_args = ["--resources", f"{config.get('worker.gpu-resource')}=1"]
+    if gpus_per_job > 1:
+        worker_args += ["--preload-nanny", GPU_NANNY]
     return {
-        "processes": 1,
-        "worker_extra_args": ["--resources", f"{config.get('worker.gpu-resource')}=1"],
+        "processes": gpus_per_job,
+        "worker_extra_args": worker_args,
         "scheduler_options": {"preload": [PRELOAD]},
         "job_script_prologue": prologue,
     }
@@ -379,25 +387,31 @@ def jobqueue_options(rollout_backend: str = "torch") -> dict[str, Any]:
 
 @contextlib.contextmanager
 def slurm_cluster(
-    gpus: int, rollout_backend: str = "torch", submit: bool = True, **site: Any
+    gpus: int,
+    rollout_backend: str = "torch",
+    submit: bool = True,
+    gpus_per_job: int = 1,
+    **site: Any,
 ) -> Iterator[Any]:
-    """A dask-jobqueue ``SLURMCluster`` of ``gpus`` jobs of one GPU and one PlexRL worker each
-    (:func:`jobqueue_options`), closed on exit. ``site``: the ``SLURMCluster`` arguments of
-    your site (``cores``, ``memory``, ``queue``, ``account``, ``walltime``, and
-    ``job_extra_directives``, by default ``["--gres=gpu:1"]``). The jobs are submitted on
-    entry (not with ``submit=False``: to read ``cluster.job_script()``); wait for their
-    workers with ``client.wait_for_workers(gpus, timeout=...)``. Needs ``pip install
-    plexrl-dask[jobqueue]``."""
+    """A dask-jobqueue ``SLURMCluster`` of ``gpus / gpus_per_job`` jobs (it must divide) of
+    ``gpus_per_job`` GPUs and as many PlexRL workers each (:func:`jobqueue_options`), closed
+    on exit. ``site``: the ``SLURMCluster`` arguments of your site (``cores``, ``memory``,
+    ``queue``, ``account``, ``walltime``, and ``job_extra_directives``, by default
+    ``["--gres=gpu:<gpus_per_job>"]``; ``cores`` and ``memory`` are the job's, shared by its
+    workers). The jobs are submitted on entry (not with ``submit=False``: to read
+    ``cluster.job_script()``); wait for their workers with ``client.wait_for_workers(gpus,
+    timeout=...)``. Needs ``pip install plexrl-dask[jobqueue]``."""
     try:
         from dask_jobqueue import SLURMCluster
     except ImportError as e:
         raise ConfigError(
             "slurm_cluster needs dask-jobqueue: pip install plexrl-dask[jobqueue]"
         ) from e
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError(f"gpus must be an integer >= 1, got {gpus!r}")
-    options = jobqueue_options(rollout_backend)
-    site.setdefault("job_extra_directives", ["--gres=gpu:1"])
+    config.count("gpus", gpus)
+    options = jobqueue_options(rollout_backend, gpus_per_job)
+    if gpus % gpus_per_job:
+        raise ConfigError(f"gpus ({gpus}) must be a multiple of gpus_per_job ({gpus_per_job})")
+    site.setdefault("job_extra_directives", [f"--gres=gpu:{gpus_per_job}"])
     for key in ("worker_extra_args", "job_script_prologue"):  # ours, then the site's
         site[key] = [*options.pop(key), *site.get(key, [])]
     scheduler = {**site.get("scheduler_options", {})}
@@ -409,7 +423,7 @@ def slurm_cluster(
     cluster = SLURMCluster(**{**options, **site})
     try:
         if submit:
-            cluster.scale(jobs=gpus)
+            cluster.scale(jobs=gpus // gpus_per_job)
         yield cluster
     finally:
         cluster.close()

@@ -34,6 +34,14 @@ def get(key: str) -> object:
     return dask.config.get(f"plexrl.{key}")
 
 
+def count(label: str, value: object) -> int:
+    """``value`` if it is an integer >= 1 (not a bool), else :class:`ConfigError` naming
+    ``label``: how many workers, GPUs, ranks or replicas a caller asked for."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+    return value
+
+
 def get_seconds(key: str, *, positive: bool = True) -> float:
     """Return ``plexrl.<key>`` parsed as a duration in seconds (a number of seconds or a
     string such as ``"2s"`` or ``"100ms"``).

@@ -44,11 +44,10 @@ from typing import Any
 from dask.utils import parse_bytes
 
 from plexrl_dask import config
-from plexrl_dask.cluster import PRELOAD
+from plexrl_dask.cluster import GPU_NANNY, PRELOAD
 from plexrl_dask.errors import ConfigError
 
 API_VERSION = "kubernetes.dask.org/v1"
-GPU_NANNY = "plexrl_dask.gpu_nanny"
 #: The ports the operator's scheduler service targets by name.
 SCHEDULER_PORT, DASHBOARD_PORT, WORKER_DASHBOARD_PORT = 8786, 8787, 8788
 #: Where a worker pod mounts its NVMe tier.
@@ -122,9 +121,8 @@ def kube_cluster_spec(
             "name must be 1-37 lowercase letters, digits or '-', a letter first and no '-' "
             f"last: {name!r}"
         )
-    for label, value in (("gpus", gpus), ("gpus_per_pod", gpus_per_pod)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+    config.count("gpus", gpus)
+    config.count("gpus_per_pod", gpus_per_pod)
     if gpus % gpus_per_pod:
         raise ConfigError(f"gpus ({gpus}) must be a multiple of gpus_per_pod ({gpus_per_pod})")
     if rollout_backend not in BACKEND_NAMES:

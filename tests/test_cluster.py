@@ -96,6 +96,25 @@ def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
         pass
 
 
+def test_a_slurm_job_of_several_gpus_runs_one_worker_per_gpu():
+    """``gpus_per_job=4``: jobs asking for 4 GPUs, each starting 4 workers (``--nworkers``,
+    so named ``<job>-0`` ... ``-3``) with the GPU nanny preload, which gives each one of the
+    job's GPUs (tested above with real nannies)."""
+    site = dict(cores=8, memory="64GB", scheduler_options={"host": "127.0.0.1"})
+    with plexrl.slurm_cluster(8, submit=False, gpus_per_job=4, **site) as slurm:
+        script = slurm.job_script()
+        assert "#SBATCH --gres=gpu:4" in script
+        [worker] = [line for line in script.splitlines() if "dask_worker" in line]
+        assert "--nworkers 4" in worker and "--nthreads 2" in worker
+        assert "--resources GPU=1 --preload-nanny plexrl_dask.gpu_nanny" in worker
+    for bad, match in (({"gpus_per_job": 0}, "gpus_per_job"), ({"gpus_per_job": 3}, "multiple")):
+        with (
+            pytest.raises(errors.ConfigError, match=match),
+            plexrl.slurm_cluster(8, submit=False, **bad, **site),
+        ):
+            pass
+
+
 def test_gpu_of_worker_follows_the_number_in_a_workers_name():
     gpus = ["3", "5"]
     assert [cluster.gpu_of_worker(n, gpus) for n in (0, 1, 2)] == ["3", "5", "3"]

@@ -78,6 +78,16 @@ def test_the_main_job_on_slurm_prints_its_job_script(tmp_path):
     assert len(worker) == 1 and worker[0].endswith("--resources GPU=1")
     assert "tcp://127.0.0.1:" in worker[0]
 
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
+         "--slurm", "8", "--slurm-gpus-per-job", "4", "--slurm-scheduler-host", "127.0.0.1",
+         "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "#SBATCH --gres=gpu:4" in proc.stdout
+    assert "--nworkers 4" in proc.stdout and "--preload-nanny plexrl_dask.gpu_nanny" in proc.stdout
+
 
 def test_the_main_job_says_when_it_reaches_no_scheduler(tmp_path):
     """``--scheduler ADDRESS`` joins a running cluster (run in ``tests/test_kubernetes.py``);

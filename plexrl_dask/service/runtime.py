@@ -35,7 +35,6 @@ from distributed import Actor, Client, Future, get_client
 from plexrl_dask import config, ops
 from plexrl_dask.errors import (
     CheckpointError,
-    ConfigError,
     InvalidBatch,
     InvalidLoss,
     InvalidModelSpec,
@@ -152,9 +151,8 @@ class Runtime:
             raise InvalidModelSpec(
                 f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}"
             )
-        for what, value in (("world_size", world_size), ("replicas", replicas)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{what} must be an integer >= 1, got {value!r}")
+        config.count("world_size", world_size)
+        config.count("replicas", replicas)
         uid = uuid.uuid4().hex
         hf = model.hf_config()
         memory_bytes = -(-model.memory_bytes(role) // world_size)  # per rank, rounded up
