@@ -201,10 +201,11 @@ def main() -> None:
         if args.dry_run:
             print(cluster.job_script())  # (plain: a console would wrap its long lines)
             return
+        runtime = plexrl.Runtime(client, job="main")
+        runtime.status()  # a cluster without the PlexRL plugins: PluginsNotInstalled, now
         wait = args.slurm_wait if args.slurm else args.scheduler_wait if args.scheduler else None
         workers = gpu_workers(client, args.workers, wait)
         console.print(f"cluster: {args.workers} workers, dashboard {client.dashboard_link}")
-        runtime = plexrl.Runtime(client, job="main")
         columns = (
             TextColumn("{task.description:<44}"),
             BarColumn(),
@@ -279,3 +280,5 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # every job stopped before its next step
         Console().print("stopped: the same command resumes every job from its last checkpoint")
         raise SystemExit(130) from None
+    except plexrl.errors.PluginsNotInstalled as e:  # --scheduler: a cluster without PlexRL
+        raise SystemExit(f"{type(e).__name__}: {e}") from None

@@ -110,3 +110,19 @@ def test_the_main_job_says_when_it_reaches_no_scheduler(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "give one of them" in proc.stderr
+
+
+def test_the_main_job_on_a_cluster_without_plexrl_says_so(tmp_path):
+    """A running scheduler that does not preload the PlexRL plugins: a one-line error naming
+    the ways to install them, not a traceback."""
+    from plexrl_dask.cluster import scheduler_process
+
+    with scheduler_process(tmp_path, preload=False) as info:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out",
+             str(tmp_path / "r"), "--scheduler", info["address"], "--workers", "1",
+             "--scheduler-wait", "5"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "PluginsNotInstalled" in proc.stderr and "Traceback" not in proc.stderr
