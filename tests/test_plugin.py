@@ -393,7 +393,7 @@ def test_a_runtime_on_a_scheduler_without_the_plugins_says_to_install_them(capsy
             with pytest.raises(errors.PluginsNotInstalled, match="install the PlexRL plugins"):
                 call()
         assert cli_main(["status", "--scheduler", cluster.scheduler_address]) == 2
-        assert "PluginsNotInstalled" in capsys.readouterr().out
+        assert "PluginsNotInstalled" in capsys.readouterr().err  # (errors on stderr)
 
 
 # --- parking ------------------------------------------------------------------------------------
