@@ -11,14 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main_job(out: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
+def run_main(out: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``examples/multiplex.py --out OUT ARGS...`` as a user runs it, whatever it returns."""
+    return subprocess.run(
         [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(out), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         cwd=out.parent,
     )
+
+
+def main_job(out: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = run_main(out, *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -55,35 +60,39 @@ def test_the_main_job_runs_end_to_end(tmp_path):
 
 
 def test_a_vllm_rollout_needs_rollout_replicas(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
-         "--rollout-backend", "vllm", "--rollout-replicas", "0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_main(tmp_path / "r", "--rollout-backend", "vllm", "--rollout-replicas", "0")
     assert proc.returncode == 2 and "needs --rollout-replicas >= 1" in proc.stderr
 
 
 def test_the_main_job_on_slurm_prints_its_job_script(tmp_path):
     """``--slurm GPUS --dry-run``: the SLURMCluster is built (its scheduler with the PlexRL
     plugins, in that process) and its job script printed whole; nothing is submitted."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
-         "--slurm", "4", "--slurm-queue", "gpu", "--slurm-scheduler-host", "127.0.0.1",
-         "--dry-run"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_main(
+        tmp_path / "r",
+        "--slurm",
+        "4",
+        "--slurm-queue",
+        "gpu",
+        "--slurm-scheduler-host",
+        "127.0.0.1",
+        "--dry-run",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "#SBATCH -p gpu" in proc.stdout and "#SBATCH --gres=gpu:1" in proc.stdout
     worker = [line for line in proc.stdout.splitlines() if "dask_worker" in line]
     assert len(worker) == 1 and worker[0].endswith("--resources GPU=1")
     assert "tcp://127.0.0.1:" in worker[0]
 
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
-         "--slurm", "8", "--slurm-gpus-per-job", "4", "--slurm-scheduler-host", "127.0.0.1",
-         "--dry-run"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_main(
+        tmp_path / "r",
+        "--slurm",
+        "8",
+        "--slurm-gpus-per-job",
+        "4",
+        "--slurm-scheduler-host",
+        "127.0.0.1",
+        "--dry-run",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "#SBATCH --gres=gpu:4" in proc.stdout
     assert "--nworkers 4" in proc.stdout and "--preload-nanny plexrl_dask.gpu_nanny" in proc.stdout
@@ -97,18 +106,12 @@ def test_the_main_job_says_when_it_reaches_no_scheduler(tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
-         "--scheduler", f"tcp://127.0.0.1:{port}", "--scheduler-wait", "2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_main(
+        tmp_path / "r", "--scheduler", f"tcp://127.0.0.1:{port}", "--scheduler-wait", "2"
+    )
     assert proc.returncode == 1 and "no scheduler reached at" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out", str(tmp_path / "r"),
-         "--scheduler", f"tcp://127.0.0.1:{port}", "--slurm", "2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_main(tmp_path / "r", "--scheduler", f"tcp://127.0.0.1:{port}", "--slurm", "2")
     assert proc.returncode == 2 and "give one of them" in proc.stderr
 
 
@@ -118,11 +121,14 @@ def test_the_main_job_on_a_cluster_without_plexrl_says_so(tmp_path):
     from plexrl_dask.cluster import scheduler_process
 
     with scheduler_process(tmp_path, preload=False) as info:
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "multiplex.py"), "--out",
-             str(tmp_path / "r"), "--scheduler", info["address"], "--workers", "1",
-             "--scheduler-wait", "5"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        proc = run_main(
+            tmp_path / "r",
+            "--scheduler",
+            info["address"],
+            "--workers",
+            "1",
+            "--scheduler-wait",
+            "5",
+        )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "PluginsNotInstalled" in proc.stderr and "Traceback" not in proc.stderr
