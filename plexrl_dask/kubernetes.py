@@ -106,9 +106,11 @@ def kube_cluster_spec(
     - ``worker_resources``, ``scheduler_resources``: the containers' other requests and
       limits (e.g. ``{"cpu": "16", "memory": "128Gi"}``), set as both.
     - ``dram_size``: the in-memory ``/dev/shm`` of a worker pod, the DRAM tier's room.
-    - ``nvme_volume``, ``shared_volume``: pod volume sources (e.g. ``{"hostPath": {"path":
-      "/mnt/nvme/plexrl"}}``, ``{"persistentVolumeClaim": {"claimName": "runs"}}``); the
-      NVMe tier defaults to an ``emptyDir``, the shared volume to none.
+    - ``nvme_volume``, ``shared_volume``: pod volume sources. The NVMe tier's must be the
+      pod's alone (a ``hostPath`` such as ``{"hostPath": {"path": "/mnt/nvme/plexrl"}}`` only
+      where one worker pod runs per machine; by default an ``emptyDir``); the shared one is
+      mounted on every worker pod (e.g. ``{"persistentVolumeClaim": {"claimName": "runs"}}``
+      of a ReadWriteMany claim; by default none).
     - ``env``: more environment for every container (e.g. ``DASK_PLEXRL__...`` settings).
     - ``idle_timeout``: seconds after which the operator removes an idle cluster (0: never).
 
