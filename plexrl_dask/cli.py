@@ -51,6 +51,14 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def env_pair(text: str) -> tuple[str, str]:
+    """An argparse type: ``KEY=VALUE`` (a non-empty key of letters, digits and ``_``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or not key.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"give KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (else argparse's usage error, exit 2)."""
     try:
@@ -207,6 +215,13 @@ def _cmd_kube_spec(args: argparse.Namespace) -> int:
             else None
         ),
         shared_path=args.shared_path,
+        nvme_volume=(
+            {"hostPath": {"path": args.nvme_host_path, "type": "DirectoryOrCreate"}}
+            if args.nvme_host_path
+            else None
+        ),
+        env=dict(args.env),
+        idle_timeout=args.idle_timeout,
     )
     # plain print: YAML for kubectl, which a console would wrap and colour
     print(yaml.safe_dump(spec, sort_keys=False), end="")
@@ -265,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler-memory", default=None)
     p.add_argument("--shared-claim", default=None, help="a PVC for checkpoints, on every worker")
     p.add_argument("--shared-path", default="/plexrl/shared")
+    p.add_argument(
+        "--nvme-host-path",
+        default=None,
+        help="the NVMe tier on the machine's disk (one worker pod per machine); default emptyDir",
+    )
+    p.add_argument(
+        "--env",
+        type=env_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of every container, e.g. DASK_PLEXRL__REQUEST__TIMEOUT=1200s",
+    )
+    p.add_argument("--idle-timeout", type=nonnegative_int, default=0, help="seconds; 0: never")
     p.set_defaults(fn=_cmd_kube_spec)
     args = parser.parse_args(argv)
     if args.command == "simulate" and not args.policy:

@@ -185,6 +185,22 @@ def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys):
         worker_resources={"memory": "256Gi"},
         shared_volume={"persistentVolumeClaim": {"claimName": "runs"}},
     )
+    assert plexrl_main(
+        ["kube-spec", "--name", "rl", "--gpus", "2", "--image", "img:1", "--idle-timeout", "600",
+         "--nvme-host-path", "/mnt/nvme/plexrl", "--env", "DASK_PLEXRL__REQUEST__TIMEOUT=1200s",
+         "--env", "HF_HOME=/plexrl/shared/hf"]
+    ) == 0  # fmt: skip
+    assert yaml.safe_load(capsys.readouterr().out) == kube_cluster_spec(
+        "rl",
+        2,
+        "img:1",
+        idle_timeout=600,
+        nvme_volume={"hostPath": {"path": "/mnt/nvme/plexrl", "type": "DirectoryOrCreate"}},
+        env={"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s", "HF_HOME": "/plexrl/shared/hf"},
+    )
+    with pytest.raises(SystemExit) as info:  # argparse's usage error
+        plexrl_main(["kube-spec", "--name", "rl", "--gpus", "2", "--image", "i", "--env", "X"])
+    assert info.value.code == 2 and "KEY=VALUE" in capsys.readouterr().err
     assert plexrl_main(["kube-spec", "--name", "rl", "--gpus", "6", "--gpus-per-pod", "4",
                         "--image", "img:1"]) == 2  # fmt: skip
     shown = capsys.readouterr()
