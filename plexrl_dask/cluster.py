@@ -190,10 +190,8 @@ def _remove_tiers(tiers: dict[str, str]) -> None:
     """Stop the tiers' manager (if one runs) and delete what the cluster made."""
     from plexrl_dask.state_store.node import NodeState, StateConfig
 
-    with dask.config.set({f"plexrl.state.{k}": v for k, v in tiers.items()}):
-        cfg = StateConfig.from_dask_config()
     try:
-        NodeState(cfg).shutdown()
+        NodeState(StateConfig.for_tiers(tiers)).shutdown()
     except Exception:  # cleanup must not mask the close
         logger.warning("could not stop the local cluster's StateManager", exc_info=True)
     for path in tiers.values():

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dask.config
 import numpy as np
 import torch
 from dask.utils import parse_bytes
@@ -61,6 +62,14 @@ class StateConfig:
     call_timeout_s: float
     transfer_timeout_s: float
     start_timeout_s: float
+
+    @classmethod
+    def for_tiers(cls, tiers: Mapping[str, object]) -> StateConfig:
+        """The configuration of the node whose ``plexrl.state.*`` settings are ``tiers``
+        (``dram-path``, ``nvme-path``, ``node-id``, ...) over the current ones: another node's
+        tiers, as a local cluster or a test names them."""
+        with dask.config.set({f"plexrl.state.{k}": str(v) for k, v in tiers.items()}):
+            return cls.from_dask_config()
 
     @classmethod
     def from_dask_config(cls) -> StateConfig:

@@ -12,7 +12,6 @@ import os
 import uuid
 from collections.abc import Mapping
 
-import dask
 import pytest
 from distributed import Client, Event
 from hypothesis import settings
@@ -43,8 +42,7 @@ def node_state(tiers: Mapping[str, object]):
     ``nvme-path``, ...): its manager's status and stores, or ``shutdown()`` to stop it."""
     from plexrl_dask.state_store.node import NodeState, StateConfig
 
-    with dask.config.set({f"plexrl.state.{k}": str(v) for k, v in tiers.items()}):
-        return NodeState(StateConfig.from_dask_config())
+    return NodeState(StateConfig.for_tiers(tiers))
 
 
 @pytest.fixture(scope="module")

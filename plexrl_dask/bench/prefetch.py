@@ -40,8 +40,7 @@ SPEC = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, max_posi
 
 
 def _node_of(cluster: Any) -> NodeState:
-    with dask.config.set({f"plexrl.state.{k}": v for k, v in cluster.plexrl_state.items()}):
-        return NodeState(StateConfig.from_dask_config())
+    return NodeState(StateConfig.for_tiers(cluster.plexrl_state))
 
 
 def _switches(hints: bool, room: bool, trials: int, long_batch: int) -> list[float]:

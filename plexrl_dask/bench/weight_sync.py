@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import dask.config
 from distributed import Client, Security
 from rich.progress import track
 
@@ -120,8 +119,7 @@ def node_pair(spec: plexrl.ModelSpec, security: Security | None) -> Iterator[Nod
 
 
 def _node(tiers: dict[str, str]) -> NodeState:
-    with dask.config.set({f"plexrl.state.{k}": v for k, v in tiers.items()}):
-        return NodeState(StateConfig.from_dask_config())
+    return NodeState(StateConfig.for_tiers(tiers))
 
 
 def _checked(pair: NodePair) -> tuple[int, int]:
