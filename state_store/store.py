@@ -187,26 +187,30 @@ class StateStore:
                 raise NotAStore(
                     f"{self.root} is not a PlexRL state store (no {MARKER}); pass create=True to make one"
                 )
-            # (dot files: the temporary of a marker another process is creating right now)
-            if self.root.exists() and any(
-                p.name != MARKER and not p.name.startswith(".") for p in self.root.iterdir()
+            # (dot files: the temporary of a marker another process is creating right now;
+            # other files with a marker seen after them: a store another process made since
+            # the first look, which two ranks saving into a new store at once both see)
+            if (
+                self.root.exists()
+                and any(
+                    p.name != MARKER and not p.name.startswith(".") for p in self.root.iterdir()
+                )
+                and not marker.is_file()
             ):
                 raise NotAStore(
                     f"{self.root} is a non-empty directory that is not a state store; refusing to use it"
                 )
-            self.root.mkdir(parents=True, exist_ok=True)
-            _write_file(
-                marker, json.dumps({"format": FORMAT, "created": time.time()}).encode(), durable
-            )
-        else:
-            try:
-                fmt = json.loads(marker.read_text()).get("format")
-            except (ValueError, OSError) as e:
-                raise NotAStore(f"{marker} is unreadable: {e}") from e
-            if fmt != FORMAT:
-                raise NotAStore(
-                    f"{self.root} has store format {fmt!r}; this version reads {FORMAT}"
+            if not marker.is_file():
+                self.root.mkdir(parents=True, exist_ok=True)
+                _write_file(
+                    marker, json.dumps({"format": FORMAT, "created": time.time()}).encode(), durable
                 )
+        try:
+            fmt = json.loads(marker.read_text()).get("format")
+        except (ValueError, OSError) as e:
+            raise NotAStore(f"{marker} is unreadable: {e}") from e
+        if fmt != FORMAT:
+            raise NotAStore(f"{self.root} has store format {fmt!r}; this version reads {FORMAT}")
         self.stats = IOStats()
         self.objects = Objects(self.root / "objects", durable, capacity_bytes, self.stats)
         self._manifests: dict[tuple[str, int], tuple[tuple[int, int], Manifest]] = {}

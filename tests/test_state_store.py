@@ -489,3 +489,28 @@ def test_an_import_fetches_only_the_objects_a_store_lacks_and_checks_each(tmp_pa
         dst.import_version(v3, lambda digests: {})
     assert not dst.has_version("w", 3) and dst.versions("w") == [1, 2]
     assert dst.import_version(v3, fetch) > 0 and dst.read("w", 3, "trained").equal(trained + 2)
+
+
+def _open_new_store(root: str, barrier) -> str:
+    barrier.wait(timeout=60)
+    try:
+        StateStore(root, create=True)
+        return "ok"
+    except errors.NotAStore as e:
+        return str(e)
+
+
+def test_processes_creating_one_store_at_once_all_open_it(tmp_path):
+    """Two ranks of a job saving its first checkpoint create its store at the same moment: the
+    one that looks second may find the first one's files after its own look for the marker,
+    and must then open the store, not refuse it as a foreign non-empty directory (which a
+    split job's first save once hit on CI, in ``tests/test_modes.py``). The window is narrow:
+    this stress test does not catch the old code every time; the rule is in the constructor."""
+    ctx = mp.get_context("fork")
+    with ctx.Manager() as manager, ctx.Pool(4) as pool:
+        barrier = manager.Barrier(4)  # (reusable: all four start each round together)
+        for round_ in range(20):
+            root = str(tmp_path / f"store-{round_}")
+            got = pool.starmap(_open_new_store, [(root, barrier)] * 4)
+            assert got == ["ok"] * 4, got
+            assert StateStore(root).versions("m") == []
