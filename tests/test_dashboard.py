@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import random
 import time
+import urllib.request
 
 import dask
 import pytest
@@ -540,6 +542,68 @@ async def test_json_routes_return_exactly_the_plugin_state(c, s):
         assert json.loads(e.value.response.body)["error"] == "InvalidDashboardQuery"
 
 
+async def get_metrics(s) -> dict[tuple[str, tuple], float]:
+    """The scheduler's Prometheus ``/metrics`` (Dask's route), parsed: (sample name, sorted
+    labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = s.http_server.port
+    resp = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{port}/metrics", request_timeout=30)
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(resp.body.decode())
+        for sample in family.samples
+    }
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_prometheus_metrics_are_the_dashboard_views_beside_dasks_own(c, s):
+    pytest.importorskip("prometheus_client")
+    plexrl, dash = await installed(c, s)
+    fill_synthetic(s, requests=500, workers=32, spans_per_worker=5, steps=4)
+    m = await get_metrics(s)
+    assert ("dask_scheduler_clients", ()) in m  # Dask's own metrics are still served
+    jobs = dash.jobs_view(with_history=False)["jobs"]
+    assert len(jobs) == 8
+    for row in jobs:
+        job = (("job", row["job"]),)
+        assert m[("dask_plexrl_job_charged_seconds_total", job)] == pytest.approx(row["charged_s"])
+        assert m[("dask_plexrl_job_busy_seconds_total", job)] == pytest.approx(row["busy_s"])
+        assert m[("dask_plexrl_job_setup_seconds_total", job)] == pytest.approx(row["setup_s"])
+        assert m[("dask_plexrl_job_share", job)] == pytest.approx(row["share"])
+        assert m[("dask_plexrl_job_step", job)] == row["step"] == 4
+        assert m[("dask_plexrl_job_reward_mean", job)] == pytest.approx(row["reward_mean"])
+        counts = plexrl.job_counters.get(row["job"], {})
+        for state in ("dispatched", "completed", "failed"):
+            key = ("dask_plexrl_job_requests_total", (("job", row["job"]), ("state", state)))
+            assert m[key] == counts.get(state, 0)
+    queue = dash.queue_view(limit=1, with_decisions=False)["queue"]
+    assert m[("dask_plexrl_queue_requests", (("state", "pending"),))] == 500
+    assert m[("dask_plexrl_queue_requests", (("state", "admitted"),))] == queue["admitted"]
+    # (read after the scrape: the oldest request has waited a little longer)
+    assert 0 < m[("dask_plexrl_queue_oldest_wait_seconds", ())] <= queue["top"][0]["wait_s"]
+    for name, n in queue["by_deployment"].items():
+        assert m[("dask_plexrl_deployment_pending_requests", (("deployment", name),))] == n
+    assert m[("dask_plexrl_deployments", ())] == len(plexrl.deployments) == 32
+    nodes = dash.node_bytes()
+    assert len(nodes) == 4  # 32 workers, 8 per node
+    for entry in nodes:
+        for tier in ("hbm", "dram", "nvme"):
+            key = ("dask_plexrl_node_tier_bytes", (("node", entry["node"]), ("tier", tier)))
+            assert m[key] == entry[f"{tier}_bytes"]
+    lanes, _ = dash.worker_lanes(time.time())
+    assert {k[1][0][1] for k in m if k[0] == "dask_plexrl_worker_idle_fraction"} == {
+        w["worker"] for w in lanes
+    }
+    # A scrape starts no node polling (the Residency page does), and the metrics follow the
+    # plugin: gone with it, back with the next one.
+    assert dash._residency_watched == float("-inf")
+    await c.unregister_scheduler_plugin("plexrl-dashboard")
+    assert not [k for k in await get_metrics(s) if k[0].startswith("dask_plexrl_")]
+    await c.register_plugin(PlexRLDashboardPlugin())
+    assert ("dask_plexrl_deployments", ()) in await get_metrics(s)
+
+
 @gen_cluster(
     client=True,
     nthreads=[],
@@ -590,6 +654,11 @@ def test_a_preloaded_dask_scheduler_serves_the_pages_and_routes(tmp_path):
         assert jobs["installed"] is True and jobs["jobs"] == []
         queue = fetch_json(f"{base}/plexrl/queue.json")
         assert queue["queue"]["pending"] == 0
+        if importlib.util.find_spec("prometheus_client") is not None:
+            with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+                metrics = resp.read().decode()
+            assert "dask_plexrl_deployments 0.0" in metrics.splitlines()
+            assert 'dask_plexrl_queue_requests{state="pending"} 0.0' in metrics.splitlines()
 
 
 def test_decision_reasons_say_why_and_where_a_request_was_released():

@@ -150,6 +150,18 @@ def test_every_page_shows_what_its_route_reports_in_chromium(tmp_path):
             )
 
         until(jobs_done, "both jobs' steps and spans on the dashboard")
+        # Prometheus scrapes the same numbers from the scheduler's own /metrics.
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+            samples = {
+                (s.name, s.labels.get("job")): s.value
+                for f in text_string_to_metric_families(resp.read().decode())
+                for s in f.samples
+            }
+        for name in names:
+            assert samples[("dask_plexrl_job_step", name)] == STEPS
+            assert samples[("dask_plexrl_job_charged_seconds_total", name)] > 0
         # The split job's rollout offloaded to the node's DRAM tier (the holder's own call).
         rollout = jobs[1].rollout
         holder = jobs[1].runtime.holder(rollout.info.workers[0])

@@ -39,6 +39,7 @@ from tornado.ioloop import PeriodicCallback
 
 from plexrl_dask import config
 from plexrl_dask.config import DashboardConfig
+from plexrl_dask.dashboard import metrics
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport
 from plexrl_dask.errors import InvalidJobReport
 from plexrl_dask.policy.residency import RESIDENCY_TOPIC, TIERS
@@ -261,10 +262,12 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
         from plexrl_dask.dashboard.routes import add_routes
 
         add_routes(scheduler)
+        metrics.register(self)
         self._timer = PeriodicCallback(self.poll, 1000 * self.cfg.span_poll_interval_s)
         self._timer.start()
 
     async def close(self) -> None:
+        metrics.unregister(self)
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
@@ -524,22 +527,9 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 "nodes": [],
                 "stores": {},
             }
-        capacity = plexrl.worker_capacity
         reports = plexrl.residency.reports()
+        capacity = plexrl.worker_capacity
         cells = [_cell(r, capacity) for r in itertools.islice(reports, self.cfg.residency_cells)]
-        nodes: dict[str, dict[str, Any]] = {}
-        for w in self.gpu_workers():
-            n = node_of(w, capacity.get(w))
-            entry = nodes.setdefault(
-                n, {"node": n, "workers": 0} | {f"{t}_bytes": 0 for t in TIERS[:-1]}
-            )
-            entry["workers"] += 1
-        for r in reports:
-            n = node_of(r.worker, capacity.get(r.worker))
-            entry = nodes.setdefault(
-                n, {"node": n, "workers": 0} | {f"{t}_bytes": 0 for t in TIERS[:-1]}
-            )
-            entry[f"{r.tier}_bytes"] += r.bytes
         return {
             "installed": True,
             "tiers": list(TIERS),
@@ -547,9 +537,31 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
             "workers": self.gpu_workers(),
             "cells": cells,
             "truncated": max(0, len(reports) - len(cells)),
-            "nodes": [nodes[n] for n in sorted(nodes)],
+            "nodes": self.node_bytes(reports),
             "stores": {n: self.nodes[n] for n in sorted(self.nodes)},
         }
+
+    def node_bytes(self, reports: list[Any] | None = None) -> list[dict[str, Any]]:
+        """Per node, sorted: its PlexRL workers and the bytes of replicas held in each tier
+        (``<tier>_bytes``) as the workers report them; ``reports``: the residency reports, if
+        already read. Starts no node polling (unlike :meth:`residency_view`)."""
+        plexrl = self.plexrl
+        if plexrl is None:
+            return []
+        capacity = plexrl.worker_capacity
+        reports = plexrl.residency.reports() if reports is None else reports
+        nodes: dict[str, dict[str, Any]] = {}
+
+        def entry(n: str) -> dict[str, Any]:
+            return nodes.setdefault(
+                n, {"node": n, "workers": 0} | {f"{t}_bytes": 0 for t in TIERS[:-1]}
+            )
+
+        for w in self.gpu_workers():
+            entry(node_of(w, capacity.get(w)))["workers"] += 1
+        for r in reports:
+            entry(node_of(r.worker, capacity.get(r.worker)))[f"{r.tier}_bytes"] += r.bytes
+        return [nodes[n] for n in sorted(nodes)]
 
     def decisions_mark(self) -> tuple[int, int, Any]:
         """Changes when a decision is recorded or the policy (which the reasons cite) is
