@@ -24,7 +24,13 @@ from distributed.utils_test import gen_cluster
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
 from plexrl_dask import errors
-from plexrl_dask.bench.dashboard import ReferenceWork, add_request, churn, fill_synthetic
+from plexrl_dask.bench.dashboard import (
+    ReferenceWork,
+    add_request,
+    churn,
+    fill_synthetic,
+    scrape_times,
+)
 from plexrl_dask.cluster import scheduler_process
 from plexrl_dask.dashboard import PAGES, ROUTES_MODULE
 from plexrl_dask.dashboard.browser import fetch_json
@@ -595,6 +601,10 @@ async def test_prometheus_metrics_are_the_dashboard_views_beside_dasks_own(c, s)
     assert {k[1][0][1] for k in m if k[0] == "dask_plexrl_worker_idle_fraction"} == {
         w["worker"] for w in lanes
     }
+    timed = scrape_times(5)  # the benchmark's measurement of a scrape
+    assert (
+        timed["metrics_samples"] > 8 * 10 and 0 < timed["metrics_ms_p50"] <= timed["metrics_ms_max"]
+    )
     # A scrape starts no node polling (the Residency page does), and the metrics follow the
     # plugin: gone with it, back with the next one.
     assert dash._residency_watched == float("-inf")

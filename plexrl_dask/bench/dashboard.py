@@ -51,6 +51,10 @@ thread, not run it slower).
 nothing else of ours running): the rate of stalls longer than 5 ms is what a tail of a few
 updates in several hundred can be made of.
 
+``metrics_ms_p50`` / ``_p99`` / ``_max`` and ``metrics_samples``: what one scrape of PlexRL's
+Prometheus metrics (the scheduler's ``/metrics``) costs the scheduler's loop in the same
+state, 100 collections in a row after the rounds (:func:`scrape_times`).
+
 It also saves one screenshot per page (``--screenshots DIR``) of that state.
 
 Run: ``python -m plexrl_dask.bench.dashboard --json OUT [--quick]``.
@@ -664,6 +668,7 @@ def run(args: Any) -> dict[str, Any]:
             results[f"gc_ms_per_s_{phase}"] = gc_ms / max(seconds, 1e-9)
         results["plain_tasks_done"] = load.done
         results["queued_requests"] = len(scheduler.plugins["plexrl"].pending)
+        results.update(on_loop(client, scrape_times))
         # The scheduler runs in this process: none of the model stack here, as in a
         # preloaded `dask scheduler` (its full collections walk whatever the process holds).
         results["model_stack_imported"] = [m for m in MODEL_STACK if m in sys.modules]
@@ -714,6 +719,29 @@ def _wait_no_sessions(client: Any, scheduler: Any, timeout: float = 90.0) -> Non
         if time.monotonic() > deadline:
             raise RequestTimeout(f"Bokeh sessions of closed pages still alive after {timeout}s")
         time.sleep(0.5)
+
+
+def scrape_times(n: int = 100) -> dict[str, Any]:
+    """``n`` collections of PlexRL's Prometheus metrics (:mod:`plexrl_dask.dashboard.metrics`)
+    in a row, on the scheduler's loop (call it there): ``metrics_ms_p50``/``_p99``/``_max``
+    and ``metrics_samples``; ``metrics_skipped`` says why not without ``prometheus_client``."""
+    from plexrl_dask.dashboard import metrics
+
+    collector = metrics.collector()
+    if collector is None:
+        return {"metrics_skipped": "prometheus_client is not installed"}
+    times, samples = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        families = list(collector.collect())
+        times.append(1000 * (time.perf_counter() - t0))
+        samples = sum(len(f.samples) for f in families)
+    return {
+        "metrics_ms_p50": _p(times, 0.5),
+        "metrics_ms_p99": _p(times, 0.99),
+        "metrics_ms_max": max(times),
+        "metrics_samples": samples,
+    }
 
 
 def on_loop(client: Any, fn: Any, timeout: float = 300.0) -> Any:

@@ -178,6 +178,11 @@ class PlexRLCollector:
         yield from (worker_busy, idle, tiers)
 
 
+def collector() -> PlexRLCollector | None:
+    """This process's collector (None until a dashboard plugin registered one)."""
+    return _collector
+
+
 def register(plugin: PlexRLDashboardPlugin) -> bool:
     """Serve ``plugin``'s metrics on this process's Prometheus registry (the one Dask's
     ``/metrics`` route serves); returns False, doing nothing, without ``prometheus_client``.
