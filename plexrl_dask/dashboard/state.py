@@ -537,30 +537,37 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
             "workers": self.gpu_workers(),
             "cells": cells,
             "truncated": max(0, len(reports) - len(cells)),
-            "nodes": self.node_bytes(reports),
+            "nodes": self.node_bytes(),
             "stores": {n: self.nodes[n] for n in sorted(self.nodes)},
         }
 
-    def node_bytes(self, reports: list[Any] | None = None) -> list[dict[str, Any]]:
+    def node_bytes(self) -> list[dict[str, Any]]:
         """Per node, sorted: its PlexRL workers and the bytes of replicas held in each tier
-        (``<tier>_bytes``) as the workers report them; ``reports``: the residency reports, if
-        already read. Starts no node polling (unlike :meth:`residency_view`)."""
+        (``<tier>_bytes``) as the workers report them. Per worker, not per report (the
+        residency map keeps each worker's totals), and it starts no node polling (unlike
+        :meth:`residency_view`)."""
         plexrl = self.plexrl
         if plexrl is None:
             return []
         capacity = plexrl.worker_capacity
-        reports = plexrl.residency.reports() if reports is None else reports
+        residency = plexrl.residency
         nodes: dict[str, dict[str, Any]] = {}
 
-        def entry(n: str) -> dict[str, Any]:
-            return nodes.setdefault(
-                n, {"node": n, "workers": 0} | {f"{t}_bytes": 0 for t in TIERS[:-1]}
-            )
+        def entry(worker: str) -> dict[str, Any]:
+            n = node_of(worker, capacity.get(worker))
+            if n not in nodes:
+                nodes[n] = {"node": n, "workers": 0} | {f"{t}_bytes": 0 for t in TIERS[:-1]}
+            return nodes[n]
 
         for w in self.gpu_workers():
-            entry(node_of(w, capacity.get(w)))["workers"] += 1
-        for r in reports:
-            entry(node_of(r.worker, capacity.get(r.worker)))[f"{r.tier}_bytes"] += r.bytes
+            entry(w)["workers"] += 1
+        for w in residency.workers():
+            held = residency.bytes_by_tier(w)
+            if not any(held.values()) and w not in self.scheduler.workers:
+                continue  # held something once, on a worker gone from the cluster
+            totals = entry(w)
+            for tier, n in held.items():
+                totals[f"{tier}_bytes"] += n
         return [nodes[n] for n in sorted(nodes)]
 
     def decisions_mark(self) -> tuple[int, int, Any]:

@@ -70,9 +70,10 @@ class ResidencyMap:
     def __init__(self) -> None:
         self._reports: dict[tuple[str, str], ResidencyReport] = {}
         self._by_worker: dict[str, dict[str, ResidencyReport]] = {}
-        # bytes in HBM per worker, kept with every change: setup costs ask it per candidate
-        # worker of every request they rank
-        self._hbm_bytes: dict[str, int] = {}
+        # bytes per tier per worker, kept with every change: setup costs ask for HBM per
+        # candidate worker of every request they rank, and the dashboard's node totals and
+        # metrics read them per worker, not per report
+        self._tier_bytes: dict[str, dict[str, int]] = {}
         # each worker's HBM residents, largest first, made when asked and dropped with any
         # change there: a load that does not fit walks them per candidate worker, and the
         # dispatcher and the Queue page rank hundreds of candidates between two changes
@@ -99,10 +100,8 @@ class ResidencyMap:
         if report.tier != "absent":
             self._reports[key] = report
             held[report.deployment] = report
-            if report.tier == "hbm":
-                self._hbm_bytes[report.worker] = (
-                    self._hbm_bytes.get(report.worker, 0) + report.bytes
-                )
+            totals = self._tier_bytes.setdefault(report.worker, dict.fromkeys(TIERS[:-1], 0))
+            totals[report.tier] += report.bytes
 
     def _drop(self, key: tuple[str, str]) -> None:
         old = self._reports.pop(key, None)
@@ -110,13 +109,12 @@ class ResidencyMap:
             return
         self._by_worker.get(old.worker, {}).pop(old.deployment, None)
         self._changed(old.worker)
-        if old.tier == "hbm":
-            self._hbm_bytes[old.worker] -= old.bytes
+        self._tier_bytes[old.worker][old.tier] -= old.bytes
 
     def forget_worker(self, worker: str) -> None:
         for deployment in self._by_worker.pop(worker, {}):
             self._reports.pop((deployment, worker), None)
-        self._hbm_bytes.pop(worker, None)
+        self._tier_bytes.pop(worker, None)
         self._changed(worker)
 
     def forget_deployment(self, deployment: str) -> None:
@@ -125,7 +123,8 @@ class ResidencyMap:
 
     def hbm_bytes(self, worker: str) -> int:
         """Bytes of the deployments ``worker`` holds in HBM."""
-        return self._hbm_bytes.get(worker, 0)
+        totals = self._tier_bytes.get(worker)
+        return totals["hbm"] if totals is not None else 0
 
     def hbm_largest_first(self, worker: str) -> tuple[ResidencyReport, ...]:
         """The reports of the deployments ``worker`` holds in HBM, largest first (ties by
@@ -158,7 +157,10 @@ class ResidencyMap:
         return sum(r.tier == tier for r in self._by_worker.get(worker, {}).values())
 
     def bytes_by_tier(self, worker: str) -> dict[str, int]:
-        out = dict.fromkeys(TIERS[:-1], 0)
-        for r in self._by_worker.get(worker, {}).values():
-            out[r.tier] += r.bytes
-        return out
+        """Bytes of the deployments ``worker`` holds, per tier (every tier but "absent")."""
+        totals = self._tier_bytes.get(worker)
+        return dict(totals) if totals is not None else dict.fromkeys(TIERS[:-1], 0)
+
+    def workers(self) -> list[str]:
+        """The workers that have held something since they were last forgotten."""
+        return list(self._tier_bytes)
