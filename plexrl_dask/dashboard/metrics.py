@@ -142,9 +142,9 @@ class PlexRLCollector:
                     family.add_metric(job, row[key])
         yield from (charged, busy, setup, requests, wait, step, reward, loss, share, isolated)
 
-        admitted = gauge("queue_requests", "Requests waiting in the PlexRL queue", ["state"])
-        admitted.add_metric(["pending"], queue["pending"])
-        admitted.add_metric(["admitted"], queue["admitted"])
+        queued = gauge("queue_requests", "Requests waiting in the PlexRL queue", ["state"])
+        queued.add_metric(["pending"], queue["pending"])
+        queued.add_metric(["admitted"], queue["admitted"])
         oldest = gauge(
             "queue_oldest_wait_seconds", "How long the oldest admitted request has waited"
         )
@@ -156,7 +156,7 @@ class PlexRLCollector:
             per_deployment.add_metric([name], n)
         held = gauge("deployments", "Deployments registered on the scheduler")
         held.add_metric([], deployments)
-        yield from (admitted, oldest, per_deployment, held)
+        yield from (queued, oldest, per_deployment, held)
 
         live = {r["worker"] for r in running}
         worker_busy = gauge("worker_busy", "1 while a request runs on the worker", ["worker"])
