@@ -9,6 +9,7 @@ The job accounting is checked against the cost ledger.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import importlib.util
@@ -32,7 +33,7 @@ from plexrl_dask.bench.dashboard import (
     scrape_times,
 )
 from plexrl_dask.cluster import scheduler_process
-from plexrl_dask.dashboard import PAGES, ROUTES_MODULE
+from plexrl_dask.dashboard import PAGES, ROUTES_MODULE, metrics
 from plexrl_dask.dashboard.browser import fetch_json
 from plexrl_dask.dashboard.components import JobsPage, QueuePage, ResidencyPage, TimelinePage, short
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport, UnionSeconds
@@ -580,9 +581,10 @@ async def test_prometheus_metrics_are_the_dashboard_views_beside_dasks_own(c, s)
         assert m[("dask_plexrl_job_step", job)] == row["step"] == 4
         assert m[("dask_plexrl_job_reward_mean", job)] == pytest.approx(row["reward_mean"])
         counts = plexrl.job_counters.get(row["job"], {})
-        for state in ("dispatched", "completed", "failed"):
-            key = ("dask_plexrl_job_requests_total", (("job", row["job"]), ("state", state)))
-            assert m[key] == counts.get(state, 0)
+        assert m[("dask_plexrl_job_requests_dispatched_total", job)] == counts.get("dispatched", 0)
+        for outcome in ("completed", "failed"):
+            key = ("dask_plexrl_job_requests_ended_total", (*job, ("outcome", outcome)))
+            assert m[key] == counts.get(outcome, 0)
     queue = dash.queue_view(limit=1, with_decisions=False)["queue"]
     assert m[("dask_plexrl_queue_requests", (("state", "pending"),))] == 500
     assert m[("dask_plexrl_queue_requests", (("state", "admitted"),))] == queue["admitted"]
@@ -605,6 +607,15 @@ async def test_prometheus_metrics_are_the_dashboard_views_beside_dasks_own(c, s)
     assert (
         timed["metrics_samples"] > 8 * 10 and 0 < timed["metrics_ms_p50"] <= timed["metrics_ms_max"]
     )
+    # Off the scheduler's loop (a driver's own exporter thread, say) nothing of PlexRL's is
+    # collected: the plugins' state belongs to the loop.
+    assert await asyncio.to_thread(lambda: list(metrics.collector().collect())) == []
+    # A collection that fails yields nothing and leaves Dask's metrics on the route.
+    real, dash.node_bytes = dash.node_bytes, lambda: 1 / 0
+    failed = await get_metrics(s)
+    assert ("dask_scheduler_clients", ()) in failed
+    assert not [k for k in failed if k[0].startswith("dask_plexrl_")]
+    dash.node_bytes = real
     # A scrape starts no node polling (the Residency page does), and the metrics follow the
     # plugin: gone with it, back with the next one.
     assert dash._residency_watched == float("-inf")

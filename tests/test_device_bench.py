@@ -35,7 +35,8 @@ def test_device_checks_run_on_the_cpu(tmp_path):
     assert results["reload_bit_identical"] is True
     assert results["state_bytes"] > 0 and results["offload_gbps"] > 0
     # the offload's parts beyond a plain copy are timed apart (what the H200 run left open)
-    assert results["per_tensor_offload_ratio"] > 0 and results["release_offload_ratio"] > 0
+    assert results["per_tensor_offload_ratio"] > 0 and results["release_ms"] >= 0
+    assert results["release_share_of_offload"] >= 0
     # a reload beside a busy thread comes back bit for bit (its timing needs a GPU to mean much)
     assert results["overlap_bit_identical"] is True
     assert results["overlap_reload_ratio"] > 0 and results["overlap_kernels_ratio"] > 0

@@ -51,9 +51,10 @@ thread, not run it slower).
 nothing else of ours running): the rate of stalls longer than 5 ms is what a tail of a few
 updates in several hundred can be made of.
 
-``metrics_ms_p50`` / ``_p99`` / ``_max`` and ``metrics_samples``: what one scrape of PlexRL's
-Prometheus metrics (the scheduler's ``/metrics``) costs the scheduler's loop in the same
-state, 100 collections in a row after the rounds (:func:`scrape_times`).
+``metrics_ms_p50`` / ``_p99`` / ``_max`` and ``metrics_samples``: what PlexRL's part of a
+scrape of the scheduler's ``/metrics`` (its collector, not Dask's nor the text encoding)
+costs the scheduler's loop in the same state, 100 collections in a row after the rounds
+(:func:`scrape_times`).
 
 It also saves one screenshot per page (``--screenshots DIR``) of that state.
 
@@ -724,12 +725,16 @@ def _wait_no_sessions(client: Any, scheduler: Any, timeout: float = 90.0) -> Non
 def scrape_times(n: int = 100) -> dict[str, Any]:
     """``n`` collections of PlexRL's Prometheus metrics (:mod:`plexrl_dask.dashboard.metrics`)
     in a row, on the scheduler's loop (call it there): ``metrics_ms_p50``/``_p99``/``_max``
-    and ``metrics_samples``; ``metrics_skipped`` says why not without ``prometheus_client``."""
+    and ``metrics_samples``. PlexRL's part of a scrape only: not Dask's own collectors nor
+    the text encoding. ``metrics_skipped`` says why not where there is no collector."""
     from plexrl_dask.dashboard import metrics
 
     collector = metrics.collector()
     if collector is None:
-        return {"metrics_skipped": "prometheus_client is not installed"}
+        return {
+            "metrics_skipped": "no PlexRL collector in this process (prometheus_client is "
+            "missing, or no dashboard plugin has started)"
+        }
     times, samples = [], 0
     for _ in range(n):
         t0 = time.perf_counter()

@@ -13,7 +13,8 @@ on the Jobs page, so the number of series stays bounded on a long-lived cluster)
 - ``dask_plexrl_job_charged_seconds_total``, ``..._busy_seconds_total``,
   ``..._setup_seconds_total``: worker-seconds charged to the job (busy + attributable setup;
   the ledger of the Jobs page and of ``bench.multiplex``);
-- ``dask_plexrl_job_requests_total{state="dispatched"|"completed"|"failed"}`` and
+- ``dask_plexrl_job_requests_dispatched_total``,
+  ``dask_plexrl_job_requests_ended_total{outcome="completed"|"failed"}`` and
   ``dask_plexrl_job_wait_seconds_total``: the scheduler plugin's per-job counters;
 - ``dask_plexrl_job_step``, ``dask_plexrl_job_reward_mean``, ``dask_plexrl_job_loss``
   (its last step report; absent before the first), ``dask_plexrl_job_share`` (of all the
@@ -33,8 +34,11 @@ The pool:
 A scrape does what a dashboard update does: bounded work (jobs shown, workers, deployments,
 nodes), never proportional to the queue, on the scheduler's event loop (Dask's handler runs
 there). It reads the dashboard plugin's views and starts no polling. One collector per
-process serves the newest started dashboard plugin (a process may run several schedulers one
-after another, as tests do) while it is installed; otherwise it yields nothing.
+process serves, on each scheduler's loop, the newest dashboard plugin installed on that
+scheduler (a process may run several schedulers, as tests do); anywhere else, say a
+``prometheus_client.start_http_server`` thread in a driver that runs a ``local_cluster``,
+it yields nothing, since the plugins' state belongs to their loop. A collection that fails
+yields nothing and is logged; Dask's own metrics are still served.
 """
 
 from __future__ import annotations
@@ -58,47 +62,76 @@ _collector: PlexRLCollector | None = None
 
 
 class PlexRLCollector:
-    """A ``prometheus_client`` collector of the dashboard plugin it points at (see the module
-    docstring); ``collect`` yields metric families."""
+    """A ``prometheus_client`` collector of the dashboard plugins started in this process
+    (see the module docstring); ``collect`` yields metric families."""
 
     def __init__(self) -> None:
-        self._plugin: weakref.ref[PlexRLDashboardPlugin] | None = None
+        self._plugins: list[weakref.ref[PlexRLDashboardPlugin]] = []
 
-    def point_at(self, plugin: PlexRLDashboardPlugin | None) -> None:
-        self._plugin = None if plugin is None else weakref.ref(plugin)
+    def add(self, plugin: PlexRLDashboardPlugin) -> None:
+        self.discard(plugin)
+        self._plugins.append(weakref.ref(plugin))
 
-    @property
+    def discard(self, plugin: PlexRLDashboardPlugin) -> None:
+        self._plugins = [r for r in self._plugins if r() is not None and r() is not plugin]
+
     def plugin(self) -> PlexRLDashboardPlugin | None:
-        return None if self._plugin is None else self._plugin()
+        """The plugin to report: the newest one still installed on a scheduler whose event
+        loop is the running one (Dask's ``/metrics`` handler runs there). None off every
+        scheduler's loop: collecting reads (and caches into) state that only the loop may
+        touch, so a registry collected from another thread (``start_http_server`` in the
+        same process, say) gets nothing of PlexRL's rather than a race."""
+        import asyncio
+
+        from plexrl_dask.dashboard.state import dashboard_of
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        for ref in reversed(self._plugins):
+            plugin = ref()
+            scheduler = None if plugin is None else plugin.scheduler
+            if (
+                scheduler is not None
+                and scheduler.loop.asyncio_loop is loop
+                # removed from its scheduler (Dask's remove_plugin does not close it)
+                and dashboard_of(scheduler) is plugin
+                and plugin.plexrl is not None
+            ):
+                return plugin
+        return None
 
     def name(self, metric: str) -> str:
         namespace = dask.config.get("distributed.dashboard.prometheus.namespace", default="dask")
         return "_".join(p for p in (namespace, SUBSYSTEM, metric) if p)
 
     def describe(self) -> list[Any]:
-        # No families up front: registering must not run a collection (the registry calls
-        # ``collect`` for collectors without ``describe``), and names are checked per scrape.
+        # No families up front: the registry would otherwise collect once at registration,
+        # off any scheduler's loop, and the families' labels depend on the state anyway.
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        from plexrl_dask.dashboard.state import dashboard_of
-
-        plugin = self.plugin
-        if plugin is None or plugin.scheduler is None or plugin.plexrl is None:
+        plugin = self.plugin()
+        if plugin is None:
             return
-        if dashboard_of(plugin.scheduler) is not plugin:
-            return  # removed from its scheduler (Dask's remove_plugin does not close it)
         try:
-            jobs = plugin.jobs_view(with_history=False)["jobs"]
-            queue = plugin.queue_view(limit=1, with_decisions=False)["queue"]
-            workers, running = plugin.worker_lanes(time.time())
-            nodes = plugin.node_bytes()
-            deployments = len(plugin.plexrl.deployments)
-        except Exception:  # a scrape must not fail the scheduler's /metrics for Dask's own
+            # All or nothing: a failure half-way must not leave a half-written scrape that
+            # breaks Dask's own metrics on the same route.
+            families = self._families(plugin)
+        except Exception:  # noqa: BLE001 (logged; the route still serves Dask's metrics)
             logger.exception("PlexRL metrics: collecting failed")
             return
+        yield from families
+
+    def _families(self, plugin: PlexRLDashboardPlugin) -> list[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        jobs = plugin.jobs_view(with_history=False)["jobs"]
+        queue = plugin.queue_view(limit=1, with_decisions=False)["queue"]
+        workers, running = plugin.worker_lanes(time.time())
+        nodes = plugin.node_bytes()
+        counters = plugin.plexrl.job_counters
 
         def counter(metric: str, doc: str, labels: list[str]) -> Any:
             return CounterMetricFamily(self.name(metric), doc, labels=labels)
@@ -106,41 +139,40 @@ class PlexRLCollector:
         def gauge(metric: str, doc: str, labels: list[str] | None = None) -> Any:
             return GaugeMetricFamily(self.name(metric), doc, labels=labels)
 
-        charged = counter(
-            "job_charged_seconds", "Worker-seconds charged to the job (busy + setup)", ["job"]
+        job = ["job"]
+        charged = counter("job_charged_seconds", "Worker-seconds charged (busy + setup)", job)
+        busy = counter("job_busy_seconds", "Worker-seconds the job's requests ran", job)
+        setup = counter("job_setup_seconds", "Worker-seconds of loads charged to the job", job)
+        dispatched = counter("job_requests_dispatched", "The job's requests released", job)
+        ended = counter(
+            "job_requests_ended", "The job's requests that ended, by outcome", [*job, "outcome"]
         )
-        busy = counter("job_busy_seconds", "Worker-seconds the job's requests ran", ["job"])
-        setup = counter(
-            "job_setup_seconds", "Worker-seconds of loads and offloads charged to the job", ["job"]
-        )
-        requests = counter("job_requests", "The job's requests, by state", ["job", "state"])
-        wait = counter("job_wait_seconds", "Seconds the job's requests waited to start", ["job"])
-        step = gauge("job_step", "GRPO steps the job has reported done", ["job"])
-        reward = gauge("job_reward_mean", "Mean reward of the job's last step", ["job"])
-        loss = gauge("job_loss", "Loss of the job's last step", ["job"])
-        share = gauge("job_share", "The job's share of all charged worker-seconds", ["job"])
+        wait = counter("job_wait_seconds", "Seconds the job's requests waited to start", job)
+        step = gauge("job_step", "GRPO steps the job has reported done", job)
+        reward = gauge("job_reward_mean", "Mean reward of the job's last step", job)
+        loss = gauge("job_loss", "Loss of the job's last step", job)
+        share = gauge("job_share", "The job's share of all charged worker-seconds", job)
         isolated = gauge(
             "job_isolated_estimate_seconds",
             "Worker-seconds the job would have cost on its own workers",
-            ["job"],
+            job,
         )
         for row in jobs:
-            job = [str(row["job"])]
-            charged.add_metric(job, row["charged_s"])
-            busy.add_metric(job, row["busy_s"])
-            setup.add_metric(job, row["setup_s"])
-            requests.add_metric([*job, "dispatched"], row["dispatched"])
-            requests.add_metric([*job, "failed"], row["failed"])
-            counts = plugin.plexrl.job_counters.get(row["job"], {})
-            requests.add_metric([*job, "completed"], counts.get("completed", 0))
-            wait.add_metric(job, counts.get("wait_s", 0.0))
-            share.add_metric(job, row["share"])
-            isolated.add_metric(job, row["isolated_s"])
-            step.add_metric(job, row["step"])
+            name = [str(row["job"])]
+            counts = counters.get(row["job"], {})
+            charged.add_metric(name, row["charged_s"])
+            busy.add_metric(name, row["busy_s"])
+            setup.add_metric(name, row["setup_s"])
+            dispatched.add_metric(name, row["dispatched"])
+            ended.add_metric([*name, "completed"], counts.get("completed", 0))
+            ended.add_metric([*name, "failed"], row["failed"])
+            wait.add_metric(name, counts.get("wait_s", 0.0))
+            share.add_metric(name, row["share"])
+            isolated.add_metric(name, row["isolated_s"])
+            step.add_metric(name, row["step"])
             for family, key in ((reward, "reward_mean"), (loss, "loss")):
                 if row[key] is not None:
-                    family.add_metric(job, row[key])
-        yield from (charged, busy, setup, requests, wait, step, reward, loss, share, isolated)
+                    family.add_metric(name, row[key])
 
         queued = gauge("queue_requests", "Requests waiting in the PlexRL queue", ["state"])
         queued.add_metric(["pending"], queue["pending"])
@@ -152,11 +184,10 @@ class PlexRLCollector:
         per_deployment = gauge(
             "deployment_pending_requests", "Pending requests per deployment", ["deployment"]
         )
-        for name, n in queue["by_deployment"].items():
-            per_deployment.add_metric([name], n)
+        for deployment, n in queue["by_deployment"].items():
+            per_deployment.add_metric([deployment], n)
         held = gauge("deployments", "Deployments registered on the scheduler")
-        held.add_metric([], deployments)
-        yield from (queued, oldest, per_deployment, held)
+        held.add_metric([], len(plugin.plexrl.deployments))
 
         live = {r["worker"] for r in running}
         worker_busy = gauge("worker_busy", "1 while a request runs on the worker", ["worker"])
@@ -175,7 +206,10 @@ class PlexRLCollector:
             for key, value in entry.items():
                 if key.endswith("_bytes"):
                     tiers.add_metric([entry["node"], key.removesuffix("_bytes")], value)
-        yield from (worker_busy, idle, tiers)
+        return [
+            *(charged, busy, setup, dispatched, ended, wait, step, reward, loss, share, isolated),
+            *(queued, oldest, per_deployment, held, worker_busy, idle, tiers),
+        ]
 
 
 def collector() -> PlexRLCollector | None:
@@ -186,7 +220,7 @@ def collector() -> PlexRLCollector | None:
 def register(plugin: PlexRLDashboardPlugin) -> bool:
     """Serve ``plugin``'s metrics on this process's Prometheus registry (the one Dask's
     ``/metrics`` route serves); returns False, doing nothing, without ``prometheus_client``.
-    Idempotent: one collector per process, pointed at the newest plugin."""
+    One collector per process, whatever the number of schedulers in it."""
     global _collector
     try:
         from prometheus_client import REGISTRY
@@ -195,11 +229,11 @@ def register(plugin: PlexRLDashboardPlugin) -> bool:
     if _collector is None:
         _collector = PlexRLCollector()
         REGISTRY.register(_collector)
-    _collector.point_at(plugin)
+    _collector.add(plugin)
     return True
 
 
 def unregister(plugin: PlexRLDashboardPlugin) -> None:
-    """Stop serving ``plugin``'s metrics (if the collector still points at it)."""
-    if _collector is not None and _collector.plugin is plugin:
-        _collector.point_at(None)
+    """Stop serving ``plugin``'s metrics."""
+    if _collector is not None:
+        _collector.discard(plugin)
