@@ -527,8 +527,8 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 "nodes": [],
                 "stores": {},
             }
-        reports = plexrl.residency.reports()
         capacity = plexrl.worker_capacity
+        reports = plexrl.residency.reports()
         cells = [_cell(r, capacity) for r in itertools.islice(reports, self.cfg.residency_cells)]
         return {
             "installed": True,
@@ -563,8 +563,8 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
             entry(w)["workers"] += 1
         for w in residency.workers():
             held = residency.bytes_by_tier(w)
-            if not any(held.values()) and w not in self.scheduler.workers:
-                continue  # held something once, on a worker gone from the cluster
+            if not any(held.values()):
+                continue  # holds nothing now (a PlexRL worker is listed above anyway)
             totals = entry(w)
             for tier, n in held.items():
                 totals[f"{tier}_bytes"] += n
