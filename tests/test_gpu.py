@@ -43,8 +43,19 @@ def test_offload_frees_device_memory_and_reload_is_bit_identical():
     backend.reload()
     after = backend.get_weights()
     assert all(torch.equal(before[n], after[n]) for n in before)
+    # The reloaded state is packed in one device buffer (service/flat.py) ...
+    packed = backend._device_flat
+    assert packed is not None
+    assert all(p.data_ptr() >= packed.data_ptr() for p in backend.model.parameters())
     backend.forward_backward(data, CrossEntropy())
     backend.optim_step(AdamWParams(lr=1e-3))  # optimizer state came back to the device
+    # ... and stays there through a step, so the next offload and reload are one copy each.
+    stepped = backend.get_weights()
+    backend.offload()
+    assert backend._device_flat is None and backend._host_flat is not None
+    assert backend._host_flat.numel() == packed.numel()
+    backend.reload()
+    assert all(torch.equal(stepped[n], w) for n, w in backend.get_weights().items())
 
 
 def test_sampling_on_cuda_is_seeded():
@@ -81,6 +92,117 @@ def test_reload_beside_a_busy_default_stream_is_bit_identical():
     assert all(torch.equal(before[n], after[n]) for n in before)
     backend.forward_backward(data, CrossEntropy())
     backend.optim_step(AdamWParams(lr=1e-3))
+
+
+# --- the static decoder, its steps captured as CUDA graphs ---------------------------------
+
+GRAPH_PROMPTS = ["12+3=", "4+5=", "99+1=", "7*8=", "1+1=", "60-7=", "123456+654321="]
+
+
+def _static(capture: bool, engine: str = "static", **spec) -> TorchBackend:
+    with dask.config.set(
+        {"plexrl.sampling.engine": engine, "plexrl.sampling.cuda-graphs": capture}
+    ):
+        return TorchBackend(tiny_spec(**spec), "cuda", max_batch_size=6)
+
+
+def _positions_agreeing(a, b) -> float:
+    same = total = 0
+    for ga, gb in zip(a, b, strict=True):
+        for sa, sb in zip(ga, gb, strict=True):
+            for x, y in zip(sa.tokens, sb.tokens, strict=False):
+                total += 1
+                if x != y:
+                    break
+                same += 1
+    return same / total
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=4, max_tokens=30, stop=("1", "5"), seed=7),
+        SamplingParams(n=3, max_tokens=20, temperature=0.0),
+        SamplingParams(n=5, max_tokens=40, temperature=0.7, top_p=0.8, seed=3),
+    ],
+    ids=["sample-stop", "greedy", "nucleus"],
+)
+def test_captured_steps_sample_what_op_by_op_steps_and_the_dynamic_decoder_sample(params):
+    from plexrl_dask.service.types import Streams
+
+    captured, eager = _static(True, seed=4), _static(False, seed=4)
+    dynamic = _static(False, engine="dynamic", seed=4)
+    assert captured.static.capture and not eager.static.capture and dynamic.static is None
+    prompts = captured.tokenize(GRAPH_PROMPTS)
+    ids = list(range(len(prompts)))
+    streams = Streams(rows=14, refill_min_rows=2)  # refills: 14 rows through 6 slots
+    got = captured.sample(prompts, params, ids, streams)
+    assert captured.static.captures > 0
+    assert _positions_agreeing(got, eager.sample(prompts, params, ids, streams)) >= 0.99
+    assert _positions_agreeing(got, dynamic.sample(prompts, params, ids, streams)) >= 0.99
+    # Replayed graphs: the same request again records nothing and samples the same.
+    recorded = captured.static.captures
+    assert captured.sample(prompts, params, ids, streams) == got
+    assert captured.static.captures == recorded
+    if params.temperature > 0:
+        batch = [Datum(tokens=tuple(prompts[i]) + s.tokens) for i, g in enumerate(got) for s in g]
+        scored = captured.forward(batch, temperature=params.temperature).logprobs
+        flat = [s for g in got for s in g]
+        for k, s in enumerate(flat):
+            i = k // params.n
+            assert (
+                max(
+                    abs(a - b)
+                    for a, b in zip(scored[k][len(prompts[i]) :], s.logprobs, strict=True)
+                )
+                < 1e-3
+            )
+
+
+def test_captured_steps_follow_weight_updates_offloads_and_reloads():
+    captured = _static(True, seed=2)
+    prompts = captured.tokenize(GRAPH_PROMPTS[:3])
+    params = SamplingParams(n=2, max_tokens=16, seed=5)
+    before = captured.sample(prompts, params, [0, 1, 2])
+    data = [Datum(tokens=captured.tokenize([f"{i}+{i}={2 * i}"])[0]) for i in range(8)]
+    captured.forward_backward(data, CrossEntropy())
+    captured.optim_step(AdamWParams(lr=1e-2))  # new weights, written in place
+    fresh = _static(False, seed=2)
+    fresh.set_weights(captured.get_weights())
+    after = captured.sample(prompts, params, [0, 1, 2])
+    assert after != before
+    assert _positions_agreeing(after, fresh.sample(prompts, params, [0, 1, 2])) >= 0.99
+    captured.offload()
+    assert captured.static.nbytes() == 0
+    captured.reload()  # the weights at new addresses: recorded again, same samples
+    assert captured.sample(prompts, params, [0, 1, 2]) == after
+
+
+def test_the_uniforms_and_the_choice_on_the_gpu_are_the_hosts():
+    import numpy as np
+
+    from plexrl_dask.service.sampling import (
+        choose_tokens,
+        choose_tokens_on_device,
+        keys_tensor,
+        row_keys,
+        uniforms_at,
+        uniforms_on_device,
+    )
+
+    keys = row_keys(2**62 + 5, np.arange(64), np.arange(64) % 8)
+    pos = np.arange(64, dtype=np.int64) * 977
+    on_gpu = uniforms_on_device(keys_tensor(keys, "cuda"), torch.from_numpy(pos).cuda())
+    assert np.array_equal(on_gpu.cpu().numpy(), uniforms_at(keys, pos))
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    u = uniforms_at(keys, pos)
+    want = choose_tokens(logits, 0.8, 1.0, u)
+    got = choose_tokens_on_device(
+        logits.cuda(), torch.tensor(0.8, device="cuda"), 1.0, on_gpu, greedy=False, nucleus=False
+    )
+    # The same choice; the log-probabilities within float rounding of the CPU's kernels.
+    assert torch.equal(want[0], got[0].cpu())
+    assert torch.allclose(want[1], got[1].cpu(), atol=1e-5)
 
 
 # --- the vLLM backend (also needs the vllm package) ----------------------------------------

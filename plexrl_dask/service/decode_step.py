@@ -121,6 +121,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def attention_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per row: ``q`` ``(rows, heads, 1, head_dim)`` (or ``(rows, heads,
+    head_dim)``) against the cache ``k``/``v`` ``(rows, kv_heads, width, head_dim)``, whose
+    first two dimensions merge into one (a contiguous cache, or the first rows and columns of
+    a larger one); ``bias`` ``(rows * kv_heads, 1, width)`` additive, 0 or -inf. Query head
+    ``h`` reads kv head ``h // (heads / kv_heads)``, as HF's ``repeat_kv`` and SDPA's
+    ``enable_gqa`` do. Two batched products around a softmax (computed in float32 inside the
+    kernel, as HF's eager attention does); returns ``(rows, heads * head_dim)``, ready for the
+    output projection."""
+    rows, heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
+    kv, width = k.shape[1], k.shape[2]
+    q3 = q.reshape(rows * kv, heads // kv, head_dim)
+    scores = torch.baddbmm(
+        bias, q3, k.view(rows * kv, width, head_dim).transpose(1, 2), alpha=scale
+    )
+    out = torch.bmm(scores.softmax(dim=-1), v.view(rows * kv, width, head_dim))
+    return out.view(rows, heads * head_dim)
+
+
 @dataclass(frozen=True)
 class _Proj:
     """One linear projection of a bound step. ``transposed``: ``weight`` is a contiguous
@@ -316,11 +337,18 @@ class DecodeStep:
         a few ms per request on the tiny models, a tenth of a short-answer request."""
         if positions is None:
             positions = int(self.model.config.max_position_embeddings)
+        layers, norm, head = self.layout()
+        return BoundStep(self, layers, norm, head, positions)
+
+    def layout(self) -> tuple[list[_Layer], _Norm, _Proj]:
+        """The layers, final norm and head over the weights the model holds now, laid out as
+        the module docstring says; kept while the weights are unchanged (the same objects are
+        returned until a weight is written or the model offloaded)."""
         stamp = self._weights_stamp()
         if self._layout is None or self._layout[0] != stamp:
             self._layout = (stamp, *self._lay_out())
         _, layers, norm, head = self._layout
-        return BoundStep(self, layers, norm, head, positions)
+        return layers, norm, head
 
     def _lay_out(self) -> tuple[list[_Layer], _Norm, _Proj]:
         """The layers, the final norm and the head as :meth:`bind` lays them out."""
@@ -412,22 +440,6 @@ class BoundStep:
         kv = self.step.kv_heads
         return bias[:, None, None, :].expand(rows, kv, 1, width).reshape(rows * kv, 1, width)
 
-    def _attention_one(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """One query per row: ``q`` ``(rows, heads, 1, head_dim)`` against the contiguous
-        cache ``k``/``v`` ``(rows, kv_heads, width, head_dim)``; query head ``h`` reads kv head
-        ``h // (heads / kv_heads)``, as HF's ``repeat_kv`` and SDPA's ``enable_gqa`` do.
-        Returns ``(rows, heads * head_dim)``, ready for the output projection."""
-        rows, heads, _, head_dim = q.shape
-        kv, width = k.shape[1], k.shape[2]
-        q3 = q.reshape(rows * kv, heads // kv, head_dim)
-        scores = torch.baddbmm(
-            bias, q3, k.view(rows * kv, width, head_dim).transpose(1, 2), alpha=scale
-        )
-        out = torch.bmm(scores.softmax(dim=-1), v.view(rows * kv, width, head_dim))
-        return out.view(rows, heads * head_dim)
-
     def __call__(
         self,
         tokens: torch.Tensor,
@@ -482,7 +494,7 @@ class BoundStep:
             new_keys.append(k)
             new_values.append(v)
             if one:
-                out = self._attention_one(q, k, v, attend, layer.scaling)
+                out = attention_one(q, k, v, attend, layer.scaling)
             else:
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=attend, scale=layer.scaling, enable_gqa=True

@@ -49,6 +49,43 @@ def uniforms(
     return uniforms_at(row_keys(seed, prompt_ids, sample_ids), position)
 
 
+def _as_int64(value: int) -> int:
+    """The int64 with the bits of the uint64 ``value`` (torch has no uint64 arithmetic)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN_I64 = _as_int64(0x9E3779B97F4A7C15)
+_MIX1_I64 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX2_I64 = _as_int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical right shift of int64 ``x`` read as uint64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
+    # :func:`_splitmix64` on int64 tensors: additions and products wrap modulo 2**64 in two's
+    # complement exactly as in uint64, so the bits are the same.
+    x = x + _GOLDEN_I64
+    x = (x ^ _shift_right(x, 30)) * _MIX1_I64
+    x = (x ^ _shift_right(x, 27)) * _MIX2_I64
+    return x ^ _shift_right(x, 31)
+
+
+def keys_tensor(keys: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """Row keys (:func:`row_keys`, uint64) as an int64 tensor of the same bits on ``device``."""
+    return torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(device)
+
+
+def uniforms_on_device(keys: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """:func:`uniforms_at` computed on ``keys``' device (int64 keys from :func:`keys_tensor`,
+    int64 positions), bit for bit the same float64 values, with no host round trip: what a
+    decode step captured as a CUDA graph draws its uniforms with."""
+    h = _splitmix64_torch(keys ^ position)
+    return _shift_right(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
 def choose_tokens(
     logits: torch.Tensor, temperature: float, top_p: float, u: np.ndarray
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,26 +97,54 @@ def choose_tokens(
     temperature)`` (before top-p truncation), or under ``log_softmax(logits)`` when greedy.
     Every operation is row-wise, so a row's result does not depend on the other rows.
     """
+    target_u = torch.from_numpy(u).to(logits.device)
+    return choose_tokens_on_device(
+        logits,
+        temperature,
+        top_p,
+        target_u,
+        greedy=temperature == 0.0,
+        nucleus=top_p < 1.0,
+        check_end=True,
+    )
+
+
+def choose_tokens_on_device(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_p: float | torch.Tensor,
+    u: torch.Tensor,
+    *,
+    greedy: bool,
+    nucleus: bool,
+    check_end: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`choose_tokens` with the uniforms ``u`` (float64, (B,)) already on the device and
+    ``temperature``/``top_p`` as Python numbers or 0-d tensors (float32 / float64: the same
+    arithmetic as the numbers), the kind of choice (``greedy``, ``nucleus``) fixed by the
+    caller. With ``check_end`` False nothing waits for the device (no value is read back), so
+    the choice can be captured in a CUDA graph; the result is the same either way."""
     logits = logits.float()
-    if temperature == 0.0:
+    if greedy:
         tokens = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
         return tokens, logprobs
     logp = torch.log_softmax(logits / temperature, dim=-1)
     # float64 for the CDF so that the inverse lookup is not at the mercy of fp32 rounding.
     probs = logp.double().exp()
-    if top_p >= 1.0:
+    if not nucleus:
         # No truncation: the CDF in vocabulary order is as exact an inverse as the sorted one,
         # without a sort per step (which cost as much as the rest of the choice together).
         cdf = probs.cumsum(dim=-1)
-        target = torch.from_numpy(u).to(cdf.device)[:, None] * cdf[:, -1:]
+        target = u[:, None] * cdf[:, -1:]
         idx = torch.searchsorted(cdf, target, right=True)
         # The token found has mass (its CDF entry exceeds the target, the one before does
         # not), unless rounding put the target at the very top (u within 2^-53 of 1): then
-        # it is past the end, and the last token with mass is meant. Checked, not computed
-        # every step: that is five operations a step for a case almost never met.
+        # it is past the end, and the last token with mass is meant (below that, the bound
+        # changes nothing). With ``check_end`` it is applied only when needed: five
+        # operations a step for a case almost never met, where a read-back is cheap (CPU).
         vocab = probs.shape[-1]
-        if int(idx.max()) >= vocab:
+        if not check_end or int(idx.max()) >= vocab:
             last = (vocab - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)
             idx = torch.minimum(idx, last)
         tokens = idx[:, 0]
@@ -91,7 +156,7 @@ def choose_tokens(
     sorted_p = sorted_p * keep
     cdf = sorted_p.cumsum(dim=-1)
     total = cdf[:, -1:]
-    target = torch.from_numpy(u).to(cdf.device)[:, None] * total
+    target = u[:, None] * total
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
     # Never land on a zero-probability (truncated) token through rounding at the boundary.
     idx = torch.minimum(idx, (sorted_p > 0).sum(dim=-1, keepdim=True) - 1)

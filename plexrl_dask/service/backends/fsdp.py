@@ -74,6 +74,7 @@ class FSDPBackend(TorchBackend):
         # A sharded rank never samples (see sample): a decode step would only keep the
         # module, and with it every shard and gradient, alive after an offload.
         self.decode_step = None
+        self.static = None
         assert groups.current is not None and groups.mesh is not None
         self.groups = groups
         self.mesh = groups.mesh
