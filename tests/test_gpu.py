@@ -107,14 +107,9 @@ def _static(capture: bool, engine: str = "static", **spec) -> TorchBackend:
 
 
 def _positions_agreeing(a, b) -> float:
-    same = total = 0
-    for ga, gb in zip(a, b, strict=True):
-        for sa, sb in zip(ga, gb, strict=True):
-            for x, y in zip(sa.tokens, sb.tokens, strict=False):
-                total += 1
-                if x != y:
-                    break
-                same += 1
+    from plexrl_dask.bench.decode_rates import agreement
+
+    same, total = agreement(a, b)
     return same / total
 
 

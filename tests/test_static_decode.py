@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plexrl_dask import errors
+from plexrl_dask.bench.decode_rates import agreement
 from plexrl_dask.service.backends import TorchBackend
 from plexrl_dask.service.sampling import (
     choose_tokens,
@@ -40,20 +41,6 @@ def one_thread():
 def backend_of(engine: str, batch: int, **spec) -> TorchBackend:
     with dask.config.set({"plexrl.sampling.engine": engine}):
         return TorchBackend(tiny_spec(**spec), "cpu", max_batch_size=batch)
-
-
-def agreement(a, b) -> tuple[int, int]:
-    """Positions where two requests' tokens agree, up to each pair's first difference (after
-    it the two continue from different text), and the positions compared."""
-    same = total = 0
-    for ga, gb in zip(a, b, strict=True):
-        for sa, sb in zip(ga, gb, strict=True):
-            for x, y in zip(sa.tokens, sb.tokens, strict=False):
-                total += 1
-                if x != y:
-                    break
-                same += 1
-    return same, total
 
 
 @pytest.mark.parametrize(
@@ -108,13 +95,18 @@ def test_slots_buckets_and_the_cache_in_the_replicas_memory():
     # One cache, sized to the stream (longest prompt + max_tokens, rounded up to 2^k >= 64),
     # counted in the replica's memory.
     assert engine._cache is not None and engine._cache.length == 128
-    assert engine.nbytes() == engine.cache_bytes(128) > 0
+    assert engine.nbytes() == engine.cache_bytes(6, 128) > 0
     assert backend.state_bytes() == state + engine.nbytes()
     # Offload drops the cache; the reloaded replica samples the same completions.
     backend.offload()
     assert engine.nbytes() == 0 and backend.state_bytes() == state
     backend.reload()
     assert backend.sample(prompts, params, [0, 1, 2]) == first
+    # A smaller batch limit (bench.sampling's arms set it per request) keeps the cache.
+    backend.max_batch_size = 2
+    fewer = backend.sample(prompts, params, [0, 1, 2])
+    assert engine._cache.slots == 6 and agreement(fewer, first)[0] == agreement(fewer, first)[1]
+    backend.max_batch_size = 6
     # A request split into streams samples what one stream does (streams are independent).
     one = backend.sample(prompts, params, [0, 1, 2], Streams(rows=6, refill_min_rows=1))
     two = backend.sample(prompts, params, [0, 1, 2], Streams(rows=2, refill_min_rows=1))
@@ -126,7 +118,7 @@ def test_a_stream_that_would_overflow_the_cache_limit_decodes_dynamically():
         backend = backend_of("static", batch=4, seed=1)
     prompts = backend.tokenize(PROMPTS[:2])
     params = SamplingParams(n=2, max_tokens=8, seed=2)
-    assert not backend.static.fits(max(map(len, prompts)), 8)
+    assert not backend.static.fits(4, max(map(len, prompts)), 8)
     out = backend.sample(prompts, params, [0, 1])
     assert backend.static.nbytes() == 0  # nothing allocated: the dynamic decoder ran
     assert out == backend_of("dynamic", batch=4, seed=1).sample(prompts, params, [0, 1])

@@ -59,7 +59,31 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
 - **Sampling** (``<job>_*``): ``bench.sampling``'s per-job measurement on this device: the
   job's model after its supervised warm-up, a GRPO step's 128-row request decoded as one batch
   (``to_peak_b128``) and in 64-row streams, against the replica's ``ignore_eos`` peak at its
-  best batch size, and the tail bound of the request's own completion lengths.
+  best batch size, and the tail bound of the request's own completion lengths. The replica
+  decodes with the engine the configuration gives it on this device (``auto``: the static
+  decoder with captured steps on CUDA). ``grpo_request_to_peak``: the mean of the jobs'
+  ``to_peak_b128``.
+- **Token agreement** (``captured_token_agreement``): on each measured job's warmed model,
+  ``--rounds`` GRPO requests of the job (its prompts, group size, temperature, stop string and
+  ``max_tokens``; seed = the round) sampled by the static decoder with captured steps and by
+  the dynamic (eager) decoder, same seeds: the share of positions where they chose the same
+  token, each row compared up to and including its first difference
+  (:func:`plexrl_dask.bench.decode_rates.agreement`). ``captured_vs_static_agreement``: the
+  same against the static decoder op by op (the graphs alone).
+- **Decode throughput** (``decode_<shape>_*``; :mod:`plexrl_dask.bench.decode_rates`): models
+  of the Qwen2.5-0.5B and -1.5B shapes (random init, bf16; ``tiny`` on the CPU or with
+  ``--quick``), ``b`` prompts of 16 tokens each decoding 128 tokens (``ignore_eos``; 16 with
+  ``--quick``) for ``b`` in 1, 8, 64, 256: tokens/s of the dynamic decoder (``eager``), the
+  static decoder op by op (``static``) and with captured steps (``captured``), and of
+  transformers' continuous batching (``hf_cb``) on the same model. The roofline
+  (``decode_<shape>_roofline_tokens_per_s_b<b>``): ``b`` tokens per the time the step's bytes
+  (every parameter once, each row's keys and values at its mean position) take at the
+  device-to-device copy's memory traffic (``copy_gbps`` × 2: a copy reads and writes each
+  byte); ``decode_<shape>_roofline_fraction_b<b>`` the captured arm's tokens/s ÷ that.
+  Headlines, on the 0.5B shape: ``decode_roofline_fraction_b1`` and
+  ``captured_vs_eager_tokens_ratio_b8`` (captured ÷ eager tokens/s at 8 rows).
+  ``decode_<shape>_greedy_agreement``: captured against eager, greedy, on the random model
+  (near-uniform logits: rounding flips choices far more often than on a trained model).
 
 Run: ``python -m plexrl_dask.bench.device --json OUT [--quick] [--device cpu]`` (on the H200:
 a few minutes; ``--quick`` shrinks every part).
@@ -82,7 +106,7 @@ import torch
 
 from plexrl_dask import config
 from plexrl_dask.bench.common import parser, report, write_json
-from plexrl_dask.bench.sampling import measure_job
+from plexrl_dask.bench.sampling import measure_job, warmed_backend
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.service.backends import TorchBackend
@@ -90,7 +114,7 @@ from plexrl_dask.service.backends.fsdp import FSDPBackend
 from plexrl_dask.service.backends.torch_backend import copy_stream
 from plexrl_dask.service.groups import GroupContext, ProcessGroupManager
 from plexrl_dask.service.holder import default_budget
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum
+from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams
 
 if TYPE_CHECKING:
     from plexrl_dask.rl.modes import JobSpec
@@ -98,8 +122,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TARGETS = {
-    "offload_ratio": ">= 0.8 (the backend's offload GB/s ÷ a plain pinned copy_'s, on a GPU)",
-    "reload_ratio": ">= 0.8 (the same for reload)",
+    "offload_ratio": ">= 0.9 (the backend's offload GB/s ÷ a plain pinned copy_'s, on a GPU)",
+    "reload_ratio": ">= 0.9 (the same for reload)",
+    "decode_roofline_fraction_b1": ">= 0.5 (captured, 0.5B shape, one row)",
+    "captured_vs_eager_tokens_ratio_b8": ">= 3 (0.5B shape, 8 rows)",
+    "grpo_request_to_peak": ">= 0.8 (the mean over the measured jobs)",
+    "captured_token_agreement": ">= 0.99",
     "reload_bit_identical": "true",
     "overlap_reload_ratio": "near 1 on a GPU (the reload's copies beside a busy default stream)",
     "overlap_bit_identical": "true",
@@ -423,6 +451,62 @@ def check_vllm(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, An
     }
 
 
+def check_decode(
+    shape: str, device: torch.device, batches: list[int], max_tokens: int, reps: int
+) -> dict[str, Any]:
+    """Decode tokens/s of every arm against the roofline, for one model shape (module
+    docstring, "Decode throughput")."""
+    from plexrl_dask.bench import decode_rates
+    from plexrl_dask.bench.hf_batching import hf_continuous_batching_rate
+
+    backend = decode_rates.build(shape, device, max_batch_size=max(batches))
+    prompt_len = 16
+    got = decode_rates.rates(
+        backend, batches, prompt_len, max_tokens, reps, hf_cb=hf_continuous_batching_rate
+    )
+    traffic = 2 * decode_rates.copy_rate(device)
+    out: dict[str, Any] = {"copy_gbps": traffic / 2e9}
+    if "capture_error" in got:
+        out[f"decode_{shape}_capture_error"] = got.pop("capture_error")[0]
+    for arm, by_batch in got.items():
+        for b, rate in by_batch.items():
+            out[f"decode_{shape}_{arm}_tokens_per_s_b{b}"] = rate
+    for b in batches:
+        mean_columns = prompt_len + (max_tokens + 1) / 2
+        roof = b * traffic / decode_rates.step_bytes(backend.model, b, mean_columns)
+        out[f"decode_{shape}_roofline_tokens_per_s_b{b}"] = roof
+        out[f"decode_{shape}_roofline_fraction_b{b}"] = got["captured"][b] / roof
+        out[f"decode_{shape}_captured_vs_eager_b{b}"] = got["captured"][b] / got["eager"][b]
+        out[f"decode_{shape}_captured_vs_hf_cb_b{b}"] = got["captured"][b] / got["hf_cb"][b]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    agree = decode_rates.engine_agreement(
+        backend, [(decode_rates.prompts_for(8, prompt_len), greedy)]
+    )
+    out[f"decode_{shape}_greedy_agreement"] = agree["captured_vs_eager"]
+    return out
+
+
+def check_agreement(backend: TorchBackend, job: JobSpec, rounds: int) -> dict[str, float]:
+    """The captured static decoder against the eager and op-by-op ones on ``job``'s GRPO
+    requests (module docstring, "Token agreement"): ``(equal, compared)`` positions, summed
+    over ``rounds`` requests, per comparison."""
+    from plexrl_dask.bench import decode_rates
+
+    g = job.grpo
+    requests = []
+    for r in range(rounds):
+        problems = job.task.problems(2_000_000 + r * g.prompts_per_step, g.prompts_per_step)
+        params = SamplingParams(
+            n=g.group_size,
+            temperature=g.temperature,
+            max_tokens=g.max_tokens,
+            stop=(job.task.stop,),
+            seed=r,
+        )
+        requests.append((backend.tokenize([p.prompt for p in problems]), params))
+    return decode_rates.engine_agreement(backend, requests)
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (the device machine) or cpu")
@@ -432,6 +516,9 @@ def main() -> None:
     p.add_argument("--fsdp-steps", type=int, default=None)
     p.add_argument("--jobs", type=int, default=None, help="jobs of the mix to sample (0: none)")
     p.add_argument("--rounds", type=int, default=None, help="sampling rounds per job")
+    p.add_argument(
+        "--shapes", default=None, help="decode model shapes, comma-separated (0.5b,1.5b,tiny)"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
@@ -447,6 +534,13 @@ def main() -> None:
     steps = args.fsdp_steps or (2 if args.quick else 5)
     jobs = standard_jobs(4)[: (1 if args.quick else 2) if args.jobs is None else args.jobs]
     rounds = args.rounds or (2 if args.quick else 8)
+    if args.shapes is not None:
+        shapes = [x for x in args.shapes.split(",") if x]
+    else:
+        shapes = ["0.5b", "1.5b"] if big else ["tiny"]
+    decode_batches = [1, 8, 64, 256] if big else [1, 8]
+    decode_tokens = 128 if big else 16
+    decode_reps = 3 if big else 1
 
     batch = int(config.get("sampling.max-batch-size"))  # type: ignore[call-overload]
     results: dict[str, Any] = {}
@@ -473,15 +567,30 @@ def main() -> None:
         logger.warning("device check %s: %.1f s", name, time.perf_counter() - t0)
         write_json("device", results, TARGETS, setup, args.json)
 
+    agreement: dict[str, list[float]] = {"captured_vs_eager": [], "captured_vs_static": []}
+    positions: list[float] = []
+
     def job_section(job: JobSpec) -> dict[str, Any]:
         warmup = 30 if args.quick else job.warmup_steps
-        j = per_job[job.name] = measure_job(job, warmup, rounds, batch, str(device))
+        backend = warmed_backend(job, warmup, batch, str(device))
+        agree = check_agreement(backend, job, rounds)
+        for k in agreement:
+            agreement[k].append(agree[k] * agree["positions"])
+        positions.append(agree["positions"])
+        j = per_job[job.name] = measure_job(job, warmup, rounds, batch, str(device), backend)
         rows = job.grpo.prompts_per_step * job.grpo.group_size
         return {
             f"{job.name}_peak_tokens_per_s": j["peak_tokens_per_s"],
             f"{job.name}_to_peak_b128": j[f"to_peak_{rows}_b128"],
             f"{job.name}_tail_bound_b128": j["tail_bound_b128"],
             f"{job.name}_batch128_time_ratio": j["batch128_time_ratio"],
+            f"{job.name}_captured_token_agreement": agree["captured_vs_eager"],
+            # (the sums over the jobs so far: the last job's section leaves the totals)
+            "captured_token_agreement": sum(agreement["captured_vs_eager"]) / sum(positions),
+            "captured_vs_static_agreement": sum(agreement["captured_vs_static"]) / sum(positions),
+            "grpo_request_to_peak": statistics.mean(
+                per_job[k][f"to_peak_{rows}_b128"] for k in per_job
+            ),
         }
 
     section("budget", lambda: check_budget(device))
@@ -489,8 +598,29 @@ def main() -> None:
     section("overlap", lambda: check_overlap(spec, device, reps))
     section("fsdp", lambda: check_fsdp(spec, device, steps))
     section("vllm", lambda: check_vllm(spec, device, reps))
+
+    def decode_section(shape: str) -> None:
+        section(
+            f"decode_{shape}",
+            functools.partial(
+                check_decode, shape, device, decode_batches, decode_tokens, decode_reps
+            ),
+        )
+
+    # (the headline shape first, the jobs next, the larger shape last: a run cut short by
+    # its time limit keeps what matters most)
+    for shape in shapes[:1]:
+        decode_section(shape)
     for job in jobs:
         section(job.name, functools.partial(job_section, job))
+    for shape in shapes[1:]:
+        decode_section(shape)
+    if shapes:
+        head = "0.5b" if "0.5b" in shapes else shapes[0]
+        results["decode_roofline_fraction_b1"] = results.get(f"decode_{head}_roofline_fraction_b1")
+        results["captured_vs_eager_tokens_ratio_b8"] = results.get(
+            f"decode_{head}_captured_vs_eager_b8"
+        )
     report("device", results, TARGETS, setup, args.json)
     if any(k.endswith("_error") for k in results):
         raise SystemExit(1)

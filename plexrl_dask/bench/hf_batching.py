@@ -7,10 +7,12 @@ a time. The cache is sized explicitly (``num_blocks`` for ``batch`` rows of the 
 ``max_new_tokens``), not from a fraction of free device memory. One manager serves an untimed
 warm-up (the first ``batch`` prompts, a few tokens each) and then the timed run: the wall time
 from submitting the first prompt to receiving the last finished output, and the tokens in those
-outputs. Written against the API of transformers 5.17 to 5.24: 5.17 needs a ``paged|`` attention
-implementation (``paged|sdpa``) and names the page size ``block_size``; 5.24 runs ``sdpa`` on the
-paged cache itself, calls it ``page_size`` and can be kept from switching to flash attention
-(``auto_switch_to_flash``). Config fields a version lacks are not passed.
+outputs. Written against the API of transformers 5.17 and 5.24 (both tested on the CPU): 5.17
+needs a ``paged|`` attention implementation (``paged|sdpa``, set here before the manager is made,
+which also keeps it from switching to flash attention on its own) and names the page size
+``block_size``; 5.24 runs ``sdpa`` on the paged cache itself, calls it ``page_size`` and is kept
+on ``sdpa`` by ``auto_switch_to_flash=False``. Config fields a version lacks are not passed. A
+model loaded with flash attention keeps it (then the manager may use CUDA graphs).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _cb_attn_implementation(current: str) -> str:
     if current == "eager":
         return "paged|eager"
     base = current if current.startswith("flash_attention") else "sdpa"
-    # Up to ~5.22 the paged kernels are registered as "paged|<impl>"; later the plain names serve.
+    # 5.17 registers the paged kernels as "paged|<impl>"; 5.24 runs the plain names on the cache.
     return _PREFIX + base if _PREFIX + "sdpa" in ALL_ATTENTION_FUNCTIONS else base
 
 
@@ -113,8 +115,9 @@ def hf_continuous_batching_rate(
 
     The model's attention implementation is switched for the run where continuous batching needs
     another one, and restored after it, as is its train/eval mode; the manager's thread is
-    stopped and joined before returning. Each wait (warm-up, timed run, the thread's stop) is
-    bounded by ``timeout_s``: past it the manager is hard-stopped and ``TimeoutError`` raised.
+    stopped and joined before returning. The warm-up and the timed run each wait at most
+    ``timeout_s``: past it the manager is hard-stopped and ``TimeoutError`` raised; the thread's
+    stop waits at most ``max(timeout_s, 10 s)`` (``TimeoutError`` if it is still running then).
 
     Returns ``tokens`` (generated tokens of the timed run, counted from its outputs), ``seconds``,
     ``tokens_per_s``, ``attn_implementation`` (the one the run used), ``transformers`` (its
@@ -140,7 +143,9 @@ def hf_continuous_batching_rate(
         attn = _cb_attn_implementation(original_attn)
         if attn != original_attn:
             model.set_attn_implementation(attn)
-        with torch.inference_mode():
+        # no_grad, as generate_batch: 5.17's thread runs outside inference mode and fails on
+        # inference tensors made here (by warmup()); 5.24's thread copies the caller's mode.
+        with torch.no_grad():
             manager = model.init_continuous_batching(
                 generation_config=gen_config,
                 continuous_batching_config=_cb_config(batch, longest, max_new_tokens),

@@ -173,11 +173,18 @@ def time_arms(
 
 
 def measure_job(
-    spec: JobSpec, warmup: int, rounds: int, batch: int, device: str = "cpu"
+    spec: JobSpec,
+    warmup: int,
+    rounds: int,
+    batch: int,
+    device: str = "cpu",
+    backend: TorchBackend | None = None,
 ) -> dict[str, Any]:
     """Every arm of the module docstring, for one job (``batch``: the configured
-    ``max-batch-size``), on ``device`` (``bench.device`` runs it on a GPU)."""
-    backend = warmed_backend(spec, warmup, batch, device)
+    ``max-batch-size``), on ``device`` (``bench.device`` runs it on a GPU); ``backend``: the
+    job's replica already warmed up (default: warmed up here, ``warmup`` steps)."""
+    if backend is None:
+        backend = warmed_backend(spec, warmup, batch, device)
     g = spec.grpo
     rows = g.prompts_per_step * g.group_size
     arms = {

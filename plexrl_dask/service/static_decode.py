@@ -101,6 +101,10 @@ class _Cache:
     def length(self) -> int:
         return int(self.columns.shape[0])
 
+    @property
+    def slots(self) -> int:
+        return int(self.positions.shape[0])
+
     def nbytes(self) -> int:
         tensors = [*self.keys, *self.values, self.logits]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -109,22 +113,21 @@ class _Cache:
 class StaticEngine:
     """One replica's static decoding (see the module docstring): its cache, its captured
     steps. ``capture``: record steps as CUDA graphs (CUDA only); ``cache_max_bytes``: the
-    most the cache may take (a stream that needs more decodes through the dynamic decoder)."""
+    most the cache may take (a stream that needs more decodes through the dynamic decoder).
+    A stream decodes at most the backend's ``max_batch_size`` rows at a time, read as it
+    starts; the cache has at least that many slots (it grows, never shrinks, while kept)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         step: DecodeStep,
         device: torch.device,
-        max_batch_size: int,
         capture: bool,
         cache_max_bytes: int,
     ) -> None:
         self.model = model
         self.step = step
         self.device = device
-        self.slots = int(max_batch_size)
-        self.buckets = batch_buckets(self.slots)
         self.capture = capture and device.type == "cuda"
         self.cache_max_bytes = int(cache_max_bytes)
         cfg = model.config
@@ -135,25 +138,27 @@ class StaticEngine:
         self._pool: object = None
         self._addresses: tuple[int, ...] = ()
         self.captures = 0  # graphs recorded (for tests and benchmarks)
+        self.capture_error: str | None = None  # why capturing stopped, if it failed
 
     # --- memory ------------------------------------------------------------------------------
 
-    def cache_bytes(self, length: int) -> int:
-        """Device bytes of a cache of ``length`` columns (keys, values and the logits)."""
+    def cache_bytes(self, slots: int, length: int) -> int:
+        """Device bytes of a cache of ``slots`` × ``length`` columns (keys, values and the
+        slots' logits)."""
         s = self.step
         dtype = self.model.get_input_embeddings().weight.dtype
-        per_layer = 2 * self.slots * s.kv_heads * length * s.head_dim * dtype.itemsize
-        return self.layers * per_layer + self.slots * self.vocab * 4
+        per_layer = 2 * slots * s.kv_heads * length * s.head_dim * dtype.itemsize
+        return self.layers * per_layer + slots * self.vocab * 4
 
     def nbytes(self) -> int:
         """Device bytes held now (0 when nothing is allocated)."""
         return 0 if self._cache is None else self._cache.nbytes()
 
-    def fits(self, longest_prompt: int, max_tokens: int) -> bool:
-        """Whether a stream of these lengths can decode here within ``cache_max_bytes``."""
-        return (
-            self.cache_bytes(self._length_for(longest_prompt + max_tokens)) <= self.cache_max_bytes
-        )
+    def fits(self, slots: int, longest_prompt: int, max_tokens: int) -> bool:
+        """Whether a stream of these lengths, ``slots`` rows at a time, can decode here within
+        ``cache_max_bytes``."""
+        needed = self._length_for(longest_prompt + max_tokens)
+        return self.cache_bytes(slots, needed) <= self.cache_max_bytes
 
     def release(self) -> None:
         """Drop the cache and the captured steps (before the replica is offloaded)."""
@@ -165,14 +170,18 @@ class StaticEngine:
         limit = int(self.model.config.max_position_embeddings)
         return min(_pow2_at_least(needed, MIN_COLUMNS), max(limit, needed))
 
-    def _ensure_cache(self, needed: int) -> _Cache:
-        if self._cache is not None and self._cache.length >= needed:
-            return self._cache
-        self.release()  # a longer cache: the old one and every graph over it go
+    def _ensure_cache(self, slots: int, needed: int) -> _Cache:
+        c = self._cache
+        if c is not None and c.length >= needed and c.slots >= slots:
+            return c
+        self.release()  # a larger cache: the old one and every graph over it go
+        if c is not None:
+            slots = max(slots, c.slots)
+            needed = max(needed, c.length)
         length = self._length_for(needed)
         s, dev = self.step, self.device
         dtype = self.model.get_input_embeddings().weight.dtype
-        shape = (self.slots, s.kv_heads, length, s.head_dim)
+        shape = (slots, s.kv_heads, length, s.head_dim)
 
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=dev)
@@ -182,11 +191,11 @@ class StaticEngine:
         self._cache = _Cache(
             keys=[torch.zeros(shape, dtype=dtype, device=dev) for _ in range(self.layers)],
             values=[torch.zeros(shape, dtype=dtype, device=dev) for _ in range(self.layers)],
-            logits=zeros(self.slots, self.vocab, dtype=torch.float32),
-            positions=zeros(self.slots),
-            completion=zeros(self.slots),
-            row_keys=zeros(self.slots),
-            chosen=zeros(self.slots, 2, dtype=torch.float64),
+            logits=zeros(slots, self.vocab, dtype=torch.float32),
+            positions=zeros(slots),
+            completion=zeros(slots),
+            row_keys=zeros(slots),
+            chosen=zeros(slots, 2, dtype=torch.float64),
             temperature=torch.ones((), dtype=torch.float32, device=dev),
             top_p=torch.ones((), dtype=torch.float64, device=dev),
             columns=torch.arange(length, device=dev),
@@ -337,7 +346,16 @@ class StaticEngine:
         key = (batch, columns, greedy, nucleus)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._record(key)
+            try:
+                graph = self._record(key)
+            except Exception as e:  # noqa: BLE001 (a replica that cannot capture still decodes)
+                # Op by op from now on: slower, the same math. Recorded for benchmarks and
+                # the logs; the step itself runs below, so the stream goes on.
+                logger.warning("capturing a decode step failed; decoding op by op: %r", e)
+                self.capture, self.capture_error = False, f"{type(e).__name__}: {e}"
+                self._graphs.clear()
+                self._step(batch, columns, greedy, nucleus)
+                return
         graph.replay()
 
     def _record(self, key: tuple[int, int, bool, bool]) -> torch.cuda.CUDAGraph:
@@ -359,7 +377,8 @@ class StaticEngine:
         c.completion.copy_(saved[1])
         c.logits[: key[0]].copy_(saved[2])
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # (thread-local: a prefetch's copies in another thread may run during the capture)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step(*key)
         self._graphs[key] = graph
         self.captures += 1
@@ -379,7 +398,7 @@ class StaticEngine:
         """Decode one stream of ``rows`` (``(prompt index, sample index)`` pairs), at most
         ``max_batch_size`` at a time with slot refill; their completions in row order."""
         longest = max(len(prompts[i]) for i, _ in rows)
-        c = self._ensure_cache(longest + params.max_tokens)
+        c = self._ensure_cache(backend.max_batch_size, longest + params.max_tokens)
         addresses = self._weights_addresses()
         if addresses != self._addresses:
             self._graphs.clear()  # weights moved (a reload, a new layout): record again
@@ -421,7 +440,9 @@ class _Stream:
         self.count = np.zeros(n, dtype=np.int64)
         self.stopped = np.zeros(n, dtype=bool)
         self.prompt_len = np.array([len(prompts[i]) for i, _ in rows], dtype=np.int64)
-        self.slot_row = np.full(engine.slots, -1, dtype=np.int64)  # -1: free
+        self.limit = int(backend.max_batch_size)  # rows decoded at a time
+        self.buckets = batch_buckets(self.limit)
+        self.slot_row = np.full(self.limit, -1, dtype=np.int64)  # -1: free
         self.admitted = 0  # rows [0, admitted) have had a slot
         self.steps = 0
 
@@ -429,7 +450,7 @@ class _Stream:
         """Prefill waiting rows into free slots when the admission rule says so."""
         remaining = len(self.rows) - self.admitted
         free = np.flatnonzero(self.slot_row < 0)
-        live = self.engine.slots - len(free)
+        live = self.limit - len(free)
         if remaining == 0 or len(free) == 0:
             return
         if live and len(free) < min(self.refill_min_rows, remaining):
@@ -468,7 +489,7 @@ class _Stream:
         self.slot_row[: len(held)] = rows
 
     def _bucket(self, n: int) -> int:
-        return next(b for b in self.engine.buckets if b >= n)
+        return next(b for b in self.buckets if b >= n)
 
     def run(self, greedy: bool, nucleus: bool) -> list[SampledSequence]:
         engine, params, backend = self.engine, self.params, self.backend
@@ -559,6 +580,4 @@ def engine_for(backend: TorchBackend) -> StaticEngine | None:
         return None
     if mode == "auto" and backend.device.type != "cuda":
         return None
-    return StaticEngine(
-        backend.model, backend.decode_step, backend.device, backend.max_batch_size, capture, limit
-    )
+    return StaticEngine(backend.model, backend.decode_step, backend.device, capture, limit)

@@ -344,7 +344,9 @@ class TorchBackend:
             for start in range(0, len(rows), streams.rows):
                 chunk = rows[start : start + streams.rows]
                 longest = max(len(prompts[i]) for i, _ in chunk)
-                if self.static is not None and self.static.fits(longest, params.max_tokens):
+                if self.static is not None and self.static.fits(
+                    self.max_batch_size, longest, params.max_tokens
+                ):
                     done = self.static.decode(
                         self, prompts, chunk, params, prompt_ids, streams.refill_min_rows
                     )
