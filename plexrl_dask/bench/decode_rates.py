@@ -250,3 +250,50 @@ def engine_agreement(
         "captured_vs_static": counts["static"][0] / max(1, counts["static"][1]),
         "positions": float(counts["eager"][1]),
     }
+
+
+def step_anatomy(
+    backend: TorchBackend, batch: int, prompt_len: int, max_tokens: int, replays: int = 50
+) -> dict[str, Any]:
+    """Where a captured step's time goes, at ``batch`` rows (CUDA only): ``replay_us`` one
+    graph replay alone (CUDA events over ``replays`` back-to-back replays: the device's time
+    per step without the host), and, from the same step run op by op under torch's profiler,
+    ``kernels`` (CUDA kernels and copies it launches), ``kernel_us`` (their summed device
+    time: the step's time if nothing waited between them) and ``top`` (the eight costliest
+    kernels, device µs per step). The stream's full per-step time is the ``captured`` arm's
+    (``batch`` ÷ tokens/s)."""
+    engine = StaticEngine(backend.model, backend.decode_step, backend.device, True, 1 << 40)
+    own = backend.static
+    try:
+        params = SamplingParams(n=1, max_tokens=max_tokens, ignore_eos=True, seed=0)
+        sample_with(backend, engine, prompts_for(batch, prompt_len), params)  # records graphs
+        key = max((k for k in engine._graphs if k[0] == batch), key=lambda k: k[1])
+        graph = engine._graphs[key]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(backend.device)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        replay_us = start.elapsed_time(end) * 1000 / replays
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.inference_mode():
+                engine._step(*key)
+            torch.cuda.synchronize(backend.device)
+        rows = []
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if us > 0:
+                rows.append((e.key, int(e.count), float(us)))
+        rows.sort(key=lambda r: -r[2])
+        return {
+            "key": list(key),
+            "replay_us": replay_us,
+            "kernels": sum(r[1] for r in rows),
+            "kernel_us": sum(r[2] for r in rows),
+            "top": {name[:80]: us for name, _, us in rows[:8]},
+        }
+    finally:
+        engine.release()
+        backend.static = own

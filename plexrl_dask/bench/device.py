@@ -452,7 +452,12 @@ def check_vllm(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, An
 
 
 def check_decode(
-    shape: str, device: torch.device, batches: list[int], max_tokens: int, reps: int
+    shape: str,
+    device: torch.device,
+    batches: list[int],
+    max_tokens: int,
+    reps: int,
+    hf_cb: bool = True,
 ) -> dict[str, Any]:
     """Decode tokens/s of every arm against the roofline, for one model shape (module
     docstring, "Decode throughput")."""
@@ -462,7 +467,12 @@ def check_decode(
     backend = decode_rates.build(shape, device, max_batch_size=max(batches))
     prompt_len = 16
     got = decode_rates.rates(
-        backend, batches, prompt_len, max_tokens, reps, hf_cb=hf_continuous_batching_rate
+        backend,
+        batches,
+        prompt_len,
+        max_tokens,
+        reps,
+        hf_cb=hf_continuous_batching_rate if hf_cb else None,
     )
     traffic = 2 * decode_rates.copy_rate(device)
     out: dict[str, Any] = {"copy_gbps": traffic / 2e9}
@@ -477,7 +487,20 @@ def check_decode(
         out[f"decode_{shape}_roofline_tokens_per_s_b{b}"] = roof
         out[f"decode_{shape}_roofline_fraction_b{b}"] = got["captured"][b] / roof
         out[f"decode_{shape}_captured_vs_eager_b{b}"] = got["captured"][b] / got["eager"][b]
-        out[f"decode_{shape}_captured_vs_hf_cb_b{b}"] = got["captured"][b] / got["hf_cb"][b]
+        if hf_cb:
+            out[f"decode_{shape}_captured_vs_hf_cb_b{b}"] = got["captured"][b] / got["hf_cb"][b]
+    if device.type == "cuda":
+        for b in (1, 8):
+            if b in batches:
+                try:  # (a diagnosis: its failure must not cost the section's numbers)
+                    anatomy = decode_rates.step_anatomy(backend, b, prompt_len, max_tokens)
+                except Exception as e:  # noqa: BLE001
+                    out[f"decode_{shape}_anatomy_b{b}_error"] = f"{type(e).__name__}: {e}"
+                    continue
+                out[f"decode_{shape}_anatomy_b{b}"] = anatomy
+                out[f"decode_{shape}_replay_share_b{b}"] = (
+                    anatomy["replay_us"] * 1e-6 * got["captured"][b] / b
+                )
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     agree = decode_rates.engine_agreement(
         backend, [(decode_rates.prompts_for(8, prompt_len), greedy)]
@@ -518,6 +541,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None, help="sampling rounds per job")
     p.add_argument(
         "--shapes", default=None, help="decode model shapes, comma-separated (0.5b,1.5b,tiny)"
+    )
+    p.add_argument("--decode-reps", type=int, default=None, help="decode repetitions per arm")
+    p.add_argument(
+        "--no-hf-cb", action="store_true", help="skip transformers' continuous batching arm"
     )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -603,7 +630,13 @@ def main() -> None:
         section(
             f"decode_{shape}",
             functools.partial(
-                check_decode, shape, device, decode_batches, decode_tokens, decode_reps
+                check_decode,
+                shape,
+                device,
+                decode_batches,
+                decode_tokens,
+                args.decode_reps or decode_reps,
+                not args.no_hf_cb,
             ),
         )
 

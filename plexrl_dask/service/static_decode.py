@@ -52,7 +52,7 @@ from dask.utils import parse_bytes
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError
-from plexrl_dask.service.decode_step import DecodeStep, _rotate, attention_one
+from plexrl_dask.service.decode_step import DecodeStep, _Norm, _Proj, attention_one
 from plexrl_dask.service.sampling import (
     choose_tokens_on_device,
     keys_tensor,
@@ -68,6 +68,29 @@ logger = logging.getLogger(__name__)
 
 MIN_COLUMNS = 64  # the smallest column bucket and cache length
 ENGINES = ("auto", "static", "dynamic")
+
+
+def _norm(norm: _Norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``; an RMSNorm that keeps its weight runs as one ``F.rms_norm`` (one fused
+    kernel on CUDA where HF's bf16 order of operations takes seven; it multiplies by the
+    weight before rounding to bf16 instead of after: float rounding)."""
+    if norm.weight is None:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+def _rotate_fused(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`_rotate` with the second product and the sum in one ``addcmul``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def _add_projected(residual: torch.Tensor, proj: _Proj, x: torch.Tensor) -> torch.Tensor:
+    """``residual + proj(x)``, as one matrix product that adds ``residual`` where the
+    projection has no bias."""
+    if proj.bias is not None:
+        return residual + proj(x)
+    weight = proj.weight if proj.transposed else proj.weight.t()
+    return torch.addmm(residual, x, weight)
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -226,15 +249,15 @@ class StaticEngine:
         bias = bias[:, None, None, :].expand(batch, kv, 1, columns).reshape(batch * kv, 1, columns)
         slots = torch.arange(batch, device=x.device)
         for i, layer in enumerate(layers):
-            h = layer.input_norm(x)
+            h = _norm(layer.input_norm, x)
             if layer.qkv is not None:
                 qkv = layer.qkv(h).view(batch, heads + 2 * kv, hd)
-                qk = _rotate(qkv[:, : heads + kv], cos, sin)
+                qk = _rotate_fused(qkv[:, : heads + kv], cos, sin)
                 q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
             else:
                 assert layer.q is not None and layer.k is not None and layer.v is not None
-                q = _rotate(layer.q(h).view(batch, heads, hd), cos, sin)
-                k = _rotate(layer.k(h).view(batch, kv, hd), cos, sin)
+                q = _rotate_fused(layer.q(h).view(batch, heads, hd), cos, sin)
+                k = _rotate_fused(layer.k(h).view(batch, kv, hd), cos, sin)
                 v = layer.v(h).view(batch, kv, hd)
             keys, values = c.keys[i], c.values[i]
             keys[slots, :, pos] = k
@@ -242,15 +265,15 @@ class StaticEngine:
             out = attention_one(
                 q, keys[:batch, :, :columns], values[:batch, :, :columns], bias, layer.scaling
             )
-            x = x + layer.o(out)
-            h = layer.post_norm(x)
+            x = _add_projected(x, layer.o, out)
+            h = _norm(layer.post_norm, x)
             if layer.gate_up is not None:
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
             else:
                 assert layer.gate is not None and layer.up is not None
                 gate, up = layer.gate(h), layer.up(h)
-            x = x + layer.down(F.silu(gate) * up)
-        return head(norm(x)).float()
+            x = _add_projected(x, layer.down, F.silu(gate) * up)
+        return head(_norm(norm, x)).float()
 
     def _step(self, batch: int, columns: int, greedy: bool, nucleus: bool) -> None:
         """One decode step of the first ``batch`` slots (what a graph records): choose each
@@ -289,15 +312,17 @@ class StaticEngine:
         rows = torch.tensor(of_slot, device=dev)
         x = self.model.get_input_embeddings()(ids).view(count * width, -1)
         for i, layer in enumerate(layers):
-            h = layer.input_norm(x)
+            h = _norm(layer.input_norm, x)
             if layer.qkv is not None:
                 qkv = layer.qkv(h).view(count, width, heads + 2 * kv, hd).transpose(1, 2)
-                qk = _rotate(qkv[:, : heads + kv], cos, sin)
+                qk = _rotate_fused(qkv[:, : heads + kv], cos, sin)
                 q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
             else:
                 assert layer.q is not None and layer.k is not None and layer.v is not None
-                q = _rotate(layer.q(h).view(count, width, heads, hd).transpose(1, 2), cos, sin)
-                k = _rotate(layer.k(h).view(count, width, kv, hd).transpose(1, 2), cos, sin)
+                q = _rotate_fused(
+                    layer.q(h).view(count, width, heads, hd).transpose(1, 2), cos, sin
+                )
+                k = _rotate_fused(layer.k(h).view(count, width, kv, hd).transpose(1, 2), cos, sin)
                 v = layer.v(h).view(count, width, kv, hd).transpose(1, 2)
             # Columns past a prompt's end hold its padding's keys: masked (a row attends up
             # to its position only) and overwritten as the row grows.
@@ -306,16 +331,16 @@ class StaticEngine:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True
             )
-            x = x + layer.o(out.transpose(1, 2).reshape(count * width, heads * hd))
-            h = layer.post_norm(x)
+            x = _add_projected(x, layer.o, out.transpose(1, 2).reshape(count * width, heads * hd))
+            h = _norm(layer.post_norm, x)
             if layer.gate_up is not None:
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
             else:
                 assert layer.gate is not None and layer.up is not None
                 gate, up = layer.gate(h), layer.up(h)
-            x = x + layer.down(F.silu(gate) * up)
+            x = _add_projected(x, layer.down, F.silu(gate) * up)
         last = x.view(count, width, -1)[torch.arange(count, device=dev), lengths - 1]
-        logits = head(norm(last)).float()
+        logits = head(_norm(norm, last)).float()
         c.logits.index_copy_(0, to, logits.index_select(0, rows))
         c.positions.index_copy_(0, to, lengths.index_select(0, rows))
         c.completion.index_fill_(0, to, 0)

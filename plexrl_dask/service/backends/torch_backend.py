@@ -677,8 +677,11 @@ class TorchBackend:
         self._host = kept
         self._host_flat = packed if stash is None else None
         self._device_flat = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        # The freed device blocks stay in torch's cache, not handed back to the driver: the
+        # next reload or another replica of this worker reuses them at no cost, where handing
+        # them back (empty_cache) took a fifth of an offload and made the reload ask the
+        # driver again (benchmarks/RESULTS.md, bench.device). A backend whose engine runs in
+        # another process (vLLM) empties the cache itself before it needs the memory.
 
     @staticmethod
     def _pack(

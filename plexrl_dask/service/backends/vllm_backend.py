@@ -283,6 +283,7 @@ class VLLMBackend:
             os.environ["VLLM_BATCH_INVARIANT"] = "1" if self.cfg.batch_invariant else "0"
             from vllm import LLM
 
+            torch.cuda.empty_cache()  # (the engine process needs driver memory: see reload)
             try:
                 self.llm = LLM(
                     model=path,
@@ -403,6 +404,9 @@ class VLLMBackend:
         """``wake_up()``: weights back on the GPU, bit-identical, and a fresh KV cache."""
         if not self._asleep:
             return
+        # The engine runs in a process of its own: memory this worker's torch allocator keeps
+        # cached (what offloaded torch replicas left) must go back to the driver for it.
+        torch.cuda.empty_cache()
         self._call("wake_up", self.llm.wake_up)
         self._asleep = False
         self._host = None
