@@ -42,6 +42,19 @@ def count(label: str, value: object) -> int:
     return value
 
 
+def get_bytes(key: str) -> int:
+    """Return ``plexrl.<key>`` as a byte count (an integer or a size such as ``"64MiB"``);
+    :class:`ConfigError` unless it is a byte size >= 0."""
+    value = get(key)
+    try:
+        parsed = int(parse_bytes(value)) if isinstance(value, str) else value
+    except ValueError as e:
+        raise ConfigError(f"plexrl.{key}: {e}") from None
+    if isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < 0:
+        raise ConfigError(f"plexrl.{key} must be a byte size >= 0, got {value!r}")
+    return parsed
+
+
 def get_seconds(key: str, *, positive: bool = True) -> float:
     """Return ``plexrl.<key>`` parsed as a duration in seconds (a number of seconds or a
     string such as ``"2s"`` or ``"100ms"``).

@@ -26,16 +26,9 @@ from plexrl_dask.service.sampling import (
 from plexrl_dask.service.static_decode import batch_buckets
 from plexrl_dask.service.types import Datum, SamplingParams, Streams
 from tests.conftest import tiny_spec
+from tests.test_decode import one_thread  # noqa: F401  (autouse: one torch thread)
 
 PROMPTS = ["12+3=", "4+5=", "99+1=", "7*8=", "1+1=", "60-7=", "123456+654321="]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def backend_of(engine: str, batch: int, **spec) -> TorchBackend:
@@ -43,15 +36,15 @@ def backend_of(engine: str, batch: int, **spec) -> TorchBackend:
         return TorchBackend(tiny_spec(**spec), "cpu", max_batch_size=batch)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(n=4, max_tokens=24, stop=("1", "5"), seed=7),
-        SamplingParams(n=3, max_tokens=12, temperature=0.0),
-        SamplingParams(n=5, max_tokens=40, temperature=0.7, top_p=0.8, seed=3),
-    ],
-    ids=["sample-stop", "greedy", "nucleus"],
-)
+# Each kind of token choice, with stop strings and rows of very different lengths.
+KINDS = {
+    "sample-stop": SamplingParams(n=4, max_tokens=24, stop=("1", "5"), seed=7),
+    "greedy": SamplingParams(n=3, max_tokens=12, temperature=0.0),
+    "nucleus": SamplingParams(n=5, max_tokens=40, temperature=0.7, top_p=0.8, seed=3),
+}
+
+
+@pytest.mark.parametrize("params", KINDS.values(), ids=KINDS.keys())
 def test_static_samples_what_dynamic_samples_and_scores_like_forward(params):
     static = backend_of("static", batch=6, seed=4)
     dynamic = backend_of("dynamic", batch=6, seed=4)
@@ -171,25 +164,3 @@ def test_the_choice_without_read_back_is_the_hosts(temperature, top_p):
     )
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     assert int(got[0][3]) < 250
-
-
-def test_a_packed_state_is_views_of_one_buffer_and_moves_in_one_copy():
-    from plexrl_dask.service import flat
-
-    state = {
-        "params/w": torch.randn(3, 5),
-        "params/ids": torch.arange(7),
-        "optim/w/exp_avg": torch.randn(2).to(torch.bfloat16),
-        "buffers/step": torch.tensor(3.0),
-    }
-    offsets, total = flat.layout(state)
-    assert all(o % flat.ALIGN == 0 for o in offsets.values()) and total == 4 * flat.ALIGN
-    buffer, views = flat.pack(state, "cpu")
-    assert all(torch.equal(state[n], views[n]) and views[n].dtype == state[n].dtype for n in state)
-    assert flat.packed_in(buffer, views) and not flat.packed_in(buffer, state)
-    # Packed again from the buffer: one copy of it, the same values.
-    again, copies = flat.pack(views, "cpu", source=buffer)
-    assert again.data_ptr() != buffer.data_ptr()
-    assert all(torch.equal(state[n], copies[n]) for n in state)
-    views["params/w"].add_(1)  # a view writes its buffer
-    assert not torch.equal(flat.pack(views, "cpu", source=buffer)[1]["params/w"], state["params/w"])

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from dask.utils import parse_bytes
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError
@@ -208,16 +207,7 @@ class _Layer:
 def fused_weights_max_bytes() -> int:
     """``plexrl.sampling.fused-weights-max-bytes`` in bytes; :class:`ConfigError` unless it is a
     byte size >= 0."""
-    value = config.get("sampling.fused-weights-max-bytes")
-    try:
-        parsed = int(parse_bytes(value)) if isinstance(value, str) else value
-    except ValueError as e:
-        raise ConfigError(f"plexrl.sampling.fused-weights-max-bytes: {e}") from None
-    if isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < 0:
-        raise ConfigError(
-            f"plexrl.sampling.fused-weights-max-bytes must be a byte size >= 0, got {value!r}"
-        )
-    return parsed
+    return config.get_bytes("sampling.fused-weights-max-bytes")
 
 
 class DecodeStep:

@@ -48,11 +48,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.nn.functional as F
-from dask.utils import parse_bytes
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError
-from plexrl_dask.service.decode_step import DecodeStep, _Norm, _Proj, attention_one
+from plexrl_dask.service.decode_step import DecodeStep, _Layer, _Norm, _Proj, attention_one
 from plexrl_dask.service.sampling import (
     choose_tokens_on_device,
     keys_tensor,
@@ -91,6 +90,17 @@ def _add_projected(residual: torch.Tensor, proj: _Proj, x: torch.Tensor) -> torc
         return residual + proj(x)
     weight = proj.weight if proj.transposed else proj.weight.t()
     return torch.addmm(residual, x, weight)
+
+
+def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    """``x`` after the layer's second half: its norm, SiLU MLP and residual."""
+    h = _norm(layer.post_norm, x)
+    if layer.gate_up is not None:
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+    else:
+        assert layer.gate is not None and layer.up is not None
+        gate, up = layer.gate(h), layer.up(h)
+    return _add_projected(x, layer.down, F.silu(gate) * up)
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -266,13 +276,7 @@ class StaticEngine:
                 q, keys[:batch, :, :columns], values[:batch, :, :columns], bias, layer.scaling
             )
             x = _add_projected(x, layer.o, out)
-            h = _norm(layer.post_norm, x)
-            if layer.gate_up is not None:
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            else:
-                assert layer.gate is not None and layer.up is not None
-                gate, up = layer.gate(h), layer.up(h)
-            x = _add_projected(x, layer.down, F.silu(gate) * up)
+            x = _mlp(layer, x)
         return head(_norm(norm, x)).float()
 
     def _step(self, batch: int, columns: int, greedy: bool, nucleus: bool) -> None:
@@ -332,13 +336,7 @@ class StaticEngine:
                 q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True
             )
             x = _add_projected(x, layer.o, out.transpose(1, 2).reshape(count * width, heads * hd))
-            h = _norm(layer.post_norm, x)
-            if layer.gate_up is not None:
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            else:
-                assert layer.gate is not None and layer.up is not None
-                gate, up = layer.gate(h), layer.up(h)
-            x = _add_projected(x, layer.down, F.silu(gate) * up)
+            x = _mlp(layer, x)
         last = x.view(count, width, -1)[torch.arange(count, device=dev), lengths - 1]
         logits = head(_norm(norm, last)).float()
         c.logits.index_copy_(0, to, logits.index_select(0, rows))
@@ -573,21 +571,11 @@ def cache_max_bytes(device: torch.device) -> int:
     """``plexrl.sampling.static-cache-max-bytes`` in bytes (``auto``: a quarter of the
     holder's default budget on CUDA, 1 GiB on the CPU); :class:`ConfigError` unless a byte
     size >= 0."""
-    value = config.get("sampling.static-cache-max-bytes")
-    if value == "auto":
+    if config.get("sampling.static-cache-max-bytes") == "auto":
         if device.type == "cuda":
             return int(0.25 * 0.9 * torch.cuda.get_device_properties(device).total_memory)
         return 2**30
-    try:
-        parsed = int(parse_bytes(value)) if isinstance(value, str) else value
-    except ValueError as e:
-        raise ConfigError(f"plexrl.sampling.static-cache-max-bytes: {e}") from None
-    if isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < 0:
-        raise ConfigError(
-            f"plexrl.sampling.static-cache-max-bytes must be 'auto' or a byte size >= 0, "
-            f"got {value!r}"
-        )
-    return parsed
+    return config.get_bytes("sampling.static-cache-max-bytes")
 
 
 def engine_for(backend: TorchBackend) -> StaticEngine | None:

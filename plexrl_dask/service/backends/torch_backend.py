@@ -33,7 +33,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service import checkpoint, flat
+from plexrl_dask.service import checkpoint
 from plexrl_dask.service.backends.base import check_weights, encode_prompts
 from plexrl_dask.service.checkpoint import StoreCheckpoint
 from plexrl_dask.service.decode import StreamDecoder
@@ -152,10 +152,6 @@ class TorchBackend:
         self.pending_backward = 0
         # Offloaded state: a host dict, or a stash handle (see offload()); None while resident.
         self._host: Any = None
-        # On CUDA, the buffers the state is packed in (plexrl_dask.service.flat): on the
-        # device after a reload, on the host (pinned) after an offload kept here.
-        self._device_flat: torch.Tensor | None = None
-        self._host_flat: torch.Tensor | None = None
 
     def _build_model(self) -> torch.nn.Module:
         """The spec's model, on this replica's device."""
@@ -636,30 +632,23 @@ class TorchBackend:
                         for k, v in st.items()
                         if isinstance(v, torch.Tensor) and v.device.type == self.device.type
                     ]
-        packed = None
         if stored is not None:
             kept = stored
         else:
             nbytes = self.state_bytes()
-            state = {
-                "params": {n: p.data for n, p in params.items()},
-                "buffers": dict(self.model.named_buffers()),
-                "optim": {
-                    n: {k: self.optimizer.state[params[n]][k] for k in keys}  # type: ignore[union-attr]
-                    for n, keys in device_optim.items()
-                },
-            }
             with copy_stream(self.device):
-                if self.device.type == "cuda":
-                    # One pinned buffer for the whole state, filled by one copy when the
-                    # state is still packed as the last reload left it (service/flat.py).
-                    packed, host = self._pack(state, "cpu", self._device_flat)
-                else:  # device memory is host memory: the tensors themselves, no copy
-                    host = {k: dict(v) for k, v in state.items()}
-                host["grads"] = {
-                    n: self._to_host(p.grad) for n, p in params.items() if p.grad is not None
+                host: dict[str, Any] = {
+                    "params": {n: self._to_host(p.data) for n, p in params.items()},
+                    "grads": {
+                        n: self._to_host(p.grad) for n, p in params.items() if p.grad is not None
+                    },
+                    "buffers": {n: self._to_host(b) for n, b in self.model.named_buffers()},
+                    "optim": {
+                        n: {k: self._to_host(self.optimizer.state[params[n]][k]) for k in keys}  # type: ignore[union-attr]
+                        for n, keys in device_optim.items()
+                    },
+                    "bytes": nbytes,
                 }
-                host["bytes"] = nbytes
             kept = host if stash is None else stash(host)
         for p in params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
@@ -675,37 +664,12 @@ class TorchBackend:
             for k in keys:
                 st[k] = None  # type: ignore[assignment]
         self._host = kept
-        self._host_flat = packed if stash is None else None
-        self._device_flat = None
-        # The freed device blocks stay in torch's cache, not handed back to the driver: the
-        # next reload or another replica of this worker reuses them at no cost, where handing
-        # them back (empty_cache) took a fifth of an offload and made the reload ask the
-        # driver again (benchmarks/RESULTS.md, bench.device). A backend whose engine runs in
-        # another process (vLLM) empties the cache itself before it needs the memory.
-
-    @staticmethod
-    def _pack(
-        state: dict[str, dict[str, Any]], device: str | torch.device, source: torch.Tensor | None
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``state`` (``params``/``buffers`` by name, ``optim`` by parameter and key) copied
-        into one buffer on ``device`` (pinned on the host) by :func:`flat.pack`, in the same
-        nested form; ``source``: the buffer it may already be packed in."""
-        entries = {f"params/{n}": t for n, t in state["params"].items()}
-        entries.update({f"buffers/{n}": t for n, t in state["buffers"].items()})
-        for n, moments in state["optim"].items():
-            entries.update({f"optim/{n}/{k}": t for k, t in moments.items()})
-        buffer, views = flat.pack(
-            entries, device, pin_memory=torch.device(device).type == "cpu", source=source
-        )
-        out: dict[str, Any] = {
-            "params": {n: views[f"params/{n}"] for n in state["params"]},
-            "buffers": {n: views[f"buffers/{n}"] for n in state["buffers"]},
-            "optim": {
-                n: {k: views[f"optim/{n}/{k}"] for k in moments}
-                for n, moments in state["optim"].items()
-            },
-        }
-        return buffer, out
+        # The freed device blocks stay in torch's cache, not handed back to the driver: this
+        # worker's next reload or another replica reuses them, where handing them back
+        # (empty_cache) took a fifth of an offload's time on an H200 (bench.device's
+        # release_share_of_offload; the offload without it is not yet measured there). A
+        # backend whose engine runs in another process (vLLM) empties the cache itself
+        # before it needs the memory.
 
     def _host_state(self) -> dict[str, Any]:
         """The offloaded state as host tensors (read back from its stash if stashed)."""
@@ -722,34 +686,23 @@ class TorchBackend:
         # (not after the default stream's work: this is what lets a prefetch overlap the
         # running request's kernels)
         with copy_stream(self.device, after_default=False):
-            state: dict[str, Any] = {k: host[k] for k in ("params", "buffers", "optim")}
-            if self.device.type == "cuda":
-                # One device allocation for the state, one copy when the host buffer is the
-                # one the offload packed (service/flat.py); the state stays packed in it.
-                self._device_flat, state = self._pack(state, self.device, self._host_flat)
-            else:
-                state = {
-                    k: {n: t.to(self.device) for n, t in state[k].items()}
-                    for k in ("params", "buffers")
-                } | {"optim": state["optim"]}
             for n, p in params.items():
-                p.data = state["params"][n]
+                p.data = host["params"][n].to(self.device, non_blocking=True)  # type: ignore[index]
                 g = host["grads"].get(n)  # type: ignore[union-attr]
                 p.grad = None if g is None else g.to(self.device, non_blocking=True)
-            buffers = state["buffers"]
+            buffers = host["buffers"]
             for mod_name, mod in self.model.named_modules():
                 for bname in list(mod._buffers):
                     full = f"{mod_name}.{bname}" if mod_name else bname
-                    if full in buffers:
-                        mod._buffers[bname] = buffers[full]
+                    if full in buffers:  # type: ignore[operator]
+                        mod._buffers[bname] = buffers[full].to(self.device, non_blocking=True)  # type: ignore[index]
             if self.optimizer is not None:
-                for n, st in state["optim"].items():
+                for n, st in host["optim"].items():  # type: ignore[union-attr]
                     target = self.optimizer.state[params[n]]
                     for k, v in st.items():
                         target[k] = v.to(self.device, non_blocking=True)
         used_by_default_stream(self._state_tensors().values(), self.device)
         self._host = None
-        self._host_flat = None
 
     # Rollout-engine names for the same transitions (vLLM: sleep(level=1) / wake_up()).
     def sleep(self) -> None:
