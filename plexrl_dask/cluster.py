@@ -1,6 +1,6 @@
 """Starting PlexRL on a cluster: a local one, or an existing one.
 
-``local_cluster()`` is the embedded default (DESIGN §5): a process ``LocalCluster`` on
+``local_cluster()`` is the embedded default (docs/deploying.md, "Local cluster"): a process ``LocalCluster`` on
 127.0.0.1 whose workers advertise the GPU resource and whose scheduler preloads the PlexRL
 plugins, exactly as a shared cluster would with ``dask scheduler --preload plexrl_dask.plugins``.
 ``install(client)`` adds the plugins to a running cluster instead. ``slurm_cluster()`` starts

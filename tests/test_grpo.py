@@ -57,7 +57,7 @@ def test_bad_configs_are_typed_errors(runtime):
 
 def test_split_and_colocated_jobs_are_bit_identical(runtime, tmp_path):
     """The same job (model, task, seeds) sampling from a separate rollout deployment kept in
-    sync, or from the policy itself, computes exactly the same trajectory (DESIGN §5)."""
+    sync, or from the policy itself, computes exactly the same trajectory (docs/architecture.md, "Sampling and determinism")."""
     spec = tiny_spec(seed=11)
     task = FirstCharIsDigit()
     policy = runtime.deploy(unique("grpo-split-policy"), spec)

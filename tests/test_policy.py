@@ -190,7 +190,7 @@ def test_report_rejects_bad_tier(tier):
 def test_event_schema_and_round_trip():
     r = _report(worker="tcp://w:1", uid="u-1", modified=True)
     event = r.to_event()
-    # The DESIGN §3 schema, without `worker` (Dask adds it to worker events).
+    # The schema of docs/architecture.md, "Residency reports", without `worker` (Dask adds it to worker events).
     assert event == {
         "deployment": "policy",
         "version": 3,

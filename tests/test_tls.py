@@ -1,4 +1,4 @@
-"""PlexRL on a cluster whose Dask comms are TLS (DESIGN §5: "TLS through Dask's Security"):
+"""PlexRL on a cluster whose Dask comms are TLS (docs/deploying.md, "TLS"):
 requests, the groups' rendezvous, weight versions moved between nodes and the dashboard's polls
 of the workers all go through Dask's comms, so they run encrypted with the cluster's
 ``Security``. Certificates come from ``Security.temporary()`` (needs ``cryptography``)."""

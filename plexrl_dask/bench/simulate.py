@@ -1,4 +1,4 @@
-"""Benchmark of the spatiotemporal placement, by trace-driven simulation (issue 7, DESIGN §6).
+"""Benchmark of the spatiotemporal placement, by trace-driven simulation (issue 7, docs/measurements.md, "bench.simulate").
 
 Every policy runs on the same generated workload (``plexrl_dask/sim/workloads/paper2048.yaml``,
 committed before any comparison) in the same run:

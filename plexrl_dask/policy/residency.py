@@ -1,4 +1,4 @@
-"""Residency reports: where each deployment's state is, per worker (DESIGN §3).
+"""Residency reports: where each deployment's state is, per worker (docs/architecture.md, "Residency reports").
 
 One schema for the worker that sends it (``worker.log_event("plexrl-residency", report)``), the
 scheduler plugin that keeps the map, the simulator and the dashboard. The scheduler adds the

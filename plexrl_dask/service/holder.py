@@ -13,7 +13,7 @@ the least recently used *other* resident replicas are offloaded until the reside
 On a worker, offloaded state goes to the node's state store (DRAM tier, NVMe under pressure;
 :mod:`plexrl_dask.service.offload`), shared by the node's workers and deduplicated; a holder
 built without a node (``node=None``: unit tests and tools) keeps it in its own memory. Each
-transition is reported to the scheduler as a residency event (DESIGN §3 schema) with its
+transition is reported to the scheduler as a residency event (schema: docs/architecture.md, "Residency reports") with its
 measured duration and the tier it came from or went to.
 
 This module imports the model stack (backends, torch, the node's store) only where a replica

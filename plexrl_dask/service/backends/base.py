@@ -3,7 +3,7 @@
 A replica holder drives backends only through these methods, so a vLLM engine (rollout) or a
 multi-rank FSDP2 group (training) plugs in behind the same holder, runtime and scheduler.
 
-Residency vocabulary (DESIGN §3): a backend is *resident* when its state is in device memory
+Residency vocabulary (docs/architecture.md, "Residency reports"): a backend is *resident* when its state is in device memory
 ("hbm" tier) and runnable; ``offload`` moves its state to host memory ("dram" tier) and frees
 the device; ``reload`` brings it back. ``sleep``/``wake`` are the rollout-engine names of the same
 two transitions (vLLM's ``sleep(level=1)`` / ``wake_up``).
