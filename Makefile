@@ -35,7 +35,7 @@ bench-dashboard: $(VENV)/.installed
 	$(PY) -m plexrl_dask.bench.dashboard --json benchmarks/dashboard.json --screenshots benchmarks/dashboard/synthetic
 
 # The device machine (one GPU) has torch and transformers but not these: wheels for its Python
-# 3.12, in .whl/ (ignored), carried to it with the run (see README "The GPU checks").
+# 3.12, in .whl/ (ignored), carried to it with the run (see docs/deploying.md, "The GPU checks").
 DEVICE_PACKAGES := dask distributed zarr numcodecs donfig google-crc32c locket partd tblib tornado zict
 device-wheels: $(VENV)/.installed
 	rm -rf .whl

@@ -30,12 +30,12 @@ from pathlib import Path
 import dask
 from distributed import Client
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import plexrl_dask as plexrl
 from plexrl_dask.cli import nonnegative_int, positive_float, positive_int
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.modes import Layout, resumable, run_mode, warm_start
+from plexrl_dask.rl.progress import JobProgress
 from plexrl_dask.rl.report import plot_run, summary_table
 
 # Worker processes are spawned and re-import this file: everything runs under main().
@@ -206,40 +206,26 @@ def main() -> None:
         wait = args.slurm_wait if args.slurm else args.scheduler_wait if args.scheduler else None
         workers = gpu_workers(client, args.workers, wait)
         console.print(f"cluster: {args.workers} workers, dashboard {client.dashboard_link}")
-        columns = (
-            TextColumn("{task.description:<44}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-        )
-        with Progress(*columns, console=console) as progress:
-            rows = {
-                s.name: progress.add_task(f"{s.name}: warm-up", total=s.warmup_steps + s.grpo.steps)
-                for s in specs
-            }
+        totals = [(s.name, s.warmup_steps + s.grpo.steps) for s in specs]
+        # (bars on a terminal; written to a file, a line per job every few seconds)
+        with JobProgress(totals, console) as progress:
 
             def warmed(job: str, step: int, loss: float) -> None:
-                progress.update(
-                    rows[job], completed=step, description=f"{job}: warm-up loss {loss:.3f}"
-                )
+                progress.update(job, step, f"warm-up loss {loss:.3f}")
 
             warm = {s.name: s.warmup_steps for s in specs}
             for name, saved in resumed.items():
                 progress.update(
-                    rows[name],
-                    completed=warm[name] + saved.steps_done,
-                    description=f"{name}: resumed after {saved.steps_done} GRPO steps",
+                    name,
+                    warm[name] + saved.steps_done,
+                    f"resumed after {saved.steps_done} GRPO steps",
                 )
             # (a resumed job starts from its own checkpoint, which run_mode loads: no warm-up)
             fresh = [s for s in specs if s.name not in resumed]
             checkpoints = warm_start(runtime, fresh, out / "warmup", on_progress=warmed)
 
             def stepped(r) -> None:
-                progress.update(
-                    rows[r.job],
-                    completed=warm[r.job] + r.step + 1,
-                    description=f"{r.job}: GRPO reward {r.reward_mean:.3f}",
-                )
+                progress.update(r.job, warm[r.job] + r.step + 1, f"GRPO reward {r.reward_mean:.3f}")
 
             t0 = time.perf_counter()
             run = run_mode(

@@ -110,7 +110,7 @@ def test_a_tls_local_cluster_trains_a_group_and_syncs_its_replicas():
 def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
     """The shared-cluster path: ``dask scheduler --protocol tls --preload plexrl_dask.plugins``
     and two ``dask worker`` processes on different nodes (own tiers), each with its own
-    role's certificate alone, as the README's command lines give them (the plugin's own client
+    role's certificate alone, as the command lines of docs/deploying.md, "TLS", give them (the plugin's own client
     then uses the scheduler's). A trainer with a rank on each node publishes on rank 0's node;
     the rollout replica on the other node imports that version worker to worker, over TLS."""
     sec = Security.temporary()

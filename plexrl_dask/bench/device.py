@@ -1,4 +1,4 @@
-"""The GPU checks, in one run: what the device machine is lent for (README "The GPU checks").
+"""The GPU checks, in one run: what the device machine is lent for (docs/deploying.md, "The GPU checks").
 
 Everything runs in this process, on ``--device`` (``cuda`` by default; ``cpu`` runs the same
 code with gloo, which is how the tests keep this module working on machines without a GPU).

@@ -1,6 +1,6 @@
 """The cost ledger: what a deployment mode reserved, what it used, and what that bought.
 
-Definitions (written before any number was looked at; ``docs`` in the README repeat them):
+Definitions (written before any number was looked at; docs/measurements.md, "bench.multiplex", repeats them):
 
 - **Cost** = reserved worker-seconds. An isolated job (colocated, split, split-async) holds its
   workers for its whole wall time, and isolated jobs run one after another: the mode's cost is
