@@ -20,8 +20,8 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
   buffers of their own, on the backend's copy stream, nothing released; its GB/s ÷ the plain
   copy's) and ``release_ms`` / ``release_share_of_offload`` (device copies of the same
   tensors, made untimed, dropped and handed back to the driver with
-  ``torch.cuda.empty_cache()``, as the offload does with the replica's blocks; its median
-  time, and that ÷ the offload's).
+  ``torch.cuda.empty_cache()``: what an offload spent beyond its copies when it handed its
+  blocks back, which it no longer does; its median time, and that ÷ the offload's).
   ``reload_bit_identical``: every parameter after the first round trip equals its value before.
   On the CPU there is nothing to move (device memory is host memory): the numbers are reported
   but say nothing about a GPU.
