@@ -61,6 +61,11 @@ class BackendUnavailable(DeploymentError):
     ``vllm`` package, a worker process not allowed children, ...)."""
 
 
+class LifecycleError(DeploymentError):
+    """A deployment was asked to move to a lifecycle state it cannot reach from its own (e.g.
+    relocating a deployment that is lost)."""
+
+
 class DeploymentBusy(DeploymentError):
     """The deployment has requests in flight; the action needs it idle (relocation)."""
 

@@ -35,11 +35,12 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.plugins.placement import LivePlacement
+from plexrl_dask.plugins.requests import RequestQueue
 from plexrl_dask.policy.dispatch import Dispatcher
 from plexrl_dask.policy.estimates import Estimates
 from plexrl_dask.policy.placement import WorkerView, place_workers
 from plexrl_dask.policy.residency import ResidencyMap
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.registry import DeploymentInfo, Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class DeploymentRegistry:
     worker_capacity: dict[str, dict[str, Any]]
     counters: Counter[str]
     placement: LivePlacement | None
-    pending: dict[str, Any]
+    requests: RequestQueue
     group_epochs: dict[str, int]
     worker_group: dict[str, tuple[str, int]]
     _client: Any
@@ -209,7 +210,7 @@ class DeploymentRegistry:
             del self.worker_group[w]
         self.group_epochs.pop(info.uid, None)
         # Its queued requests fail with DeploymentNotFound instead of waiting forever.
-        for request in [r for r in self.pending.values() if r.deployment == name]:
+        for request in list(self.requests.deployment(name)):
             request.groups = None  # stale: routed again (to the error) by _reroute_orphans
             self.dispatcher.remove(request.request)
             request.admitted = False
@@ -274,7 +275,7 @@ class DeploymentRegistry:
                     "job's requests are (between steps)"
                 )
             state = "relocating" if info.modified else "unplaced"
-            self.deployments[name] = info.with_(state=state)
+            self.deployments[name] = info.moved(state)
             self.counters["relocations"] += 1
             logger.info("relocating %s (%s) from %s", name, state, list(info.workers))
             return {"status": "OK", "state": state}
@@ -287,9 +288,8 @@ class DeploymentRegistry:
         done = ("memory", "erred", "released", "forgotten")
         return sum(
             1
-            for r in self.pending.values()
-            if r.deployment == name
-            and (
+            for r in self.requests.deployment(name)
+            if (
                 len(r.keys) < r.ranks
                 or any(k in tasks and tasks[k].state not in done for k in r.keys.values())
             )
@@ -392,7 +392,7 @@ class DeploymentRegistry:
         )  # fmt: skip
         # A new incarnation (new uid): no surviving holder reuses state of the old placement
         # under a different rank, and late reports of the old one are ignored.
-        placed = info.with_(workers=workers, state="placed", uid=uuid.uuid4().hex)
+        placed = info.moved(Lifecycle.PLACED, workers=workers, uid=uuid.uuid4().hex)
         self.deployments[info.name] = placed
         old = [w for w in info.workers if w in self.scheduler.workers and w not in workers]
         if old:

@@ -41,7 +41,6 @@ import itertools
 import logging
 import time
 from collections import Counter, defaultdict, deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from dask.utils import parse_bytes
@@ -61,6 +60,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.plugins.deployments import DeploymentRegistry
 from plexrl_dask.plugins.placement import LivePlacement
+from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.residency import (
@@ -71,7 +71,7 @@ from plexrl_dask.policy.residency import (
     ResidencyMap,
     ResidencyReport,
 )
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.registry import DeploymentInfo, Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -106,30 +106,6 @@ def dispatch_policy_from_config(
         raise ConfigError(str(e)) from e
 
 
-@dataclass(eq=False)
-class _Request:
-    """A request not yet released: its tasks per rank and its candidate groups (``None`` until
-    routed). ``replica`` is ``None`` for a data-parallel request (any replica)."""
-
-    request: str
-    ranks: int
-    deployment: str = ""
-    op: str = ""
-    replica: int | None = 0
-    job: str = ""
-    keys: dict[int, Any] = field(default_factory=dict)
-    groups: tuple[tuple[str, ...], ...] | None = None
-    admitted: bool = False
-
-    @property
-    def order(self) -> str:
-        """Requests of one order run in submission order."""
-        return f"{self.deployment}#{'any' if self.replica is None else self.replica}"
-
-    def forgotten(self, tasks: dict) -> bool:
-        return any(k not in tasks for k in self.keys.values())
-
-
 def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...], ...]:
     """The candidate groups of a request: its replica's workers, or every replica's."""
     k = info.world_size
@@ -154,10 +130,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         self._client: Any = None
         self._client_lock = asyncio.Lock()
         self._holders: dict[str, Any] = {}  # worker address -> Future of its holder actor
-        self.pending: dict[str, _Request] = {}  # not yet released, in submission order
-        self._by_deployment: dict[str, list[_Request]] = {}  # the same, per deployment
-        self._to_admit: set[str] = set()  # deployments whose queue changed since the last look
-        self.key_request: dict[Any, str] = {}
+        self.requests = RequestQueue()  # routed, not yet released (plugins/requests.py)
         self.group_epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
         self.worker_group: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
         # key -> (start, deployment, op, worker, job) of a released task; the start is the
@@ -264,9 +237,9 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         released ones wait behind others, so every request is decided under the policy it
         arrived under."""
         try:
-            if self.pending or self.queued_behind:
+            if self.requests or self.queued_behind:
                 raise SchedulerBusy(
-                    f"{len(self.pending)} requests are pending and {len(self.queued_behind)} "
+                    f"{len(self.requests)} requests are pending and {len(self.queued_behind)} "
                     "queued behind others; change the policy when idle"
                 )
             if lookahead is not None and not isinstance(lookahead, bool):
@@ -330,11 +303,11 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             )
         return {
             "now": now,
-            "pending": len(self.pending),
+            "pending": len(self.requests),
             "admitted": len(self.dispatcher),
             "busy": self.dispatcher.busy,
             "queued": self.dispatcher.queued,
-            "by_deployment": {name: len(q) for name, q in self._by_deployment.items()},
+            "by_deployment": self.requests.counts(),
             "top": rows,
         }
 
@@ -411,7 +384,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                 # Restoring a checkpoint (or a weights-only deployment's weights) is how a lost
                 # (or relocating) deployment comes back: a new incarnation (new uid, so no
                 # holder reuses a stale rank), placed anew.
-                info = info.with_(state="unplaced")
+                info = info.moved(Lifecycle.UNPLACED)
                 self.deployments[name] = info
             if info.state in ("lost", "relocating") or self._worker_views():
                 info = self._placed(info)
@@ -429,16 +402,13 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         ts.loose_restrictions = False
         ts.resource_restrictions = {self.gpu_resource: 1}
         ts.annotations = {**ts.annotations, ANNOTATION: ann}
-        queued = self.pending.get(request)
-        if queued is None:
-            queued = self.pending[request] = _Request(
+        queued = self.requests.add(
+            PendingRequest(
                 request, ranks, name, str(ann.get("op", "")), replica, str(ann.get("job", ""))
             )
-            self._by_deployment.setdefault(name, []).append(queued)
-        self._to_admit.add(name)
-        queued.keys[rank] = ts.key
+        )
+        self.requests.add_key(ts.key, queued, rank)
         queued.groups = groups
-        self.key_request[ts.key] = request
         self.counters["routed"] += 1
 
     def _admit(self, name: str) -> None:
@@ -446,7 +416,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         ready (every rank parked in ``no-worker``) and every earlier one was admitted. Reads
         from any replica and writes to one replica are not reordered: a data-parallel request
         waits until the requests of the deployment before it were released, and vice versa."""
-        queue = self._by_deployment.get(name, [])
+        queue = self.requests.deployment(name)
         tasks = self.scheduler.tasks
         now = time.monotonic()
         for i, r in enumerate(queue):
@@ -484,7 +454,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         """Admit what became ready, release what the policy core picks (all ranks of a request
         at once), then send the workers whose prediction changed a prefetch hint."""
         tasks = self.scheduler.tasks
-        for request in [r for r in self.pending.values() if r.forgotten(tasks)]:
+        for request in [r for r in self.requests if r.forgotten(tasks)]:
             self._forget(request)
         now = time.monotonic()
         # Requests released to free workers, then those queued behind a running one: a worker
@@ -495,15 +465,14 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         queued: dict[Any, str] = {}
         released = 0
         while True:
-            to_admit, self._to_admit = self._to_admit, set()
-            for name in to_admit:
+            for name in self.requests.take_changed():
                 self._admit(name)
             decisions = self.dispatcher.decide(now)
             for decision in decisions:
                 self._release(decision, now, queued if decision.behind else recommendations)
             released += len(decisions)
             # A release can lift the barrier of a request behind it: admit and decide again.
-            if not decisions or not self._to_admit:
+            if not decisions or not self.requests.has_changed():
                 break
         if released:
             self.counters["dispatched"] += released
@@ -515,13 +484,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
     def _release(self, decision: Any, now: float, recommendations: dict[Any, str]) -> None:
         """Aim every rank of ``decision``'s request at its worker and recommend processing."""
         tasks = self.scheduler.tasks
-        request = self.pending.pop(decision.request.request)
-        queue = self._by_deployment[request.deployment]
-        queue.remove(request)
-        if queue:
-            self._to_admit.add(request.deployment)
-        else:
-            del self._by_deployment[request.deployment]
+        request = self.requests.release(decision.request.request)
         extra: dict[str, Any] = {"dispatched": True}
         if request.ranks > 1:
             extra["epoch"] = self._group_epoch(request.deployment, decision.group)
@@ -583,20 +546,12 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             self.worker_group[w] = (uid, epoch)
         return epoch
 
-    def _forget(self, request: _Request) -> None:
-        self.pending.pop(request.request, None)
-        queue = self._by_deployment.get(request.deployment)
-        self._to_admit.add(request.deployment)
-        if queue is not None and request in queue:
-            queue.remove(request)
-            if not queue:
-                del self._by_deployment[request.deployment]
+    def _forget(self, request: PendingRequest) -> None:
+        self.requests.forget(request)
         self.dispatcher.remove(request.request)
-        for key in request.keys.values():
-            self.key_request.pop(key, None)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if key not in self.key_request:
+        if not self.requests.tracks(key):
             return
         if start == "processing":
             started = self.started.pop(key, None)
@@ -606,7 +561,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                 if queued is not None and queued != key and queued in self.started:
                     # The task queued behind this one starts on the worker now.
                     self.started[queued] = (time.monotonic(), *self.started[queued][1:])
-                self.dispatcher.release_worker(worker, self.key_request[key])
+                self.dispatcher.release_worker(worker, self.requests.request_of(key))
                 self._touched.add(worker)
                 if finish == "memory":
                     self.estimates.observe_service(deployment, op, time.monotonic() - t0)
@@ -627,10 +582,10 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                 for w in [w for w, g in self.worker_group.items() if g[0] == ann.get("uid")]:
                     del self.worker_group[w]
             if finish in ("memory", "erred", "forgotten"):
-                self.key_request.pop(key, None)
+                self.requests.drop_key(key)
             self._soon(self._dispatch)
         elif finish == "no-worker":
-            request = self.pending.get(self.key_request.get(key, ""))
+            request = self.requests.of_key(key)
             live = self.scheduler.workers
             if (
                 request is None
@@ -639,15 +594,15 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             ):
                 self._soon(self._reroute_orphans)  # its target left while it waited
             else:
-                self._to_admit.add(request.deployment)  # one more rank is ready
+                self.requests.changed(request.deployment)  # one more rank is ready
                 self._soon(self._dispatch)
         elif finish in ("erred", "forgotten", "released"):
             # Failed or cancelled before it ran (e.g. its dependency failed): drop its request
             # so it does not hold its deployment's queue.
-            request = self.pending.get(self.key_request.get(key, ""))
+            request = self.requests.of_key(key)
             if request is not None:
                 self._forget(request)
-            self.key_request.pop(key, None)
+            self.requests.drop_key(key)
             self._soon(self._dispatch)
 
     def _reroute_orphans(self) -> None:
@@ -656,13 +611,13 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         live = self.scheduler.workers
         tasks = self.scheduler.tasks
         stale: list[Any] = []
-        for request in list(self.pending.values()):
+        for request in self.requests:
             if request.groups is None or any(w not in live for g in request.groups for w in g):
                 stale.extend(tasks[k] for k in request.keys.values() if k in tasks)
                 self._forget(request)
         for ts in list(self.scheduler.unrunnable):  # dispatched, then lost their worker
             ann = (ts.annotations or {}).get(ANNOTATION)
-            queued = self.pending.get(self.key_request.get(ts.key, ""))
+            queued = self.requests.of_key(ts.key)
             if ann is not None and ts.state == "no-worker" and queued is None and ts not in stale:
                 stale.append(ts)
         errors = {}
@@ -699,7 +654,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             if worker in info.workers and info.state != "relocating":  # (its state is saved)
                 state = "lost" if info.modified else "unplaced"
                 # (workers kept: survivors of the old placement are told to drop it later)
-                self.deployments[name] = info.with_(state=state)
+                self.deployments[name] = info.moved(state)
                 logger.info("worker %s left: deployment %s is %s", worker, name, state)
         self._soon(self._reroute_orphans)
 
@@ -735,7 +690,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             if report.tier == "absent" and report.modified and report.lost and info.world_size > 1:
                 # A rank dropped its trained shard (its group failed mid-request): the
                 # deployment's state is incomplete until a checkpoint is restored.
-                self.deployments[report.deployment] = info.with_(state="lost")
+                self.deployments[report.deployment] = info.moved(Lifecycle.LOST)
         elif topic == WORKER_TOPIC and isinstance(msg, dict) and "worker" in msg:
             asyncio.ensure_future(self._create_holder(msg["worker"]))
         elif (

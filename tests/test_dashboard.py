@@ -228,7 +228,7 @@ async def test_queue_page_shows_the_top_requests_and_totals_of_a_long_queue(c, s
     assert data["job"] == [r.job for r in top]
     assert all(r > 0 for r in data["ratio"]) and all(w > 0 for w in data["wait_s"])
     totals = page.totals.data
-    assert sum(totals["pending"]) == 10_000 == len(plexrl.pending)
+    assert sum(totals["pending"]) == 10_000 == len(plexrl.requests)
     assert sum(totals["shown"]) == 7
     assert totals["owner"] == [plexrl.deployments[d].owner for d in totals["deployment"]]
     assert "10,000</b> pending" in page.summary.text

@@ -117,13 +117,13 @@ def add_request(plexrl: Any, name: str, deployment: str, op: str, job: str, arri
     """Queue a synthetic request the way the plugin's routing and admission would: in its
     pending queue (per deployment) and in the dispatcher. (It has no tasks, so a dispatch
     pass would release it onto its fake group: nothing here triggers one.)"""
-    from plexrl_dask.plugins.scheduler import _Request
+    from plexrl_dask.plugins.requests import PendingRequest
 
     info = plexrl.deployments[deployment]
     groups = tuple((w,) for w in info.workers)
-    pending = _Request(name, 1, deployment, op, None, job, groups=groups, admitted=True)
-    plexrl.pending[name] = pending
-    plexrl._by_deployment.setdefault(deployment, []).append(pending)
+    pending = plexrl.requests.add(
+        PendingRequest(name, 1, deployment, op, None, job, groups=groups, admitted=True)
+    )
     plexrl.dispatcher.add(
         Request(
             request=name,
@@ -139,11 +139,7 @@ def add_request(plexrl: Any, name: str, deployment: str, op: str, job: str, arri
 
 
 def remove_request(plexrl: Any, name: str) -> None:
-    request = plexrl.pending.pop(name)
-    queue = plexrl._by_deployment[request.deployment]
-    queue.remove(request)
-    if not queue:
-        del plexrl._by_deployment[request.deployment]
+    plexrl.requests.forget(plexrl.requests.get(name))
     plexrl.dispatcher.remove(name)
 
 
@@ -668,7 +664,7 @@ def run(args: Any) -> dict[str, Any]:
             )
             results[f"gc_ms_per_s_{phase}"] = gc_ms / max(seconds, 1e-9)
         results["plain_tasks_done"] = load.done
-        results["queued_requests"] = len(scheduler.plugins["plexrl"].pending)
+        results["queued_requests"] = len(scheduler.plugins["plexrl"].requests)
         results.update(on_loop(client, scrape_times))
         # The scheduler runs in this process: none of the model stack here, as in a
         # preloaded `dask scheduler` (its full collections walk whatever the process holds).

@@ -8,9 +8,10 @@ workers' replica holders. Records cross the wire as plain dicts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
-from plexrl_dask.errors import ConfigError
+from plexrl_dask.errors import ConfigError, LifecycleError
 from plexrl_dask.models.spec import ModelSpec
 
 ROLES = ("train", "rollout")
@@ -22,6 +23,38 @@ BACKEND_NAMES = ("torch", "vllm")
 WEIGHTS_ONLY_BACKENDS = ("vllm",)
 
 
+class Lifecycle(StrEnum):
+    """Where a deployment is in its life (the registry's record of it, not its residency):
+
+    - ``placed``: it has workers, which hold it or will build it at its next request;
+    - ``unplaced``: a worker of it left and its state can be rebuilt from its spec (or it was
+      moved unmodified): its next request places it again;
+    - ``lost``: a worker left with trained state that exists nowhere else (or a rank dropped
+      its shard mid-request): only restoring a checkpoint brings it back;
+    - ``relocating``: moving to its job's node group with its trained state saved: restoring
+      that checkpoint places it there.
+
+    A string enum: it compares equal to, and crosses the wire as, its value."""
+
+    PLACED = "placed"
+    UNPLACED = "unplaced"
+    LOST = "lost"
+    RELOCATING = "relocating"
+
+
+#: The moves the scheduler makes, and only those (:meth:`DeploymentInfo.moved`).
+MOVES: dict[Lifecycle, frozenset[Lifecycle]] = {
+    # re-placed on new workers; a worker left; relocated (unmodified / with saved state)
+    Lifecycle.PLACED: frozenset(Lifecycle),
+    # placed by its next request; another worker left
+    Lifecycle.UNPLACED: frozenset({Lifecycle.PLACED, Lifecycle.UNPLACED, Lifecycle.LOST}),
+    # revived by a checkpoint restore, which then places it
+    Lifecycle.LOST: frozenset({Lifecycle.UNPLACED, Lifecycle.LOST}),
+    # revived by restoring the saved state; a rank of that restore dropped its shard
+    Lifecycle.RELOCATING: frozenset({Lifecycle.UNPLACED, Lifecycle.LOST, Lifecycle.RELOCATING}),
+}
+
+
 @dataclass(frozen=True)
 class DeploymentInfo:
     """A registered deployment.
@@ -31,10 +64,7 @@ class DeploymentInfo:
     ranks each, replica-major (worker of rank r of replica i: ``workers[i * world_size + r]``);
     ``candidates``, when set, are the only workers it may be placed on (then and after a
     worker loss). ``memory_bytes`` is what one rank/replica needs on its worker.
-    ``state`` is ``"placed"``, ``"unplaced"`` (its worker left and its state can be rebuilt from
-    the spec, so the next request places it again), ``"lost"`` (its worker left with trained
-    state that exists nowhere else) or ``"relocating"`` (moving to its job's node group: its
-    trained state was saved, and ``load_state`` places and restores it there).
+    ``state``: its :class:`Lifecycle` (changed only through :meth:`moved`).
     """
 
     name: str
@@ -50,10 +80,16 @@ class DeploymentInfo:
     replicas: int = 1
     vocab_size: int = 0  # from the model config; 0: unknown (then only workers validate)
     max_positions: int = 0
-    state: str = "placed"
+    state: Lifecycle = Lifecycle.PLACED
     modified: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "state", Lifecycle(self.state))
+        except ValueError:
+            raise ConfigError(
+                f"state must be one of {[s.value for s in Lifecycle]}, got {self.state!r}"
+            ) from None
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
         if not self.name or "/" in self.name:
@@ -105,7 +141,20 @@ class DeploymentInfo:
         return self.workers[0] if self.workers else None
 
     def with_(self, **changes: Any) -> DeploymentInfo:
+        """This record with ``changes`` (not its state: :meth:`moved`)."""
+        if "state" in changes:
+            raise TypeError("a deployment's state changes through moved(), which checks it")
         return replace(self, **changes)
+
+    def moved(self, state: Lifecycle | str, **changes: Any) -> DeploymentInfo:
+        """This record in lifecycle ``state`` (with ``changes``); :class:`LifecycleError` for
+        a move the lifecycle does not make (:data:`MOVES`)."""
+        to = Lifecycle(state)
+        if to not in MOVES[self.state]:
+            raise LifecycleError(
+                f"deployment {self.name!r} is {self.state.value}: it cannot become {to.value}"
+            )
+        return replace(self, state=to, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,7 +171,7 @@ class DeploymentInfo:
             "replicas": self.replicas,
             "vocab_size": self.vocab_size,
             "max_positions": self.max_positions,
-            "state": self.state,
+            "state": self.state.value,
             "modified": self.modified,
         }
 

@@ -1,0 +1,144 @@
+"""The scheduler plugin's queue of PlexRL requests that are routed but not yet released.
+
+A request is one call on a deployment: one task per rank, parked in ``no-worker`` until the
+dispatch rule releases all of them together. The queue keeps them in submission order, per
+deployment (requests of one deployment are admitted to the dispatcher in that order), remembers
+which deployments' queues changed since the dispatcher last looked, and which request each task
+key belongs to. It holds no policy: the plugin routes, admits and releases
+(:mod:`plexrl_dask.plugins.scheduler`); the dashboard benchmark fills it the same way
+(:mod:`plexrl_dask.bench.dashboard`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class PendingRequest:
+    """A request not yet released: its tasks' keys by rank and its candidate groups of workers
+    (None until routed, or once they are stale). ``replica`` is None for a data-parallel
+    request (any replica may take it); ``admitted``: handed to the dispatcher."""
+
+    request: str
+    ranks: int
+    deployment: str = ""
+    op: str = ""
+    replica: int | None = 0
+    job: str = ""
+    keys: dict[int, Any] = field(default_factory=dict)
+    groups: tuple[tuple[str, ...], ...] | None = None
+    admitted: bool = False
+
+    @property
+    def order(self) -> str:
+        """Requests of one order run in submission order."""
+        return f"{self.deployment}#{'any' if self.replica is None else self.replica}"
+
+    def forgotten(self, tasks: Mapping[Any, Any]) -> bool:
+        """Whether the scheduler forgot one of its tasks (its client let go of it)."""
+        return any(k not in tasks for k in self.keys.values())
+
+
+class RequestQueue:
+    """Pending requests (see the module docstring). Iterating yields them in submission
+    order."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, PendingRequest] = {}
+        self._by_deployment: dict[str, list[PendingRequest]] = {}
+        self._changed: set[str] = set()
+        self._of_key: dict[Any, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __iter__(self) -> Iterator[PendingRequest]:
+        return iter(list(self._pending.values()))
+
+    def __contains__(self, request: str) -> bool:
+        return request in self._pending
+
+    def get(self, request: str) -> PendingRequest | None:
+        return self._pending.get(request)
+
+    def of_key(self, key: Any) -> PendingRequest | None:
+        """The pending request task ``key`` belongs to, if any."""
+        return self._pending.get(self._of_key.get(key, ""))
+
+    def tracks(self, key: Any) -> bool:
+        """Whether task ``key`` is a PlexRL task this plugin routed and has not dropped (it may
+        have been released already)."""
+        return key in self._of_key
+
+    def request_of(self, key: Any) -> str:
+        """The request id of a tracked task ``key``."""
+        return self._of_key[key]
+
+    def add(self, request: PendingRequest) -> PendingRequest:
+        """Queue ``request`` (or return the one already queued under its id, which its other
+        ranks join)."""
+        queued = self._pending.get(request.request)
+        if queued is None:
+            queued = self._pending[request.request] = request
+            self._by_deployment.setdefault(request.deployment, []).append(request)
+        self._changed.add(request.deployment)
+        return queued
+
+    def add_key(self, key: Any, request: PendingRequest, rank: int) -> None:
+        """Task ``key`` is rank ``rank`` of ``request``."""
+        request.keys[rank] = key
+        self._of_key[key] = request.request
+
+    def drop_key(self, key: Any) -> None:
+        """Stop tracking task ``key`` (it finished, failed or was forgotten)."""
+        self._of_key.pop(key, None)
+
+    def deployment(self, name: str) -> list[PendingRequest]:
+        """``name``'s pending requests in submission order (the queue's own list: do not
+        change it)."""
+        return self._by_deployment.get(name, [])
+
+    def counts(self) -> dict[str, int]:
+        """Pending requests per deployment."""
+        return {name: len(q) for name, q in self._by_deployment.items()}
+
+    def changed(self, deployment: str) -> None:
+        """``deployment``'s queue may admit a request now (one more rank is ready, the request
+        ahead of it left)."""
+        self._changed.add(deployment)
+
+    def take_changed(self) -> set[str]:
+        """The deployments marked :meth:`changed` since the last call."""
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def has_changed(self) -> bool:
+        return bool(self._changed)
+
+    def release(self, request: str) -> PendingRequest:
+        """Remove the request the dispatcher released (its tasks stay tracked until they
+        end); the requests behind it may be admitted now."""
+        queued = self._pending.pop(request)
+        self._unlist(queued, always=False)
+        return queued
+
+    def forget(self, request: PendingRequest) -> None:
+        """Drop ``request`` and its tasks (cancelled, failed before it ran, or routed again)."""
+        self._pending.pop(request.request, None)
+        self._unlist(request)
+        for key in request.keys.values():
+            self._of_key.pop(key, None)
+
+    def _unlist(self, request: PendingRequest, always: bool = True) -> None:
+        """Take ``request`` out of its deployment's list; mark the deployment changed if
+        requests remain there (``always``: even if none do)."""
+        queue = self._by_deployment.get(request.deployment)
+        if queue is not None and request in queue:
+            queue.remove(request)
+            if not queue:
+                del self._by_deployment[request.deployment]
+        if always or request.deployment in self._by_deployment:
+            self._changed.add(request.deployment)

@@ -1,0 +1,70 @@
+"""A deployment's lifecycle (plexrl_dask/service/registry.py): the moves the scheduler makes
+are the only ones a record takes, and the request queue keeps its order and its marks."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl_dask import errors
+from plexrl_dask.models import ModelSpec
+from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
+from plexrl_dask.service.registry import MOVES, DeploymentInfo, Lifecycle
+
+
+def info(**changes) -> DeploymentInfo:
+    base = dict(
+        name="policy", uid="u1", spec=ModelSpec.tiny(), role="train", backend="torch",
+        owner="job", memory_bytes=1, workers=("tcp://a:1",),
+    )  # fmt: skip
+    return DeploymentInfo(**{**base, **changes})
+
+
+@pytest.mark.parametrize("start", list(Lifecycle))
+@pytest.mark.parametrize("to", list(Lifecycle))
+def test_a_record_makes_exactly_the_lifecycles_moves(start, to):
+    record = info(state=start)
+    if to in MOVES[start]:
+        moved = record.moved(to, uid="u2")
+        assert moved.state is to and moved.uid == "u2" and record.state is start
+    else:
+        with pytest.raises(errors.LifecycleError, match=f"is {start.value}"):
+            record.moved(to)
+
+
+def test_states_cross_the_wire_as_strings_and_change_only_through_moved():
+    record = info(state="lost")
+    assert record.state is Lifecycle.LOST and record.state == "lost"
+    wire = record.to_dict()
+    assert wire["state"] == "lost" and type(wire["state"]) is str
+    assert DeploymentInfo.from_dict(wire) == record
+    with pytest.raises(TypeError, match="moved"):
+        record.with_(state="placed")
+    with pytest.raises(errors.ConfigError, match="state must be one of"):
+        info(state="gone")
+    # Never revived straight into placement: a restore makes it unplaced, its request places it.
+    with pytest.raises(errors.LifecycleError):
+        record.moved(Lifecycle.PLACED)
+
+
+def test_the_request_queue_keeps_submission_order_per_deployment_and_its_marks():
+    q = RequestQueue()
+    a = q.add(PendingRequest("a", 2, "policy", "forward_backward"))
+    q.add_key("a-0", a, 0)
+    assert q.add(PendingRequest("a", 2, "policy", "forward_backward")) is a  # rank 1 joins
+    q.add_key("a-1", a, 1)
+    b = q.add(PendingRequest("b", 1, "policy", "optim_step"))
+    c = q.add(PendingRequest("c", 1, "rollout", "sample", replica=None))
+    assert [r.request for r in q] == ["a", "b", "c"] and len(q) == 3 and "b" in q
+    assert q.deployment("policy") == [a, b] and q.counts() == {"policy": 2, "rollout": 1}
+    assert q.take_changed() == {"policy", "rollout"} and not q.has_changed()
+    assert q.of_key("a-1") is a and q.request_of("a-0") == "a" and q.tracks("a-0")
+    assert q.release("a") is a and q.deployment("policy") == [b]
+    assert q.take_changed() == {"policy"}  # b may be admitted now
+    assert q.tracks("a-0") and q.of_key("a-0") is None  # released: its tasks still run
+    q.drop_key("a-0")
+    assert not q.tracks("a-0")
+    q.release("c")
+    assert not q.has_changed()  # nothing behind it
+    q.forget(b)
+    assert len(q) == 0 and q.counts() == {} and q.take_changed() == {"policy"}
+    assert c.order == "rollout#any" and b.order == "policy#0"
