@@ -1,8 +1,11 @@
-"""The deployment registry half of the PlexRL scheduler plugin.
+"""The deployment registry: a component of the PlexRL scheduler plugin.
 
-:class:`DeploymentRegistry` is a base of :class:`~plexrl_dask.plugins.scheduler.PlexRLSchedulerPlugin`
-(which holds all the state, built in its ``__init__``, and registers these handlers): what a
-deployment is and where it lives, apart from how its requests are routed.
+:class:`DeploymentRegistry` holds what a deployment is and where it lives, apart from how its
+requests are routed: the records (name → :class:`DeploymentInfo`), the capacity each worker's
+replica holder reports, and the holders themselves. The plugin
+(:class:`~plexrl_dask.plugins.scheduler.PlexRLSchedulerPlugin`) owns one, registers its
+handlers, and is told through ``on_undeploy`` when a deployment goes (its requests, groups and
+estimates are the plugin's).
 
 - the ``plexrl_deploy`` / ``undeploy`` / ``get_deployment`` / ``list_deployments`` handlers:
   register a deployment and place it through the policy core (:func:`place_workers`) on the
@@ -10,7 +13,7 @@ deployment is and where it lives, apart from how its requests are routed.
   spatiotemporal placement is live;
 - ``plexrl_relocations`` / ``plexrl_relocate`` / ``plexrl_placement``: moving a job's idle
   deployments into its node group, and the placement's state;
-- re-placing a deployment whose worker left (:meth:`DeploymentRegistry._placed`);
+- re-placing a deployment whose worker left (:meth:`DeploymentRegistry.placed`, :meth:`DeploymentRegistry.worker_left`);
 - creating each GPU worker's replica-holder actor, owned by the plugin's own client.
 """
 
@@ -22,7 +25,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plexrl_dask.errors import (
     DeploymentBusy,
@@ -36,11 +39,13 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.plugins.requests import RequestQueue
-from plexrl_dask.policy.dispatch import Dispatcher
 from plexrl_dask.policy.estimates import Estimates
 from plexrl_dask.policy.placement import WorkerView, place_workers
 from plexrl_dask.policy.residency import ResidencyMap
 from plexrl_dask.service.registry import DeploymentInfo, Lifecycle
+
+if TYPE_CHECKING:
+    from distributed.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -63,28 +68,46 @@ def client_security(security: Any) -> Any:
 
 
 class DeploymentRegistry:
-    """Deployment handlers and placement of the scheduler plugin (see the module docstring).
-    The attributes below are the plugin's, set in its ``__init__`` and ``start``."""
+    """Deployment handlers and placement (see the module docstring). ``counters``,
+    ``residency``, ``estimates``, ``placement`` and ``requests`` are the plugin's, shared;
+    ``on_undeploy(info)`` runs once a deployment is removed. :meth:`start` gives it the
+    scheduler."""
 
-    scheduler: Any
-    gpu_resource: str
-    report_timeout: float
-    deployments: dict[str, DeploymentInfo]
-    residency: ResidencyMap
-    estimates: Estimates
-    dispatcher: Dispatcher
-    worker_capacity: dict[str, dict[str, Any]]
-    counters: Counter[str]
-    placement: LivePlacement | None
-    requests: RequestQueue
-    group_epochs: dict[str, int]
-    worker_group: dict[str, tuple[str, int]]
-    _client: Any
-    _client_lock: asyncio.Lock
-    _holders: dict[str, Any]
+    def __init__(
+        self,
+        *,
+        gpu_resource: str,
+        report_timeout: float,
+        counters: Counter[str],
+        residency: ResidencyMap,
+        estimates: Estimates,
+        placement: LivePlacement | None,
+        requests: RequestQueue,
+        on_undeploy: Callable[[DeploymentInfo], None],
+    ) -> None:
+        self.scheduler: Scheduler = None  # type: ignore[assignment]  # (set by start)
+        self.gpu_resource = gpu_resource
+        self.report_timeout = report_timeout
+        self.counters = counters
+        self.residency = residency
+        self.estimates = estimates
+        self.placement = placement
+        self.requests = requests
+        self.on_undeploy = on_undeploy
+        self.deployments: dict[str, DeploymentInfo] = {}
+        # worker -> what its replica holder reported (budget, device, ...)
+        self.worker_capacity: dict[str, dict[str, Any]] = {}
+        self._client: Any = None
+        self._client_lock = asyncio.Lock()
+        self._holders: dict[str, Any] = {}  # worker address -> Future of its holder actor
 
-    _soon: Callable[[Callable[[], None]], None]  # run on the next loop iteration
-    _reroute_orphans: Callable[[], None]
+    def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     # --- replica holders ---------------------------------------------------------------------
 
@@ -102,7 +125,7 @@ class DeploymentRegistry:
                 )
             return self._client
 
-    async def _create_holder(self, worker: str) -> None:
+    async def create_holder(self, worker: str) -> None:
         """Submit the replica-holder actor of ``worker``, owned by this plugin's client."""
         if worker in self._holders or worker not in self.scheduler.workers:
             return
@@ -176,7 +199,7 @@ class DeploymentRegistry:
             candidates = info.candidates
             if candidates is None and self.placement is not None:
                 # the job's node group (its dedicated workers while it is profiled)
-                hosts = {w: self.scheduler.workers[w].host for w in self._gpu_workers()}
+                hosts = {w: self.scheduler.workers[w].host for w in self.gpu_workers()}
                 group = self.placement.candidates(
                     owner, info.num_workers, info.spec.name, hosts, time.monotonic()
                 )
@@ -188,7 +211,7 @@ class DeploymentRegistry:
                         "anywhere", owner, len(group), name, info.num_workers
                     )  # fmt: skip
             workers = place_workers(
-                name, info.memory_bytes, self._worker_views(), info.num_workers, candidates
+                name, info.memory_bytes, self.worker_views(), info.num_workers, candidates
             )
             info = info.with_(workers=workers)
             self.deployments[name] = info
@@ -206,15 +229,7 @@ class DeploymentRegistry:
         del self.deployments[name]
         self.residency.forget_deployment(name)
         self.estimates.forget(name)
-        for w in [w for w, g in self.worker_group.items() if g[0] == info.uid]:
-            del self.worker_group[w]
-        self.group_epochs.pop(info.uid, None)
-        # Its queued requests fail with DeploymentNotFound instead of waiting forever.
-        for request in list(self.requests.deployment(name)):
-            request.groups = None  # stale: routed again (to the error) by _reroute_orphans
-            self.dispatcher.remove(request.request)
-            request.admitted = False
-        self._soon(self._reroute_orphans)
+        self.on_undeploy(info)  # its requests, groups: the plugin's
         live = [w for w in info.workers if w in self.scheduler.workers]
         if live:
             await self.scheduler.broadcast(
@@ -322,14 +337,14 @@ class DeploymentRegistry:
 
     # --- placement ---------------------------------------------------------------------------
 
-    def _bytes_of(self, deployment: str) -> int:
+    def bytes_of(self, deployment: str) -> int:
         info = self.deployments.get(deployment)
         return info.memory_bytes if info is not None else 0
 
-    def _budget_of(self, worker: str) -> int:
+    def budget_of(self, worker: str) -> int:
         return int(self.worker_capacity.get(worker, {}).get("budget_bytes", 0))
 
-    def _gpu_workers(self) -> list[str]:
+    def gpu_workers(self) -> list[str]:
         return [
             addr
             for addr, ws in self.scheduler.workers.items()
@@ -340,12 +355,12 @@ class DeploymentRegistry:
         """Give freshly started GPU workers a bounded time to report their capacity."""
         deadline = time.monotonic() + self.report_timeout
         while time.monotonic() < deadline:
-            gpu = self._gpu_workers()
+            gpu = self.gpu_workers()
             if gpu and all(w in self.worker_capacity for w in gpu):
                 return
             await asyncio.sleep(0.05)
 
-    def _worker_views(self) -> list[WorkerView]:
+    def worker_views(self) -> list[WorkerView]:
         committed: Counter[str] = Counter()
         count: Counter[str] = Counter()
         for info in self.deployments.values():
@@ -359,11 +374,26 @@ class DeploymentRegistry:
                 committed_bytes=committed[w],
                 num_deployments=count[w],
             )
-            for w in self._gpu_workers()
+            for w in self.gpu_workers()
             if w in self.worker_capacity
         ]
 
-    def _placed(self, info: DeploymentInfo) -> DeploymentInfo:
+    def worker_left(self, worker: str) -> None:
+        """``worker`` left the cluster: its holder and capacity go, and each deployment it held
+        is ``lost`` if its state was modified since deploy, else ``unplaced`` (a relocating
+        one keeps moving: its state is saved)."""
+        self.worker_capacity.pop(worker, None)
+        holder = self._holders.pop(worker, None)
+        if holder is not None:
+            holder.release()  # else Dask would try to recreate the actor on the dead worker
+        for name, info in list(self.deployments.items()):
+            if worker in info.workers and info.state != Lifecycle.RELOCATING:
+                state = Lifecycle.LOST if info.modified else Lifecycle.UNPLACED
+                # (workers kept: survivors of the old placement are told to drop it later)
+                self.deployments[name] = info.moved(state)
+                logger.info("worker %s left: deployment %s is %s", worker, name, state)
+
+    def placed(self, info: DeploymentInfo) -> DeploymentInfo:
         """``info`` with a live worker, placing it again if its worker left."""
         if info.state == "placed" and all(w in self.scheduler.workers for w in info.workers):
             return info
@@ -387,7 +417,7 @@ class DeploymentRegistry:
                 "deployment.load_state(path) (save them with save_state), or undeploy it"
             )
         workers = place_workers(
-            info.name, info.memory_bytes, self._worker_views(), info.num_workers,
+            info.name, info.memory_bytes, self.worker_views(), info.num_workers,
             self._candidates(info),
         )  # fmt: skip
         # A new incarnation (new uid): no surviving holder reuses state of the old placement

@@ -5,10 +5,13 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
 
 - keeps the **deployment registry** (name → :class:`DeploymentInfo`), reached through the
   ``plexrl_*`` scheduler handlers, so the client-side router is stateless and any job's driver
-  can address any deployment. The registry's handlers (deploy, undeploy, relocate, placement
-  through the policy core, re-placing after a worker left, the replica holders) are those of
-  the plugin's base :class:`~plexrl_dask.plugins.deployments.DeploymentRegistry`
-  (``plugins/deployments.py``); this module holds the plugin's state and the request path;
+  can address any deployment. The plugin is composed of parts, each in its own module: the
+  registry (deploy, undeploy, relocate, placement through the policy core, re-placing after a
+  worker left, the replica holders: :class:`~plexrl_dask.plugins.deployments.DeploymentRegistry`),
+  the queue of routed requests (:class:`~plexrl_dask.plugins.requests.RequestQueue`), the gangs'
+  process-group epochs (:class:`~plexrl_dask.plugins.gangs.GroupEpochs`) and the live
+  placement of jobs (:class:`~plexrl_dask.plugins.placement.LivePlacement`); this module
+  composes them and holds the request path;
 - **parks** every task annotated ``plexrl={"deployment": ...}`` before the scheduler first
   places it (``update_graph`` runs before the new tasks' transitions: the task is restricted to
   an address that is never a worker, so it waits in ``no-worker``), aims it at its deployment's
@@ -41,7 +44,7 @@ import itertools
 import logging
 import time
 from collections import Counter, defaultdict, deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask.utils import parse_bytes
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -59,6 +62,7 @@ from plexrl_dask.errors import (
     to_status,
 )
 from plexrl_dask.plugins.deployments import DeploymentRegistry
+from plexrl_dask.plugins.gangs import GroupEpochs
 from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
@@ -72,6 +76,9 @@ from plexrl_dask.policy.residency import (
     ResidencyReport,
 )
 from plexrl_dask.service.registry import DeploymentInfo, Lifecycle
+
+if TYPE_CHECKING:
+    from distributed.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -113,26 +120,19 @@ def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...],
     return tuple(tuple(info.workers[r * k : (r + 1) * k]) for r in replicas)
 
 
-class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
+class PlexRLSchedulerPlugin(SchedulerPlugin):
     """See the module docstring."""
 
     name = "plexrl"
     idempotent = True
 
     def __init__(self) -> None:
-        self.scheduler: Any = None
+        self.scheduler: Scheduler = None  # type: ignore[assignment]  # (set by start)
         self.gpu_resource = str(config.get("worker.gpu-resource"))
-        self.report_timeout = config.get_seconds("deploy.worker-report-timeout")
-        self.deployments: dict[str, DeploymentInfo] = {}
         self.residency = ResidencyMap()
-        self.worker_capacity: dict[str, dict[str, Any]] = {}
         self.counters: Counter[str] = Counter()
-        self._client: Any = None
-        self._client_lock = asyncio.Lock()
-        self._holders: dict[str, Any] = {}  # worker address -> Future of its holder actor
         self.requests = RequestQueue()  # routed, not yet released (plugins/requests.py)
-        self.group_epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
-        self.worker_group: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
+        self.groups = GroupEpochs()  # the gangs' process groups (plugins/gangs.py)
         # key -> (start, deployment, op, worker, job) of a released task; the start is the
         # release, or for a task queued behind another (lookahead) when that one ended.
         self.started: dict[Any, tuple[float, str, str, str, str]] = {}
@@ -146,10 +146,26 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                 for tier, v in config.get("scheduler.load-bandwidth-priors").items()
             },
         )
+        # Spatiotemporal placement of jobs into node groups (plugins/placement.py).
+        self.placement: LivePlacement | None = None
+        if config.get("placement.live"):
+            self.placement = LivePlacement(config.placement_config())
+        self.registry = DeploymentRegistry(
+            gpu_resource=self.gpu_resource,
+            report_timeout=config.get_seconds("deploy.worker-report-timeout"),
+            counters=self.counters,
+            residency=self.residency,
+            estimates=self.estimates,
+            placement=self.placement,
+            requests=self.requests,
+            on_undeploy=self._undeployed,
+        )
         self.policy = dispatch_policy_from_config()
         self.dispatcher = Dispatcher(
             self.policy,
-            SetupCosts(self.residency, self.estimates, self._bytes_of, self._budget_of),
+            SetupCosts(
+                self.residency, self.estimates, self.registry.bytes_of, self.registry.budget_of
+            ),
         )
         self.prefetch_hints = bool(config.get("scheduler.prefetch-hints"))
         self.hints: dict[
@@ -159,33 +175,40 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         self.decisions: deque[dict[str, Any]] = deque(
             maxlen=int(config.get("scheduler.decisions-kept"))
         )
-        # Spatiotemporal placement of jobs into node groups (plugins/placement.py).
-        self.placement: LivePlacement | None = None
-        if config.get("placement.live"):
-            self.placement = LivePlacement(config.placement_config())
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_events: dict[str, asyncio.Event] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, scheduler: Any) -> None:
+    # The registry's records and the holders' reports, read by the dashboard and benchmarks.
+    @property
+    def deployments(self) -> dict[str, DeploymentInfo]:
+        return self.registry.deployments
+
+    @property
+    def worker_capacity(self) -> dict[str, dict[str, Any]]:
+        return self.registry.worker_capacity
+
+    async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.registry.start(scheduler)
+        registry = self.registry
         scheduler.handlers.update(
             {
-                "plexrl_deploy": self.deploy,
-                "plexrl_undeploy": self.undeploy,
-                "plexrl_get_deployment": self.get_deployment,
-                "plexrl_list_deployments": self.list_deployments,
+                "plexrl_deploy": registry.deploy,
+                "plexrl_undeploy": registry.undeploy,
+                "plexrl_get_deployment": registry.get_deployment,
+                "plexrl_list_deployments": registry.list_deployments,
                 "plexrl_status": self.status,
                 "plexrl_set_policy": self.set_policy,
                 "plexrl_rendezvous_put": self.rendezvous_put,
                 "plexrl_rendezvous_get": self.rendezvous_get,
-                "plexrl_placement": self.placement_status,
-                "plexrl_relocations": self.relocations,
-                "plexrl_relocate": self.relocate,
+                "plexrl_placement": registry.placement_status,
+                "plexrl_relocations": registry.relocations,
+                "plexrl_relocate": registry.relocate,
             }
         )
-        for worker in self._gpu_workers():
+        for worker in self.registry.gpu_workers():
             self.dispatcher.add_worker(worker)
         from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
 
@@ -200,9 +223,17 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                     self.log_event(topic, dict(msg))
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self.registry.close()
+
+    def _undeployed(self, info: DeploymentInfo) -> None:
+        """``info`` was undeployed: its gangs' groups go, and its queued requests fail with
+        :class:`DeploymentNotFound` instead of waiting forever."""
+        self.groups.forget(info.uid)
+        for request in list(self.requests.deployment(info.name)):
+            request.groups = None  # stale: routed again (to the error) by _reroute_orphans
+            self.dispatcher.remove(request.request)
+            request.admitted = False
+        self._soon(self._reroute_orphans)
 
     # --- handlers ----------------------------------------------------------------------------
 
@@ -335,7 +366,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
     # --- routing and dispatch ----------------------------------------------------------------
 
     def update_graph(
-        self, scheduler: Any, *, annotations: dict | None = None, **kwargs: Any
+        self, scheduler: Scheduler, *, annotations: dict | None = None, **kwargs: Any
     ) -> None:
         routed = False
         for key in (annotations or {}).get(ANNOTATION, {}):
@@ -386,8 +417,8 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                 # holder reuses a stale rank), placed anew.
                 info = info.moved(Lifecycle.UNPLACED)
                 self.deployments[name] = info
-            if info.state in ("lost", "relocating") or self._worker_views():
-                info = self._placed(info)
+            if info.state in ("lost", "relocating") or self.registry.worker_views():
+                info = self.registry.placed(info)
                 groups = _groups(info, replica)
                 ann.update(uid=info.uid, modified=info.modified)
             # else: no GPU worker right now; parked until one reports (then _reroute_orphans).
@@ -537,14 +568,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
         """The process-group epoch for a gang of ``deployment`` on ``workers``: unchanged while
         every one of them still holds that group, a new one otherwise (see
         plexrl_dask.service.groups)."""
-        uid = self.deployments[deployment].uid
-        epoch = self.group_epochs.get(uid, 0)
-        if not all(self.worker_group.get(w) == (uid, epoch) for w in workers):
-            epoch += 1
-            self.group_epochs[uid] = epoch
-        for w in workers:
-            self.worker_group[w] = (uid, epoch)
-        return epoch
+        return self.groups.epoch_for(self.deployments[deployment].uid, workers)
 
     def _forget(self, request: PendingRequest) -> None:
         self.requests.forget(request)
@@ -579,8 +603,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
             if finish != "memory" and int(ann.get("ranks", 1)) > 1:
                 # A failed rank may have left its group unusable: the next gang request of
                 # this deployment forms a new group.
-                for w in [w for w, g in self.worker_group.items() if g[0] == ann.get("uid")]:
-                    del self.worker_group[w]
+                self.groups.broken(str(ann.get("uid")))
             if finish in ("memory", "erred", "forgotten"):
                 self.requests.drop_key(key)
             self._soon(self._dispatch)
@@ -638,33 +661,24 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
 
     # --- cluster events ----------------------------------------------------------------------
 
-    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
-        self.worker_capacity.pop(worker, None)
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         self.dispatcher.remove_worker(worker)
         self.hints.pop(worker, None)
         for key in [k for k, v in self.started.items() if v[3] == worker]:
             del self.started[key]
         self.queued_behind.pop(worker, None)
-        self.worker_group.pop(worker, None)
-        holder = self._holders.pop(worker, None)
-        if holder is not None:
-            holder.release()  # else Dask would try to recreate the actor on the dead worker
+        self.groups.worker_left(worker)
         self.residency.forget_worker(worker)
-        for name, info in list(self.deployments.items()):
-            if worker in info.workers and info.state != "relocating":  # (its state is saved)
-                state = "lost" if info.modified else "unplaced"
-                # (workers kept: survivors of the old placement are told to drop it later)
-                self.deployments[name] = info.moved(state)
-                logger.info("worker %s left: deployment %s is %s", worker, name, state)
+        self.registry.worker_left(worker)
         self._soon(self._reroute_orphans)
 
-    def add_worker(self, scheduler: Any, worker: str) -> None:
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         ws = scheduler.workers.get(worker)
         if ws is not None and ws.resources.get(self.gpu_resource, 0) >= 1:
             self.dispatcher.add_worker(worker)
             if self.placement is not None and self.placement.placer is not None:
                 # a new host is a free node for placement at once (waiting jobs may start)
-                hosts = {w: self.scheduler.workers[w].host for w in self._gpu_workers()}
+                hosts = {w: self.scheduler.workers[w].host for w in self.registry.gpu_workers()}
                 self.placement.sync_workers(hosts, time.monotonic())
 
     def log_event(self, topic: str, msg: Any) -> None:
@@ -692,7 +706,7 @@ class PlexRLSchedulerPlugin(DeploymentRegistry, SchedulerPlugin):
                 # deployment's state is incomplete until a checkpoint is restored.
                 self.deployments[report.deployment] = info.moved(Lifecycle.LOST)
         elif topic == WORKER_TOPIC and isinstance(msg, dict) and "worker" in msg:
-            asyncio.ensure_future(self._create_holder(msg["worker"]))
+            asyncio.ensure_future(self.registry.create_holder(msg["worker"]))
         elif (
             topic == HOLDER_TOPIC
             and isinstance(msg, dict)

@@ -1,5 +1,6 @@
-"""A deployment's lifecycle (plexrl_dask/service/registry.py): the moves the scheduler makes
-are the only ones a record takes, and the request queue keeps its order and its marks."""
+"""Parts of the scheduler plugin on their own: a deployment's lifecycle (the moves the scheduler
+makes are the only ones a record takes), the request queue (its order and its marks), and the
+gangs' group epochs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
+from plexrl_dask.plugins.gangs import GroupEpochs
 from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
 from plexrl_dask.service.registry import MOVES, DeploymentInfo, Lifecycle
 
@@ -68,3 +70,18 @@ def test_the_request_queue_keeps_submission_order_per_deployment_and_its_marks()
     q.forget(b)
     assert len(q) == 0 and q.counts() == {} and q.take_changed() == {"policy"}
     assert c.order == "rollout#any" and b.order == "policy#0"
+
+
+def test_a_gang_keeps_its_group_until_a_worker_or_a_rank_breaks_it():
+    g = GroupEpochs()
+    pair = ("tcp://a:1", "tcp://b:1")
+    assert g.epoch_for("u1", pair) == 1  # first: a new group
+    assert g.epoch_for("u1", pair) == 1  # the same workers still hold it
+    assert g.epoch_for("u2", pair) == 1  # another deployment's gang takes the workers ...
+    assert g.epoch_for("u1", pair) == 2  # ... so u1's next gang forms its group again
+    g.worker_left("tcp://a:1")
+    assert g.epoch_for("u1", pair) == 3
+    g.broken("u1")  # a rank failed
+    assert g.epoch_for("u1", pair) == 4
+    g.forget("u1")  # undeployed: a later incarnation of the name has another uid anyway
+    assert g.epoch_for("u1", pair) == 1
