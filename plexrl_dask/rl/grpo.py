@@ -21,7 +21,8 @@ Pipelining: everything a step submits goes out at once as futures; the PlexRL sc
 each deployment's requests in submission order, so the next step's ``sample`` may be submitted
 as soon as this step's weight sync is (it runs after the sync). The driver only waits for what
 it must read: samples (to score them) and the step's metrics. Once per step, when nothing of
-the job is in flight, it follows the job's placement (:meth:`GRPOJob._relocate`).
+the job is in flight, it follows the job's placement; between steps it checkpoints, and after
+a lost deployment it goes back to its last checkpoint (:mod:`plexrl_dask.rl.recovery`).
 
 Modes, same job code: **colocated** samples from the policy itself (``rollout=None``, no weight
 sync); **split** samples from a rollout deployment synced every step; **split-async**
@@ -31,7 +32,6 @@ run together on one pool with :func:`run_jobs` (multiplexed).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -45,30 +45,14 @@ from typing import Any
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
 from plexrl_dask.errors import (
-    CheckpointError,
-    CheckpointIncompatible,
-    CheckpointIncomplete,
-    CheckpointNotFound,
     ConfigError,
-    DeploymentBusy,
     DeploymentLost,
     JobStopped,
     RankLost,
     RequestTimeout,
-    StateStoreError,
 )
-from plexrl_dask.rl.checkpoint import (
-    JobCheckpoint,
-    JobCheckpoints,
-    append_step,
-    hold,
-    model_identity,
-    new_checkpoint,
-    prune,
-    read_checkpoint,
-    read_steps,
-    write_checkpoint,
-)
+from plexrl_dask.rl.checkpoint import JobCheckpoints
+from plexrl_dask.rl.recovery import JobSaver, PlacementFollower, held
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -188,16 +172,19 @@ class GRPOJob:
         self.config = config
         self.start_version = int(start_version)
         self.records: list[StepRecord] = []
-        self._stay = False  # set when the job's deployments cannot follow its placement
         self.checkpoints = checkpoints
-        self._saved: JobCheckpoint | None = None  # the newest checkpoint taken or resumed
         self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
-        self.checkpoint_s: list[float] = []  # how long each checkpoint held up the driver
         self.recoveries: list[str] = []  # why the job went back to its checkpoint, each time
         self._stop = threading.Event()
         self._header = {
             "job": name, "config": asdict(config), "task": repr(task), "policy": policy.name
         }  # fmt: skip
+        # Between steps (plexrl_dask.rl.recovery): checkpoints, and following the placement.
+        self.saver = None
+        if checkpoints is not None:
+            identity = {"config": asdict(config), "task": repr(task)}
+            self.saver = JobSaver(name, checkpoints, identity, policy, rollout, config.staleness)
+        self.follow_placement = PlacementFollower(runtime, name)
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,29 +262,6 @@ class GRPOJob:
             None if self.rollout is None else self.runtime.sync_weights(self.policy, self.rollout)
         )
 
-    def _relocate(self) -> None:
-        """Follow the job's placement (``Runtime.relocate``) at the one point of a step where
-        none of its requests are in flight: this step's samples are in, the previous step's
-        training and weight sync are done, and the next step is not submitted yet. Moving
-        changes no result (state is restored bit for bit; sampling is seeded per step). If
-        state cannot be checkpointed for a move (workers without a node store, a full tier),
-        nothing moved: the deployments stay where they are and the job stops trying. A failed
-        restore (``RelocationFailed``) ends the job: that deployment refuses requests until
-        its checkpoint is restored."""
-        if self._stay:
-            return
-        try:
-            for move in self.runtime.relocate():
-                logger.info("%s: %s moved into the job's node group", self.name, move["name"])
-        except DeploymentBusy as e:  # another driver of this job has requests in flight
-            logger.info("%s: relocation deferred to the next step: %s", self.name, e)
-        except (CheckpointError, StateStoreError) as e:
-            self._stay = True
-            logger.warning(
-                "%s: its deployments cannot move into its node group (%s); they stay where "
-                "they are", self.name, e,
-            )  # fmt: skip
-
     def _report(self, record: StepRecord) -> None:
         """Report the step to the scheduler for the dashboard's Jobs page (best effort: a
         report that cannot be delivered is logged, the job goes on)."""
@@ -326,106 +290,28 @@ class GRPOJob:
             lines = [json.dumps(self._header), *(json.dumps(asdict(r)) for r in records)]
             self.metrics_path.write_text("".join(line + "\n" for line in lines))
 
+    @property
+    def checkpoint_s(self) -> list[float]:
+        """How long each checkpoint held up the driver."""
+        return [] if self.saver is None else self.saver.seconds
+
     def _resume(self, recovering: bool = False) -> tuple[int, Any]:
-        """Restore the job from its checkpoint directory, if it holds a checkpoint: the
-        policy's state, the rollout's (from a checkpoint of a job that had none: synced from
-        the policy), the records of the steps done, the metrics file. Returns the first step
-        to run and what its samples' version comes from (an int, or the future of a weight
-        sync). Nothing is loaded before the checkpoint has been checked against this job
-        (:class:`CheckpointIncompatible`, :class:`CheckpointIncomplete`). A job starting
-        afresh with checkpoints first saves its initial state, so that a failure before its
-        first step's checkpoint can be recovered too. ``recovering``: after a lost
-        deployment, from the job's own checkpoint (whatever ``resume`` says)."""
-        ck = self.checkpoints
-        if ck is None:
+        """Continue from the job's checkpoint, if it has one (:meth:`JobSaver.restore`): its
+        records and metrics file become the steps done. Returns the first step to run and
+        what its samples' version comes from (an int, or the future of a weight sync)."""
+        restored = None if self.saver is None else self.saver.restore(recovering)
+        if restored is None:
             return 0, self.start_version
-        saved = read_checkpoint(ck.directory)
-        if saved is None and ck.required:
-            raise CheckpointNotFound(
-                f"{self.name} was to resume from {ck.directory}, which holds no checkpoint "
-                "now (removed since?); its deployments hold no state to start from"
-            )
-        if saved is None:
-            ck.directory.mkdir(parents=True, exist_ok=True)
-            read_steps(ck.directory, 0)  # steps of an earlier run that never checkpointed
-            self._save(0)
-            return 0, self.start_version
-        if not (ck.resume or recovering):
-            raise CheckpointError(
-                f"{ck.directory} holds a checkpoint of {saved.steps_done} steps of "
-                f"{saved.job!r}; resume it or give a new directory"
-            )
-        saved.check(
-            self.name, asdict(self.config), repr(self.task), model_identity(self.policy.info.spec)
-        )
-        if self.config.staleness and saved.rollout is None:
-            raise CheckpointIncompatible(
-                "a split-async job resumes with its rollout's saved weights (one version "
-                "behind the policy's): the checkpoint has none"
-            )
-        records = [StepRecord(**r) for r in read_steps(ck.directory, saved.steps_done)]
-        loads = [self.policy.load_state(saved.policy)]
-        if self.rollout is not None and saved.rollout is not None:
-            loads.append(self.rollout.load_state(saved.rollout))
-        versions = [int(v) for v in result(loads)]
-        if versions[0] != saved.version:
-            raise CheckpointIncomplete(
-                f"{ck.directory}: the policy restored version {versions[0]}, its checkpoint "
-                f"says {saved.version} after {saved.steps_done} steps"
-            )
-        self.records = records
-        self._saved = saved
-        self._write_metrics(records)
-        logger.info(
-            "%s: resumed from %s after %d steps (policy version %d)",
-            self.name, ck.directory, saved.steps_done, saved.version,
-        )  # fmt: skip
+        self.records = [StepRecord(**r) for r in restored.records]
+        self._write_metrics(self.records)
+        first, versions = restored.steps_done, restored.versions
         if self.rollout is None:
-            return saved.steps_done, None  # (colocated: the records say the version)
+            return first, None  # (colocated: the records say the version)
         # A split-async rollout is one version behind, as saved. A split job's rollout was
         # saved with the policy's weights, except after its last step (no sync follows it).
         if len(versions) > 1 and (self.config.staleness or versions[1] == versions[0]):
-            return saved.steps_done, versions[1]
-        return saved.steps_done, self._sync()
-
-    def _checkpoint(self, record: StepRecord) -> None:
-        """Record the step in the checkpoint directory; take a checkpoint when one is due."""
-        ck = self.checkpoints
-        if ck is None:
-            return
-        append_step(ck.directory, asdict(record))
-        if ck.due(record.step + 1, self.config.steps):
-            self._save(record.step + 1)
-
-    def _save(self, done: int) -> None:
-        """Save the policy's state and the rollout's weights (a split job's are the policy's
-        bytes, which the store keeps once; a split-async job's are one version behind), then
-        the manifest of ``done`` steps; then prune older checkpoints."""
-        ck = self.checkpoints
-        assert ck is not None
-        t0 = time.perf_counter()
-        saves = [self.policy.save_state(ck.store)]
-        if self.rollout is not None and not self.rollout.info.weights_only:
-            # (a weights-only rollout, vLLM, holds the policy's weights after every step
-            # but the last; a resumed job syncs it again)
-            saves.append(self.rollout.save_state(ck.store))
-        saved = result(saves)
-        self._saved = new_checkpoint(
-            self._saved,
-            ck.keep,
-            job=self.name,
-            config=asdict(self.config),
-            task=repr(self.task),
-            model=model_identity(self.policy.info.spec),
-            steps_done=done,
-            version=int(saved[0]["version"]),  # (the deployment's, as saved)
-            policy=saved[0],
-            rollout=saved[1] if len(saved) > 1 else None,
-        )
-        write_checkpoint(ck.directory, self._saved)
-        prune(ck, self._saved)
-        self.checkpoint_s.append(time.perf_counter() - t0)
-        logger.debug("%s: checkpoint of %d steps in %.3fs", self.name, done, self.checkpoint_s[-1])
+            return first, versions[1]
+        return first, self._sync()
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """Run ``config.steps`` steps; returns (and appends to ``records``) their records.
@@ -445,23 +331,20 @@ class GRPOJob:
         goes on, at most ``checkpoints.max_recoveries`` times (``recoveries`` says why each
         time). The steps after that checkpoint are redone and compute what they computed
         before."""
-        ck = self.checkpoints
-        with contextlib.nullcontext() if ck is None else hold(ck.directory):
+        with held(self.saver):
             while True:
                 try:
                     return self._run(on_step, recovering=bool(self.recoveries))
                 except (DeploymentLost, RankLost) as e:
-                    if (
-                        ck is None
-                        or self._saved is None
-                        or len(self.recoveries) >= ck.max_recoveries
-                    ):
+                    saver = self.saver
+                    if saver is None or not saver.can_recover(len(self.recoveries)):
                         raise
                     self.recoveries.append(f"{type(e).__name__}: {e}")
+                    assert saver.saved is not None
                     logger.warning(
                         "%s: %s; back to its checkpoint after %d steps (recovery %d of %d)",
-                        self.name, e, self._saved.steps_done, len(self.recoveries),
-                        ck.max_recoveries,
+                        self.name, e, saver.saved.steps_done, len(self.recoveries),
+                        saver.checkpoints.max_recoveries,
                     )  # fmt: skip
 
     def stop(self) -> None:
@@ -493,7 +376,7 @@ class GRPOJob:
                 sampled_with = pending_version
             else:
                 sampled_with = int(result(pending_version))
-            self._relocate()
+            self.follow_placement()  # (nothing of the job is in flight here)
             data, rewards, lengths, groups_used = self._batch(problems, out)
             old = None
             if ahead and data:
@@ -536,7 +419,8 @@ class GRPOJob:
             if self.metrics_path is not None:
                 with open(self.metrics_path, "a") as f:
                     f.write(json.dumps(asdict(record)) + "\n")
-            self._checkpoint(record)
+            if self.saver is not None:
+                self.saver.step_done(asdict(record), step + 1, c.steps)
             if on_step is not None:
                 on_step(record)
         if self.rollout is not None:
