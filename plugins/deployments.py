@@ -8,7 +8,7 @@ handlers, and is told through ``on_undeploy`` when a deployment goes (its reques
 estimates are the plugin's).
 
 - the ``plexrl_deploy`` / ``undeploy`` / ``get_deployment`` / ``list_deployments`` handlers:
-  register a deployment and place it through the policy core (:func:`place_workers`) on the
+  register a deployment and assign it workers through the policy core (:func:`assign_workers`) on the
   capacity each worker's replica holder reports, within its job's node group when the
   spatiotemporal placement is live;
 - ``plexrl_relocations`` / ``plexrl_relocate`` / ``plexrl_placement``: moving a job's idle
@@ -39,8 +39,8 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.plugins.requests import RequestQueue
+from plexrl_dask.policy.assignment import WorkerView, assign_workers
 from plexrl_dask.policy.estimates import Estimates
-from plexrl_dask.policy.placement import WorkerView, place_workers
 from plexrl_dask.policy.residency import ResidencyMap
 from plexrl_dask.service.registry import DeploymentInfo, Lifecycle
 
@@ -210,7 +210,7 @@ class DeploymentRegistry:
                         "job %s: its node group has %d live workers, %s needs %d; placing it "
                         "anywhere", owner, len(group), name, info.num_workers
                     )  # fmt: skip
-            workers = place_workers(
+            workers = assign_workers(
                 name, info.memory_bytes, self.worker_views(), info.num_workers, candidates
             )
             info = info.with_(workers=workers)
@@ -416,7 +416,7 @@ class DeploymentRegistry:
                 "(modified since deploy) went with it; restore a checkpoint with "
                 "deployment.load_state(path) (save them with save_state), or undeploy it"
             )
-        workers = place_workers(
+        workers = assign_workers(
             info.name, info.memory_bytes, self.worker_views(), info.num_workers,
             self._candidates(info),
         )  # fmt: skip

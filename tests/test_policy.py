@@ -10,22 +10,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexrl_dask import errors
-from plexrl_dask.policy import TIERS, ResidencyMap, ResidencyReport, WorkerView, place_deployment
+from plexrl_dask.policy import TIERS, ResidencyMap, ResidencyReport, WorkerView, assign_worker
 
 MiB = 2**20
 
-# --- place_deployment ---------------------------------------------------------------------------
+# --- assign_worker ---------------------------------------------------------------------------
 
 
 def test_no_workers():
     with pytest.raises(errors.NoPlexRLWorkers, match="'policy'"):
-        place_deployment("policy", 10, [])
+        assign_worker("policy", 10, [])
 
 
 def test_nothing_fits_names_the_sizes():
     workers = [WorkerView("tcp://a:1", 100 * MiB), WorkerView("tcp://b:1", 300 * MiB)]
     with pytest.raises(errors.DeploymentDoesNotFit) as info:
-        place_deployment("big", 512 * MiB, workers)
+        assign_worker("big", 512 * MiB, workers)
     message = str(info.value)
     assert "'big'" in message
     assert "512.0 MiB" in message  # what it needs
@@ -35,13 +35,13 @@ def test_nothing_fits_names_the_sizes():
 
 def test_exact_fit_qualifies():
     workers = [WorkerView("tcp://a:1", 99), WorkerView("tcp://b:1", 100)]
-    assert place_deployment("x", 100, workers) == "tcp://b:1"
+    assert assign_worker("x", 100, workers) == "tcp://b:1"
 
 
 def test_full_workers_still_qualify():
     # Others on a worker can be offloaded, so committed memory never disqualifies.
     workers = [WorkerView("tcp://a:1", 100, committed_bytes=1000, num_deployments=10)]
-    assert place_deployment("x", 100, workers) == "tcp://a:1"
+    assert assign_worker("x", 100, workers) == "tcp://a:1"
 
 
 def test_least_committed_fraction_wins():
@@ -51,7 +51,7 @@ def test_least_committed_fraction_wins():
         WorkerView("tcp://c:1", budget_bytes=200, committed_bytes=90, num_deployments=1),
     ]
     # Fractions 0.5, 0.4, 0.45: b wins although it has the most committed bytes.
-    assert place_deployment("x", 10, workers) == "tcp://b:1"
+    assert assign_worker("x", 10, workers) == "tcp://b:1"
 
 
 def test_ties_broken_by_fewest_deployments_then_address():
@@ -60,9 +60,9 @@ def test_ties_broken_by_fewest_deployments_then_address():
         WorkerView("tcp://a:1", 100, committed_bytes=20, num_deployments=2),
         WorkerView("tcp://b:1", 200, committed_bytes=40, num_deployments=1),
     ]
-    assert place_deployment("x", 10, workers) == "tcp://b:1"  # c and b tie on 1 deployment
+    assert assign_worker("x", 10, workers) == "tcp://b:1"  # c and b tie on 1 deployment
     empty = [WorkerView(f"tcp://{h}:1", 100) for h in "dcab"]
-    assert place_deployment("x", 10, empty) == "tcp://a:1"
+    assert assign_worker("x", 10, empty) == "tcp://a:1"
 
 
 def test_unfit_worker_is_skipped_even_if_emptiest():
@@ -70,7 +70,7 @@ def test_unfit_worker_is_skipped_even_if_emptiest():
         WorkerView("tcp://small:1", 50),  # empty, but too small
         WorkerView("tcp://big:1", 500, committed_bytes=400, num_deployments=3),
     ]
-    assert place_deployment("x", 100, workers) == "tcp://big:1"
+    assert assign_worker("x", 100, workers) == "tcp://big:1"
 
 
 def test_placement_is_deterministic_and_order_independent():
@@ -81,11 +81,11 @@ def test_placement_is_deterministic_and_order_independent():
         )
         for i in range(12)
     ]
-    first = place_deployment("x", 100, workers)
+    first = assign_worker("x", 100, workers)
     for _ in range(20):
         shuffled = workers[:]
         rng.shuffle(shuffled)
-        assert place_deployment("x", 100, shuffled) == first
+        assert assign_worker("x", 100, shuffled) == first
 
 
 def test_spreads_deployments_over_workers():
@@ -93,7 +93,7 @@ def test_spreads_deployments_over_workers():
     workers = {f"tcp://w{i}:1": WorkerView(f"tcp://w{i}:1", 1000) for i in range(3)}
     placed = []
     for k in range(6):
-        addr = place_deployment(f"d{k}", 100, list(workers.values()))
+        addr = assign_worker(f"d{k}", 100, list(workers.values()))
         w = workers[addr]
         workers[addr] = dataclasses.replace(
             w, committed_bytes=w.committed_bytes + 100, num_deployments=w.num_deployments + 1
@@ -108,25 +108,25 @@ def test_candidates_restrict_the_choice():
         WorkerView("tcp://b:1", 100, committed_bytes=90, num_deployments=3),
         WorkerView("tcp://c:1", 100, committed_bytes=50, num_deployments=1),
     ]
-    assert place_deployment("x", 10, workers) == "tcp://a:1"
-    assert place_deployment("x", 10, workers, candidates=["tcp://b:1"]) == "tcp://b:1"
-    assert place_deployment("x", 10, workers, candidates=["tcp://b:1", "tcp://c:1"]) == "tcp://c:1"
-    assert place_deployment("x", 10, workers, candidates=None) == "tcp://a:1"
+    assert assign_worker("x", 10, workers) == "tcp://a:1"
+    assert assign_worker("x", 10, workers, candidates=["tcp://b:1"]) == "tcp://b:1"
+    assert assign_worker("x", 10, workers, candidates=["tcp://b:1", "tcp://c:1"]) == "tcp://c:1"
+    assert assign_worker("x", 10, workers, candidates=None) == "tcp://a:1"
 
 
 def test_unknown_candidates_are_no_workers():
     workers = [WorkerView("tcp://a:1", 100)]
     with pytest.raises(errors.NoPlexRLWorkers) as info:
-        place_deployment("x", 10, workers, candidates=["tcp://a:1", "tcp://gone:1"])
+        assign_worker("x", 10, workers, candidates=["tcp://a:1", "tcp://gone:1"])
     assert "tcp://gone:1" in str(info.value) and "tcp://a:1" in str(info.value)
     with pytest.raises(errors.NoPlexRLWorkers):
-        place_deployment("x", 10, workers, candidates=[])
+        assign_worker("x", 10, workers, candidates=[])
 
 
 def test_candidates_that_do_not_fit():
     workers = [WorkerView("tcp://small:1", 50 * MiB), WorkerView("tcp://big:1", 500 * MiB)]
     with pytest.raises(errors.DeploymentDoesNotFit) as info:
-        place_deployment("x", 100 * MiB, workers, candidates=["tcp://small:1"])
+        assign_worker("x", 100 * MiB, workers, candidates=["tcp://small:1"])
     # The largest budget it could have used is the candidate's, not the cluster's.
     assert "50.0 MiB" in str(info.value) and "500.0 MiB" not in str(info.value)
 
@@ -155,17 +155,17 @@ def test_placement_property(workers, need, pin):
     fitting = [w for w in allowed if w.budget_bytes >= need]
     if not allowed:
         with pytest.raises(errors.NoPlexRLWorkers):
-            place_deployment("d", need, workers, candidates)
+            assign_worker("d", need, workers, candidates)
         return
     if not fitting:
         with pytest.raises(errors.DeploymentDoesNotFit):
-            place_deployment("d", need, workers, candidates)
+            assign_worker("d", need, workers, candidates)
         return
-    chosen_addr = place_deployment("d", need, workers, candidates)
+    chosen_addr = assign_worker("d", need, workers, candidates)
     (chosen,) = [w for w in allowed if w.address == chosen_addr]
     assert chosen.budget_bytes >= need
     assert all(key(chosen) <= key(w) for w in fitting)
-    assert place_deployment("d", need, list(reversed(workers)), candidates) == chosen_addr
+    assert assign_worker("d", need, list(reversed(workers)), candidates) == chosen_addr
 
 
 # --- ResidencyReport ----------------------------------------------------------------------------

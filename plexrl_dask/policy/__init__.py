@@ -4,7 +4,7 @@ The live scheduler plugin and (later) the simulator both call into this package,
 simulator evaluates is exactly what the cluster runs.
 """
 
-from plexrl_dask.policy.placement import WorkerView, place_deployment
+from plexrl_dask.policy.assignment import WorkerView, assign_worker
 from plexrl_dask.policy.residency import TIERS, ResidencyMap, ResidencyReport
 
-__all__ = ["TIERS", "ResidencyMap", "ResidencyReport", "WorkerView", "place_deployment"]
+__all__ = ["TIERS", "ResidencyMap", "ResidencyReport", "WorkerView", "assign_worker"]

@@ -1,7 +1,8 @@
-"""Deploy-time placement: which workers host a new deployment.
-
-This is the one function the registry calls; the worker-process-group and spatiotemporal
-placement work replace its body, not its call sites.
+"""Assigning workers to a deployment: which workers host it when it is deployed (or placed
+again after a worker left). "Assignment" here, to keep the word "placement" for placing jobs
+into node groups over time (:mod:`plexrl_dask.policy.spatiotemporal`), and "choice" for the
+dispatcher's residency-aware choice among a deployment's replicas
+(:mod:`plexrl_dask.policy.dispatch`).
 
 Rule: a worker qualifies if its whole memory budget can hold the deployment (others on it can be
 offloaded to make room, so current use does not disqualify). Among qualifying workers, pick the
@@ -19,7 +20,7 @@ from plexrl_dask.errors import DeploymentDoesNotFit, NoPlexRLWorkers
 
 @dataclass(frozen=True)
 class WorkerView:
-    """What placement knows of a worker: its budget and what is already placed on it."""
+    """What assignment knows of a worker: its budget and what is already assigned to it."""
 
     address: str
     budget_bytes: int
@@ -27,7 +28,7 @@ class WorkerView:
     num_deployments: int = 0
 
 
-def place_workers(
+def assign_workers(
     name: str,
     need_bytes: int,
     workers: Sequence[WorkerView],
@@ -81,12 +82,12 @@ def place_workers(
     return tuple(w.address for w in ranked[:count])
 
 
-def place_deployment(
+def assign_worker(
     name: str,
     need_bytes: int,
     workers: Sequence[WorkerView],
     candidates: Sequence[str] | None = None,
 ) -> str:
     """The one worker that should host single-rank deployment ``name`` (see
-    :func:`place_workers`)."""
-    return place_workers(name, need_bytes, workers, 1, candidates)[0]
+    :func:`assign_workers`)."""
+    return assign_workers(name, need_bytes, workers, 1, candidates)[0]
