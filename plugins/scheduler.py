@@ -46,6 +46,7 @@ import time
 from collections import Counter, defaultdict, deque
 from typing import TYPE_CHECKING, Any
 
+import dask
 from dask.utils import parse_bytes
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
@@ -88,12 +89,17 @@ PARKED = "plexrl-parked://nowhere"
 
 
 def dispatch_policy_from_config(
-    ordering: str | None = None, placement: str | None = None
+    ordering: str | None = None, choice: str | None = None
 ) -> DispatchPolicy:
     """The dispatch rule configured under ``plexrl.scheduler``, with ``ordering`` ("hrrs" or
-    "fifo") and ``placement`` ("residency" or "blind") overriding the configured ones."""
+    "fifo") and ``choice`` ("residency" or "blind") overriding the configured ones."""
     ordering = ordering or str(config.get("scheduler.ordering"))
-    placement = placement or str(config.get("scheduler.placement"))
+    if dask.config.get("plexrl.scheduler.placement", None) is not None:
+        raise ConfigError(
+            "plexrl.scheduler.placement was renamed plexrl.scheduler.replica-choice "
+            "(\"placement\" is placing jobs into node groups)"
+        )
+    choice = choice or str(config.get("scheduler.replica-choice"))
     if ordering not in ("hrrs", "fifo"):
         raise ConfigError(f"ordering must be 'hrrs' or 'fifo', got {ordering!r}")
     lookahead = config.get("scheduler.lookahead")
@@ -101,12 +107,12 @@ def dispatch_policy_from_config(
         raise ConfigError(f"scheduler.lookahead must be true or false, got {lookahead!r}")
     try:
         if ordering == "fifo":
-            return DispatchPolicy.fifo(placement, lookahead=lookahead)
+            return DispatchPolicy.fifo(choice, lookahead=lookahead)
         return DispatchPolicy(
             setup_weight=float(config.get("scheduler.setup-weight")),
             patience_factor=float(config.get("scheduler.patience-factor")),
             patience_floor_s=config.get_seconds("scheduler.patience-floor", positive=False),
-            placement=placement,
+            choice=choice,
             lookahead=lookahead,
         )
     except ValueError as e:
@@ -255,7 +261,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     def set_policy(
         self,
         ordering: str | None = None,
-        placement: str | None = None,
+        choice: str | None = None,
         setup_weight: float | None = None,
         patience_factor: float | None = None,
         patience_floor_s: float | None = None,
@@ -263,7 +269,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     ) -> dict[str, Any]:
         """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
         (the configured HRRS knobs unless given) or "fifo" (default: the configured one);
-        ``placement`` "residency" or "blind"; ``lookahead`` on or off (default: the
+        ``choice`` "residency" or "blind"; ``lookahead`` on or off (default: the
         configured one). Refused with :class:`SchedulerBusy` while requests are pending or
         released ones wait behind others, so every request is decided under the policy it
         arrived under."""
@@ -275,7 +281,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 )
             if lookahead is not None and not isinstance(lookahead, bool):
                 raise ConfigError(f"lookahead must be true or false, got {lookahead!r}")
-            policy = dispatch_policy_from_config(ordering, placement)
+            policy = dispatch_policy_from_config(ordering, choice)
             if lookahead is not None:
                 policy = dataclasses.replace(policy, lookahead=lookahead)
             knobs = {

@@ -1,7 +1,7 @@
 """Runtime dispatch (:mod:`plexrl_dask.policy.dispatch`) and what it stands on.
 
 - unit tests of :class:`Dispatcher` on hand-built requests: gangs, one request per worker,
-  order heads, HRRS vs FIFO, residency-aware and blind placement, urgency and reservations,
+  order heads, HRRS vs FIFO, residency-aware and blind choice, urgency and reservations,
   workers leaving and joining, hints;
 - reference oracles written here from the module docstring, compared with hypothesis against
   the incremental implementation: greedy HRRS while nothing is urgent, and FIFO ("arrival order
@@ -195,7 +195,7 @@ def test_a_resident_model_wins_over_one_that_needs_a_load(policy, first):
     [
         (HRRS, ("w1",), 0.0),
         (FIFO, ("w1",), 0.0),
-        (DispatchPolicy(placement="blind"), ("w0",), 2.0),
+        (DispatchPolicy(choice="blind"), ("w0",), 2.0),
         (DispatchPolicy.fifo("blind"), ("w0",), 2.0),
     ],
     ids=["hrrs", "fifo", "hrrs-blind", "fifo-blind"],
@@ -380,7 +380,7 @@ def test_request_order_defaults_to_the_request():
         dict(setup_weight=-1.0),
         dict(patience_factor=-0.1),
         dict(patience_floor_s=-2.0),
-        dict(placement="random"),
+        dict(choice="random"),
     ],
 )
 def test_dispatch_policy_rejects_bad_knobs(kwargs):
@@ -394,7 +394,7 @@ def test_dispatch_policy_formulas_and_fifo():
     assert p.ratio(-5.0, 1.0, 0.0) == 1.0  # a negative wait counts as 0
     assert p.patience(1.0, 0.5) == pytest.approx(8 * 1.5 + 2)
     f = DispatchPolicy.fifo("blind")
-    assert (f.setup_weight, f.patience_factor, f.patience_floor_s, f.placement) == (
+    assert (f.setup_weight, f.patience_factor, f.patience_floor_s, f.choice) == (
         0.0,
         0.0,
         0.0,
@@ -573,9 +573,9 @@ class Model:
         self.busy_until.pop(worker, None)
 
     def waits_for_its_own(self, r: Request, free_setup: float, now: float) -> bool:
-        """Residency placement: a head skips the free group if one of its busy groups is
+        """The residency-aware choice: a head skips the free group if one of its busy groups is
         expected to free up and set it up sooner (nothing is reserved in this oracle)."""
-        if self.policy.placement == "blind" or len(r.groups) < 2:
+        if self.policy.choice == "blind" or len(r.groups) < 2:
             return False
         free = self.live - self.busy
         for g in r.groups:
@@ -644,7 +644,7 @@ class Model:
                 group = None
                 if options:
                     setup, _, _, group = (
-                        options[0] if self.policy.placement == "blind" else min(options)
+                        options[0] if self.policy.choice == "blind" else min(options)
                     )
                     if self.waits_for_its_own(r, setup, now):
                         group = None
@@ -839,7 +839,7 @@ def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
     costs=setup_costs({("m0", "w0"): "nvme", ("m0", "w1"): "hbm"}, [4 * GB, 0, 0]),
     alpha=0.0,
     beta=8.0,
-    placement="residency",
+    choice="residency",
 )
 # A start on w3 makes the blocked r2 start soonest on w0+w4 instead: it holds w4 against r4.
 @example(
@@ -854,7 +854,7 @@ def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
     costs=setup_costs({}, [GB, 0, 0]),
     alpha=0.0,
     beta=0.0,
-    placement="residency",
+    choice="residency",
 )
 # r3 becomes a head (r1 started) after the gang r2 held w1; r3 has the higher ratio, so that
 # hold does not bind it: it starts (in the dispatcher's next pass of the same decision).
@@ -870,11 +870,11 @@ def replay(events, dispatcher: Dispatcher, model: Model, oracle) -> None:
     costs=setup_costs({}, [GB, 0, 0]),
     alpha=0.5,
     beta=0.0,
-    placement="residency",
+    choice="residency",
 )
-def test_hrrs_matches_greedy_oracle_while_nothing_is_urgent(events, costs, alpha, beta, placement):
+def test_hrrs_matches_greedy_oracle_while_nothing_is_urgent(events, costs, alpha, beta, choice):
     policy = DispatchPolicy(
-        setup_weight=alpha, patience_factor=beta, patience_floor_s=1e9, placement=placement
+        setup_weight=alpha, patience_factor=beta, patience_floor_s=1e9, choice=choice
     )
     d = Dispatcher(policy, costs, ORACLE_WORKERS)
     replay(events, d, Model(policy, costs, ORACLE_WORKERS), Model.greedy)
@@ -882,8 +882,8 @@ def test_hrrs_matches_greedy_oracle_while_nothing_is_urgent(events, costs, alpha
 
 @settings(max_examples=120, deadline=None)
 @given(ops(max_groups=1, orders=st.just("")), st.sampled_from(["residency", "blind"]))
-def test_fifo_matches_arrival_order_oracle_for_single_group_requests(events, placement):
-    policy = DispatchPolicy.fifo(placement)
+def test_fifo_matches_arrival_order_oracle_for_single_group_requests(events, choice):
+    policy = DispatchPolicy.fifo(choice)
     d = Dispatcher(policy, workers=ORACLE_WORKERS)
     replay(events, d, Model(policy, d.costs, ORACLE_WORKERS), Model.fifo)
 
@@ -914,7 +914,7 @@ def urgency_policies(lookahead: bool = False, floors=(0.0, 0.5, 2.0)):
         setup_weight=st.sampled_from([0.0, 2.0]),
         patience_factor=st.sampled_from([0.0, 1.0, 8.0]),
         patience_floor_s=st.sampled_from(floors),
-        placement=st.sampled_from(["residency", "blind"]),
+        choice=st.sampled_from(["residency", "blind"]),
         lookahead=st.just(lookahead),
     )
 
@@ -937,7 +937,7 @@ hrrs_policies = st.builds(
     setup_weight=st.floats(0.0, 10.0),
     patience_factor=st.floats(0.0, 30.0),
     patience_floor_s=st.floats(0.0, 20.0),
-    placement=st.sampled_from(["residency", "blind"]),
+    choice=st.sampled_from(["residency", "blind"]),
 )
 any_policy = st.one_of(st.sampled_from(list(POLICIES.values())), hrrs_policies)
 

@@ -85,3 +85,19 @@ def test_a_gang_keeps_its_group_until_a_worker_or_a_rank_breaks_it():
     assert g.epoch_for("u1", pair) == 4
     g.forget("u1")  # undeployed: a later incarnation of the name has another uid anyway
     assert g.epoch_for("u1", pair) == 1
+
+
+def test_the_replica_choice_setting_and_its_old_name():
+    import dask
+
+    from plexrl_dask.plugins.scheduler import dispatch_policy_from_config
+
+    assert dispatch_policy_from_config().choice == "residency"
+    assert dispatch_policy_from_config("fifo", "blind").choice == "blind"
+    bad = {"plexrl.scheduler.replica-choice": "nearest"}
+    with dask.config.set(bad), pytest.raises(errors.ConfigError, match="choice must be"):
+        dispatch_policy_from_config()
+    # The old name is refused by name, not silently ignored.
+    old = {"plexrl.scheduler.placement": "blind"}
+    with dask.config.set(old), pytest.raises(errors.ConfigError, match="replica-choice"):
+        dispatch_policy_from_config()

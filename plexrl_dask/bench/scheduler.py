@@ -79,10 +79,10 @@ POLICIES = {
     "hrrs_no_lookahead": DispatchPolicy(lookahead=False),
 }
 LIVE_POLICIES = {
-    "hrrs": {"ordering": "hrrs", "placement": "residency", "lookahead": True},
-    "fifo": {"ordering": "fifo", "placement": "residency", "lookahead": True},
-    "fifo_blind": {"ordering": "fifo", "placement": "blind", "lookahead": True},
-    "hrrs_no_lookahead": {"ordering": "hrrs", "placement": "residency", "lookahead": False},
+    "hrrs": {"ordering": "hrrs", "choice": "residency", "lookahead": True},
+    "fifo": {"ordering": "fifo", "choice": "residency", "lookahead": True},
+    "fifo_blind": {"ordering": "fifo", "choice": "blind", "lookahead": True},
+    "hrrs_no_lookahead": {"ordering": "hrrs", "choice": "residency", "lookahead": False},
 }
 
 

@@ -595,7 +595,7 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
             "setup_weight": plexrl.policy.setup_weight,
             "patience_factor": plexrl.policy.patience_factor,
             "patience_floor_s": plexrl.policy.patience_floor_s,
-            "placement": plexrl.policy.placement,
+            "choice": plexrl.policy.choice,
         }
         decisions = [
             {**d, "reason": decision_reason(d, policy)}

@@ -152,7 +152,7 @@ class QueuePage(Page):
             f"dispatcher), <b>{len(q['busy'])}</b> busy workers, <b>{len(q.get('queued', ()))}"
             f"</b> requests queued behind running ones · policy: setup weight "
             f"{policy['setup_weight']}, patience {policy['patience_factor']}×(service+setup)+"
-            f"{policy['patience_floor_s']}s, placement {policy['placement']}, lookahead "
+            f"{policy['patience_floor_s']}s, choice {policy['choice']}, lookahead "
             f"{'on' if policy.get('lookahead') else 'off'}"
         )
         if self.summary.text != summary:

@@ -75,7 +75,7 @@ arrival order within an order is the submission order.
 
 FIFO is the special case ``alpha = beta = floor = 0``: every head is urgent on arrival and the
 rule is "arrival order with reservations" (``plexrl.scheduler.ordering: fifo``). With
-``placement="blind"`` a request takes its first free group regardless of residency (the
+``choice="blind"`` a request takes its first free group regardless of residency (the
 residency-blind baseline of the benchmark).
 
 **Cost.** A decision touches only the free workers, the heads eligible on them and the urgent
@@ -178,7 +178,7 @@ class DispatchPolicy:
     setup_weight: float = 2.0  # alpha
     patience_factor: float = 8.0  # beta
     patience_floor_s: float = 2.0  # floor
-    placement: str = "residency"  # or "blind"
+    choice: str = "residency"  # or "blind": how a request chooses among its groups
     lookahead: bool = False  # queue one single-worker request behind a running one
 
     def __post_init__(self) -> None:
@@ -186,16 +186,16 @@ class DispatchPolicy:
             v >= 0 for v in (self.setup_weight, self.patience_factor, self.patience_floor_s)
         ):
             raise ValueError(f"dispatch weights must be >= 0: {self}")
-        if self.placement not in ("residency", "blind"):
-            raise ValueError(f"placement must be 'residency' or 'blind', got {self.placement!r}")
+        if self.choice not in ("residency", "blind"):
+            raise ValueError(f"choice must be 'residency' or 'blind', got {self.choice!r}")
 
     @classmethod
-    def fifo(cls, placement: str = "residency", lookahead: bool = False) -> DispatchPolicy:
+    def fifo(cls, choice: str = "residency", lookahead: bool = False) -> DispatchPolicy:
         return cls(
             setup_weight=0.0,
             patience_factor=0.0,
             patience_floor_s=0.0,
-            placement=placement,
+            choice=choice,
             lookahead=lookahead,
         )
 
@@ -690,7 +690,7 @@ class Dispatcher:
         for a request that is not urgent, only groups whose ``held`` workers it would release
         in time (see :meth:`_release_best`).
 
-        With residency placement, a request that is not urgent rather waits (``None``) for a
+        With the residency-aware choice, a request that is not urgent rather waits (``None``) for a
         busy group of its own that is expected to free up and set it up sooner than the free
         one can: a data-parallel read keeps to the replica that holds its model instead of
         displacing another model elsewhere."""
@@ -703,12 +703,12 @@ class Dispatcher:
                 end = now + setup + e.request.service_s
                 if any(end > held.get(w, float("inf")) for w in group):
                     continue
-            if self.policy.placement == "blind":
+            if self.policy.choice == "blind":
                 return group, setup
             key = (setup, sum(self.costs.crowding(w) for w in group), i)
             if best is None or key < best[0]:
                 best = (key, group, setup)
-        if best is None or urgent or self.policy.placement == "blind" or len(e.request.groups) < 2:
+        if best is None or urgent or self.policy.choice == "blind" or len(e.request.groups) < 2:
             return None if best is None else (best[1], best[2])
         free_setup = best[2]
         for group in e.request.groups:
@@ -761,7 +761,7 @@ class Dispatcher:
         if not groups:
             self._stranded.add(e.request.request)
             return
-        if self.policy.placement == "blind":
+        if self.policy.choice == "blind":
             group = min(groups, key=lambda g: sum(w in self._busy for w in g))
         else:
             group = min(

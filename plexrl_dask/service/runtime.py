@@ -205,7 +205,7 @@ class Runtime:
 
     def set_policy(self, **knobs: Any) -> dict[str, Any]:
         """Change the scheduler's dispatch policy while no request is pending (``ordering``,
-        ``placement``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``; see the
+        ``choice``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``; see the
         ``plexrl_set_policy`` handler). Returns the policy now in force."""
         return self._call("plexrl_set_policy", **knobs)["policy"]
 
