@@ -167,7 +167,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     import datetime
 
     from plexrl_dask.errors import CheckpointError
-    from plexrl_dask.rl.checkpoint import directory_bytes, read_checkpoint
+    from plexrl_dask.rl.job_checkpoint import directory_bytes, read_checkpoint
 
     rc = 0
     for directory in args.directory:
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_status)
     p = sub.add_parser("config", help="print the effective plexrl configuration")
     p.set_defaults(fn=_cmd_config)
-    from plexrl_dask.sim.cluster import POLICIES
+    from plexrl_dask.sim.simulator import POLICIES
 
     p = sub.add_parser("simulate", help="trace-driven simulation of placement policies")
     p.add_argument(

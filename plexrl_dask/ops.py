@@ -59,7 +59,7 @@ from plexrl_dask.service.types import (
 )
 
 if TYPE_CHECKING:
-    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store.store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ def save_state(
     name = model or checkpoint_model(deployment)
 
     def call(backend: Any) -> dict[str, Any]:
-        from plexrl_dask.service.checkpoint import StoreCheckpoint
+        from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
 
         model = name
 
@@ -335,7 +335,7 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
             # NVMe would leave the commit without its part); the manager evicts to make room.
             return node.writing(model, version, nbytes, tiers=("dram",), publish_id=publish_id)
 
-        from plexrl_dask.service.checkpoint import StoreCheckpoint
+        from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
 
         target = StoreCheckpoint(node.store("dram"), model, store_version, node=node, tier="dram")
         ref = backend.publish_weights(target, publish_id, opener)
@@ -364,7 +364,7 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
     node and only the objects this node lacks (:mod:`plexrl_dask.state_store.peer`)."""
     from distributed import get_worker
 
-    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store import peer
 
     model, version = str(ref["model"]), int(ref["version"])
@@ -447,7 +447,7 @@ def _checkpoint_source(
     deployment: str, ckpt: str | Mapping[str, Any], model: str | None, version: int | None
 ) -> str | StoreCheckpoint:
     """What a backend loads from: a DCP directory, or a version of a store."""
-    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store.store import MARKER as STORE_MARKER
 
     if isinstance(ckpt, Mapping):
@@ -487,7 +487,7 @@ def _import_from_peer(
     ``ckpt`` is on this node or names no node."""
     from distributed import get_worker
 
-    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store import peer
 
     if "node" not in ckpt or not ckpt.get("source"):

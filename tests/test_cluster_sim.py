@@ -14,9 +14,9 @@ from plexrl_dask.cli import main as cli_main
 from plexrl_dask.errors import InvalidTrace
 from plexrl_dask.policy.horizon import Phase
 from plexrl_dask.policy.spatiotemporal import NodeGroup, PlacementConfig, replay
-from plexrl_dask.sim.cluster import POLICIES, GpuLedger, simulate
 from plexrl_dask.sim.isolated import isolated_run, iteration_times
 from plexrl_dask.sim.multiplexed import _GroupRuntime, sim_nodes
+from plexrl_dask.sim.simulator import POLICIES, GpuLedger, simulate
 from plexrl_dask.sim.workload import (
     ClusterSpec,
     WorkloadSpec,

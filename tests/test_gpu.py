@@ -255,7 +255,7 @@ def test_vllm_sleep_frees_the_gpu_and_wake_samples_the_same(vllm_replica):
 @needs_vllm
 def test_vllm_loads_published_weights_and_refuses_what_it_cannot_do(vllm_replica, tmp_path):
     from plexrl_dask import errors
-    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store.store import StateStore
 
     trainer = TorchBackend(tiny_spec(**VLLM_SPEC), "cuda")

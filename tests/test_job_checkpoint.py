@@ -13,7 +13,7 @@ import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.cli import main as cli_main
 from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint, run_jobs
-from plexrl_dask.rl.checkpoint import hold
+from plexrl_dask.rl.job_checkpoint import hold
 from plexrl_dask.state_store.store import StateStore
 from tests.conftest import tiny_spec, unique
 from tests.test_grpo import FirstCharIsDigit

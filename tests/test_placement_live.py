@@ -11,7 +11,7 @@ import plexrl_dask as plexrl
 from plexrl_dask.cluster import worker_process
 from plexrl_dask.plugins.placement import nodes_of
 from plexrl_dask.policy.spatiotemporal import PlacementConfig, replay
-from plexrl_dask.sim.cluster import simulate
+from plexrl_dask.sim.simulator import simulate
 from plexrl_dask.sim.workload import WorkloadSpec, generate, load_trace
 from tests.conftest import tiny_spec, unique
 

@@ -24,7 +24,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints
-from plexrl_dask.rl.checkpoint import read_checkpoint
+from plexrl_dask.rl.job_checkpoint import read_checkpoint
 from plexrl_dask.service.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
 from tests.test_grpo import FirstCharIsDigit

@@ -1,4 +1,4 @@
-"""Benchmark of job checkpoints (:mod:`plexrl_dask.rl.checkpoint`): what saving costs a
+"""Benchmark of job checkpoints (:mod:`plexrl_dask.rl.job_checkpoint`): what saving costs a
 running GRPO job, and what resuming costs against redoing the steps.
 
 A real process ``local_cluster`` of 2 workers. One GRPO job of the standard mix's ``add2``
@@ -45,7 +45,7 @@ import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.rl import GRPOJob, JobCheckpoints, StepRecord, supervised_warmup
 from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.rl.checkpoint import directory_bytes
+from plexrl_dask.rl.job_checkpoint import directory_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -397,7 +397,7 @@ def check_vllm(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, An
         return {"vllm_skipped": reason}
     import tempfile
 
-    from plexrl_dask.service.checkpoint import StoreCheckpoint
+    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.service.types import SamplingParams
     from plexrl_dask.state_store.store import StateStore
 

@@ -35,7 +35,7 @@ import time
 
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.config import placement_config
-from plexrl_dask.sim.cluster import POLICIES
+from plexrl_dask.sim.simulator import POLICIES
 from plexrl_dask.sim.study import capacity, compare, write_plots
 from plexrl_dask.sim.workload import WorkloadSpec
 

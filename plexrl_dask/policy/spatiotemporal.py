@@ -1,7 +1,7 @@
 """Spatiotemporal placement: which node group holds a job's demand, and when in its period.
 
 Pure decisions over plain state (numpy, no Dask), driven by the live scheduler plugin and by
-the simulator (:mod:`plexrl_dask.sim.cluster`) alike: both call :class:`SpatiotemporalPlacer`
+the simulator (:mod:`plexrl_dask.sim.simulator`) alike: both call :class:`SpatiotemporalPlacer`
 with the same events (a job submitted, a job's trace recorded, a job finished) and act on the
 :class:`PlacementDecision` list it returns.
 

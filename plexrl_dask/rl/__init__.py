@@ -1,8 +1,8 @@
 """RL and supervised loops written only against the public API (futures all the way), the
 deployment modes they run in and the ledger that compares the modes."""
 
-from plexrl_dask.rl.checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, group_advantages, run_jobs
+from plexrl_dask.rl.job_checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger
 from plexrl_dask.rl.modes import JobSpec, Layout, ModeRun, layouts, run_mode, warm_start
 from plexrl_dask.rl.warmup import evaluate, supervised_warmup

@@ -51,7 +51,7 @@ from plexrl_dask.errors import (
     RankLost,
     RequestTimeout,
 )
-from plexrl_dask.rl.checkpoint import JobCheckpoints
+from plexrl_dask.rl.job_checkpoint import JobCheckpoints
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower, held
 from plexrl_dask.service.runtime import Deployment, Runtime, result
 from plexrl_dask.service.types import (
@@ -136,7 +136,7 @@ class GRPOJob:
     job's config (everything needed to reproduce the run). ``start_version``: the weights'
     version when the job starts (a restored checkpoint's; what the first samples are drawn
     with). ``checkpoints``: where the job saves itself every few steps and, when that
-    directory already holds its checkpoint, resumes from it (:mod:`plexrl_dask.rl.checkpoint`;
+    directory already holds its checkpoint, resumes from it (:mod:`plexrl_dask.rl.job_checkpoint`;
     the resumed run's records equal an uninterrupted run's).
     """
 

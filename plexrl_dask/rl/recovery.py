@@ -2,7 +2,7 @@
 every few steps, resume, go back after a lost deployment) and following its placement.
 
 :class:`GRPOJob <plexrl_dask.rl.grpo.GRPOJob>` calls these between steps; each knows nothing of
-GRPO. The checkpoint's on-disk form is :mod:`plexrl_dask.rl.checkpoint`.
+GRPO. The checkpoint's on-disk form is :mod:`plexrl_dask.rl.job_checkpoint`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from plexrl_dask.errors import (
     DeploymentBusy,
     StateStoreError,
 )
-from plexrl_dask.rl.checkpoint import (
+from plexrl_dask.rl.job_checkpoint import (
     JobCheckpoint,
     JobCheckpoints,
     append_step,

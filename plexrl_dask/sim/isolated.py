@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from plexrl_dask.sim.cluster import GpuLedger, JobOutcome, SimOutcome
+from plexrl_dask.sim.simulator import GpuLedger, JobOutcome, SimOutcome
 from plexrl_dask.sim.workload import ClusterSpec, SimJob
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def simulate_isolated(
     jobs: list[SimJob], cluster: ClusterSpec, policy: str, progress: bool = False
 ) -> SimOutcome:
     """FIFO + EASY backfill over private allocations (module docstring of
-    :mod:`plexrl_dask.sim.cluster`)."""
+    :mod:`plexrl_dask.sim.simulator`)."""
     mode = "best" if policy == "isolated" else policy
     runs = [isolated_run(j, mode, cluster) for j in jobs]
     ideal = [fastest_s(j, cluster) for j in jobs]

@@ -67,8 +67,8 @@ from plexrl_dask.policy.spatiotemporal import (
     PlacementDecision,
     SpatiotemporalPlacer,
 )
-from plexrl_dask.sim.cluster import GpuLedger, JobOutcome, SimOutcome
 from plexrl_dask.sim.isolated import fastest_s
+from plexrl_dask.sim.simulator import GpuLedger, JobOutcome, SimOutcome
 from plexrl_dask.sim.workload import ClusterSpec, SimJob
 
 logger = logging.getLogger(__name__)

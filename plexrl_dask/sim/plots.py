@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from plexrl_dask.sim.cluster import SimOutcome  # noqa: E402
+from plexrl_dask.sim.simulator import SimOutcome  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from plexrl_dask.policy.spatiotemporal import PlacementConfig
-from plexrl_dask.sim.cluster import SimOutcome, simulate
+from plexrl_dask.sim.simulator import SimOutcome, simulate
 from plexrl_dask.sim.workload import WorkloadSpec, generate
 
 logger = logging.getLogger(__name__)

@@ -33,12 +33,12 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service import checkpoint
+from plexrl_dask.service import replica_checkpoint
 from plexrl_dask.service.backends.base import check_weights, encode_prompts
-from plexrl_dask.service.checkpoint import StoreCheckpoint
 from plexrl_dask.service.decode import StreamDecoder
 from plexrl_dask.service.decode_step import DecodeStep
 from plexrl_dask.service.losses import compute_loss
+from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
 from plexrl_dask.service.static_decode import engine_for
 from plexrl_dask.service.types import (
     AdamWParams,
@@ -427,7 +427,7 @@ class TorchBackend:
         reserved on the node's tier) or as DCP to the directory ``path``."""
         meta = {"version": self.version, "model": self.spec.name, "world_size": self._world()}
         if isinstance(path, str):
-            checkpoint.save(
+            replica_checkpoint.save(
                 self.model, self.optimizer, path, meta, self._distributed(), self._rank() == 0
             )
             return {"path": path, "version": self.version, "format": "dcp"}
@@ -466,9 +466,9 @@ class TorchBackend:
         away = [r for r in range(len(nodes)) if r not in home]
 
         def write() -> None:
-            entries = checkpoint.state_entries(self.model, optimizer, self._rank())
+            entries = replica_checkpoint.state_entries(self.model, optimizer, self._rank())
             if self._rank() in away:
-                checkpoint.send_entries(entries, dst=0)
+                replica_checkpoint.send_entries(entries, dst=0)
                 return
             if open_writer is None:
                 opened = target.store.writer(target.model, version, publish_id)
@@ -482,7 +482,7 @@ class TorchBackend:
                     entry.write(writer)
                 if self._rank() == 0:
                     for src in away:
-                        for entry in checkpoint.recv_entries(src, self.device):
+                        for entry in replica_checkpoint.recv_entries(src, self.device):
                             entry.write(writer)
 
         what = f"{target.model!r} v{version}"
@@ -491,7 +491,7 @@ class TorchBackend:
             "version": self.version,
             "model": self.spec.name,
             "world_size": self._world(),
-            "format": checkpoint.STORE_FORMAT,
+            "format": replica_checkpoint.STORE_FORMAT,
             "has_optimizer": optimizer is not None,
         }
 
@@ -515,12 +515,14 @@ class TorchBackend:
 
         def check() -> None:
             try:
-                stored["version"], stored["meta"] = checkpoint.store_meta(self.model, source)
+                stored["version"], stored["meta"] = replica_checkpoint.store_meta(
+                    self.model, source
+                )
             except CheckpointError as e:  # another model's weights: the set_weights error
                 raise WeightsMismatch(f"published weights do not fit this model: {e}") from None
 
         self._checked(check)
-        checkpoint.read_state(self.model, None, source, stored["version"])
+        replica_checkpoint.read_state(self.model, None, source, stored["version"])
         self.version = int(stored["meta"]["version"])
         return self.version
 
@@ -533,10 +535,10 @@ class TorchBackend:
 
         def check() -> None:
             if isinstance(path, str):
-                meta.update(checkpoint.read_meta(path))
-                checkpoint.check_compatible(self.model, path)
+                meta.update(replica_checkpoint.read_meta(path))
+                replica_checkpoint.check_compatible(self.model, path)
             else:
-                stored["version"], found = checkpoint.store_meta(self.model, path)
+                stored["version"], found = replica_checkpoint.store_meta(self.model, path)
                 meta.update(found)
 
         self._checked(check)
@@ -547,9 +549,9 @@ class TorchBackend:
         if not meta["has_optimizer"]:
             self.optimizer = None  # moments of the old state do not belong to the restored one
         if isinstance(path, str):
-            checkpoint.load(self.model, self.optimizer, path, self._assign)
+            replica_checkpoint.load(self.model, self.optimizer, path, self._assign)
         else:
-            checkpoint.read_state(self.model, self.optimizer, path, stored["version"])
+            replica_checkpoint.read_state(self.model, self.optimizer, path, stored["version"])
         self.model.zero_grad(set_to_none=True)
         self.pending_backward = 0
         self.version = int(meta["version"])

@@ -91,9 +91,9 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec, hf
-from plexrl_dask.service import checkpoint
+from plexrl_dask.service import replica_checkpoint
 from plexrl_dask.service.backends.base import check_weights, encode_prompts
-from plexrl_dask.service.checkpoint import StoreCheckpoint
+from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
 from plexrl_dask.service.sampling import row_keys
 from plexrl_dask.service.types import SampledSequence, SamplingParams, Streams, check_tokens
 
@@ -490,7 +490,7 @@ class VLLMBackend:
         store; checked against this model's names and shapes first, so a mismatch leaves the
         replica unchanged). Returns the weights' version."""
         try:
-            version, meta = checkpoint.store_meta(self._reference, source)
+            version, meta = replica_checkpoint.store_meta(self._reference, source)
         except CheckpointError as e:
             raise WeightsMismatch(f"published weights do not fit this model: {e}") from None
         names = {n for n, _ in self._reference.named_parameters()}
