@@ -44,7 +44,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.service.holder import ReplicaHolder, holder_of
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.records import DeploymentInfo
 from plexrl_dask.service.types import (
     AdamWParams,
     CrossEntropy,

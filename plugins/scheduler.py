@@ -76,7 +76,7 @@ from plexrl_dask.policy.residency import (
     ResidencyMap,
     ResidencyReport,
 )
-from plexrl_dask.service.registry import DeploymentInfo, Lifecycle
+from plexrl_dask.service.records import DeploymentInfo, Lifecycle
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler

@@ -12,7 +12,7 @@ from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.policy.residency import ResidencyReport
 from plexrl_dask.service.holder import ReplicaHolder
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.records import DeploymentInfo
 from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum
 
 SCHEMA_KEYS = {"deployment", "version", "tier", "bytes", "load_s"}

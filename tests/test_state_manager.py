@@ -31,7 +31,7 @@ import torch
 from plexrl_dask import errors
 from plexrl_dask.service.backends import BACKENDS, TorchBackend
 from plexrl_dask.service.holder import ReplicaHolder
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.records import DeploymentInfo
 from plexrl_dask.service.types import Datum
 from plexrl_dask.state_store import peer
 from plexrl_dask.state_store.keys import Manifest

@@ -89,7 +89,7 @@ from plexrl_dask.errors import RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.policy.dispatch import Request
 from plexrl_dask.policy.residency import RESIDENCY_TOPIC, ResidencyReport
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.records import DeploymentInfo
 from plexrl_dask.service.timeline import RequestSpan
 
 logger = logging.getLogger(__name__)

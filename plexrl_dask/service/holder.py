@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from plexrl_dask.errors import DeploymentDoesNotFit, DeploymentLost, PlexRLError, RankLost
 from plexrl_dask.policy.residency import ResidencyReport
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.records import DeploymentInfo
 from plexrl_dask.service.timeline import RequestSpan, SpanLog
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.service.holder import ReplicaHolder
-from plexrl_dask.service.registry import DeploymentInfo
+from plexrl_dask.service.records import DeploymentInfo
 from plexrl_dask.service.timeline import RequestSpan
 from plexrl_dask.service.types import (
     AdamWParams,
