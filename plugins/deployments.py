@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from plexrl_dask import protocol
 from plexrl_dask.errors import (
     DeploymentBusy,
     DeploymentExists,
@@ -233,7 +234,7 @@ class DeploymentRegistry:
         live = [w for w in info.workers if w in self.scheduler.workers]
         if live:
             await self.scheduler.broadcast(
-                msg={"op": "plexrl_holder_drop", "name": name}, workers=live, on_error="return"
+                msg={"op": protocol.HOLDER_DROP, "name": name}, workers=live, on_error="return"
             )
         self.counters["undeploys"] += 1
         if self.placement is not None and not any(
@@ -428,7 +429,7 @@ class DeploymentRegistry:
         if old:
             asyncio.ensure_future(
                 self.scheduler.broadcast(
-                    msg={"op": "plexrl_holder_drop", "name": info.name},
+                    msg={"op": protocol.HOLDER_DROP, "name": info.name},
                     workers=old,
                     on_error="return",
                 )

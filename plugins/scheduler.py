@@ -51,7 +51,7 @@ from dask.utils import parse_bytes
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from plexrl_dask import config
+from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
     ConfigError,
     DeploymentNotFound,
@@ -83,9 +83,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ANNOTATION = "plexrl"
-#: A worker address that never exists: restricting a task to it parks it in ``no-worker``.
-PARKED = "plexrl-parked://nowhere"
+ANNOTATION, PARKED = protocol.ANNOTATION, protocol.PARKED
 
 
 def dispatch_policy_from_config(
@@ -97,7 +95,7 @@ def dispatch_policy_from_config(
     if dask.config.get("plexrl.scheduler.placement", None) is not None:
         raise ConfigError(
             "plexrl.scheduler.placement was renamed plexrl.scheduler.replica-choice "
-            "(\"placement\" is placing jobs into node groups)"
+            '("placement" is placing jobs into node groups)'
         )
     choice = choice or str(config.get("scheduler.replica-choice"))
     if ordering not in ("hrrs", "fifo"):
@@ -201,17 +199,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         registry = self.registry
         scheduler.handlers.update(
             {
-                "plexrl_deploy": registry.deploy,
-                "plexrl_undeploy": registry.undeploy,
-                "plexrl_get_deployment": registry.get_deployment,
-                "plexrl_list_deployments": registry.list_deployments,
-                "plexrl_status": self.status,
-                "plexrl_set_policy": self.set_policy,
-                "plexrl_rendezvous_put": self.rendezvous_put,
-                "plexrl_rendezvous_get": self.rendezvous_get,
-                "plexrl_placement": registry.placement_status,
-                "plexrl_relocations": registry.relocations,
-                "plexrl_relocate": registry.relocate,
+                protocol.DEPLOY: registry.deploy,
+                protocol.UNDEPLOY: registry.undeploy,
+                protocol.GET_DEPLOYMENT: registry.get_deployment,
+                protocol.LIST_DEPLOYMENTS: registry.list_deployments,
+                protocol.STATUS: self.status,
+                protocol.SET_POLICY: self.set_policy,
+                protocol.RENDEZVOUS_PUT: self.rendezvous_put,
+                protocol.RENDEZVOUS_GET: self.rendezvous_get,
+                protocol.PLACEMENT: registry.placement_status,
+                protocol.RELOCATIONS: registry.relocations,
+                protocol.RELOCATE: registry.relocate,
             }
         )
         for worker in self.registry.gpu_workers():

@@ -22,14 +22,14 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 from tornado.ioloop import PeriodicCallback
 
-from plexrl_dask import config
+from plexrl_dask import config, protocol
 from plexrl_dask.config import WorkerConfig
 from plexrl_dask.errors import StateStoreError, to_status
-from plexrl_dask.policy.residency import PREFETCH_OP, WORKER_TOPIC
+from plexrl_dask.protocol import PREFETCH_OP, WORKER_TOPIC
 
 logger = logging.getLogger(__name__)
 
-HOLDER_HANDLERS = ("plexrl_holder_status", "plexrl_holder_drop")
+HOLDER_HANDLERS = (protocol.HOLDER_STATUS, protocol.HOLDER_DROP)
 #: Key prefix of the holder actors (one key per worker incarnation).
 HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
@@ -123,8 +123,8 @@ class PlexRLWorkerPlugin(WorkerPlugin):
             if holder is not None:
                 holder.hint(deployment, uid)
 
-        worker.handlers["plexrl_holder_status"] = holder_status
-        worker.handlers["plexrl_holder_drop"] = holder_drop
+        worker.handlers[protocol.HOLDER_STATUS] = holder_status
+        worker.handlers[protocol.HOLDER_DROP] = holder_drop
         worker.handlers[peer.MANIFEST_HANDLER] = store_manifest
         worker.handlers[peer.OBJECTS_HANDLER] = store_objects
         # A stream op (one-way, batched with the scheduler's other messages); an op a worker

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from plexrl_dask import protocol
 from plexrl_dask.errors import (
     ManagerUnavailable,
     PlexRLError,
@@ -41,8 +42,8 @@ from plexrl_dask.state_store.node import NodeState
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_HANDLER = "plexrl_store_manifest"
-OBJECTS_HANDLER = "plexrl_store_objects"
+MANIFEST_HANDLER = protocol.STORE_MANIFEST
+OBJECTS_HANDLER = protocol.STORE_OBJECTS
 #: Where a node's imports in progress hold their per-version locks (in the DRAM tier's dir).
 IMPORTS_DIR = "imports"
 _LOCK_POLL_S = 0.05

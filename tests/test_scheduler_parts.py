@@ -101,3 +101,20 @@ def test_the_replica_choice_setting_and_its_old_name():
     old = {"plexrl.scheduler.placement": "blind"}
     with dask.config.set(old), pytest.raises(errors.ConfigError, match="replica-choice"):
         dispatch_policy_from_config()
+
+
+def test_the_scheduler_side_imports_no_model_stack():
+    """What a scheduler loads (the preload, the plugin and its parts, the policy core, the wire
+    names) imports neither torch, transformers nor Zarr: in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import plexrl_dask.plugins, plexrl_dask.plugins.scheduler, plexrl_dask.protocol\n"
+        "import plexrl_dask.policy.dispatch, plexrl_dask.policy.spatiotemporal\n"
+        "print([m for m in ('torch', 'transformers', 'zarr') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

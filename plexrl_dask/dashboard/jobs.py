@@ -39,12 +39,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from plexrl_dask.errors import InvalidJobReport
+from plexrl_dask.protocol import JOB_TOPIC  # (the event's topic: plexrl_dask/protocol.py)
 from plexrl_dask.service.timeline import RequestSpan
 
 logger = logging.getLogger(__name__)
-
-#: Dask event topic of job step reports.
-JOB_TOPIC = "plexrl-job"
 
 
 @dataclass(frozen=True)

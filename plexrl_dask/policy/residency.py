@@ -10,14 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-RESIDENCY_TOPIC = "plexrl-residency"
-#: A GPU worker joined and wants a replica holder (sent by the worker plugin).
-WORKER_TOPIC = "plexrl-worker"
-#: A replica holder exists on a worker: its capacity and actor key (sent by the holder).
-HOLDER_TOPIC = "plexrl-holder"
+# (the event's topic, and the other names on the wire: plexrl_dask/protocol.py)
+from plexrl_dask.protocol import HOLDER_TOPIC, PREFETCH_OP, RESIDENCY_TOPIC, WORKER_TOPIC
 
-#: Worker stream op of the scheduler's prefetch hints (``deployment``, ``uid``).
-PREFETCH_OP = "plexrl-prefetch"
+__all__ = ["HOLDER_TOPIC", "PREFETCH_OP", "RESIDENCY_TOPIC", "TIERS", "WORKER_TOPIC"]
 
 #: Tiers from fastest to slowest; "absent" means no state on that worker at all.
 TIERS = ("hbm", "dram", "nvme", "absent")

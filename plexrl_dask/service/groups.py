@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plexrl_dask import config
+from plexrl_dask import config, protocol
 from plexrl_dask.errors import GroupTimeout, raise_for_status
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class ProcessGroupManager:
             raise_for_status(
                 sync(
                     self.worker.loop,
-                    rpc.plexrl_rendezvous_put,
+                    getattr(rpc, protocol.RENDEZVOUS_PUT),
                     key=ctx.key,
                     address=f"{host}:{store.port}",
                     callback_timeout=timeout,
@@ -137,7 +137,7 @@ class ProcessGroupManager:
         else:
             status = sync(
                 self.worker.loop,
-                rpc.plexrl_rendezvous_get,
+                getattr(rpc, protocol.RENDEZVOUS_GET),
                 key=ctx.key,
                 timeout=timeout,
                 callback_timeout=timeout + 5,

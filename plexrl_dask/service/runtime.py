@@ -32,7 +32,7 @@ from typing import Any
 import dask
 from distributed import Actor, Client, Future, get_client
 
-from plexrl_dask import config, ops
+from plexrl_dask import config, ops, protocol
 from plexrl_dask.errors import (
     CheckpointError,
     InvalidBatch,
@@ -162,7 +162,7 @@ class Runtime:
             # the engine's KV cache and overhead sit beside the weights on its GPU
             memory_bytes = VLLMConfig.from_dask_config().device_bytes(memory_bytes)
         status = self._call(
-            "plexrl_deploy",
+            protocol.DEPLOY,
             name=name,
             uid=uid,
             spec=model.to_dict(),
@@ -182,39 +182,39 @@ class Runtime:
             try:
                 result(deployment.load())
             except BaseException:
-                self._call("plexrl_undeploy", name=name, uid=uid)
+                self._call(protocol.UNDEPLOY, name=name, uid=uid)
                 raise
         return deployment
 
     def deployment(self, name: str) -> Deployment:
         """Look up an existing deployment by name (any job's)."""
-        status = self._call("plexrl_get_deployment", name=name)
+        status = self._call(protocol.GET_DEPLOYMENT, name=name)
         return Deployment(self, DeploymentInfo.from_dict(status["deployment"]))
 
     def deployments(self) -> list[DeploymentInfo]:
-        status = self._call("plexrl_list_deployments")
+        status = self._call(protocol.LIST_DEPLOYMENTS)
         return [DeploymentInfo.from_dict(d) for d in status["deployments"]]
 
     def undeploy(self, name: str) -> None:
         """Unregister ``name`` and free its replicas."""
-        self._call("plexrl_undeploy", name=name)
+        self._call(protocol.UNDEPLOY, name=name)
 
     def status(self) -> dict[str, Any]:
         """The scheduler plugin's state: deployments, residency, worker capacity, counters."""
-        return self._call("plexrl_status")
+        return self._call(protocol.STATUS)
 
     def set_policy(self, **knobs: Any) -> dict[str, Any]:
         """Change the scheduler's dispatch policy while no request is pending (``ordering``,
         ``choice``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``; see the
         ``plexrl_set_policy`` handler). Returns the policy now in force."""
-        return self._call("plexrl_set_policy", **knobs)["policy"]
+        return self._call(protocol.SET_POLICY, **knobs)["policy"]
 
     def placement(self, job: str | None = None) -> dict[str, Any]:
         """The spatiotemporal placement (``plugins/placement.py``): node groups and their load,
         the queue, every decision, the recorded placement events (replay them with
         :func:`plexrl_dask.policy.spatiotemporal.replay`) and the recorded iterations of
         ``job`` (default: every job)."""
-        return self._call("plexrl_placement", job=job)
+        return self._call(protocol.PLACEMENT, job=job)
 
     def save_trace(self, path: str | os.PathLike, job: str | None = None) -> list:
         """Write ``job``'s (default: this runtime's job) recorded iterations to ``path`` in the
@@ -253,7 +253,7 @@ class Runtime:
         with :class:`DeploymentRelocating`) and :class:`RelocationFailed` names the checkpoint,
         which is kept: restore it with ``load_state``."""
         done = []
-        for move in self._call("plexrl_relocations", owner=self.job)["moves"]:
+        for move in self._call(protocol.RELOCATIONS, owner=self.job)["moves"]:
             name, restored = move["name"], None
             dep = self.deployment(name)
             if move["modified"] and not dep.info.weights_only:
@@ -261,7 +261,7 @@ class Runtime:
                 # the job saved itself
                 model = f"{ops.checkpoint_model(name)}.relocate-{move['uid'][:12]}"
                 restored = result(dep.save_state(model=model), timeout)
-            self._call("plexrl_relocate", name=name, uid=move["uid"])
+            self._call(protocol.RELOCATE, name=name, uid=move["uid"])
             entry = {k: move[k] for k in ("name", "workers", "group")}
             entry["restored"] = restored is not None
             # a weights-only deployment (vLLM) is placed anew by its next weight load
