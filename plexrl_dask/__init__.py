@@ -19,24 +19,24 @@ from plexrl_dask import errors
 # The public names, imported on first use: a process that needs one part (the node's
 # StateManager needs only the state store) does not pay for importing the whole stack.
 _LAZY = {
-    "ops": "plexrl_dask.ops",
+    "ops": "plexrl_dask.worker.ops",
     "install": "plexrl_dask.cluster",
     "local_cluster": "plexrl_dask.cluster",
     "slurm_cluster": "plexrl_dask.cluster",
     "kube_cluster_spec": "plexrl_dask.kubernetes",
     "ModelSpec": "plexrl_dask.models",
-    "Deployment": "plexrl_dask.service.runtime",
-    "Runtime": "plexrl_dask.service.runtime",
-    "result": "plexrl_dask.service.runtime",
-    "AdamWParams": "plexrl_dask.service.types",
-    "CrossEntropy": "plexrl_dask.service.types",
-    "Datum": "plexrl_dask.service.types",
-    "ForwardResult": "plexrl_dask.service.types",
-    "NamedWeights": "plexrl_dask.service.types",
-    "PolicyGradient": "plexrl_dask.service.types",
-    "SampledSequence": "plexrl_dask.service.types",
-    "SampleResult": "plexrl_dask.service.types",
-    "SamplingParams": "plexrl_dask.service.types",
+    "Deployment": "plexrl_dask.driver.runtime",
+    "Runtime": "plexrl_dask.driver.runtime",
+    "result": "plexrl_dask.driver.runtime",
+    "AdamWParams": "plexrl_dask.shared.types",
+    "CrossEntropy": "plexrl_dask.shared.types",
+    "Datum": "plexrl_dask.shared.types",
+    "ForwardResult": "plexrl_dask.shared.types",
+    "NamedWeights": "plexrl_dask.shared.types",
+    "PolicyGradient": "plexrl_dask.shared.types",
+    "SampledSequence": "plexrl_dask.shared.types",
+    "SampleResult": "plexrl_dask.shared.types",
+    "SamplingParams": "plexrl_dask.shared.types",
 }
 
 

@@ -87,7 +87,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from distributed import Client
 
-    from plexrl_dask.service.runtime import Runtime
+    from plexrl_dask.driver.runtime import Runtime
 
     with Client(args.scheduler, timeout=args.timeout) as client:
         status = Runtime(client, job="plexrl-status").status()

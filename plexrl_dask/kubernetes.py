@@ -116,7 +116,7 @@ def kube_cluster_spec(
 
     :class:`~plexrl_dask.errors.ConfigError` for a value the operator or PlexRL would refuse.
     """
-    from plexrl_dask.service.records import BACKEND_NAMES
+    from plexrl_dask.shared.records import BACKEND_NAMES
 
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(

@@ -14,7 +14,7 @@ PlexRL's processes talk through Dask's own channels (docs/architecture.md, "Proc
 
 The records that travel with them are defined where their meaning is: the residency report
 (:mod:`plexrl_dask.policy.residency`), a deployment's record
-(:mod:`plexrl_dask.service.records`), requests and results (:mod:`plexrl_dask.service.types`),
+(:mod:`plexrl_dask.shared.records`), requests and results (:mod:`plexrl_dask.shared.types`),
 a job's step report (:mod:`plexrl_dask.dashboard.jobs`). This module imports nothing: the
 scheduler, the workers and the driver all load it.
 """

@@ -43,7 +43,7 @@ from plexrl_dask.plugins.requests import RequestQueue
 from plexrl_dask.policy.assignment import WorkerView, assign_workers
 from plexrl_dask.policy.estimates import Estimates
 from plexrl_dask.policy.residency import ResidencyMap
-from plexrl_dask.service.records import DeploymentInfo, Lifecycle
+from plexrl_dask.shared.records import DeploymentInfo, Lifecycle
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler

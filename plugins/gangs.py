@@ -4,7 +4,7 @@ A multi-rank request runs its ranks as one ``torch.distributed`` group. Forming 
 rendezvous, so ranks keep theirs between requests; the scheduler hands every rank of a released
 gang the group's **epoch**: unchanged while each of its workers still holds that deployment's
 group of that epoch, a new one otherwise (a worker left, a rank failed, the gang moved), which
-tells the ranks to form a new group (:mod:`plexrl_dask.service.groups`).
+tells the ranks to form a new group (:mod:`plexrl_dask.worker.groups`).
 """
 
 from __future__ import annotations

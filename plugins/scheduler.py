@@ -76,7 +76,7 @@ from plexrl_dask.policy.residency import (
     ResidencyMap,
     ResidencyReport,
 )
-from plexrl_dask.service.records import DeploymentInfo, Lifecycle
+from plexrl_dask.shared.records import DeploymentInfo, Lifecycle
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler
@@ -571,7 +571,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     def _group_epoch(self, deployment: str, workers: tuple[str, ...]) -> int:
         """The process-group epoch for a gang of ``deployment`` on ``workers``: unchanged while
         every one of them still holds that group, a new one otherwise (see
-        plexrl_dask.service.groups)."""
+        plexrl_dask.worker.groups)."""
         return self.groups.epoch_for(self.deployments[deployment].uid, workers)
 
     def _forget(self, request: PendingRequest) -> None:

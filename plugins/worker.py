@@ -35,11 +35,11 @@ HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
 
 def new_replica_holder() -> Any:
-    """A :class:`~plexrl_dask.service.holder.ReplicaHolder` for the worker this runs on: the
+    """A :class:`~plexrl_dask.worker.holder.ReplicaHolder` for the worker this runs on: the
     task the scheduler plugin submits as the worker's holder actor (the actor is what this
     returns). The scheduler submits this function rather than the class because pickling
     the class would import its module, and torch with it, into the scheduler."""
-    from plexrl_dask.service.holder import ReplicaHolder
+    from plexrl_dask.worker.holder import ReplicaHolder
 
     return ReplicaHolder()
 
@@ -57,8 +57,8 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         # and must not load torch and Zarr for that (plexrl_dask.models.spec says why).
         import torch
 
-        from plexrl_dask.service.holder import holder_of
         from plexrl_dask.state_store import peer
+        from plexrl_dask.worker.holder import holder_of
 
         torch.set_num_threads(cfg.torch_threads)
         profiler = worker.periodic_callbacks.get("profile")

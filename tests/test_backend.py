@@ -9,14 +9,14 @@ import torch
 
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
-from plexrl_dask.service.backends import RolloutBackend, TorchBackend, TrainBackend
-from plexrl_dask.service.types import (
+from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
     Datum,
     PolicyGradient,
     SamplingParams,
 )
+from plexrl_dask.worker.backends import RolloutBackend, TorchBackend, TrainBackend
 from tests.conftest import TINY, tiny_spec
 
 
@@ -267,7 +267,7 @@ def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(bac
     tokens dropped, for every sequence."""
     import random
 
-    from plexrl_dask.service.backends.torch_backend import _token_pieces
+    from plexrl_dask.worker.backends.torch_backend import _token_pieces
 
     pieces = backend._pieces
     assert pieces is not None and len(pieces) == backend.vocab_size

@@ -47,7 +47,7 @@ from plexrl_dask.dashboard.state import (
 )
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger
-from plexrl_dask.service.timeline import RequestSpan
+from plexrl_dask.shared.timeline import RequestSpan
 
 _PLEXRL = copy.deepcopy(dask.config.get("plexrl"))
 _PLEXRL["dashboard"].update({"queue-rows": 7, "decisions-shown": 5, "timeline-batch": 50})

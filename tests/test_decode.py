@@ -19,9 +19,9 @@ import torch
 
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
-from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.decode import StreamDecoder, output_cache
-from plexrl_dask.service.types import Datum, SamplingParams, Streams
+from plexrl_dask.shared.types import Datum, SamplingParams, Streams
+from plexrl_dask.worker.backends import TorchBackend
+from plexrl_dask.worker.decode import StreamDecoder, output_cache
 from tests.conftest import tiny_spec
 
 PROMPTS = ["12+3=", "4+5=", "99+1=", "7*8=", "1+1=", "60-7="]
@@ -223,7 +223,7 @@ def test_the_decode_step_computes_what_the_hf_forward_computes(rows):
     (5 rows) and through the written-out attention (40 rows)."""
     from transformers.cache_utils import DynamicCache
 
-    from plexrl_dask.service.decode_step import MANUAL_ATTENTION_MIN_ROWS
+    from plexrl_dask.worker.decode_step import MANUAL_ATTENTION_MIN_ROWS
 
     assert 5 < MANUAL_ATTENTION_MIN_ROWS <= 40
     backend = backend_of(tiny_spec(seed=3, num_layers=3), batch=8)
@@ -255,7 +255,7 @@ def test_the_decode_step_computes_what_the_hf_forward_computes(rows):
 
 
 def test_the_decode_step_is_used_only_where_it_is_the_same_math():
-    from plexrl_dask.service.decode_step import DecodeStep
+    from plexrl_dask.worker.decode_step import DecodeStep
 
     spec = tiny_spec(seed=3)
     model = spec.build_model("cpu")
@@ -310,7 +310,7 @@ def test_the_weight_layout_is_kept_until_the_weights_change():
     """``bind`` lays the weights out once and reuses the layout while no parameter was
     written; after an optimizer step or ``set_weights`` it lays them out again, and sampling
     then gives what a backend built with those weights gives. Offloading drops the layout."""
-    from plexrl_dask.service.types import AdamWParams, CrossEntropy
+    from plexrl_dask.shared.types import AdamWParams, CrossEntropy
 
     backend = backend_of(tiny_spec(seed=6), batch=8)
     step = backend.decode_step

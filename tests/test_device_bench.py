@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from plexrl_dask.errors import GroupTimeout
-from plexrl_dask.service.groups import GroupContext, ProcessGroupManager, indexed
+from plexrl_dask.worker.groups import GroupContext, ProcessGroupManager, indexed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_an_nccl_device_id_carries_an_index():
 
 def test_a_sharded_rank_refuses_a_cuda_device_other_than_the_current_one():
     from plexrl_dask.errors import ConfigError
-    from plexrl_dask.service.backends.fsdp import check_device
+    from plexrl_dask.worker.backends.fsdp import check_device
 
     def current() -> int:
         return 0

@@ -9,9 +9,9 @@ import dask
 import pytest
 import torch
 
-from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.holder import default_budget, resolve_device
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.worker.backends import TorchBackend
+from plexrl_dask.worker.holder import default_budget, resolve_device
 from tests.conftest import tiny_spec
 from tests.test_static_decode import KINDS, PROMPTS
 
@@ -103,7 +103,7 @@ def _positions_agreeing(a, b) -> float:
 
 @pytest.mark.parametrize("params", KINDS.values(), ids=KINDS.keys())
 def test_captured_steps_sample_what_op_by_op_steps_and_the_dynamic_decoder_sample(params):
-    from plexrl_dask.service.types import Streams
+    from plexrl_dask.shared.types import Streams
 
     captured, eager = _static(True, seed=4), _static(False, seed=4)
     dynamic = _static(False, engine="dynamic", seed=4)
@@ -156,7 +156,7 @@ def test_captured_steps_follow_weight_updates_offloads_and_reloads():
 def test_the_uniforms_and_the_choice_on_the_gpu_are_the_hosts():
     import numpy as np
 
-    from plexrl_dask.service.sampling import (
+    from plexrl_dask.worker.sampling import (
         choose_tokens,
         choose_tokens_on_device,
         keys_tensor,
@@ -194,7 +194,7 @@ VLLM_SPEC = dict(
 
 @pytest.fixture(scope="module")
 def vllm_replica():
-    from plexrl_dask.service.backends import VLLMBackend
+    from plexrl_dask.worker.backends import VLLMBackend
 
     with dask.config.set(
         {"plexrl.vllm.enforce-eager": True, "plexrl.vllm.kv-cache-memory": "1GiB"}
@@ -255,8 +255,8 @@ def test_vllm_sleep_frees_the_gpu_and_wake_samples_the_same(vllm_replica):
 @needs_vllm
 def test_vllm_loads_published_weights_and_refuses_what_it_cannot_do(vllm_replica, tmp_path):
     from plexrl_dask import errors
-    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store.store import StateStore
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
     trainer = TorchBackend(tiny_spec(**VLLM_SPEC), "cuda")
     data = [Datum(tokens=trainer.tokenize([f"{i}+{i}={2 * i}"])[0]) for i in range(16)]

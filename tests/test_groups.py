@@ -10,7 +10,7 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
-from plexrl_dask.service.backends import TorchBackend
+from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
 
 STEPS = 3
@@ -126,7 +126,7 @@ def test_checkpoint_on_two_ranks_restores_on_one_and_two(runtime, tmp_path):
     assert saved == {"path": path, "model": src.name, "version": 2, "format": "store"}
     one = runtime.deploy(unique("ckpt-one"), spec, world_size=1)
     # Ranks swapped: each worker process re-joins a group under the other rank (a torch mesh
-    # interning pitfall made exactly this load the wrong shards; see service/groups.py).
+    # interning pitfall made exactly this load the wrong shards; see worker/groups.py).
     two = runtime.deploy(unique("ckpt-two"), spec, world_size=2, workers=[w1, w0])
     assert two.info.workers == (w1, w0)
     assert plexrl.result([one.load_state(path), two.load_state(path)]) == [2, 2]
@@ -218,7 +218,7 @@ def test_a_loss_error_on_one_rank_fails_every_rank_and_keeps_the_state(runtime):
 def _store_unwritable(on: bool) -> None:
     """(Run on one worker.) Make ``save_state`` to a path fail there as a read-only
     filesystem would, or undo it."""
-    from plexrl_dask import ops
+    from plexrl_dask.worker import ops
 
     if on:
         ops._open_store_saved = ops._open_store

@@ -11,9 +11,9 @@ import torch
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.policy.residency import ResidencyReport
-from plexrl_dask.service.holder import ReplicaHolder
-from plexrl_dask.service.records import DeploymentInfo
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum
+from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum
+from plexrl_dask.worker.holder import ReplicaHolder
 
 SCHEMA_KEYS = {"deployment", "version", "tier", "bytes", "load_s"}
 

@@ -17,7 +17,7 @@ from plexrl_dask.rl.ledger import (
     rollout_phases,
 )
 from plexrl_dask.rl.modes import Layout, layouts
-from plexrl_dask.service.timeline import RequestSpan, SpanLog, busy_seconds
+from plexrl_dask.shared.timeline import RequestSpan, SpanLog, busy_seconds
 
 
 def span(worker, deployment, op, start, end, ready=None):

@@ -11,7 +11,7 @@ from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
-from plexrl_dask.service.backends import TorchBackend
+from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
 
 SPEC_A, SPEC_B = tiny_spec(seed=1), tiny_spec(seed=2)

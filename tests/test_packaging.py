@@ -100,7 +100,7 @@ def test_wheel_installs_and_imports_every_package(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]]),
     }
     code = (
-        "import json, plexrl_dask, plexrl_dask.plugins, plexrl_dask.state_store, plexrl_dask.ops, "
+        "import json, plexrl_dask, plexrl_dask.plugins, plexrl_dask.state_store, plexrl_dask.worker.ops, "
         "plexrl_dask.bench.service, plexrl_dask.cli;"
         "from plexrl_dask.sim.workload import WorkloadSpec;"
         "from plexrl_dask.plugins import PlexRLSchedulerPlugin, dask_setup;"

@@ -23,11 +23,12 @@ from distributed.diagnostics.plugin import SchedulerPlugin as SchedulerPluginBas
 from distributed.utils_test import gen_cluster, inc
 
 import plexrl_dask
-from plexrl_dask import errors, ops
+from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
 from plexrl_dask.plugins.scheduler import PARKED
-from plexrl_dask.service.holder import ReplicaHolder, holder_of
+from plexrl_dask.worker import ops
+from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 
 # Scheduler and worker state validation stay on (gen_cluster's default).
 GPU = {"resources": {"GPU": 1}}

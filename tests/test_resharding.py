@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plexrl_dask.service.replica_checkpoint import split_dims
 from plexrl_dask.state_store.keys import ROW_AND_COLUMN_SPLITS, ROW_SPLITS
 from plexrl_dask.state_store.store import StateStore
+from plexrl_dask.worker.replica_checkpoint import split_dims
 from tests.conftest import tiny_spec
 
 WAYS = 2

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plexrl_dask import errors
-from plexrl_dask.service.losses import compute_loss
-from plexrl_dask.service.sampling import choose_tokens, uniforms
-from plexrl_dask.service.types import CrossEntropy, Datum, PolicyGradient
+from plexrl_dask.shared.types import CrossEntropy, Datum, PolicyGradient
+from plexrl_dask.worker.losses import compute_loss
+from plexrl_dask.worker.sampling import choose_tokens, uniforms
 
 # --- uniforms -----------------------------------------------------------------------------------
 
@@ -414,7 +414,7 @@ def test_zero_weight_tokens_cannot_make_the_kl_loss_non_finite():
     """Prompt tokens have weight 0 and ref_logprobs padded with 0.0 (from_prompt_completion).
     A prompt token the model finds very unlikely (logp -100: ref - logp = 100, exp overflows
     float32) must not turn the loss into NaN through ``0 * inf``: it does not count.
-    Regression (service/losses.py, compute_loss: k3 is computed on every position, then weighted)."""
+    Regression (worker/losses.py, compute_loss: k3 is computed on every position, then weighted)."""
     prompt, completion = [5, 6, 7], [8, 9]
     d = Datum.from_prompt_completion(prompt, completion, advantage=1.0, ref_logprobs=[-1.0, -1.0])
     logp = torch.tensor([[-100.0, -2.0, -1.0, -1.0]], requires_grad=True)  # predicts tokens[1:]
@@ -450,7 +450,7 @@ def test_policy_gradient_advantages_on_some_data_only_is_invalid():
 
 
 def test_unknown_loss_is_invalid():
-    """Regression (service/losses.py, compute_loss: ``loss.normalizer`` is read before the type check,
+    """Regression (worker/losses.py, compute_loss: ``loss.normalizer`` is read before the type check,
     so a wrong loss object raises AttributeError instead of the typed InvalidLoss)."""
     batch, logp, valid = _setup()
     with pytest.raises(errors.InvalidLoss, match="unknown loss"):

@@ -10,7 +10,7 @@ from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.plugins.gangs import GroupEpochs
 from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
-from plexrl_dask.service.records import MOVES, DeploymentInfo, Lifecycle
+from plexrl_dask.shared.records import MOVES, DeploymentInfo, Lifecycle
 
 
 def info(**changes) -> DeploymentInfo:

@@ -10,7 +10,7 @@ import pytest
 from distributed import Client
 
 import plexrl_dask as plexrl
-from plexrl_dask import ops
+from plexrl_dask.worker import ops
 from tests.conftest import tiny_spec, unique
 
 # One size for every model here, so that the budget holds exactly one of them.

@@ -29,10 +29,8 @@ import pytest
 import torch
 
 from plexrl_dask import errors
-from plexrl_dask.service.backends import BACKENDS, TorchBackend
-from plexrl_dask.service.holder import ReplicaHolder
-from plexrl_dask.service.records import DeploymentInfo
-from plexrl_dask.service.types import Datum
+from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.types import Datum
 from plexrl_dask.state_store import peer
 from plexrl_dask.state_store.keys import Manifest
 from plexrl_dask.state_store.manager import (
@@ -44,6 +42,8 @@ from plexrl_dask.state_store.manager import (
 )
 from plexrl_dask.state_store.node import NodeState, StateConfig
 from plexrl_dask.state_store.store import digest_of
+from plexrl_dask.worker.backends import BACKENDS, TorchBackend
+from plexrl_dask.worker.holder import ReplicaHolder
 from tests.test_holder import fb, make_info, spec, step, weights
 
 MiB = 1 << 20

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from plexrl_dask import errors
 from plexrl_dask.bench.decode_rates import agreement
-from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.sampling import (
+from plexrl_dask.shared.types import Datum, SamplingParams, Streams
+from plexrl_dask.worker.backends import TorchBackend
+from plexrl_dask.worker.sampling import (
     choose_tokens,
     choose_tokens_on_device,
     keys_tensor,
@@ -23,8 +24,7 @@ from plexrl_dask.service.sampling import (
     uniforms_at,
     uniforms_on_device,
 )
-from plexrl_dask.service.static_decode import batch_buckets
-from plexrl_dask.service.types import Datum, SamplingParams, Streams
+from plexrl_dask.worker.static_decode import batch_buckets
 from tests.conftest import tiny_spec
 from tests.test_decode import one_thread  # noqa: F401  (autouse: one torch thread)
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from plexrl_dask import errors
-from plexrl_dask.service.types import (
+from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
     Datum,
@@ -182,7 +182,7 @@ def test_sampling_params_reports_every_problem():
 def test_sampling_params_stop_string_is_not_split_into_characters():
     """``stop="END"`` (a bare string instead of a tuple) must not silently become the three
     one-character stop strings "E", "N", "D" (which would end generation at any of them).
-    Either keeping it whole or rejecting it is fine. Regression (service/types.py,
+    Either keeping it whole or rejecting it is fine. Regression (shared/types.py,
     SamplingParams.__post_init__: ``tuple(self.stop)`` splits a str)."""
     try:
         p = SamplingParams(stop="END")

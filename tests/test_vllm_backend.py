@@ -12,14 +12,14 @@ import pytest
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
-from plexrl_dask.service.backends.vllm_backend import (
+from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.worker.backends.vllm_backend import (
     VLLMBackend,
     VLLMConfig,
     row_seeds,
     to_sequence,
     unavailable_reason,
 )
-from plexrl_dask.service.records import DeploymentInfo
 from tests.conftest import tiny_spec, unique
 
 
@@ -92,8 +92,8 @@ def test_without_cuda_the_backend_says_why():
 
 
 def test_the_registry_names_every_backend_the_workers_have():
-    from plexrl_dask.service.backends import BACKENDS
-    from plexrl_dask.service.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
+    from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
+    from plexrl_dask.worker.backends import BACKENDS
 
     assert set(BACKEND_NAMES) == set(BACKENDS)
     assert set(WEIGHTS_ONLY_BACKENDS) == {n for n, cls in BACKENDS.items() if not cls.stashes}

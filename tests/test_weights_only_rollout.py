@@ -25,13 +25,13 @@ import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints
 from plexrl_dask.rl.job_checkpoint import read_checkpoint
-from plexrl_dask.service.backends import TorchBackend
+from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
 from tests.test_grpo import FirstCharIsDigit
 
 
 class WeightsOnlyTorch(TorchBackend):
-    """Stands in for :class:`~plexrl_dask.service.backends.VLLMBackend` (which needs CUDA)."""
+    """Stands in for :class:`~plexrl_dask.worker.backends.VLLMBackend` (which needs CUDA)."""
 
     stashes = False
 
@@ -50,7 +50,7 @@ class StandInForVLLM(WorkerPlugin):
     name = "plexrl-test-vllm-stand-in"
 
     def setup(self, worker: Any) -> None:
-        from plexrl_dask.service import backends
+        from plexrl_dask.worker import backends
 
         backends.BACKENDS["vllm"] = WeightsOnlyTorch
 

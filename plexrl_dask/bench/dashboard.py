@@ -89,8 +89,8 @@ from plexrl_dask.errors import RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.policy.dispatch import Request
 from plexrl_dask.policy.residency import RESIDENCY_TOPIC, ResidencyReport
-from plexrl_dask.service.records import DeploymentInfo
-from plexrl_dask.service.timeline import RequestSpan
+from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.timeline import RequestSpan
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ defines them; this one holds the code).
   init, bf16, built from the config alone (nothing is downloaded). The weights' values do not
   matter to speed: every row decodes ``max_tokens`` tokens (``ignore_eos``).
 - **Engines** on the same model object, arms interleaved per repetition: ``eager`` the dynamic
-  decoder (:mod:`plexrl_dask.service.decode`, what every GPU replica ran before the static
+  decoder (:mod:`plexrl_dask.worker.decode`, what every GPU replica ran before the static
   one), ``static`` the static decoder op by op, ``captured`` the static decoder with its steps
-  recorded as CUDA graphs (:mod:`plexrl_dask.service.static_decode`), and ``hf_cb``
+  recorded as CUDA graphs (:mod:`plexrl_dask.worker.static_decode`), and ``hf_cb``
   transformers' own continuous-batching generation (:mod:`plexrl_dask.bench.hf_batching`).
 - **Roofline**: the bytes one step must move from device memory (every parameter once, the
   tied embedding as the output head; each row's keys and values up to its position) at the
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from plexrl_dask.models.spec import ModelSpec, hf
-from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.static_decode import StaticEngine
-from plexrl_dask.service.types import SampledSequence, SamplingParams, Streams
+from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams
+from plexrl_dask.worker.backends import TorchBackend
+from plexrl_dask.worker.static_decode import StaticEngine
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
   reported but say nothing about a GPU.
 - **FSDP2 on a group of one** (``fsdp_*``): the same model built twice from the same seed, one
   sharded with ``fully_shard`` on a one-rank process group (NCCL on CUDA, gloo on the CPU;
-  :class:`~plexrl_dask.service.groups.ProcessGroupManager`), one plain, each taking
+  :class:`~plexrl_dask.worker.groups.ProcessGroupManager`), one plain, each taking
   ``--fsdp-steps`` identical ``forward_backward`` + ``optim_step`` steps. ``fsdp_losses``
   both runs' losses, ``fsdp_max_loss_diff`` and ``fsdp_max_weight_diff`` (after the last
   step) how far apart they end, ``fsdp_step_time_ratio`` the sharded step's median time ÷ the
@@ -109,12 +109,12 @@ from plexrl_dask.bench.common import parser, report, write_json
 from plexrl_dask.bench.sampling import measure_job, warmed_backend
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.backends.fsdp import FSDPBackend
-from plexrl_dask.service.backends.torch_backend import copy_stream
-from plexrl_dask.service.groups import GroupContext, ProcessGroupManager
-from plexrl_dask.service.holder import default_budget
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.worker.backends import TorchBackend
+from plexrl_dask.worker.backends.fsdp import FSDPBackend
+from plexrl_dask.worker.backends.torch_backend import copy_stream
+from plexrl_dask.worker.groups import GroupContext, ProcessGroupManager
+from plexrl_dask.worker.holder import default_budget
 
 if TYPE_CHECKING:
     from plexrl_dask.rl.modes import JobSpec
@@ -390,16 +390,16 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
 
 
 def check_vllm(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
-    from plexrl_dask.service.backends.vllm_backend import VLLMBackend, unavailable_reason
+    from plexrl_dask.worker.backends.vllm_backend import VLLMBackend, unavailable_reason
 
     reason = unavailable_reason(device)
     if reason is not None:
         return {"vllm_skipped": reason}
     import tempfile
 
-    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
-    from plexrl_dask.service.types import SamplingParams
+    from plexrl_dask.shared.types import SamplingParams
     from plexrl_dask.state_store.store import StateStore
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
     spec = dataclasses.replace(spec, dtype="bfloat16")
     engine = VLLMBackend(spec, device, max_batch_size=128)

@@ -50,8 +50,8 @@ from plexrl_dask import config
 from plexrl_dask.bench.common import interleaved, parser, report
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.modes import JobSpec
-from plexrl_dask.service.backends import TorchBackend
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams, Streams
+from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams, Streams
+from plexrl_dask.worker.backends import TorchBackend
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from distributed import Client, LocalCluster
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import interleaved, median, parser, report, time_call
 from plexrl_dask.cluster import PRELOAD
-from plexrl_dask.service.backends import TorchBackend
+from plexrl_dask.worker.backends import TorchBackend
 
 logger = logging.getLogger(__name__)
 

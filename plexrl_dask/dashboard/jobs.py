@@ -9,12 +9,12 @@ job. :class:`~plexrl_dask.rl.grpo.GRPOJob` reports after each step; any other dr
 same. A report is observational: if it cannot be delivered the job goes on (with a warning).
 
 **Identity.** ``job`` is the accounting identity, :attr:`Runtime.job
-<plexrl_dask.service.runtime.Runtime.job>`: every request a job submits carries it in its
+<plexrl_dask.driver.runtime.Runtime.job>`: every request a job submits carries it in its
 annotation (the scheduler's queue and per-job counters), and the deployments it deploys are
 owned by it (so the request spans its replica holders log carry it too). ``name`` is the run's
 own name (``GRPOJob.name``), shown alongside; two runs sharing one ``Runtime`` share one row.
 
-**Charges.** :class:`JobLedger` turns request spans (:mod:`plexrl_dask.service.timeline`) into
+**Charges.** :class:`JobLedger` turns request spans (:mod:`plexrl_dask.shared.timeline`) into
 per-job charges, incrementally (each span is looked at once):
 
 - *GPU-seconds charged* = Σ over the job's spans of ``end - start``: the seconds its requests
@@ -40,7 +40,7 @@ from typing import Any
 
 from plexrl_dask.errors import InvalidJobReport
 from plexrl_dask.protocol import JOB_TOPIC  # (the event's topic: plexrl_dask/protocol.py)
-from plexrl_dask.service.timeline import RequestSpan
+from plexrl_dask.shared.timeline import RequestSpan
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from plexrl_dask.dashboard import metrics
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport
 from plexrl_dask.errors import InvalidJobReport
 from plexrl_dask.policy.residency import RESIDENCY_TOPIC, TIERS
-from plexrl_dask.service.timeline import RequestSpan
+from plexrl_dask.shared.timeline import RequestSpan
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _cell(r: Any, capacity: dict[str, dict[str, Any]]) -> dict[str, Any]:
 async def _node_tiers(dask_worker: Any) -> dict[str, Any] | None:
     """Run on a worker: its node StateManager's tier usage and dedup savings (None without a
     holder or node state). The manager call leaves the worker's event loop free."""
-    from plexrl_dask.service.holder import holder_of
+    from plexrl_dask.worker.holder import holder_of
 
     holder = holder_of(dask_worker)
     node = getattr(holder, "node", None)

@@ -44,6 +44,7 @@ from typing import Any
 
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
+from plexrl_dask.driver.runtime import Deployment, Runtime, result
 from plexrl_dask.errors import (
     ConfigError,
     DeploymentLost,
@@ -53,8 +54,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower, held
-from plexrl_dask.service.runtime import Deployment, Runtime, result
-from plexrl_dask.service.types import (
+from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
     PolicyGradient,

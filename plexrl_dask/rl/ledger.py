@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexrl_dask.service.timeline import RequestSpan, busy_seconds
+from plexrl_dask.shared.timeline import RequestSpan, busy_seconds
 
 ISOLATED_MODES = ("colocated", "split", "split-async")
 MODES = (*ISOLATED_MODES, "multiplexed")

@@ -33,15 +33,15 @@ from typing import Any
 
 from plexrl_dask import config
 from plexrl_dask.config import request_timeout
+from plexrl_dask.driver.runtime import Deployment, Runtime, result
 from plexrl_dask.errors import ConfigError, RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.job_checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
 from plexrl_dask.rl.warmup import supervised_warmup
-from plexrl_dask.service.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
-from plexrl_dask.service.runtime import Deployment, Runtime, result
-from plexrl_dask.service.types import AdamWParams, SamplingParams
+from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
+from plexrl_dask.shared.types import AdamWParams, SamplingParams
 from plexrl_dask.tasks.base import Task
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from plexrl_dask.driver.runtime import Deployment, Runtime, result
 from plexrl_dask.errors import (
     CheckpointError,
     CheckpointIncompatible,
@@ -34,7 +35,6 @@ from plexrl_dask.rl.job_checkpoint import (
     read_steps,
     write_checkpoint,
 )
-from plexrl_dask.service.runtime import Deployment, Runtime, result
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from plexrl_dask.rl.grpo import StepRecord
 from plexrl_dask.rl.ledger import ModeLedger
-from plexrl_dask.service.timeline import by_worker
+from plexrl_dask.shared.timeline import by_worker
 
 #: How ops are drawn on the timeline: rollout solid, training hatched, weight moves dotted.
 OP_STYLE = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from plexrl_dask.service.runtime import Deployment, result
-from plexrl_dask.service.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.driver.runtime import Deployment, result
+from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams
 from plexrl_dask.tasks.base import Problem, Task
 
 logger = logging.getLogger(__name__)

@@ -91,11 +91,11 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec, hf
-from plexrl_dask.service import replica_checkpoint
-from plexrl_dask.service.backends.base import check_weights, encode_prompts
-from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
-from plexrl_dask.service.sampling import row_keys
-from plexrl_dask.service.types import SampledSequence, SamplingParams, Streams, check_tokens
+from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams, check_tokens
+from plexrl_dask.worker import replica_checkpoint
+from plexrl_dask.worker.backends.base import check_weights, encode_prompts
+from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
+from plexrl_dask.worker.sampling import row_keys
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def unavailable_reason(device: str | torch.device) -> str | None:
 
 def row_seeds(seed: int, prompt_ids: Sequence[int], n: int) -> list[list[int]]:
     """The vLLM seed of each (prompt, sample) row: ``seeds[i][j]`` for sample ``j`` of prompt
-    ``i``. The torch backend's row hash (:func:`~plexrl_dask.service.sampling.row_keys`) of
+    ``i``. The torch backend's row hash (:func:`~plexrl_dask.worker.sampling.row_keys`) of
     ``(seed, prompt id, sample index)``, cut to 63 bits: a pure function of the row, so a row
     draws the same randomness on any worker and in any split of its request."""
     pids = np.repeat(np.asarray(prompt_ids, dtype=np.int64), n).astype(np.uint64)

@@ -18,12 +18,12 @@ How it works, and why:
   step), so joining two sets of rows pads the narrower on the left, and columns that no row
   attends to any more are cut from the left whenever rows are dropped.
 - Token choice is a pure function of (seed, prompt id, sample index, **the row's own token
-  position**) (:mod:`plexrl_dask.service.sampling`), so a row samples from the same uniforms
+  position**) (:mod:`plexrl_dask.worker.sampling`), so a row samples from the same uniforms
   whenever it is admitted. The logits themselves depend, in the last bits, on which rows share a
   batch (CPU and GPU matmuls are not batch-invariant). The admission schedule is a pure function
   of the stream's rows and outcomes, so a stream decodes bit-identically on any worker; the
   runtime splits a request over replicas only at stream boundaries
-  (:func:`~plexrl_dask.service.runtime.split_prompts`), so any replica count gives the same bits.
+  (:func:`~plexrl_dask.driver.runtime.split_prompts`), so any replica count gives the same bits.
 - Cache layers other than plain growing ones (sliding windows, static caches) cannot be spliced:
   such a model decodes each batch of the stream to its end before admitting the next (what the
   backend did before streams existed).
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plexrl_dask.service.sampling import choose_tokens, row_keys, uniforms_at
-from plexrl_dask.service.types import SampledSequence, SamplingParams
+from plexrl_dask.shared.types import SampledSequence, SamplingParams
+from plexrl_dask.worker.sampling import choose_tokens, row_keys, uniforms_at
 
 if TYPE_CHECKING:
-    from plexrl_dask.service.backends.torch_backend import TorchBackend
+    from plexrl_dask.worker.backends.torch_backend import TorchBackend
 
 logger = logging.getLogger(__name__)
 

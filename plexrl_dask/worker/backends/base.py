@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from plexrl_dask.errors import WeightsMismatch
-from plexrl_dask.service.types import (
+from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
     ForwardResult,

@@ -11,7 +11,7 @@ Memory: every replica's device bytes count against ``budget_bytes``. Before a re
 or reloaded, and after any request that grew one (optimizer state appears at the first step),
 the least recently used *other* resident replicas are offloaded until the resident total fits.
 On a worker, offloaded state goes to the node's state store (DRAM tier, NVMe under pressure;
-:mod:`plexrl_dask.service.offload`), shared by the node's workers and deduplicated; a holder
+:mod:`plexrl_dask.worker.offload`), shared by the node's workers and deduplicated; a holder
 built without a node (``node=None``: unit tests and tools) keeps it in its own memory. Each
 transition is reported to the scheduler as a residency event (schema: docs/architecture.md, "Residency reports") with its
 measured duration and the tier it came from or went to.
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from plexrl_dask.errors import DeploymentDoesNotFit, DeploymentLost, PlexRLError, RankLost
 from plexrl_dask.policy.residency import ResidencyReport
-from plexrl_dask.service.records import DeploymentInfo
-from plexrl_dask.service.timeline import RequestSpan, SpanLog
+from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.timeline import RequestSpan, SpanLog
 
 if TYPE_CHECKING:
-    from plexrl_dask.service.groups import GroupContext
-    from plexrl_dask.service.offload import Stasher, StoredState
     from plexrl_dask.state_store.node import NodeState
+    from plexrl_dask.worker.groups import GroupContext
+    from plexrl_dask.worker.offload import Stasher, StoredState
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class ReplicaHolder:
         if self._groups is None:
             from distributed import get_worker
 
-            from plexrl_dask.service.groups import ProcessGroupManager
+            from plexrl_dask.worker.groups import ProcessGroupManager
 
             self._groups = ProcessGroupManager(get_worker(), self.device)
         self._groups.join(group)
@@ -321,15 +321,15 @@ class ReplicaHolder:
                 f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
             )
         self._make_room(info.memory_bytes, keep=info.name)
-        from plexrl_dask.service.backends import BACKENDS
-        from plexrl_dask.service.offload import Stasher
+        from plexrl_dask.worker.backends import BACKENDS
+        from plexrl_dask.worker.offload import Stasher
 
         backend_cls = BACKENDS.get(info.backend)
         if backend_cls is None:
             raise PlexRLError(f"unknown backend {info.backend!r}; available: {sorted(BACKENDS)}")
         t0 = time.perf_counter()
         if group is not None:
-            from plexrl_dask.service.backends.fsdp import FSDPBackend
+            from plexrl_dask.worker.backends.fsdp import FSDPBackend
 
             backend = FSDPBackend(info.spec, self.device, self._groups, self.max_batch_size)
         else:
@@ -597,7 +597,7 @@ class ReplicaHolder:
 
     def timeline(self, since: float = 0.0) -> list[dict[str, Any]]:
         """The spans of requests that ended after ``since`` (wall-clock seconds), oldest
-        first, as dicts (:class:`~plexrl_dask.service.timeline.RequestSpan` fields)."""
+        first, as dicts (:class:`~plexrl_dask.shared.timeline.RequestSpan` fields)."""
         return [s.to_dict() for s in self.spans.since(since)]
 
     def names(self) -> list[str]:

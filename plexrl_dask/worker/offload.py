@@ -18,7 +18,7 @@ Names: one store model per (deployment incarnation, worker, rank) — ``<deploym
 backend's dict (``params/<parameter>``, ``optim/<parameter>/exp_avg``, ...). A sharded rank
 stores its local shards as they are (offloads of ranks are not collective, so there is no
 moment at which the canonical tensor exists); checkpoints and weight publishing, which are
-collective, write canonical regions instead (:mod:`plexrl_dask.service.replica_checkpoint`).
+collective, write canonical regions instead (:mod:`plexrl_dask.worker.replica_checkpoint`).
 """
 
 from __future__ import annotations

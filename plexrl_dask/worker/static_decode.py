@@ -1,7 +1,7 @@
 """Static-shape decoding: a slotted KV cache, batch buckets, and steps captured as CUDA graphs.
 
 On a GPU, a decode step of a model that fits one device is launch-bound, not bandwidth-bound:
-the dynamic decoder (:mod:`plexrl_dask.service.decode`) grows its cache by concatenation and
+the dynamic decoder (:mod:`plexrl_dask.worker.decode`) grows its cache by concatenation and
 launches a few hundred small kernels from Python per step, so a step costs about the same at 1
 and at 128 rows (1.2-2.5 ms on an H200, `benchmarks/RESULTS.md`). This engine gives every
 tensor a step touches a fixed address and shape, so that a whole step, **the token choice
@@ -20,8 +20,8 @@ included**, can be recorded once as a CUDA graph and replayed with one launch:
   and kept while the weights and the cache keep their addresses.
 - **The token choice in the step.** A step reads each slot's logits (left there by the
   previous step or the prefill), draws its uniform from the row's key and completion position
-  on the device (:func:`~plexrl_dask.service.sampling.uniforms_on_device`, the same bits as
-  the host's), chooses the token (:func:`~plexrl_dask.service.sampling.choose_tokens_on_device`),
+  on the device (:func:`~plexrl_dask.worker.sampling.uniforms_on_device`, the same bits as
+  the host's), chooses the token (:func:`~plexrl_dask.worker.sampling.choose_tokens_on_device`),
   feeds it, and leaves the next logits. The host reads only the chosen tokens and their
   log-probabilities back, once per step, to see which rows ended.
 - **Continuous batching by slot refill.** Rows are admitted into free slots under the dynamic
@@ -35,7 +35,7 @@ Without capture (the CPU; ``plexrl.sampling.cuda-graphs: false``) the same step 
 It computes what the dynamic decoder computes, to float rounding: the tests compare
 log-probabilities with teacher-forced scoring and report where tokens agree
 (``bench.device``'s ``captured_token_agreement`` on a GPU). Supported: the models
-:class:`~plexrl_dask.service.decode_step.DecodeStep` supports.
+:class:`~plexrl_dask.worker.decode_step.DecodeStep` supports.
 """
 
 from __future__ import annotations
@@ -51,17 +51,17 @@ import torch.nn.functional as F
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError
-from plexrl_dask.service.decode_step import DecodeStep, _Layer, _Norm, _Proj, attention_one
-from plexrl_dask.service.sampling import (
+from plexrl_dask.shared.types import SampledSequence, SamplingParams
+from plexrl_dask.worker.decode_step import DecodeStep, _Layer, _Norm, _Proj, attention_one
+from plexrl_dask.worker.sampling import (
     choose_tokens_on_device,
     keys_tensor,
     row_keys,
     uniforms_on_device,
 )
-from plexrl_dask.service.types import SampledSequence, SamplingParams
 
 if TYPE_CHECKING:
-    from plexrl_dask.service.backends.torch_backend import TorchBackend
+    from plexrl_dask.worker.backends.torch_backend import TorchBackend
 
 logger = logging.getLogger(__name__)
 

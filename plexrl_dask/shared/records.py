@@ -15,7 +15,7 @@ from plexrl_dask.errors import ConfigError, LifecycleError
 from plexrl_dask.models.spec import ModelSpec
 
 ROLES = ("train", "rollout")
-#: What ``deploy(backend=...)`` accepts (plexrl_dask/service/backends/).
+#: What ``deploy(backend=...)`` accepts (plexrl_dask/worker/backends/).
 BACKEND_NAMES = ("torch", "vllm")
 #: Backends whose whole state is the weights they are given (``load_weights``,
 #: ``set_weights``): they hold nothing to checkpoint, and loading weights brings one back

@@ -5,7 +5,7 @@ that worker's replica holder in-process. :class:`~plexrl_dask.Deployment` method
 users can submit them too::
 
     with dask.annotate(plexrl={"deployment": "policy", "job": "my-job"}):
-        fut = client.submit(plexrl_dask.ops.forward, "policy", batch, pure=False)
+        fut = client.submit(plexrl_dask.worker.ops.forward, "policy", batch, pure=False)
 
 The ``plexrl`` annotation is what lets the scheduler plugin park the task and release it, in
 order, on the deployment's worker (optional keys: ``replica`` to aim at one of a rollout
@@ -43,9 +43,8 @@ from plexrl_dask.errors import (
     from_status,
     raise_for_status,
 )
-from plexrl_dask.service.holder import ReplicaHolder, holder_of
-from plexrl_dask.service.records import DeploymentInfo
-from plexrl_dask.service.types import (
+from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
     Datum,
@@ -57,10 +56,11 @@ from plexrl_dask.service.types import (
     Streams,
     as_batch,
 )
+from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 
 if TYPE_CHECKING:
-    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store.store import StateStore
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _run(deployment: str, op: str, call: Any) -> Any:
     )
     group = None
     if info.world_size > 1:
-        from plexrl_dask.service.groups import GroupContext
+        from plexrl_dask.worker.groups import GroupContext
 
         group = GroupContext(
             uid=info.uid, epoch=int(ann["epoch"]), rank=int(ann["rank"]), world_size=info.world_size
@@ -258,7 +258,7 @@ def save_state(
     name = model or checkpoint_model(deployment)
 
     def call(backend: Any) -> dict[str, Any]:
-        from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
+        from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
         model = name
 
@@ -335,7 +335,7 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
             # NVMe would leave the commit without its part); the manager evicts to make room.
             return node.writing(model, version, nbytes, tiers=("dram",), publish_id=publish_id)
 
-        from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
+        from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
         target = StoreCheckpoint(node.store("dram"), model, store_version, node=node, tier="dram")
         ref = backend.publish_weights(target, publish_id, opener)
@@ -364,8 +364,8 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
     node and only the objects this node lacks (:mod:`plexrl_dask.state_store.peer`)."""
     from distributed import get_worker
 
-    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store import peer
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
     model, version = str(ref["model"]), int(ref["version"])
 
@@ -447,8 +447,8 @@ def _checkpoint_source(
     deployment: str, ckpt: str | Mapping[str, Any], model: str | None, version: int | None
 ) -> str | StoreCheckpoint:
     """What a backend loads from: a DCP directory, or a version of a store."""
-    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store.store import MARKER as STORE_MARKER
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
     if isinstance(ckpt, Mapping):
         if ckpt.get("format") == "dcp":
@@ -487,8 +487,8 @@ def _import_from_peer(
     ``ckpt`` is on this node or names no node."""
     from distributed import get_worker
 
-    from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
     from plexrl_dask.state_store import peer
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
     if "node" not in ckpt or not ckpt.get("source"):
         return None

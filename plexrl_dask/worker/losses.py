@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from plexrl_dask.errors import InvalidLoss
-from plexrl_dask.service.types import CrossEntropy, Datum, Loss, PolicyGradient
+from plexrl_dask.shared.types import CrossEntropy, Datum, Loss, PolicyGradient
 
 
 def _field(batch: tuple[Datum, ...], name: str, width: int) -> torch.Tensor | None:

@@ -33,14 +33,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service import replica_checkpoint
-from plexrl_dask.service.backends.base import check_weights, encode_prompts
-from plexrl_dask.service.decode import StreamDecoder
-from plexrl_dask.service.decode_step import DecodeStep
-from plexrl_dask.service.losses import compute_loss
-from plexrl_dask.service.replica_checkpoint import StoreCheckpoint
-from plexrl_dask.service.static_decode import engine_for
-from plexrl_dask.service.types import (
+from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
     ForwardResult,
@@ -51,6 +44,13 @@ from plexrl_dask.service.types import (
     as_batch,
     check_tokens,
 )
+from plexrl_dask.worker import replica_checkpoint
+from plexrl_dask.worker.backends.base import check_weights, encode_prompts
+from plexrl_dask.worker.decode import StreamDecoder
+from plexrl_dask.worker.decode_step import DecodeStep
+from plexrl_dask.worker.losses import compute_loss
+from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
+from plexrl_dask.worker.static_decode import engine_for
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +143,9 @@ class TorchBackend:
         self._pieces = _token_pieces(self.tokenizer)
         self._ending: dict[frozenset[str], frozenset[int]] = {}  # tokens_ending's answers
         # Decode steps computed from the modules' weights where the architecture allows
-        # (plexrl_dask.service.decode_step); None: through the HF forward.
+        # (plexrl_dask.worker.decode_step); None: through the HF forward.
         self.decode_step = DecodeStep.for_model(self.model)
-        # The static-shape decoder (plexrl_dask.service.static_decode), where configured.
+        # The static-shape decoder (plexrl_dask.worker.static_decode), where configured.
         self.static = engine_for(self)
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
@@ -327,7 +327,7 @@ class TorchBackend:
         """``params.n`` completions per prompt. Rows (prompt, sample), in that order, are cut
         into streams of ``streams.rows`` (default: ``plexrl.sampling.*``), each decoded with
         continuous batching, ``max_batch_size`` rows at a time
-        (:mod:`plexrl_dask.service.decode`)."""
+        (:mod:`plexrl_dask.worker.decode`)."""
         prompts = [list(p) for p in prompts]
         self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
         if len(prompt_ids) != len(prompts):
@@ -611,7 +611,7 @@ class TorchBackend:
 
         ``stash``: takes the host state (a dict of tensors and plain values) and returns what
         to keep instead, e.g. a handle on a copy in the node's state store
-        (:mod:`plexrl_dask.service.offload`); anything with ``load()`` and ``["bytes"]``. It
+        (:mod:`plexrl_dask.worker.offload`); anything with ``load()`` and ``["bytes"]``. It
         runs before the device copies are released, so a stash that fails leaves the
         replica resident and intact. ``stored``: such a handle on a copy of exactly the
         current state (a rollout replica swapped out unchanged since its last offload); then

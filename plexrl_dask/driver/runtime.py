@@ -3,7 +3,7 @@
 A :class:`Runtime` wraps a ``distributed.Client`` and holds no deployment state of its own: the
 registry lives on the scheduler, so a second driver with its own client and its own runtime sees
 the same deployments. Every model call on a :class:`Deployment` is submitted as a task of
-:mod:`plexrl_dask.ops` inside ``dask.annotate(plexrl={...})`` and returns a
+:mod:`plexrl_dask.worker.ops` inside ``dask.annotate(plexrl={...})`` and returns a
 ``distributed.Future`` at once; the scheduler plugin routes it to the deployment's worker.
 
 The scheduler plugin releases a deployment's requests in arrival order (all ranks of a multi-rank
@@ -32,7 +32,7 @@ from typing import Any
 import dask
 from distributed import Actor, Client, Future, get_client
 
-from plexrl_dask import config, ops, protocol
+from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
     CheckpointError,
     InvalidBatch,
@@ -50,10 +50,9 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service.holder import ReplicaHolder
-from plexrl_dask.service.records import DeploymentInfo
-from plexrl_dask.service.timeline import RequestSpan
-from plexrl_dask.service.types import (
+from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.timeline import RequestSpan
+from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
     Datum,
@@ -65,6 +64,8 @@ from plexrl_dask.service.types import (
     as_batch,
     check_tokens,
 )
+from plexrl_dask.worker import ops
+from plexrl_dask.worker.holder import ReplicaHolder
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class Runtime:
         hf = model.hf_config()
         memory_bytes = -(-model.memory_bytes(role) // world_size)  # per rank, rounded up
         if backend == "vllm":
-            from plexrl_dask.service.backends.vllm_backend import VLLMConfig
+            from plexrl_dask.worker.backends.vllm_backend import VLLMConfig
 
             # the engine's KV cache and overhead sit beside the weights on its GPU
             memory_bytes = VLLMConfig.from_dask_config().device_bytes(memory_bytes)
@@ -298,7 +299,7 @@ class Runtime:
 
     def timeline(self, since: float = 0.0) -> list[RequestSpan]:
         """Every PlexRL worker's request spans that ended after ``since`` (wall-clock
-        seconds), in start order (see :mod:`plexrl_dask.service.timeline`)."""
+        seconds), in start order (see :mod:`plexrl_dask.shared.timeline`)."""
         with self.client.as_current():
             holders = [
                 Actor(ReplicaHolder, w, info["holder_key"])
@@ -351,7 +352,7 @@ def split_prompts(
     """Contiguous ``[start, end)`` prompt ranges, one per replica that gets work.
 
     Ranges start at multiples of the smallest prompt count whose ``n`` samples fill whole
-    sampling streams (:mod:`~plexrl_dask.service.decode`), so every replica decodes exactly the
+    sampling streams (:mod:`~plexrl_dask.worker.decode`), so every replica decodes exactly the
     streams one replica would have: the split changes no bit of the result."""
     unit = stream_rows // math.gcd(n, stream_rows)
     units = math.ceil(num_prompts / unit)

@@ -40,9 +40,9 @@ from torch.distributed.tensor import DTensor
 
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.service.backends.torch_backend import TorchBackend, copy_stream
-from plexrl_dask.service.groups import ProcessGroupManager
-from plexrl_dask.service.replica_checkpoint import local_shard
+from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
+from plexrl_dask.worker.groups import ProcessGroupManager
+from plexrl_dask.worker.replica_checkpoint import local_shard
 
 logger = logging.getLogger(__name__)
 
