@@ -50,6 +50,12 @@ def test_device_checks_run_on_the_cpu(tmp_path):
     assert results["add2_peak_tokens_per_s"] > 0
     assert results["add2_to_peak_b128"] > 0 and 0 < results["add2_tail_bound_b128"] <= 1
     assert "CUDA" in results["vllm_skipped"]  # the vLLM check says why it did not run
+    # The static decoder (op by op here: no graphs off CUDA) chooses what the dynamic one does
+    # on the job's requests, and every decode arm and the roofline are measured.
+    assert results["captured_token_agreement"] >= 0.99 and results["grpo_request_to_peak"] > 0
+    for arm in ("eager", "static", "captured", "hf_cb"):
+        assert results[f"decode_tiny_{arm}_tokens_per_s_b8"] > 0
+    assert results["decode_roofline_fraction_b1"] > 0 and results["copy_gbps"] > 0
     assert not [k for k in results if k.endswith("_error")]
 
 
@@ -64,7 +70,9 @@ def test_a_failing_device_check_keeps_the_others_numbers(tmp_path, monkeypatch):
     monkeypatch.setattr(device, "check_fsdp", broken)
     out = tmp_path / "device.json"
     monkeypatch.setattr(
-        sys, "argv", ["device", "--device", "cpu", "--quick", "--jobs", "0", "--json", str(out)]
+        sys,
+        "argv",
+        ["device", "--device", "cpu", "--quick", "--jobs", "0", "--shapes", "", "--json", str(out)],
     )
     threads = torch.get_num_threads()  # (main sets one thread, as a worker has)
     try:
