@@ -8,8 +8,9 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
   can address any deployment. The plugin is composed of parts, each in its own module: the
   registry (deploy, undeploy, relocate, placement through the policy core, re-placing after a
   worker left, the replica holders: :class:`~plexrl_dask.plugins.deployments.DeploymentRegistry`),
-  the queue of routed requests (:class:`~plexrl_dask.plugins.requests.RequestQueue`), the gangs'
-  process-group epochs (:class:`~plexrl_dask.plugins.gangs.GroupEpochs`) and the live
+  the queue of routed requests (:class:`~plexrl_dask.plugins.requests.RequestQueue`), the
+  accounting of released ones (:class:`~plexrl_dask.plugins.accounting.RequestAccounting`), the
+  gangs' process-group epochs (:class:`~plexrl_dask.plugins.gangs.GroupEpochs`) and the live
   placement of jobs (:class:`~plexrl_dask.plugins.placement.LivePlacement`); this module
   composes them and holds the request path;
 - **parks** every task annotated ``plexrl={"deployment": ...}`` before the scheduler first
@@ -62,6 +63,7 @@ from plexrl_dask.errors import (
     SchedulerBusy,
     to_status,
 )
+from plexrl_dask.plugins.accounting import RequestAccounting, Started
 from plexrl_dask.plugins.deployments import DeploymentRegistry
 from plexrl_dask.plugins.gangs import GroupEpochs
 from plexrl_dask.plugins.placement import LivePlacement
@@ -139,10 +141,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.groups = GroupEpochs()  # the gangs' process groups (plugins/gangs.py)
         # key -> (start, deployment, op, worker, job) of a released task; the start is the
         # release, or for a task queued behind another (lookahead) when that one ended.
-        self.started: dict[Any, tuple[float, str, str, str, str]] = {}
-        self.queued_behind: dict[str, Any] = {}  # worker -> key of its queued task
+        # Released tasks: when each started, what is queued behind it, per-job counters.
+        self.accounting = RequestAccounting()
         self._releases = 0  # requests released so far (their tasks' Dask priority)
-        self.job_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.estimates = Estimates(
             service_prior_s=config.get_seconds("scheduler.service-prior"),
             load_bandwidths={
@@ -184,7 +185,20 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    # The registry's records and the holders' reports, read by the dashboard and benchmarks.
+    # Read by the dashboard and benchmarks: the registry's records, the holders' reports, the
+    # released tasks and the jobs' counters.
+    @property
+    def started(self) -> dict[Any, Started]:
+        return self.accounting.started
+
+    @property
+    def queued_behind(self) -> dict[str, Any]:
+        return self.accounting.queued_behind
+
+    @property
+    def job_counters(self) -> defaultdict[str, Counter[str]]:
+        return self.accounting.job_counters
+
     @property
     def deployments(self) -> dict[str, DeploymentInfo]:
         return self.registry.deployments
@@ -272,9 +286,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         released ones wait behind others, so every request is decided under the policy it
         arrived under."""
         try:
-            if self.requests or self.queued_behind:
+            if self.requests or self.accounting.busy():
                 raise SchedulerBusy(
-                    f"{len(self.requests)} requests are pending and {len(self.queued_behind)} "
+                    f"{len(self.requests)} requests are pending and "
+                    f"{len(self.accounting.queued_behind)} "
                     "queued behind others; change the policy when idle"
                 )
             if lookahead is not None and not isinstance(lookahead, bool):
@@ -538,13 +553,13 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 **ts.annotations,
                 ANNOTATION: {**ts.annotations[ANNOTATION], **extra, "worker": worker},
             }
-            self.started[key] = (now, request.deployment, request.op, worker, request.job)
-            if decision.behind is not None:
-                self.queued_behind[worker] = key
+            self.accounting.released(
+                key, now, request.deployment, request.op, worker, request.job,
+                behind=decision.behind is not None,
+            )  # fmt: skip
             recommendations[key] = "processing"
             self._touched.add(worker)
-        self.job_counters[request.job]["dispatched"] += 1
-        self.job_counters[request.job]["wait_s"] += decision.wait_s
+        self.accounting.dispatched(request.job, decision.wait_s)
         self.decisions.append({"time": time.time(), **decision.to_dict()})
 
     def _send_hints(self, now: float) -> None:
@@ -582,26 +597,19 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if not self.requests.tracks(key):
             return
         if start == "processing":
-            started = self.started.pop(key, None)
+            now = time.monotonic()
+            started = self.accounting.ended(key, finish == "memory", now)
             if started is not None:
                 t0, deployment, op, worker, job = started
-                queued = self.queued_behind.pop(worker, None)
-                if queued is not None and queued != key and queued in self.started:
-                    # The task queued behind this one starts on the worker now.
-                    self.started[queued] = (time.monotonic(), *self.started[queued][1:])
                 self.dispatcher.release_worker(worker, self.requests.request_of(key))
                 self._touched.add(worker)
                 if finish == "memory":
-                    self.estimates.observe_service(deployment, op, time.monotonic() - t0)
-                    self.job_counters[job]["completed"] += 1
-                    self.job_counters[job]["busy_s"] += time.monotonic() - t0
+                    self.estimates.observe_service(deployment, op, now - t0)
                     if self.placement is not None:
                         try:
-                            self.placement.record(job, op, worker, t0, time.monotonic())
+                            self.placement.record(job, op, worker, t0, now)
                         except PlexRLError as e:  # a bad trace must not break the scheduler
                             logger.warning("placement: %s", e)
-                else:
-                    self.job_counters[job]["failed"] += 1
             ts = self.scheduler.tasks.get(key)
             ann = (ts.annotations or {}).get(ANNOTATION, {}) if ts is not None else {}
             if finish != "memory" and int(ann.get("ranks", 1)) > 1:
@@ -668,9 +676,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         self.dispatcher.remove_worker(worker)
         self.hints.pop(worker, None)
-        for key in [k for k, v in self.started.items() if v[3] == worker]:
-            del self.started[key]
-        self.queued_behind.pop(worker, None)
+        self.accounting.worker_left(worker)
         self.groups.worker_left(worker)
         self.residency.forget_worker(worker)
         self.registry.worker_left(worker)

@@ -118,3 +118,24 @@ def test_the_scheduler_side_imports_no_model_stack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_accounting_starts_a_queued_task_when_the_one_ahead_ends_and_counts_per_job():
+    from plexrl_dask.plugins.accounting import RequestAccounting
+
+    a = RequestAccounting()
+    a.released("k1", 10.0, "policy", "forward_backward", "w", "job", behind=False)
+    a.released("k2", 10.0, "policy", "optim_step", "w", "job", behind=True)  # queued behind k1
+    a.dispatched("job", 0.5)
+    assert a.busy() and a.queued_behind == {"w": "k2"}
+    first = a.ended("k1", succeeded=True, now=12.0)
+    assert first.t0 == 10.0 and first.worker == "w" and first.op == "forward_backward"
+    assert a.started["k2"].t0 == 12.0 and not a.busy()  # k2 starts when k1 ends
+    assert a.ended("k2", succeeded=False, now=13.0).t0 == 12.0
+    assert a.ended("never-released", succeeded=True, now=14.0) is None
+    assert dict(a.job_counters["job"]) == {
+        "dispatched": 1, "wait_s": 0.5, "completed": 1, "busy_s": 2.0, "failed": 1
+    }  # fmt: skip
+    a.released("k3", 15.0, "policy", "sample", "w", "job", behind=False)
+    a.worker_left("w")
+    assert a.started == {} and a.queued_behind == {}

@@ -170,6 +170,8 @@ def fill_synthetic(
     which report residency (each worker holds its deployments in HBM, DRAM or NVMe);
     ``requests`` queued requests; ``spans_per_worker`` spans each in the Timeline window;
     ``steps`` step reports per job; ``decisions`` recent decisions."""
+    from plexrl_dask.plugins.accounting import Started
+
     rng = random.Random(seed)
     plexrl = scheduler.plugins["plexrl"]
     dash = dashboard_of(scheduler)
@@ -253,7 +255,7 @@ def fill_synthetic(
         )
     for w in addrs[::2]:  # half the workers run something now
         d = rng.choice(names)
-        plexrl.started[f"running-{w}"] = (
+        plexrl.started[f"running-{w}"] = Started(
             now_m - rng.uniform(0, 2),
             d,
             rng.choice(OPS),
