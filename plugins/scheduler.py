@@ -45,6 +45,7 @@ import itertools
 import logging
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import dask
@@ -81,7 +82,7 @@ from plexrl_dask.policy.residency import (
 from plexrl_dask.shared.records import DeploymentInfo, Lifecycle
 
 if TYPE_CHECKING:
-    from distributed.scheduler import Scheduler
+    from distributed.scheduler import Scheduler, TaskState
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +397,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if routed:
             self._soon(self._dispatch)
 
-    def _route(self, ts: Any) -> None:
+    def _route(self, ts: TaskState) -> None:
         """Park a PlexRL task and queue it under its request with its candidate groups (the
         workers of its replica, or of every replica for a data-parallel request); or, if it
         cannot run, let it run anywhere and raise the typed error there, so the caller's future
@@ -645,7 +646,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         candidates yet): all its ranks together, so a gang never ends up half re-placed."""
         live = self.scheduler.workers
         tasks = self.scheduler.tasks
-        stale: list[Any] = []
+        stale: list[TaskState] = []
         for request in self.requests:
             if request.groups is None or any(w not in live for g in request.groups for w in g):
                 stale.extend(tasks[k] for k in request.keys.values() if k in tasks)
@@ -664,7 +665,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             self.scheduler.transitions(errors, stimulus_id=f"plexrl-error-{time.time()}")
         self._dispatch()
 
-    def _soon(self, fn: Any) -> None:
+    def _soon(self, fn: Callable[[], None]) -> None:
         # Never re-enter the transition engine from a hook: run on the next loop iteration.
         try:
             asyncio.get_running_loop().call_soon(fn)
