@@ -79,14 +79,13 @@ from plexrl_dask.policy.residency import (
     ResidencyMap,
     ResidencyReport,
 )
+from plexrl_dask.protocol import ANNOTATION, PARKED
 from plexrl_dask.shared.records import DeploymentInfo, Lifecycle
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
 
 logger = logging.getLogger(__name__)
-
-ANNOTATION, PARKED = protocol.ANNOTATION, protocol.PARKED
 
 
 def dispatch_policy_from_config(

@@ -26,7 +26,7 @@ import plexrl_dask
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
-from plexrl_dask.plugins.scheduler import PARKED
+from plexrl_dask.protocol import PARKED
 from plexrl_dask.worker import ops
 from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 

@@ -32,6 +32,7 @@ run together on one pool with :func:`run_jobs` (multiplexed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -53,7 +54,7 @@ from plexrl_dask.errors import (
     RequestTimeout,
 )
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
-from plexrl_dask.rl.recovery import JobSaver, PlacementFollower, held
+from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
 from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
@@ -331,7 +332,7 @@ class GRPOJob:
         goes on, at most ``checkpoints.max_recoveries`` times (``recoveries`` says why each
         time). The steps after that checkpoint are redone and compute what they computed
         before."""
-        with held(self.saver):
+        with contextlib.nullcontext() if self.saver is None else self.saver.hold():
             while True:
                 try:
                     return self._run(on_step, recovering=bool(self.recoveries))

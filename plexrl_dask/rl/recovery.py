@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,10 +194,3 @@ class PlacementFollower:
                 "%s: its deployments cannot move into its node group (%s); they stay where "
                 "they are", self.name, e,
             )  # fmt: skip
-
-
-@contextlib.contextmanager
-def held(saver: JobSaver | None) -> Iterator[None]:
-    """The saver's directory held for a run (nothing without checkpoints)."""
-    with contextlib.nullcontext() if saver is None else saver.hold():
-        yield
