@@ -101,8 +101,10 @@ def test_group_bad_input_fails_every_rank_and_the_group_recovers(runtime):
         plexrl.result(dep.forward_backward(nan, plexrl.PolicyGradient()), timeout=120)
     with pytest.raises(errors.InvalidBatch, match="at least 2"):
         dep.forward_backward(data[:1])
-    with pytest.raises(errors.OpNotSupported):
-        dep.sample(["1+1="])
+    with pytest.raises(errors.InvalidSamplingParams):
+        dep.sample([])
+    with pytest.raises(errors.SequenceTooLong):  # found on the ranks, agreed
+        plexrl.result(dep.sample(["1+1="] * 3, plexrl.SamplingParams(max_tokens=300)))
     out = plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
     assert out[1]["version"] == 1.0
 
@@ -256,3 +258,58 @@ def test_a_checkpoint_path_one_rank_cannot_write_fails_every_rank_at_once(runtim
     plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
     saved = plexrl.result(dep.save_state(str(tmp_path / "store")), timeout=120)
     assert plexrl.result(dep.load_state(saved), timeout=120) == saved["version"] == 2
+
+
+def _set_budget(budget: int | None, dask_worker=None) -> int:
+    """(Run on a worker.) Set its holder's memory budget (None: leave it); return the old."""
+    from plexrl_dask.worker.holder import holder_of
+
+    holder = holder_of(dask_worker)
+    old = holder.budget_bytes
+    if budget is not None:
+        holder.budget_bytes = budget
+    return old
+
+
+def test_a_training_group_samples_like_a_replica_and_trains_on_bit_for_bit(runtime):
+    """The hybrid engine: a 2-rank training deployment samples (each rank its share of the
+    streams, on gathered weights) exactly as a rollout replica synced from it; where the
+    copy fits only with the optimizer state parked on the host, training goes on bit for
+    bit; where it fits not even then, a typed error and nothing changed."""
+    spec = tiny_spec(seed=31)
+    hybrid = runtime.deploy(unique("hybrid"), spec, world_size=2)
+    plain = runtime.deploy(unique("hybrid-ref"), spec, world_size=2)
+    rollout = runtime.deploy(unique("hybrid-roll"), spec, role="rollout")
+    data = batch_for(hybrid, 4)
+    opt = plexrl.AdamWParams(lr=1e-3)
+    for dep in (hybrid, plain):
+        plexrl.result([dep.forward_backward(data), dep.optim_step(opt)], timeout=120)
+    assert plexrl.result(runtime.sync_weights(hybrid, rollout)) == 1
+    prompts = [f"{i}+{i}=" for i in range(7)]  # streams on both ranks, unevenly
+    params = plexrl.SamplingParams(n=4, max_tokens=12, seed=5)
+    got = plexrl.result(hybrid.sample(prompts, params), timeout=120)
+    want = plexrl.result(rollout.sample(prompts, params), timeout=120)
+    assert got == want and len(got.sequences) == 7
+    one = [plexrl.result(d.sample(prompts[:1], params), timeout=120) for d in (hybrid, rollout)]
+    assert one[0] == one[1]  # (rank 1 had no share, and took part in the gather)
+
+    # A budget where the copy fits only with gradients and moments on the host: rank state
+    # is weights/2 + grads/2 + 2 moments/2 = 2W, the copy W.
+    weights = spec.memory_bytes("rollout")
+    workers = list(hybrid.info.workers)
+    budgets = runtime.client.run(_set_budget, None, workers=workers)
+    plexrl.result(hybrid.forward_backward(data), timeout=120)  # a pending gradient too
+    try:
+        runtime.client.run(_set_budget, int(2.6 * weights), workers=workers)
+        assert plexrl.result(hybrid.sample(prompts, params), timeout=120) == want
+        runtime.client.run(_set_budget, int(1.2 * weights), workers=workers)
+        with pytest.raises(errors.DeploymentDoesNotFit, match="even with its gradients"):
+            plexrl.result(hybrid.sample(prompts, params), timeout=120)
+    finally:
+        for w, b in budgets.items():
+            runtime.client.run(_set_budget, b, workers=[w])
+    out = plexrl.result([hybrid.optim_step(opt)], timeout=120)
+    plexrl.result([plain.forward_backward(data), plain.optim_step(opt)], timeout=120)
+    assert out[0]["version"] == 2.0
+    a, b = plexrl.result([hybrid.get_weights(), plain.get_weights()], timeout=120)
+    assert all(torch.equal(a.tensors[n], t) for n, t in b.tensors.items())

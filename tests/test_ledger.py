@@ -169,7 +169,7 @@ def test_percentile_nearest_rank():
 
 
 def test_layout_search_space_and_bad_layouts():
-    assert layouts("colocated", 2) == [Layout("colocated", 1, 0)]
+    assert layouts("colocated", 2) == [Layout("colocated", 1, 0), Layout("colocated", 2, 0, 2)]
     assert layouts("split", 2) == [Layout("split", 2, 1)]
     assert layouts("split-async", 3) == [Layout("split-async", 2, 1), Layout("split-async", 3, 2)]
     assert [(x.workers, x.rollout_replicas) for x in layouts("multiplexed", 2)] == [
@@ -180,8 +180,21 @@ def test_layout_search_space_and_bad_layouts():
         (2, 2),
     ]
     assert layouts("split", 1) == []  # a split job needs two workers
+    # Jobs whose training needs 1 and 2 workers: nothing that does not fit them is offered.
+    assert layouts("colocated", 2, [1, 2]) == [
+        Layout("colocated", 1, 0),
+        Layout("colocated", 2, 0, 2),
+    ]
+    assert layouts("colocated", 2, [2, 2]) == [Layout("colocated", 1, 0)]  # (each on its 2)
+    assert layouts("split", 2, [1, 2]) == [] and layouts("split", 3, [2]) == [Layout("split", 2, 1)]
+    assert [x.workers for x in layouts("multiplexed", 3, [2])] == [2, 2, 2, 3, 3, 3, 3]
+    assert layouts("colocated", 1, [2]) == []
+    assert Layout("split", 2, 1).job_workers(3) == 4 and Layout("colocated", 2, 0, 2).group(1) == 2
     for bad in [
         ("colocated", 2, 0),
+        ("colocated", 2, 1, 2),
+        ("multiplexed", 2, 0, 2),
+        ("split", 3, 1, 1),
         ("split", 1, 1),
         ("split", 3, 3),
         ("multiplexed", 1, 2),
@@ -329,3 +342,32 @@ def test_the_benchmark_reports_the_modes_that_fit_no_layout_as_not_run(tmp_path)
     )
     assert results["reward_trajectories_identical"] is False
     assert results["trajectory_steps_trained"] == 0
+
+
+def test_training_memory_decides_the_smallest_group():
+    from plexrl_dask.rl.catalog import standard_jobs
+    from plexrl_dask.rl.modes import smallest_groups
+    from plexrl_dask.rl.sizing import training_memory
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(seed=3)
+    n = spec.num_parameters()
+    small, wide = training_memory(spec, 8, 16), training_memory(spec, 8, 32)
+    assert small.weights == small.gradients == 4 * n and small.moments == 8 * n
+    assert wide.activations > 2 * small.activations  # (attention grows with the width too)
+    assert small.per_rank(2) < small.per_rank(1) < small.total + 1
+    assert small.smallest_group(small.per_rank(1), 4) == 1
+    assert small.smallest_group(small.per_rank(1) - 1, 4) == 2
+    assert small.smallest_group(small.per_rank(4) - 1, 4) is None
+    with pytest.raises(errors.ConfigError):
+        training_memory(spec, 0, 8)
+    # The benchmark's budget: countdown4 alone shards over two (bench.multiplex.BUDGET).
+    jobs = standard_jobs(4)
+    assert smallest_groups(jobs, 192 * 2**20, 2) == {
+        "add2": 1,
+        "countdown3": 1,
+        "addsub2": 1,
+        "countdown4": 2,
+    }
+    with pytest.raises(errors.ConfigError, match="countdown4"):
+        smallest_groups(jobs, 120 * 2**20, 1)

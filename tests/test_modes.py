@@ -287,3 +287,43 @@ def test_a_job_with_a_vllm_rollout_is_refused_where_vllm_cannot_run(client, tmp_
     with pytest.raises(errors.ConfigError, match="staleness 1"):
         run_mode(runtime, [spec], Layout("split-async", 2, 1), start, workers)
     assert not [d for d in runtime.deployments() if spec.name in d.name]
+
+
+def test_a_job_whose_training_shards_samples_on_its_group_and_pools_alike(client, tmp_path):
+    """A job that trains on two workers: colocated, it samples on that group (the hybrid
+    engine); in a pool it trains on two of the pool's workers, sampling from its policy or
+    from a rollout replica; every layout computes the same trajectory, and the colocated
+    job's ledger counts both workers."""
+    runtime = plexrl.Runtime(client, job=unique("sharded"))
+    spec = JobSpec(
+        unique("wide"),
+        FirstCharIsDigit(),
+        tiny_spec(seed=5),
+        replace(CONFIG, seed=5),
+        warmup_steps=3,
+        warmup_batch_size=8,
+    )
+    checkpoints = warm_start(runtime, [spec], tmp_path / "warmup")
+    workers = sorted(client.scheduler_info()["workers"])
+    groups = {spec.name: 2}
+    runs = [
+        run_mode(runtime, [spec], layout, checkpoints, workers, groups=groups)
+        for layout in (
+            Layout("colocated", 1),  # raised to the job's group of 2
+            Layout("multiplexed", 2, 0),
+            Layout("multiplexed", 2, 1),
+        )
+    ]
+    assert any(loss is not None for _, loss in runs[0].trajectory(spec.name))
+    for run in runs[1:]:
+        assert run.trajectory(spec.name) == runs[0].trajectory(spec.name), run.layout
+    colocated = runs[0].ledger
+    (window,) = colocated.jobs
+    assert set(window.workers) == set(window.rollout_workers) == set(workers)
+    assert colocated.reserved_worker_seconds() == pytest.approx(2 * window.wall_s)
+    samples = {sp.worker for sp in colocated.spans if sp.op == "sample"}
+    assert samples == set(workers)  # both ranks sampled
+    with pytest.raises(errors.ConfigError, match="smaller than a job's training group"):
+        run_mode(runtime, [spec], Layout("multiplexed", 1, 0), checkpoints, workers, groups=groups)
+    with pytest.raises(errors.ConfigError, match="needs 3 workers"):
+        run_mode(runtime, [spec], Layout("split", 2, 1), checkpoints, workers, groups=groups)

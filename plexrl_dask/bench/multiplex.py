@@ -34,6 +34,14 @@ standard errors of independent samples (``split_async_within_two_se``), and seed
 degrees of freedom: one job's standard error read 0.0017 with three seeds and 0.0098 with
 five, in runs of the same code on the same machine.
 
+Memory decides layouts, as on real clusters: at ``--memory-budget`` (default
+:data:`BUDGET`) each job's training takes its smallest group that fits
+(:func:`~plexrl_dask.rl.modes.smallest_groups`); countdown4 shards over two workers, and
+colocated means each job trains and samples on its own group. ``training_groups`` and
+``training_memory_bytes`` in the config say what each job needed. Split and split-async hold
+a training group and a rollout worker: countdown4 needs three workers there, so on two they
+are not run; ``--memory-budget auto`` (every job fits one worker) compares against them.
+
 A mode none of whose layouts fits ``--workers`` is not run: on one worker (a machine with one
 GPU, where ``--workers`` defaults to the GPUs and may not exceed them) split and split-async
 need a second one. ``modes_not_run`` names them, and every result that needs them
@@ -47,6 +55,7 @@ warm-up and GRPO steps).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -57,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import dask.config
+import dask.utils
 from distributed import Client
 from rich.console import Console
 
@@ -79,16 +89,24 @@ from plexrl_dask.rl.modes import (
     layouts,
     peak_tokens_per_second,
     run_mode,
+    smallest_groups,
     warm_start,
 )
 from plexrl_dask.rl.report import plot_run, reward_start_end
 
 logger = logging.getLogger(__name__)
 
+#: The workers' memory budget: countdown4's training (its weights, gradients, AdamW moments
+#: and the activations of its 128-sequence step: 267 MiB, plexrl_dask.rl.sizing) is 1.39x
+#: it, as a 7B model's (112 GB of state and its activations) is about 1.4x an 80 GB device:
+#: it must shard over two workers; every other job of the mix fits one (countdown3: 110 MiB).
+BUDGET = "192MiB"
+
 TARGETS = {
     "cost_ratio_vs_split_async": "<= 0.60 (paper: 0.62-0.69)",
     "throughput_to_peak": ">= 0.80 (paper 0.75)",
     "colocated_throughput_to_peak": "(paper 0.53)",
+    "cost_ratio_vs_colocated": "<= 0.80 (RollMux: 0.72)",
     "reward_trajectories_identical": "true",
 }
 
@@ -106,7 +124,10 @@ def main() -> None:
         "--png", default=None, help="PNG of the best multiplexed run (default: beside --json)"
     )
     p.add_argument(
-        "--memory-budget", default="auto", help="each worker's plexrl.worker.memory-budget"
+        "--memory-budget",
+        default=BUDGET,
+        help="each worker's plexrl.worker.memory-budget; it decides each job's smallest "
+        f"training group (default {BUDGET}: see the module docstring; 'auto': the device's)",
     )
     p.add_argument(
         "--steps",
@@ -142,7 +163,15 @@ def main() -> None:
     specs = [replace(j, grpo=replace(j.grpo, steps=steps)) for j in standard_jobs(args.jobs, scale)]
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else "multiplex.png")
 
-    not_run = modes_not_run(args.workers)
+    budget = budget_bytes(args.memory_budget)
+    groups = smallest_groups(specs, budget, args.workers)
+    for name, k in groups.items():
+        if k > 1:
+            console.print(
+                f"{name}: its training needs {k} workers at {budget / 2**20:.0f} MiB each "
+                f"({specs_by_name(specs)[name].training_memory().total / 2**20:.0f} MiB on one)"
+            )
+    not_run = modes_not_run(args.workers, groups)
     for mode, why in not_run.items():
         console.print(f"{mode}: not run ({why})")
     settings = {"plexrl.worker.memory-budget": args.memory_budget}
@@ -173,7 +202,7 @@ def main() -> None:
         brackets: list[dict[str, dict[int, float]]] = []
         shares: list[float | None] = []
         for mode in MODES:
-            for layout in layouts(mode, args.workers):
+            for layout in layouts(mode, args.workers, groups.values()):
                 t0 = time.perf_counter()
                 here, detail, share = measure_peaks(runtime, specs, workers[0])
                 brackets.append(detail)
@@ -186,6 +215,7 @@ def main() -> None:
                     workers,
                     metrics_dir=Path(tmp) / "metrics",
                     peak_tokens_per_s=here,
+                    groups=groups,
                 )
                 runs.append(run)
                 s = run.ledger.summary()
@@ -219,6 +249,9 @@ def main() -> None:
             workers=args.workers,
             quick=args.quick,
             memory_budget=args.memory_budget,
+            memory_budget_bytes=budget,
+            training_groups=groups,
+            training_memory_bytes={s.name: dataclasses.asdict(s.training_memory()) for s in specs},
             seeds=0,
             steps=steps,
         )
@@ -227,7 +260,7 @@ def main() -> None:
         if args.seeds:
             t0 = time.perf_counter()
             seeds = seed_comparison(
-                runtime, specs, checkpoints, workers, args.seeds, Path(tmp) / "seeds"
+                runtime, specs, checkpoints, workers, args.seeds, Path(tmp) / "seeds", groups
             )
             console.print(
                 f"split-async vs synchronous over {args.seeds} seeds: {time.perf_counter() - t0:.0f}s"
@@ -247,6 +280,7 @@ def seed_comparison(
     workers: list[str],
     seeds: int,
     metrics_dir: Path,
+    groups: dict[str, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Split-async changes the algorithm (staleness 1), so its rewards are compared with the
     synchronous job's over ``seeds`` GRPO seeds rather than bit for bit: every (job, seed,
@@ -256,12 +290,14 @@ def seed_comparison(
     its standard error, and whether the difference is within two standard errors."""
     variants: list[JobSpec] = []
     base: dict[str, dict[str, Any]] = {}
+    sizes: dict[str, int] = {}
     for spec in specs:
         for k in range(seeds):
             for staleness in (0, 1):
                 grpo = replace(spec.grpo, seed=spec.grpo.seed + 1000 * k, staleness=staleness)
                 variants.append(replace(spec, name=f"{spec.name}-s{k}-st{staleness}", grpo=grpo))
                 base[variants[-1].name] = checkpoints[spec.name]
+                sizes[variants[-1].name] = (groups or {}).get(spec.name, 1)
     t0 = time.perf_counter()
     run = run_mode(
         runtime,
@@ -270,6 +306,7 @@ def seed_comparison(
         base,
         workers,
         metrics_dir=metrics_dir,
+        groups=sizes,
     )
     logger.info(
         "seed comparison: %d jobs multiplexed in %.0fs", len(variants), time.perf_counter() - t0
@@ -342,7 +379,9 @@ def summarise(
     def of_best(mode: str, what: Callable[[ModeRun], Any]) -> Any:
         return what(best[mode]) if mode in best else None
 
-    synchronous = [r for r in runs if r.layout.mode != "split-async"]
+    # (a group of other size rounds differently: compared are the layouts that train each
+    # job on its smallest group)
+    synchronous = [r for r in runs if r.layout.mode != "split-async" and r.layout.train_ranks == 1]
     # (steps that trained: equal trajectories of steps that trained nothing would prove little)
     trained = sum(loss is not None for s in specs for _, loss in synchronous[0].trajectory(s.name))
     identical = trained > 0 and all(
@@ -418,14 +457,33 @@ def summarise(
     return results, config
 
 
-def modes_not_run(workers: int) -> dict[str, str]:
-    """The modes of which no layout fits ``workers`` workers, with why (split and split-async
-    need a rollout worker beside the training one)."""
+def modes_not_run(workers: int, groups: dict[str, int] | None = None) -> dict[str, str]:
+    """The modes of which no layout fits ``workers`` workers for jobs whose training needs
+    ``groups`` workers each, with why (split and split-async need a rollout worker beside
+    the training group)."""
+    groups = groups or {}
+    widest = max(groups.values(), default=1)
+    wide = [name for name, k in groups.items() if k == widest and k > 1]
+    why = f" ({', '.join(wide)} train(s) on {widest})" if wide else ""
     return {
-        mode: f"every layout of it needs more than {workers} worker(s)"
+        mode: f"every layout of it needs more than {workers} worker(s){why}"
         for mode in MODES
-        if not layouts(mode, workers)
+        if not layouts(mode, workers, groups.values())
     }
+
+
+def budget_bytes(setting: str) -> int:
+    """A worker's memory budget in bytes: ``setting`` as ``plexrl.worker.memory-budget``
+    reads it ("auto": the default of the device a worker here gets)."""
+    if setting == "auto":
+        from plexrl_dask.worker.holder import default_budget, resolve_device
+
+        return default_budget(resolve_device("auto"))
+    return int(dask.utils.parse_bytes(setting))
+
+
+def specs_by_name(specs: list[JobSpec]) -> dict[str, JobSpec]:
+    return {s.name: s for s in specs}
 
 
 def _mean_share(a: float | None, b: float | None) -> float | None:

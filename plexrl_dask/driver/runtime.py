@@ -42,7 +42,6 @@ from plexrl_dask.errors import (
     InvalidSamplingParams,
     JobNotPlaced,
     NoPlexRLWorkers,
-    OpNotSupported,
     PlexRLError,
     PluginsNotInstalled,
     RelocationFailed,
@@ -511,13 +510,16 @@ class Deployment:
                 )
         if prompt_ids is not None and len(prompt_ids) != len(prompts):
             raise InvalidSamplingParams(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
-        if self.info.world_size > 1:
-            raise OpNotSupported(
-                f"{self.name!r} is a {self.info.world_size}-rank training deployment; sample from "
-                "a rollout deployment (sync_weights into it)"
-            )
         ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
         streams = Streams.from_config()
+        k = self.info.world_size
+        if k > 1:
+            # On the training group (the hybrid engine): every rank decodes its share of the
+            # streams on gathered weights; a rank with no share still takes part.
+            chunks = split_prompts(len(prompts), k, params.n, streams.rows)
+            chunks += [(len(prompts), len(prompts))] * (k - len(chunks))
+            tasks = [(list(prompts[a:b]), params, ids[a:b], streams) for a, b in chunks]
+            return self._submit("sample", ops.sample, tasks)
         chunks = split_prompts(len(prompts), self.info.replicas, params.n, streams.rows)
         # The streams travel with the request, so the split and the decoding agree whatever
         # the workers' configuration (their max-batch-size, a memory bound, is theirs).

@@ -213,6 +213,21 @@ class ModelSpec:
             )
         return model.to(device)
 
+    def build_empty(self, device: str | torch.device) -> torch.nn.Module:
+        """The model's modules on ``device`` with uninitialised parameters and buffers (no
+        init runs, no weights are read): a frame for values copied in from elsewhere.
+        Tensors a module keeps as plain attributes (not parameters or buffers) stay on the
+        meta device; the caller copies those too."""
+        import torch
+
+        with torch.device("meta"):
+            model = hf("AutoModelForCausalLM").from_config(
+                self.hf_config(), attn_implementation="sdpa"
+            )
+        model = model.to(dtype=self.torch_dtype).to_empty(device=device)
+        model.tie_weights()  # to_empty gives tied parameters separate storage
+        return model
+
     def save_pretrained(self, directory: str) -> ModelSpec:
         """Write this model and tokenizer as a Hugging Face checkpoint in ``directory`` and
         return the ``ModelSpec(path=directory)`` that loads it."""

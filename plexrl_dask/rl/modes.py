@@ -4,19 +4,22 @@ A :class:`JobSpec` is a whole job: task, model, GRPO config, supervised warm-up.
 starts each job from the same warm-up checkpoint (:func:`warm_start`, run once) and runs the
 same :class:`~plexrl_dask.rl.grpo.GRPOJob` code; only the deployments differ:
 
-- **colocated**: the job's one training deployment samples too (a sharded deployment cannot
-  sample, so one worker);
-- **split**: a training deployment on one worker, a rollout deployment of ``r`` replicas on
-  ``r`` others, synced every step;
+- **colocated**: the job's training deployment samples too, on its whole training group
+  (verl's hybrid engine: each rank decodes its share on gathered weights);
+- **split**: a training deployment on its group, a rollout deployment of ``r`` replicas on
+  ``r`` other workers, synced every step;
 - **split-async**: the split layout with the rollout one step ahead (``staleness=1``);
 - **multiplexed**: every job's training and rollout deployments on one shared pool of ``p``
   workers (``r`` rollout replicas per job, sized independently of training; ``r = 0``: each
   job samples from its training deployment), the jobs running at once, their
   requests ordered by the scheduler plugin and their state moved by the node's StateManager.
 
-Isolated jobs run one after another. :func:`layouts` is the documented search space: every
-layout of a mode that fits the cores (one torch thread per worker, never more workers than
-cores); each is run and the cheapest kept (:mod:`plexrl_dask.rl.ledger` defines the cost).
+Memory decides each job's smallest training group (:func:`smallest_groups`, counted by
+:mod:`plexrl_dask.rl.sizing` against the workers' budget), as on clusters where a large
+model's training does not fit one device. Isolated jobs run one after another.
+:func:`layouts` is the documented search space: every layout of a mode that fits the cores
+(one torch thread per worker, never more workers than cores) and every job's group; each is
+run and the cheapest kept (:mod:`plexrl_dask.rl.ledger` defines the cost).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,6 +42,7 @@ from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.job_checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
+from plexrl_dask.rl.sizing import TrainingMemory, training_memory
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
 from plexrl_dask.shared.types import AdamWParams, SamplingParams
@@ -80,6 +84,18 @@ class JobSpec:
             return self.grpo
         return replace(self.grpo, staleness=1 if mode == "split-async" else 0)
 
+    def training_memory(self) -> TrainingMemory:
+        """What a step's training holds (:mod:`plexrl_dask.rl.sizing`): the state, and the
+        activations of its whole batch, rows padded to the longest of its first step's
+        prompts plus ``max_tokens``."""
+        problems = self.task.problems(self.grpo.problem_offset, self.grpo.prompts_per_step)
+        tokenizer = self.model.build_tokenizer()
+        longest = max(
+            len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in problems
+        )
+        rows = self.grpo.prompts_per_step * self.grpo.group_size
+        return training_memory(self.model, rows, longest + self.grpo.max_tokens)
+
     def describe(self) -> dict[str, Any]:
         """What reproduces the job (JSON-able)."""
         return {
@@ -100,29 +116,54 @@ class JobSpec:
 class Layout:
     """How many workers a mode reserves: per job (isolated) or for the pool (multiplexed),
     and how many of them (isolated) or of the pool's workers (multiplexed) hold rollout
-    replicas of each job (0: the job samples from its training deployment)."""
+    replicas of each job (0: the job samples from its training deployment).
+
+    ``train_ranks``: the training group of each job, at least (a job whose training needs
+    more workers, :mod:`plexrl_dask.rl.sizing`, gets its smallest group that fits instead;
+    :func:`run_mode`'s ``groups``). An isolated job holds its group and its rollout workers;
+    ``workers`` is that for a job on ``train_ranks``. A colocated job samples on its whole
+    training group (each rank its share of the streams on gathered weights); in a pool every
+    job trains on its smallest group."""
 
     mode: str
     workers: int
     rollout_replicas: int = 0
+    train_ranks: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode is one of {MODES}, got {self.mode!r}")
         split = self.mode in ("split", "split-async")
-        if self.workers < 1 or self.rollout_replicas < 0:
-            raise ConfigError(f"a layout needs workers >= 1 and replicas >= 0: {self}")
-        if self.mode == "colocated" and (self.workers, self.rollout_replicas) != (1, 0):
-            raise ConfigError("a colocated job samples from its one-worker training deployment")
-        if split and not 1 <= self.rollout_replicas <= self.workers - 1:
-            raise ConfigError(f"a split layout keeps one worker for training: {self}")
-        if self.mode == "multiplexed" and self.rollout_replicas > self.workers:
-            raise ConfigError(f"a pool's rollout replicas are 0..pool size: {self}")
+        if self.workers < 1 or self.rollout_replicas < 0 or self.train_ranks < 1:
+            raise ConfigError(f"a layout needs workers, train_ranks >= 1, replicas >= 0: {self}")
+        if self.mode == "colocated" and (self.rollout_replicas or self.workers != self.train_ranks):
+            raise ConfigError(f"a colocated job samples on its training group: {self}")
+        if split and (
+            self.rollout_replicas < 1 or self.workers != self.train_ranks + self.rollout_replicas
+        ):
+            raise ConfigError(f"a split job holds its training group and its rollout: {self}")
+        if self.mode == "multiplexed" and (
+            self.rollout_replicas > self.workers or self.train_ranks != 1
+        ):
+            raise ConfigError(
+                f"a pool's rollout replicas are 0..pool size, each job on its smallest "
+                f"training group: {self}"
+            )
+
+    def group(self, smallest: int) -> int:
+        """The training group of a job whose training needs ``smallest`` workers."""
+        return max(self.train_ranks, smallest)
+
+    def job_workers(self, smallest: int) -> int:
+        """What an isolated job whose training needs ``smallest`` workers holds."""
+        return self.group(smallest) + self.rollout_replicas
 
     @property
     def label(self) -> str:
         if self.mode == "colocated":
-            return "colocated, 1 worker per job"
+            if self.train_ranks == 1:
+                return "colocated, each job on its smallest training group"
+            return f"colocated, each job on a training group of {self.train_ranks}+ workers"
         if self.mode == "multiplexed":
             rollout = (
                 f"{self.rollout_replicas} rollout replica(s) per job"
@@ -130,20 +171,46 @@ class Layout:
                 else "each job sampling from its policy"
             )
             return f"multiplexed, pool of {self.workers}, {rollout}"
-        return f"{self.mode}, 1 train + {self.rollout_replicas} rollout worker(s) per job"
+        train = "its training group" if self.train_ranks == 1 else f"{self.train_ranks}+ train"
+        return f"{self.mode}, {train} + {self.rollout_replicas} rollout worker(s) per job"
 
 
-def layouts(mode: str, max_workers: int) -> list[Layout]:
-    """Every layout of ``mode`` on at most ``max_workers`` workers (the search space)."""
+def layouts(mode: str, max_workers: int, groups: Iterable[int] = ()) -> list[Layout]:
+    """Every layout of ``mode`` on at most ``max_workers`` workers (the search space), for
+    jobs whose training needs ``groups`` workers each (default: one each). A layout that
+    does not fit one of the jobs is not offered: an isolated job holds its group (and its
+    rollout workers), a pool is at least as large as the largest group."""
     if max_workers < 1:
         raise ConfigError("the search needs at least one worker")
+    if mode not in MODES:
+        raise ConfigError(f"mode is one of {MODES}, got {mode!r}")
+    sizes = sorted(set(groups)) or [1]
+    widest = sizes[-1]
+    if widest > max_workers:
+        return []
     if mode == "colocated":
-        return [Layout(mode, 1, 0)]
+        # Each job on max(k, its own smallest group): a k at or under the smallest group of
+        # every job is the k = 1 layout again.
+        return [Layout(mode, k, 0, k) for k in range(1, max_workers + 1) if k == 1 or k > sizes[0]]
     if mode in ("split", "split-async"):
-        return [Layout(mode, 1 + r, r) for r in range(1, max_workers)]
-    if mode == "multiplexed":
-        return [Layout(mode, p, r) for p in range(1, max_workers + 1) for r in range(p + 1)]
-    raise ConfigError(f"mode is one of {MODES}, got {mode!r}")
+        return [Layout(mode, 1 + r, r) for r in range(1, max_workers - widest + 1)]
+    return [Layout(mode, p, r) for p in range(widest, max_workers + 1) for r in range(p + 1)]
+
+
+def smallest_groups(specs: Sequence[JobSpec], budget: int, max_workers: int) -> dict[str, int]:
+    """Each job's smallest training group at a worker memory ``budget`` (bytes), by name;
+    :class:`ConfigError` naming the jobs whose training fits no group of up to
+    ``max_workers``."""
+    out: dict[str, int | None] = {
+        s.name: s.training_memory().smallest_group(budget, max_workers) for s in specs
+    }
+    unfit = [name for name, k in out.items() if k is None]
+    if unfit:
+        raise ConfigError(
+            f"the training of {unfit} does not fit {max_workers} worker(s) of "
+            f"{budget / 2**20:.0f} MiB each (plexrl_dask.rl.sizing counts what it needs)"
+        )
+    return {name: int(k) for name, k in out.items()}  # type: ignore[arg-type]
 
 
 @dataclass
@@ -221,18 +288,21 @@ def _deployed(
     spec: JobSpec,
     layout: Layout,
     start: dict[str, Any] | JobCheckpoint,
-    train_worker: str,
+    train_workers: Sequence[str],
     rollout_workers: Sequence[str],
 ) -> Iterator[_Placed]:
-    """``spec``'s deployments for ``layout``, restored from ``start`` (what ``save_state``
-    returned) and synced; undeployed on exit. ``start`` a job's checkpoint: nothing is loaded
-    or synced, since the job restores both from it as it starts."""
+    """``spec``'s deployments for ``layout`` (training sharded over ``train_workers``),
+    restored from ``start`` (what ``save_state`` returned) and synced; undeployed on exit.
+    ``start`` a job's checkpoint: nothing is loaded or synced, since the job restores both
+    from it as it starts."""
     tag = f"{layout.mode}-{spec.name}"
     names = [f"{tag}-policy"]
     runtime = Runtime(runtime.client, job=spec.name)  # the job's own: its requests carry its name
     resumed = isinstance(start, JobCheckpoint)
     try:
-        policy = runtime.deploy(names[0], spec.model, workers=[train_worker])
+        policy = runtime.deploy(
+            names[0], spec.model, workers=list(train_workers), world_size=len(train_workers)
+        )
         version = start.version if resumed else int(result(policy.load_state(start)))
         rollout = None
         if layout.rollout_replicas:
@@ -247,9 +317,9 @@ def _deployed(
             )
             if not resumed:
                 result(runtime.sync_weights(policy, rollout))
-        held = rollout.info.workers if rollout is not None else (train_worker,)
+        held = rollout.info.workers if rollout is not None else tuple(train_workers)
         yield _Placed(
-            spec, runtime, policy, rollout, (train_worker, *held), tuple(held), version, resumed
+            spec, runtime, policy, rollout, (*train_workers, *held), tuple(held), version, resumed
         )
     finally:
         for name in names:
@@ -337,12 +407,15 @@ def run_mode(
     peak_tokens_per_s: dict[str, float] | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
+    groups: Mapping[str, int] | None = None,
 ) -> ModeRun:
     """Run ``specs`` in ``layout`` on the first ``layout.workers`` of ``workers``: isolated
     modes one job after another, multiplexed all at once; returns every job's records and
     the mode's ledger (``peak_tokens_per_s``, by job, for throughput-to-peak).
     ``checkpoints``: each job's starting state by name (what ``save_state`` returned, e.g.
-    by :func:`warm_start`).
+    by :func:`warm_start`). ``groups``: the workers each job's training needs at least
+    (:func:`smallest_groups`; default one), which an isolated job holds in addition to its
+    rollout workers and a pool must be as large as.
 
     ``checkpoint_dir``: each job checkpoints every ``checkpoint_every`` steps (default: the
     config's) under :func:`job_checkpoint_dir`, and a job that has a checkpoint there
@@ -350,8 +423,16 @@ def run_mode(
     no starting state (:func:`resumable` lists them). The ledger then covers the steps run
     in this call. A job with neither raises :class:`ConfigError` before anything is
     deployed."""
-    if layout.workers > len(workers):
-        raise ConfigError(f"{layout.label} needs {layout.workers} workers, {len(workers)} given")
+    groups = {s.name: layout.group((groups or {}).get(s.name, 1)) for s in specs}
+    needs = max(
+        [layout.workers]
+        + [groups[s.name] + layout.rollout_replicas for s in specs if layout.mode in ISOLATED_MODES]
+        + [groups[s.name] for s in specs]
+    )
+    if layout.mode == "multiplexed" and needs > layout.workers:
+        raise ConfigError(f"{layout.label} is smaller than a job's training group ({needs})")
+    if needs > len(workers):
+        raise ConfigError(f"{layout.label} needs {needs} workers, {len(workers)} given")
     scoring = [
         s.name
         for s in specs
@@ -364,7 +445,7 @@ def run_mode(
             f"jobs {scoring} run one step ahead (staleness 1), which scores old log-probabilities "
             "on the rollout: a vllm rollout does not score; use staleness 0 or a torch rollout"
         )
-    reserved = list(workers[: layout.workers])
+    reserved = list(workers[:needs])
     out_dir = None if metrics_dir is None else Path(metrics_dir)
     ck_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
     resuming = {} if ck_dir is None else resumable(ck_dir, layout.mode, specs)
@@ -382,8 +463,14 @@ def run_mode(
     if layout.mode in ISOLATED_MODES:
         first = None
         for spec in specs:
+            k = groups[spec.name]
             with _deployed(
-                runtime, spec, layout, starts[spec.name], reserved[0], reserved[1:]
+                runtime,
+                spec,
+                layout,
+                starts[spec.name],
+                reserved[:k],
+                reserved[k : k + layout.rollout_replicas],
             ) as placed:
                 job = _job(placed, layout.mode, out_dir, ck_dir, checkpoint_every)
                 t0 = time.time()
@@ -402,7 +489,8 @@ def run_mode(
                         spec,
                         layout,
                         starts[spec.name],
-                        reserved[i % len(reserved)],
+                        # (job i's group starts at worker i, so the groups spread over the pool)
+                        [reserved[(i + j) % len(reserved)] for j in range(groups[spec.name])],
                         reserved,
                     )
                 )

@@ -335,6 +335,8 @@ class ReplicaHolder:
         else:
             backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
         load_s = time.perf_counter() - t0
+        if group is not None:  # a rank samples on a gathered copy: it asks for the room
+            backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
         replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
         if self.node is not None:
             rank = group.rank if group is not None else 0

@@ -15,6 +15,12 @@ input fails on every rank instead of leaving the others waiting in a collective.
 ``get_weights`` gathers whole tensors (returned by rank 0 only); ``save_state`` writes each
 rank's shards through DCP, restorable on any world size.
 
+Sampling on the training group (verl's "hybrid engine"; a colocated job over k workers): each
+rank decodes its contiguous share of the request's sampling streams on a whole copy of the
+weights gathered from the shards, then frees it; the tokens equal a rollout replica's with the
+same weights and seeds. The copy counts against the worker's budget; where it does not fit
+beside the training state, the rank's gradients and AdamW moments wait on the host meanwhile.
+
 Offload moves a rank's local shards to host memory and frees its module; the next request
 rebuilds the module on its group (the same one, or a new one if the workers ran another group
 in between) and copies the shards back, bit for bit.
@@ -31,15 +37,16 @@ are copied in.)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from plexrl_dask.errors import ConfigError
+from plexrl_dask.errors import ConfigError, DeploymentDoesNotFit, EmptyBatch
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams
 from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
 from plexrl_dask.worker.groups import ProcessGroupManager
 from plexrl_dask.worker.replica_checkpoint import local_shard
@@ -59,6 +66,11 @@ def check_device(device: torch.device, current: Callable[[], int]) -> None:
         )
 
 
+def _like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` (this rank's shard) as a DTensor laid out like parameter ``p``."""
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
 class FSDPBackend(TorchBackend):
     """Rank ``groups.current.rank`` of an FSDP2-sharded replica (see the module docstring)."""
 
@@ -71,10 +83,16 @@ class FSDPBackend(TorchBackend):
     ):
         check_device(torch.device(device), torch.cuda.current_device)
         super().__init__(spec, device, max_batch_size)
-        # A sharded rank never samples (see sample): a decode step would only keep the
-        # module, and with it every shard and gradient, alive after an offload.
+        # A sharded rank samples through a gathered copy (see sample), never with its own
+        # module: a decode step would only keep it, and every shard and gradient, alive
+        # after an offload.
         self.decode_step = None
         self.static = None
+        #: Set by the holder: ``room(bytes)`` makes room for that many more bytes in the
+        #: worker's budget (offloading other replicas) and says whether they fit.
+        self.room: Callable[[int], bool] | None = None
+        self._parked: dict[str, dict[str, torch.Tensor]] | None = None
+        self._copy_bytes = 0  # the gathered copy's, while a sample runs
         assert groups.current is not None and groups.mesh is not None
         self.groups = groups
         self.mesh = groups.mesh
@@ -154,11 +172,125 @@ class FSDPBackend(TorchBackend):
             self._reshard()
             raise
 
-    def sample(self, *args: Any, **kwargs: Any) -> Any:
-        from plexrl_dask.errors import OpNotSupported
+    # --- sampling on the training group (the hybrid engine) ----------------------------
 
-        raise OpNotSupported(
-            "a sharded training deployment does not sample; use a rollout deployment"
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        streams: Streams | None = None,
+    ) -> list[list[SampledSequence]]:
+        """This rank's share of a request sampled on the training group: ``prompts`` are the
+        rank's contiguous part (possibly none; every rank takes part in the gather either way).
+
+        Checked and agreed on every rank before any collective: the prompts, and room in the
+        worker's budget for a whole copy of the weights. Where the copy does not fit beside
+        the training state, this rank's gradients and AdamW moments are parked on the host
+        for the rollout and brought back bit for bit after it; where it does not fit even
+        then, :class:`DeploymentDoesNotFit` on every rank, every rank's state as it was.
+        Then the whole weights are gathered, tensor by tensor, into a plain copy, the copy
+        samples exactly as a rollout replica holding the same weights would (the same
+        decoding code, the same streams), and it is freed."""
+        prompts = [list(p) for p in prompts]
+
+        def check() -> bool:
+            if prompts:
+                self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
+            if len(prompt_ids) != len(prompts):
+                raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
+            return self._room_for_copy()
+
+        try:
+            self._checked(check)
+            copy = self._gathered()
+            self._copy_bytes = copy.state_bytes()
+            return copy.sample(prompts, params, prompt_ids, streams) if prompts else []
+        finally:
+            copy = None
+            self._copy_bytes = 0
+            self._unpark()
+
+    def gathered_bytes(self) -> int:
+        """Device bytes of a whole copy of the weights (what :meth:`sample` gathers)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
+            b.numel() * b.element_size() for b in self.model.buffers()
+        )
+
+    def _room_for_copy(self) -> bool:
+        """Make room for the copy in the worker's budget (parking this rank's gradients and
+        moments if that is what it takes); True if it parked them. Raises
+        :class:`DeploymentDoesNotFit`, with nothing parked, where it cannot."""
+        need = self.gathered_bytes()
+        if self.room is None or self.room(need):
+            return False
+        self._park()
+        if self.room(need):
+            return True
+        self._unpark()
+        raise DeploymentDoesNotFit(
+            f"rank {self.rank} of a {self.world_size}-rank deployment has no room for a "
+            f"{need / 2**20:.1f} MiB copy of the weights to sample with, even with its "
+            "gradients and optimizer state moved to the host: give the workers a larger "
+            "memory budget, or sample from a rollout deployment"
+        )
+
+    def _park(self) -> None:
+        """Move this rank's gradient and optimizer-state shards to the host (the copy's room)."""
+        self._reshard()
+        parked: dict[str, dict[str, torch.Tensor]] = {}
+        with copy_stream(self.device):
+            for n, p in self.model.named_parameters():
+                mine: dict[str, torch.Tensor] = {}
+                if p.grad is not None:
+                    mine["grad"] = self._to_host(p.grad.to_local())
+                    p.grad = None
+                state = {} if self.optimizer is None else self.optimizer.state.get(p, {})
+                for k, v in list(state.items()):
+                    if isinstance(v, DTensor):
+                        mine[f"optim/{k}"] = self._to_host(v.to_local())
+                        del state[k]
+                if mine:
+                    parked[n] = mine
+        self._parked = parked
+
+    def _unpark(self) -> None:
+        """Bring back what :meth:`_park` moved (bit for bit); nothing if nothing is parked."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return
+        params = dict(self.model.named_parameters())
+        with copy_stream(self.device, after_default=False):
+            for n, mine in parked.items():
+                p = params[n]
+                for key, local in mine.items():
+                    value = _like(p, local.to(self.device, non_blocking=True))
+                    if key == "grad":
+                        p.grad = value
+                    else:
+                        self.optimizer.state[p][key.split("/", 1)[1]] = value  # type: ignore[union-attr]
+
+    def _gathered(self) -> TorchBackend:
+        """A plain (unsharded) replica on this rank's device holding the whole weights:
+        gathered one tensor at a time, so at most one gathered tensor exists twice."""
+        self._reshard()
+        model = self.spec.build_empty(self.device)
+        with torch.no_grad():
+            own = dict(model.named_parameters())
+            for n, p in self.model.named_parameters():  # the same order on every rank
+                own[n].copy_(self._full(p))
+            own_buffers = dict(model.named_buffers())
+            for n, b in self.model.named_buffers():
+                own_buffers[n].copy_(b)
+            # Plain tensor attributes (rotary tables' originals) were left on the meta device.
+            sources = dict(self.model.named_modules())
+            for name, module in model.named_modules():
+                for attr, value in vars(module).items():
+                    if isinstance(value, torch.Tensor) and value.is_meta:
+                        setattr(module, attr, getattr(sources[name], attr).clone())
+        model.eval()
+        return TorchBackend(
+            self.spec, self.device, self.max_batch_size, model=model, tokenizer=self.tokenizer
         )
 
     # --- offload, and a new group ---------------------------------------------------------
@@ -216,7 +348,9 @@ class FSDPBackend(TorchBackend):
         raise RuntimeError("a sharded rank reloads through rebuilt(groups), on its group")
 
     def state_bytes(self) -> int:
-        return int(self._host["bytes"]) if self._host is not None else super().state_bytes()
+        if self._host is not None:
+            return int(self._host["bytes"])
+        return super().state_bytes() + self._copy_bytes
 
     def rebuilt(self, groups: ProcessGroupManager) -> FSDPBackend:
         """This rank's state (resident or offloaded) on the group ``groups`` now holds (same
@@ -225,20 +359,15 @@ class FSDPBackend(TorchBackend):
         bit."""
         state = self._host_state() if self._host is not None else self._export()
         new = FSDPBackend(self.spec, self.device, groups, self.max_batch_size)
+        new.room = self.room
         new.version, new.pending_backward = state["version"], state["pending_backward"]
         params = dict(new.model.named_parameters())
-
-        def like(p: DTensor, t: torch.Tensor) -> DTensor:
-            local = t.to(self.device, non_blocking=True)
-            return DTensor.from_local(
-                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-            )
 
         with torch.no_grad():
             for n, p in params.items():
                 p.to_local().copy_(state["params"][n])
                 if n in state["grads"]:
-                    p.grad = like(p, state["grads"][n])
+                    p.grad = _like(p, state["grads"][n].to(self.device, non_blocking=True))
         if state["hyper"] is not None:
             new.optimizer = torch.optim.AdamW(list(params.values()))
             for group, old in zip(new.optimizer.param_groups, state["hyper"], strict=True):
@@ -246,7 +375,8 @@ class FSDPBackend(TorchBackend):
             for n, st in state["optim"].items():
                 p = params[n]
                 new.optimizer.state[p] = {
-                    k: (like(p, v) if v.dim() > 0 else v) for k, v in st.items()
+                    k: (_like(p, v.to(self.device, non_blocking=True)) if v.dim() > 0 else v)
+                    for k, v in st.items()
                 }
         logger.info("rank %d rebuilt on group %s", new.rank, new.epoch_key)
         return new

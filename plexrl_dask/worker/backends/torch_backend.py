@@ -17,6 +17,7 @@ import contextlib
 import inspect
 import logging
 import math
+import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -100,6 +101,15 @@ def used_by_default_stream(tensors: Iterable[torch.Tensor], device: torch.device
             t.record_stream(default)
 
 
+def _portable(error: Exception) -> Exception:
+    """``error`` if it pickles (to travel to the other ranks), else a typed stand-in."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return InvalidBatch(f"another rank's part of this request failed: {error!r}")
+
+
 def _token_pieces(tokenizer: Any) -> list[str] | None:
     """Each token id's text, when the tokenizer decodes by plain concatenation (a ``Fuse``
     decoder and no clean-up of spaces, like the character tokenizer of tiny models): then
@@ -124,12 +134,21 @@ class TorchBackend:
     #: Offload hands the holder its host state to keep in the node's tiers (``stash``).
     stashes = True
 
-    def __init__(self, spec: ModelSpec, device: str | torch.device, max_batch_size: int = 64):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: str | torch.device,
+        max_batch_size: int = 64,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+    ):
+        """``model``/``tokenizer``: already built for ``spec`` (a copy gathered from a sharded
+        deployment, :mod:`plexrl_dask.worker.backends.fsdp`); default: built from ``spec``."""
         self.spec = spec
         self.device = torch.device(device)
         self.max_batch_size = int(max_batch_size)
-        self.tokenizer = spec.build_tokenizer()
-        self.model = self._build_model()
+        self.tokenizer = spec.build_tokenizer() if tokenizer is None else tokenizer
+        self.model = self._build_model() if model is None else model
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(cfg.max_position_embeddings)
@@ -176,8 +195,10 @@ class TorchBackend:
 
     def _checked(self, check: Any, elsewhere: PlexRLError | None = None) -> Any:
         """Run a step that may raise a typed error, and fail on every rank together if it
-        failed on any (a lone failing rank would leave the others waiting in a collective);
-        ``elsewhere`` is what the ranks where it succeeded raise. Returns ``check()``.
+        failed on any (a lone failing rank would leave the others waiting in a collective).
+        A failing rank raises its own error; the ranks where it succeeded raise ``elsewhere``,
+        or by default the lowest failing rank's error, so every rank says why. Returns
+        ``check()``.
 
         Typed errors, value errors and OS errors (a checkpoint path one node cannot write)
         are agreed on; each leaves every rank's state as it was."""
@@ -188,11 +209,10 @@ class TorchBackend:
         except (PlexRLError, ValueError, OSError) as e:
             error = e
         if not self._agree(error is None):
-            raise (
-                error
-                or elsewhere
-                or InvalidBatch("another rank's part of this request was invalid")
-            )
+            if elsewhere is not None:
+                raise error or elsewhere
+            errors = self._gather_object(None if error is None else _portable(error))
+            raise error or next(e for e in errors if e is not None)
         return result
 
     def _reshard(self) -> None:
