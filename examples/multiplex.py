@@ -1,7 +1,8 @@
-"""The main job: three RLVR jobs (different tasks, seeds and model sizes) multiplexed on one
-local pool, with live progress per job, a table at the end and a PNG.
+"""The main job: four RLVR jobs (different tasks, seeds and model sizes; one whose training
+needs two workers at the stated memory budget) multiplexed on one local pool, with live
+progress per job, a table at the end and a PNG.
 
-    python examples/multiplex.py [--jobs 3] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
+    python examples/multiplex.py [--jobs 4] [--memory-budget 192MiB] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
                                  [--out runs/multiplex] [--checkpoint-every N] [--fresh]
                                  [--model PATH]   # every job on a local HF checkpoint instead
                                  [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
@@ -33,10 +34,11 @@ from rich.console import Console
 
 import plexrl_dask as plexrl
 from plexrl_dask.cli import nonnegative_int, positive_float, positive_int
-from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.rl.modes import Layout, resumable, run_mode, warm_start
+from plexrl_dask.rl.catalog import STANDARD_BUDGET, standard_jobs
+from plexrl_dask.rl.modes import Layout, resumable, run_mode, smallest_groups, warm_start
 from plexrl_dask.rl.progress import JobProgress
 from plexrl_dask.rl.report import plot_run, summary_table
+from plexrl_dask.rl.sizing import budget_bytes
 
 # Worker processes are spawned and re-import this file: everything runs under main().
 
@@ -70,7 +72,7 @@ def gpu_workers(client: Client, n: int, timeout: float | None) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=positive_int, default=3)
+    parser.add_argument("--jobs", type=positive_int, default=4)
     parser.add_argument(
         "--scale", type=positive_float, default=1.0, help="multiplies warm-up and GRPO steps"
     )
@@ -80,6 +82,12 @@ def main() -> None:
     parser.add_argument("--rollout-replicas", type=nonnegative_int, default=1)
     parser.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="runs/multiplex")
+    parser.add_argument(
+        "--memory-budget",
+        default=STANDARD_BUDGET,
+        help="each worker's memory budget: it decides each job's smallest training group "
+        f"(default {STANDARD_BUDGET}, where countdown4 trains on 2 workers; 'auto': the device's)",
+    )
     parser.add_argument(
         "--model", default=None, help="a local Hugging Face checkpoint for every job"
     )
@@ -166,6 +174,11 @@ def main() -> None:
     if args.slurm:
         args.workers = args.slurm  # the pool: one worker per GPU job
     layout = Layout("multiplexed", args.workers, args.rollout_replicas)
+    dask.config.set({"plexrl.worker.memory-budget": args.memory_budget})
+    try:
+        groups = smallest_groups(specs, budget_bytes(args.memory_budget), args.workers)
+    except plexrl.errors.ConfigError as e:
+        raise SystemExit(str(e)) from None
     resumed = resumable(checkpoint_dir, layout.mode, specs)
     if resumed:
         console.print(f"resuming {', '.join(resumed)} from {checkpoint_dir} (--fresh starts over)")
@@ -238,6 +251,7 @@ def main() -> None:
                 on_step=stepped,
                 checkpoint_dir=checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
+                groups=groups,
             )
         console.print(f"GRPO: {len(specs)} jobs multiplexed in {time.perf_counter() - t0:.0f}s")
 
@@ -246,9 +260,12 @@ def main() -> None:
         summary_table(
             run.records,
             ledger,
+            # (each job alone on its training group; split: and a rollout worker)
             isolated_estimates={
-                "isolated colocated, at least": ledger.isolated_cost_lower_bound(1),
-                "isolated split, at least": ledger.isolated_cost_lower_bound(2),
+                "isolated colocated, at least": ledger.isolated_cost_lower_bound(groups),
+                "isolated split, at least": ledger.isolated_cost_lower_bound(
+                    {job: k + 1 for job, k in groups.items()}
+                ),
             },
             title=layout.label,
         )

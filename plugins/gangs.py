@@ -12,21 +12,22 @@ from __future__ import annotations
 
 class GroupEpochs:
     """Epochs of deployments' process groups and what each worker holds (see the module
-    docstring). Deployments are named by their incarnation ``uid``."""
+    docstring). A group is a deployment incarnation ``uid`` and the index of its replica
+    (each replica of a tensor-parallel rollout is a group of its own)."""
 
     def __init__(self) -> None:
-        self._epochs: dict[str, int] = {}  # deployment uid -> epoch of its group
-        self._held: dict[str, tuple[str, int]] = {}  # worker -> (uid, epoch) it holds
+        self._epochs: dict[tuple[str, int], int] = {}  # (uid, replica) -> epoch of its group
+        self._held: dict[str, tuple[str, int, int]] = {}  # worker -> (uid, replica, epoch)
 
-    def epoch_for(self, uid: str, workers: tuple[str, ...]) -> int:
-        """The epoch the gang of ``uid`` on ``workers`` runs under (and record that they hold
-        it)."""
-        epoch = self._epochs.get(uid, 0)
-        if not all(self._held.get(w) == (uid, epoch) for w in workers):
+    def epoch_for(self, uid: str, workers: tuple[str, ...], replica: int = 0) -> int:
+        """The epoch the gang of ``uid``'s ``replica`` on ``workers`` runs under (and record
+        that they hold it)."""
+        epoch = self._epochs.get((uid, replica), 0)
+        if not all(self._held.get(w) == (uid, replica, epoch) for w in workers):
             epoch += 1
-            self._epochs[uid] = epoch
+            self._epochs[(uid, replica)] = epoch
         for w in workers:
-            self._held[w] = (uid, epoch)
+            self._held[w] = (uid, replica, epoch)
         return epoch
 
     def broken(self, uid: str) -> None:
@@ -37,7 +38,8 @@ class GroupEpochs:
     def forget(self, uid: str) -> None:
         """``uid`` was undeployed."""
         self.broken(uid)
-        self._epochs.pop(uid, None)
+        for key in [key for key in self._epochs if key[0] == uid]:
+            del self._epochs[key]
 
     def worker_left(self, worker: str) -> None:
         self._held.pop(worker, None)

@@ -537,7 +537,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         request = self.requests.release(decision.request.request)
         extra: dict[str, Any] = {"dispatched": True}
         if request.ranks > 1:
-            extra["epoch"] = self._group_epoch(request.deployment, decision.group)
+            info = self.deployments[request.deployment]
+            # (the replica whose group runs it: a request for any replica names none)
+            extra["group"] = info.workers.index(decision.group[0]) // info.world_size
+            extra["epoch"] = self.groups.epoch_for(info.uid, decision.group, extra["group"])
         # A worker runs the tasks waiting on it by Dask priority, which ties for requests
         # submitted within fifo-timeout of each other (each is a one-task graph): order them
         # by release instead, so that a worker runs PlexRL requests in the order they were
@@ -582,12 +585,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             self.hints[worker] = hint
             comm.send({"op": PREFETCH_OP, "deployment": hint[0], "uid": hint[1]})
             self.counters["prefetch_hints"] += 1
-
-    def _group_epoch(self, deployment: str, workers: tuple[str, ...]) -> int:
-        """The process-group epoch for a gang of ``deployment`` on ``workers``: unchanged while
-        every one of them still holds that group, a new one otherwise (see
-        plexrl_dask.worker.groups)."""
-        return self.groups.epoch_for(self.deployments[deployment].uid, workers)
 
     def _forget(self, request: PendingRequest) -> None:
         self.requests.forget(request)

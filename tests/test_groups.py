@@ -313,3 +313,59 @@ def test_a_training_group_samples_like_a_replica_and_trains_on_bit_for_bit(runti
     assert out[0]["version"] == 2.0
     a, b = plexrl.result([hybrid.get_weights(), plain.get_weights()], timeout=120)
     assert all(torch.equal(a.tensors[n], t) for n, t in b.tensors.items())
+
+
+def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
+    """tensor_parallel=2: one replica over both workers, its weights synced from a 2-rank
+    FSDP trainer; scores equal one worker's to rounding, tokens agree where rounding does not
+    flip a choice; bad layouts and training ops are typed errors."""
+    spec = tiny_spec(seed=41, num_kv_heads=2)
+    trainer = runtime.deploy(unique("tp-train"), spec, world_size=2)
+    data = batch_for(trainer, 4)
+    plexrl.result([trainer.forward_backward(data), trainer.optim_step()], timeout=120)
+    tp = runtime.deploy(unique("tp"), spec, role="rollout", tensor_parallel=2)
+    one = runtime.deploy(unique("tp-one"), spec, role="rollout")
+    assert tp.info.world_size == 2 and len(set(tp.info.workers)) == 2
+
+    def held(name, dask_worker=None):
+        from plexrl_dask.worker.holder import holder_of
+
+        replica = holder_of(dask_worker)._replicas.get(name)
+        return None if replica is None else replica.backend.state_bytes()
+
+    split = runtime.client.run(held, tp.name, workers=list(tp.info.workers))
+    whole = runtime.client.run(held, one.name, workers=list(one.info.workers))
+    # Each rank holds half of every split projection (embeddings and norms stay whole).
+    assert all(b < 0.75 * next(iter(whole.values())) for b in split.values())
+    assert [plexrl.result(runtime.sync_weights(trainer, d)) for d in (tp, one)] == [1, 1]
+    got, want = plexrl.result([tp.forward(data), one.forward(data)], timeout=120)
+    diff = max(
+        abs(a - b)
+        for x, y in zip(got.logprobs, want.logprobs, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+    assert len(got.logprobs) == len(data) and diff < 1e-5
+    prompts = [f"{i}+{i}=" for i in range(5)]
+    params = plexrl.SamplingParams(n=4, max_tokens=10, seed=3)
+    a, b = plexrl.result([tp.sample(prompts, params), one.sample(prompts, params)], timeout=120)
+    pairs = [
+        (x, y)
+        for ga, gb in zip(a.sequences, b.sequences, strict=True)
+        for x, y in zip(ga, gb, strict=True)
+    ]
+    assert len(pairs) == 20
+    same = sum(x.tokens == y.tokens for x, y in pairs)
+    assert same >= 18  # (measured in bench.weight_sync: tp_token_agreement)
+    for x, y in pairs:
+        if x.tokens == y.tokens:
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+
+    with pytest.raises(errors.ConfigError, match="does not divide"):
+        runtime.deploy(unique("tp-3"), spec, role="rollout", tensor_parallel=3)
+    with pytest.raises(errors.ConfigError, match="world_size"):
+        runtime.deploy(unique("tp-train2"), spec, tensor_parallel=2)
+    with pytest.raises(errors.DeploymentDoesNotFit):
+        runtime.deploy(unique("tp-wide"), spec, role="rollout", tensor_parallel=2, replicas=2)
+    with pytest.raises(errors.OpNotSupported):
+        plexrl.result(tp.forward_backward(data), timeout=120)
+    assert plexrl.result(tp.forward(data), timeout=120) == got  # still serves

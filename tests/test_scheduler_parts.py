@@ -85,6 +85,12 @@ def test_a_gang_keeps_its_group_until_a_worker_or_a_rank_breaks_it():
     assert g.epoch_for("u1", pair) == 4
     g.forget("u1")  # undeployed: a later incarnation of the name has another uid anyway
     assert g.epoch_for("u1", pair) == 1
+    # Each replica of a tensor-parallel rollout is a group of its own, on its own workers.
+    other = ("tcp://c:1", "tcp://d:1")
+    assert g.epoch_for("u3", pair, 0) == 1 and g.epoch_for("u3", other, 1) == 1
+    assert g.epoch_for("u3", pair, 0) == 1 and g.epoch_for("u3", other, 1) == 1
+    g.forget("u3")
+    assert g.epoch_for("u3", other, 1) == 1 and g.epoch_for("u3", other, 0) == 1
 
 
 def test_the_replica_choice_setting_and_its_old_name():

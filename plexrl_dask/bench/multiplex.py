@@ -73,7 +73,7 @@ from rich.console import Console
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.cluster import visible_gpus
-from plexrl_dask.rl.catalog import standard_jobs
+from plexrl_dask.rl.catalog import STANDARD_BUDGET, standard_jobs
 from plexrl_dask.rl.ledger import (
     ISOLATED_MODES,
     MODES,
@@ -93,14 +93,12 @@ from plexrl_dask.rl.modes import (
     warm_start,
 )
 from plexrl_dask.rl.report import plot_run, reward_start_end
+from plexrl_dask.rl.sizing import budget_bytes
 
 logger = logging.getLogger(__name__)
 
-#: The workers' memory budget: countdown4's training (its weights, gradients, AdamW moments
-#: and the activations of its 128-sequence step: 267 MiB, plexrl_dask.rl.sizing) is 1.39x
-#: it, as a 7B model's (112 GB of state and its activations) is about 1.4x an 80 GB device:
-#: it must shard over two workers; every other job of the mix fits one (countdown3: 110 MiB).
-BUDGET = "192MiB"
+#: The workers' memory budget (why this one: :data:`~plexrl_dask.rl.catalog.STANDARD_BUDGET`).
+BUDGET = STANDARD_BUDGET
 
 TARGETS = {
     "cost_ratio_vs_split_async": "<= 0.60 (paper: 0.62-0.69)",
@@ -470,16 +468,6 @@ def modes_not_run(workers: int, groups: dict[str, int] | None = None) -> dict[st
         for mode in MODES
         if not layouts(mode, workers, groups.values())
     }
-
-
-def budget_bytes(setting: str) -> int:
-    """A worker's memory budget in bytes: ``setting`` as ``plexrl.worker.memory-budget``
-    reads it ("auto": the default of the device a worker here gets)."""
-    if setting == "auto":
-        from plexrl_dask.worker.holder import default_budget, resolve_device
-
-        return default_budget(resolve_device("auto"))
-    return int(dask.utils.parse_bytes(setting))
 
 
 def specs_by_name(specs: list[JobSpec]) -> dict[str, JobSpec]:

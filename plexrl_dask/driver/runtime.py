@@ -35,6 +35,7 @@ from distributed import Actor, Client, Future, get_client
 from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
     CheckpointError,
+    ConfigError,
     InvalidBatch,
     InvalidLoss,
     InvalidModelSpec,
@@ -134,6 +135,7 @@ class Runtime:
         workers: Sequence[str] | None = None,
         world_size: int = 1,
         replicas: int = 1,
+        tensor_parallel: int = 1,
     ) -> Deployment:
         """Register deployment ``name`` of ``model`` and place it on a worker.
 
@@ -142,7 +144,10 @@ class Runtime:
         identical existing deployment is returned instead of raising ``DeploymentExists``.
         ``workers`` restricts placement to those worker addresses. ``world_size`` shards a
         training deployment over that many workers (one FSDP2 group); ``replicas`` runs that
-        many data-parallel copies of a rollout deployment. ``backend``: ``"torch"`` (training
+        many data-parallel copies of a rollout deployment, each over ``tensor_parallel``
+        workers as one gang (torch's tensor-parallel plan: q/k/v/gate/up split by output,
+        o/down by input; it must divide the attention and key-value heads and the MLP width;
+        on the CPU this is about correctness, not speed). ``backend``: ``"torch"`` (training
         and rollout, any device) or ``"vllm"`` (rollout on CUDA workers with the ``vllm``
         package; its budget includes ``plexrl.vllm.kv-cache-memory`` and
         ``overhead-memory``).
@@ -153,8 +158,12 @@ class Runtime:
             )
         config.count("world_size", world_size)
         config.count("replicas", replicas)
+        config.count("tensor_parallel", tensor_parallel)
         uid = uuid.uuid4().hex
         hf = model.hf_config()
+        if tensor_parallel > 1:
+            check_tensor_parallel(hf, role, backend, world_size, tensor_parallel)
+            world_size = tensor_parallel  # (a rollout replica's ranks: its TP shards)
         memory_bytes = -(-model.memory_bytes(role) // world_size)  # per rank, rounded up
         if backend == "vllm":
             from plexrl_dask.worker.backends.vllm_backend import VLLMConfig
@@ -335,14 +344,37 @@ class Runtime:
                 ops.publish_weights,
                 src._ranks(time.time_ns() // 1000, uuid.uuid4().hex),
             )
-            n = dst.info.num_workers
-            return dst._submit("load_weights", ops.load_weights, [(ref,)] * n, replica_of=range(n))
+            return dst._every("load_weights", ops.load_weights, (ref,))
         return dst.set_weights(src.get_weights())
 
     def nodes_of(self, *workers: str) -> set[str | None]:
         """The node ids (their state store's) of ``workers``, as their holders reported them."""
         known = self.status()["workers"]
         return {known.get(w, {}).get("node") for w in workers}
+
+
+def check_tensor_parallel(
+    hf: Any, role: str, backend: str, world_size: int, tensor_parallel: int
+) -> None:
+    """Raise :class:`ConfigError` unless a ``role`` deployment can split ``hf``'s model over
+    ``tensor_parallel`` ranks: a torch rollout, whose attention heads, key-value heads and
+    MLP width all divide by it."""
+    if role != "rollout" or backend != "torch" or world_size != 1:
+        raise ConfigError(
+            "tensor_parallel splits a torch rollout replica; a training deployment shards "
+            f"with world_size (got role={role!r}, backend={backend!r}, world_size={world_size})"
+        )
+    sizes = {
+        "attention heads": int(hf.num_attention_heads),
+        "key-value heads": int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
+        "MLP width": int(hf.intermediate_size),
+    }
+    uneven = {what: n for what, n in sizes.items() if n % tensor_parallel}
+    if uneven:
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel} does not divide the model's {uneven}: each "
+            "rank holds whole heads"
+        )
 
 
 def split_prompts(
@@ -398,37 +430,56 @@ class Deployment:
         per_task_args: Sequence[tuple],
         replica_of: Sequence[int | None] | None = None,
     ) -> Future:
-        """Submit one request of ``op`` as one task per element of ``per_task_args`` and return
-        the future of their combined result.
+        """Submit ``op`` as one task per element of ``per_task_args`` and return the future of
+        their combined result.
 
-        For a multi-rank deployment the tasks are its ranks (``per_task_args[r]`` for rank
-        ``r``); otherwise they go to the replicas ``replica_of[i]`` (default: replica 0;
-        ``None``: any replica, chosen by the scheduler)."""
+        Single-rank replicas: each task is a request of its own, for replica ``replica_of[i]``
+        (default: replica 0; ``None``: any replica, chosen by the scheduler). Multi-rank
+        (a sharded training deployment, a tensor-parallel rollout): every ``world_size``
+        consecutive tasks are one gang request, task ``r`` of it rank ``r``, and
+        ``replica_of[g]`` is the replica of gang request ``g``."""
         info = self.info
+        k = info.world_size
         request = f"plexrl-{op}-{self.name}-{uuid.uuid4().hex}"
-        keys, futures = [], []
-        gang = info.world_size > 1
-        for i, args in enumerate(per_task_args):
-            annotation = {
-                "job": self.runtime.job,
-                "deployment": self.name,
-                "op": op,
-                "request": request if gang else f"{request}-{i}",
-                "ranks": info.world_size,
-                "rank": i if gang else 0,
-                "replica": 0 if gang or replica_of is None else replica_of[i],
-            }
-            key = f"{request}-{i}"
-            keys.append(key)
-            with dask.annotate(plexrl=annotation):
-                futures.append(
-                    self.runtime.client.submit(fn, self.name, *args, key=key, pure=False)
-                )
+        per = [per_task_args[i : i + k] for i in range(0, len(per_task_args), k)]
+        futures = []
+        for g, tasks in enumerate(per):
+            # (one gang: its ranks share the request id; otherwise each task is a request)
+            rid = request if len(per) == 1 and k > 1 else f"{request}-{g}"
+            for rank, args in enumerate(tasks):
+                annotation = {
+                    "job": self.runtime.job,
+                    "deployment": self.name,
+                    "op": op,
+                    "request": rid,
+                    "ranks": k,
+                    "rank": rank,
+                    "replica": 0 if replica_of is None else replica_of[g],
+                }
+                key = f"{rid}-{rank}" if k > 1 else rid
+                with dask.annotate(plexrl=annotation):
+                    futures.append(
+                        self.runtime.client.submit(fn, self.name, *args, key=key, pure=False)
+                    )
         if len(futures) == 1:
             return futures[0]
         return self.runtime.client.submit(
             ops.combine, op, *futures, key=f"{request}-combine", pure=False
         )
+
+    def _every(self, op: str, fn: Any, args: tuple) -> Future:
+        """``op`` on every replica (every rank of each)."""
+        n, replicas = self.info.num_workers, self.info.replicas
+        return self._submit(op, fn, [args] * n, replica_of=range(replicas if self._gang else n))
+
+    @property
+    def _gang(self) -> bool:
+        return self.info.world_size > 1
+
+    @property
+    def _tensor_parallel(self) -> bool:
+        """Its replicas span several workers, each rank computing every request whole."""
+        return self._gang and self.info.role == "rollout"
 
     def _validated(self, batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:
         """The batch, checked here against the model's vocabulary and positions (so a bad
@@ -454,12 +505,14 @@ class Deployment:
 
     def load(self) -> Future:
         """Make every rank and replica resident on its worker; the result describes rank 0."""
-        n = self.info.num_workers
-        return self._submit("load", ops.load, [()] * n, replica_of=range(n))
+        return self._every("load", ops.load, ())
 
     def forward(self, batch: Sequence[Datum] | Datum, temperature: float = 1.0) -> Future:
         """Future of a :class:`ForwardResult`: per-token log-probabilities."""
-        parts = self._split_batch(self._validated(batch))
+        batch = self._validated(batch)
+        if self._tensor_parallel:  # every rank scores the whole batch; rank 0's is returned
+            return self._submit("forward", ops.forward, self._ranks(batch, temperature))
+        parts = self._split_batch(batch)
         return self._submit("forward", ops.forward, [(p, temperature) for p in parts])
 
     def forward_backward(
@@ -513,6 +566,17 @@ class Deployment:
         ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
         streams = Streams.from_config()
         k = self.info.world_size
+        if self._tensor_parallel:
+            # Each part to one replica's gang, every rank of it decoding the whole part.
+            chunks = split_prompts(len(prompts), self.info.replicas, params.n, streams.rows)
+            tasks = [(list(prompts[a:b]), params, ids[a:b], streams) for a, b in chunks]
+            replica = None if self.info.replicas > 1 else 0
+            return self._submit(
+                "sample",
+                ops.sample,
+                [t for t in tasks for _ in range(k)],
+                replica_of=[replica] * len(tasks),
+            )
         if k > 1:
             # On the training group (the hybrid engine): every rank decodes its share of the
             # streams on gathered weights; a rank with no share still takes part.
@@ -559,7 +623,6 @@ class Deployment:
         a DCP directory, or a state store path (``model``: default this deployment's name or
         the store's only model; ``version``: default the latest). Every rank (or replica)
         reads only what its layout holds."""
-        n = self.info.num_workers
         if isinstance(checkpoint, Mapping):
             if "path" not in checkpoint:
                 raise CheckpointError(
@@ -571,12 +634,7 @@ class Deployment:
                 checkpoint = os.fspath(checkpoint)
             except TypeError as e:
                 raise CheckpointError(f"a checkpoint path is needed, got {checkpoint!r}") from e
-        return self._submit(
-            "load_state",
-            ops.load_state,
-            [(checkpoint, model, version)] * n,
-            replica_of=range(n),
-        )
+        return self._every("load_state", ops.load_state, (checkpoint, model, version))
 
     def get_weights(self, names: Sequence[str] | None = None) -> Future:
         """Future of :class:`NamedWeights` (host tensors by canonical name + version)."""
@@ -590,7 +648,5 @@ class Deployment:
     ) -> Future:
         """Future of the new version. ``weights`` may be a future (e.g. another deployment's
         ``get_weights()``): Dask then moves the tensors between workers directly."""
-        n = self.info.num_workers  # every rank takes its shard, every replica a copy
-        return self._submit(
-            "set_weights", ops.set_weights, [(weights, version, strict)] * n, replica_of=range(n)
-        )
+        # every rank takes its shard, every replica a copy
+        return self._every("set_weights", ops.set_weights, (weights, version, strict))

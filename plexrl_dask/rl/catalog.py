@@ -25,6 +25,14 @@ from plexrl_dask.tasks.countdown import CountdownTask
 _GRPO = GRPOConfig(steps=60, prompts_per_step=16, group_size=8, temperature=0.7, lr=1e-4)
 
 
+#: The workers' memory budget the mix is run at (``bench.multiplex``, ``make demo``):
+#: countdown4's training (weights, gradients, AdamW moments and the activations of its
+#: 128-sequence step: 267 MiB by :mod:`plexrl_dask.rl.sizing`) is 1.39x it, as a 7B model's
+#: (112 GB of fp32 AdamW state, plus activations) is about 1.4x an 80 GB device: it must shard
+#: over two workers, colocated or pooled. Every other job fits one (countdown3: 110 MiB).
+STANDARD_BUDGET = "192MiB"
+
+
 def standard_jobs(count: int = 4, scale: float = 1.0) -> list[JobSpec]:
     """The first ``count`` jobs of the mix; ``scale`` multiplies GRPO steps and warm-up
     steps (at least 2 and 10)."""

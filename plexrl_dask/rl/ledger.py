@@ -145,14 +145,16 @@ class ModeLedger:
         )
         return None if capacity <= 0 else self.useful_tokens() / capacity
 
-    def isolated_cost_lower_bound(self, workers_per_job: int = 1) -> float:
+    def isolated_cost_lower_bound(self, workers_per_job: int | Mapping[str, int] = 1) -> float:
         """What the jobs would at least have cost run alone, one after another, each holding
-        ``workers_per_job`` workers (1: colocated; 2: split): that many × ``Σ_jobs`` the
-        seconds in which any request of the job ran. A synchronous job's requests follow one
-        another, and an isolated job holds its workers also while its driver scores and
-        between requests, so its real cost is higher."""
-        total = 0.0
+        ``workers_per_job`` workers (1: colocated; 2: split; by job name: each job its own
+        training group, plus a rollout worker for split): ``Σ_jobs`` that many × the seconds
+        in which any request of the job ran. A synchronous job's requests follow one another,
+        and an isolated job holds its workers also while its driver scores and between
+        requests, so its real cost is higher."""
+        out = 0.0
         for j in self.jobs:
+            total = 0.0
             mine = sorted(
                 (s.start, s.end)
                 for s in self.spans
@@ -164,7 +166,9 @@ class ModeLedger:
                 if b > a:
                     total += b - a
                 end = max(end, b)
-        return workers_per_job * total
+            held = workers_per_job if isinstance(workers_per_job, int) else workers_per_job[j.job]
+            out += held * total
+        return out
 
     def makespan(self) -> float:
         return self.t1 - self.t0

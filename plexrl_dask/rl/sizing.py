@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dask.utils
+
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
 
@@ -94,3 +96,18 @@ def training_memory(spec: ModelSpec, rows: int, width: int) -> TrainingMemory:
         activations=activations,
         unit=unit,
     )
+
+
+def budget_bytes(setting: str) -> int:
+    """A worker's memory budget in bytes, ``setting`` read as ``plexrl.worker.memory-budget``
+    is ("auto": the default of the device a worker on this machine gets)."""
+    if setting == "auto":
+        from plexrl_dask.worker.holder import default_budget, resolve_device
+
+        return default_budget(resolve_device("auto"))
+    try:
+        return int(dask.utils.parse_bytes(setting))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"a memory budget is 'auto' or a size such as '8 GiB': {setting!r}"
+        ) from e

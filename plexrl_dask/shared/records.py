@@ -61,7 +61,9 @@ class DeploymentInfo:
 
     ``uid`` changes on every (re)deploy, so a holder never mistakes a new deployment for an old
     one of the same name. ``workers`` is the placement: ``replicas`` groups of ``world_size``
-    ranks each, replica-major (worker of rank r of replica i: ``workers[i * world_size + r]``);
+    ranks each, replica-major (worker of rank r of replica i: ``workers[i * world_size + r]``;
+    a training deployment's ranks shard it with FSDP2, a rollout replica's ranks hold its
+    tensor-parallel shards);
     ``candidates``, when set, are the only workers it may be placed on (then and after a
     worker loss). ``memory_bytes`` is what one rank/replica needs on its worker.
     ``state``: its :class:`Lifecycle` (changed only through :meth:`moved`).
@@ -102,8 +104,10 @@ class DeploymentInfo:
             )
         if self.role == "train" and self.replicas != 1:
             raise ConfigError("a training deployment has one replica (shard it with world_size)")
-        if self.role == "rollout" and self.world_size != 1:
-            raise ConfigError("rollout replicas are single-rank (scale them with replicas)")
+        if self.role == "rollout" and self.world_size != 1 and self.backend != "torch":
+            raise ConfigError(
+                f"a tensor-parallel rollout runs on the torch backend, not {self.backend!r}"
+            )
         if self.backend not in BACKEND_NAMES:
             raise ConfigError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
         if self.backend == "vllm" and self.role != "rollout":

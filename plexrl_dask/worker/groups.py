@@ -32,16 +32,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GroupContext:
-    """Which group a rank task belongs to: deployment incarnation, epoch, rank, size."""
+    """Which group a rank task belongs to: deployment incarnation, epoch, rank, size, replica."""
 
     uid: str
     epoch: int
     rank: int
     world_size: int
+    #: Which replica's group (a tensor-parallel rollout has one group per replica).
+    replica: int = 0
 
     @property
     def key(self) -> str:
-        return f"{self.uid}:{self.epoch}"
+        group = self.uid if self.replica == 0 else f"{self.uid}/{self.replica}"
+        return f"{group}:{self.epoch}"
 
 
 def indexed(device: torch.device) -> torch.device:

@@ -329,9 +329,13 @@ class ReplicaHolder:
             raise PlexRLError(f"unknown backend {info.backend!r}; available: {sorted(BACKENDS)}")
         t0 = time.perf_counter()
         if group is not None:
+            # A multi-rank training deployment is FSDP2-sharded; a rollout replica, split
+            # tensor-parallel.
             from plexrl_dask.worker.backends.fsdp import FSDPBackend
+            from plexrl_dask.worker.backends.tp import TPBackend
 
-            backend = FSDPBackend(info.spec, self.device, self._groups, self.max_batch_size)
+            sharded = TPBackend if info.role == "rollout" else FSDPBackend
+            backend = sharded(info.spec, self.device, self._groups, self.max_batch_size)
         else:
             backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
         load_s = time.perf_counter() - t0

@@ -137,7 +137,11 @@ def _run(deployment: str, op: str, call: Any) -> Any:
         from plexrl_dask.worker.groups import GroupContext
 
         group = GroupContext(
-            uid=info.uid, epoch=int(ann["epoch"]), rank=int(ann["rank"]), world_size=info.world_size
+            uid=info.uid,
+            epoch=int(ann["epoch"]),
+            rank=int(ann["rank"]),
+            world_size=info.world_size,
+            replica=int(ann.get("group", 0)),
         )
     return holder.run(info, op, call, group)
 
@@ -160,7 +164,17 @@ def load(deployment: str) -> dict[str, Any]:
 
 def forward(deployment: str, batch: Sequence[Datum], temperature: float = 1.0) -> ForwardResult:
     """Per-token log-probabilities of each datum (aligned with its tokens)."""
-    return _run(deployment, "forward", lambda b: b.forward(batch, temperature))
+
+    def call(backend: Any) -> ForwardResult:
+        out = backend.forward(batch, temperature)
+        return ForwardResult(logprobs=()) if _echo(backend) else out
+
+    return _run(deployment, "forward", call)
+
+
+def _echo(backend: Any) -> bool:
+    """Whether this rank computed a result its rank 0 returns (a tensor-parallel rank)."""
+    return getattr(backend, "whole_on_every_rank", False) and backend._rank() != 0
 
 
 def forward_backward(
@@ -194,6 +208,8 @@ def sample(
     def call(backend: Any) -> SampleResult:
         tokens = backend.tokenize(prompts)
         groups = backend.sample(tokens, params, ids, streams)
+        if _echo(backend):
+            return SampleResult(prompt_tokens=(), sequences=())
         return SampleResult(
             prompt_tokens=tuple(tuple(t) for t in tokens),
             sequences=tuple(tuple(g) for g in groups),

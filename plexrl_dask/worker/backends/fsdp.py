@@ -66,6 +66,11 @@ def check_device(device: torch.device, current: Callable[[], int]) -> None:
         )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (``t`` itself where it is not split)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _like(p: DTensor, local: torch.Tensor) -> DTensor:
     """``local`` (this rank's shard) as a DTensor laid out like parameter ``p``."""
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
@@ -99,6 +104,10 @@ class FSDPBackend(TorchBackend):
         self.epoch_key = groups.current.key
         self.rank = groups.current.rank
         self.world_size = groups.current.world_size
+        self._shard()
+
+    def _shard(self) -> None:
+        """Split the model over the group: FSDP2 over each decoder layer and the root."""
         block_types = set(getattr(self.model, "_no_split_modules", None) or ())
         for module in self.model.modules():
             if type(module).__name__ in block_types:
@@ -305,14 +314,14 @@ class FSDPBackend(TorchBackend):
             if self.optimizer is not None:
                 for n, p in params.items():
                     optim[n] = {
-                        k: self._to_host(v.to_local() if isinstance(v, DTensor) else v)
+                        k: self._to_host(_local(v))
                         for k, v in self.optimizer.state.get(p, {}).items()
                         if isinstance(v, torch.Tensor)
                     }
             state = {
-                "params": {n: self._to_host(p.to_local().detach()) for n, p in params.items()},
+                "params": {n: self._to_host(_local(p).detach()) for n, p in params.items()},
                 "grads": {
-                    n: self._to_host(p.grad.to_local())
+                    n: self._to_host(_local(p.grad))
                     for n, p in params.items()
                     if p.grad is not None
                 },
@@ -352,20 +361,20 @@ class FSDPBackend(TorchBackend):
             return int(self._host["bytes"])
         return super().state_bytes() + self._copy_bytes
 
-    def rebuilt(self, groups: ProcessGroupManager) -> FSDPBackend:
+    def rebuilt(self, groups: ProcessGroupManager) -> FSDPBackend:  # (or the subclass's)
         """This rank's state (resident or offloaded) on the group ``groups`` now holds (same
         rank and world size). FSDP2 binds parameters to a mesh, so the module is built anew and
         the local shards of parameters, gradients and optimizer state are copied in bit for
         bit."""
         state = self._host_state() if self._host is not None else self._export()
-        new = FSDPBackend(self.spec, self.device, groups, self.max_batch_size)
+        new = type(self)(self.spec, self.device, groups, self.max_batch_size)
         new.room = self.room
         new.version, new.pending_backward = state["version"], state["pending_backward"]
         params = dict(new.model.named_parameters())
 
         with torch.no_grad():
             for n, p in params.items():
-                p.to_local().copy_(state["params"][n])
+                _local(p).copy_(state["params"][n])
                 if n in state["grads"]:
                     p.grad = _like(p, state["grads"][n].to(self.device, non_blocking=True))
         if state["hyper"] is not None:
