@@ -187,13 +187,27 @@ def test_layout_search_space_and_bad_layouts():
     ]
     assert layouts("colocated", 2, [2, 2]) == [Layout("colocated", 1, 0)]  # (each on its 2)
     assert layouts("split", 2, [1, 2]) == [] and layouts("split", 3, [2]) == [Layout("split", 2, 1)]
-    assert [x.workers for x in layouts("multiplexed", 3, [2])] == [2, 2, 2, 3, 3, 3, 3]
+    pools = layouts("multiplexed", 3, [1, 2])
+    assert [x.workers for x in pools if not x.sharded_rollout_only] == [2, 2, 2, 3, 3, 3, 3]
+    # and pools where only the job that trains on two gets rollout replicas
+    sharded = [x for x in pools if x.sharded_rollout_only]
+    assert [(x.workers, x.rollout_replicas) for x in sharded] == [
+        (2, 1),
+        (2, 2),
+        (3, 1),
+        (3, 2),
+        (3, 3),
+    ]
+    assert sharded[0].replicas_for(1) == 0 and sharded[0].replicas_for(2) == 1
+    assert not any(x.sharded_rollout_only for x in layouts("multiplexed", 2))
     assert layouts("colocated", 1, [2]) == []
     assert Layout("split", 2, 1).job_workers(3) == 4 and Layout("colocated", 2, 0, 2).group(1) == 2
     for bad in [
         ("colocated", 2, 0),
         ("colocated", 2, 1, 2),
         ("multiplexed", 2, 0, 2),
+        ("multiplexed", 2, 0, 1, True),
+        ("split", 2, 1, 1, True),
         ("split", 3, 1, 1),
         ("split", 1, 1),
         ("split", 3, 3),

@@ -15,10 +15,23 @@ A, a rollout deployment of the same model on B. Per trial, in alternating order:
   on B, so only the manifest crosses (what a frozen reference model or frozen layers cost).
 
 Reported: median seconds of each arm and the ratios ``store_vs_gather_time_ratio`` and
-``unchanged_vs_gather_time_ratio`` (below 1: the store path is faster), with the model's
-bytes. No target is set by the issue for this one; it shows what the cross-node path costs.
-With ``--tls`` a second pair of nodes whose comms are TLS runs beside the first, trials of the
-two interleaved, and ``tls_vs_tcp_*_ratio`` say what encryption costs each arm.
+``unchanged_vs_gather_time_ratio`` (below 1: the store path is faster; target for the first:
+<= 1.0), with the model's bytes. With ``--tls`` a second pair of nodes whose comms are TLS
+runs beside the first, trials of the two interleaved, and ``tls_vs_tcp_*_ratio`` say what
+encryption costs each arm.
+
+**Live resharding** (:func:`live_reshard`), on a ``local_cluster`` of two workers: a training
+deployment sharded FSDP(2) over both takes a step, then ``sync_weights`` into a tensor-
+parallel rollout TP(2) over the same two workers and into two data-parallel replicas DP(2).
+Around each sync every rollout worker's state-store reader counts the bytes it fetched
+(``IOStats.bytes_read`` of its node's stores) and ``tracemalloc`` its peak allocation (the
+store's read buffers are numpy arrays, which it traces); each is divided by the bytes of the
+rank's own slice (its local parameters), and the worst rank is reported:
+``reshard_live_fetch_ratio`` and ``reshard_live_peak_alloc_ratio`` (``_tp``, ``_dp``; target
+<= 1.05 each). Then the TP replica and one plain replica holding the same weights sample the
+same prompts with the same seeds: ``tp_token_agreement`` is the share of sampled sequences
+whose tokens are identical (target >= 0.99), and ``tp_logprob_max_abs_diff`` the largest
+log-probability difference over the tokens of identical sequences.
 
 Run: ``python -m plexrl_dask.bench.weight_sync --json OUT [--quick] [--tls]``.
 """
@@ -187,16 +200,95 @@ def run(trials: int, tls: bool = False) -> dict[str, Any]:
     return results
 
 
+def _probe(start: bool, deployment: str, dask_worker: Any = None) -> dict[str, int]:
+    """(Run on a worker.) Its node stores' bytes read so far, and with ``start`` begin
+    tracing allocations, else their peak since, and the bytes of ``deployment``'s local
+    parameters on this worker."""
+    import tracemalloc
+
+    from plexrl_dask.worker.holder import holder_of
+
+    holder = holder_of(dask_worker)
+    node = holder.node
+    read = sum(node.store(t).stats.bytes_read for t in ("dram", "nvme"))
+    if start:
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        return {"read": read}
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    model = holder._replicas[deployment].backend.model
+    local = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+        for p in model.parameters()
+    )
+    return {"read": read, "peak": peak, "slice": local}
+
+
+def live_reshard(quick: bool) -> dict[str, Any]:
+    """FSDP(2) -> TP(2) and FSDP(2) -> DP(2) syncs, counted per rank (module docstring)."""
+    spec = plexrl.ModelSpec.tiny(**SPEC, seed=1)
+    out: dict[str, Any] = {}
+    with (
+        plexrl.local_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        runtime = plexrl.Runtime(client, job="bench-reshard")
+        trainer = runtime.deploy("reshard-train", spec, world_size=2)
+        data = [plexrl.Datum(tokens=trainer.tokenize(f"{i}+{i}={2 * i}")) for i in range(8)]
+        plexrl.result([trainer.forward_backward(data), trainer.optim_step()])
+        targets = {
+            "tp": runtime.deploy("reshard-tp", spec, role="rollout", tensor_parallel=2),
+            "dp": runtime.deploy("reshard-dp", spec, role="rollout", replicas=2),
+        }
+        for kind, dst in targets.items():
+            workers = list(dst.info.workers)
+            starts = client.run(_probe, True, dst.name, workers=workers)
+            plexrl.result(runtime.sync_weights(trainer, dst))
+            ends = client.run(_probe, False, dst.name, workers=workers)
+            fetch = [(e["read"] - starts[w]["read"]) / e["slice"] for w, e in ends.items()]
+            peak = [e["peak"] / e["slice"] for e in ends.values()]
+            out[f"reshard_live_fetch_ratio_{kind}"] = max(fetch)
+            out[f"reshard_live_peak_alloc_ratio_{kind}"] = max(peak)
+        out["reshard_live_fetch_ratio"] = max(out[f"reshard_live_fetch_ratio_{k}"] for k in targets)
+        out["reshard_live_peak_alloc_ratio"] = max(
+            out[f"reshard_live_peak_alloc_ratio_{k}"] for k in targets
+        )
+        prompts = [f"{i}+{2 * i}=" for i in range(8 if quick else 32)]
+        params = plexrl.SamplingParams(n=4, max_tokens=16, seed=7)
+        tp = plexrl.result(targets["tp"].sample(prompts, params))
+        one = plexrl.result(targets["dp"].sample(prompts, params))
+        pairs = [
+            (a, b)
+            for ga, gb in zip(tp.sequences, one.sequences, strict=True)
+            for a, b in zip(ga, gb, strict=True)
+        ]
+        same = [(a, b) for a, b in pairs if a.tokens == b.tokens]
+        out["tp_token_agreement"] = len(same) / len(pairs)
+        out["tp_sequences_compared"] = len(pairs)
+        out["tp_logprob_max_abs_diff"] = max(
+            (abs(x - y) for a, b in same for x, y in zip(a.logprobs, b.logprobs, strict=True)),
+            default=None,
+        )
+    return out
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tls", action="store_true", help="also over TLS, in the same run")
     args = p.parse_args()
     trials = 3 if args.quick else 8
     results = run(trials, tls=args.tls)
+    results.update(live_reshard(args.quick))
     report(
         "weight_sync",
         results,
-        {},
+        {
+            "store_vs_gather_time_ratio": "<= 1.0",
+            "reshard_live_fetch_ratio": "<= 1.05",
+            "reshard_live_peak_alloc_ratio": "<= 1.05",
+            "tp_token_agreement": ">= 0.99",
+        },
         {
             "trials": trials,
             "model": SPEC,

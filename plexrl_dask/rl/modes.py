@@ -129,6 +129,9 @@ class Layout:
     workers: int
     rollout_replicas: int = 0
     train_ranks: int = 1
+    #: (multiplexed) Rollout replicas only for the jobs whose training spans several
+    #: workers; the others sample from their policy.
+    sharded_rollout_only: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -142,6 +145,8 @@ class Layout:
             self.rollout_replicas < 1 or self.workers != self.train_ranks + self.rollout_replicas
         ):
             raise ConfigError(f"a split job holds its training group and its rollout: {self}")
+        if self.sharded_rollout_only and (self.mode != "multiplexed" or not self.rollout_replicas):
+            raise ConfigError(f"rollout for sharded jobs only is a pool's, with replicas: {self}")
         if self.mode == "multiplexed" and (
             self.rollout_replicas > self.workers or self.train_ranks != 1
         ):
@@ -149,6 +154,10 @@ class Layout:
                 f"a pool's rollout replicas are 0..pool size, each job on its smallest "
                 f"training group: {self}"
             )
+
+    def replicas_for(self, group: int) -> int:
+        """The rollout replicas of a job training on ``group`` workers."""
+        return 0 if self.sharded_rollout_only and group == 1 else self.rollout_replicas
 
     def group(self, smallest: int) -> int:
         """The training group of a job whose training needs ``smallest`` workers."""
@@ -170,6 +179,11 @@ class Layout:
                 if self.rollout_replicas
                 else "each job sampling from its policy"
             )
+            if self.sharded_rollout_only:
+                rollout = (
+                    f"{self.rollout_replicas} rollout replica(s) per job training on several "
+                    "workers, the others sampling from their policy"
+                )
             return f"multiplexed, pool of {self.workers}, {rollout}"
         train = "its training group" if self.train_ranks == 1 else f"{self.train_ranks}+ train"
         return f"{self.mode}, {train} + {self.rollout_replicas} rollout worker(s) per job"
@@ -194,7 +208,14 @@ def layouts(mode: str, max_workers: int, groups: Iterable[int] = ()) -> list[Lay
         return [Layout(mode, k, 0, k) for k in range(1, max_workers + 1) if k == 1 or k > sizes[0]]
     if mode in ("split", "split-async"):
         return [Layout(mode, 1 + r, r) for r in range(1, max_workers - widest + 1)]
-    return [Layout(mode, p, r) for p in range(widest, max_workers + 1) for r in range(p + 1)]
+    pools = [Layout(mode, p, r) for p in range(widest, max_workers + 1) for r in range(p + 1)]
+    if widest > 1:  # rollout sized apart from a sharded training group, only where there is one
+        pools += [
+            Layout(mode, p, r, sharded_rollout_only=True)
+            for p in range(widest, max_workers + 1)
+            for r in range(1, p + 1)
+        ]
+    return pools
 
 
 def smallest_groups(specs: Sequence[JobSpec], budget: int, max_workers: int) -> dict[str, int]:
@@ -290,8 +311,10 @@ def _deployed(
     start: dict[str, Any] | JobCheckpoint,
     train_workers: Sequence[str],
     rollout_workers: Sequence[str],
+    replicas: int,
 ) -> Iterator[_Placed]:
-    """``spec``'s deployments for ``layout`` (training sharded over ``train_workers``),
+    """``spec``'s deployments for ``layout`` (training sharded over ``train_workers``,
+    ``replicas`` rollout replicas on ``rollout_workers``),
     restored from ``start`` (what ``save_state`` returned) and synced; undeployed on exit.
     ``start`` a job's checkpoint: nothing is loaded or synced, since the job restores both
     from it as it starts."""
@@ -305,7 +328,7 @@ def _deployed(
         )
         version = start.version if resumed else int(result(policy.load_state(start)))
         rollout = None
-        if layout.rollout_replicas:
+        if replicas:
             names.append(f"{tag}-rollout")
             rollout = runtime.deploy(
                 names[1],
@@ -313,7 +336,7 @@ def _deployed(
                 role="rollout",
                 backend=spec.rollout_backend,
                 workers=list(rollout_workers),
-                replicas=layout.rollout_replicas,
+                replicas=replicas,
             )
             if not resumed:
                 result(runtime.sync_weights(policy, rollout))
@@ -471,6 +494,7 @@ def run_mode(
                 starts[spec.name],
                 reserved[:k],
                 reserved[k : k + layout.rollout_replicas],
+                layout.rollout_replicas,
             ) as placed:
                 job = _job(placed, layout.mode, out_dir, ck_dir, checkpoint_every)
                 t0 = time.time()
@@ -492,6 +516,7 @@ def run_mode(
                         # (job i's group starts at worker i, so the groups spread over the pool)
                         [reserved[(i + j) % len(reserved)] for j in range(groups[spec.name])],
                         reserved,
+                        layout.replicas_for(groups[spec.name]),
                     )
                 )
                 for i, spec in enumerate(specs)
