@@ -538,9 +538,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         extra: dict[str, Any] = {"dispatched": True}
         if request.ranks > 1:
             info = self.deployments[request.deployment]
-            # (the replica whose group runs it: a request for any replica names none)
-            extra["group"] = info.workers.index(decision.group[0]) // info.world_size
-            extra["epoch"] = self.groups.epoch_for(info.uid, decision.group, extra["group"])
+            # (the replica whose group runs it: a request for any replica names none; a
+            # group the record no longer has, after a move, keeps replica 0's numbering)
+            groups = _groups(info, None)
+            group = tuple(decision.group)
+            extra["group"] = groups.index(group) if group in groups else 0
+            extra["epoch"] = self.groups.epoch_for(info.uid, group, extra["group"])
         # A worker runs the tasks waiting on it by Dask priority, which ties for requests
         # submitted within fifo-timeout of each other (each is a one-task graph): order them
         # by release instead, so that a worker runs PlexRL requests in the order they were

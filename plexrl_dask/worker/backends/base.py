@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from plexrl_dask.errors import WeightsMismatch
+from plexrl_dask.errors import OpNotSupported, WeightsMismatch
 from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
@@ -60,6 +60,25 @@ def check_weights(
             )
         if t.is_floating_point() != params[n].is_floating_point():
             raise WeightsMismatch(f"{n}: dtype {t.dtype} cannot be copied into {params[n].dtype}")
+
+
+class NotATrainer:
+    """For rollout-only backends: the training ops raise :class:`OpNotSupported`, saying
+    ``trainer_hint`` (where to train instead)."""
+
+    trainer_hint = "this deployment only samples; train a training deployment"
+
+    def _not_a_trainer(self, op: str) -> OpNotSupported:
+        return OpNotSupported(f"{op}: {self.trainer_hint}")
+
+    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_a_trainer("forward_backward")
+
+    def optim_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_a_trainer("optim_step")
+
+    def save_state(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_a_trainer("save_state")
 
 
 @runtime_checkable

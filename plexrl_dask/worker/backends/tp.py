@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from plexrl_dask.errors import ConfigError, OpNotSupported
+from plexrl_dask.errors import ConfigError
+from plexrl_dask.worker.backends.base import NotATrainer
 from plexrl_dask.worker.backends.fsdp import FSDPBackend
 from plexrl_dask.worker.backends.torch_backend import TorchBackend
 
@@ -61,7 +62,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-class TPBackend(FSDPBackend):
+class TPBackend(NotATrainer, FSDPBackend):
     """Rank ``groups.current.rank`` of a tensor-parallel rollout replica (see the module
     docstring)."""
 
@@ -85,17 +86,7 @@ class TPBackend(FSDPBackend):
         # collectives run inside it), no gathered copy.
         return TorchBackend.sample(self, *args, **kwargs)
 
-    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_a_trainer("forward_backward")
-
-    def optim_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_a_trainer("optim_step")
-
-    def save_state(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_a_trainer("save_state")
-
-    def _not_a_trainer(self, op: str) -> OpNotSupported:
-        return OpNotSupported(
-            f"{op}: a tensor-parallel rollout replica samples and scores; train a training "
-            "deployment and sync_weights into it"
-        )
+    trainer_hint = (
+        "a tensor-parallel rollout replica samples and scores; train a training deployment "
+        "and sync_weights into it"
+    )

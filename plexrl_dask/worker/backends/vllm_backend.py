@@ -93,7 +93,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec, hf
 from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams, check_tokens
 from plexrl_dask.worker import replica_checkpoint
-from plexrl_dask.worker.backends.base import check_weights, encode_prompts
+from plexrl_dask.worker.backends.base import NotATrainer, check_weights, encode_prompts
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 from plexrl_dask.worker.sampling import row_keys
 
@@ -232,7 +232,7 @@ def _reload_from_bytes(worker: Any, blob: bytes) -> int:
     return len(tensors)
 
 
-class VLLMBackend:
+class VLLMBackend(NotATrainer):
     """A rollout replica of ``spec`` served by vLLM on ``device`` (see the module docstring)."""
 
     #: The holder keeps an offloaded replica's state in the node's tiers only for backends
@@ -544,25 +544,15 @@ class VLLMBackend:
         self._call(what, self.llm.collective_rpc, fn, kwargs=kwargs)
         self._call("reset_prefix_cache", self.llm.reset_prefix_cache)
 
-    # --- not a trainer -------------------------------------------------------------------
+    # --- not a trainer (NotATrainer), nor a scorer -----------------------------------------
 
-    def _not_a_trainer(self, op: str) -> OpNotSupported:
-        return OpNotSupported(
-            f"{op} runs on a training deployment; a vLLM deployment only samples and loads "
-            "weights (deploy the policy with backend='torch' for training)"
-        )
+    trainer_hint = (
+        "it runs on a training deployment; a vLLM deployment only samples and loads weights "
+        "(deploy the policy with backend='torch' for training)"
+    )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_a_trainer("forward")
-
-    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_a_trainer("forward_backward")
-
-    def optim_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_a_trainer("optim_step")
-
-    def save_state(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_a_trainer("save_state")
 
     def publish_weights(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_a_trainer("publish_weights")
