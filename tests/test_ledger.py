@@ -201,6 +201,19 @@ def test_layout_search_space_and_bad_layouts():
     assert sharded[0].replicas_for(1) == 0 and sharded[0].replicas_for(2) == 1
     assert not any(x.sharded_rollout_only for x in layouts("multiplexed", 2))
     assert layouts("colocated", 1, [2]) == []
+    # Split with tensor-parallel rollout replicas where the degrees fit.
+    assert layouts("split", 3, [1], [2]) == [
+        Layout("split", 2, 1),
+        Layout("split", 3, 2),
+        Layout("split", 3, 1, tensor_parallel=2),
+    ]
+    # (a job training on two holds 2 + r * t workers: 3, 4 and 4 of them here)
+    assert layouts("split", 4, [2], [2]) == [
+        Layout("split", 2, 1),
+        Layout("split", 3, 2),
+        Layout("split", 3, 1, tensor_parallel=2),
+    ]
+    assert Layout("split", 5, 2, tensor_parallel=2).job_workers(1) == 5
     assert Layout("split", 2, 1).job_workers(3) == 4 and Layout("colocated", 2, 0, 2).group(1) == 2
     for bad in [
         ("colocated", 2, 0),
@@ -208,6 +221,8 @@ def test_layout_search_space_and_bad_layouts():
         ("multiplexed", 2, 0, 2),
         ("multiplexed", 2, 0, 1, True),
         ("split", 2, 1, 1, True),
+        ("colocated", 1, 0, 1, False, 2),
+        ("split", 2, 1, 1, False, 2),
         ("split", 3, 1, 1),
         ("split", 1, 1),
         ("split", 3, 3),
@@ -385,3 +400,12 @@ def test_training_memory_decides_the_smallest_group():
     }
     with pytest.raises(errors.ConfigError, match="countdown4"):
         smallest_groups(jobs, 120 * 2**20, 1)
+
+
+def test_tensor_parallel_degrees_of_the_standard_mix():
+    from plexrl_dask.rl.catalog import standard_jobs
+    from plexrl_dask.rl.modes import tensor_parallel_degrees
+
+    jobs = standard_jobs(4)  # 4 heads, 2 key-value heads each
+    assert tensor_parallel_degrees(jobs, 4) == [2]
+    assert tensor_parallel_degrees(jobs, 1) == []

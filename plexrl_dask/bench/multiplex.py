@@ -90,6 +90,7 @@ from plexrl_dask.rl.modes import (
     peak_tokens_per_second,
     run_mode,
     smallest_groups,
+    tensor_parallel_degrees,
     warm_start,
 )
 from plexrl_dask.rl.report import plot_run, reward_start_end
@@ -170,6 +171,7 @@ def main() -> None:
                 f"({specs_by_name(specs)[name].training_memory().total / 2**20:.0f} MiB on one)"
             )
     not_run = modes_not_run(args.workers, groups)
+    degrees = tensor_parallel_degrees(specs, args.workers)  # (split with TP rollout)
     for mode, why in not_run.items():
         console.print(f"{mode}: not run ({why})")
     settings = {"plexrl.worker.memory-budget": args.memory_budget}
@@ -200,7 +202,7 @@ def main() -> None:
         brackets: list[dict[str, dict[int, float]]] = []
         shares: list[float | None] = []
         for mode in MODES:
-            for layout in layouts(mode, args.workers, groups.values()):
+            for layout in layouts(mode, args.workers, groups.values(), degrees):
                 t0 = time.perf_counter()
                 here, detail, share = measure_peaks(runtime, specs, workers[0])
                 brackets.append(detail)

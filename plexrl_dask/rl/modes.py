@@ -36,7 +36,7 @@ from typing import Any
 
 from plexrl_dask import config
 from plexrl_dask.config import request_timeout
-from plexrl_dask.driver.runtime import Deployment, Runtime, result
+from plexrl_dask.driver.runtime import Deployment, Runtime, check_tensor_parallel, result
 from plexrl_dask.errors import ConfigError, RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
@@ -123,7 +123,8 @@ class Layout:
     :func:`run_mode`'s ``groups``). An isolated job holds its group and its rollout workers;
     ``workers`` is that for a job on ``train_ranks``. A colocated job samples on its whole
     training group (each rank its share of the streams on gathered weights); in a pool every
-    job trains on its smallest group."""
+    job trains on its smallest group. A split layout's rollout replicas may each span
+    ``tensor_parallel`` workers."""
 
     mode: str
     workers: int
@@ -132,6 +133,8 @@ class Layout:
     #: (multiplexed) Rollout replicas only for the jobs whose training spans several
     #: workers; the others sample from their policy.
     sharded_rollout_only: bool = False
+    #: (split) Each rollout replica over this many workers, tensor-parallel.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -142,9 +145,11 @@ class Layout:
         if self.mode == "colocated" and (self.rollout_replicas or self.workers != self.train_ranks):
             raise ConfigError(f"a colocated job samples on its training group: {self}")
         if split and (
-            self.rollout_replicas < 1 or self.workers != self.train_ranks + self.rollout_replicas
+            self.rollout_replicas < 1 or self.workers != self.job_workers(self.train_ranks)
         ):
             raise ConfigError(f"a split job holds its training group and its rollout: {self}")
+        if self.tensor_parallel < 1 or (self.tensor_parallel > 1 and not split):
+            raise ConfigError(f"a tensor-parallel rollout is a split layout's: {self}")
         if self.sharded_rollout_only and (self.mode != "multiplexed" or not self.rollout_replicas):
             raise ConfigError(f"rollout for sharded jobs only is a pool's, with replicas: {self}")
         if self.mode == "multiplexed" and (
@@ -165,7 +170,7 @@ class Layout:
 
     def job_workers(self, smallest: int) -> int:
         """What an isolated job whose training needs ``smallest`` workers holds."""
-        return self.group(smallest) + self.rollout_replicas
+        return self.group(smallest) + self.rollout_replicas * self.tensor_parallel
 
     @property
     def label(self) -> str:
@@ -186,14 +191,25 @@ class Layout:
                 )
             return f"multiplexed, pool of {self.workers}, {rollout}"
         train = "its training group" if self.train_ranks == 1 else f"{self.train_ranks}+ train"
+        if self.tensor_parallel > 1:
+            return (
+                f"{self.mode}, {train} + {self.rollout_replicas} rollout replica(s) of "
+                f"{self.tensor_parallel} workers (tensor-parallel) per job"
+            )
         return f"{self.mode}, {train} + {self.rollout_replicas} rollout worker(s) per job"
 
 
-def layouts(mode: str, max_workers: int, groups: Iterable[int] = ()) -> list[Layout]:
+def layouts(
+    mode: str,
+    max_workers: int,
+    groups: Iterable[int] = (),
+    tensor_parallel: Iterable[int] = (),
+) -> list[Layout]:
     """Every layout of ``mode`` on at most ``max_workers`` workers (the search space), for
-    jobs whose training needs ``groups`` workers each (default: one each). A layout that
-    does not fit one of the jobs is not offered: an isolated job holds its group (and its
-    rollout workers), a pool is at least as large as the largest group."""
+    jobs whose training needs ``groups`` workers each (default: one each) and whose models
+    split over each of ``tensor_parallel`` (degrees > 1; :func:`tensor_parallel_degrees`).
+    A layout that does not fit one of the jobs is not offered: an isolated job holds its
+    group and its rollout workers, a pool is at least as large as the largest group."""
     if max_workers < 1:
         raise ConfigError("the search needs at least one worker")
     if mode not in MODES:
@@ -207,7 +223,11 @@ def layouts(mode: str, max_workers: int, groups: Iterable[int] = ()) -> list[Lay
         # every job is the k = 1 layout again.
         return [Layout(mode, k, 0, k) for k in range(1, max_workers + 1) if k == 1 or k > sizes[0]]
     if mode in ("split", "split-async"):
-        return [Layout(mode, 1 + r, r) for r in range(1, max_workers - widest + 1)]
+        return [
+            Layout(mode, 1 + r * t, r, tensor_parallel=t)
+            for t in sorted({1, *tensor_parallel})
+            for r in range(1, (max_workers - widest) // t + 1)
+        ]
     pools = [Layout(mode, p, r) for p in range(widest, max_workers + 1) for r in range(p + 1)]
     if widest > 1:  # rollout sized apart from a sharded training group, only where there is one
         pools += [
@@ -216,6 +236,21 @@ def layouts(mode: str, max_workers: int, groups: Iterable[int] = ()) -> list[Lay
             for r in range(1, p + 1)
         ]
     return pools
+
+
+def tensor_parallel_degrees(specs: Sequence[JobSpec], max_workers: int) -> list[int]:
+    """The tensor-parallel degrees above 1, up to ``max_workers``, that every job's model
+    splits over (:func:`plexrl_dask.driver.runtime.check_tensor_parallel`'s rule) and every
+    job's rollout backend runs."""
+    out = []
+    for t in range(2, max_workers + 1):
+        try:
+            for s in specs:
+                check_tensor_parallel(s.model.hf_config(), "rollout", s.rollout_backend, 1, t)
+        except ConfigError:
+            continue
+        out.append(t)
+    return out
 
 
 def smallest_groups(specs: Sequence[JobSpec], budget: int, max_workers: int) -> dict[str, int]:
@@ -337,6 +372,7 @@ def _deployed(
                 backend=spec.rollout_backend,
                 workers=list(rollout_workers),
                 replicas=replicas,
+                tensor_parallel=layout.tensor_parallel,
             )
             if not resumed:
                 result(runtime.sync_weights(policy, rollout))
@@ -449,7 +485,7 @@ def run_mode(
     groups = {s.name: layout.group((groups or {}).get(s.name, 1)) for s in specs}
     needs = max(
         [layout.workers]
-        + [groups[s.name] + layout.rollout_replicas for s in specs if layout.mode in ISOLATED_MODES]
+        + [layout.job_workers(groups[s.name]) for s in specs if layout.mode in ISOLATED_MODES]
         + [groups[s.name] for s in specs]
     )
     if layout.mode == "multiplexed" and needs > layout.workers:
@@ -493,7 +529,7 @@ def run_mode(
                 layout,
                 starts[spec.name],
                 reserved[:k],
-                reserved[k : k + layout.rollout_replicas],
+                reserved[k : layout.job_workers(k)],
                 layout.rollout_replicas,
             ) as placed:
                 job = _job(placed, layout.mode, out_dir, ck_dir, checkpoint_every)
