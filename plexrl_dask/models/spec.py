@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # full garbage collection of its event loop walks them).
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HF_IMPORT = threading.Lock()
+# Each spec's modules on the meta device, built once per process (build_empty copies them).
+_FRAMES: dict[ModelSpec, Any] = {}
+_FRAMES_LOCK = threading.Lock()
 
 
 def hf(name: str) -> Any:
@@ -218,13 +221,20 @@ class ModelSpec:
         init runs, no weights are read): a frame for values copied in from elsewhere.
         Tensors a module keeps as plain attributes (not parameters or buffers) stay on the
         meta device; the caller copies those too."""
+        import copy
+
         import torch
 
-        with torch.device("meta"):
-            model = hf("AutoModelForCausalLM").from_config(
-                self.hf_config(), attn_implementation="sdpa"
-            )
-        model = model.to(dtype=self.torch_dtype).to_empty(device=device)
+        with _FRAMES_LOCK:
+            frame = _FRAMES.get(self)
+            if frame is None:  # (constructing the modules costs ~4x copying a built frame)
+                with torch.device("meta"):
+                    frame = hf("AutoModelForCausalLM").from_config(
+                        self.hf_config(), attn_implementation="sdpa"
+                    )
+                _FRAMES[self] = frame = frame.to(dtype=self.torch_dtype)
+            model = copy.deepcopy(frame)
+        model = model.to_empty(device=device)
         model.tie_weights()  # to_empty gives tied parameters separate storage
         return model
 
