@@ -364,6 +364,8 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
         runtime.deploy(unique("tp-3"), spec, role="rollout", tensor_parallel=3)
     with pytest.raises(errors.ConfigError, match="world_size"):
         runtime.deploy(unique("tp-train2"), spec, tensor_parallel=2)
+    with pytest.raises(errors.ConfigError, match="tensor_parallel"):
+        runtime.deploy(unique("tp-ws"), spec, role="rollout", world_size=2)
     with pytest.raises(errors.DeploymentDoesNotFit):
         runtime.deploy(unique("tp-wide"), spec, role="rollout", tensor_parallel=2, replicas=2)
     with pytest.raises(errors.OpNotSupported):

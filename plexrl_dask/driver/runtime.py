@@ -161,6 +161,11 @@ class Runtime:
         config.count("tensor_parallel", tensor_parallel)
         uid = uuid.uuid4().hex
         hf = model.hf_config()
+        if role == "rollout" and world_size != 1:
+            raise ConfigError(
+                "world_size shards a training deployment; split a rollout replica over "
+                "workers with tensor_parallel"
+            )
         if tensor_parallel > 1:
             check_tensor_parallel(hf, role, backend, world_size, tensor_parallel)
             world_size = tensor_parallel  # (a rollout replica's ranks: its TP shards)
