@@ -128,6 +128,8 @@ def test_the_main_job_on_a_cluster_without_plexrl_says_so(tmp_path):
             info["address"],
             "--workers",
             "1",
+            "--jobs",
+            "3",  # (countdown4 needs two workers at the default budget: its own error)
             "--scheduler-wait",
             "5",
         )
