@@ -44,7 +44,9 @@ cannot fit is read from NVMe where it is.
 closed writer and no write in progress refers to it: a write records every object it uses in
 its staging directory *before* looking it up or writing it, and collection checks an object's
 age again right before deleting it (see :meth:`StateStore.gc`). Eviction therefore frees
-exactly the victim's unshared bytes, and a victim that would free nothing is skipped.
+exactly the victim's unshared bytes, and a victim that would free nothing is skipped. A
+deletion unpublishes at once and leaves the collection to a thread of its own; a reservation
+that does not fit, and a status report, wait for it first.
 
 **Pins across manager deaths.** Each client also records its pins in
 ``<dram>/clients/<pid>.json`` at every change; a manager honours the records of live
@@ -70,7 +72,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +162,9 @@ class TierManager:
         self._prefetch_pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="plexrl-prefetch"
         )
+        # Collections that deletions asked for, one tier at a time (see _collect_soon).
+        self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-collect")
+        self._collections: dict[str, Future[Any]] = {}
 
     def store(self, tier: str) -> StateStore:
         return self.dram if tier == "dram" else self.nvme
@@ -199,6 +204,8 @@ class TierManager:
         for tier in tiers:
             if tier not in TIERS:
                 raise StateStoreError(f"unknown tier {tier!r}; tiers: {TIERS}")
+            if not self._fits(tier, nbytes):
+                self.settle(tier)  # the room a deletion is freeing right now counts
             if tier == "dram":
                 self._make_room(nbytes)
             with self._lock:
@@ -454,7 +461,9 @@ class TierManager:
         )
 
     def delete(self, model: str, version: int, tiers: list[str]) -> dict[str, bool]:
-        """Unpublish the version from ``tiers`` (refused while pinned) and collect."""
+        """Unpublish the version from ``tiers`` (refused while pinned) and collect those tiers
+        soon (:meth:`_collect_soon`): the version is gone when this returns, its unshared
+        objects a moment later."""
         key = (model, version)
         out = {}
         with self._move_lock(key):
@@ -467,11 +476,35 @@ class TierManager:
                     if out[tier]:
                         store.delete_version(model, version)
                 if out[tier]:
-                    self.collect(tier)
+                    self._collect_soon(tier)
         with self._lock:
             if not self.dram.has_version(model, version):
                 self.last_used.pop(key, None)
         return out
+
+    def _collect_soon(self, tier: str) -> None:
+        """Collect ``tier`` on the collector thread; one collection not yet started serves
+        every request made before it starts. A deletion so returns without waiting for the
+        walk of the tier and the freeing of its objects (a weight sync deletes the version
+        before the one it made, on its critical path, on both nodes); what reads the tier's
+        accounting waits for the collection first (:meth:`settle`)."""
+        with self._lock:
+            queued = self._collections.get(tier)
+            if queued is None or queued.running() or queued.done():
+                self._collections[tier] = self._collector.submit(self._collect_quietly, tier)
+
+    def _collect_quietly(self, tier: str) -> None:
+        try:
+            self.collect(tier)
+        except Exception:  # the tier's accounting stays high (the safe way) until the next one
+            logger.warning("collecting the %s tier failed", tier, exc_info=True)
+
+    def settle(self, tier: str) -> None:
+        """Wait until the collections that deletions asked for on ``tier`` are done."""
+        with self._lock:
+            queued = self._collections.get(tier)
+        if queued is not None:
+            queued.result()
 
     def collect(self, tier: str) -> dict[str, int]:
         """Garbage-collect ``tier`` now: nothing a version, a closed writer or a write in
@@ -505,7 +538,10 @@ class TierManager:
 
     def status(self) -> dict[str, Any]:
         """Per tier: capacity, bytes used and reserved, versions (with logical bytes, pins and
-        last use) and what dedup saves (logical bytes of all versions - stored bytes)."""
+        last use) and what dedup saves (logical bytes of all versions - stored bytes), once
+        the collections deletions asked for are done."""
+        for tier in TIERS:
+            self.settle(tier)
         tiers: dict[str, Any] = {}
         with self._lock:
             pins = {f"{m}/{v}": sum(c.values()) for (m, v), c in self.pins.items()}

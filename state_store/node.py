@@ -108,6 +108,15 @@ class StateConfig:
 
 
 @dataclass
+class _Hold:
+    """A pin of the manager that blocks of this process share (:meth:`NodeState.pinned`):
+    where the manager said the version is, and how many blocks are reading it."""
+
+    where: dict[str, Any]
+    count: int = 0
+
+
+@dataclass
 class Lease:
     """Room reserved on one tier for a write in progress."""
 
@@ -127,7 +136,8 @@ class NodeState:
         self._sock: socket.socket | None = None
         self._file: Any = None
         self._lock = threading.RLock()
-        self._pins: Counter[tuple[str, int]] = Counter()
+        self._pins: Counter[tuple[str, int]] = Counter()  # the manager's pins this holds
+        self._holds: dict[tuple[str, int], _Hold] = {}  # the pins reading blocks share
         self._leases: dict[str, Lease] = {}
         self._stores: dict[str, StateStore] = {}
         self.node_id = self.cfg.manager.node_id
@@ -446,7 +456,7 @@ class NodeState:
     def import_version(
         self,
         manifest: Manifest,
-        fetch: Callable[[list[str]], Mapping[str, bytes]],
+        fetch: Callable[[list[str]], Mapping[str, bytes | memoryview]],
         tiers: tuple[str, ...] = ("dram",),
     ) -> tuple[str, int]:
         """Publish the version ``manifest`` describes on this node (the first of ``tiers``
@@ -478,21 +488,38 @@ class NodeState:
         self, model: str, version: int, promote: bool = True
     ) -> Iterator[tuple[StateStore, dict[str, Any]]]:
         """The store holding the version, kept there while the block reads it (promoted to
-        DRAM first when ``promote`` and it fits). Yields ``(store, {"tier", "source"})``."""
-        where = self.call("pin", model=model, version=int(version), promote=promote)
+        DRAM first when ``promote`` and it fits). Yields ``(store, {"tier", "source"})``.
+
+        Blocks of this process that read one version at the same time share one pin of the
+        manager, released when the last of them ends (a node serving a version to another
+        node reads it in several requests at once: each used to pin and unpin it through the
+        one connection, one after the other); a block that wants the version promoted while
+        the shared pin found it on NVMe pins it anew."""
+        key = (model, int(version))
         with self._lock:
-            self._pins[(model, int(version))] += 1
-            self._record()
+            hold = self._holds.get(key)
+            if hold is None or (promote and hold.where["tier"] != "dram"):
+                where = self.call("pin", model=model, version=int(version), promote=promote)
+                hold = self._holds[key] = _Hold(where)
+                self._pins[key] += 1
+                self._record()
+            hold.count += 1
         try:
-            yield self.store(where["tier"]), where
+            yield self.store(hold.where["tier"]), hold.where
         finally:
             with self._lock:
-                self._pins[(model, int(version))] -= 1
-                if self._pins[(model, int(version))] <= 0:
-                    del self._pins[(model, int(version))]
-                self._record()
-            with contextlib.suppress(ManagerUnavailable):
-                self.call("unpin", model=model, version=int(version))
+                hold.count -= 1
+                last = hold.count == 0
+                if last:
+                    if self._holds.get(key) is hold:
+                        del self._holds[key]
+                    self._pins[key] -= 1
+                    if self._pins[key] <= 0:
+                        del self._pins[key]
+                    self._record()
+            if last:
+                with contextlib.suppress(ManagerUnavailable):
+                    self.call("unpin", model=model, version=int(version))
 
     def read_all(
         self, model: str, version: int, promote: bool = True

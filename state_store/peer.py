@@ -2,8 +2,9 @@
 
 A node's tiers are local directories, so a version published on node A (a trainer's weights)
 is not visible on node B (a rollout replica's). B gets it by **importing** it: one process of B
-asks a worker of A for the version's manifest, then for the objects B's tier lacks, in batches,
-and publishes the version in its own DRAM tier (:meth:`StateStore.import_version`). So:
+asks a worker of A for the version's manifest, then for the objects B's tier lacks, in batches
+(several in flight while those that arrived are written), and publishes the version in its own
+DRAM tier (:meth:`StateStore.import_version`). So:
 
 - only bytes B does not hold cross the network: tensors unchanged since the last version B
   imported (frozen layers, a reference model's weights) are deduplicated, not sent again;
@@ -15,7 +16,8 @@ and publishes the version in its own DRAM tier (:meth:`StateStore.import_version
 
 The serving side is two worker handlers (:data:`MANIFEST_HANDLER`, :data:`OBJECTS_HANDLER`),
 added by the PlexRL worker plugin to GPU workers. They read with the version pinned on the
-serving node (its manager neither evicts nor collects it meanwhile) and answer status dicts:
+serving node (its manager neither evicts nor collects it meanwhile), objects of a memory tier
+as views of their files (sent from the tier's pages, not copied first), and answer status dicts:
 ``{"status": "OK", ...}`` or ``{"status": "error", "error": <PlexRL error name>, "message": ...}``.
 Every call is bounded by ``plexrl.state.transfer-timeout``.
 """
@@ -68,8 +70,10 @@ def serve_manifest(node: NodeState, model: str, version: int) -> dict[str, Any]:
 
 def serve_objects(node: NodeState, model: str, version: int, digests: list[str]) -> dict[str, Any]:
     """The objects ``digests`` of ``model`` ``version`` on this node, each verified, as a
-    status dict (``objects``: digest -> bytes). Only digests of that version are served: a
-    peer cannot read objects of versions it was not given."""
+    status dict (``objects``: digest -> bytes, or a read-only view of the object's file mapped
+    from a memory tier: sent from the tier's own pages, with no copy in this process; it stays
+    valid after the pin is released, objects being immutable). Only digests of that version
+    are served: a peer cannot read objects of versions it was not given."""
     try:
         check_model(model), check_version(version)
         with node.pinned(model, version) as (store, _):
@@ -80,7 +84,7 @@ def serve_objects(node: NodeState, model: str, version: int, digests: list[str])
                     f"{model!r} v{version} has no objects {stray[:3]} ({len(stray)} asked for)"
                 )
             what = f"{model!r} v{version} (served to a peer)"
-            return {"status": "OK", "objects": {d: store.objects.get(d, what) for d in digests}}
+            return {"status": "OK", "objects": {d: store.objects.share(d, what) for d in digests}}
     except Exception as e:
         return _error(e)
 
@@ -151,7 +155,7 @@ def pull_version(
             call(MANIFEST_HANDLER, model=model, version=version)["manifest"]
         )
 
-        def fetch(digests: list[str]) -> Mapping[str, bytes]:
+        def fetch(digests: list[str]) -> Mapping[str, bytes | memoryview]:
             return call(OBJECTS_HANDLER, model=model, version=version, digests=digests)["objects"]
 
         t0 = time.perf_counter()

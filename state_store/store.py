@@ -30,7 +30,8 @@ one (:class:`VersionConflict`).
 
 **Reads** go through Zarr's layout (:mod:`~plexrl_dask.state_store.zarr_layout`): a region of a
 tensor fetches exactly the chunks it overlaps, and every fetched chunk is checked against its
-digest (:class:`CorruptState` names the tensor).
+digest (:class:`CorruptState` names the tensor); from a memory tier all of them are checked
+before any is copied out.
 
 This module: :class:`StateStore` (publish and commit, reads, imports and tier copies,
 collection).
@@ -48,7 +49,9 @@ import os
 import shutil
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,7 @@ from plexrl_dask.state_store.objects import (
     Objects,
     _fsync_dir,
     _io_pool,
+    _object_files,
     _run_fetches,
     _scratch,
     _syncfs,
@@ -103,8 +107,16 @@ logger = logging.getLogger(__name__)
 MARKER = "plexrl-store.json"
 FORMAT = 1
 
-#: How many object bytes one request of an import asks its source for.
-IMPORT_BATCH_BYTES = 64 << 20
+#: How many object bytes one request of an import asks its source for: small enough that
+#: the transfers of the next batches overlap the storing of one (64 MiB batches, two at a
+#: time, left a 126 MB import nothing to overlap) and that Dask (de)serializes a reply on its
+#: event loop rather than handing it to a thread (above 10 MiB), large enough that the
+#: per-request round trip stays a small part of it.
+IMPORT_BATCH_BYTES = 8 << 20
+#: Requests an import keeps in flight while it stores what arrived.
+IMPORT_AHEAD = 4
+#: Batches an import stores at once (on the I/O threads).
+IMPORT_STORING = 2
 #: Bound on waiting for a store's collection lock (a collection walks every object once).
 _COLLECTION_LOCK_TIMEOUT_S = 120.0
 
@@ -485,9 +497,12 @@ class StateStore:
         only the chunks the region overlaps are fetched, each checked against its digest.
         ``shape``/``dtype``: what the caller expects of the whole tensor (else
         :class:`StateMismatch`). ``out``: a contiguous CPU tensor of the region's shape and
-        the tensor's dtype to read into (e.g. a pinned buffer); it is returned."""
-        fetches, result = self._plan_read(model, version, name, region, shape, dtype, out)
-        _run_fetches(fetches, self.durable)
+        the tensor's dtype to read into (e.g. a pinned buffer); it is returned. From a memory
+        tier, nothing lands in ``out`` unless every chunk was found intact (see
+        :meth:`read_many`)."""
+        manifest = self.manifest(model, version)
+        fetches, result = self._plan_read(manifest, name, region, shape, dtype, out)
+        self._run_reads(fetches)
         return result()
 
     def read_many(
@@ -499,26 +514,40 @@ class StateStore:
     ) -> dict[str, torch.Tensor]:
         """Several tensors (or regions) of one version at once: every chunk of every tensor
         shares the I/O threads (no wait between tensors). ``out``: tensors to read into, by
-        name (as :meth:`read`'s ``out``)."""
+        name (as :meth:`read`'s ``out``).
+
+        From a memory tier (``durable=False``) every chunk is mapped and checked before any
+        is copied, so a corrupt or missing chunk raises with nothing written to ``out``: a
+        caller may read straight into live tensors. From a disk tier chunks land and are
+        checked one by one (straight into the output, without a buffer between), so ``out``
+        may be partly written when one of them fails."""
+        manifest = self.manifest(model, version)  # (once: every tensor's entry is in it)
         plans = [
-            self._plan_read(model, version, name, region, None, None, (out or {}).get(name))
+            self._plan_read(manifest, name, region, None, None, (out or {}).get(name))
             for name, region in regions.items()
         ]
-        _run_fetches([f for fetches, _ in plans for f in fetches], self.durable)
+        self._run_reads([f for fetches, _ in plans for f in fetches])
         return {name: result() for name, (_, result) in zip(regions, plans, strict=True)}
+
+    def _run_reads(self, fetches: list[Callable[[], Callable[[], None] | None]]) -> None:
+        """Run the chunk fetches of :meth:`_plan_read` on the I/O threads, then the copies
+        into place that they return (all of them checked by then)."""
+        places = [p for p in _run_fetches(fetches, self.durable) if p is not None]
+        _run_fetches(places, disk=False)
 
     def _plan_read(
         self,
-        model: str,
-        version: int,
+        manifest: Manifest,
         name: str,
         region: tuple[slice, ...] | None,
         shape: tuple[int, ...] | None,
         dtype: torch.dtype | None,
         out: torch.Tensor | None,
-    ) -> tuple[list[Callable[[], None]], Callable[[], torch.Tensor]]:
-        """The chunk fetches of one read (to run on the I/O threads) and its result."""
-        manifest = self.manifest(model, version)
+    ) -> tuple[list[Callable[[], Callable[[], None] | None]], Callable[[], torch.Tensor]]:
+        """The chunk fetches of one read (to run on the I/O threads) and its result. A fetch
+        reads and checks one chunk, and returns the copy that puts it into place (None when
+        it read it there itself)."""
+        model, version = manifest.model, manifest.version
         entry = manifest.tensors.get(check_name(name))
         if entry is None:
             raise TensorNotFound(
@@ -552,13 +581,36 @@ class StateStore:
             dst_array = to_storage(out)  # a view: reads land in ``out``
         chunk_bytes = int(np.prod(entry.chunks, dtype=np.int64)) * storage.itemsize
 
-        def fetch(idx: tuple[int, ...]) -> None:
+        def overlap(origin: list[int]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+            """The part of the chunk at ``origin`` the read wants, and where it goes."""
+            src = tuple(
+                slice(max(a, o) - o, min(b, o + c) - o)
+                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
+            )
+            dst = tuple(
+                slice(max(a, o) - a, min(b, o + c) - a)
+                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
+            )
+            return src, dst
+
+        def fetch(idx: tuple[int, ...]) -> Callable[[], None] | None:
             key = "/".join(("c", *map(str, idx)))
             digest = entry.chunk_digests.get(key)
             what = f"tensor {name!r} of {model!r} v{version}, chunk {key}"
             if digest is None:
                 raise CorruptState(f"{what}: not in the manifest")
             origin = [i * c for i, c in zip(idx, entry.chunks, strict=True)]
+            if not self.durable:
+                # A memory tier: the object's own pages, mapped and checked now, copied into
+                # place once every chunk of the read has been checked.
+                view = self.objects.view(digest, what, chunk_bytes)
+                src, dst = overlap(origin)
+
+                def place() -> None:
+                    chunk = np.frombuffer(view, dtype=storage).reshape(entry.chunks)
+                    dst_array[dst] = chunk[src]
+
+                return place
             whole = all(
                 a <= o and o + c <= b
                 for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
@@ -572,21 +624,14 @@ class StateStore:
                 ]
                 if dst_view.flags.c_contiguous:  # straight into the output, no second copy
                     self.objects.get_into(digest, what, memoryview(dst_view).cast("B"))
-                    return
+                    return None
             # Into a warm per-thread buffer, checked there, then copied into place (reading
             # straight into the output's rows with one readv measured slower).
             raw = _scratch(chunk_bytes)
             self.objects.get_into(digest, what, memoryview(raw))
-            chunk = raw.view(storage).reshape(entry.chunks)
-            src = tuple(
-                slice(max(a, o) - o, min(b, o + c) - o)
-                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
-            )
-            dst = tuple(
-                slice(max(a, o) - a, min(b, o + c) - a)
-                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
-            )
-            dst_array[dst] = chunk[src]
+            src, dst = overlap(origin)
+            dst_array[dst] = raw.view(storage).reshape(entry.chunks)[src]
+            return None
 
         # Zarr's on-disk layout (regular grid, edge chunks padded, raw little-endian bytes), read
         # without its per-chunk asyncio pipeline.
@@ -626,21 +671,23 @@ class StateStore:
         what = f"{model!r} v{version} (copy to {self.root})"
         return self.import_version(
             src.manifest(model, version),
-            lambda digests: {d: src.objects.get(d, what) for d in digests},
+            lambda digests: {d: src.objects.share(d, what) for d in digests},
         )
 
     def import_version(
         self,
         manifest: Manifest,
-        fetch: Callable[[list[str]], Mapping[str, bytes]],
+        fetch: Callable[[list[str]], Mapping[str, bytes | memoryview]],
         batch_bytes: int = IMPORT_BATCH_BYTES,
     ) -> int:
         """Publish the version ``manifest`` describes, taking the objects this store lacks from
         ``fetch`` (a list of digests -> their bytes; another tier, another node's store). They
         are asked for in batches of about ``batch_bytes``, in the order the tensors list them,
-        and each is checked against its digest on arrival (:class:`CorruptState` naming it
-        otherwise, and nothing is published); the version appears atomically like any publish.
-        Returns the bytes fetched (0: the version was already here)."""
+        :data:`IMPORT_AHEAD` of them in flight while those that arrived are stored (the
+        transfers overlap the writes), and each is checked against its digest on arrival
+        (:class:`CorruptState` naming it otherwise, and nothing is published); the version
+        appears atomically like any publish. Returns the bytes fetched (0: the version was
+        already here)."""
         model, version = manifest.model, manifest.version
         if self.has_version(model, version):
             return 0
@@ -656,15 +703,7 @@ class StateStore:
                 sizes.setdefault(digest, nbytes)
         what = f"{model!r} v{version} (import to {self.root})"
 
-        def lacking(digest: str) -> bool:
-            touched(digest)  # (before looking: see Objects.put)
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(self.objects.path(digest))
-                return False
-            return True
-
-        def store_batch(batch: list[str]) -> int:
-            got = fetch(batch)
+        def store_batch(batch: list[str], got: Mapping[str, bytes | memoryview]) -> int:
             total = 0
             for digest in batch:
                 data = got.get(digest)
@@ -679,7 +718,8 @@ class StateStore:
             return total
 
         try:
-            missing = [d for d in sizes if lacking(d)]
+            touched.many(sizes)  # (before looking: see Objects.put)
+            missing = [d for d in sizes if not self.objects.refresh(d)]
             batches: list[list[str]] = []
             size = batch_bytes
             for digest in missing:
@@ -688,14 +728,37 @@ class StateStore:
                     size = 0
                 batches[-1].append(digest)
                 size += sizes[digest]
-            # Batches in flight together: the next is fetched while the last is stored.
-            fetched = sum(_io_pool().map(store_batch, batches))
-            for name, entry in manifest.tensors.items():
-                _ensure_array_metadata(
-                    staging / "arrays", name, entry.shape, entry.dtype, entry.chunks
+            # Threads of their own for the requests, which mostly wait on the source; the
+            # batches that arrived are stored on the I/O threads meanwhile, a few at a time
+            # (each holds its bytes until it is stored).
+            requests = ThreadPoolExecutor(IMPORT_AHEAD, thread_name_prefix="plexrl-import")
+            storing: deque[Future[int]] = deque()
+            try:
+                todo = iter(batches)
+                ahead = deque(
+                    (b, requests.submit(fetch, b)) for b in itertools.islice(todo, IMPORT_AHEAD)
                 )
-            staging.mkdir(parents=True, exist_ok=True)
-            _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
+                # The version's metadata while the first batches are on their way.
+                for name, entry in manifest.tensors.items():
+                    _ensure_array_metadata(
+                        staging / "arrays", name, entry.shape, entry.dtype, entry.chunks
+                    )
+                staging.mkdir(parents=True, exist_ok=True)
+                _write_file(staging / "manifest.json", manifest.to_json().encode(), self.durable)
+                fetched = 0
+                while ahead:
+                    batch, arriving = ahead.popleft()
+                    got = arriving.result()
+                    ahead.extend((b, requests.submit(fetch, b)) for b in itertools.islice(todo, 1))
+                    storing.append(_io_pool().submit(store_batch, batch, got))
+                    if len(storing) > IMPORT_STORING:
+                        fetched += storing.popleft().result()
+                while storing:
+                    fetched += storing.popleft().result()
+            finally:
+                # After a failure: no more requests, and no store left writing behind it.
+                requests.shutdown(cancel_futures=True)
+                wait([f for f in storing if not f.cancel()])
             touched.close()
             with self._collection_lock(shared=True):
                 self._settle(staging)
@@ -783,17 +846,19 @@ class StateStore:
         with self._collection_lock(shared=False):
             live = self.live_digests(staging_grace_s=staging_grace_s)
             doomed: list[tuple[Path, Path, int]] = []
-            for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
+            for file in _object_files(objects_root):
                 try:
-                    st = path.stat()
+                    st = file.stat()
                 except FileNotFoundError:
                     continue
-                if path.name.startswith("."):
+                if file.name.startswith("."):
                     if now - st.st_mtime > staging_grace_s:
-                        path.unlink(missing_ok=True)  # a temporary of a crashed writer
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(file.path)  # a temporary of a crashed writer
                     continue
-                if path.name in live or st.st_mtime >= keep_after:
+                if file.name in live or st.st_mtime >= keep_after:
                     continue
+                path = Path(file.path)
                 aside = path.with_name(f".gc-{path.name}-{uuid.uuid4().hex[:8]}")
                 with contextlib.suppress(FileNotFoundError):
                     os.rename(path, aside)
@@ -808,13 +873,8 @@ class StateStore:
                     freed += size
                     deleted += 1
                 aside.unlink(missing_ok=True)
-            kept = 0
-            for path in objects_root.glob("*/*") if objects_root.is_dir() else ():
-                if not path.name.startswith("."):
-                    with contextlib.suppress(FileNotFoundError):
-                        kept += path.stat().st_size
-            with self.objects._lock:
-                self.objects._used = kept  # a full walk: exact again, whoever wrote meanwhile
+            # A full walk: exact again, whoever wrote meanwhile.
+            kept = self.objects.scan_bytes()
         return {
             "objects_deleted": deleted,
             "bytes_freed": freed,

@@ -15,7 +15,7 @@ import json
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,8 +73,12 @@ class _Touched:
         self._lock = threading.Lock()
 
     def __call__(self, digest: str) -> None:
+        self.many((digest,))
+
+    def many(self, digests: Iterable[str]) -> None:
+        """Record ``digests`` at once (one write)."""
         with self._lock:
-            self._file.write(digest + "\n")
+            self._file.write("".join(d + "\n" for d in digests))
             self._file.flush()
 
     def close(self) -> None:

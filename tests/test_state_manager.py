@@ -452,6 +452,25 @@ def test_lru_eviction_promotion_pins_and_prefetch(tiers):
 # --- a manager killed under its clients ---------------------------------------------------------
 
 
+def test_blocks_reading_one_version_at_once_share_one_pin(tiers):
+    node = NodeState(tiers())
+    node.publish("m", 0, make_tensors(11))
+
+    def pins() -> int:
+        versions = node.status()["tiers"]["dram"]["versions"]
+        return {(v["model"], v["version"]): v["pins"] for v in versions}[("m", 0)]
+
+    with node.pinned("m", 0) as (_, outer):
+        with node.pinned("m", 0) as (_, inner):
+            assert inner == outer and pins() == 1  # one pin of the manager for both
+        # The inner block's end released nothing: the version is still pinned.
+        assert pins() == 1
+        with pytest.raises(errors.StateStoreError, match="being read"):
+            node.delete("m", 0)
+    assert pins() == 0
+    assert node.delete("m", 0)["dram"]
+
+
 def test_killed_manager_is_replaced_and_pins_are_registered_again(tiers, client_processes):
     cfg = tiers(dram_capacity=8 * MiB)
     other = client_processes(cfg)  # imports while this process starts the manager

@@ -23,6 +23,14 @@ def store(tmp_path):
     return StateStore(tmp_path / "store", create=True, durable=True, chunk_bytes=4 * KB)
 
 
+@pytest.fixture(params=["disk", "memory"])
+def any_store(request, tmp_path):
+    """A store of each kind of tier: reads from a disk tier and from a memory tier (mapped)
+    take different paths."""
+    durable = request.param == "disk"
+    return StateStore(tmp_path / "store", create=True, durable=durable, chunk_bytes=4 * KB)
+
+
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
@@ -264,7 +272,8 @@ def test_a_durable_publish_flushes_what_it_names_before_it_is_visible(store, mon
         assert_bit_equal(StateStore(store.root).read("m", 0, name), t)
 
 
-def test_corrupted_chunk_is_a_typed_error_naming_the_tensor(store):
+def test_corrupted_chunk_is_a_typed_error_naming_the_tensor(any_store):
+    store = any_store
     store.publish("m", 0, {"w": torch.randn(32, 32)})
     digest = next(iter(store.manifest("m", 0).tensors["w"].chunk_digests.values()))
     path = store.objects.path(digest)
@@ -272,10 +281,29 @@ def test_corrupted_chunk_is_a_typed_error_naming_the_tensor(store):
     data[0] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(errors.CorruptState, match="'w'"):
-        StateStore(store.root).read("m", 0, "w")
+        StateStore(store.root, durable=store.durable).read("m", 0, "w")
     path.unlink()
     with pytest.raises(errors.CorruptState, match="missing"):
-        StateStore(store.root).read("m", 0, "w")
+        StateStore(store.root, durable=store.durable).read("m", 0, "w")
+
+
+def test_a_memory_tier_read_into_tensors_writes_nothing_unless_every_chunk_is_intact(tmp_path):
+    store = StateStore(tmp_path / "dram", create=True, durable=False, chunk_bytes=4 * KB)
+    g = torch.Generator().manual_seed(3)
+    ts = {"a": torch.randn(64, 48, generator=g), "b": torch.randn(64, 48, generator=g)}
+    store.publish("m", 0, ts)
+    digests = store.manifest("m", 0).tensors["b"].chunk_digests
+    path = store.objects.path(digests[max(digests)])  # the last chunk read
+    intact = path.read_bytes()
+    path.write_bytes(bytes([intact[0] ^ 1]) + intact[1:])
+    out = {name: torch.zeros_like(t) for name, t in ts.items()}
+    with pytest.raises(errors.CorruptState, match="'b'"):
+        store.read_many("m", 0, dict.fromkeys(ts), out=out)
+    assert not any(t.any() for t in out.values())  # not even the intact chunks landed
+    path.write_bytes(intact)
+    got = store.read_many("m", 0, {"a": None, "b": (slice(8, 64),)}, out={"a": out["a"]})
+    assert got["a"] is out["a"] and torch.equal(out["a"], ts["a"])
+    assert torch.equal(got["b"], ts["b"][8:])
 
 
 def test_missing_and_mismatched_reads(store):
@@ -377,7 +405,8 @@ def test_byte_ranges_of_a_chunk_follow_zarrs_requests():
     assert _byte_range(data, SuffixByteRequest(0)) == b""
 
 
-def test_the_fast_read_path_equals_zarrs_own_reads(store):
+def test_the_fast_read_path_equals_zarrs_own_reads(any_store):
+    store = any_store
     g = torch.Generator().manual_seed(5)
     ts = {
         "a": torch.randn(70, 36, generator=g),  # edge chunks padded on both dims

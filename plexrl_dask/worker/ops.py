@@ -404,12 +404,14 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
         backend._checked(
             fetch, WeightsMismatch("another rank of this deployment could not import the weights")
         )
+        with node.pinned(model, version, promote=True) as (store, _):
+            loaded = backend.load_weights(StoreCheckpoint(store, model, version))
         if not here:
             # The version before this one stayed until now: its objects deduplicated the
-            # import (unchanged tensors did not cross the network again).
+            # import (unchanged tensors did not cross the network again). Dropped after the
+            # load, so that collecting its objects does not compete with the load.
             _drop_older(node, model, version)
-        with node.pinned(model, version, promote=True) as (store, _):
-            return backend.load_weights(StoreCheckpoint(store, model, version))
+        return loaded
 
     return _run(deployment, "load_weights", call)
 

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from plexrl_dask.errors import CheckpointIncompatible, CheckpointIncomplete, CheckpointNotFound
-from plexrl_dask.state_store.keys import ROW_SPLITS, split_dims_from_tp_plan
+from plexrl_dask.state_store.keys import DTYPES, ROW_SPLITS, split_dims_from_tp_plan
 from plexrl_dask.state_store.store import StateStore, VersionWriter
 
 META_FILE = "plexrl.json"
@@ -368,7 +368,8 @@ def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict
 def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, version: int) -> None:
     """Load parameters (and the optimizer's moments, if ``optimizer``) reading only this
     rank's shard regions from the store (zero-redundancy resharding from any layout), all
-    in one batch of chunk reads."""
+    in one batch of chunk reads. A read that fails (a corrupt chunk) changes nothing."""
+    from torch.autograd.graph import increment_version
     from torch.distributed.tensor import DTensor
 
     store, name = ckpt.store, ckpt.model
@@ -392,11 +393,29 @@ def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, ve
             empty[key] = torch.empty(tuple(_local(p).shape), dtype=p.dtype)  # an empty shard
         else:
             regions[key] = region
-    got = {**store.read_many(name, version, regions), **empty}
+    # Parameters in host memory are read straight into place when the store checks every
+    # chunk before it copies any (a memory tier: see StateStore.read_many), so a corrupt
+    # version still leaves the model as it was. Others are read into new tensors first.
+    direct: dict[str, torch.Tensor] = {}
+    if not store.durable:
+        for n, p in params.items():
+            key, local = f"model/{n}", _local(p.detach())
+            if (
+                key in regions
+                and local.device.type == "cpu"
+                and local.is_contiguous()
+                and local.dtype == DTYPES[stored[key].dtype][0]
+            ):
+                direct[key] = local
+    got = {**store.read_many(name, version, regions, out=direct), **empty}
 
     with torch.no_grad():
         for n, p in params.items():
-            _local(p).copy_(got[f"model/{n}"].to(p.device, p.dtype))
+            if f"model/{n}" not in direct:
+                _local(p).copy_(got[f"model/{n}"].to(p.device, p.dtype))
+        for local in direct.values():
+            # (written through numpy, which autograd does not see: an in-place write, as copy_)
+            increment_version(local)
         if optimizer is None:
             return
         for n, p in params.items():
