@@ -50,7 +50,7 @@ import shutil
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -98,7 +98,6 @@ from plexrl_dask.state_store.zarr_layout import _byte_range as _byte_range  # re
 from plexrl_dask.state_store.zarr_layout import (
     _chunk_keys,
     _ensure_array_metadata,
-    _open_or_create_array,
     _VersionZarrStore,
 )
 
@@ -155,6 +154,44 @@ def _check_fragments_cover(
             raise PublishIncomplete(
                 f"tensor {name!r} of {what}: {int((~mask).sum())} elements of chunk {key} were written by no writer"
             )
+
+
+def _assembled_chunks(
+    staging: Path, tensors: dict[str, dict[str, Any]], fragments: list[dict[str, Any]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Each chunk that ``fragments`` cover, assembled from their files: ``(key, chunk)`` laid
+    out as Zarr stores a chunk (C order, padded past the array's edge with the fill value 0),
+    one chunk in memory at a time. The fragments cover each of these chunks completely and
+    no writer wrote one whole (:func:`_check_fragments_cover`), so nothing is read back.
+
+    (The commit used to write fragments through Zarr, a read-modify-write per fragment on
+    Zarr's event loop: ~4 ms each, most of a small model's FSDP publish.)"""
+    by_chunk: dict[tuple[str, tuple[int, ...]], list[dict[str, Any]]] = {}
+    for frag in fragments:
+        chunks = tensors[frag["name"]]["chunks"]
+        spans = [
+            range(a // c, -(-b // c)) for (a, b), c in zip(frag["region"], chunks, strict=True)
+        ]
+        for idx in itertools.product(*spans):
+            by_chunk.setdefault((frag["name"], idx), []).append(frag)
+    for (name, idx), frags in by_chunk.items():
+        t = tensors[name]
+        chunks = tuple(t["chunks"])
+        origin = [i * c for i, c in zip(idx, chunks, strict=True)]
+        chunk = np.zeros(chunks, dtype=DTYPES[t["dtype"]][1])
+        for frag in frags:
+            region = [tuple(r) for r in frag["region"]]
+            lo = [max(a, o) for (a, _), o in zip(region, origin, strict=True)]
+            hi = [min(b, o + c) for (_, b), o, c in zip(region, origin, chunks, strict=True)]
+            shape = [b - a for a, b in region]
+            # (mapped: a fragment across several chunks is read once per chunk, in part)
+            data = np.memmap(staging / frag["file"], dtype=chunk.dtype, mode="r", shape=shape)
+            chunk[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin, strict=True))] = (
+                data[
+                    tuple(slice(a - r, b - r) for a, b, (r, _) in zip(lo, hi, region, strict=True))
+                ]
+            )
+        yield "/".join((name, "c", *map(str, idx))), chunk
 
 
 def _last_activity(staging: Path) -> float:
@@ -359,20 +396,10 @@ class StateStore:
     ) -> Manifest:
         touched = _Touched(staging / "touched" / f"commit-{uuid.uuid4().hex}")
         pending = staging / "pending" if self.durable else None
-        zstore = _VersionZarrStore(
-            staging / "arrays",
-            self.objects,
-            pointers,
-            read_only=False,
-            touch=touched,
-            pending=pending,
-        )
-        for frag in fragments:  # sequential read-modify-write of the shared boundary chunks
-            t = tensors[frag["name"]]
-            arr = _open_or_create_array(
-                zstore, frag["name"], tuple(t["shape"]), t["dtype"], tuple(t["chunks"])
+        for key, chunk in _assembled_chunks(staging, tensors, fragments):
+            pointers[key] = self.objects.put(
+                memoryview(chunk).cast("B"), touch=touched, pending=pending
             )
-            arr[tuple(slice(a, b) for a, b in frag["region"])] = np.load(staging / frag["file"])
         entries = {}
         for name, t in tensors.items():
             shape, chunks = tuple(t["shape"]), tuple(t["chunks"])

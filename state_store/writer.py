@@ -86,6 +86,10 @@ class _Touched:
             self._file.close()
 
 
+def _write_raw(path: Path, block: np.ndarray) -> None:
+    np.ascontiguousarray(block).tofile(path)
+
+
 class VersionWriter:
     """One writer's part of a publish (one process or rank); see :meth:`StateStore.writer`."""
 
@@ -220,9 +224,13 @@ class VersionWriter:
             ):
                 continue
             sl = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(box, bounds, strict=True))
-            path = self.staging / "fragments" / self.id / f"{len(self.fragments)}.npy"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(path, np.ascontiguousarray(data[sl]))
+            folder = self.staging / "fragments" / self.id
+            if not self.fragments:
+                folder.mkdir(parents=True, exist_ok=True)
+            # Raw C-order bytes (the commit knows the shape and dtype), on an I/O thread.
+            path = folder / f"{len(self.fragments)}.bin"
+            block = data[sl]
+            self._submit(block.nbytes, _write_raw, path, block)
             self.fragments.append(
                 {
                     "name": name,

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
 from zarr.abc.store import (
     ByteRequest,
     OffsetByteRequest,
@@ -162,12 +161,6 @@ class _VersionZarrStore(Store):
                 yield head
 
 
-#: Zarr's array config is not stored with the array (and open_array ignores one): every open
-#: for writing must say that a chunk equal to the fill value (an all-zero bias) is stored, not
-#: deleted, or the commit would find that chunk missing.
-_WRITE_CONFIG = {"write_empty_chunks": True}
-
-
 def _array_metadata(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]) -> dict[str, Any]:
     """The Zarr v3 metadata of a tensor's array, as Zarr itself writes it for our arrays
     (raw little-endian bytes, no compression, regular grid, fill value 0)."""
@@ -236,40 +229,6 @@ def _ensure_array_metadata(
             f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "
             f"it as {tuple(existing['shape'])} {existing['attributes'].get('logical_dtype')}"
         )
-
-
-def _open_or_create_array(
-    store: _VersionZarrStore, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...]
-) -> Any:
-    """The array ``name`` of a publish, created on first use (writers of one publish create
-    identical metadata; the first to write it wins)."""
-    storage = DTYPES[dtype][1]
-    arr = None
-    if (store.meta_root / name / "zarr.json").is_file():
-        arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_CONFIG)
-    else:
-        try:
-            arr = zarr.create_array(
-                store=store,
-                name=name,
-                shape=shape,
-                chunks=chunks,
-                dtype=storage,
-                fill_value=False if storage == "bool" else 0,
-                compressors=None,
-                filters=None,
-                attributes={"logical_dtype": dtype},
-                config=_WRITE_CONFIG,
-                overwrite=False,
-            )
-        except zarr.errors.ContainsArrayError:
-            arr = zarr.open_array(store=store, path=name, mode="r+").with_config(_WRITE_CONFIG)
-    if tuple(arr.shape) != tuple(shape) or arr.attrs.get("logical_dtype") != dtype:
-        raise StateMismatch(
-            f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "
-            f"it as {tuple(arr.shape)} {arr.attrs.get('logical_dtype')}"
-        )
-    return arr
 
 
 def _chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[str]:
