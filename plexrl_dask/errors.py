@@ -111,6 +111,11 @@ class InvalidSamplingParams(RequestError, ValueError):
     """Sampling parameters are out of range."""
 
 
+class RequestTooLarge(RequestError, ValueError):
+    """A request has more rows (sequences to score or train on, prompts × samples to
+    decode) than ``plexrl.quotas.max-request-rows``."""
+
+
 class InvalidLoss(RequestError, ValueError):
     """A loss specification is invalid or lacks the inputs it needs."""
 

@@ -139,3 +139,45 @@ def test_sharded_rank_offload_and_reload_continue_bit_identically(tight_pair):
     got, want = plexrl.result([sharded.get_weights(), twin.get_weights()])
     assert got.version == want.version == 3
     assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
+
+
+def test_a_replica_is_held_to_the_budget_by_what_it_measures_not_what_it_declared(small_client):
+    import uuid
+
+    from plexrl_dask import protocol
+    from plexrl_dask.driver.runtime import Deployment
+    from plexrl_dask.shared.records import DeploymentInfo
+
+    runtime = plexrl.Runtime(small_client, job="declared")
+    honest = runtime.deploy(unique("honest"), SPEC_A, role="rollout")  # (the holder is up)
+    worker = honest.info.worker
+    big = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=2, seed=5)
+    holder = runtime.holder(worker).status().result(timeout=30)
+    assert big.memory_bytes("rollout") > holder["budget_bytes"]
+    hf, name = big.hf_config(), unique("understated")
+    # Registered around the driver, declaring 1 KiB for a replica of a few MiB.
+    status = runtime._call(
+        protocol.DEPLOY,
+        name=name,
+        uid=uuid.uuid4().hex,
+        spec=big.to_dict(),
+        role="rollout",
+        backend="torch",
+        owner=runtime.job,
+        memory_bytes=1024,
+        exist_ok=False,
+        candidates=None,
+        world_size=1,
+        replicas=1,
+        vocab_size=int(hf.vocab_size),
+        max_positions=int(hf.max_position_embeddings),
+    )
+    understated = Deployment(runtime, DeploymentInfo.from_dict(status["deployment"]))
+    with pytest.raises(errors.DeploymentDoesNotFit, match="declared"):
+        plexrl.result(understated.load())
+    runtime.undeploy(name)
+    holder = runtime.holder(worker).status().result(timeout=30)
+    assert name not in holder["replicas"]
+    assert holder["resident_bytes"] <= holder["budget_bytes"]
+    # The worker serves an honest deployment as before.
+    assert plexrl.result(honest.sample(["1+1="], plexrl.SamplingParams(max_tokens=2))).sequences

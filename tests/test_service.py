@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import dask
@@ -311,3 +312,80 @@ def test_the_policy_cannot_change_while_requests_wait(runtime):
         runtime.set_policy(ordering="fifo")
     plexrl.result(running)
     assert runtime.status()["policy"]["patience_factor"] > 0  # unchanged
+
+
+def _bypassed(value, **fields):
+    """``value`` with ``fields`` set past its constructor's checks, as an unpickled object
+    from a client with other code arrives on a worker."""
+    out = copy.copy(value)
+    for name, v in fields.items():
+        object.__setattr__(out, name, v)
+    return out
+
+
+def test_the_worker_checks_what_it_runs_whatever_the_driver_checked(runtime):
+    from plexrl_dask.worker import ops
+
+    dep = runtime.deploy(unique("checked"), tiny_spec())
+    good = [plexrl.Datum(tokens=dep.tokenize("1+1=2"))] * 2
+    before = plexrl.result(dep.get_weights())
+    # Straight to the worker (``_submit`` skips every check the driver makes).
+    raw = {
+        errors.InvalidSamplingParams: [
+            ("sample", ops.sample, (["1+1="], _bypassed(plexrl.SamplingParams(), top_p=2.0))),
+            ("sample", ops.sample, (["1+1="], _bypassed(plexrl.SamplingParams(), n=0))),
+            ("sample", ops.sample, (["1+1="], _bypassed(plexrl.SamplingParams(), temperature=-1))),
+            ("sample", ops.sample, ("1+1=", plexrl.SamplingParams())),
+            ("sample", ops.sample, ([None], plexrl.SamplingParams())),
+            ("sample", ops.sample, (["1+1="], {"n": 2})),
+            ("forward", ops.forward, (good, 0.0)),
+            ("forward", ops.forward, (good, float("nan"))),
+        ],
+        errors.RequestTooLarge: [
+            ("sample", ops.sample, (["1+1="], plexrl.SamplingParams(n=10**6))),
+        ],
+        errors.InvalidOptimizerParams: [
+            ("optim_step", ops.optim_step, (_bypassed(plexrl.AdamWParams(), lr=-1.0),)),
+            ("optim_step", ops.optim_step, ({"lr": 1e-3},)),
+        ],
+        errors.InvalidLoss: [
+            (
+                "forward_backward",
+                ops.forward_backward,
+                (good, _bypassed(plexrl.PolicyGradient(), clip_low=5.0)),
+            ),
+            ("forward_backward", ops.forward_backward, (good, "cross-entropy")),
+        ],
+        errors.EmptyBatch: [
+            ("forward", ops.forward, (["1+1=2"], 1.0)),
+            (
+                "forward_backward",
+                ops.forward_backward,
+                ([_bypassed(good[0], tokens=(1,))], plexrl.CrossEntropy()),
+            ),
+        ],
+        errors.WeightsMismatch: [
+            (
+                "set_weights",
+                ops.set_weights,
+                ({n: t * float("nan") for n, t in before.tensors.items()}, 7, True),
+            ),
+            ("set_weights", ops.set_weights, ([1, 2], None, True)),
+        ],
+    }
+    for error, requests in raw.items():
+        for op, fn, args in requests:
+            with pytest.raises(error):
+                plexrl.result(dep._submit(op, fn, [args]))
+    # The driver refuses what it can see before anything is submitted.
+    with pytest.raises(errors.RequestTooLarge, match="max-request-rows"):
+        dep.sample(["1+1="], plexrl.SamplingParams(n=10**6))
+    with pytest.raises(errors.InvalidSamplingParams, match="temperature"):
+        dep.forward(good, temperature=0)
+
+    # Nothing was written and nothing is left waiting: the deployment trains as before.
+    after = plexrl.result(dep.get_weights())
+    assert after.version == before.version
+    assert all(torch.equal(after.tensors[n], t) for n, t in before.tensors.items())
+    out = plexrl.result([dep.forward_backward(good), dep.optim_step()])
+    assert out[1]["version"] == before.version + 1

@@ -337,3 +337,54 @@ def test_deployment_not_found_str_has_no_extra_quotes():
     assert str(errors.DeploymentNotFound()) == ""
     decoded = errors.from_status(errors.to_status(e))
     assert str(decoded) == "no deployment named 'policy'"
+
+
+def test_checks_rebuild_values_that_skipped_their_constructor():
+    import copy
+
+    import dask
+    import torch
+
+    from plexrl_dask.shared import checks
+
+    def bypassed(value, **fields):
+        out = copy.copy(value)
+        for name, v in fields.items():
+            object.__setattr__(out, name, v)
+        return out
+
+    with pytest.raises(errors.InvalidSamplingParams, match="top_p"):
+        checks.checked_sample(["a"], bypassed(SamplingParams(), top_p=2.0))
+    with pytest.raises(errors.InvalidOptimizerParams, match="lr"):
+        checks.checked_adamw(bypassed(AdamWParams(), lr=float("nan")))
+    with pytest.raises(errors.InvalidLoss):
+        checks.checked_loss(bypassed(PolicyGradient(), kl_coef=-1.0))
+    with pytest.raises(errors.EmptyBatch, match="batch item 1"):
+        checks.checked_batch(
+            [Datum(tokens=[1, 2]), bypassed(Datum(tokens=[1, 2]), tokens=("x", 2))]
+        )
+    with pytest.raises(errors.InvalidSamplingParams, match="temperature"):
+        checks.checked_temperature(True)
+    with pytest.raises(errors.WeightsMismatch, match="NaN"):
+        checks.checked_weights({"w": torch.tensor([1.0, float("inf")])})
+    assert checks.checked_weights({"w": torch.ones(2), "i": torch.zeros(2, dtype=torch.long)})
+
+    prompts, params, ids, streams = checks.checked_sample(
+        [[1, 2], "b"], SamplingParams(n=2), (5, 6)
+    )
+    assert prompts == [[1, 2], "b"] and params == SamplingParams(n=2) and ids == [5, 6]
+    assert streams is None
+    assert checks.checked_sample([], SamplingParams(), [], part=True)[0] == []
+    with pytest.raises(errors.InvalidSamplingParams, match="non-empty"):
+        checks.checked_sample([], SamplingParams())
+    with pytest.raises(errors.InvalidSamplingParams, match="prompt_ids"):
+        checks.checked_sample(["a"], SamplingParams(), ["x"])
+
+    with dask.config.set({"plexrl.quotas.max-request-rows": 8}):
+        checks.checked_sample(["a", "b"], SamplingParams(n=4))
+        with pytest.raises(errors.RequestTooLarge, match="max-request-rows = 8"):
+            checks.checked_sample(["a", "b", "c"], SamplingParams(n=3))
+        with pytest.raises(errors.RequestTooLarge):
+            checks.checked_batch([Datum(tokens=[1, 2])] * 9)
+    with dask.config.set({"plexrl.quotas.max-request-rows": 0}), pytest.raises(errors.ConfigError):
+        checks.check_rows(1, "a request")

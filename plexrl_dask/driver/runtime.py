@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import os
 import time
 import uuid
@@ -40,7 +39,6 @@ from plexrl_dask.errors import (
     InvalidLoss,
     InvalidModelSpec,
     InvalidOptimizerParams,
-    InvalidSamplingParams,
     JobNotPlaced,
     NoPlexRLWorkers,
     PlexRLError,
@@ -50,6 +48,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.shared.checks import check_rows, checked_sample, checked_temperature
 from plexrl_dask.shared.records import DeploymentInfo
 from plexrl_dask.shared.timeline import RequestSpan
 from plexrl_dask.shared.types import (
@@ -490,6 +489,7 @@ class Deployment:
         """The batch, checked here against the model's vocabulary and positions (so a bad
         sequence fails before anything is submitted, and never strands the other ranks)."""
         batch = as_batch(batch)
+        check_rows(len(batch), "the batch")
         if self.info.vocab_size:
             check_tokens([d.tokens for d in batch], self.info.vocab_size, self.info.max_positions)
         return batch
@@ -514,6 +514,7 @@ class Deployment:
 
     def forward(self, batch: Sequence[Datum] | Datum, temperature: float = 1.0) -> Future:
         """Future of a :class:`ForwardResult`: per-token log-probabilities."""
+        temperature = checked_temperature(temperature)
         batch = self._validated(batch)
         if self._tensor_parallel:  # every rank scores the whole batch; rank 0's is returned
             return self._submit("forward", ops.forward, self._ranks(batch, temperature))
@@ -549,26 +550,7 @@ class Deployment:
         prompt_ids: Sequence[int] | None = None,
     ) -> Future:
         """Future of a :class:`SampleResult` (``params.n`` completions per prompt)."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidSamplingParams(
-                f"params must be SamplingParams, got {type(params).__name__}"
-            )
-        if isinstance(prompts, str) or not prompts:
-            raise InvalidSamplingParams(
-                "prompts must be a non-empty list of strings or token lists"
-            )
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) and not (
-                hasattr(prompt, "__len__")  # a list, tuple or array of token ids
-                and hasattr(prompt, "__iter__")
-                and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
-            ):
-                raise InvalidSamplingParams(
-                    f"prompt {i} must be a string or a list of token ids, got {prompt!r:.80}"
-                )
-        if prompt_ids is not None and len(prompt_ids) != len(prompts):
-            raise InvalidSamplingParams(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
-        ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
+        prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
         streams = Streams.from_config()
         k = self.info.world_size
         if self._tensor_parallel:

@@ -339,6 +339,7 @@ class ReplicaHolder:
         else:
             backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
         load_s = time.perf_counter() - t0
+        self._check_built(info, backend)
         if group is not None:  # a rank samples on a gathered copy: it asks for the room
             backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
         replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
@@ -350,6 +351,23 @@ class ReplicaHolder:
         logger.info("loaded %s (%s) on %s in %.2fs", info.name, info.spec.name, self.device, load_s)
         self._emit(replica, "hbm", load_s, source="absent")
         return replica
+
+    def _check_built(self, info: DeploymentInfo, backend: Any) -> None:
+        """Hold what was built to the budget, whatever its deployment declared: room is made
+        for the bytes it measures (a deployment that declared less than it holds does not
+        crowd the others past the budget), and one that does not fit even alone is closed
+        and refused with :class:`DeploymentDoesNotFit`."""
+        measured = int(backend.state_bytes())
+        if measured <= info.memory_bytes or self._make_room(measured, keep=info.name):
+            return
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+        raise DeploymentDoesNotFit(
+            f"{info.name!r} declared {info.memory_bytes / 2**20:.1f} MiB per worker but its "
+            f"replica holds {measured / 2**20:.1f} MiB, more than {self.worker_address} can "
+            f"make room for in its budget of {self.budget_bytes / 2**20:.1f} MiB"
+        )
 
     def _resident_bytes(self) -> int:
         return sum(

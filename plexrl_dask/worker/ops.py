@@ -43,6 +43,14 @@ from plexrl_dask.errors import (
     from_status,
     raise_for_status,
 )
+from plexrl_dask.shared.checks import (
+    checked_adamw,
+    checked_batch,
+    checked_loss,
+    checked_sample,
+    checked_temperature,
+    checked_weights,
+)
 from plexrl_dask.shared.records import DeploymentInfo
 from plexrl_dask.shared.types import (
     AdamWParams,
@@ -166,7 +174,8 @@ def forward(deployment: str, batch: Sequence[Datum], temperature: float = 1.0) -
     """Per-token log-probabilities of each datum (aligned with its tokens)."""
 
     def call(backend: Any) -> ForwardResult:
-        out = backend.forward(batch, temperature)
+        args = backend._checked(lambda: (checked_batch(batch), checked_temperature(temperature)))
+        out = backend.forward(*args)
         return ForwardResult(logprobs=()) if _echo(backend) else out
 
     return _run(deployment, "forward", call)
@@ -181,12 +190,19 @@ def forward_backward(
     deployment: str, batch: Sequence[Datum], loss: Loss = CrossEntropy()
 ) -> dict[str, float]:
     """Accumulate the gradient of ``loss`` over ``batch``; returns the loss and metrics."""
-    return _run(deployment, "forward_backward", lambda b: b.forward_backward(batch, loss))
+
+    def call(backend: Any) -> dict[str, float]:
+        args = backend._checked(lambda: (checked_batch(batch), checked_loss(loss)))
+        return backend.forward_backward(*args)
+
+    return _run(deployment, "forward_backward", call)
 
 
 def optim_step(deployment: str, params: AdamWParams = AdamWParams()) -> dict[str, float]:
     """Apply the accumulated gradients (AdamW, gradient clipping) and clear them."""
-    return _run(deployment, "optim_step", lambda b: b.optim_step(params))
+    return _run(
+        deployment, "optim_step", lambda b: b.optim_step(b._checked(lambda: checked_adamw(params)))
+    )
 
 
 def sample(
@@ -203,11 +219,13 @@ def sample(
     ``streams``: how rows are continuously batched (default: the worker's
     ``plexrl.sampling.*``).
     """
-    ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
 
     def call(backend: Any) -> SampleResult:
-        tokens = backend.tokenize(prompts)
-        groups = backend.sample(tokens, params, ids, streams)
+        args = backend._checked(
+            lambda: checked_sample(prompts, params, prompt_ids, streams, part=True)
+        )
+        tokens = backend.tokenize(args[0])
+        groups = backend.sample(tokens, *args[1:])
         if _echo(backend):
             return SampleResult(prompt_tokens=(), sequences=())
         return SampleResult(
@@ -240,6 +258,12 @@ def set_weights(
         weights = weights.tensors
 
     def call(backend: Any) -> int:
+        def check() -> None:
+            checked_weights(weights)
+            if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+                raise WeightsMismatch(f"version must be an int or None, got {version!r}")
+
+        backend._checked(check)
         backend.set_weights(weights, version=version, strict=strict)
         return int(backend.version)
 

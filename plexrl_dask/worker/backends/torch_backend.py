@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -34,6 +33,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.shared.checks import checked_temperature
 from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
@@ -253,12 +253,7 @@ class TorchBackend:
     def forward(self, batch: Sequence[Datum], temperature: float = 1.0) -> ForwardResult:
         """Per-token log-probabilities of each datum under the current weights."""
         batch = as_batch(batch)
-        if not (temperature > 0 and math.isfinite(temperature)):
-            from plexrl_dask.errors import InvalidSamplingParams
-
-            raise InvalidSamplingParams(
-                f"forward temperature must be finite and > 0, got {temperature}"
-            )
+        temperature = checked_temperature(temperature)
         self._checked(lambda: self._check_tokens([d.tokens for d in batch]))
         self.model.eval()
         with torch.inference_mode():
