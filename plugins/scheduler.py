@@ -415,6 +415,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     f"no deployment named {name!r} is registered; deploy it first "
                     f"(registered: {sorted(self.deployments)[:10]})"
                 )
+            if ann.get("incarnation") not in (None, info.incarnation):
+                raise DeploymentNotFound(
+                    f"the deployment {name!r} this handle addressed was undeployed, and "
+                    f"{name!r} now names another deployment (owner {info.owner!r}); look it up "
+                    "again (runtime.deployment(name)) to address that one"
+                )
             if ann.get("dispatched") and ranks > 1:
                 raise RankLost(
                     f"rank {rank} of a {ranks}-rank {ann.get('op')!r} request of {name!r} lost "

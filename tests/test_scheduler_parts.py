@@ -28,6 +28,9 @@ def test_a_record_makes_exactly_the_lifecycles_moves(start, to):
     if to in MOVES[start]:
         moved = record.moved(to, uid="u2")
         assert moved.state is to and moved.uid == "u2" and record.state is start
+        # (a new uid per placement; the deploy it came from stays)
+        assert moved.incarnation == record.incarnation == record.uid != "u2"
+        assert DeploymentInfo.from_dict(moved.to_dict()) == moved
     else:
         with pytest.raises(errors.LifecycleError, match=f"is {start.value}"):
             record.moved(to)

@@ -389,3 +389,28 @@ def test_the_worker_checks_what_it_runs_whatever_the_driver_checked(runtime):
     assert all(torch.equal(after.tensors[n], t) for n, t in before.tensors.items())
     out = plexrl.result([dep.forward_backward(good), dep.optim_step()])
     assert out[1]["version"] == before.version + 1
+
+
+def test_a_stale_handle_never_reaches_a_later_deployment_of_its_name(runtime):
+    name = unique("reborn")
+    old = runtime.deploy(name, tiny_spec(seed=1))
+    batch = [plexrl.Datum(tokens=old.tokenize("1+1=2"))] * 2
+    plexrl.result(old.forward(batch))
+    runtime.undeploy(name)
+    new = runtime.deploy(name, tiny_spec(seed=2))
+    assert new.info.incarnation != old.info.incarnation
+    before = plexrl.result(new.get_weights())
+    for request in (
+        lambda: old.forward(batch),
+        lambda: old.forward_backward(batch),
+        lambda: old.set_weights({n: t * 0 for n, t in before.tensors.items()}, version=999),
+    ):
+        with pytest.raises(errors.DeploymentNotFound, match="undeployed"):
+            plexrl.result(request())
+    after = plexrl.result(new.get_weights())
+    assert after.version == before.version
+    assert all(torch.equal(after.tensors[n], t) for n, t in before.tensors.items())
+    # A fresh lookup addresses the new one; the incarnation survives its lifecycle moves.
+    again = runtime.deployment(name)
+    assert again.info.incarnation == new.info.incarnation
+    assert plexrl.result(again.forward(batch)) == plexrl.result(new.forward(batch))

@@ -454,6 +454,7 @@ class Deployment:
                 annotation = {
                     "job": self.runtime.job,
                     "deployment": self.name,
+                    "incarnation": info.incarnation,
                     "op": op,
                     "request": rid,
                     "ranks": k,

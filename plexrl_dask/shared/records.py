@@ -84,8 +84,14 @@ class DeploymentInfo:
     max_positions: int = 0
     state: Lifecycle = Lifecycle.PLACED
     modified: bool = field(default=False, compare=False)
+    #: The deploy that registered it (its first ``uid``): kept through every lifecycle move,
+    #: new only when the name is deployed again. A handle's requests carry it, so a handle of
+    #: an undeployed deployment never reaches a later one of the same name.
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
+        if not self.incarnation:
+            object.__setattr__(self, "incarnation", self.uid)
         try:
             object.__setattr__(self, "state", Lifecycle(self.state))
         except ValueError:
@@ -177,6 +183,7 @@ class DeploymentInfo:
             "max_positions": self.max_positions,
             "state": self.state.value,
             "modified": self.modified,
+            "incarnation": self.incarnation,
         }
 
     @classmethod
@@ -197,4 +204,5 @@ class DeploymentInfo:
             max_positions=int(d.get("max_positions", 0)),
             state=d.get("state", "placed"),
             modified=bool(d.get("modified", False)),
+            incarnation=str(d.get("incarnation") or ""),
         )
