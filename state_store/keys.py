@@ -32,6 +32,7 @@ columns pay that.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -74,6 +75,44 @@ def check_model(model: str) -> str:
             f"model names are one path-safe segment ([A-Za-z0-9_.-]), got {model!r}"
         )
     return model
+
+
+#: A deployment name passes into store model names as it is when it is this short and made of
+#: path-safe characters without ``..``; any other is hashed (:func:`model_key`).
+MODEL_KEY_MAX = 64
+_KEY_PLAIN = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")
+#: What a store model derived from a deployment holds (:func:`derived_model`).
+DERIVED_KINDS = ("weights", "stash", "relocate")
+
+
+def model_key(name: str) -> str:
+    """The store model name of the deployment (or job) ``name``: ``name`` itself when it is
+    at most :data:`MODEL_KEY_MAX` path-safe characters without ``..`` (a checkpoint keeps the
+    name its deployment has), else a readable prefix, ``..`` and 24 hex digits of the
+    name's SHA-256. Injective: a name that passes has no ``..``; a hashed one has exactly one,
+    and its prefix (path-safe characters, dots made ``-``, at most 38) is never a
+    :data:`DERIVED_KINDS` word, since only that very name, which passes, would sanitise to one.
+    At most :data:`MODEL_KEY_MAX` characters: long names never make file names too long."""
+    if not isinstance(name, str) or not name:
+        raise InvalidStateKey(f"a deployment name is a non-empty string, got {name!r}")
+    if len(name) <= MODEL_KEY_MAX and ".." not in name and _KEY_PLAIN.match(name):
+        return name
+    prefix = re.sub(r"[^A-Za-z0-9_\-]", "-", name)[:38]
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return f"{prefix}..{digest}"
+
+
+def derived_model(kind: str, name: str, *parts: str) -> str:
+    """The store model of what ``kind`` (:data:`DERIVED_KINDS`) keeps for deployment ``name``:
+    ``kind..<model_key(name)>..<part>...``. Distinct (kind, name, parts) give distinct names,
+    and none equals a :func:`model_key`: each kind has a fixed number of ``parts``, none
+    containing ``..``, so the name parses back from both ends."""
+    if kind not in DERIVED_KINDS:
+        raise InvalidStateKey(f"derived model kinds are {DERIVED_KINDS}, got {kind!r}")
+    for part in parts:
+        if not part or ".." in part or not _KEY_PLAIN.match(part):
+            raise InvalidStateKey(f"a derived model's parts are path-safe, without '..': {part!r}")
+    return "..".join((kind, model_key(name), *parts))
 
 
 def check_name(name: str) -> str:

@@ -26,6 +26,7 @@ from plexrl_dask import errors
 from plexrl_dask.cli import main as plexrl_main
 from plexrl_dask.cluster import read_scheduler_file, stop_process
 from plexrl_dask.kubernetes import NVME_MOUNT, kube_cluster_spec
+from plexrl_dask.state_store.keys import derived_model
 from tests.conftest import node_state, tiny_spec, unique
 from tests.test_tls import train_sync_sample
 
@@ -283,7 +284,7 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
             ]
             train_sync_sample(runtime, trainer, rolls)
             # one version of the trainer's weights in each pod's DRAM tier, the same one
-            model = f"weights.{trainer.name}"
+            model = derived_model("weights", trainer.name)
             stored = []
             for pod in pods:
                 with contextlib.closing(node_state(tiers[pod])) as node:

@@ -142,7 +142,7 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         # both copies are gone
         for tiers in (cluster.plexrl_state, b_tiers):
             store = node_state(tiers).store("nvme")
-            [model] = [m for m in store.models() if m.startswith("reloc-policy.relocate-")]
+            [model] = [m for m in store.models() if m.startswith("relocate..reloc-policy..")]
             assert store.versions(model) == []
 
         # while relocating, only restoring the state is served

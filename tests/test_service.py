@@ -414,3 +414,21 @@ def test_a_stale_handle_never_reaches_a_later_deployment_of_its_name(runtime):
     again = runtime.deployment(name)
     assert again.info.incarnation == new.info.incarnation
     assert plexrl.result(again.forward(batch)) == plexrl.result(new.forward(batch))
+
+
+def test_names_that_sanitise_alike_or_overflow_keep_their_own_state(runtime):
+    tag = unique("n")
+    deps = [
+        runtime.deploy(name, tiny_spec(seed=seed))
+        for seed, name in enumerate((f"x N {tag}", f"x-N-{tag}", "p" * 241 + tag))
+    ]
+    saved = plexrl.result([d.save_state() for d in deps])
+    assert len({s["model"] for s in saved}) == 3
+    before = plexrl.result([d.get_weights() for d in deps])
+    batch = [plexrl.Datum(tokens=deps[0].tokenize("1+1=2"))] * 2
+    for d in deps:  # each moves on, then goes back to its own checkpoint
+        plexrl.result([d.forward_backward(batch), d.optim_step(plexrl.AdamWParams(lr=0.1))])
+    plexrl.result([d.load_state(s) for d, s in zip(deps, saved, strict=True)])
+    for d, b in zip(deps, before, strict=True):
+        got = plexrl.result(d.get_weights())
+        assert all(torch.equal(got.tensors[n], t) for n, t in b.tensors.items()), d.name

@@ -14,6 +14,7 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask.cluster import worker_process
+from plexrl_dask.state_store.keys import derived_model
 from plexrl_dask.state_store.node import NodeState
 from tests.conftest import node_state, tiny_spec, unique
 
@@ -42,7 +43,7 @@ def test_sync_weights_goes_through_the_dram_tier_and_skips_unchanged_bytes(clust
     plexrl.result([trainer.forward_backward(batch(trainer)), trainer.optim_step()])
     assert plexrl.result(runtime.sync_weights(trainer, rollout)) == 1
 
-    model = f"weights.{trainer.name}"
+    model = derived_model("weights", trainer.name)
     dram = node.store("dram")
     versions = dram.versions(model)
     assert len(versions) == 1  # the trainer's ranks published one version, in the DRAM tier
@@ -185,7 +186,7 @@ def test_weights_and_checkpoints_cross_nodes_through_the_store(cluster, runtime,
             assert plexrl.result(runtime.sync_weights(trainer, roll)) == 1
             assert weights_equal(plexrl.result(roll.get_weights()).tensors, want)
 
-        model = f"weights.{trainer.name}"
+        model = derived_model("weights", trainer.name)
         [version] = home_node.store("dram").versions(model)  # the newest only
         [imported] = other.store("dram").versions(model)  # imported by the other node
         assert imported == version

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from plexrl_dask import errors
 from plexrl_dask.state_store.keys import ROW_AND_COLUMN_SPLITS, chunk_shape
@@ -543,3 +545,53 @@ def test_processes_creating_one_store_at_once_all_open_it(tmp_path):
             got = pool.starmap(_open_new_store, [(root, barrier)] * 4)
             assert got == ["ok"] * 4, got
             assert StateStore(root).versions("m") == []
+
+
+# --- names of store models ---------------------------------------------------------------------
+
+_NAMES = st.text(
+    alphabet=st.sampled_from("ab-_.xN /~é\x00" + "0123456789abcdef"), min_size=1, max_size=90
+) | st.text(min_size=1, max_size=300)
+
+
+def _all_models(name: str) -> list[str]:
+    from plexrl_dask.state_store.keys import derived_model, model_key
+
+    return [
+        model_key(name),
+        derived_model("weights", name),
+        derived_model("stash", name, "0123456789ab", "tag0", "r0"),
+        derived_model("relocate", name, "0123456789ab"),
+    ]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_NAMES, min_size=2, max_size=6, unique=True))
+@example(["x N", "x-N"])  # collided after the old sanitising
+@example(["weights.a", "a"])
+@example(["a.", "a"])
+@example(["p" * 241, "p" * 242])  # too long for a file name before
+@example(["weights", "weights.."])
+def test_store_model_names_are_injective_bounded_and_path_safe(names):
+    from plexrl_dask.state_store.keys import MODEL_KEY_MAX, check_model, model_key
+
+    seen: dict[str, tuple[str, int]] = {}
+    for name in names:
+        assert len(model_key(name)) <= MODEL_KEY_MAX
+        for kind, model in enumerate(_all_models(name)):
+            assert check_model(model) == model and len(model) < 120
+            assert seen.setdefault(model, (name, kind)) == (name, kind), (model, name, kind)
+
+
+def test_store_model_names_keep_plain_deployment_names():
+    from plexrl_dask.state_store.keys import derived_model, model_key
+
+    assert model_key("policy-3_a.b") == "policy-3_a.b"  # (checkpoints keep their names)
+    assert derived_model("weights", "policy") == "weights..policy"
+    for bad in ("", None, 3):
+        with pytest.raises(errors.InvalidStateKey):
+            model_key(bad)
+    with pytest.raises(errors.InvalidStateKey):
+        derived_model("checkpoint", "policy")
+    with pytest.raises(errors.InvalidStateKey):
+        derived_model("stash", "policy", "a..b")

@@ -18,6 +18,7 @@ from distributed import Client, Security
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.cluster import scheduler_process, stop_process, tls_environment, worker_process
+from plexrl_dask.state_store.keys import derived_model
 from plexrl_dask.state_store.node import NodeState
 from tests.conftest import node_state, tiny_spec, unique
 
@@ -157,7 +158,7 @@ def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
                 ]
                 train_sync_sample(runtime, trainer, rolls)
                 # The version was published on rank 0's node and imported by the other.
-                model = f"weights.{trainer.name}"
+                model = derived_model("weights", trainer.name)
                 stored = {}
                 for node in nodes:
                     with contextlib.closing(tiers_of(node)) as state:

@@ -54,6 +54,7 @@ from rich.progress import track
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import median, parser, report, time_call
 from plexrl_dask.cluster import stop_process, worker_process
+from plexrl_dask.state_store.keys import derived_model
 from plexrl_dask.state_store.node import NodeState, StateConfig
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def _checked(pair: NodePair) -> tuple[int, int]:
     assert all(got[n].equal(want[n]) for n in want), "the replica's weights differ"
     node_b = _node(pair.tiers_b)
     try:
-        imported = node_b.store("dram").versions(f"weights.{pair.trainer.name}")
+        imported = node_b.store("dram").versions(derived_model("weights", pair.trainer.name))
     finally:
         node_b.close()
     return sum(t.numel() * t.element_size() for t in want.values()), len(imported)

@@ -63,6 +63,7 @@ from plexrl_dask.shared.types import (
     as_batch,
     check_tokens,
 )
+from plexrl_dask.state_store.keys import derived_model
 from plexrl_dask.worker import ops
 from plexrl_dask.worker.holder import ReplicaHolder
 
@@ -272,7 +273,7 @@ class Runtime:
             if move["modified"] and not dep.info.weights_only:
                 # its own store model: deleting the move's copies never touches a checkpoint
                 # the job saved itself
-                model = f"{ops.checkpoint_model(name)}.relocate-{move['uid'][:12]}"
+                model = derived_model("relocate", name, move["uid"][:12])
                 restored = result(dep.save_state(model=model), timeout)
             self._call(protocol.RELOCATE, name=name, uid=move["uid"])
             entry = {k: move[k] for k in ("name", "workers", "group")}

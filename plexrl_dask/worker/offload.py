@@ -13,8 +13,8 @@ version back on reload. What this buys:
 - **deeper tiers**: under DRAM pressure the node's manager evicts offloaded state to NVMe, and
   promotes it back on a prefetch hint or a read.
 
-Names: one store model per (deployment incarnation, worker, rank) — ``<deployment>.<uid>.
-<worker tag>.r<rank>``, versions numbered by offload — and tensors named by their path in the
+Names: one store model per (deployment incarnation, worker, rank) — ``stash..<deployment>..
+<uid>..<worker tag>..r<rank>`` (:func:`~plexrl_dask.state_store.keys.derived_model`), versions numbered by offload — and tensors named by their path in the
 backend's dict (``params/<parameter>``, ``optim/<parameter>/exp_avg``, ...). A sharded rank
 stores its local shards as they are (offloads of ranks are not collective, so there is no
 moment at which the canonical tensor exists); checkpoints and weight publishing, which are
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 from typing import Any
 
 import torch
 import xxhash
 
+from plexrl_dask.state_store.keys import derived_model
 from plexrl_dask.state_store.node import NodeState
 
 logger = logging.getLogger(__name__)
@@ -148,10 +148,9 @@ class Stasher:
     """Writes one replica's offloads into the node's tiers (one per replica and worker)."""
 
     def __init__(self, node: NodeState, deployment: str, uid: str, worker: str, rank: int) -> None:
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "-", deployment).lstrip(".")
         tag = xxhash.xxh3_64_hexdigest(worker.encode())[:10]
         self.node = node
-        self.model = f"{safe}.{uid[:12]}.{tag}.r{rank}"
+        self.model = derived_model("stash", deployment, uid[:12], tag, f"r{rank}")
         self._next = 1
         self._lock = threading.Lock()
 

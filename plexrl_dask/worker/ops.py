@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -64,6 +63,7 @@ from plexrl_dask.shared.types import (
     Streams,
     as_batch,
 )
+from plexrl_dask.state_store.keys import derived_model, model_key
 from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 
 if TYPE_CHECKING:
@@ -365,7 +365,7 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
     that node that serves it to other nodes."""
     from distributed import get_worker
 
-    model = f"weights.{checkpoint_model(deployment)}"
+    model = derived_model("weights", deployment)
 
     def call(backend: Any) -> dict[str, Any]:
         node = _node(deployment)
@@ -459,8 +459,8 @@ async def drop_checkpoint(model: str, version: int, dask_worker: Any = None) -> 
 
 
 def checkpoint_model(deployment: str) -> str:
-    """The store model name of a deployment's checkpoints."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", deployment).lstrip(".") or "deployment"
+    """The store model name of a deployment's checkpoints (:func:`~plexrl_dask.state_store.keys.model_key`)."""
+    return model_key(deployment)
 
 
 def _node(deployment: str) -> Any:
