@@ -249,6 +249,11 @@ class JobDoesNotFit(PlacementError):
     """A job needs more GPUs at once than the whole cluster has: it can never run."""
 
 
+class PermissionDenied(PlexRLError):
+    """A job asked for something that is another job's: a request or a change to a deployment
+    it does not own and was not shared with it (``Deployment.share``)."""
+
+
 class PluginsNotInstalled(PlexRLError):
     """The scheduler has no PlexRL handlers: the plugins were never installed on it."""
 

@@ -39,6 +39,7 @@ RENDEZVOUS_GET = "plexrl_rendezvous_get"
 PLACEMENT = "plexrl_placement"
 RELOCATIONS = "plexrl_relocations"
 RELOCATE = "plexrl_relocate"
+SHARE = "plexrl_share"
 
 # --- worker handlers (plugins/worker.py) ------------------------------------------------------
 

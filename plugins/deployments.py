@@ -43,6 +43,7 @@ from plexrl_dask.plugins.requests import RequestQueue
 from plexrl_dask.policy.assignment import WorkerView, assign_workers
 from plexrl_dask.policy.estimates import Estimates
 from plexrl_dask.policy.residency import ResidencyMap
+from plexrl_dask.shared.access import Shares, check_owner
 from plexrl_dask.shared.records import DeploymentInfo, Lifecycle
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class DeploymentRegistry:
         self.requests = requests
         self.on_undeploy = on_undeploy
         self.deployments: dict[str, DeploymentInfo] = {}
+        self.shares = Shares()  # the ops owners shared with other jobs (plugins/access.py)
         # worker -> what its replica holder reported (budget, device, ...)
         self.worker_capacity: dict[str, dict[str, Any]] = {}
         self._client: Any = None
@@ -168,10 +170,13 @@ class DeploymentRegistry:
         replicas: int = 1,
         vocab_size: int = 0,
         max_positions: int = 0,
+        job: str | None = None,
     ) -> dict[str, Any]:
-        """Register and place a deployment. Returns ``{"status": "OK", "deployment": {...},
-        "created": bool}`` or an error status."""
+        """Register and place a deployment for ``job``, its owner. Returns ``{"status": "OK",
+        "deployment": {...}, "created": bool}`` or an error status (:class:`PermissionDenied`
+        for another ``owner``, or an existing deployment of another job with ``exist_ok``)."""
         try:
+            check_owner(name, owner, job, "register")
             info = DeploymentInfo(
                 name=name,
                 uid=uid,
@@ -190,6 +195,7 @@ class DeploymentRegistry:
             if existing is not None:
                 same = existing.same_model_and_layout(info)
                 if exist_ok and same:
+                    check_owner(name, existing.owner, job, "take over")
                     return {"status": "OK", "deployment": existing.to_dict(), "created": False}
                 raise DeploymentExists(
                     f"a deployment named {name!r} already exists (owner {existing.owner!r}, "
@@ -222,12 +228,20 @@ class DeploymentRegistry:
         except PlexRLError as e:
             return to_status(e)
 
-    async def undeploy(self, name: str, uid: str | None = None) -> dict[str, Any]:
-        """Remove a deployment and free its replicas. With ``uid``, only that incarnation."""
+    async def undeploy(
+        self, name: str, uid: str | None = None, job: str | None = None
+    ) -> dict[str, Any]:
+        """Remove ``job``'s deployment ``name`` and free its replicas. With ``uid``, only that
+        incarnation."""
         info = self.deployments.get(name)
         if info is None or (uid is not None and info.uid != uid):
             return to_status(DeploymentNotFound(f"no deployment named {name!r}"))
+        try:
+            check_owner(name, info.owner, job, "undeploy")
+        except PlexRLError as e:
+            return to_status(e)
         del self.deployments[name]
+        self.shares.forget(name)
         self.residency.forget_deployment(name)
         self.estimates.forget(name)
         self.on_undeploy(info)  # its requests, groups: the plugin's
@@ -270,7 +284,7 @@ class DeploymentRegistry:
                 )
         return {"status": "OK", "moves": moves}
 
-    def relocate(self, name: str, uid: str) -> dict[str, Any]:
+    def relocate(self, name: str, uid: str, job: str | None = None) -> dict[str, Any]:
         """Move idle deployment ``name`` (incarnation ``uid``, as ``relocations`` listed it)
         into its job's node group: ``unplaced`` if its state is unmodified (its next request
         rebuilds it there from its spec), else ``relocating`` (refusing every request but
@@ -284,6 +298,7 @@ class DeploymentRegistry:
                     f"deployment {name!r} incarnation {uid!r} is gone (undeployed or re-placed "
                     "since it was listed); list the relocations again"
                 )
+            check_owner(name, info.owner, job, "relocate")
             busy = self._in_flight(name)
             if busy:
                 raise DeploymentBusy(
@@ -330,11 +345,29 @@ class DeploymentRegistry:
             )
         return {"status": "OK", "deployment": info.to_dict()}
 
-    def list_deployments(self) -> dict[str, Any]:
+    def list_deployments(self, job: str | None = None) -> dict[str, Any]:
+        """Every deployment, or (``job``) those it owns or that were shared with it."""
         return {
             "status": "OK",
-            "deployments": [info.to_dict() for info in self.deployments.values()],
+            "deployments": [
+                info.to_dict()
+                for info in self.deployments.values()
+                if job is None or info.owner == job or job in self.shares.of(info.name)
+            ],
         }
+
+    def share(self, name: str, to: str, ops: list[str], job: str | None = None) -> dict[str, Any]:
+        """Let job ``to`` run ``ops`` on ``job``'s deployment ``name`` (replacing what it was
+        granted; no ops: revoke). Returns ``{"status": "OK", "ops": [...]}``."""
+        try:
+            info = self.deployments.get(name)
+            if info is None:
+                raise DeploymentNotFound(f"no deployment named {name!r}")
+            check_owner(name, info.owner, job, "share")
+            granted = self.shares.grant(name, to, ops)
+            return {"status": "OK", "ops": sorted(granted)}
+        except PlexRLError as e:
+            return to_status(e)
 
     # --- placement ---------------------------------------------------------------------------
 

@@ -224,6 +224,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 protocol.PLACEMENT: registry.placement_status,
                 protocol.RELOCATIONS: registry.relocations,
                 protocol.RELOCATE: registry.relocate,
+                protocol.SHARE: registry.share,
             }
         )
         for worker in self.registry.gpu_workers():
@@ -415,6 +416,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     f"no deployment named {name!r} is registered; deploy it first "
                     f"(registered: {sorted(self.deployments)[:10]})"
                 )
+            self.registry.shares.check_request(
+                name, info.owner, str(ann.get("job") or ""), str(ann.get("op") or "")
+            )
             if ann.get("incarnation") not in (None, info.incarnation):
                 raise DeploymentNotFound(
                     f"the deployment {name!r} this handle addressed was undeployed, and "

@@ -187,7 +187,9 @@ def test_sync_weights_from_two_ranks_into_replicas_and_mismatches(runtime):
     probe = [plexrl.Datum(tokens=rollout.tokenize("12+3=15"))]
     expected = ref.forward(probe).logprobs
     for replica in range(2):
-        with dask.annotate(plexrl={"deployment": rollout.name, "replica": replica}):
+        with dask.annotate(
+            plexrl={"deployment": rollout.name, "replica": replica, "job": runtime.job}
+        ):
             fut = runtime.client.submit(plexrl.ops.forward, rollout.name, probe, pure=False)
         got = plexrl.result(fut).logprobs
         assert max(abs(a - b) for a, b in zip(got[0], expected[0], strict=True)) < 1e-5

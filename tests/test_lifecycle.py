@@ -164,6 +164,7 @@ def test_a_replica_is_held_to_the_budget_by_what_it_measures_not_what_it_declare
         role="rollout",
         backend="torch",
         owner=runtime.job,
+        job=runtime.job,
         memory_bytes=1024,
         exist_ok=False,
         candidates=None,

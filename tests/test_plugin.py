@@ -79,6 +79,7 @@ def deploy_fields(name: str, model: ModelSpec, **overrides) -> dict:
         "role": "train",
         "backend": "torch",
         "owner": "test-job",
+        "job": "test-job",
         "memory_bytes": model.memory_bytes("train"),
         "exist_ok": False,
         "candidates": None,
@@ -223,15 +224,19 @@ async def test_deployment_handlers(c, s, a, b):
     assert isinstance(e, errors.DeploymentNotFound) and "'nope'" in str(e)
 
     # Undeploy: unknown name, and a stale uid, are not found; then the real one.
-    assert (await c.scheduler.plexrl_undeploy(name="nope"))["error"] == "DeploymentNotFound"
-    stale = await c.scheduler.plexrl_undeploy(name="policy", uid="not-the-uid")
+    assert (await c.scheduler.plexrl_undeploy(name="nope", job="test-job"))[
+        "error"
+    ] == "DeploymentNotFound"
+    stale = await c.scheduler.plexrl_undeploy(name="policy", uid="not-the-uid", job="test-job")
     assert stale["error"] == "DeploymentNotFound"
     assert (await c.scheduler.plexrl_get_deployment(name="policy"))["status"] == "OK"
-    assert await c.scheduler.plexrl_undeploy(name="policy", uid=fields["uid"]) == {"status": "OK"}
+    assert await c.scheduler.plexrl_undeploy(name="policy", uid=fields["uid"], job="test-job") == {
+        "status": "OK"
+    }
     assert (await c.scheduler.plexrl_get_deployment(name="policy"))["error"] == "DeploymentNotFound"
     listed = await c.scheduler.plexrl_list_deployments()
     assert [d["name"] for d in listed["deployments"]] == ["value"]
-    assert await c.scheduler.plexrl_undeploy(name="value") == {"status": "OK"}
+    assert await c.scheduler.plexrl_undeploy(name="value", job="test-job") == {"status": "OK"}
     assert list((await c.scheduler.plexrl_list_deployments())["deployments"]) == []
 
 
@@ -321,7 +326,7 @@ async def test_annotated_task_is_routed_to_the_deployment_worker(c, s, a, b):
     assert plugin.counters["routed"] == 4
 
     # Undeploy frees the replica on its worker.
-    assert await c.scheduler.plexrl_undeploy(name="policy") == {"status": "OK"}
+    assert await c.scheduler.plexrl_undeploy(name="policy", job="test-job") == {"status": "OK"}
     await until(lambda: holder_of(target).names() == [], "the replica to be dropped")
     assert plugin.residency.tier("policy", placed) == "absent"
 
@@ -367,7 +372,7 @@ async def test_unannotated_op_fails_not_routed(c, s, a, b):
     with pytest.raises(errors.NotRouted, match="dask.annotate"):
         await asyncio.wait_for(fut, WAIT_S)
     # Annotated for another deployment than the one it addresses: also not routed.
-    with dask.annotate(plexrl={"deployment": "policy"}):
+    with dask.annotate(plexrl={"deployment": "policy", "job": "test-job"}):
         fut2 = c.submit(ops.load, "other", pure=False)
     with pytest.raises(errors.NotRouted):
         await asyncio.wait_for(fut2, WAIT_S)

@@ -149,10 +149,12 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         saved = plexrl.result(policy.save_state())
         uid = mover.deployment("reloc-policy").info.uid
         with pytest.raises(DeploymentNotFound):
-            mover._call("plexrl_relocate", name="reloc-policy", uid="another-incarnation")
-        assert mover._call("plexrl_relocate", name="reloc-policy", uid=uid)["state"] == (
-            "relocating"
-        )
+            mover._call(
+                "plexrl_relocate", name="reloc-policy", uid="another-incarnation", job=mover.job
+            )
+        assert mover._call("plexrl_relocate", name="reloc-policy", uid=uid, job=mover.job)[
+            "state"
+        ] == ("relocating")
         with pytest.raises(DeploymentRelocating):
             plexrl.result(policy.get_weights())
         plexrl.result(policy.load_state(saved))

@@ -72,6 +72,12 @@ def test_two_drivers_share_one_deployment(cluster, runtime):
         theirs = other.deployment(dep.name)
         assert theirs.info.uid == dep.info.uid and theirs.info.owner == runtime.job
         mine_lp = plexrl.result(dep.forward(data)).logprobs
+        # The same job from another client needs nothing; another job, a share.
+        same_job = plexrl.Runtime(other_client, job=runtime.job).deployment(dep.name)
+        assert plexrl.result(same_job.forward(data)).logprobs == mine_lp
+        with pytest.raises(errors.PermissionDenied):
+            plexrl.result(theirs.forward(data))
+        dep.share(other.job, ops=("forward", "forward_backward", "optim_step"))
         assert plexrl.result(theirs.forward(data)).logprobs == mine_lp
         plexrl.result([theirs.forward_backward(data), theirs.optim_step()])
         # The first driver sees the second driver's update.
@@ -84,9 +90,15 @@ def test_client_submit_with_annotations(runtime):
     data = [plexrl.Datum(tokens=dep.tokenize("5+5=10"))]
     expected = plexrl.result(dep.forward(data))
     client = runtime.client
-    with dask.annotate(plexrl={"deployment": dep.name, "job": "raw-user"}):
+    with dask.annotate(plexrl={"deployment": dep.name, "job": runtime.job}):
         fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False)
     assert plexrl.result(fut) == expected
+    # Another job's request, or one that names no job, is refused.
+    for annotation in ({"job": "raw-user"}, {}):
+        with dask.annotate(plexrl={"deployment": dep.name, **annotation}):
+            fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False)
+        with pytest.raises(errors.PermissionDenied):
+            plexrl.result(fut)
     # Without the annotation the op refuses rather than loading a stray replica.
     fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False, resources={"GPU": 1})
     with pytest.raises(errors.NotRouted, match="dask.annotate"):
@@ -432,3 +444,53 @@ def test_names_that_sanitise_alike_or_overflow_keep_their_own_state(runtime):
     for d, b in zip(deps, before, strict=True):
         got = plexrl.result(d.get_weights())
         assert all(torch.equal(got.tensors[n], t) for n, t in b.tensors.items()), d.name
+
+
+def test_a_job_cannot_touch_another_jobs_deployment_unless_shared(client):
+    a = plexrl.Runtime(client, job=unique("job-a"))
+    b = plexrl.Runtime(client, job=unique("job-b"))
+    mine = a.deploy(unique("a-policy"), tiny_spec(seed=21))
+    batch = [plexrl.Datum(tokens=mine.tokenize("1+1=2"))] * 2
+    before = plexrl.result(mine.get_weights())
+    saved = plexrl.result(mine.save_state())
+    theirs = b.deployment(mine.name)  # A's deployment, addressed by job B
+    for request in (
+        lambda: theirs.forward(batch),
+        lambda: theirs.sample(["1+1="]),
+        lambda: theirs.get_weights(),
+        lambda: theirs.forward_backward(batch),
+        lambda: theirs.optim_step(),
+        lambda: theirs.set_weights({n: t * 0 for n, t in before.tensors.items()}, version=999),
+        lambda: theirs.save_state(),
+        lambda: theirs.load_state(saved),
+    ):
+        with pytest.raises(errors.PermissionDenied, match=b.job):
+            plexrl.result(request())
+    for change in (
+        lambda: b.undeploy(mine.name),
+        lambda: b.deploy(mine.name, tiny_spec(seed=21), exist_ok=True),
+        lambda: b.deploy(unique("for-a"), tiny_spec(), owner=a.job),
+        lambda: theirs.share(b.job),
+    ):
+        with pytest.raises(errors.PermissionDenied):
+            change()
+    assert mine.name not in {d.name for d in b.deployments()}
+    after = plexrl.result(mine.get_weights())
+    assert after.version == before.version
+    assert all(torch.equal(after.tensors[n], t) for n, t in before.tensors.items())
+
+    # Shared for reading: B scores and samples, and still cannot train it.
+    assert mine.share(b.job) == sorted(["forward", "get_weights", "load", "sample"])
+    assert plexrl.result(theirs.forward(batch)) == plexrl.result(mine.forward(batch))
+    assert plexrl.result(theirs.sample(["1+1="])).sequences
+    assert mine.name in {d.name for d in b.deployments()}
+    with pytest.raises(errors.PermissionDenied):
+        plexrl.result(theirs.forward_backward(batch))
+    with pytest.raises(errors.ConfigError, match="unknown ops"):
+        mine.share(b.job, ops=("drop_everything",))
+    assert mine.share(b.job, ops=()) == []  # revoked
+    with pytest.raises(errors.PermissionDenied):
+        plexrl.result(theirs.forward(batch))
+    # A trains on; what B's refused requests did is nothing.
+    out = plexrl.result([mine.forward_backward(batch), mine.optim_step()])
+    assert out[1]["version"] == before.version + 1

@@ -48,6 +48,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.shared.access import READ_OPS
 from plexrl_dask.shared.checks import check_rows, checked_sample, checked_temperature
 from plexrl_dask.shared.records import DeploymentInfo
 from plexrl_dask.shared.timeline import RequestSpan
@@ -183,6 +184,7 @@ class Runtime:
             role=role,
             backend=backend,
             owner=owner or self.job,
+            job=self.job,
             memory_bytes=memory_bytes,
             exist_ok=exist_ok,
             candidates=None if workers is None else list(workers),
@@ -196,7 +198,7 @@ class Runtime:
             try:
                 result(deployment.load())
             except BaseException:
-                self._call(protocol.UNDEPLOY, name=name, uid=uid)
+                self._call(protocol.UNDEPLOY, name=name, uid=uid, job=self.job)
                 raise
         return deployment
 
@@ -205,13 +207,15 @@ class Runtime:
         status = self._call(protocol.GET_DEPLOYMENT, name=name)
         return Deployment(self, DeploymentInfo.from_dict(status["deployment"]))
 
-    def deployments(self) -> list[DeploymentInfo]:
-        status = self._call(protocol.LIST_DEPLOYMENTS)
+    def deployments(self, every_job: bool = False) -> list[DeploymentInfo]:
+        """This job's deployments and those shared with it (``every_job``: all of them)."""
+        status = self._call(protocol.LIST_DEPLOYMENTS, job=None if every_job else self.job)
         return [DeploymentInfo.from_dict(d) for d in status["deployments"]]
 
     def undeploy(self, name: str) -> None:
-        """Unregister ``name`` and free its replicas."""
-        self._call(protocol.UNDEPLOY, name=name)
+        """Unregister this job's deployment ``name`` and free its replicas
+        (:class:`PermissionDenied` for another job's)."""
+        self._call(protocol.UNDEPLOY, name=name, job=self.job)
 
     def status(self) -> dict[str, Any]:
         """The scheduler plugin's state: deployments, residency, worker capacity, counters."""
@@ -275,7 +279,7 @@ class Runtime:
                 # the job saved itself
                 model = derived_model("relocate", name, move["uid"][:12])
                 restored = result(dep.save_state(model=model), timeout)
-            self._call(protocol.RELOCATE, name=name, uid=move["uid"])
+            self._call(protocol.RELOCATE, name=name, uid=move["uid"], job=self.job)
             entry = {k: move[k] for k in ("name", "workers", "group")}
             entry["restored"] = restored is not None
             # a weights-only deployment (vLLM) is placed anew by its next weight load
@@ -427,6 +431,16 @@ class Deployment:
 
     def __repr__(self) -> str:
         return f"<Deployment {self.name!r} {self.info.role} {self.info.spec.name} on {list(self.info.workers)}>"
+
+    def share(self, job: str, ops: Sequence[str] = READ_OPS) -> list[str]:
+        """Let ``job`` run ``ops`` on this deployment (default: the ops that read it and change
+        nothing; replaces what ``job`` was granted; ``ops=()`` revokes). Only its owner may
+        share it (:class:`PermissionDenied`); returns the ops granted. The other job looks it
+        up with ``runtime.deployment(name)``."""
+        status = self.runtime._call(
+            protocol.SHARE, name=self.name, to=job, ops=list(ops), job=self.runtime.job
+        )
+        return list(status["ops"])
 
     def _submit(
         self,
