@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plexrl_dask.errors import InvalidStateKey
+from plexrl_dask.errors import CorruptState, InvalidStateKey
 
 #: Model and tensor names: path-safe segments (no ``..``, no empty segments, no leading ``.``).
 _SEGMENT = r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*"
@@ -291,12 +291,19 @@ class Manifest:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        d = json.loads(text)
-        return cls(
-            model=d["model"],
-            version=int(d["version"]),
-            tensors={n: TensorEntry.from_dict(t) for n, t in d["tensors"].items()},
-            created=float(d.get("created", 0.0)),
-            meta=dict(d.get("meta", {})),
-        )
+    def from_json(cls, text: str | bytes, what: str = "a manifest") -> Manifest:
+        """The manifest ``text`` holds; :class:`CorruptState` for anything that is not one
+        (a garbled or truncated file), never a bare parsing error."""
+        try:
+            d = json.loads(text)
+            return cls(
+                model=d["model"],
+                version=int(d["version"]),
+                tensors={n: TensorEntry.from_dict(t) for n, t in d["tensors"].items()},
+                created=float(d.get("created", 0.0)),
+                meta=dict(d.get("meta", {})),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptState(
+                f"{what} is not a readable manifest ({type(e).__name__}: {e})"
+            ) from None

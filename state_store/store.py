@@ -298,7 +298,7 @@ class StateStore:
             cached = self._manifests.get(key)
             if cached is not None and cached[0] == stamp:
                 return cached[1]
-            manifest = Manifest.from_json(path.read_text())
+            manifest = Manifest.from_json(path.read_bytes(), f"{model!r} v{version} ({path})")
         except FileNotFoundError:
             self._manifests.pop(key, None)
             raise VersionNotFound(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import dask
@@ -12,7 +13,7 @@ from distributed import Client
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.worker.backends import TorchBackend
-from tests.conftest import tiny_spec, unique
+from tests.conftest import node_state, tiny_spec, unique
 
 SPEC_A, SPEC_B = tiny_spec(seed=1), tiny_spec(seed=2)
 
@@ -58,6 +59,42 @@ def test_eviction_and_reload_continue_training_bit_identically(small_client):
         expected = ref.get_weights()
         assert got.version == 3
         assert all(torch.equal(got.tensors[n], expected[n]) for n in expected), dep.name
+
+
+def test_a_damaged_offloaded_copy_does_not_block_restoring_a_checkpoint(small_client):
+    runtime = plexrl.Runtime(small_client, job="damaged-stash")
+    a = runtime.deploy(unique("stash-a"), SPEC_A)
+    b = runtime.deploy(unique("stash-b"), SPEC_B)
+    data = [plexrl.Datum(tokens=a.tokenize(f"{i}+1={i + 1}")) for i in range(4)]
+    opt = plexrl.AdamWParams(lr=1e-2)
+    plexrl.result([a.forward_backward(data), a.optim_step(opt)])
+    saved = plexrl.result(a.save_state())
+    want = plexrl.result(a.get_weights())
+    plexrl.result([a.forward_backward(data), a.optim_step(opt)])  # on past the checkpoint
+    plexrl.result([b.forward_backward(data), b.optim_step(opt)])  # a is offloaded
+    damaged = 0
+    with contextlib.closing(node_state(small_client.cluster.plexrl_state)) as node:
+        for tier in ("dram", "nvme"):
+            store = node.store(tier)
+            for model in store.models():
+                if not model.startswith(f"stash..{a.name}.."):
+                    continue
+                for version in store.versions(model):
+                    for entry in store.manifest(model, version).tensors.values():
+                        for digest in entry.chunk_digests.values():
+                            path = store.objects.path(digest)
+                            path.write_bytes(
+                                bytes([path.read_bytes()[0] ^ 0xFF]) + path.read_bytes()[1:]
+                            )
+                            damaged += 1
+    assert damaged
+    with pytest.raises(errors.CorruptState):  # what the damaged copy held is gone...
+        plexrl.result(a.forward(data))
+    # ...but restoring the checkpoint does not need it.
+    assert plexrl.result(a.load_state(saved)) == want.version
+    got = plexrl.result(a.get_weights())
+    assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
+    plexrl.result([a.forward_backward(data), a.optim_step(opt)])  # and it trains on
 
 
 def _wait_for(predicate, timeout: float = 60.0) -> None:

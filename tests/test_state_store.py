@@ -289,6 +289,42 @@ def test_corrupted_chunk_is_a_typed_error_naming_the_tensor(any_store):
         StateStore(store.root, durable=store.durable).read("m", 0, "w")
 
 
+def test_a_save_that_reuses_a_damaged_chunk_repairs_it_instead_of_losing_the_save(any_store):
+    store = any_store
+    w = torch.randn(32, 32)
+    store.publish("m", 0, {"w": w})
+    digest = next(iter(store.manifest("m", 0).tensors["w"].chunk_digests.values()))
+    path = store.objects.path(digest)
+    intact = path.read_bytes()
+    for damaged in (bytes([intact[0] ^ 0xFF]) + intact[1:], intact[:-7]):  # flipped, truncated
+        path.write_bytes(damaged)
+        repaired = store.stats.objects_repaired
+        store.publish("m2", len(damaged), {"w": w.clone()})  # the same bytes: deduplicated
+        assert store.stats.objects_repaired == repaired + 1
+        assert path.read_bytes() == intact
+        fresh = StateStore(store.root, durable=store.durable)
+        assert torch.equal(fresh.read("m2", len(damaged), "w"), w)
+        assert torch.equal(fresh.read("m", 0, "w"), w)  # the older version is whole again
+    hits, written, repaired = (
+        store.stats.dedup_hits,
+        store.stats.objects_written,
+        store.stats.objects_repaired,
+    )
+    store.publish("m3", 0, {"w": w.clone()})  # intact: every chunk reused as it is
+    assert store.stats.dedup_hits > hits and store.stats.objects_written == written
+    assert store.stats.objects_repaired == repaired
+
+
+def test_a_garbled_manifest_is_a_typed_error(any_store):
+    store = any_store
+    store.publish("m", 0, {"w": torch.randn(4, 4)})
+    path = store._version_dir("m", 0) / "manifest.json"
+    for garbled in (b"{not json", b'{"model": "m"}', b"[]", path.read_bytes()[:20]):
+        path.write_bytes(garbled)
+        with pytest.raises(errors.CorruptState, match="manifest"):
+            StateStore(store.root, durable=store.durable).manifest("m", 0)
+
+
 def test_a_memory_tier_read_into_tensors_writes_nothing_unless_every_chunk_is_intact(tmp_path):
     store = StateStore(tmp_path / "dram", create=True, durable=False, chunk_bytes=4 * KB)
     g = torch.Generator().manual_seed(3)

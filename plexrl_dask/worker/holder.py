@@ -30,7 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from plexrl_dask.errors import DeploymentDoesNotFit, DeploymentLost, PlexRLError, RankLost
+from plexrl_dask.errors import (
+    CorruptState,
+    DeploymentDoesNotFit,
+    DeploymentLost,
+    PlexRLError,
+    RankLost,
+)
 from plexrl_dask.policy.residency import ResidencyReport
 from plexrl_dask.shared.records import DeploymentInfo
 from plexrl_dask.shared.timeline import RequestSpan, SpanLog
@@ -284,6 +290,23 @@ class ReplicaHolder:
             self._join(group)
         if replica is None:
             return self._load(info, group)
+        try:
+            return self._resident(replica, info, group)
+        except CorruptState:
+            if not info.revived_by(op):
+                raise
+            # Its offloaded copy is damaged, but this request restores its whole state (a
+            # checkpoint, or a weights-only deployment's weights): build it afresh for that.
+            logger.warning(
+                "the offloaded copy of %s is damaged; rebuilding it for %s", info.name, op
+            )
+            self._drop(info.name)  # (its damaged copy with it)
+            return self._load(info, group)
+
+    def _resident(
+        self, replica: _Replica, info: DeploymentInfo, group: GroupContext | None
+    ) -> _Replica:
+        """``replica`` made resident (reloaded, or rebuilt on the group of ``group``)."""
         with replica.transition:  # (waits for a prefetch of this replica in flight)
             t0 = time.perf_counter()
             source = "hbm" if replica.backend.resident else replica.tier
