@@ -63,7 +63,6 @@ from plexrl_dask.shared.types import (
     Streams,
     as_batch,
 )
-from plexrl_dask.state_store.keys import derived_model, model_key
 from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 
 if TYPE_CHECKING:
@@ -365,6 +364,8 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
     that node that serves it to other nodes."""
     from distributed import get_worker
 
+    from plexrl_dask.state_store.keys import derived_model
+
     model = derived_model("weights", deployment)
 
     def call(backend: Any) -> dict[str, Any]:
@@ -460,6 +461,8 @@ async def drop_checkpoint(model: str, version: int, dask_worker: Any = None) -> 
 
 def checkpoint_model(deployment: str) -> str:
     """The store model name of a deployment's checkpoints (:func:`~plexrl_dask.state_store.keys.model_key`)."""
+    from plexrl_dask.state_store.keys import model_key  # (the scheduler unpickles this module)
+
     return model_key(deployment)
 
 
