@@ -217,6 +217,11 @@ class StoreBusy(StateStoreError, TimeoutError):
     """A store's collection lock stayed taken past its bound (nothing was changed)."""
 
 
+class TierNotPrivate(StateStoreError):
+    """A node tier's directory belongs to another user: its files would be theirs to read
+    and change, so this user's StateManager does not use it."""
+
+
 class TierInUse(StateStoreError):
     """A tier path is owned by another node's StateManager (its lease is live): two nodes must
     never share one NVMe tier, whose placement and eviction assume a single owner."""

@@ -67,6 +67,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -79,7 +80,14 @@ from typing import Any
 
 import xxhash
 
-from plexrl_dask.errors import PlexRLError, StateStoreError, TierFull, TierInUse, VersionNotFound
+from plexrl_dask.errors import (
+    PlexRLError,
+    StateStoreError,
+    TierFull,
+    TierInUse,
+    TierNotPrivate,
+    VersionNotFound,
+)
 from plexrl_dask.state_store.store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -113,6 +121,16 @@ class ManagerConfig:
     @classmethod
     def from_json(cls, text: str) -> ManagerConfig:
         return cls(**json.loads(text))
+
+
+def peer_uid(sock: Any) -> int | None:
+    """The uid of the process at the other end of Unix socket ``sock`` (``SO_PEERCRED``);
+    None where the platform cannot say."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (AttributeError, OSError):
+        return None
+    return struct.unpack("3i", creds)[1]
 
 
 def socket_name(dram_path: str | os.PathLike[str]) -> str:
@@ -598,10 +616,28 @@ def _owner_record(cfg: ManagerConfig) -> dict[str, Any]:
     }
 
 
+def private_tier_dir(path: str | os.PathLike[str]) -> Path:
+    """Tier directory ``path``, created if missing, as this user's alone (mode 0700: nothing
+    under it is reachable by other local users, whatever the files' own modes);
+    :class:`TierNotPrivate` if it belongs to another user (one who could read and replace
+    its files)."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise TierNotPrivate(
+            f"tier directory {path} belongs to uid {st.st_uid}, not to this user (uid "
+            f"{os.getuid()}): choose another plexrl.state path"
+        )
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
 def claim_nvme(cfg: ManagerConfig) -> None:
     """Take (or renew) the NVMe tier's owner lease, or raise :class:`TierInUse`."""
     path = Path(cfg.nvme_path) / OWNER_FILE
-    Path(cfg.nvme_path).mkdir(parents=True, exist_ok=True)
+    private_tier_dir(cfg.nvme_path)
     mine = _owner_record(cfg)
     # The check and the write are one critical section among processes of *this* host; across
     # hosts the lease (heartbeats every lease/3) is what keeps a second owner out.
@@ -687,6 +723,28 @@ class ManagerServer:
                 return
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        uid = peer_uid(writer.get_extra_info("socket"))
+        if uid is not None and uid != os.getuid():
+            # The socket is abstract (any local user can connect): only processes of the user
+            # that owns the tiers may use them (their files are that user's alone).
+            logger.warning(
+                "refused a connection from uid %s (this node's tiers are uid %d's)",
+                uid,
+                os.getuid(),
+            )
+            refusal = {
+                "ok": False,
+                "error": "PermissionDenied",
+                "message": f"the StateManager of {self.cfg.dram_path} serves only uid "
+                f"{os.getuid()}, not uid {uid}",
+            }
+            # (answering its first call, so that its write never meets a closed socket)
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError, ValueError):
+                await asyncio.wait_for(reader.readline(), self.cfg.owner_lease_s)
+                writer.write(json.dumps(refusal).encode() + b"\n")
+                await writer.drain()
+            writer.close()
+            return
         client = uuid.uuid4().hex
         self._clients += 1
         loop = asyncio.get_running_loop()
@@ -766,8 +824,11 @@ class ManagerServer:
 
 def run_manager(cfg: ManagerConfig) -> int:
     """The manager process's body: win the node's election or exit; 0 on a clean stop."""
-    dram = Path(cfg.dram_path)
-    dram.mkdir(parents=True, exist_ok=True)
+    try:
+        dram = private_tier_dir(cfg.dram_path)
+    except TierNotPrivate as e:  # (no error file: the directory is not ours to write)
+        logger.error("%s", e)
+        return 1
     lock = open(dram / LOCK_FILE, "a+")  # noqa: SIM115 (held open and locked for the process's life)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

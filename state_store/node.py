@@ -44,6 +44,7 @@ from plexrl_dask.state_store.manager import (
     START_LOCK_FILE,
     STORE_DIR,
     ManagerConfig,
+    private_tier_dir,
     socket_name,
 )
 from plexrl_dask.state_store.store import StateStore, VersionWriter
@@ -168,7 +169,7 @@ class NodeState:
         """Connect to the node's manager, starting one if none answers."""
         if self._connect_once():
             return
-        self.dram_path.mkdir(parents=True, exist_ok=True)
+        private_tier_dir(self.dram_path)  # (another user's directory: TierNotPrivate)
         deadline = time.monotonic() + self.cfg.start_timeout_s
         with open(self.dram_path / START_LOCK_FILE, "a+") as start_lock:
             while True:  # one starter per node at a time; others wait, then find it running

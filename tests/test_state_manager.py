@@ -926,3 +926,57 @@ def test_a_node_serves_only_the_versions_it_holds_typed(tiers):
         assert stray["status"] == "error" and "has no objects" in stray["message"]
     finally:
         node.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="acting as another uid needs root")
+def test_the_manager_serves_only_the_user_that_owns_its_tiers(tiers):
+    import socket
+
+    cfg = tiers()
+    node = NodeState(cfg)
+    node.publish("m", 1, make_tensors(1))
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # another local user (nobody) on the same node
+        code = 3
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(WAIT_S)
+            s.connect(socket_name(cfg.manager.dram_path))
+            s.sendall(json.dumps({"op": "delete", "model": "m", "version": 1}).encode() + b"\n")
+            os.write(write, s.makefile("rb").readline())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        reply = json.loads(f.read() or b"{}")
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reply["ok"] is False and reply["error"] == "PermissionDenied", reply
+    # The refusal changed nothing, and the owner is served as before.
+    assert NodeState(cfg).store("dram").versions("m") == [1]
+    assert node.call("status")["tiers"]["dram"]["used"] > 0
+
+
+def test_tier_directories_are_their_users_alone(tiers):
+    cfg = tiers()
+    for path in (cfg.manager.dram_path, cfg.manager.nvme_path):
+        os.makedirs(path, exist_ok=True)
+        os.chmod(path, 0o777)  # ours, but open to everyone: closed before use
+    node = NodeState(cfg)
+    node.publish("m", 1, make_tensors(1))
+    for path in (cfg.manager.dram_path, cfg.manager.nvme_path):
+        assert os.stat(path).st_mode & 0o777 == 0o700
+    if os.getuid() != 0:
+        return  # (another user's directory needs root to make)
+    other = tiers()
+    os.makedirs(other.manager.dram_path, exist_ok=True)
+    os.chown(other.manager.dram_path, 65534, 65534)
+    os.chmod(other.manager.dram_path, 0o777)
+    with pytest.raises(errors.TierNotPrivate, match="uid 65534"):
+        NodeState(other).call("status")
+    assert os.listdir(other.manager.dram_path) == []  # nothing written into it
