@@ -70,7 +70,7 @@ _SPLIT_FRACTION = 16
 
 
 def check_model(model: str) -> str:
-    if not isinstance(model, str) or not _MODEL.match(model):
+    if not isinstance(model, str) or not _MODEL.fullmatch(model):
         raise InvalidStateKey(
             f"model names are one path-safe segment ([A-Za-z0-9_.-]), got {model!r}"
         )
@@ -95,7 +95,7 @@ def model_key(name: str) -> str:
     At most :data:`MODEL_KEY_MAX` characters: long names never make file names too long."""
     if not isinstance(name, str) or not name:
         raise InvalidStateKey(f"a deployment name is a non-empty string, got {name!r}")
-    if len(name) <= MODEL_KEY_MAX and ".." not in name and _KEY_PLAIN.match(name):
+    if len(name) <= MODEL_KEY_MAX and ".." not in name and _KEY_PLAIN.fullmatch(name):
         return name
     prefix = re.sub(r"[^A-Za-z0-9_\-]", "-", name)[:38]
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
@@ -110,13 +110,13 @@ def derived_model(kind: str, name: str, *parts: str) -> str:
     if kind not in DERIVED_KINDS:
         raise InvalidStateKey(f"derived model kinds are {DERIVED_KINDS}, got {kind!r}")
     for part in parts:
-        if not part or ".." in part or not _KEY_PLAIN.match(part):
+        if not part or ".." in part or not _KEY_PLAIN.fullmatch(part):
             raise InvalidStateKey(f"a derived model's parts are path-safe, without '..': {part!r}")
     return "..".join((kind, model_key(name), *parts))
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name.split("/"):
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name.split("/"):
         raise InvalidStateKey(f"tensor names are '/'-separated path-safe segments, got {name!r}")
     return name
 

@@ -608,6 +608,7 @@ def _all_models(name: str) -> list[str]:
 @example(["a.", "a"])
 @example(["p" * 241, "p" * 242])  # too long for a file name before
 @example(["weights", "weights.."])
+@example(["0", "0\n"])  # ($ matches before a trailing newline: names are matched whole)
 def test_store_model_names_are_injective_bounded_and_path_safe(names):
     from plexrl_dask.state_store.keys import MODEL_KEY_MAX, check_model, model_key
 
@@ -627,6 +628,13 @@ def test_store_model_names_keep_plain_deployment_names():
     for bad in ("", None, 3):
         with pytest.raises(errors.InvalidStateKey):
             model_key(bad)
+    from plexrl_dask.state_store.keys import check_model, check_name
+
+    for bad in ("m\n", "m/x", ".m"):
+        with pytest.raises(errors.InvalidStateKey):
+            check_model(bad)
+    with pytest.raises(errors.InvalidStateKey):
+        check_name("a/b\n")
     with pytest.raises(errors.InvalidStateKey):
         derived_model("checkpoint", "policy")
     with pytest.raises(errors.InvalidStateKey):
