@@ -259,6 +259,11 @@ class PermissionDenied(PlexRLError):
     it does not own and was not shared with it (``Deployment.share``)."""
 
 
+class QuotaExceeded(PlexRLError):
+    """A job asked for more than its share of the cluster (``plexrl.quotas.*``): deployments,
+    or requests waiting at once. What it already has is untouched."""
+
+
 class PluginsNotInstalled(PlexRLError):
     """The scheduler has no PlexRL handlers: the plugins were never installed on it."""
 

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from plexrl_dask import protocol
+from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
     DeploymentBusy,
     DeploymentExists,
@@ -35,6 +35,7 @@ from plexrl_dask.errors import (
     DeploymentNotFound,
     DeploymentRelocating,
     PlexRLError,
+    QuotaExceeded,
     to_status,
 )
 from plexrl_dask.models.spec import ModelSpec
@@ -201,6 +202,16 @@ class DeploymentRegistry:
                     f"a deployment named {name!r} already exists (owner {existing.owner!r}, "
                     f"model {existing.spec.name}); pick another name, undeploy it first, or "
                     "look it up with runtime.deployment(name)"
+                )
+            limit = config.count(
+                "plexrl.quotas.max-deployments-per-job",
+                config.get("quotas.max-deployments-per-job"),
+            )
+            held = sum(1 for d in self.deployments.values() if d.owner == owner)
+            if held >= limit:
+                raise QuotaExceeded(
+                    f"job {owner!r} has {held} deployments, plexrl.quotas.max-deployments-per-job "
+                    f"= {limit}: undeploy one first"
                 )
             await self._wait_for_worker_reports()
             candidates = info.candidates

@@ -11,6 +11,7 @@ key belongs to. It holds no policy: the plugin routes, admits and releases
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ class RequestQueue:
         self._by_deployment: dict[str, list[PendingRequest]] = {}
         self._changed: set[str] = set()
         self._of_key: dict[Any, str] = {}
+        self._per_job: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -84,6 +86,7 @@ class RequestQueue:
         if queued is None:
             queued = self._pending[request.request] = request
             self._by_deployment.setdefault(request.deployment, []).append(request)
+            self._per_job[request.job] += 1
         self._changed.add(request.deployment)
         return queued
 
@@ -100,6 +103,14 @@ class RequestQueue:
         """``name``'s pending requests in submission order (the queue's own list: do not
         change it)."""
         return self._by_deployment.get(name, [])
+
+    def of_job(self, job: str) -> int:
+        """How many of ``job``'s requests are pending."""
+        return self._per_job[job]
+
+    def job_counts(self) -> dict[str, int]:
+        """Pending requests per job."""
+        return dict(self._per_job)
 
     def counts(self) -> dict[str, int]:
         """Pending requests per deployment."""
@@ -122,15 +133,23 @@ class RequestQueue:
         """Remove the request the dispatcher released (its tasks stay tracked until they
         end); the requests behind it may be admitted now."""
         queued = self._pending.pop(request)
+        self._uncount(queued)
         self._unlist(queued, always=False)
         return queued
 
     def forget(self, request: PendingRequest) -> None:
         """Drop ``request`` and its tasks (cancelled, failed before it ran, or routed again)."""
-        self._pending.pop(request.request, None)
+        queued = self._pending.pop(request.request, None)
+        if queued is not None:
+            self._uncount(queued)
         self._unlist(request)
         for key in request.keys.values():
             self._of_key.pop(key, None)
+
+    def _uncount(self, request: PendingRequest) -> None:
+        self._per_job[request.job] -= 1
+        if self._per_job[request.job] <= 0:
+            del self._per_job[request.job]
 
     def _unlist(self, request: PendingRequest, always: bool = True) -> None:
         """Take ``request`` out of its deployment's list; mark the deployment changed if

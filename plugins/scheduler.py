@@ -60,6 +60,7 @@ from plexrl_dask.errors import (
     GroupTimeout,
     NotRouted,
     PlexRLError,
+    QuotaExceeded,
     RankLost,
     SchedulerBusy,
     to_status,
@@ -138,6 +139,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.residency = ResidencyMap()
         self.counters: Counter[str] = Counter()
         self.requests = RequestQueue()  # routed, not yet released (plugins/requests.py)
+        # requests refused for their job's queue quota: each of their ranks is refused alike
+        self._over_quota: dict[str, QuotaExceeded] = {}
         self.groups = GroupEpochs()  # the gangs' process groups (plugins/gangs.py)
         # key -> (start, deployment, op, worker, job) of a released task; the start is the
         # release, or for a task queued behind another (lookahead) when that one ended.
@@ -359,6 +362,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "busy": self.dispatcher.busy,
             "queued": self.dispatcher.queued,
             "by_deployment": self.requests.counts(),
+            "by_job": self.requests.job_counts(),
             "top": rows,
         }
 
@@ -416,9 +420,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     f"no deployment named {name!r} is registered; deploy it first "
                     f"(registered: {sorted(self.deployments)[:10]})"
                 )
-            self.registry.shares.check_request(
-                name, info.owner, str(ann.get("job") or ""), str(ann.get("op") or "")
-            )
+            job = str(ann.get("job") or "")
+            self.registry.shares.check_request(name, info.owner, job, str(ann.get("op") or ""))
+            self._check_queue_quota(job, request)
             if ann.get("incarnation") not in (None, info.incarnation):
                 raise DeploymentNotFound(
                     f"the deployment {name!r} this handle addressed was undeployed, and "
@@ -470,6 +474,30 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.requests.add_key(ts.key, queued, rank)
         queued.groups = groups
         self.counters["routed"] += 1
+
+    def _check_queue_quota(self, job: str, request: str) -> None:
+        """:class:`QuotaExceeded` for a new request of ``job`` while it has
+        ``plexrl.quotas.max-queued-requests-per-job`` pending (and for every rank of a request
+        refused so, whenever its ranks arrive)."""
+        if request in self._over_quota:
+            raise self._over_quota[request]
+        if request in self.requests:
+            return  # another rank of a request already queued
+        limit = config.count(
+            "plexrl.quotas.max-queued-requests-per-job",
+            config.get("quotas.max-queued-requests-per-job"),
+        )
+        if self.requests.of_job(job) < limit:
+            return
+        error = QuotaExceeded(
+            f"job {job!r} has {self.requests.of_job(job)} requests waiting, "
+            f"plexrl.quotas.max-queued-requests-per-job = {limit}: wait for some to finish"
+        )
+        self._over_quota[request] = error
+        while len(self._over_quota) > 4096:
+            self._over_quota.pop(next(iter(self._over_quota)))
+        self.counters["quota_refusals"] += 1
+        raise error
 
     def _admit(self, name: str) -> None:
         """Hand ``name``'s requests to the dispatcher in submission order, each once it is

@@ -148,3 +148,15 @@ def test_accounting_starts_a_queued_task_when_the_one_ahead_ends_and_counts_per_
     a.released("k3", 15.0, "policy", "sample", "w", "job", behind=False)
     a.worker_left("w")
     assert a.started == {} and a.queued_behind == {}
+
+
+def test_the_queue_counts_each_jobs_pending_requests():
+    q = RequestQueue()
+    for i, job in enumerate(["a", "a", "b"]):
+        q.add(PendingRequest(f"r{i}", 1, "d", "sample", 0, job))
+    q.add(PendingRequest("r0", 1, "d", "sample", 0, "a"))  # another rank of r0: not counted
+    assert (q.of_job("a"), q.of_job("b"), q.of_job("c")) == (2, 1, 0)
+    q.release("r0")
+    q.forget(q.get("r2"))
+    q.forget(PendingRequest("gone", 1, "d", "sample", 0, "a"))  # never queued: no change
+    assert q.job_counts() == {"a": 1}

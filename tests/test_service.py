@@ -494,3 +494,46 @@ def test_a_job_cannot_touch_another_jobs_deployment_unless_shared(client):
     # A trains on; what B's refused requests did is nothing.
     out = plexrl.result([mine.forward_backward(batch), mine.optim_step()])
     assert out[1]["version"] == before.version + 1
+
+
+def test_a_job_is_held_to_its_quotas_and_others_are_not(runtime, client):
+    dep = runtime.deploy(unique("quota"), tiny_spec(seed=4))
+    data = [plexrl.Datum(tokens=dep.tokenize("2+2=4"))]
+    other = plexrl.Runtime(client, job=unique("other-job"))
+    with dask.config.set({"plexrl.quotas.max-deployments-per-job": 1}):
+        with pytest.raises(errors.QuotaExceeded, match="max-deployments-per-job"):
+            runtime.deploy(unique("quota-2"), tiny_spec(seed=5))
+        # (its own quota; on the other worker, which the blocker below leaves free)
+        free = [w for w in gpu_workers(client) if w != dep.info.worker]
+        theirs = other.deploy(unique("other-1"), tiny_spec(seed=4), workers=free)
+    gate = Event(unique("quota-gate"), client=client)
+    with dask.annotate(plexrl={"deployment": dep.name, "job": runtime.job, "op": "hold"}):
+        blocker = client.submit(hold, dep.name, gate.name, 120.0, pure=False)
+    try:
+        deadline = time.monotonic() + 90
+        while runtime.status()["queue"]["by_job"].get(runtime.job):  # until the blocker runs
+            assert time.monotonic() < deadline, "the blocker never started"
+            time.sleep(0.05)
+        with dask.config.set({"plexrl.quotas.max-queued-requests-per-job": 3}):
+            futs = [dep.forward(data) for _ in range(6)]
+            # At most 3 wait in the scheduler (and one may be queued on the blocked worker,
+            # behind the blocker): at least 2 are refused, at once, on the free worker.
+            while sum(f.status == "error" for f in futs) < 2:
+                assert time.monotonic() < deadline, [f.status for f in futs]
+                time.sleep(0.05)
+            refused = [f for f in futs if f.status == "error"]
+            waiting = [f for f in futs if f not in refused]
+            assert len(waiting) >= 3
+            for fut in refused:
+                with pytest.raises(errors.QuotaExceeded, match=runtime.job):
+                    plexrl.result(fut, timeout=60)
+            # another job's request is not behind this job's quota
+            assert plexrl.result(theirs.forward(data), timeout=60) == plexrl.result(
+                theirs.forward(data), timeout=60
+            )
+    finally:
+        gate.set()
+    assert blocker.result(timeout=60) == dep.name
+    served = plexrl.result(waiting, timeout=120)
+    assert all(out == served[0] for out in served)
+    assert plexrl.result(dep.forward(data), timeout=60) == served[0]
