@@ -63,6 +63,26 @@ def _syncfs(path: Path) -> bool:
         os.close(fd)
 
 
+def _through_temp(
+    path: Path, data: bytes | memoryview, sync: bool, place: Callable[[Path, Path], None]
+) -> None:
+    """Write ``data`` completely (fsynced if ``sync``) to a temporary file beside ``path``,
+    then ``place(temporary, path)``: ``os.link`` never replaces (a name appears only with all
+    its bytes), ``os.replace`` does, atomically."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        place(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -313,20 +333,9 @@ class Objects:
     def _repair(self, path: Path, data: bytes | memoryview, sync: bool) -> None:
         """Put ``data`` in place of the damaged object at ``path`` (atomically: a reader sees
         the old file or the whole new one; one that mapped the old file keeps it)."""
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.repair")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, data)
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            if sync:
-                _fsync_dir(path.parent)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _through_temp(path, data, sync, os.replace)
+        if sync:
+            _fsync_dir(path.parent)
         with self._lock:
             self._used = None  # (the damaged file's size may have differed: walk again)
         self.stats.add(objects_repaired=1, objects_written=1, bytes_written=len(data))
@@ -355,19 +364,8 @@ class Objects:
                         os.close(fd)
             finally:
                 os.close(dirfd)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, data)
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.link(tmp, path)
-            return True
-        finally:
-            tmp.unlink(missing_ok=True)
+        _through_temp(path, data, sync, os.link)
+        return True
 
     def _open_sized(self, digest: str, what: str, nbytes: int | None) -> tuple[int, int]:
         """An open descriptor of object ``digest`` and its size, which must be ``nbytes``
