@@ -98,7 +98,7 @@ class DeploymentRegistry:
         self.requests = requests
         self.on_undeploy = on_undeploy
         self.deployments: dict[str, DeploymentInfo] = {}
-        self.shares = Shares()  # the ops owners shared with other jobs (plugins/access.py)
+        self.shares = Shares()  # the ops owners shared with other jobs (shared/access.py)
         # worker -> what its replica holder reported (budget, device, ...)
         self.worker_capacity: dict[str, dict[str, Any]] = {}
         self._client: Any = None
