@@ -43,6 +43,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
@@ -59,6 +60,7 @@ from plexrl_dask.errors import (
     DeploymentNotFound,
     GroupTimeout,
     NotRouted,
+    PermissionDenied,
     PlexRLError,
     QuotaExceeded,
     RankLost,
@@ -81,7 +83,7 @@ from plexrl_dask.policy.residency import (
     ResidencyReport,
 )
 from plexrl_dask.protocol import ANNOTATION, PARKED
-from plexrl_dask.shared.records import DeploymentInfo, Lifecycle
+from plexrl_dask.shared.records import DeploymentInfo, Lifecycle, group_key
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
@@ -184,6 +186,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             maxlen=int(config.get("scheduler.decisions-kept"))
         )
         self._rendezvous: dict[str, str] = {}
+        self._rendezvous_tokens: dict[str, str] = {}  # group key -> its rank 0's token
         self._rendezvous_events: dict[str, asyncio.Event] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -366,8 +369,18 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "top": rows,
         }
 
-    def rendezvous_put(self, key: str, address: str) -> dict[str, Any]:
-        """Rank 0 of group ``key`` publishes its store's ``host:port``."""
+    def rendezvous_put(self, key: str, address: str, token: str = "") -> dict[str, Any]:
+        """Rank 0 of group ``key`` publishes its store's ``host:port``, presenting the token
+        its request was released with (:class:`PermissionDenied` for any other: a client
+        cannot point a group's ranks at an address of its own)."""
+        expected = self._rendezvous_tokens.get(key)
+        if expected is None or not secrets.compare_digest(expected, str(token)):
+            self.counters["rendezvous_refused"] += 1
+            return to_status(
+                PermissionDenied(
+                    f"only rank 0 of group {key}, running its request, publishes its address"
+                )
+            )
         self._rendezvous[key] = address
         self._rendezvous_events.setdefault(key, asyncio.Event()).set()
         while len(self._rendezvous) > 1024:  # bounded: old groups' entries are never read again
@@ -582,6 +595,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             group = tuple(decision.group)
             extra["group"] = groups.index(group) if group in groups else 0
             extra["epoch"] = self.groups.epoch_for(info.uid, group, extra["group"])
+            key = group_key(info.uid, extra["group"], extra["epoch"])
+            token = self._rendezvous_tokens.setdefault(key, secrets.token_hex(16))
+            while len(self._rendezvous_tokens) > 1024:  # (bounded like the addresses)
+                self._rendezvous_tokens.pop(next(iter(self._rendezvous_tokens)))
         # A worker runs the tasks waiting on it by Dask priority, which ties for requests
         # submitted within fifo-timeout of each other (each is a one-task graph): order them
         # by release instead, so that a worker runs PlexRL requests in the order they were
@@ -593,9 +610,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             worker = decision.group[rank]
             ts.priority = (ts.priority[0] if ts.priority else 0, -1, self._releases)
             ts.worker_restrictions = {worker}
+            mine = {**extra, "rendezvous": token} if request.ranks > 1 and rank == 0 else extra
             ts.annotations = {
                 **ts.annotations,
-                ANNOTATION: {**ts.annotations[ANNOTATION], **extra, "worker": worker},
+                ANNOTATION: {**ts.annotations[ANNOTATION], **mine, "worker": worker},
             }
             self.accounting.released(
                 key, now, request.deployment, request.op, worker, request.job,

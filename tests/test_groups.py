@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import plexrl_dask as plexrl
-from plexrl_dask import errors
+from plexrl_dask import errors, protocol
 from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
 
@@ -373,3 +373,21 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
     with pytest.raises(errors.OpNotSupported):
         plexrl.result(tp.forward_backward(data), timeout=120)
     assert plexrl.result(tp.forward(data), timeout=120) == got  # still serves
+
+
+def test_only_a_groups_rank_0_publishes_its_address(runtime):
+    """A client that writes addresses for a group's rendezvous keys (every epoch it could
+    guess) is refused; the group forms and trains as before."""
+    dep = runtime.deploy(unique("rdv"), tiny_spec(seed=8), world_size=2, wait=False)
+    for epoch in range(4):
+        for token in ("", "guess"):
+            with pytest.raises(errors.PermissionDenied, match="rank 0"):
+                runtime._call(
+                    protocol.RENDEZVOUS_PUT,
+                    key=f"{dep.info.uid}:{epoch}",
+                    address="127.0.0.1:9",
+                    token=token,
+                )
+    data = [plexrl.Datum(tokens=dep.tokenize(f"{i}+{i}={2 * i}")) for i in range(4)]
+    out = plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
+    assert out[1]["version"] == 1.0

@@ -23,6 +23,14 @@ BACKEND_NAMES = ("torch", "vllm")
 WEIGHTS_ONLY_BACKENDS = ("vllm",)
 
 
+def group_key(uid: str, replica: int, epoch: int) -> str:
+    """The name of a worker process group: the deployment incarnation ``uid``'s group of
+    replica ``replica`` (a training deployment has one, replica 0) in epoch ``epoch``. Shared by
+    the scheduler (which hands out rendezvous tokens per group) and the ranks."""
+    group = uid if replica == 0 else f"{uid}/{replica}"
+    return f"{group}:{epoch}"
+
+
 class Lifecycle(StrEnum):
     """Where a deployment is in its life (the registry's record of it, not its residency):
 

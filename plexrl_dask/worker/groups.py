@@ -8,7 +8,8 @@ holds another (deployment, epoch) tears its group down and joins the new one; si
 the gang got the same epoch, they all rebuild together.
 
 Rendezvous: rank 0 opens a ``TCPStore`` on a free port of its own host and publishes
-``host:port`` through the scheduler plugin (``plexrl_rendezvous_put``); the other ranks read it
+``host:port`` through the scheduler plugin (``plexrl_rendezvous_put``, with the token the
+scheduler released its request with: no one else may publish for the group); the other ranks read it
 (``plexrl_rendezvous_get``, bounded by the group timeout). A group of one meets no one: it opens
 a store of its own and needs no scheduler (``bench.device`` shards a model that way). Backend:
 gloo on the CPU, NCCL on CUDA.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from plexrl_dask import config, protocol
 from plexrl_dask.errors import GroupTimeout, raise_for_status
+from plexrl_dask.shared.records import group_key
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +42,13 @@ class GroupContext:
     world_size: int
     #: Which replica's group (a tensor-parallel rollout has one group per replica).
     replica: int = 0
+    #: What rank 0 presents to publish the group's address (the scheduler gave it to the
+    #: request's rank 0 only: no one else can point the group's ranks elsewhere).
+    token: str = field(default="", compare=False, repr=False)
 
     @property
     def key(self) -> str:
-        group = self.uid if self.replica == 0 else f"{self.uid}/{self.replica}"
-        return f"{group}:{self.epoch}"
+        return group_key(self.uid, self.replica, self.epoch)
 
 
 def indexed(device: torch.device) -> torch.device:
@@ -134,6 +138,7 @@ class ProcessGroupManager:
                     getattr(rpc, protocol.RENDEZVOUS_PUT),
                     key=ctx.key,
                     address=f"{host}:{store.port}",
+                    token=ctx.token,
                     callback_timeout=timeout,
                 )
             )

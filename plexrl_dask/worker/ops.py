@@ -149,6 +149,7 @@ def _run(deployment: str, op: str, call: Any) -> Any:
             rank=int(ann["rank"]),
             world_size=info.world_size,
             replica=int(ann.get("group", 0)),
+            token=str(ann.get("rendezvous", "")),
         )
     return holder.run(info, op, call, group)
 
