@@ -382,6 +382,16 @@ class Objects:
             raise CorruptState(f"{what}: chunk object {digest} has {size} bytes, expected {nbytes}")
         return fd, size
 
+    def _verified(self, data: bytes | memoryview, digest: str, what: str) -> None:
+        """:class:`CorruptState` unless ``data`` (an object's bytes just read) is ``digest``'s;
+        counts the read."""
+        if digest_of(data) != digest:
+            raise CorruptState(
+                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
+            )
+        nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
+        self.stats.add(bytes_read=nbytes, chunks_read=1)
+
     def get_into(self, digest: str, what: str, out: memoryview) -> None:
         """Read object ``digest``, which must be exactly ``len(out)`` bytes, into ``out`` and
         verify it (``what`` names it in errors)."""
@@ -395,11 +405,7 @@ class Objects:
                 done += got
         finally:
             os.close(fd)
-        if digest_of(out) != digest:
-            raise CorruptState(
-                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
-            )
-        self.stats.add(bytes_read=size, chunks_read=1)
+        self._verified(out, digest, what)
 
     def view(self, digest: str, what: str, nbytes: int | None = None) -> memoryview:
         """Object ``digest`` as a read-only view of its file mapped into memory, verified
@@ -414,11 +420,7 @@ class Objects:
             view = memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b"")
         finally:
             os.close(fd)
-        if digest_of(view) != digest:
-            raise CorruptState(
-                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
-            )
-        self.stats.add(bytes_read=size, chunks_read=1)
+        self._verified(view, digest, what)
         return view
 
     def share(self, digest: str, what: str) -> bytes | memoryview:
@@ -441,11 +443,7 @@ class Objects:
             raise CorruptState(
                 f"{what}: chunk object {digest} is missing from {self.root}"
             ) from None
-        if digest_of(data) != digest:
-            raise CorruptState(
-                f"{what}: chunk object {digest} does not match its digest (corrupted bytes)"
-            )
-        self.stats.add(bytes_read=len(data), chunks_read=1)
+        self._verified(data, digest, what)
         return data
 
 
