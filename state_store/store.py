@@ -164,8 +164,8 @@ def _assembled_chunks(
     one chunk in memory at a time. The fragments cover each of these chunks completely and
     no writer wrote one whole (:func:`_check_fragments_cover`), so nothing is read back.
 
-    (The commit used to write fragments through Zarr, a read-modify-write per fragment on
-    Zarr's event loop: ~4 ms each, most of a small model's FSDP publish.)"""
+    (Not through Zarr: a read-modify-write per fragment on Zarr's event loop costs ~4 ms,
+    most of a small model's FSDP publish.)"""
     by_chunk: dict[tuple[str, tuple[int, ...]], list[dict[str, Any]]] = {}
     for frag in fragments:
         chunks = tensors[frag["name"]]["chunks"]

@@ -160,3 +160,11 @@ def test_the_queue_counts_each_jobs_pending_requests():
     q.forget(q.get("r2"))
     q.forget(PendingRequest("gone", 1, "d", "sample", 0, "a"))  # never queued: no change
     assert q.job_counts() == {"a": 1}
+
+
+def test_the_access_rule_knows_every_request_op():
+    from plexrl_dask.shared.access import OPS, READ_OPS
+    from plexrl_dask.worker import ops
+
+    routed = set(ops.__all__) - {"as_batch", "combine"}  # (helpers, not requests)
+    assert routed == OPS and set(READ_OPS) <= OPS
