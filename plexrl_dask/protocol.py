@@ -40,6 +40,10 @@ PLACEMENT = "plexrl_placement"
 RELOCATIONS = "plexrl_relocations"
 RELOCATE = "plexrl_relocate"
 SHARE = "plexrl_share"
+REGISTER_JOB = "plexrl_register_job"
+OFFLOAD = "plexrl_offload"
+#: The handlers a caller runs in a job's name: it presents the job's ``secret`` with them.
+ACTS_AS_JOB = frozenset({DEPLOY, UNDEPLOY, RELOCATE, SHARE, OFFLOAD})
 
 # --- worker handlers (plugins/worker.py) ------------------------------------------------------
 
@@ -47,6 +51,8 @@ SHARE = "plexrl_share"
 HOLDER_STATUS = "plexrl_holder_status"
 #: Drop a deployment's replica from a holder (undeployed, or placed elsewhere).
 HOLDER_DROP = "plexrl_holder_drop"
+#: Offload a deployment's replica to host memory now (its owner asked, through the scheduler).
+HOLDER_OFFLOAD = "plexrl_holder_offload"
 #: A stored version's manifest, and the objects another node lacks (state_store/peer.py).
 STORE_MANIFEST = "plexrl_store_manifest"
 STORE_OBJECTS = "plexrl_store_objects"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
+    ConfigError,
     DeploymentBusy,
     DeploymentExists,
     DeploymentLost,
@@ -267,6 +268,33 @@ class DeploymentRegistry:
         ):
             self.placement.finish(info.owner, time.monotonic())  # its last deployment went
         return {"status": "OK"}
+
+    async def offload(
+        self, name: str, job: str | None = None, replica: int | None = None
+    ) -> dict[str, Any]:
+        """Offload ``job``'s deployment ``name`` (every replica, or ``replica``) to host memory
+        now, as its holders do under memory pressure (for experiments: a cold start). Returns
+        ``{"status": "OK", "offloaded": {worker: bool}}`` (False: it was not resident there)."""
+        try:
+            info = self.deployments.get(name)
+            if info is None:
+                raise DeploymentNotFound(f"no deployment named {name!r}")
+            check_owner(name, info.owner, job, "offload")
+            k = info.world_size
+            if replica is not None and not (
+                isinstance(replica, int) and 0 <= replica < info.replicas
+            ):
+                raise ConfigError(f"{name!r} has replicas 0..{info.replicas - 1}, not {replica!r}")
+            workers = (
+                info.workers if replica is None else info.workers[replica * k : (replica + 1) * k]
+            )
+        except PlexRLError as e:
+            return to_status(e)
+        live = [w for w in workers if w in self.scheduler.workers]
+        replies = await self.scheduler.broadcast(
+            msg={"op": protocol.HOLDER_OFFLOAD, "name": name}, workers=live, on_error="return"
+        )
+        return {"status": "OK", "offloaded": {w: r is True for w, r in replies.items()}}
 
     def placement_status(self, job: str | None = None) -> dict[str, Any]:
         """The spatiotemporal placement's state, decisions, recorded events and traces."""

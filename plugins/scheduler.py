@@ -20,6 +20,9 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
   rule (:mod:`plexrl_dask.policy.dispatch`) whenever one arrives or a worker frees up: all ranks
   of a gang at once, with the process-group epoch they must share; plain Dask tasks are never
   touched;
+- knows the **principals** (:class:`~plexrl_dask.shared.access.Principals`): jobs register and
+  get a secret, every handler run in a job's name and every request presents it, and only
+  the operator changes the dispatch policy;
 - hosts the rendezvous of worker process groups (``plexrl_rendezvous_*`` handlers);
 - keeps the **residency map** from the holders' ``plexrl-residency`` events;
 - re-places a deployment whose worker left (rebuilt from its spec on another worker) unless its
@@ -41,8 +44,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import inspect
 import itertools
 import logging
+import os
 import secrets
 import time
 from collections import Counter, defaultdict, deque
@@ -83,6 +89,7 @@ from plexrl_dask.policy.residency import (
     ResidencyReport,
 )
 from plexrl_dask.protocol import ANNOTATION, PARKED
+from plexrl_dask.shared.access import Principals, new_secret
 from plexrl_dask.shared.records import DeploymentInfo, Lifecycle, group_key
 
 if TYPE_CHECKING:
@@ -106,8 +113,13 @@ def dispatch_policy_from_config(
     if ordering not in ("hrrs", "fifo"):
         raise ConfigError(f"ordering must be 'hrrs' or 'fifo', got {ordering!r}")
     lookahead = config.get("scheduler.lookahead")
-    if not isinstance(lookahead, bool):
-        raise ConfigError(f"scheduler.lookahead must be true or false, got {lookahead!r}")
+    fair_share = config.get("scheduler.fair-share")
+    for key, value in (("lookahead", lookahead), ("fair-share", fair_share)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"scheduler.{key} must be true or false, got {value!r}")
+    weights = config.get("scheduler.job-weights") or {}
+    if not isinstance(weights, dict):
+        raise ConfigError(f"scheduler.job-weights maps job -> weight, got {weights!r}")
     try:
         if ordering == "fifo":
             return DispatchPolicy.fifo(choice, lookahead=lookahead)
@@ -117,6 +129,8 @@ def dispatch_policy_from_config(
             patience_floor_s=config.get_seconds("scheduler.patience-floor", positive=False),
             choice=choice,
             lookahead=lookahead,
+            fair_share=fair_share,
+            job_weights=tuple(sorted((str(j), w) for j, w in weights.items())),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -216,23 +230,27 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.registry.start(scheduler)
+        self._start_principals(scheduler)
         registry = self.registry
-        scheduler.handlers.update(
-            {
-                protocol.DEPLOY: registry.deploy,
-                protocol.UNDEPLOY: registry.undeploy,
-                protocol.GET_DEPLOYMENT: registry.get_deployment,
-                protocol.LIST_DEPLOYMENTS: registry.list_deployments,
-                protocol.STATUS: self.status,
-                protocol.SET_POLICY: self.set_policy,
-                protocol.RENDEZVOUS_PUT: self.rendezvous_put,
-                protocol.RENDEZVOUS_GET: self.rendezvous_get,
-                protocol.PLACEMENT: registry.placement_status,
-                protocol.RELOCATIONS: registry.relocations,
-                protocol.RELOCATE: registry.relocate,
-                protocol.SHARE: registry.share,
-            }
-        )
+        handlers: dict[str, Callable[..., Any]] = {
+            protocol.DEPLOY: registry.deploy,
+            protocol.UNDEPLOY: registry.undeploy,
+            protocol.GET_DEPLOYMENT: registry.get_deployment,
+            protocol.LIST_DEPLOYMENTS: registry.list_deployments,
+            protocol.STATUS: self.status,
+            protocol.SET_POLICY: self.set_policy,
+            protocol.RENDEZVOUS_PUT: self.rendezvous_put,
+            protocol.RENDEZVOUS_GET: self.rendezvous_get,
+            protocol.PLACEMENT: registry.placement_status,
+            protocol.RELOCATIONS: registry.relocations,
+            protocol.RELOCATE: registry.relocate,
+            protocol.SHARE: registry.share,
+            protocol.OFFLOAD: registry.offload,
+            protocol.REGISTER_JOB: self.register_job,
+        }
+        for name in protocol.ACTS_AS_JOB:
+            handlers[name] = self._as_job(handlers[name])
+        scheduler.handlers.update(handlers)
         for worker in self.registry.gpu_workers():
             self.dispatcher.add_worker(worker)
         from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
@@ -249,6 +267,52 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         await self.registry.close()
+
+    def _start_principals(self, scheduler: Scheduler) -> None:
+        """The operator secret: configured, else a fresh one written to a file only the user
+        running the scheduler can read (its path in ``status``)."""
+        configured = dask.config.get("plexrl.operator-secret", None)
+        self.operator_secret_file: str | None = None
+        if configured is None:
+            configured = new_secret()
+            path = os.path.join(scheduler.local_directory, "plexrl-operator-secret")
+            if os.path.exists(path):
+                os.unlink(path)  # (not ours to trust: a new one, created 0600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(configured)
+            self.operator_secret_file = path
+        try:
+            self.principals = Principals(str(configured))
+        except PlexRLError:
+            raise ConfigError(
+                "plexrl.operator-secret must be a string of at least 16 characters"
+            ) from None
+
+    def _as_job(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """``handler`` for callers acting as ``job``: they present its ``secret`` (else
+        :class:`PermissionDenied`, and the handler does not run)."""
+        if inspect.iscoroutinefunction(handler):
+
+            @functools.wraps(handler)
+            async def checked_async(*args: Any, secret: Any = None, **kwargs: Any) -> Any:
+                try:
+                    self.principals.verify(kwargs.get("job"), secret)
+                except PlexRLError as e:
+                    return to_status(e)
+                return await handler(*args, **kwargs)
+
+            return checked_async
+
+        @functools.wraps(handler)
+        def checked(*args: Any, secret: Any = None, **kwargs: Any) -> Any:
+            try:
+                self.principals.verify(kwargs.get("job"), secret)
+            except PlexRLError as e:
+                return to_status(e)
+            return handler(*args, **kwargs)
+
+        return checked
 
     def _undeployed(self, info: DeploymentInfo) -> None:
         """``info`` was undeployed: its gangs' groups go, and its queued requests fail with
@@ -275,7 +339,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "decisions": list(self.decisions)[-50:],
             "hints": {w: d for w, (d, _) in self.hints.items() if d is not None},
             "policy": dataclasses.asdict(self.policy),
+            "jobs_registered": self.principals.jobs(),
+            "operator_secret_file": self.operator_secret_file,
         }
+
+    def register_job(self, job: str, secret: str | None = None) -> dict[str, Any]:
+        """Register ``job`` (a new job gets a fresh secret) or re-attach to it (presenting its
+        secret). Returns ``{"status": "OK", "secret": ...}``."""
+        try:
+            return {"status": "OK", "secret": self.principals.register(job, secret)}
+        except PlexRLError as e:
+            return to_status(e)
 
     def set_policy(
         self,
@@ -285,25 +359,32 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         patience_factor: float | None = None,
         patience_floor_s: float | None = None,
         lookahead: bool | None = None,
+        fair_share: bool | None = None,
+        operator_secret: str | None = None,
     ) -> dict[str, Any]:
         """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
         (the configured HRRS knobs unless given) or "fifo" (default: the configured one);
-        ``choice`` "residency" or "blind"; ``lookahead`` on or off (default: the
-        configured one). Refused with :class:`SchedulerBusy` while requests are pending or
-        released ones wait behind others, so every request is decided under the policy it
-        arrived under."""
+        ``choice`` "residency" or "blind"; ``lookahead`` and ``fair_share`` on or off
+        (default: the configured ones). Only the operator may (``operator_secret``, else
+        :class:`PermissionDenied`). Refused with :class:`SchedulerBusy` while requests are
+        pending or released ones wait behind others, so every request is decided under the
+        policy it arrived under."""
         try:
+            self.principals.check_operator(operator_secret, "change the dispatch policy")
             if self.requests or self.accounting.busy():
                 raise SchedulerBusy(
                     f"{len(self.requests)} requests are pending and "
                     f"{len(self.accounting.queued_behind)} "
                     "queued behind others; change the policy when idle"
                 )
-            if lookahead is not None and not isinstance(lookahead, bool):
-                raise ConfigError(f"lookahead must be true or false, got {lookahead!r}")
+            switches = {"lookahead": lookahead, "fair_share": fair_share}
+            for key, value in switches.items():
+                if value is not None and not isinstance(value, bool):
+                    raise ConfigError(f"{key} must be true or false, got {value!r}")
             policy = dispatch_policy_from_config(ordering, choice)
-            if lookahead is not None:
-                policy = dataclasses.replace(policy, lookahead=lookahead)
+            given = {k: v for k, v in switches.items() if v is not None}
+            if given:
+                policy = dataclasses.replace(policy, **given)
             knobs = {
                 "setup_weight": setup_weight,
                 "patience_factor": patience_factor,
@@ -435,6 +516,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 )
             job = str(ann.get("job") or "")
             self.registry.shares.check_request(name, info.owner, job, str(ann.get("op") or ""))
+            self.principals.verify(job, ann.get("secret"))
             self._check_queue_quota(job, request)
             if ann.get("incarnation") not in (None, info.incarnation):
                 raise DeploymentNotFound(

@@ -29,7 +29,7 @@ from plexrl_dask.protocol import PREFETCH_OP, WORKER_TOPIC
 
 logger = logging.getLogger(__name__)
 
-HOLDER_HANDLERS = (protocol.HOLDER_STATUS, protocol.HOLDER_DROP)
+HOLDER_HANDLERS = (protocol.HOLDER_STATUS, protocol.HOLDER_DROP, protocol.HOLDER_OFFLOAD)
 #: Key prefix of the holder actors (one key per worker incarnation).
 HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 
@@ -90,6 +90,12 @@ class PlexRLWorkerPlugin(WorkerPlugin):
                 return False
             return await asyncio.get_running_loop().run_in_executor(None, holder.drop, name)
 
+        async def holder_offload(name: str) -> bool:
+            holder = holder_of(worker)
+            if holder is None:
+                return False
+            return await asyncio.get_running_loop().run_in_executor(None, holder.offload, name)
+
         # A peer node importing a version from this node's tiers (state_store.peer).
         def node_state() -> Any:
             holder = holder_of(worker)
@@ -125,6 +131,7 @@ class PlexRLWorkerPlugin(WorkerPlugin):
 
         worker.handlers[protocol.HOLDER_STATUS] = holder_status
         worker.handlers[protocol.HOLDER_DROP] = holder_drop
+        worker.handlers[protocol.HOLDER_OFFLOAD] = holder_offload
         worker.handlers[peer.MANIFEST_HANDLER] = store_manifest
         worker.handlers[peer.OBJECTS_HANDLER] = store_objects
         # A stream op (one-way, batched with the scheduler's other messages); an op a worker

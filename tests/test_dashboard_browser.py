@@ -165,17 +165,21 @@ def test_every_page_shows_what_its_route_reports_in_chromium(tmp_path):
             for name in names:
                 assert samples[("dask_plexrl_job_step", name)] == STEPS
                 assert samples[("dask_plexrl_job_charged_seconds_total", name)] > 0
-        # The split job's rollout offloaded to the node's DRAM tier (the holder's own call).
+        # The split job's rollout offloaded to the node's DRAM tier (its owner asks).
         rollout = jobs[1].rollout
-        holder = jobs[1].runtime.holder(rollout.info.workers[0])
-        assert holder.offload(rollout.name).result(timeout=WAIT_S)
+        assert rollout.offload() == {rollout.info.workers[0]: True}
 
         # A frozen queue: a request holds the first job's worker, four more wait behind it
         # (with lookahead, the first of them queued on the worker, the others pending).
         first = jobs[0]
         gate = Event(unique("dash-gate"), client=client)
         with dask.annotate(
-            plexrl={"deployment": first.policy.name, "job": first.runtime.job, "op": "hold"}
+            plexrl={
+                "deployment": first.policy.name,
+                "job": first.runtime.job,
+                "secret": first.runtime.secret,
+                "op": "hold",
+            }
         ):
             blocker = client.submit(hold, first.policy.name, gate.name, 300.0, pure=False)
         datum = plexrl.Datum.from_prompt_completion(

@@ -29,6 +29,7 @@ from plexrl_dask.policy.residency import TIERS, ResidencyMap, ResidencyReport
 from plexrl_dask.sim.queueing import (
     ADVERSARIAL,
     ClusterModel,
+    burst,
     flood,
     gang_vs_singles,
     long_vs_short_stream,
@@ -468,6 +469,7 @@ def test_decision_to_dict():
         "setup_s": 0.5,
         "urgent": False,
         "behind": None,
+        "tag": 0.0,
     }
 
 
@@ -938,6 +940,8 @@ hrrs_policies = st.builds(
     patience_factor=st.floats(0.0, 30.0),
     patience_floor_s=st.floats(0.0, 20.0),
     choice=st.sampled_from(["residency", "blind"]),
+    fair_share=st.booleans(),
+    job_weights=st.sampled_from([(), (("j0", 3.0),), (("j1", 0.25), ("A", 2.0))]),
 )
 any_policy = st.one_of(st.sampled_from(list(POLICIES.values())), hrrs_policies)
 
@@ -1005,6 +1009,70 @@ def test_short_requests_overtake_a_long_one_under_hrrs_only():
 def test_flood_delays_the_other_jobs_first_request_less_under_hrrs():
     hrrs, fifo = _records(flood, HRRS)["b0"], _records(flood, FIFO)["b0"]
     assert hrrs.wait < fifo.wait
+
+
+def test_share_tags_interleave_jobs_follow_weights_and_orders():
+    d = Dispatcher(DispatchPolicy(patience_floor_s=1e9, job_weights=(("W", 2.0),)), workers=["w0"])
+    occupy(d, "w0")
+    for i in range(3):
+        d.add(replace(req(f"a{i}", "w0"), job="A"))
+    d.add(replace(req("b0", "w0"), job="B"))
+    d.add(replace(req("w0-0", "w0"), job="W"))
+    d.add(replace(req("w0-1", "w0"), job="W"))
+    assert [d.tag(r) for r in ("a0", "a1", "a2", "b0", "w0-0", "w0-1")] == [0, 1, 2, 0, 0, 0.5]
+    # an order shared by two jobs never goes back: B's next request on A's order follows a2
+    d.add(replace(req("a3", "w0", order="oa"), job="A"))
+    d.add(replace(req("b1", "w0", order="oa"), job="B"))
+    assert d.tag("a3") == 3 and d.tag("b1") == 3 and d.tag("nope") is None
+    assert d.clock == 0
+    for r in ("a0", "b0", "w0-0"):
+        d.remove(r)
+    assert d.clock == 0.5  # the smallest pending tag; a job idle until now starts there
+    d.add(replace(req("c0", "w0"), job="C"))
+    assert d.tag("c0") == 0.5
+    assert DispatchPolicy.fifo().fair_share is False
+    with pytest.raises(ValueError):
+        DispatchPolicy(job_weights=(("A", 0.0),))
+
+
+def test_urgent_requests_go_in_share_order_not_arrival_order():
+    d = Dispatcher(DispatchPolicy(patience_factor=0.0, patience_floor_s=0.0), workers=["w0"])
+    occupy(d, "w0")
+    for i in range(4):
+        d.add(replace(req(f"a{i}", "w0", t=0.1 * i), job="A"))
+    d.add(replace(req("b0", "w0", t=0.5), job="B"))
+    started = []
+    for t in range(1, 7):
+        d.release_worker("w0")
+        started += names(d.decide(float(t)))
+    assert started == ["a0", "b0", "a1", "a2", "a3"]
+
+
+def _burst_waits(policy: DispatchPolicy, n_burst: int) -> dict[str, float]:
+    cluster, workload = burst(n_burst)
+    result = simulate(workload, cluster, policy)
+    assert result.max_wait_over_bound() <= 1 + 1e-9
+    recs = {r.request.request: r for r in result.records}
+    b_max = max(r.finish - r.start for r in recs.values())
+    p_max = max(r.patience for r in recs.values())
+    waits = {name: r.wait for name, r in recs.items() if name.startswith("b")}
+    for k, name in enumerate(sorted(waits), start=1):
+        if policy.fair_share:  # dispatch's "What a flood can do", two jobs of weight 1
+            assert waits[name] <= p_max + 4 * k * b_max + 1e-9
+    return waits
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_burst_delays_another_jobs_requests_by_the_share_bound_not_its_length(lookahead):
+    """Job B's five requests behind job A's burst: in share order they wait about their
+    patience whatever the burst's length; in arrival order, behind the whole burst."""
+    fair = DispatchPolicy(lookahead=lookahead)
+    arrival = DispatchPolicy(lookahead=lookahead, fair_share=False)
+    short, long = (max(_burst_waits(fair, n).values()) for n in (500, 2000))
+    assert long < short * 1.05
+    unfair_short, unfair_long = (max(_burst_waits(arrival, n).values()) for n in (500, 2000))
+    assert unfair_long > 3.5 * unfair_short
+    assert short < unfair_short and long < unfair_long / 6
 
 
 # --- estimates, setup costs, residency -------------------------------------------------------

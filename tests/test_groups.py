@@ -188,7 +188,12 @@ def test_sync_weights_from_two_ranks_into_replicas_and_mismatches(runtime):
     expected = ref.forward(probe).logprobs
     for replica in range(2):
         with dask.annotate(
-            plexrl={"deployment": rollout.name, "replica": replica, "job": runtime.job}
+            plexrl={
+                "deployment": rollout.name,
+                "replica": replica,
+                "job": runtime.job,
+                "secret": runtime.secret,
+            }
         ):
             fut = runtime.client.submit(plexrl.ops.forward, rollout.name, probe, pure=False)
         got = plexrl.result(fut).logprobs

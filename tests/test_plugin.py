@@ -59,9 +59,20 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_
         await asyncio.sleep(0.02)
 
 
-async def install(c, s, gpu_workers) -> PlexRLSchedulerPlugin:
+# The secret of "test-job", registered by install() on each test's plugin.
+TEST_JOB: dict[str, str] = {}
+
+
+async def register(c, s) -> PlexRLSchedulerPlugin:
+    """Register the scheduler plugin and the job "test-job" with it."""
     await c.register_plugin(PlexRLSchedulerPlugin())
     plugin = s.plugins[PlexRLSchedulerPlugin.name]
+    TEST_JOB["secret"] = plugin.principals.register("test-job")
+    return plugin
+
+
+async def install(c, s, gpu_workers) -> PlexRLSchedulerPlugin:
+    plugin = await register(c, s)
     addresses = {w.address for w in gpu_workers}
     await until(
         lambda: addresses <= set(plugin.worker_capacity) and all(holder_of(w) for w in gpu_workers),
@@ -80,6 +91,7 @@ def deploy_fields(name: str, model: ModelSpec, **overrides) -> dict:
         "backend": "torch",
         "owner": "test-job",
         "job": "test-job",
+        "secret": TEST_JOB["secret"],
         "memory_bytes": model.memory_bytes("train"),
         "exist_ok": False,
         "candidates": None,
@@ -93,7 +105,8 @@ async def deploy(c, name: str, model: ModelSpec | None = None, **overrides) -> d
 
 
 def submit_routed(c, name: str, fn=ops.load, *args):
-    with dask.annotate(plexrl={"deployment": name, "job": "test-job", "op": fn.__name__}):
+    ann = {"deployment": name, "job": "test-job", "secret": TEST_JOB["secret"]}
+    with dask.annotate(plexrl={**ann, "op": fn.__name__}):
         return c.submit(fn, name, *args, pure=False)
 
 
@@ -224,19 +237,23 @@ async def test_deployment_handlers(c, s, a, b):
     assert isinstance(e, errors.DeploymentNotFound) and "'nope'" in str(e)
 
     # Undeploy: unknown name, and a stale uid, are not found; then the real one.
-    assert (await c.scheduler.plexrl_undeploy(name="nope", job="test-job"))[
-        "error"
-    ] == "DeploymentNotFound"
-    stale = await c.scheduler.plexrl_undeploy(name="policy", uid="not-the-uid", job="test-job")
+    assert (
+        await c.scheduler.plexrl_undeploy(name="nope", job="test-job", secret=TEST_JOB["secret"])
+    )["error"] == "DeploymentNotFound"
+    stale = await c.scheduler.plexrl_undeploy(
+        name="policy", uid="not-the-uid", job="test-job", secret=TEST_JOB["secret"]
+    )
     assert stale["error"] == "DeploymentNotFound"
     assert (await c.scheduler.plexrl_get_deployment(name="policy"))["status"] == "OK"
-    assert await c.scheduler.plexrl_undeploy(name="policy", uid=fields["uid"], job="test-job") == {
-        "status": "OK"
-    }
+    assert await c.scheduler.plexrl_undeploy(
+        name="policy", uid=fields["uid"], job="test-job", secret=TEST_JOB["secret"]
+    ) == {"status": "OK"}
     assert (await c.scheduler.plexrl_get_deployment(name="policy"))["error"] == "DeploymentNotFound"
     listed = await c.scheduler.plexrl_list_deployments()
     assert [d["name"] for d in listed["deployments"]] == ["value"]
-    assert await c.scheduler.plexrl_undeploy(name="value", job="test-job") == {"status": "OK"}
+    assert await c.scheduler.plexrl_undeploy(
+        name="value", job="test-job", secret=TEST_JOB["secret"]
+    ) == {"status": "OK"}
     assert list((await c.scheduler.plexrl_list_deployments())["deployments"]) == []
 
 
@@ -282,8 +299,7 @@ _SHORT_WAIT["deploy"]["worker-report-timeout"] = "0.3s"
     timeout=60,
 )
 async def test_deploy_without_gpu_workers_fails(c, s, plain):
-    await c.register_plugin(PlexRLSchedulerPlugin())
-    plugin = s.plugins[PlexRLSchedulerPlugin.name]
+    plugin = await register(c, s)
     status = await c.scheduler.plexrl_deploy(**deploy_fields("policy", spec()))
     assert status["error"] == "NoPlexRLWorkers"
     assert isinstance(errors.from_status(status), errors.NoPlexRLWorkers)
@@ -326,7 +342,9 @@ async def test_annotated_task_is_routed_to_the_deployment_worker(c, s, a, b):
     assert plugin.counters["routed"] == 4
 
     # Undeploy frees the replica on its worker.
-    assert await c.scheduler.plexrl_undeploy(name="policy", job="test-job") == {"status": "OK"}
+    assert await c.scheduler.plexrl_undeploy(
+        name="policy", job="test-job", secret=TEST_JOB["secret"]
+    ) == {"status": "OK"}
     await until(lambda: holder_of(target).names() == [], "the replica to be dropped")
     assert plugin.residency.tier("policy", placed) == "absent"
 
@@ -372,7 +390,9 @@ async def test_unannotated_op_fails_not_routed(c, s, a, b):
     with pytest.raises(errors.NotRouted, match="dask.annotate"):
         await asyncio.wait_for(fut, WAIT_S)
     # Annotated for another deployment than the one it addresses: also not routed.
-    with dask.annotate(plexrl={"deployment": "policy", "job": "test-job"}):
+    with dask.annotate(
+        plexrl={"deployment": "policy", "job": "test-job", "secret": TEST_JOB["secret"]}
+    ):
         fut2 = c.submit(ops.load, "other", pure=False)
     with pytest.raises(errors.NotRouted):
         await asyncio.wait_for(fut2, WAIT_S)

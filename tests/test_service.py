@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import dask
@@ -90,11 +91,20 @@ def test_client_submit_with_annotations(runtime):
     data = [plexrl.Datum(tokens=dep.tokenize("5+5=10"))]
     expected = plexrl.result(dep.forward(data))
     client = runtime.client
-    with dask.annotate(plexrl={"deployment": dep.name, "job": runtime.job}):
+    mine = {"job": runtime.job, "secret": runtime.secret}
+    with dask.annotate(plexrl={"deployment": dep.name, **mine}):
         fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False)
     assert plexrl.result(fut) == expected
-    # Another job's request, or one that names no job, is refused.
-    for annotation in ({"job": "raw-user"}, {}):
+    # Another job's request, one that names no job, and one in this job's name without its
+    # secret (or with another's) are refused.
+    other = plexrl.Runtime(client, job=unique("raw-other"))
+    for annotation in (
+        {"job": "raw-user"},
+        {},
+        {"job": runtime.job},
+        {"job": runtime.job, "secret": other.secret},
+        {"job": other.job, "secret": other.secret},
+    ):
         with dask.annotate(plexrl={"deployment": dep.name, **annotation}):
             fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False)
         with pytest.raises(errors.PermissionDenied):
@@ -127,7 +137,9 @@ def test_requests_of_one_deployment_released_together_run_in_order(runtime):
     data = [plexrl.Datum(tokens=dep.tokenize("9+9=18"))]
     gate = Event(unique("together-gate"), client=runtime.client)
     token = runtime.client.submit(str, "an input", pure=False)
-    with dask.annotate(plexrl={"deployment": dep.name, "job": runtime.job, "op": "hold"}):
+    with dask.annotate(
+        plexrl={"deployment": dep.name, "job": runtime.job, "secret": runtime.secret, "op": "hold"}
+    ):
         blocker = runtime.client.submit(hold, dep.name, gate.name, 120.0, token, pure=False)
     futs = []
     try:
@@ -496,6 +508,66 @@ def test_a_job_cannot_touch_another_jobs_deployment_unless_shared(client):
     assert out[1]["version"] == before.version + 1
 
 
+def test_a_job_is_a_principal_and_only_the_operator_changes_the_policy(client):
+    """A job's secret: another driver naming the job acts in its name only with it; the
+    holder actor serves reads only; an owner offloads its own deployment; set_policy needs the
+    operator secret."""
+    from plexrl_dask.driver import runtime as runtime_module
+
+    a = plexrl.Runtime(client, job=unique("principal"))
+    dep = a.deploy(unique("principal-policy"), tiny_spec(seed=22))
+    batch = [plexrl.Datum(tokens=dep.tokenize("2+2=4"))]
+    expected = plexrl.result(dep.forward(batch))
+    # Another driver process (no secret cached) naming job A: refused, until it presents it.
+    cached = dict(runtime_module._SECRETS)
+    runtime_module._SECRETS.clear()
+    try:
+        impostor = plexrl.Runtime(client, job=a.job)
+        with pytest.raises(errors.PermissionDenied, match="another driver"):
+            impostor.undeploy(dep.name)
+        with pytest.raises(errors.PermissionDenied):
+            wrong = plexrl.Runtime(client, job=a.job, secret="0" * 32)
+            plexrl.result(wrong.deployment(dep.name).forward(batch))
+        reattached = plexrl.Runtime(client, job=a.job, secret=a.secret)
+        assert plexrl.result(reattached.deployment(dep.name).forward(batch)) == expected
+    finally:
+        runtime_module._SECRETS.update(cached)
+    assert a.job in a.status()["jobs_registered"]
+
+    # The holder actor: reads yes; running, dropping, offloading, hinting no.
+    holder = a.holder(dep.info.worker)
+    assert dep.name in holder.names().result(timeout=30)
+    for call in (
+        lambda: holder.drop(dep.name),
+        lambda: holder.offload(dep.name),
+        lambda: holder.hint(dep.name),
+        lambda: holder.prefetch(),
+    ):
+        with pytest.raises(errors.PermissionDenied, match="worker's own"):
+            call().result(timeout=30)
+    assert plexrl.result(dep.forward(batch)) == expected  # still there
+    # Its owner offloads it (its next request reloads it); another job may not.
+    other = plexrl.Runtime(client, job=unique("not-owner"))
+    with pytest.raises(errors.PermissionDenied):
+        other.deployment(dep.name).offload()
+    assert dep.offload() == {dep.info.worker: True}
+    replica = holder.status().result(timeout=30)["replicas"][dep.name]
+    assert replica["resident"] is False
+    assert plexrl.result(dep.forward(batch)) == expected
+
+    # Cluster-wide policy: the operator only.
+    with pytest.raises(errors.PermissionDenied, match="operator"):
+        a.set_policy(operator_secret="x" * 32, patience_factor=0.0)
+    not_the_schedulers = dask.config.set({"plexrl.operator-secret": "y" * 32})
+    with not_the_schedulers, pytest.raises(errors.PermissionDenied, match="operator"):
+        a.set_policy(patience_factor=0.0)
+    path = a.status()["operator_secret_file"]
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    policy = a.set_policy(fair_share=False)  # the secret from the file, as the operator
+    assert policy["fair_share"] is False
+    assert a.set_policy(fair_share=True)["fair_share"] is True
+
+
 def test_a_job_is_held_to_its_quotas_and_others_are_not(runtime, client):
     dep = runtime.deploy(unique("quota"), tiny_spec(seed=4))
     data = [plexrl.Datum(tokens=dep.tokenize("2+2=4"))]
@@ -507,7 +579,9 @@ def test_a_job_is_held_to_its_quotas_and_others_are_not(runtime, client):
         free = [w for w in gpu_workers(client) if w != dep.info.worker]
         theirs = other.deploy(unique("other-1"), tiny_spec(seed=4), workers=free)
     gate = Event(unique("quota-gate"), client=client)
-    with dask.annotate(plexrl={"deployment": dep.name, "job": runtime.job, "op": "hold"}):
+    with dask.annotate(
+        plexrl={"deployment": dep.name, "job": runtime.job, "secret": runtime.secret, "op": "hold"}
+    ):
         blocker = client.submit(hold, dep.name, gate.name, 120.0, pure=False)
     try:
         deadline = time.monotonic() + 90

@@ -134,8 +134,7 @@ def test_a_weights_only_wake_is_learned_as_its_own_time_not_a_tier_bandwidth(cli
     before = client.run_on_scheduler(_load_estimates, rollout.name)
     assert set(before["learned"]) == {"absent"}  # its start
 
-    holder = runtime.holder(rollout.info.workers[0])
-    assert holder.offload(rollout.name).result(timeout=60)
+    assert rollout.offload() == {rollout.info.workers[0]: True}
     params = plexrl.SamplingParams(max_tokens=4, seed=1)
     plexrl.result(rollout.sample(["1+1="], params))  # wakes it from host memory
     deadline = time.monotonic() + 60

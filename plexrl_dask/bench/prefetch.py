@@ -68,7 +68,7 @@ def _switches(hints: bool, room: bool, trials: int, long_batch: int) -> list[flo
         short = [plexrl.Datum(tokens=b.tokenize("1+1=2"))]
         plexrl.result([a.forward(short), b.forward(short)])
         for _ in track(range(trials), description=f"hints={hints} room={room}", transient=True):
-            holder.offload(b.name).result(timeout=60)
+            b.offload()
             stored = holder.status().result(timeout=60)["replicas"][b.name]["stored_as"]
             model, version = stored.rsplit("/", 1)
             node.evict(model, int(version))

@@ -96,18 +96,41 @@ def result(futures: Any, timeout: float | None = None) -> Any:
     return values if many else values[0]
 
 
+# (scheduler address, job) -> the job's secret, for the runtimes of this driver process: a
+# second Runtime of a job in the process that registered it is the same principal.
+_SECRETS: dict[tuple[str, str], str] = {}
+
+
 class Runtime:
     """Stateless router from API calls to Dask futures (see the module docstring).
 
     ``job`` names the caller in every request's annotation (for scheduling, accounting and the
-    dashboard); it defaults to a fresh id.
+    dashboard); it defaults to a fresh id. The first runtime that names a job registers it with
+    the scheduler and gets its secret (:attr:`secret`), which every call and request in the
+    job's name presents; another driver process acts as that job only by passing ``secret``
+    (a driver that reattaches), else :class:`PermissionDenied` (docs/tenancy.md).
     """
 
-    def __init__(self, client: Client | None = None, job: str | None = None):
+    def __init__(
+        self, client: Client | None = None, job: str | None = None, secret: str | None = None
+    ):
         self.client = client if client is not None else get_client()
         self.job = job or f"job-{uuid.uuid4().hex[:8]}"
+        self._secret = secret
+
+    @property
+    def secret(self) -> str:
+        """The job's secret (registering the job on first use)."""
+        if self._secret is None:
+            key = (str(self.client.scheduler.address), self.job)
+            known = _SECRETS.get(key)
+            status = self._call(protocol.REGISTER_JOB, job=self.job, secret=known)
+            self._secret = _SECRETS[key] = str(status["secret"])
+        return self._secret
 
     def _call(self, handler: str, **kwargs: Any) -> dict[str, Any]:
+        if handler in protocol.ACTS_AS_JOB:
+            kwargs["secret"] = self.secret
         rpc = getattr(self.client.scheduler, handler)
         try:
             status = self.client.sync(rpc, **kwargs, callback_timeout=config.request_timeout())
@@ -221,11 +244,16 @@ class Runtime:
         """The scheduler plugin's state: deployments, residency, worker capacity, counters."""
         return self._call(protocol.STATUS)
 
-    def set_policy(self, **knobs: Any) -> dict[str, Any]:
+    def set_policy(self, operator_secret: str | None = None, **knobs: Any) -> dict[str, Any]:
         """Change the scheduler's dispatch policy while no request is pending (``ordering``,
-        ``choice``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``; see the
-        ``plexrl_set_policy`` handler). Returns the policy now in force."""
-        return self._call(protocol.SET_POLICY, **knobs)["policy"]
+        ``choice``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``,
+        ``lookahead``, ``fair_share``; see the ``plexrl_set_policy`` handler), as the cluster's
+        operator: ``operator_secret``, else ``plexrl.operator-secret``, else the file the
+        scheduler wrote it to (readable where the scheduler runs, by the user that runs it).
+        Returns the policy now in force."""
+        if operator_secret is None:
+            operator_secret = operator_secret_of(self)
+        return self._call(protocol.SET_POLICY, operator_secret=operator_secret, **knobs)["policy"]
 
     def placement(self, job: str | None = None) -> dict[str, Any]:
         """The spatiotemporal placement (``plugins/placement.py``): node groups and their load,
@@ -442,6 +470,15 @@ class Deployment:
         )
         return list(status["ops"])
 
+    def offload(self, replica: int | None = None) -> dict[str, bool]:
+        """Offload this deployment (every replica, or ``replica``) to host memory now, as its
+        holders do under memory pressure: its next request reloads it (for experiments with
+        cold starts). Only its owner may. Returns worker -> whether it was resident there."""
+        status = self.runtime._call(
+            protocol.OFFLOAD, name=self.name, job=self.runtime.job, replica=replica
+        )
+        return dict(status["offloaded"])
+
     def _submit(
         self,
         op: str,
@@ -468,6 +505,7 @@ class Deployment:
             for rank, args in enumerate(tasks):
                 annotation = {
                     "job": self.runtime.job,
+                    "secret": self.runtime.secret,
                     "deployment": self.name,
                     "incarnation": info.incarnation,
                     "op": op,
@@ -653,3 +691,17 @@ class Deployment:
         ``get_weights()``): Dask then moves the tensors between workers directly."""
         # every rank takes its shard, every replica a copy
         return self._every("set_weights", ops.set_weights, (weights, version, strict))
+
+
+def operator_secret_of(runtime: Runtime) -> str | None:
+    """The operator secret as this process can know it: ``plexrl.operator-secret``, else the
+    scheduler's secret file where this process can read it (``None`` if neither)."""
+    configured = dask.config.get("plexrl.operator-secret", None)
+    if configured is not None:
+        return str(configured)
+    path = runtime.status().get("operator_secret_file")
+    try:
+        with open(path) as f:  # type: ignore[arg-type]
+            return f.read().strip()
+    except (OSError, TypeError):
+        return None

@@ -42,32 +42,64 @@ request gets a *patience*, fixed when it arrives,
     P(r) = beta * (s + c) + floor        (c: its cheapest setup at arrival)
 
 and a head that has waited ``P(r)`` becomes **urgent**: it reserves one of its groups (the one
-with the cheapest setup), and on each reserved worker urgent requests start in arrival order and
-nothing else may start. An urgent request may also start on another of its groups that is free
-and reserved by no one (a data-parallel request does not wait for "its" replica while another
-idles). A request starts on all workers of its group in the same decision or not at all, so no
-worker runs part of a gang, and reservations, granted in one total order (arrival), cannot
-deadlock.
+with the cheapest setup), and on each reserved worker urgent requests start in *share order*
+(below) and nothing else may start. An urgent request may also start on another of its groups
+that is free and reserved by no one (a data-parallel request does not wait for "its" replica
+while another idles). A request starts on all workers of its group in the same decision or not
+at all, so no worker runs part of a gang, and reservations, granted in one total order fixed
+when requests arrive, cannot deadlock.
 
-**The bound.** Let ``E(r)`` be the requests that arrived no later than ``r`` and were still
-pending at ``t0 = a(r) + P_max(r)``, where ``P_max(r)`` is the largest patience among requests
-that arrived no later than ``r``; let ``B`` be the longest duration (actual service + setup) of
-any request that runs while ``r`` waits. Then ``r`` starts by
+**Share order.** Urgent requests are ordered not by arrival but by a per-job *share tag*, given
+when a request is added (start-time fair queueing, counting requests):
 
-    S(r) <= a(r) + P_max(r) + |E(r)| * B
+    S(r) = max(V, F(j), S(r') )         F(j) := S(r) + 1 / w(j)
 
-*Proof.* At any ``t >= t0`` while ``r`` pends, let ``e`` be the earliest-arrived pending
-request (so ``e`` is in ``E(r)``). Every request of ``e``'s order that arrived before it has
-started, so ``e`` is a head; and it has waited ``t - a(e) >= P_max(r) >= P(e)``, so it is
-urgent and the first in reservation order on every worker it reserved. From then on nothing
-else starts on those workers; what runs there started before and ends within ``B``; ``e``
-starts when the last of them ends, or earlier elsewhere (the dispatcher decides at every
-event). So each member of
-``E(r)`` is the earliest pending request for at most ``B``, in arrival order, and ``r`` is the
-last of them. ∎  With FIFO (below) ``P_max = 0``. The bound counts requests, not their ratios:
-HRRS can reorder only what is younger than every request's patience, so a flood from one job
-or a stream of singles delays a request by at most its patience plus one blocking term per
-request already ahead of it. Requests whose workers die are routed again and excluded.
+where ``j`` is ``r``'s job, ``w(j)`` its weight (1 unless configured), ``F(j)`` the tag after
+``j``'s previous request, ``r'`` the previous request of ``r``'s order (tags, like arrivals,
+never go back within an order), and ``V`` the *virtual clock*: the smallest tag of any
+pending request (it never goes back). The urgency order is ``K(r) = (S(r), a(r), seq)``.
+A job that floods the queue with 500 requests has tags up to ``V + 500``; another job's fresh
+request gets ``V`` and comes after at most one of the flood's. Within one job tags follow
+submission, so the order is that job's arrival order. With ``fair_share`` off (FIFO) every tag
+is 0 and ``K`` is arrival order. The ratio (above) does not look at tags: a flood's head that
+has waited longer still wins by ratio until the other job's request turns urgent.
+
+**The bound.** For a request ``r``, let ``A(r)`` be the requests with ``K <= K(r)`` that arrived
+no later than ``r``, and ``L(r)`` those with ``K < K(r)`` that arrived after it;
+``P_max(r)`` the largest patience in ``A(r)``, ``t0 = a(r) + P_max(r)``; ``n(r)`` the number of
+``A(r)`` still pending at ``t0`` plus twice the number of ``L(r)`` released after ``t0``;
+``B`` the longest duration (actual service + setup) of any request that runs while ``r``
+waits. Then ``r`` starts by
+
+    S_start(r) <= a(r) + P_max(r) + n(r) * B
+
+*Proof.* At any ``t >= t0`` while ``r`` pends, let ``e`` be the pending member of ``A(r)`` with
+the smallest ``K``. Its order's earlier requests have smaller ``K`` and arrived earlier, so
+they are in ``A(r)`` and have started: ``e`` is a head, it has waited at least
+``t - a(r) >= P_max(r) >= P(e)``, so it is urgent. Now take the urgent request ``u`` with the
+smallest ``K`` of all (``K(u) <= K(e) <= K(r)``, so ``u`` is in ``A(r)`` or ``L(r)``): it is the
+first reserver on every worker it reserved, nothing else starts there, what runs there ends
+within ``B``, and ``u`` starts then (or earlier elsewhere; the dispatcher decides at every
+event), unless before that a request with a smaller ``K`` turns urgent, which is a member of
+``L(r)`` (members of ``A(r)`` are urgent from ``t0`` on as soon as they are heads). So from
+``t0`` the time splits into intervals of at most ``B``, each ending when a member of ``A(r)`` or
+``L(r)`` starts or a member of ``L(r)`` turns urgent, and ``r`` starts at the end of the last.
+With FIFO ``P_max = 0`` and ``L(r)`` is empty (``K`` is arrival order). The bound counts
+requests, not ratios: HRRS reorders only what is younger than every request's patience.
+Requests whose workers die are routed again and excluded.
+
+*What a flood can do.* Every request counted in ``n(r)`` is pending at or after ``a(r)``, so its
+tag is at least ``V(a(r))``, and at most ``S(r)``; a job's tags are ``1 / w(j)`` apart. So job
+``j`` contributes at most ``floor(D(r) * w(j)) + 1`` of them, where ``D(r) = S(r) - V(a(r))``
+is ``r``'s job's lead over the virtual clock when ``r`` arrived: 0 for a job with nothing
+pending, at most its pending requests over its weight otherwise (more only if HRRS ran its
+requests ahead of their turn, which it then pays back). Hence
+
+    n(r) <= 2 * sum over jobs j (floor(D(r) * w(j)) + 1)
+
+over the jobs with requests pending while ``r`` waits: with two jobs of weight 1, job B's
+``k``-th pending request waits at most ``P_max + 4k * B`` behind job A's flood however long
+the flood is, not one ``B`` per flooding request.
 
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
@@ -92,16 +124,16 @@ starts. Requests that wait for a busy worker pay that each time. With lookahead,
 runs a request may also hold *one* single-worker request queued behind it, which starts there
 as soon as the running one ends. It is the request the rule would pick for that worker when it
 frees up, decided now: its first urgent reserver if that reserved the worker alone, else the
-first single-worker head eligible there (urgent heads by arrival, then the rest by ratio) that
+first single-worker head eligible there (urgent heads in share order, then the rest by ratio) that
 is expected to start on this worker no later than on any other of its groups (expected ends of
 what runs and is queued, plus setup). If a gang comes first there, nothing is queued: a single
 does not overtake a gang that way. Nor is anything queued behind a request with ``inputs`` (it
 takes other tasks' results, which its worker may still be fetching when it is released): the
 request queued behind it could start first. A queued request counts as released
 (:class:`Decision` ``behind`` names the request it waits for). The bound above then holds with
-``2 B`` for ``B`` (a reserved worker may still run one request and hold one queued before the
-urgent request), and a request released behind another starts at most ``B`` after its
-release.
+``2 B`` for ``B`` plus one more ``B``, ``a(r) + P_max(r) + (2 n(r) + 1) * B`` (a reserved
+worker may still run one request and hold one queued before the urgent request), and a
+request released behind another starts at most ``B`` after its release.
 """
 
 from __future__ import annotations
@@ -180,6 +212,10 @@ class DispatchPolicy:
     patience_floor_s: float = 2.0  # floor
     choice: str = "residency"  # or "blind": how a request chooses among its groups
     lookahead: bool = False  # queue one single-worker request behind a running one
+    fair_share: bool = True  # urgent requests in share order (per-job tags), not arrival
+    # Job -> weight in the share order (default 1): a job of weight 2 gets two urgent turns
+    # per turn of a job of weight 1. Pairs, so that the policy stays hashable.
+    job_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not all(
@@ -188,16 +224,27 @@ class DispatchPolicy:
             raise ValueError(f"dispatch weights must be >= 0: {self}")
         if self.choice not in ("residency", "blind"):
             raise ValueError(f"choice must be 'residency' or 'blind', got {self.choice!r}")
+        for job, weight in self.job_weights:
+            if not (isinstance(job, str) and isinstance(weight, int | float) and weight > 0):
+                raise ValueError(f"job weights are job -> number > 0, got {job!r}: {weight!r}")
+            if weight == float("inf"):
+                raise ValueError(f"job weight of {job!r} must be finite")
 
     @classmethod
     def fifo(cls, choice: str = "residency", lookahead: bool = False) -> DispatchPolicy:
+        """Arrival order with reservations: every head urgent at once, no share order."""
         return cls(
             setup_weight=0.0,
             patience_factor=0.0,
             patience_floor_s=0.0,
             choice=choice,
             lookahead=lookahead,
+            fair_share=False,
         )
+
+    def weight(self, job: str) -> float:
+        """``job``'s weight in the share order."""
+        return dict(self.job_weights).get(job, 1.0)
 
     def ratio(self, wait_s: float, service_s: float, setup_s: float) -> float:
         return (max(0.0, wait_s) + service_s) / (service_s + self.setup_weight * setup_s)
@@ -217,6 +264,7 @@ class Decision:
     wait_s: float
     urgent: bool
     behind: str | None = None  # lookahead: queued behind this request, running on the worker
+    tag: float = 0.0  # its share tag (see "Share order")
 
     def to_dict(self) -> dict:
         r = self.request
@@ -232,6 +280,7 @@ class Decision:
             "setup_s": self.setup_s,
             "urgent": self.urgent,
             "behind": self.behind,
+            "tag": self.tag,
         }
 
 
@@ -240,15 +289,16 @@ class _Entry:
     request: Request
     seq: int
     patience: float
+    tag: float = 0.0
     head: bool = False
     urgent: bool = False
     reserved: Group | None = None
     workers: frozenset[str] = field(default_factory=frozenset)
 
     @property
-    def rank(self) -> tuple[float, int]:
-        """Position in arrival order."""
-        return (self.request.arrival, self.seq)
+    def rank(self) -> tuple[float, float, int]:
+        """Position in share order (``K``; arrival order when every tag is 0)."""
+        return (self.tag, self.request.arrival, self.seq)
 
 
 class Dispatcher:
@@ -276,13 +326,19 @@ class Dispatcher:
         self._entries: dict[str, _Entry] = {}  # pending, in order of add()
         self._eligible: dict[str, set[str]] = {}  # worker -> orders with a non-urgent head there
         self._deadlines: list[tuple[float, int, str]] = []  # (urgent at, seq, request) of heads
-        self._reservers: dict[str, list[tuple[float, int, str]]] = {}  # worker -> heap
+        self._reservers: dict[str, list[tuple[float, float, int, str]]] = {}  # worker -> heap
         self._stranded: set[str] = set()  # urgent, but no group with all workers live
         # Workers where what may start changed since the last decision (freed, joined, a new
         # head or reservation there, a reservation gone): only these are looked at.
         self._dirty: set[str] = set(self._live)
         self._seq = itertools.count()
         self._last_arrival: dict[str, float] = {}
+        # Share order: the virtual clock, the next tag of each job, the last tag of each order,
+        # and the pending tags (a heap, entries of requests gone are dropped lazily).
+        self._clock = 0.0
+        self._next_tag: dict[str, float] = {}
+        self._last_tag: dict[str, float] = {}
+        self._tags: list[tuple[float, int, str]] = []
 
     # --- state changes -----------------------------------------------------------------------
 
@@ -308,7 +364,7 @@ class Dispatcher:
         self._busy_until.pop(worker, None)
         self._next.pop(worker, None)
         self._inputs.discard(worker)
-        for _, _, rid in self._reservers.pop(worker, []):
+        for *_, rid in self._reservers.pop(worker, []):
             e = self._entries.get(rid)
             if e is not None and e.reserved is not None and worker in e.reserved:
                 self._dirty.update(e.reserved)
@@ -330,9 +386,12 @@ class Dispatcher:
             request,
             next(self._seq),
             self.policy.patience(request.service_s, setup),
+            tag=self._share_tag(request),
             workers=frozenset(w for g in request.groups for w in g),
         )
         self._entries[request.request] = e
+        if self.policy.fair_share:
+            heapq.heappush(self._tags, (e.tag, e.seq, request.request))
         queue = self._queues.setdefault(order, deque())
         queue.append(e)
         if len(queue) == 1:
@@ -356,6 +415,7 @@ class Dispatcher:
         if not queue:
             del self._queues[order]
             self._last_arrival.pop(order, None)
+            self._last_tag.pop(order, None)
         self._stranded.discard(request)
         if e.reserved is not None:
             self._dirty.update(e.reserved)
@@ -428,6 +488,17 @@ class Dispatcher:
                 if setup < best[0] or not best[1]:
                     best = (setup, g)
         return best
+
+    def tag(self, request: str) -> float | None:
+        """The share tag of a pending request (``None`` if it is not pending)."""
+        e = self._entries.get(request)
+        return None if e is None else e.tag
+
+    @property
+    def clock(self) -> float:
+        """The virtual clock ``V``: the smallest tag of a pending request (it never goes back)."""
+        self._advance_clock()
+        return self._clock
 
     def is_urgent(self, request: str) -> bool:
         e = self._entries.get(request)
@@ -539,7 +610,7 @@ class Dispatcher:
         behind = self._busy[worker]
         self.remove(e.request.request)  # (also drops its reservation)
         return Decision(
-            e.request, (worker,), ratio, setup, now - e.request.arrival, e.urgent, behind
+            e.request, (worker,), ratio, setup, now - e.request.arrival, e.urgent, behind, e.tag
         )
 
     def _promote(self, now: float) -> None:
@@ -572,7 +643,7 @@ class Dispatcher:
         return True
 
     def _release_best(self, dirty: set[str], now: float, out: list[Decision]) -> bool:
-        """Start heads on free, unreserved groups: urgent ones first in arrival order (on their
+        """Start heads on free, unreserved groups: urgent ones first in share order (on their
         cheapest free group, which may differ from the one they reserved), then the rest in
         ratio order with backfilling (below). Only heads that may run on a ``dirty`` worker can
         have become startable. Returns False early when a release makes an overdue request a
@@ -725,6 +796,30 @@ class Dispatcher:
 
     # --- internals -----------------------------------------------------------------------------
 
+    def _share_tag(self, request: Request) -> float:
+        """``S(r)`` of a request being added, advancing its job's next tag (see "Share order")."""
+        if not self.policy.fair_share:
+            return 0.0
+        self._advance_clock()
+        order, job = request.order_key, request.job
+        tag = max(self._clock, self._next_tag.get(job, 0.0), self._last_tag.get(order, 0.0))
+        self._next_tag[job] = tag + 1.0 / self.policy.weight(job)
+        self._last_tag[order] = tag
+        return tag
+
+    def _advance_clock(self) -> None:
+        """Move ``V`` up to the smallest pending tag (entries of requests gone are dropped)."""
+        tags = self._tags
+        while tags:
+            tag, seq, rid = tags[0]
+            e = self._entries.get(rid)
+            if e is not None and e.seq == seq:
+                self._clock = max(self._clock, tag)
+                return
+            heapq.heappop(tags)
+        # Nothing pending: a job whose next tag is not ahead of the clock needs no entry.
+        self._next_tag = {j: t for j, t in self._next_tag.items() if t > self._clock}
+
     def _setup(self, request: Request, group: Group) -> float:
         return self.costs.setup_s(request.deployment or request.order_key, group)
 
@@ -775,9 +870,7 @@ class Dispatcher:
         e.reserved = group
         self._dirty.update(group)
         for w in group:
-            heapq.heappush(
-                self._reservers.setdefault(w, []), (e.request.arrival, e.seq, e.request.request)
-            )
+            heapq.heappush(self._reservers.setdefault(w, []), (*e.rank, e.request.request))
 
     def _stranded_retry(self) -> None:
         for rid in list(self._stranded):
@@ -789,7 +882,7 @@ class Dispatcher:
     def _top_reserver(self, worker: str) -> _Entry | None:
         heap = self._reservers.get(worker)
         while heap:
-            e = self._entries.get(heap[0][2])
+            e = self._entries.get(heap[0][-1])
             if e is not None and e.reserved is not None and worker in e.reserved:
                 return e
             heapq.heappop(heap)  # started, removed, or re-reserved elsewhere
@@ -822,7 +915,7 @@ class Dispatcher:
         if self.policy.lookahead:
             self._next_dirty.update(group)  # a slot opened behind it
         self.remove(rid)  # (also drops its reservation, wherever it started)
-        return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent)
+        return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent, tag=e.tag)
 
 
 def _replace_arrival(request: Request, arrival: float) -> Request:

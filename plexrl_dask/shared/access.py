@@ -1,5 +1,13 @@
-"""Who may do what to a deployment (pure: the scheduler plugin enforces it; the driver names
-what it shares).
+"""Who may do what to a deployment, and who a caller is (pure: the scheduler plugin enforces
+it; the driver names what it shares and presents its secrets).
+
+**Principals.** A job is registered with the scheduler by the first runtime that names it
+(``Runtime(client, job=...)``), which gets the job's secret; every call and request in the job's
+name presents it (:class:`Principals`). Another driver process that names the same job is
+refused unless it presents that secret (``Runtime(client, job, secret=...)``: a driver that
+reattaches). The cluster's *operator* holds the operator secret (``plexrl.operator-secret``, or
+the file the scheduler writes it to, readable only by the user that runs the scheduler) and is
+the only caller that may change cluster-wide policy.
 
 A deployment belongs to the job that deployed it (``DeploymentInfo.owner``, the deploying
 runtime's job). Its owner may run any request on it and change it (undeploy, relocate,
@@ -15,6 +23,9 @@ job a runtime names is its own word (docs/architecture.md, "Tenants and ownershi
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets as _secrets
 from collections.abc import Iterable
 
 from plexrl_dask.errors import ConfigError, PermissionDenied
@@ -79,7 +90,8 @@ class Shares:
         if not job:
             raise PermissionDenied(
                 f"a request to {deployment!r} names no job: annotate it with its job "
-                "(dask.annotate(plexrl={'deployment': ..., 'job': ...}); Runtime(job=...) does)"
+                "and its secret (dask.annotate(plexrl={'deployment': ..., 'job': ..., "
+                "'secret': ...}); Runtime(job=...) does)"
             )
         if job == owner or op in self._by_deployment.get(deployment, {}).get(job, ()):
             return
@@ -95,3 +107,68 @@ def check_owner(deployment: str, owner: str, job: str | None, what: str) -> None
         raise PermissionDenied(
             f"job {job!r} may not {what} deployment {deployment!r}: it belongs to job {owner!r}"
         )
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def new_secret() -> str:
+    """A fresh random secret (128 bits, hex)."""
+    return _secrets.token_hex(16)
+
+
+class Principals:
+    """The registered jobs and the operator: who presents which secret. Only digests are kept."""
+
+    def __init__(self, operator_secret: str) -> None:
+        if not isinstance(operator_secret, str) or len(operator_secret) < 16:
+            raise ConfigError("the operator secret must be a string of at least 16 characters")
+        self._operator = _digest(operator_secret)
+        self._jobs: dict[str, bytes] = {}
+
+    def register(self, job: str, secret: str | None = None) -> str:
+        """Register ``job`` and return its secret: a new job gets a fresh one; a known job is
+        re-attached only by presenting its secret (:class:`PermissionDenied` otherwise)."""
+        if not isinstance(job, str) or not job or len(job) > 200:
+            raise ConfigError(f"a job is named by a non-empty string of <= 200 characters: {job!r}")
+        if job not in self._jobs:
+            if secret is not None:
+                raise PermissionDenied(
+                    f"job {job!r} is not registered (the scheduler may have restarted); "
+                    "register it without a secret to get a new one"
+                )
+            fresh = new_secret()
+            self._jobs[job] = _digest(fresh)
+            return fresh
+        self.verify(job, secret)
+        assert secret is not None
+        return secret
+
+    def verify(self, job: str | None, secret: str | None) -> None:
+        """:class:`PermissionDenied` unless ``job`` is registered and ``secret`` is its own."""
+        known = self._jobs.get(job) if isinstance(job, str) else None
+        if known is None:
+            raise PermissionDenied(
+                f"job {job!r} is not registered with the scheduler: "
+                "create its runtime with plexrl_dask.Runtime(client, job=...)"
+            )
+        if not isinstance(secret, str) or not hmac.compare_digest(_digest(secret), known):
+            raise PermissionDenied(
+                f"job {job!r} is registered by another driver; present its secret to act in "
+                "its name (Runtime(client, job, secret=...))"
+            )
+
+    def check_operator(self, secret: str | None, what: str) -> None:
+        """:class:`PermissionDenied` unless ``secret`` is the operator's (to ``what``)."""
+        if not isinstance(secret, str) or not hmac.compare_digest(_digest(secret), self._operator):
+            raise PermissionDenied(
+                f"only the cluster's operator may {what}: present the operator secret "
+                "(plexrl.operator-secret, or the file named by status()['operator_secret_file'])"
+            )
+
+    def __contains__(self, job: object) -> bool:
+        return job in self._jobs
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)

@@ -15,7 +15,7 @@ Deterministic: no randomness inside (workload generators take a seed). Events at
 are applied in a fixed order (completions, then arrivals) before one decision.
 
 :class:`SimResult` checks a run against the dispatch rule's promises: the starvation bound of
-:mod:`plexrl_dask.policy.dispatch` for every request, one request per worker at a time, and
+:mod:`plexrl_dask.policy.dispatch` for every request (in share order), one request per worker at a time, and
 release in submission order within each order.
 """
 
@@ -65,6 +65,12 @@ class Record:
     setup_s: float = 0.0
     urgent: bool = False
     released: float = float("nan")  # = start, unless queued behind another (lookahead)
+    tag: float = 0.0  # share tag (dispatch's "Share order")
+
+    @property
+    def key(self) -> tuple[float, float, int]:
+        """Its place in dispatch's share order ``K``."""
+        return (self.tag, self.request.arrival, self.index)
 
     @property
     def wait(self) -> float:
@@ -86,23 +92,22 @@ class SimResult:
 
     def bounds(self) -> list[float]:
         """The bound on each request's wait (the module docstring of
-        :mod:`plexrl_dask.policy.dispatch`): ``P_max + |E| * B``; with lookahead, where a
-        released request may wait behind one more, ``P_max + (2 |E| + 1) * B``."""
+        :mod:`plexrl_dask.policy.dispatch`): ``P_max + n * B``; with lookahead, where a
+        released request may wait behind one more, ``P_max + (2 n + 1) * B``. ``n`` counts
+        the requests ahead in share order that arrived before (once) and after (twice)."""
         recs = sorted(self.records, key=lambda r: r.index)
         out = [0.0] * len(recs)
-        p_max = 0.0
         for i, r in enumerate(recs):
-            p_max = max(p_max, r.patience)
-            a, s = r.request.arrival, r.start
+            a, s, key = r.request.arrival, r.start, r.key
+            before = [q for q in recs[: i + 1] if q.key <= key]
+            p_max = max(q.patience for q in before)
             t0 = a + p_max
-            pending = sum(1 for q in recs[: i + 1] if q.released > t0)
+            n = sum(1 for q in before if q.released > t0)
+            n += 2 * sum(1 for q in recs[i + 1 :] if q.key < key and q.released > t0)
             blocking = max(
                 (q.finish - q.start for q in recs if q.start < s and q.finish > a), default=0.0
             )
-            if self.lookahead:
-                out[r.index] = p_max + (2 * pending + 1) * blocking
-            else:
-                out[r.index] = p_max + pending * blocking
+            out[r.index] = p_max + ((2 * n + 1) if self.lookahead else n) * blocking
         return out
 
     def max_wait_over_bound(self) -> float:
@@ -245,7 +250,7 @@ def simulate(
             if d.behind is not None:
                 start = max([now] + [free_at.get(w, now) for w in d.group])
             rec.released, rec.start, rec.group = now, start, d.group
-            rec.setup_s, rec.urgent = setup, d.urgent
+            rec.setup_s, rec.urgent, rec.tag = setup, d.urgent, d.tag
             rec.finish = start + setup + true_duration[d.request.request]
             for w in d.group:
                 free_at[w] = rec.finish
@@ -382,8 +387,26 @@ def flood(n_flood: int = 400, seed: int = 0) -> tuple[ClusterModel, list[SimRequ
     return ClusterModel(workers, sizes, hbm_models=1), out
 
 
+def burst(
+    n_burst: int = 500, n_victim: int = 5, service_s: float = 0.008
+) -> tuple[ClusterModel, list[SimRequest]]:
+    """Job A submits a burst of ``n_burst`` training steps on its model at t=0; job B submits
+    ``n_victim`` of its own on another model right after; one worker holds both in HBM (the
+    fault suite's flood case, see dispatch's "Share order")."""
+    out = [
+        sim_request(f"a{i}", [("w0",)], 0.0, service_s, "a", order="a#0", job="A")
+        for i in range(n_burst)
+    ]
+    out += [
+        sim_request(f"b{i}", [("w0",)], 0.01, service_s, "b", order="b#0", job="B")
+        for i in range(n_victim)
+    ]
+    return ClusterModel(("w0",), hbm_models=2, resident={"a": ("w0",), "b": ("w0",)}), out
+
+
 ADVERSARIAL = {
     "gang_vs_singles": gang_vs_singles,
     "long_vs_short_stream": long_vs_short_stream,
     "flood": flood,
+    "burst": burst,
 }

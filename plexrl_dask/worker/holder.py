@@ -34,6 +34,7 @@ from plexrl_dask.errors import (
     CorruptState,
     DeploymentDoesNotFit,
     DeploymentLost,
+    PermissionDenied,
     PlexRLError,
     RankLost,
 )
@@ -50,6 +51,19 @@ logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_BUDGET = 4 * 2**30
 _CUDA_BUDGET_FRACTION = 0.9
+
+
+def _worker_only(what: str) -> None:
+    """:class:`PermissionDenied` when called through the holder's Dask actor: a client may
+    read a holder (status, capacity, timeline, names) but not run, drop, offload or prefetch
+    replicas behind the scheduler's back (owners offload with ``Deployment.offload``)."""
+    from distributed.worker import thread_state
+
+    if getattr(thread_state, "actor", False):
+        raise PermissionDenied(
+            f"a replica holder's {what} is the worker's own, not a client's: submit requests "
+            "through a Deployment (its owner offloads with deployment.offload())"
+        )
 
 
 def resolve_device(setting: str) -> str:
@@ -211,6 +225,7 @@ class ReplicaHolder:
     ) -> Any:
         """Make ``info``'s replica resident and run ``call(backend)`` on it. ``group`` is the
         rank's group for a multi-rank deployment (joined, or re-joined, first)."""
+        _worker_only("run")
         with self._lock:
             t0, start = time.perf_counter(), time.time()
             while True:
@@ -458,6 +473,7 @@ class ReplicaHolder:
         """Report offloaded replicas whose stored state the node's manager moved (evicted to
         NVMe, promoted to DRAM) since their last report; returns how many moved. Called
         periodically by the worker plugin; never waits for a running request."""
+        _worker_only("refresh_tiers")
         if self.node is None or not self._lock.acquire(blocking=False):
             return 0
         try:
@@ -526,6 +542,7 @@ class ReplicaHolder:
         """The scheduler predicts ``deployment`` runs here next (``None``: nothing queued for
         this worker): bring it back from host memory when this worker is idle (see
         :meth:`prefetch`). Never blocks."""
+        _worker_only("hint")
         self._hint = None if deployment is None else (deployment, uid)
         if self._hint is not None:
             self._prefetch_soon()
@@ -542,6 +559,7 @@ class ReplicaHolder:
         replica again. A request of the prefetched deployment arriving meanwhile waits for the
         reload in flight. Multi-rank replicas are rebuilt on their group's next request
         instead (their reload joins a group)."""
+        _worker_only("prefetch")
         hint = self._hint
         if hint is None:
             return False
@@ -627,6 +645,7 @@ class ReplicaHolder:
 
     def offload(self, name: str) -> bool:
         """Offload ``name`` to host memory now; False if it is not held or not resident."""
+        _worker_only("offload")
         with self._lock:
             replica = self._replicas.get(name)
             if replica is None or not replica.backend.resident:
@@ -637,6 +656,7 @@ class ReplicaHolder:
 
     def drop(self, name: str) -> bool:
         """Forget ``name`` and free its memory; False if it was not held."""
+        _worker_only("drop")
         with self._lock:
             held = name in self._replicas
             self._drop(name)

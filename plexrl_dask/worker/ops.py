@@ -4,7 +4,8 @@ Each function runs as an ordinary Dask task on the worker that holds the deploym
 that worker's replica holder in-process. :class:`~plexrl_dask.Deployment` methods submit these;
 users can submit them too::
 
-    with dask.annotate(plexrl={"deployment": "policy", "job": "my-job"}):
+    ann = {"deployment": "policy", "job": runtime.job, "secret": runtime.secret}
+    with dask.annotate(plexrl=ann):
         fut = client.submit(plexrl_dask.worker.ops.forward, "policy", batch, pure=False)
 
 The ``plexrl`` annotation is what lets the scheduler plugin park the task and release it, in
