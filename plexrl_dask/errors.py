@@ -152,6 +152,11 @@ class CheckpointIncompatible(CheckpointError):
     """The checkpoint holds a different model (parameter names or shapes differ)."""
 
 
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's files differ from what was written (a DCP export's digests): refused
+    before any of it is read."""
+
+
 class EngineFailed(RequestError):
     """A rollout engine (vLLM) failed a call or did not finish it in time; the replica's
     engine was stopped, so the deployment must be deployed again."""

@@ -214,6 +214,7 @@ class DeploymentRegistry:
                     f"job {owner!r} has {held} deployments, plexrl.quotas.max-deployments-per-job "
                     f"= {limit}: undeploy one first"
                 )
+            self._check_bytes_quota(owner, info)
             await self._wait_for_worker_reports()
             candidates = info.candidates
             if candidates is None and self.placement is not None:
@@ -239,6 +240,25 @@ class DeploymentRegistry:
             return {"status": "OK", "deployment": info.to_dict(), "created": True}
         except PlexRLError as e:
             return to_status(e)
+
+    def _check_bytes_quota(self, owner: str, info: DeploymentInfo) -> None:
+        """:class:`QuotaExceeded` if ``owner``'s deployments, with ``info``, would hold more
+        device memory than ``plexrl.quotas.max-device-bytes-per-job`` (declared bytes per rank
+        times ranks and replicas; each holder measures what it builds against the declared)."""
+        limit = config.get("quotas.max-device-bytes-per-job")
+        if limit is None:
+            return
+        limit = config.get_bytes("quotas.max-device-bytes-per-job")
+        held = sum(
+            d.memory_bytes * d.num_workers for d in self.deployments.values() if d.owner == owner
+        )
+        wanted = info.memory_bytes * info.num_workers
+        if held + wanted > limit:
+            raise QuotaExceeded(
+                f"job {owner!r} holds {held} bytes of device memory in its deployments and "
+                f"{info.name!r} needs {wanted} more; plexrl.quotas.max-device-bytes-per-job = "
+                f"{limit}: undeploy one first"
+            )
 
     async def undeploy(
         self, name: str, uid: str | None = None, job: str | None = None

@@ -301,3 +301,89 @@ def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(bac
         assert backend.text(ids) == backend.tokenizer.decode(ids, skip_special_tokens=True)
     finally:
         backend._pieces = pieces
+
+
+class _Planted:
+    """Unpickling this writes a file: what a planted DCP ``.metadata`` could do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _train_step(b: TorchBackend) -> None:
+    data = [Datum(tokens=toks(b, "1+2=3"))]
+    b.forward_backward(data, CrossEntropy())
+    b.optim_step(AdamWParams(lr=1e-2))
+
+
+def test_a_dcp_import_checks_its_files_before_unpickling_anything(tmp_path):
+    """DCP's metadata is a pickle: an export carries the digest of every file, and an import
+    refuses a changed, added or missing file, and a directory others may write, before DCP
+    reads a byte; the loaded state is untouched."""
+    import os
+    import pickle
+
+    src, dst = TorchBackend(tiny_spec(), "cpu"), TorchBackend(tiny_spec(seed=5), "cpu")
+    _train_step(src)
+    path = str(tmp_path / "export")
+    assert src.save_state(path)["format"] == "dcp"
+    before = {n: t.clone() for n, t in dst.get_weights().items()}
+    marker = str(tmp_path / "pwned")
+    metadata = tmp_path / "export" / ".metadata"
+    original = metadata.read_bytes()
+    metadata.write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(errors.CheckpointCorrupt, match="changed since the export"):
+        dst.load_state(path)
+    assert not os.path.exists(marker)  # never unpickled
+    metadata.write_bytes(original)
+    data_file = next(p for p in sorted((tmp_path / "export").iterdir()) if p.suffix == ".distcp")
+    blob = bytearray(data_file.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(blob))
+    with pytest.raises(errors.CheckpointCorrupt, match=data_file.name):
+        dst.load_state(path)
+    blob[len(blob) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(blob))
+    (tmp_path / "export" / "extra.distcp").write_bytes(b"x")
+    with pytest.raises(errors.CheckpointCorrupt, match="added"):
+        dst.load_state(path)
+    (tmp_path / "export" / "extra.distcp").unlink()
+    os.chmod(path, 0o777)
+    with pytest.raises(errors.PermissionDenied, match="writable by others"):
+        dst.load_state(path)
+    os.chmod(path, 0o755)
+    (tmp_path / "export" / "plexrl.json").write_text("{not json")
+    with pytest.raises(errors.CheckpointCorrupt, match="JSON"):
+        dst.load_state(path)
+    after = dst.get_weights()
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    src.save_state(path)  # exported again: it loads, bit for bit
+    assert dst.load_state(path) == src.version
+    want = src.get_weights()
+    assert all(torch.equal(dst.get_weights()[n], t) for n, t in want.items())
+
+
+def test_a_store_checkpoint_loads_without_unpickling(tmp_path, monkeypatch):
+    """Store checkpoints are JSON and raw bytes: with every unpickler refusing, one loads."""
+    import pickle
+
+    from plexrl_dask.state_store.store import StateStore
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
+
+    src, dst = TorchBackend(tiny_spec(), "cpu"), TorchBackend(tiny_spec(seed=5), "cpu")
+    _train_step(src)
+    store = StateStore(tmp_path / "store", create=True, durable=True)
+    src.save_state(StoreCheckpoint(store, "policy", src.version))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a store checkpoint was unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    assert dst.load_state(StoreCheckpoint(StateStore(tmp_path / "store"), "policy")) == 1
+    want = src.get_weights()
+    assert all(torch.equal(dst.get_weights()[n], t) for n, t in want.items())

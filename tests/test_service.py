@@ -578,6 +578,13 @@ def test_a_job_is_held_to_its_quotas_and_others_are_not(runtime, client):
         # (its own quota; on the other worker, which the blocker below leaves free)
         free = [w for w in gpu_workers(client) if w != dep.info.worker]
         theirs = other.deploy(unique("other-1"), tiny_spec(seed=4), workers=free)
+    # Device bytes: the job's deployments as deployed, summed over ranks and replicas.
+    need = tiny_spec(seed=5).memory_bytes("rollout")
+    with dask.config.set({"plexrl.quotas.max-device-bytes-per-job": dep.info.memory_bytes + need}):
+        with pytest.raises(errors.QuotaExceeded, match="max-device-bytes-per-job"):
+            runtime.deploy(unique("quota-3"), tiny_spec(seed=5), role="rollout", replicas=2)
+        fits = runtime.deploy(unique("quota-4"), tiny_spec(seed=5), role="rollout")
+        runtime.undeploy(fits.name)
     gate = Event(unique("quota-gate"), client=client)
     with dask.annotate(
         plexrl={"deployment": dep.name, "job": runtime.job, "secret": runtime.secret, "op": "hold"}

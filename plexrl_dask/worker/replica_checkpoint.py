@@ -14,15 +14,27 @@ it does not own.
 DCP checkpoint: every rank of a sharded deployment writes only its own shards, in canonical
 (unsharded) coordinates, so the checkpoint loads onto any world size (DCP reshards on read).
 Loading reads whole tensors on every rank and keeps what the layout needs (not yet
-zero-redundancy). ``plexrl.json`` is written last, by rank 0, once every rank has finished: a directory without it
-is an unfinished checkpoint and is refused. (The state store issue makes a durable version in
-the store the primary checkpoint; DCP stays as the import/export format.)
+zero-redundancy). ``plexrl.json`` is written last, by rank 0, once every rank has finished,
+with the SHA-256 of every other file of the checkpoint: a directory without it is an
+unfinished checkpoint and is refused.
+
+**Pickle.** DCP's ``.metadata`` file is a pickle: unpickling it runs whatever code its writer
+put there, and DCP carries no checksums. So a DCP import first checks that the directory and
+its files belong to the user the worker runs as and are writable by no one else, then every
+file against the digests of ``plexrl.json``, all before DCP reads a byte: a file changed since
+the export (a flipped byte, a swapped ``.metadata``) or added to it is
+:class:`CheckpointCorrupt`. That protects against damage and against other users, not
+against whoever wrote the checkpoint: import DCP checkpoints you (or a job you trust) wrote.
+Store checkpoints hold no pickle (JSON manifests and raw tensor bytes checked against their
+content digests), and loading one never unpickles.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,12 +43,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from plexrl_dask.errors import CheckpointIncompatible, CheckpointIncomplete, CheckpointNotFound
+from plexrl_dask.errors import (
+    CheckpointCorrupt,
+    CheckpointIncompatible,
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    PermissionDenied,
+)
 from plexrl_dask.state_store.keys import DTYPES, ROW_SPLITS, split_dims_from_tp_plan
 from plexrl_dask.state_store.store import StateStore, VersionWriter
 
 META_FILE = "plexrl.json"
-FORMAT = "plexrl-dcp-1"
+FORMAT = "plexrl-dcp-2"  # (1: without the digests of its files)
 
 
 def _state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -66,9 +84,18 @@ def save(
     if distributed:
         torch.distributed.barrier()  # every rank's shards are on disk before the marker
     if writer:
+        digests = {name: _sha256(os.path.join(path, name)) for name in _files(path)}
         tmp = os.path.join(path, META_FILE + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({"format": FORMAT, "has_optimizer": optimizer is not None, **meta}, f)
+            json.dump(
+                {
+                    "format": FORMAT,
+                    "has_optimizer": optimizer is not None,
+                    **meta,
+                    "digests": digests,
+                },
+                f,
+            )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, META_FILE))
@@ -84,13 +111,76 @@ def read_meta(path: str) -> dict[str, Any]:
             f"{path!r} is not a finished checkpoint (no {META_FILE} / .metadata): its writer "
             "stopped before the end; use an earlier checkpoint"
         )
-    with open(marker) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
+    _check_private(path)
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorrupt(f"{marker!r} is not the JSON PlexRL wrote: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
         raise CheckpointIncompatible(
-            f"{path!r} has format {meta.get('format')!r}, expected {FORMAT!r}"
+            f"{path!r} has format {found!r}, expected {FORMAT!r} (a checkpoint of format "
+            "plexrl-dcp-1 carries no digests: load it where it was written and export it again)"
         )
+    _check_digests(path, meta.get("digests"))
     return meta
+
+
+def _files(path: str) -> list[str]:
+    """The checkpoint's files besides the marker (relative names, sorted)."""
+    out = []
+    for root, _, names in os.walk(path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), path)
+            if rel not in (META_FILE, META_FILE + ".tmp"):
+                out.append(rel)
+    return sorted(out)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_private(path: str) -> None:
+    """:class:`PermissionDenied` unless ``path``, its files and its subdirectories belong to
+    the user this process runs as and no one else may write them (another local user could
+    otherwise plant a pickle for this worker to run)."""
+    uid = os.geteuid()
+    for root, dirs, names in os.walk(path):
+        for entry in [root, *(os.path.join(root, n) for n in dirs + names)]:
+            st = os.lstat(entry)
+            if st.st_uid != uid or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
+                raise PermissionDenied(
+                    f"{entry!r} is not this worker's own (uid {st.st_uid}, mode "
+                    f"{stat.filemode(st.st_mode)}; a link, or writable by others): a DCP "
+                    "checkpoint's metadata is a pickle, so one is imported only from a "
+                    "directory its user alone can write"
+                )
+
+
+def _check_digests(path: str, digests: Any) -> None:
+    """Every file of the checkpoint as exported: the same names, each with its digest."""
+    if not isinstance(digests, dict):
+        raise CheckpointCorrupt(f"{path!r}: its {META_FILE} lists no digests")
+    present = _files(path)
+    if sorted(digests) != present:
+        extra = sorted(set(present) - set(digests))
+        missing = sorted(set(digests) - set(present))
+        raise CheckpointCorrupt(
+            f"{path!r} does not hold the files it was exported with (added: {extra[:5]}, "
+            f"missing: {missing[:5]})"
+        )
+    for name in present:
+        if _sha256(os.path.join(path, name)) != digests[name]:
+            raise CheckpointCorrupt(
+                f"{os.path.join(path, name)!r} changed since the export (its SHA-256 differs "
+                f"from {META_FILE}'s); nothing of it was read"
+            )
 
 
 def check_compatible(model: torch.nn.Module, path: str) -> None:
