@@ -40,6 +40,7 @@ from plexrl_dask.errors import (
     to_status,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.plugins.journal import Journal, JournaledMap
 from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.plugins.requests import RequestQueue
 from plexrl_dask.policy.assignment import WorkerView, assign_workers
@@ -88,6 +89,7 @@ class DeploymentRegistry:
         placement: LivePlacement | None,
         requests: RequestQueue,
         on_undeploy: Callable[[DeploymentInfo], None],
+        journal: Journal | None = None,
     ) -> None:
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # (set by start)
         self.gpu_resource = gpu_resource
@@ -98,8 +100,14 @@ class DeploymentRegistry:
         self.placement = placement
         self.requests = requests
         self.on_undeploy = on_undeploy
-        self.deployments: dict[str, DeploymentInfo] = {}
-        self.shares = Shares()  # the ops owners shared with other jobs (shared/access.py)
+        # (written through to the journal, if any: plugins/journal.py)
+        self.deployments: JournaledMap[DeploymentInfo] = JournaledMap(
+            journal, "deployment", DeploymentInfo.to_dict
+        )
+        self._grants: JournaledMap[dict[str, frozenset[str]]] = JournaledMap(
+            journal, "share", lambda grants: {job: sorted(ops) for job, ops in grants.items()}
+        )
+        self.shares = Shares(self._grants)  # the ops owners shared with other jobs
         # worker -> what its replica holder reported (budget, device, ...)
         self.worker_capacity: dict[str, dict[str, Any]] = {}
         self._client: Any = None
@@ -108,6 +116,26 @@ class DeploymentRegistry:
 
     def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+
+    def restore(self) -> list[str]:
+        """Bring back the journaled deployments and grants (a restarted scheduler). A restored
+        deployment's workers are gone with the old scheduler: as when its workers leave, it is
+        ``lost`` if its state was modified since deploy (until its job restores a checkpoint),
+        else ``unplaced`` (placed again on its next request). Returns the names restored."""
+        names = self.deployments.restore(DeploymentInfo.from_dict)
+        self._grants.restore(lambda grants: {j: frozenset(ops) for j, ops in grants.items()})
+        for name in names:
+            info = self.deployments[name]
+            if info.state == Lifecycle.PLACED and not all(
+                w in self.scheduler.workers for w in info.workers
+            ):
+                state = Lifecycle.LOST if info.modified else Lifecycle.UNPLACED
+                self.deployments[name] = info.moved(state)
+        for name in list(self._grants):
+            if name not in self.deployments:
+                self.shares.forget(name)
+        self.counters["deployments_restored"] += len(names)
+        return names
 
     async def close(self) -> None:
         if self._client is not None:

@@ -76,6 +76,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.plugins.accounting import RequestAccounting, Started
 from plexrl_dask.plugins.deployments import DeploymentRegistry
 from plexrl_dask.plugins.gangs import GroupEpochs
+from plexrl_dask.plugins.journal import JournaledMap, open_journal
 from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
@@ -174,6 +175,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.placement: LivePlacement | None = None
         if config.get("placement.live"):
             self.placement = LivePlacement(config.placement_config())
+        # The durable part of this plugin's state (plugins/journal.py; null: none).
+        self.journal = open_journal(config.get("scheduler.journal"))
         self.registry = DeploymentRegistry(
             gpu_resource=self.gpu_resource,
             report_timeout=config.get_seconds("deploy.worker-report-timeout"),
@@ -183,6 +186,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             placement=self.placement,
             requests=self.requests,
             on_undeploy=self._undeployed,
+            journal=self.journal,
         )
         self.policy = dispatch_policy_from_config()
         self.dispatcher = Dispatcher(
@@ -231,6 +235,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self.registry.start(scheduler)
         self._start_principals(scheduler)
+        restored = self.registry.restore()
+        if restored:
+            logger.info(
+                "restored %d deployments and %d jobs from the journal %s",
+                len(restored), len(self.principals.jobs()), self.journal.path,  # type: ignore[union-attr]
+            )  # fmt: skip
         registry = self.registry
         handlers: dict[str, Callable[..., Any]] = {
             protocol.DEPLOY: registry.deploy,
@@ -267,6 +277,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         await self.registry.close()
+        if self.journal is not None:
+            self.journal.close()
 
     def _start_principals(self, scheduler: Scheduler) -> None:
         """The operator secret: configured, else a fresh one written to a file only the user
@@ -282,8 +294,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             with os.fdopen(fd, "w") as f:
                 f.write(configured)
             self.operator_secret_file = path
+        jobs: JournaledMap[str] = JournaledMap(self.journal, "job", str)
+        jobs.restore(str)
         try:
-            self.principals = Principals(str(configured))
+            self.principals = Principals(str(configured), jobs)
         except PlexRLError:
             raise ConfigError(
                 "plexrl.operator-secret must be a string of at least 16 characters"

@@ -159,3 +159,114 @@ def test_a_job_whose_worker_dies_goes_back_to_its_checkpoint_and_computes_the_sa
     assert comparable(got) == comparable(want)
     final = plexrl.result(runtime.deployment(victim_job.policy.name).get_weights()).tensors
     assert all(torch.equal(final[n], t) for n, t in expected.items())
+
+
+# --- a scheduler killed and started again ---------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(argv: list[str], env: dict[str, str], log: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "dask")
+    return subprocess.Popen(
+        [exe, *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "ab"),  # noqa: SIM115
+    )
+
+
+def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_path):
+    """The scheduler process killed (SIGKILL) and started again with the same journal: its
+    workers went with it and new ones join; a job's deployments, secret and grants are as
+    before; the one it trained is lost until it restores its checkpoint (exactly), the
+    untrained one is rebuilt from its spec; another job's grant still holds."""
+    from plexrl_dask.cluster import stop_process
+    from plexrl_dask.driver import runtime as runtime_module
+    from tests.conftest import node_state
+
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    tiers = {"dram-path": str(tmp_path / "dram"), "nvme-path": str(tmp_path / "nvme")}
+    env = {
+        **os.environ,
+        "DASK_PLEXRL__SCHEDULER__JOURNAL": str(tmp_path / "journal.sqlite"),
+        "DASK_PLEXRL__STATE__DRAM_PATH": tiers["dram-path"],
+        "DASK_PLEXRL__STATE__NVME_PATH": tiers["nvme-path"],
+        "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_": "",
+    }
+    scheduler_argv = [
+        "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
+        "--preload", "plexrl_dask.plugins",
+    ]  # fmt: skip
+    workers_argv = [
+        "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
+        "--resources", "GPU=1", "--memory-limit", "4GiB",
+    ]  # fmt: skip
+    log = str(tmp_path / "cluster.log")
+    procs = [_start(scheduler_argv, env, log)]
+    procs.append(_start(workers_argv, env, log))
+    try:
+        with Client(address, timeout=60, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=120)
+            a = plexrl.Runtime(client, job=unique("restart-a"))
+            b = plexrl.Runtime(client, job=unique("restart-b"))
+            trained = a.deploy(unique("trained"), tiny_spec(seed=41))
+            frozen = a.deploy(unique("frozen"), tiny_spec(seed=42), role="rollout")
+            batch = [plexrl.Datum(tokens=trained.tokenize("3+4=7"))]
+            plexrl.result([trained.forward_backward(batch), trained.optim_step()])
+            saved = plexrl.result(trained.save_state())  # on the node's NVMe tier
+            want = plexrl.result(trained.get_weights())
+            frozen_out = plexrl.result(frozen.forward(batch))
+            trained.share(b.job, ops=("forward",))
+
+            os.kill(procs[0].pid, signal.SIGKILL)  # the scheduler; its workers go with it
+            procs[0].wait(timeout=30)
+            procs[1].wait(timeout=60)
+            procs[0] = _start(scheduler_argv, env, log)
+            procs[1] = _start(workers_argv, env, log)
+            deadline = time.monotonic() + 120
+            while True:  # the client reconnects on its own
+                try:
+                    if len(client.scheduler_info()["workers"]) == 2:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "the cluster did not come back"
+                time.sleep(1)
+
+            mine = {d.name: d.state.value for d in a.deployments()}
+            assert mine == {trained.name: "lost", frozen.name: "unplaced"}
+            with pytest.raises(errors.DeploymentLost):
+                plexrl.result(trained.forward(batch))
+            assert plexrl.result(trained.load_state(saved)) == want.version
+            got = plexrl.result(trained.get_weights())
+            assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
+            assert plexrl.result(frozen.forward(batch)) == frozen_out  # rebuilt from its spec
+            # B's grant holds, and only that; A's secret is still A's alone.
+            theirs = b.deployment(trained.name)
+            assert plexrl.result(theirs.forward(batch)) == plexrl.result(trained.forward(batch))
+            with pytest.raises(errors.PermissionDenied):
+                plexrl.result(theirs.forward_backward(batch))
+            cached = dict(runtime_module._SECRETS)
+            runtime_module._SECRETS.clear()
+            try:
+                with pytest.raises(errors.PermissionDenied, match="another driver"):
+                    plexrl.Runtime(client, job=a.job).undeploy(trained.name)
+            finally:
+                runtime_module._SECRETS.update(cached)
+            assert a.status()["counters"]["deployments_restored"] == 2
+    finally:
+        for proc in reversed(procs):
+            stop_process(proc)
+        node_state(tiers).shutdown()

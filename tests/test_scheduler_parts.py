@@ -1,6 +1,6 @@
 """Parts of the scheduler plugin on their own: a deployment's lifecycle (the moves the scheduler
 makes are the only ones a record takes), the request queue (its order and its marks), and the
-gangs' group epochs."""
+gangs' group epochs, the journal, the principals."""
 
 from __future__ import annotations
 
@@ -168,3 +168,63 @@ def test_the_access_rule_knows_every_request_op():
 
     routed = set(ops.__all__) - {"as_batch", "combine"}  # (helpers, not requests)
     assert routed == OPS and set(READ_OPS) <= OPS
+
+
+# --- the journal and the principals ----------------------------------------------------------
+
+
+def test_the_journal_writes_each_change_once_and_restores_what_decodes(tmp_path):
+    import os
+
+    from plexrl_dask.plugins.journal import Journal, JournaledMap
+
+    path = tmp_path / "journal.sqlite"
+    journal = Journal(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    writes = []
+    put = journal.put
+    journal.put = lambda *a: (writes.append(a[1]), put(*a))  # type: ignore[method-assign]
+    records: JournaledMap[DeploymentInfo] = JournaledMap(
+        journal, "deployment", DeploymentInfo.to_dict
+    )
+    records["policy"] = info()
+    records["policy"] = info()  # unchanged: no write
+    records["policy"] = info().with_(modified=True)
+    records["gone"] = info(name="gone")
+    del records["gone"]
+    assert writes == ["policy", "policy", "gone"]
+    journal.put("deployment", "garbled", {"name": "x"})  # not a record: dropped on restore
+    journal.close()
+
+    again = Journal(path)
+    restored: JournaledMap[DeploymentInfo] = JournaledMap(
+        again, "deployment", DeploymentInfo.to_dict
+    )
+    assert restored.restore(DeploymentInfo.from_dict) == ["policy"]
+    assert restored["policy"].modified and "garbled" not in again.load("deployment")
+    with pytest.raises(errors.ConfigError):
+        Journal(tmp_path / "no-such-dir" / "journal.sqlite")
+
+
+def test_principals_register_reattach_and_refuse():
+    from plexrl_dask.shared.access import Principals
+
+    store: dict[str, str] = {}
+    p = Principals("o" * 32, store)
+    secret = p.register("a")
+    assert p.register("a", secret) == secret and list(store) == ["a"]
+    assert secret not in store["a"]  # only its digest is kept
+    for job, given in (("a", None), ("a", "x" * 32), ("nobody", secret)):
+        with pytest.raises(errors.PermissionDenied):
+            p.verify(job, given)
+    with pytest.raises(errors.PermissionDenied):
+        p.register("a")  # another driver, no secret
+    with pytest.raises(errors.PermissionDenied, match="restarted"):
+        p.register("new", secret)
+    p.verify("a", secret)
+    p.check_operator("o" * 32, "x")
+    with pytest.raises(errors.PermissionDenied, match="operator"):
+        p.check_operator(secret, "change the policy")
+    assert Principals("o" * 32, store).jobs() == ["a"]  # (a restored store)
+    with pytest.raises(errors.ConfigError):
+        Principals("short")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets as _secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 
 from plexrl_dask.errors import ConfigError, PermissionDenied
 
@@ -64,19 +64,22 @@ def checked_ops(ops: Iterable[str]) -> frozenset[str]:
 class Shares:
     """The ops each deployment's owner shared with other jobs: by deployment, by job."""
 
-    def __init__(self) -> None:
-        self._by_deployment: dict[str, dict[str, frozenset[str]]] = {}
+    def __init__(self, store: MutableMapping[str, dict[str, frozenset[str]]] | None = None) -> None:
+        # (a journaled map in the scheduler: every change is a new value, set whole)
+        self._by_deployment = store if store is not None else {}
 
     def grant(self, deployment: str, job: str, ops: Iterable[str]) -> frozenset[str]:
         """Let ``job`` run ``ops`` on ``deployment`` (replacing what it had; no ops: revoke)."""
         if not isinstance(job, str) or not job:
             raise ConfigError(f"share with a job name, got {job!r}")
         granted = checked_ops(ops)
-        mine = self._by_deployment.setdefault(deployment, {})
+        mine = {j: o for j, o in self._by_deployment.get(deployment, {}).items() if j != job}
         if granted:
             mine[job] = granted
+        if mine:
+            self._by_deployment[deployment] = mine
         else:
-            mine.pop(job, None)
+            self._by_deployment.pop(deployment, None)
         return granted
 
     def of(self, deployment: str) -> dict[str, frozenset[str]]:
@@ -121,11 +124,12 @@ def new_secret() -> str:
 class Principals:
     """The registered jobs and the operator: who presents which secret. Only digests are kept."""
 
-    def __init__(self, operator_secret: str) -> None:
+    def __init__(self, operator_secret: str, store: MutableMapping[str, str] | None = None) -> None:
         if not isinstance(operator_secret, str) or len(operator_secret) < 16:
             raise ConfigError("the operator secret must be a string of at least 16 characters")
         self._operator = _digest(operator_secret)
-        self._jobs: dict[str, bytes] = {}
+        # job -> hex digest of its secret (a journaled map in the scheduler)
+        self._jobs = store if store is not None else {}
 
     def register(self, job: str, secret: str | None = None) -> str:
         """Register ``job`` and return its secret: a new job gets a fresh one; a known job is
@@ -139,7 +143,7 @@ class Principals:
                     "register it without a secret to get a new one"
                 )
             fresh = new_secret()
-            self._jobs[job] = _digest(fresh)
+            self._jobs[job] = _digest(fresh).hex()
             return fresh
         self.verify(job, secret)
         assert secret is not None
@@ -153,7 +157,7 @@ class Principals:
                 f"job {job!r} is not registered with the scheduler: "
                 "create its runtime with plexrl_dask.Runtime(client, job=...)"
             )
-        if not isinstance(secret, str) or not hmac.compare_digest(_digest(secret), known):
+        if not isinstance(secret, str) or not hmac.compare_digest(_digest(secret).hex(), known):
             raise PermissionDenied(
                 f"job {job!r} is registered by another driver; present its secret to act in "
                 "its name (Runtime(client, job, secret=...))"
