@@ -332,6 +332,13 @@ def raise_for_status(status: dict) -> dict:
     return status
 
 
+class SchedulerLost(PlexRLError):
+    """The scheduler went away (its process died or restarted) while this driver waited on
+    it: requests in flight were cancelled. A scheduler started again on its journal
+    (``plexrl.scheduler.journal``) has the deployments again; ``runtime.wait_for_scheduler()``
+    waits for it, and a ``GRPOJob`` with checkpoints goes back to its last one by itself."""
+
+
 class NotRouted(RequestError):
     """A PlexRL op ran as a task that the PlexRL scheduler plugin did not route."""
 

@@ -186,87 +186,155 @@ def _start(argv: list[str], env: dict[str, str], log: str):
     )
 
 
+class _JournaledCluster:
+    """A ``dask scheduler --preload plexrl_dask.plugins`` process with a journal, on a fixed
+    127.0.0.1 port, and one ``dask worker`` process of two GPU workers; ``restart()`` kills the
+    scheduler (SIGKILL: its workers go with it) and starts both again, as a cluster manager
+    would."""
+
+    def __init__(self, tmp_path) -> None:
+        self.address = f"tcp://127.0.0.1:{_free_port()}"
+        port = self.address.rsplit(":", 1)[1]
+        self.tiers = {"dram-path": str(tmp_path / "dram"), "nvme-path": str(tmp_path / "nvme")}
+        self.env = {
+            **os.environ,
+            "DASK_PLEXRL__SCHEDULER__JOURNAL": str(tmp_path / "journal.sqlite"),
+            "DASK_PLEXRL__STATE__DRAM_PATH": self.tiers["dram-path"],
+            "DASK_PLEXRL__STATE__NVME_PATH": self.tiers["nvme-path"],
+            "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_": "",
+        }
+        self.argv = (
+            ["scheduler", "--host", "127.0.0.1", "--port", port, "--no-dashboard",
+             "--preload", "plexrl_dask.plugins"],
+            ["worker", self.address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
+             "--resources", "GPU=1", "--memory-limit", "4GiB"],
+        )  # fmt: skip
+        self.log = str(tmp_path / "cluster.log")
+        self.procs: list = []
+
+    def __enter__(self) -> _JournaledCluster:
+        self.procs = [_start(argv, self.env, self.log) for argv in self.argv]
+        return self
+
+    def restart(self) -> None:
+        os.kill(self.procs[0].pid, signal.SIGKILL)
+        self.procs[0].wait(timeout=30)
+        self.procs[1].wait(timeout=60)
+        self.procs = [_start(argv, self.env, self.log) for argv in self.argv]
+
+    def __exit__(self, *exc) -> None:
+        from plexrl_dask.cluster import stop_process
+        from tests.conftest import node_state
+
+        for proc in reversed(self.procs):
+            stop_process(proc)
+        node_state(self.tiers).shutdown()
+
+
+def _wait_for_cluster(client: Client) -> None:
+    deadline = time.monotonic() + 120
+    while True:  # the client reconnects on its own
+        try:
+            if len(client.scheduler_info()["workers"]) == 2:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the cluster did not come back"
+        time.sleep(1)
+
+
 def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_path):
     """The scheduler process killed (SIGKILL) and started again with the same journal: its
     workers went with it and new ones join; a job's deployments, secret and grants are as
     before; the one it trained is lost until it restores its checkpoint (exactly), the
     untrained one is rebuilt from its spec; another job's grant still holds."""
-    from plexrl_dask.cluster import stop_process
     from plexrl_dask.driver import runtime as runtime_module
-    from tests.conftest import node_state
 
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    tiers = {"dram-path": str(tmp_path / "dram"), "nvme-path": str(tmp_path / "nvme")}
-    env = {
-        **os.environ,
-        "DASK_PLEXRL__SCHEDULER__JOURNAL": str(tmp_path / "journal.sqlite"),
-        "DASK_PLEXRL__STATE__DRAM_PATH": tiers["dram-path"],
-        "DASK_PLEXRL__STATE__NVME_PATH": tiers["nvme-path"],
-        "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_": "",
-    }
-    scheduler_argv = [
-        "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
-        "--preload", "plexrl_dask.plugins",
-    ]  # fmt: skip
-    workers_argv = [
-        "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
-        "--resources", "GPU=1", "--memory-limit", "4GiB",
-    ]  # fmt: skip
-    log = str(tmp_path / "cluster.log")
-    procs = [_start(scheduler_argv, env, log)]
-    procs.append(_start(workers_argv, env, log))
-    try:
-        with Client(address, timeout=60, set_as_default=False) as client:
-            client.wait_for_workers(2, timeout=120)
-            a = plexrl.Runtime(client, job=unique("restart-a"))
-            b = plexrl.Runtime(client, job=unique("restart-b"))
-            trained = a.deploy(unique("trained"), tiny_spec(seed=41))
-            frozen = a.deploy(unique("frozen"), tiny_spec(seed=42), role="rollout")
-            batch = [plexrl.Datum(tokens=trained.tokenize("3+4=7"))]
-            plexrl.result([trained.forward_backward(batch), trained.optim_step()])
-            saved = plexrl.result(trained.save_state())  # on the node's NVMe tier
-            want = plexrl.result(trained.get_weights())
-            frozen_out = plexrl.result(frozen.forward(batch))
-            trained.share(b.job, ops=("forward",))
+    with (
+        _JournaledCluster(tmp_path) as cluster,
+        Client(cluster.address, timeout=60, set_as_default=False) as client,
+    ):
+        client.wait_for_workers(2, timeout=120)
+        a = plexrl.Runtime(client, job=unique("restart-a"))
+        b = plexrl.Runtime(client, job=unique("restart-b"))
+        trained = a.deploy(unique("trained"), tiny_spec(seed=41))
+        frozen = a.deploy(unique("frozen"), tiny_spec(seed=42), role="rollout")
+        batch = [plexrl.Datum(tokens=trained.tokenize("3+4=7"))]
+        plexrl.result([trained.forward_backward(batch), trained.optim_step()])
+        saved = plexrl.result(trained.save_state())  # on the node's NVMe tier
+        want = plexrl.result(trained.get_weights())
+        frozen_out = plexrl.result(frozen.forward(batch))
+        trained.share(b.job, ops=("forward",))
 
-            os.kill(procs[0].pid, signal.SIGKILL)  # the scheduler; its workers go with it
-            procs[0].wait(timeout=30)
-            procs[1].wait(timeout=60)
-            procs[0] = _start(scheduler_argv, env, log)
-            procs[1] = _start(workers_argv, env, log)
-            deadline = time.monotonic() + 120
-            while True:  # the client reconnects on its own
-                try:
-                    if len(client.scheduler_info()["workers"]) == 2:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "the cluster did not come back"
-                time.sleep(1)
+        cluster.restart()
+        _wait_for_cluster(client)
 
-            mine = {d.name: d.state.value for d in a.deployments()}
-            assert mine == {trained.name: "lost", frozen.name: "unplaced"}
-            with pytest.raises(errors.DeploymentLost):
-                plexrl.result(trained.forward(batch))
-            assert plexrl.result(trained.load_state(saved)) == want.version
-            got = plexrl.result(trained.get_weights())
-            assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
-            assert plexrl.result(frozen.forward(batch)) == frozen_out  # rebuilt from its spec
-            # B's grant holds, and only that; A's secret is still A's alone.
-            theirs = b.deployment(trained.name)
-            assert plexrl.result(theirs.forward(batch)) == plexrl.result(trained.forward(batch))
-            with pytest.raises(errors.PermissionDenied):
-                plexrl.result(theirs.forward_backward(batch))
-            cached = dict(runtime_module._SECRETS)
-            runtime_module._SECRETS.clear()
-            try:
-                with pytest.raises(errors.PermissionDenied, match="another driver"):
-                    plexrl.Runtime(client, job=a.job).undeploy(trained.name)
-            finally:
-                runtime_module._SECRETS.update(cached)
-            assert a.status()["counters"]["deployments_restored"] == 2
-    finally:
-        for proc in reversed(procs):
-            stop_process(proc)
-        node_state(tiers).shutdown()
+        mine = {d.name: d.state.value for d in a.deployments()}
+        assert mine == {trained.name: "lost", frozen.name: "unplaced"}
+        with pytest.raises(errors.DeploymentLost):
+            plexrl.result(trained.forward(batch))
+        assert plexrl.result(trained.load_state(saved)) == want.version
+        got = plexrl.result(trained.get_weights())
+        assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
+        assert plexrl.result(frozen.forward(batch)) == frozen_out  # rebuilt from its spec
+        # B's grant holds, and only that; A's secret is still A's alone.
+        theirs = b.deployment(trained.name)
+        assert plexrl.result(theirs.forward(batch)) == plexrl.result(trained.forward(batch))
+        with pytest.raises(errors.PermissionDenied):
+            plexrl.result(theirs.forward_backward(batch))
+        cached = dict(runtime_module._SECRETS)
+        runtime_module._SECRETS.clear()
+        try:
+            with pytest.raises(errors.PermissionDenied, match="another driver"):
+                plexrl.Runtime(client, job=a.job).undeploy(trained.name)
+        finally:
+            runtime_module._SECRETS.update(cached)
+        assert a.status()["counters"]["deployments_restored"] == 2
+
+
+def test_a_job_rides_through_a_scheduler_restart_and_computes_the_same(tmp_path):
+    """A split GRPO job with checkpoints every 2 steps; after step 2 its scheduler is killed
+    and started again on its journal (new workers). The job waits for it, goes back to its
+    checkpoint, restores its deployments and ends with exactly an uninterrupted run's
+    records and weights."""
+    from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints
+    from tests.test_grpo import FirstCharIsDigit
+
+    config = GRPOConfig(steps=4, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=5)
+    with (
+        _JournaledCluster(tmp_path) as cluster,
+        Client(cluster.address, timeout=60, set_as_default=False) as client,
+    ):
+        client.wait_for_workers(2, timeout=120)
+        runtime = plexrl.Runtime(client, job=unique("ride-through"))
+
+        def job(tag: str, **kwargs) -> GRPOJob:
+            spec = tiny_spec(seed=31)
+            policy = runtime.deploy(unique(f"{tag}-policy"), spec)
+            rollout = runtime.deploy(unique(f"{tag}-rollout"), spec, role="rollout")
+            plexrl.result(runtime.sync_weights(policy, rollout))
+            return GRPOJob("riding", runtime, FirstCharIsDigit(), policy, config, rollout, **kwargs)
+
+        whole = job("whole")
+        want = whole.run()
+        expected = plexrl.result(whole.policy.get_weights()).tensors
+        victim = job("victim", checkpoints=JobCheckpoints.at(tmp_path / "ck", every=2))
+        restarted: list[bool] = []
+
+        def restart(record) -> None:
+            if record.step == 2 and not restarted:
+                cluster.restart()
+                restarted.append(True)
+
+        got = victim.run(restart)
+        assert restarted and len(victim.recoveries) == 1, victim.recoveries
+        assert victim.recoveries[0].startswith("SchedulerLost")
+
+        def comparable(records):
+            return [
+                (r.step, r.reward_mean, r.completion_lengths, r.loss, r.version) for r in records
+            ]
+
+        assert comparable(got) == comparable(want)
+        final = plexrl.result(victim.policy.get_weights()).tensors
+        assert all(torch.equal(final[n], t) for n, t in expected.items())

@@ -30,6 +30,7 @@ from typing import Any
 
 import dask
 from distributed import Actor, Client, Future, get_client
+from distributed.client import FutureCancelledError
 
 from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
@@ -45,6 +46,7 @@ from plexrl_dask.errors import (
     PluginsNotInstalled,
     RelocationFailed,
     RequestTimeout,
+    SchedulerLost,
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
@@ -71,6 +73,10 @@ from plexrl_dask.worker.holder import ReplicaHolder
 logger = logging.getLogger(__name__)
 
 
+# Why a client cancels its futures when its scheduler goes (distributed.client).
+_SCHEDULER_GONE = ("scheduler-connection-lost", "scheduler-restart")
+
+
 def result(futures: Any, timeout: float | None = None) -> Any:
     """Wait for a future (or a list of them) with a timeout and return the result(s).
 
@@ -86,6 +92,13 @@ def result(futures: Any, timeout: float | None = None) -> Any:
     for f in items:
         try:
             values.append(f.result(timeout=max(deadline - time.monotonic(), 0.0)))
+        except FutureCancelledError as e:
+            if e.reason in _SCHEDULER_GONE:
+                raise SchedulerLost(
+                    f"the scheduler went away ({e.reason}) with {len(items)} PlexRL request(s) "
+                    "in flight; they were cancelled"
+                ) from e
+            raise
         except TimeoutError as e:
             if isinstance(e, PlexRLError):
                 raise  # a request's own typed timeout (e.g. GroupTimeout)
@@ -136,6 +149,8 @@ class Runtime:
             status = self.client.sync(rpc, **kwargs, callback_timeout=config.request_timeout())
         except TimeoutError as e:
             raise RequestTimeout(f"the scheduler did not answer {handler} in time") from e
+        except OSError as e:  # (the connection broke, or none could be made)
+            raise SchedulerLost(f"the scheduler could not be reached for {handler}: {e}") from e
         if not isinstance(status, dict):
             # A scheduler without the handler logs "No handler found" and answers None.
             raise PluginsNotInstalled(
@@ -239,6 +254,23 @@ class Runtime:
         """Unregister this job's deployment ``name`` and free its replicas
         (:class:`PermissionDenied` for another job's)."""
         self._call(protocol.UNDEPLOY, name=name, job=self.job)
+
+    def wait_for_scheduler(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until the scheduler answers again (after :class:`SchedulerLost`: a scheduler
+        started again, on its journal, at the address this client reconnects to); returns its
+        status. :class:`SchedulerLost` if it does not within ``timeout`` seconds (default
+        ``plexrl.request.timeout``)."""
+        timeout = config.request_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._call(protocol.STATUS)
+            except (SchedulerLost, RequestTimeout, PluginsNotInstalled) as e:
+                if time.monotonic() > deadline:
+                    raise SchedulerLost(
+                        f"the scheduler did not come back within {timeout:.0f}s: {e}"
+                    ) from e
+            time.sleep(0.5)
 
     def status(self) -> dict[str, Any]:
         """The scheduler plugin's state: deployments, residency, worker capacity, counters."""

@@ -52,6 +52,7 @@ from plexrl_dask.errors import (
     JobStopped,
     RankLost,
     RequestTimeout,
+    SchedulerLost,
 )
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
@@ -327,20 +328,25 @@ class GRPOJob:
 
         With ``checkpoints``, a job whose directory holds its checkpoint starts after the
         steps it records (the returned records include those), and a job that loses a
-        deployment's state (:class:`DeploymentLost`, :class:`RankLost`: a worker died) goes
-        back to its last checkpoint, restores its deployments on the workers there are, and
-        goes on, at most ``checkpoints.max_recoveries`` times (``recoveries`` says why each
+        deployment's state (:class:`DeploymentLost`, :class:`RankLost`: a worker died) or its
+        scheduler (:class:`SchedulerLost`: it waits for the scheduler to be started again on
+        its journal) goes back to its last checkpoint, restores its deployments on the
+        workers there are, and goes on, at most ``checkpoints.max_recoveries`` times (``recoveries`` says why each
         time). The steps after that checkpoint are redone and compute what they computed
         before."""
         with contextlib.nullcontext() if self.saver is None else self.saver.hold():
             while True:
                 try:
                     return self._run(on_step, recovering=bool(self.recoveries))
-                except (DeploymentLost, RankLost) as e:
+                except (DeploymentLost, RankLost, SchedulerLost) as e:
                     saver = self.saver
                     if saver is None or not saver.can_recover(len(self.recoveries)):
                         raise
                     self.recoveries.append(f"{type(e).__name__}: {e}")
+                    if isinstance(e, SchedulerLost):
+                        # (restarted on its journal: the deployments it trained are lost there
+                        # until restored, which going back to the checkpoint does)
+                        self.runtime.wait_for_scheduler()
                     assert saver.saved is not None
                     logger.warning(
                         "%s: %s; back to its checkpoint after %d steps (recovery %d of %d)",
