@@ -321,6 +321,80 @@ def scheduler_process(
         stop_process(proc)
 
 
+class JournaledCluster:
+    """A scheduler that can die and come back, on one machine: a ``dask scheduler --preload
+    plexrl_dask.plugins`` process with a journal (``plexrl.scheduler.journal`` in
+    ``directory``) on a fixed 127.0.0.1 port, and one ``dask worker`` process of ``n_workers``
+    GPU workers (nannies), with the node's tiers in ``directory``. :meth:`restart` kills the
+    scheduler (SIGKILL; its workers go with it, as Dask workers do) and starts both again, as
+    a cluster manager would. For the fault tests and ``bench.faults``; a context manager."""
+
+    def __init__(self, directory: str | os.PathLike[str], n_workers: int = 2) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.address = f"tcp://127.0.0.1:{port}"
+        directory = Path(directory)
+        self.tiers = {"dram-path": str(directory / "dram"), "nvme-path": str(directory / "nvme")}
+        self.env = {
+            **os.environ,
+            "DASK_PLEXRL__SCHEDULER__JOURNAL": str(directory / "journal.sqlite"),
+            "DASK_PLEXRL__STATE__DRAM_PATH": self.tiers["dram-path"],
+            "DASK_PLEXRL__STATE__NVME_PATH": self.tiers["nvme-path"],
+            "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_": "",
+        }
+        dask_exe = str(Path(sys.executable).parent / "dask")
+        self.argv = (
+            [dask_exe, "scheduler", "--host", "127.0.0.1", "--port", str(port),
+             "--no-dashboard", "--preload", PRELOAD],
+            [dask_exe, "worker", self.address, "--nworkers", str(n_workers), "--nthreads", "1",
+             "--no-dashboard", "--resources", f"{config.get('worker.gpu-resource')}=1",
+             "--memory-limit", "4GiB"],
+        )  # fmt: skip
+        self.log = str(directory / "cluster.log")
+        self.procs: list[subprocess.Popen] = []
+
+    def _start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.procs = [
+                subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+                for argv in self.argv
+            ]
+
+    def __enter__(self) -> JournaledCluster:
+        self._start()
+        return self
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Kill the scheduler (its workers exit with it), then start both again."""
+        import signal
+
+        os.kill(self.procs[0].pid, signal.SIGKILL)
+        self.procs[0].wait(timeout=timeout)
+        self.procs[1].wait(timeout=timeout)
+        self._start()
+
+    def wait(self, client: Client, n_workers: int = 2, timeout: float = 120.0) -> None:
+        """Until ``client`` (which reconnects on its own) sees ``n_workers`` workers."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError):
+                if len(client.scheduler_info()["workers"]) >= n_workers:
+                    return
+            if time.monotonic() > deadline:
+                raise SchedulerNotStarted(f"{self.address} did not serve {n_workers} workers")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc: object) -> None:
+        from plexrl_dask.state_store.node import NodeState, StateConfig
+
+        for proc in reversed(self.procs):
+            stop_process(proc)
+        NodeState(StateConfig.for_tiers(self.tiers)).shutdown()
+
+
 def read_scheduler_file(
     path: str | os.PathLike[str], proc: subprocess.Popen, timeout: float
 ) -> dict[str, Any]:

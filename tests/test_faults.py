@@ -12,6 +12,7 @@ from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
+from plexrl_dask.cluster import JournaledCluster
 from tests.conftest import tiny_spec, unique
 
 
@@ -164,85 +165,6 @@ def test_a_job_whose_worker_dies_goes_back_to_its_checkpoint_and_computes_the_sa
 # --- a scheduler killed and started again ---------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(argv: list[str], env: dict[str, str], log: str):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    exe = str(Path(sys.executable).parent / "dask")
-    return subprocess.Popen(
-        [exe, *argv],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "ab"),  # noqa: SIM115
-    )
-
-
-class _JournaledCluster:
-    """A ``dask scheduler --preload plexrl_dask.plugins`` process with a journal, on a fixed
-    127.0.0.1 port, and one ``dask worker`` process of two GPU workers; ``restart()`` kills the
-    scheduler (SIGKILL: its workers go with it) and starts both again, as a cluster manager
-    would."""
-
-    def __init__(self, tmp_path) -> None:
-        self.address = f"tcp://127.0.0.1:{_free_port()}"
-        port = self.address.rsplit(":", 1)[1]
-        self.tiers = {"dram-path": str(tmp_path / "dram"), "nvme-path": str(tmp_path / "nvme")}
-        self.env = {
-            **os.environ,
-            "DASK_PLEXRL__SCHEDULER__JOURNAL": str(tmp_path / "journal.sqlite"),
-            "DASK_PLEXRL__STATE__DRAM_PATH": self.tiers["dram-path"],
-            "DASK_PLEXRL__STATE__NVME_PATH": self.tiers["nvme-path"],
-            "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_": "",
-        }
-        self.argv = (
-            ["scheduler", "--host", "127.0.0.1", "--port", port, "--no-dashboard",
-             "--preload", "plexrl_dask.plugins"],
-            ["worker", self.address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
-             "--resources", "GPU=1", "--memory-limit", "4GiB"],
-        )  # fmt: skip
-        self.log = str(tmp_path / "cluster.log")
-        self.procs: list = []
-
-    def __enter__(self) -> _JournaledCluster:
-        self.procs = [_start(argv, self.env, self.log) for argv in self.argv]
-        return self
-
-    def restart(self) -> None:
-        os.kill(self.procs[0].pid, signal.SIGKILL)
-        self.procs[0].wait(timeout=30)
-        self.procs[1].wait(timeout=60)
-        self.procs = [_start(argv, self.env, self.log) for argv in self.argv]
-
-    def __exit__(self, *exc) -> None:
-        from plexrl_dask.cluster import stop_process
-        from tests.conftest import node_state
-
-        for proc in reversed(self.procs):
-            stop_process(proc)
-        node_state(self.tiers).shutdown()
-
-
-def _wait_for_cluster(client: Client) -> None:
-    deadline = time.monotonic() + 120
-    while True:  # the client reconnects on its own
-        try:
-            if len(client.scheduler_info()["workers"]) == 2:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the cluster did not come back"
-        time.sleep(1)
-
-
 def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_path):
     """The scheduler process killed (SIGKILL) and started again with the same journal: its
     workers went with it and new ones join; a job's deployments, secret and grants are as
@@ -251,10 +173,10 @@ def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_pat
     from plexrl_dask.driver import runtime as runtime_module
 
     with (
-        _JournaledCluster(tmp_path) as cluster,
+        JournaledCluster(tmp_path) as cluster,
         Client(cluster.address, timeout=60, set_as_default=False) as client,
     ):
-        client.wait_for_workers(2, timeout=120)
+        cluster.wait(client)
         a = plexrl.Runtime(client, job=unique("restart-a"))
         b = plexrl.Runtime(client, job=unique("restart-b"))
         trained = a.deploy(unique("trained"), tiny_spec(seed=41))
@@ -267,7 +189,7 @@ def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_pat
         trained.share(b.job, ops=("forward",))
 
         cluster.restart()
-        _wait_for_cluster(client)
+        cluster.wait(client)
 
         mine = {d.name: d.state.value for d in a.deployments()}
         assert mine == {trained.name: "lost", frozen.name: "unplaced"}
@@ -302,10 +224,10 @@ def test_a_job_rides_through_a_scheduler_restart_and_computes_the_same(tmp_path)
 
     config = GRPOConfig(steps=4, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=5)
     with (
-        _JournaledCluster(tmp_path) as cluster,
+        JournaledCluster(tmp_path) as cluster,
         Client(cluster.address, timeout=60, set_as_default=False) as client,
     ):
-        client.wait_for_workers(2, timeout=120)
+        cluster.wait(client)
         runtime = plexrl.Runtime(client, job=unique("ride-through"))
 
         def job(tag: str, **kwargs) -> GRPOJob:
