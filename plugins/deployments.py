@@ -35,6 +35,7 @@ from plexrl_dask.errors import (
     DeploymentLost,
     DeploymentNotFound,
     DeploymentRelocating,
+    PermissionDenied,
     PlexRLError,
     QuotaExceeded,
     to_status,
@@ -47,7 +48,7 @@ from plexrl_dask.policy.assignment import WorkerView, assign_workers
 from plexrl_dask.policy.estimates import Estimates
 from plexrl_dask.policy.residency import ResidencyMap
 from plexrl_dask.shared.access import Shares, check_owner
-from plexrl_dask.shared.records import DeploymentInfo, Lifecycle
+from plexrl_dask.shared.records import DeploymentInfo, Lifecycle, split_name
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler
@@ -207,6 +208,11 @@ class DeploymentRegistry:
         for another ``owner``, or an existing deployment of another job with ``exist_ok``)."""
         try:
             check_owner(name, owner, job, "register")
+            if split_name(name)[1] != owner:  # (ConfigError for a name not <name>@<job>)
+                raise PermissionDenied(
+                    f"{name!r} is in another job's namespace, not job {owner!r}'s: deployment "
+                    "names are registered as <name>@<job> (Runtime.deploy does it)"
+                )
             info = DeploymentInfo(
                 name=name,
                 uid=uid,

@@ -12,6 +12,7 @@ from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
+from plexrl_dask.state_store.keys import model_key
 from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import node_state, tiny_spec, unique
 
@@ -77,7 +78,7 @@ def test_a_damaged_offloaded_copy_does_not_block_restoring_a_checkpoint(small_cl
         for tier in ("dram", "nvme"):
             store = node.store(tier)
             for model in store.models():
-                if not model.startswith(f"stash..{a.name}.."):
+                if not model.startswith(f"stash..{model_key(a.name)}.."):
                     continue
                 for version in store.versions(model):
                     for entry in store.manifest(model, version).tensors.values():
@@ -191,7 +192,7 @@ def test_a_replica_is_held_to_the_budget_by_what_it_measures_not_what_it_declare
     big = plexrl.ModelSpec.tiny(hidden_size=128, num_layers=2, seed=5)
     holder = runtime.holder(worker).status().result(timeout=30)
     assert big.memory_bytes("rollout") > holder["budget_bytes"]
-    hf, name = big.hf_config(), unique("understated")
+    hf, name = big.hf_config(), f"{unique('understated')}@{runtime.job}"
     # Registered around the driver, declaring 1 KiB for a replica of a few MiB.
     status = runtime._call(
         protocol.DEPLOY,

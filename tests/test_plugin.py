@@ -59,6 +59,9 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_
         await asyncio.sleep(0.02)
 
 
+# Registered names (<name>@<job>: names are per-job namespaces) of the test job's deployments.
+POLICY = "policy@test-job"
+VALUE = "value@test-job"
 # The secret of "test-job", registered by install() on each test's plugin.
 TEST_JOB: dict[str, str] = {}
 
@@ -82,9 +85,10 @@ async def install(c, s, gpu_workers) -> PlexRLSchedulerPlugin:
 
 
 def deploy_fields(name: str, model: ModelSpec, **overrides) -> dict:
-    """The fields Runtime.deploy sends to the plexrl_deploy handler."""
+    """The fields Runtime.deploy sends to the plexrl_deploy handler (``name`` qualified by the
+    test job unless it names its job)."""
     return {
-        "name": name,
+        "name": name if "@" in name else f"{name}@test-job",
         "uid": uuid.uuid4().hex,
         "spec": model.to_dict(),
         "role": "train",
@@ -189,45 +193,45 @@ async def test_holder_keeps_worker_state_valid(c, s, a, b):
 async def test_deployment_handlers(c, s, a, b):
     plugin = await install(c, s, [a, b])
     model = spec(seed=1)
-    fields = deploy_fields("policy", model)
+    fields = deploy_fields(POLICY, model)
     status = await c.scheduler.plexrl_deploy(**fields)
     assert status["status"] == "OK" and status["created"] is True
     info = status["deployment"]
-    assert info["name"] == "policy" and info["uid"] == fields["uid"]
+    assert info["name"] == POLICY and info["uid"] == fields["uid"]
     assert info["role"] == "train" and info["backend"] == "torch" and info["owner"] == "test-job"
     assert info["memory_bytes"] == model.memory_bytes("train")
     assert info["state"] == "placed" and info["modified"] is False
     assert ModelSpec.from_dict(info["spec"]) == model
     assert len(info["workers"]) == 1 and info["workers"][0] in {a.address, b.address}
 
-    got = await c.scheduler.plexrl_get_deployment(name="policy")
+    got = await c.scheduler.plexrl_get_deployment(name=POLICY)
     assert got == {"status": "OK", "deployment": info}
     listed = await c.scheduler.plexrl_list_deployments()
     assert listed["status"] == "OK" and list(listed["deployments"]) == [info]
 
     # A duplicate name fails with DeploymentExists...
-    dup = await c.scheduler.plexrl_deploy(**deploy_fields("policy", model))
+    dup = await c.scheduler.plexrl_deploy(**deploy_fields(POLICY, model))
     assert dup["status"] == "error" and dup["error"] == "DeploymentExists"
     assert isinstance(errors.from_status(dup), errors.DeploymentExists)
-    assert "'policy'" in dup["message"]
+    assert repr(POLICY) in dup["message"]
     # ...unless exist_ok and the same spec: then the existing one comes back, not created.
-    same = await c.scheduler.plexrl_deploy(**deploy_fields("policy", model, exist_ok=True))
+    same = await c.scheduler.plexrl_deploy(**deploy_fields(POLICY, model, exist_ok=True))
     assert same["status"] == "OK" and same["created"] is False
     assert same["deployment"] == info
     # exist_ok with a different model is still a conflict.
-    other = await c.scheduler.plexrl_deploy(**deploy_fields("policy", spec(seed=2), exist_ok=True))
+    other = await c.scheduler.plexrl_deploy(**deploy_fields(POLICY, spec(seed=2), exist_ok=True))
     assert other["error"] == "DeploymentExists"
     other_role = await c.scheduler.plexrl_deploy(
-        **deploy_fields("policy", model, exist_ok=True, role="rollout")
+        **deploy_fields(POLICY, model, exist_ok=True, role="rollout")
     )
     assert other_role["error"] == "DeploymentExists"
 
     # Bad input comes back as a typed error status, not an exception in the handler.
-    bad = await c.scheduler.plexrl_deploy(**deploy_fields("has/slash", model))
+    bad = await c.scheduler.plexrl_deploy(**deploy_fields("has/slash@test-job", model))
     assert bad["status"] == "error" and isinstance(errors.from_status(bad), errors.ConfigError)
 
     # A second deployment goes to the other (less committed) worker.
-    second = (await deploy(c, "value", spec(seed=3)))["deployment"]
+    second = (await deploy(c, VALUE, spec(seed=3)))["deployment"]
     assert second["workers"] != info["workers"]
     assert plugin.counters["deploys"] == 2
 
@@ -241,18 +245,18 @@ async def test_deployment_handlers(c, s, a, b):
         await c.scheduler.plexrl_undeploy(name="nope", job="test-job", secret=TEST_JOB["secret"])
     )["error"] == "DeploymentNotFound"
     stale = await c.scheduler.plexrl_undeploy(
-        name="policy", uid="not-the-uid", job="test-job", secret=TEST_JOB["secret"]
+        name=POLICY, uid="not-the-uid", job="test-job", secret=TEST_JOB["secret"]
     )
     assert stale["error"] == "DeploymentNotFound"
-    assert (await c.scheduler.plexrl_get_deployment(name="policy"))["status"] == "OK"
+    assert (await c.scheduler.plexrl_get_deployment(name=POLICY))["status"] == "OK"
     assert await c.scheduler.plexrl_undeploy(
-        name="policy", uid=fields["uid"], job="test-job", secret=TEST_JOB["secret"]
+        name=POLICY, uid=fields["uid"], job="test-job", secret=TEST_JOB["secret"]
     ) == {"status": "OK"}
-    assert (await c.scheduler.plexrl_get_deployment(name="policy"))["error"] == "DeploymentNotFound"
+    assert (await c.scheduler.plexrl_get_deployment(name=POLICY))["error"] == "DeploymentNotFound"
     listed = await c.scheduler.plexrl_list_deployments()
-    assert [d["name"] for d in listed["deployments"]] == ["value"]
+    assert [d["name"] for d in listed["deployments"]] == [VALUE]
     assert await c.scheduler.plexrl_undeploy(
-        name="value", job="test-job", secret=TEST_JOB["secret"]
+        name=VALUE, job="test-job", secret=TEST_JOB["secret"]
     ) == {"status": "OK"}
     assert list((await c.scheduler.plexrl_list_deployments())["deployments"]) == []
 
@@ -300,7 +304,7 @@ _SHORT_WAIT["deploy"]["worker-report-timeout"] = "0.3s"
 )
 async def test_deploy_without_gpu_workers_fails(c, s, plain):
     plugin = await register(c, s)
-    status = await c.scheduler.plexrl_deploy(**deploy_fields("policy", spec()))
+    status = await c.scheduler.plexrl_deploy(**deploy_fields(POLICY, spec()))
     assert status["error"] == "NoPlexRLWorkers"
     assert isinstance(errors.from_status(status), errors.NoPlexRLWorkers)
     assert plugin.deployments == {} and plugin.worker_capacity == {}
@@ -313,11 +317,11 @@ async def test_deploy_without_gpu_workers_fails(c, s, plain):
 @gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
 async def test_annotated_task_is_routed_to_the_deployment_worker(c, s, a, b):
     plugin = await install(c, s, [a, b])
-    info = (await deploy(c, "policy"))["deployment"]
+    info = (await deploy(c, POLICY))["deployment"]
     (placed,) = info["workers"]
     target, other = (a, b) if placed == a.address else (b, a)
 
-    fut = submit_routed(c, "policy")
+    fut = submit_routed(c, POLICY)
     ts = await scheduler_task(s, fut)
     assert ts.worker_restrictions == {placed}
     assert ts.resource_restrictions == {"GPU": 1}
@@ -328,14 +332,14 @@ async def test_annotated_task_is_routed_to_the_deployment_worker(c, s, a, b):
     result = await asyncio.wait_for(fut, WAIT_S)
     assert result["version"] == 0 and result["device"] == "cpu" and result["bytes"] > 0
     assert {ws.address for ws in ts.who_has} == {placed}
-    assert holder_of(target).names() == ["policy"]
+    assert holder_of(target).names() == [POLICY]
     assert holder_of(other).names() == []
     # The holder's residency report reaches the plugin's map.
-    await until(lambda: plugin.residency.tier("policy", placed) == "hbm", "residency report")
-    assert plugin.residency.get("policy", placed).uid == info["uid"]
+    await until(lambda: plugin.residency.tier(POLICY, placed) == "hbm", "residency report")
+    assert plugin.residency.get(POLICY, placed).uid == info["uid"]
 
     # Every later request of the deployment goes to the same worker, and shares its replica.
-    futs = [submit_routed(c, "policy") for _ in range(3)]
+    futs = [submit_routed(c, POLICY) for _ in range(3)]
     await asyncio.wait_for(c.gather(futs), WAIT_S)
     assert all(s.tasks[f.key].worker_restrictions == {placed} for f in futs)
     assert holder_of(target).status()["counters"]["loads"] == 1
@@ -343,16 +347,16 @@ async def test_annotated_task_is_routed_to_the_deployment_worker(c, s, a, b):
 
     # Undeploy frees the replica on its worker.
     assert await c.scheduler.plexrl_undeploy(
-        name="policy", job="test-job", secret=TEST_JOB["secret"]
+        name=POLICY, job="test-job", secret=TEST_JOB["secret"]
     ) == {"status": "OK"}
     await until(lambda: holder_of(target).names() == [], "the replica to be dropped")
-    assert plugin.residency.tier("policy", placed) == "absent"
+    assert plugin.residency.tier(POLICY, placed) == "absent"
 
 
 @gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
 async def test_plain_tasks_are_not_touched(c, s, a, b):
     plugin = await install(c, s, [a, b])
-    await deploy(c, "policy")
+    await deploy(c, POLICY)
     fut = c.submit(inc, 1)
     ts = await scheduler_task(s, fut)
     assert not ts.worker_restrictions
@@ -385,13 +389,13 @@ async def test_annotated_task_for_unknown_deployment_fails_typed(c, s, a, b):
 @gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
 async def test_unannotated_op_fails_not_routed(c, s, a, b):
     await install(c, s, [a, b])
-    await deploy(c, "policy")
-    fut = c.submit(ops.load, "policy", pure=False)
+    await deploy(c, POLICY)
+    fut = c.submit(ops.load, POLICY, pure=False)
     with pytest.raises(errors.NotRouted, match="dask.annotate"):
         await asyncio.wait_for(fut, WAIT_S)
     # Annotated for another deployment than the one it addresses: also not routed.
     with dask.annotate(
-        plexrl={"deployment": "policy", "job": "test-job", "secret": TEST_JOB["secret"]}
+        plexrl={"deployment": POLICY, "job": "test-job", "secret": TEST_JOB["secret"]}
     ):
         fut2 = c.submit(ops.load, "other", pure=False)
     with pytest.raises(errors.NotRouted):
@@ -402,7 +406,7 @@ async def test_unannotated_op_fails_not_routed(c, s, a, b):
 
 @gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
 async def test_annotated_op_without_the_plugin_fails_not_routed(c, s, a, b):
-    fut = submit_routed(c, "policy")
+    fut = submit_routed(c, POLICY)
     with pytest.raises(errors.NotRouted, match="plugin is not installed"):
         await asyncio.wait_for(fut, WAIT_S)
 
@@ -436,19 +440,19 @@ async def test_request_without_gpu_workers_is_parked_then_rerouted(c, s, gpu, pl
     no GPU worker must wait in ``no-worker`` (not run on the plain worker, not fail), and run
     once a GPU worker joins."""
     plugin = await install(c, s, [gpu])
-    info = (await deploy(c, "policy"))["deployment"]
+    info = (await deploy(c, POLICY))["deployment"]
     assert list(info["workers"]) == [gpu.address]
 
     # The only GPU worker leaves: the cluster now has a worker, but no GPU worker.
     await gpu.close()
     await until(lambda: gpu.address not in s.workers, "the GPU worker to leave")
     await until(
-        lambda: plugin.deployments["policy"].state == "unplaced", "the deployment to be unplaced"
+        lambda: plugin.deployments[POLICY].state == "unplaced", "the deployment to be unplaced"
     )
     assert plugin.worker_capacity == {}
     assert list(s.workers) == [plain.address]
 
-    fut = submit_routed(c, "policy")
+    fut = submit_routed(c, POLICY)
     ts = await scheduler_task(s, fut)
     await until(lambda: ts.state == "no-worker", "the request to be parked")
     assert ts.worker_restrictions == {PARKED}
@@ -464,10 +468,10 @@ async def test_request_without_gpu_workers_is_parked_then_rerouted(c, s, gpu, pl
         result = await asyncio.wait_for(fut, WAIT_S)
         assert result["version"] == 0
         assert ts.worker_restrictions == {fresh.address}
-        assert plugin.deployments["policy"].workers == (fresh.address,)
-        assert plugin.deployments["policy"].state == "placed"
+        assert plugin.deployments[POLICY].workers == (fresh.address,)
+        assert plugin.deployments[POLICY].state == "placed"
         assert plugin.counters["replacements"] == 1
-        assert holder_of(fresh).names() == ["policy"]
+        assert holder_of(fresh).names() == [POLICY]
         assert holder_of(plain) is None
         del fut
 
@@ -569,10 +573,10 @@ async def test_a_plexrl_task_is_parked_before_dask_first_places_it(c, s, a, b):
     tasks' first transitions, so a PlexRL task goes waiting -> no-worker (parked) and reaches
     ``processing`` only when the plugin releases it, never straight from ``waiting``."""
     plugin = await install(c, s, [a, b])
-    await deploy(c, "policy")
+    await deploy(c, POLICY)
     log = _TransitionLog()
     s.add_plugin(log)
-    futs = [submit_routed(c, "policy") for _ in range(3)]
+    futs = [submit_routed(c, POLICY) for _ in range(3)]
     plain = c.submit(inc, 1)
     await asyncio.wait_for(c.gather([*futs, plain]), WAIT_S)
     for fut in futs:

@@ -22,6 +22,7 @@ from distributed import Client
 import plexrl_dask as plexrl
 from plexrl_dask.cluster import worker_process
 from plexrl_dask.errors import DeploymentNotFound, DeploymentRelocating
+from plexrl_dask.state_store.keys import model_key
 from tests.conftest import node_state, tiny_spec
 from tests.test_weights_only_rollout import StandInForVLLM
 
@@ -142,7 +143,8 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         # both copies are gone
         for tiers in (cluster.plexrl_state, b_tiers):
             store = node_state(tiers).store("nvme")
-            [model] = [m for m in store.models() if m.startswith("relocate..reloc-policy..")]
+            prefix = f"relocate..{model_key(policy.name)}.."
+            [model] = [m for m in store.models() if m.startswith(prefix)]
             assert store.versions(model) == []
 
         # while relocating, only restoring the state is served
@@ -150,9 +152,9 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         uid = mover.deployment("reloc-policy").info.uid
         with pytest.raises(DeploymentNotFound):
             mover._call(
-                "plexrl_relocate", name="reloc-policy", uid="another-incarnation", job=mover.job
+                "plexrl_relocate", name=policy.name, uid="another-incarnation", job=mover.job
             )
-        assert mover._call("plexrl_relocate", name="reloc-policy", uid=uid, job=mover.job)[
+        assert mover._call("plexrl_relocate", name=policy.name, uid=uid, job=mover.job)[
             "state"
         ] == ("relocating")
         with pytest.raises(DeploymentRelocating):

@@ -508,6 +508,39 @@ def test_a_job_cannot_touch_another_jobs_deployment_unless_shared(client):
     assert out[1]["version"] == before.version + 1
 
 
+def test_deployment_names_are_per_job_namespaces(client):
+    """Jobs A and B each deploy "policy": two deployments, each job's name finds its own; A's
+    is addressed from B by its registered name or job, and serves B only what A shared."""
+    a = plexrl.Runtime(client, job=unique("ns-a"))
+    b = plexrl.Runtime(client, job=unique("ns-b"))
+    name = unique("policy")
+    mine, theirs = a.deploy(name, tiny_spec(seed=23)), b.deploy(name, tiny_spec(seed=24))
+    assert (mine.name, theirs.name) == (f"{name}@{a.job}", f"{name}@{b.job}")
+    batch = [plexrl.Datum(tokens=mine.tokenize("5+5=10"))]
+    outs = plexrl.result([mine.forward(batch), theirs.forward(batch)])
+    assert outs[0] != outs[1]  # (different seeds: different models)
+    assert a.deployment(name).name == mine.name and b.deployment(name).name == theirs.name
+    assert b.deployment(name, job=a.job).name == b.deployment(mine.name).name == mine.name
+    with pytest.raises(errors.PermissionDenied):
+        plexrl.result(b.deployment(name, job=a.job).forward(batch))
+    mine.share(b.job, ops=("forward",))
+    assert plexrl.result(b.deployment(mine.name).forward(batch)) == outs[0]
+    b.undeploy(name)  # B's own; A's is untouched
+    assert plexrl.result(mine.forward(batch)) == outs[0]
+    with pytest.raises(errors.DeploymentNotFound):
+        b.deployment(name)
+    # Around the runtime: an unqualified name is refused, another job's namespace too.
+    fields = {"uid": "u", "spec": tiny_spec().to_dict(), "role": "train", "backend": "torch",
+              "owner": b.job, "job": b.job, "memory_bytes": 1, "exist_ok": False,
+              "candidates": None}  # fmt: skip
+    with pytest.raises(errors.ConfigError, match="<name>@<job>"):
+        b._call("plexrl_deploy", name=unique("bare"), **fields)
+    with pytest.raises(errors.PermissionDenied, match="namespace"):
+        b._call("plexrl_deploy", name=f"{unique('into')}@{a.job}", **fields)
+    with pytest.raises(errors.ConfigError, match="'@'"):
+        plexrl.Runtime(client, job="has@sign").deploy(unique("x"), tiny_spec())
+
+
 def test_a_job_is_a_principal_and_only_the_operator_changes_the_policy(client):
     """A job's secret: another driver naming the job acts in its name only with it; the
     holder actor serves reads only; an owner offloads its own deployment; set_policy needs the

@@ -52,7 +52,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.shared.access import READ_OPS
 from plexrl_dask.shared.checks import check_rows, checked_sample, checked_temperature
-from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.records import DeploymentInfo, qualified_name
 from plexrl_dask.shared.timeline import RequestSpan
 from plexrl_dask.shared.types import (
     AdamWParams,
@@ -178,6 +178,9 @@ class Runtime:
     ) -> Deployment:
         """Register deployment ``name`` of ``model`` and place it on a worker.
 
+        Names are per-job namespaces: it is registered as ``name@job`` (the handle's
+        ``.name``), so another job's ``name`` is another deployment.
+
         With ``wait`` (default) the replica is built on its worker before this returns, so a
         model that cannot be built there fails here (and is unregistered). With ``exist_ok``, an
         identical existing deployment is returned instead of raising ``DeploymentExists``.
@@ -216,7 +219,7 @@ class Runtime:
             memory_bytes = VLLMConfig.from_dask_config().device_bytes(memory_bytes)
         status = self._call(
             protocol.DEPLOY,
-            name=name,
+            name=qualified_name(name, owner or self.job),
             uid=uid,
             spec=model.to_dict(),
             role=role,
@@ -236,13 +239,15 @@ class Runtime:
             try:
                 result(deployment.load())
             except BaseException:
-                self._call(protocol.UNDEPLOY, name=name, uid=uid, job=self.job)
+                self._call(protocol.UNDEPLOY, name=deployment.name, uid=uid, job=self.job)
                 raise
         return deployment
 
-    def deployment(self, name: str) -> Deployment:
-        """Look up an existing deployment by name (any job's)."""
-        status = self._call(protocol.GET_DEPLOYMENT, name=name)
+    def deployment(self, name: str, job: str | None = None) -> Deployment:
+        """Look up an existing deployment: this job's ``name``, or ``job``'s, or the registered
+        name of any job's (``name@job``, a handle's ``.name``). Names are per-job namespaces;
+        another job's deployment serves this job only what its owner shared."""
+        status = self._call(protocol.GET_DEPLOYMENT, name=qualified_name(name, job or self.job))
         return Deployment(self, DeploymentInfo.from_dict(status["deployment"]))
 
     def deployments(self, every_job: bool = False) -> list[DeploymentInfo]:
@@ -253,7 +258,7 @@ class Runtime:
     def undeploy(self, name: str) -> None:
         """Unregister this job's deployment ``name`` and free its replicas
         (:class:`PermissionDenied` for another job's)."""
-        self._call(protocol.UNDEPLOY, name=name, job=self.job)
+        self._call(protocol.UNDEPLOY, name=qualified_name(name, self.job), job=self.job)
 
     def wait_for_scheduler(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait until the scheduler answers again (after :class:`SchedulerLost`: a scheduler

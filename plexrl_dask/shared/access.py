@@ -134,8 +134,11 @@ class Principals:
     def register(self, job: str, secret: str | None = None) -> str:
         """Register ``job`` and return its secret: a new job gets a fresh one; a known job is
         re-attached only by presenting its secret (:class:`PermissionDenied` otherwise)."""
-        if not isinstance(job, str) or not job or len(job) > 200:
-            raise ConfigError(f"a job is named by a non-empty string of <= 200 characters: {job!r}")
+        if not isinstance(job, str) or not job or len(job) > 200 or "@" in job:
+            raise ConfigError(
+                f"a job is named by a non-empty string of <= 200 characters without '@' "
+                f"(it qualifies its deployments' names): {job!r}"
+            )
         if job not in self._jobs:
             if secret is not None:
                 raise PermissionDenied(

@@ -14,6 +14,35 @@ from typing import Any
 from plexrl_dask.errors import ConfigError, LifecycleError
 from plexrl_dask.models.spec import ModelSpec
 
+#: Joins a deployment's name to its job's in the name it is registered under.
+NAME_SEPARATOR = "@"
+
+
+def qualified_name(name: str, job: str) -> str:
+    """The registered name of job ``job``'s deployment ``name``: ``name@job``. Deployment
+    names are per-job namespaces (job B's ``policy`` is not job A's); a name already qualified
+    (``name@job``, e.g. another job's, from its handle) is returned as it is."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a deployment name is a non-empty string, got {name!r}")
+    if NAME_SEPARATOR in name:
+        split_name(name)  # (checked)
+        return name
+    if not isinstance(job, str) or not job or NAME_SEPARATOR in job:
+        raise ConfigError(f"a job name is a non-empty string without {NAME_SEPARATOR!r}: {job!r}")
+    return f"{name}{NAME_SEPARATOR}{job}"
+
+
+def split_name(registered: str) -> tuple[str, str]:
+    """(name, job) of a registered name ``name@job`` (:class:`ConfigError` for another)."""
+    name, sep, job = registered.rpartition(NAME_SEPARATOR)
+    if not sep or not name or not job or NAME_SEPARATOR in name:
+        raise ConfigError(
+            f"a registered deployment name is <name>{NAME_SEPARATOR}<job>, one "
+            f"{NAME_SEPARATOR!r}, got {registered!r}"
+        )
+    return name, job
+
+
 ROLES = ("train", "rollout")
 #: What ``deploy(backend=...)`` accepts (plexrl_dask/worker/backends/).
 BACKEND_NAMES = ("torch", "vllm")
