@@ -173,14 +173,7 @@ def test_every_page_shows_what_its_route_reports_in_chromium(tmp_path):
         # (with lookahead, the first of them queued on the worker, the others pending).
         first = jobs[0]
         gate = Event(unique("dash-gate"), client=client)
-        with dask.annotate(
-            plexrl={
-                "deployment": first.policy.name,
-                "job": first.runtime.job,
-                "secret": first.runtime.secret,
-                "op": "hold",
-            }
-        ):
+        with dask.annotate(plexrl=first.policy.annotation(op="hold")):
             blocker = client.submit(hold, first.policy.name, gate.name, 300.0, pure=False)
         datum = plexrl.Datum.from_prompt_completion(
             first.policy.tokenize("12="), first.policy.tokenize("3\n")

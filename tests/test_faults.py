@@ -107,59 +107,76 @@ def test_worker_killed_mid_request_the_request_completes_elsewhere(fault_client)
 
 
 def _wait_for_workers(runtime: plexrl.Runtime, n: int) -> None:
-    deadline = time.monotonic() + 60
+    # (a nanny restarting a killed worker on a loaded 2-core machine: not quick, never a hang)
+    deadline = time.monotonic() + 180
     while len(runtime.status()["workers"]) < n:
         assert time.monotonic() < deadline, f"fewer than {n} workers reported in"
         time.sleep(0.1)
+
+
+def _split_job(runtime: plexrl.Runtime, tag: str, config, **kwargs):
+    """A split GRPO job on fresh deployments (policy and a synced rollout) of one spec."""
+    from plexrl_dask.rl import GRPOJob
+    from tests.test_grpo import FirstCharIsDigit
+
+    spec = tiny_spec(seed=31)
+    policy = runtime.deploy(unique(f"{tag}-policy"), spec)
+    rollout = runtime.deploy(unique(f"{tag}-rollout"), spec, role="rollout")
+    plexrl.result(runtime.sync_weights(policy, rollout))
+    return GRPOJob("faulty", runtime, FirstCharIsDigit(), policy, config, rollout, **kwargs)
+
+
+def _recovers_exactly(runtime: plexrl.Runtime, steps: int, tmp_path, fault) -> str:
+    """A split GRPO job with checkpoints every 2 steps, ``fault(job)`` after its step 2, must
+    go back to its checkpoint by itself and end with exactly an uninterrupted run's records
+    and weights. Returns why it went back."""
+    from plexrl_dask.rl import GRPOConfig, JobCheckpoints
+
+    config = GRPOConfig(
+        steps=steps, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=5
+    )
+    whole = _split_job(runtime, "whole", config)
+    want = whole.run()
+    # (read now: a worker about to be killed may hold this one too)
+    expected = plexrl.result(whole.policy.get_weights()).tensors
+    victim = _split_job(
+        runtime, "victim", config, checkpoints=JobCheckpoints.at(tmp_path / "ck", every=2)
+    )
+    fired: list[bool] = []
+
+    def on_step(record) -> None:
+        if record.step == 2 and not fired:
+            fault(victim)
+            fired.append(True)
+
+    got = victim.run(on_step)
+    assert fired and len(victim.recoveries) == 1, victim.recoveries
+
+    def comparable(records):
+        return [(r.step, r.reward_mean, r.completion_lengths, r.loss, r.version) for r in records]
+
+    assert comparable(got) == comparable(want)
+    final = plexrl.result(runtime.deployment(victim.policy.name).get_weights()).tensors
+    assert all(torch.equal(final[n], t) for n, t in expected.items())
+    return victim.recoveries[0]
 
 
 @pytest.mark.parametrize("dies", ["policy", "rollout"])
 def test_a_job_whose_worker_dies_goes_back_to_its_checkpoint_and_computes_the_same(
     fault_client, tmp_path, dies
 ):
-    """A split GRPO job with checkpoints every 2 steps; after step 2 the worker holding its
-    policy (or its rollout, synced and so not rebuildable from its spec) is killed. The job
-    goes back to its checkpoint of 2 steps by itself, restores both deployments on the
-    workers there are, redoes step 2 and ends with exactly an uninterrupted run's records."""
-    from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints
-    from tests.test_grpo import FirstCharIsDigit
-
+    """After step 2 the worker holding the job's policy (or its rollout, synced and so not
+    rebuildable from its spec) is killed: the job restores both deployments on the workers
+    there are, redoes step 2 and computes what an uninterrupted run computes."""
     runtime = plexrl.Runtime(fault_client, job=unique("faults-grpo"))
     _wait_for_workers(runtime, 2)
-    config = GRPOConfig(steps=5, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=5)
 
-    def job(tag: str, **kwargs) -> GRPOJob:
-        spec = tiny_spec(seed=31)
-        policy = runtime.deploy(unique(f"{tag}-policy"), spec)
-        rollout = runtime.deploy(unique(f"{tag}-rollout"), spec, role="rollout")
-        plexrl.result(runtime.sync_weights(policy, rollout))
-        return GRPOJob("faulty", runtime, FirstCharIsDigit(), policy, config, rollout, **kwargs)
+    def kill(job) -> None:
+        target = job.policy if dies == "policy" else job.rollout
+        worker = runtime.deployment(target.name).info.workers[0]
+        os.kill(fault_client.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
 
-    whole = job("whole")
-    want = whole.run()
-    # (read now: the worker about to be killed may hold this one too)
-    expected = plexrl.result(whole.policy.get_weights()).tensors
-    victim_job = job("victim", checkpoints=JobCheckpoints.at(tmp_path / "ck", every=2))
-    killed: list[str] = []
-
-    def kill(record) -> None:
-        if record.step == 2 and not killed:
-            target = victim_job.policy if dies == "policy" else victim_job.rollout
-            worker = runtime.deployment(target.name).info.workers[0]
-            pid = fault_client.run(os.getpid, workers=[worker])[worker]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(worker)
-
-    got = victim_job.run(kill)
-    assert killed and len(victim_job.recoveries) == 1, victim_job.recoveries
-    assert "Lost" in victim_job.recoveries[0]
-
-    def comparable(records):
-        return [(r.step, r.reward_mean, r.completion_lengths, r.loss, r.version) for r in records]
-
-    assert comparable(got) == comparable(want)
-    final = plexrl.result(runtime.deployment(victim_job.policy.name).get_weights()).tensors
-    assert all(torch.equal(final[n], t) for n, t in expected.items())
+    assert "Lost" in _recovers_exactly(runtime, 5, tmp_path, kill)
 
 
 # --- a scheduler killed and started again ---------------------------------------------------
@@ -215,48 +232,14 @@ def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_pat
 
 
 def test_a_job_rides_through_a_scheduler_restart_and_computes_the_same(tmp_path):
-    """A split GRPO job with checkpoints every 2 steps; after step 2 its scheduler is killed
-    and started again on its journal (new workers). The job waits for it, goes back to its
-    checkpoint, restores its deployments and ends with exactly an uninterrupted run's
-    records and weights."""
-    from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints
-    from tests.test_grpo import FirstCharIsDigit
-
-    config = GRPOConfig(steps=4, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=5)
+    """After step 2 the job's scheduler is killed and started again on its journal (with new
+    workers): the job waits for it, goes back to its checkpoint and computes what an
+    uninterrupted run computes."""
     with (
         JournaledCluster(tmp_path) as cluster,
         Client(cluster.address, timeout=60, set_as_default=False) as client,
     ):
         cluster.wait(client)
         runtime = plexrl.Runtime(client, job=unique("ride-through"))
-
-        def job(tag: str, **kwargs) -> GRPOJob:
-            spec = tiny_spec(seed=31)
-            policy = runtime.deploy(unique(f"{tag}-policy"), spec)
-            rollout = runtime.deploy(unique(f"{tag}-rollout"), spec, role="rollout")
-            plexrl.result(runtime.sync_weights(policy, rollout))
-            return GRPOJob("riding", runtime, FirstCharIsDigit(), policy, config, rollout, **kwargs)
-
-        whole = job("whole")
-        want = whole.run()
-        expected = plexrl.result(whole.policy.get_weights()).tensors
-        victim = job("victim", checkpoints=JobCheckpoints.at(tmp_path / "ck", every=2))
-        restarted: list[bool] = []
-
-        def restart(record) -> None:
-            if record.step == 2 and not restarted:
-                cluster.restart()
-                restarted.append(True)
-
-        got = victim.run(restart)
-        assert restarted and len(victim.recoveries) == 1, victim.recoveries
-        assert victim.recoveries[0].startswith("SchedulerLost")
-
-        def comparable(records):
-            return [
-                (r.step, r.reward_mean, r.completion_lengths, r.loss, r.version) for r in records
-            ]
-
-        assert comparable(got) == comparable(want)
-        final = plexrl.result(victim.policy.get_weights()).tensors
-        assert all(torch.equal(final[n], t) for n, t in expected.items())
+        why = _recovers_exactly(runtime, 4, tmp_path, lambda job: cluster.restart())
+        assert why.startswith("SchedulerLost")

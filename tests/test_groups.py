@@ -10,6 +10,7 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors, protocol
+from plexrl_dask.state_store.keys import model_key
 from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
 
@@ -125,7 +126,7 @@ def test_checkpoint_on_two_ranks_restores_on_one_and_two(runtime, tmp_path):
         plexrl.result([src.forward_backward(data), src.optim_step(opt)])
     path = str(tmp_path / "ckpt")
     saved = plexrl.result(src.save_state(path))
-    assert saved == {"path": path, "model": src.name, "version": 2, "format": "store"}
+    assert saved == {"path": path, "model": model_key(src.name), "version": 2, "format": "store"}
     one = runtime.deploy(unique("ckpt-one"), spec, world_size=1)
     # Ranks swapped: each worker process re-joins a group under the other rank (a torch mesh
     # interning pitfall made exactly this load the wrong shards; see worker/groups.py).
@@ -187,14 +188,7 @@ def test_sync_weights_from_two_ranks_into_replicas_and_mismatches(runtime):
     probe = [plexrl.Datum(tokens=rollout.tokenize("12+3=15"))]
     expected = ref.forward(probe).logprobs
     for replica in range(2):
-        with dask.annotate(
-            plexrl={
-                "deployment": rollout.name,
-                "replica": replica,
-                "job": runtime.job,
-                "secret": runtime.secret,
-            }
-        ):
+        with dask.annotate(plexrl=rollout.annotation(replica=replica)):
             fut = runtime.client.submit(plexrl.ops.forward, rollout.name, probe, pure=False)
         got = plexrl.result(fut).logprobs
         assert max(abs(a - b) for a, b in zip(got[0], expected[0], strict=True)) < 1e-5

@@ -110,14 +110,12 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
         until("the new worker reports its node", lambda: b[0] in mover.status()["workers"])
 
         moves = {m["name"]: m for m in mover.relocate()}
-        assert set(moves) == {"reloc-policy", "reloc-frozen", "reloc-rollout"}
-        assert moves["reloc-policy"]["restored"] and moves["reloc-policy"]["now"] == b
-        assert not moves["reloc-frozen"]["restored"]
-        assert not moves["reloc-frozen"]["needs_weights"]
-        assert moves["reloc-rollout"]["needs_weights"] and not moves["reloc-rollout"]["restored"]
-        assert set(moves["reloc-policy"]["workers"]) <= set(
-            hog.deployment("reloc-hog").info.workers
-        )
+        assert set(moves) == {policy.name, frozen.name, rollout.name}
+        assert moves[policy.name]["restored"] and moves[policy.name]["now"] == b
+        assert not moves[frozen.name]["restored"]
+        assert not moves[frozen.name]["needs_weights"]
+        assert moves[rollout.name]["needs_weights"] and not moves[rollout.name]["restored"]
+        assert set(moves[policy.name]["workers"]) <= set(hog.deployment("reloc-hog").info.workers)
         assert mover.relocate() == []  # done: nothing outside the group any more
         assert mover.status()["counters"]["relocations"] == 3
 

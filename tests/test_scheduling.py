@@ -39,14 +39,7 @@ def small_runtime():
 
 def _aimed_load(runtime: plexrl.Runtime, dep: plexrl.Deployment, replica: int) -> None:
     """Load ``dep``'s replica ``replica`` (so it is the one model in HBM on its worker)."""
-    with dask.annotate(
-        plexrl={
-            "deployment": dep.name,
-            "replica": replica,
-            "job": runtime.job,
-            "secret": runtime.secret,
-        }
-    ):
+    with dask.annotate(plexrl=dep.annotation(replica=replica)):
         fut = runtime.client.submit(ops.load, dep.name, pure=False)
     plexrl.result(fut, timeout=120)
 

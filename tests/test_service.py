@@ -91,8 +91,7 @@ def test_client_submit_with_annotations(runtime):
     data = [plexrl.Datum(tokens=dep.tokenize("5+5=10"))]
     expected = plexrl.result(dep.forward(data))
     client = runtime.client
-    mine = {"job": runtime.job, "secret": runtime.secret}
-    with dask.annotate(plexrl={"deployment": dep.name, **mine}):
+    with dask.annotate(plexrl=dep.annotation()):
         fut = client.submit(plexrl.ops.forward, dep.name, data, pure=False)
     assert plexrl.result(fut) == expected
     # Another job's request, one that names no job, and one in this job's name without its
@@ -137,9 +136,7 @@ def test_requests_of_one_deployment_released_together_run_in_order(runtime):
     data = [plexrl.Datum(tokens=dep.tokenize("9+9=18"))]
     gate = Event(unique("together-gate"), client=runtime.client)
     token = runtime.client.submit(str, "an input", pure=False)
-    with dask.annotate(
-        plexrl={"deployment": dep.name, "job": runtime.job, "secret": runtime.secret, "op": "hold"}
-    ):
+    with dask.annotate(plexrl=dep.annotation(op="hold")):
         blocker = runtime.client.submit(hold, dep.name, gate.name, 120.0, token, pure=False)
     futs = []
     try:
@@ -619,9 +616,7 @@ def test_a_job_is_held_to_its_quotas_and_others_are_not(runtime, client):
         fits = runtime.deploy(unique("quota-4"), tiny_spec(seed=5), role="rollout")
         runtime.undeploy(fits.name)
     gate = Event(unique("quota-gate"), client=client)
-    with dask.annotate(
-        plexrl={"deployment": dep.name, "job": runtime.job, "secret": runtime.secret, "op": "hold"}
-    ):
+    with dask.annotate(plexrl=dep.annotation(op="hold")):
         blocker = client.submit(hold, dep.name, gate.name, 120.0, pure=False)
     try:
         deadline = time.monotonic() + 90

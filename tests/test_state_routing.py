@@ -101,14 +101,7 @@ def test_replicas_on_one_node_share_one_stored_copy_and_tiers_are_reported(clust
     assert len(set(workers)) == 2
     probe = [plexrl.Datum(tokens=dep.tokenize("7+8=15"))]
     for replica in range(2):
-        with dask.annotate(
-            plexrl={
-                "deployment": dep.name,
-                "replica": replica,
-                "job": runtime.job,
-                "secret": runtime.secret,
-            }
-        ):
+        with dask.annotate(plexrl=dep.annotation(replica=replica)):
             fut = runtime.client.submit(plexrl.ops.forward, dep.name, probe, pure=False)
         plexrl.result(fut)
     used = node.status()["tiers"]["dram"]["used"]
@@ -141,14 +134,7 @@ def test_replicas_on_one_node_share_one_stored_copy_and_tiers_are_reported(clust
     # Both come back bit-identical (one from NVMe).
     out = []
     for replica in range(2):
-        with dask.annotate(
-            plexrl={
-                "deployment": dep.name,
-                "replica": replica,
-                "job": runtime.job,
-                "secret": runtime.secret,
-            }
-        ):
+        with dask.annotate(plexrl=dep.annotation(replica=replica)):
             fut = runtime.client.submit(plexrl.ops.forward, dep.name, probe, pure=False)
         out.append(plexrl.result(fut).logprobs)
     assert out[0] == out[1]

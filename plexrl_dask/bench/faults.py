@@ -293,8 +293,7 @@ def flood(client: Client, n_burst: int, fair_share: bool) -> dict[str, Any]:
     # The worker held by one of A's requests while the burst and B's five queue up behind it,
     # so that every run starts from the same queue (the client's submission pace aside).
     gate = Event(f"faults-gate-{tag}-{time.monotonic_ns()}", client=client)
-    ann = {"deployment": dep_a.name, "job": a.job, "secret": a.secret, "op": "hold"}
-    with dask.annotate(plexrl=ann):
+    with dask.annotate(plexrl=dep_a.annotation(op="hold")):
         blocker = client.submit(_hold, gate.name, 600.0, pure=False)
     burst = [dep_a.forward(batch) for _ in range(n_burst)]
     victims = [dep_b.forward(batch) for _ in range(5)]
@@ -346,14 +345,19 @@ def flood(client: Client, n_burst: int, fair_share: bool) -> dict[str, Any]:
 # --- lost processes and damaged bytes ---------------------------------------------------------
 
 
-def corrupt_chunk(client: Client) -> Row:
-    """A flipped byte in a stored checkpoint's chunk object: CorruptState, weights kept."""
-    rt = plexrl.Runtime(client, job="faults-corrupt")
-    dep = rt.deploy("faults-corrupt", _spec(8))
+def _trained(client: Client, name: str, seed: int) -> tuple[Any, dict[str, Any], Any]:
+    """Job ``name``'s deployment ``name`` after one training step, its checkpoint (on the
+    node's NVMe tier) and its weights then."""
+    dep = plexrl.Runtime(client, job=name).deploy(name, _spec(seed))
     batch = [plexrl.Datum(tokens=dep.tokenize("2+2=4"))]
     plexrl.result([dep.forward_backward(batch), dep.optim_step()])
     saved = plexrl.result(dep.save_state())
-    before = plexrl.result(dep.get_weights())
+    return dep, saved, plexrl.result(dep.get_weights())
+
+
+def corrupt_chunk(client: Client) -> Row:
+    """A flipped byte in a stored checkpoint's chunk object: CorruptState, weights kept."""
+    dep, saved, before = _trained(client, "faults-corrupt", 8)
     damaged = _damage_an_object(saved["path"])
     error, message = _outcome(_resolve(lambda: dep.load_state(saved)))
     after = plexrl.result(dep.get_weights())
@@ -385,12 +389,8 @@ def _damage_an_object(store_path: str) -> str | None:
 def worker_kill(client: Client) -> Row:
     """The worker of a trained deployment SIGKILLed: DeploymentLost, then its checkpoint
     restores exactly the saved weights."""
-    rt = plexrl.Runtime(client, job="faults-kill")
-    dep = rt.deploy("faults-kill", _spec(9))
+    dep, saved, want = _trained(client, "faults-kill", 9)
     batch = [plexrl.Datum(tokens=dep.tokenize("3+3=6"))]
-    plexrl.result([dep.forward_backward(batch), dep.optim_step()])
-    saved = plexrl.result(dep.save_state())
-    want = plexrl.result(dep.get_weights())
     worker = dep.info.worker
     pid = client.run(os.getpid, workers=[worker])[worker]
     os.kill(pid, signal.SIGKILL)

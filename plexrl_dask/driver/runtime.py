@@ -507,6 +507,21 @@ class Deployment:
         )
         return list(status["ops"])
 
+    def annotation(self, **extra: Any) -> dict[str, Any]:
+        """The ``plexrl`` task annotation that makes a task submitted with plain Dask a request
+        of this deployment in this runtime's job (``extra``: e.g. ``replica``)::
+
+            with dask.annotate(plexrl=policy.annotation()):
+                fut = client.submit(plexrl_dask.ops.forward, policy.name, batch, pure=False)
+        """
+        return {
+            "deployment": self.name,
+            "job": self.runtime.job,
+            "secret": self.runtime.secret,
+            "incarnation": self.info.incarnation,
+            **extra,
+        }
+
     def offload(self, replica: int | None = None) -> dict[str, bool]:
         """Offload this deployment (every replica, or ``replica``) to host memory now, as its
         holders do under memory pressure: its next request reloads it (for experiments with
@@ -541,10 +556,7 @@ class Deployment:
             rid = request if len(per) == 1 and k > 1 else f"{request}-{g}"
             for rank, args in enumerate(tasks):
                 annotation = {
-                    "job": self.runtime.job,
-                    "secret": self.runtime.secret,
-                    "deployment": self.name,
-                    "incarnation": info.incarnation,
+                    **self.annotation(),
                     "op": op,
                     "request": rid,
                     "ranks": k,

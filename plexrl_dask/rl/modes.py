@@ -608,7 +608,7 @@ def peak_tokens_per_second(
                 t = time.time()
                 params = SamplingParams(n=b, max_tokens=max_tokens, seed=r, ignore_eos=True)
                 out = result(deployment.sample([prompt], params))
-                spans = [s for s in runtime.timeline(since=t) if s.deployment == name]
+                spans = [s for s in runtime.timeline(since=t) if s.deployment == deployment.name]
                 seconds = sum(s.run_seconds for s in spans)
                 best = max(best, out.num_tokens() / seconds)
             by_batch[b] = best

@@ -4,8 +4,7 @@ Each function runs as an ordinary Dask task on the worker that holds the deploym
 that worker's replica holder in-process. :class:`~plexrl_dask.Deployment` methods submit these;
 users can submit them too::
 
-    ann = {"deployment": policy.name, "job": runtime.job, "secret": runtime.secret}
-    with dask.annotate(plexrl=ann):
+    with dask.annotate(plexrl=policy.annotation()):  # deployment, job, its secret
         fut = client.submit(plexrl_dask.worker.ops.forward, policy.name, batch, pure=False)
 
 The ``plexrl`` annotation is what lets the scheduler plugin park the task and release it, in
