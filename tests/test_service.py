@@ -538,6 +538,31 @@ def test_deployment_names_are_per_job_namespaces(client):
         plexrl.Runtime(client, job="has@sign").deploy(unique("x"), tiny_spec())
 
 
+def test_a_jobs_stored_state_loads_into_another_jobs_deployment_only_if_shared(client):
+    """Checkpoints and published weights record the deployment whose state they are: job B
+    cannot load job A's checkpoint into its own deployment until A shares get_weights."""
+    a = plexrl.Runtime(client, job=unique("store-a"))
+    b = plexrl.Runtime(client, job=unique("store-b"))
+    spec = tiny_spec(seed=25)
+    mine, theirs = a.deploy(unique("trained"), spec), b.deploy(unique("copy"), spec)
+    batch = [plexrl.Datum(tokens=mine.tokenize("6+6=12"))]
+    plexrl.result([mine.forward_backward(batch), mine.optim_step()])
+    saved = plexrl.result(mine.save_state())
+    before = plexrl.result(theirs.get_weights())
+    with pytest.raises(errors.PermissionDenied, match="get_weights"):
+        plexrl.result(theirs.load_state(saved))
+    after = plexrl.result(theirs.get_weights())
+    assert all(torch.equal(after.tensors[n], t) for n, t in before.tensors.items())
+    mine.share(b.job, ops=("get_weights",))
+    assert plexrl.result(theirs.load_state(saved)) == 1
+    want = plexrl.result(mine.get_weights()).tensors
+    got = plexrl.result(theirs.get_weights()).tensors
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+    # A's own second deployment loads A's checkpoint without any grant.
+    again = a.deploy(unique("again"), spec)
+    assert plexrl.result(again.load_state(saved)) == 1
+
+
 def test_a_job_is_a_principal_and_only_the_operator_changes_the_policy(client):
     """A job's secret: another driver naming the job acts in its name only with it; the
     holder actor serves reads only; an owner offloads its own deployment; set_policy needs the

@@ -85,6 +85,10 @@ class Shares:
     def of(self, deployment: str) -> dict[str, frozenset[str]]:
         return dict(self._by_deployment.get(deployment, {}))
 
+    def granting(self, job: str, op: str) -> list[str]:
+        """The deployments whose owners let ``job`` run ``op`` on them."""
+        return sorted(d for d, grants in self._by_deployment.items() if op in grants.get(job, ()))
+
     def forget(self, deployment: str) -> None:
         self._by_deployment.pop(deployment, None)
 

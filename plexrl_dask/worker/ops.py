@@ -37,6 +37,7 @@ from plexrl_dask.errors import (
     NoPlexRLWorkers,
     NotAStore,
     NotRouted,
+    PermissionDenied,
     PlexRLError,
     WeightsMismatch,
     from_status,
@@ -50,7 +51,7 @@ from plexrl_dask.shared.checks import (
     checked_temperature,
     checked_weights,
 )
-from plexrl_dask.shared.records import DeploymentInfo
+from plexrl_dask.shared.records import DeploymentInfo, split_name
 from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
@@ -305,9 +306,13 @@ def save_state(
         def open_target() -> tuple[Any, StoreCheckpoint]:
             if path is None:
                 node = _node(deployment)
-                return node, StoreCheckpoint(node.store("nvme"), model, node=node, tier="nvme")
+                target = StoreCheckpoint(
+                    node.store("nvme"), model, node=node, tier="nvme", deployment=deployment
+                )
+                return node, target
             try:
-                return None, StoreCheckpoint(_open_store(path, create=True), model)
+                store = _open_store(path, create=True)
+                return None, StoreCheckpoint(store, model, deployment=deployment)
             except OSError as e:
                 raise CheckpointError(f"cannot write a checkpoint at {path!r}: {e}") from e
 
@@ -348,8 +353,18 @@ def load_state(
     def call(backend: Any) -> int:
         # Finding the checkpoint may import it from another node: a rank that fails there
         # fails with the others, not alone (they would wait for it in a collective).
+        def find() -> Any:
+            source = _checkpoint_source(deployment, checkpoint, model, version)
+            if not isinstance(source, str):  # (a store version: whose state it is)
+                found = None
+                with contextlib.suppress(PlexRLError):  # (missing: the backend says so)
+                    found = source.store.manifest(source.model, source.version)
+                if found is not None:
+                    _check_readable(deployment, found.meta, "load_state")
+            return source
+
         source = backend._checked(
-            lambda: _checkpoint_source(deployment, checkpoint, model, version),
+            find,
             CheckpointError("another rank of this deployment could not reach the checkpoint"),
         )
         return backend.load_state(source)
@@ -379,7 +394,9 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
 
         from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 
-        target = StoreCheckpoint(node.store("dram"), model, store_version, node=node, tier="dram")
+        target = StoreCheckpoint(
+            node.store("dram"), model, store_version, node=node, tier="dram", deployment=deployment
+        )
         ref = backend.publish_weights(target, publish_id, opener)
         ref["node"] = node.node_id
         ref["source"] = get_worker().address
@@ -388,6 +405,31 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
         return ref
 
     return _run(deployment, "publish_weights", call)
+
+
+def _check_readable(deployment: str, meta: Mapping[str, Any], op: str) -> None:
+    """:class:`PermissionDenied` unless the stored state described by ``meta`` (written by
+    deployment ``meta["deployment"]``) belongs to ``deployment``'s job, or its owner shared
+    ``get_weights`` with the job that runs this request (the scheduler lists those
+    deployments in the request's ``readable``). State written without an owner (before
+    owners were recorded, or by other tools) is anyone's."""
+    from distributed import get_worker
+
+    writer = meta.get("deployment")
+    if not isinstance(writer, str) or writer == deployment:
+        return
+    try:
+        if split_name(writer)[1] == split_name(deployment)[1]:
+            return  # the same job's
+    except PlexRLError:
+        pass
+    ann = _routing(get_worker(), deployment)
+    if writer in (ann.get("readable") or ()):
+        return
+    raise PermissionDenied(
+        f"{op}: that state is deployment {writer!r}'s, of another job; its owner can share it "
+        f"with job {ann.get('job')!r}: share(job, ops=('get_weights',)) on {writer!r}"
+    )
 
 
 def _drop_older(node: Any, model: str, keep: int) -> None:
@@ -431,6 +473,7 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
             fetch, WeightsMismatch("another rank of this deployment could not import the weights")
         )
         with node.pinned(model, version, promote=True) as (store, _):
+            _check_readable(deployment, store.manifest(model, version).meta, "load_weights")
             loaded = backend.load_weights(StoreCheckpoint(store, model, version))
         if not here:
             # The version before this one stayed until now: its objects deduplicated the

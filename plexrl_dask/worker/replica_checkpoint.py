@@ -305,10 +305,15 @@ class StoreCheckpoint:
     #: reservation like writes do (assembling chunks stores objects too).
     node: Any = None
     tier: str | None = None
+    #: The deployment whose state this is (its registered name, ``name@job``): recorded in
+    #: the version's metadata, so that a load into another job's deployment can be refused.
+    deployment: str | None = None
 
     def commit(
         self, version: int, publish_id: str, expected_parts: int, meta: dict[str, Any]
     ) -> Any:
+        if self.deployment is not None:
+            meta = {**meta, "deployment": self.deployment}
         if self.node is not None:
             return self.node.commit(
                 self.tier, self.model, version, publish_id, expected_parts, meta
