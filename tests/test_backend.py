@@ -387,3 +387,43 @@ def test_a_store_checkpoint_loads_without_unpickling(tmp_path, monkeypatch):
     assert dst.load_state(StoreCheckpoint(StateStore(tmp_path / "store"), "policy")) == 1
     want = src.get_weights()
     assert all(torch.equal(dst.get_weights()[n], t) for n, t in want.items())
+
+
+def test_string_prompts_are_tokenized_as_hugging_face_does_with_the_checkpoints_bos(tmp_path):
+    """A checkpoint whose tokenizer's post-processor adds BOS: prompts get it, as
+    ``AutoTokenizer`` gives it; completions and ``plexrl.sampling.special-tokens: false`` do
+    not."""
+    import dask
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from plexrl_dask.models.tokenizer import BOS, build_char_tokenizer
+
+    path = tmp_path / "with-bos"
+    spec = tiny_spec(seed=6).save_pretrained(str(path))
+    tokenizer = build_char_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids(BOS)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, bos)]
+    )
+    tokenizer.save_pretrained(str(path))
+    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    want = hf("12+3=")["input_ids"]
+    assert want[0] == bos and len(want) == 6
+
+    backend = TorchBackend(spec, "cpu")
+    assert backend.tokenize(["12+3="]) == [want]
+    assert backend.tokenize(["3\n"], special_tokens=False) == [
+        hf("3\n", add_special_tokens=False)["input_ids"]
+    ]
+    params = SamplingParams(n=2, max_tokens=4, seed=2)
+    assert backend.sample(backend.tokenize(["12+3="]), params, [0]) == backend.sample(
+        [want], params, [0]
+    )
+    with dask.config.set({"plexrl.sampling.special-tokens": False}):
+        assert backend.tokenize(["12+3="]) == [want[1:]]
+    with (
+        dask.config.set({"plexrl.sampling.special-tokens": "yes"}),
+        pytest.raises(errors.ConfigError),
+    ):
+        backend.tokenize(["12+3="])

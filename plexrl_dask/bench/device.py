@@ -186,7 +186,10 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 def _batch(backend: TorchBackend, rows: int) -> list[Datum]:
     texts = [(f"{i}+{i + 7}=", f"{2 * i + 7}") for i in range(rows)]
-    return [Datum.from_prompt_completion(*backend.tokenize([p, c])) for p, c in texts]
+    return [
+        Datum.from_prompt_completion(backend.tokenize([p])[0], backend.tokenize([c], False)[0])
+        for p, c in texts
+    ]
 
 
 def check_budget(device: torch.device) -> dict[str, Any]:

@@ -69,7 +69,10 @@ def warmed_backend(spec: JobSpec, steps: int, batch: int, device: str = "cpu") -
     for step in tqdm(range(steps), desc=f"warm-up {spec.name}", leave=False):
         problems = spec.task.problems(step * spec.warmup_batch_size, spec.warmup_batch_size)
         data = [
-            Datum.from_prompt_completion(*backend.tokenize([p.prompt, p.answer])) for p in problems
+            Datum.from_prompt_completion(
+                backend.tokenize([p.prompt])[0], backend.tokenize([p.answer], False)[0]
+            )
+            for p in problems
         ]
         backend.forward_backward(data, CrossEntropy())
         backend.optim_step(optim)

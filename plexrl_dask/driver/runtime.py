@@ -486,9 +486,13 @@ class Deployment:
             self._tokenizer = self.info.spec.build_tokenizer()
         return self._tokenizer
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens), as the replicas tokenize prompts."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def tokenize(self, text: str, special_tokens: bool | None = None) -> list[int]:
+        """Token ids of ``text`` as the replicas tokenize a prompt: with the tokenizer's special
+        tokens, as Hugging Face adds them (``special_tokens``, default
+        ``plexrl.sampling.special-tokens``); a completion: ``special_tokens=False``."""
+        from plexrl_dask.worker.backends.base import encode_prompts
+
+        return encode_prompts(self.tokenizer, [text], special_tokens)[0]
 
     @property
     def name(self) -> str:

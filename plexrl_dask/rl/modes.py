@@ -89,10 +89,10 @@ class JobSpec:
         activations of its whole batch, rows padded to the longest of its first step's
         prompts plus ``max_tokens``."""
         problems = self.task.problems(self.grpo.problem_offset, self.grpo.prompts_per_step)
+        from plexrl_dask.worker.backends.base import encode_prompts
+
         tokenizer = self.model.build_tokenizer()
-        longest = max(
-            len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in problems
-        )
+        longest = max(len(t) for t in encode_prompts(tokenizer, [p.prompt for p in problems]))
         rows = self.grpo.prompts_per_step * self.grpo.group_size
         return training_memory(self.model, rows, longest + self.grpo.max_tokens)
 

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def problem_datum(deployment: Deployment, p: Problem) -> Datum:
     """A datum that trains on the answer of ``p`` given its prompt."""
     return Datum.from_prompt_completion(
-        deployment.tokenize(p.prompt), deployment.tokenize(p.answer)
+        deployment.tokenize(p.prompt), deployment.tokenize(p.answer, special_tokens=False)
     )
 
 

@@ -28,14 +28,34 @@ from plexrl_dask.shared.types import (
 )
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
-    """Prompts as token ids: strings encoded with ``tokenizer`` (no special tokens added),
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[str | Sequence[int]], special_tokens: bool | None = None
+) -> list[list[int]]:
+    """Prompts as token ids: strings encoded with ``tokenizer`` as Hugging Face does, with its
+    special tokens (``special_tokens``, default ``plexrl.sampling.special-tokens``: true),
     token-id sequences passed through as ints."""
+    if special_tokens is None:
+        special_tokens = special_tokens_default()
     texts = [p for p in prompts if isinstance(p, str)]
     # One tokenizer call for all of them: a call costs ~35 us of its own per string, as
     # much as encoding a short prompt (a GRPO step's 16 prompts: ~0.5 ms of its request).
-    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    encoded = iter(
+        tokenizer(texts, add_special_tokens=special_tokens)["input_ids"] if texts else []
+    )
     return [list(next(encoded)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+
+def special_tokens_default() -> bool:
+    """``plexrl.sampling.special-tokens``: whether string prompts get the tokenizer's special
+    tokens (its post-processor's BOS), as Hugging Face adds them."""
+    from plexrl_dask import config
+
+    value = config.get("sampling.special-tokens")
+    if not isinstance(value, bool):
+        from plexrl_dask.errors import ConfigError
+
+        raise ConfigError(f"plexrl.sampling.special-tokens must be true or false, got {value!r}")
+    return value
 
 
 def check_weights(

@@ -328,9 +328,12 @@ class TorchBackend:
 
     # --- sampling --------------------------------------------------------------------------
 
-    def tokenize(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
-        """Prompts as token ids (strings are encoded with the deployment's tokenizer)."""
-        return encode_prompts(self.tokenizer, prompts)
+    def tokenize(
+        self, prompts: Sequence[str | Sequence[int]], special_tokens: bool | None = None
+    ) -> list[list[int]]:
+        """Prompts as token ids (strings encoded with the deployment's tokenizer, as
+        :func:`encode_prompts` does)."""
+        return encode_prompts(self.tokenizer, prompts, special_tokens)
 
     def sample(
         self,

@@ -419,9 +419,12 @@ class VLLMBackend(NotATrainer):
 
     # --- sampling ------------------------------------------------------------------------
 
-    def tokenize(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
-        """Prompts as token ids (strings are encoded with the deployment's tokenizer)."""
-        return encode_prompts(self.tokenizer, prompts)
+    def tokenize(
+        self, prompts: Sequence[str | Sequence[int]], special_tokens: bool | None = None
+    ) -> list[list[int]]:
+        """Prompts as token ids (strings encoded with the deployment's tokenizer, as
+        :func:`encode_prompts` does)."""
+        return encode_prompts(self.tokenizer, prompts, special_tokens)
 
     def text(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
