@@ -47,3 +47,27 @@ def test_bad_task_configs_are_typed_errors():
         CountdownTask(count=1)
     with pytest.raises(errors.ConfigError):
         ArithmeticTask(ops="/")
+
+
+def test_the_documented_dataset_task_keeps_the_protocol():
+    """docs/tasks.md's example, run as written: reproducible problems, every epoch a seeded
+    permutation of the rows, an exact reward, and no data in its repr."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    namespace: dict = {}
+    exec(compile(code, "docs/tasks.md", "exec"), namespace)  # noqa: S102 (our own docs)
+    rows = tuple((f"{i}+{i}=", str(2 * i)) for i in range(5))
+    task = namespace["QATask"]("qa", rows, seed=3)
+    first, again = task.problems(0, 15), task.problems(0, 15)
+    assert first == again and [p.index for p in first] == list(range(15))
+    for epoch in range(3):
+        seen = sorted(p.prompt for p in first[5 * epoch : 5 * epoch + 5])
+        assert seen == sorted(prompt for prompt, _ in rows)
+    assert [p.prompt for p in first[:5]] != [p.prompt for p in first[5:10]]  # reshuffled
+    p = first[0]
+    assert task.reward(p, p.answer) == 1.0 and task.reward(p, " " + p.answer.strip() + "\nx") == 1.0
+    assert task.reward(p, "wrong\n") == 0.0
+    assert "0+0=" not in repr(task)
