@@ -187,7 +187,7 @@ def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_pat
     workers went with it and new ones join; a job's deployments, secret and grants are as
     before; the one it trained is lost until it restores its checkpoint (exactly), the
     untrained one is rebuilt from its spec; another job's grant still holds."""
-    from plexrl_dask.driver import runtime as runtime_module
+    from plexrl_dask.driver.runtime import as_another_driver
 
     with (
         JournaledCluster(tmp_path) as cluster,
@@ -221,13 +221,8 @@ def test_a_restarted_scheduler_has_its_deployments_jobs_and_grants_again(tmp_pat
         assert plexrl.result(theirs.forward(batch)) == plexrl.result(trained.forward(batch))
         with pytest.raises(errors.PermissionDenied):
             plexrl.result(theirs.forward_backward(batch))
-        cached = dict(runtime_module._SECRETS)
-        runtime_module._SECRETS.clear()
-        try:
-            with pytest.raises(errors.PermissionDenied, match="another driver"):
-                plexrl.Runtime(client, job=a.job).undeploy(trained.name)
-        finally:
-            runtime_module._SECRETS.update(cached)
+        with as_another_driver(), pytest.raises(errors.PermissionDenied, match="another driver"):
+            plexrl.Runtime(client, job=a.job).undeploy(trained.name)
         assert a.status()["counters"]["deployments_restored"] == 2
 
 

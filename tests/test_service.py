@@ -567,16 +567,14 @@ def test_a_job_is_a_principal_and_only_the_operator_changes_the_policy(client):
     """A job's secret: another driver naming the job acts in its name only with it; the
     holder actor serves reads only; an owner offloads its own deployment; set_policy needs the
     operator secret."""
-    from plexrl_dask.driver import runtime as runtime_module
+    from plexrl_dask.driver.runtime import as_another_driver
 
     a = plexrl.Runtime(client, job=unique("principal"))
     dep = a.deploy(unique("principal-policy"), tiny_spec(seed=22))
     batch = [plexrl.Datum(tokens=dep.tokenize("2+2=4"))]
     expected = plexrl.result(dep.forward(batch))
     # Another driver process (no secret cached) naming job A: refused, until it presents it.
-    cached = dict(runtime_module._SECRETS)
-    runtime_module._SECRETS.clear()
-    try:
+    with as_another_driver():
         impostor = plexrl.Runtime(client, job=a.job)
         with pytest.raises(errors.PermissionDenied, match="another driver"):
             impostor.undeploy(dep.name)
@@ -585,8 +583,6 @@ def test_a_job_is_a_principal_and_only_the_operator_changes_the_policy(client):
             plexrl.result(wrong.deployment(dep.name).forward(batch))
         reattached = plexrl.Runtime(client, job=a.job, secret=a.secret)
         assert plexrl.result(reattached.deployment(dep.name).forward(batch)) == expected
-    finally:
-        runtime_module._SECRETS.update(cached)
     assert a.job in a.status()["jobs_registered"]
 
     # The holder actor: reads yes; running, dropping, offloading, hinting no.

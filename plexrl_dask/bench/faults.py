@@ -113,7 +113,7 @@ def _resolve(call: Callable[[], Any]) -> Callable[[], Any]:
 
 def unauthorized(client: Client) -> list[Row]:
     """Job B (and clients without the right secret) against job A: each must be refused."""
-    from plexrl_dask.driver import runtime as runtime_module
+    from plexrl_dask.driver.runtime import as_another_driver
 
     a = plexrl.Runtime(client, job="faults-owner")
     b = plexrl.Runtime(client, job="faults-other")
@@ -127,12 +127,7 @@ def unauthorized(client: Client) -> list[Row]:
     zeros = {n: t * 0 for n, t in before.tensors.items()}
 
     def impostor(secret: str | None) -> plexrl.Runtime:
-        cached = dict(runtime_module._SECRETS)
-        runtime_module._SECRETS.clear()
-        try:
-            return plexrl.Runtime(client, job=a.job, secret=secret)
-        finally:
-            runtime_module._SECRETS.update(cached)
+        return plexrl.Runtime(client, job=a.job, secret=secret)
 
     def raw(annotation: dict[str, Any]) -> Any:
         with dask.annotate(plexrl={"deployment": mine.name, **annotation}):
@@ -140,12 +135,8 @@ def unauthorized(client: Client) -> list[Row]:
 
     def without_cache(call: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
-            cached = dict(runtime_module._SECRETS)
-            runtime_module._SECRETS.clear()
-            try:
+            with as_another_driver():
                 return _resolve(call)()
-            finally:
-                runtime_module._SECRETS.update(cached)
 
         return run
 
@@ -443,7 +434,7 @@ def scheduler_restart(directory: str) -> Row:
         )
         seconds = time.perf_counter() - t0
     ok = (
-        states == {"faults-trained": "lost", "faults-frozen": "unplaced"}
+        states == {trained.name: "lost", frozen.name: "unplaced"}
         and lost == "DeploymentLost"
         and exact
         and rebuilt

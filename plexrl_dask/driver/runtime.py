@@ -19,13 +19,14 @@ replica the scheduler picks, so the result equals one replica's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import dask
@@ -112,6 +113,19 @@ def result(futures: Any, timeout: float | None = None) -> Any:
 # (scheduler address, job) -> the job's secret, for the runtimes of this driver process: a
 # second Runtime of a job in the process that registered it is the same principal.
 _SECRETS: dict[tuple[str, str], str] = {}
+
+
+@contextlib.contextmanager
+def as_another_driver() -> Iterator[None]:
+    """Within the block, runtimes act as another driver process would: they know no job
+    secret but what they are given (for the fault suite and tests of reattaching)."""
+    known = dict(_SECRETS)
+    _SECRETS.clear()
+    try:
+        yield
+    finally:
+        _SECRETS.clear()
+        _SECRETS.update(known)
 
 
 class Runtime:

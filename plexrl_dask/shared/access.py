@@ -29,6 +29,7 @@ import secrets as _secrets
 from collections.abc import Iterable, MutableMapping
 
 from plexrl_dask.errors import ConfigError, PermissionDenied
+from plexrl_dask.shared.records import NAME_SEPARATOR
 
 #: The request ops a deployment serves (``plexrl_dask.worker.ops``).
 OPS = frozenset(
@@ -138,7 +139,7 @@ class Principals:
     def register(self, job: str, secret: str | None = None) -> str:
         """Register ``job`` and return its secret: a new job gets a fresh one; a known job is
         re-attached only by presenting its secret (:class:`PermissionDenied` otherwise)."""
-        if not isinstance(job, str) or not job or len(job) > 200 or "@" in job:
+        if not isinstance(job, str) or not job or len(job) > 200 or NAME_SEPARATOR in job:
             raise ConfigError(
                 f"a job is named by a non-empty string of <= 200 characters without '@' "
                 f"(it qualifies its deployments' names): {job!r}"
