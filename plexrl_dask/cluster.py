@@ -3,8 +3,8 @@
 ``local_cluster()`` is the embedded default (docs/deploying.md, "Local cluster"): a process ``LocalCluster`` on
 127.0.0.1 whose workers advertise the GPU resource and whose scheduler preloads the PlexRL
 plugins, exactly as a shared cluster would with ``dask scheduler --preload plexrl_dask.plugins``.
-``install(client)`` adds the plugins to a running cluster instead. ``slurm_cluster()`` starts
-one on SLURM through dask-jobqueue (``jobqueue_options()`` for its other job queues).
+``install(client)`` adds the plugins to a running cluster instead. On SLURM (and other job
+queues, through dask-jobqueue): :mod:`plexrl_dask.slurm`.
 """
 
 from __future__ import annotations
@@ -422,83 +422,6 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout)
-
-
-def jobqueue_options(rollout_backend: str = "torch", gpus_per_job: int = 1) -> dict[str, Any]:
-    """What makes a dask-jobqueue cluster (``SLURMCluster``, ``PBSCluster``, ...) a PlexRL
-    cluster, as keyword arguments to give it beside the site's own (queue, account, cores,
-    memory, walltime, and the directive that gives a job ``gpus_per_job`` GPUs, e.g. SLURM's
-    ``job_extra_directives=["--gres=gpu:4"]``):
-
-    - ``scheduler_options``: the scheduler, which dask-jobqueue runs in this process, preloads
-      the PlexRL plugins; they register the worker plugin on every worker that joins;
-    - ``processes=gpus_per_job`` and ``worker_extra_args``: one worker per GPU of the job,
-      advertising the GPU resource; with several, the nanny preload :mod:`plexrl_dask.gpu_nanny`
-      gives each one of the GPUs the queue made visible to the job (its
-      ``CUDA_VISIBLE_DEVICES``). A job's workers share a node's tiers;
-    - ``job_script_prologue``: with a vLLM rollout (``rollout_backend="vllm"``), workers that
-      may start the engines' processes (``distributed.worker.daemon: false``)."""
-    from plexrl_dask.shared.records import BACKEND_NAMES
-
-    if rollout_backend not in BACKEND_NAMES:
-        raise ConfigError(f"rollout_backend is one of {BACKEND_NAMES}, got {rollout_backend!r}")
-    config.count("gpus_per_job", gpus_per_job)
-    prologue = []
-    if rollout_backend == "vllm":
-        prologue.append("export DASK_DISTRIBUTED__WORKER__DAEMON=False")
-    worker_args = ["--resources", f"{config.get('worker.gpu-resource')}=1"]
-    if gpus_per_job > 1:
-        worker_args += ["--preload-nanny", GPU_NANNY]
-    return {
-        "processes": gpus_per_job,
-        "worker_extra_args": worker_args,
-        "scheduler_options": {"preload": [PRELOAD]},
-        "job_script_prologue": prologue,
-    }
-
-
-@contextlib.contextmanager
-def slurm_cluster(
-    gpus: int,
-    rollout_backend: str = "torch",
-    submit: bool = True,
-    gpus_per_job: int = 1,
-    **site: Any,
-) -> Iterator[Any]:
-    """A dask-jobqueue ``SLURMCluster`` of ``gpus / gpus_per_job`` jobs (it must divide) of
-    ``gpus_per_job`` GPUs and as many PlexRL workers each (:func:`jobqueue_options`), closed
-    on exit. ``site``: the ``SLURMCluster`` arguments of your site (``cores``, ``memory``,
-    ``queue``, ``account``, ``walltime``, and ``job_extra_directives``, by default
-    ``["--gres=gpu:<gpus_per_job>"]``; ``cores`` and ``memory`` are the job's, shared by its
-    workers). The jobs are submitted on entry (not with ``submit=False``: to read
-    ``cluster.job_script()``); wait for their workers with ``client.wait_for_workers(gpus,
-    timeout=...)``. Needs ``pip install plexrl-dask[jobqueue]``."""
-    try:
-        from dask_jobqueue import SLURMCluster
-    except ImportError as e:
-        raise ConfigError(
-            "slurm_cluster needs dask-jobqueue: pip install plexrl-dask[jobqueue]"
-        ) from e
-    config.count("gpus", gpus)
-    options = jobqueue_options(rollout_backend, gpus_per_job)
-    if gpus % gpus_per_job:
-        raise ConfigError(f"gpus ({gpus}) must be a multiple of gpus_per_job ({gpus_per_job})")
-    site.setdefault("job_extra_directives", [f"--gres=gpu:{gpus_per_job}"])
-    for key in ("worker_extra_args", "job_script_prologue"):  # ours, then the site's
-        site[key] = [*options.pop(key), *site.get(key, [])]
-    scheduler = {**site.get("scheduler_options", {})}
-    preloads = scheduler.get("preload", [])
-    preloads = [preloads] if isinstance(preloads, str) else list(preloads)
-    scheduler["preload"] = [PRELOAD, *(p for p in preloads if p != PRELOAD)]
-    options.pop("scheduler_options")
-    site["scheduler_options"] = scheduler
-    cluster = SLURMCluster(**{**options, **site})
-    try:
-        if submit:
-            cluster.scale(jobs=gpus // gpus_per_job)
-        yield cluster
-    finally:
-        cluster.close()
 
 
 def install(client: Client) -> None:

@@ -277,6 +277,16 @@ class SchedulerBusy(PlexRLError):
     """A change that needs an idle PlexRL queue (e.g. the dispatch policy) while requests wait."""
 
 
+class BatchJobRefused(PlexRLError):
+    """The batch system (SLURM) refuses the worker jobs: an unknown partition or account, a
+    request over a limit; the message is the batch system's."""
+
+
+class WorkersNotStarted(PlexRLError, TimeoutError):
+    """The workers a cluster asked for did not join within the wait (their jobs pend, or
+    never started); the message names the jobs' states."""
+
+
 class SchedulerNotStarted(PlexRLError):
     """A ``dask scheduler`` process (:func:`plexrl_dask.cluster.scheduler_process`) exited or
     did not serve within its timeout."""

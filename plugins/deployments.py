@@ -184,6 +184,16 @@ class DeploymentRegistry:
             self._holders.pop(worker, None)
             logger.exception("could not create the replica holder of %s", worker)
 
+    def holder_errors(self) -> dict[str, str]:
+        """Workers whose holder actor failed to start, with the error (a worker that joined
+        but cannot serve: e.g. its tier directories cannot be made)."""
+        failed = {}
+        for worker, future in self._holders.items():
+            ts = None if future is None else self.scheduler.tasks.get(future.key)
+            if ts is not None and ts.state == "erred":
+                failed[worker] = str(ts.exception_text or ts.exception)
+        return failed
+
     # --- registry handlers ------------------------------------------------------------------
 
     async def deploy(
@@ -253,9 +263,8 @@ class DeploymentRegistry:
             candidates = info.candidates
             if candidates is None and self.placement is not None:
                 # the job's node group (its dedicated workers while it is profiled)
-                hosts = {w: self.scheduler.workers[w].host for w in self.gpu_workers()}
                 group = self.placement.candidates(
-                    owner, info.num_workers, info.spec.name, hosts, time.monotonic()
+                    owner, info.num_workers, info.spec.name, self.worker_nodes(), time.monotonic()
                 )
                 if group is not None and len(group) >= info.num_workers:
                     candidates = group
@@ -477,6 +486,17 @@ class DeploymentRegistry:
             for addr, ws in self.scheduler.workers.items()
             if ws.resources.get(self.gpu_resource, 0) >= 1
         ]
+
+    def worker_nodes(self) -> dict[str, str]:
+        """The node of every GPU worker that has reported its capacity: its state store's
+        node id (``plexrl.state.node-id``: the machine's host name, or what a batch system
+        names the node), else its host. Node groups are made of these nodes."""
+        nodes = {}
+        for w in self.gpu_workers():
+            reported = self.worker_capacity.get(w)
+            if reported is not None:
+                nodes[w] = str(reported.get("node") or self.scheduler.workers[w].host)
+        return nodes
 
     async def _wait_for_worker_reports(self) -> None:
         """Give freshly started GPU workers a bounded time to report their capacity."""

@@ -4,11 +4,13 @@ The scheduler plugin owns one :class:`LivePlacement`. It drives the same
 :class:`~plexrl_dask.policy.spatiotemporal.SpatiotemporalPlacer` the simulator drives, with
 live events, and keeps what it needs to act on its decisions:
 
-- **Nodes** are hosts, **GPUs** are the PlexRL workers on them (one worker per GPU). The placer
-  is built from the GPU workers present when the first job arrives (and rebuilt while no job
-  is placed, as workers come). While jobs are placed, a worker on a new host, or on a host no
-  group holds, joins placement as a free GPU of that node (waiting jobs that now fit are
-  admitted); a worker that joins a host in a group, or one that leaves, is used (or missed) by
+- **Nodes** are what the workers report as theirs (the state store's node id: the host name,
+  or the batch system's node name; else the worker's host: ``DeploymentRegistry.worker_nodes``),
+  **GPUs** are the PlexRL workers on them (one worker per GPU). The placer is built from the
+  GPU workers present when the first job arrives (and rebuilt while no job is placed, as
+  workers come). While jobs are placed, a worker on a new node, or on a node no group holds,
+  joins placement as a free GPU of that node (waiting jobs that now fit are admitted); a worker
+  that joins a node in a group, or one that leaves, is used (or missed) by
   request dispatch but changes placement only once the placer is idle again (a group's
   capacity would change under its reservations).
 - **Jobs** are deployment owners (``Runtime(job=...)``). A job's first deployment submits it,
@@ -51,12 +53,12 @@ from plexrl_dask.policy.spatiotemporal import (
 logger = logging.getLogger(__name__)
 
 
-def nodes_of(worker_hosts: Mapping[str, str]) -> list[NodeView]:
-    """GPU workers grouped by host, in a deterministic order."""
-    by_host: defaultdict[str, list[str]] = defaultdict(list)
-    for worker, host in worker_hosts.items():
-        by_host[host].append(worker)
-    return [NodeView(host, tuple(sorted(ws))) for host, ws in sorted(by_host.items())]
+def nodes_of(worker_nodes: Mapping[str, str]) -> list[NodeView]:
+    """GPU workers grouped by node, in a deterministic order."""
+    by_node: defaultdict[str, list[str]] = defaultdict(list)
+    for worker, node in worker_nodes.items():
+        by_node[node].append(worker)
+    return [NodeView(node, tuple(sorted(ws))) for node, ws in sorted(by_node.items())]
 
 
 class LivePlacement:
@@ -65,24 +67,24 @@ class LivePlacement:
     def __init__(self, config: PlacementConfig) -> None:
         self.config = config
         self.placer: SpatiotemporalPlacer | None = None
-        self._built_from: dict[str, str] = {}  # the worker -> host the placer was built from
+        self._built_from: dict[str, str] = {}  # the worker -> node the placer was built from
         self._workers: dict[str, str] = {}  # ... and of the nodes added since
         self.recorders: dict[str, TraceRecorder] = {}
 
-    def sync_workers(self, worker_hosts: Mapping[str, str], now: float) -> SpatiotemporalPlacer:
+    def sync_workers(self, worker_nodes: Mapping[str, str], now: float) -> SpatiotemporalPlacer:
         """Bring the placer up to the GPU workers present (see the module docstring): rebuilt
-        while idle, else new hosts added as free nodes."""
+        while idle, else new nodes added as free nodes."""
         idle = self.placer is None or not self.placer.jobs
-        if idle and dict(worker_hosts) != self._workers:
+        if idle and dict(worker_nodes) != self._workers:
             # a fresh placer over today's workers: its inputs and log start anew (status and
             # replay cover the placer in force)
-            self._built_from = dict(worker_hosts)
-            self._workers = dict(worker_hosts)
-            self.placer = SpatiotemporalPlacer(nodes_of(worker_hosts), self.config)
+            self._built_from = dict(worker_nodes)
+            self._workers = dict(worker_nodes)
+            self.placer = SpatiotemporalPlacer(nodes_of(worker_nodes), self.config)
         assert self.placer is not None
         cluster = self.placer.cluster
         new = {
-            w: h for w, h in worker_hosts.items() if w not in self._workers and cluster.can_add(h)
+            w: h for w, h in worker_nodes.items() if w not in self._workers and cluster.can_add(h)
         }
         for node in nodes_of(new):
             self._log(self.placer.add_node(node, now))
@@ -90,15 +92,15 @@ class LivePlacement:
         return self.placer
 
     def candidates(
-        self, job: str, gpus: int, kind: str, worker_hosts: Mapping[str, str], now: float
+        self, job: str, gpus: int, kind: str, worker_nodes: Mapping[str, str], now: float
     ) -> tuple[str, ...] | None:
         """The workers ``job``'s next deployment (spanning ``gpus`` workers) may use: those of
         its node group that are still present (a worker that left stays in its group's
         capacity, but a deployment cannot go there); None while the job waits (best effort:
         anywhere). Submits the job on its first deployment."""
-        if not worker_hosts:
+        if not worker_nodes:
             return None  # no GPU worker yet: deploy reports that
-        placer = self.sync_workers(worker_hosts, now)
+        placer = self.sync_workers(worker_nodes, now)
         j = placer.jobs.get(job)
         if j is None:
             gpus = max(1, min(gpus, placer.cluster.total_gpus))
@@ -110,7 +112,7 @@ class LivePlacement:
             logger.info("job %s waits for placement (%s): best effort meanwhile", job,
                         j.waited_reason)  # fmt: skip
             return None
-        return self.group_workers(job, worker_hosts)
+        return self.group_workers(job, worker_nodes)
 
     def group_workers(self, job: str, live: Collection[str]) -> tuple[str, ...] | None:
         """The workers of ``job``'s node group that are in ``live``, in the group's order;

@@ -347,6 +347,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "deployments": [info.to_dict() for info in self.deployments.values()],
             "residency": [{**r.to_event(), "worker": r.worker} for r in self.residency.reports()],
             "workers": {w: dict(c) for w, c in self.worker_capacity.items()},
+            "holder_errors": self.registry.holder_errors(),
             "counters": dict(self.counters),
             "jobs": {job: dict(c) for job, c in self.job_counters.items()},
             "queue": self.queue_view(100),
@@ -841,10 +842,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ws = scheduler.workers.get(worker)
         if ws is not None and ws.resources.get(self.gpu_resource, 0) >= 1:
             self.dispatcher.add_worker(worker)
-            if self.placement is not None and self.placement.placer is not None:
-                # a new host is a free node for placement at once (waiting jobs may start)
-                hosts = {w: self.scheduler.workers[w].host for w in self.registry.gpu_workers()}
-                self.placement.sync_workers(hosts, time.monotonic())
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == RESIDENCY_TOPIC and isinstance(msg, dict):
@@ -878,4 +875,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             and msg.get("worker") in self.scheduler.workers
         ):
             self.worker_capacity[msg["worker"]] = msg
+            if self.placement is not None and self.placement.placer is not None:
+                # a worker of a new node makes a free node for placement at once (waiting
+                # jobs may start); its node is known from this report on
+                self.placement.sync_workers(self.registry.worker_nodes(), time.monotonic())
             self._soon(self._reroute_orphans)

@@ -98,7 +98,7 @@ class StateConfig:
                 nvme_capacity=None
                 if nvme_cap in (None, "none")
                 else int(parse_bytes(nvme_cap) if isinstance(nvme_cap, str) else nvme_cap),
-                node_id=socket.gethostname() if node == "auto" else node,
+                node_id=default_node_id() if node == "auto" else node,
                 owner_lease_s=config.get_seconds("state.owner-lease"),
                 idle_exit_s=config.get_seconds("state.idle-exit"),
             ),
@@ -106,6 +106,12 @@ class StateConfig:
             transfer_timeout_s=config.get_seconds("state.transfer-timeout"),
             start_timeout_s=config.get_seconds("state.start-timeout"),
         )
+
+
+def default_node_id() -> str:
+    """This node's name when ``plexrl.state.node-id`` is "auto": SLURM's name for it inside a
+    SLURM job (a batch system's node may not be named as its host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 from distributed import Client
 
 import plexrl_dask as plexrl
-from plexrl_dask import cluster, errors
+from plexrl_dask import cluster
 from plexrl_dask.errors import SchedulerNotStarted
 
 
@@ -67,52 +67,6 @@ def test_a_scheduler_process_that_does_not_serve_in_time_is_a_typed_error(tmp_pa
         cluster.scheduler_process(tmp_path, timeout=0.0),
     ):
         pass
-
-
-def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
-    """dask-jobqueue's SLURMCluster with PlexRL's options (no SLURM here: nothing is submitted):
-    its scheduler, in this process, runs the PlexRL plugins, and its job script starts one
-    worker per job with the GPU resource and one GPU (workers that may have children when the
-    rollout is vLLM); the site's own options are kept beside PlexRL's."""
-    site = dict(cores=1, memory="1GB", scheduler_options={"host": "127.0.0.1"})
-    with plexrl.slurm_cluster(
-        2, submit=False, worker_extra_args=["--lifetime", "3h"], **site
-    ) as slurm:
-        assert "plexrl" in slurm.scheduler.plugins
-        assert slurm.scheduler.address.startswith("tcp://127.0.0.1:")
-        script = slurm.job_script()
-        assert "#SBATCH --gres=gpu:1" in script
-        assert "--resources GPU=1" in script and "--lifetime 3h" in script
-        assert "DAEMON" not in script
-        assert not slurm.workers  # nothing submitted
-    with plexrl.slurm_cluster(1, "vllm", submit=False, **site) as slurm:
-        assert "export DASK_DISTRIBUTED__WORKER__DAEMON=False" in slurm.job_script()
-    with pytest.raises(errors.ConfigError, match="rollout_backend"):
-        cluster.jobqueue_options("tensorrt")
-    with (
-        pytest.raises(errors.ConfigError, match="gpus"),
-        plexrl.slurm_cluster(0, submit=False, **site),
-    ):
-        pass
-
-
-def test_a_slurm_job_of_several_gpus_runs_one_worker_per_gpu():
-    """``gpus_per_job=4``: jobs asking for 4 GPUs, each starting 4 workers (``--nworkers``,
-    so named ``<job>-0`` ... ``-3``) with the GPU nanny preload, which gives each one of the
-    job's GPUs (tested above with real nannies)."""
-    site = dict(cores=8, memory="64GB", scheduler_options={"host": "127.0.0.1"})
-    with plexrl.slurm_cluster(8, submit=False, gpus_per_job=4, **site) as slurm:
-        script = slurm.job_script()
-        assert "#SBATCH --gres=gpu:4" in script
-        [worker] = [line for line in script.splitlines() if "dask_worker" in line]
-        assert "--nworkers 4" in worker and "--nthreads 2" in worker
-        assert "--resources GPU=1 --preload-nanny plexrl_dask.gpu_nanny" in worker
-    for bad, match in (({"gpus_per_job": 0}, "gpus_per_job"), ({"gpus_per_job": 3}, "multiple")):
-        with (
-            pytest.raises(errors.ConfigError, match=match),
-            plexrl.slurm_cluster(8, submit=False, **bad, **site),
-        ):
-            pass
 
 
 def test_gpu_of_worker_follows_the_number_in_a_workers_name():
