@@ -112,7 +112,7 @@ def two_jobs(
         records = run_jobs(list(jobs.values()), hook)
         return {name: comparable(records[name]) for name in JOBS}, jobs
     finally:
-        for name, runtime in runtimes.items():
+        for runtime in runtimes.values():
             for d in runtime.deployments():
                 if d.owner == runtime.job:
                     runtime.undeploy(d.name)
@@ -147,7 +147,9 @@ def submit_one_more(cluster: Any) -> None:
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per job (default 6, quick 4)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="GRPO steps per job (default 6, quick 4)"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     steps = args.steps or (4 if args.quick else 6)
