@@ -84,6 +84,42 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    from plexrl_dask import slurm
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    site: dict[str, object] = {
+        "cores": args.cores,
+        "memory": args.memory,
+        "walltime": args.walltime,
+        "job_extra_directives": [f"--gres=gpu:{args.gpus_per_job}", *args.directive],
+        "scheduler_options": {"dashboard_address": args.dashboard},
+    }
+    if args.scheduler_host:
+        site["scheduler_options"]["host"] = args.scheduler_host  # type: ignore[index]
+    if args.queue:
+        site["queue"] = args.queue
+    if args.account:
+        site["account"] = args.account
+    with slurm.slurm_cluster(
+        args.gpus, args.rollout_backend, gpus_per_job=args.gpus_per_job, **site
+    ) as cluster:
+        from distributed import Client
+
+        with Client(cluster) as client:
+            console.print(f"scheduler: [bold]{cluster.scheduler_address}[/bold]")
+            console.print(f"waiting up to {args.wait:.0f}s for {args.gpus} PlexRL workers")
+            reports = slurm.wait_for_plexrl_workers(client, args.gpus, args.wait, cluster)
+            nodes = sorted({str(r.get("node")) for r in reports.values()})
+            console.print(f"{len(reports)} workers on nodes {', '.join(nodes)}")
+            console.print(f"dashboard: {cluster.dashboard_link}")
+            console.print("connect with plexrl.Runtime(Client(address)); Ctrl-C stops the jobs")
+            stop.wait()
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from distributed import Client
 
@@ -237,6 +273,32 @@ def main(argv: list[str] | None = None) -> int:
         "--dashboard", default="127.0.0.1:8787", help="dashboard address (':0' for any port)"
     )
     p.set_defaults(fn=_cmd_cluster)
+    p = sub.add_parser(
+        "slurm", help="start a PlexRL cluster on SLURM (dask-jobqueue) and keep it running"
+    )
+    p.add_argument("gpus", type=positive_int, help="workers: one per GPU")
+    p.add_argument("--gpus-per-job", type=positive_int, default=1)
+    p.add_argument("--queue", default=None, help="the SLURM partition")
+    p.add_argument("--account", default=None)
+    p.add_argument("--cores", type=positive_int, default=8, help="each job's")
+    p.add_argument("--memory", default="64GB", help="each job's")
+    p.add_argument("--walltime", default="04:00:00")
+    p.add_argument(
+        "--directive",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="another #SBATCH option of the jobs (repeatable), e.g. --directive=--constraint=a100",
+    )
+    p.add_argument("--rollout-backend", default="torch", choices=("torch", "vllm"))
+    p.add_argument(
+        "--scheduler-host", default=None, help="the address workers reach the scheduler at"
+    )
+    p.add_argument("--dashboard", default=":8787", help="dashboard address (':0' for any port)")
+    p.add_argument(
+        "--wait", type=positive_float, default=600.0, help="seconds for the workers to report"
+    )
+    p.set_defaults(fn=_cmd_slurm)
     p = sub.add_parser("status", help="show a cluster's deployments, residency and workers")
     p.add_argument(
         "--scheduler", required=True, help="scheduler address, e.g. tcp://127.0.0.1:8786"
