@@ -216,8 +216,11 @@ def main() -> None:
             return
         runtime = plexrl.Runtime(client, job="main")
         runtime.status()  # a cluster without the PlexRL plugins: PluginsNotInstalled, now
-        wait = args.slurm_wait if args.slurm else args.scheduler_wait if args.scheduler else None
-        workers = gpu_workers(client, args.workers, wait)
+        if args.slurm:  # (jobs that pend or workers without plugins: a typed error says so)
+            from plexrl_dask.slurm import wait_for_plexrl_workers
+
+            wait_for_plexrl_workers(client, args.workers, args.slurm_wait, cluster)
+        workers = gpu_workers(client, args.workers, args.scheduler_wait if args.scheduler else None)
         console.print(f"cluster: {args.workers} workers, dashboard {client.dashboard_link}")
         totals = [(s.name, s.warmup_steps + s.grpo.steps) for s in specs]
         # (bars on a terminal; written to a file, a line per job every few seconds)
