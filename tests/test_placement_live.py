@@ -69,14 +69,16 @@ def test_a_job_is_profiled_then_placed_and_its_trace_replays(runtime, tmp_path):
     assert job not in runtime.placement()["state"]["jobs"]
 
 
-def test_a_worker_on_a_new_host_joins_placement_while_a_job_is_placed(runtime, cluster):
-    """A real worker process on another loopback address (another "host") joins while a job
-    profiles: the scheduler adds its host as a free node at once (a recorded input that
-    replays), and the job keeps its group."""
+def test_a_worker_on_a_new_host_joins_placement_while_a_job_is_placed(runtime, cluster, tmp_path):
+    """A real worker process on another loopback address, with its own tiers and node name
+    (another machine) joins while a job profiles: the scheduler adds its node as a free node
+    at once (a recorded input that replays), and the job keeps its group."""
     dep = runtime.deploy(unique("joined"), tiny_spec(seed=4))
     before = runtime.placement()
     assert before["state"]["jobs"][runtime.job]["state"] == "profiling"
-    worker = worker_process(cluster.scheduler_address, host="127.0.0.2")
+    tiers = {"dram-path": str(tmp_path / "dram"), "nvme-path": str(tmp_path / "nvme"),
+             "node-id": "node-b"}  # fmt: skip
+    worker = worker_process(cluster.scheduler_address, tiers, host="127.0.0.2")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -88,7 +90,7 @@ def test_a_worker_on_a_new_host_joins_placement_while_a_job_is_placed(runtime, c
         else:
             raise AssertionError("the new worker's host never joined placement")
         [e] = added
-        assert e["node"] == "127.0.0.2" and len(e["gpus"]) == 1
+        assert e["node"] == "node-b" and len(e["gpus"]) == 1
         assert state["state"]["capacity"]["cluster"] == before["state"]["capacity"]["cluster"] + 1
         assert state["state"]["jobs"][runtime.job] == before["state"]["jobs"][runtime.job]
         nodes = nodes_of({w: n["name"] for n in state["nodes"] for w in n["gpus"]})

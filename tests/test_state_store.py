@@ -572,8 +572,9 @@ def test_processes_creating_one_store_at_once_all_open_it(tmp_path):
     one that looks second may find the first one's files after its own look for the marker,
     and must then open the store, not refuse it as a foreign non-empty directory (which a
     split job's first save once hit on CI, in ``tests/test_modes.py``). The window is narrow:
-    this stress test does not catch the old code every time; the rule is in the constructor."""
-    ctx = mp.get_context("fork")
+    this stress test does not catch the old code every time; the rule is in the constructor.
+    (Spawned, not forked: a child forked from this many-threaded process once hung for good.)"""
+    ctx = mp.get_context("spawn")
     with ctx.Manager() as manager, ctx.Pool(4) as pool:
         barrier = manager.Barrier(4)  # (reusable: all four start each round together)
         for round_ in range(20):
