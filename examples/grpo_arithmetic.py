@@ -1,7 +1,10 @@
 """A GRPO job on two-digit addition: a short supervised warm-up, then RL from exact rewards,
 with the policy training on one worker and a rollout replica sampling on the other.
+With ``--kl-coef``, a KL penalty to the warmed-up weights: a reference deployment (role
+"rollout": it only scores) given those weights once, never trained.
 
     python examples/grpo_arithmetic.py [--warmup 800] [--steps 60] [--temperature 0.7] [--seed 0]
+                                       [--kl-coef 0.05]
 """
 
 import argparse
@@ -25,6 +28,7 @@ def main() -> None:
     parser.add_argument("--lr", type=positive_float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="KL to the warmed-up policy")
     parser.add_argument("--metrics", default="runs/grpo_arithmetic.jsonl")
     args = parser.parse_args()
     console = Console()
@@ -51,6 +55,12 @@ def main() -> None:
             workers=[w for w in client.scheduler_info()["workers"] if w != policy.info.worker],
         )
         plexrl.result(runtime.sync_weights(policy, rollout))
+        reference = None
+        if args.kl_coef > 0:  # the warmed-up weights, frozen: only scored, next to the rollout
+            reference = runtime.deploy(
+                "reference", spec, role="rollout", workers=rollout.info.workers
+            )
+            plexrl.result(runtime.sync_weights(policy, reference))
         config = GRPOConfig(
             steps=args.steps,
             prompts_per_step=32,
@@ -59,6 +69,7 @@ def main() -> None:
             lr=args.lr,
             temperature=args.temperature,
             seed=args.seed,
+            kl_coef=args.kl_coef,
         )
         job = GRPOJob(
             "grpo-arithmetic",
@@ -67,6 +78,7 @@ def main() -> None:
             policy,
             config,
             rollout=rollout,
+            reference=reference,
             metrics_path=args.metrics,
         )
 

@@ -94,6 +94,33 @@ def test_split_and_colocated_jobs_are_bit_identical(runtime, tmp_path):
     assert lines[1]["reward_mean"] == split[0].reward_mean
 
 
+def test_a_job_with_a_reference_and_non_default_options_trains_away_from_it(runtime):
+    """The reference path: a frozen copy of the starting weights, deployed as a rollout (it
+    only scores) and synced once; with ``kl_coef > 0`` every step scores its batch there. At
+    step 0 the policy is the reference (KL exactly 0); after updates it drifts (KL > 0). The
+    other options run through the same steps: seq-mean aggregation, clip-higher, the k2
+    estimator, unbiased std, kept zero-advantage groups, AdamW with weight decay and a cosine
+    schedule with warm-up, EOS-only stopping."""
+    spec = tiny_spec(seed=13)
+    policy = runtime.deploy(unique("grpo-kl-policy"), spec)
+    reference = runtime.deploy(unique("grpo-kl-reference"), spec, role="rollout")
+    plexrl.result(runtime.sync_weights(policy, reference))
+    config = GRPOConfig(
+        steps=3, prompts_per_step=4, group_size=8, max_tokens=6, lr=2e-2, seed=7,
+        kl_coef=0.1, kl_estimator="k2", loss_aggregation="seq-mean", clip_high=0.28,
+        advantage_norm="std-unbiased", keep_zero_advantage=True, weight_decay=0.01,
+        lr_schedule="cosine", lr_warmup_steps=1, eos_only=True,
+    )  # fmt: skip
+    job = GRPOJob("kl", runtime, FirstCharIsDigit(), policy, config, reference=reference)
+    records = job.run()
+    assert [r.version for r in records] == [1, 2, 3]
+    assert records[0].extra["kl"] == 0.0
+    assert records[-1].extra["kl"] > 0.0
+    assert all(len(r.completion_lengths) == 32 for r in records)
+    ref = plexrl.result(reference.get_weights())
+    assert ref.version == 0  # (the reference never trains)
+
+
 def test_a_rerun_with_the_same_seeds_repeats_and_another_seed_differs(runtime):
     spec = tiny_spec(seed=12)
     task = FirstCharIsDigit()

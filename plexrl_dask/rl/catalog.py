@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.rl.grpo import GRPOConfig
 from plexrl_dask.rl.modes import JobSpec
+from plexrl_dask.rl.objective import GRPOConfig
 from plexrl_dask.tasks.arithmetic import ArithmeticTask
 from plexrl_dask.tasks.countdown import CountdownTask
 

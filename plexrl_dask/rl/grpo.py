@@ -7,7 +7,9 @@ One step of :class:`GRPOJob`:
    index and sample index): the same job samples the same tokens wherever it runs;
 2. each completion is scored by the task's exact verifier;
 3. **group-normalised advantages**: ``A = (r - mean(group)) / (std(group) + eps)``, so a group
-   whose samples all score alike teaches nothing (and is dropped from the batch);
+   whose samples all score alike teaches nothing (and is dropped from the batch); the options
+   (normalisation, loss aggregation, clip-higher, KL estimator, AdamW and its learning-rate
+   schedule, EOS-only stopping) are :class:`~plexrl_dask.rl.objective.GRPOConfig`'s;
 4. ``policy.forward_backward`` with :class:`~plexrl_dask.PolicyGradient` (clipped importance
    ratio; the old log-probabilities are the policy's own, from a ``forward`` before the first
    epoch, when there is more than one; with one epoch the ratio is exactly 1) and, when
@@ -35,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -55,59 +56,12 @@ from plexrl_dask.errors import (
     SchedulerLost,
 )
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
+from plexrl_dask.rl.objective import GRPOConfig, group_data
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
-from plexrl_dask.shared.types import (
-    AdamWParams,
-    Datum,
-    PolicyGradient,
-    SampleResult,
-    SamplingParams,
-)
+from plexrl_dask.shared.types import Datum, SampleResult, SamplingParams
 from plexrl_dask.tasks.base import Problem, Task
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    """A GRPO job's hyper-parameters (all of what makes two runs comparable)."""
-
-    steps: int = 20
-    prompts_per_step: int = 16
-    group_size: int = 8
-    temperature: float = 1.0
-    max_tokens: int = 32
-    lr: float = 1e-4
-    clip: float = 0.2
-    kl_coef: float = 0.0
-    epochs: int = 1
-    #: 0: synchronous (on-policy); 1: split-async, the rollout one step ahead.
-    staleness: int = 0
-    seed: int = 0
-    #: Where problems start in the task's index space (keep clear of a warm-up's indices).
-    problem_offset: int = 1_000_000
-
-    def __post_init__(self) -> None:
-        if min(self.steps, self.prompts_per_step, self.group_size, self.epochs) < 1:
-            raise ConfigError(
-                f"steps, prompts_per_step, group_size and epochs must be >= 1: {self}"
-            )
-        if self.staleness not in (0, 1):
-            raise ConfigError(
-                f"staleness is 0 (synchronous) or 1 (split-async), got {self.staleness}"
-            )
-        if self.group_size < 2:
-            raise ConfigError("GRPO needs group_size >= 2 (advantages are relative to the group)")
-
-
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO's advantages of one group: rewards centred on the group mean and scaled by the
-    group's standard deviation (population), all 0 when the group's rewards are equal."""
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-    if std < eps:
-        return [0.0] * len(rewards)
-    return [(r - mean) / (std + eps) for r in rewards]
 
 
 @dataclass
@@ -207,7 +161,7 @@ class GRPOJob:
             n=c.group_size,
             temperature=c.temperature,
             max_tokens=c.max_tokens,
-            stop=(self.task.stop,),
+            stop=() if c.eos_only else (self.task.stop,),
             seed=(c.seed * 1_000_003 + step) % 2**31,
         )
         return self._sampler().sample([p.prompt for p in self._problems(step)], params)
@@ -225,15 +179,13 @@ class GRPOJob:
             scores = [self.task.reward(problem, s.text) for s in group]
             rewards.extend(scores)
             lengths.extend(len(s.tokens) for s in group)
-            advantages = group_advantages(scores)
-            groups_used += any(advantages)
-            for s, adv in zip(group, advantages, strict=True):
-                if adv != 0.0 and s.tokens:
-                    data.append(Datum.from_prompt_completion(prompt, s.tokens, advantage=adv))
+            kept, teaches = group_data(self.config, prompt, [s.tokens for s in group], scores)
+            groups_used += teaches
+            data.extend(kept)
         return data, rewards, lengths, groups_used
 
-    def _train(self, data: list[Datum], old: Any = None) -> list[Any]:
-        """Submit this step's training; returns its futures. ``old``: a future of the
+    def _train(self, step: int, data: list[Datum], old: Any = None) -> list[Any]:
+        """Submit step ``step``'s training; returns its futures. ``old``: a future of the
         behaviour policy's log-probabilities of ``data`` (split-async)."""
         c = self.config
         if c.kl_coef > 0:
@@ -250,11 +202,11 @@ class GRPOJob:
                 Datum(d.tokens, d.weights, d.advantages, tuple(o), d.ref_logprobs)
                 for d, o in zip(data, result(old).logprobs, strict=True)
             ]
-        loss = PolicyGradient(clip_low=c.clip, clip_high=c.clip, kl_coef=c.kl_coef)
+        loss, optimizer = c.loss(len(data)), c.optimizer(step)
         futures = []
         for _ in range(c.epochs):
             futures.append(self.policy.forward_backward(data, loss))
-            futures.append(self.policy.optim_step(AdamWParams(lr=c.lr)))
+            futures.append(self.policy.optim_step(optimizer))
         return futures
 
     def _sync(self) -> Any:
@@ -395,7 +347,7 @@ class GRPOJob:
                 sync = self._sync()
             if ahead and step + 1 < c.steps:
                 pending, pending_version = self._submit_sample(step + 1), sync
-            futures = self._train(data, old) if data else []
+            futures = self._train(step, data, old) if data else []
             if not ahead and step + 1 < c.steps:
                 sync = self._sync() if futures else None
                 pending = self._submit_sample(step + 1)  # runs after the sync
@@ -420,6 +372,7 @@ class GRPOJob:
                 version=version,
                 sampled_with=sampled_with,
                 wall_s=time.perf_counter() - t0,
+                extra={k: float(fb[k]) for k in ("kl", "clip_fraction") if fb and k in fb},
             )
             self.records.append(record)
             self._report(record)

@@ -39,9 +39,10 @@ from plexrl_dask.config import request_timeout
 from plexrl_dask.driver.runtime import Deployment, Runtime, check_tensor_parallel, result
 from plexrl_dask.errors import ConfigError, RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.rl.grpo import GRPOConfig, GRPOJob, StepRecord, run_jobs
+from plexrl_dask.rl.grpo import GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.job_checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
+from plexrl_dask.rl.objective import GRPOConfig
 from plexrl_dask.rl.sizing import TrainingMemory, training_memory
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS

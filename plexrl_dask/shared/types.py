@@ -177,13 +177,19 @@ class CrossEntropy:
             raise InvalidLoss(f"normalizer must be > 0, got {self.normalizer}")
 
 
+#: The estimators of KL(policy || reference) that :class:`PolicyGradient` can add.
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
 @dataclass(frozen=True)
 class PolicyGradient:
     """Importance-sampled policy gradient with PPO/GRPO clipping and an optional KL penalty.
 
     Per predicted token with ratio ``r = exp(logp - old_logp)`` and advantage ``A``:
-    ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * k3`` where
-    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (the unbiased, non-negative KL estimator).
+    ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * k`` where, with
+    ``d = ref - logp``, ``k`` is ``kl_estimator``'s estimate of KL(policy || reference):
+    ``"k1"`` ``-d``, ``"k2"`` ``d^2 / 2``, ``"k3"`` ``exp(d) - d - 1`` (the unbiased,
+    non-negative one; default).
     ``loss = sum_i w_i l_i / normalizer`` (default: total weight, i.e. a token-level mean).
     Without ``old_logprobs`` the ratio is 1 with the gradient of ``logp`` (on-policy REINFORCE).
     """
@@ -192,6 +198,7 @@ class PolicyGradient:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     normalizer: float | None = None
+    kl_estimator: str = "k3"
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_low < 1.0) or not (self.clip_high >= 0.0):
@@ -203,6 +210,8 @@ class PolicyGradient:
             raise InvalidLoss(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
         if self.normalizer is not None and not self.normalizer > 0:
             raise InvalidLoss(f"normalizer must be > 0, got {self.normalizer}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise InvalidLoss(f"kl_estimator is one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
 
 
 Loss = CrossEntropy | PolicyGradient

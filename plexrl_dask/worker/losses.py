@@ -78,9 +78,14 @@ def compute_loss(
             # Mask the input, not the output: exp() of a huge delta on an unweighted (prompt)
             # token would be inf, and 0 * inf is NaN, in the value and in the gradient.
             delta = torch.where(mask, ref.to(logp.device) - logp, torch.zeros_like(logp))
-            k3 = torch.exp(delta) - delta - 1.0
-            per_token = per_token + loss.kl_coef * k3
-            metrics["kl"] = float((k3.detach() * weights).sum()) / max(total_weight, 1e-12)
+            if loss.kl_estimator == "k1":
+                kl = -delta
+            elif loss.kl_estimator == "k2":
+                kl = 0.5 * delta * delta
+            else:
+                kl = torch.exp(delta) - delta - 1.0
+            per_token = per_token + loss.kl_coef * kl
+            metrics["kl"] = float((kl.detach() * weights).sum()) / max(total_weight, 1e-12)
         value = (weights * per_token).sum() / normalizer
     metrics["loss"] = float(value.detach())
     return value, metrics

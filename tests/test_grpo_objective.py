@@ -1,0 +1,144 @@
+"""GRPO's options, each checked for what it computes: advantages, learning rates, and the loss of
+a tiny batch (hand-computed) through the worker's own loss function."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import plexrl_dask as plexrl
+from plexrl_dask.errors import ConfigError
+from plexrl_dask.rl.objective import GRPOConfig, group_advantages, group_data, lr_at
+from plexrl_dask.worker.losses import compute_loss
+
+PROMPT = (5, 6)
+# two completions of one prompt, of 1 and 3 tokens, rewards 1 and 0
+COMPLETIONS = ((7,), (8, 9, 10))
+REWARDS = (1.0, 0.0)
+
+
+def _loss_of(config: GRPOConfig, logp_of: dict[int, float], ref_of=None, old_of=None) -> float:
+    """The worker's loss of the group above, the model giving each completion token the
+    log-probability ``logp_of[token]``."""
+    data, _ = group_data(config, PROMPT, COMPLETIONS, REWARDS)
+    if ref_of is not None or old_of is not None:
+        data = [
+            plexrl.Datum(
+                d.tokens,
+                d.weights,
+                d.advantages,
+                None if old_of is None else tuple(old_of.get(t, 0.0) for t in d.tokens),
+                None if ref_of is None else tuple(ref_of.get(t, 0.0) for t in d.tokens),
+            )
+            for d in data
+        ]
+    width = max(len(d.tokens) for d in data) - 1
+    logp = torch.zeros(len(data), width)
+    valid = torch.zeros(len(data), width)
+    for i, d in enumerate(data):
+        for j, t in enumerate(d.tokens[1:]):
+            logp[i, j] = logp_of.get(t, 0.0)
+            valid[i, j] = 1.0
+    value, _ = compute_loss(config.loss(len(data)), tuple(data), logp, valid)
+    return float(value)
+
+
+LOGP = {7: -0.5, 8: -1.0, 9: -2.0, 10: -3.0}
+
+
+def test_advantages_follow_the_normalisation_asked_for():
+    r = [1.0, 0.0, 0.0, 1.0]  # mean 0.5; population std 0.5; sample std sqrt(1/3)
+    assert group_advantages(r) == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    s = math.sqrt(1 / 3)
+    a = 0.5 / s
+    assert group_advantages(r, "std-unbiased") == pytest.approx([a, -a, -a, a], abs=1e-5)
+    assert group_advantages(r, "none") == [0.5, -0.5, -0.5, 0.5]
+    for norm in ("std", "std-unbiased", "none"):
+        assert group_advantages([0.1] * 3, norm) == [0.0, 0.0, 0.0]  # equal rewards: nothing
+    with pytest.raises(ConfigError, match="advantage_norm"):
+        group_advantages(r, "minmax")
+
+
+def test_each_loss_aggregation_weighs_tokens_as_documented():
+    """On-policy (ratio 1): the per-token loss is -A; A = +1 for the 1-token completion and -1
+    for the 3-token one."""
+    token_mean = _loss_of(GRPOConfig(), LOGP)
+    assert token_mean == pytest.approx((-1.0 + 3 * 1.0) / 4, abs=1e-5)  # 4 tokens
+    seq_mean = _loss_of(GRPOConfig(loss_aggregation="seq-mean"), LOGP)
+    assert seq_mean == pytest.approx((-1.0 + 1.0) / 2, abs=1e-5)  # each completion's mean
+    constant = GRPOConfig(loss_aggregation="constant-normalised", prompts_per_step=1,
+                          group_size=2, max_tokens=5)  # fmt: skip
+    assert _loss_of(constant, LOGP) == pytest.approx(2.0 / 10, abs=1e-5)  # C = 1 * 2 * 5
+    given = GRPOConfig(loss_aggregation="constant-normalised", loss_constant=4.0)
+    assert _loss_of(given, LOGP) == pytest.approx(2.0 / 4, abs=1e-5)
+
+
+def test_clip_higher_clips_each_side_at_its_own_bound():
+    """Old log-probabilities 0.7 below the new ones: ratio e^0.7 = 2.01. A positive advantage is
+    clipped at 1 + clip_high, a negative one is not clipped (min picks the unclipped term)."""
+    old = {t: v - 0.7 for t, v in LOGP.items()}
+    r = math.exp(0.7)
+    for clip_high, pos in ((None, 1.2), (0.28, 1.28)):
+        config = GRPOConfig(clip=0.2, clip_high=clip_high)
+        want = (-pos * 1.0 + 3 * r * 1.0) / 4
+        assert _loss_of(config, LOGP, old_of=old) == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "per_token"),
+    [
+        ("k1", lambda d: -d),
+        ("k2", lambda d: d * d / 2),
+        ("k3", lambda d: math.exp(d) - d - 1),
+    ],
+)
+def test_each_kl_estimator_adds_its_documented_term(estimator, per_token):
+    ref = {t: v + 0.3 for t, v in LOGP.items()}  # d = ref - logp = 0.3 on every token
+    config = GRPOConfig(kl_coef=0.5, kl_estimator=estimator)
+    base = _loss_of(GRPOConfig(), LOGP)
+    assert _loss_of(config, LOGP, ref_of=ref) == pytest.approx(
+        base + 0.5 * per_token(0.3), abs=1e-5
+    )
+
+
+def test_zero_advantage_groups_are_dropped_unless_kept():
+    config = GRPOConfig()
+    assert group_data(config, PROMPT, COMPLETIONS, (1.0, 1.0)) == ([], False)
+    kept, teaches = group_data(
+        GRPOConfig(keep_zero_advantage=True), PROMPT, COMPLETIONS, (1.0, 1.0)
+    )
+    assert not teaches and len(kept) == 2
+    assert all(a == 0.0 for d in kept for a in d.advantages)
+
+
+def test_the_learning_rate_warms_up_then_follows_its_schedule():
+    base = dict(steps=11, lr=1.0)
+    assert [lr_at(GRPOConfig(**base), s) for s in (0, 10)] == [1.0, 1.0]
+    warm = GRPOConfig(**base, lr_warmup_steps=2, lr_schedule="linear", min_lr_ratio=0.1)
+    assert [lr_at(warm, s) for s in (0, 1, 2, 10)] == pytest.approx([0.5, 1.0, 1.0, 0.1])
+    assert lr_at(warm, 6) == pytest.approx(0.1 + 0.9 * 0.5)
+    cosine = GRPOConfig(**base, lr_schedule="cosine")
+    assert [lr_at(cosine, s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0], abs=1e-9)
+    opt = GRPOConfig(**base, beta2=0.95, weight_decay=0.1, grad_clip=None).optimizer(3)
+    assert (opt.lr, opt.beta2, opt.weight_decay, opt.grad_clip) == (1.0, 0.95, 0.1, None)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"loss_aggregation": "sum"}, "loss_aggregation"),
+        ({"advantage_norm": "rank"}, "advantage_norm"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"lr_schedule": "step"}, "lr_schedule"),
+        ({"clip_high": -0.1}, "clip"),
+        ({"beta2": 1.0}, "beta"),
+        ({"loss_constant": 0.0}, "loss_constant"),
+        ({"lr_warmup_steps": 50}, "lr_warmup_steps"),
+        ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+    ],
+)
+def test_a_bad_option_is_a_config_error_before_any_step(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPOConfig(**bad)
