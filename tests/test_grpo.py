@@ -121,6 +121,56 @@ def test_a_job_with_a_reference_and_non_default_options_trains_away_from_it(runt
     assert ref.version == 0  # (the reference never trains)
 
 
+@dataclass(frozen=True)
+class AsTokenIds:
+    """FirstCharIsDigit's problems with their prompts as token ids (the tiny tokenizer's, which
+    adds no special tokens), the text kept in metadata."""
+
+    ids: dict
+
+    stop: str = "\n"
+
+    def problems(self, start: int, count: int) -> list[Problem]:
+        return [
+            Problem(self.ids[p.prompt], p.answer, p.index, metadata={"text": p.prompt})
+            for p in FirstCharIsDigit().problems(start, count)
+        ]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return FirstCharIsDigit().reward(problem, completion)
+
+
+def test_token_id_prompts_and_weighted_rewards_train_as_text_prompts_do(runtime):
+    """The same problems given as token ids compute exactly the text prompts' trajectory; a
+    reward of weighted terms (one reading the problem's metadata) is their sum, and the job
+    records each term's mean."""
+    from plexrl_dask.tasks import RewardTerm, WeightedRewards
+
+    spec = tiny_spec(seed=14)
+    config = GRPOConfig(steps=2, prompts_per_step=4, group_size=8, max_tokens=6, lr=1e-2, seed=3)
+    texts = FirstCharIsDigit().problems(config.problem_offset, 8)
+    probe = runtime.deploy(unique("grpo-ids-probe"), spec)
+    ids = {p.prompt: tuple(probe.tokenize(p.prompt)) for p in texts}
+    runs = []
+    for task in (FirstCharIsDigit(), AsTokenIds(ids)):
+        policy = runtime.deploy(unique("grpo-ids"), spec)
+        runs.append([(r.reward_mean, r.completion_lengths, r.loss)
+                     for r in GRPOJob("ids", runtime, task, policy, config).run()])  # fmt: skip
+    assert runs[0] == runs[1]
+    weighted = WeightedRewards(
+        AsTokenIds(ids),
+        (
+            RewardTerm("digit", FirstCharIsDigit().reward),
+            RewardTerm("echo", lambda p, c: float(c.startswith(p.metadata["text"][:1])), 0.5),
+        ),
+    )
+    policy = runtime.deploy(unique("grpo-weighted"), spec)
+    records = GRPOJob("weighted", runtime, weighted, policy, config).run()
+    for r in records:
+        digit, echo = r.extra["reward/digit"], r.extra["reward/echo"]
+        assert r.reward_mean == pytest.approx(digit + 0.5 * echo)
+
+
 def test_a_rerun_with_the_same_seeds_repeats_and_another_seed_differs(runtime):
     spec = tiny_spec(seed=12)
     task = FirstCharIsDigit()

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from plexrl_dask import errors
-from plexrl_dask.tasks import ArithmeticTask, CountdownTask, Problem
+from plexrl_dask.errors import ConfigError
+from plexrl_dask.tasks import (
+    ArithmeticTask,
+    CountdownTask,
+    Problem,
+    RewardTerm,
+    WeightedRewards,
+    score,
+)
 
 
 def test_countdown_reference_answers_verify_and_problems_are_reproducible():
@@ -71,3 +79,32 @@ def test_the_documented_dataset_task_keeps_the_protocol():
     assert task.reward(p, p.answer) == 1.0 and task.reward(p, " " + p.answer.strip() + "\nx") == 1.0
     assert task.reward(p, "wrong\n") == 0.0
     assert "0+0=" not in repr(task)
+
+
+def test_problems_take_text_or_token_ids_and_carry_metadata_the_reward_reads():
+    p = Problem(prompt=[3, 4, 5], answer="7\n", index=0, metadata={"want": "7"})
+    assert p.prompt == (3, 4, 5)  # stored as a tuple: hashable, immutable
+    assert p == Problem(prompt=(3, 4, 5), answer="7\n", index=0)  # metadata is not compared
+    for bad in ([], [1, -2], [1.5], [True], 7, None):
+        with pytest.raises(ConfigError, match="token ids"):
+            Problem(prompt=bad, answer="", index=0)
+
+
+def test_weighted_rewards_sum_their_terms_and_say_each():
+    base = ArithmeticTask(digits=1, seed=2)
+    task = WeightedRewards(
+        base,
+        (RewardTerm("correct", base.reward), RewardTerm("short", lambda p, c: len(c) <= 3, 0.25)),
+    )
+    p = task.problems(0, 1)[0]
+    assert task.stop == base.stop and task.problems(0, 3) == base.problems(0, 3)
+    assert score(task, p, p.answer) == (1.25, {"correct": 1.0, "short": 1.0})
+    assert task.reward(p, "wrong answer\n") == 0.0
+    assert score(base, p, p.answer) == (1.0, {})
+    with pytest.raises(ConfigError, match="distinct"):
+        WeightedRewards(base, (RewardTerm("a", base.reward), RewardTerm("a", base.reward)))
+    with pytest.raises(ConfigError, match="finite weights"):
+        WeightedRewards(base, (RewardTerm("a", base.reward, float("nan")),))
+    nan = WeightedRewards(base, (RewardTerm("a", lambda p, c: float("nan")),))
+    with pytest.raises(ConfigError, match="not a finite number"):
+        score(nan, p, "1\n")

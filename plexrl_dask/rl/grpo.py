@@ -60,6 +60,7 @@ from plexrl_dask.rl.objective import GRPOConfig, group_data
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
 from plexrl_dask.shared.types import Datum, SampleResult, SamplingParams
 from plexrl_dask.tasks.base import Problem, Task
+from plexrl_dask.tasks.rewards import score
 
 logger = logging.getLogger(__name__)
 
@@ -168,21 +169,28 @@ class GRPOJob:
 
     def _batch(
         self, problems: list[Problem], out: SampleResult
-    ) -> tuple[list[Datum], list[float], list[int], int]:
+    ) -> tuple[list[Datum], list[float], list[int], int, dict[str, float]]:
         """Training data (completions with a non-zero advantage), every reward, every
-        completion length, and how many groups taught something."""
+        completion length, how many groups taught something, and each reward term's mean
+        (``reward/<name>``, for a task that scores in terms)."""
         data: list[Datum] = []
         rewards: list[float] = []
         lengths: list[int] = []
+        terms: dict[str, float] = {}
         groups_used = 0
         for problem, prompt, group in zip(problems, out.prompt_tokens, out.sequences, strict=True):
-            scores = [self.task.reward(problem, s.text) for s in group]
+            scores = []
+            for s in group:
+                reward, parts = score(self.task, problem, s.text)
+                scores.append(reward)
+                for name, value in parts.items():
+                    terms[f"reward/{name}"] = terms.get(f"reward/{name}", 0.0) + value
             rewards.extend(scores)
             lengths.extend(len(s.tokens) for s in group)
             kept, teaches = group_data(self.config, prompt, [s.tokens for s in group], scores)
             groups_used += teaches
             data.extend(kept)
-        return data, rewards, lengths, groups_used
+        return data, rewards, lengths, groups_used, {k: v / len(rewards) for k, v in terms.items()}
 
     def _train(self, step: int, data: list[Datum], old: Any = None) -> list[Any]:
         """Submit step ``step``'s training; returns its futures. ``old``: a future of the
@@ -336,7 +344,7 @@ class GRPOJob:
             else:
                 sampled_with = int(result(pending_version))
             self.follow_placement()  # (nothing of the job is in flight here)
-            data, rewards, lengths, groups_used = self._batch(problems, out)
+            data, rewards, lengths, groups_used, terms = self._batch(problems, out)
             old = None
             if ahead and data:
                 assert self.rollout is not None
@@ -372,7 +380,10 @@ class GRPOJob:
                 version=version,
                 sampled_with=sampled_with,
                 wall_s=time.perf_counter() - t0,
-                extra={k: float(fb[k]) for k in ("kl", "clip_fraction") if fb and k in fb},
+                extra={
+                    **terms,
+                    **{k: float(fb[k]) for k in ("kl", "clip_fraction") if fb and k in fb},
+                },
             )
             self.records.append(record)
             self._report(record)

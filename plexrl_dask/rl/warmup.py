@@ -20,9 +20,8 @@ logger = logging.getLogger(__name__)
 
 def problem_datum(deployment: Deployment, p: Problem) -> Datum:
     """A datum that trains on the answer of ``p`` given its prompt."""
-    return Datum.from_prompt_completion(
-        deployment.tokenize(p.prompt), deployment.tokenize(p.answer, special_tokens=False)
-    )
+    prompt = deployment.tokenize(p.prompt) if isinstance(p.prompt, str) else p.prompt
+    return Datum.from_prompt_completion(prompt, deployment.tokenize(p.answer, special_tokens=False))
 
 
 def supervised_warmup(

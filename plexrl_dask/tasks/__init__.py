@@ -3,5 +3,14 @@
 from plexrl_dask.tasks.arithmetic import ArithmeticTask
 from plexrl_dask.tasks.base import Problem, Task
 from plexrl_dask.tasks.countdown import CountdownTask
+from plexrl_dask.tasks.rewards import RewardTerm, WeightedRewards, score
 
-__all__ = ["ArithmeticTask", "CountdownTask", "Problem", "Task"]
+__all__ = [
+    "ArithmeticTask",
+    "CountdownTask",
+    "Problem",
+    "RewardTerm",
+    "Task",
+    "WeightedRewards",
+    "score",
+]
