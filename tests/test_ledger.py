@@ -409,3 +409,11 @@ def test_tensor_parallel_degrees_of_the_standard_mix():
     jobs = standard_jobs(4)  # 4 heads, 2 key-value heads each
     assert tensor_parallel_degrees(jobs, 4) == [2]
     assert tensor_parallel_degrees(jobs, 1) == []
+
+
+def test_the_reward_plots_moving_average_averages_the_window_before_each_step():
+    from plexrl_dask.rl.report import moving_average
+
+    assert moving_average([1, 2, 3, 4, 5, 6], 3) == [1.0, 1.5, 2.0, 3.0, 4.0, 5.0]
+    assert moving_average([], 5) == []
+    assert moving_average([0.5], 5) == [0.5]

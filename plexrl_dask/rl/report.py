@@ -67,14 +67,30 @@ def summary_table(
     return table
 
 
+#: Steps in the moving average of the reward plot.
+SMOOTHING = 5
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_run(
     records: Mapping[str, Sequence[StepRecord]],
     ledger: ModeLedger,
     path: str | os.PathLike[str],
     title: str = "",
 ) -> None:
-    """Write a PNG: each job's sampled reward per step, and every worker's requests over
-    time, coloured by job, hatched by op."""
+    """Write a PNG: each job's sampled reward per step (faint) and its moving average over
+    :data:`SMOOTHING` steps, and every worker's requests over time, coloured by job, hatched
+    by op."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on workers or CI
@@ -88,13 +104,17 @@ def plot_run(
     )
     for job in jobs:
         recs = records[job]
-        ax_r.plot(
-            [r.step for r in recs], [r.reward_mean for r in recs], label=job, color=colours[job]
-        )
+        steps, rewards = [r.step for r in recs], [r.reward_mean for r in recs]
+        # raw points faint, their moving average bold: the trend a step's noise hides
+        ax_r.plot(steps, rewards, color=colours[job], alpha=0.3, linewidth=0.8)
+        ax_r.plot(steps, moving_average(rewards, SMOOTHING), label=job, color=colours[job])
     ax_r.set_xlabel("GRPO step")
     ax_r.set_ylabel("mean sampled reward")
     ax_r.legend(loc="upper left", fontsize="small")
-    ax_r.set_title(title or f"{ledger.mode}: reward per step")
+    ax_r.set_title(
+        f"{title or f'{ledger.mode}: reward per step'} (faint: each step; line: mean of "
+        f"the last {SMOOTHING})"
+    )
 
     owner = {d: w.job for w in ledger.jobs for d in w.deployments}
     lanes = by_worker(s for s in ledger.spans if s.deployment in owner)
