@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -312,15 +312,14 @@ def one_machine_site(directory: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def environment_problem(environ: Mapping[str, str] | None = None) -> str | None:
+def environment_problem() -> str | None:
     """Why SLURM cannot be used from here (None if it can): no SLURM commands, or no
     controller answering ``sinfo`` (``SLURM_CONF`` names the configuration)."""
-    env = dict(os.environ if environ is None else environ)
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "SLURM's commands (sbatch, sinfo) are not installed: see tools/slurm-local"
     try:
         proc = subprocess.run(
-            ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10, env=env
+            ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10
         )
     except subprocess.TimeoutExpired:
         return "sinfo did not answer within 10s"

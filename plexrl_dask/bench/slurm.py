@@ -165,10 +165,9 @@ def main() -> None:
             slurm.slurm_cluster(2, **slurm.one_machine_site(tmp)) as cluster,
             Client(cluster) as client,
         ):
-            first = slurm.wait_for_plexrl_workers(client, 1, WORKER_WAIT_S, cluster)
+            slurm.wait_for_plexrl_workers(client, 1, WORKER_WAIT_S, cluster)
             results["time_to_first_worker_s"] = round(time.monotonic() - t0, 2)
             reports = slurm.wait_for_plexrl_workers(client, 2, WORKER_WAIT_S, cluster)
-            del first
             results["workers_joined"] = len(reports)
             results["worker_nodes"] = sorted(r["node"] for r in reports.values())
             results["nodes_match_slurm"] = results["worker_nodes"] == slurm.slurm_nodes()
