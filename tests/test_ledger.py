@@ -417,3 +417,42 @@ def test_the_reward_plots_moving_average_averages_the_window_before_each_step():
     assert moving_average([1, 2, 3, 4, 5, 6], 3) == [1.0, 1.5, 2.0, 3.0, 4.0, 5.0]
     assert moving_average([], 5) == []
     assert moving_average([0.5], 5) == [0.5]
+
+
+def test_a_pool_spreads_the_jobs_estimated_work_longest_first():
+    from plexrl_dask.rl.catalog import standard_jobs
+    from plexrl_dask.rl.modes import Layout, pool_placement
+    from plexrl_dask.rl.sizing import step_work
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(seed=3)
+    w = step_work(spec, 8, 16)
+    assert w.train == 3 * w.sample == 6 * spec.num_parameters() * 8 * 16
+    assert step_work(spec, 16, 16).total == 2 * w.total
+    with pytest.raises(errors.ConfigError):
+        step_work(spec, 8, 0)
+
+    jobs = standard_jobs(4)
+    groups = {"countdown4": 2}
+    own = pool_placement(jobs, Layout("multiplexed", 2, 0), ["a", "b"], groups, stream_rows=128)
+    # One stream per step: countdown4's whole rollout is on its rank 0, which takes the
+    # least-loaded worker; the next-longest job goes to the other; ranks are distinct.
+    cd4 = own["countdown4"]
+    assert len(set(cd4.train)) == 2 and cd4.rollout == ()
+    assert cd4.load[cd4.train[0]] > cd4.load[cd4.train[1]]
+    assert own["countdown3"].train == (cd4.train[1],)
+    totals = {x: sum(p.load.get(x, 0.0) for p in own.values()) for x in "ab"}
+    work = {j.name: j.grpo.steps * j.step_work().total for j in jobs}
+    assert sum(totals.values()) == pytest.approx(sum(work.values()))
+    # LPT: the busier worker holds at most the lighter one plus the last job placed on it
+    assert max(totals.values()) - min(totals.values()) <= max(work.values())
+    # Streams of 64 rows split the rollout over both ranks: their loads are equal.
+    even = pool_placement(jobs, Layout("multiplexed", 2, 0), ["a", "b"], groups, stream_rows=64)
+    assert len(set(even["countdown4"].load.values())) == 1
+    # With a rollout replica the rollout is the replica's; the same inputs, the same answer.
+    rep = Layout("multiplexed", 2, 1, sharded_rollout_only=True)
+    one = pool_placement(jobs, rep, ["a", "b"], groups, stream_rows=128)
+    assert len(one["countdown4"].rollout) == 1 and one["add2"].rollout == ()
+    assert one == pool_placement(jobs, rep, ["a", "b"], groups, stream_rows=128)
+    with pytest.raises(errors.ConfigError, match="pool"):
+        pool_placement(jobs, Layout("multiplexed", 1, 0), ["a"], groups, stream_rows=128)

@@ -440,6 +440,7 @@ def summarise(
                     r.ledger, peak_tokens_per_s=peaks
                 ).throughput_to_peak(),
                 "peak_cpu_share": peak_shares.get(r.layout.label),
+                "placement": r.extra.get("placement"),  # (pools: each job's workers)
             }
             for r in runs
         ],

@@ -36,17 +36,23 @@ from typing import Any
 
 from plexrl_dask import config
 from plexrl_dask.config import request_timeout
-from plexrl_dask.driver.runtime import Deployment, Runtime, check_tensor_parallel, result
+from plexrl_dask.driver.runtime import (
+    Deployment,
+    Runtime,
+    check_tensor_parallel,
+    result,
+    split_prompts,
+)
 from plexrl_dask.errors import ConfigError, RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.grpo import GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.job_checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
 from plexrl_dask.rl.objective import GRPOConfig
-from plexrl_dask.rl.sizing import TrainingMemory, training_memory
+from plexrl_dask.rl.sizing import StepWork, TrainingMemory, step_work, training_memory
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
-from plexrl_dask.shared.types import AdamWParams, SamplingParams
+from plexrl_dask.shared.types import AdamWParams, SamplingParams, Streams
 from plexrl_dask.tasks.base import Task
 
 logger = logging.getLogger(__name__)
@@ -87,15 +93,23 @@ class JobSpec:
 
     def training_memory(self) -> TrainingMemory:
         """What a step's training holds (:mod:`plexrl_dask.rl.sizing`): the state, and the
-        activations of its whole batch, rows padded to the longest of its first step's
-        prompts plus ``max_tokens``."""
+        activations of its whole batch (:meth:`step_shape`)."""
+        return training_memory(self.model, *self.step_shape())
+
+    def step_work(self) -> StepWork:
+        """A step's estimated compute (:func:`plexrl_dask.rl.sizing.step_work`) at
+        :meth:`step_shape`."""
+        return step_work(self.model, *self.step_shape())
+
+    def step_shape(self) -> tuple[int, int]:
+        """A step's rows (prompts × group size) and their padded width: the longest of its
+        first step's prompts plus ``max_tokens``."""
         problems = self.task.problems(self.grpo.problem_offset, self.grpo.prompts_per_step)
         from plexrl_dask.worker.backends.base import encode_prompts
 
         tokenizer = self.model.build_tokenizer()
         longest = max(len(t) for t in encode_prompts(tokenizer, [p.prompt for p in problems]))
-        rows = self.grpo.prompts_per_step * self.grpo.group_size
-        return training_memory(self.model, rows, longest + self.grpo.max_tokens)
+        return self.grpo.prompts_per_step * self.grpo.group_size, longest + self.grpo.max_tokens
 
     def describe(self) -> dict[str, Any]:
         """What reproduces the job (JSON-able)."""
@@ -268,6 +282,80 @@ def smallest_groups(specs: Sequence[JobSpec], budget: int, max_workers: int) -> 
             f"{budget / 2**20:.0f} MiB each (plexrl_dask.rl.sizing counts what it needs)"
         )
     return {name: int(k) for name, k in out.items()}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class PoolPlace:
+    """Where a job's deployments go in a pool: its training ranks in rank order and its
+    rollout replicas' workers (none: it samples from its training deployment), with the
+    work per step (FLOPs, :meth:`JobSpec.step_work`) each worker takes on from it."""
+
+    train: tuple[str, ...]
+    rollout: tuple[str, ...]
+    load: Mapping[str, float]
+
+
+def pool_placement(
+    specs: Sequence[JobSpec],
+    layout: Layout,
+    pool: Sequence[str],
+    groups: Mapping[str, int] | None = None,
+    stream_rows: int | None = None,
+) -> dict[str, PoolPlace]:
+    """Each job's workers in the pool of a multiplexed ``layout``, the expected work spread
+    over them: longest job first (its steps × its estimated step work), each of its parts to
+    the least-loaded worker so far (LPT, Graham's rule: a makespan within 4/3 of the best).
+
+    A job's parts: each training rank's share of the step (training splits evenly over its
+    ``groups[name]`` ranks, default one), and the rollout. Sampled by rollout replicas, the
+    rollout splits evenly over them; sampled on the training group (the hybrid engine), each
+    rank decodes the prompts :func:`~plexrl_dask.driver.runtime.split_prompts` gives it for
+    ``stream_rows`` (default ``plexrl.sampling.stream-rows``): one stream per step puts the
+    whole rollout on rank 0. A job's heaviest rank goes to the least-loaded worker, and its
+    ranks and its replicas each take distinct workers. Ties go to the pool's order, so the
+    placement is a function of its inputs."""
+    if stream_rows is None:
+        stream_rows = Streams.from_config().rows
+    groups = {s.name: (groups or {}).get(s.name, 1) for s in specs}
+    pool = list(pool)
+    if max(groups.values(), default=1) > len(pool) or layout.rollout_replicas > len(pool):
+        raise ConfigError(f"{layout.label}: a job needs more than the pool's {len(pool)} workers")
+    parts: dict[str, tuple[list[float], list[float]]] = {}
+    for spec in specs:
+        k, work, g = groups[spec.name], spec.step_work(), spec.grpo
+        replicas = layout.replicas_for(k)
+        ranks = [work.train / k] * k
+        rollout = [work.sample / replicas] * replicas if replicas else []
+        if not replicas:
+            chunks = split_prompts(g.prompts_per_step, k, g.group_size, stream_rows)
+            for rank, (a, b) in enumerate(chunks):
+                ranks[rank] += work.sample * (b - a) / g.prompts_per_step
+        parts[spec.name] = ([w * g.steps for w in ranks], [w * g.steps for w in rollout])
+    load = dict.fromkeys(pool, 0.0)
+    order = sorted(specs, key=lambda s: (-sum(map(sum, parts[s.name])), s.name))
+    out: dict[str, PoolPlace] = {}
+    for spec in order:
+        ranks, rollout = parts[spec.name]
+        mine: dict[str, float] = {}
+        train = _least_loaded(ranks, load, mine)
+        held = _least_loaded(rollout, load, mine)
+        out[spec.name] = PoolPlace(train, held, mine)
+    return {s.name: out[s.name] for s in specs}
+
+
+def _least_loaded(
+    works: Sequence[float], load: dict[str, float], mine: dict[str, float]
+) -> tuple[str, ...]:
+    """Distinct workers for ``works`` in their order, the heaviest part to the least-loaded
+    worker (``load``, updated, as is ``mine``: this job's share per worker)."""
+    chosen: dict[int, str] = {}
+    for i in sorted(range(len(works)), key=lambda i: -works[i]):
+        free = [w for w in load if w not in chosen.values()]
+        w = min(free, key=lambda w: (load[w], list(load).index(w)))
+        chosen[i] = w
+        load[w] += works[i]
+        mine[w] = mine.get(w, 0.0) + works[i]
+    return tuple(chosen[i] for i in range(len(works)))
 
 
 @dataclass
@@ -520,6 +608,7 @@ def run_mode(
         out_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[StepRecord]] = {}
     windows: list[JobWindow] = []
+    extra: dict[str, Any] = {}
     if layout.mode in ISOLATED_MODES:
         first = None
         for spec in specs:
@@ -542,6 +631,10 @@ def run_mode(
                 )
         t_start, t_end, pool = first or time.time(), time.time(), ()
     else:
+        places = pool_placement(specs, layout, reserved, groups)
+        extra["placement"] = {
+            name: {"train": list(p.train), "rollout": list(p.rollout)} for name, p in places.items()
+        }
         with contextlib.ExitStack() as stack:
             placed_jobs = [
                 stack.enter_context(
@@ -550,13 +643,12 @@ def run_mode(
                         spec,
                         layout,
                         starts[spec.name],
-                        # (job i's group starts at worker i, so the groups spread over the pool)
-                        [reserved[(i + j) % len(reserved)] for j in range(groups[spec.name])],
-                        reserved,
+                        places[spec.name].train,
+                        places[spec.name].rollout or reserved,
                         layout.replicas_for(groups[spec.name]),
                     )
                 )
-                for i, spec in enumerate(specs)
+                for spec in specs
             ]
             jobs = [_job(p, layout.mode, out_dir, ck_dir, checkpoint_every) for p in placed_jobs]
             t_start = time.time()
@@ -576,7 +668,7 @@ def run_mode(
         pool=pool,
         peak_tokens_per_s=dict(peak_tokens_per_s or {}),
     )
-    return ModeRun(layout, records, ledger)
+    return ModeRun(layout, records, ledger, extra)
 
 
 def peak_tokens_per_second(

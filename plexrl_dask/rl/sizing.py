@@ -98,6 +98,32 @@ def training_memory(spec: ModelSpec, rows: int, width: int) -> TrainingMemory:
     )
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """A GRPO step's compute, in FLOPs: its rollout (prefill and decode of every row) and its
+    training (forward and backward of the same rows)."""
+
+    sample: float
+    train: float
+
+    @property
+    def total(self) -> float:
+        return self.sample + self.train
+
+
+def step_work(spec: ModelSpec, rows: int, width: int) -> StepWork:
+    """``spec``'s compute for a step of ``rows`` sequences of ``width`` tokens, by the usual
+    count of 2 FLOPs per parameter and token for a forward and 6 for a forward and backward
+    (attention's own products left out: short sequences). An estimate for placing work
+    (:func:`plexrl_dask.rl.modes.pool_placement`), not a measurement: ``width`` is an upper
+    bound when completions may end before ``max_tokens``, and the same bound for every job."""
+    if rows < 1 or width < 1:
+        raise ConfigError(f"a step has rows >= 1 and width >= 1, got {rows}x{width}")
+    tokens = rows * width
+    n = spec.num_parameters()
+    return StepWork(sample=2.0 * n * tokens, train=6.0 * n * tokens)
+
+
 def budget_bytes(setting: str) -> int:
     """A worker's memory budget in bytes, ``setting`` read as ``plexrl.worker.memory-budget``
     is ("auto": the default of the device a worker on this machine gets)."""
