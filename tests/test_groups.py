@@ -371,6 +371,8 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
         runtime.deploy(unique("tp-wide"), spec, role="rollout", tensor_parallel=2, replicas=2)
     with pytest.raises(errors.OpNotSupported):
         plexrl.result(tp.forward_backward(data), timeout=120)
+    with pytest.raises(errors.OpNotSupported, match="train_step"):
+        plexrl.result(tp.train_step(data), timeout=120)
     assert plexrl.result(tp.forward(data), timeout=120) == got  # still serves
 
 
@@ -390,3 +392,60 @@ def test_only_a_groups_rank_0_publishes_its_address(runtime):
     data = [plexrl.Datum(tokens=dep.tokenize(f"{i}+{i}={2 * i}")) for i in range(4)]
     out = plexrl.result([dep.forward_backward(data), dep.optim_step()], timeout=120)
     assert out[1]["version"] == 1.0
+
+
+def test_a_train_step_is_forward_backward_then_optim_step_in_one_request(runtime):
+    """Fused, on two ranks and on one: the same results and weights bit for bit as the two
+    requests, one span per rank per step; bad input typed before anything runs."""
+    spec = tiny_spec(seed=23)
+    loss = plexrl.PolicyGradient()
+    opt = plexrl.AdamWParams(lr=1e-3, grad_clip=1.0)
+    for world in (2, 1):
+        fused = runtime.deploy(unique("fused"), spec, world_size=world)
+        split = runtime.deploy(unique("split"), spec, world_size=world)
+        data = [
+            plexrl.Datum(d.tokens, advantages=tuple(0.5 - i * 0.2 for _ in d.tokens))
+            for i, d in enumerate(batch_for(fused))
+        ]
+        t0 = time.time()
+        for _ in range(2):
+            got = plexrl.result(fused.train_step(data, loss, opt), timeout=120)
+            fb, step = plexrl.result([split.forward_backward(data, loss), split.optim_step(opt)])
+            assert got == {"forward_backward": fb, "optim_step": step}
+        a, b = plexrl.result([fused.get_weights(), split.get_weights()], timeout=120)
+        assert a.version == b.version == 2
+        assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in b.tensors)
+        spans = [s for s in runtime.timeline(since=t0) if s.deployment == fused.name]
+        ops = [s.op for s in spans]
+        assert ops.count("train_step") == 2 * world
+        assert not {"forward_backward", "optim_step"} & set(ops)
+        with pytest.raises(errors.InvalidOptimizerParams):
+            fused.train_step(data, loss, {"lr": 1})
+        with pytest.raises(errors.InvalidLoss):
+            fused.train_step(data, "pg")
+        with pytest.raises(errors.InvalidBatch):
+            fused.train_step([plexrl.Datum(tokens=(1, 10**6))], loss)
+        # the worker checks too, whatever the client did: every rank fails, nothing changes
+        bad = plexrl.AdamWParams(lr=1e-3, grad_clip=1.0)
+        object.__setattr__(bad, "lr", float("nan"))
+        with pytest.raises(errors.InvalidOptimizerParams):
+            plexrl.result(
+                fused._submit(
+                    "train_step",
+                    plexrl_ops().train_step,
+                    [(p, loss, bad) for p in fused._split_batch(tuple(data))],
+                ),
+                timeout=120,
+            )
+        assert torch.equal(
+            plexrl.result(fused.get_weights()).tensors[next(iter(b.tensors))],
+            b.tensors[next(iter(b.tensors))],
+        )
+        for d in (fused, split):
+            runtime.undeploy(d.name)
+
+
+def plexrl_ops():
+    from plexrl_dask.worker import ops
+
+    return ops

@@ -456,3 +456,52 @@ def test_a_pool_spreads_the_jobs_estimated_work_longest_first():
     assert one == pool_placement(jobs, rep, ["a", "b"], groups, stream_rows=128)
     with pytest.raises(errors.ConfigError, match="pool"):
         pool_placement(jobs, Layout("multiplexed", 1, 0), ["a"], groups, stream_rows=128)
+
+
+def test_the_longest_jobs_bound_and_the_time_other_jobs_held_it_up():
+    from plexrl_dask.rl.ledger import longest_job_bound
+
+    # Pool of two: job a (a gang on w1+w2) samples on w1, then trains on both; job b's
+    # request on w2 runs 1.0-2.5, so a's training (ready at 1.5) starts at 2.5 on both.
+    spans = [
+        span("w1", "a-policy", "sample", 0.0, 1.0),
+        span("w2", "b-policy", "sample", 1.0, 2.5),
+        span("w1", "a-policy", "train_step", 2.5, 3.5),
+        span("w2", "a-policy", "train_step", 2.5, 3.5),
+        span("w1", "b-policy", "train_step", 3.6, 4.0),  # after a's last run: not counted
+    ]
+    pool = ModeLedger(
+        "multiplexed",
+        (
+            window("a", (), 0.0, 4.0, sampler="a-policy", rollout=()),
+            window("b", (), 0.0, 4.0, sampler="b-policy", rollout=()),
+        ),
+        tuple(spans),
+        0.0,
+        4.0,
+        pool=("w1", "w2"),
+    )
+    assert pool.blocked_seconds("a") == pytest.approx(1.5)  # 1.0-2.5 on w2
+    # b's next request took w1, which a held 2.5-3.5 (whether b's was ready then or not)
+    assert pool.blocked_seconds("b") == pytest.approx(1.0)
+    # Colocated: a on two workers for 3 s (busy 1 + 2), b on one for 2 s (busy 1.9).
+    colocated = ModeLedger(
+        "colocated",
+        (
+            window("a", ("w1", "w2"), 0.0, 3.0, sampler="a-policy", rollout=()),
+            window("b", ("w1",), 3.0, 5.0, sampler="b-policy", rollout=()),
+        ),
+        (
+            span("w1", "a-policy", "sample", 0.0, 1.0),
+            span("w1", "a-policy", "train_step", 1.5, 2.5),
+            span("w2", "a-policy", "train_step", 1.5, 2.5),
+            span("w1", "b-policy", "sample", 3.0, 4.5),
+            span("w1", "b-policy", "train_step", 4.5, 4.9),
+        ),
+        0.0,
+        5.0,
+    )
+    assert colocated.blocked_seconds("a") == 0.0
+    assert colocated.reserved_worker_seconds() == 8.0
+    assert longest_job_bound(colocated, 2) == ("a", 6.0)  # 2 x 3 s > 4.9 busy
+    assert longest_job_bound(colocated, 1) == ("a", pytest.approx(4.9))

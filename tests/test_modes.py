@@ -100,7 +100,7 @@ def test_every_mode_runs_the_same_jobs(client, tmp_path):
         for s in specs:
             assert ledger.rollout_worker_seconds(s.name) > 0
         ops = {sp.op for sp in ledger.spans}
-        assert "sample" in ops and "forward_backward" in ops
+        assert "sample" in ops and "train_step" in ops
         if layout.mode == "multiplexed":
             assert ledger.reserved_worker_seconds() == pytest.approx(
                 layout.workers * ledger.makespan()

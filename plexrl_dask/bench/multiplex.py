@@ -23,6 +23,13 @@ synchronous layout: colocated, split and multiplexed; false if no step trained, 
 ``trajectory_steps_trained`` counts those that did), ``final_mean_reward`` per job,
 ``idle_fraction`` per mode, ``generation_length_p50``/``_p90``/``_p99``/``_max`` over all
 sampled completions, plus every layout's ledger and a PNG of the best multiplexed run.
+Where the pool's cost goes with a fixed set of jobs: the pool holds its workers until the
+last job ends, so ``longest_job`` (the longest colocated wall time) matters most:
+``longest_job_bound_ratio_vs_colocated`` is what the pool would cost, ÷ colocated, if that job
+ran in the pool as fast as alone and everything else fitted around it
+(:func:`~plexrl_dask.rl.ledger.longest_job_bound`); ``longest_job_wall_ratio`` is the pool's
+makespan ÷ that job's colocated wall, and ``longest_job_blocked_s`` the seconds its chain of
+requests waited on other jobs' requests in the pool (:meth:`~plexrl_dask.rl.ledger.ModeLedger.blocked_seconds`).
 A diagnostic of where to-peak goes: ``rollout_cpu_share`` (multiplexed; ``colocated_…``), the
 share of the rollout requests' run time their threads were on a CPU, against
 ``peak_cpu_share``, the same share of the peak requests around that layout
@@ -79,6 +86,7 @@ from plexrl_dask.rl.ledger import (
     MODES,
     cost_ratio,
     cpu_share,
+    longest_job_bound,
     percentile,
     seed_difference,
 )
@@ -390,6 +398,8 @@ def summarise(
         for s in specs
     )
     lengths = [n for recs in mux.records.values() for rec in recs for n in rec.completion_lengths]
+    colocated = best["colocated"].ledger
+    longest, bound = longest_job_bound(colocated, len(mux.ledger.pool))
     plot_run(mux.records, mux.ledger, png, title=f"{mux.layout.label}: reward per step")
     results: dict[str, Any] = {
         "cost_ratio_vs_split_async": of_best(
@@ -413,6 +423,11 @@ def summarise(
         "rollout_cpu_share": mux.ledger.rollout_cpu_share(),
         "peak_cpu_share": peak_shares.get(mux.layout.label),
         "colocated_rollout_cpu_share": best["colocated"].ledger.rollout_cpu_share(),
+        # where the pool's cost goes with a fixed set of jobs (rl/ledger.py)
+        "longest_job": longest,
+        "longest_job_bound_ratio_vs_colocated": bound / colocated.reserved_worker_seconds(),
+        "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
+        "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
         "reward_trajectories_identical": identical,
         "trajectory_steps_trained": trained,
         "final_mean_reward": {s.name: reward_start_end(mux.records[s.name])[1] for s in specs},

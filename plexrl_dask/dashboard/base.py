@@ -53,6 +53,7 @@ OP_COLORS = {
     "forward": "#737373",
     "forward_backward": "#e7298a",
     "optim_step": "#e6ab02",
+    "train_step": "#d95f02",
     "sync_weights": "#1b9e77",
     "load_weights": "#1b9e77",
     "publish_weights": "#66a61e",

@@ -465,6 +465,12 @@ def check_tensor_parallel(
         )
 
 
+def _adamw(params: Any) -> AdamWParams:
+    if not isinstance(params, AdamWParams):
+        raise InvalidOptimizerParams(f"params must be AdamWParams, got {type(params).__name__}")
+    return params
+
+
 def split_prompts(
     num_prompts: int, replicas: int, n: int, stream_rows: int
 ) -> list[tuple[int, int]]:
@@ -646,6 +652,30 @@ class Deployment:
         self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy()
     ) -> Future:
         """Future of the loss metrics; gradients accumulate until :meth:`optim_step`."""
+        parts, loss = self._training_parts(batch, loss)
+        return self._submit("forward_backward", ops.forward_backward, [(p, loss) for p in parts])
+
+    def optim_step(self, params: AdamWParams = AdamWParams()) -> Future:
+        """Future of the step metrics (grad norm, new version)."""
+        return self._submit("optim_step", ops.optim_step, self._ranks(_adamw(params)))
+
+    def train_step(
+        self,
+        batch: Sequence[Datum] | Datum,
+        loss: Loss = CrossEntropy(),
+        params: AdamWParams = AdamWParams(),
+    ) -> Future:
+        """:meth:`forward_backward` then :meth:`optim_step` as one request (one round trip
+        and, on a sharded deployment, one gang instead of two): the same arithmetic and
+        results. Future of ``{"forward_backward": ..., "optim_step": ...}``."""
+        parts, loss = self._training_parts(batch, loss)
+        params = _adamw(params)
+        return self._submit("train_step", ops.train_step, [(p, loss, params) for p in parts])
+
+    def _training_parts(
+        self, batch: Sequence[Datum] | Datum, loss: Loss
+    ) -> tuple[list[tuple[Datum, ...]], Loss]:
+        """``batch`` checked and split over the ranks, and ``loss`` as every rank computes it."""
         if not isinstance(loss, (CrossEntropy, PolicyGradient)):
             raise InvalidLoss(
                 f"loss must be CrossEntropy or PolicyGradient, got {type(loss).__name__}"
@@ -655,14 +685,7 @@ class Deployment:
             # Every rank normalises by the whole batch's weight, so the summed gradient is the
             # one-process gradient of the combined batch.
             loss = dataclasses.replace(loss, normalizer=sum(sum(d.token_weights()) for d in batch))
-        parts = self._split_batch(batch)
-        return self._submit("forward_backward", ops.forward_backward, [(p, loss) for p in parts])
-
-    def optim_step(self, params: AdamWParams = AdamWParams()) -> Future:
-        """Future of the step metrics (grad norm, new version)."""
-        if not isinstance(params, AdamWParams):
-            raise InvalidOptimizerParams(f"params must be AdamWParams, got {type(params).__name__}")
-        return self._submit("optim_step", ops.optim_step, self._ranks(params))
+        return self._split_batch(batch), loss
 
     def sample(
         self,

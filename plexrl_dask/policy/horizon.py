@@ -200,6 +200,7 @@ OP_PHASES = {
     "forward": "train",  # reference / old-policy log-probabilities, on the training side
     "forward_backward": "train",
     "optim_step": "train",
+    "train_step": "train",
     "publish_weights": "sync",
     "load_weights": "sync",
 }

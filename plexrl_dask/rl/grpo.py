@@ -10,11 +10,17 @@ One step of :class:`GRPOJob`:
    whose samples all score alike teaches nothing (and is dropped from the batch); the options
    (normalisation, loss aggregation, clip-higher, KL estimator, AdamW and its learning-rate
    schedule, EOS-only stopping) are :class:`~plexrl_dask.rl.objective.GRPOConfig`'s;
-4. ``policy.forward_backward`` with :class:`~plexrl_dask.PolicyGradient` (clipped importance
-   ratio; the old log-probabilities are the policy's own, from a ``forward`` before the first
-   epoch, when there is more than one; with one epoch the ratio is exactly 1) and, when
-   ``kl_coef > 0``, the reference model's log-probabilities from ``reference.forward``;
-5. ``policy.optim_step``, then ``runtime.sync_weights(policy, rollout)``.
+4. ``policy.train_step`` per epoch (``forward_backward`` and ``optim_step`` in one request)
+   with :class:`~plexrl_dask.PolicyGradient` (clipped importance ratio; the old
+   log-probabilities are the policy's own, from a ``forward`` before the first epoch, when
+   there is more than one; with one epoch the ratio is exactly 1) and, when ``kl_coef > 0``,
+   the reference model's log-probabilities from ``reference.forward``;
+5. ``runtime.sync_weights(policy, rollout)``.
+
+Requests per step: one ``sample``, one ``train_step`` per epoch (plus one ``forward`` with
+several epochs, one ``reference.forward`` with a KL term), and without colocation the sync's
+``publish_weights`` and ``load_weights``. Rewards are scored on the driver, which must read
+the samples anyway to build the batch.
 
 After each step the driver reports it to the scheduler (``plexrl-job`` event,
 :mod:`plexrl_dask.dashboard.jobs`) under its runtime's job name, for the dashboard's Jobs page.
@@ -211,11 +217,8 @@ class GRPOJob:
                 for d, o in zip(data, result(old).logprobs, strict=True)
             ]
         loss, optimizer = c.loss(len(data)), c.optimizer(step)
-        futures = []
-        for _ in range(c.epochs):
-            futures.append(self.policy.forward_backward(data, loss))
-            futures.append(self.policy.optim_step(optimizer))
-        return futures
+        # (one request per epoch: forward_backward and optim_step fused, one round trip)
+        return [self.policy.train_step(data, loss, optimizer) for _ in range(c.epochs)]
 
     def _sync(self) -> Any:
         """Submit a weight sync policy -> rollout (None when colocated); its result is the
@@ -361,7 +364,8 @@ class GRPOJob:
                 pending = self._submit_sample(step + 1)  # runs after the sync
                 pending_version = sync if sync is not None else sampled_with
             metrics = result(futures) if futures else []
-            fb, opt = (metrics[-2], metrics[-1]) if metrics else (None, None)
+            last = metrics[-1] if metrics else {}
+            fb, opt = last.get("forward_backward"), last.get("optim_step")
             version = (
                 int(opt["version"])
                 if opt is not None

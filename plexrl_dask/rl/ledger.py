@@ -173,6 +173,40 @@ class ModeLedger:
     def makespan(self) -> float:
         return self.t1 - self.t0
 
+    def blocked_seconds(self, job: str) -> float:
+        """How long ``job`` waited on other jobs: between one run of its requests (its
+        spans on any worker, merged) and the next, the seconds in which another job's request
+        ran on a worker that the next run's first requests took. In a pool a request starts
+        only once its workers are free, so this bounds from above the time its chain was
+        held up by the others' requests (spans do not say when a request arrived: driver
+        work done while the others ran counts too); in an isolated mode it is 0. The rest
+        of a gap is the driver's own work and dispatch."""
+        mine = sorted(self._spans_of(job), key=lambda s: s.start)
+        names = set(self._job(job).deployments)
+        others = [s for s in self.spans if s.deployment not in names]
+        runs: list[list[Any]] = []  # [start, end, workers of its first requests]
+        for s in mine:
+            if runs and s.start <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], s.end)
+                if s.start == runs[-1][0]:
+                    runs[-1][2].add(s.worker)
+            else:
+                runs.append([s.start, s.end, {s.worker}])
+        total = 0.0
+        for (_, end, _), (start, _, workers) in zip(runs, runs[1:], strict=False):
+            held = sorted(
+                (max(end, s.start), min(start, s.end))
+                for s in others
+                if s.worker in workers and s.end > end and s.start < start
+            )
+            reach = end
+            for a, b in held:  # their union
+                a = max(a, reach)
+                if b > a:
+                    total += b - a
+                reach = max(reach, b)
+        return total
+
     def _job(self, job: str) -> JobWindow:
         for j in self.jobs:
             if j.job == job:
@@ -235,6 +269,17 @@ def rollout_phases(spans: Iterable[RequestSpan], sampler: str) -> list[tuple[flo
     if current is not None:
         phases.append(current)
     return phases
+
+
+def longest_job_bound(colocated: ModeLedger, pool: int) -> tuple[str, float]:
+    """The job with the longest wall time when colocated, and what a pool of ``pool``
+    workers would cost if that job ran there as fast as alone and the others' requests all
+    fit around it: ``max(pool × its wall, the colocated busy worker-seconds)``. With a fixed
+    set of synchronous jobs the pool holds its workers until the last job ends, so unless
+    the pool makes that job itself faster (a rollout replica instead of its hybrid engine),
+    its cost is not below this. A diagnostic, not a floor: see ``blocked_seconds``."""
+    longest = max(colocated.jobs, key=lambda j: (j.wall_s, j.job))
+    return longest.job, max(pool * longest.wall_s, colocated.busy_worker_seconds())
 
 
 def cost_ratio(multiplexed: ModeLedger, baseline: ModeLedger) -> float:

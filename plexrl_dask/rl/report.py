@@ -18,6 +18,7 @@ OP_STYLE = {
     "forward": ("..", 0.85),
     "forward_backward": ("//", 0.85),
     "optim_step": ("xx", 0.85),
+    "train_step": ("\\\\", 0.85),
     "publish_weights": ("oo", 0.6),
     "load_weights": ("oo", 0.6),
     "load_state": ("--", 0.5),

@@ -38,6 +38,7 @@ OPS = frozenset(
         "forward",
         "forward_backward",
         "optim_step",
+        "train_step",
         "sample",
         "get_weights",
         "set_weights",

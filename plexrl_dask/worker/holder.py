@@ -86,7 +86,7 @@ def default_budget(device: str) -> int:
 
 
 #: The ops that change a replica's state away from what its spec builds.
-MUTATING_OPS = frozenset({"optim_step", "set_weights", "load_state", "load_weights"})
+MUTATING_OPS = frozenset({"optim_step", "train_step", "set_weights", "load_state", "load_weights"})
 #: The ops after which an offload must write the state again (gradients count).
 CHANGING_OPS = MUTATING_OPS | {"forward_backward"}
 

@@ -206,6 +206,25 @@ def optim_step(deployment: str, params: AdamWParams = AdamWParams()) -> dict[str
     )
 
 
+def train_step(
+    deployment: str,
+    batch: Sequence[Datum],
+    loss: Loss = CrossEntropy(),
+    params: AdamWParams = AdamWParams(),
+) -> dict[str, dict[str, float]]:
+    """:func:`forward_backward` then :func:`optim_step` in one request: both checked before
+    either runs, the same arithmetic as the two requests. Returns ``{"forward_backward":
+    ..., "optim_step": ...}``, each what its request would have returned."""
+
+    def call(backend: Any) -> dict[str, dict[str, float]]:
+        args = backend._checked(
+            lambda: (checked_batch(batch), checked_loss(loss), checked_adamw(params))
+        )
+        return backend.train_step(*args)
+
+    return _run(deployment, "train_step", call)
+
+
 def sample(
     deployment: str,
     prompts: Sequence[str | Sequence[int]],
@@ -615,6 +634,13 @@ def combine(op: str, *results: Any) -> Any:
         for key in sorted(set().union(*results) - set(_SUMMED)):
             merged[key] = float(sum(r.get(key, 0.0) * r["total_weight"] for r in results) / total)
         return merged
+    if op == "train_step":
+        return {
+            "forward_backward": combine(
+                "forward_backward", *(r["forward_backward"] for r in results)
+            ),
+            "optim_step": results[0]["optim_step"],
+        }
     return results[0]  # optim_step, get_weights, set_weights, load: rank 0 speaks for all
 
 
@@ -628,6 +654,7 @@ __all__ = [
     "load_state",
     "load_weights",
     "optim_step",
+    "train_step",
     "publish_weights",
     "save_state",
     "sample",

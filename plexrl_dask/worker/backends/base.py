@@ -97,6 +97,9 @@ class NotATrainer:
     def optim_step(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_a_trainer("optim_step")
 
+    def train_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_a_trainer("train_step")
+
     def save_state(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_a_trainer("save_state")
 
@@ -170,6 +173,11 @@ class TrainBackend(Backend, Protocol):
 
     def optim_step(self, params: AdamWParams) -> dict[str, float]:
         """Apply the accumulated gradients with AdamW, then clear them."""
+
+    def train_step(
+        self, batch: Sequence[Datum], loss: Loss, params: AdamWParams
+    ) -> dict[str, dict[str, float]]:
+        """:meth:`forward_backward` then :meth:`optim_step`: both results, by op."""
 
     def save_state(self, path: str) -> dict:
         """Write parameters and optimizer state as a checkpoint loadable at any world size."""

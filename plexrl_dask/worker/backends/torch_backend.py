@@ -288,6 +288,16 @@ class TorchBackend:
         self.pending_backward += 1
         return metrics
 
+    def train_step(
+        self, batch: Sequence[Datum], loss: Loss, params: AdamWParams
+    ) -> dict[str, dict[str, float]]:
+        """:meth:`forward_backward` then :meth:`optim_step` (one request's work): the same
+        arithmetic as the two calls, both results by op."""
+        return {
+            "forward_backward": self.forward_backward(batch, loss),
+            "optim_step": self.optim_step(params),
+        }
+
     def optim_step(self, params: AdamWParams) -> dict[str, float]:
         """One AdamW step on the accumulated gradient (clipped to ``params.grad_clip``)."""
         trainable = [p for p in self.model.parameters() if p.requires_grad]
