@@ -13,8 +13,11 @@ that is the default; a tensor the model's tensor-parallel plan splits by input c
 row-parallel linear's weight ``[out, in]``: o and down projections) also has dim 1
 (:func:`split_dims_from_tp_plan`). The hint comes from the model's configuration and the
 tensor's name, so every writer of a tensor (any layout, any replica, the reference model and
-the policy alike) chooses the same grid. A tensor larger than 1/16 of ``target_bytes`` (4 MiB:
-Zarr's per-chunk overhead makes smaller chunks slow, NOTES-dask.md) has each split dim halved
+the policy alike) chooses the same grid. A tensor larger than 1/256 of ``target_bytes`` (16 KiB
+of 4 MiB: below it, one chunk; Zarr's per-chunk overhead makes many small chunks slow,
+NOTES-dask.md, but a chunk that two FSDP shards each cover half of is kept as fragments and
+assembled at the commit, which cost a 2-rank publish of the 3 MB countdown4 model about half
+its CPU on rank 0) has each split dim halved
 where even (so 2-way shards of each align with chunk boundaries), then the largest of them
 halved again while a chunk exceeds the target: big tensors align with 4-, 8-, ...-way shards too (a
 tensor whose rows alone exceed the target is cut by columns too, to keep chunks bounded). A
@@ -66,7 +69,7 @@ _BY_TORCH = {t: name for name, (t, _) in DTYPES.items()}
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: Tensors above 1/16 of the chunk target are cut in two along each split dim at least, so
 #: 2-way shards of a 4 MB projection fetch only their half; smaller ones stay one chunk.
-_SPLIT_FRACTION = 16
+_SPLIT_FRACTION = 256
 
 
 def check_model(model: str) -> str:

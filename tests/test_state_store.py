@@ -86,7 +86,11 @@ def test_the_chunk_grid_follows_the_dims_readers_split(store):
     assert chunk_shape((64, 48), 4, kb4) == (16, 48)  # whole rows: contiguous chunks
     assert chunk_shape((64, 48), 4, kb4, ROW_AND_COLUMN_SPLITS) == (32, 24)
     assert chunk_shape((3, 4096), 4, kb4) == (3, 256)  # rows alone too long: columns cut too
-    assert chunk_shape((10,), 4, kb4) == (10,)
+    assert chunk_shape((3,), 4, kb4) == (3,)  # (16 bytes or less: one chunk)
+    # At the default target, tensors over 16 KiB split in two where even, so each of two
+    # FSDP shards covers whole chunks (no fragments to assemble at the commit).
+    assert chunk_shape((4096,), 4) == (4096,) and chunk_shape((4097 * 2,), 4) == (4097,)
+    assert chunk_shape((128, 128), 4) == (64, 128)
     for bad in ((), (2,), (0, 2), (True,)):
         with pytest.raises(errors.InvalidStateKey):
             chunk_shape((64, 48), 4, kb4, bad)

@@ -176,7 +176,8 @@ class ModeLedger:
     def blocked_seconds(self, job: str) -> float:
         """How long ``job`` waited on other jobs: between one run of its requests (its
         spans on any worker, merged) and the next, the seconds in which another job's request
-        ran on a worker that the next run's first requests took. In a pool a request starts
+        ran on a worker that the next run's first requests (those that started while its
+        first one ran: a gang's ranks) took. In a pool a request starts
         only once its workers are free, so this bounds from above the time its chain was
         held up by the others' requests (spans do not say when a request arrived: driver
         work done while the others ran counts too); in an isolated mode it is 0. The rest
@@ -184,16 +185,18 @@ class ModeLedger:
         mine = sorted(self._spans_of(job), key=lambda s: s.start)
         names = set(self._job(job).deployments)
         others = [s for s in self.spans if s.deployment not in names]
-        runs: list[list[Any]] = []  # [start, end, workers of its first requests]
+        # [start, end, end of its first request, workers of the requests that started
+        # while that one ran: a gang's ranks start within moments of each other]
+        runs: list[list[Any]] = []
         for s in mine:
             if runs and s.start <= runs[-1][1]:
                 runs[-1][1] = max(runs[-1][1], s.end)
-                if s.start == runs[-1][0]:
-                    runs[-1][2].add(s.worker)
+                if s.start < runs[-1][2]:
+                    runs[-1][3].add(s.worker)
             else:
-                runs.append([s.start, s.end, {s.worker}])
+                runs.append([s.start, s.end, s.end, {s.worker}])
         total = 0.0
-        for (_, end, _), (start, _, workers) in zip(runs, runs[1:], strict=False):
+        for (_, end, _, _), (start, _, _, workers) in zip(runs, runs[1:], strict=False):
             held = sorted(
                 (max(end, s.start), min(start, s.end))
                 for s in others
