@@ -121,9 +121,10 @@ def dispatch_policy_from_config(
     weights = config.get("scheduler.job-weights") or {}
     if not isinstance(weights, dict):
         raise ConfigError(f"scheduler.job-weights maps job -> weight, got {weights!r}")
+    gang_hold = config.get_seconds("scheduler.gang-hold", positive=False)
     try:
         if ordering == "fifo":
-            return DispatchPolicy.fifo(choice, lookahead=lookahead)
+            return DispatchPolicy.fifo(choice, lookahead=lookahead, gang_hold_s=gang_hold)
         return DispatchPolicy(
             setup_weight=float(config.get("scheduler.setup-weight")),
             patience_factor=float(config.get("scheduler.patience-factor")),
@@ -132,6 +133,7 @@ def dispatch_policy_from_config(
             lookahead=lookahead,
             fair_share=fair_share,
             job_weights=tuple(sorted((str(j), w) for j, w in weights.items())),
+            gang_hold_s=gang_hold,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -164,6 +166,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         # Released tasks: when each started, what is queued behind it, per-job counters.
         self.accounting = RequestAccounting()
         self._releases = 0  # requests released so far (their tasks' Dask priority)
+        self._wakeup: asyncio.TimerHandle | None = None  # a decision when a gang hold ends
         self.estimates = Estimates(
             service_prior_s=config.get_seconds("scheduler.service-prior"),
             load_bandwidths={
@@ -376,11 +379,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         lookahead: bool | None = None,
         fair_share: bool | None = None,
         operator_secret: str | None = None,
+        gang_hold_s: float | None = None,
     ) -> dict[str, Any]:
         """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
         (the configured HRRS knobs unless given) or "fifo" (default: the configured one);
-        ``choice`` "residency" or "blind"; ``lookahead`` and ``fair_share`` on or off
-        (default: the configured ones). Only the operator may (``operator_secret``, else
+        ``choice`` "residency" or "blind"; ``lookahead`` and ``fair_share`` on or off,
+        ``gang_hold_s`` seconds (default: the configured ones). Only the operator may (``operator_secret``, else
         :class:`PermissionDenied`). Refused with :class:`SchedulerBusy` while requests are
         pending or released ones wait behind others, so every request is decided under the
         policy it arrived under."""
@@ -398,8 +402,15 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     raise ConfigError(f"{key} must be true or false, got {value!r}")
             policy = dispatch_policy_from_config(ordering, choice)
             given = {k: v for k, v in switches.items() if v is not None}
+            if gang_hold_s is not None:
+                if isinstance(gang_hold_s, bool) or not isinstance(gang_hold_s, int | float):
+                    raise ConfigError(f"gang_hold_s must be seconds, got {gang_hold_s!r}")
+                given["gang_hold_s"] = float(gang_hold_s)
             if given:
-                policy = dataclasses.replace(policy, **given)
+                try:
+                    policy = dataclasses.replace(policy, **given)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from e
             knobs = {
                 "setup_weight": setup_weight,
                 "patience_factor": patience_factor,
@@ -681,6 +692,19 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if recs:
                 self.scheduler.transitions(recs, stimulus_id=f"plexrl-dispatch-{time.time()}")
         self._send_hints(now)
+        self._wake_at(self.dispatcher.next_wakeup(now), now)
+
+    def _wake_at(self, when: float | None, now: float) -> None:
+        """Decide again at ``when`` (a gang's hold ends then: no event marks that moment)."""
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+            self._wakeup = None
+        if when is not None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # (no loop: a test driving the plugin by hand decides again itself)
+            self._wakeup = loop.call_later(max(0.0, when - now), self._dispatch)
 
     def _release(self, decision: Any, now: float, recommendations: dict[Any, str]) -> None:
         """Aim every rank of ``decision``'s request at its worker and recommend processing."""
@@ -757,7 +781,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             started = self.accounting.ended(key, finish == "memory", now)
             if started is not None:
                 t0, deployment, op, worker, job = started
-                self.dispatcher.release_worker(worker, self.requests.request_of(key))
+                self.dispatcher.release_worker(worker, self.requests.request_of(key), now)
                 self._touched.add(worker)
                 if finish == "memory":
                     self.estimates.observe_service(deployment, op, now - t0)

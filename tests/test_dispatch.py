@@ -127,6 +127,59 @@ def test_gang_starts_on_all_its_workers_in_one_decision_or_not_at_all():
     assert len(d) == 0
 
 
+def test_a_gang_holds_its_workers_for_its_next_request():
+    """A rank that ends before its gang, and the gang's workers after its request, are held
+    for the gang's next request (expected after the gap its requests left before): another
+    job's request starts there only if it is expected to end in time; the gang's own job and
+    urgent requests ignore the hold; a wake-up says when the hold ends."""
+
+    def gang(name: str, t: float) -> Request:
+        return Request(name, (("w0", "w1"),), t, 1.0, order="g", deployment="g", job="G")
+
+    def single(name: str, t: float, s: float, job: str = "S") -> Request:
+        return Request(name, (("w1",),), t, s, order=name, deployment=name, job=job)
+
+    d = Dispatcher(replace(CALM, gang_hold_s=0.5), workers=["w0", "w1"])
+    d.add(gang("g1", 0.0))
+    assert names(d.decide(0.0)) == ["g1"]
+    for w in ("w0", "w1"):
+        d.release_worker(w, "g1", 1.0)
+    d.add(gang("g2", 1.2))  # the gang's gap: 0.2 s
+    assert names(d.decide(1.2)) == ["g2"]
+    d.release_worker("w1", "g2", 1.5)  # rank 1 ends early; rank 0 is expected until 2.2
+    d.add(single("long", 1.5, 1.0))  # would end at 2.5, after the hold (2.2 + 0.2)
+    d.add(single("short", 1.5, 0.5))  # ends at 2.0: fits
+    assert names(d.decide(1.5)) == ["short"]
+    d.release_worker("w1", "short", 2.0)
+    assert d.decide(2.0) == [] and d.next_wakeup(2.0) == pytest.approx(2.4)
+    d.add(single("mine", 2.0, 1.0, job="G"))  # the gang's own job is not held back
+    assert names(d.decide(2.0)) == ["mine"]
+    d.release_worker("w1", "mine", 2.1)
+    d.release_worker("w0", "g2", 2.2)  # the gang ended: its next request by 2.4
+    assert d.decide(2.2) == [] and d.next_wakeup(2.2) == pytest.approx(2.4)
+    d.add(gang("g3", 2.3))
+    assert names(d.decide(2.3)) == ["g3"]
+    for w in ("w0", "w1"):
+        d.release_worker(w, "g3", 3.3)
+    assert d.decide(3.3) == []  # held until 3.3 + 0.15 (the gaps' mean)
+    assert names(d.decide(3.46)) == ["long"] and d.next_wakeup(3.46) is None
+    # Without the hold, the long one takes the early rank's worker at once.
+    d = Dispatcher(CALM, workers=["w0", "w1"])
+    d.add(gang("g1", 0.0))
+    d.decide(0.0)
+    d.release_worker("w1", "g1", 0.5)
+    d.add(single("long", 0.5, 1.0))
+    assert names(d.decide(0.5)) == ["long"]
+    # An urgent request ignores the hold.
+    d = Dispatcher(DispatchPolicy(patience_floor_s=0.1, gang_hold_s=0.5), workers=["w0", "w1"])
+    d.add(gang("g1", 0.0))
+    d.decide(0.0)
+    d.release_worker("w1", "g1", 0.5)
+    d.add(single("long", 0.5, 1.0))
+    assert d.decide(0.5) == []
+    assert names(d.decide(0.5 + d.policy.patience(1.0, 0.0))) == ["long"]
+
+
 @pytest.mark.parametrize("policy", [HRRS, FIFO], ids=["hrrs", "fifo"])
 def test_a_busy_worker_gets_nothing_until_it_is_released(policy):
     d = Dispatcher(policy, workers=["w0"])
@@ -942,6 +995,7 @@ hrrs_policies = st.builds(
     choice=st.sampled_from(["residency", "blind"]),
     fair_share=st.booleans(),
     job_weights=st.sampled_from([(), (("j0", 3.0),), (("j1", 0.25), ("A", 2.0))]),
+    gang_hold_s=st.sampled_from([0.0, 0.5, 5.0]),
 )
 any_policy = st.one_of(st.sampled_from(list(POLICIES.values())), hrrs_policies)
 

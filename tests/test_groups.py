@@ -449,3 +449,28 @@ def plexrl_ops():
     from plexrl_dask.worker import ops
 
     return ops
+
+
+def test_gangs_holding_their_workers_run_every_request_to_the_end(runtime):
+    """plexrl.scheduler.gang-hold through the operator's set_policy (typed errors for bad
+    values): a 2-rank job's train steps and another job's requests on one of its workers
+    all complete with holds on (the hold's rule: tests/test_dispatch.py)."""
+    with pytest.raises(errors.ConfigError):
+        runtime.set_policy(gang_hold_s=-1.0)
+    with pytest.raises(errors.ConfigError):
+        runtime.set_policy(gang_hold_s="long")
+    assert runtime.set_policy(gang_hold_s=0.5)["gang_hold_s"] == 0.5
+    try:
+        gang = runtime.deploy(unique("held"), tiny_spec(seed=25), world_size=2)
+        other = plexrl.Runtime(runtime.client, job=unique("other"))
+        single = other.deploy(unique("beside"), tiny_spec(seed=26), workers=[gang.info.workers[1]])
+        data = batch_for(gang)
+        steps, reads = [], []
+        for _ in range(4):
+            steps.append(gang.train_step(data))
+            reads += [single.forward(data) for _ in range(3)]
+        done = plexrl.result([*steps, *reads], timeout=120)
+        assert [d["optim_step"]["version"] for d in done[:4]] == [1, 2, 3, 4]
+        assert all(len(r.logprobs) == len(data) for r in done[4:])
+    finally:
+        assert runtime.set_policy(gang_hold_s=0.0)["gang_hold_s"] == 0.0

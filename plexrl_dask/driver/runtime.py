@@ -298,7 +298,8 @@ class Runtime:
     def set_policy(self, operator_secret: str | None = None, **knobs: Any) -> dict[str, Any]:
         """Change the scheduler's dispatch policy while no request is pending (``ordering``,
         ``choice``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``,
-        ``lookahead``, ``fair_share``; see the ``plexrl_set_policy`` handler), as the cluster's
+        ``lookahead``, ``fair_share``, ``gang_hold_s``; see the ``plexrl_set_policy``
+        handler), as the cluster's
         operator: ``operator_secret``, else ``plexrl.operator-secret``, else the file the
         scheduler wrote it to (readable where the scheduler runs, by the user that runs it).
         Returns the policy now in force."""

@@ -101,6 +101,22 @@ over the jobs with requests pending while ``r`` waits: with two jobs of weight 1
 ``k``-th pending request waits at most ``P_max + 4k * B`` behind job A's flood however long
 the flood is, not one ``B`` per flooding request.
 
+**Gangs hold their workers** (``DispatchPolicy.gang_hold_s`` > 0; off by default). A gang
+needs all its workers free at once, and its job's driver submits its next request only after
+reading the last one's result: in between, a single-worker request of another job that starts
+on one of its workers holds the whole gang up, and a rank that ends before the rest of its gang
+frees a worker that the gang needs again moments later. So each order of gang requests holds
+its group's free workers: while one of its requests runs, until that request is expected to
+end plus the gap its requests usually leave between an end and the next arrival (learned per
+order, a running mean, capped at ``gang_hold_s``); after it ended, until that end plus the gap;
+while its next request waits for the group (nobody else's urgent request reserved it), until
+the group's busy workers are expected to end. Another job's request that is not urgent starts
+on a held worker only if it is expected to end by then (the same test as backfilling); the
+gang's own order and job (its rollout, its syncs) and urgent requests ignore holds, so the
+bound below is unaffected. No event marks the end of a hold: :meth:`Dispatcher.next_wakeup`
+says when to decide again. Measured on the standard mix in a pool of two workers, it did not
+lower the pool's cost (``docs/measurements.md``), which is why it is off.
+
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
 arrival order within an order is the submission order.
@@ -216,10 +232,19 @@ class DispatchPolicy:
     # Job -> weight in the share order (default 1): a job of weight 2 gets two urgent turns
     # per turn of a job of weight 1. Pairs, so that the policy stays hashable.
     job_weights: tuple[tuple[str, float], ...] = ()
+    # Hold a gang's workers for its order's next request, for at most this long after its
+    # last one ended (0: off; see "Gangs hold their workers").
+    gang_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not all(
-            v >= 0 for v in (self.setup_weight, self.patience_factor, self.patience_floor_s)
+            v >= 0
+            for v in (
+                self.setup_weight,
+                self.patience_factor,
+                self.patience_floor_s,
+                self.gang_hold_s,
+            )
         ):
             raise ValueError(f"dispatch weights must be >= 0: {self}")
         if self.choice not in ("residency", "blind"):
@@ -231,7 +256,9 @@ class DispatchPolicy:
                 raise ValueError(f"job weight of {job!r} must be finite")
 
     @classmethod
-    def fifo(cls, choice: str = "residency", lookahead: bool = False) -> DispatchPolicy:
+    def fifo(
+        cls, choice: str = "residency", lookahead: bool = False, gang_hold_s: float = 0.0
+    ) -> DispatchPolicy:
         """Arrival order with reservations: every head urgent at once, no share order."""
         return cls(
             setup_weight=0.0,
@@ -240,6 +267,7 @@ class DispatchPolicy:
             choice=choice,
             lookahead=lookahead,
             fair_share=False,
+            gang_hold_s=gang_hold_s,
         )
 
     def weight(self, job: str) -> float:
@@ -339,6 +367,13 @@ class Dispatcher:
         self._next_tag: dict[str, float] = {}
         self._last_tag: dict[str, float] = {}
         self._tags: list[tuple[float, int, str]] = []
+        # Gangs hold their workers: per order of gang requests, its job and group, the
+        # request of it that runs, when its last one ended, and the learned gap from an end
+        # to the next arrival.
+        self._gang_orders: dict[str, tuple[str, Group]] = {}
+        self._gang_running: dict[str, str] = {}  # order -> request
+        self._gang_ended: dict[str, float] = {}
+        self._gang_gap: dict[str, float] = {}
 
     # --- state changes -----------------------------------------------------------------------
 
@@ -381,6 +416,11 @@ class Dispatcher:
         if last is not None and request.arrival < last:
             request = _replace_arrival(request, last)
         self._last_arrival[order] = request.arrival
+        ended = self._gang_ended.pop(order, None)
+        if ended is not None:  # (the gap from its previous request's end to this arrival)
+            gap = max(0.0, request.arrival - ended)
+            known = self._gang_gap.get(order)
+            self._gang_gap[order] = gap if known is None else (known + gap) / 2
         setup = min(self._setup(request, g) for g in request.groups)
         e = _Entry(
             request,
@@ -422,12 +462,16 @@ class Dispatcher:
             e.reserved = None
         return e.request
 
-    def release_worker(self, worker: str, request: str | None = None) -> None:
+    def release_worker(
+        self, worker: str, request: str | None = None, now: float | None = None
+    ) -> None:
         """The task of ``request`` on ``worker`` ended (each rank of a gang frees its own
-        worker). Without ``request``, or naming the running one: the running task; a request
-        queued behind it (lookahead) then runs there, else the worker is free. Naming the
-        queued request: it ended (cancelled) before it ran, and the slot is open again. A request
-        that neither runs nor waits there changes nothing."""
+        worker) at ``now`` (needed for a gang's hold). Without ``request``, or naming the
+        running one: the running task; a request queued behind it (lookahead) then runs
+        there, else the worker is free. Naming the queued request: it ended (cancelled)
+        before it ran, and the slot is open again. A request that neither runs nor waits
+        there changes nothing."""
+        self._gang_rank_ended(worker, request, now)
         queued = self._next.get(worker)
         stale = request is not None and request != self._busy.get(worker)
         if stale and (queued is None or request != queued[0]):
@@ -449,6 +493,68 @@ class Dispatcher:
         if self._busy.pop(worker, None) is not None and worker in self._live:
             self._free.add(worker)
             self._dirty.add(worker)
+
+    def _gang_rank_ended(self, worker: str, request: str | None, now: float | None) -> None:
+        running = request if request is not None else self._busy.get(worker)
+        for order, rid in list(self._gang_running.items()):
+            if rid != running or self._busy.get(worker) != rid:
+                continue
+            group = self._gang_orders[order][1]
+            if all(self._busy.get(w) != rid for w in group if w != worker):
+                del self._gang_running[order]  # its last rank
+                if now is not None:
+                    self._gang_ended[order] = now
+
+    def _gang_holds(self, now: float) -> dict[str, tuple[float, str, str]]:
+        """Free worker -> (until when, for which job and order) a gang holds it (see "Gangs
+        hold their workers"); the earliest hold where several overlap."""
+        out: dict[str, tuple[float, str, str]] = {}
+        if not self.policy.gang_hold_s:
+            return out
+        for order, (job, group) in list(self._gang_orders.items()):
+            until = self._gang_until(order, group, now)
+            if until is None:
+                continue
+            for w in group:
+                if w in self._free and (w not in out or until < out[w][0]):
+                    out[w] = (until, job, order)
+        return out
+
+    def _gang_until(self, order: str, group: Group, now: float) -> float | None:
+        """Until when gang ``order`` holds its ``group``'s workers: while a request of it
+        runs, until that one is expected to end plus the order's learned gap (capped); while
+        its next request waits for this group (no other's urgent request has reserved it),
+        until its busy workers are expected to end; after its
+        last request ended, until that end plus the gap; None when it holds nothing (its
+        hold is forgotten once it has expired: its next start holds again)."""
+        gap = min(self._gang_gap.get(order, 0.0), self.policy.gang_hold_s)
+        rid = self._gang_running.get(order)
+        if rid is not None:  # (a rank that runs past its estimate ends no earlier than now)
+            ends = [self._busy_until.get(w, now) for w in group if self._busy.get(w) == rid]
+            return max([now, *ends]) + gap
+        queue = self._queues.get(order)
+        if queue:
+            head = queue[0]
+            if group not in head.request.groups or not self._all_live(group):
+                return None  # it waits for other workers: nothing to hold here
+            if any(self._top_reserver(w) not in (None, head) for w in group):
+                return None  # promised to another's urgent request
+            return max([now] + [self._busy_until.get(w, now) for w in group if w in self._busy])
+        ended = self._gang_ended.get(order)
+        if ended is not None and ended + gap > now:
+            return ended + gap
+        if ended is not None:
+            del self._gang_orders[order]
+            del self._gang_ended[order]
+        return None
+
+    def next_wakeup(self, now: float) -> float | None:
+        """When a hold on a free worker ends while a request waits (a decision then may
+        start what the hold kept back; no event marks that moment), else None."""
+        if not self._entries:
+            return None
+        ends = [until for until, *_ in self._gang_holds(now).values() if until > now]
+        return min(ends, default=None)
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -572,12 +678,31 @@ class Dispatcher:
             setup = min(self._setup(e.request, g) for g in e.request.groups if worker in g)
             ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
             ranked.append(((not e.urgent, e.rank if e.urgent else (-ratio, e.seq)), e))
+        hold = self._busy_hold(worker, now)
         for _, e in sorted(ranked, key=lambda x: x[0]):
             if (worker,) not in e.request.groups:
                 return None, True
+            if hold is not None and not e.urgent and not _holds_for(hold, e.request):
+                end = max(now, self._busy_until.get(worker, now)) + e.request.service_s
+                if end + self._setup(e.request, (worker,)) > hold[0]:
+                    return None, True  # a gang holds the worker next: look again later
             if self._soonest_on(e, worker, now):
                 return e, False
         return None, False
+
+    def _busy_hold(self, worker: str, now: float) -> tuple[float, str, str] | None:
+        """(until, job, order) of a gang's hold on busy ``worker`` once its running request ends:
+        a rank of a gang whose other ranks run longer, or a worker of a gang that waits."""
+        if not self.policy.gang_hold_s:
+            return None
+        out = None
+        for order, (job, group) in list(self._gang_orders.items()):
+            if worker not in group:
+                continue
+            until = self._gang_until(order, group, now)
+            if until is not None and (out is None or until < out[0]):
+                out = (until, job, order)
+        return out
 
     def _soonest_on(self, e: _Entry, worker: str, now: float) -> bool:
         """Whether ``e`` is expected to start on ``worker`` alone (after what runs and is
@@ -679,6 +804,7 @@ class Dispatcher:
                 if queue and not queue[0].urgent:
                     heads.append(queue[0])  # the new head competes by ratio
         held: dict[str, float] = {}  # free worker -> time until which it is held
+        gangs = self._gang_holds(now)  # free worker -> (until, job, order) a gang holds it
         versions: dict[str, int] = {}
         heap: list[tuple[float, float, int, int, str, Group | None, float]] = []
 
@@ -687,7 +813,7 @@ class Dispatcher:
                 return
             rid = e.request.request
             versions[rid] = versions.get(rid, 0) + 1
-            best = self._best_group(e, now, urgent=False, held=held)
+            best = self._best_group(e, now, urgent=False, held=held, gangs=gangs)
             if best is not None:
                 group, setup = best
             else:
@@ -725,7 +851,7 @@ class Dispatcher:
             return True
         finally:
             # Held workers stay under watch: who holds them changes with time, not events.
-            self._dirty.update(w for w in held if w in self._free)
+            self._dirty.update(w for w in (*held, *gangs) if w in self._free)
 
     def _hold(self, e: _Entry, now: float, held: dict[str, float]) -> list[str]:
         """Hold, for blocked head ``e``, the free workers of the group it can start on soonest
@@ -755,7 +881,12 @@ class Dispatcher:
         return bool(queue) and queue[0].request.arrival + queue[0].patience <= now
 
     def _best_group(
-        self, e: _Entry, now: float, urgent: bool, held: dict[str, float] | None = None
+        self,
+        e: _Entry,
+        now: float,
+        urgent: bool,
+        held: dict[str, float] | None = None,
+        gangs: dict[str, tuple[float, str, str]] | None = None,
     ) -> tuple[Group, float] | None:
         """The free, unreserved group of ``e`` with the cheapest setup (then least crowded);
         for a request that is not urgent, only groups whose ``held`` workers it would release
@@ -773,6 +904,13 @@ class Dispatcher:
             if held and not urgent:
                 end = now + setup + e.request.service_s
                 if any(end > held.get(w, float("inf")) for w in group):
+                    continue
+            if gangs and not urgent:
+                end = now + setup + e.request.service_s
+                if any(
+                    w in gangs and end > gangs[w][0] and not _holds_for(gangs[w], e.request)
+                    for w in group
+                ):
                     continue
             if self.policy.choice == "blind":
                 return group, setup
@@ -914,8 +1052,19 @@ class Dispatcher:
                 self._inputs.discard(w)
         if self.policy.lookahead:
             self._next_dirty.update(group)  # a slot opened behind it
+        if self.policy.gang_hold_s and len(group) > 1:
+            order = e.request.order_key
+            self._gang_orders[order] = (e.request.job, group)
+            self._gang_running[order] = rid
+            self._gang_ended.pop(order, None)
         self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent, tag=e.tag)
+
+
+def _holds_for(hold: tuple[float, str, str], request: Request) -> bool:
+    """Whether a gang's ``hold`` (until, job, order) is for ``request``: the gang's own order,
+    or another request of its job (the rest of its chain: its rollout, its syncs)."""
+    return request.order_key == hold[2] or (bool(request.job) and request.job == hold[1])
 
 
 def _replace_arrival(request: Request, arrival: float) -> Request:

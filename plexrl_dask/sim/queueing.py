@@ -205,7 +205,8 @@ def simulate(
     seq = itertools.count()
     events: list[
         tuple[float, int, int, object]
-    ] = []  # (time, 0 completion | 1 arrival, seq, payload)
+    ] = []  # (time, 0 completion | 1 arrival | 2 wake-up, seq, payload)
+    wakeups: set[float] = set()
     for x in ordered:
         heapq.heappush(events, (x.request.arrival, 1, next(seq), x.request))
     loads = 0
@@ -218,16 +219,18 @@ def simulate(
                 rec = payload
                 assert isinstance(rec, Record)
                 for w in rec.group:
-                    dispatcher.release_worker(w, rec.request.request)
+                    dispatcher.release_worker(w, rec.request.request, rec.finish)
                 if learn:
                     estimates.observe_service(
                         rec.request.deployment, rec.request.op, rec.finish - rec.start
                     )
-            else:
+            elif kind == 1:
                 req = payload
                 assert isinstance(req, Request)
                 patience = dispatcher.add(req)
                 records[req.request] = Record(req, len(records), patience)
+            else:
+                wakeups.discard(now)  # a gang's hold ends: decide again (the plugin's timer)
         for d in dispatcher.decide(now):
             rec = records[d.request.request]
             rec.request = d.request  # arrival as dispatch saw it
@@ -255,6 +258,10 @@ def simulate(
             for w in d.group:
                 free_at[w] = rec.finish
             heapq.heappush(events, (rec.finish, 0, next(seq), rec))
+        wake = dispatcher.next_wakeup(now)
+        if wake is not None and wake > now and wake not in wakeups:
+            wakeups.add(wake)
+            heapq.heappush(events, (wake, 2, next(seq), None))
     if len(dispatcher):
         raise RuntimeError(f"{len(dispatcher)} requests never started (no live group?)")
     return SimResult(list(records.values()), loads, policy.lookahead)
