@@ -50,6 +50,7 @@ def local_cluster(
     memory_limit: str | int | None = None,
     processes: bool = True,
     dashboard_address: str | None = ":0",
+    tool_workers: int | None = None,
     **kwargs: Any,
 ) -> LocalCluster:
     """A ``LocalCluster`` of PlexRL workers (each advertising one unit of the GPU resource).
@@ -61,6 +62,10 @@ def local_cluster(
     cluster gets its own DRAM tier (on ``/dev/shm``) and NVMe tier (in the temp dir), whose
     StateManager it stops and whose files it removes when it closes
     (``cluster.plexrl_state``: the paths).
+
+    ``tool_workers`` (default ``plexrl.local-cluster.tool-workers``) more workers without the
+    GPU resource run agentic jobs' tool calls (:mod:`plexrl_dask.tools.pool`), named
+    ``tool-0``, ...; a later ``cluster.scale(n)`` counts them among its workers.
     """
     gpu = str(config.get("worker.gpu-resource"))
     resources = {gpu: 1, **kwargs.pop("resources", {})}
@@ -69,6 +74,10 @@ def local_cluster(
     limit = memory_limit if memory_limit is not None else config.get("local-cluster.memory-limit")
     if n_workers is None:
         n_workers = int(config.get("local-cluster.n-workers"))
+    if tool_workers is None:
+        tool_workers = int(config.get("local-cluster.tool-workers"))
+    if isinstance(tool_workers, bool) or not isinstance(tool_workers, int) or tool_workers < 0:
+        raise ConfigError(f"tool_workers is a count >= 0, got {tool_workers!r}")
     if threads_per_worker is None:
         threads_per_worker = int(config.get("local-cluster.threads-per-worker"))
     # Dask sets MALLOC_TRIM_THRESHOLD_ in worker processes; an explicit threshold turns off
@@ -88,7 +97,7 @@ def local_cluster(
     if processes:
         kwargs.setdefault("worker_class", PlexRLNanny)
     with dask.config.set({TRIM_ENV_KEY: None}):
-        return PlexRLLocalCluster(
+        cluster = PlexRLLocalCluster(
             tiers,
             n_workers=n_workers,
             threads_per_worker=threads_per_worker,
@@ -100,6 +109,28 @@ def local_cluster(
             scheduler_kwargs=scheduler_kwargs,
             **kwargs,
         )
+        if tool_workers:
+            _add_tool_workers(cluster, tool_workers, gpu, processes)
+        return cluster
+
+
+def _add_tool_workers(cluster: LocalCluster, count: int, gpu: str, processes: bool) -> None:
+    """``count`` workers like the cluster's others but without the GPU resource (plain
+    nannies: no GPU to choose)."""
+    from distributed import Nanny, Worker
+
+    options = dict(cluster.new_spec["options"])
+    options["resources"] = {k: v for k, v in (options.get("resources") or {}).items() if k != gpu}
+    for i in range(count):
+        cluster.worker_spec[f"tool-{i}"] = {
+            "cls": Nanny if processes else Worker,
+            "options": {**options, "name": f"tool-{i}"},
+        }
+    try:
+        cluster.sync(cluster._correct_state)
+    except BaseException:
+        cluster.close()
+        raise
 
 
 class PlexRLLocalCluster(LocalCluster):

@@ -349,6 +349,24 @@ class SchedulerLost(PlexRLError):
     waits for it, and a ``GRPOJob`` with checkpoints goes back to its last one by itself."""
 
 
+class ToolError(PlexRLError):
+    """A tool call of an agentic episode failed: it did not parse, its program failed or ran
+    past a limit, or the worker running it died. An episode turns it into the turn's
+    observation (``<out>error: ...</out>``) and goes on."""
+
+
+class InvalidToolCall(ToolError, ValueError):
+    """A tool call names no known tool, or its input is not what the tool takes."""
+
+
+class ToolLimitExceeded(ToolError):
+    """A tool ran past its wall-clock time, CPU time, memory or output limit."""
+
+
+class ToolWorkerLost(ToolError):
+    """The worker running a tool call died or left before the call returned."""
+
+
 class NotRouted(RequestError):
     """A PlexRL op ran as a task that the PlexRL scheduler plugin did not route."""
 

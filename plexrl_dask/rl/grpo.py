@@ -45,7 +45,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,15 @@ from plexrl_dask.errors import (
     RequestTimeout,
     SchedulerLost,
 )
+from plexrl_dask.rl.episodes import EpisodeBatch, episode_data, run_episodes
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
 from plexrl_dask.rl.objective import GRPOConfig, group_data
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
 from plexrl_dask.shared.types import Datum, SampleResult, SamplingParams
+from plexrl_dask.tasks.agentic import is_agentic
 from plexrl_dask.tasks.base import Problem, Task
 from plexrl_dask.tasks.rewards import score
+from plexrl_dask.tools.pool import ToolPool
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +159,21 @@ class GRPOJob:
 
     # --- one step --------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _agentic(self) -> Iterator[None]:
+        """For an agentic task, the tool pool and the thread a step's episodes run on (the
+        next step's rollout may start while this step trains, as a sample request would)."""
+        if not is_agentic(self.task):
+            yield
+            return
+        self._tools = ToolPool(self.runtime.client, self.task.tools)
+        self._episodes = ThreadPoolExecutor(1, thread_name_prefix=f"plexrl-episodes-{self.name}")
+        try:
+            yield
+        finally:
+            self._episodes.shutdown(wait=True, cancel_futures=True)
+            self._tools.close()
+
     def _sampler(self) -> Deployment:
         return self.rollout if self.rollout is not None else self.policy
 
@@ -171,32 +190,66 @@ class GRPOJob:
             stop=() if c.eos_only else (self.task.stop,),
             seed=(c.seed * 1_000_003 + step) % 2**31,
         )
+        if is_agentic(self.task):
+            task = self.task
+            return self._episodes.submit(
+                run_episodes,
+                self._sampler(),
+                self._tools,
+                self._problems(step),
+                params,
+                c.group_size,
+                task.max_turns,
+                task.observation_limit,
+            )
         return self._sampler().sample([p.prompt for p in self._problems(step)], params)
 
     def _batch(
-        self, problems: list[Problem], out: SampleResult
+        self, problems: list[Problem], out: SampleResult | EpisodeBatch
     ) -> tuple[list[Datum], list[float], list[int], int, dict[str, float]]:
         """Training data (completions with a non-zero advantage), every reward, every
-        completion length, how many groups taught something, and each reward term's mean
-        (``reward/<name>``, for a task that scores in terms)."""
+        completion length (the policy's tokens), how many groups taught something, and each
+        reward term's mean (``reward/<name>``, for a task that scores in terms) with, for
+        episodes, their turn and tool statistics (:meth:`EpisodeBatch.stats`)."""
         data: list[Datum] = []
         rewards: list[float] = []
         lengths: list[int] = []
         terms: dict[str, float] = {}
         groups_used = 0
-        for problem, prompt, group in zip(problems, out.prompt_tokens, out.sequences, strict=True):
+        if isinstance(out, EpisodeBatch):
+            groups = [
+                (*episode_data(g), [e.answer for e in g], [e.policy_tokens for e in g])
+                for g in out.groups
+            ]
+        else:
+            groups = [
+                (
+                    prompt,
+                    [s.tokens for s in g],
+                    None,
+                    [s.text for s in g],
+                    [len(s.tokens) for s in g],
+                )
+                for prompt, g in zip(out.prompt_tokens, out.sequences, strict=True)
+            ]
+        for problem, (prompt, completions, masks, texts, sizes) in zip(
+            problems, groups, strict=True
+        ):
             scores = []
-            for s in group:
-                reward, parts = score(self.task, problem, s.text)
+            for text in texts:
+                reward, parts = score(self.task, problem, text)
                 scores.append(reward)
                 for name, value in parts.items():
                     terms[f"reward/{name}"] = terms.get(f"reward/{name}", 0.0) + value
             rewards.extend(scores)
-            lengths.extend(len(s.tokens) for s in group)
-            kept, teaches = group_data(self.config, prompt, [s.tokens for s in group], scores)
+            lengths.extend(sizes)
+            kept, teaches = group_data(self.config, prompt, completions, scores, masks)
             groups_used += teaches
             data.extend(kept)
-        return data, rewards, lengths, groups_used, {k: v / len(rewards) for k, v in terms.items()}
+        extra = {k: v / len(rewards) for k, v in terms.items()}
+        if isinstance(out, EpisodeBatch):
+            extra.update(out.stats())
+        return data, rewards, lengths, groups_used, extra
 
     def _train(self, step: int, data: list[Datum], old: Any = None) -> list[Any]:
         """Submit step ``step``'s training; returns its futures. ``old``: a future of the
@@ -297,7 +350,10 @@ class GRPOJob:
         workers there are, and goes on, at most ``checkpoints.max_recoveries`` times (``recoveries`` says why each
         time). The steps after that checkpoint are redone and compute what they computed
         before."""
-        with contextlib.nullcontext() if self.saver is None else self.saver.hold():
+        with (
+            contextlib.nullcontext() if self.saver is None else self.saver.hold(),
+            self._agentic(),
+        ):
             while True:
                 try:
                     return self._run(on_step, recovering=bool(self.recoveries))

@@ -200,21 +200,30 @@ def group_data(
     prompt: Sequence[int],
     completions: Sequence[Sequence[int]],
     rewards: Sequence[float],
+    masks: Sequence[Sequence[float]] | None = None,
 ) -> tuple[list[Datum], bool]:
     """One group's training data (its completions with their advantage, token weights as
     ``loss_aggregation`` says; none for a zero-advantage group unless ``keep_zero_advantage``)
-    and whether the group teaches something (a non-zero advantage)."""
+    and whether the group teaches something (a non-zero advantage). ``masks``: per completion
+    token, 1 where the policy produced it and 0 where it did not (an agentic episode's tool
+    observations: :mod:`plexrl_dask.rl.episodes`), multiplying its weight; "seq-mean" then
+    averages over the policy's tokens."""
     advantages = group_advantages(rewards, config.advantage_norm, config.advantage_eps)
     teaches = any(advantages)
     if not teaches and not config.keep_zero_advantage:
         return [], False
     data = []
-    for tokens, advantage in zip(completions, advantages, strict=True):
+    for k, (tokens, advantage) in enumerate(zip(completions, advantages, strict=True)):
         if not tokens or (advantage == 0.0 and not config.keep_zero_advantage):
             continue
         datum = Datum.from_prompt_completion(prompt, tokens, advantage=advantage)
-        if config.loss_aggregation == "seq-mean":
-            w = 1.0 / len(tokens)
-            datum = Datum(datum.tokens, (0.0,) * len(prompt) + (w,) * len(tokens), datum.advantages)
+        mask = tuple(masks[k]) if masks is not None else (1.0,) * len(tokens)
+        if len(mask) != len(tokens):
+            raise ConfigError(f"a mask of {len(mask)} for a completion of {len(tokens)} tokens")
+        w = 1.0 / max(1.0, sum(mask)) if config.loss_aggregation == "seq-mean" else 1.0
+        if masks is not None or w != 1.0:
+            datum = Datum(
+                datum.tokens, (0.0,) * len(prompt) + tuple(w * m for m in mask), datum.advantages
+            )
         data.append(datum)
     return data, teaches

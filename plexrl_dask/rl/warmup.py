@@ -32,11 +32,17 @@ def supervised_warmup(
     optim: AdamWParams = AdamWParams(lr=3e-3),
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[float]:
-    """Train ``deployment`` on answers of ``task`` for ``steps`` steps; returns the losses."""
+    """Train ``deployment`` on answers of ``task`` for ``steps`` steps; returns the losses.
+    An agentic task's answers are reference transcripts, trained on with their tool
+    observations masked (:func:`~plexrl_dask.rl.episodes.transcript_datum`)."""
+    from plexrl_dask.rl.episodes import transcript_datum
+    from plexrl_dask.tasks.agentic import is_agentic
+
+    datum = transcript_datum if is_agentic(task) else problem_datum
     losses: list[float] = []
     pending = None
     for step in range(steps):
-        batch = [problem_datum(deployment, p) for p in task.problems(step * batch_size, batch_size)]
+        batch = [datum(deployment, p) for p in task.problems(step * batch_size, batch_size)]
         fb = deployment.forward_backward(batch, CrossEntropy())
         opt = deployment.optim_step(optim)
         if pending is not None:

@@ -1,0 +1,218 @@
+"""Multi-turn episodes of an agentic task: model turns and tool calls, one turn per request.
+
+A step's episodes (``group_size`` per problem) advance together, one turn at a time:
+
+1. every live conversation (its prompt, its turns and observations so far, as token ids) is
+   sampled for one turn in **one** ``sample`` request, ``n=1`` each, stopping at the task's stop
+   or at any tool's closing tag (:func:`~plexrl_dask.tools.calls.stop_strings`); between turns
+   the workers serve other work;
+2. each turn that ends with a call is parsed, and the calls run at once on the tool pool
+   (:class:`~plexrl_dask.tools.pool.ToolPool`, off the model workers); a call that does not
+   parse or fails gives an error observation; the observation
+   (:meth:`~plexrl_dask.tools.calls.ToolResult.observation`) is tokenized without special
+   tokens and appended;
+3. a turn without a call ends its episode: its text is the answer. So does the last allowed
+   turn (``max_turns``), whatever it ends with.
+
+Deterministic by construction: turn ``t`` of conversation ``c`` (problem ``i``, sample ``j``:
+``c = i * group_size + j``) draws its tokens with seed ``(seed, t)`` and prompt id ``c``
+(:func:`turn_seed`), the same wherever and with whatever else it runs; tools are pure
+functions of their input. So an episode is the same alone and multiplexed.
+
+Training (:func:`plexrl_dask.rl.objective.group_data` with ``masks``): the completion is every
+token after the prompt, the policy's and the observations'; only the policy's tokens carry
+weight (observations are masked out of the loss), and their behaviour log-probabilities are
+each turn's sampling ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from plexrl_dask.driver.runtime import Deployment, result
+from plexrl_dask.errors import InvalidToolCall
+from plexrl_dask.shared.types import Datum, SamplingParams
+from plexrl_dask.tasks.base import Problem
+from plexrl_dask.tools.calls import (
+    OUT_CLOSE,
+    OUT_OPEN,
+    ToolCall,
+    ToolResult,
+    check_tools,
+    parse_call,
+    stop_strings,
+)
+from plexrl_dask.tools.pool import ToolPool
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn: its tokens and their sampling log-probabilities, its text, the call it
+    ended with (if any) and that call's result, and the observation's tokens."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    call: ToolCall | None = None
+    result: ToolResult | None = None
+    observation: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A conversation: its prompt's tokens and its turns."""
+
+    prompt: tuple[int, ...]
+    turns: tuple[Turn, ...]
+
+    @property
+    def completion(self) -> tuple[int, ...]:
+        """Every token after the prompt: each turn's, then its observation's."""
+        return tuple(t for turn in self.turns for t in (*turn.tokens, *turn.observation))
+
+    @property
+    def mask(self) -> tuple[float, ...]:
+        """Per completion token: 1 for the policy's own tokens, 0 for observations."""
+        return tuple(
+            w
+            for turn in self.turns
+            for w in ((1.0,) * len(turn.tokens) + (0.0,) * len(turn.observation))
+        )
+
+    @property
+    def answer(self) -> str:
+        """The last turn's text (what the verifier scores)."""
+        return self.turns[-1].text if self.turns else ""
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(len(t.tokens) for t in self.turns)
+
+    @property
+    def calls(self) -> list[ToolResult]:
+        return [t.result for t in self.turns if t.result is not None]
+
+
+@dataclass(frozen=True)
+class EpisodeBatch:
+    """A step's episodes, ``groups[i][j]`` sample ``j`` of problem ``i``, and how long the
+    tool calls took (seconds on their workers) and the driver waited for them."""
+
+    groups: tuple[tuple[Episode, ...], ...]
+    tool_wait_s: float = 0.0
+
+    def num_tokens(self) -> int:
+        return sum(e.policy_tokens for g in self.groups for e in g)
+
+    def stats(self) -> dict[str, float]:
+        """Turns per episode (mean, max), tool calls, failed calls, tool seconds (mean), and
+        the driver's wait for tools: a step record's ``extra``."""
+        episodes = [e for g in self.groups for e in g]
+        calls = [r for e in episodes for r in e.calls]
+        return {
+            "turns_mean": sum(len(e.turns) for e in episodes) / max(1, len(episodes)),
+            "turns_max": float(max((len(e.turns) for e in episodes), default=0)),
+            "tool_calls": float(len(calls)),
+            "tool_errors": float(sum(not r.ok for r in calls)),
+            "tool_s_mean": sum(r.seconds for r in calls) / max(1, len(calls)),
+            "tool_wait_s": self.tool_wait_s,
+        }
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn ``turn`` of a step whose seed is ``seed``."""
+    return (seed * 1_000_033 + turn * 7919) % 2**31
+
+
+def run_episodes(
+    sampler: Deployment,
+    pool: ToolPool,
+    problems: Sequence[Problem],
+    params: SamplingParams,
+    group_size: int,
+    max_turns: int,
+    observation_limit: int,
+    tool_timeout_s: float = 30.0,
+) -> EpisodeBatch:
+    """The step's episodes (see the module docstring): ``params`` is the step's sampling
+    (its ``n`` is replaced by 1, its stops extended by the tools' closing tags)."""
+    tools = check_tools(pool.tools)
+    prompts = [
+        tuple(sampler.tokenize(p.prompt)) if isinstance(p.prompt, str) else tuple(p.prompt)
+        for p in problems
+    ]
+    n = len(prompts) * group_size
+    convs: list[list[int]] = [list(prompts[c // group_size]) for c in range(n)]
+    turns: list[list[Turn]] = [[] for _ in range(n)]
+    live = list(range(n))
+    stops = (*params.stop, *stop_strings(tools))
+    waited = 0.0
+    room = sampler.info.max_positions or None
+    for t in range(max_turns):
+        # (a conversation with no room for another whole turn ends with the turn it has)
+        live = [c for c in live if room is None or len(convs[c]) + params.max_tokens <= room]
+        if not live:
+            break
+        turn_params = replace(params, n=1, seed=turn_seed(params.seed, t), stop=stops)
+        out = result(sampler.sample([convs[c] for c in live], turn_params, prompt_ids=live))
+        sampled = [group[0] for group in out.sequences]
+        last = t == max_turns - 1
+        calls: list[ToolCall | None] = []
+        failed: dict[int, ToolResult] = {}  # calls that did not parse
+        for k, s in enumerate(sampled):
+            try:
+                calls.append(None if last else parse_call(s.text, tools))
+            except InvalidToolCall as e:
+                calls.append(None)
+                failed[k] = ToolResult(str(e), type(e).__name__)
+        t0 = time.perf_counter()
+        results = pool.run(calls, tool_timeout_s)
+        waited += time.perf_counter() - t0
+        results = [failed.get(k, r) for k, r in enumerate(results)]
+        still = []
+        for c, s, call, res in zip(live, sampled, calls, results, strict=True):
+            obs: tuple[int, ...] = ()
+            if res is not None:
+                text = res.observation(observation_limit)
+                obs = tuple(sampler.tokenize(text, special_tokens=False))
+                still.append(c)
+            turns[c].append(Turn(tuple(s.tokens), tuple(s.logprobs), s.text, call, res, obs))
+            convs[c].extend((*s.tokens, *obs))
+        live = still
+    groups = tuple(
+        tuple(Episode(prompts[i], tuple(turns[i * group_size + j])) for j in range(group_size))
+        for i in range(len(prompts))
+    )
+    return EpisodeBatch(groups, waited)
+
+
+def transcript_datum(deployment: Deployment, problem: Problem) -> Datum:
+    """A supervised datum of ``problem``'s reference transcript (its ``answer``): trained on
+    the model's parts, the observations (``<out>...</out>``) masked out, each piece tokenized
+    on its own as an episode builds it."""
+    prompt = (
+        deployment.tokenize(problem.prompt)
+        if isinstance(problem.prompt, str)
+        else list(problem.prompt)
+    )
+    tokens, weights = list(prompt), [0.0] * len(prompt)
+    rest = problem.answer
+    while rest:
+        start = rest.find(OUT_OPEN)
+        end = rest.find(OUT_CLOSE, start) if start >= 0 else -1
+        mine, obs = (rest, "") if end < 0 else (rest[:start], rest[start : end + len(OUT_CLOSE)])
+        rest = "" if end < 0 else rest[end + len(OUT_CLOSE) :]
+        for text, w in ((mine, 1.0), (obs, 0.0)):
+            ids = deployment.tokenize(text, special_tokens=False) if text else []
+            tokens += ids
+            weights += [w] * len(ids)
+    return Datum(tuple(tokens), tuple(weights))
+
+
+def episode_data(
+    episodes: Sequence[Episode],
+) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[tuple[float, ...]]]:
+    """A group's prompt, completions and masks (what :func:`group_data` takes)."""
+    return episodes[0].prompt, [e.completion for e in episodes], [e.mask for e in episodes]

@@ -1,0 +1,121 @@
+"""The tool-call format of agentic episodes, and what a call returns.
+
+A model turn that calls a tool ends with the call, written as
+
+    <NAME>INPUT</NAME>
+
+where ``NAME`` is a tool's name (letters, digits and ``_``) and ``INPUT`` its input text; the
+turn is sampled with every known tool's closing tag as a stop string, so the call is always the
+end of the turn. The environment runs the tool and appends the observation
+
+    <out>OUTPUT</out>
+
+(``<out>error: MESSAGE</out>`` when the call failed), and the next turn continues from there. A
+turn without a call ends the episode: its text is the answer the task's verifier scores.
+
+A tool is a pure function of its input (:class:`Tool`): the same call gives the same output
+wherever and whenever it runs. That is what keeps an agentic job's trajectory the same alone
+and multiplexed (the calculator is arithmetic; the sandbox runs a program with a fixed, empty
+environment, no network, no clock it could read differently: see :mod:`.sandbox`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from plexrl_dask.errors import InvalidToolCall, ToolError
+
+#: The observation's tags.
+OUT_OPEN, OUT_CLOSE = "<out>", "</out>"
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+
+
+class Tool(Protocol):
+    """A deterministic tool: ``name`` (its tag), ``run(text) -> output`` (raises
+    :class:`~plexrl_dask.errors.ToolError` for a failed call)."""
+
+    name: str
+
+    def run(self, text: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed call: the tool's name and its input."""
+
+    tool: str
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one call returned: its output (or the error's message), whether it failed, why
+    (the error's class name), and how long it ran on its worker (seconds)."""
+
+    output: str
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def observation(self, limit: int) -> str:
+        """The text appended to the conversation: ``<out>...</out>``, at most ``limit``
+        characters of output (cut ones end with ``...``)."""
+        body = self.output if self.ok else f"error: {self.output}"
+        if len(body) > limit:
+            body = body[: max(0, limit - 3)] + "..."
+        return f"{OUT_OPEN}{body}{OUT_CLOSE}"
+
+
+def stop_strings(tools: Mapping[str, Tool]) -> tuple[str, ...]:
+    """The closing tags that end a turn calling one of ``tools``."""
+    return tuple(f"</{name}>" for name in sorted(tools))
+
+
+def check_tools(tools: Mapping[str, Tool]) -> dict[str, Tool]:
+    """``tools`` by name, checked: each name a tag (letters, digits, ``_``), not ``out``, and
+    each tool's own ``name``; :class:`~plexrl_dask.errors.InvalidToolCall` otherwise."""
+    out = {}
+    for name, tool in tools.items():
+        if not isinstance(name, str) or not _NAME.match(name) or name == "out":
+            raise InvalidToolCall(f"a tool's name is a tag of letters, digits and _: {name!r}")
+        if getattr(tool, "name", None) != name or not callable(getattr(tool, "run", None)):
+            raise InvalidToolCall(f"tool {name!r} has no run() or calls itself otherwise")
+        out[name] = tool
+    return out
+
+
+def parse_call(turn: str, tools: Mapping[str, Tool]) -> ToolCall | None:
+    """The call a turn's text ends with; None if it ends with none (an answer).
+    :class:`~plexrl_dask.errors.InvalidToolCall` for a turn that ends with a known closing tag
+    but whose call does not parse (no opening tag after the last observation)."""
+    for name in tools:
+        close = f"</{name}>"
+        if turn.endswith(close):
+            open_ = f"<{name}>"
+            start = turn.rfind(open_, 0, len(turn) - len(close))
+            if start < 0:
+                raise InvalidToolCall(f"{close} without {open_}")
+            return ToolCall(name, turn[start + len(open_) : len(turn) - len(close)])
+    return None
+
+
+def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
+    """Run ``call`` here: its output, or its :class:`~plexrl_dask.errors.ToolError` as a
+    failed result (any other exception of a tool is a bug of the tool, and raised)."""
+    import time
+
+    tool = tools.get(call.tool)
+    t0 = time.perf_counter()
+    if tool is None:
+        return ToolResult(f"no tool named {call.tool!r}", "InvalidToolCall")
+    try:
+        output = tool.run(call.text)
+    except ToolError as e:
+        return ToolResult(str(e), type(e).__name__, time.perf_counter() - t0)
+    return ToolResult(str(output), None, time.perf_counter() - t0)

@@ -1,0 +1,221 @@
+"""The Python sandbox tool: run a program in a subprocess with limits, return what it printed.
+
+Each call runs ``python -I -S -B main.py`` (the program, at most :attr:`SandboxLimits.code_bytes`)
+in a fresh process:
+
+- **isolation** (``isolation="namespaces"``, the default where the kernel allows it: Linux, run
+  as root or with user namespaces): new network, mount and PID namespaces (``unshare``), so the
+  program has no network (a loopback that is down), sees no other process, and every process it
+  starts dies with it; empty tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``; it
+  runs as an unprivileged user (uid :attr:`SandboxLimits.uid`), in a working directory of its
+  own, so it cannot write outside that directory and those private mounts. Where namespaces are
+  not available (``"limits"``, what :func:`isolation` falls back to): the limits below and an
+  empty environment in a temporary directory only; a test says which mode ran.
+- **limits**: wall-clock time (the process group is killed), CPU seconds, address space, file
+  size, open files, processes; no core files; an empty environment.
+- **output**: standard output, at most :attr:`SandboxLimits.output_bytes` (the program is
+  stopped when it prints more; what came first is kept and marked ``[truncated]``); a program
+  that fails gives its last line of standard error as a :class:`~plexrl_dask.errors.ToolError`.
+
+Deterministic for a given program: no network, no environment, a fixed working directory path,
+no other process to see; a program that reads the clock or randomness breaks that, which is
+the task's to avoid (the program-output tasks generate programs that do not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from plexrl_dask.errors import ConfigError, ToolError, ToolLimitExceeded
+
+_JAIL = Path(__file__).with_name("_jail.py")
+TRUNCATED = "[truncated]"
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """A sandboxed program's limits (see the module docstring)."""
+
+    wall_s: float = 5.0
+    cpu_s: int = 5
+    memory_bytes: int = 512 * 2**20
+    file_bytes: int = 2**20
+    processes: int = 32
+    output_bytes: int = 4096
+    code_bytes: int = 64 * 2**10
+    uid: int = 65534  # "nobody"
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"sandbox limit {name} must be a number > 0, got {value!r}")
+
+
+@functools.cache
+def isolation() -> str:
+    """``"namespaces"`` where a program runs in the namespaced sandbox here (checked once, by
+    running one: ``unshare`` must make network, mount and PID namespaces, and the unprivileged
+    user must be able to run the interpreter), else ``"limits"``."""
+    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
+        return "limits"
+    try:
+        ok = PythonSandbox(mode="namespaces").run("print(6 * 7)") == "42\n"
+    except (OSError, ToolError):
+        ok = False
+    return "namespaces" if ok else "limits"
+
+
+@functools.cache
+def interpreter() -> str:
+    """The interpreter programs run with: the first of this one's real file (a virtual
+    environment's ``python`` is a link) and the system's ``python3`` that every user may run
+    (every directory on its path searchable by others: a ``pyenv`` under ``/root`` is not).
+    ``-I -S`` needs none of its packages. :class:`~plexrl_dask.errors.ToolError` if none."""
+    candidates = [
+        sys.executable,
+        shutil.which("python3"),
+        "/usr/bin/python3",
+        "/usr/local/bin/python3",
+    ]
+    for c in candidates:
+        if c and os.path.exists(c) and _runnable_by_others(os.path.realpath(c)):
+            return os.path.realpath(c)
+    raise ToolError(f"no Python interpreter that an unprivileged user may run among {candidates}")
+
+
+def _runnable_by_others(path: str) -> bool:
+    p = Path(path)
+    try:
+        if not p.stat().st_mode & 0o001:
+            return False
+        return all(d.stat().st_mode & 0o001 for d in p.parents)
+    except OSError:
+        return False
+
+
+class PythonSandbox:
+    """The ``py`` tool (see the module docstring)."""
+
+    name = "py"
+
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), mode: str | None = None) -> None:
+        if mode not in (None, "namespaces", "limits"):
+            raise ConfigError(f"sandbox mode is 'namespaces' or 'limits', got {mode!r}")
+        self.limits = limits
+        self.mode = mode
+
+    def run(self, text: str) -> str:
+        mode = self.mode or isolation()
+        code = text.encode()
+        if len(code) > self.limits.code_bytes:
+            raise ToolLimitExceeded(f"a program has at most {self.limits.code_bytes} bytes")
+        with tempfile.TemporaryDirectory(prefix="plexrl-sandbox-") as tmp:
+            os.chmod(tmp, 0o711)  # (the unprivileged user enters, lists nothing)
+            limits = {
+                **asdict(self.limits),
+                "private_mounts": mode == "namespaces",
+                "workdir": tmp,
+                "python": interpreter(),
+            }
+            cmd = [sys.executable, "-I", "-S", str(_JAIL), json.dumps(limits)]
+            if mode == "namespaces":
+                prefix = [shutil.which("unshare") or "unshare"]
+                if os.geteuid() != 0:
+                    prefix += ["--user", "--map-root-user"]
+                cmd = [
+                    *prefix,
+                    *("--net", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child"),
+                    *cmd,
+                ]
+            return _run(cmd, code, self.limits, tmp)
+
+
+def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env={},
+        start_new_session=True,  # its own process group: killed as one
+    )
+    out = _Capped(proc.stdout, limits.output_bytes, proc)
+    err = _Capped(proc.stderr, limits.output_bytes, None, tail=True)
+    try:
+        proc.stdin.write(code)  # type: ignore[union-attr]
+        proc.stdin.close()  # type: ignore[union-attr]
+    except BrokenPipeError:
+        pass
+    deadline = time.monotonic() + limits.wall_s
+    try:
+        proc.wait(timeout=limits.wall_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        _kill(proc)
+    out.join(max(0.1, deadline - time.monotonic() + 1.0))
+    err.join(1.0)
+    if proc.returncode == 125 and b"plexrl-jail:" in err.data:
+        raise ToolError(err.data.decode(errors="replace").strip())  # (the jail, not the program)
+    if out.truncated:
+        return out.data.decode(errors="replace") + TRUNCATED
+    if timed_out:
+        raise ToolLimitExceeded(f"the program ran past {limits.wall_s:g} s")
+    if proc.returncode != 0:
+        # the exception's line: the last one that is not a traceback's indented frame
+        lines = [ln for ln in err.data.decode(errors="replace").splitlines() if ln.strip()]
+        top = [ln for ln in lines if not ln.startswith((" ", "\t", "Traceback"))]
+        why = (top or lines or [f"exit status {proc.returncode}"])[-1]
+        if proc.returncode < 0:
+            why = f"killed by signal {-proc.returncode} ({why})"
+        raise ToolError(why)
+    return out.data.decode(errors="replace")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+class _Capped(threading.Thread):
+    """Reads a pipe up to ``cap`` bytes; past it, stops the process (``proc``, if given) and
+    marks the data truncated. With ``tail``, reads it all and keeps the last ``cap`` bytes
+    (standard error: the exception's line comes last)."""
+
+    def __init__(self, pipe, cap: int, proc: subprocess.Popen | None, tail: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.pipe, self.cap, self.proc, self.tail = pipe, cap, proc, tail
+        self.data = b""
+        self.truncated = False
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            chunk = self.pipe.read1(65536) if hasattr(self.pipe, "read1") else self.pipe.read(65536)
+            if not chunk:
+                return
+            if self.tail:
+                self.data = (self.data + chunk)[-self.cap :]
+                continue
+            room = self.cap - len(self.data)
+            self.data += chunk[:room]
+            if len(chunk) > room:
+                self.truncated = True
+                if self.proc is not None:
+                    _kill(self.proc)
+                return

@@ -1,0 +1,114 @@
+"""Agentic GRPO: multi-turn episodes with tool calls, one turn per request, observations
+masked out of the loss, and the same trajectory alone and multiplexed (real process cluster)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import plexrl_dask as plexrl
+from plexrl_dask import errors
+from plexrl_dask.models.tokenizer import build_char_tokenizer
+from plexrl_dask.rl import GRPOConfig, GRPOJob, run_jobs
+from plexrl_dask.rl.episodes import Episode, Turn, transcript_datum
+from plexrl_dask.rl.objective import group_data
+from plexrl_dask.rl.warmup import supervised_warmup
+from plexrl_dask.tasks.agentic import MultiplyTask, is_agentic
+from plexrl_dask.tasks.arithmetic import ArithmeticTask
+from tests.conftest import tiny_spec, unique
+
+
+class CharDeployment:
+    """What transcript_datum needs of a deployment: its tokenizer."""
+
+    def __init__(self) -> None:
+        self.tok = build_char_tokenizer()
+
+    def tokenize(self, text: str, special_tokens: bool | None = None) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=bool(special_tokens))
+
+
+def test_the_multiply_task_and_its_transcripts():
+    task = MultiplyTask(digits=3, seed=1)
+    assert is_agentic(task) and not is_agentic(ArithmeticTask(digits=2))
+    [p] = task.problems(7, 1)
+    assert p == task.problems(7, 1)[0] and p != task.problems(8, 1)[0]
+    a, b = (int(x) for x in p.prompt[:-1].split("*"))
+    assert p.answer == f"<calc>{a}*{b}</calc><out>{a * b}</out>{a * b}\n"
+    assert task.reward(p, f"{a * b}\n") == 1.0 and task.reward(p, "12\n") == 0.0
+    with pytest.raises(errors.ConfigError):
+        MultiplyTask(digits=0)
+    # The warm-up trains on the model's parts of the transcript only.
+    dep = CharDeployment()
+    datum = transcript_datum(dep, p)
+    text = dep.tok.decode(datum.tokens)
+    assert text == p.prompt + p.answer
+    trained = "".join(
+        dep.tok.decode([t]) for t, w in zip(datum.tokens, datum.weights, strict=True) if w
+    )
+    assert trained == f"<calc>{a}*{b}</calc>{a * b}\n"
+
+
+def test_observations_carry_no_weight_in_the_loss():
+    turn = Turn((5, 6, 7), (-0.1, -0.2, -0.3), "x", observation=(8, 9))
+    ep = Episode((1, 2), (turn, Turn((10,), (-0.5,), "y")))
+    assert ep.completion == (5, 6, 7, 8, 9, 10) and ep.mask == (1, 1, 1, 0, 0, 1)
+    assert ep.answer == "y" and ep.policy_tokens == 4
+    config = GRPOConfig(steps=1, prompts_per_step=1, group_size=2)
+    data, teaches = group_data(config, ep.prompt, [ep.completion] * 2, [1.0, 0.0], [ep.mask] * 2)
+    assert teaches and len(data) == 2
+    assert data[0].weights == (0, 0, 1, 1, 1, 0, 0, 1)
+    seq = replace(config, loss_aggregation="seq-mean")
+    data, _ = group_data(seq, ep.prompt, [ep.completion] * 2, [1.0, 0.0], [ep.mask] * 2)
+    assert data[0].weights == (0, 0, 0.25, 0.25, 0.25, 0, 0, 0.25)
+    with pytest.raises(errors.ConfigError):
+        group_data(config, ep.prompt, [ep.completion] * 2, [1.0, 0.0], [(1, 0)] * 2)
+
+
+AGENT = tiny_spec(seed=61, hidden_size=64, num_layers=2, max_positions=96)
+
+
+def agentic_job(runtime, name: str, state, config: GRPOConfig) -> GRPOJob:
+    policy = runtime.deploy(unique(name), AGENT)
+    plexrl.result(policy.load_state(state), timeout=120)
+    return GRPOJob(name, runtime, MultiplyTask(digits=2, seed=5), policy, config)
+
+
+def test_an_agentic_job_calls_its_tool_and_runs_the_same_multiplexed(client):
+    runtime = plexrl.Runtime(client, job=unique("agentic"))
+    warm = runtime.deploy(unique("agent-warm"), AGENT)
+    task = MultiplyTask(digits=2, seed=5)
+    # (the smallest warm-up after which it calls the calculator and copies its output often
+    # enough for groups to score apart: 1 layer of 32 never copied it)
+    losses = supervised_warmup(warm, task, 300, 32, plexrl.AdamWParams(lr=3e-3))
+    assert losses[-1] < 0.5 * losses[0]
+    state = plexrl.result(warm.save_state(), timeout=120)
+    config = GRPOConfig(
+        steps=3, prompts_per_step=4, group_size=4, max_tokens=20, temperature=1.0, lr=3e-3, seed=3
+    )
+    alone = agentic_job(runtime, "agent", state, config).run()
+    other = plexrl.Runtime(client, job=unique("other"))
+    beside = GRPOJob(
+        "beside",
+        other,
+        ArithmeticTask(digits=1, seed=2),
+        other.deploy(unique("beside"), tiny_spec(seed=62)),
+        GRPOConfig(steps=3, prompts_per_step=4, group_size=4, max_tokens=4, seed=4),
+    )
+    again = agentic_job(runtime, "agent", state, config)  # (its job's own warm-up state)
+    mux = run_jobs([again, beside])
+    assert [(r.reward_mean, r.loss, r.completion_lengths) for r in alone] == [
+        (r.reward_mean, r.loss, r.completion_lengths) for r in mux["agent"]
+    ]
+    timing = {"tool_s_mean", "tool_wait_s"}  # (seconds: the only things that may differ)
+    for a, m in zip(alone, mux["agent"], strict=True):
+        assert {k: v for k, v in a.extra.items() if k not in timing} == {
+            k: v for k, v in m.extra.items() if k not in timing
+        }
+    # The warmed-up model calls the calculator and answers after its observation.
+    assert sum(r.extra["tool_calls"] for r in alone) > 0
+    assert max(r.extra["turns_max"] for r in alone) >= 2
+    assert sum(r.loss is not None for r in alone) >= 1, [
+        (r.reward_mean, r.groups_used, r.extra) for r in alone
+    ]

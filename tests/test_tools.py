@@ -1,0 +1,189 @@
+"""Tools of agentic episodes: the call format, the calculator, the Python sandbox against
+hostile programs, and the pool that runs calls on tool workers (a real process cluster)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from plexrl_dask import errors
+from plexrl_dask.tools import (
+    Calculator,
+    PythonSandbox,
+    SandboxLimits,
+    ToolCall,
+    ToolPool,
+    ToolResult,
+    isolation,
+    parse_call,
+    run_call,
+    stop_strings,
+)
+from plexrl_dask.tools.calls import check_tools
+from plexrl_dask.tools.sandbox import TRUNCATED
+
+TOOLS = {"calc": Calculator()}
+FAST = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
+NAMESPACES = pytest.mark.skipif(
+    isolation() != "namespaces",
+    reason="network, mount and PID namespaces are not available here (the sandbox runs with "
+    "its limits only)",
+)
+
+
+def test_the_calculator_is_exact_integer_arithmetic_and_refuses_the_rest():
+    calc = Calculator()
+    assert calc.run("123*456") == "56088"
+    assert calc.run(" (7 + 5) * -3 - 10 // 4 % 3 ") == "-38"
+    assert calc.run("7/2") == "3"  # exact: integer division
+    for bad in (
+        "2**10",
+        "1.5*2",
+        "abs(-1)",
+        "x*2",
+        "1/0",
+        "3%0",
+        "",
+        "9" * 41,
+        "9" * 30 + "*" + "9" * 30,
+        "1+" * 150,
+    ):
+        with pytest.raises(errors.InvalidToolCall):
+            calc.run(bad)
+    # Through run_call a failed call is a result that says why, not an exception.
+    res = run_call(ToolCall("calc", "1/0"), TOOLS)
+    assert not res.ok and res.error == "InvalidToolCall" and "division by zero" in res.output
+    assert res.observation(64) == "<out>error: division by zero</out>"
+    assert run_call(ToolCall("nope", "1"), TOOLS).error == "InvalidToolCall"
+    assert ToolResult("x" * 100).observation(20) == "<out>" + "x" * 17 + "...</out>"
+
+
+def test_a_turn_ends_with_a_call_or_is_an_answer():
+    assert stop_strings(TOOLS) == ("</calc>",)
+    assert parse_call("let me see <calc>12*3</calc>", TOOLS) == ToolCall("calc", "12*3")
+    assert parse_call("36\n", TOOLS) is None
+    with pytest.raises(errors.InvalidToolCall):
+        parse_call("12*3</calc>", TOOLS)
+    for bad in ({"out": Calculator()}, {"a b": Calculator()}, {"py": Calculator()}):
+        with pytest.raises(errors.InvalidToolCall):
+            check_tools(bad)
+
+
+def run(program: str, limits: SandboxLimits = FAST) -> ToolResult:
+    return run_call(ToolCall("py", program), {"py": PythonSandbox(limits)})
+
+
+def test_the_sandbox_runs_a_program_in_an_empty_environment_and_is_deterministic():
+    program = "import os, sys\nprint(sorted(os.environ), sys.flags.isolated)\nprint(6 * 7)"
+    first, second = run(program), run(program)
+    assert first.ok and first.output == second.output
+    env, isolated = first.output.splitlines()[0].rsplit(" ", 1)
+    assert set(eval(env)) <= {"LC_CTYPE"} and isolated == "1"  # (Python's own locale coercion)
+    assert first.output.endswith("42\n")
+
+
+@pytest.mark.parametrize(
+    "name, program, error",
+    [
+        ("loops", "while True:\n    pass", "ToolLimitExceeded"),
+        ("sleeps", "import time\ntime.sleep(60)", "ToolLimitExceeded"),
+        ("allocates", "x = bytearray(10**10)", "ToolError"),
+        ("raises", "1 / 0", "ToolError"),
+        ("writes a huge file", "open('big', 'wb').write(b'x' * 10**8)", "ToolError"),
+        ("does not parse", "def (:", "ToolError"),
+    ],
+)
+def test_a_hostile_program_gets_an_error_and_the_next_one_runs(name, program, error):
+    t0 = time.monotonic()
+    res = run(program)
+    assert res.error == error, res
+    assert time.monotonic() - t0 < FAST.wall_s + 5
+    assert run("print('next')").output == "next\n"
+
+
+def test_a_program_that_prints_megabytes_is_cut_at_the_documented_size():
+    res = run("while True:\n    print('x' * 1000)")
+    assert res.ok and res.output.endswith(TRUNCATED)
+    assert len(res.output) == FAST.output_bytes + len(TRUNCATED)
+
+
+def test_a_fork_bomb_stays_inside_its_limits():
+    res = run("import os\nwhile True:\n    os.fork()")
+    assert not res.ok
+    assert run("print('still here')").output == "still here\n"
+
+
+@NAMESPACES
+def test_the_sandbox_has_no_network_and_writes_nothing_outside_it(tmp_path):
+    outside = f"/tmp/plexrl-escape-{uuid.uuid4().hex}"
+    mine = tmp_path / "escaped"
+    res = run(f"open({outside!r}, 'w').write('x')\nprint(open({outside!r}).read())")
+    assert res.output == "x\n"  # (its own private /tmp)
+    assert not os.path.exists(outside)
+    assert run(f"open({str(mine)!r}, 'w').write('x')").error == "ToolError"
+    assert not mine.exists()
+    net = run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
+    assert net.error == "ToolError" and "unreachable" in net.output.lower()
+    sees = run(
+        "import os\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]), os.getpid())"
+    )
+    assert sees.output.split() == ["1", "1"]  # only itself
+    uid = run("import os\nprint(os.getuid())")
+    assert uid.output == f"{SandboxLimits().uid}\n"
+
+
+def test_bad_limits_and_modes_are_typed():
+    with pytest.raises(errors.ConfigError):
+        SandboxLimits(wall_s=0)
+    with pytest.raises(errors.ConfigError):
+        PythonSandbox(mode="docker")
+    with pytest.raises(errors.ToolLimitExceeded):
+        PythonSandbox(SandboxLimits(code_bytes=10)).run("print('a long program')")
+
+
+def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
+    import distributed
+
+    import plexrl_dask as plexrl
+    from plexrl_dask.tools.pool import tool_workers
+
+    class WhereAmI:
+        name = "where"
+
+        def run(self, text: str) -> str:
+            if text == "die":
+                os._exit(1)
+            if text == "hang":
+                time.sleep(120)
+            return str(distributed.get_worker().name)
+
+    with (
+        plexrl.local_cluster(n_workers=1, tool_workers=1) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        [tool] = tool_workers(client)
+        assert client.scheduler_info()["workers"][tool]["name"] == "tool-0"
+        pool = ToolPool(client, {"where": WhereAmI(), "calc": Calculator()})
+        calls = [ToolCall("where", ""), None, ToolCall("calc", "6*7"), ToolCall("calc", "6/0")]
+        got = pool.run(calls, timeout_s=10)
+        assert [r and (r.output, r.error) for r in got] == [
+            ("tool-0", None),
+            None,
+            ("42", None),
+            ("division by zero", "InvalidToolCall"),
+        ]
+        t0 = time.monotonic()
+        [lost] = pool.run([ToolCall("where", "die")], timeout_s=10)
+        assert lost.error == "ToolWorkerLost" and time.monotonic() - t0 < 30
+        client.wait_for_workers(2, timeout=60)  # (its nanny starts it again)
+        deadline = time.monotonic() + 30
+        while not tool_workers(client) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pool.run([ToolCall("calc", "1+1")], timeout_s=10)[0].output == "2"
+    # Without tool workers, calls run on the driver.
+    local = ToolPool(None, {"calc": Calculator()})
+    assert local.run([ToolCall("calc", "2*21")], timeout_s=5)[0].output == "42"
+    local.close()
