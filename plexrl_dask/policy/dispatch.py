@@ -115,7 +115,8 @@ on a held worker only if it is expected to end by then (the same test as backfil
 gang's own order and job (its rollout, its syncs) and urgent requests ignore holds, so the
 bound below is unaffected. No event marks the end of a hold: :meth:`Dispatcher.next_wakeup`
 says when to decide again. Measured on the standard mix in a pool of two workers, it did not
-lower the pool's cost (``docs/measurements.md``), which is why it is off.
+lower the pool's cost (``benchmarks/RESULTS.md``, bench.multiplex at 192 MiB), which is why it
+is off.
 
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
