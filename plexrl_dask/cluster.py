@@ -65,7 +65,8 @@ def local_cluster(
 
     ``tool_workers`` (default ``plexrl.local-cluster.tool-workers``) more workers without the
     GPU resource run agentic jobs' tool calls (:mod:`plexrl_dask.tools.pool`), named
-    ``tool-0``, ...; a later ``cluster.scale(n)`` counts them among its workers.
+    ``tool-0``, ..., each with ``plexrl.local-cluster.tool-threads`` threads (calls at once);
+    a later ``cluster.scale(n)`` counts them among its workers.
     """
     gpu = str(config.get("worker.gpu-resource"))
     resources = {gpu: 1, **kwargs.pop("resources", {})}
@@ -110,16 +111,23 @@ def local_cluster(
             **kwargs,
         )
         if tool_workers:
-            _add_tool_workers(cluster, tool_workers, gpu, processes)
+            threads = int(config.get("local-cluster.tool-threads"))
+            _add_tool_workers(cluster, tool_workers, gpu, processes, threads)
         return cluster
 
 
-def _add_tool_workers(cluster: LocalCluster, count: int, gpu: str, processes: bool) -> None:
+def _add_tool_workers(
+    cluster: LocalCluster, count: int, gpu: str, processes: bool, threads: int
+) -> None:
     """``count`` workers like the cluster's others but without the GPU resource (plain
-    nannies: no GPU to choose)."""
+    nannies: no GPU to choose), each running ``threads`` calls at once."""
     from distributed import Nanny, Worker
 
+    if threads < 1:
+        cluster.close()
+        raise ConfigError(f"plexrl.local-cluster.tool-threads must be >= 1, got {threads}")
     options = dict(cluster.new_spec["options"])
+    options["nthreads"] = threads
     options["resources"] = {k: v for k, v in (options.get("resources") or {}).items() if k != gpu}
     for i in range(count):
         cluster.worker_spec[f"tool-{i}"] = {

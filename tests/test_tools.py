@@ -117,6 +117,24 @@ def test_a_fork_bomb_stays_inside_its_limits():
 
 
 @NAMESPACES
+def test_a_fork_bomb_does_not_starve_a_program_running_beside_it():
+    import concurrent.futures
+
+    bomb = "import os\nwhile True:\n    os.fork()"
+    forks = (
+        "import os, time\ntime.sleep(0.5)\nkids = []\nfor _ in range(4):\n"
+        "    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    kids.append(pid)\n"
+        "print(sum(os.waitpid(p, 0)[1] == 0 for p in kids))"
+    )
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        b = ex.submit(run, bomb)
+        time.sleep(0.2)
+        ok = ex.submit(run, forks)
+        assert ok.result().output == "4\n"  # its own uid: its own process limit
+        assert not b.result().ok
+
+
+@NAMESPACES
 def test_the_sandbox_has_no_network_and_writes_nothing_outside_it(tmp_path):
     outside = f"/tmp/plexrl-escape-{uuid.uuid4().hex}"
     mine = tmp_path / "escaped"
@@ -131,8 +149,9 @@ def test_the_sandbox_has_no_network_and_writes_nothing_outside_it(tmp_path):
         "import os\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]), os.getpid())"
     )
     assert sees.output.split() == ["1", "1"]  # only itself
-    uid = run("import os\nprint(os.getuid())")
-    assert uid.output == f"{SandboxLimits().uid}\n"
+    uid = int(run("import os\nprint(os.getuid())").output)
+    limits = SandboxLimits()
+    assert limits.uid_base <= uid < limits.uid_base + limits.uid_slots
 
 
 def test_bad_limits_and_modes_are_typed():

@@ -17,6 +17,7 @@ from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.modes import JobSpec
 from plexrl_dask.rl.objective import GRPOConfig
+from plexrl_dask.tasks.agentic import MultiplyTask, ProgramTask
 from plexrl_dask.tasks.arithmetic import ArithmeticTask
 from plexrl_dask.tasks.countdown import CountdownTask
 
@@ -75,6 +76,38 @@ def standard_jobs(count: int = 4, scale: float = 1.0) -> list[JobSpec]:
     ]
     if not 1 <= count <= len(jobs):
         raise ConfigError(f"the standard mix has 1..{len(jobs)} jobs, asked for {count}")
+    return _scaled(jobs[:count], scale)
+
+
+def agentic_jobs(scale: float = 1.0) -> list[JobSpec]:
+    """The agentic mix (``bench.agentic``): two agentic jobs, one calling the calculator and
+    one the Python sandbox (:mod:`plexrl_dask.tasks.agentic`), beside two single-turn jobs of
+    the standard mix; ``scale`` as in :func:`standard_jobs`. Smaller steps than the standard
+    mix (8 prompts x 8 samples): every sandbox call is a fresh interpreter on these 2 cores."""
+    grpo = replace(_GRPO, steps=24, prompts_per_step=8, group_size=8, temperature=1.0)
+    jobs = [
+        JobSpec(
+            "multiply3",
+            MultiplyTask(digits=3, seed=21),
+            ModelSpec.tiny(hidden_size=64, num_layers=2, seed=21),
+            replace(grpo, max_tokens=24, seed=21, lr=3e-4),
+            warmup_steps=400,
+            warmup_lr=3e-3,
+        ),
+        JobSpec(
+            "program",
+            ProgramTask(seed=22),
+            ModelSpec.tiny(hidden_size=96, num_layers=2, seed=22),
+            replace(grpo, max_tokens=48, seed=22, lr=3e-4),
+            warmup_steps=500,
+            warmup_lr=3e-3,
+        ),
+        *(replace(j, grpo=replace(j.grpo, steps=24, prompts_per_step=8)) for j in standard_jobs(2)),
+    ]
+    return _scaled(jobs, scale)
+
+
+def _scaled(jobs: list[JobSpec], scale: float) -> list[JobSpec]:
     if scale <= 0:
         raise ConfigError(f"scale must be > 0, got {scale}")
     return [
@@ -83,5 +116,5 @@ def standard_jobs(count: int = 4, scale: float = 1.0) -> list[JobSpec]:
             grpo=replace(j.grpo, steps=max(2, round(j.grpo.steps * scale))),
             warmup_steps=max(10, round(j.warmup_steps * scale)),
         )
-        for j in jobs[:count]
+        for j in jobs
     ]

@@ -142,6 +142,9 @@ class GRPOJob:
         self.checkpoints = checkpoints
         self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
         self.recoveries: list[str] = []  # why the job went back to its checkpoint, each time
+        # (agentic tasks) every episode's model turns, every tool call's seconds on its worker
+        self.episode_turns: list[int] = []
+        self.tool_seconds: list[float] = []
         self._stop = threading.Event()
         self._header = {
             "job": name, "config": asdict(config), "task": repr(task), "policy": policy.name
@@ -404,6 +407,10 @@ class GRPOJob:
                 sampled_with = int(result(pending_version))
             self.follow_placement()  # (nothing of the job is in flight here)
             data, rewards, lengths, groups_used, terms = self._batch(problems, out)
+            if isinstance(out, EpisodeBatch):
+                episodes = [e for g in out.groups for e in g]
+                self.episode_turns += [len(e.turns) for e in episodes]
+                self.tool_seconds += [r.seconds for e in episodes for r in e.calls]
             old = None
             if ahead and data:
                 assert self.rollout is not None

@@ -544,6 +544,15 @@ def _window(
     )
 
 
+def _episodes(extra: dict[str, Any], job: GRPOJob) -> None:
+    """An agentic job's turns per episode and tool seconds per call, into a run's ``extra``."""
+    if job.episode_turns:
+        extra.setdefault("episodes", {})[job.name] = {
+            "turns": list(job.episode_turns),
+            "tool_s": list(job.tool_seconds),
+        }
+
+
 def run_mode(
     runtime: Runtime,
     specs: Sequence[JobSpec],
@@ -626,6 +635,7 @@ def run_mode(
                 t0 = time.time()
                 first = t0 if first is None else first
                 records[spec.name] = job.run(on_step)
+                _episodes(extra, job)
                 windows.append(
                     _window(placed, t0, time.time(), records[spec.name], False, job.first_step)
                 )
@@ -654,6 +664,8 @@ def run_mode(
             t_start = time.time()
             records = run_jobs(jobs, on_step)
             t_end = time.time()
+            for job in jobs:
+                _episodes(extra, job)
             windows = [
                 _window(p, t_start, t_end, records[p.spec.name], True, j.first_step)
                 for p, j in zip(placed_jobs, jobs, strict=True)

@@ -11,6 +11,12 @@ masked (:func:`plexrl_dask.rl.episodes.transcript_datum`).
 :class:`MultiplyTask`: ``a*b=`` with numbers of ``digits`` digits; too many digits for a tiny
 model to multiply in its head, one ``calc`` call away: the transcript is
 ``<calc>a*b</calc><out>p</out>p`` and the stop.
+
+:class:`ProgramTask`: ``EXPR=`` for a generated Python expression (a sum of a range, a
+remainder, the length of a power's digits, the middle of three numbers, ...); the way to its
+value is to run it in the sandbox: ``<py>print(EXPR)</py><out>value\n</out>value`` and the stop.
+Each call is a fresh interpreter (tens of milliseconds of a CPU), the tool wait that leaves a
+colocated job's workers idle.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from plexrl_dask.errors import ConfigError
 from plexrl_dask.tasks.base import Problem
 from plexrl_dask.tools.calculator import Calculator
 from plexrl_dask.tools.calls import OUT_CLOSE, OUT_OPEN, Tool
+from plexrl_dask.tools.sandbox import PythonSandbox, SandboxLimits
 
 
 def is_agentic(task: object) -> bool:
@@ -63,3 +70,66 @@ class MultiplyTask:
         """1 if the answer (the episode's last turn, up to the stop) is the product."""
         answer = completion.split(self.stop, 1)[0].strip()
         return 1.0 if answer == str(problem.metadata["product"]) else 0.0
+
+
+#: ProgramTask's expressions: a template and how to draw its numbers.
+_PROGRAMS = (
+    ("sum(range({a}))", lambda r: {"a": r.randint(10, 999)}),
+    (
+        "{a}*{b}%{c}",
+        lambda r: {"a": r.randint(100, 999), "b": r.randint(100, 999), "c": r.randint(7, 97)},
+    ),
+    ("len(str({a}**{b}))", lambda r: {"a": r.randint(2, 9), "b": r.randint(10, 60)}),
+    ("sorted([{a},{b},{c}])[1]", lambda r: {k: r.randint(0, 999) for k in "abc"}),
+    ("max({a},{b})-min({c},{d})", lambda r: {k: r.randint(0, 999) for k in "abcd"}),
+)
+
+
+@dataclass(frozen=True)
+class ProgramTask:
+    """The value of a generated Python expression, by running it (see the module docstring).
+    The sandbox's limits are the task's (fixed: part of the task's identity)."""
+
+    seed: int = 0
+    stop: str = "\n"
+    max_turns: int = 3
+    observation_limit: int = 64
+    limits: SandboxLimits = SandboxLimits(wall_s=5.0, cpu_s=5, output_bytes=256)
+    tools: dict[str, Tool] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.observation_limit < 8:
+            raise ConfigError("max_turns >= 1 and observation_limit >= 8")
+        if not self.tools:
+            object.__setattr__(self, "tools", {"py": PythonSandbox(self.limits)})
+
+    def problems(self, start: int, count: int) -> list[Problem]:
+        out = []
+        for i in range(start, start + count):
+            rng = random.Random(self.seed * 1_000_003 + i)
+            template, draw = _PROGRAMS[rng.randrange(len(_PROGRAMS))]
+            expr = template.format(**draw(rng))
+            value = str(_evaluate(expr))
+            call = f"<py>print({expr})</py>{OUT_OPEN}{value}\n{OUT_CLOSE}"
+            out.append(Problem(f"{expr}=", f"{call}{value}{self.stop}", i, {"value": value}))
+        return out
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """1 if the answer (the last turn, up to the stop) is the expression's value."""
+        answer = completion.split(self.stop, 1)[0].strip()
+        return 1.0 if answer == problem.metadata["value"] else 0.0
+
+
+def _evaluate(expr: str) -> int:
+    """The value of one of :data:`_PROGRAMS`' expressions, computed here (they use only
+    ``sum``, ``range``, ``len``, ``str``, ``sorted``, ``max``, ``min`` and integer operators)."""
+    allowed = {
+        "sum": sum,
+        "range": range,
+        "len": len,
+        "str": str,
+        "sorted": sorted,
+        "max": max,
+        "min": min,
+    }
+    return int(eval(expr, {"__builtins__": {}}, allowed))  # noqa: S307 (our own templates)

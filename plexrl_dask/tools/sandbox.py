@@ -7,8 +7,11 @@ in a fresh process:
   as root or with user namespaces): new network, mount and PID namespaces (``unshare``), so the
   program has no network (a loopback that is down), sees no other process, and every process it
   starts dies with it; empty tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``; it
-  runs as an unprivileged user (uid :attr:`SandboxLimits.uid`), in a working directory of its
-  own, so it cannot write outside that directory and those private mounts. Where namespaces are
+  runs as an unprivileged user, in a working directory of its own, so it cannot write outside
+  that directory and those private mounts. Each running program has a uid of its own
+  (:attr:`SandboxLimits.uid_base` + a slot held with a lock file while it runs, across the
+  machine's processes), so one program's processes never count against another's process
+  limit: a fork bomb stops at its own. Where namespaces are
   not available (``"limits"``, what :func:`isolation` falls back to): the limits below and an
   empty environment in a temporary directory only; a test says which mode ran.
 - **limits**: wall-clock time (the process group is killed), CPU seconds, address space, file
@@ -25,6 +28,7 @@ the task's to avoid (the program-output tasks generate programs that do not).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,7 +59,8 @@ class SandboxLimits:
     processes: int = 32
     output_bytes: int = 4096
     code_bytes: int = 64 * 2**10
-    uid: int = 65534  # "nobody"
+    uid_base: int = 200_000  # (uids with no account: base .. base + uid_slots - 1)
+    uid_slots: int = 1024
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -120,10 +126,15 @@ class PythonSandbox:
         code = text.encode()
         if len(code) > self.limits.code_bytes:
             raise ToolLimitExceeded(f"a program has at most {self.limits.code_bytes} bytes")
-        with tempfile.TemporaryDirectory(prefix="plexrl-sandbox-") as tmp:
+        with (
+            contextlib.ExitStack() as stack,
+            tempfile.TemporaryDirectory(prefix="plexrl-sandbox-") as tmp,
+        ):
             os.chmod(tmp, 0o711)  # (the unprivileged user enters, lists nothing)
+            slot = stack.enter_context(_uid_slot(self.limits)) if mode == "namespaces" else 0
             limits = {
                 **asdict(self.limits),
+                "uid": self.limits.uid_base + slot,
                 "private_mounts": mode == "namespaces",
                 "workdir": tmp,
                 "python": interpreter(),
@@ -139,6 +150,28 @@ class PythonSandbox:
                     *cmd,
                 ]
             return _run(cmd, code, self.limits, tmp)
+
+
+@contextlib.contextmanager
+def _uid_slot(limits: SandboxLimits) -> Iterator[int]:
+    """A uid slot no other program on this machine runs under meanwhile: the first of
+    ``limits.uid_slots`` whose lock file (in the temp dir) this process could lock."""
+    folder = Path(tempfile.gettempdir()) / "plexrl-sandbox-uids"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for slot in range(limits.uid_slots):
+        fd = os.open(folder / f"{limits.uid_base + slot}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield slot
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return
+    raise ToolLimitExceeded(f"all {limits.uid_slots} sandbox uids are in use on this machine")
 
 
 def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:

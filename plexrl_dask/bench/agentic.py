@@ -1,0 +1,227 @@
+"""Benchmark: agentic jobs (tool calls between turns) isolated and multiplexed.
+
+The agentic mix (:func:`~plexrl_dask.rl.catalog.agentic_jobs`): ``multiply3`` calls the
+calculator, ``program`` runs each of its calls in the Python sandbox (a fresh interpreter per
+call), beside two single-turn jobs of the standard mix. One ``local_cluster`` with as many
+model workers as cores and one tool worker (without the GPU resource, running
+``plexrl.local-cluster.tool-threads`` calls at once: the tool calls run there). Each job first runs its supervised warm-up (outside every measurement); then every
+layout of every mode that fits (:func:`~plexrl_dask.rl.modes.layouts`) runs all jobs to the
+end, as in ``bench.multiplex``, whose cost ledger this uses (:mod:`plexrl_dask.rl.ledger`:
+cost = reserved worker-seconds; isolated jobs one after another, the pool for its makespan;
+tool workers are not counted in any mode, since every mode runs the same calls on them).
+
+Results: ``cost_ratio_vs_colocated`` and ``cost_ratio_vs_split_async`` (the cheapest pool ÷
+each mode's cheapest layout), ``idle_fraction`` per mode, and from the cheapest pool's run:
+``tool_calls``, ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
+``tool_s_p99`` (seconds a call ran on its tool worker), ``reward_first``/``reward_last`` per
+agentic job (mean reward of its first and last 5 steps), ``reward_trajectories_identical``
+(every job's reward and loss per step the same in every synchronous layout: colocated and
+multiplexed), ``prefix_cache_hit_rate`` (None: replicas keep no prefix cache yet), and
+``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
+sandbox in the same run, an escape being a file written outside it, a connection made, a
+process it left running, a program that ran past its limits unstopped, or one that read what
+only root may read.
+
+On 2 cores the tool worker's interpreters share the cores with the model workers and the
+driver: a pool, whose workers are busy while tools run, pays for that more than an isolated
+job, whose idle worker leaves a core to the tools. Clusters run tools on other machines.
+
+Run: ``python -m plexrl_dask.bench.agentic --json OUT [--quick]`` (``--quick``: a quarter of
+the warm-up and steps).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from distributed import Client
+from rich.console import Console
+
+import plexrl_dask as plexrl
+from plexrl_dask.bench.common import parser, report
+from plexrl_dask.rl.catalog import agentic_jobs
+from plexrl_dask.rl.ledger import cost_ratio, percentile
+from plexrl_dask.rl.modes import ModeRun, layouts, run_mode, warm_start
+from plexrl_dask.rl.report import reward_start_end
+from plexrl_dask.tasks.agentic import is_agentic
+from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolCall, ToolPool, isolation
+from plexrl_dask.tools.pool import tool_workers
+
+MODES = ("colocated", "split-async", "multiplexed")
+TARGETS = {
+    "cost_ratio_vs_colocated": "<= 0.70",
+    "reward_trajectories_identical": "true",
+    "sandbox_escapes": "0",
+}
+#: The hostile suite's limits (short, so that the suite is quick).
+SUITE_LIMITS = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=None, help="model workers (default: the cores)")
+    args = p.parse_args()
+    console = Console()
+    workers_n = args.workers or os.cpu_count() or 1
+    specs = agentic_jobs(0.25 if args.quick else 1.0)
+    with (
+        tempfile.TemporaryDirectory(prefix="plexrl-bench-agentic-") as tmp,
+        plexrl.local_cluster(n_workers=workers_n, tool_workers=1) as cluster,
+        Client(cluster) as client,
+    ):
+        runtime = plexrl.Runtime(client, job="bench-agentic")
+        tools = set(tool_workers(client))
+        workers = sorted(a for a in client.scheduler_info()["workers"] if a not in tools)
+        t0 = time.perf_counter()
+        checkpoints = warm_start(runtime, specs, Path(tmp) / "warmup")
+        console.print(
+            f"warm-up of {len(specs)} jobs: {time.perf_counter() - t0:.0f}s (not measured)"
+        )
+        runs: list[ModeRun] = []
+        for mode in MODES:
+            for layout in layouts(mode, len(workers)):
+                t0 = time.perf_counter()
+                run = run_mode(runtime, specs, layout, checkpoints, workers)
+                runs.append(run)
+                s = run.ledger.summary()
+                console.print(
+                    f"{layout.label}: cost {s['cost_worker_seconds']:.1f} worker-s, idle "
+                    f"{s['idle_fraction']:.2f} ({time.perf_counter() - t0:.0f}s)"
+                )
+        suite = hostile_suite(client, Path(tmp))
+    results = summarise(runs, specs, suite)
+    config = {
+        "jobs": [s.describe() for s in specs],
+        "workers": workers_n,
+        "tool_workers": 1,
+        "quick": args.quick,
+        "sandbox_isolation": isolation(),
+    }
+    report("agentic", results, TARGETS, config, args.json)
+
+
+def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's results (see the module docstring) from its runs and the suite's."""
+    best = {
+        mode: min(
+            (r for r in runs if r.layout.mode == mode),
+            key=lambda r: r.ledger.reserved_worker_seconds(),
+        )
+        for mode in MODES
+        if any(r.layout.mode == mode for r in runs)
+    }
+    mux = best["multiplexed"]
+    synchronous = [r for r in runs if r.layout.mode != "split-async" and r.layout.train_ranks == 1]
+    identical = all(
+        r.trajectory(s.name) == synchronous[0].trajectory(s.name)
+        for r in synchronous
+        for s in specs
+    )
+    episodes = mux.extra.get("episodes", {})
+    turns = [t for e in episodes.values() for t in e["turns"]]
+    tool_s = [t for e in episodes.values() for t in e["tool_s"]]
+    agentic = [s.name for s in specs if is_agentic(s.task)]
+    return {
+        "cost_ratio_vs_colocated": cost_ratio(mux.ledger, best["colocated"].ledger),
+        "cost_ratio_vs_split_async": cost_ratio(mux.ledger, best["split-async"].ledger)
+        if "split-async" in best
+        else None,
+        "idle_fraction": {m: r.ledger.idle_fraction() for m, r in best.items()},
+        "tool_calls": len(tool_s),
+        "turns_p50": percentile(turns, 0.5) if turns else None,
+        "turns_max": max(turns, default=None),
+        "tool_s_p50": percentile(tool_s, 0.5) if tool_s else None,
+        "tool_s_p99": percentile(tool_s, 0.99) if tool_s else None,
+        "prefix_cache_hit_rate": None,  # (not built: every turn recomputes its prefix)
+        "reward_first": {n: reward_start_end(mux.records[n])[0] for n in agentic},
+        "reward_last": {n: reward_start_end(mux.records[n])[1] for n in agentic},
+        "reward_trajectories_identical": identical,
+        "sandbox_programs": len(suite["programs"]),
+        "sandbox_escapes": sum(bool(v["escaped"]) for v in suite["programs"].values()),
+        "sandbox": suite,
+        "best_layout": {m: r.layout.label for m, r in best.items()},
+        "layouts": [{"layout": r.layout.label, **r.ledger.summary()} for r in runs],
+    }
+
+
+def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
+    """Run the hostile programs on the tool worker, each checked for an escape (see the
+    module docstring); returns each program's result and verdict."""
+    marker = f"plexrl-escape-{uuid.uuid4().hex}"
+    outside = [Path("/tmp") / marker, tmp / marker]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    accepted: list[Any] = []
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept())
+            except OSError:
+                continue
+
+    stop = threading.Event()
+    threading.Thread(target=accept, daemon=True).start()
+    programs = {
+        "infinite loop": "while True:\n    pass",
+        "sleep": "import time\ntime.sleep(600)",
+        "fork bomb": "import os\nwhile True:\n    os.fork()",
+        "orphan": "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint('parent done')",
+        "memory": "x = bytearray(1 << 40)",
+        "huge output": "while True:\n    print('x' * 10000)",
+        "huge file": "open('big', 'wb').write(b'x' * (1 << 30))",
+        "write outside": "".join(f"open({str(p)!r}, 'w').write('x')\n" for p in outside),
+        "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+        "kill others": "import os, signal\nfor p in range(2, 40000):\n    try:\n        os.kill(p, signal.SIGKILL)\n    except Exception:\n        pass",
+        "read secrets": "print(open('/etc/shadow').read()[:20])",
+    }
+    pool = ToolPool(client, {"py": PythonSandbox(SUITE_LIMITS)})
+    out: dict[str, Any] = {}
+    try:
+        for name, code in programs.items():
+            t0 = time.monotonic()
+            [res] = pool.run([ToolCall("py", code)], SUITE_LIMITS.wall_s)
+            took = time.monotonic() - t0
+            out[name] = {"error": res.error, "output": res.output[:120], "seconds": took}
+        time.sleep(1.0)  # (an orphan would still be running)
+    finally:
+        stop.set()
+        listener.close()
+        pool.close()
+    base = SandboxLimits().uid_base
+    leftovers = _processes_of(range(base, base + SandboxLimits().uid_slots))
+    for name, v in out.items():
+        v["escaped"] = (
+            (name == "write outside" and any(p.exists() for p in outside))
+            or (name == "network" and bool(accepted))
+            or v["seconds"] > SUITE_LIMITS.wall_s + 10
+            or (name == "read secrets" and v["error"] is None)
+        )
+    out["orphan"]["escaped"] = out["orphan"]["escaped"] or bool(leftovers)
+    return {"programs": out, "processes_left": leftovers, "isolation": isolation()}
+
+
+def _processes_of(uids: range) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.stat(entry.path).st_uid in uids:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+if __name__ == "__main__":
+    main()
