@@ -58,6 +58,24 @@ def test_the_calculator_is_exact_integer_arithmetic_and_refuses_the_rest():
     assert not res.ok and res.error == "InvalidToolCall" and "division by zero" in res.output
     assert res.observation(64) == "<out>error: division by zero</out>"
     assert run_call(ToolCall("nope", "1"), TOOLS).error == "InvalidToolCall"
+
+    class Broken:
+        name = "broken"
+
+        def run(self, text: str) -> str:
+            raise RuntimeError("a fault of the tool")
+
+    fault = run_call(ToolCall("broken", ""), {"broken": Broken()})
+    assert fault.error == "ToolFailed" and "a fault of the tool" in fault.output
+
+
+def test_the_calculator_answers_threads_that_call_it_at_once():
+    import concurrent.futures
+
+    calc = Calculator()
+    exprs = [f"({i} + 1) * {i}" for i in range(400)]
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        assert list(ex.map(calc.run, exprs)) == [str((i + 1) * i) for i in range(400)]
     assert ToolResult("x" * 100).observation(20) == "<out>" + "x" * 17 + "...</out>"
 
 

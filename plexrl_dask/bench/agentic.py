@@ -48,7 +48,14 @@ import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.rl.catalog import agentic_jobs
 from plexrl_dask.rl.ledger import cost_ratio, percentile
-from plexrl_dask.rl.modes import ModeRun, layouts, run_mode, warm_start
+from plexrl_dask.rl.modes import (
+    ModeRun,
+    cheapest,
+    layouts,
+    run_mode,
+    trajectories_identical,
+    warm_start,
+)
 from plexrl_dask.rl.report import reward_start_end
 from plexrl_dask.tasks.agentic import is_agentic
 from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolCall, ToolPool, isolation
@@ -109,21 +116,9 @@ def main() -> None:
 
 def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> dict[str, Any]:
     """The benchmark's results (see the module docstring) from its runs and the suite's."""
-    best = {
-        mode: min(
-            (r for r in runs if r.layout.mode == mode),
-            key=lambda r: r.ledger.reserved_worker_seconds(),
-        )
-        for mode in MODES
-        if any(r.layout.mode == mode for r in runs)
-    }
+    best = cheapest(runs, MODES)
     mux = best["multiplexed"]
-    synchronous = [r for r in runs if r.layout.mode != "split-async" and r.layout.train_ranks == 1]
-    identical = all(
-        r.trajectory(s.name) == synchronous[0].trajectory(s.name)
-        for r in synchronous
-        for s in specs
-    )
+    identical, trained = trajectories_identical(runs, [s.name for s in specs])
     episodes = mux.extra.get("episodes", {})
     turns = [t for e in episodes.values() for t in e["turns"]]
     tool_s = [t for e in episodes.values() for t in e["tool_s"]]
@@ -143,6 +138,7 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "reward_first": {n: reward_start_end(mux.records[n])[0] for n in agentic},
         "reward_last": {n: reward_start_end(mux.records[n])[1] for n in agentic},
         "reward_trajectories_identical": identical,
+        "trajectory_steps_trained": trained,
         "sandbox_programs": len(suite["programs"]),
         "sandbox_escapes": sum(bool(v["escaped"]) for v in suite["programs"].values()),
         "sandbox": suite,

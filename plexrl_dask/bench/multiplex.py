@@ -94,11 +94,13 @@ from plexrl_dask.rl.modes import (
     JobSpec,
     Layout,
     ModeRun,
+    cheapest,
     layouts,
     peak_tokens_per_second,
     run_mode,
     smallest_groups,
     tensor_parallel_degrees,
+    trajectories_identical,
     warm_start,
 )
 from plexrl_dask.rl.report import plot_run, reward_start_end
@@ -371,14 +373,7 @@ def summarise(
     ``not_run``: the modes no layout of which fitted, with why (their results are None).
     The multiplexed mode and the colocated one fit any worker count and must have run."""
     peak_shares = peak_shares or {}
-    best = {
-        mode: min(
-            (r for r in runs if r.layout.mode == mode),
-            key=lambda r: r.ledger.reserved_worker_seconds(),
-        )
-        for mode in MODES
-        if any(r.layout.mode == mode for r in runs)
-    }
+    best = cheapest(runs, MODES)
     for needed in ("multiplexed", "colocated"):
         if needed not in best:
             raise ValueError(f"no {needed} layout among the runs")
@@ -387,16 +382,7 @@ def summarise(
     def of_best(mode: str, what: Callable[[ModeRun], Any]) -> Any:
         return what(best[mode]) if mode in best else None
 
-    # (a group of other size rounds differently: compared are the layouts that train each
-    # job on its smallest group)
-    synchronous = [r for r in runs if r.layout.mode != "split-async" and r.layout.train_ranks == 1]
-    # (steps that trained: equal trajectories of steps that trained nothing would prove little)
-    trained = sum(loss is not None for s in specs for _, loss in synchronous[0].trajectory(s.name))
-    identical = trained > 0 and all(
-        r.trajectory(s.name) == synchronous[0].trajectory(s.name)
-        for r in synchronous
-        for s in specs
-    )
+    identical, trained = trajectories_identical(runs, [s.name for s in specs])
     lengths = [n for recs in mux.records.values() for rec in recs for n in rec.completion_lengths]
     colocated = best["colocated"].ledger
     longest, bound = longest_job_bound(colocated, len(mux.ledger.pool))

@@ -544,6 +544,31 @@ def _window(
     )
 
 
+def cheapest(runs: Sequence[ModeRun], modes: Sequence[str] = MODES) -> dict[str, ModeRun]:
+    """Each of ``modes`` that ran: its cheapest run (the ledger's cost)."""
+    return {
+        mode: min(
+            (r for r in runs if r.layout.mode == mode),
+            key=lambda r: r.ledger.reserved_worker_seconds(),
+        )
+        for mode in modes
+        if any(r.layout.mode == mode for r in runs)
+    }
+
+
+def trajectories_identical(runs: Sequence[ModeRun], jobs: Sequence[str]) -> tuple[bool, int]:
+    """Whether every job's (reward, loss) per step is the same in every synchronous run that
+    trains each job on its smallest group (a group of another size rounds differently), and
+    how many of the first such run's steps trained: equal trajectories of steps that trained
+    nothing would prove little, so none trained is False."""
+    synchronous = [r for r in runs if r.layout.mode != "split-async" and r.layout.train_ranks == 1]
+    if not synchronous:
+        return False, 0
+    trained = sum(loss is not None for j in jobs for _, loss in synchronous[0].trajectory(j))
+    same = all(r.trajectory(j) == synchronous[0].trajectory(j) for r in synchronous for j in jobs)
+    return trained > 0 and same, trained
+
+
 def _episodes(extra: dict[str, Any], job: GRPOJob) -> None:
     """An agentic job's turns per episode and tool seconds per call, into a run's ``extra``."""
     if job.episode_turns:

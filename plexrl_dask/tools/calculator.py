@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import ast
 import operator
+import threading
 
 from plexrl_dask.errors import InvalidToolCall
 
 MAX_INPUT = 200
 MAX_DIGITS = 40
+#: One parse at a time per process: CPython 3.11's parser raised ``SystemError("AST constructor
+#: recursion depth mismatch")`` when a tool worker's threads parsed at once (bench.agentic).
+_PARSING = threading.Lock()
 
 _BINARY = {
     ast.Add: operator.add,
@@ -38,7 +42,8 @@ class Calculator:
         if len(text) > MAX_INPUT:
             raise InvalidToolCall(f"an expression has at most {MAX_INPUT} characters")
         try:
-            tree = ast.parse(text.strip(), mode="eval")
+            with _PARSING:
+                tree = ast.parse(text.strip(), mode="eval")
         except SyntaxError:
             raise InvalidToolCall(f"not an expression: {text!r:.60}") from None
         return str(_value(tree.body))

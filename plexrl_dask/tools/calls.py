@@ -107,7 +107,10 @@ def parse_call(turn: str, tools: Mapping[str, Tool]) -> ToolCall | None:
 
 def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
     """Run ``call`` here: its output, or its :class:`~plexrl_dask.errors.ToolError` as a
-    failed result (any other exception of a tool is a bug of the tool, and raised)."""
+    failed result. Any other exception is a fault of the tool, not of the call; it is logged
+    with its traceback and becomes a failed result too (``"ToolFailed"``), so that one tool's
+    fault ends no episode and no job."""
+    import logging
     import time
 
     tool = tools.get(call.tool)
@@ -118,4 +121,7 @@ def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
         output = tool.run(call.text)
     except ToolError as e:
         return ToolResult(str(e), type(e).__name__, time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 (see the docstring)
+        logging.getLogger(__name__).exception("tool %r failed on %r", call.tool, call.text[:80])
+        return ToolResult(f"{type(e).__name__}: {e}", "ToolFailed", time.perf_counter() - t0)
     return ToolResult(str(output), None, time.perf_counter() - t0)
