@@ -11,7 +11,8 @@ cost = reserved worker-seconds; isolated jobs one after another, the pool for it
 tool workers are not counted in any mode, since every mode runs the same calls on them).
 
 Results: ``cost_ratio_vs_colocated`` and ``cost_ratio_vs_split_async`` (the cheapest pool ÷
-each mode's cheapest layout), ``idle_fraction`` per mode, and from the cheapest pool's run:
+each mode's cheapest layout), ``idle_fraction`` per mode, ``bench.multiplex``'s ``longest_job``
+figures and each job's ``colocated_wall_s``, and from the cheapest pool's run:
 ``tool_calls``, ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
 ``tool_s_p99`` (seconds a call ran on its tool worker), ``reward_first``/``reward_last`` per
 agentic job (mean reward of its first and last 5 steps), ``reward_trajectories_identical``
@@ -47,7 +48,7 @@ from rich.console import Console
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.rl.catalog import agentic_jobs
-from plexrl_dask.rl.ledger import cost_ratio, percentile
+from plexrl_dask.rl.ledger import cost_ratio, longest_job_bound, percentile
 from plexrl_dask.rl.modes import (
     ModeRun,
     cheapest,
@@ -118,6 +119,8 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
     """The benchmark's results (see the module docstring) from its runs and the suite's."""
     best = cheapest(runs, MODES)
     mux = best["multiplexed"]
+    colocated = best["colocated"].ledger
+    longest, bound = longest_job_bound(colocated, len(mux.ledger.pool))
     identical, trained = trajectories_identical(runs, [s.name for s in specs])
     episodes = mux.extra.get("episodes", {})
     turns = [t for e in episodes.values() for t in e["turns"]]
@@ -129,6 +132,12 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         if "split-async" in best
         else None,
         "idle_fraction": {m: r.ledger.idle_fraction() for m, r in best.items()},
+        # where the pool's cost goes with a fixed set of jobs (as in bench.multiplex)
+        "longest_job": longest,
+        "longest_job_bound_ratio_vs_colocated": bound / colocated.reserved_worker_seconds(),
+        "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
+        "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
+        "colocated_wall_s": {j.job: j.wall_s for j in colocated.jobs},
         "tool_calls": len(tool_s),
         "turns_p50": percentile(turns, 0.5) if turns else None,
         "turns_max": max(turns, default=None),
