@@ -525,9 +525,9 @@ class Dispatcher:
         """Until when gang ``order`` holds its ``group``'s workers: while a request of it
         runs, until that one is expected to end plus the order's learned gap (capped); while
         its next request waits for this group (no other's urgent request has reserved it),
-        until its busy workers are expected to end; after its
-        last request ended, until that end plus the gap; None when it holds nothing (its
-        hold is forgotten once it has expired: its next start holds again)."""
+        until its busy workers are expected to end; after its last request ended, until that
+        end plus the gap; None when it holds nothing (its hold is forgotten once it has
+        expired: its next start holds again)."""
         gap = min(self._gang_gap.get(order, 0.0), self.policy.gang_hold_s)
         rid = self._gang_running.get(order)
         if rid is not None:  # (a rank that runs past its estimate ends no earlier than now)
