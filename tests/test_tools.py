@@ -172,6 +172,19 @@ def test_the_sandbox_has_no_network_and_writes_nothing_outside_it(tmp_path):
     assert limits.uid_base <= uid < limits.uid_base + limits.uid_slots
 
 
+def test_without_namespaces_the_limits_and_an_own_uid_still_hold():
+    tools = {"py": PythonSandbox(FAST, mode="limits")}
+    uid = int(run_call(ToolCall("py", "import os\nprint(os.getuid())"), tools).output)
+    limits = SandboxLimits()
+    if os.geteuid() == 0:
+        assert limits.uid_base <= uid < limits.uid_base + limits.uid_slots
+    else:
+        assert uid == os.geteuid()
+    assert run_call(ToolCall("py", "while True:\n    pass"), tools).error == "ToolLimitExceeded"
+    assert not run_call(ToolCall("py", "import os\nwhile True:\n    os.fork()"), tools).ok
+    assert run_call(ToolCall("py", "print('after')"), tools).output == "after\n"
+
+
 def test_bad_limits_and_modes_are_typed():
     with pytest.raises(errors.ConfigError):
         SandboxLimits(wall_s=0)

@@ -23,7 +23,7 @@ def main() -> None:
     if len(code) > limits["code_bytes"]:
         fail(f"a program has at most {limits['code_bytes']} bytes")
     uid = gid = limits["uid"]
-    root = os.geteuid() == 0
+    root = uid is not None and os.geteuid() == 0  # (drop to ``uid``)
     if limits["private_mounts"]:
         for target in ("/tmp", "/var/tmp", "/dev/shm"):
             if os.path.isdir(target):

@@ -12,8 +12,9 @@ in a fresh process:
   (:attr:`SandboxLimits.uid_base` + a slot held with a lock file while it runs, across the
   machine's processes), so one program's processes never count against another's process
   limit: a fork bomb stops at its own. Where namespaces are
-  not available (``"limits"``, what :func:`isolation` falls back to): the limits below and an
-  empty environment in a temporary directory only; a test says which mode ran.
+  not available (``"limits"``, what :func:`isolation` falls back to): the limits below, an
+  empty environment in a temporary directory, and, when run by root, the uid of its own; a
+  test says which mode ran.
 - **limits**: wall-clock time (the process group is killed), CPU seconds, address space, file
   size, open files, processes; no core files; an empty environment.
 - **output**: standard output, at most :attr:`SandboxLimits.output_bytes` (the program is
@@ -131,10 +132,13 @@ class PythonSandbox:
             tempfile.TemporaryDirectory(prefix="plexrl-sandbox-") as tmp,
         ):
             os.chmod(tmp, 0o711)  # (the unprivileged user enters, lists nothing)
-            slot = stack.enter_context(_uid_slot(self.limits)) if mode == "namespaces" else 0
+            # (run by root, in either mode, the program drops to a uid slot of its own)
+            slot = stack.enter_context(_uid_slot(self.limits)) if os.geteuid() == 0 else 0
             limits = {
                 **asdict(self.limits),
-                "uid": self.limits.uid_base + slot,
+                # (None: not run by root, so no uid to drop to: in a user namespace its root
+                # is the caller, who may not take another uid)
+                "uid": self.limits.uid_base + slot if os.geteuid() == 0 else None,
                 "private_mounts": mode == "namespaces",
                 "workdir": tmp,
                 "python": interpreter(),
