@@ -5,9 +5,10 @@ standard input.
 As root in a private mount namespace it first mounts empty tmpfs file systems over the
 world-writable directories (``/tmp``, ``/var/tmp``, ``/dev/shm``), so whatever the program
 writes there goes away with the namespace, and makes its working directory there, owned by the
-unprivileged user; then, in every mode, it sets the resource limits, drops to that user (when it
-is root), and replaces itself with the interpreter running the program with an empty
-environment. Exit status 125 and a message on standard error: the jail itself could not be set
+unprivileged user; then, in every mode, a child of it sets the resource limits, drops to that
+user (when the jail is root) and replaces itself with the interpreter running the program with
+an empty environment, while the jail waits for it and exits with its status (128 + the signal
+that killed it). Exit status 125 and a message on standard error: the jail itself could not be set
 up (the parent reports it as such, not as the program's failure).
 """
 
@@ -37,7 +38,25 @@ def main() -> None:
         os.chown(work, uid, gid)
         os.chown(os.path.join(work, "main.py"), uid, gid)
     os.chdir(work)
-    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"]))
+    # The jail stays (the namespace's init, reaping what the program leaves) and waits for the
+    # program in a child: a program killed by a signal (SIGXCPU at its CPU limit) then exits
+    # the jail with 128 + the signal, which ``unshare`` passes on as it is.
+    pid = os.fork()
+    if pid == 0:
+        run_program(limits, root, uid)
+    while True:
+        done, status = os.waitpid(-1, 0)
+        if done == pid:
+            break
+    if os.WIFSIGNALED(status):
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status))
+
+
+def run_program(limits: dict, root: bool, uid: int) -> None:
+    """In the jail's child: the limits, the unprivileged user, then the interpreter."""
+    # (SIGXCPU at the soft limit, which ends the interpreter; SIGKILL a second later)
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"], limits["memory_bytes"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"], limits["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
@@ -45,7 +64,7 @@ def main() -> None:
     if root:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
         os.setgroups([])
-        os.setgid(gid)
+        os.setgid(uid)
         os.setuid(uid)
     elif limits["processes"]:
         soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)

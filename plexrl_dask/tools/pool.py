@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -101,22 +102,22 @@ class ToolPool:
 
 def _outcome(future: Any, deadline: float, alive: Callable[[], bool]) -> ToolResult:
     """``future``'s result by ``deadline``, checking every :data:`POLL_S` that a worker that
-    may run it is still there."""
+    may run it is still there. Waits on a done-callback, not on ``result(timeout=...)``: a
+    Dask future's timed wait can end in an ``UnboundLocalError`` of distributed's ``sync``
+    when its inner wait is cancelled at the moment it times out (seen in bench.agentic)."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(max(0.0, min(POLL_S, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            _cancel(future)
+            return ToolResult("the call did not return in time", "ToolLimitExceeded")
+        if not alive():
+            _cancel(future)
+            return ToolResult("the worker running the call was lost", "ToolWorkerLost")
     try:
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return future.result(timeout=max(0.0, min(POLL_S, left)))
-            except TimeoutError:
-                if left <= POLL_S:
-                    raise
-                if not alive():
-                    _cancel(future)
-                    return ToolResult("the worker running the call was lost", "ToolWorkerLost")
-    except TimeoutError:
-        _cancel(future)
-        return ToolResult("the call did not return in time", "ToolLimitExceeded")
-    except (KilledWorker, CommClosedError, OSError) as e:  # its worker died or left mid-call
+        return future.result()
+    # its worker died or left mid-call, or the scheduler gave it up
+    except (KilledWorker, CommClosedError, OSError, concurrent.futures.CancelledError) as e:
         logger.warning("tool call %s lost its worker: %r", getattr(future, "key", ""), e)
         return ToolResult(
             f"the worker running the call was lost ({type(e).__name__})", "ToolWorkerLost"

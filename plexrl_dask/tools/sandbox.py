@@ -5,8 +5,8 @@ in a fresh process:
 
 - **isolation** (``isolation="namespaces"``, the default where the kernel allows it: Linux, run
   as root or with user namespaces): new network, mount and PID namespaces (``unshare``), so the
-  program has no network (a loopback that is down), sees no other process, and every process it
-  starts dies with it; empty tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``; it
+  program has no network (a loopback that is down), sees no other process than the jail that
+  waits for it, and every process it starts dies with it; empty tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``; it
   runs as an unprivileged user, in a working directory of its own, so it cannot write outside
   that directory and those private mounts. Each running program has a uid of its own
   (:attr:`SandboxLimits.uid_base` + a slot held with a lock file while it runs, across the
@@ -34,6 +34,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -211,6 +212,8 @@ def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
         return out.data.decode(errors="replace") + TRUNCATED
     if timed_out:
         raise ToolLimitExceeded(f"the program ran past {limits.wall_s:g} s")
+    if proc.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):  # (unshare passes it on)
+        raise ToolLimitExceeded(f"the program ran past {limits.cpu_s} s of CPU time")
     if proc.returncode != 0:
         # the exception's line: the last one that is not a traceback's indented frame
         lines = [ln for ln in err.data.decode(errors="replace").splitlines() if ln.strip()]
@@ -223,10 +226,11 @@ def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, 9)
-        proc.wait()
+    """Kill the call's process group, whether or not its first process is still running
+    (what the program left behind in its group goes too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, 9)
+    proc.wait()
 
 
 class _Capped(threading.Thread):
