@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -102,26 +101,29 @@ class ToolPool:
 
 def _outcome(future: Any, deadline: float, alive: Callable[[], bool]) -> ToolResult:
     """``future``'s result by ``deadline``, checking every :data:`POLL_S` that a worker that
-    may run it is still there. Waits on a done-callback, not on ``result(timeout=...)``: a
-    Dask future's timed wait can end in an ``UnboundLocalError`` of distributed's ``sync``
-    when its inner wait is cancelled at the moment it times out (seen in bench.agentic)."""
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    while not done.wait(max(0.0, min(POLL_S, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            _cancel(future)
-            return ToolResult("the call did not return in time", "ToolLimitExceeded")
-        if not alive():
-            _cancel(future)
-            return ToolResult("the worker running the call was lost", "ToolWorkerLost")
-    try:
-        return future.result()
-    # its worker died or left mid-call, or the scheduler gave it up
-    except (KilledWorker, CommClosedError, OSError, concurrent.futures.CancelledError) as e:
-        logger.warning("tool call %s lost its worker: %r", getattr(future, "key", ""), e)
-        return ToolResult(
-            f"the worker running the call was lost ({type(e).__name__})", "ToolWorkerLost"
-        )
+    may run it is still there.
+
+    Polls with short timed waits. distributed 2026.8's ``sync`` can end such a wait with an
+    ``UnboundLocalError`` when its inner wait is cancelled at the moment it times out (seen
+    once in bench.agentic), which is read here as "not done yet"; waiting on a done-callback
+    and then ``result()`` instead hung once in the same benchmark, so it is not used."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return future.result(timeout=max(0.0, min(POLL_S, left)))
+        except (TimeoutError, UnboundLocalError):
+            if left <= POLL_S:
+                _cancel(future)
+                return ToolResult("the call did not return in time", "ToolLimitExceeded")
+            if not alive():
+                _cancel(future)
+                return ToolResult("the worker running the call was lost", "ToolWorkerLost")
+        # its worker died or left mid-call, or the scheduler gave it up
+        except (KilledWorker, CommClosedError, OSError, concurrent.futures.CancelledError) as e:
+            logger.warning("tool call %s lost its worker: %r", getattr(future, "key", ""), e)
+            return ToolResult(
+                f"the worker running the call was lost ({type(e).__name__})", "ToolWorkerLost"
+            )
 
 
 def _cancel(future: Any) -> None:
