@@ -3,6 +3,7 @@ hostile programs, and the pool that runs calls on tool workers (a real process c
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
@@ -239,7 +240,41 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
         while not tool_workers(client) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert pool.run([ToolCall("calc", "1+1")], timeout_s=10)[0].output == "2"
+        _a_wait_that_times_out_leaves_the_client_working(client, pool)
     # Without tool workers, calls run on the driver.
     local = ToolPool(None, {"calc": Calculator()})
     assert local.run([ToolCall("calc", "2*21")], timeout_s=5)[0].output == "42"
     local.close()
+
+
+def _a_wait_that_times_out_leaves_the_client_working(client, pool) -> None:
+    """A timed wait gives up on a fetch that is queued behind the client's gather semaphore
+    (distributed's ``Future.result(timeout)`` would cancel it there and leave the client
+    returning no result ever again: plexrl_dask.driver.waits); after it, results still come."""
+    from plexrl_dask.driver.waits import result
+
+    semaphore = getattr(client, "_gather_semaphore", None)
+    if not isinstance(semaphore, asyncio.Semaphore):
+        pytest.skip("this distributed has no client gather semaphore to hold")
+    future = client.submit(sum, [1, 2], pure=False)
+    assert result(future, timeout=30) == 3
+
+    async def hold_all() -> int:
+        n = 0
+        while not semaphore.locked():
+            await semaphore.acquire()
+            n += 1
+        return n
+
+    async def release(n: int) -> None:
+        for _ in range(n):
+            semaphore.release()
+
+    held = client.sync(hold_all)
+    later = client.submit(sum, [3, 4], pure=False)
+    with pytest.raises(errors.RequestTimeout):
+        result(later, timeout=0.5)
+    client.sync(release, held)
+    assert result(later, timeout=30) == 7
+    assert result(client.submit(sum, [5, 6], pure=False), timeout=30) == 11
+    assert pool.run([ToolCall("calc", "2+2")], timeout_s=10)[0].output == "4"

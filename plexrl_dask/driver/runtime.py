@@ -31,9 +31,9 @@ from typing import Any
 
 import dask
 from distributed import Actor, Client, Future, get_client
-from distributed.client import FutureCancelledError
 
 from plexrl_dask import config, protocol
+from plexrl_dask.driver.waits import result
 from plexrl_dask.errors import (
     CheckpointError,
     ConfigError,
@@ -72,42 +72,6 @@ from plexrl_dask.worker import ops
 from plexrl_dask.worker.holder import ReplicaHolder
 
 logger = logging.getLogger(__name__)
-
-
-# Why a client cancels its futures when its scheduler goes (distributed.client).
-_SCHEDULER_GONE = ("scheduler-connection-lost", "scheduler-restart")
-
-
-def result(futures: Any, timeout: float | None = None) -> Any:
-    """Wait for a future (or a list of them) with a timeout and return the result(s).
-
-    Raises :class:`RequestTimeout` once ``timeout`` seconds (default ``plexrl.request.timeout``)
-    have passed for the whole list; a failed request raises its own (typed) error. Each future
-    is waited for through its own client, so this works with non-default clients too.
-    """
-    timeout = config.request_timeout() if timeout is None else timeout
-    many = isinstance(futures, (list, tuple))
-    items = list(futures) if many else [futures]
-    deadline = time.monotonic() + timeout
-    values = []
-    for f in items:
-        try:
-            values.append(f.result(timeout=max(deadline - time.monotonic(), 0.0)))
-        except FutureCancelledError as e:
-            if e.reason in _SCHEDULER_GONE:
-                raise SchedulerLost(
-                    f"the scheduler went away ({e.reason}) with {len(items)} PlexRL request(s) "
-                    "in flight; they were cancelled"
-                ) from e
-            raise
-        except TimeoutError as e:
-            if isinstance(e, PlexRLError):
-                raise  # a request's own typed timeout (e.g. GroupTimeout)
-            raise RequestTimeout(
-                f"{sum(not g.done() for g in items)} PlexRL request(s) did not finish within "
-                f"{timeout:.0f}s (plexrl.request.timeout)"
-            ) from e
-    return values if many else values[0]
 
 
 # (scheduler address, job) -> the job's secret, for the runtimes of this driver process: a

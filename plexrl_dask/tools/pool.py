@@ -24,10 +24,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from distributed import KilledWorker
+from distributed import Future, KilledWorker
 from distributed.comm.core import CommClosedError
 
 from plexrl_dask import config
+from plexrl_dask.driver.waits import fetching
 from plexrl_dask.tools.calls import Tool, ToolCall, ToolResult, run_call
 
 logger = logging.getLogger(__name__)
@@ -101,17 +102,15 @@ class ToolPool:
 
 def _outcome(future: Any, deadline: float, alive: Callable[[], bool]) -> ToolResult:
     """``future``'s result by ``deadline``, checking every :data:`POLL_S` that a worker that
-    may run it is still there.
-
-    Polls with short timed waits. distributed 2026.8's ``sync`` can end such a wait with an
-    ``UnboundLocalError`` when its inner wait is cancelled at the moment it times out (seen
-    once in bench.agentic), which is read here as "not done yet"; waiting on a done-callback
-    and then ``result()`` instead hung once in the same benchmark, so it is not used."""
+    may run it is still there. A Dask future's result is fetched with
+    :func:`~plexrl_dask.driver.waits.fetching`: polling ``Future.result(timeout)`` cancels
+    the client's fetches and can leave it unable to return any result again."""
+    pending = fetching(future) if isinstance(future, Future) else future
     while True:
         left = deadline - time.monotonic()
         try:
-            return future.result(timeout=max(0.0, min(POLL_S, left)))
-        except (TimeoutError, UnboundLocalError):
+            return pending.result(timeout=max(0.0, min(POLL_S, left)))
+        except TimeoutError:
             if left <= POLL_S:
                 _cancel(future)
                 return ToolResult("the call did not return in time", "ToolLimitExceeded")
