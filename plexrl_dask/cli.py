@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plexrl_dask import config as _config  # noqa: F401  (registers defaults)
-from plexrl_dask.errors import PlexRLError
+from plexrl_dask.errors import ConfigError, PlexRLError
 
 logger = logging.getLogger(__name__)
 console = Console()
@@ -264,6 +264,39 @@ def _cmd_kube_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from distributed import Client
+
+    from plexrl_dask.serve.app import models_from_config, serve
+    from plexrl_dask.serve.tenants import KeyRing
+
+    keys = args.keys or _config.get("serve.keys-file")
+    if not keys:
+        raise ConfigError("plexrl serve needs a keys file: --keys FILE (plexrl serve-keys add)")
+    models = models_from_config()
+    for item in args.model:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--model is NAME=CHECKPOINT_DIR, got {item!r}")
+        models[name] = path
+    if not models:
+        raise ConfigError("no base models: --model NAME=DIR or plexrl.serve.models")
+    with Client(args.scheduler, timeout=args.timeout) as client:
+        serve(client, KeyRing.from_file(keys), models, args.host, args.port)
+    return 0
+
+
+def _cmd_serve_keys(args: argparse.Namespace) -> int:
+    from plexrl_dask.serve.tenants import add_key
+
+    key = add_key(args.file, args.tenant)
+    err_console.print(
+        f"a new API key of tenant {args.tenant!r} (shown once; {args.file} keeps its digest):"
+    )
+    print(key)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plexrl", description="PlexRL on Dask")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -357,6 +390,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--idle-timeout", type=nonnegative_int, default=0, help="seconds; 0: never")
     p.set_defaults(fn=_cmd_kube_spec)
+    p = sub.add_parser("serve", help="a Tinker-compatible HTTP server on a PlexRL cluster")
+    p.add_argument("--scheduler", required=True, help="scheduler address, e.g. tcp://host:8786")
+    p.add_argument("--keys", default=None, help="tenants' keys file (plexrl.serve.keys-file)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a base model: its name and local checkpoint directory (repeatable)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=nonnegative_int, default=8000)
+    p.add_argument("--timeout", type=positive_float, default=30.0)
+    p.set_defaults(fn=_cmd_serve)
+    p = sub.add_parser("serve-keys", help="manage the API keys of plexrl serve's tenants")
+    p.add_argument("action", choices=("add",))
+    p.add_argument("file", help="the keys file (created if missing)")
+    p.add_argument("tenant")
+    p.set_defaults(fn=_cmd_serve_keys)
     args = parser.parse_args(argv)
     if args.command == "simulate" and not args.policy:
         args.policy = list(POLICIES)

@@ -371,4 +371,45 @@ class NotRouted(RequestError):
     """A PlexRL op ran as a task that the PlexRL scheduler plugin did not route."""
 
 
+# --- the Tinker front door (plexrl serve) --------------------------------------------------
+
+
+class ServeError(PlexRLError):
+    """Base class of the errors of ``plexrl serve``, the Tinker-compatible HTTP server."""
+
+
+class Unauthenticated(ServeError):
+    """A call to ``plexrl serve`` without an API key, or with one that no tenant holds."""
+
+
+class UnknownObject(ServeError, _NotFound):
+    """A session, model, sampler, request or checkpoint id that this tenant does not have
+    (another tenant's looks the same: unknown)."""
+
+
+class InvalidTinkerRequest(ServeError, ValueError):
+    """A Tinker request whose body does not parse or does not follow the protocol (a
+    malformed protobuf, a missing field, tensors of the wrong shape)."""
+
+
+class UnsupportedCall(ServeError):
+    """A Tinker call, loss or option that ``plexrl serve`` does not implement (yet); the
+    message names what it does support."""
+
+
+class TenantLimitExceeded(QuotaExceeded, ServeError):
+    """A tenant of ``plexrl serve`` asked past its limits (models, requests waiting at once,
+    bytes of one request); what it already has is untouched."""
+
+
+class TenantBusy(TenantLimitExceeded):
+    """A tenant of ``plexrl serve`` has as many requests waiting as its limit allows: retry
+    once some have finished (HTTP 429, which the Tinker SDK retries by itself)."""
+
+
+class SamplerSuperseded(ServeError):
+    """A sampling session made from a training model's current weights was used after that
+    model took a later optimizer step (its weights are no longer the session's)."""
+
+
 _collect(PlexRLError)

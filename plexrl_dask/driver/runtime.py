@@ -614,11 +614,17 @@ class Deployment:
         return self._submit("forward", ops.forward, [(p, temperature) for p in parts])
 
     def forward_backward(
-        self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy()
+        self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy(), logprobs: bool = False
     ) -> Future:
-        """Future of the loss metrics; gradients accumulate until :meth:`optim_step`."""
+        """Future of the loss metrics; gradients accumulate until :meth:`optim_step`. With
+        ``logprobs``, of a :class:`ForwardBackwardResult`: the metrics and each datum's
+        per-token log-probabilities under the weights the gradient was taken at."""
         parts, loss = self._training_parts(batch, loss)
-        return self._submit("forward_backward", ops.forward_backward, [(p, loss) for p in parts])
+        return self._submit(
+            "forward_backward",
+            ops.forward_backward,
+            [(p, loss, bool(logprobs)) for p in parts],
+        )
 
     def optim_step(self, params: AdamWParams = AdamWParams()) -> Future:
         """Future of the step metrics (grad norm, new version)."""

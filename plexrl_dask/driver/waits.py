@@ -76,3 +76,23 @@ def result(futures: Any, timeout: float | None = None) -> Any:
                 f"{timeout:.0f}s (plexrl.request.timeout)"
             ) from e
     return values if many else values[0]
+
+
+async def settled(future: Future, timeout: float | None = None) -> Any:
+    """``future``'s result, awaited from another event loop (an HTTP server's), within
+    ``timeout`` seconds (default ``plexrl.request.timeout``): :class:`RequestTimeout` past it.
+    The fetch is shielded: giving up on it (a timeout, a cancelled caller) never cancels it."""
+    timeout = config.request_timeout() if timeout is None else timeout
+    pending = asyncio.wrap_future(fetching(future))
+    try:
+        return await asyncio.wait_for(asyncio.shield(pending), timeout)
+    except FutureCancelledError as e:
+        if e.reason in _SCHEDULER_GONE:
+            raise SchedulerLost(
+                f"the scheduler went away ({e.reason}) with a request in flight"
+            ) from e
+        raise
+    except TimeoutError as e:
+        if isinstance(e, PlexRLError):
+            raise
+        raise RequestTimeout(f"a PlexRL request did not finish within {timeout:.0f}s") from e

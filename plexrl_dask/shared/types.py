@@ -192,6 +192,8 @@ class PolicyGradient:
     non-negative one; default).
     ``loss = sum_i w_i l_i / normalizer`` (default: total weight, i.e. a token-level mean).
     Without ``old_logprobs`` the ratio is 1 with the gradient of ``logp`` (on-policy REINFORCE).
+    ``clip=False``: no clipping, ``l = -r A`` (plain importance sampling, Tinker's
+    ``importance_sampling``); ``clip_low``/``clip_high`` are then unused.
     """
 
     clip_low: float = 0.2
@@ -199,8 +201,11 @@ class PolicyGradient:
     kl_coef: float = 0.0
     normalizer: float | None = None
     kl_estimator: str = "k3"
+    clip: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.clip, bool):
+            raise InvalidLoss(f"clip is True or False, got {self.clip!r}")
         if not (0.0 <= self.clip_low < 1.0) or not (self.clip_high >= 0.0):
             raise InvalidLoss(
                 f"clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, "
@@ -343,6 +348,16 @@ class SampleResult:
 class ForwardResult:
     """Per-token log-probabilities of each datum (aligned with its tokens, entry 0 is 0.0)."""
 
+    logprobs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class ForwardBackwardResult:
+    """What ``forward_backward(..., logprobs=True)`` returns: the loss metrics, and the
+    per-token log-probabilities of each datum under the weights the gradient was taken at
+    (aligned with its tokens, entry 0 is 0.0, as in :class:`ForwardResult`)."""
+
+    metrics: dict
     logprobs: tuple[tuple[float, ...], ...]
 
 

@@ -63,11 +63,14 @@ def compute_loss(
         mask = weights > 0
         # Unweighted positions get ratio 1: their (padded) old log-probs could overflow exp().
         ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(logp)))
-        clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
-        per_token = -torch.minimum(ratio * adv, clipped * adv)
-        metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(
-            int(mask.sum()), 1
-        )
+        if loss.clip:
+            clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
+            per_token = -torch.minimum(ratio * adv, clipped * adv)
+            metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(
+                int(mask.sum()), 1
+            )
+        else:
+            per_token = -ratio * adv
         metrics["ratio_mean"] = float((ratio.detach() * weights).sum()) / max(total_weight, 1e-12)
         if loss.kl_coef > 0:
             ref = _field(batch, "ref_logprobs", width)

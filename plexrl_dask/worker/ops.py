@@ -56,6 +56,7 @@ from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
     Datum,
+    ForwardBackwardResult,
     ForwardResult,
     Loss,
     NamedWeights,
@@ -188,13 +189,14 @@ def _echo(backend: Any) -> bool:
 
 
 def forward_backward(
-    deployment: str, batch: Sequence[Datum], loss: Loss = CrossEntropy()
-) -> dict[str, float]:
-    """Accumulate the gradient of ``loss`` over ``batch``; returns the loss and metrics."""
+    deployment: str, batch: Sequence[Datum], loss: Loss = CrossEntropy(), logprobs: bool = False
+) -> dict[str, float] | ForwardBackwardResult:
+    """Accumulate the gradient of ``loss`` over ``batch``; returns the loss and metrics (with
+    ``logprobs``: a :class:`ForwardBackwardResult`, the per-token log-probabilities too)."""
 
-    def call(backend: Any) -> dict[str, float]:
+    def call(backend: Any) -> dict[str, float] | ForwardBackwardResult:
         args = backend._checked(lambda: (checked_batch(batch), checked_loss(loss)))
-        return backend.forward_backward(*args)
+        return backend.forward_backward(*args, logprobs is True)
 
     return _run(deployment, "forward_backward", call)
 
@@ -625,6 +627,11 @@ def combine(op: str, *results: Any) -> Any:
         return SampleResult(
             prompt_tokens=tuple(t for r in results for t in r.prompt_tokens),
             sequences=tuple(g for r in results for g in r.sequences),
+        )
+    if op == "forward_backward" and isinstance(results[0], ForwardBackwardResult):
+        return ForwardBackwardResult(
+            metrics=combine(op, *(r.metrics for r in results)),
+            logprobs=tuple(lp for r in results for lp in r.logprobs),
         )
     if op == "forward_backward":
         # Each rank's loss is its share of the whole batch's loss (same normalizer): sum them;

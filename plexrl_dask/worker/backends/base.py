@@ -20,6 +20,7 @@ from plexrl_dask.errors import OpNotSupported, WeightsMismatch
 from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
+    ForwardBackwardResult,
     ForwardResult,
     Loss,
     SampledSequence,
@@ -168,8 +169,12 @@ class TrainBackend(Backend, Protocol):
 
     def forward(self, batch: Sequence[Datum], temperature: float = 1.0) -> ForwardResult: ...
 
-    def forward_backward(self, batch: Sequence[Datum], loss: Loss) -> dict[str, float]:
-        """Accumulate gradients of ``loss`` over ``batch``; return its metrics."""
+    def forward_backward(
+        self, batch: Sequence[Datum], loss: Loss, logprobs: bool = False
+    ) -> dict[str, float] | ForwardBackwardResult:
+        """Accumulate gradients of ``loss`` over ``batch``; return its metrics (with
+        ``logprobs``, a :class:`ForwardBackwardResult` with the per-token log-probabilities
+        too)."""
 
     def optim_step(self, params: AdamWParams) -> dict[str, float]:
         """Apply the accumulated gradients with AdamW, then clear them."""

@@ -171,9 +171,9 @@ class FSDPBackend(TorchBackend):
             # parameters back into their sharded form, which the optimizer state refers to.
             self._reshard()
 
-    def forward_backward(self, batch: Any, loss: Any) -> dict[str, float]:
+    def forward_backward(self, batch: Any, loss: Any, logprobs: bool = False) -> Any:
         try:
-            return super().forward_backward(batch, loss)
+            return super().forward_backward(batch, loss, logprobs)
         except Exception:
             # Failed after the forward (agreed bad loss, non-finite loss): without a backward
             # the root stays unsharded, and the next set_weights/optim_step would act on the

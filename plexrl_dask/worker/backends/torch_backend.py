@@ -37,6 +37,7 @@ from plexrl_dask.shared.checks import checked_temperature
 from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
+    ForwardBackwardResult,
     ForwardResult,
     Loss,
     SampledSequence,
@@ -262,15 +263,14 @@ class TorchBackend:
         self.model.eval()
         with torch.inference_mode():
             logp, _ = self._logprobs(batch, temperature)
-        rows = logp.cpu().tolist()
-        return ForwardResult(
-            logprobs=tuple(
-                (0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch, strict=True)
-            )
-        )
+        return ForwardResult(logprobs=_per_datum(logp, batch))
 
-    def forward_backward(self, batch: Sequence[Datum], loss: Loss) -> dict[str, float]:
-        """Accumulate the gradient of ``loss`` over ``batch`` (until :meth:`optim_step`).
+    def forward_backward(
+        self, batch: Sequence[Datum], loss: Loss, logprobs: bool = False
+    ) -> dict[str, float] | ForwardBackwardResult:
+        """Accumulate the gradient of ``loss`` over ``batch`` (until :meth:`optim_step`);
+        its metrics, or with ``logprobs`` a :class:`ForwardBackwardResult` that also has each
+        datum's per-token log-probabilities (those the gradient was taken at).
 
         A NaN/inf loss raises :class:`NonFiniteLoss` before ``backward``, so nothing is
         accumulated and the replica stays usable."""
@@ -290,7 +290,9 @@ class TorchBackend:
             )
         self._backward(value)
         self.pending_backward += 1
-        return metrics
+        if not logprobs:
+            return metrics
+        return ForwardBackwardResult(metrics=metrics, logprobs=_per_datum(logp, batch))
 
     def train_step(
         self, batch: Sequence[Datum], loss: Loss, params: AdamWParams
@@ -744,3 +746,12 @@ class TorchBackend:
 
     def wake(self) -> None:
         self.reload()
+
+
+def _per_datum(logp: torch.Tensor, batch: tuple[Datum, ...]) -> tuple[tuple[float, ...], ...]:
+    """Each datum's log-probabilities from the (B, L-1) batch tensor, aligned with its tokens
+    (entry 0, never predicted, is 0.0)."""
+    rows = logp.detach().cpu().tolist()
+    return tuple(
+        (0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch, strict=True)
+    )

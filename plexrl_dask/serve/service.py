@@ -1,0 +1,630 @@
+"""What ``plexrl serve`` keeps and does: Tinker sessions, models and samplers as PlexRL
+deployments, and every long call as a promise the SDK polls.
+
+Runs on the HTTP server's event loop (every method here is called there, so the tables need no
+locks); PlexRL calls that block (deploying, undeploying) run on a thread pool, and requests
+are awaited with :func:`~plexrl_dask.driver.waits.settled`, which never cancels a fetch.
+
+- **Tenants** are PlexRL jobs (``tinker-<name>``), one :class:`~plexrl_dask.Runtime` each on the
+  server's one Dask client. Every table entry records its tenant; an id of another tenant's is
+  :class:`~plexrl_dask.errors.UnknownObject`, exactly as one that never existed.
+- **Training models** (``create_model``) are training deployments named by their Tinker id
+  (``<session>:train:<n>``) of a base model from the catalog (``plexrl.serve.models``):
+  full fine-tuning (``lora_rank`` 0). Their requests carry the SDK's ``seq_id`` (1, 2, ... per
+  model) and are submitted to PlexRL in that order, so the scheduler's per-deployment order is
+  the SDK's; a retried ``seq_id`` gets its first request id back; a ``seq_id`` that never
+  arrives is skipped after ``plexrl.serve.seq-gap-timeout``.
+- **Samplers.** ``save_weights_for_sampler`` without a name makes a sampling session on the
+  training deployment itself, at its current optimizer step: samples run on the policy's own
+  replica, ordered with its training, with no copy of the weights; used after a later step it
+  is :class:`~plexrl_dask.errors.SamplerSuperseded`. A named one saves a checkpoint (the node's
+  state store); ``create_sampling_session`` on its path deploys a rollout replica that loads
+  it, and on a base model name, a rollout replica of the base (one per tenant and base).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from plexrl_dask import config
+from plexrl_dask.driver.runtime import Deployment, Runtime
+from plexrl_dask.driver.waits import settled
+from plexrl_dask.errors import (
+    ConfigError,
+    InvalidTinkerRequest,
+    PlexRLError,
+    RequestError,
+    SamplerSuperseded,
+    TenantBusy,
+    TenantLimitExceeded,
+    UnknownObject,
+    UnsupportedCall,
+)
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.serve import wire
+from plexrl_dask.serve.tenants import Tenant
+from plexrl_dask.shared.types import Datum, ForwardBackwardResult, ForwardResult
+from plexrl_dask.worker.losses import compute_loss
+
+logger = logging.getLogger(__name__)
+
+#: (HTTP status, body, media type) of a finished promise, as retrieve_future sends it
+Reply = tuple[int, bytes, str]
+JSON = "application/json"
+PROTO = "application/x-protobuf"
+
+
+def json_reply(body: Any) -> Reply:
+    return 200, json.dumps(body).encode(), JSON
+
+
+def error_body(exc: BaseException) -> dict[str, str]:
+    """A failed request as the SDK reads it: ``error`` and ``category`` (``user`` for what
+    the caller can fix)."""
+    user = isinstance(exc, (RequestError, ConfigError, InvalidTinkerRequest, UnsupportedCall))
+    user = user or isinstance(exc, (SamplerSuperseded, UnknownObject, TenantLimitExceeded))
+    return {"error": f"{type(exc).__name__}: {exc}", "category": "user" if user else "server"}
+
+
+@dataclass
+class Promise:
+    request_id: str
+    tenant: str
+    kind: str
+    task: asyncio.Task
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Session:
+    session_id: str
+    tenant: str
+    last_seen: float = field(default_factory=time.monotonic)
+    models: list[str] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainModel:
+    model_id: str
+    tenant: str
+    session_id: str
+    base: str
+    deployment: Deployment
+    next_seq: int = 1
+    #: seq_id -> request id, for every seq_id taken (a retry gets its first request id back)
+    taken: dict[int, str] = field(default_factory=dict)
+    #: seq_id -> (what submits it, the future its promise waits on for the Dask future)
+    waiting: dict[int, tuple[Callable[[], Any], asyncio.Future]] = field(default_factory=dict)
+    optim_steps: int = 0  # submitted
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    gap_check: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    tenant: str
+    base: str
+    deployment: Deployment
+    model_id: str | None = None  # a session on a training model's own replica
+    version: int | None = None  # ... at this many optimizer steps
+    model_path: str | None = None
+    owned: bool = False  # its deployment is this sampler's own (undeployed with it)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: str
+    tenant: str
+    base: str
+    saved: dict
+
+
+class Service:
+    """The server's state and the translation of each Tinker call (see the module docstring).
+    ``models``: base model name -> local checkpoint directory."""
+
+    def __init__(self, client: Any, models: dict[str, str]) -> None:
+        self.client = client
+        self.catalog = {name: ModelSpec(path=str(path)) for name, path in models.items()}
+        self.runtimes: dict[str, Runtime] = {}
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TrainModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.checkpoints: dict[str, Checkpoint] = {}
+        self.promises: dict[str, Promise] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="plexrl-serve")
+        self.long_poll = float(config.get("serve.long-poll"))  # type: ignore[arg-type]
+        self.result_ttl = float(config.get("serve.result-ttl"))  # type: ignore[arg-type]
+        self.gap_timeout = float(config.get("serve.seq-gap-timeout"))  # type: ignore[arg-type]
+
+    # --- plumbing ------------------------------------------------------------------------
+
+    def runtime(self, tenant: Tenant) -> Runtime:
+        if tenant.name not in self.runtimes:
+            self.runtimes[tenant.name] = Runtime(self.client, job=tenant.job)
+        return self.runtimes[tenant.name]
+
+    async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def promise(self, tenant: Tenant, kind: str, work: Awaitable[Reply]) -> str:
+        """Start ``work`` as a promise of ``tenant``; its request id. At the tenant's limit of
+        requests waiting: :class:`TenantLimitExceeded` (the request is not started)."""
+        waiting = sum(
+            1 for p in self.promises.values() if p.tenant == tenant.name and not p.task.done()
+        )
+        if waiting >= tenant.limits.requests_waiting:
+            if asyncio.iscoroutine(work):
+                work.close()
+            raise TenantBusy(
+                f"{waiting} requests of tenant {tenant.name!r} are waiting "
+                f"(limit {tenant.limits.requests_waiting}); retrieve some results first"
+            )
+        request_id = f"req-{uuid.uuid4().hex}"
+        task = asyncio.ensure_future(_replying(work))
+        self.promises[request_id] = Promise(request_id, tenant.name, kind, task)
+        return request_id
+
+    async def retrieve(self, tenant: Tenant, request_id: str) -> Reply:
+        """The promise's reply, waiting up to ``plexrl.serve.long-poll`` seconds; then 408
+        with ``try_again`` (the SDK polls again)."""
+        promise = self.promises.get(request_id)
+        if promise is None or promise.tenant != tenant.name:
+            raise UnknownObject(f"no request {request_id!r} (or its result has expired)")
+        try:
+            return await asyncio.wait_for(asyncio.shield(promise.task), self.long_poll)
+        except TimeoutError:
+            body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            return 408, json_reply(body)[1], JSON
+
+    def expire(self) -> None:
+        """Forget finished promises older than ``plexrl.serve.result-ttl``."""
+        now = time.monotonic()
+        for rid, p in list(self.promises.items()):
+            if p.task.done() and now - p.created > self.result_ttl:
+                del self.promises[rid]
+
+    def _owned(self, table: dict[str, Any], key: str, tenant: Tenant, what: str) -> Any:
+        entry = table.get(key)
+        if entry is None or entry.tenant != tenant.name:
+            raise UnknownObject(f"no {what} {key!r}")
+        return entry
+
+    def session(self, tenant: Tenant, session_id: str) -> Session:
+        session = self._owned(self.sessions, session_id, tenant, "session")
+        session.last_seen = time.monotonic()
+        return session
+
+    def model(self, tenant: Tenant, model_id: str) -> TrainModel:
+        return self._owned(self.models, model_id, tenant, "model")
+
+    def sampler(self, tenant: Tenant, sampler_id: str) -> Sampler:
+        return self._owned(self.samplers, sampler_id, tenant, "sampling session")
+
+    def spec(self, base: str) -> ModelSpec:
+        if base not in self.catalog:
+            raise UnknownObject(
+                f"no base model {base!r} on this server; it serves {sorted(self.catalog)}"
+            )
+        return self.catalog[base]
+
+    # --- sessions --------------------------------------------------------------------------
+
+    def create_session(self, tenant: Tenant) -> str:
+        session_id = f"s{uuid.uuid4().hex[:16]}"
+        self.sessions[session_id] = Session(session_id, tenant.name)
+        return session_id
+
+    async def finish_session(self, tenant: Tenant, session_id: str) -> None:
+        """End a session: its training models and samplers are undeployed (their saved
+        checkpoints stay)."""
+        session = self.session(tenant, session_id)
+        for model_id in session.models:
+            model = self.models.pop(model_id, None)
+            if model is not None:
+                await self._undeploy(model.deployment)
+        shared = {}
+        for sampler_id in session.samplers:
+            sampler = self.samplers.pop(sampler_id, None)
+            if sampler is not None and sampler.owned:
+                await self._undeploy(sampler.deployment)
+            elif sampler is not None and sampler.model_id is None:
+                shared[sampler.deployment.name] = sampler.deployment
+        # a base model's replica is the tenant's, shared by its sessions: it goes with the last
+        in_use = {s.deployment.name for s in self.samplers.values()}
+        for name, deployment in shared.items():
+            if name not in in_use:
+                await self._undeploy(deployment)
+        del self.sessions[session_id]
+
+    async def _undeploy(self, deployment: Deployment) -> None:
+        try:
+            await self.blocking(deployment.runtime.undeploy, deployment.name)
+        except PlexRLError as e:  # (already gone: a worker left, an operator undeployed it)
+            logger.warning("undeploying %s: %s", deployment.name, e)
+
+    # --- training models -------------------------------------------------------------------
+
+    def create_model(self, tenant: Tenant, body: dict) -> str:
+        session = self.session(tenant, str(body.get("session_id")))
+        base = str(body.get("base_model"))
+        spec = self.spec(base)
+        rank = int((body.get("lora_config") or {}).get("rank", 0))
+        if rank != 0:
+            raise UnsupportedCall(
+                f"LoRA training (rank {rank}) is not built yet: create the training client with "
+                "rank=0 (create_lora_training_client(base_model, rank=0)) for full fine-tuning"
+            )
+        if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
+            raise UnsupportedCall("the optimizer is AdamW (optimizer_config type 'adamw')")
+        mine = sum(1 for m in self.models.values() if m.tenant == tenant.name)
+        if mine >= tenant.limits.models:
+            raise TenantLimitExceeded(
+                f"tenant {tenant.name!r} has {mine} training models (limit {tenant.limits.models})"
+            )
+        model_id = f"{session.session_id}:train:{int(body.get('model_seq_id', 0))}"
+        if model_id in self.models:
+            raise InvalidTinkerRequest(f"model {model_id!r} exists (model_seq_id reused)")
+        runtime = self.runtime(tenant)
+
+        async def work() -> Reply:
+            deployment = await self.blocking(runtime.deploy, model_id, spec)
+            self.models[model_id] = TrainModel(
+                model_id, tenant.name, session.session_id, base, deployment
+            )
+            session.models.append(model_id)
+            return json_reply({"model_id": model_id, "type": "create_model"})
+
+        return self.promise(tenant, "create_model", work())
+
+    def get_info(self, tenant: Tenant, model_id: str) -> dict:
+        model = self.model(tenant, model_id)
+        return {
+            "model_id": model_id,
+            "model_data": {
+                "arch": "qwen2",
+                "model_name": model.base,
+                "tokenizer_id": self.catalog[model.base].path,
+            },
+            "model_name": model.base,
+            "is_lora": False,
+            "lora_rank": 0,
+            "type": "get_info",
+        }
+
+    async def ordered(
+        self,
+        tenant: Tenant,
+        model: TrainModel,
+        seq_id: int,
+        kind: str,
+        submit: Callable[[], Any],
+        reply: Callable[[Any], Reply],
+    ) -> str:
+        """Queue ``submit`` (it submits the PlexRL request and returns its future, or returns
+        a value) as ``seq_id`` of ``model``; a promise whose reply is ``reply(result)``."""
+        if seq_id in model.taken:
+            if not model.taken[seq_id]:
+                raise InvalidTinkerRequest(f"seq_id {seq_id} of {model.model_id} was refused")
+            return model.taken[seq_id]  # (a retry of a request we have)
+        if seq_id < model.next_seq:
+            raise InvalidTinkerRequest(
+                f"seq_id {seq_id} of {model.model_id} is past (next: {model.next_seq})"
+            )
+        submitted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def work() -> Reply:
+            value = await submitted
+            if hasattr(value, "key") and hasattr(value, "client"):  # a Dask future
+                value = await settled(value)
+            return reply(value)
+
+        request_id = self.promise(tenant, kind, work())
+        model.taken[seq_id] = request_id
+        model.waiting[seq_id] = (submit, submitted)
+        await self._pump(model)
+        return request_id
+
+    def skip(self, model: TrainModel, seq_id: int) -> None:
+        """Mark ``seq_id`` taken by a request refused before it was queued (the SDK moves on
+        to the next one)."""
+        if seq_id >= model.next_seq and seq_id not in model.taken:
+            model.taken[seq_id] = ""
+            model.waiting[seq_id] = (lambda: None, asyncio.get_running_loop().create_future())
+
+    async def _pump(self, model: TrainModel) -> None:
+        """Submit the model's queued requests whose turn it is, in seq_id order."""
+        async with model.lock:
+            while model.next_seq in model.waiting:
+                submit, submitted = model.waiting.pop(model.next_seq)
+                model.next_seq += 1
+                try:
+                    value = await self.blocking(submit)
+                except Exception as e:  # (its promise fails; later requests go on)
+                    if not submitted.done():
+                        submitted.set_exception(e)
+                    continue
+                if not submitted.done():
+                    submitted.set_result(value)
+            if model.gap_check is not None:
+                model.gap_check.cancel()
+                model.gap_check = None
+            if model.waiting:  # a seq_id is missing: do not wait for it forever
+                loop = asyncio.get_running_loop()
+                model.gap_check = loop.call_later(
+                    self.gap_timeout, lambda: asyncio.ensure_future(self._skip_gap(model))
+                )
+
+    async def _skip_gap(self, model: TrainModel) -> None:
+        if model.waiting and model.next_seq not in model.waiting:
+            logger.warning(
+                "%s: seq_id %d never arrived in %.0fs; going on without it",
+                model.model_id,
+                model.next_seq,
+                self.gap_timeout,
+            )
+            model.next_seq = min(model.waiting)
+            await self._pump(model)
+
+    async def forward_backward(self, tenant: Tenant, body: bytes) -> str:
+        model_id, seq_id, message = wire.parse_forward_backward(body)
+        model = self.model(tenant, model_id)
+        if model.taken.get(seq_id):
+            return model.taken[seq_id]
+        try:
+            batch = wire.training_batch(message)
+        except PlexRLError:
+            self.skip(model, seq_id)
+            raise
+        dep = model.deployment
+        if batch.forward_only:
+            submit: Callable[[], Any] = lambda: dep.forward(batch.data)  # noqa: E731
+            reply = self._forward_reply(batch)
+        else:
+            submit = lambda: dep.forward_backward(batch.data, batch.loss, logprobs=True)  # noqa: E731
+            reply = self._backward_reply(batch)
+        kind = "forward" if batch.forward_only else "forward_backward"
+        return await self.ordered(tenant, model, seq_id, kind, submit, reply)
+
+    @staticmethod
+    def _backward_reply(batch: wire.TrainingBatch) -> Callable[[Any], Reply]:
+        def reply(result: ForwardBackwardResult) -> Reply:
+            metrics = {"loss:sum": result.metrics["loss"]}
+            if "clip_fraction" in result.metrics:
+                metrics["clip_fraction:mean"] = result.metrics["clip_fraction"]
+            body = wire.forward_backward_output(result.logprobs, batch.targets, metrics)
+            return 200, body, PROTO
+
+        return reply
+
+    @staticmethod
+    def _forward_reply(batch: wire.TrainingBatch) -> Callable[[Any], Reply]:
+        def reply(result: ForwardResult) -> Reply:
+            # the loss at these log-probabilities, by the workers' own loss code (no gradient)
+            import torch
+
+            width = max(len(d.tokens) for d in batch.data) - 1
+            logp = torch.zeros(len(batch.data), width)
+            valid = torch.zeros(len(batch.data), width)
+            for i, lp in enumerate(result.logprobs):
+                logp[i, : len(lp) - 1] = torch.tensor(lp[1:])
+                valid[i, : len(lp) - 1] = 1.0
+            value, _ = compute_loss(batch.loss, batch.data, logp, valid)
+            metrics = {"loss:sum": float(value)}
+            body = wire.forward_backward_output(result.logprobs, batch.targets, metrics)
+            return 200, body, PROTO
+
+        return reply
+
+    async def optim_step(self, tenant: Tenant, body: dict) -> str:
+        model = self.model(tenant, str(body.get("model_id")))
+        seq_id = _seq(body)
+        try:
+            params = wire.adam(body.get("adam_params") or {})
+        except PlexRLError:
+            self.skip(model, seq_id)
+            raise
+
+        def submit() -> Any:
+            model.optim_steps += 1
+            return model.deployment.optim_step(params)
+
+        def reply(metrics: dict) -> Reply:
+            floats = {f"{k}:mean": float(v) for k, v in metrics.items() if _number(v)}
+            return json_reply({"metrics": floats})
+
+        return await self.ordered(tenant, model, seq_id, "optim_step", submit, reply)
+
+    async def save_weights_for_sampler(self, tenant: Tenant, body: dict) -> str:
+        model = self.model(tenant, str(body.get("model_id")))
+        seq_id = _seq(body)
+        name = body.get("path")
+        if name is None:
+            n = body.get("sampling_session_seq_id")
+            if not isinstance(n, int):
+                self.skip(model, seq_id)
+                raise InvalidTinkerRequest("save_weights_for_sampler needs a path or a seq id")
+            sampler_id = f"{model.session_id}:sample:{n}"
+
+            def submit() -> str:
+                self._add_sampler(
+                    tenant,
+                    Sampler(
+                        sampler_id,
+                        tenant.name,
+                        model.base,
+                        model.deployment,
+                        model_id=model.model_id,
+                        version=model.optim_steps,
+                    ),
+                    model.session_id,
+                )
+                return sampler_id
+
+            return await self.ordered(
+                tenant,
+                model,
+                seq_id,
+                "save_weights_for_sampler",
+                submit,
+                lambda sid: json_reply({"sampling_session_id": sid}),
+            )
+        return await self._save(tenant, model, seq_id, "sampler_weights", name)
+
+    async def save_weights(self, tenant: Tenant, body: dict) -> str:
+        model = self.model(tenant, str(body.get("model_id")))
+        return await self._save(tenant, model, _seq(body), "weights", body.get("path"))
+
+    async def _save(
+        self, tenant: Tenant, model: TrainModel, seq_id: int, kind: str, name: Any
+    ) -> str:
+        if not isinstance(name, str) or not name or "/" in name:
+            self.skip(model, seq_id)
+            raise InvalidTinkerRequest(
+                f"a checkpoint name is a non-empty string without '/': {name!r}"
+            )
+        path = f"tinker://{model.model_id}/{kind}/{name}"
+        store_model = f"tinker-{tenant.name}-{uuid.uuid4().hex[:12]}"
+
+        def reply(saved: dict) -> Reply:
+            self.checkpoints[path] = Checkpoint(path, tenant.name, model.base, dict(saved))
+            return json_reply({"path": path})
+
+        return await self.ordered(
+            tenant,
+            model,
+            seq_id,
+            f"save_{kind}",
+            lambda: model.deployment.save_state(model=store_model),
+            reply,
+        )
+
+    def _add_sampler(self, tenant: Tenant, sampler: Sampler, session_id: str) -> None:
+        mine = sum(1 for s in self.samplers.values() if s.tenant == tenant.name)
+        if mine >= tenant.limits.samplers:
+            raise TenantLimitExceeded(
+                f"tenant {tenant.name!r} has {mine} sampling sessions (limit "
+                f"{tenant.limits.samplers}); end a session to free them"
+            )
+        self.samplers[sampler.sampler_id] = sampler
+        if session_id in self.sessions:
+            self.sessions[session_id].samplers.append(sampler.sampler_id)
+
+    # --- sampling --------------------------------------------------------------------------
+
+    async def create_sampling_session(self, tenant: Tenant, body: dict) -> str:
+        session = self.session(tenant, str(body.get("session_id")))
+        sampler_id = f"{session.session_id}:sample:{int(body.get('sampling_session_seq_id', 0))}"
+        runtime = self.runtime(tenant)
+        path = body.get("model_path")
+        if path is not None:
+            checkpoint = self._owned(self.checkpoints, str(path), tenant, "checkpoint")
+            spec = self.spec(checkpoint.base)
+            name = f"{sampler_id}:rollout"
+
+            def deploy() -> Deployment:
+                dep = runtime.deploy(name, spec, role="rollout")
+                try:
+                    import plexrl_dask as plexrl
+
+                    plexrl.result(dep.load_state(checkpoint.saved))
+                except BaseException:
+                    runtime.undeploy(dep.name)
+                    raise
+                return dep
+
+            deployment = await self.blocking(deploy)
+            sampler = Sampler(
+                sampler_id, tenant.name, checkpoint.base, deployment, model_path=path, owned=True
+            )
+        else:
+            base = str(body.get("base_model"))
+            spec = self.spec(base)
+            deployment = await self.blocking(
+                lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True)
+            )
+            sampler = Sampler(sampler_id, tenant.name, base, deployment)
+        self._add_sampler(tenant, sampler, session.session_id)
+        return sampler_id
+
+    def describe_sampler(self, tenant: Tenant, sampler_id: str) -> dict:
+        s = self.sampler(tenant, sampler_id)
+        out = {"sampler_id": sampler_id, "base_model": s.base}
+        if s.model_path is not None:
+            out["model_path"] = s.model_path
+        return out
+
+    def sample(self, tenant: Tenant, body: dict) -> tuple[str, list[str]]:
+        """Start a sample request; its request id and the ids of its sequences."""
+        sampler = self.sampler(tenant, str(body.get("sampling_session_id")))
+        if sampler.model_id is not None:
+            model = self.models.get(sampler.model_id)
+            if model is None:
+                raise UnknownObject(f"the training model of {sampler.sampler_id!r} has ended")
+            if model.optim_steps != sampler.version:
+                raise SamplerSuperseded(
+                    f"{sampler.sampler_id!r} samples {sampler.model_id} as of optimizer step "
+                    f"{sampler.version}; it has taken {model.optim_steps}. Save the weights for "
+                    "the sampler again, or save them by name to keep a copy to sample"
+                )
+        for flag in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(flag):
+                raise UnsupportedCall(f"{flag} is not supported")
+        if body.get("target_prompt_logprobs") is not None or body.get("record_stability_info"):
+            raise UnsupportedCall(
+                "target_prompt_logprobs and record_stability_info are not supported"
+            )
+        tokens = wire.prompt_tokens(body.get("prompt"))
+        seed = wire.derived_seed(tenant.name, sampler.sampler_id, body.get("seq_id"))
+        eos = sampler.deployment.tokenizer.eos_token_id
+        params = wire.sampling_params(
+            body.get("sampling_params"), body.get("num_samples", 1), eos, seed
+        )
+        want_prompt = bool(body.get("prompt_logprobs"))
+        dep = sampler.deployment
+        future = dep.sample([tokens], params)
+        scored = dep.forward([Datum(tokens=tokens)]) if want_prompt and len(tokens) > 1 else None
+
+        async def work() -> Reply:
+            result = await settled(future)
+            prompt_lp = None
+            if want_prompt:
+                lp = (await settled(scored)).logprobs[0] if scored is not None else (0.0,)
+                prompt_lp = [float("nan"), *lp[1:]]
+            return 200, wire.sample_output(result, prompt_lp), PROTO
+
+        request_id = self.promise(tenant, "sample", work())
+        return request_id, [f"{request_id}:{i}" for i in range(params.n)]
+
+
+async def _replying(work: Awaitable[Reply]) -> Reply:
+    """``work``'s reply; a failure becomes the SDK's failed-request reply."""
+    try:
+        return await work
+    except Exception as e:
+        if not isinstance(e, PlexRLError):
+            logger.exception("a Tinker request failed")
+        return json_reply(error_body(e))
+
+
+def _seq(body: dict) -> int:
+    seq_id = body.get("seq_id")
+    if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
+        raise InvalidTinkerRequest(f"seq_id is an integer >= 1, got {seq_id!r}")
+    return seq_id
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)

@@ -1,0 +1,263 @@
+"""plexrl serve, driven by the unmodified Tinker SDK (``tinker``) on a real process cluster:
+every supported call, the same numbers as the Python Runtime, and typed refusals of bad
+input that leave other tenants' state untouched."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker", reason="the serve extra (tinker SDK) is not installed")
+httpx = pytest.importorskip("httpx")
+
+from distributed import Client  # noqa: E402
+from tinker import types  # noqa: E402
+
+import plexrl_dask as plexrl  # noqa: E402
+from plexrl_dask.serve.app import ServerThread  # noqa: E402
+from plexrl_dask.serve.tenants import KeyRing, add_key  # noqa: E402
+from tests.conftest import tiny_spec  # noqa: E402
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+BASE = "tiny-qwen"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    checkpoint = str(root / "tiny")
+    tiny_spec(seed=3).save_pretrained(checkpoint)
+    keys = root / "keys.yaml"
+    alice, bob = add_key(keys, "alice"), add_key(keys, "bob")
+    small = add_key(keys, "small")
+    text = keys.read_text().replace("  small:\n", "  small:\n    limits: {request-bytes: 2048}\n")
+    keys.write_text(text)
+    with (
+        plexrl.local_cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+        ServerThread(client, KeyRing.from_file(keys), {BASE: checkpoint}) as srv,
+    ):
+        yield srv, client, {"alice": alice, "bob": bob, "small": small}
+
+
+def sdk(srv, key):
+    return tinker.ServiceClient(base_url=srv.url, api_key=key)
+
+
+def ce_datum(tokens, first_trained=2):
+    weights = [0.0] * (first_trained - 1) + [1.0] * (len(tokens) - first_trained)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+
+def rl_datum(tokens, q, adv):
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": np.full(n, q, dtype=np.float32),
+            "advantages": np.full(n, adv, dtype=np.float32),
+        },
+    )
+
+
+A = [5, 20, 21, 22, 23, 24, 25]
+B = [5, 30, 31, 32, 33]
+
+
+def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
+    srv, client, keys = server
+    sc = sdk(srv, keys["alice"])
+    caps = tinker.RestClient(base_url=srv.url, api_key=keys["alice"]).get_server_capabilities()
+    caps = caps.result()
+    assert [m.model_name for m in caps.supported_models] == [BASE]
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    info = tc.get_info()
+    assert info.model_data.model_name == BASE and not info.is_lora
+
+    # the same deployment, seen through the Python Runtime of the tenant's job
+    runtime = plexrl.Runtime(client, job="tinker-alice")
+    [dep] = [d for d in runtime.deployments() if ":train:" in d.name]
+    policy = runtime.deployment(dep.name)
+    before = plexrl.result(policy.forward([plexrl.Datum(tokens=A)])).logprobs[0]
+
+    fb = tc.forward_backward([ce_datum(A), ce_datum(B)], "cross_entropy")
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-2))
+    out = fb.result()
+    lp = [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+    assert [len(x) for x in lp] == [len(A) - 1, len(B) - 1]
+    assert lp[0] == pytest.approx(before[1:], abs=1e-5)  # pre-step log-probs, like Runtime's
+    weights = [ce_datum(x).loss_fn_inputs["weights"].tolist() for x in (A, B)]
+    summed = -sum(
+        w * x for ws, xs in zip(weights, lp, strict=True) for w, x in zip(ws, xs, strict=True)
+    )
+    assert out.metrics["loss:sum"] == pytest.approx(summed, rel=1e-4)  # a sum, not a mean
+    assert step.result().metrics
+
+    after = plexrl.result(policy.forward([plexrl.Datum(tokens=A)])).logprobs[0]
+    fwd = tc.forward([ce_datum(A)], "cross_entropy").result()
+    assert fwd.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(after[1:], abs=1e-5)
+    assert after != before
+
+    # importance sampling (no clipping) and PPO (clipped ratio) with the SDK's semantics
+    isr = tc.forward_backward([rl_datum(A, -2.0, 0.5)], "importance_sampling").result()
+    cur = isr.loss_fn_outputs[0]["logprobs"].tolist()
+    want = -sum(math.exp(x + 2.0) * 0.5 for x in cur)
+    assert isr.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    ppo = tc.forward_backward(
+        [rl_datum(A, -2.0, 0.5)], "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    ).result()
+    want = -sum(min(math.exp(x + 2.0), 1.1) * 0.5 for x in cur)
+    assert ppo.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+    # sampling from the policy's own replica at this step
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(A[:3])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0)
+    res = sampler.sample(prompt, 3, params).result()
+    assert len(res.sequences) == 3
+    for seq in res.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) >= 1 and seq.stop_reason in ("stop", "length")
+    seeded = types.SamplingParams(max_tokens=4, temperature=1.0, seed=11)
+    one, two = (sampler.sample(prompt, 2, seeded).result() for _ in range(2))
+    assert [s.tokens for s in one.sequences] == [s.tokens for s in two.sequences]
+    scores = sampler.compute_logprobs(types.ModelInput.from_ints(A)).result()
+    now = plexrl.result(policy.forward([plexrl.Datum(tokens=A)])).logprobs[0]
+    assert scores[0] is None and scores[1:] == pytest.approx(now[1:], abs=1e-5)
+
+    # named weights: a checkpoint a new sampler loads; a sampler of the base model
+    path = tc.save_weights_for_sampler("step2").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/step2")
+    loaded = sc.create_sampling_client(model_path=path).result()
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    assert loaded.sample(prompt, 1, greedy).result().sequences[0].tokens == (
+        sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
+    )
+    base = sc.create_sampling_client(base_model=BASE).result()
+    assert len(base.sample(prompt, 1, greedy).result().sequences) == 1
+    assert tc.save_state("state2").result().path.endswith("/weights/state2")
+
+    # a later step supersedes the snapshot sampler: a typed refusal, not other weights
+    tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    with pytest.raises(tinker.BadRequestError, match="SamplerSuperseded"):
+        sampler.sample(prompt, 1, params).result()
+
+    sc.close("success").result()
+    assert not runtime.deployments()  # the session's deployments went with it
+
+
+def test_bad_input_is_typed_and_touches_no_other_tenant(server):
+    srv, client, keys = server
+    sc = sdk(srv, keys["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    model_id = tc.model_id
+    runtime = plexrl.Runtime(client, job="tinker-alice")
+    policy = runtime.deployment(model_id)
+    before = plexrl.result(policy.forward([plexrl.Datum(tokens=A)])).logprobs
+
+    api = f"{srv.url}/api/v1"
+
+    def post(path, key, **kw):
+        headers = {"X-API-Key": key} if key else {}
+        headers.update(kw.pop("headers", {}))
+        return httpx.post(f"{api}/{path}", headers=headers, timeout=30, **kw)
+
+    assert post("create_session", None, json={}).status_code == 401
+    assert post("create_session", "tml-nobody", json={}).status_code == 401
+    # another tenant's model: unknown, whether read or trained
+    r = post("get_info", keys["bob"], json={"model_id": model_id})
+    assert r.status_code == 404 and r.json()["error"] == "UnknownObject"
+    from tinker.proto import tinker_public_pb2 as pb
+
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=99, loss_fn="cross_entropy")
+    proto = {"Content-Type": "application/x-protobuf"}
+    r = post("forward_backward", keys["bob"], content=msg.SerializeToString(), headers=proto)
+    assert r.status_code == 404
+    # malformed protobuf, an oversized body, an unknown loss, an unsupported call
+    r = post("forward_backward", keys["alice"], content=b"\xff\x00garbage", headers=proto)
+    assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest"
+    r = post("forward_backward", keys["small"], content=b"x" * 4096, headers=proto)
+    assert r.status_code == 413 and r.json()["error"] == "RequestTooLarge"
+    with pytest.raises(tinker.BadRequestError, match="UnsupportedCall"):
+        tc.forward_backward([ce_datum(A)], "dro").result()
+    with pytest.raises(tinker.BadRequestError, match="UnsupportedCall"):
+        sc.create_lora_training_client(base_model=BASE, rank=8).result()
+    r = post("save_weights_external", keys["alice"], json={"model_id": model_id})
+    assert r.status_code == 400 and r.json()["error"] == "UnsupportedCall"
+    # a datum whose fields do not line up
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints(A[:-1]),
+        loss_fn_inputs={"target_tokens": A[1:], "weights": [1.0]},
+    )
+    with pytest.raises(tinker.BadRequestError, match="InvalidTinkerRequest"):
+        tc.forward_backward([bad], "cross_entropy").result()
+    # tokens past the vocabulary: the request fails, typed, through its future
+    with pytest.raises(tinker.RequestFailedError, match="TokenOutOfVocabulary"):
+        tc.forward_backward([ce_datum([5, 10**6, 7])], "cross_entropy").result()
+
+    # nothing of alice's moved, and her model still trains after all that
+    assert plexrl.result(policy.forward([plexrl.Datum(tokens=A)])).logprobs == before
+    tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics
+    sc.close("success").result()
+
+
+def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server):
+    """The SDK sends a call's chunks at once, the first one last: an optim_step that arrives
+    before the forward_backward it follows still runs after it; a retried seq_id gets its
+    first request id."""
+    srv, client, keys = server
+    sc = sdk(srv, keys["bob"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    api, key = f"{srv.url}/api/v1", keys["bob"]
+    headers = {"X-API-Key": key}
+    from tinker.proto import tinker_public_pb2 as pb
+
+    first = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=1, loss_fn="cross_entropy")
+    d = first.data.add()
+    d.model_input.add().encoded_text.tokens = np.asarray(A[:-1], "<i4").tobytes()
+    for name, values, dtype, code in (
+        ("target_tokens", A[1:], "<i8", pb.DTYPE_INT64),
+        ("weights", [1.0] * (len(A) - 1), "<f4", pb.DTYPE_FLOAT32),
+    ):
+        t = d.loss_fn_inputs[name]
+        t.dtype, t.dense = code, np.asarray(values, dtype).tobytes()
+        t.shape.append(len(values))
+    optim = {
+        "model_id": tc.model_id,
+        "seq_id": 2,
+        "type": "optim_step",
+        "adam_params": {"learning_rate": 1e-3},
+    }
+    r2 = httpx.post(f"{api}/optim_step", headers=headers, json=optim, timeout=30)
+    proto = {**headers, "Content-Type": "application/x-protobuf"}
+    r1 = httpx.post(f"{api}/forward_backward", headers=proto, content=first.SerializeToString())
+    again = httpx.post(f"{api}/forward_backward", headers=proto, content=first.SerializeToString())
+    assert again.json()["request_id"] == r1.json()["request_id"]
+
+    def result(request_id):
+        for _ in range(20):
+            r = httpx.post(
+                f"{api}/retrieve_future",
+                headers=headers,
+                json={"request_id": request_id},
+                timeout=60,
+            )
+            if r.status_code != 408:
+                return r
+        raise AssertionError("no result")
+
+    step = result(r2.json()["request_id"]).json()
+    assert "error" not in step and step["metrics"]  # (it had a gradient to apply)
+    out = pb.ForwardBackwardOutput()
+    out.ParseFromString(result(r1.json()["request_id"]).content)
+    assert "loss:sum" in out.metrics
+    sc.close("success").result()
