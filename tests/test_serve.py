@@ -261,3 +261,26 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server):
     out.ParseFromString(result(r1.json()["request_id"]).content)
     assert "loss:sum" in out.metrics
     sc.close("success").result()
+
+
+def test_a_session_without_heartbeats_ends_and_frees_the_pool(server):
+    """A client that died (no heartbeat for plexrl.serve.session-timeout) leaves nothing
+    deployed: its session's models are undeployed by the server's sweep."""
+    srv, client, keys = server
+    api, headers = f"{srv.url}/api/v1", {"X-API-Key": keys["bob"]}
+    session = httpx.post(f"{api}/create_session", headers=headers, json={}, timeout=30)
+    sid = session.json()["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 0}}
+    rid = httpx.post(f"{api}/create_model", headers=headers, json=body, timeout=30).json()
+    for _ in range(10):
+        r = httpx.post(f"{api}/retrieve_future", headers=headers, json=rid, timeout=60)
+        if r.status_code != 408:
+            break
+    model_id = r.json()["model_id"]
+    runtime = plexrl.Runtime(client, job="tinker-bob")
+    assert model_id in {d.name.split("@")[0] for d in runtime.deployments()}
+    srv.service.sessions[sid].last_seen -= srv.service.session_timeout + 1
+    srv.run(srv.service.expire())
+    assert model_id not in {d.name.split("@")[0] for d in runtime.deployments()}
+    r = httpx.post(f"{api}/get_info", headers=headers, json={"model_id": model_id}, timeout=30)
+    assert r.status_code == 404

@@ -74,6 +74,7 @@ def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
+        service.loop = asyncio.get_running_loop()
         sweeper = asyncio.ensure_future(_sweep(service))
         try:
             yield
@@ -268,10 +269,13 @@ def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
 
 
 async def _sweep(service: Service) -> None:
-    """Forget expired results, now and then."""
+    """Forget expired results and end silent sessions, now and then."""
     while True:
-        await asyncio.sleep(60)
-        service.expire()
+        await asyncio.sleep(min(60.0, service.session_timeout / 4))
+        try:
+            await service.expire()
+        except Exception:  # (the sweeper must outlive one bad pass)
+            logger.exception("plexrl serve: sweeping expired results and sessions")
 
 
 class ServerThread:
@@ -309,6 +313,11 @@ class ServerThread:
                 raise ConfigError(f"plexrl serve did not start on {self.url} in {timeout:.0f}s")
             time.sleep(0.05)
         return self
+
+    def run(self, coroutine: Any, timeout: float = 60.0) -> Any:
+        """Run ``coroutine`` on the server's event loop (where its service lives) and return
+        its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.service.loop).result(timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
         self._server.should_exit = True

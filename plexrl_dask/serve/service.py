@@ -118,7 +118,7 @@ class Sampler:
     base: str
     deployment: Deployment
     model_id: str | None = None  # a session on a training model's own replica
-    version: int | None = None  # ... at this many optimizer steps
+    version: int | None = None  # ... at this many optimizer steps (None: it follows them)
     model_path: str | None = None
     owned: bool = False  # its deployment is this sampler's own (undeployed with it)
 
@@ -145,9 +145,11 @@ class Service:
         self.checkpoints: dict[str, Checkpoint] = {}
         self.promises: dict[str, Promise] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="plexrl-serve")
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
         self.long_poll = float(config.get("serve.long-poll"))  # type: ignore[arg-type]
         self.result_ttl = float(config.get("serve.result-ttl"))  # type: ignore[arg-type]
         self.gap_timeout = float(config.get("serve.seq-gap-timeout"))  # type: ignore[arg-type]
+        self.session_timeout = float(config.get("serve.session-timeout"))  # type: ignore[arg-type]
 
     # --- plumbing ------------------------------------------------------------------------
 
@@ -189,12 +191,18 @@ class Service:
             body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
             return 408, json_reply(body)[1], JSON
 
-    def expire(self) -> None:
-        """Forget finished promises older than ``plexrl.serve.result-ttl``."""
+    async def expire(self) -> None:
+        """Forget finished promises older than ``plexrl.serve.result-ttl``; end sessions
+        without a heartbeat for ``plexrl.serve.session-timeout``."""
         now = time.monotonic()
         for rid, p in list(self.promises.items()):
             if p.task.done() and now - p.created > self.result_ttl:
                 del self.promises[rid]
+        for session in list(self.sessions.values()):
+            if now - session.last_seen > self.session_timeout:
+                logger.warning("session %s sent no heartbeat in %.0fs: ending it",
+                               session.session_id, self.session_timeout)  # fmt: skip
+                await self._end(session)
 
     def _owned(self, table: dict[str, Any], key: str, tenant: Tenant, what: str) -> Any:
         entry = table.get(key)
@@ -230,7 +238,9 @@ class Service:
     async def finish_session(self, tenant: Tenant, session_id: str) -> None:
         """End a session: its training models and samplers are undeployed (their saved
         checkpoints stay)."""
-        session = self.session(tenant, session_id)
+        await self._end(self.session(tenant, session_id))
+
+    async def _end(self, session: Session) -> None:
         for model_id in session.models:
             model = self.models.pop(model_id, None)
             if model is not None:
@@ -247,7 +257,7 @@ class Service:
         for name, deployment in shared.items():
             if name not in in_use:
                 await self._undeploy(deployment)
-        del self.sessions[session_id]
+        self.sessions.pop(session.session_id, None)
 
     async def _undeploy(self, deployment: Deployment) -> None:
         try:
@@ -457,6 +467,8 @@ class Service:
                 self.skip(model, seq_id)
                 raise InvalidTinkerRequest("save_weights_for_sampler needs a path or a seq id")
             sampler_id = f"{model.session_id}:sample:{n}"
+            # "inflight": the session follows the model's weights as it trains
+            follows = body.get("kind") == "inflight"
 
             def submit() -> str:
                 self._add_sampler(
@@ -467,7 +479,7 @@ class Service:
                         model.base,
                         model.deployment,
                         model_id=model.model_id,
-                        version=model.optim_steps,
+                        version=None if follows else model.optim_steps,
                     ),
                     model.session_id,
                 )
@@ -573,7 +585,7 @@ class Service:
             model = self.models.get(sampler.model_id)
             if model is None:
                 raise UnknownObject(f"the training model of {sampler.sampler_id!r} has ended")
-            if model.optim_steps != sampler.version:
+            if sampler.version is not None and model.optim_steps != sampler.version:
                 raise SamplerSuperseded(
                     f"{sampler.sampler_id!r} samples {sampler.model_id} as of optimizer step "
                     f"{sampler.version}; it has taken {model.optim_steps}. Save the weights for "
