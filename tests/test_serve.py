@@ -142,7 +142,16 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     )
     base = sc.create_sampling_client(base_model=BASE).result()
     assert len(base.sample(prompt, 1, greedy).result().sequences) == 1
-    assert tc.save_state("state2").result().path.endswith("/weights/state2")
+    state = tc.save_state("state2").result().path
+    assert state.endswith("/weights/state2")
+    # a new run from the saved weights (fresh optimizer), and one with the optimizer state
+    saved_lp = tc.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+    for make in (sc.create_training_client_from_state, sc.create_training_client_from_state_with_optimizer):  # fmt: skip
+        other = make(state).result()
+        got = other.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+        assert got["logprobs"].tolist() == saved_lp["logprobs"].tolist()
+    run = tinker.RestClient(base_url=srv.url, api_key=keys["alice"])
+    assert run.get_training_run_by_tinker_path(state).result().base_model == BASE
 
     # a later step supersedes the snapshot sampler: a typed refusal, not other weights
     tc.forward_backward([ce_datum(A)], "cross_entropy").result()

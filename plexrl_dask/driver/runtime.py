@@ -720,11 +720,13 @@ class Deployment:
         checkpoint: str | os.PathLike[str] | Mapping[str, Any],
         model: str | None = None,
         version: int | None = None,
+        optimizer: bool = True,
     ) -> Future:
         """Future of the restored version. ``checkpoint``: what :meth:`save_state` returned,
         a DCP directory, or a state store path (``model``: default this deployment's name or
         the store's only model; ``version``: default the latest). Every rank (or replica)
-        reads only what its layout holds."""
+        reads only what its layout holds. ``optimizer=False``: parameters only, the optimizer
+        starts afresh (a new run from saved weights)."""
         if isinstance(checkpoint, Mapping):
             if "path" not in checkpoint:
                 raise CheckpointError(
@@ -736,7 +738,8 @@ class Deployment:
                 checkpoint = os.fspath(checkpoint)
             except TypeError as e:
                 raise CheckpointError(f"a checkpoint path is needed, got {checkpoint!r}") from e
-        return self._every("load_state", ops.load_state, (checkpoint, model, version))
+        args = (checkpoint, model, version) + (() if optimizer is True else (False,))
+        return self._every("load_state", ops.load_state, args)
 
     def get_weights(self, names: Sequence[str] | None = None) -> Future:
         """Future of :class:`NamedWeights` (host tensors by canonical name + version)."""

@@ -223,6 +223,16 @@ def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
         tenant = await tenant_of(request)
         return future(await service.save_weights(tenant, await json_of(request, tenant)))
 
+    @app.post(f"{PREFIX}/load_weights")
+    async def load_weights(request: Request) -> Response:
+        tenant = await tenant_of(request)
+        return future(await service.load_weights(tenant, await json_of(request, tenant)))
+
+    @app.get(f"{PREFIX}/training_runs/{{run_id}}")
+    async def training_run(run_id: str, request: Request) -> Response:
+        tenant = await tenant_of(request)
+        return ok(service.training_run(tenant, run_id))
+
     # --- sampling --------------------------------------------------------------------------
 
     @app.post(f"{PREFIX}/create_sampling_session")

@@ -32,13 +32,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
 from plexrl_dask import config
 from plexrl_dask.driver.runtime import Deployment, Runtime
-from plexrl_dask.driver.waits import settled
+from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import (
     ConfigError,
     InvalidTinkerRequest,
@@ -124,6 +125,15 @@ class Sampler:
 
 
 @dataclass(frozen=True)
+class Run:
+    run_id: str
+    tenant: str
+    base: str
+    user_metadata: dict
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     path: str
     tenant: str
@@ -143,6 +153,7 @@ class Service:
         self.models: dict[str, TrainModel] = {}
         self.samplers: dict[str, Sampler] = {}
         self.checkpoints: dict[str, Checkpoint] = {}
+        self.runs: dict[str, Run] = {}
         self.promises: dict[str, Promise] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="plexrl-serve")
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
@@ -268,15 +279,43 @@ class Service:
     # --- training models -------------------------------------------------------------------
 
     def create_model(self, tenant: Tenant, body: dict) -> str:
-        session = self.session(tenant, str(body.get("session_id")))
         base = str(body.get("base_model"))
-        spec = self.spec(base)
         rank = int((body.get("lora_config") or {}).get("rank", 0))
         if rank != 0:
             raise UnsupportedCall(
                 f"LoRA training (rank {rank}) is not built yet: create the training client with "
                 "rank=0 (create_lora_training_client(base_model, rank=0)) for full fine-tuning"
             )
+        return self._new_model(tenant, body, base, "create_model", None)
+
+    async def load_weights(self, tenant: Tenant, body: dict) -> str:
+        """``load_weights``: a new training model from a saved checkpoint (``session_id`` and
+        ``model_seq_id``; the SDK's ``create_training_client_from_state[_with_optimizer]``),
+        or, with ``model_id`` and ``seq_id``, into an existing one in its order. ``optimizer``
+        false: the weights only, a fresh optimizer."""
+        checkpoint = self._owned(self.checkpoints, str(body.get("path")), tenant, "checkpoint")
+        optimizer = body.get("optimizer") is True
+        if body.get("model_id") is not None:
+            model = self.model(tenant, str(body.get("model_id")))
+            return await self.ordered(
+                tenant,
+                model,
+                _seq(body),
+                "load_weights",
+                lambda: model.deployment.load_state(checkpoint.saved, optimizer=optimizer),
+                lambda _: json_reply({"path": checkpoint.path, "type": "load_weights"}),
+            )
+        return self._new_model(
+            tenant, body, checkpoint.base, "load_weights", (checkpoint, optimizer)
+        )
+
+    def _new_model(
+        self, tenant: Tenant, body: dict, base: str, kind: str, restore: tuple | None
+    ) -> str:
+        """Deploy a training model of ``base`` for ``create_model`` or ``load_weights``
+        (``restore``: the checkpoint and whether its optimizer state comes too)."""
+        session = self.session(tenant, str(body.get("session_id")))
+        spec = self.spec(base)
         if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise UnsupportedCall("the optimizer is AdamW (optimizer_config type 'adamw')")
         mine = sum(1 for m in self.models.values() if m.tenant == tenant.name)
@@ -287,17 +326,46 @@ class Service:
         model_id = f"{session.session_id}:train:{int(body.get('model_seq_id', 0))}"
         if model_id in self.models:
             raise InvalidTinkerRequest(f"model {model_id!r} exists (model_seq_id reused)")
+        metadata = {str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}
         runtime = self.runtime(tenant)
 
+        def deploy() -> Deployment:
+            deployment = runtime.deploy(model_id, spec)
+            if restore is not None:
+                try:
+                    result(deployment.load_state(restore[0].saved, optimizer=restore[1]))
+                except BaseException:
+                    runtime.undeploy(deployment.name)
+                    raise
+            return deployment
+
         async def work() -> Reply:
-            deployment = await self.blocking(runtime.deploy, model_id, spec)
+            deployment = await self.blocking(deploy)
             self.models[model_id] = TrainModel(
                 model_id, tenant.name, session.session_id, base, deployment
             )
+            self.runs[model_id] = Run(model_id, tenant.name, base, metadata)
             session.models.append(model_id)
-            return json_reply({"model_id": model_id, "type": "create_model"})
+            out = {"model_id": model_id, "type": kind}
+            if restore is not None:
+                out["path"] = restore[0].path
+            return json_reply(out)
 
-        return self.promise(tenant, "create_model", work())
+        return self.promise(tenant, kind, work())
+
+    def training_run(self, tenant: Tenant, run_id: str) -> dict:
+        """A training run (a training model, while it runs and after) as the REST API
+        describes it; the cookbook reads its ``user_metadata``."""
+        run = self._owned(self.runs, run_id, tenant, "training run")
+        return {
+            "training_run_id": run_id,
+            "base_model": run.base,
+            "model_owner": tenant.name,
+            "is_lora": False,
+            "corrupted": False,
+            "last_request_time": run.created,
+            "user_metadata": run.user_metadata or None,
+        }
 
     def get_info(self, tenant: Tenant, model_id: str) -> dict:
         model = self.model(tenant, model_id)
@@ -549,9 +617,7 @@ class Service:
             def deploy() -> Deployment:
                 dep = runtime.deploy(name, spec, role="rollout")
                 try:
-                    import plexrl_dask as plexrl
-
-                    plexrl.result(dep.load_state(checkpoint.saved))
+                    result(dep.load_state(checkpoint.saved))
                 except BaseException:
                     runtime.undeploy(dep.name)
                     raise

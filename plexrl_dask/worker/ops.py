@@ -365,11 +365,13 @@ def load_state(
     checkpoint: str | Mapping[str, Any],
     model: str | None = None,
     version: int | None = None,
+    optimizer: bool = True,
 ) -> int:
     """Restore a checkpoint written at any world size; returns its version. ``checkpoint``:
     what :func:`save_state` returned, a DCP directory, or the path of a state store (then
     ``model``, default the deployment's own name or the store's only model, and ``version``,
-    default the latest). Each rank reads only the regions its layout holds."""
+    default the latest). Each rank reads only the regions its layout holds. Without
+    ``optimizer``, parameters only: the optimizer starts afresh."""
 
     def call(backend: Any) -> int:
         # Finding the checkpoint may import it from another node: a rank that fails there
@@ -388,6 +390,8 @@ def load_state(
             find,
             CheckpointError("another rank of this deployment could not reach the checkpoint"),
         )
+        if optimizer is not True:  # (a rollout backend has no optimizer to leave out)
+            return backend.load_state(source, optimizer=False)
         return backend.load_state(source)
 
     return _run(deployment, "load_state", call)

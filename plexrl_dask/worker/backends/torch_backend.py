@@ -560,10 +560,11 @@ class TorchBackend:
         self.version = int(stored["meta"]["version"])
         return self.version
 
-    def load_state(self, path: str | StoreCheckpoint) -> int:
-        """Replace parameters (and optimizer state, if saved) with the checkpoint at ``path``
-        (a DCP directory or a :class:`StoreCheckpoint`), from any world size; pending gradients
-        are dropped. Returns the restored version."""
+    def load_state(self, path: str | StoreCheckpoint, optimizer: bool = True) -> int:
+        """Replace parameters (and optimizer state, if saved and ``optimizer``) with the
+        checkpoint at ``path`` (a DCP directory or a :class:`StoreCheckpoint`), from any world
+        size; pending gradients are dropped. Without ``optimizer`` the optimizer starts afresh
+        (a new run from saved weights). Returns the restored version."""
         meta: dict[str, Any] = {}
         stored: dict[str, int] = {}
 
@@ -576,6 +577,7 @@ class TorchBackend:
                 meta.update(found)
 
         self._checked(check)
+        meta["has_optimizer"] = bool(meta["has_optimizer"]) and optimizer is True
         if meta["has_optimizer"] and self.optimizer is None:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad], weight_decay=0.0
