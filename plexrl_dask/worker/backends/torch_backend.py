@@ -33,6 +33,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.models.tokenizer import BYTE_OF_SYMBOL
 from plexrl_dask.shared.checks import checked_temperature
 from plexrl_dask.shared.types import (
     AdamWParams,
@@ -117,11 +118,13 @@ def _portable(error: Exception) -> Exception:
 
 def _token_pieces(tokenizer: Any) -> list[str] | None:
     """Each token id's text, when the tokenizer decodes by plain concatenation (a ``Fuse``
-    decoder and no clean-up of spaces, like the character tokenizer of tiny models): then
+    decoder, or a ``ByteLevel`` one whose every token is whole UTF-8 on its own, and no
+    clean-up of spaces, like the character tokenizer of tiny models): then
     ``decode(ids, skip_special_tokens=True) == "".join(pieces[i] for i in ids)``. ``None``
     for any other tokenizer, which is then decoded."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend.decoder).__name__ != "Fuse":
+    decoder = type(getattr(backend, "decoder", None)).__name__
+    if backend is None or decoder not in ("Fuse", "ByteLevel"):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
@@ -129,7 +132,15 @@ def _token_pieces(tokenizer: Any) -> list[str] | None:
     special = set(tokenizer.all_special_ids)
     pieces = [""] * (max(vocab.values()) + 1)
     for token, i in vocab.items():
-        pieces[i] = "" if i in special else token
+        if i in special:
+            continue
+        if decoder == "Fuse":
+            pieces[i] = token
+            continue
+        try:  # (a token of part of a character decodes only beside the rest of it)
+            pieces[i] = bytes(BYTE_OF_SYMBOL[c] for c in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            return None
     return pieces
 
 
