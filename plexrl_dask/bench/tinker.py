@@ -15,8 +15,13 @@ user runs it. Results:
   ``optim_step``, then 8 sample requests of one prompt each, 4 samples of exactly 16 tokens
   (no stop), at once, all waited for. Through the SDK the step also makes its sampling client
   (``save_weights_and_get_sampling_client``), as a Tinker RL loop does every step.
-- ``cookbook_rl_steps``, ``cookbook_reward_first``, ``cookbook_reward_last``: a tinker-cookbook
-  recipe end to end (not yet run: ``cookbook_status`` says why).
+- ``cookbook_rl_steps``, ``cookbook_reward_first``, ``cookbook_reward_last``: unmodified
+  tinker-cookbook recipes end to end (:mod:`plexrl_dask.bench.cookbook`): two tenants at once,
+  each warming a model up with ``chat_sl`` and then training it with ``math_rl``
+  (``env=arithmetic``, ``loss_fn=importance_sampling``); the RL steps each completed (the
+  fewer of the two) and the mean reward of the first and of the last 3 steps (over both).
+  The cookbook needs its own interpreter (``--cookbook-python``, or ``PLEXRL_COOKBOOK_PYTHON``);
+  without one the stage is not run and ``cookbook_status`` says so.
 - ``lora_tenants_resident_bytes_ratio``: eight LoRA tenants on one base (not yet: LoRA is not
   built; None).
 """
@@ -41,10 +46,46 @@ from plexrl_dask.serve.tenants import add_key
 TARGETS = {"protocol_overhead_ratio": "<= 1.25", "sdk_calls_ok": "true"}
 BASE = "bench-qwen"
 SEQ, BATCH, PROMPTS, SAMPLES, NEW = 64, 8, 8, 4, 16
+#: the cookbook stage's model: small enough to warm up and train on 2 cores in minutes
+COOK_SPEC = plexrl.ModelSpec.tiny(
+    hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=256, seed=1
+)
+
+
+def _cookbook(args: Any, url: str, keys: list[str], model: str, tmp: Path) -> dict[str, Any]:
+    """The cookbook stage: its tenants at once, each in a thread of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from plexrl_dask.bench.cookbook import run_tenant
+
+    steps = 12 if args.quick else 24
+    with ThreadPoolExecutor(len(keys)) as pool:
+        futures = {
+            f"cook-{chr(97 + i)}": pool.submit(
+                run_tenant, args.cookbook_python, url, key, model, tmp / f"cook-{i}", 12000, steps
+            )
+            for i, key in enumerate(keys)
+        }
+        try:
+            tenants = {name: f.result() for name, f in futures.items()}
+        except Exception as e:  # (reported, with the other figures, not raised)
+            return {"status": f"failed: {type(e).__name__}: {e}"}
+    return {"status": "ran", "tenants": tenants}
+
+
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--cookbook-python",
+        default=os.environ.get("PLEXRL_COOKBOOK_PYTHON"),
+        help="an interpreter with tinker-cookbook[math-rl] installed (its stage is skipped without)",
+    )
+    args = p.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
 
@@ -52,15 +93,20 @@ def main() -> None:
     spec = plexrl.ModelSpec.tiny(
         hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, max_positions=512
     )
+    cook: dict[str, Any] = {"status": "not run: no --cookbook-python"}
     with tempfile.TemporaryDirectory(prefix="plexrl-bench-tinker-") as tmp:
         checkpoint = str(Path(tmp) / "model")
         spec.save_pretrained(checkpoint)
+        cook_model = str(Path(tmp) / "cook-model")
+        COOK_SPEC.save_pretrained(cook_model)
         keys = Path(tmp) / "keys.yaml"
         key = add_key(keys, "bench")
+        cook_keys = [add_key(keys, f"cook-{t}") for t in "ab"]
+        models = {BASE: checkpoint, cook_model: cook_model}
         with (
             plexrl.local_cluster(n_workers=1) as cluster,
             Client(cluster) as client,
-            _server(cluster.scheduler_address, keys, checkpoint) as url,
+            _server(cluster.scheduler_address, keys, models) as url,
         ):
             service = tinker.ServiceClient(base_url=url, api_key=key)
             calls = _every_call(tinker, service, url, key)
@@ -71,6 +117,9 @@ def main() -> None:
             sdk_step(), runtime_step()  # (warm: both arms' first step builds caches)
             times = interleaved({"sdk": sdk_step, "runtime": runtime_step}, reps)
             service.close("success").result()
+            if args.cookbook_python:
+                cook = _cookbook(args, url, cook_keys, cook_model, Path(tmp))
+    ends = [t for t in cook.get("tenants", {}).values()]
     results: dict[str, Any] = {
         "sdk_version": tinker.__version__,
         "sdk_calls_ok": all(calls.values()),
@@ -79,12 +128,12 @@ def main() -> None:
         "protocol_overhead_ratio": median(times["sdk"]) / median(times["runtime"]),
         "step_s_sdk": median(times["sdk"]),
         "step_s_runtime": median(times["runtime"]),
-        "cookbook_status": "not run: tinker-cookbook 0.6.1 needs tml-renderers >= 0.4.1, "
-        "which this machine's package registry does not have, and a recipe that warms up "
-        "first needs create-from-state (load_weights), not built yet",
-        "cookbook_rl_steps": None,
-        "cookbook_reward_first": None,
-        "cookbook_reward_last": None,
+        "cookbook_status": cook["status"],
+        "cookbook_tenants": len(ends),
+        "cookbook_rl_steps": min((t["rl_steps"] for t in ends), default=None),
+        "cookbook_reward_first": _mean_of(ends, "reward_first"),
+        "cookbook_reward_last": _mean_of(ends, "reward_last"),
+        "cookbook": cook.get("tenants"),
         "lora_tenants_resident_bytes_ratio": None,
     }
     config = {"reps": reps, "model_parameters": spec.num_parameters(), "step": {
@@ -95,7 +144,7 @@ def main() -> None:
 class _server:
     """``plexrl serve`` as its own process on a free port; its URL once it answers."""
 
-    def __init__(self, scheduler: str, keys: Path, checkpoint: str) -> None:
+    def __init__(self, scheduler: str, keys: Path, models: dict[str, str]) -> None:
         import socket
 
         with socket.socket() as s:
@@ -103,7 +152,8 @@ class _server:
             self.port = s.getsockname()[1]
         self.args = [
             sys.executable, "-m", "plexrl_dask.cli", "serve", "--scheduler", scheduler,
-            "--keys", str(keys), "--model", f"{BASE}={checkpoint}", "--port", str(self.port),
+            "--keys", str(keys), "--port", str(self.port),
+            *(f"--model={name}={path}" for name, path in models.items()),
         ]  # fmt: skip
 
     def __enter__(self) -> str:

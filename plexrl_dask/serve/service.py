@@ -83,7 +83,7 @@ class Promise:
     tenant: str
     kind: str
     task: asyncio.Task
-    created: float = field(default_factory=time.monotonic)
+    done_at: float | None = None  # (monotonic) when its reply was ready
 
 
 @dataclass
@@ -187,7 +187,9 @@ class Service:
             )
         request_id = f"req-{uuid.uuid4().hex}"
         task = asyncio.ensure_future(_replying(work))
-        self.promises[request_id] = Promise(request_id, tenant.name, kind, task)
+        promise = Promise(request_id, tenant.name, kind, task)
+        task.add_done_callback(lambda _: setattr(promise, "done_at", time.monotonic()))
+        self.promises[request_id] = promise
         return request_id
 
     async def retrieve(self, tenant: Tenant, request_id: str) -> Reply:
@@ -207,7 +209,7 @@ class Service:
         without a heartbeat for ``plexrl.serve.session-timeout``."""
         now = time.monotonic()
         for rid, p in list(self.promises.items()):
-            if p.task.done() and now - p.created > self.result_ttl:
+            if p.done_at is not None and now - p.done_at > self.result_ttl:
                 del self.promises[rid]
         for session in list(self.sessions.values()):
             if now - session.last_seen > self.session_timeout:
@@ -280,7 +282,8 @@ class Service:
 
     def create_model(self, tenant: Tenant, body: dict) -> str:
         base = str(body.get("base_model"))
-        rank = int((body.get("lora_config") or {}).get("rank", 0))
+        lora = body.get("lora_config") or {}
+        rank = _int(lora.get("rank", 0) if isinstance(lora, dict) else None, "lora_config.rank")
         if rank != 0:
             raise UnsupportedCall(
                 f"LoRA training (rank {rank}) is not built yet: create the training client with "
@@ -323,7 +326,7 @@ class Service:
             raise TenantLimitExceeded(
                 f"tenant {tenant.name!r} has {mine} training models (limit {tenant.limits.models})"
             )
-        model_id = f"{session.session_id}:train:{int(body.get('model_seq_id', 0))}"
+        model_id = f"{session.session_id}:train:{_int(body.get('model_seq_id', 0), 'model_seq_id')}"
         if model_id in self.models:
             raise InvalidTinkerRequest(f"model {model_id!r} exists (model_seq_id reused)")
         metadata = {str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}
@@ -606,7 +609,8 @@ class Service:
 
     async def create_sampling_session(self, tenant: Tenant, body: dict) -> str:
         session = self.session(tenant, str(body.get("session_id")))
-        sampler_id = f"{session.session_id}:sample:{int(body.get('sampling_session_seq_id', 0))}"
+        n = _int(body.get("sampling_session_seq_id", 0), "sampling_session_seq_id")
+        sampler_id = f"{session.session_id}:sample:{n}"
         runtime = self.runtime(tenant)
         path = body.get("model_path")
         if path is not None:
@@ -695,6 +699,12 @@ async def _replying(work: Awaitable[Reply]) -> Reply:
         if not isinstance(e, PlexRLError):
             logger.exception("a Tinker request failed")
         return json_reply(error_body(e))
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidTinkerRequest(f"{what} is an integer >= 0, got {value!r}")
+    return value
 
 
 def _seq(body: dict) -> int:
