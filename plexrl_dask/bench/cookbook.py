@@ -24,6 +24,9 @@ from typing import Any
 
 #: mean reward of this many steps at each end of the RL run
 ENDS = 3
+#: the RL step size: Adam starts afresh from the warm-up's weights (a new run from saved
+#: weights), so its first steps move every parameter by about this much
+RL_LR = 5e-5
 
 
 def arithmetic_conversations(path: Path, n: int, seed: int = 0) -> None:
@@ -43,9 +46,17 @@ def arithmetic_conversations(path: Path, n: int, seed: int = 0) -> None:
 
 
 def run_tenant(
-    python: str, url: str, key: str, model_dir: str, work: Path, examples: int, rl_steps: int
+    python: str,
+    url: str,
+    key: str,
+    model_dir: str,
+    work: Path,
+    examples: int,
+    epochs: int,
+    rl_steps: int,
 ) -> dict[str, Any]:
-    """One tenant's warm-up and RL run; what their metrics files say."""
+    """One tenant's warm-up (``epochs`` over ``examples`` conversations) and RL run
+    (``rl_steps``); what their metrics files say."""
     work.mkdir(parents=True, exist_ok=True)
     data = work / "arith.jsonl"
     arithmetic_conversations(data, examples)
@@ -57,15 +68,15 @@ def run_tenant(
     ]  # fmt: skip
     sl = [
         python, "-m", "tinker_cookbook.recipes.chat_sl.train", *common, f"dataset={data}",
-        f"log_path={work / 'sl'}", "batch_size=64", "learning_rate=3e-3", "lr_schedule=constant",
-        "infrequent_eval_every=0",
+        f"log_path={work / 'sl'}", "batch_size=64", "learning_rate=1e-3", "lr_schedule=linear",
+        f"num_epochs={epochs}", "infrequent_eval_every=0",
     ]  # fmt: skip
     _run(sl, env, work / "sl.log")
     checkpoints = _lines(work / "sl" / "checkpoints.jsonl")
     rl = [
         python, "-m", "tinker_cookbook.recipes.math_rl.train", *common, "env=arithmetic",
         "loss_fn=importance_sampling", f"load_checkpoint_path={checkpoints[-1]['state_path']}",
-        "group_size=8", "groups_per_batch=16", "learning_rate=5e-4", "max_tokens=12",
+        "group_size=8", "groups_per_batch=16", f"learning_rate={RL_LR}", "max_tokens=12",
         f"max_steps={rl_steps}", f"log_path={work / 'rl'}",
     ]  # fmt: skip
     _run(rl, env, work / "rl.log")

@@ -10,7 +10,9 @@ user runs it. Results:
 - ``sdk_calls_ok`` / ``sdk_calls``: every supported call type, through the SDK, completed and
   returned what the protocol says (``sdk_call_results`` names each).
 - ``protocol_overhead_ratio`` (target <= 1.25): median wall time of one training step through
-  the SDK ÷ the same step through the Runtime, on the same deployment, steps interleaved. A
+  the SDK ÷ the same step through the Runtime, each on a training deployment of the same
+  checkpoint on the same worker (the server's tenant's, and the benchmark's own job's), steps
+  interleaved. A
   step: ``forward_backward`` of 8 sequences of 64 tokens (cross-entropy, summed), then
   ``optim_step``, then 8 sample requests of one prompt each, 4 samples of exactly 16 tokens
   (no stop), at once, all waited for. Through the SDK the step also makes its sampling client
@@ -58,11 +60,19 @@ def _cookbook(args: Any, url: str, keys: list[str], model: str, tmp: Path) -> di
 
     from plexrl_dask.bench.cookbook import run_tenant
 
-    steps = 12 if args.quick else 24
+    epochs, steps = (3, 12) if args.quick else (4, 24)
     with ThreadPoolExecutor(len(keys)) as pool:
         futures = {
             f"cook-{chr(97 + i)}": pool.submit(
-                run_tenant, args.cookbook_python, url, key, model, tmp / f"cook-{i}", 12000, steps
+                run_tenant,
+                args.cookbook_python,
+                url,
+                key,
+                model,
+                tmp / f"cook-{i}",
+                12000,
+                epochs,
+                steps,
             )
             for i, key in enumerate(keys)
         }
@@ -111,8 +121,10 @@ def main() -> None:
             service = tinker.ServiceClient(base_url=url, api_key=key)
             calls = _every_call(tinker, service, url, key)
             trainer = service.create_lora_training_client(base_model=BASE, rank=0).result()
-            runtime = plexrl.Runtime(client, job="tinker-bench")
-            dep = runtime.deployment(trainer.model_id)
+            # the same model as a deployment of the benchmark's own job (the server's tenant
+            # job is the server's: another driver may not act in its name)
+            runtime = plexrl.Runtime(client, job="bench-runtime")
+            dep = runtime.deploy("policy", plexrl.ModelSpec(path=checkpoint))
             sdk_step, runtime_step = _steps(tinker, trainer, dep)
             sdk_step(), runtime_step()  # (warm: both arms' first step builds caches)
             times = interleaved({"sdk": sdk_step, "runtime": runtime_step}, reps)
