@@ -272,6 +272,28 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server):
     sc.close("success").result()
 
 
+def test_a_sampler_every_step_never_reaches_the_tenants_limit(server):
+    """A Tinker RL loop makes a sampling client every step: the earlier steps' snapshot
+    samplers are retired (still refused, typed), so a tenant's limit counts live ones only."""
+    srv, client, keys = server
+    sc = sdk(srv, keys["bob"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    from plexrl_dask import config
+
+    first = None
+    for _ in range(int(config.get("serve.tenant-limits")["samplers"]) + 2):
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        first = first or sampler
+        tc.forward_backward([ce_datum(B)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    prompt = types.ModelInput.from_ints(B[:2])
+    with pytest.raises(tinker.BadRequestError, match="SamplerSuperseded"):
+        first.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    now = tc.save_weights_and_get_sampling_client().result()
+    assert len(now.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+    sc.close("success").result()
+
+
 def test_a_session_without_heartbeats_ends_and_frees_the_pool(server):
     """A client that died (no heartbeat for plexrl.serve.session-timeout) leaves nothing
     deployed: its session's models are undeployed by the server's sweep."""

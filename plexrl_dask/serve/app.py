@@ -184,13 +184,6 @@ def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
 
     # --- training --------------------------------------------------------------------------
 
-    @app.post(f"{PREFIX}/create_model")
-    async def create_model(request: Request) -> Response:
-        tenant = await tenant_of(request)
-        body = await json_of(request, tenant)
-        request_id = service.create_model(tenant, body)
-        return future(request_id)
-
     @app.post(f"{PREFIX}/get_info")
     async def get_info(request: Request) -> Response:
         tenant = await tenant_of(request)
@@ -207,31 +200,38 @@ def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
             raise InvalidTinkerRequest("forward_backward takes an application/x-protobuf body")
         return future(await service.forward_backward(tenant, raw))
 
-    @app.post(f"{PREFIX}/optim_step")
-    async def optim_step(request: Request) -> Response:
-        tenant = await tenant_of(request)
-        return future(await service.optim_step(tenant, await json_of(request, tenant)))
+    def json_future(path: str, call: Any) -> None:
+        """A route whose JSON body starts ``call(tenant, body)``, answered with its request
+        id."""
 
-    @app.post(f"{PREFIX}/save_weights_for_sampler")
-    async def save_for_sampler(request: Request) -> Response:
-        tenant = await tenant_of(request)
-        body = await json_of(request, tenant)
-        return future(await service.save_weights_for_sampler(tenant, body))
+        async def route(request: Request) -> Response:
+            tenant = await tenant_of(request)
+            return future(await call(tenant, await json_of(request, tenant)))
 
-    @app.post(f"{PREFIX}/save_weights")
-    async def save_weights(request: Request) -> Response:
-        tenant = await tenant_of(request)
-        return future(await service.save_weights(tenant, await json_of(request, tenant)))
+        route.__name__ = path
+        app.post(f"{PREFIX}/{path}")(route)
 
-    @app.post(f"{PREFIX}/load_weights")
-    async def load_weights(request: Request) -> Response:
-        tenant = await tenant_of(request)
-        return future(await service.load_weights(tenant, await json_of(request, tenant)))
+    for path in (
+        "create_model",
+        "optim_step",
+        "save_weights_for_sampler",
+        "save_weights",
+        "load_weights",
+    ):
+        json_future(path, getattr(service, path))
 
-    @app.get(f"{PREFIX}/training_runs/{{run_id}}")
-    async def training_run(run_id: str, request: Request) -> Response:
-        tenant = await tenant_of(request)
-        return ok(service.training_run(tenant, run_id))
+    def described(path: str, call: Any) -> None:
+        """``GET path/{id}``: what ``call(tenant, id)`` says of the tenant's object."""
+
+        async def route(request: Request) -> Response:
+            tenant = await tenant_of(request)
+            return ok(call(tenant, request.path_params["object_id"]))
+
+        route.__name__ = path
+        app.get(f"{PREFIX}/{path}/{{object_id}}")(route)
+
+    described("training_runs", service.training_run)
+    described("samplers", service.describe_sampler)
 
     # --- sampling --------------------------------------------------------------------------
 
@@ -240,11 +240,6 @@ def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
         tenant = await tenant_of(request)
         body = await json_of(request, tenant)
         return ok({"sampling_session_id": await service.create_sampling_session(tenant, body)})
-
-    @app.get(f"{PREFIX}/samplers/{{sampler_id}}")
-    async def sampler(sampler_id: str, request: Request) -> Response:
-        tenant = await tenant_of(request)
-        return ok(service.describe_sampler(tenant, sampler_id))
 
     @app.post(f"{PREFIX}/asample")
     async def asample(request: Request) -> Response:

@@ -59,6 +59,8 @@ from plexrl_dask.worker.losses import compute_loss
 
 logger = logging.getLogger(__name__)
 
+#: how many retired samplers are remembered (to say why one can no longer sample)
+RETIRED_KEPT = 4096
 #: (HTTP status, body, media type) of a finished promise, as retrieve_future sends it
 Reply = tuple[int, bytes, str]
 JSON = "application/json"
@@ -152,6 +154,8 @@ class Service:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        #: sampler id -> (tenant, why): snapshot samplers retired by a later step
+        self.retired: dict[str, tuple[str, str]] = {}
         self.checkpoints: dict[str, Checkpoint] = {}
         self.runs: dict[str, Run] = {}
         self.promises: dict[str, Promise] = {}
@@ -280,7 +284,7 @@ class Service:
 
     # --- training models -------------------------------------------------------------------
 
-    def create_model(self, tenant: Tenant, body: dict) -> str:
+    async def create_model(self, tenant: Tenant, body: dict) -> str:
         base = str(body.get("base_model"))
         lora = body.get("lora_config") or {}
         rank = _int(lora.get("rank", 0) if isinstance(lora, dict) else None, "lora_config.rank")
@@ -595,6 +599,16 @@ class Service:
         )
 
     def _add_sampler(self, tenant: Tenant, sampler: Sampler, session_id: str) -> None:
+        """Register ``sampler``. A training model's snapshot samplers of earlier steps are
+        retired first (a Tinker RL loop makes one every step; they can no longer sample and
+        do not count against the tenant's limit); using one later is still
+        :class:`SamplerSuperseded`."""
+        for old in list(self.samplers.values()):
+            if old.tenant == tenant.name and self._superseded(old) is not None:
+                del self.samplers[old.sampler_id]
+                self.retired[old.sampler_id] = (tenant.name, self._superseded(old) or "")
+        while len(self.retired) > RETIRED_KEPT:
+            del self.retired[next(iter(self.retired))]
         mine = sum(1 for s in self.samplers.values() if s.tenant == tenant.name)
         if mine >= tenant.limits.samplers:
             raise TenantLimitExceeded(
@@ -604,6 +618,21 @@ class Service:
         self.samplers[sampler.sampler_id] = sampler
         if session_id in self.sessions:
             self.sessions[session_id].samplers.append(sampler.sampler_id)
+
+    def _superseded(self, sampler: Sampler) -> str | None:
+        """Why ``sampler`` can no longer sample (None: it can)."""
+        if sampler.model_id is None or sampler.version is None:
+            return None
+        model = self.models.get(sampler.model_id)
+        if model is None:
+            return f"the training model of {sampler.sampler_id!r} has ended"
+        if model.optim_steps == sampler.version:
+            return None
+        return (
+            f"{sampler.sampler_id!r} samples {sampler.model_id} as of optimizer step "
+            f"{sampler.version}; it has taken {model.optim_steps}. Save the weights for the "
+            "sampler again, or save them by name to keep a copy to sample"
+        )
 
     # --- sampling --------------------------------------------------------------------------
 
@@ -650,17 +679,14 @@ class Service:
 
     def sample(self, tenant: Tenant, body: dict) -> tuple[str, list[str]]:
         """Start a sample request; its request id and the ids of its sequences."""
-        sampler = self.sampler(tenant, str(body.get("sampling_session_id")))
-        if sampler.model_id is not None:
-            model = self.models.get(sampler.model_id)
-            if model is None:
-                raise UnknownObject(f"the training model of {sampler.sampler_id!r} has ended")
-            if sampler.version is not None and model.optim_steps != sampler.version:
-                raise SamplerSuperseded(
-                    f"{sampler.sampler_id!r} samples {sampler.model_id} as of optimizer step "
-                    f"{sampler.version}; it has taken {model.optim_steps}. Save the weights for "
-                    "the sampler again, or save them by name to keep a copy to sample"
-                )
+        sampler_id = str(body.get("sampling_session_id"))
+        retired = self.retired.get(sampler_id)
+        if retired is not None and retired[0] == tenant.name:
+            raise SamplerSuperseded(retired[1])
+        sampler = self.sampler(tenant, sampler_id)
+        why = self._superseded(sampler)
+        if why is not None:
+            raise SamplerSuperseded(why)
         for flag in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if body.get(flag):
                 raise UnsupportedCall(f"{flag} is not supported")
