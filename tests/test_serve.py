@@ -142,6 +142,10 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     )
     base = sc.create_sampling_client(base_model=BASE).result()
     assert len(base.sample(prompt, 1, greedy).result().sequences) == 1
+    # without max_tokens: up to what the context leaves after the prompt
+    unbounded = types.SamplingParams(temperature=1.0, stop=[], seed=3)
+    [seq] = base.sample(prompt, 1, unbounded).result().sequences
+    assert len(seq.tokens) == 64 - 3 and seq.stop_reason == "length"
     state = tc.save_state("state2").result().path
     assert state.endswith("/weights/state2")
     # a new run from the saved weights (fresh optimizer), and one with the optimizer state

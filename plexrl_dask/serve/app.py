@@ -151,11 +151,11 @@ def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
         models = [
             {
                 "model_name": name,
-                "max_context_length": int(spec.hf_config().max_position_embeddings),
+                "max_context_length": service.context(name),
                 "trainable": True,
                 "sampleable": True,
             }
-            for name, spec in service.catalog.items()
+            for name in service.catalog
         ]
         return ok({"supported_models": models})
 

@@ -158,6 +158,7 @@ class Service:
         self.retired: dict[str, tuple[str, str]] = {}
         self.checkpoints: dict[str, Checkpoint] = {}
         self.runs: dict[str, Run] = {}
+        self._context: dict[str, int] = {}
         self.promises: dict[str, Promise] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="plexrl-serve")
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
@@ -237,6 +238,12 @@ class Service:
 
     def sampler(self, tenant: Tenant, sampler_id: str) -> Sampler:
         return self._owned(self.samplers, sampler_id, tenant, "sampling session")
+
+    def context(self, base: str) -> int:
+        """The base model's context length (read from its config once)."""
+        if base not in self._context:
+            self._context[base] = int(self.spec(base).hf_config().max_position_embeddings)
+        return self._context[base]
 
     def spec(self, base: str) -> ModelSpec:
         if base not in self.catalog:
@@ -697,8 +704,9 @@ class Service:
         tokens = wire.prompt_tokens(body.get("prompt"))
         seed = wire.derived_seed(tenant.name, sampler.sampler_id, body.get("seq_id"))
         eos = sampler.deployment.tokenizer.eos_token_id
+        room = self.context(sampler.base) - len(tokens)
         params = wire.sampling_params(
-            body.get("sampling_params"), body.get("num_samples", 1), eos, seed
+            body.get("sampling_params"), body.get("num_samples", 1), eos, seed, room
         )
         want_prompt = bool(body.get("prompt_logprobs"))
         dep = sampler.deployment

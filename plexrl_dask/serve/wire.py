@@ -281,11 +281,13 @@ def prompt_tokens(prompt: Any) -> list[int]:
 
 
 def sampling_params(
-    params: Any, num_samples: Any, eos_token_id: int | None, default_seed: int
+    params: Any, num_samples: Any, eos_token_id: int | None, default_seed: int, room: int
 ) -> SamplingParams:
     """PlexRL's :class:`SamplingParams` of a Tinker ``sampling_params`` object. Stops: absent
     is the end-of-sequence token; strings are stop strings; token ids must be the
-    end-of-sequence token (the only stop token the decoders know); ``[]`` decodes past it."""
+    end-of-sequence token (the only stop token the decoders know); ``[]`` decodes past it.
+    Without ``max_tokens``, up to ``room`` (what the model's context leaves after the
+    prompt)."""
     if not isinstance(params, dict):
         raise InvalidTinkerRequest("sampling_params is an object")
     if params.get("top_k", -1) not in (-1, 0, None):
@@ -314,7 +316,7 @@ def sampling_params(
             n=num_samples,
             temperature=float(params.get("temperature", 1.0)),
             top_p=float(params.get("top_p", 1.0)),
-            max_tokens=max_tokens if max_tokens is not None else 256,
+            max_tokens=max_tokens if max_tokens is not None else max(1, room),
             stop=strings,
             seed=default_seed if seed is None else seed,
             ignore_eos=ignore_eos,
