@@ -33,7 +33,8 @@ def server(tmp_path_factory):
     keys = root / "keys.yaml"
     alice, bob = add_key(keys, "alice"), add_key(keys, "bob")
     small = add_key(keys, "small")
-    text = keys.read_text().replace("  small:\n", "  small:\n    limits: {request-bytes: 2048}\n")
+    limits = "    limits: {request-bytes: 2048, requests-waiting: 2}\n"
+    text = keys.read_text().replace("  small:\n", "  small:\n" + limits)
     keys.write_text(text)
     with (
         plexrl.local_cluster(n_workers=2) as cluster,
@@ -319,3 +320,27 @@ def test_a_session_without_heartbeats_ends_and_frees_the_pool(server):
     assert model_id not in {d.name.split("@")[0] for d in runtime.deployments()}
     r = httpx.post(f"{api}/get_info", headers=headers, json={"model_id": model_id}, timeout=30)
     assert r.status_code == 404
+
+
+def test_a_tenants_requests_waiting_are_bounded_with_a_retryable_refusal(server):
+    """Past its requests waiting (here 2: two requests queued behind a seq_id that has not
+    arrived), a tenant's next request is a 429 TenantBusy, which the SDK retries; other
+    tenants are not affected."""
+    srv, client, keys = server
+    sc = sdk(srv, keys["small"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    api, headers = f"{srv.url}/api/v1", {"X-API-Key": keys["small"]}
+
+    def optim(seq_id):
+        body = {"model_id": tc.model_id, "seq_id": seq_id, "adam_params": {"learning_rate": 1e-3}}
+        return httpx.post(f"{api}/optim_step", headers=headers, json=body, timeout=30)
+
+    assert optim(5).status_code == 200 and optim(6).status_code == 200  # (behind seq_id 1)
+    r = optim(7)
+    assert r.status_code == 429 and r.json()["error"] == "TenantBusy"
+    assert r.headers["retry-after"] == "1"
+    bob = sdk(srv, keys["bob"])
+    other = bob.create_lora_training_client(base_model=BASE, rank=0).result()
+    assert other.get_info().model_data.model_name == BASE
+    bob.close("success").result()
+    sc.close("success").result()

@@ -160,6 +160,7 @@ class Service:
         self.runs: dict[str, Run] = {}
         self._context: dict[str, int] = {}
         self.promises: dict[str, Promise] = {}
+        self.waiting: dict[str, int] = {}  # tenant -> its promises not yet finished
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="plexrl-serve")
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
         self.long_poll = float(config.get("serve.long-poll"))  # type: ignore[arg-type]
@@ -180,9 +181,7 @@ class Service:
     def promise(self, tenant: Tenant, kind: str, work: Awaitable[Reply]) -> str:
         """Start ``work`` as a promise of ``tenant``; its request id. At the tenant's limit of
         requests waiting: :class:`TenantLimitExceeded` (the request is not started)."""
-        waiting = sum(
-            1 for p in self.promises.values() if p.tenant == tenant.name and not p.task.done()
-        )
+        waiting = self.waiting.get(tenant.name, 0)
         if waiting >= tenant.limits.requests_waiting:
             if asyncio.iscoroutine(work):
                 work.close()
@@ -193,7 +192,13 @@ class Service:
         request_id = f"req-{uuid.uuid4().hex}"
         task = asyncio.ensure_future(_replying(work))
         promise = Promise(request_id, tenant.name, kind, task)
-        task.add_done_callback(lambda _: setattr(promise, "done_at", time.monotonic()))
+        self.waiting[tenant.name] = waiting + 1
+
+        def done(_: asyncio.Task) -> None:
+            promise.done_at = time.monotonic()
+            self.waiting[tenant.name] -= 1
+
+        task.add_done_callback(done)
         self.promises[request_id] = promise
         return request_id
 
