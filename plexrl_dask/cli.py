@@ -281,8 +281,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         models[name] = path
     if not models:
         raise ConfigError("no base models: --model NAME=DIR or plexrl.serve.models")
+    state = args.state or _config.get("serve.state-file") or f"{keys}.state.json"
     with Client(args.scheduler, timeout=args.timeout) as client:
-        serve(client, KeyRing.from_file(keys), models, args.host, args.port)
+        serve(client, KeyRing.from_file(keys), models, args.host, args.port, str(state))
     return 0
 
 
@@ -399,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=DIR",
         help="a base model: its name and local checkpoint directory (repeatable)",
+    )
+    p.add_argument(
+        "--state",
+        default=None,
+        help="what outlives a restart: tenants' job secrets, checkpoints' paths (default: "
+        "plexrl.serve.state-file, else KEYS.state.json)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=nonnegative_int, default=8000)

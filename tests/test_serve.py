@@ -344,3 +344,35 @@ def test_a_tenants_requests_waiting_are_bounded_with_a_retryable_refusal(server)
     assert other.get_info().model_data.model_name == BASE
     bob.close("success").result()
     sc.close("success").result()
+
+
+def test_a_restarted_server_keeps_its_tenants_and_their_checkpoints(server, tmp_path):
+    """A server that stopped without its sessions ending (a crash, a redeploy) leaves its
+    tenants' deployments on the pool: started again on its state file, it re-attaches to the
+    tenants' jobs (their secrets are in the file), undeploys what the last run left, and still
+    knows the tinker:// paths of their saved checkpoints."""
+    srv, client, _ = server
+    keys = tmp_path / "keys.yaml"
+    key = add_key(keys, "dave")
+    state, models = tmp_path / "state.json", {BASE: srv.service.catalog[BASE].path}
+    observer = plexrl.Runtime(client, job="observer")
+
+    def daves() -> set[str]:
+        return {d.name for d in observer.deployments(every_job=True) if d.owner == "tinker-dave"}
+
+    with ServerThread(client, KeyRing.from_file(keys), models, state_file=str(state)) as first:
+        tc = sdk(first, key).create_lora_training_client(base_model=BASE, rank=0).result()
+        tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_state("keep").result().path
+        saved = tc.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+        left = daves()
+        assert len(left) == 1
+    with ServerThread(client, KeyRing.from_file(keys), models, state_file=str(state)) as second:
+        sc = sdk(second, key)
+        again = sc.create_training_client_from_state(path).result()
+        got = again.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+        assert got["logprobs"].tolist() == saved["logprobs"].tolist()
+        assert not daves() & left  # (the last run's model is gone; the new one stays)
+        sc.close("success").result()
+    assert not daves()

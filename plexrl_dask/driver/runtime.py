@@ -113,10 +113,20 @@ class Runtime:
     def secret(self) -> str:
         """The job's secret (registering the job on first use)."""
         if self._secret is None:
-            key = (str(self.client.scheduler.address), self.job)
-            known = _SECRETS.get(key)
-            status = self._call(protocol.REGISTER_JOB, job=self.job, secret=known)
-            self._secret = _SECRETS[key] = str(status["secret"])
+            self.attach()
+        assert self._secret is not None
+        return self._secret
+
+    def attach(self) -> str:
+        """Register the job (a new one gets a fresh secret), or re-attach to it with the
+        secret this runtime was given or this process knows; returns the secret.
+        :class:`PermissionDenied` if the job is registered and that is not its secret, or if a
+        secret is given for a job the scheduler does not know (it restarted without a
+        journal: a runtime without a secret registers it anew)."""
+        key = (str(self.client.scheduler.address), self.job)
+        known = self._secret if self._secret is not None else _SECRETS.get(key)
+        status = self._call(protocol.REGISTER_JOB, job=self.job, secret=known)
+        self._secret = _SECRETS[key] = str(status["secret"])
         return self._secret
 
     def _call(self, handler: str, **kwargs: Any) -> dict[str, Any]:

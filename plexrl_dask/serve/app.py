@@ -65,12 +65,15 @@ def http_status(exc: PlexRLError) -> int:
     return 400
 
 
-def create_app(client: Any, keyring: KeyRing, models: dict[str, str]) -> Any:
+def create_app(
+    client: Any, keyring: KeyRing, models: dict[str, str], state_file: str | None = None
+) -> Any:
     """The FastAPI app of a server on ``client``'s cluster: tenants from ``keyring``, base
-    models ``models`` (name -> local checkpoint directory)."""
+    models ``models`` (name -> local checkpoint directory), what outlives a restart in
+    ``state_file`` (:mod:`.state`; None: nothing)."""
     if wire.pb is None or FastAPI is None:
         raise ConfigError("plexrl serve needs the serve extra: pip install 'plexrl-dask[serve]'")
-    service = Service(client, models)
+    service = Service(client, models, state_file)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -294,6 +297,7 @@ class ServerThread:
         models: dict[str, str],
         host: str = "127.0.0.1",
         port: int = 0,
+        state_file: str | None = None,
     ) -> None:
         import socket
 
@@ -304,7 +308,7 @@ class ServerThread:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        app = create_app(client, keyring, models)
+        app = create_app(client, keyring, models, state_file)
         self.service: Service = app.state.service
         cfg = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         self._server = uvicorn.Server(cfg)
@@ -336,13 +340,14 @@ class ServerThread:
 
 
 def serve(
-    client: Any, keyring: KeyRing, models: dict[str, str], host: str, port: int
+    client: Any, keyring: KeyRing, models: dict[str, str], host: str, port: int, state_file: str
 ) -> None:  # pragma: no cover - the CLI's loop
     """Run ``plexrl serve`` in the foreground until interrupted."""
     import uvicorn
 
     logger.info("plexrl serve on http://%s:%d: tenants %s", host, port, keyring.tenants())
-    uvicorn.run(create_app(client, keyring, models), host=host, port=port, log_level="info")
+    app = create_app(client, keyring, models, state_file)
+    uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 def models_from_config() -> dict[str, str]:

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -43,6 +45,7 @@ from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import (
     ConfigError,
     InvalidTinkerRequest,
+    PermissionDenied,
     PlexRLError,
     RequestError,
     SamplerSuperseded,
@@ -53,6 +56,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.serve import wire
+from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
 from plexrl_dask.shared.types import Datum, ForwardBackwardResult, ForwardResult
 from plexrl_dask.worker.losses import compute_loss
@@ -147,8 +151,11 @@ class Service:
     """The server's state and the translation of each Tinker call (see the module docstring).
     ``models``: base model name -> local checkpoint directory."""
 
-    def __init__(self, client: Any, models: dict[str, str]) -> None:
+    def __init__(
+        self, client: Any, models: dict[str, str], state_file: str | os.PathLike[str] | None = None
+    ) -> None:
         self.client = client
+        self.state = ServeState(state_file)
         self.catalog = {name: ModelSpec(path=str(path)) for name, path in models.items()}
         self.runtimes: dict[str, Runtime] = {}
         self.sessions: dict[str, Session] = {}
@@ -156,8 +163,8 @@ class Service:
         self.samplers: dict[str, Sampler] = {}
         #: sampler id -> (tenant, why): snapshot samplers retired by a later step
         self.retired: dict[str, tuple[str, str]] = {}
-        self.checkpoints: dict[str, Checkpoint] = {}
-        self.runs: dict[str, Run] = {}
+        self.checkpoints = {k: Checkpoint(**v) for k, v in self.state.table("checkpoints").items()}
+        self.runs = {k: Run(**v) for k, v in self.state.table("runs").items()}
         self._context: dict[str, int] = {}
         self.promises: dict[str, Promise] = {}
         self.waiting: dict[str, int] = {}  # tenant -> its promises not yet finished
@@ -170,10 +177,33 @@ class Service:
 
     # --- plumbing ------------------------------------------------------------------------
 
-    def runtime(self, tenant: Tenant) -> Runtime:
+    async def runtime(self, tenant: Tenant) -> Runtime:
+        """The tenant's job's runtime: registered, or re-attached with the secret in the state
+        file; a job re-attached after a restart of this server first loses the deployments
+        its last run left (:mod:`.state`)."""
         if tenant.name not in self.runtimes:
-            self.runtimes[tenant.name] = Runtime(self.client, job=tenant.job)
+            self.runtimes[tenant.name] = await self.blocking(self._attach, tenant)
         return self.runtimes[tenant.name]
+
+    def _attach(self, tenant: Tenant) -> Runtime:
+        scheduler = str(self.client.scheduler.address)
+        known = self.state.secret(scheduler, tenant.job)
+        runtime = Runtime(self.client, job=tenant.job, secret=known)
+        try:
+            secret = runtime.attach()
+        except PermissionDenied:
+            if known is None:
+                raise  # (another driver holds a job of this name)
+            logger.warning("job %s was not known to the scheduler: registering it anew", tenant.job)
+            runtime, known = Runtime(self.client, job=tenant.job), None
+            secret = runtime.attach()
+        self.state.set_secret(scheduler, tenant.job, secret)
+        if known is not None:
+            for info in runtime.deployments():
+                if info.owner == tenant.job:
+                    logger.info("undeploying %s, left by this server's last run", info.name)
+                    runtime.undeploy(info.name)
+        return runtime
 
     async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -305,7 +335,7 @@ class Service:
                 f"LoRA training (rank {rank}) is not built yet: create the training client with "
                 "rank=0 (create_lora_training_client(base_model, rank=0)) for full fine-tuning"
             )
-        return self._new_model(tenant, body, base, "create_model", None)
+        return await self._new_model(tenant, body, base, "create_model", None)
 
     async def load_weights(self, tenant: Tenant, body: dict) -> str:
         """``load_weights``: a new training model from a saved checkpoint (``session_id`` and
@@ -324,11 +354,10 @@ class Service:
                 lambda: model.deployment.load_state(checkpoint.saved, optimizer=optimizer),
                 lambda _: json_reply({"path": checkpoint.path, "type": "load_weights"}),
             )
-        return self._new_model(
-            tenant, body, checkpoint.base, "load_weights", (checkpoint, optimizer)
-        )
+        restore = (checkpoint, optimizer)
+        return await self._new_model(tenant, body, checkpoint.base, "load_weights", restore)
 
-    def _new_model(
+    async def _new_model(
         self, tenant: Tenant, body: dict, base: str, kind: str, restore: tuple | None
     ) -> str:
         """Deploy a training model of ``base`` for ``create_model`` or ``load_weights``
@@ -346,7 +375,7 @@ class Service:
         if model_id in self.models:
             raise InvalidTinkerRequest(f"model {model_id!r} exists (model_seq_id reused)")
         metadata = {str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}
-        runtime = self.runtime(tenant)
+        runtime = await self.runtime(tenant)
 
         def deploy() -> Deployment:
             deployment = runtime.deploy(model_id, spec)
@@ -363,7 +392,8 @@ class Service:
             self.models[model_id] = TrainModel(
                 model_id, tenant.name, session.session_id, base, deployment
             )
-            self.runs[model_id] = Run(model_id, tenant.name, base, metadata)
+            self.runs[model_id] = run = Run(model_id, tenant.name, base, metadata)
+            self.state.put("runs", model_id, dataclasses.asdict(run))
             session.models.append(model_id)
             out = {"model_id": model_id, "type": kind}
             if restore is not None:
@@ -598,7 +628,9 @@ class Service:
         store_model = f"tinker-{tenant.name}-{uuid.uuid4().hex[:12]}"
 
         def reply(saved: dict) -> Reply:
-            self.checkpoints[path] = Checkpoint(path, tenant.name, model.base, dict(saved))
+            checkpoint = Checkpoint(path, tenant.name, model.base, dict(saved))
+            self.checkpoints[path] = checkpoint
+            self.state.put("checkpoints", path, dataclasses.asdict(checkpoint))
             return json_reply({"path": path})
 
         return await self.ordered(
@@ -652,7 +684,7 @@ class Service:
         session = self.session(tenant, str(body.get("session_id")))
         n = _int(body.get("sampling_session_seq_id", 0), "sampling_session_seq_id")
         sampler_id = f"{session.session_id}:sample:{n}"
-        runtime = self.runtime(tenant)
+        runtime = await self.runtime(tenant)
         path = body.get("model_path")
         if path is not None:
             checkpoint = self._owned(self.checkpoints, str(path), tenant, "checkpoint")
