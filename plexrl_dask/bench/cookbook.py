@@ -4,7 +4,11 @@ The cookbook runs as its own processes, from an interpreter that has it installe
 dependencies are not this project's): ``chat_sl`` warms a model up on arithmetic conversations
 in the arithmetic environment's own format, then ``math_rl`` with ``env=arithmetic`` and
 ``loss_fn=importance_sampling`` trains it on from that checkpoint. Each tenant runs the two
-recipes with its own key; several tenants run at once on the one server and pool.
+recipes with its own key; several tenants run at once on the one server and pool. Beside each
+RL run runs its control: the same recipe from the same checkpoint at learning rate 0. The
+arithmetic dataset draws batch ``i`` from seed ``i``, so both see the same problems at every
+step, and the difference of their rewards after step 0 is what the updates learned (the raw
+reward moves with each batch's difficulty).
 
 Flags the recipes need here: ``model_name`` is the base model's local checkpoint directory (the
 cookbook loads its tokenizer from it, and the server's catalog names the model by it),
@@ -19,6 +23,7 @@ import json
 import os
 import random
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,26 +78,41 @@ def run_tenant(
     ]  # fmt: skip
     _run(sl, env, work / "sl.log")
     checkpoints = _lines(work / "sl" / "checkpoints.jsonl")
-    rl = [
-        python, "-m", "tinker_cookbook.recipes.math_rl.train", *common, "env=arithmetic",
-        "loss_fn=importance_sampling", f"load_checkpoint_path={checkpoints[-1]['state_path']}",
-        "group_size=8", "groups_per_batch=16", f"learning_rate={RL_LR}", "max_tokens=12",
-        f"max_steps={rl_steps}", f"log_path={work / 'rl'}",
-    ]  # fmt: skip
-    _run(rl, env, work / "rl.log")
+
+    def rl(name: str, lr: float) -> list[str]:
+        return [
+            python, "-m", "tinker_cookbook.recipes.math_rl.train", *common, "env=arithmetic",
+            "loss_fn=importance_sampling", f"load_checkpoint_path={checkpoints[-1]['state_path']}",
+            "group_size=8", "groups_per_batch=16", f"learning_rate={lr}", "max_tokens=12",
+            f"max_steps={rl_steps}", f"log_path={work / name}",
+        ]  # fmt: skip
+
+    # the run, and beside it its control: the same recipe, problems and start, learning rate 0
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(_run, rl(name, lr), env, work / f"{name}.log")
+            for name, lr in (("rl", RL_LR), ("control", 0.0))
+        ]
+        for run in runs:
+            run.result()
     sl_nll = [m["train_mean_nll"] for m in _metrics(work / "sl") if "train_mean_nll" in m]
-    rewards = [
-        m["env/all/reward/total"] for m in _metrics(work / "rl") if "env/all/reward/total" in m
-    ]
+    rewards, control = (_rewards(work / name) for name in ("rl", "control"))
+    gains = [r - c for r, c in zip(rewards[1:], control[1:], strict=False)]
     return {
         "sl_steps": len(sl_nll),
         "sl_nll_first": sl_nll[0] if sl_nll else None,
         "sl_nll_last": sl_nll[-1] if sl_nll else None,
         "rl_steps": len(rewards),
         "rewards": rewards,
+        "control_rewards": control,
         "reward_first": _mean(rewards[:ENDS]),
         "reward_last": _mean(rewards[-ENDS:]),
+        "reward_gain_vs_control": _mean(gains),
     }
+
+
+def _rewards(log_path: Path) -> list[float]:
+    return [m["env/all/reward/total"] for m in _metrics(log_path) if "env/all/reward/total" in m]
 
 
 def _run(cmd: list[str], env: dict[str, str], log: Path) -> None:

@@ -22,7 +22,9 @@ user runs it. Results:
   each warming a model up with ``chat_sl`` and then training it with ``math_rl``
   (``env=arithmetic``, ``loss_fn=importance_sampling``); the RL steps each completed (the
   fewer of the two) and the mean reward of the first and of the last 3 steps (over both).
-  The cookbook needs its own interpreter (``--cookbook-python``, or ``PLEXRL_COOKBOOK_PYTHON``);
+  ``cookbook_reward_gain_vs_control``: each RL run's reward minus that of its control (the same
+  run at learning rate 0: the same problems at every step) over steps 1 on, averaged; above 0,
+  the updates learned. The cookbook needs its own interpreter (``--cookbook-python``, or ``PLEXRL_COOKBOOK_PYTHON``);
   without one the stage is not run and ``cookbook_status`` says so.
 - ``lora_tenants_resident_bytes_ratio``: eight LoRA tenants on one base (not yet: LoRA is not
   built; None).
@@ -145,6 +147,7 @@ def main() -> None:
         "cookbook_rl_steps": min((t["rl_steps"] for t in ends), default=None),
         "cookbook_reward_first": _mean_of(ends, "reward_first"),
         "cookbook_reward_last": _mean_of(ends, "reward_last"),
+        "cookbook_reward_gain_vs_control": _mean_of(ends, "reward_gain_vs_control"),
         "cookbook": cook.get("tenants"),
         "lora_tenants_resident_bytes_ratio": None,
     }
