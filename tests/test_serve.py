@@ -376,3 +376,20 @@ def test_a_restarted_server_keeps_its_tenants_and_their_checkpoints(server, tmp_
         assert not daves() & left  # (the last run's model is gone; the new one stays)
         sc.close("success").result()
     assert not daves()
+
+
+def test_importance_sampling_raises_what_it_rewards_and_lowers_what_it_penalises(server):
+    srv, client, keys = server
+    sc = sdk(srv, keys["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+
+    def total() -> float:
+        out = tc.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+        return float(sum(out["logprobs"].tolist()))
+
+    for advantage, sign in ((1.0, 1), (-1.0, -1)):
+        before = total()
+        tc.forward_backward([rl_datum(A, -3.0, advantage)], "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        assert (total() - before) * sign > 0
+    sc.close("success").result()
