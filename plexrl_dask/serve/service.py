@@ -648,9 +648,10 @@ class Service:
         do not count against the tenant's limit); using one later is still
         :class:`SamplerSuperseded`."""
         for old in list(self.samplers.values()):
-            if old.tenant == tenant.name and self._superseded(old) is not None:
+            why = self._superseded(old) if old.tenant == tenant.name else None
+            if why is not None:
                 del self.samplers[old.sampler_id]
-                self.retired[old.sampler_id] = (tenant.name, self._superseded(old) or "")
+                self.retired[old.sampler_id] = (tenant.name, why)
         while len(self.retired) > RETIRED_KEPT:
             del self.retired[next(iter(self.retired))]
         mine = sum(1 for s in self.samplers.values() if s.tenant == tenant.name)

@@ -57,9 +57,6 @@ _DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
 class TrainingBatch:
     """A decoded ``forward_backward`` request (one chunk of the SDK's call)."""
 
-    model_id: str
-    seq_id: int
-    loss_fn: str
     forward_only: bool
     data: tuple[Datum, ...]
     #: per datum, how many target positions it has (N: the length of its model_input)
@@ -100,15 +97,7 @@ def training_batch(message: Any) -> TrainingBatch:
         d, n = _datum(i, datum, loss_fn)
         data.append(d)
         targets.append(n)
-    return TrainingBatch(
-        message.model_id,
-        int(message.seq_id),
-        loss_fn,
-        bool(message.forward_only),
-        tuple(data),
-        tuple(targets),
-        loss,
-    )
+    return TrainingBatch(bool(message.forward_only), tuple(data), tuple(targets), loss)
 
 
 def _loss(loss_fn: str, config: Mapping[str, float]) -> Loss:
