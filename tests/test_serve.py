@@ -202,8 +202,12 @@ def test_bad_input_is_typed_and_touches_no_other_tenant(server):
     assert r.status_code == 413 and r.json()["error"] == "RequestTooLarge"
     with pytest.raises(tinker.BadRequestError, match="UnsupportedCall"):
         tc.forward_backward([ce_datum(A)], "dro").result()
-    with pytest.raises(tinker.BadRequestError, match="UnsupportedCall"):
-        sc.create_lora_training_client(base_model=BASE, rank=8).result()
+    session = post("create_session", keys["alice"], json={}).json()["session_id"]
+    for lora in ({"rank": -1}, {"rank": 4, "train_attn": False, "train_mlp": False,
+                                "train_unembed": False}):  # fmt: skip
+        body = {"session_id": session, "base_model": BASE, "lora_config": lora}
+        r = post("create_model", keys["alice"], json=body)
+        assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest", r.json()
     r = post("save_weights_external", keys["alice"], json={"model_id": model_id})
     assert r.status_code == 400 and r.json()["error"] == "UnsupportedCall"
     # a datum whose fields do not line up
@@ -393,3 +397,55 @@ def test_importance_sampling_raises_what_it_rewards_and_lowers_what_it_penalises
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         assert (total() - before) * sign > 0
     sc.close("success").result()
+
+
+def test_lora_tenants_share_their_base_and_train_only_their_adapters(server):
+    """Two tenants' LoRA models (``rank`` > 0) on one base: each worker holds the base once
+    for every adapter it has, training moves only the adapter (the base's samples keep their
+    log-probabilities), and a saved adapter comes back as a LoRA model with its weights."""
+    pytest.importorskip("peft", reason="LoRA adapters need the peft package")
+    from plexrl_dask.worker.holder import holder_of
+
+    srv, client, keys = server
+    services = {t: sdk(srv, keys[t]) for t in ("alice", "bob")}
+    models = {
+        t: sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        for t, sc in services.items()
+    }
+    info = models["alice"].get_info()
+    assert info.is_lora and info.lora_rank == 4
+    base = services["alice"].create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints(A)
+    before = base.compute_logprobs(prompt).result()
+    for tc in models.values():
+        tc.forward_backward([ce_datum(A), ce_datum(B)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert base.compute_logprobs(prompt).result() == before
+    trained = models["alice"].save_weights_and_get_sampling_client().result()
+    assert trained.compute_logprobs(prompt).result()[1:] != before[1:]
+
+    def held(dask_worker) -> dict:
+        status = holder_of(dask_worker).status()
+        return {"bases": status["bases"], "replicas": status["replicas"]}
+
+    ids = {tc.model_id for tc in models.values()}
+    found = set()
+    for status in client.run(held).values():
+        adapters = {n for n in status["replicas"] if n.split("@")[0] in ids}
+        found |= adapters
+        if adapters:
+            [shared] = status["bases"].values()  # one base on the worker, for all of them
+            assert adapters <= set(shared["users"])
+            resident = {n for n, r in status["replicas"].items() if r["resident"]}
+            assert set(shared["users"]) <= resident
+            assert all(status["replicas"][n]["bytes"] < shared["bytes"] for n in adapters)
+    assert len(found) == 2
+
+    path = models["bob"].save_state("adapter").result().path
+    saved = models["bob"].forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+    again = services["bob"].create_training_client_from_state(path).result()
+    assert again.get_info().is_lora
+    got = again.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+    assert got["logprobs"].tolist() == saved["logprobs"].tolist()
+    for sc in services.values():
+        sc.close("success").result()

@@ -26,12 +26,20 @@ user runs it. Results:
   run at learning rate 0: the same problems at every step) over steps 1 on, averaged; above 0,
   the updates learned. The cookbook needs its own interpreter (``--cookbook-python``, or ``PLEXRL_COOKBOOK_PYTHON``);
   without one the stage is not run and ``cookbook_status`` says so.
-- ``lora_tenants_resident_bytes_ratio``: eight LoRA tenants on one base (not yet: LoRA is not
-  built; None).
+- ``lora_tenants_resident_bytes_ratio`` (target <= 1.05): eight tenants, each with a LoRA
+  model (rank ``LORA_RANK``) of the same base on the one worker, each after one training step
+  (its AdamW moments exist): the bytes of the distinct tensor storages their replicas reach on
+  the worker (parameters, buffers, gradients, optimizer state; a storage two replicas share
+  counts once), measured there ÷ the base's parameter bytes + 8 × one adapter's state
+  (weights and two AdamW moments, float32), computed from the spec of the adapter the
+  server makes of the SDK's default LoRA config (attention, MLP and unembedding). Beside it
+  ``lora_tenants_resident_bytes_vs_full`` divides the same bytes by eight full fine-tuning
+  replicas' state (weights, gradients, moments) of the base.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -45,11 +53,18 @@ from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import interleaved, median, parser, report
+from plexrl_dask.models.spec import LoraSpec
 from plexrl_dask.serve.tenants import add_key
+from plexrl_dask.serve.wire import lora_config
 
-TARGETS = {"protocol_overhead_ratio": "<= 1.25", "sdk_calls_ok": "true"}
+TARGETS = {
+    "protocol_overhead_ratio": "<= 1.25",
+    "sdk_calls_ok": "true",
+    "lora_tenants_resident_bytes_ratio": "<= 1.05",
+}
 BASE = "bench-qwen"
 SEQ, BATCH, PROMPTS, SAMPLES, NEW = 64, 8, 8, 4, 16
+LORA_TENANTS, LORA_RANK = 8, 8
 #: the cookbook stage's model: small enough to warm up and train on 2 cores in minutes
 COOK_SPEC = plexrl.ModelSpec.tiny(
     hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=256, seed=1
@@ -114,6 +129,7 @@ def main() -> None:
         keys = Path(tmp) / "keys.yaml"
         key = add_key(keys, "bench")
         cook_keys = [add_key(keys, f"cook-{t}") for t in "ab"]
+        lora_keys = [add_key(keys, f"lora-{i}") for i in range(LORA_TENANTS)]
         models = {BASE: checkpoint, cook_model: cook_model}
         with (
             plexrl.local_cluster(n_workers=1) as cluster,
@@ -131,6 +147,8 @@ def main() -> None:
             sdk_step(), runtime_step()  # (warm: both arms' first step builds caches)
             times = interleaved({"sdk": sdk_step, "runtime": runtime_step}, reps)
             service.close("success").result()
+            runtime.undeploy(dep.name)
+            lora = _lora_residency(tinker, client, url, lora_keys, spec)
             if args.cookbook_python:
                 cook = _cookbook(args, url, cook_keys, cook_model, Path(tmp))
     ends = [t for t in cook.get("tenants", {}).values()]
@@ -149,7 +167,7 @@ def main() -> None:
         "cookbook_reward_last": _mean_of(ends, "reward_last"),
         "cookbook_reward_gain_vs_control": _mean_of(ends, "reward_gain_vs_control"),
         "cookbook": cook.get("tenants"),
-        "lora_tenants_resident_bytes_ratio": None,
+        **lora,
     }
     config = {"reps": reps, "model_parameters": spec.num_parameters(), "step": {
         "forward_backward": f"{BATCH} x {SEQ} tokens", "samples": f"{PROMPTS} x {SAMPLES} x {NEW}"}}  # fmt: skip
@@ -193,6 +211,64 @@ class _server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _lora_residency(
+    tinker: Any, client: Client, url: str, keys: list[str], base: Any
+) -> dict[str, Any]:
+    """The LoRA stage (module docstring): one LoRA model per key, one step each, then the
+    bytes their replicas hold on the worker, measured there."""
+    services = [tinker.ServiceClient(base_url=url, api_key=k) for k in keys]
+    models = [
+        s.create_lora_training_client(base_model=BASE, rank=LORA_RANK).result() for s in services
+    ]
+    _, datum = _data(tinker, 0)
+    for tc in models:
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(tinker.types.AdamParams(learning_rate=1e-4)).result()
+    ids = {tc.model_id for tc in models}
+    held = client.run(_distinct_bytes, ids)
+    for s in services:
+        s.close("success").result()
+    measured = sum(h["bytes"] for h in held.values())
+    # (the adapter the server makes of the SDK's default LoRA config: unembedding included)
+    lora = dataclasses.replace(base, lora=LoraSpec.from_dict(lora_config({"rank": LORA_RANK})))
+    adapter_state = lora.adapter_parameters() * 12  # float32 weights + two AdamW moments
+    ideal = base.memory_bytes("rollout") + len(keys) * adapter_state
+    return {
+        "lora_tenants": len(keys),
+        "lora_replicas_found": sum(h["replicas"] for h in held.values()),
+        "lora_resident_bytes": measured,
+        "lora_ideal_bytes": ideal,
+        "lora_tenants_resident_bytes_ratio": measured / ideal,
+        "lora_tenants_resident_bytes_vs_full": measured / (len(keys) * base.memory_bytes("train")),
+    }
+
+
+def _distinct_bytes(names: set[str], dask_worker: Any = None) -> dict[str, int]:
+    """On a worker: the bytes of the distinct storages that the replicas named (by Tinker
+    model id, without the job suffix) reach, and how many such replicas it holds."""
+    import torch
+
+    from plexrl_dask.worker.holder import holder_of
+
+    holder = holder_of(dask_worker)
+    seen: dict[int, int] = {}
+    found = 0
+    for name, replica in list(holder._replicas.items()):
+        if name.split("@")[0] not in names or not replica.backend.resident:
+            continue
+        found += 1
+        backend = replica.backend
+        tensors = [*backend.model.parameters(), *backend.model.buffers()]
+        tensors += [p.grad for p in backend.model.parameters() if p.grad is not None]
+        if backend.optimizer is not None:
+            for state in backend.optimizer.state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return {"bytes": sum(seen.values()), "replicas": found}
 
 
 def _data(tinker: Any, i: int) -> tuple[list[int], Any]:

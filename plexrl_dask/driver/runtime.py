@@ -177,7 +177,9 @@ class Runtime:
         many data-parallel copies of a rollout deployment, each over ``tensor_parallel``
         workers as one gang (torch's tensor-parallel plan: q/k/v/gate/up split by output,
         o/down by input; it must divide the attention and key-value heads and the MLP width;
-        on the CPU this is about correctness, not speed). ``backend``: ``"torch"`` (training
+        on the CPU this is about correctness, not speed). A LoRA model
+        (``spec.with_lora(rank)``) trains only its adapter; the LoRA replicas of one base on a
+        worker hold the base's weights once. ``backend``: ``"torch"`` (training
         and rollout, any device) or ``"vllm"`` (rollout on CUDA workers with the ``vllm``
         package; its budget includes ``plexrl.vllm.kv-cache-memory`` and
         ``overhead-memory``).
@@ -196,6 +198,13 @@ class Runtime:
                 "world_size shards a training deployment; split a rollout replica over "
                 "workers with tensor_parallel"
             )
+        if model.lora is not None and (world_size, tensor_parallel, backend) != (1, 1, "torch"):
+            raise ConfigError(
+                f"{model.name}: a LoRA adapter runs on one worker with the torch backend "
+                "(world_size 1, tensor_parallel 1); its replicas share the base there"
+            )
+        if model.lora is not None:
+            model.adapter_parameters()  # (InvalidModelSpec when no module is a target)
         if tensor_parallel > 1:
             check_tensor_parallel(hf, role, backend, world_size, tensor_parallel)
             world_size = tensor_parallel  # (a rollout replica's ranks: its TP shards)

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from plexrl_dask.errors import InvalidModelSpec
@@ -45,6 +45,38 @@ def hf(name: str) -> Any:
 
 # Adam keeps two fp32 moments per parameter, and training holds a gradient per parameter.
 _ADAM_STATE_BYTES_PER_PARAM = 8
+#: The linear layers a LoRA adapter wraps by default: every projection of a Qwen2/Llama block
+#: (what Tinker adapts: attention and MLP).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter (PEFT's ``LoraConfig``) trained on a frozen base model: ``rank`` and
+    ``alpha`` (the update is scaled by ``alpha / rank``), the names of the linear modules it
+    wraps, and the seed of its random init (A uniform, B zero: the adapter starts as the base).
+    Adapter parameters are kept in float32 whatever the base's dtype."""
+
+    rank: int
+    alpha: float = 32.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise InvalidModelSpec(f"a LoRA rank is an integer >= 1, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise InvalidModelSpec(f"a LoRA alpha is a number > 0, got {self.alpha!r}")
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise InvalidModelSpec(f"LoRA targets are module names, got {self.targets!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                "seed": self.seed}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoraSpec:
+        return cls(int(d["rank"]), float(d["alpha"]), tuple(d["targets"]), int(d["seed"]))
 
 
 @dataclass(frozen=True)
@@ -53,7 +85,9 @@ class ModelSpec:
 
     Exactly one of ``path`` (a local HF checkpoint directory) or ``config`` (keyword arguments of
     ``transformers.Qwen2Config``, filled in by :meth:`tiny`) is set. ``seed`` fixes the random
-    init of a config-built model; ``dtype`` is the parameter dtype on the device.
+    init of a config-built model; ``dtype`` is the parameter dtype on the device. With
+    ``lora``, the model is that adapter on this (frozen) base: its replicas on one worker
+    share the base's weights (:meth:`with_lora`, :attr:`base`).
     """
 
     path: str | None = None
@@ -61,6 +95,7 @@ class ModelSpec:
     seed: int = 0
     dtype: str = "float32"
     label: str = field(default="", compare=False)
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.config is None):
@@ -115,6 +150,23 @@ class ModelSpec:
         label = f"tiny-h{hidden_size}-l{num_layers}-s{seed}"
         return cls(config=tuple(sorted(cfg.items())), seed=seed, dtype=dtype, label=label)
 
+    def with_lora(
+        self,
+        rank: int,
+        alpha: float = 32.0,
+        targets: tuple[str, ...] = LORA_TARGETS,
+        seed: int = 0,
+    ) -> ModelSpec:
+        """A LoRA adapter of ``rank`` on this model as its frozen base."""
+        if self.lora is not None:
+            raise InvalidModelSpec(f"{self.name} is already a LoRA adapter")
+        return replace(self, lora=LoraSpec(rank, float(alpha), tuple(targets), seed))
+
+    @property
+    def base(self) -> ModelSpec:
+        """The frozen base model (this spec itself when it has no adapter)."""
+        return self if self.lora is None else replace(self, lora=None)
+
     def to_dict(self) -> dict[str, Any]:
         """A msgpack-able form (for scheduler handlers and events)."""
         return {
@@ -123,17 +175,20 @@ class ModelSpec:
             "seed": self.seed,
             "dtype": self.dtype,
             "label": self.label,
+            "lora": None if self.lora is None else self.lora.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         config = d.get("config")
+        lora = d.get("lora")
         return cls(
             path=d.get("path"),
             config=None if config is None else tuple((k, v) for k, v in config),
             seed=int(d.get("seed", 0)),
             dtype=d.get("dtype", "float32"),
             label=d.get("label", ""),
+            lora=None if lora is None else LoraSpec.from_dict(lora),
         )
 
     # --- what it is ----------------------------------------------------------------------
@@ -141,9 +196,10 @@ class ModelSpec:
     @property
     def name(self) -> str:
         """A readable name for logs and the dashboard."""
-        if self.label:
-            return self.label
-        return os.path.basename(os.path.normpath(self.path)) if self.path else "model"
+        name = self.label or (
+            os.path.basename(os.path.normpath(self.path)) if self.path else "model"
+        )
+        return name if self.lora is None else f"{name}+lora-r{self.lora.rank}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -173,10 +229,40 @@ class ModelSpec:
             model = hf("AutoModelForCausalLM").from_config(self.hf_config())
         return sum(p.numel() for p in model.parameters())
 
+    def adapter_parameters(self) -> int:
+        """Parameters of the LoRA adapter (0 without one): ``rank × (in + out)`` per wrapped
+        linear module, counted on the meta device."""
+        if self.lora is None:
+            return 0
+        import torch
+
+        with torch.device("meta"):
+            model = hf("AutoModelForCausalLM").from_config(self.hf_config())
+        wrapped = [
+            m
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in self.lora.targets
+        ]
+        if not wrapped:
+            raise InvalidModelSpec(
+                f"no linear module of {self.base.name} is named one of {self.lora.targets}"
+            )
+        return sum(self.lora.rank * (m.in_features + m.out_features) for m in wrapped)
+
+    def adapter_bytes(self, role: str) -> int:
+        """Device bytes of the adapter's own state: float32 weights, and for training their
+        gradients and AdamW moments."""
+        n = self.adapter_parameters()
+        return n * (4 + 4 + _ADAM_STATE_BYTES_PER_PARAM if role == "train" else 4)
+
     def memory_bytes(self, role: str) -> int:
         """Device bytes one replica needs: weights for rollout; weights, gradients and AdamW
-        moments for training. (KV-cache memory of sampling is bounded by the sampling batch
-        size and checked when sampling, not here.)"""
+        moments for training. A LoRA adapter needs its base's weights (shared with every
+        other adapter on that base on the same worker) and its own state. (KV-cache memory
+        of sampling is bounded by the sampling batch size and checked when sampling, not
+        here.)"""
+        if self.lora is not None:
+            return self.base.memory_bytes("rollout") + self.adapter_bytes(role)
         n = self.num_parameters()
         weight_bytes = n * _DTYPE_BYTES[self.dtype]
         if role == "train":

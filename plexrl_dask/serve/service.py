@@ -10,7 +10,8 @@ are awaited with :func:`~plexrl_dask.driver.waits.settled`, which never cancels 
   :class:`~plexrl_dask.errors.UnknownObject`, exactly as one that never existed.
 - **Training models** (``create_model``) are training deployments named by their Tinker id
   (``<session>:train:<n>``) of a base model from the catalog (``plexrl.serve.models``):
-  full fine-tuning (``lora_rank`` 0). Their requests carry the SDK's ``seq_id`` (1, 2, ... per
+  full fine-tuning (``lora_rank`` 0) or a LoRA adapter on the base (``lora_rank`` > 0; the
+  adapters of one base on a worker share its weights there). Their requests carry the SDK's ``seq_id`` (1, 2, ... per
   model) and are submitted to PlexRL in that order, so the scheduler's per-deployment order is
   the SDK's; a retried ``seq_id`` gets its first request id back; a ``seq_id`` that never
   arrives is skipped after ``plexrl.serve.seq-gap-timeout``.
@@ -54,7 +55,7 @@ from plexrl_dask.errors import (
     UnknownObject,
     UnsupportedCall,
 )
-from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.models.spec import LoraSpec, ModelSpec
 from plexrl_dask.serve import wire
 from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
@@ -108,6 +109,8 @@ class TrainModel:
     session_id: str
     base: str
     deployment: Deployment
+    #: the LoRA adapter's LoraSpec dict; None: full fine-tuning
+    lora: dict | None = None
     next_seq: int = 1
     #: seq_id -> request id, for every seq_id taken (a retry gets its first request id back)
     taken: dict[int, str] = field(default_factory=dict)
@@ -137,6 +140,7 @@ class Run:
     base: str
     user_metadata: dict
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    lora: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ class Checkpoint:
     tenant: str
     base: str
     saved: dict
+    lora: dict | None = None
 
 
 class Service:
@@ -280,12 +285,17 @@ class Service:
             self._context[base] = int(self.spec(base).hf_config().max_position_embeddings)
         return self._context[base]
 
-    def spec(self, base: str) -> ModelSpec:
+    def spec(self, base: str, lora: dict | None = None) -> ModelSpec:
+        """The catalog's ``base`` model, or a LoRA adapter on it (``lora``: a LoraSpec's
+        dict)."""
         if base not in self.catalog:
             raise UnknownObject(
                 f"no base model {base!r} on this server; it serves {sorted(self.catalog)}"
             )
-        return self.catalog[base]
+        spec = self.catalog[base]
+        if lora is None:
+            return spec
+        return dataclasses.replace(spec, lora=LoraSpec.from_dict(lora))
 
     # --- sessions --------------------------------------------------------------------------
 
@@ -327,15 +337,11 @@ class Service:
     # --- training models -------------------------------------------------------------------
 
     async def create_model(self, tenant: Tenant, body: dict) -> str:
+        """``create_model``: full fine-tuning of a base model (``lora_config.rank`` 0) or a
+        LoRA adapter on it (every adapter of one base on a worker shares its weights)."""
         base = str(body.get("base_model"))
-        lora = body.get("lora_config") or {}
-        rank = _int(lora.get("rank", 0) if isinstance(lora, dict) else None, "lora_config.rank")
-        if rank != 0:
-            raise UnsupportedCall(
-                f"LoRA training (rank {rank}) is not built yet: create the training client with "
-                "rank=0 (create_lora_training_client(base_model, rank=0)) for full fine-tuning"
-            )
-        return await self._new_model(tenant, body, base, "create_model", None)
+        lora = wire.lora_config(body.get("lora_config"))
+        return await self._new_model(tenant, body, base, "create_model", None, lora)
 
     async def load_weights(self, tenant: Tenant, body: dict) -> str:
         """``load_weights``: a new training model from a saved checkpoint (``session_id`` and
@@ -355,15 +361,24 @@ class Service:
                 lambda _: json_reply({"path": checkpoint.path, "type": "load_weights"}),
             )
         restore = (checkpoint, optimizer)
-        return await self._new_model(tenant, body, checkpoint.base, "load_weights", restore)
+        return await self._new_model(
+            tenant, body, checkpoint.base, "load_weights", restore, checkpoint.lora
+        )
 
     async def _new_model(
-        self, tenant: Tenant, body: dict, base: str, kind: str, restore: tuple | None
+        self,
+        tenant: Tenant,
+        body: dict,
+        base: str,
+        kind: str,
+        restore: tuple | None,
+        lora: dict | None,
     ) -> str:
-        """Deploy a training model of ``base`` for ``create_model`` or ``load_weights``
-        (``restore``: the checkpoint and whether its optimizer state comes too)."""
+        """Deploy a training model of ``base`` (a LoRA adapter on it with ``lora``) for
+        ``create_model`` or ``load_weights`` (``restore``: the checkpoint and whether its
+        optimizer state comes too)."""
         session = self.session(tenant, str(body.get("session_id")))
-        spec = self.spec(base)
+        spec = self.spec(base, lora)
         if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise UnsupportedCall("the optimizer is AdamW (optimizer_config type 'adamw')")
         mine = sum(1 for m in self.models.values() if m.tenant == tenant.name)
@@ -390,9 +405,9 @@ class Service:
         async def work() -> Reply:
             deployment = await self.blocking(deploy)
             self.models[model_id] = TrainModel(
-                model_id, tenant.name, session.session_id, base, deployment
+                model_id, tenant.name, session.session_id, base, deployment, lora
             )
-            self.runs[model_id] = run = Run(model_id, tenant.name, base, metadata)
+            self.runs[model_id] = run = Run(model_id, tenant.name, base, metadata, lora=lora)
             self.state.put("runs", model_id, dataclasses.asdict(run))
             session.models.append(model_id)
             out = {"model_id": model_id, "type": kind}
@@ -410,7 +425,8 @@ class Service:
             "training_run_id": run_id,
             "base_model": run.base,
             "model_owner": tenant.name,
-            "is_lora": False,
+            "is_lora": run.lora is not None,
+            "lora_rank": None if run.lora is None else run.lora["rank"],
             "corrupted": False,
             "last_request_time": run.created,
             "user_metadata": run.user_metadata or None,
@@ -426,8 +442,8 @@ class Service:
                 "tokenizer_id": self.catalog[model.base].path,
             },
             "model_name": model.base,
-            "is_lora": False,
-            "lora_rank": 0,
+            "is_lora": model.lora is not None,
+            "lora_rank": 0 if model.lora is None else model.lora["rank"],
             "type": "get_info",
         }
 
@@ -628,7 +644,7 @@ class Service:
         store_model = f"tinker-{tenant.name}-{uuid.uuid4().hex[:12]}"
 
         def reply(saved: dict) -> Reply:
-            checkpoint = Checkpoint(path, tenant.name, model.base, dict(saved))
+            checkpoint = Checkpoint(path, tenant.name, model.base, dict(saved), model.lora)
             self.checkpoints[path] = checkpoint
             self.state.put("checkpoints", path, dataclasses.asdict(checkpoint))
             return json_reply({"path": path})
@@ -689,7 +705,7 @@ class Service:
         path = body.get("model_path")
         if path is not None:
             checkpoint = self._owned(self.checkpoints, str(path), tenant, "checkpoint")
-            spec = self.spec(checkpoint.base)
+            spec = self.spec(checkpoint.base, checkpoint.lora)
             name = f"{sampler_id}:rollout"
 
             def deploy() -> Deployment:

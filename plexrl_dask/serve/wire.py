@@ -319,3 +319,39 @@ def derived_seed(*parts: object) -> int:
     request's seq_id): every request samples its own tokens, the same ones on a rerun."""
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+#: Tinker's LoRA config flags and the Qwen2/Llama modules each adapts
+_LORA_MODULES = {
+    "train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "train_mlp": ("gate_proj", "up_proj", "down_proj"),
+    "train_unembed": ("lm_head",),
+}
+
+
+def lora_config(value: Any) -> dict[str, Any] | None:
+    """A Tinker ``lora_config`` as a :class:`~plexrl_dask.models.spec.LoraSpec`'s dict, or
+    None for rank 0 (full fine-tuning). Its flags choose the adapted modules (attention, MLP,
+    unembedding: all by default); alpha is 32; an absent seed is 0, so a run is reproducible."""
+    from plexrl_dask.errors import InvalidModelSpec
+    from plexrl_dask.models.spec import LoraSpec
+
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidTinkerRequest("lora_config is an object")
+    rank = value.get("rank", 0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise InvalidTinkerRequest(f"lora_config.rank is an integer >= 0, got {rank!r}")
+    if rank == 0:
+        return None
+    targets = tuple(
+        m for flag, modules in _LORA_MODULES.items() if value.get(flag, True) for m in modules
+    )
+    seed = value.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidTinkerRequest(f"lora_config.seed is an integer, got {seed!r}")
+    try:
+        return LoraSpec(rank, 32.0, targets, 0 if seed is None else seed % 2**32).to_dict()
+    except InvalidModelSpec as e:
+        raise InvalidTinkerRequest(f"lora_config: {e}") from None

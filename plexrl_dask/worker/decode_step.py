@@ -249,6 +249,9 @@ class DecodeStep:
     def _unsupported(model: torch.nn.Module) -> str | None:
         if type(model).__name__ not in SUPPORTED:
             return f"{type(model).__name__} is not one of {SUPPORTED}"
+        if any(hasattr(m, "lora_A") for m in model.modules()):
+            # (the step reads the modules' base weights and would leave the adapter out)
+            return "it has LoRA adapters"
         cfg = model.config
         if getattr(cfg, "hidden_act", "silu") != "silu":
             return f"hidden_act {cfg.hidden_act!r}"

@@ -107,6 +107,13 @@ class _Replica:
     transition: threading.Lock = field(default_factory=threading.Lock)
 
 
+def _reload_bytes(backend: Any) -> int:
+    """Device bytes bringing ``backend`` back takes (a LoRA replica's base too, unless
+    held)."""
+    reload_bytes = getattr(backend, "reload_bytes", None)
+    return backend.state_bytes() if reload_bytes is None else reload_bytes()
+
+
 def holder_of(worker: Any) -> ReplicaHolder | None:
     """The replica holder living on ``worker`` (a ``distributed.Worker``), if created yet."""
     for actor in worker.state.actors.values():
@@ -191,6 +198,7 @@ class ReplicaHolder:
         self.max_batch_size = int(max_batch_size)
         self._report = report or (lambda msg: None)
         self._replicas: dict[str, _Replica] = {}
+        self._bases: Any = None  # SharedBases of the LoRA replicas, created by the first
         self._groups: Any = None  # ProcessGroupManager, created by the first multi-rank request
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
         # from the actor thread; the lock keeps them from seeing a replica mid-transition.
@@ -329,11 +337,11 @@ class ReplicaHolder:
                 replica.backend.epoch_key != group.key or not replica.backend.resident
             ):
                 if not replica.backend.resident:
-                    self._make_room(replica.backend.state_bytes(), keep=info.name)
+                    self._make_room(_reload_bytes(replica.backend), keep=info.name)
                     self.counters["reloads"] += 1
                 replica.backend = replica.backend.rebuilt(self._groups)
             elif not replica.backend.resident:
-                self._make_room(replica.backend.state_bytes(), keep=info.name)
+                self._make_room(_reload_bytes(replica.backend), keep=info.name)
                 replica.backend.reload()
                 self.counters["reloads"] += 1
             else:
@@ -358,9 +366,11 @@ class ReplicaHolder:
                 f"{info.name!r} needs {info.memory_bytes / 2**20:.1f} MiB per worker but "
                 f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
             )
-        self._make_room(info.memory_bytes, keep=info.name)
         from plexrl_dask.worker.backends import BACKENDS
-        from plexrl_dask.worker.offload import Stasher
+
+        if info.spec.lora is not None:
+            return self._load_adapter(info, group)
+        self._make_room(info.memory_bytes, keep=info.name)
 
         backend_cls = BACKENDS.get(info.backend)
         if backend_cls is None:
@@ -380,6 +390,35 @@ class ReplicaHolder:
         self._check_built(info, backend)
         if group is not None:  # a rank samples on a gathered copy: it asks for the room
             backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
+        return self._held(info, backend, group, load_s)
+
+    def _load_adapter(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
+        """A LoRA replica on this worker's copy of its base (built if none is held)."""
+        from plexrl_dask.errors import OpNotSupported
+        from plexrl_dask.worker.backends.lora import LoraBackend, SharedBases
+
+        if group is not None or info.backend != "torch":
+            raise OpNotSupported(
+                f"{info.name!r}: a LoRA adapter runs on one worker with the torch backend "
+                f"(world_size 1), not {info.world_size} ranks of {info.backend!r}"
+            )
+        if self._bases is None:
+            self._bases = SharedBases(self.device)
+        base = 0 if self._bases.held(info.spec.base) else info.spec.base.memory_bytes("rollout")
+        self._make_room(base + info.spec.adapter_bytes(info.role), keep=info.name)
+        t0 = time.perf_counter()
+        backend = LoraBackend(
+            info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
+        )
+        load_s = time.perf_counter() - t0
+        self._check_built(info, backend)
+        return self._held(info, backend, group, load_s)
+
+    def _held(
+        self, info: DeploymentInfo, backend: Any, group: GroupContext | None, load_s: float
+    ) -> _Replica:
+        from plexrl_dask.worker.offload import Stasher
+
         replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
         if self.node is not None:
             rank = group.rank if group is not None else 0
@@ -408,7 +447,8 @@ class ReplicaHolder:
         )
 
     def _resident_bytes(self) -> int:
-        return sum(
+        bases = 0 if self._bases is None else self._bases.nbytes()  # (once for its adapters)
+        return bases + sum(
             r.backend.state_bytes() for r in list(self._replicas.values()) if r.backend.resident
         )
 
@@ -580,7 +620,7 @@ class ReplicaHolder:
         try:
             if replica.backend.resident or self._replicas.get(name) is not replica:
                 return False
-            nbytes = replica.backend.state_bytes()
+            nbytes = _reload_bytes(replica.backend)
             with self._moves:
                 if name == self._running or not self._make_room(nbytes, keep=name):
                     return False
@@ -619,6 +659,7 @@ class ReplicaHolder:
                 "critical_load_seconds": self.critical_load_s,
                 "hint": None if self._hint is None else self._hint[0],
                 "node": None if self.node is None else self.node.node_id,
+                "bases": {} if self._bases is None else self._bases.status(),
                 "replicas": {
                     n: {
                         "uid": r.info.uid,

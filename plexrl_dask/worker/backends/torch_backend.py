@@ -432,9 +432,22 @@ class TorchBackend:
 
     # --- weights ---------------------------------------------------------------------------
 
+    def _weights(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters that are this replica's weights, by canonical name (a LoRA
+        replica's: its adapter's)."""
+        return dict(self.model.named_parameters())
+
+    def _checkpointed(self) -> Any:
+        """What checkpoints and published weights hold (its ``named_parameters()``)."""
+        return self.model
+
+    def _dcp_refused(self) -> PlexRLError | None:
+        """Why this replica cannot use DCP directories, if it cannot."""
+        return None
+
     def get_weights(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Host copies of the parameters by canonical name (tied weights appear once)."""
-        params = dict(self.model.named_parameters())
+        params = self._weights()
         if names is not None:
             missing = sorted(set(names) - set(params))
             if missing:
@@ -447,7 +460,7 @@ class TorchBackend:
     ) -> None:
         """Copy ``weights`` into the parameters. Everything is checked before anything is
         written, so a mismatch leaves the replica unchanged."""
-        params = dict(self.model.named_parameters())
+        params = self._weights()
         check_weights(params, weights, strict)
         with torch.no_grad():
             for n, t in weights.items():
@@ -472,6 +485,9 @@ class TorchBackend:
         reserved on the node's tier) or as DCP to the directory ``path``."""
         meta = {"version": self.version, "model": self.spec.name, "world_size": self._world()}
         if isinstance(path, str):
+            refused = self._dcp_refused()
+            if refused is not None:
+                raise refused
             replica_checkpoint.save(
                 self.model, self.optimizer, path, meta, self._distributed(), self._rank() == 0
             )
@@ -511,7 +527,9 @@ class TorchBackend:
         away = [r for r in range(len(nodes)) if r not in home]
 
         def write() -> None:
-            entries = replica_checkpoint.state_entries(self.model, optimizer, self._rank())
+            entries = replica_checkpoint.state_entries(
+                self._checkpointed(), optimizer, self._rank()
+            )
             if self._rank() in away:
                 replica_checkpoint.send_entries(entries, dst=0)
                 return
@@ -561,13 +579,13 @@ class TorchBackend:
         def check() -> None:
             try:
                 stored["version"], stored["meta"] = replica_checkpoint.store_meta(
-                    self.model, source
+                    self._checkpointed(), source
                 )
             except CheckpointError as e:  # another model's weights: the set_weights error
                 raise WeightsMismatch(f"published weights do not fit this model: {e}") from None
 
         self._checked(check)
-        replica_checkpoint.read_state(self.model, None, source, stored["version"])
+        replica_checkpoint.read_state(self._checkpointed(), None, source, stored["version"])
         self.version = int(stored["meta"]["version"])
         return self.version
 
@@ -581,10 +599,13 @@ class TorchBackend:
 
         def check() -> None:
             if isinstance(path, str):
+                refused = self._dcp_refused()
+                if refused is not None:
+                    raise refused
                 meta.update(replica_checkpoint.read_meta(path))
                 replica_checkpoint.check_compatible(self.model, path)
             else:
-                stored["version"], found = replica_checkpoint.store_meta(self.model, path)
+                stored["version"], found = replica_checkpoint.store_meta(self._checkpointed(), path)
                 meta.update(found)
 
         self._checked(check)
@@ -598,7 +619,9 @@ class TorchBackend:
         if isinstance(path, str):
             replica_checkpoint.load(self.model, self.optimizer, path, self._assign)
         else:
-            replica_checkpoint.read_state(self.model, self.optimizer, path, stored["version"])
+            replica_checkpoint.read_state(
+                self._checkpointed(), self.optimizer, path, stored["version"]
+            )
         self.model.zero_grad(set_to_none=True)
         self.pending_backward = 0
         self.version = int(meta["version"])
