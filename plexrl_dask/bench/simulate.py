@@ -1,138 +1,251 @@
-"""Benchmark of the spatiotemporal placement, by trace-driven simulation (issue 7, docs/measurements.md, "bench.simulate").
+"""Benchmark of the spatiotemporal placement, by trace-driven simulation at 2048 GPUs (issues 7
+and 40; docs/measurements.md, "bench.simulate").
 
-Every policy runs on the same generated workload (``plexrl_dask/sim/workloads/paper2048.yaml``,
-committed before any comparison) in the same run:
+Two committed workloads, every baseline in one study, one run:
 
-- ``completion_time_ratio.<policy>``: whole-workload completion time (first arrival to last
-  completion) ÷ the isolated baseline's (paper: Spread+Backfill 0.56; target <= 0.50);
-- ``user_cost_ratio.<policy>``: GPU-hours charged to the jobs ÷ isolated, and
-  ``held_cost_ratio.<policy>``: GPU-hours reserved (private allocations or node groups) ÷
-  isolated;
-- ``completion_time_floor_ratio``: the lowest ``completion_time_ratio`` any policy could
-  reach on these jobs: the last ``arrival + ideal time`` (each job's fastest isolated time on
-  an empty cluster) ÷ the isolated completion time. Near 1, the workload is arrival-bound and
-  the completion time cannot tell policies apart (then the batch variant and the capacity
-  multiplier do);
-- ``batch.completion_time_ratio.<policy>``: the same jobs all submitted at once (how fast a
-  backlog drains), Spread+Backfill and isolated (and ``batch.completion_time_floor_ratio``:
-  there the floor is the longest job, and the work bound is ``user_cost_ratio``);
-- ``capacity_multiplier``: the highest arrival rate Spread+Backfill sustains with the mean job
-  slowdown (completion time ÷ the job's fastest isolated time on an empty cluster) at most
-  ``--slowdown-target`` (2.0), found by bisection over Poisson streams of ``--capacity-jobs``
-  jobs of the same mix on ``--capacity-gpus`` GPUs (512: a bisection is ~20 simulations),
-  ÷ the same for isolated (paper 1.8x; target >= 2.0);
-- ``gpu_double_bookings`` (0) over every run, and ``sim_wall_s`` / ``events_per_s`` of the
-  Spread+Backfill run (target <= 60 s for >= 500 jobs over >= a simulated week at 2048 GPUs).
+- ``paper2048-backlog`` (keys without a prefix): paper2048's job mix with rollouts from the
+  decode model (:mod:`plexrl_dask.sim.decode`: colocated jobs decode over their training group),
+  arriving at 1.3 x the most any isolated baseline sustains;
+- ``paper2048`` (keys under ``paper2048.``): the committed workload of issue 7, unchanged;
+- ``paper2048-agentic`` (keys under ``agentic.``, unless ``--no-agentic``): the backlog mix
+  with 30 % of jobs making multi-turn rollouts with tool calls.
 
-Run: ``python -m plexrl_dask.bench.simulate --gpus 2048 --json OUT`` (~10 minutes on one core);
-``--quick``: 256 GPUs, 100 jobs, capacity on 128 GPUs (~2 minutes).
+Per workload:
+
+- ``completion_time_ratio``: whole-workload completion time (first arrival to last completion)
+  of Spread+Backfill ÷ the isolated baseline in each job's cheapest mode (FIFO + EASY);
+  ``_vs_colocated`` / ``_vs_split_async``: ÷ every job colocated (on its training group, for
+  described rollouts) / split-async; ``completion_time_ratio.<policy>`` for every policy;
+  ``rollmux_completion_time_ratio_vs_colocated``: the RollMux-style peer ÷ colocated;
+- ``user_cost_ratio.<policy>`` (GPU-hours charged) and ``held_cost_ratio.<policy>`` (GPU-hours
+  reserved) ÷ the cheapest isolated mode; ``completion_time_floor_ratio``: the lowest ratio
+  any policy could reach (last arrival + ideal time ÷ isolated);
+- ``capacity_load.<policy>``: the highest offered load each policy sustains with mean job
+  slowdown ≤ ``--slowdown-target``, bisected on the full cluster (``--gpus``) over Poisson
+  streams of ``--capacity-jobs`` jobs of the same mix; ``capacity_multiplier``:
+  Spread+Backfill's ÷ the cheapest isolated mode's, ``_vs_colocated`` ÷ colocated's;
+  ``rollmux_capacity_multiplier_vs_colocated``;
+- ``gpu_double_bookings`` (0) over every run; ``sim_wall_s`` of the whole benchmark.
+
+Besides, ``curve.*``: the decode curve's shape (tokens/s per GPU at batch b ÷ at 256) of the
+workload's 7B class beside this project's measurement on its own engine
+(``benchmarks/device/device.json``, captured decode at 1, 8, 64, 256 rows), when present.
+
+Run: ``python -m plexrl_dask.bench.simulate --gpus 2048 --json OUT`` (about 5 minutes on
+one core: the capacity bisections at 2048 GPUs dominate); ``--quick``: 256 GPUs, 100 jobs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
+
+import numpy as np
 
 from plexrl_dask.bench.common import parser, report
 from plexrl_dask.config import placement_config
-from plexrl_dask.sim.simulator import POLICIES
+from plexrl_dask.policy.spatiotemporal import PlacementConfig
+from plexrl_dask.sim.decode import DecodeModel
 from plexrl_dask.sim.study import capacity, compare, write_plots
 from plexrl_dask.sim.workload import WorkloadSpec
 
 logger = logging.getLogger(__name__)
 
+MAIN = ("isolated", "colocated", "split", "split-async", "rollmux", "spread+backfill",
+        "pack+backfill")  # fmt: skip
+SHORT = ("isolated", "colocated", "split-async", "rollmux", "spread+backfill")
+CAPACITY = ("isolated", "colocated", "rollmux", "spread+backfill")
+DEVICE_JSON = Path("benchmarks/device/device.json")
+
+
+def study(spec: WorkloadSpec, policies: tuple[str, ...], capacity_policies: tuple[str, ...],
+          args, placement: PlacementConfig, png: str | None) -> tuple[dict, dict]:  # fmt: skip
+    """One workload's study: every policy on the same jobs, then capacity by bisection."""
+    outcomes = compare(spec, policies, args.seed, placement, progress=False)
+    s = {name: o.summary() for name, o in outcomes.items()}
+    iso = s["isolated"]
+    out: dict = {}
+    for name, x in s.items():
+        out[f"completion_time_ratio.{name}"] = x["makespan_h"] / iso["makespan_h"]
+        out[f"user_cost_ratio.{name}"] = x["user_gpu_hours"] / iso["user_gpu_hours"]
+        out[f"held_cost_ratio.{name}"] = x["held_gpu_hours"] / iso["held_gpu_hours"]
+        out[f"mean_slowdown.{name}"] = x["mean_slowdown"]
+        out[f"utilisation.{name}"] = x["utilisation"]
+    sb = s["spread+backfill"]["makespan_h"]
+    out["completion_time_ratio"] = sb / iso["makespan_h"]
+    out["completion_time_ratio_vs_colocated"] = sb / s["colocated"]["makespan_h"]
+    out["completion_time_ratio_vs_split_async"] = sb / s["split-async"]["makespan_h"]
+    out["rollmux_completion_time_ratio_vs_colocated"] = (
+        s["rollmux"]["makespan_h"] / s["colocated"]["makespan_h"]
+    )
+    out["completion_time_floor_ratio"] = iso["floor_makespan_h"] / iso["makespan_h"]
+    out["isolated_makespan_h"] = iso["makespan_h"]
+    out["gpu_double_bookings"] = sum(o.double_bookings for o in outcomes.values())
+    cap_spec = spec.scaled(spec.cluster.gpus, args.capacity_jobs)
+    cap = {
+        name: capacity(
+            cap_spec,
+            name,
+            args.slowdown_target,
+            args.seed,
+            placement,
+            *args.capacity_bracket,
+            steps=args.capacity_steps,
+        )  # fmt: skip
+        for name in capacity_policies
+    }
+    for name, load in cap.items():
+        out[f"capacity_load.{name}"] = load
+    out["capacity_multiplier"] = cap["spread+backfill"] / cap["isolated"]
+    out["capacity_multiplier_vs_colocated"] = cap["spread+backfill"] / cap["colocated"]
+    if "rollmux" in cap:
+        out["rollmux_capacity_multiplier_vs_colocated"] = cap["rollmux"] / cap["colocated"]
+    if png:
+        out["figures"] = [str(p) for p in write_plots(outcomes, png)]
+    return out, s
+
+
+def curve_figure(spec: WorkloadSpec, path: str) -> str:
+    """Every described class's decode curve (and the measured one) as a figure."""
+    from plexrl_dask.sim.plots import plot_curves
+
+    curves = {}
+    for m in spec.models:
+        if m.rollout is None or spec.hardware is None:
+            continue
+        lengths = m.rollout.lengths or spec.lengths
+        assert lengths is not None
+        model = DecodeModel(spec.hardware, m.rollout.shape, lengths, m.rollout.tp)
+        top = float(model.max_batch(np.ones(1))[0]) / m.rollout.tp
+        b = np.unique(np.append(2.0 ** np.arange(0, np.log2(top)), top))
+        ctx = float(lengths.residual_context(np.ones(1))[0])
+        curves[f"{m.name} (tp {m.rollout.tp})"] = (b, model.tokens_per_s_per_gpu(b, ctx))
+    measured = None
+    if DEVICE_JSON.exists():
+        r = json.loads(DEVICE_JSON.read_text()).get("results", {})
+        b = np.array([1, 8, 64, 256])
+        keys = [f"decode_0.5b_captured_tokens_per_s_b{k}" for k in b]
+        if all(k in r for k in keys):
+            measured = (b.astype(float), np.array([r[k] for k in keys]))
+    return str(plot_curves(curves, measured, path))
+
+
+def curve_check(spec: WorkloadSpec) -> dict:
+    """The smallest described class's decode curve (tokens/s per GPU at b ÷ at b = 256) beside
+    the project's own measured curve (the device run's captured decode), same batch sizes."""
+    m = next((m for m in spec.models if m.rollout is not None), None)
+    if m is None or spec.hardware is None:
+        return {}
+    assert m.rollout is not None
+    lengths = m.rollout.lengths or spec.lengths
+    assert lengths is not None
+    model = DecodeModel(spec.hardware, m.rollout.shape, lengths, m.rollout.tp)
+    b = np.array([1, 8, 64, 256])
+    ctx = float(lengths.residual_context(np.ones(1))[0])
+    sourced = model.tokens_per_s_per_gpu(b / m.rollout.tp, ctx)
+    out = {
+        f"curve.{m.name}_tokens_per_s_per_gpu_b{k}": float(v)
+        for k, v in zip(b, sourced, strict=True)
+    }
+    out |= {
+        f"curve.{m.name}_shape_b{k}": float(v / sourced[-1])
+        for k, v in zip(b, sourced, strict=True)
+    }
+    if DEVICE_JSON.exists():
+        r = json.loads(DEVICE_JSON.read_text()).get("results", {})
+        keys = {k: f"decode_0.5b_captured_tokens_per_s_b{k}" for k in b}
+        if all(v in r for v in keys.values()):
+            top = r[keys[256]]
+            out |= {f"curve.measured_shape_b{k}": r[v] / top for k, v in keys.items()}
+    return out
+
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=2048)
-    p.add_argument("--jobs", type=int, default=None, help="default: the workload's (500)")
-    p.add_argument("--workload", default="paper2048", help="built-in name or YAML path")
+    p.add_argument("--jobs", type=int, default=None, help="default: the workloads' (500)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--offered-load", type=float, default=None, help="override the workload's")
     p.add_argument("--slowdown-target", type=float, default=2.0)
-    p.add_argument(
-        "--capacity-gpus", type=int, default=512, help="cluster of the capacity bisection"
-    )
-    p.add_argument(
-        "--capacity-jobs", type=int, default=400, help="jobs per run of the capacity bisection"
-    )
-    p.add_argument("--no-batch", action="store_true", help="skip the all-at-once variant")
+    p.add_argument("--capacity-jobs", type=int, default=300,
+                   help="jobs per run of the capacity bisection (on --gpus GPUs; enough to "
+                   "fill the cluster: with 100 at 2048 GPUs no queue ever forms)")  # fmt: skip
+    p.add_argument("--capacity-steps", type=int, default=5, help="simulations per bisection")
+    p.add_argument("--capacity-bracket", type=float, nargs=2, default=(0.5, 4.0),
+                   metavar=("LO", "HI"), help="offered loads the bisection searches")  # fmt: skip
+    p.add_argument("--no-agentic", action="store_true", help="skip paper2048-agentic")
     p.add_argument("--png", default="benchmarks/simulate", help="prefix of the figures")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.quick:
-        args.gpus, args.jobs = 256, args.jobs or 100
-        args.capacity_gpus, args.capacity_jobs = 128, 120
-    spec = WorkloadSpec.load(args.workload).scaled(args.gpus, args.jobs)
-    if args.offered_load is not None:
-        spec = spec.with_load(args.offered_load)
-    placement = placement_config()
-    outcomes = compare(spec, POLICIES, args.seed, placement)
-    iso = outcomes["isolated"].summary()
-    results: dict = {}
-    for name, o in outcomes.items():
-        s = o.summary()
-        results[f"completion_time_ratio.{name}"] = s["makespan_h"] / iso["makespan_h"]
-        results[f"user_cost_ratio.{name}"] = s["user_gpu_hours"] / iso["user_gpu_hours"]
-        results[f"held_cost_ratio.{name}"] = s["held_gpu_hours"] / iso["held_gpu_hours"]
-        results[f"mean_slowdown.{name}"] = s["mean_slowdown"]
-        results[f"utilisation.{name}"] = s["utilisation"]
-    if not args.no_batch:
-        # the same jobs all submitted at once: how fast each policy drains a backlog
-        batch = compare(spec.batch(), ("isolated", "spread+backfill"), args.seed, placement)
-        iso_b = batch["isolated"].summary()
-        for name, o in batch.items():
-            s = o.summary()
-            results[f"batch.completion_time_ratio.{name}"] = s["makespan_h"] / iso_b["makespan_h"]
-            results[f"batch.utilisation.{name}"] = s["utilisation"]
-        results["batch.gpu_double_bookings"] = sum(o.double_bookings for o in batch.values())
-        results["batch.completion_time_floor_ratio"] = (
-            iso_b["floor_makespan_h"] / iso_b["makespan_h"]
-        )
-    sb = outcomes["spread+backfill"].summary()
-    results["completion_time_ratio"] = results["completion_time_ratio.spread+backfill"]
-    results["completion_time_floor_ratio"] = iso["floor_makespan_h"] / iso["makespan_h"]
-    results["isolated_makespan_h"] = iso["makespan_h"]
-    results["gpu_double_bookings"] = sum(o.double_bookings for o in outcomes.values())
-    results["sim_wall_s"] = sb["sim_wall_s"]
-    results["events_per_s"] = sb["events_per_s"]
-    results["events"] = sb["events"]
+        args.gpus, args.jobs, args.capacity_jobs = 256, args.jobs or 100, 60
     t0 = time.perf_counter()
-    cap_spec = spec.scaled(args.capacity_gpus, args.capacity_jobs)
-    cap = {
-        name: capacity(cap_spec, name, args.slowdown_target, args.seed, placement)
-        for name in ("isolated", "spread+backfill")
-    }
-    results["capacity_load.isolated"] = cap["isolated"]
-    results["capacity_load.spread+backfill"] = cap["spread+backfill"]
-    results["capacity_multiplier"] = cap["spread+backfill"] / cap["isolated"]
-    results["capacity_search_s"] = time.perf_counter() - t0
-    figures = [str(p) for p in write_plots(outcomes, args.png)] if args.png else []
+    placement = placement_config()
+    results: dict = {}
+    config: dict = {"summaries": {}}
+    plan = [("", "paper2048-backlog", MAIN, CAPACITY, args.png),
+            ("paper2048.", "paper2048", SHORT, ("isolated", "colocated", "spread+backfill"),
+             None)]  # fmt: skip
+    if not args.no_agentic:
+        plan.append(("agentic.", "paper2048-agentic", SHORT, (), None))
+    for prefix, name, policies, cap_policies, png in plan:
+        spec = WorkloadSpec.load(name).scaled(args.gpus, args.jobs)
+        if cap_policies:
+            out, summaries = study(spec, policies, cap_policies, args, placement, png)
+        else:  # completion only (capacity is bisected on the two workloads above)
+            out, summaries = _completion_only(spec, policies, args, placement)
+        results |= {f"{prefix}{k}": v for k, v in out.items() if k != "figures"}
+        config["summaries"][name] = summaries
+        config.setdefault("figures", []).extend(out.get("figures", []))
+        config[f"{name}.offered_load"] = spec.offered_load
+        config[f"{name}.arrival_basis"] = spec.arrival_basis
+        config[f"{name}.rollout_gpus"] = {m.name: m.rollout_gpus for m in spec.models}
+    results["gpu_double_bookings"] = sum(
+        v for k, v in results.items() if k.endswith("gpu_double_bookings")
+    )
+    backlog = WorkloadSpec.load("paper2048-backlog")
+    results |= curve_check(backlog)
+    if args.png:
+        config["figures"].append(curve_figure(backlog, f"{args.png}-decode-curves.png"))
+    results["sim_wall_s"] = time.perf_counter() - t0
     report(
         "simulate",
         results,
         targets={
-            "completion_time_ratio": "<= 0.50 (paper 0.56)",
-            "capacity_multiplier": ">= 2.0 (paper 1.8)",
+            "completion_time_ratio_vs_colocated": "<= 0.56 (paper), below RollMux-style",
+            "capacity_multiplier_vs_colocated": ">= 1.8 (paper), above RollMux-style",
             "gpu_double_bookings": "0",
-            "sim_wall_s": "<= 60 at 2048 GPUs, >= 500 jobs",
+            "sim_wall_s": "<= 120 on one core",
         },
         config={
-            "workload": spec.name,
-            "gpus": spec.cluster.gpus,
-            "jobs": spec.jobs,
-            "offered_load": spec.offered_load,
+            "gpus": args.gpus,
+            "jobs": args.jobs,
             "seed": args.seed,
             "slowdown_target": args.slowdown_target,
-            "capacity_gpus": args.capacity_gpus,
             "capacity_jobs": args.capacity_jobs,
+            "capacity_steps": args.capacity_steps,
+            "capacity_bracket": list(args.capacity_bracket),
             "placement": placement.__dict__,
-            "simulated_week": iso["makespan_h"] >= 168,
-            "figures": figures,
-            "summaries": {n: o.summary() for n, o in outcomes.items()},
+            **config,
         },
         out=args.json,
     )
+
+
+def _completion_only(spec: WorkloadSpec, policies: tuple[str, ...], args,
+                     placement: PlacementConfig) -> tuple[dict, dict]:  # fmt: skip
+    outcomes = compare(spec, policies, args.seed, placement, progress=False)
+    s = {name: o.summary() for name, o in outcomes.items()}
+    col, sb = s["colocated"]["makespan_h"], s["spread+backfill"]["makespan_h"]
+    out = {f"completion_time_ratio.{n}": x["makespan_h"] / s["isolated"]["makespan_h"]
+           for n, x in s.items()}  # fmt: skip
+    out |= {f"user_cost_ratio.{n}": x["user_gpu_hours"] / s["isolated"]["user_gpu_hours"]
+            for n, x in s.items()}  # fmt: skip
+    out["completion_time_ratio_vs_colocated"] = sb / col
+    out["rollmux_completion_time_ratio_vs_colocated"] = s["rollmux"]["makespan_h"] / col
+    out["gpu_double_bookings"] = sum(o.double_bookings for o in outcomes.values())
+    return out, s
 
 
 if __name__ == "__main__":

@@ -280,8 +280,14 @@ class ModelSpec:
         return hf("AutoTokenizer").from_pretrained(self.path, local_files_only=True)
 
     def build_model(self, device: str | torch.device = "cpu") -> torch.nn.Module:
-        """Build the model on ``device`` in ``self.dtype``, deterministically."""
+        """Build the model on ``device`` in ``self.dtype``, deterministically (with ``lora``:
+        the base with the adapter's seeded initial weights; only the adapter trains)."""
         import torch
+
+        if self.lora is not None:
+            from plexrl_dask.models.lora import attach_adapter
+
+            return attach_adapter(self.base.build_model(device), self.lora)
 
         auto_model = hf("AutoModelForCausalLM")
         if self.config is not None:

@@ -3,13 +3,20 @@
 A job's iteration on its own GPUs, per deployment mode (``r`` rollout and ``t`` training GPUs,
 ``s`` the weight-sync time, ``L`` the time to move the training state between HBM and host):
 
-- ``colocated`` on ``max(r, t)`` GPUs: rollout on all of them (its bulk shortened in proportion,
-  its tail not: the longest response takes as long whatever the batch), training offloaded to
-  host during rollout and back (``2 L``), weights resharded to the rollout layout (``s``), then
-  training: ``bulk * r / g + tail + 2 L + s + train``.
-- ``split`` on ``r + t`` GPUs: ``s + bulk + tail + train`` (each pool idles while the other works).
+- ``colocated`` on ``g`` GPUs: rollout on all of them, training offloaded to host during
+  rollout and back (``2 L``), weights resharded to the rollout layout (``s``), then training:
+  ``rollout_g + w + 2 L + s + train``. A job with a described rollout
+  (:mod:`plexrl_dask.sim.decode`) is colocated on its training group (``g = t``) and
+  ``rollout_g`` is the decode model's time at the batch each of those GPUs holds; otherwise
+  ``g = max(r, t)`` and ``rollout_g = bulk * r / g + tail`` (the bulk shortened in proportion,
+  the tail not: the longest response takes as long whatever the batch).
+- ``split`` on ``r + t`` GPUs: ``s + bulk + tail + w + train`` (each pool idles while the other
+  works).
 - ``split-async`` (staleness 1) on ``r + t`` GPUs: rollout of step ``i + 1`` overlaps training of
-  step ``i``: ``max(s + bulk + tail, train)``.
+  step ``i``: ``max(s + bulk + tail + w, train)``.
+
+``w`` is the tool waits on the step's critical path (agentic jobs; 0 otherwise): the rollout's
+GPUs hold through them.
 
 ``isolated`` gives each job the mode with the fewest GPU-seconds (its own best).
 """
@@ -47,14 +54,16 @@ class IsolatedRun:
 def iteration_times(job: SimJob, mode: str, cluster: ClusterSpec) -> np.ndarray:
     """Seconds of each of ``job``'s iterations in ``mode`` (module docstring)."""
     r, t, s = job.rollout_gpus, job.train_gpus, job.sync_s
+    w = 0.0 if job.stall is None else job.stall
     if mode == "colocated":
-        g = max(r, t)
+        g = job.colocated_gpus
         move = job.train_bytes_per_gpu * t / g / (cluster.h2d_gbps * 1e9)
-        return job.bulk * r / g + job.tail + 2 * move + s + job.train
+        rollout = job.bulk * r / g + job.tail if job.coloc_rollout is None else job.coloc_rollout
+        return rollout + w + 2 * move + s + job.train
     if mode == "split":
-        return s + job.bulk + job.tail + job.train
+        return s + job.bulk + job.tail + w + job.train
     if mode == "split-async":
-        return np.maximum(s + job.bulk + job.tail, job.train)
+        return np.maximum(s + job.bulk + job.tail + w, job.train)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -62,11 +71,7 @@ def isolated_run(job: SimJob, mode: str, cluster: ClusterSpec) -> IsolatedRun:
     """``job`` alone in ``mode`` (``"best"``: its cheapest mode in GPU-seconds)."""
     if mode == "best":
         return min((isolated_run(job, m, cluster) for m in MODES), key=lambda x: x.gpu_seconds)
-    gpus = (
-        max(job.rollout_gpus, job.train_gpus)
-        if mode == "colocated"
-        else (job.rollout_gpus + job.train_gpus)
-    )
+    gpus = job.colocated_gpus if mode == "colocated" else (job.rollout_gpus + job.train_gpus)
     return IsolatedRun(mode, gpus, float(iteration_times(job, mode, cluster).sum()))
 
 

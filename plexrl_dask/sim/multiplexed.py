@@ -28,6 +28,8 @@ GPUs it holds are busy for all of it):
   reserved ones. The rollout phase keeps ``tail_gpus`` of its GPUs for the tail and frees the
   rest at once: the shared pool's other jobs use them (this is how request-level multiplexing
   reclaims the long tail).
+- **Tool waits** (agentic jobs): after the tail, the waits on the step's critical path hold
+  no GPU (a ``gap`` phase of the job's trace): the group's other jobs use them meanwhile.
 - **Setup.** Training states are parked in HBM (``hbm_park_gb`` per GPU, least recently used
   first out). A train phase runs on the GPUs that hold its state when they are all free
   (setup 0); otherwise on free GPUs with the least parked state, paying the load of its state
@@ -101,7 +103,7 @@ class _Run:
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     reserved: bool = True
     key: float = 0.0
-    phase: str = ""  # the phase it holds GPUs for
+    phase: str = ""  # the phase it holds GPUs for ("gap": waiting on tools, holding none)
     window: float | None = None  # start of the reserved window it waits for
     pending: _Pending | None = None  # its phase queued in its group
     releases: list[tuple[float, int]] = field(default_factory=list)  # expected GPU releases
@@ -109,6 +111,12 @@ class _Run:
     phase_t0: float = 0.0  # when the phase it holds GPUs for started
     epoch: int = 0  # bumped when its best-effort work is preempted (stale phase ends)
     admitted: str = ""  # the group the placer gave it while it ran best effort
+    gap_end: float = 0.0  # when its tool waits end (phase "gap")
+
+    @property
+    def busy(self) -> bool:
+        """In an iteration: holding GPUs, queued for them, or waiting on tools."""
+        return bool(self.held.size) or self.pending is not None or self.phase == "gap"
 
 
 class _GroupRuntime:
@@ -306,7 +314,7 @@ class MultiplexedSim:
             if r.state == "best_effort":  # placed while it ran best effort (from its trace)
                 assert d.kind == "place", "a job runs best effort only from a known trace"
                 r.admitted = d.group
-                if not r.held.size and r.pending is None:  # between iterations: move now
+                if not r.busy:  # between iterations: move now
                     self._next_iteration(r, now)
                 continue  # else it moves when its best-effort iteration ends
             self._move(r, d.group)
@@ -359,8 +367,11 @@ class MultiplexedSim:
         if r.pending is not None:  # still queued as backfill: it is reserved from now on
             r.pending.reserved, r.pending.key = True, now
             self._dispatch(self.groups[r.group], now)
+        elif r.phase == "gap":  # waiting on tools as backfill: its training is reserved
+            r.need = (r.gap_end, r.job.train_gpus)
         elif r.held.size:  # running as backfill: its remaining phases are reserved
-            r.need = (r.releases[-1][0], r.job.train_gpus) if r.phase != "train" else None
+            gap = self._estimate(r, "gap")
+            r.need = (r.releases[-1][0] + gap, r.job.train_gpus) if r.phase != "train" else None
         else:
             self._start_iteration(r, now, reserved=True, key=now)
 
@@ -381,8 +392,9 @@ class MultiplexedSim:
         self._dispatch(g, now)
 
     def _estimate(self, r: _Run, kind: str) -> float:
+        """The reserved duration of ``r``'s phase ``kind`` (0 for a phase its trace lacks)."""
         assert r.trace is not None
-        return r.trace.phases[("rollout", "tail", "train").index(kind)].duration_s
+        return next((p.duration_s for p in r.trace.phases if p.kind == kind), 0.0)
 
     def _dispatch(self, g: _GroupRuntime, now: float) -> None:
         """Reserved phases by window start, each as soon as its GPUs are free; then backfill
@@ -422,7 +434,7 @@ class MultiplexedSim:
         schedule: BackfillSchedule | None = None
         for j in dict.fromkeys([*here, *queued]):
             r = self.runs[j]
-            if r.held.size or r.pending is not None or r.state not in ("arrived", "best_effort"):
+            if r.busy or r.state not in ("arrived", "best_effort"):
                 continue
             trace = r.trace or self.placer.jobs[r.job.name].trace
             if trace is None or max(r.job.rollout_gpus, r.job.train_gpus) > len(g.gids):
@@ -476,7 +488,7 @@ class MultiplexedSim:
                 g.waiting.remove(r.pending)
                 r.pending = None
             r.epoch += 1
-            r.releases, r.need = [], None
+            r.releases, r.need, r.phase = [], None, ""
             g.members.discard(j)
             g.forget(j)
             r.group = ""
@@ -518,7 +530,8 @@ class MultiplexedSim:
             roll_end = now + self._estimate(r, "rollout")
             tail_end = roll_end + self._estimate(r, "tail")
             r.releases = [(roll_end, p.gpus - r.job.tail_gpus), (tail_end, r.job.tail_gpus)]
-            r.need = (tail_end, r.job.train_gpus) if r.reserved else None
+            train_at = tail_end + self._estimate(r, "gap")
+            r.need = (train_at, r.job.train_gpus) if r.reserved else None
         elif p.kind == "train":
             r.releases = [(now + setup + self._estimate(r, "train"), p.gpus)]
             r.need = None
@@ -560,19 +573,32 @@ class MultiplexedSim:
             r.held, r.phase = keep, "tail"
             tail_end = now + self._estimate(r, "tail")
             r.releases = [(tail_end, len(keep))]
-            r.need = (tail_end, r.job.train_gpus) if r.reserved else None
+            train_at = tail_end + self._estimate(r, "gap")
+            r.need = (train_at, r.job.train_gpus) if r.reserved else None
             self._push(now + float(r.job.tail[r.iteration]), _PHASE_END, j, ("tail", t0, r.epoch))
         elif kind == "tail":
             self._release(g, r, r.held, t0, now, "rollout")
             r.held, r.releases = r.held[:0], []
-            train = r.job.iteration_phases(r.iteration)[2]
-            self._enqueue(r, "train", train.gpus, train.duration_s, r.reserved, r.key, now)
+            wait = r.job.stall_s(r.iteration)
+            if wait > 0:  # tool waits on the critical path: hold nothing meanwhile
+                r.phase, r.gap_end = "gap", now + wait
+                r.need = (r.gap_end, r.job.train_gpus) if r.reserved else None
+                self._push(r.gap_end, _PHASE_END, j, ("gap", now, r.epoch))
+            else:
+                self._enqueue_train(r, now)
+        elif kind == "gap":
+            r.phase = ""
+            self._enqueue_train(r, now)
         elif kind == "train":
             self._release(g, r, r.held, t0, now, kind)
             r.held, r.releases, r.need = r.held[:0], [], None
             r.iteration += 1
             self._next_iteration(r, now)
         self._dispatch(g, now)
+
+    def _enqueue_train(self, r: _Run, now: float) -> None:
+        train = r.job.iteration_phases(r.iteration)[-1]
+        self._enqueue(r, "train", train.gpus, train.duration_s, r.reserved, r.key, now)
 
     def _finish(self, r: _Run, now: float) -> None:
         r.state = "done"

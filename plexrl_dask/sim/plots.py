@@ -1,5 +1,5 @@
 """Figures of a simulation study: per-policy completion time and cost, a utilisation heatmap
-over time, and a Gantt chart of one node group."""
+over time, a Gantt chart of one node group, and the decode curves the rollouts come from."""
 
 from __future__ import annotations
 
@@ -82,6 +82,33 @@ def plot_gantt(outcome: SimOutcome, path: str | Path, hours: float = 3.0) -> Pat
     ax.set_title(f"{outcome.policy}: one node group's jobs")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASE_COLOURS.values()]
     ax.legend(handles, list(_PHASE_COLOURS), fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_curves(
+    curves: dict[str, tuple[np.ndarray, np.ndarray]],
+    measured: tuple[np.ndarray, np.ndarray] | None,
+    path: str | Path,
+) -> Path:
+    """Decode tokens/s per GPU by sequences per GPU, one line per model (``curves``: name to
+    (batch, tokens/s)); right: each curve over its value at the largest batch, beside the
+    ``measured`` curve of this project's engine normalised the same way (the shape check)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, (x, y) in curves.items():
+        a.plot(x, y, marker="o", ms=3, label=name)
+        b.plot(x, y / y[-1], marker="o", ms=3, label=name)
+    if measured is not None:
+        x, y = measured
+        b.plot(x, y / y[-1], "k--", marker="s", ms=4, label="measured (device run, 0.5B)")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequences per GPU")
+    a.set_yscale("log")
+    a.set_ylabel("decode tokens/s per GPU (sourced model)")
+    b.set_ylabel("tokens/s ÷ tokens/s at the largest batch")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
 

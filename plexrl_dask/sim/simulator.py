@@ -12,6 +12,9 @@
   policy core's :class:`~plexrl_dask.policy.spatiotemporal.SpatiotemporalPlacer` (profiled on
   dedicated capacity, then micro-shifted into a group), and run phase by phase, each phase on
   specific GPUs of its group (:class:`plexrl_dask.sim.multiplexed.MultiplexedSim`).
+- ``rollmux``: the RollMux-style peer policy, split jobs phase-multiplexed in co-execution
+  groups (:mod:`plexrl_dask.sim.rollmux`; its admission stretch is
+  ``plexrl.sim.rollmux-max-stretch``, default 1.5).
 
 Both kinds report through :class:`SimOutcome`; :class:`GpuLedger` records who holds every GPU
 (each start checks the GPUs are free, counting any double booking), the per-node utilisation
@@ -31,7 +34,10 @@ from plexrl_dask.sim.workload import ClusterSpec, SimJob
 
 ISOLATED_POLICIES = ("isolated", "colocated", "split", "split-async")
 PLEXRL_POLICIES = ("spread", "spread+backfill", "pack+backfill")
-POLICIES = ISOLATED_POLICIES + PLEXRL_POLICIES
+PEER_POLICIES = ("rollmux",)
+POLICIES = ISOLATED_POLICIES + PEER_POLICIES + PLEXRL_POLICIES
+#: Admission stretch of the RollMux-style groups when ``plexrl.sim.rollmux-max-stretch`` is unset.
+ROLLMUX_MAX_STRETCH = 1.5
 
 
 @dataclass
@@ -177,6 +183,15 @@ def simulate(
         from plexrl_dask.sim.isolated import simulate_isolated
 
         out = simulate_isolated(jobs, cluster, policy, progress=progress)
+    elif policy in PEER_POLICIES:
+        import dask.config
+
+        from plexrl_dask.sim.rollmux import RollMuxSim
+
+        stretch = float(dask.config.get("plexrl.sim.rollmux-max-stretch", ROLLMUX_MAX_STRETCH))
+        if not stretch >= 1:
+            raise InvalidTrace(f"plexrl.sim.rollmux-max-stretch must be >= 1, got {stretch}")
+        out = RollMuxSim(jobs, cluster, stretch).run()
     else:
         from plexrl_dask.sim.multiplexed import MultiplexedSim
 

@@ -6,6 +6,7 @@ Shared by ``python -m plexrl_dask.bench.simulate`` and ``plexrl simulate``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,23 +56,26 @@ def capacity(
     slowdown_target: float,
     seed: int = 0,
     placement: PlacementConfig | None = None,
-    lo: float = 0.05,
+    lo: float = 0.25,
     hi: float = 4.0,
-    steps: int = 8,
+    steps: int = 6,
 ) -> float:
-    """The highest offered load (arrival rate, as a multiple of the cluster's GPU-seconds at
-    split-async cost) that ``policy`` sustains, by bisection over ``[lo, hi]`` (``lo`` if even
-    that is too much)."""
-    if not sustains(spec, policy, lo, slowdown_target, seed, placement)[0]:
-        return lo
-    if sustains(spec, policy, hi, slowdown_target, seed, placement)[0]:
-        return hi
+    """The highest offered load (arrival rate, in ``spec``'s offered-load units) that
+    ``policy`` sustains with mean job slowdown within ``slowdown_target``: bisection in log
+    space over ``[lo, hi]`` (``steps`` simulations; resolution ``(hi / lo) ** 2**-steps``).
+    Returns the highest load found sustained, ``lo`` if none was (the bounds are not tested:
+    a result at either bound says the bracket was too narrow)."""
+    best = lo
+    a, b = math.log(lo), math.log(hi)
     for _ in range(steps):
-        mid = (lo + hi) / 2
-        ok, got = sustains(spec, policy, mid, slowdown_target, seed, placement)
-        logger.info("%s at load %.3f: mean slowdown %.2f", policy, mid, got)
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo
+        mid = (a + b) / 2
+        ok, got = sustains(spec, policy, math.exp(mid), slowdown_target, seed, placement)
+        logger.info("%s at load %.3f: mean slowdown %.2f", policy, math.exp(mid), got)
+        if ok:
+            best, a = math.exp(mid), mid
+        else:
+            b = mid
+    return best
 
 
 def write_plots(outcomes: dict[str, SimOutcome], prefix: str | Path) -> list[Path]:

@@ -11,6 +11,16 @@ response lengths), ``train[i]`` seconds of training on its ``t`` GPUs; plus a fi
 time (model bytes over the sync bandwidth) and a setup time when its training state must be
 loaded into HBM (training-state bytes per GPU over the host-to-device bandwidth).
 
+A model class may instead *describe its rollout* (``shape:``, ``rollout:`` and ``train_mfu:``,
+with the workload's ``hardware:`` and ``lengths:``): its durations then come from the decode
+model of :mod:`plexrl_dask.sim.decode`, per layout. Such a job's colocated deployment decodes
+over its training data-parallel group (``train_gpus``), at the batch each GPU then holds; its
+split and pooled deployments use ``rollout_gpus`` (``auto``: the size of the cheapest
+split-async deployment of a median step). A class with ``tools:`` makes multi-turn rollouts: each
+response is ``turns`` model turns with a tool call between two, its latency drawn from
+``latency_s``; the step's critical path (its longest response) waits ``turns - 1`` of them.
+During that wait a colocated or split job holds its GPUs idle; a pooled job holds none.
+
 A job may instead *replay a recorded trace* (``replay:`` in the spec): a JSON file of recorded
 iterations, in the format :func:`save_trace` writes (the live runtime's recorder uses it too),
 each iteration a list of ``[kind, gpus, seconds]`` phases; iterations are replayed in order and
@@ -22,7 +32,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +41,7 @@ import yaml
 
 from plexrl_dask.errors import InvalidTrace
 from plexrl_dask.policy.horizon import Phase
+from plexrl_dask.sim.decode import DecodeModel, Hardware, LengthModel, ModelShape, train_seconds
 
 WORKLOADS = Path(__file__).parent / "workloads"
 
@@ -128,6 +140,46 @@ class ModelClass:
     train_s: Dist
     tail_gpu_fraction: float = 0.25
     replay: str | None = None  # path of a recorded trace, relative to the spec file
+    rollout: RolloutSpec | None = None  # described rollout (decode model) instead of bulk_s
+    tools: ToolSpec | None = None  # multi-turn rollouts with tool calls
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """A rollout described for the decode model: the model's shape, the rollout's
+    tensor-parallel degree, responses per step, training MFU, and (optionally) the lengths of
+    this class when they differ from the workload's."""
+
+    shape: ModelShape
+    tp: int
+    responses: int
+    train_mfu: float
+    lengths: LengthModel | None = None
+
+    @classmethod
+    def parse(cls, m: dict, params_b: float) -> RolloutSpec:
+        r = m["rollout"]
+        lengths = LengthModel(**r["lengths"]) if "lengths" in r else None
+        spec = cls(ModelShape.from_dict(m["shape"], params_b), int(r["tp"]),
+                   int(r["responses"]), float(m["train_mfu"]), lengths)  # fmt: skip
+        if spec.tp < 1 or spec.responses < 1 or not 0 < spec.train_mfu <= 1:
+            raise InvalidTrace(f"rollout {r!r}: tp >= 1, responses >= 1, train_mfu in (0, 1]")
+        return spec
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """Multi-turn rollouts: ``turns`` model turns per response, a tool call between two."""
+
+    turns: int
+    latency_s: Dist
+
+    @classmethod
+    def parse(cls, d: dict) -> ToolSpec:
+        spec = cls(int(d["turns"]), Dist.parse(d["latency_s"]))
+        if spec.turns < 1:
+            raise InvalidTrace(f"tools: turns must be >= 1, got {spec.turns}")
+        return spec
 
 
 @dataclass(frozen=True)
@@ -145,33 +197,55 @@ class SimJob:
     train: np.ndarray = field(repr=False)
     sync_s: float = 0.0
     train_bytes_per_gpu: float = 0.0
+    # colocated: GPUs (0: max(r, t)) and rollout seconds there (None: bulk * r / g + tail)
+    coloc_gpus: int = 0
+    coloc_rollout: np.ndarray | None = field(default=None, repr=False)
+    stall: np.ndarray | None = field(default=None, repr=False)  # tool waits, critical path
 
     @property
     def iterations(self) -> int:
         return len(self.bulk)
 
+    @property
+    def colocated_gpus(self) -> int:
+        return self.coloc_gpus or max(self.rollout_gpus, self.train_gpus)
+
+    def stall_s(self, i: int) -> float:
+        return 0.0 if self.stall is None else float(self.stall[i])
+
     def iteration_phases(self, i: int) -> tuple[Phase, ...]:
         """Iteration ``i`` as a multiplexed (on-policy) run holds GPUs: the weight sync and the
-        bulk of rollout on ``r`` GPUs, the tail on ``tail_gpus``, training on ``t``."""
+        bulk of rollout on ``r`` GPUs, the tail on ``tail_gpus``, the tool waits of its
+        critical path on none (a ``gap``, agentic jobs only), training on ``t``."""
+        gap = () if self.stall is None else (Phase("gap", 0, float(self.stall[i])),)
         return (
             Phase("rollout", self.rollout_gpus, self.sync_s + float(self.bulk[i])),
             Phase("tail", self.tail_gpus, float(self.tail[i])),
+            *gap,
             Phase("train", self.train_gpus, float(self.train[i])),
         )
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """A workload as committed in YAML: cluster, job mix, iterations, arrivals."""
+    """A workload as committed in YAML: cluster, job mix, iterations, arrivals.
+
+    ``offered_load``: arrivals offer that many GPU-seconds per cluster GPU-second, each job
+    counted at its ``arrival_basis`` cost: ``split-async`` (its split-async isolated cost, the
+    default) or ``cheapest-isolated`` (its cheapest isolated mode: the most any isolated
+    baseline sustains is ``offered_load = 1``, perfectly packed)."""
 
     name: str
     cluster: ClusterSpec
     models: tuple[ModelClass, ...]
     jobs: int
     iterations: Dist
-    offered_load: float  # arrivals: isolated GPU-seconds offered per cluster GPU-second
+    offered_load: float
     arrival: str = "poisson"
     base: Path | None = None  # directory replay paths are relative to
+    arrival_basis: str = "split-async"
+    hardware: Hardware | None = None  # for described rollouts
+    lengths: LengthModel | None = None  # response lengths of described rollouts
 
     @classmethod
     def load(cls, path: str | Path) -> WorkloadSpec:
@@ -188,30 +262,22 @@ class WorkloadSpec:
     @classmethod
     def from_dict(cls, d: dict, base: Path | None = None) -> WorkloadSpec:
         try:
-            models = tuple(
-                ModelClass(
-                    name=str(m["name"]),
-                    params_b=float(m["params_b"]),
-                    weight=float(m["weight"]),
-                    rollout_gpus=int(m["rollout_gpus"]),
-                    train_gpus=int(m["train_gpus"]),
-                    bulk_s=Dist.parse(m.get("rollout_bulk_s", 0.0)),
-                    tail_s=Dist.parse(m.get("rollout_tail_s", 0.0)),
-                    train_s=Dist.parse(m.get("train_s", 0.0)),
-                    tail_gpu_fraction=float(m.get("tail_gpu_fraction", 0.25)),
-                    replay=m.get("replay"),
-                )
-                for m in d["models"]
-            )
+            hardware = Hardware.from_dict(d["hardware"]) if "hardware" in d else None
+            lengths = LengthModel(**d["lengths"]) if "lengths" in d else None
+            cluster = ClusterSpec(**d["cluster"])
+            models = tuple(_model_class(m, hardware, lengths, cluster) for m in d["models"])
             spec = cls(
                 name=str(d["name"]),
-                cluster=ClusterSpec(**d["cluster"]),
+                cluster=cluster,
                 models=models,
                 jobs=int(d["jobs"]),
                 iterations=Dist.parse(d["iterations"]),
                 offered_load=float(d["arrival"]["offered_load"]),
                 arrival=str(d["arrival"].get("process", "poisson")),
                 base=base,
+                arrival_basis=str(d["arrival"].get("basis", "split-async")),
+                hardware=hardware,
+                lengths=lengths,
             )
         except (KeyError, TypeError) as e:
             raise InvalidTrace(f"workload spec lacks or mistypes {e}") from e
@@ -223,6 +289,10 @@ class WorkloadSpec:
             raise InvalidTrace("a workload needs jobs >= 1, offered_load > 0 and models")
         if self.arrival not in ("poisson", "batch"):
             raise InvalidTrace(f"arrival process {self.arrival!r}: poisson or batch")
+        if self.arrival_basis not in ("split-async", "cheapest-isolated"):
+            raise InvalidTrace(
+                f"arrival basis {self.arrival_basis!r}: split-async or cheapest-isolated"
+            )
         for m in self.models:
             need = m.rollout_gpus + m.train_gpus
             if m.weight <= 0 or m.rollout_gpus < 1 or m.train_gpus < 1:
@@ -245,24 +315,17 @@ class WorkloadSpec:
                 f"no job class of workload {self.name!r} fits {gpus} GPUs (the smallest needs "
                 f"{min(m.rollout_gpus + m.train_gpus for m in self.models)})"
             )
-        return WorkloadSpec(
-            self.name, cluster, models, self.jobs if jobs is None else jobs, self.iterations,
-            self.offered_load, self.arrival, self.base,
-        ).validated()  # fmt: skip
+        return replace(
+            self, cluster=cluster, models=models, jobs=self.jobs if jobs is None else jobs
+        ).validated()
 
     def batch(self) -> WorkloadSpec:
         """The same jobs, all submitted at time 0."""
-        return WorkloadSpec(
-            self.name, self.cluster, self.models, self.jobs, self.iterations,
-            self.offered_load, "batch", self.base,
-        )  # fmt: skip
+        return replace(self, arrival="batch")
 
     def with_load(self, offered_load: float) -> WorkloadSpec:
         """The same jobs, arriving to offer ``offered_load`` times the cluster's capacity."""
-        return WorkloadSpec(
-            self.name, self.cluster, self.models, self.jobs, self.iterations,
-            offered_load, self.arrival, self.base,
-        ).validated()  # fmt: skip
+        return replace(self, offered_load=offered_load).validated()
 
     def validated(self) -> WorkloadSpec:
         """``self``, after :meth:`validate`."""
@@ -270,12 +333,78 @@ class WorkloadSpec:
         return self
 
 
+def _model_class(
+    m: dict, hardware: Hardware | None, lengths: LengthModel | None, cluster: ClusterSpec
+) -> ModelClass:
+    """One ``models:`` entry; a described rollout's ``rollout_gpus: auto`` is resolved here."""
+    params_b = float(m["params_b"])
+    rollout = RolloutSpec.parse(m, params_b) if "rollout" in m else None
+    rollout_gpus = m["rollout_gpus"]
+    if rollout is not None:
+        if hardware is None or (lengths is None and rollout.lengths is None):
+            raise InvalidTrace(f"model {m['name']}: a described rollout needs hardware: and "
+                               "lengths: in the workload")  # fmt: skip
+        if rollout_gpus == "auto":
+            rollout_gpus = _split_gpus(rollout, hardware, rollout.lengths or lengths,
+                                       int(m["train_gpus"]), params_b, cluster)  # fmt: skip
+        if int(m["train_gpus"]) % rollout.tp or int(rollout_gpus) % rollout.tp:
+            raise InvalidTrace(f"model {m['name']}: rollout_gpus and train_gpus must be "
+                               f"multiples of the rollout's tp ({rollout.tp})")  # fmt: skip
+    elif rollout_gpus == "auto":
+        raise InvalidTrace(f"model {m['name']}: rollout_gpus: auto needs a described rollout")
+    return ModelClass(
+        name=str(m["name"]),
+        params_b=params_b,
+        weight=float(m["weight"]),
+        rollout_gpus=int(rollout_gpus),
+        train_gpus=int(m["train_gpus"]),
+        bulk_s=Dist.parse(m.get("rollout_bulk_s", 0.0)),
+        tail_s=Dist.parse(m.get("rollout_tail_s", 0.0)),
+        train_s=Dist.parse(m.get("train_s", 0.0)),
+        tail_gpu_fraction=float(m.get("tail_gpu_fraction", 0.25)),
+        replay=m.get("replay"),
+        rollout=rollout,
+        tools=ToolSpec.parse(m["tools"]) if "tools" in m else None,
+    )
+
+
+def _split_gpus(r: RolloutSpec, hw: Hardware, lengths: LengthModel, train_gpus: int,
+                params_b: float, cluster: ClusterSpec) -> int:  # fmt: skip
+    """``rollout_gpus: auto``: the cheapest split-async rollout size of a median step."""
+    model = DecodeModel(hw, r.shape, lengths, r.tp)
+    tokens = r.responses * (lengths.prompt_tokens + lengths.mean(np.ones(1)))
+    train = float(train_seconds(r.shape, hw, train_gpus, tokens, r.train_mfu)[0])
+    sync = params_b * 1e9 * WEIGHT_BYTES_PER_PARAM / (cluster.sync_gbps * 1e9)
+    return model.split_gpus(r.responses, train, sync, train_gpus, cluster.gpus - train_gpus)
+
+
 def generate(spec: WorkloadSpec, seed: int = 0) -> list[SimJob]:
     """The jobs of ``spec`` for ``seed``: same seed, same jobs (durations drawn here once).
 
     Arrivals: a Poisson process (or all at 0 for ``batch``) whose rate offers
-    ``offered_load`` times the cluster's GPU-seconds, counting each job at its split-async
-    isolated cost (``(r + t)`` GPUs for its isolated duration)."""
+    ``offered_load`` times the cluster's GPU-seconds, each job counted at its
+    ``arrival_basis`` cost (:class:`WorkloadSpec`). The jobs' durations do not depend on the
+    load: they are drawn once per (spec, seed) and reused (a capacity search generates the
+    same jobs at many loads)."""
+    jobs, order_rng_state = _drawn(replace(spec, offered_load=1.0, arrival="batch"), seed)
+    if spec.arrival == "batch":
+        return list(jobs)
+    from plexrl_dask.sim.isolated import isolated_run  # the cost offered
+
+    mode = "split-async" if spec.arrival_basis == "split-async" else "best"
+    offered = sum(isolated_run(j, mode, spec.cluster).gpu_seconds for j in jobs)
+    rate = spec.offered_load * spec.cluster.gpus / (offered / len(jobs))
+    rng = np.random.default_rng(seed)
+    rng.bit_generator.state = order_rng_state
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, len(jobs)))
+    arrivals -= arrivals[0]
+    return [_with_arrival(j, float(a)) for j, a in zip(jobs, arrivals, strict=True)]
+
+
+@lru_cache(maxsize=16)
+def _drawn(spec: WorkloadSpec, seed: int) -> tuple[tuple[SimJob, ...], dict]:
+    """The jobs of ``spec`` at time 0, and the state of the seed's generator after drawing
+    them (arrivals are drawn from there, as they always were)."""
     rng = np.random.default_rng(seed)
     weights = np.array([m.weight for m in spec.models])
     kinds = rng.choice(len(spec.models), size=spec.jobs, p=weights / weights.sum())
@@ -284,12 +413,18 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> list[SimJob]:
     for i, (k, n) in enumerate(zip(kinds, counts, strict=True)):
         m = spec.models[int(k)]
         jrng = np.random.default_rng([seed, i])
+        extra: dict = {}
         if m.replay:
             bulk, tail, train = _replayed(spec, m, int(n))
+        elif m.rollout is not None:
+            bulk, tail, train, extra = _described(spec, m, int(n), jrng)
         else:
             bulk = m.bulk_s.sample(jrng, int(n))
             tail = m.tail_s.sample(jrng, int(n))
             train = m.train_s.sample(jrng, int(n))
+        if m.tools is not None and m.tools.turns > 1:
+            calls = m.tools.latency_s.sample(jrng, int(n) * (m.tools.turns - 1))
+            extra["stall"] = calls.reshape(int(n), m.tools.turns - 1).sum(1)
         params = m.params_b * 1e9
         jobs.append(
             SimJob(
@@ -304,17 +439,31 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> list[SimJob]:
                 train=train,
                 sync_s=params * WEIGHT_BYTES_PER_PARAM / (spec.cluster.sync_gbps * 1e9),
                 train_bytes_per_gpu=params * TRAIN_BYTES_PER_PARAM / m.train_gpus,
+                **extra,
             )
         )
-    if spec.arrival == "batch":
-        return jobs
-    from plexrl_dask.sim.isolated import isolated_run  # the split-async cost offered
+    return tuple(jobs), rng.bit_generator.state
 
-    offered = sum(isolated_run(j, "split-async", spec.cluster).gpu_seconds for j in jobs)
-    rate = spec.offered_load * spec.cluster.gpus / (offered / len(jobs))
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, len(jobs)))
-    arrivals -= arrivals[0]
-    return [_with_arrival(j, float(a)) for j, a in zip(jobs, arrivals, strict=True)]
+
+def _described(
+    spec: WorkloadSpec, m: ModelClass, n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """Durations of a described rollout (:mod:`plexrl_dask.sim.decode`): bulk and tail of the
+    pooled layout on ``rollout_gpus``, training on ``train_gpus``, and the colocated rollout
+    on the training group."""
+    r = m.rollout
+    assert r is not None and spec.hardware is not None
+    lengths = r.lengths or spec.lengths
+    assert lengths is not None
+    model = DecodeModel(spec.hardware, r.shape, lengths, r.tp)
+    scale = np.exp(lengths.iteration_sigma * rng.standard_normal(n))
+    longest = lengths.longest(scale, rng.uniform(size=n), r.responses)
+    pooled = model.rollout(m.rollout_gpus, r.responses, scale, longest, m.tail_gpu_fraction)
+    coloc = model.rollout(m.train_gpus, r.responses, scale, longest, m.tail_gpu_fraction)
+    tokens = r.responses * lengths.prompt_tokens + pooled.tokens
+    train = train_seconds(r.shape, spec.hardware, m.train_gpus, tokens, r.train_mfu)
+    extra = {"coloc_gpus": m.train_gpus, "coloc_rollout": coloc.total_s}
+    return pooled.bulk_s, pooled.tail_s, train, extra
 
 
 def _with_arrival(job: SimJob, arrival: float) -> SimJob:

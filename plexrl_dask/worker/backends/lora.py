@@ -20,10 +20,8 @@ requests of several adapters are not batched into one decode here.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,38 +29,9 @@ from typing import Any
 import torch
 
 from plexrl_dask.errors import InvalidModelSpec, OpNotSupported
-from plexrl_dask.models.spec import LoraSpec, ModelSpec
+from plexrl_dask.models.lora import attach_adapter
+from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
-
-
-def attach_adapter(base: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
-    """A module tree of ``base``'s architecture that shares every parameter and buffer
-    tensor of ``base`` (frozen) and has ``lora``'s adapter injected (float32, seeded init,
-    no dropout); only the adapter's parameters require gradients."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    shared = itertools.chain(base.parameters(), base.buffers())
-    tree = copy.deepcopy(base, memo={id(t): t for t in shared})
-    for p in tree.parameters():
-        p.requires_grad_(False)
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        target_modules=list(lora.targets),
-        lora_dropout=0.0,
-        bias="none",
-    )
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        torch.manual_seed(lora.seed)  # (the adapter's init, whatever ran before)
-        # An adapter on a tied unembedding adapts the output projection only (the input
-        # embedding stays the base's), as intended; PEFT warns about merging such adapters.
-        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-        inject_adapter_in_model(config, tree)
-    for name, p in tree.named_parameters():
-        if ".lora_" in name:
-            p.data = p.data.float()
-            p.requires_grad_(True)
-    return tree
 
 
 @dataclass
