@@ -111,6 +111,19 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     cur = isr.loss_fn_outputs[0]["logprobs"].tolist()
     want = -sum(math.exp(x + 2.0) * 0.5 for x in cur)
     assert isr.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    # per-token inputs that differ by position: each pairs with its own target token
+    rng = np.random.default_rng(0)
+    q, adv = rng.uniform(-4, -1, len(A) - 1), rng.uniform(-1, 1, len(A) - 1)
+    varied = types.Datum(
+        model_input=types.ModelInput.from_ints(A[:-1]),
+        loss_fn_inputs={"target_tokens": A[1:], "logprobs": q.astype(np.float32),
+                        "advantages": adv.astype(np.float32)},
+    )  # fmt: skip
+    out = tc.forward([varied], "importance_sampling").result()
+    lp = out.loss_fn_outputs[0]["logprobs"].tolist()
+    q, adv = q.astype(np.float32).tolist(), adv.astype(np.float32).tolist()
+    want = -sum(math.exp(x - y) * a for x, y, a in zip(lp, q, adv, strict=True))
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
     ppo = tc.forward_backward(
         [rl_datum(A, -2.0, 0.5)], "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
     ).result()
