@@ -19,6 +19,8 @@ replica the scheduler picks, so the result equals one replica's.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -92,6 +94,28 @@ def as_another_driver() -> Iterator[None]:
         _SECRETS.update(known)
 
 
+@contextlib.contextmanager
+def _scheduler_errors(handler: str) -> Iterator[None]:
+    """A scheduler call's failures as PlexRL's typed errors."""
+    try:
+        yield
+    except TimeoutError as e:
+        raise RequestTimeout(f"the scheduler did not answer {handler} in time") from e
+    except OSError as e:  # (the connection broke, or none could be made)
+        raise SchedulerLost(f"the scheduler could not be reached for {handler}: {e}") from e
+
+
+def _checked_status(handler: str, status: Any) -> dict[str, Any]:
+    if not isinstance(status, dict):
+        # A scheduler without the handler logs "No handler found" and answers None.
+        raise PluginsNotInstalled(
+            f"the scheduler has no {handler!r} handler: install the PlexRL plugins "
+            "(plexrl_dask.local_cluster(), plexrl_dask.install(client), or "
+            "`dask scheduler --preload plexrl_dask.plugins`)"
+        )
+    return raise_for_status(status)
+
+
 class Runtime:
     """Stateless router from API calls to Dask futures (see the module docstring).
 
@@ -108,6 +132,7 @@ class Runtime:
         self.client = client if client is not None else get_client()
         self.job = job or f"job-{uuid.uuid4().hex[:8]}"
         self._secret = secret
+        self._stored: set[str] = set()  # workers seen with a node store (sync_weights)
 
     @property
     def secret(self) -> str:
@@ -130,23 +155,32 @@ class Runtime:
         return self._secret
 
     def _call(self, handler: str, **kwargs: Any) -> dict[str, Any]:
+        rpc, kwargs = self._rpc(handler, kwargs)
+        with _scheduler_errors(handler):
+            status = self.client.sync(rpc, **kwargs, callback_timeout=config.request_timeout())
+        return _checked_status(handler, status)
+
+    def _rpc(self, handler: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if handler in protocol.ACTS_AS_JOB:
             kwargs["secret"] = self.secret
-        rpc = getattr(self.client.scheduler, handler)
-        try:
-            status = self.client.sync(rpc, **kwargs, callback_timeout=config.request_timeout())
-        except TimeoutError as e:
-            raise RequestTimeout(f"the scheduler did not answer {handler} in time") from e
-        except OSError as e:  # (the connection broke, or none could be made)
-            raise SchedulerLost(f"the scheduler could not be reached for {handler}: {e}") from e
-        if not isinstance(status, dict):
-            # A scheduler without the handler logs "No handler found" and answers None.
-            raise PluginsNotInstalled(
-                f"the scheduler has no {handler!r} handler: install the PlexRL plugins "
-                "(plexrl_dask.local_cluster(), plexrl_dask.install(client), or "
-                "`dask scheduler --preload plexrl_dask.plugins`)"
-            )
-        return raise_for_status(status)
+        return getattr(self.client.scheduler, handler), kwargs
+
+    def _ask(self, handler: str, **kwargs: Any) -> concurrent.futures.Future:
+        """Start ``handler`` on the client's loop without waiting (:meth:`_answer` waits):
+        a question asked while the job's requests run costs no wait once they are done."""
+        rpc, kwargs = self._rpc(handler, kwargs)
+
+        async def ask() -> Any:
+            return await asyncio.wait_for(rpc(**kwargs), config.request_timeout())
+
+        return asyncio.run_coroutine_threadsafe(ask(), self.client.loop.asyncio_loop)
+
+    def _answer(self, handler: str, asked: concurrent.futures.Future) -> dict[str, Any]:
+        """The answer to a question :meth:`_ask` started, checked as :meth:`_call`'s."""
+        with _scheduler_errors(handler):
+            # (bounded inside by the request timeout; the margin covers the loop's latency)
+            status = asked.result(timeout=config.request_timeout() + 5.0)
+        return _checked_status(handler, status)
 
     # --- deployments -------------------------------------------------------------------------
 
@@ -314,7 +348,16 @@ class Runtime:
         save_trace(path, its, {"job": job, "source": "live"})
         return its
 
-    def relocate(self, timeout: float | None = None) -> list[dict[str, Any]]:
+    def ask_relocations(self) -> concurrent.futures.Future:
+        """Start asking which of this job's deployments :meth:`relocate` would move, without
+        waiting; pass the result to ``relocate(asked=...)``. A job asks while its requests
+        still run, so the question is answered by the time they are done (``GRPOJob``): a
+        deployment that leaves its group after the question moves at the next call."""
+        return self._ask(protocol.RELOCATIONS, owner=self.job)
+
+    def relocate(
+        self, timeout: float | None = None, asked: concurrent.futures.Future | None = None
+    ) -> list[dict[str, Any]]:
         """Move this job's deployments that sit outside its node group into it: those it
         made best effort while it waited for placement, or before it was micro-shifted into
         another group (``plugins/placement.py``). Call it where none of the job's requests are
@@ -328,13 +371,19 @@ class Runtime:
         given weights waits for its next weight load (``sync_weights``), which places it in the
         group. Returns the moves made: ``name``, ``workers`` (before), ``group``, ``restored``
         (state carried), ``needs_weights`` and, with state, the new ``workers``. Nothing to
-        move costs one scheduler call.
+        move costs one scheduler call, none when it was asked ahead (``asked``: what
+        :meth:`ask_relocations` returned).
 
         If the restore fails, the deployment stays ``relocating`` (its requests are refused
         with :class:`DeploymentRelocating`) and :class:`RelocationFailed` names the checkpoint,
         which is kept: restore it with ``load_state``."""
         done = []
-        for move in self._call(protocol.RELOCATIONS, owner=self.job)["moves"]:
+        status = (
+            self._call(protocol.RELOCATIONS, owner=self.job)
+            if asked is None
+            else self._answer(protocol.RELOCATIONS, asked)
+        )
+        for move in status["moves"]:
             name, restored = move["name"], None
             dep = self.deployment(name)
             if move["modified"] and not dep.info.weights_only:
@@ -408,7 +457,7 @@ class Runtime:
         has no node store does ``src``'s rank 0 gather the whole tensors for Dask to move."""
         src = self.deployment(src) if isinstance(src, str) else src
         dst = self.deployment(dst) if isinstance(dst, str) else dst
-        if None not in self.nodes_of(*src.info.workers, *dst.info.workers):
+        if self._all_stored(*src.info.workers, *dst.info.workers):
             # A fresh store version per sync (µs clock: unique and increasing); the weights'
             # own version travels in the manifest.
             ref = src._submit(
@@ -418,6 +467,16 @@ class Runtime:
             )
             return dst._every("load_weights", ops.load_weights, (ref,))
         return dst.set_weights(src.get_weights())
+
+    def _all_stored(self, *workers: str) -> bool:
+        """Whether every one of ``workers`` has a node store. Asked of the scheduler only
+        for workers not yet seen with one (a worker's store lives as long as its process:
+        a job syncing every step asks once, not every step)."""
+        unseen = set(workers) - self._stored
+        if unseen and None in self.nodes_of(*unseen):
+            return False
+        self._stored |= unseen
+        return True
 
     def nodes_of(self, *workers: str) -> set[str | None]:
         """The node ids (their state store's) of ``workers``, as their holders reported them."""

@@ -18,9 +18,15 @@ One step of :class:`GRPOJob`:
 5. ``runtime.sync_weights(policy, rollout)``.
 
 Requests per step: one ``sample``, one ``train_step`` per epoch (plus one ``forward`` with
-several epochs, one ``reference.forward`` with a KL term), and without colocation the sync's
-``publish_weights`` and ``load_weights``. Rewards are scored on the driver, which must read
-the samples anyway to build the batch.
+several epochs, one ``reference.forward`` with a KL term, both in flight at once), and
+without colocation the sync's ``publish_weights`` and ``load_weights``. Rewards are scored on
+the driver, which must read the samples anyway to build the batch.
+
+Round trips to the scheduler per step (counted by ``bench.grpo``): the samples' fetch (with a
+split job's sync version in the same wait), the metrics' fetch (while the next step samples),
+the dashboard report, and the placement question (:class:`PlacementFollower`), asked while the
+step trains so that nothing waits for it. Only the samples' fetch lies between a sample's end
+and the next training request; the rest overlap the workers' work.
 
 After each step the driver reports it to the scheduler (``plexrl-job`` event,
 :mod:`plexrl_dask.dashboard.jobs`) under its runtime's job name, for the dashboard's Jobs page.
@@ -258,19 +264,27 @@ class GRPOJob:
         """Submit step ``step``'s training; returns its futures. ``old``: a future of the
         behaviour policy's log-probabilities of ``data`` (split-async)."""
         c = self.config
+        ref = None
         if c.kl_coef > 0:
             assert self.reference is not None
-            ref = result(self.reference.forward(data)).logprobs
-            data = [
-                Datum(d.tokens, d.weights, d.advantages, None, tuple(r))
-                for d, r in zip(data, ref, strict=True)
-            ]
+            ref = self.reference.forward(data)
         if old is None and c.epochs > 1:
             old = self.policy.forward(data)
-        if old is not None:
+        # Both scorings are in flight at once and waited for together: one wait, not two
+        # (neither reads the other's field of the data).
+        scored = result([f for f in (ref, old) if f is not None])
+        ref_lp = scored.pop(0).logprobs if ref is not None else [None] * len(data)
+        old_lp = scored.pop(0).logprobs if old is not None else [None] * len(data)
+        if ref is not None or old is not None:
             data = [
-                Datum(d.tokens, d.weights, d.advantages, tuple(o), d.ref_logprobs)
-                for d, o in zip(data, result(old).logprobs, strict=True)
+                Datum(
+                    d.tokens,
+                    d.weights,
+                    d.advantages,
+                    None if o is None else tuple(o),
+                    None if r is None else tuple(r),
+                )
+                for d, r, o in zip(data, ref_lp, old_lp, strict=True)
             ]
         loss, optimizer = c.loss(len(data)), c.optimizer(step)
         # (one request per epoch: forward_backward and optim_step fused, one round trip)
@@ -393,19 +407,22 @@ class GRPOJob:
         if first >= c.steps:
             return self.records
         pending = self._submit_sample(first)
+        self.follow_placement.ask()
         for step in range(first, c.steps):
             if self._stop.is_set():
                 raise JobStopped(f"{self.name} stopped before step {step} of {c.steps}")
             t0 = time.perf_counter()
             problems = self._problems(step)
-            out = result(pending)
             if self.rollout is None:  # colocated: the policy samples with its current weights
+                out = result(pending)
                 sampled_with = self.records[-1].version if self.records else self.start_version
             elif isinstance(pending_version, int):
-                sampled_with = pending_version
-            else:
-                sampled_with = int(result(pending_version))
-            self.follow_placement()  # (nothing of the job is in flight here)
+                out, sampled_with = result(pending), pending_version
+            else:  # (the samples and the sync that preceded them: one wait)
+                out, synced = result([pending, pending_version])
+                sampled_with = int(synced)
+            # (nothing of the job is in flight here; the question was asked ahead)
+            self.follow_placement()
             data, rewards, lengths, groups_used, terms = self._batch(problems, out)
             if isinstance(out, EpisodeBatch):
                 episodes = [e for g in out.groups for e in g]
@@ -426,6 +443,8 @@ class GRPOJob:
                 sync = self._sync() if futures else None
                 pending = self._submit_sample(step + 1)  # runs after the sync
                 pending_version = sync if sync is not None else sampled_with
+            if step + 1 < c.steps:  # (answered while this step trains)
+                self.follow_placement.ask()
             metrics = result(futures) if futures else []
             last = metrics[-1] if metrics else {}
             fb, opt = last.get("forward_backward"), last.get("optim_step")

@@ -173,18 +173,29 @@ class PlacementFollower:
     is restored bit for bit; sampling is seeded per step). If state cannot be checkpointed
     for a move (workers without a node store, a full tier), nothing moved: the deployments
     stay where they are and it stops trying. A failed restore (``RelocationFailed``) is
-    raised: that deployment refuses requests until its checkpoint is restored."""
+    raised: that deployment refuses requests until its checkpoint is restored.
+
+    :meth:`ask` puts the scheduler the question early, while the job's requests still run,
+    so the call waits for no round trip (the question is then up to one step old: a
+    deployment that left the group since moves at the next call)."""
 
     def __init__(self, runtime: Runtime, name: str) -> None:
         self.runtime = runtime
         self.name = name
         self.stay = False  # set when the job's deployments cannot follow its placement
+        self._asked: Any = None  # a question started by ask(), for the next call
+
+    def ask(self) -> None:
+        """Start the next call's question now (where none is pending)."""
+        if not self.stay and self._asked is None:
+            self._asked = self.runtime.ask_relocations()
 
     def __call__(self) -> None:
+        asked, self._asked = self._asked, None
         if self.stay:
             return
         try:
-            for move in self.runtime.relocate():
+            for move in self.runtime.relocate(asked=asked):
                 logger.info("%s: %s moved into the job's node group", self.name, move["name"])
         except DeploymentBusy as e:  # another driver of this job has requests in flight
             logger.info("%s: relocation deferred to the next step: %s", self.name, e)
