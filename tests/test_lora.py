@@ -111,3 +111,15 @@ def test_adapter_weights_and_refusals():
     )
     roundtrip = ModelSpec.from_dict(BASE.with_lora(2, alpha=8).to_dict())
     assert roundtrip == BASE.with_lora(2, alpha=8) and roundtrip.base == BASE
+
+
+def test_a_lora_deployment_is_refused_where_it_cannot_share_its_base():
+    from plexrl_dask.driver.runtime import Runtime
+
+    runtime = Runtime(client=object(), job="j")  # (refused before any scheduler call)
+    spec = BASE.with_lora(2)
+    for kw in ({"world_size": 2}, {"role": "rollout", "tensor_parallel": 2}, {"backend": "vllm"}):
+        with pytest.raises(errors.ConfigError, match="LoRA"):
+            runtime.deploy("a", spec, **kw)
+    with pytest.raises(errors.InvalidModelSpec):
+        runtime.deploy("a", BASE.with_lora(2, targets=("nope",)))
