@@ -980,3 +980,32 @@ def test_tier_directories_are_their_users_alone(tiers):
     with pytest.raises(errors.TierNotPrivate, match="uid 65534"):
         NodeState(other).call("status")
     assert os.listdir(other.manager.dram_path) == []  # nothing written into it
+
+
+def test_a_lora_adapter_offloaded_to_the_node_store_trains_on_bit_identically(tiers):
+    """A LoRA replica stashes only its adapter (weights, moments, the optimizer's settings) in
+    the node's store, drops its module tree and the base with it, and trains on exactly as a
+    replica that never left."""
+    pytest.importorskip("peft", reason="LoRA adapters need the peft package")
+    node = NodeState(tiers(dram_capacity=64 * MiB))
+    lora = spec(seed=7).with_lora(4)
+    info = dataclasses.replace(
+        make_info("adapter"), spec=lora, memory_bytes=lora.memory_bytes("train")
+    )
+    holder, events = make_holder("w1", node)
+    reference, _ = make_holder("w1", None)  # never offloads
+    for h in (holder, reference):
+        for k in range(2):
+            fb(h, info, k)
+            step(h, info)
+    assert holder.offload("adapter")
+    assert holder.status()["bases"] == {}  # the base left with its last resident adapter
+    model, version = stored_as(holder, "adapter")
+    stored = node.store("dram").manifest(model, version).tensors
+    assert stored and all(".lora_" in k for k in stored)  # the adapter's state, never the base
+    for k in range(2, 4):
+        assert fb(holder, info, k)["loss"] == fb(reference, info, k)["loss"]
+        step(holder, info)
+        step(reference, info)
+    assert_bit_equal(weights(holder, info), weights(reference, info))
+    assert events[-1]["bytes"] < lora.base.memory_bytes("rollout")
