@@ -31,7 +31,7 @@ Besides, ``curve.*``: the decode curve's shape (tokens/s per GPU at batch b ÷ a
 workload's 7B class beside this project's measurement on its own engine
 (``benchmarks/device/device.json``, captured decode at 1, 8, 64, 256 rows), when present.
 
-Run: ``python -m plexrl_dask.bench.simulate --gpus 2048 --json OUT`` (about 5 minutes on
+Run: ``python -m plexrl_dask.bench.simulate --gpus 2048 --json OUT`` (about 2 minutes on
 one core: the capacity bisections at 2048 GPUs dominate); ``--quick``: 256 GPUs, 100 jobs.
 """
 

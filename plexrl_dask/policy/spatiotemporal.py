@@ -51,6 +51,8 @@ ones behind it until it is placed (the starvation bound).
 from __future__ import annotations
 
 import logging
+import math
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -163,6 +165,11 @@ class NodeGroup:
         self.load = np.zeros(slots, dtype=np.int64)
         self.reservations: dict[str, Reservation] = {}
         self.capacity = sum(len(n.gpus) for n in self.nodes)
+        # best_shift's arguments known to fit at no offset, valid while the load and horizon
+        # are those of _misfits_at: every waiting job is tried in every group at every
+        # admission, and mostly the groups have not changed since the last one
+        self._misfits: set[tuple[DemandTrace, float, int]] = set()
+        self._misfits_at: tuple[bytes, Horizon | None] = (b"", None)
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -208,7 +215,23 @@ class NodeGroup:
         offset, or None if it fits at none (or would be padded by more than ``max_padding``).
 
         ``score`` is ``(peak load after / capacity, overlap / capacity², padding, delay)``.
+        Whether it is None depends on ``trace``, the load and the horizon only (not ``now``).
         """
+        at = (self.load.tobytes(), self.horizon)
+        if at != self._misfits_at:
+            self._misfits, self._misfits_at = set(), at
+        key = (trace, max_padding, horizon_periods)
+        if key in self._misfits:
+            return None
+        shift = self._best_shift(trace, now, max_padding, horizon_periods)
+        if shift is None:
+            self._misfits.add(key)
+        return shift
+
+    def _best_shift(
+        self, trace: DemandTrace, now: float, max_padding: float, horizon_periods: int
+    ) -> tuple[tuple, Reservation] | None:
+        """:meth:`best_shift`, computed."""
         horizon = self.horizon or Horizon(trace.period_s * horizon_periods, self.slots)
         padding = horizon.padding(trace.period_s)
         if padding > max_padding or trace.peak_gpus > self.capacity:
@@ -596,7 +619,8 @@ class BackfillSchedule:
     ``releases`` are ``(time, gpus)`` the running phases are expected to free (one expected at
     or before ``now`` is overdue: its GPUs are still held and when they come free is unknown,
     so it is not counted), ``needs`` ``(time, gpus)`` of reserved phases expected to start
-    (times before ``now`` mean "now"). Built once, it answers :meth:`fits` in O(log n).
+    (times before ``now`` mean "now"). Built once (a sort), it answers :meth:`fits` by a
+    binary search over the events earlier answers computed, computing more only as needed.
     """
 
     def __init__(
@@ -606,23 +630,53 @@ class BackfillSchedule:
         releases: Iterable[tuple[float, int]],
         needs: Iterable[tuple[float, int]],
     ) -> None:
-        events = sorted(
-            [(t, 1, g) for t, g in releases if t > now] + [(max(t, now), 0, -g) for t, g in needs]
-        )  # at one instant, needs (0) come before releases (1): conservative
+        events = [(t, 1, g) for t, g in releases if t > now]
+        events += [(t if t > now else now, 0, -g) for t, g in needs]
+        events.sort()  # at one instant, needs (0) come before releases (1): conservative
         self.now = now
         self.free = free
-        self.times = np.array([now] + [t for t, _, _ in events])
-        avail = free + np.cumsum([0] + [g for _, _, g in events])
-        self.low = np.minimum.accumulate(avail)  # the least free GPUs up to each event
+        # The free GPUs after each event, and the least up to it, are computed lazily: only as
+        # far as fits has looked (the simulator builds a schedule per dispatch, and most
+        # answers are no, decided by the first tens of events). Plain lists, not numpy: a
+        # schedule holds tens of events, where numpy's per-call overhead would dominate.
+        self._events = events
+        self._times = [now]  # times[i + 1]: the time of events[i]
+        self._low = [free]  # the least free GPUs up to times[i]
+        self._avail = free  # the free GPUs after the last event computed
 
     def fits(self, gpus: int, duration_s: float) -> bool:
         """May ``gpus`` GPUs run unreserved work for ``duration_s`` from ``now``? Yes if at
         every moment of ``[now, now + duration_s)`` the free GPUs, minus this work, plus what
-        has been released, cover what reserved phases have needed so far."""
+        has been released, cover what reserved phases have needed so far (over the whole
+        schedule if ``duration_s <= 0``)."""
         if gpus > self.free:
             return False
-        last = int(np.searchsorted(self.times, self.now + duration_s, side="left")) - 1
-        return bool(self.low[last] >= gpus)
+        end = self.now + duration_s
+        until = end if end > self.now else math.inf
+        last = bisect_left(self._times, until) - 1  # the last event computed before `until`
+        if last < len(self._times) - 1:  # the events before `until` are all computed
+            return self._low[last] >= gpus
+        return self._scan(until, gpus)
+
+    def _scan(self, until: float, gpus: int) -> bool:
+        """Compute the events before ``until`` not computed yet (all computed ones are before
+        it): True if the free GPUs stay at least ``gpus`` throughout, False as soon as not."""
+        times, low, events = self._times, self._low, self._events
+        least, avail = low[-1], self._avail
+        i = len(times) - 1  # the next event to compute
+        n = len(events)
+        while least >= gpus and i < n:
+            t, _, g = events[i]
+            if t >= until:
+                break
+            avail += g
+            if avail < least:
+                least = avail
+            times.append(t)
+            low.append(least)
+            i += 1
+        self._avail = avail
+        return least >= gpus
 
 
 def backfill_fits(

@@ -112,6 +112,13 @@ class _Run:
     epoch: int = 0  # bumped when its best-effort work is preempted (stale phase ends)
     admitted: str = ""  # the group the placer gave it while it ran best effort
     gap_end: float = 0.0  # when its tool waits end (phase "gap")
+    estimates: dict[str, float] = field(default_factory=dict)  # of `estimated`, by kind
+    estimated: DemandTrace | None = None  # the trace `estimates` index (see _estimate)
+
+    @property
+    def peak_gpus(self) -> int:
+        """The most GPUs it holds at once: those it runs on while profiling."""
+        return max(self.job.rollout_gpus, self.job.train_gpus)
 
     @property
     def busy(self) -> bool:
@@ -172,23 +179,37 @@ class _GroupRuntime:
             load_s = max(load_s, nbytes / self.nvme_per_gpu)
         elif job in self.dram:
             self.dram_used -= self.dram.pop(job)
-        evicted = np.zeros(len(chosen))
-        for other in list(self.lru):
-            over = self.parked[chosen] + nbytes - self.park_bytes
-            if not (over > 0).any():
-                break
-            if other == job:
-                continue
-            theirs = self.home[other]
-            hit = np.isin(chosen, theirs)
-            if (hit & (over > 0)).any():
-                evicted += hit * self.state_bytes[other]
-                self._offload(other)
+        evicted = self._evict_for(job, chosen, nbytes)
         self.home[job] = chosen
         self.state_bytes[job] = nbytes
         self.parked[chosen] += nbytes
         self.lru[job] = None
         return chosen, load_s + float(evicted.max(initial=0.0)) / h2d
+
+    def _evict_for(self, job: int, chosen: np.ndarray, nbytes: float) -> np.ndarray:
+        """Offload parked states, least recently used first, until ``nbytes`` more fit on
+        every GPU of ``chosen`` (only states on an overfull GPU go). Returns the bytes evicted
+        from each GPU of ``chosen``."""
+        evicted = np.zeros(len(chosen))
+        over = self.parked[chosen] + nbytes - self.park_bytes
+        if not (over > 0).any():
+            return evicted
+        on = np.zeros(len(self.gids), dtype=bool)  # scratch: the GPUs of one state
+        for other in list(self.lru):
+            if other == job:
+                continue
+            theirs = self.home[other]
+            on[theirs] = True
+            hit = on[chosen]
+            on[theirs] = False
+            if (hit & (over > 0)).any():
+                evicted += hit * self.state_bytes[other]
+                self._offload(other)
+                # parked changes only here: recompute then, not for every state looked at
+                over = self.parked[chosen] + nbytes - self.park_bytes
+                if not (over > 0).any():
+                    break
+        return evicted
 
     def _unpark(self, job: int) -> None:
         self.parked[self.home.pop(job)] -= self.state_bytes.pop(job)
@@ -269,7 +290,7 @@ class MultiplexedSim:
             self.events += 1
             if kind == _ARRIVE:
                 r = self.runs[j]
-                gpus = max(r.job.rollout_gpus, r.job.train_gpus)
+                gpus = r.peak_gpus
                 self._apply(self.placer.submit(r.job.name, gpus, now, kind=r.job.model), now)
             elif kind == _PHASE_END:
                 self._phase_end(j, payload, now)
@@ -340,24 +361,28 @@ class MultiplexedSim:
 
     # --- iterations and phases -------------------------------------------------------------
 
-    def _next_iteration(self, r: _Run, now: float) -> None:
+    def _next_iteration(self, r: _Run, now: float) -> bool:
+        """Start ``r``'s next iteration (or finish it). Returns True iff its last action was to
+        dispatch ``r``'s group (:meth:`_dispatch`: the caller need not dispatch it again)."""
         if r.iteration >= r.job.iterations:
             self._finish(r, now)
-            return
+            return False
         if r.state == "best_effort":
             if not r.admitted:
-                return  # still waiting: idle in its group until Backfill picks it again
+                return False  # still waiting: idle in its group until Backfill picks it again
             self._move(r, r.admitted)
             r.state, r.admitted = "placed", ""
         group = self.placer.group_of(r.job.name)
         w = group.window_start(r.job.name, now, self.config.late_tolerance)
         if w <= now + _EPS:
             self._start_iteration(r, now, reserved=True, key=w)
-            return
+            return True
         r.window = w
         self._push(w, _WINDOW, r.idx, r.iteration)
         if self.backfill:  # ready before its window: queue it as backfill until then
             self._start_iteration(r, now, reserved=False, key=w)
+            return True
+        return False
 
     def _window(self, r: _Run, iteration: object, now: float) -> None:
         if r.state != "placed" or r.iteration != iteration or r.window is None:
@@ -379,12 +404,14 @@ class MultiplexedSim:
         r.reserved, r.key = reserved, key
         if reserved:
             r.window = None
-        p = r.job.iteration_phases(r.iteration)[0]
-        self._enqueue(r, "rollout", p.gpus, p.duration_s, reserved, key, now)
+        i = r.iteration  # (not iteration_phases: building every phase is the cost here)
+        self._enqueue(r, "rollout", r.job.rollout_gpus, r.job.rollout_s(i), reserved, key, now)
 
     def _enqueue(
         self, r: _Run, kind: str, gpus: int, dur: float, reserved: bool, key: float, now: float
     ) -> None:
+        """Queue ``r``'s phase ``kind`` in its group, then dispatch the group (last, always:
+        callers rely on it to skip a redundant dispatch)."""
         g = self.groups[r.group]
         self.seq += 1
         r.pending = _Pending(r.idx, kind, gpus, dur, key, reserved, self.seq)
@@ -394,11 +421,22 @@ class MultiplexedSim:
     def _estimate(self, r: _Run, kind: str) -> float:
         """The reserved duration of ``r``'s phase ``kind`` (0 for a phase its trace lacks)."""
         assert r.trace is not None
-        return next((p.duration_s for p in r.trace.phases if p.kind == kind), 0.0)
+        if r.estimated is not r.trace:  # a new trace: index it once (asked per phase start)
+            r.estimates = {}
+            for p in r.trace.phases:
+                r.estimates.setdefault(p.kind, p.duration_s)  # the first phase of a kind
+            r.estimated = r.trace
+        return r.estimates.get(kind, 0.0)
 
     def _dispatch(self, g: _GroupRuntime, now: float) -> None:
         """Reserved phases by window start, each as soon as its GPUs are free; then backfill
-        (:func:`backfill_fits`) while no reserved phase is blocked."""
+        (:func:`backfill_fits`) while no reserved phase is blocked.
+
+        Idempotent: dispatching ``g`` again with nothing changed since starts nothing, which
+        lets callers skip a redundant dispatch. A reserved phase left queued did not fit the
+        free GPUs; backfill refused was tested after every reserved start, and later starts
+        are unreserved: they only lower the free GPUs, now and at every later moment of the
+        schedule, so what was refused stays refused."""
         if not g.waiting:
             return
         g.waiting.sort(key=lambda p: (not p.reserved, p.key, p.seq))
@@ -419,27 +457,32 @@ class MultiplexedSim:
             self._start_phase(g, p, now)
             schedule = None
         if self.backfill and not blocked and g.free:
-            self._best_effort(g, now)
+            self._best_effort(g, now, schedule)  # still valid, unless None
 
-    def _best_effort(self, g: _GroupRuntime, now: float) -> None:
+    def _best_effort(
+        self, g: _GroupRuntime, now: float, schedule: BackfillSchedule | None = None
+    ) -> None:
         """Backfill with waiting jobs' work: an iteration of a job the placer keeps waiting
         (one whose kind's trace is known, so its phases can be estimated) starts in ``g``'s
         slack when its rollout fits the backfill schedule, as the live runtime runs a waiting
         job best effort. Jobs that already ran here come first (their state is parked here),
         then the placer's queue in order (the first ``BEST_EFFORT_SCAN``). The rest of the
         iteration queues as backfill in ``g``; when the placer admits the job, it moves to its
-        group at the end of the iteration."""
-        here = sorted(j for j in g.members if self.runs[j].state == "best_effort")
-        queued = [self.by_name[n] for n in self.placer.queue[: self.BEST_EFFORT_SCAN]]
-        schedule: BackfillSchedule | None = None
+        group at the end of the iteration. ``schedule``: ``g``'s backfill schedule, if one
+        was built for its present state (None: build it when needed)."""
+        runs, by_name = self.runs, self.by_name
+        here = sorted([j for j in g.members if runs[j].state == "best_effort"])
+        queued = [by_name[n] for n in self.placer.queue[: self.BEST_EFFORT_SCAN]]
         for j in dict.fromkeys([*here, *queued]):
-            r = self.runs[j]
-            if r.busy or r.state not in ("arrived", "best_effort"):
+            r = runs[j]
+            job = r.job
+            # the tests have no side effects: the cheapest and most selective go first
+            if job.rollout_gpus > g.free or r.busy or r.state not in ("arrived", "best_effort"):
                 continue
-            trace = r.trace or self.placer.jobs[r.job.name].trace
-            if trace is None or max(r.job.rollout_gpus, r.job.train_gpus) > len(g.gids):
+            if r.peak_gpus > len(g.gids):
                 continue
-            if r.job.rollout_gpus > g.free:
+            trace = r.trace or self.placer.jobs[job.name].trace
+            if trace is None:
                 continue
             if schedule is None:
                 schedule = BackfillSchedule(now, g.free, *self._schedule(g, now))
@@ -451,10 +494,10 @@ class MultiplexedSim:
                 r.start_s = now
             r.state, r.trace, r.reserved, r.key = "best_effort", trace, False, now
             self.best_effort_iterations += 1
-            p = r.job.iteration_phases(r.iteration)[0]
             self.seq += 1
+            dur = job.rollout_s(r.iteration)
             self._start_phase(
-                g, _Pending(j, "rollout", p.gpus, p.duration_s, now, False, self.seq), now
+                g, _Pending(j, "rollout", job.rollout_gpus, dur, now, False, self.seq), now
             )
             schedule = None
             if not g.free:
@@ -502,14 +545,18 @@ class MultiplexedSim:
     def _schedule(self, g: _GroupRuntime, now: float) -> tuple[list, list]:
         """What the group's runtime expects: GPUs released by running phases, GPUs needed by
         reserved phases (next windows, next phases of reserved iterations, blocked ones)."""
-        releases, needs = [], []
+        releases: list[tuple[float, int]] = []
+        needs: list[tuple[float, int]] = []
+        runs = self.runs  # (hot: once per dispatch that tests backfill, over every member)
         for j in g.members:
-            r = self.runs[j]
-            releases.extend(r.releases)
+            r = runs[j]
+            if r.releases:
+                releases += r.releases
             if r.window is not None:
                 needs.append((r.window, r.job.rollout_gpus))
-            if r.pending is not None and r.pending.reserved:
-                needs.append((now, r.pending.gpus))
+            pending = r.pending
+            if pending is not None and pending.reserved:
+                needs.append((now, pending.gpus))
             if r.need is not None:
                 needs.append(r.need)
         return releases, needs
@@ -586,19 +633,22 @@ class MultiplexedSim:
                 self._push(r.gap_end, _PHASE_END, j, ("gap", now, r.epoch))
             else:
                 self._enqueue_train(r, now)
+                return  # _enqueue dispatched g last: again would start nothing (_dispatch)
         elif kind == "gap":
             r.phase = ""
             self._enqueue_train(r, now)
+            return  # as above
         elif kind == "train":
             self._release(g, r, r.held, t0, now, kind)
             r.held, r.releases, r.need = r.held[:0], [], None
             r.iteration += 1
-            self._next_iteration(r, now)
+            if self._next_iteration(r, now) and r.group == g.name:
+                return  # as above
         self._dispatch(g, now)
 
     def _enqueue_train(self, r: _Run, now: float) -> None:
-        train = r.job.iteration_phases(r.iteration)[-1]
-        self._enqueue(r, "train", train.gpus, train.duration_s, r.reserved, r.key, now)
+        job, i = r.job, r.iteration
+        self._enqueue(r, "train", job.train_gpus, job.train_s(i), r.reserved, r.key, now)
 
     def _finish(self, r: _Run, now: float) -> None:
         r.state = "done"

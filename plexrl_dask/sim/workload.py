@@ -213,16 +213,24 @@ class SimJob:
     def stall_s(self, i: int) -> float:
         return 0.0 if self.stall is None else float(self.stall[i])
 
+    def rollout_s(self, i: int) -> float:
+        """The rollout phase of iteration ``i`` (:meth:`iteration_phases`): sync + bulk."""
+        return self.sync_s + float(self.bulk[i])
+
+    def train_s(self, i: int) -> float:
+        """The train phase of iteration ``i`` (:meth:`iteration_phases`)."""
+        return float(self.train[i])
+
     def iteration_phases(self, i: int) -> tuple[Phase, ...]:
         """Iteration ``i`` as a multiplexed (on-policy) run holds GPUs: the weight sync and the
         bulk of rollout on ``r`` GPUs, the tail on ``tail_gpus``, the tool waits of its
         critical path on none (a ``gap``, agentic jobs only), training on ``t``."""
         gap = () if self.stall is None else (Phase("gap", 0, float(self.stall[i])),)
         return (
-            Phase("rollout", self.rollout_gpus, self.sync_s + float(self.bulk[i])),
+            Phase("rollout", self.rollout_gpus, self.rollout_s(i)),
             Phase("tail", self.tail_gpus, float(self.tail[i])),
             *gap,
-            Phase("train", self.train_gpus, float(self.train[i])),
+            Phase("train", self.train_gpus, self.train_s(i)),
         )
 
 
