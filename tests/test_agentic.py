@@ -112,3 +112,46 @@ def test_an_agentic_job_calls_its_tool_and_runs_the_same_multiplexed(client):
     assert sum(r.loss is not None for r in alone) >= 1, [
         (r.reward_mean, r.groups_used, r.extra) for r in alone
     ]
+
+
+def test_an_episode_never_outgrows_its_models_context():
+    """A turn whose observation would leave no room for another whole turn ends the episode
+    without it: every episode's prompt and completion fit the context it trains in."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from plexrl_dask.rl.episodes import run_episodes
+    from plexrl_dask.shared.types import SampledSequence, SampleResult, SamplingParams
+    from plexrl_dask.tools.calls import ToolResult
+
+    tok = CharDeployment()
+    task = MultiplyTask(digits=2, seed=5)
+
+    class Sampler:  # in-process: every turn calls the calculator
+        info = SimpleNamespace(max_positions=80)
+
+        def tokenize(self, text, special_tokens=None):
+            return tok.tokenize(text, special_tokens)
+
+        def sample(self, prompts, params, prompt_ids):
+            call = tuple(tok.tokenize("<calc>12*34</calc>"))
+            seq = SampledSequence(call, (-0.1,) * len(call), "<calc>12*34</calc>", "stop")
+            out = Future()
+            out.set_result(SampleResult(tuple(map(tuple, prompts)), ((seq,),) * len(prompts)))
+            return out
+
+    class Pool:
+        tools = task.tools
+
+        def run(self, calls, timeout):
+            return [None if c is None else ToolResult("408" * 4) for c in calls]
+
+    params = SamplingParams(n=1, max_tokens=8, seed=1)
+    problems = task.problems(0, 2)
+    batch = run_episodes(Sampler(), Pool(), problems, params, 2, 5, 64)
+    for group in batch.groups:
+        for ep in group:
+            assert len(ep.prompt) + len(ep.completion) <= 80
+            # (the first turn's observation fits with room for a second turn; the second's not)
+            assert len(ep.turns) == 2 and ep.turns[0].observation
+            assert ep.turns[1].result is not None and ep.turns[1].observation == ()

@@ -12,7 +12,9 @@ A step's episodes (``group_size`` per problem) advance together, one turn at a t
    (:meth:`~plexrl_dask.tools.calls.ToolResult.observation`) is tokenized without special
    tokens and appended;
 3. a turn without a call ends its episode: its text is the answer. So does the last allowed
-   turn (``max_turns``), whatever it ends with.
+   turn (``max_turns``), whatever it ends with, and a turn after whose observation no whole
+   turn (``max_tokens``) would fit the model's context: its call runs, but its observation is
+   not appended (no turn would read it), so no episode outgrows the context it trains in.
 
 Deterministic by construction: turn ``t`` of conversation ``c`` (problem ``i``, sample ``j``:
 ``c = i * group_size + j``) draws its tokens with seed ``(seed, t)`` and prompt id ``c``
@@ -177,7 +179,11 @@ def run_episodes(
             if res is not None:
                 text = res.observation(observation_limit)
                 obs = tuple(sampler.tokenize(text, special_tokens=False))
-                still.append(c)
+                after = len(convs[c]) + len(s.tokens) + len(obs) + params.max_tokens
+                if room is not None and after > room:
+                    obs = ()  # (the episode ends here: see the module docstring, step 3)
+                else:
+                    still.append(c)
             turns[c].append(Turn(tuple(s.tokens), tuple(s.logprobs), s.text, call, res, obs))
             convs[c].extend((*s.tokens, *obs))
         live = still
