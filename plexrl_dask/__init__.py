@@ -29,6 +29,7 @@ _LAZY = {
     "Runtime": "plexrl_dask.driver.runtime",
     "result": "plexrl_dask.driver.waits",
     "AdamWParams": "plexrl_dask.shared.types",
+    "Chat": "plexrl_dask.shared.types",
     "CrossEntropy": "plexrl_dask.shared.types",
     "Datum": "plexrl_dask.shared.types",
     "ForwardBackwardResult": "plexrl_dask.shared.types",
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdamWParams",
+    "Chat",
     "CrossEntropy",
     "Datum",
     "Deployment",

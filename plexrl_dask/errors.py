@@ -111,6 +111,11 @@ class InvalidSamplingParams(RequestError, ValueError):
     """Sampling parameters are out of range."""
 
 
+class NoChatTemplate(InvalidSamplingParams):
+    """A chat prompt (:class:`~plexrl_dask.Chat`) for a model whose tokenizer has no chat
+    template: give its text or token ids instead."""
+
+
 class RequestTooLarge(RequestError, ValueError):
     """A request has more rows (sequences to score or train on, prompts × samples to
     decode) than ``plexrl.quotas.max-request-rows``."""

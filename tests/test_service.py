@@ -203,6 +203,8 @@ def test_bad_input_gives_typed_errors_and_harms_nothing(runtime):
     for bad in ([1, 2], ["1+1=", None], [[1, "2"]]):
         with pytest.raises(errors.InvalidSamplingParams, match="prompt"):
             dep.sample(bad)
+    with pytest.raises(errors.NoChatTemplate):  # (a worker renders chats: this model has none)
+        plexrl.result(dep.sample([plexrl.Chat((("user", "1+1="),))]))
     for size in ({"world_size": 0}, {"replicas": -1}, {"world_size": 1.5}):
         with pytest.raises(errors.ConfigError, match=next(iter(size))):
             runtime.deploy(unique("no"), tiny_spec(), **size)

@@ -59,6 +59,7 @@ from plexrl_dask.shared.records import DeploymentInfo, qualified_name
 from plexrl_dask.shared.timeline import RequestSpan
 from plexrl_dask.shared.types import (
     AdamWParams,
+    Chat,
     CrossEntropy,
     Datum,
     Loss,
@@ -549,10 +550,11 @@ class Deployment:
             self._tokenizer = self.info.spec.build_tokenizer()
         return self._tokenizer
 
-    def tokenize(self, text: str, special_tokens: bool | None = None) -> list[int]:
+    def tokenize(self, text: str | Chat, special_tokens: bool | None = None) -> list[int]:
         """Token ids of ``text`` as the replicas tokenize a prompt: with the tokenizer's special
         tokens, as Hugging Face adds them (``special_tokens``, default
-        ``plexrl.sampling.special-tokens``); a completion: ``special_tokens=False``."""
+        ``plexrl.sampling.special-tokens``); a completion: ``special_tokens=False``. A
+        :class:`Chat` is rendered with the model's chat template."""
         from plexrl_dask.worker.backends.base import encode_prompts
 
         return encode_prompts(self.tokenizer, [text], special_tokens)[0]
@@ -738,11 +740,12 @@ class Deployment:
 
     def sample(
         self,
-        prompts: Sequence[str | Sequence[int]],
+        prompts: Sequence[str | Chat | Sequence[int]],
         params: SamplingParams = SamplingParams(),
         prompt_ids: Sequence[int] | None = None,
     ) -> Future:
-        """Future of a :class:`SampleResult` (``params.n`` completions per prompt)."""
+        """Future of a :class:`SampleResult` (``params.n`` completions per prompt: text,
+        chat messages rendered with the model's chat template, or token ids)."""
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
         streams = Streams.from_config()
         k = self.info.world_size

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from plexrl_dask.driver.runtime import Deployment, result
 from plexrl_dask.errors import InvalidToolCall
-from plexrl_dask.shared.types import Datum, SamplingParams
+from plexrl_dask.shared.types import Chat, Datum, SamplingParams
 from plexrl_dask.tasks.base import Problem
 from plexrl_dask.tools.calls import (
     OUT_CLOSE,
@@ -142,7 +142,7 @@ def run_episodes(
     (its ``n`` is replaced by 1, its stops extended by the tools' closing tags)."""
     tools = check_tools(pool.tools)
     prompts = [
-        tuple(sampler.tokenize(p.prompt)) if isinstance(p.prompt, str) else tuple(p.prompt)
+        tuple(sampler.tokenize(p.prompt)) if isinstance(p.prompt, (str, Chat)) else tuple(p.prompt)
         for p in problems
     ]
     n = len(prompts) * group_size
@@ -200,7 +200,7 @@ def transcript_datum(deployment: Deployment, problem: Problem) -> Datum:
     on its own as an episode builds it."""
     prompt = (
         deployment.tokenize(problem.prompt)
-        if isinstance(problem.prompt, str)
+        if isinstance(problem.prompt, (str, Chat))
         else list(problem.prompt)
     )
     tokens, weights = list(prompt), [0.0] * len(prompt)

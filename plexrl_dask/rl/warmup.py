@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from plexrl_dask.driver.runtime import Deployment, result
-from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.shared.types import AdamWParams, Chat, CrossEntropy, Datum, SamplingParams
 from plexrl_dask.tasks.base import Problem, Task
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def problem_datum(deployment: Deployment, p: Problem) -> Datum:
     """A datum that trains on the answer of ``p`` given its prompt."""
-    prompt = deployment.tokenize(p.prompt) if isinstance(p.prompt, str) else p.prompt
+    prompt = deployment.tokenize(p.prompt) if isinstance(p.prompt, (str, Chat)) else p.prompt
     return Datum.from_prompt_completion(prompt, deployment.tokenize(p.answer, special_tokens=False))
 
 

@@ -35,6 +35,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.shared.types import (
     AdamWParams,
+    Chat,
     CrossEntropy,
     Datum,
     Loss,
@@ -115,8 +116,8 @@ def checked_temperature(temperature: Any) -> float:
 def checked_sample(
     prompts: Any, params: Any, prompt_ids: Any = None, streams: Any = None, part: bool = False
 ) -> tuple[list[Any], SamplingParams, list[int], Streams | None]:
-    """A sample request's arguments: a non-empty list of prompts, each a string or a sequence
-    of integer token ids; rebuilt ``params`` (and ``streams``); one integer id per prompt
+    """A sample request's arguments: a non-empty list of prompts, each a string, a
+    :class:`Chat` or a sequence of integer token ids; rebuilt ``params`` (and ``streams``); one integer id per prompt
     (default: positions); ``len(prompts) * n`` within the rows quota. Returns them as the
     worker uses them (``prompt_ids`` as a list of ints). ``part``: one worker's part of a
     request, which may be empty (a rank of a training group with no share of the streams)."""
@@ -128,13 +129,13 @@ def checked_sample(
     ):
         raise InvalidSamplingParams("prompts must be a non-empty list of strings or token lists")
     for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) and not (
+        if not isinstance(prompt, (str, Chat)) and not (
             hasattr(prompt, "__len__")  # a list, tuple or array of token ids
             and hasattr(prompt, "__iter__")
             and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
         ):
             raise InvalidSamplingParams(
-                f"prompt {i} must be a string or a list of token ids, got {prompt!r:.80}"
+                f"prompt {i} must be a string, a Chat or a list of token ids, got {prompt!r:.80}"
             )
     if prompt_ids is None:
         ids = list(range(len(prompts)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from plexrl_dask import config
@@ -252,6 +252,46 @@ class AdamWParams:
 
 
 # --- sampling -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A prompt given as chat messages. Replicas render it with the model's own chat template
+    (Hugging Face's ``apply_chat_template`` with the generation prompt, tokenized as it
+    tokenizes it), so a chat-tuned checkpoint sees the format it was tuned on; a model without
+    a template refuses it (:class:`~plexrl_dask.errors.NoChatTemplate`). ``messages``:
+    ``(role, content)`` pairs, in order (:meth:`of` takes Hugging Face's dicts)."""
+
+    messages: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        try:
+            pairs = tuple((m[0], m[1]) for m in self.messages if len(m) == 2)
+        except (TypeError, KeyError, IndexError):
+            pairs = ()
+        if (
+            not pairs
+            or len(pairs) != len(self.messages)
+            or not all(isinstance(r, str) and r and isinstance(c, str) for r, c in pairs)
+        ):
+            raise InvalidSamplingParams(
+                "Chat.messages is a non-empty sequence of (role, content) strings, got "
+                f"{self.messages!r:.80}"
+            )
+        object.__setattr__(self, "messages", pairs)
+
+    @classmethod
+    def of(cls, messages: Sequence[Mapping[str, str]]) -> Chat:
+        """From Hugging Face's form: ``[{"role": ..., "content": ...}, ...]``."""
+        try:
+            return cls(tuple((m["role"], m["content"]) for m in messages))
+        except (TypeError, KeyError) as e:
+            raise InvalidSamplingParams(
+                f"chat messages are dicts with 'role' and 'content', got {messages!r:.80}"
+            ) from e
+
+    def as_dicts(self) -> list[dict[str, str]]:
+        return [{"role": r, "content": c} for r, c in self.messages]
 
 
 @dataclass(frozen=True)
