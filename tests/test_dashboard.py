@@ -47,7 +47,7 @@ from plexrl_dask.dashboard.state import (
 )
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger
-from plexrl_dask.shared.timeline import RequestSpan
+from plexrl_dask.shared.timeline import TOOL_TOPIC, RequestSpan
 
 _PLEXRL = copy.deepcopy(dask.config.get("plexrl"))
 _PLEXRL["dashboard"].update({"queue-rows": 7, "decisions-shown": 5, "timeline-batch": 50})
@@ -358,6 +358,31 @@ async def test_timeline_page_streams_new_spans_in_bounded_batches(c, s):
         st for st, w in zip(page.source.data["start"], page.source.data["waited"], strict=True) if w
     }
     assert setups and setups <= {1000 * s.start for s in waited}
+
+
+@gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_tool_calls_reported_by_a_driver_are_lanes_of_the_timeline_not_charges(c, s):
+    _, dash = await installed(c, s)
+    now = time.time()
+    spans = [
+        {"worker": "tcp://10.0.0.9:4000", "tool": "calc", "start": now - 2.0, "end": now - 1.5},
+        {"worker": "tcp://10.0.0.9:4000", "tool": "py", "start": now - 1.0, "end": now - 0.2},
+    ]
+    await c.log_event(TOOL_TOPIC, {"job": "job-t", "spans": spans})
+    for bad in ({"job": "job-t"}, {"job": "job-t", "spans": [{"worker": "w", "tool": "x",
+                                                               "start": 2.0, "end": 1.0}]}):
+        await c.log_event(TOOL_TOPIC, bad)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while dash.counters["bad_tool_reports"] < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert dash.counters["tool_spans"] == 2 and dash.counters["bad_tool_reports"] == 2
+    page = TimelinePage(s)
+    page.update()
+    data = page.source.data
+    assert list(data["op"]) == ["tool", "tool"] and list(data["job"]) == ["job-t", "job-t"]
+    assert list(data["deployment"]) == ["tool:calc", "tool:py"]
+    assert "tcp://10.0.0.9:4000" in page._lanes
+    assert "job-t" not in dash.ledger.charges  # tool workers are not the pool
 
 
 @gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from plexrl_dask import errors
+from plexrl_dask.shared.timeline import TOOL_TOPIC
 from plexrl_dask.tools import (
     Calculator,
     PythonSandbox,
@@ -223,7 +224,7 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
     ):
         [tool] = tool_workers(client)
         assert client.scheduler_info()["workers"][tool]["name"] == "tool-0"
-        pool = ToolPool(client, {"where": WhereAmI(), "calc": Calculator()})
+        pool = ToolPool(client, {"where": WhereAmI(), "calc": Calculator()}, job="job-tools")
         calls = [ToolCall("where", ""), None, ToolCall("calc", "6*7"), ToolCall("calc", "6/0")]
         got = pool.run(calls, timeout_s=10)
         assert [r and (r.output, r.error) for r in got] == [
@@ -232,6 +233,12 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
             ("42", None),
             ("division by zero", "InvalidToolCall"),
         ]
+        # each call's span on its tool worker, reported for the dashboard's Timeline
+        [(_, report)] = client.get_events(TOOL_TOPIC)
+        assert report["job"] == "job-tools" and len(report["spans"]) == 3
+        assert {s["worker"] for s in report["spans"]} == {tool}
+        assert [s["tool"] for s in report["spans"]] == ["where", "calc", "calc"]
+        assert all(0 <= s["end"] - s["start"] < 10 for s in report["spans"])
         t0 = time.monotonic()
         [lost] = pool.run([ToolCall("where", "die")], timeout_s=10)
         assert lost.error == "ToolWorkerLost" and time.monotonic() - t0 < 30

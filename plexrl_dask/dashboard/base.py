@@ -60,6 +60,7 @@ OP_COLORS = {
     "save_state": "#7570b3",
     "load_state": "#7570b3",
     "load": "#a6761d",
+    "tool": "#1f78b4",
 }
 OTHER_OP = "#bdbdbd"
 #: Top and bottom border of the Timeline and its idle bars: their lanes line up.

@@ -43,7 +43,7 @@ from plexrl_dask.dashboard import metrics
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport
 from plexrl_dask.errors import InvalidJobReport
 from plexrl_dask.policy.residency import RESIDENCY_TOPIC, TIERS
-from plexrl_dask.shared.timeline import RequestSpan
+from plexrl_dask.shared.timeline import TOOL_TOPIC, RequestSpan, tool_spans
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,8 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
             "poll_errors": 0,
             "job_reports": 0,
             "bad_job_reports": 0,
+            "tool_spans": 0,
+            "bad_tool_reports": 0,
         }
         self._cursor: dict[str, float] = {}  # worker -> end of the last span received
         self._job_slots: dict[str, int] = {}
@@ -281,6 +283,18 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 # A hook must not raise: a bad report is counted and logged, never applied.
                 self.counters["bad_job_reports"] += 1
                 logger.warning("ignored a job report: %s", e)
+        elif topic == TOOL_TOPIC:
+            # Tool calls' spans go to the Timeline only: tool workers are not the pool, so
+            # the job ledger (worker-seconds of the pool) does not charge them.
+            try:
+                spans = tool_spans(msg)
+            except ValueError as e:
+                self.counters["bad_tool_reports"] += 1
+                logger.warning("ignored a tool report: %s", e)
+                return
+            for s in spans:
+                self.spans.add(s)
+            self.counters["tool_spans"] += len(spans)
         elif topic == RESIDENCY_TOPIC and isinstance(msg, dict):
             self.mark_residency(str(msg.get("deployment")), str(msg.get("worker")))
 

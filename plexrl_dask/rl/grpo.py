@@ -175,7 +175,7 @@ class GRPOJob:
         if not is_agentic(self.task):
             yield
             return
-        self._tools = ToolPool(self.runtime.client, self.task.tools)
+        self._tools = ToolPool(self.runtime.client, self.task.tools, job=self.runtime.job)
         self._episodes = ThreadPoolExecutor(1, thread_name_prefix=f"plexrl-episodes-{self.name}")
         try:
             yield

@@ -59,6 +59,42 @@ class RequestSpan:
         return cls(**d)
 
 
+#: Event topic of tool calls' spans, reported by the driver that made the calls
+#: (:class:`~plexrl_dask.tools.pool.ToolPool`): ``{"job", "spans": [{"worker", "tool",
+#: "start", "end"}, ...]}``, shown on the dashboard's Timeline as ``op`` ``"tool"``.
+TOOL_TOPIC = "plexrl-tool"
+#: The most spans one tool report may carry (a step's calls), and the longest name in one.
+TOOL_REPORT_MAX_SPANS, TOOL_NAME_MAX = 4096, 200
+
+
+def tool_spans(msg: Any) -> list[RequestSpan]:
+    """The spans of a tool report (:data:`TOOL_TOPIC`): each a :class:`RequestSpan` on the
+    tool's worker, deployment ``tool:<name>``, op ``"tool"``, no setup. :class:`ValueError`
+    for a report that is not one (anyone may log to a topic: nothing unchecked is kept)."""
+    import math
+
+    # (lists arrive as tuples: events travel as msgpack)
+    if not isinstance(msg, dict) or not isinstance(msg.get("spans"), (list, tuple)):
+        raise ValueError("a tool report is {'job': str, 'spans': [...]}")
+    job, raw = msg.get("job"), msg["spans"]
+    if not isinstance(job, str) or len(job) > TOOL_NAME_MAX or len(raw) > TOOL_REPORT_MAX_SPANS:
+        raise ValueError("a tool report names its job and carries a bounded number of spans")
+    out = []
+    for s in raw:
+        names = [s.get(k) if isinstance(s, dict) else None for k in ("worker", "tool")]
+        times = [s.get(k) if isinstance(s, dict) else None for k in ("start", "end")]
+        if not all(isinstance(n, str) and 0 < len(n) <= TOOL_NAME_MAX for n in names) or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+            for t in times
+        ):
+            raise ValueError(f"a tool span is worker, tool, start, end: {s!r:.80}")
+        start, end = float(times[0]), float(times[1])
+        if end < start:
+            raise ValueError(f"a tool span ends before it starts: {s!r:.80}")
+        out.append(RequestSpan(names[0], f"tool:{names[1]}", job, "tool", start, start, end))
+    return out
+
+
 class SpanLog:
     """A bounded, thread-safe log of a holder's spans (oldest dropped first)."""
 

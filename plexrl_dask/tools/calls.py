@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from plexrl_dask.errors import InvalidToolCall, ToolError
@@ -53,11 +53,15 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolResult:
     """What one call returned: its output (or the error's message), whether it failed, why
-    (the error's class name), and how long it ran on its worker (seconds)."""
+    (the error's class name), how long it ran (seconds), and where and when: the tool
+    worker's address (``"driver"`` on the driver's own pool; empty for a call that never came
+    back) and its wall-clock start (neither compared: a call's result is its output)."""
 
     output: str
     error: str | None = None
     seconds: float = 0.0
+    worker: str = field(default="", compare=False)
+    started: float = field(default=0.0, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -113,15 +117,21 @@ def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
     import logging
     import time
 
-    tool = tools.get(call.tool)
-    t0 = time.perf_counter()
-    if tool is None:
-        return ToolResult(f"no tool named {call.tool!r}", "InvalidToolCall")
     try:
-        output = tool.run(call.text)
+        from distributed import get_worker
+
+        where = get_worker().address
+    except ValueError:  # (not on a Dask worker: the driver's own pool)
+        where = "driver"
+    tool = tools.get(call.tool)
+    started, t0 = time.time(), time.perf_counter()
+    if tool is None:
+        return ToolResult(f"no tool named {call.tool!r}", "InvalidToolCall", 0.0, where, started)
+    try:
+        output, error = str(tool.run(call.text)), None
     except ToolError as e:
-        return ToolResult(str(e), type(e).__name__, time.perf_counter() - t0)
+        output, error = str(e), type(e).__name__
     except Exception as e:  # noqa: BLE001 (see the docstring)
         logging.getLogger(__name__).exception("tool %r failed on %r", call.tool, call.text[:80])
-        return ToolResult(f"{type(e).__name__}: {e}", "ToolFailed", time.perf_counter() - t0)
-    return ToolResult(str(output), None, time.perf_counter() - t0)
+        output, error = f"{type(e).__name__}: {e}", "ToolFailed"
+    return ToolResult(output, error, time.perf_counter() - t0, where, started)

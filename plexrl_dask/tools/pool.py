@@ -29,6 +29,7 @@ from distributed.comm.core import CommClosedError
 
 from plexrl_dask import config
 from plexrl_dask.driver.waits import fetching
+from plexrl_dask.shared.timeline import TOOL_TOPIC
 from plexrl_dask.tools.calls import Tool, ToolCall, ToolResult, run_call
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,14 @@ class ToolPool:
     """Runs tool calls for a driver: on the cluster's tool workers (see the module
     docstring), else on a local thread pool of ``local_threads``."""
 
-    def __init__(self, client: Any, tools: Mapping[str, Tool], local_threads: int = 4) -> None:
+    def __init__(
+        self, client: Any, tools: Mapping[str, Tool], local_threads: int = 4, job: str = ""
+    ) -> None:
+        """``job``: the job the calls are for; with it, each batch of calls that ran on tool
+        workers is reported (:data:`~plexrl_dask.shared.timeline.TOOL_TOPIC`) for the
+        dashboard's Timeline."""
         self.client = client
+        self.job = job
         self.tools = dict(tools)
         self._local: concurrent.futures.ThreadPoolExecutor | None = None
         self._local_threads = local_threads
@@ -92,7 +99,25 @@ class ToolPool:
             return not workers or bool(set(workers) & set(self.client.nthreads()))
 
         deadline = time.monotonic() + timeout_s + MARGIN_S
-        return [None if f is None else _outcome(f, deadline, alive) for f in futures]
+        results = [None if f is None else _outcome(f, deadline, alive) for f in futures]
+        if workers and self.job:
+            self._report(calls, results)
+        return results
+
+    def _report(self, calls: Sequence[ToolCall | None], results: list[ToolResult | None]) -> None:
+        """Log the calls' spans on their tool workers (best effort: a report that cannot be
+        sent is logged; the episode goes on)."""
+        spans = [
+            {"worker": r.worker, "tool": c.tool, "start": r.started, "end": r.started + r.seconds}
+            for c, r in zip(calls, results, strict=True)
+            if c is not None and r is not None and r.worker and r.worker != "driver"
+        ]
+        if not spans:
+            return
+        try:
+            self.client.log_event(TOOL_TOPIC, {"job": self.job, "spans": spans})
+        except Exception:  # (reporting must never fail an episode)
+            logger.warning("could not report %d tool calls' spans", len(spans), exc_info=True)
 
     def close(self) -> None:
         if self._local is not None:
