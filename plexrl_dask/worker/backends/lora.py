@@ -83,9 +83,12 @@ class SharedBases:
             return sum(b.nbytes for b in self._held.values())
 
     def status(self) -> dict[str, dict[str, Any]]:
+        """Per base held (by its checkpoint path, or a built model's name), its bytes and
+        users."""
         with self._lock:
             return {
-                s.name: {"bytes": b.nbytes, "users": sorted(b.users)} for s, b in self._held.items()
+                s.path or s.name: {"bytes": b.nbytes, "users": sorted(b.users)}
+                for s, b in self._held.items()
             }
 
 
