@@ -13,8 +13,8 @@ reward moves with each batch's difficulty).
 Flags the recipes need here: ``model_name`` is the base model's local checkpoint directory (the
 cookbook loads its tokenizer from it, and the server's catalog names the model by it),
 ``renderer_name=role_colon`` (the renderer that works with any tokenizer), ``lora_rank=0`` (full
-fine-tuning: the warm-up's checkpoint is a whole model, and a LoRA adapter on the untrained
-base learns little of the arithmetic), ``max_tokens=12`` (with a character tokenizer the renderer's
+fine-tuning: the warm-up trains the whole model from its random initialisation, and the RL
+run continues from that checkpoint), ``max_tokens=12`` (with a character tokenizer the renderer's
 stop string ``"\\n\\nUser:"`` alone is 7 tokens), no saving or evaluation between steps.
 """
 
