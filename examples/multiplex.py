@@ -1,8 +1,9 @@
 """The main job: four RLVR jobs (different tasks, seeds and model sizes; one whose training
-needs two workers at the stated memory budget) multiplexed on one local pool, with live
-progress per job, a table at the end and a PNG.
+needs two workers at the stated memory budget) and an agentic one (multi-turn, calling a
+calculator on a tool worker) multiplexed on one local pool, with live progress per job, a
+table at the end and a PNG.
 
-    python examples/multiplex.py [--jobs 4] [--memory-budget 192MiB] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
+    python examples/multiplex.py [--jobs 4] [--agentic 1] [--memory-budget 192MiB] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
                                  [--out runs/multiplex] [--checkpoint-every N] [--fresh]
                                  [--model PATH]   # every job on a local HF checkpoint instead
                                  [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
@@ -34,7 +35,7 @@ from rich.console import Console
 
 import plexrl_dask as plexrl
 from plexrl_dask.cli import nonnegative_int, positive_float, positive_int
-from plexrl_dask.rl.catalog import STANDARD_BUDGET, standard_jobs
+from plexrl_dask.rl.catalog import STANDARD_BUDGET, agentic_jobs, standard_jobs
 from plexrl_dask.rl.modes import Layout, resumable, run_mode, smallest_groups, warm_start
 from plexrl_dask.rl.progress import JobProgress
 from plexrl_dask.rl.report import plot_run, summary_table
@@ -73,6 +74,14 @@ def gpu_workers(client: Client, n: int, timeout: float | None) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=positive_int, default=4)
+    parser.add_argument(
+        "--agentic",
+        type=nonnegative_int,
+        default=1,
+        choices=(0, 1, 2),
+        help="agentic jobs beside them: multiply3 (the calculator), and with 2 program (the "
+        "Python sandbox); their tool calls run on a tool worker of the local cluster",
+    )
     parser.add_argument(
         "--scale", type=positive_float, default=1.0, help="multiplies warm-up and GRPO steps"
     )
@@ -166,6 +175,7 @@ def main() -> None:
     if args.fresh:
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
     specs = standard_jobs(args.jobs, scale=args.scale)
+    specs += agentic_jobs(scale=args.scale)[: args.agentic]
     if args.grpo_steps:
         specs = [replace(s, grpo=replace(s.grpo, steps=args.grpo_steps)) for s in specs]
     if args.model:
@@ -209,7 +219,11 @@ def main() -> None:
         # distributed.worker.daemon false)
         cluster_cm = contextlib.nullcontext(args.scheduler)
     else:
-        cluster_cm = plexrl.local_cluster(n_workers=args.workers)
+        # (tool calls run off the pool's workers; on a cluster without tool workers, on the
+        # driver)
+        cluster_cm = plexrl.local_cluster(
+            n_workers=args.workers, tool_workers=1 if args.agentic else 0
+        )
     with cluster_cm as cluster, connect(cluster, args.scheduler_wait) as client:
         if args.dry_run:
             print(cluster.job_script())  # (plain: a console would wrap its long lines)

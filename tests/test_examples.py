@@ -35,7 +35,8 @@ def steps(path: Path) -> list[dict]:
 def test_the_main_job_runs_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = main_job(out, "--scale", "0.02")
-    jobs = ["add2", "countdown3", "addsub2", "countdown4"]  # (countdown4 trains on two workers)
+    # (countdown4 trains on two workers; multiply3 calls a calculator on a tool worker)
+    jobs = ["add2", "countdown3", "addsub2", "countdown4", "multiply3"]
     for job in jobs:
         # Written to a pipe, not a terminal: a plain line per job as it goes, not bars.
         assert f"{job}: step 1/" in proc.stdout and "GRPO reward" in proc.stdout
@@ -53,7 +54,7 @@ def test_the_main_job_runs_end_to_end(tmp_path):
     # goes on for one more step, which continues the first run's steps unchanged.
     before = {job: steps(out / f"multiplexed-{job}.jsonl") for job in jobs}
     proc = main_job(out, "--scale", "0.02", "--grpo-steps", "3")
-    assert "resuming add2, countdown3, addsub2, countdown4" in proc.stdout
+    assert "resuming add2, countdown3, addsub2, countdown4, multiply3" in proc.stdout
     for job in jobs:
         after = steps(out / f"multiplexed-{job}.jsonl")
         assert [r["step"] for r in after] == [0, 1, 2]
