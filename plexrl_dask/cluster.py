@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from typing import Any
 
 import dask.config
 from dask.utils import parse_bytes
-from distributed import Client, LocalCluster, Nanny, Security
+from distributed import Client, LocalCluster, Nanny, Security, Worker
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError, SchedulerNotStarted
@@ -40,7 +42,7 @@ TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRIM_ENV_KEY = f"distributed.nanny.pre-spawn-environ.{TRIM_ENV}"
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 #: The model stack and the store: what workers and drivers import, and a scheduler never needs
-#: (``plexrl_dask.models.spec`` says why; ``bench.scheduler`` and a test check it).
+#: (docs/architecture.md, "The scheduler stays lean"; ``bench.scheduler`` and a test check it).
 MODEL_STACK = ("torch", "transformers", "tokenizers", "zarr")
 
 
@@ -121,7 +123,6 @@ def _add_tool_workers(
 ) -> None:
     """``count`` workers like the cluster's others but without the GPU resource (plain
     nannies: no GPU to choose), each running ``threads`` calls at once."""
-    from distributed import Nanny, Worker
 
     if threads < 1:
         cluster.close()
@@ -369,8 +370,6 @@ class JournaledCluster:
     a cluster manager would. For the fault tests and ``bench.faults``; a context manager."""
 
     def __init__(self, directory: str | os.PathLike[str], n_workers: int = 2) -> None:
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -408,7 +407,6 @@ class JournaledCluster:
 
     def restart(self, timeout: float = 60.0) -> None:
         """Kill the scheduler (its workers exit with it), then start both again."""
-        import signal
 
         os.kill(self.procs[0].pid, signal.SIGKILL)
         self.procs[0].wait(timeout=timeout)

@@ -46,6 +46,7 @@ from dask.utils import parse_bytes
 from plexrl_dask import config
 from plexrl_dask.cluster import GPU_NANNY, PRELOAD
 from plexrl_dask.errors import ConfigError
+from plexrl_dask.shared.records import BACKEND_NAMES
 
 API_VERSION = "kubernetes.dask.org/v1"
 #: The ports the operator's scheduler service targets by name.
@@ -116,7 +117,6 @@ def kube_cluster_spec(
 
     :class:`~plexrl_dask.errors.ConfigError` for a value the operator or PlexRL would refuse.
     """
-    from plexrl_dask.shared.records import BACKEND_NAMES
 
     if not isinstance(name, str) or not _NAME.match(name):
         raise ConfigError(

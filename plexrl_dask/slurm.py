@@ -41,6 +41,7 @@ from plexrl_dask.errors import (
     PluginsNotInstalled,
     WorkersNotStarted,
 )
+from plexrl_dask.shared.records import BACKEND_NAMES
 
 #: How long one SLURM command (sbatch --test-only, squeue, scancel, sinfo) may take.
 COMMAND_TIMEOUT_S = 30.0
@@ -60,7 +61,6 @@ def jobqueue_options(rollout_backend: str = "torch", gpus_per_job: int = 1) -> d
       ``CUDA_VISIBLE_DEVICES``). A job's workers share a node's tiers;
     - ``job_script_prologue``: with a vLLM rollout (``rollout_backend="vllm"``), workers that
       may start the engines' processes (``distributed.worker.daemon: false``)."""
-    from plexrl_dask.shared.records import BACKEND_NAMES
 
     if rollout_backend not in BACKEND_NAMES:
         raise ConfigError(f"rollout_backend is one of {BACKEND_NAMES}, got {rollout_backend!r}")

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from distributed import Scheduler
+
 from plexrl_dask import dashboard
+from plexrl_dask.dashboard.state import PlexRLDashboardPlugin
 from plexrl_dask.plugins.scheduler import PlexRLSchedulerPlugin
 from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
 
@@ -26,10 +29,6 @@ dashboard.enable()
 def dask_setup(server: Any) -> None:
     """Preload hook: install the scheduler plugin and the dashboard's plugin on a scheduler
     (ignored on workers, which get their plugin from the scheduler)."""
-    from distributed import Scheduler
-
-    from plexrl_dask.dashboard.state import PlexRLDashboardPlugin
-
     if isinstance(server, Scheduler):
         server.add_plugin(PlexRLSchedulerPlugin())
         server.add_plugin(PlexRLDashboardPlugin())

@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from distributed import Client, Security
+
 from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
     ConfigError,
@@ -44,6 +46,7 @@ from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.plugins.journal import Journal, JournaledMap
 from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.plugins.requests import RequestQueue
+from plexrl_dask.plugins.worker import HOLDER_KEY_PREFIX, new_replica_holder
 from plexrl_dask.policy.assignment import WorkerView, assign_workers
 from plexrl_dask.policy.estimates import Estimates
 from plexrl_dask.policy.residency import ResidencyMap
@@ -64,8 +67,6 @@ def client_security(security: Any) -> Any:
     and most clusters' are (no extended key usage, or both)."""
     if security.tls_client_cert or not security.tls_scheduler_cert:
         return security
-    from distributed import Security
-
     fields = {name: getattr(security, name) for name in Security.__slots__}
     fields.update(
         tls_client_cert=security.tls_scheduler_cert, tls_client_key=security.tls_scheduler_key
@@ -148,8 +149,6 @@ class DeploymentRegistry:
     async def _holder_client(self) -> Any:
         async with self._client_lock:
             if self._client is None:
-                from distributed import Client
-
                 self._client = await Client(
                     self.scheduler.address,
                     asynchronous=True,
@@ -166,8 +165,6 @@ class DeploymentRegistry:
         self._holders[worker] = None  # claimed: one holder per worker incarnation
         try:
             client = await self._holder_client()
-            from plexrl_dask.plugins.worker import HOLDER_KEY_PREFIX, new_replica_holder
-
             if worker not in self.scheduler.workers:
                 self._holders.pop(worker, None)  # it left while the client connected
                 return

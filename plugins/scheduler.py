@@ -79,6 +79,7 @@ from plexrl_dask.plugins.gangs import GroupEpochs
 from plexrl_dask.plugins.journal import JournaledMap, open_journal
 from plexrl_dask.plugins.placement import LivePlacement
 from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
+from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
 from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.residency import (
@@ -266,8 +267,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers.update(handlers)
         for worker in self.registry.gpu_workers():
             self.dispatcher.add_worker(worker)
-        from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
-
         await scheduler.register_worker_plugin(
             None, dumps(PlexRLWorkerPlugin()), name=PlexRLWorkerPlugin.name, idempotent=True
         )
@@ -310,7 +309,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         """``handler`` for callers acting as ``job``: they present its ``secret`` (else
         :class:`PermissionDenied`, and the handler does not run)."""
         if inspect.iscoroutinefunction(handler):
-
             @functools.wraps(handler)
             async def checked_async(*args: Any, secret: Any = None, **kwargs: Any) -> Any:
                 try:

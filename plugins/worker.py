@@ -23,9 +23,11 @@ from distributed.protocol import to_serialize
 from tornado.ioloop import PeriodicCallback
 
 from plexrl_dask import config, protocol
+from plexrl_dask import worker as engine
 from plexrl_dask.config import WorkerConfig
 from plexrl_dask.errors import StateStoreError, to_status
-from plexrl_dask.protocol import PREFETCH_OP, WORKER_TOPIC
+from plexrl_dask.protocol import PREFETCH_OP, STORE_MANIFEST, STORE_OBJECTS, WORKER_TOPIC
+from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +39,7 @@ HOLDER_KEY_PREFIX = "plexrl-replica-holder"
 def new_replica_holder() -> Any:
     """A :class:`~plexrl_dask.worker.holder.ReplicaHolder` for the worker this runs on: the
     task the scheduler plugin submits as the worker's holder actor (the actor is what this
-    returns). The scheduler submits this function rather than the class because pickling
-    the class would import its module, and torch with it, into the scheduler."""
-    from plexrl_dask.worker.holder import ReplicaHolder
-
+    returns). Constructed with no arguments, the holder configures itself from the worker."""
     return ReplicaHolder()
 
 
@@ -53,14 +52,10 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         cfg = WorkerConfig.from_dask_config()
         if worker.state.total_resources.get(cfg.gpu_resource, 0) < 1:
             return
-        # Imported here, not with the module: the scheduler imports this class to register it
-        # and must not load torch and Zarr for that (plexrl_dask.models.spec says why).
-        import torch
-
-        from plexrl_dask.state_store import peer
-        from plexrl_dask.worker.holder import holder_of
-
-        torch.set_num_threads(cfg.torch_threads)
+        # (The engine loads here, on the worker; the scheduler imports this class to register
+        # it and never loads torch or Zarr.)
+        engine.device.fix_threads(cfg.torch_threads)
+        peer = engine.stores.peer
         profiler = worker.periodic_callbacks.get("profile")
         self._profile_ms = None  # Dask's own interval, restored by teardown
         if profiler is not None and cfg.profile_interval_s is not None:
@@ -132,8 +127,8 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         worker.handlers[protocol.HOLDER_STATUS] = holder_status
         worker.handlers[protocol.HOLDER_DROP] = holder_drop
         worker.handlers[protocol.HOLDER_OFFLOAD] = holder_offload
-        worker.handlers[peer.MANIFEST_HANDLER] = store_manifest
-        worker.handlers[peer.OBJECTS_HANDLER] = store_objects
+        worker.handlers[STORE_MANIFEST] = store_manifest
+        worker.handlers[STORE_OBJECTS] = store_objects
         # A stream op (one-way, batched with the scheduler's other messages); an op a worker
         # has no handler for would break its stream, so it is never removed (see teardown).
         worker.stream_handlers[PREFETCH_OP] = prefetch
@@ -158,9 +153,7 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         profiler = worker.periodic_callbacks.get("profile")
         if profiler is not None and getattr(self, "_profile_ms", None) is not None:
             profiler.callback_time = self._profile_ms
-        from plexrl_dask.state_store.peer import MANIFEST_HANDLER, OBJECTS_HANDLER
-
-        for handler in (*HOLDER_HANDLERS, MANIFEST_HANDLER, OBJECTS_HANDLER):
+        for handler in (*HOLDER_HANDLERS, STORE_MANIFEST, STORE_OBJECTS):
             worker.handlers.pop(handler, None)
         if PREFETCH_OP in worker.stream_handlers:
             worker.stream_handlers[PREFETCH_OP] = lambda **_: None

@@ -10,11 +10,10 @@ from transformers import AutoTokenizer
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
-from plexrl_dask.models.tokenizer import BOS, build_char_tokenizer
+from plexrl_dask.models.tokenizer import BOS, build_char_tokenizer, encode_prompts
 from plexrl_dask.shared.checks import checked_sample
 from plexrl_dask.shared.types import SamplingParams
 from plexrl_dask.tasks.base import Problem
-from plexrl_dask.worker.backends.base import encode_prompts
 from plexrl_dask.worker.backends.torch_backend import TorchBackend
 
 TEMPLATE = (

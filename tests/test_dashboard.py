@@ -369,8 +369,10 @@ async def test_tool_calls_reported_by_a_driver_are_lanes_of_the_timeline_not_cha
         {"worker": "tcp://10.0.0.9:4000", "tool": "py", "start": now - 1.0, "end": now - 0.2},
     ]
     await c.log_event(TOOL_TOPIC, {"job": "job-t", "spans": spans})
-    for bad in ({"job": "job-t"}, {"job": "job-t", "spans": [{"worker": "w", "tool": "x",
-                                                               "start": 2.0, "end": 1.0}]}):
+    for bad in (
+        {"job": "job-t"},
+        {"job": "job-t", "spans": [{"worker": "w", "tool": "x", "start": 2.0, "end": 1.0}]},
+    ):
         await c.log_event(TOOL_TOPIC, bad)  # fmt: skip
     deadline = time.monotonic() + 10
     while dash.counters["bad_tool_reports"] < 2 and time.monotonic() < deadline:

@@ -11,7 +11,7 @@ import torch
 
 from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams
 from plexrl_dask.worker.backends import TorchBackend
-from plexrl_dask.worker.holder import default_budget, resolve_device
+from plexrl_dask.worker.device import default_budget, resolve_device
 from tests.conftest import tiny_spec
 from tests.test_static_decode import KINDS, PROMPTS
 

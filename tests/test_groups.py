@@ -221,17 +221,17 @@ def test_a_loss_error_on_one_rank_fails_every_rank_and_keeps_the_state(runtime):
 def _store_unwritable(on: bool) -> None:
     """(Run on one worker.) Make ``save_state`` to a path fail there as a read-only
     filesystem would, or undo it."""
-    from plexrl_dask.worker import ops
+    from plexrl_dask.worker import stores
 
     if on:
-        ops._open_store_saved = ops._open_store
+        stores.open_store_saved = stores.open_store
 
         def refuse(path: str, create: bool = False) -> None:
             raise PermissionError(13, "Permission denied (injected on this worker)", path)
 
-        ops._open_store = refuse
-    elif hasattr(ops, "_open_store_saved"):
-        ops._open_store = ops._open_store_saved
+        stores.open_store = refuse
+    elif hasattr(stores, "open_store_saved"):
+        stores.open_store = stores.open_store_saved
 
 
 def test_a_checkpoint_path_one_rank_cannot_write_fails_every_rank_at_once(runtime, tmp_path):

@@ -114,19 +114,27 @@ def test_the_replica_choice_setting_and_its_old_name():
 
 def test_the_scheduler_side_imports_no_model_stack():
     """What a scheduler loads (the preload, the plugin and its parts, the policy core, the wire
-    names) imports neither torch, transformers nor Zarr: in a fresh interpreter."""
+    names, and what it unpickles: the request functions, the worker plugin and what the holder
+    actor is made by) imports neither torch, transformers nor Zarr: in a fresh interpreter. The
+    worker's engine loads only when one of its modules is first used."""
     import subprocess
     import sys
 
     code = (
-        "import sys\n"
+        "import sys, pickle\n"
         "import plexrl_dask.plugins, plexrl_dask.plugins.scheduler, plexrl_dask.protocol\n"
         "import plexrl_dask.policy.dispatch, plexrl_dask.policy.spatiotemporal\n"
+        "from plexrl_dask.worker import ops, holder\n"
+        "from plexrl_dask.plugins.worker import PlexRLWorkerPlugin, new_replica_holder\n"
+        "pickle.loads(pickle.dumps([ops.sample, ops.save_state, ops.combine, new_replica_holder]))\n"
         "print([m for m in ('torch', 'transformers', 'zarr') if m in sys.modules])\n"
+        "import plexrl_dask.worker as engine\n"
+        "engine.stores\n"
+        "print([m for m in ('torch', 'zarr') if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split() == ["[]", "['torch',", "'zarr']"]
 
 
 def test_accounting_starts_a_queued_task_when_the_one_ahead_ends_and_counts_per_job():

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from plexrl_dask.models.spec import ModelSpec, hf
+from plexrl_dask.models.build import hf
+from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams
 from plexrl_dask.worker.backends import TorchBackend
 from plexrl_dask.worker.static_decode import StaticEngine

@@ -113,8 +113,8 @@ from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingP
 from plexrl_dask.worker.backends import TorchBackend
 from plexrl_dask.worker.backends.fsdp import FSDPBackend
 from plexrl_dask.worker.backends.torch_backend import copy_stream
+from plexrl_dask.worker.device import default_budget
 from plexrl_dask.worker.groups import GroupContext, ProcessGroupManager
-from plexrl_dask.worker.holder import default_budget
 
 if TYPE_CHECKING:
     from plexrl_dask.rl.modes import JobSpec

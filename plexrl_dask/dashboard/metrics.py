@@ -43,6 +43,7 @@ yields nothing and is logged; Dask's own metrics are still served.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
@@ -81,7 +82,6 @@ class PlexRLCollector:
         scheduler's loop: collecting reads (and caches into) state that only the loop may
         touch, so a registry collected from another thread (``start_http_server`` in the
         same process, say) gets nothing of PlexRL's rather than a race."""
-        import asyncio
 
         from plexrl_dask.dashboard.state import dashboard_of
 

@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
+from distributed.protocol.serialize import Serialized, deserialize
 from tornado.ioloop import PeriodicCallback
 
 from plexrl_dask import config
@@ -44,6 +45,7 @@ from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport
 from plexrl_dask.errors import InvalidJobReport
 from plexrl_dask.policy.residency import RESIDENCY_TOPIC, TIERS
 from plexrl_dask.shared.timeline import TOOL_TOPIC, RequestSpan, tool_spans
+from plexrl_dask.worker.holder import holder_of
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +188,6 @@ def _cell(r: Any, capacity: dict[str, dict[str, Any]]) -> dict[str, Any]:
 async def _node_tiers(dask_worker: Any) -> dict[str, Any] | None:
     """Run on a worker: its node StateManager's tier usage and dedup savings (None without a
     holder or node state). The manager call leaves the worker's event loop free."""
-    from plexrl_dask.worker.holder import holder_of
 
     holder = holder_of(dask_worker)
     node = getattr(holder, "node", None)
@@ -209,7 +210,6 @@ _NODE_TIERS = dumps(_node_tiers)
 def _result(resp: Any) -> Any:
     """The result of a worker RPC answered with ``to_serialize`` (the scheduler's connections
     do not deserialize)."""
-    from distributed.protocol.serialize import Serialized, deserialize
 
     if not isinstance(resp, dict) or resp.get("status") != "OK":
         raise RuntimeError(f"worker answered {str(resp)[:200]}")

@@ -53,6 +53,8 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.models.tokenizer import encode_prompts
+from plexrl_dask.policy.horizon import Phase
 from plexrl_dask.shared.access import READ_OPS
 from plexrl_dask.shared.checks import check_rows, checked_sample, checked_temperature
 from plexrl_dask.shared.records import DeploymentInfo, qualified_name
@@ -70,6 +72,7 @@ from plexrl_dask.shared.types import (
     as_batch,
     check_tokens,
 )
+from plexrl_dask.sim.workload import save_trace
 from plexrl_dask.state_store.keys import derived_model
 from plexrl_dask.worker import ops
 from plexrl_dask.worker.holder import ReplicaHolder
@@ -335,8 +338,6 @@ class Runtime:
     def save_trace(self, path: str | os.PathLike, job: str | None = None) -> list:
         """Write ``job``'s (default: this runtime's job) recorded iterations to ``path`` in the
         simulator's replay format (:func:`plexrl_dask.sim.workload.save_trace`); returns them."""
-        from plexrl_dask.policy.horizon import Phase
-        from plexrl_dask.sim.workload import save_trace
 
         job = job or self.job
         placement = self.placement(job)
@@ -555,7 +556,6 @@ class Deployment:
         tokens, as Hugging Face adds them (``special_tokens``, default
         ``plexrl.sampling.special-tokens``); a completion: ``special_tokens=False``. A
         :class:`Chat` is rendered with the model's chat template."""
-        from plexrl_dask.worker.backends.base import encode_prompts
 
         return encode_prompts(self.tokenizer, [text], special_tokens)[0]
 

@@ -9,38 +9,26 @@ a hub: loads pass ``local_files_only=True``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
-import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from plexrl_dask import models
 from plexrl_dask.errors import InvalidModelSpec
+from plexrl_dask.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-# Bytes per parameter of each dtype. torch (and transformers) are imported only where a model
-# is built or sized: the scheduler handles specs and never needs them (a preloaded scheduler
-# that imported them held 400,573 tracked objects against 138,365 without, measured, and every
-# full garbage collection of its event loop walks them).
+# Bytes per parameter of each dtype. torch and transformers are plexrl_dask.models.build's,
+# loaded where a model is first built or sized: the scheduler handles specs and never needs
+# them (a preloaded scheduler that imported them held 400,573 tracked objects against 138,365
+# without, measured, and every full garbage collection of its event loop walks them).
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_HF_IMPORT = threading.Lock()
-# Each spec's modules on the meta device, built once per process (build_empty copies them).
-_FRAMES: dict[ModelSpec, Any] = {}
-_FRAMES_LOCK = threading.Lock()
-
-
-def hf(name: str) -> Any:
-    """``transformers.<name>``, imported on first use. Under a lock: transformers resolves its
-    names lazily, and threads that first touch it at once (jobs deploying in parallel) can
-    see a name missing ("cannot import name 'Qwen2Config'")."""
-    with _HF_IMPORT:
-        return getattr(importlib.import_module("transformers"), name)
 
 
 # Adam keeps two fp32 moments per parameter, and training holds a gradient per parameter.
@@ -120,7 +108,6 @@ class ModelSpec:
         dtype: str = "float32",
     ) -> ModelSpec:
         """A small Qwen2-architecture model with random init and the character tokenizer."""
-        from plexrl_dask.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
 
         sizes = (hidden_size, num_layers, num_heads, num_kv_heads, max_positions)
         sizes += () if intermediate_size is None else (intermediate_size,)
@@ -203,18 +190,14 @@ class ModelSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype)
+        return models.build.torch_dtype(self)
 
     def hf_config(self) -> Any:
         """The ``transformers`` config of the model (read from disk for a checkpoint)."""
-        if self.config is not None:
-            return hf("Qwen2Config")(**dict(self.config))
-        self._check_path()
-        return hf("AutoConfig").from_pretrained(self.path, local_files_only=True)
+        return models.build.hf_config(self)
 
-    def _check_path(self) -> None:
+    def check_path(self) -> None:
+        """:class:`InvalidModelSpec` unless ``path`` is a checkpoint directory here."""
         if not os.path.isfile(os.path.join(str(self.path), "config.json")):
             raise InvalidModelSpec(
                 f"{self.path!r} is not a Hugging Face checkpoint directory on this machine "
@@ -223,31 +206,12 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         """Parameter count, computed on the meta device (no memory, no weights read)."""
-        import torch
-
-        with torch.device("meta"):
-            model = hf("AutoModelForCausalLM").from_config(self.hf_config())
-        return sum(p.numel() for p in model.parameters())
+        return models.build.num_parameters(self)
 
     def adapter_parameters(self) -> int:
         """Parameters of the LoRA adapter (0 without one): ``rank × (in + out)`` per wrapped
         linear module, counted on the meta device."""
-        if self.lora is None:
-            return 0
-        import torch
-
-        with torch.device("meta"):
-            model = hf("AutoModelForCausalLM").from_config(self.hf_config())
-        wrapped = [
-            m
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in self.lora.targets
-        ]
-        if not wrapped:
-            raise InvalidModelSpec(
-                f"no linear module of {self.base.name} is named one of {self.lora.targets}"
-            )
-        return sum(self.lora.rank * (m.in_features + m.out_features) for m in wrapped)
+        return 0 if self.lora is None else models.build.adapter_parameters(self)
 
     def adapter_bytes(self, role: str) -> int:
         """Device bytes of the adapter's own state: float32 weights, and for training their
@@ -269,66 +233,23 @@ class ModelSpec:
             return 2 * weight_bytes + n * _ADAM_STATE_BYTES_PER_PARAM
         return weight_bytes
 
-    # --- building ------------------------------------------------------------------------
+    # --- building (plexrl_dask.models.build) ---------------------------------------------
 
     def build_tokenizer(self) -> Any:
-        if self.config is not None:
-            from plexrl_dask.models.tokenizer import build_char_tokenizer
-
-            return build_char_tokenizer()
-        self._check_path()
-        return hf("AutoTokenizer").from_pretrained(self.path, local_files_only=True)
+        """The model's tokenizer (the character tokenizer of a tiny model)."""
+        return models.build.build_tokenizer(self)
 
     def build_model(self, device: str | torch.device = "cpu") -> torch.nn.Module:
         """Build the model on ``device`` in ``self.dtype``, deterministically (with ``lora``:
         the base with the adapter's seeded initial weights; only the adapter trains)."""
-        import torch
-
-        if self.lora is not None:
-            from plexrl_dask.models.lora import attach_adapter
-
-            return attach_adapter(self.base.build_model(device), self.lora)
-
-        auto_model = hf("AutoModelForCausalLM")
-        if self.config is not None:
-            # Seed a private generator state so init does not depend on what ran before. The
-            # model is built on the CPU: only the CPU generator is seeded (and restored after),
-            # so the CUDA generators of the process are left as they were.
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(self.seed)
-                model = auto_model.from_config(self.hf_config(), attn_implementation="sdpa")
-            model = model.to(dtype=self.torch_dtype)
-        else:
-            self._check_path()
-            model = auto_model.from_pretrained(
-                self.path,
-                local_files_only=True,
-                dtype=self.torch_dtype,
-                attn_implementation="sdpa",
-            )
-        return model.to(device)
+        return models.build.build_model(self, device)
 
     def build_empty(self, device: str | torch.device) -> torch.nn.Module:
         """The model's modules on ``device`` with uninitialised parameters and buffers (no
         init runs, no weights are read): a frame for values copied in from elsewhere.
         Tensors a module keeps as plain attributes (not parameters or buffers) stay on the
         meta device; the caller copies those too."""
-        import copy
-
-        import torch
-
-        with _FRAMES_LOCK:
-            frame = _FRAMES.get(self)
-            if frame is None:  # (constructing the modules costs ~4x copying a built frame)
-                with torch.device("meta"):
-                    frame = hf("AutoModelForCausalLM").from_config(
-                        self.hf_config(), attn_implementation="sdpa"
-                    )
-                _FRAMES[self] = frame = frame.to(dtype=self.torch_dtype)
-            model = copy.deepcopy(frame)
-        model = model.to_empty(device=device)
-        model.tie_weights()  # to_empty gives tied parameters separate storage
-        return model
+        return models.build.build_empty(self, device)
 
     def save_pretrained(self, directory: str) -> ModelSpec:
         """Write this model and tokenizer as a Hugging Face checkpoint in ``directory`` and

@@ -159,7 +159,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 Group = tuple[str, ...]
@@ -1069,6 +1069,4 @@ def _holds_for(hold: tuple[float, str, str], request: Request) -> bool:
 
 
 def _replace_arrival(request: Request, arrival: float) -> Request:
-    from dataclasses import replace
-
     return replace(request, arrival=arrival)

@@ -52,11 +52,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexrl_dask import config as plexrl_config
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
 from plexrl_dask.driver.runtime import Deployment, Runtime, result
@@ -498,9 +499,6 @@ def run_jobs(
     or when the driver is interrupted (Ctrl-C), every job is stopped before its next step
     (:meth:`GRPOJob.stop`) and, once they have, :class:`RequestTimeout` (or the interrupt)
     is raised."""
-    from concurrent.futures import ThreadPoolExecutor, wait
-
-    from plexrl_dask import config as plexrl_config
 
     if not jobs:
         raise ConfigError("run_jobs needs at least one job")

@@ -53,6 +53,7 @@ from plexrl_dask.errors import (
     ConfigError,
     StateStoreError,
 )
+from plexrl_dask.state_store.store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,6 @@ def prune(checkpoints: JobCheckpoints, ckpt: JobCheckpoint) -> dict[str, int]:
     """Delete the store's versions that no kept checkpoint refers to, and collect their
     chunks that nothing else shares. Returns the store's collection counts. Best effort: a
     failure is logged (the checkpoint itself is already whole)."""
-    from plexrl_dask.state_store.store import StateStore
 
     live = {(s["model"], int(s["version"])) for pair in ckpt.kept for s in pair if s}
     live |= {(s["model"], int(s["version"])) for s in (ckpt.policy, ckpt.rollout) if s}

@@ -45,6 +45,7 @@ from plexrl_dask.driver.runtime import (
 )
 from plexrl_dask.errors import ConfigError, RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.models.tokenizer import encode_prompts
 from plexrl_dask.rl.grpo import GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.job_checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
@@ -105,8 +106,6 @@ class JobSpec:
         """A step's rows (prompts × group size) and their padded width: the longest of its
         first step's prompts plus ``max_tokens``."""
         problems = self.task.problems(self.grpo.problem_offset, self.grpo.prompts_per_step)
-        from plexrl_dask.worker.backends.base import encode_prompts
-
         tokenizer = self.model.build_tokenizer()
         longest = max(len(t) for t in encode_prompts(tokenizer, [p.prompt for p in problems]))
         return self.grpo.prompts_per_step * self.grpo.group_size, longest + self.grpo.max_tokens

@@ -26,6 +26,7 @@ import dask.utils
 
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.worker.device import default_budget, resolve_device
 
 #: Bytes per parameter of training state beyond the weights: a gradient in the weights'
 #: dtype is counted apart; AdamW's two fp32 moments.
@@ -128,8 +129,6 @@ def budget_bytes(setting: str) -> int:
     """A worker's memory budget in bytes, ``setting`` read as ``plexrl.worker.memory-budget``
     is ("auto": the default of the device a worker on this machine gets)."""
     if setting == "auto":
-        from plexrl_dask.worker.holder import default_budget, resolve_device
-
         return default_budget(resolve_device("auto"))
     try:
         return int(dask.utils.parse_bytes(setting))

@@ -12,7 +12,9 @@ import logging
 from collections.abc import Callable
 
 from plexrl_dask.driver.runtime import Deployment, result
+from plexrl_dask.rl.episodes import transcript_datum
 from plexrl_dask.shared.types import AdamWParams, Chat, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.tasks.agentic import is_agentic
 from plexrl_dask.tasks.base import Problem, Task
 
 logger = logging.getLogger(__name__)
@@ -35,8 +37,6 @@ def supervised_warmup(
     """Train ``deployment`` on answers of ``task`` for ``steps`` steps; returns the losses.
     An agentic task's answers are reference transcripts, trained on with their tool
     observations masked (:func:`~plexrl_dask.rl.episodes.transcript_datum`)."""
-    from plexrl_dask.rl.episodes import transcript_datum
-    from plexrl_dask.tasks.agentic import is_agentic
 
     datum = transcript_datum if is_agentic(task) else problem_datum
     losses: list[float] = []

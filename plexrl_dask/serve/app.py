@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -299,7 +300,6 @@ class ServerThread:
         port: int = 0,
         state_file: str | None = None,
     ) -> None:
-        import socket
 
         import uvicorn
 

@@ -39,6 +39,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+import torch
 
 from plexrl_dask import config
 from plexrl_dask.driver.runtime import Deployment, Runtime
@@ -556,7 +557,6 @@ class Service:
     def _forward_reply(batch: wire.TrainingBatch) -> Callable[[Any], Reply]:
         def reply(result: ForwardResult) -> Reply:
             # the loss at these log-probabilities, by the workers' own loss code (no gradient)
-            import torch
 
             width = max(len(d.tokens) for d in batch.data) - 1
             logp = torch.zeros(len(batch.data), width)

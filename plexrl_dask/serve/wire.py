@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from plexrl_dask.errors import InvalidTinkerRequest, UnsupportedCall
+from plexrl_dask.errors import InvalidModelSpec, InvalidTinkerRequest, UnsupportedCall
+from plexrl_dask.models.spec import LoraSpec
 from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
@@ -333,8 +334,6 @@ def lora_config(value: Any) -> dict[str, Any] | None:
     """A Tinker ``lora_config`` as a :class:`~plexrl_dask.models.spec.LoraSpec`'s dict, or
     None for rank 0 (full fine-tuning). Its flags choose the adapted modules (attention, MLP,
     unembedding: all by default); alpha is 32; an absent seed is 0, so a run is reproducible."""
-    from plexrl_dask.errors import InvalidModelSpec
-    from plexrl_dask.models.spec import LoraSpec
 
     if value is None:
         return None

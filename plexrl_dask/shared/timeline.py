@@ -17,6 +17,7 @@ multiplexing benchmark and the main job report utilisation and idle time.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -71,7 +72,6 @@ def tool_spans(msg: Any) -> list[RequestSpan]:
     """The spans of a tool report (:data:`TOOL_TOPIC`): each a :class:`RequestSpan` on the
     tool's worker, deployment ``tool:<name>``, op ``"tool"``, no setup. :class:`ValueError`
     for a report that is not one (anyone may log to a topic: nothing unchecked is kept)."""
-    import math
 
     # (lists arrive as tuples: events travel as msgpack)
     if not isinstance(msg, dict) or not isinstance(msg.get("spans"), (list, tuple)):

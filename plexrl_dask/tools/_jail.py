@@ -12,6 +12,7 @@ that killed it). Exit status 125 and a message on standard error: the jail itsel
 up (the parent reports it as such, not as the program's failure).
 """
 
+import ctypes
 import json
 import os
 import resource
@@ -82,8 +83,6 @@ def run_program(limits: dict, root: bool, uid: int) -> None:
 
 
 def mount_tmpfs(target: str, size: int) -> None:
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     opts = f"size={size},mode=1777".encode()
     if libc.mount(b"none", target.encode(), b"tmpfs", 0, opts) != 0:

@@ -21,10 +21,14 @@ environment, no network, no clock it could read differently: see :mod:`.sandbox`
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from distributed import get_worker
 
 from plexrl_dask.errors import InvalidToolCall, ToolError
 
@@ -114,12 +118,8 @@ def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
     failed result. Any other exception is a fault of the tool, not of the call; it is logged
     with its traceback and becomes a failed result too (``"ToolFailed"``), so that one tool's
     fault ends no episode and no job."""
-    import logging
-    import time
 
     try:
-        from distributed import get_worker
-
         where = get_worker().address
     except ValueError:  # (not on a Dask worker: the driver's own pool)
         where = "driver"

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from plexrl_dask.shared.types import SampledSequence, SamplingParams
 from plexrl_dask.worker.sampling import choose_tokens, row_keys, uniforms_at
@@ -124,7 +125,6 @@ def _spliceable(cache: object) -> bool:
     growing one holding tensors: then its rows can be selected and joined as tensors. Caches
     with state outside their layers' keys and values (sliding windows, offloading, caches of
     other kinds) cannot."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     if type(cache) is not DynamicCache or getattr(cache, "offloading", False):
         return False

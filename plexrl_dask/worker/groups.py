@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from distributed.comm.addressing import get_address_host
+from distributed.utils import sync
+from torch.distributed.device_mesh import init_device_mesh
 
 from plexrl_dask import config, protocol
 from plexrl_dask.errors import GroupTimeout, raise_for_status
@@ -106,7 +109,6 @@ class ProcessGroupManager:
             )
         except RuntimeError as e:
             raise GroupTimeout(f"process group {ctx.key} did not form: {e}") from e
-        from torch.distributed.device_mesh import init_device_mesh
 
         self._store = store
         self.current = ctx
@@ -123,8 +125,6 @@ class ProcessGroupManager:
     def _rendezvous(self, ctx: GroupContext, timeout: float, td: datetime.timedelta) -> Any:
         """The group's ``TCPStore``: rank 0 opens it and publishes its address through the
         scheduler; the other ranks read the address and connect."""
-        from distributed.comm.addressing import get_address_host
-        from distributed.utils import sync
 
         if self.worker is None:
             raise GroupTimeout(f"group {ctx.key} of {ctx.world_size} needs a Dask worker to meet")

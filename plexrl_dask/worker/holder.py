@@ -16,9 +16,9 @@ built without a node (``node=None``: unit tests and tools) keeps it in its own m
 transition is reported to the scheduler as a residency event (schema: docs/architecture.md, "Residency reports") with its
 measured duration and the tier it came from or went to.
 
-This module imports the model stack (backends, torch, the node's store) only where a replica
-is loaded: the scheduler plugin's client learns each holder actor's type, so it imports this
-module, and the scheduler never needs torch or Zarr (``plexrl_dask.models.spec`` says why).
+This module is part of the worker package's face (:mod:`plexrl_dask.worker`): the task functions
+the scheduler deserialises import it, so it reaches the backends, offload, process groups and
+the node's store as the package's engine attributes, loaded when a worker first needs them.
 """
 
 from __future__ import annotations
@@ -30,15 +30,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distributed import get_worker
+from distributed.worker import thread_state
+
+from plexrl_dask import config
+from plexrl_dask import worker as engine
+from plexrl_dask.config import WorkerConfig
 from plexrl_dask.errors import (
     CorruptState,
     DeploymentDoesNotFit,
     DeploymentLost,
+    OpNotSupported,
     PermissionDenied,
     PlexRLError,
     RankLost,
 )
-from plexrl_dask.policy.residency import ResidencyReport
+from plexrl_dask.policy.residency import HOLDER_TOPIC, RESIDENCY_TOPIC, ResidencyReport
 from plexrl_dask.shared.records import DeploymentInfo
 from plexrl_dask.shared.timeline import RequestSpan, SpanLog
 
@@ -49,40 +56,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_CPU_DEFAULT_BUDGET = 4 * 2**30
-_CUDA_BUDGET_FRACTION = 0.9
-
 
 def _worker_only(what: str) -> None:
     """:class:`PermissionDenied` when called through the holder's Dask actor: a client may
     read a holder (status, capacity, timeline, names) but not run, drop, offload or prefetch
     replicas behind the scheduler's back (owners offload with ``Deployment.offload``)."""
-    from distributed.worker import thread_state
-
     if getattr(thread_state, "actor", False):
         raise PermissionDenied(
             f"a replica holder's {what} is the worker's own, not a client's: submit requests "
             "through a Deployment (its owner offloads with deployment.offload())"
         )
-
-
-def resolve_device(setting: str) -> str:
-    """``"auto"`` → ``"cuda"`` when this process sees a GPU, else ``"cpu"``."""
-    import torch
-
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return setting
-
-
-def default_budget(device: str) -> int:
-    """The ``"auto"`` memory budget: 90 % of the GPU, or 4 GiB on the CPU."""
-    import torch
-
-    if device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        return int(total * _CUDA_BUDGET_FRACTION)
-    return _CPU_DEFAULT_BUDGET
 
 
 #: The ops that change a replica's state away from what its spec builds.
@@ -154,31 +137,27 @@ class ReplicaHolder:
         )
 
     def _init_on_worker(self) -> None:
-        from distributed import get_worker
-
-        from plexrl_dask import config
-        from plexrl_dask.config import WorkerConfig
-        from plexrl_dask.policy.residency import HOLDER_TOPIC, RESIDENCY_TOPIC
-        from plexrl_dask.state_store.node import node_state
-
-        worker = get_worker()
+        dask_worker = get_worker()
         cfg = WorkerConfig.from_dask_config()
-        device = resolve_device(cfg.device)
-        budget = cfg.memory_budget if cfg.memory_budget is not None else default_budget(device)
+        device = engine.device.resolve_device(cfg.device)
+        budget = cfg.memory_budget
+        if budget is None:
+            budget = engine.device.default_budget(device)
         self._init(
-            worker.address,
+            dask_worker.address,
             device,
             budget,
             int(config.get("sampling.max-batch-size")),
-            lambda msg: worker.log_event(RESIDENCY_TOPIC, msg),
-            node_state(),
+            lambda msg: dask_worker.log_event(RESIDENCY_TOPIC, msg),
+            engine.stores.node_state(),
             cfg.timeline_length,
         )
-        from distributed.worker import thread_state
-
-        worker.log_event(HOLDER_TOPIC, {**self.capacity(), "holder_key": thread_state.key})
+        dask_worker.log_event(HOLDER_TOPIC, {**self.capacity(), "holder_key": thread_state.key})
         logger.info(
-            "PlexRL holder on %s: %s, budget %.0f MiB", worker.address, device, budget / 2**20
+            "PlexRL holder on %s: %s, budget %.0f MiB",
+            dask_worker.address,
+            device,
+            budget / 2**20,
         )
 
     def _init(
@@ -353,11 +332,7 @@ class ReplicaHolder:
 
     def _join(self, group: GroupContext) -> None:
         if self._groups is None:
-            from distributed import get_worker
-
-            from plexrl_dask.worker.groups import ProcessGroupManager
-
-            self._groups = ProcessGroupManager(get_worker(), self.device)
+            self._groups = engine.groups.ProcessGroupManager(get_worker(), self.device)
         self._groups.join(group)
 
     def _load(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
@@ -366,23 +341,20 @@ class ReplicaHolder:
                 f"{info.name!r} needs {info.memory_bytes / 2**20:.1f} MiB per worker but "
                 f"{self.worker_address} has a budget of {self.budget_bytes / 2**20:.1f} MiB"
             )
-        from plexrl_dask.worker.backends import BACKENDS
-
         if info.spec.lora is not None:
             return self._load_adapter(info, group)
         self._make_room(info.memory_bytes, keep=info.name)
 
-        backend_cls = BACKENDS.get(info.backend)
+        backends = engine.backends.BACKENDS
+        backend_cls = backends.get(info.backend)
         if backend_cls is None:
-            raise PlexRLError(f"unknown backend {info.backend!r}; available: {sorted(BACKENDS)}")
+            raise PlexRLError(f"unknown backend {info.backend!r}; available: {sorted(backends)}")
         t0 = time.perf_counter()
         if group is not None:
             # A multi-rank training deployment is FSDP2-sharded; a rollout replica, split
             # tensor-parallel.
-            from plexrl_dask.worker.backends.fsdp import FSDPBackend
-            from plexrl_dask.worker.backends.tp import TPBackend
-
-            sharded = TPBackend if info.role == "rollout" else FSDPBackend
+            b = engine.backends
+            sharded = b.TPBackend if info.role == "rollout" else b.FSDPBackend
             backend = sharded(info.spec, self.device, self._groups, self.max_batch_size)
         else:
             backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
@@ -394,20 +366,17 @@ class ReplicaHolder:
 
     def _load_adapter(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
         """A LoRA replica on this worker's copy of its base (built if none is held)."""
-        from plexrl_dask.errors import OpNotSupported
-        from plexrl_dask.worker.backends.lora import LoraBackend, SharedBases
-
         if group is not None or info.backend != "torch":
             raise OpNotSupported(
                 f"{info.name!r}: a LoRA adapter runs on one worker with the torch backend "
                 f"(world_size 1), not {info.world_size} ranks of {info.backend!r}"
             )
         if self._bases is None:
-            self._bases = SharedBases(self.device)
+            self._bases = engine.backends.SharedBases(self.device)
         base = 0 if self._bases.held(info.spec.base) else info.spec.base.memory_bytes("rollout")
         self._make_room(base + info.spec.adapter_bytes(info.role), keep=info.name)
         t0 = time.perf_counter()
-        backend = LoraBackend(
+        backend = engine.backends.LoraBackend(
             info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
         )
         load_s = time.perf_counter() - t0
@@ -417,12 +386,12 @@ class ReplicaHolder:
     def _held(
         self, info: DeploymentInfo, backend: Any, group: GroupContext | None, load_s: float
     ) -> _Replica:
-        from plexrl_dask.worker.offload import Stasher
-
         replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
         if self.node is not None:
             rank = group.rank if group is not None else 0
-            replica.stasher = Stasher(self.node, info.name, info.uid, self.worker_address, rank)
+            replica.stasher = engine.offload.Stasher(
+                self.node, info.name, info.uid, self.worker_address, rank
+            )
         self._replicas[info.name] = replica
         self.counters["loads"] += 1
         logger.info("loaded %s (%s) on %s in %.2fs", info.name, info.spec.name, self.device, load_s)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import xxhash
 
-from plexrl_dask.state_store.keys import derived_model
+from plexrl_dask.state_store.keys import DTYPES, derived_model
 from plexrl_dask.state_store.node import NodeState
 
 logger = logging.getLogger(__name__)
@@ -121,8 +121,6 @@ class StoredState:
             manifest = store.manifest(self.model, self.version)
             outs = None
             if pin_memory:
-                from plexrl_dask.state_store.keys import DTYPES
-
                 outs = {
                     name: torch.empty(e.shape, dtype=DTYPES[e.dtype][0], pin_memory=True)
                     for name, e in manifest.tensors.items()

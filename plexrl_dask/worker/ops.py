@@ -15,29 +15,28 @@ calls). A task without it fails with :class:`NotRouted` instead of silently load
 divergent replica somewhere else.
 
 The scheduler unpickles these functions by reference (it deserialises every task it is
-sent), so this module imports the model stack and the store (torch, Zarr) only inside the
-functions that run on workers: the scheduler stays without them
-(``plexrl_dask.models.spec`` says why).
+sent), so this module is the worker package's torch-free face: what needs the model stack or
+the store runs in the backends and :mod:`plexrl_dask.worker.stores`, reached as attributes of
+:mod:`plexrl_dask.worker` that load on a worker's first request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from distributed import get_worker
+from distributed.utils import sync
+from distributed.worker import thread_state
+
+from plexrl_dask import worker as engine
 from plexrl_dask.errors import (
     CheckpointError,
-    CheckpointIncompatible,
-    CheckpointNotFound,
     NoPlexRLWorkers,
-    NotAStore,
     NotRouted,
-    PermissionDenied,
     PlexRLError,
     WeightsMismatch,
     from_status,
@@ -51,7 +50,7 @@ from plexrl_dask.shared.checks import (
     checked_temperature,
     checked_weights,
 )
-from plexrl_dask.shared.records import DeploymentInfo, split_name
+from plexrl_dask.shared.records import DeploymentInfo
 from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
@@ -67,10 +66,6 @@ from plexrl_dask.shared.types import (
 )
 from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 
-if TYPE_CHECKING:
-    from plexrl_dask.state_store.store import StateStore
-    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
-
 logger = logging.getLogger(__name__)
 
 #: How long a task waits for its worker's holder to appear (a worker that just started).
@@ -80,8 +75,6 @@ _INFO_CACHE: dict[str, DeploymentInfo] = {}
 
 
 def _worker_and_holder() -> tuple[Any, ReplicaHolder]:
-    from distributed import get_worker
-
     worker = get_worker()
     deadline = time.monotonic() + _HOLDER_WAIT_S
     while (holder := holder_of(worker)) is None:
@@ -94,9 +87,9 @@ def _worker_and_holder() -> tuple[Any, ReplicaHolder]:
     return worker, holder
 
 
-def _routing(worker: Any, deployment: str) -> dict[str, Any]:
-    from distributed.worker import thread_state
-
+def routing(worker: Any, deployment: str) -> dict[str, Any]:
+    """The ``plexrl`` annotation the scheduler plugin put on the running task of a request to
+    ``deployment`` (:class:`NotRouted` when it did not route it)."""
     ts = worker.state.tasks.get(thread_state.key)
     ann = (ts.annotations or {}).get("plexrl") if ts is not None else None
     if not ann or ann.get("deployment") != deployment:
@@ -118,8 +111,6 @@ def _routing(worker: Any, deployment: str) -> dict[str, Any]:
 def _deployment_info(worker: Any, deployment: str, uid: str) -> DeploymentInfo:
     info = _INFO_CACHE.get(uid)
     if info is None:
-        from distributed.utils import sync
-
         status = sync(
             worker.loop,
             worker.scheduler.plexrl_get_deployment,
@@ -132,9 +123,7 @@ def _deployment_info(worker: Any, deployment: str, uid: str) -> DeploymentInfo:
 
 
 def _run(deployment: str, op: str, call: Any) -> Any:
-    from distributed import get_worker
-
-    ann = _routing(get_worker(), deployment)  # routing errors first: they need no holder
+    ann = routing(get_worker(), deployment)  # routing errors first: they need no holder
     worker, holder = _worker_and_holder()
     # The record is cached by uid; whether its state was modified since is the plugin's
     # current word, sent along with every request.
@@ -143,9 +132,7 @@ def _run(deployment: str, op: str, call: Any) -> Any:
     )
     group = None
     if info.world_size > 1:
-        from plexrl_dask.worker.groups import GroupContext
-
-        group = GroupContext(
+        group = engine.groups.GroupContext(
             uid=info.uid,
             epoch=int(ann["epoch"]),
             rank=int(ann["rank"]),
@@ -304,60 +291,17 @@ def save_state(
     store, the node's NVMe tier when ``path`` is None (else a store at ``path``, e.g. on a
     shared filesystem), named after the deployment and numbered by its version; every rank
     passes the same ``publish_id`` (``model``: the store model, default the deployment's
-    :func:`checkpoint_model`). ``format="dcp"``: torch DCP at ``path`` (export).
+    :func:`~plexrl_dask.worker.stores.checkpoint_model`). ``format="dcp"``: torch DCP at ``path`` (export).
     Ranks on other nodes than rank 0's send their shards to rank 0, which writes them there.
     Returns ``{"path", "model", "version", "format"}`` (and, on the node's tier, ``"node"`` and
     ``"source"``: its node and a worker there), which :func:`load_state` accepts."""
-    from distributed import get_worker
-
     if format == "dcp":
         if path is None:
             raise CheckpointError("a DCP checkpoint needs a path")
         return _run(deployment, "save_state", lambda b: b.save_state(path))
     if format != "store":
         raise CheckpointError(f"unknown checkpoint format {format!r}: 'store' or 'dcp'")
-
-    name = model or checkpoint_model(deployment)
-
-    def call(backend: Any) -> dict[str, Any]:
-        from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
-
-        model = name
-
-        def open_target() -> tuple[Any, StoreCheckpoint]:
-            if path is None:
-                node = _node(deployment)
-                target = StoreCheckpoint(
-                    node.store("nvme"), model, node=node, tier="nvme", deployment=deployment
-                )
-                return node, target
-            try:
-                store = _open_store(path, create=True)
-                return None, StoreCheckpoint(store, model, deployment=deployment)
-            except OSError as e:
-                raise CheckpointError(f"cannot write a checkpoint at {path!r}: {e}") from e
-
-        # Every rank opens the store before any collective: one that cannot (the path on its
-        # node, its manager) fails together with the others, whose state stays as it was.
-        node, target = backend._checked(
-            open_target, CheckpointError("another rank could not open the checkpoint store")
-        )
-        store = target.store
-        if path is None:
-
-            def opener(version: int, nbytes: int) -> Any:
-                return node.writing(model, version, nbytes, tiers=("nvme",), publish_id=publish_id)
-        else:
-
-            def opener(version: int, nbytes: int) -> Any:
-                return store.writer(model, version, publish_id)
-
-        ref = backend.save_state(target, publish_id, opener)
-        if path is None:  # on this node's tier: where ranks on other nodes import it from
-            ref["node"], ref["source"] = node.node_id, get_worker().address
-        return ref
-
-    return _run(deployment, "save_state", call)
+    return _run(deployment, "save_state", engine.stores.saving(deployment, path, publish_id, model))
 
 
 def load_state(
@@ -372,28 +316,7 @@ def load_state(
     ``model``, default the deployment's own name or the store's only model, and ``version``,
     default the latest). Each rank reads only the regions its layout holds. Without
     ``optimizer``, parameters only: the optimizer starts afresh."""
-
-    def call(backend: Any) -> int:
-        # Finding the checkpoint may import it from another node: a rank that fails there
-        # fails with the others, not alone (they would wait for it in a collective).
-        def find() -> Any:
-            source = _checkpoint_source(deployment, checkpoint, model, version)
-            if not isinstance(source, str):  # (a store version: whose state it is)
-                found = None
-                with contextlib.suppress(PlexRLError):  # (missing: the backend says so)
-                    found = source.store.manifest(source.model, source.version)
-                if found is not None:
-                    _check_readable(deployment, found.meta, "load_state")
-            return source
-
-        source = backend._checked(
-            find,
-            CheckpointError("another rank of this deployment could not reach the checkpoint"),
-        )
-        if optimizer is not True:  # (a rollout backend has no optimizer to leave out)
-            return backend.load_state(source, optimizer=False)
-        return backend.load_state(source)
-
+    call = engine.stores.restoring(deployment, checkpoint, model, version, optimizer)
     return _run(deployment, "load_state", call)
 
 
@@ -403,67 +326,8 @@ def publish_weights(deployment: str, store_version: int, publish_id: str) -> dic
     earlier publish are deduplicated, not rewritten), and drop its older published versions.
     Returns the reference :func:`load_weights` takes: the version, its node, and a worker of
     that node that serves it to other nodes."""
-    from distributed import get_worker
-
-    from plexrl_dask.state_store.keys import derived_model
-
-    model = derived_model("weights", deployment)
-
-    def call(backend: Any) -> dict[str, Any]:
-        node = _node(deployment)
-
-        def opener(version: int, nbytes: int) -> Any:
-            # DRAM only: the writers of one publish must share a tier (a rank diverted to
-            # NVMe would leave the commit without its part); the manager evicts to make room.
-            return node.writing(model, version, nbytes, tiers=("dram",), publish_id=publish_id)
-
-        from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
-
-        target = StoreCheckpoint(
-            node.store("dram"), model, store_version, node=node, tier="dram", deployment=deployment
-        )
-        ref = backend.publish_weights(target, publish_id, opener)
-        ref["node"] = node.node_id
-        ref["source"] = get_worker().address
-        if backend._rank() == 0:
-            _drop_older(node, model, store_version)
-        return ref
-
+    call = engine.stores.publishing(deployment, store_version, publish_id)
     return _run(deployment, "publish_weights", call)
-
-
-def _check_readable(deployment: str, meta: Mapping[str, Any], op: str) -> None:
-    """:class:`PermissionDenied` unless the stored state described by ``meta`` (written by
-    deployment ``meta["deployment"]``) belongs to ``deployment``'s job, or its owner shared
-    ``get_weights`` with the job that runs this request (the scheduler lists those
-    deployments in the request's ``readable``). State written without an owner (before
-    owners were recorded, or by other tools) is anyone's."""
-    from distributed import get_worker
-
-    writer = meta.get("deployment")
-    if not isinstance(writer, str) or writer == deployment:
-        return
-    try:
-        if split_name(writer)[1] == split_name(deployment)[1]:
-            return  # the same job's
-    except PlexRLError:
-        pass
-    ann = _routing(get_worker(), deployment)
-    if writer in (ann.get("readable") or ()):
-        return
-    raise PermissionDenied(
-        f"{op}: that state is deployment {writer!r}'s, of another job; its owner can share it "
-        f"with job {ann.get('job')!r}: share(job, ops=('get_weights',)) on {writer!r}"
-    )
-
-
-def _drop_older(node: Any, model: str, keep: int) -> None:
-    """Delete ``model``'s DRAM versions other than ``keep`` on ``node`` (weights versions:
-    only the newest is read again)."""
-    for old in node.store("dram").versions(model):
-        if old != keep:
-            with contextlib.suppress(PlexRLError):  # one being read stays until later
-                node.delete(model, old, tiers=("dram",))
 
 
 def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
@@ -471,43 +335,7 @@ def load_weights(deployment: str, ref: Mapping[str, Any]) -> int:
     this replica's layout holds; returns the weights' version. A version published on another
     node is first imported into this node's tiers from the worker that published it, once per
     node and only the objects this node lacks (:mod:`plexrl_dask.state_store.peer`)."""
-    from distributed import get_worker
-
-    from plexrl_dask.state_store import peer
-    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
-
-    model, version = str(ref["model"]), int(ref["version"])
-
-    def call(backend: Any) -> int:
-        node = _node(deployment)
-        here = ref.get("node") == node.node_id
-
-        def fetch() -> None:
-            if here:
-                return
-            if not ref.get("source"):
-                raise WeightsMismatch(
-                    f"weights published on node {ref.get('node')!r} name no worker to import "
-                    f"them from onto node {node.node_id!r}"
-                )
-            peer.pull_version(node, get_worker(), str(ref["source"]), model, version)
-
-        # Every rank takes part, so a rank that fails to import fails with the others rather
-        # than leaving them waiting for it in a collective.
-        backend._checked(
-            fetch, WeightsMismatch("another rank of this deployment could not import the weights")
-        )
-        with node.pinned(model, version, promote=True) as (store, _):
-            _check_readable(deployment, store.manifest(model, version).meta, "load_weights")
-            loaded = backend.load_weights(StoreCheckpoint(store, model, version))
-        if not here:
-            # The version before this one stayed until now: its objects deduplicated the
-            # import (unchanged tensors did not cross the network again). Dropped after the
-            # load, so that collecting its objects does not compete with the load.
-            _drop_older(node, model, version)
-        return loaded
-
-    return _run(deployment, "load_weights", call)
+    return _run(deployment, "load_weights", engine.stores.weights_loading(deployment, ref))
 
 
 async def drop_checkpoint(model: str, version: int, dask_worker: Any = None) -> bool:
@@ -526,95 +354,6 @@ async def drop_checkpoint(model: str, version: int, dask_worker: Any = None) -> 
 
     # (a call to the node's manager: not on the worker's event loop)
     return await asyncio.get_running_loop().run_in_executor(None, delete)
-
-
-def checkpoint_model(deployment: str) -> str:
-    """The store model name of a deployment's checkpoints (:func:`~plexrl_dask.state_store.keys.model_key`)."""
-    from plexrl_dask.state_store.keys import model_key  # (the scheduler unpickles this module)
-
-    return model_key(deployment)
-
-
-def _node(deployment: str) -> Any:
-    from distributed import get_worker
-
-    holder = holder_of(get_worker())
-    if holder is None or holder.node is None:
-        raise CheckpointError(
-            f"{deployment!r}: this worker has no node state store; pass a checkpoint path"
-        )
-    return holder.node
-
-
-def _open_store(path: str, create: bool = False) -> StateStore:
-    from plexrl_dask.state_store.store import StateStore
-
-    try:
-        return StateStore(path, create=create)
-    except NotAStore as e:
-        if not create and not os.path.exists(path):
-            raise CheckpointNotFound(f"no checkpoint at {path!r}") from None
-        raise CheckpointIncompatible(str(e)) from None
-
-
-def _checkpoint_source(
-    deployment: str, ckpt: str | Mapping[str, Any], model: str | None, version: int | None
-) -> str | StoreCheckpoint:
-    """What a backend loads from: a DCP directory, or a version of a store."""
-    from plexrl_dask.state_store.store import MARKER as STORE_MARKER
-    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
-
-    if isinstance(ckpt, Mapping):
-        if ckpt.get("format") == "dcp":
-            return str(ckpt["path"])
-        elsewhere = _import_from_peer(deployment, ckpt, model, version)
-        if elsewhere is not None:
-            return elsewhere
-        path, model, version = (
-            str(ckpt["path"]),
-            model or ckpt.get("model"),
-            (ckpt.get("version") if version is None else version),
-        )
-    else:
-        path = os.fspath(ckpt)
-        if not os.path.isfile(os.path.join(path, STORE_MARKER)):
-            return path  # DCP (or nothing: the DCP reader says which)
-    node = None
-    with contextlib.suppress(CheckpointError):
-        node = _node(deployment)
-    if node is not None and os.path.realpath(path) == os.path.realpath(node.store("nvme").root):
-        store = node.store("nvme")
-    else:
-        store = _open_store(path)
-    if model is None:
-        models = store.models()
-        own = checkpoint_model(deployment)
-        model = own if own in models or len(models) != 1 else models[0]
-    return StoreCheckpoint(store, str(model), None if version is None else int(version))
-
-
-def _import_from_peer(
-    deployment: str, ckpt: Mapping[str, Any], model: str | None, version: int | None
-) -> StoreCheckpoint | None:
-    """A checkpoint :func:`save_state` wrote on another node's tier, imported into this node's
-    NVMe tier from the worker that wrote it (only the objects this node lacks); None when
-    ``ckpt`` is on this node or names no node."""
-    from distributed import get_worker
-
-    from plexrl_dask.state_store import peer
-    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
-
-    if "node" not in ckpt or not ckpt.get("source"):
-        return None
-    node = _node(deployment)
-    if ckpt["node"] == node.node_id:
-        return None
-    name = str(model or ckpt["model"])
-    number = int(ckpt["version"] if version is None else version)
-    tier, _ = peer.pull_version(
-        node, get_worker(), str(ckpt["source"]), name, number, tiers=("nvme",)
-    )
-    return StoreCheckpoint(node.store(tier), name, number)
 
 
 # --- combining the tasks of one request -------------------------------------------------------

@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
 from plexrl_dask.errors import (
     CheckpointCorrupt,
@@ -49,6 +51,7 @@ from plexrl_dask.errors import (
     CheckpointIncomplete,
     CheckpointNotFound,
     PermissionDenied,
+    VersionNotFound,
 )
 from plexrl_dask.state_store.keys import DTYPES, ROW_SPLITS, split_dims_from_tp_plan
 from plexrl_dask.state_store.store import StateStore, VersionWriter
@@ -276,8 +279,6 @@ def local_shard(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 def place_like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """``whole`` laid out like parameter ``p`` (its local shard as a DTensor if ``p`` is one)."""
     if hasattr(p, "device_mesh"):
-        from torch.distributed.tensor import DTensor
-
         return DTensor.from_local(
             local_shard(p, whole).clone(),
             p.device_mesh,
@@ -440,7 +441,6 @@ def recv_entries(src: int, device: torch.device) -> Iterator[Entry]:
 def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict[str, Any]]:
     """The version and metadata of a store checkpoint, after checking it holds ``model``'s
     parameters with their shapes (:class:`CheckpointNotFound` / ``Incompatible`` otherwise)."""
-    from plexrl_dask.errors import VersionNotFound
 
     try:
         manifest = ckpt.store.manifest(ckpt.model, ckpt.version)
@@ -464,8 +464,6 @@ def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, ve
     """Load parameters (and the optimizer's moments, if ``optimizer``) reading only this
     rank's shard regions from the store (zero-redundancy resharding from any layout), all
     in one batch of chunk reads. A read that fails (a corrupt chunk) changes nothing."""
-    from torch.autograd.graph import increment_version
-    from torch.distributed.tensor import DTensor
 
     store, name = ckpt.store, ckpt.model
     stored = store.manifest(name, version).tensors

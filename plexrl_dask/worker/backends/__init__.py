@@ -1,11 +1,26 @@
 """Execution backends: what runs a deployment's requests on one worker's device."""
 
 from plexrl_dask.worker.backends.base import RolloutBackend, TrainBackend
+from plexrl_dask.worker.backends.fsdp import FSDPBackend
+from plexrl_dask.worker.backends.lora import LoraBackend, SharedBases
 from plexrl_dask.worker.backends.torch_backend import TorchBackend
+from plexrl_dask.worker.backends.tp import TPBackend
 from plexrl_dask.worker.backends.vllm_backend import VLLMBackend
 
-#: Backends by the name ``deploy(backend=...)`` takes. (The vLLM module imports ``vllm`` only
-#: when a replica is built, so this registry loads everywhere.)
+#: Backends by the name ``deploy(backend=...)`` takes, for one rank. (The vLLM module imports
+#: ``vllm`` only when a replica is built, so this registry loads everywhere.) Several ranks of a
+#: deployment run FSDP2 shards (training) or tensor-parallel slices (rollout); LoRA adapters
+#: run on their worker's shared copy of their base.
 BACKENDS: dict[str, type] = {"torch": TorchBackend, "vllm": VLLMBackend}
 
-__all__ = ["BACKENDS", "RolloutBackend", "TorchBackend", "TrainBackend", "VLLMBackend"]
+__all__ = [
+    "BACKENDS",
+    "FSDPBackend",
+    "LoraBackend",
+    "RolloutBackend",
+    "SharedBases",
+    "TPBackend",
+    "TorchBackend",
+    "TrainBackend",
+    "VLLMBackend",
+]

@@ -16,10 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from plexrl_dask.errors import NoChatTemplate, OpNotSupported, WeightsMismatch
+from plexrl_dask.errors import OpNotSupported, WeightsMismatch
 from plexrl_dask.shared.types import (
     AdamWParams,
-    Chat,
     Datum,
     ForwardBackwardResult,
     ForwardResult,
@@ -28,59 +27,6 @@ from plexrl_dask.shared.types import (
     SamplingParams,
     Streams,
 )
-
-
-def encode_prompts(
-    tokenizer: Any,
-    prompts: Sequence[str | Chat | Sequence[int]],
-    special_tokens: bool | None = None,
-) -> list[list[int]]:
-    """Prompts as token ids: strings encoded with ``tokenizer`` as Hugging Face does, with its
-    special tokens (``special_tokens``, default ``plexrl.sampling.special-tokens``: true);
-    chats rendered with its chat template and the generation prompt, as
-    ``apply_chat_template`` tokenizes them (the template places its own special tokens);
-    token-id sequences passed through as ints."""
-    if special_tokens is None:
-        special_tokens = special_tokens_default()
-    texts = [p for p in prompts if isinstance(p, str)]
-    # One tokenizer call for all of them: a call costs ~35 us of its own per string, as
-    # much as encoding a short prompt (a GRPO step's 16 prompts: ~0.5 ms of its request).
-    encoded = iter(
-        tokenizer(texts, add_special_tokens=special_tokens)["input_ids"] if texts else []
-    )
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            out.append(list(next(encoded)))
-        elif isinstance(p, Chat):
-            out.append(_chat_ids(tokenizer, p))
-        else:
-            out.append([int(t) for t in p])
-    return out
-
-
-def _chat_ids(tokenizer: Any, chat: Chat) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise NoChatTemplate(
-            "this model's tokenizer has no chat template: give the prompt as text or token ids"
-        )
-    ids = tokenizer.apply_chat_template(
-        chat.as_dicts(), add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return [int(t) for t in ids]
-
-
-def special_tokens_default() -> bool:
-    """``plexrl.sampling.special-tokens``: whether string prompts get the tokenizer's special
-    tokens (its post-processor's BOS), as Hugging Face adds them."""
-    from plexrl_dask import config
-
-    value = config.get("sampling.special-tokens")
-    if not isinstance(value, bool):
-        from plexrl_dask.errors import ConfigError
-
-        raise ConfigError(f"plexrl.sampling.special-tokens must be true or false, got {value!r}")
-    return value
 
 
 def check_weights(

@@ -33,7 +33,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.models.tokenizer import BYTE_OF_SYMBOL
+from plexrl_dask.models.tokenizer import BYTE_OF_SYMBOL, encode_prompts
 from plexrl_dask.shared.checks import checked_temperature
 from plexrl_dask.shared.types import (
     AdamWParams,
@@ -48,7 +48,7 @@ from plexrl_dask.shared.types import (
     check_tokens,
 )
 from plexrl_dask.worker import replica_checkpoint
-from plexrl_dask.worker.backends.base import check_weights, encode_prompts
+from plexrl_dask.worker.backends.base import check_weights
 from plexrl_dask.worker.decode import StreamDecoder
 from plexrl_dask.worker.decode_step import DecodeStep
 from plexrl_dask.worker.losses import compute_loss

@@ -90,10 +90,12 @@ from plexrl_dask.errors import (
     RequestTimeout,
     WeightsMismatch,
 )
-from plexrl_dask.models.spec import ModelSpec, hf
+from plexrl_dask.models.build import hf
+from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.models.tokenizer import encode_prompts
 from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams, check_tokens
 from plexrl_dask.worker import replica_checkpoint
-from plexrl_dask.worker.backends.base import NotATrainer, check_weights, encode_prompts
+from plexrl_dask.worker.backends.base import NotATrainer, check_weights
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 from plexrl_dask.worker.sampling import row_keys
 

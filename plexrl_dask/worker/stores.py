@@ -1,0 +1,303 @@
+"""A replica's state in the state stores, as the request functions of
+:mod:`plexrl_dask.worker.ops` need it: checkpoints on the node's NVMe tier or in a store at a
+path, published weights on the node's DRAM tier, versions imported from another node's tiers,
+and who may read them. Each builder returns the call a request runs on its backend.
+
+Part of the worker's engine (:mod:`plexrl_dask.worker`): it imports the store (Zarr, torch)
+at its top and is loaded only on workers, where the rest of the worker reaches the node's
+handle (:func:`node_state`) and the exchange of versions between nodes (``peer``) through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from distributed import get_worker
+
+from plexrl_dask.errors import (
+    CheckpointError,
+    CheckpointIncompatible,
+    CheckpointNotFound,
+    NotAStore,
+    PermissionDenied,
+    PlexRLError,
+    WeightsMismatch,
+)
+from plexrl_dask.shared.records import split_name
+from plexrl_dask.state_store import peer
+from plexrl_dask.state_store.keys import derived_model, model_key
+from plexrl_dask.state_store.node import NodeState, node_state
+from plexrl_dask.state_store.store import MARKER as STORE_MARKER
+from plexrl_dask.state_store.store import StateStore
+from plexrl_dask.worker.holder import holder_of
+from plexrl_dask.worker.ops import routing
+from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "checkpoint_model",
+    "drop_older",
+    "node_state",
+    "peer",
+    "publishing",
+    "restoring",
+    "saving",
+    "weights_loading",
+]
+
+Call = Callable[[Any], Any]
+
+
+def checkpoint_model(deployment: str) -> str:
+    """The store model name of a deployment's checkpoints
+    (:func:`~plexrl_dask.state_store.keys.model_key`)."""
+    return model_key(deployment)
+
+
+def saving(deployment: str, path: str | None, publish_id: str, model: str | None) -> Call:
+    """The call of ``ops.save_state(format="store")``: a version of ``model`` (default the
+    deployment's :func:`checkpoint_model`) on this node's NVMe tier, or in the store at
+    ``path``; returns its reference."""
+    name = model or checkpoint_model(deployment)
+
+    def open_target() -> tuple[NodeState | None, StoreCheckpoint]:
+        if path is None:
+            node = node_of(deployment)
+            target = StoreCheckpoint(
+                node.store("nvme"), name, node=node, tier="nvme", deployment=deployment
+            )
+            return node, target
+        try:
+            store = open_store(path, create=True)
+            return None, StoreCheckpoint(store, name, deployment=deployment)
+        except OSError as e:
+            raise CheckpointError(f"cannot write a checkpoint at {path!r}: {e}") from e
+
+    def call(backend: Any) -> dict[str, Any]:
+        # Every rank opens the store before any collective: one that cannot (the path on its
+        # node, its manager) fails together with the others, whose state stays as it was.
+        node, target = backend._checked(
+            open_target, CheckpointError("another rank could not open the checkpoint store")
+        )
+        if node is not None:
+
+            def opener(version: int, nbytes: int) -> Any:
+                return node.writing(name, version, nbytes, tiers=("nvme",), publish_id=publish_id)
+        else:
+
+            def opener(version: int, nbytes: int) -> Any:
+                return target.store.writer(name, version, publish_id)
+
+        ref = backend.save_state(target, publish_id, opener)
+        if node is not None:  # on this node's tier: where ranks on other nodes import it from
+            ref["node"], ref["source"] = node.node_id, get_worker().address
+        return ref
+
+    return call
+
+
+def restoring(
+    deployment: str,
+    checkpoint: str | Mapping[str, Any],
+    model: str | None,
+    version: int | None,
+    optimizer: bool,
+) -> Call:
+    """The call of ``ops.load_state``: find the checkpoint (importing it from another node's
+    tier if it is there), check the deployment may read it, load it."""
+
+    def find() -> str | StoreCheckpoint:
+        source = checkpoint_source(deployment, checkpoint, model, version)
+        if not isinstance(source, str):  # (a store version: whose state it is)
+            found = None
+            with contextlib.suppress(PlexRLError):  # (missing: the backend says so)
+                found = source.store.manifest(source.model, source.version)
+            if found is not None:
+                check_readable(deployment, found.meta, "load_state")
+        return source
+
+    def call(backend: Any) -> int:
+        # Finding the checkpoint may import it from another node: a rank that fails there
+        # fails with the others, not alone (they would wait for it in a collective).
+        source = backend._checked(
+            find,
+            CheckpointError("another rank of this deployment could not reach the checkpoint"),
+        )
+        if optimizer is not True:  # (a rollout backend has no optimizer to leave out)
+            return backend.load_state(source, optimizer=False)
+        return backend.load_state(source)
+
+    return call
+
+
+def publishing(deployment: str, store_version: int, publish_id: str) -> Call:
+    """The call of ``ops.publish_weights``: the parameters as ``store_version`` of
+    ``weights.<deployment>`` on this node's DRAM tier; rank 0 drops the older versions."""
+    model = derived_model("weights", deployment)
+
+    def call(backend: Any) -> dict[str, Any]:
+        node = node_of(deployment)
+
+        def opener(version: int, nbytes: int) -> Any:
+            # DRAM only: the writers of one publish must share a tier (a rank diverted to
+            # NVMe would leave the commit without its part); the manager evicts to make room.
+            return node.writing(model, version, nbytes, tiers=("dram",), publish_id=publish_id)
+
+        target = StoreCheckpoint(
+            node.store("dram"), model, store_version, node=node, tier="dram", deployment=deployment
+        )
+        ref = backend.publish_weights(target, publish_id, opener)
+        ref["node"] = node.node_id
+        ref["source"] = get_worker().address
+        if backend._rank() == 0:
+            drop_older(node, model, store_version)
+        return ref
+
+    return call
+
+
+def weights_loading(deployment: str, ref: Mapping[str, Any]) -> Call:
+    """The call of ``ops.load_weights``: import the published version into this node's tiers
+    if it was published on another node, check the deployment may read it, load it."""
+    model, version = str(ref["model"]), int(ref["version"])
+
+    def call(backend: Any) -> int:
+        node = node_of(deployment)
+        here = ref.get("node") == node.node_id
+
+        def fetch() -> None:
+            if here:
+                return
+            if not ref.get("source"):
+                raise WeightsMismatch(
+                    f"weights published on node {ref.get('node')!r} name no worker to import "
+                    f"them from onto node {node.node_id!r}"
+                )
+            peer.pull_version(node, get_worker(), str(ref["source"]), model, version)
+
+        # Every rank takes part, so a rank that fails to import fails with the others rather
+        # than leaving them waiting for it in a collective.
+        backend._checked(
+            fetch, WeightsMismatch("another rank of this deployment could not import the weights")
+        )
+        with node.pinned(model, version, promote=True) as (store, _):
+            check_readable(deployment, store.manifest(model, version).meta, "load_weights")
+            loaded = backend.load_weights(StoreCheckpoint(store, model, version))
+        if not here:
+            # The version before this one stayed until now: its objects deduplicated the
+            # import (unchanged tensors did not cross the network again). Dropped after the
+            # load, so that collecting its objects does not compete with the load.
+            drop_older(node, model, version)
+        return loaded
+
+    return call
+
+
+def check_readable(deployment: str, meta: Mapping[str, Any], op: str) -> None:
+    """:class:`PermissionDenied` unless the stored state described by ``meta`` (written by
+    deployment ``meta["deployment"]``) belongs to ``deployment``'s job, or its owner shared
+    ``get_weights`` with the job that runs this request (the scheduler lists those
+    deployments in the request's ``readable``). State written without an owner (before
+    owners were recorded, or by other tools) is anyone's."""
+    writer = meta.get("deployment")
+    if not isinstance(writer, str) or writer == deployment:
+        return
+    try:
+        if split_name(writer)[1] == split_name(deployment)[1]:
+            return  # the same job's
+    except PlexRLError:
+        pass
+    ann = routing(get_worker(), deployment)
+    if writer in (ann.get("readable") or ()):
+        return
+    raise PermissionDenied(
+        f"{op}: that state is deployment {writer!r}'s, of another job; its owner can share it "
+        f"with job {ann.get('job')!r}: share(job, ops=('get_weights',)) on {writer!r}"
+    )
+
+
+def drop_older(node: NodeState, model: str, keep: int) -> None:
+    """Delete ``model``'s DRAM versions other than ``keep`` on ``node`` (weights versions:
+    only the newest is read again)."""
+    for old in node.store("dram").versions(model):
+        if old != keep:
+            with contextlib.suppress(PlexRLError):  # one being read stays until later
+                node.delete(model, old, tiers=("dram",))
+
+
+def node_of(deployment: str) -> NodeState:
+    """This worker's node state store (:class:`CheckpointError` where it has none)."""
+    holder = holder_of(get_worker())
+    if holder is None or holder.node is None:
+        raise CheckpointError(
+            f"{deployment!r}: this worker has no node state store; pass a checkpoint path"
+        )
+    return holder.node
+
+
+def open_store(path: str, create: bool = False) -> StateStore:
+    """The state store at ``path`` (created if ``create``), with the checkpoint errors a
+    caller expects."""
+    try:
+        return StateStore(path, create=create)
+    except NotAStore as e:
+        if not create and not os.path.exists(path):
+            raise CheckpointNotFound(f"no checkpoint at {path!r}") from None
+        raise CheckpointIncompatible(str(e)) from None
+
+
+def checkpoint_source(
+    deployment: str, ckpt: str | Mapping[str, Any], model: str | None, version: int | None
+) -> str | StoreCheckpoint:
+    """What a backend loads from: a DCP directory, or a version of a store."""
+    if isinstance(ckpt, Mapping):
+        if ckpt.get("format") == "dcp":
+            return str(ckpt["path"])
+        elsewhere = import_from_peer(deployment, ckpt, model, version)
+        if elsewhere is not None:
+            return elsewhere
+        path, model, version = (
+            str(ckpt["path"]),
+            model or ckpt.get("model"),
+            (ckpt.get("version") if version is None else version),
+        )
+    else:
+        path = os.fspath(ckpt)
+        if not os.path.isfile(os.path.join(path, STORE_MARKER)):
+            return path  # DCP (or nothing: the DCP reader says which)
+    node = None
+    with contextlib.suppress(CheckpointError):
+        node = node_of(deployment)
+    if node is not None and os.path.realpath(path) == os.path.realpath(node.store("nvme").root):
+        store = node.store("nvme")
+    else:
+        store = open_store(path)
+    if model is None:
+        models = store.models()
+        own = checkpoint_model(deployment)
+        model = own if own in models or len(models) != 1 else models[0]
+    return StoreCheckpoint(store, str(model), None if version is None else int(version))
+
+
+def import_from_peer(
+    deployment: str, ckpt: Mapping[str, Any], model: str | None, version: int | None
+) -> StoreCheckpoint | None:
+    """A checkpoint ``ops.save_state`` wrote on another node's tier, imported into this node's
+    NVMe tier from the worker that wrote it (only the objects this node lacks); None when
+    ``ckpt`` is on this node or names no node."""
+    if "node" not in ckpt or not ckpt.get("source"):
+        return None
+    node = node_of(deployment)
+    if ckpt["node"] == node.node_id:
+        return None
+    name = str(model or ckpt["model"])
+    number = int(ckpt["version"] if version is None else version)
+    tier, _ = peer.pull_version(
+        node, get_worker(), str(ckpt["source"]), name, number, tiers=("nvme",)
+    )
+    return StoreCheckpoint(node.store(tier), name, number)
