@@ -62,12 +62,13 @@ warm-up and GRPO steps).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,7 @@ from plexrl_dask.rl.modes import (
     tensor_parallel_degrees,
     trajectories_identical,
     warm_start,
+    warmup_deployment,
 )
 from plexrl_dask.rl.report import plot_run, reward_start_end
 from plexrl_dask.rl.sizing import budget_bytes
@@ -309,15 +311,16 @@ def seed_comparison(
                 base[variants[-1].name] = checkpoints[spec.name]
                 sizes[variants[-1].name] = (groups or {}).get(spec.name, 1)
     t0 = time.perf_counter()
-    run = run_mode(
-        runtime,
-        variants,
-        Layout("multiplexed", len(workers), 1),
-        base,
-        workers,
-        metrics_dir=metrics_dir,
-        groups=sizes,
-    )
+    with _shared_warmups(runtime, specs, [v.name for v in variants]):
+        run = run_mode(
+            runtime,
+            variants,
+            Layout("multiplexed", len(workers), 1),
+            base,
+            workers,
+            metrics_dir=metrics_dir,
+            groups=sizes,
+        )
     logger.info(
         "seed comparison: %d jobs multiplexed in %.0fs", len(variants), time.perf_counter() - t0
     )
@@ -329,6 +332,30 @@ def seed_comparison(
         }
         out[spec.name] = seed_difference(finals[0], finals[1])  # split-async - synchronous
     return out
+
+
+@contextlib.contextmanager
+def _shared_warmups(
+    runtime: plexrl.Runtime, specs: list[JobSpec], variants: list[str]
+) -> Iterator[None]:
+    """While the block runs, each job's warm-up checkpoint may be loaded by its variants
+    (``<job>-s<k>-st<staleness>``): they are other jobs, and stored state is its deployment's
+    (docs/tenancy.md), so the job deploys its warm-up deployment's name again (never loaded:
+    it holds no memory) and its owner shares ``get_weights`` with them."""
+    held = []
+    try:
+        for spec in specs:
+            job = plexrl.Runtime(runtime.client, job=spec.name)
+            name = warmup_deployment(spec.name)
+            warmup = job.deploy(name, spec.model, role="rollout")
+            held.append((job, name))
+            for variant in variants:
+                if variant.startswith(f"{spec.name}-s"):
+                    warmup.share(variant, ops=("get_weights",))
+        yield
+    finally:
+        for job, name in held:
+            job.undeploy(name)
 
 
 def measure_peaks(

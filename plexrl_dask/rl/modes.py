@@ -371,6 +371,12 @@ class ModeRun:
         return [(r.reward_mean, r.loss) for r in self.records[job]]
 
 
+def warmup_deployment(job: str) -> str:
+    """The name of ``job``'s warm-up deployment (:func:`warm_start`), the writer its
+    checkpoint records."""
+    return f"warmup-{job}"
+
+
 def warm_start(
     runtime: Runtime,
     specs: Sequence[JobSpec],
@@ -383,7 +389,7 @@ def warm_start(
     is called after every warm-up step."""
 
     def one(spec: JobSpec) -> dict[str, Any]:
-        name = f"warmup-{spec.name}"
+        name = warmup_deployment(spec.name)
         job = Runtime(runtime.client, job=spec.name)  # the job's requests carry its name
         policy = job.deploy(name, spec.model)
         try:
