@@ -309,6 +309,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         """``handler`` for callers acting as ``job``: they present its ``secret`` (else
         :class:`PermissionDenied`, and the handler does not run)."""
         if inspect.iscoroutinefunction(handler):
+
             @functools.wraps(handler)
             async def checked_async(*args: Any, secret: Any = None, **kwargs: Any) -> Any:
                 try:
