@@ -16,6 +16,9 @@ cookbook loads its tokenizer from it, and the server's catalog names the model b
 fine-tuning: the warm-up trains the whole model from its random initialisation, and the RL
 run continues from that checkpoint), ``max_tokens=12`` (with a character tokenizer the renderer's
 stop string ``"\\n\\nUser:"`` alone is 7 tokens), no saving or evaluation between steps.
+``chat_sl`` runs with ``lr_schedule=constant``: a warm-up annealed to learning rate 0 (the
+default linear schedule) ends where the RL run's first AdamW steps (its optimizer starts afresh)
+lower the reward even when trained on the right answers, and from it RL does not beat its control.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def run_tenant(
     ]  # fmt: skip
     sl = [
         python, "-m", "tinker_cookbook.recipes.chat_sl.train", *common, f"dataset={data}",
-        f"log_path={work / 'sl'}", "batch_size=64", "learning_rate=1e-3", "lr_schedule=linear",
+        f"log_path={work / 'sl'}", "batch_size=64", "learning_rate=1e-3", "lr_schedule=constant",
         f"num_epochs={epochs}", "infrequent_eval_every=0",
     ]  # fmt: skip
     _run(sl, env, work / "sl.log")
