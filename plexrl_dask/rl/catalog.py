@@ -68,7 +68,9 @@ def standard_jobs(count: int = 4, scale: float = 1.0) -> list[JobSpec]:
             CountdownTask(count=4, max_value=12, seed=14),
             ModelSpec.tiny(hidden_size=128, num_layers=3, seed=14),
             replace(_GRPO, max_tokens=40, seed=14),
-            warmup_steps=500,
+            # Four numbers to combine: after 500 warm-up steps it solved about 5 % and GRPO
+            # moved it little (0.064 -> 0.086 in-process); after 1000, 0.14 -> 0.23.
+            warmup_steps=1000,
         ),
         JobSpec(
             "add3",
