@@ -332,7 +332,7 @@ def test_a_job_whose_training_shards_samples_on_its_group_and_pools_alike(client
 def test_other_jobs_start_from_a_warm_up_only_while_its_job_shares_it(client, tmp_path):
     """A warm-up checkpoint is its job's state: another job (the seed comparison's variants
     in bench.multiplex) may load it only while the job shares its warm-up deployment."""
-    from plexrl_dask.bench.multiplex import _shared_warmups
+    from plexrl_dask.bench.multiplex import shared_warmups
 
     runtime, spec, start, _ = warmed_job(client, tmp_path, "shared-warmup", seed=7)
     variant = f"{spec.name}-s0-st0"
@@ -341,7 +341,7 @@ def test_other_jobs_start_from_a_warm_up_only_while_its_job_shares_it(client, tm
     try:
         with pytest.raises(errors.PermissionDenied, match="share"):
             plexrl.result(policy.load_state(start[spec.name]), timeout=120)
-        with _shared_warmups(runtime, [spec], [variant]):
+        with shared_warmups(runtime, [spec], {spec.name: [variant]}):
             assert plexrl.result(policy.load_state(start[spec.name]), timeout=120) == 2
         with pytest.raises(errors.PermissionDenied):  # (the grant ended with the block)
             plexrl.result(policy.load_state(start[spec.name]), timeout=120)

@@ -303,6 +303,7 @@ def seed_comparison(
     variants: list[JobSpec] = []
     base: dict[str, dict[str, Any]] = {}
     sizes: dict[str, int] = {}
+    readers: dict[str, list[str]] = {}  # the variants of each job
     for spec in specs:
         for k in range(seeds):
             for staleness in (0, 1):
@@ -310,8 +311,9 @@ def seed_comparison(
                 variants.append(replace(spec, name=f"{spec.name}-s{k}-st{staleness}", grpo=grpo))
                 base[variants[-1].name] = checkpoints[spec.name]
                 sizes[variants[-1].name] = (groups or {}).get(spec.name, 1)
+                readers.setdefault(spec.name, []).append(variants[-1].name)
     t0 = time.perf_counter()
-    with _shared_warmups(runtime, specs, [v.name for v in variants]):
+    with shared_warmups(runtime, specs, readers):
         run = run_mode(
             runtime,
             variants,
@@ -335,13 +337,13 @@ def seed_comparison(
 
 
 @contextlib.contextmanager
-def _shared_warmups(
-    runtime: plexrl.Runtime, specs: list[JobSpec], variants: list[str]
+def shared_warmups(
+    runtime: plexrl.Runtime, specs: list[JobSpec], readers: dict[str, list[str]]
 ) -> Iterator[None]:
-    """While the block runs, each job's warm-up checkpoint may be loaded by its variants
-    (``<job>-s<k>-st<staleness>``): they are other jobs, and stored state is its deployment's
-    (docs/tenancy.md), so the job deploys its warm-up deployment's name again (never loaded:
-    it holds no memory) and its owner shares ``get_weights`` with them."""
+    """While the block runs, the jobs ``readers[job]`` may load ``job``'s warm-up checkpoint
+    (:func:`~plexrl_dask.rl.modes.warm_start`'s): they are other jobs, and stored state is its
+    deployment's (docs/tenancy.md), so the job deploys its warm-up deployment's name again
+    (never loaded: it holds no memory) and its owner shares ``get_weights`` with them."""
     held = []
     try:
         for spec in specs:
@@ -349,9 +351,8 @@ def _shared_warmups(
             name = warmup_deployment(spec.name)
             warmup = job.deploy(name, spec.model, role="rollout")
             held.append((job, name))
-            for variant in variants:
-                if variant.startswith(f"{spec.name}-s"):
-                    warmup.share(variant, ops=("get_weights",))
+            for reader in readers.get(spec.name, ()):
+                warmup.share(reader, ops=("get_weights",))
         yield
     finally:
         for job, name in held:
