@@ -291,7 +291,7 @@ def save_state(
     store, the node's NVMe tier when ``path`` is None (else a store at ``path``, e.g. on a
     shared filesystem), named after the deployment and numbered by its version; every rank
     passes the same ``publish_id`` (``model``: the store model, default the deployment's
-    :func:`~plexrl_dask.worker.stores.checkpoint_model`). ``format="dcp"``: torch DCP at ``path`` (export).
+    :func:`~plexrl_dask.state_store.keys.model_key`). ``format="dcp"``: torch DCP at ``path`` (export).
     Ranks on other nodes than rank 0's send their shards to rank 0, which writes them there.
     Returns ``{"path", "model", "version", "format"}`` (and, on the node's tier, ``"node"`` and
     ``"source"``: its node and a worker there), which :func:`load_state` accepts."""

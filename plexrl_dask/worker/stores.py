@@ -40,7 +40,6 @@ from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "checkpoint_model",
     "drop_older",
     "node_state",
     "peer",
@@ -53,17 +52,11 @@ __all__ = [
 Call = Callable[[Any], Any]
 
 
-def checkpoint_model(deployment: str) -> str:
-    """The store model name of a deployment's checkpoints
-    (:func:`~plexrl_dask.state_store.keys.model_key`)."""
-    return model_key(deployment)
-
-
 def saving(deployment: str, path: str | None, publish_id: str, model: str | None) -> Call:
     """The call of ``ops.save_state(format="store")``: a version of ``model`` (default the
-    deployment's :func:`checkpoint_model`) on this node's NVMe tier, or in the store at
+    deployment's :func:`~plexrl_dask.state_store.keys.model_key`) on this node's NVMe tier, or in the store at
     ``path``; returns its reference."""
-    name = model or checkpoint_model(deployment)
+    name = model or model_key(deployment)
 
     def open_target() -> tuple[NodeState | None, StoreCheckpoint]:
         if path is None:
@@ -279,7 +272,7 @@ def checkpoint_source(
         store = open_store(path)
     if model is None:
         models = store.models()
-        own = checkpoint_model(deployment)
+        own = model_key(deployment)
         model = own if own in models or len(models) != 1 else models[0]
     return StoreCheckpoint(store, str(model), None if version is None else int(version))
 
