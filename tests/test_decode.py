@@ -336,3 +336,33 @@ def test_the_weight_layout_is_kept_until_the_weights_change():
     assert step._layout is None
     backend.reload()
     assert backend.sample(prompts, PARAMS, ids, Streams(8, 1)) == after
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"plexrl.sampling.decode-step": "auto"},
+        {"plexrl.sampling.decode-step": "hf"},
+        {"plexrl.sampling.engine": "static"},
+    ],
+)
+def test_stop_token_ids_end_a_completion_where_their_token_is_drawn(settings):
+    """A completion stops at the first of ``stop_token_ids`` it draws (kept, finish reason
+    "stop") and is, up to there, the completion drawn without it; ids outside the vocabulary
+    and malformed ones are typed errors."""
+    with dask.config.set(settings):
+        backend = TorchBackend(tiny_spec(seed=9), "cpu", max_batch_size=1)
+    prompts = backend.tokenize(["12+3="])
+    free = SamplingParams(n=1, temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)
+    [[long]] = backend.sample(prompts, free, [0], Streams(1, 1))
+    first = long.tokens.index(long.tokens[6])
+    stopping = dataclasses.replace(free, stop_token_ids=(long.tokens[6],))
+    [[short]] = backend.sample(prompts, stopping, [0], Streams(1, 1))
+    assert short.tokens == long.tokens[: first + 1] and short.finish_reason == "stop"
+    assert short.logprobs == long.logprobs[: first + 1]
+    beyond = dataclasses.replace(free, stop_token_ids=(backend.vocab_size,))
+    with pytest.raises(errors.TokenOutOfVocabulary):
+        backend.sample(prompts, beyond, [0])
+    for bad in ((-1,), (True,), ("7",)):
+        with pytest.raises(errors.InvalidSamplingParams):
+            SamplingParams(stop_token_ids=bad)

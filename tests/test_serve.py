@@ -160,6 +160,12 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     unbounded = types.SamplingParams(temperature=1.0, stop=[], seed=3)
     [seq] = base.sample(prompt, 1, unbounded).result().sequences
     assert len(seq.tokens) == 64 - 3 and seq.stop_reason == "length"
+    # stop token ids other than the end-of-sequence token: the first one drawn ends it
+    stop_id = seq.tokens[5]
+    stopped = types.SamplingParams(temperature=1.0, stop=[stop_id], seed=3)
+    [short] = base.sample(prompt, 1, stopped).result().sequences
+    end = seq.tokens.index(stop_id) + 1
+    assert short.tokens == seq.tokens[:end] and short.stop_reason == "stop"
     state = tc.save_state("state2").result().path
     assert state.endswith("/weights/state2")
     # a new run from the saved weights (fresh optimizer), and one with the optimizer state
@@ -221,8 +227,13 @@ def test_bad_input_is_typed_and_touches_no_other_tenant(server):
         body = {"session_id": session, "base_model": BASE, "lora_config": lora}
         r = post("create_model", keys["alice"], json=body)
         assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest", r.json()
-    r = post("save_weights_external", keys["alice"], json={"model_id": model_id})
+    r = post("get_audit_log", keys["alice"], json={})
     assert r.status_code == 400 and r.json()["error"] == "UnsupportedCall"
+    # an export: without its seq_id, of another tenant's model, encrypted, with a bad TTL
+    r = post("save_weights_external", keys["alice"], json={"model_id": model_id, "path": "x"})
+    assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest"
+    r = post("save_weights_external", keys["bob"], json={"model_id": model_id, "seq_id": 99})
+    assert r.status_code == 404
     # a datum whose fields do not line up
     bad = types.Datum(
         model_input=types.ModelInput.from_ints(A[:-1]),
@@ -412,10 +423,11 @@ def test_importance_sampling_raises_what_it_rewards_and_lowers_what_it_penalises
     sc.close("success").result()
 
 
-def test_lora_tenants_share_their_base_and_train_only_their_adapters(server):
+def test_lora_tenants_share_their_base_and_train_only_their_adapters(server, tmp_path):
     """Two tenants' LoRA models (``rank`` > 0) on one base: each worker holds the base once
     for every adapter it has, training moves only the adapter (the base's samples keep their
-    log-probabilities), and a saved adapter comes back as a LoRA model with its weights."""
+    log-probabilities), a saved adapter comes back as a LoRA model with its weights, and an
+    exported one loads with PEFT."""
     pytest.importorskip("peft", reason="LoRA adapters need the peft package")
     from plexrl_dask.worker.holder import holder_of
 
@@ -460,5 +472,112 @@ def test_lora_tenants_share_their_base_and_train_only_their_adapters(server):
     assert again.get_info().is_lora
     got = again.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
     assert got["logprobs"].tolist() == saved["logprobs"].tolist()
+
+    # exported in PEFT's format, the adapter loads on the base and scores as the model does
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export = models["bob"].save_weights_external("peft").result().path
+    rest = tinker.RestClient(base_url=srv.url, api_key=keys["bob"])
+    assert rest.get_weights_info_by_tinker_path(export).result().lora_rank == 4
+    urls = rest.get_external_weights_urls(export).result().urls
+    assert set(urls) == {"adapter_model.safetensors", "adapter_config.json"}
+    base_model = AutoModelForCausalLM.from_pretrained(srv.service.catalog[BASE].path)
+    peft = PeftModel.from_pretrained(base_model, _download(urls, tmp_path / "peft"))
+    assert np.allclose(_hf_logprobs(peft, A), saved["logprobs"].tolist(), atol=1e-5)
     for sc in services.values():
         sc.close("success").result()
+
+
+def _hf_logprobs(model, tokens):
+    """Log-probabilities of ``tokens[1:]`` under a Hugging Face model (what the SDK's
+    ``forward`` returns for ``ce_datum(tokens)``)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [float(lp[i, t]) for i, t in enumerate(tokens[1:])]
+
+
+def _download(urls, directory):
+    directory.mkdir()
+    for name, url in urls.items():
+        got = httpx.get(url, timeout=30)
+        assert got.status_code == 200, (name, got.text)
+        (directory / name).write_bytes(got.content)
+    return directory
+
+
+def test_checkpoints_are_listed_exported_for_hugging_face_and_deleted(server, tmp_path):
+    """The SDK's RestClient: a run's checkpoints listed, described and paged; an export
+    (``save_weights_external``) downloaded through its signed URLs loads with
+    ``AutoModelForCausalLM`` and scores as the model does; a deleted checkpoint is gone
+    from the list and cannot be loaded; none of it reaches another tenant."""
+    from transformers import AutoModelForCausalLM
+
+    srv, client, keys = server
+    sc = sdk(srv, keys["alice"])
+    rest = tinker.RestClient(base_url=srv.url, api_key=keys["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    state = tc.save_state("state").result().path
+    sampler = tc.save_weights_for_sampler("sampler").result().path
+    export = tc.save_weights_external("hf").result().path
+    assert export == f"tinker://{tc.model_id}/external_weights/hf"
+
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert set(listed) == {state, sampler, export}
+    assert [listed[p].checkpoint_type for p in (state, sampler, export)] == [
+        "training",
+        "sampler",
+        "external",
+    ]
+    assert listed[export].size_bytes > 0
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.last_checkpoint.tinker_path == state
+    assert run.last_sampler_checkpoint.tinker_path == sampler
+    assert tc.model_id in {
+        r.training_run_id for r in rest.list_training_runs().result().training_runs
+    }
+    first = rest.list_user_checkpoints(limit=2).result()
+    assert len(first.checkpoints) == 2 and first.cursor.total_count >= 3
+    assert first.checkpoints[0].tinker_path == export  # (newest first)
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert info.base_model == BASE and not info.is_lora
+
+    urls = rest.get_external_weights_urls(export).result().urls
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(urls)
+    model = AutoModelForCausalLM.from_pretrained(_download(urls, tmp_path / "hf"))
+    mine = tc.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+    assert np.allclose(_hf_logprobs(model, A), mine["logprobs"].tolist(), atol=1e-5)
+    url = urls["config.json"]
+    assert httpx.get(url.replace("signature=", "signature=0")).status_code == 401
+    assert httpx.get(url.replace("config.json?", "../keys.yaml?")).status_code in (401, 404)
+
+    bob = tinker.RestClient(base_url=srv.url, api_key=keys["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        bob.list_checkpoints(tc.model_id).result()
+    with pytest.raises(tinker.NotFoundError):
+        bob.delete_checkpoint_from_tinker_path(state).result()
+    assert not any(c.tinker_path == state for c in bob.list_user_checkpoints().result().checkpoints)
+
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    rest.delete_checkpoint_from_tinker_path(export).result()
+    left = {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert left == {sampler}
+    assert httpx.get(url).status_code == 404
+    with pytest.raises(tinker.APIStatusError):
+        sc.create_training_client_from_state(state).result()
+    # exports refused before anything runs: encrypted, a TTL out of bounds, a bad name
+    for extra, error in (
+        ({"age_encryption_recipients": ["age1x"]}, "UnsupportedCall"),
+        ({"ttl_seconds": 60}, "InvalidTinkerRequest"),
+        ({"path": "a/b"}, "InvalidTinkerRequest"),
+    ):
+        body = {"model_id": tc.model_id, "path": "x", "seq_id": 10**6, **extra}
+        r = httpx.post(f"{srv.url}/api/v1/save_weights_external", json=body, timeout=30,
+                       headers={"X-API-Key": keys["alice"]})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"] == error, r.json()
+    sc.close("success").result()

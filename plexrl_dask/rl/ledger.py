@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexrl_dask.shared.timeline import RequestSpan, busy_seconds
+from plexrl_dask.shared.timeline import RequestSpan, clip
 
 ISOLATED_MODES = ("colocated", "split", "split-async")
 MODES = (*ISOLATED_MODES, "multiplexed")
@@ -87,15 +87,36 @@ class ModeLedger:
             return len(self.pool) * (self.t1 - self.t0)
         return sum(len(j.workers) * j.wall_s for j in self.jobs)
 
-    def busy_worker_seconds(self) -> float:
+    def _reserved_spans(self) -> list[tuple[RequestSpan, float]]:
+        """Each span on a reserved worker with its seconds inside the reservation (the pool's
+        window, or the window of the job that held the worker)."""
         if self.multiplexed:
             pool = set(self.pool)
-            return busy_seconds((s for s in self.spans if s.worker in pool), self.t0, self.t1)
-        total = 0.0
+            return clip((s for s in self.spans if s.worker in pool), self.t0, self.t1)
+        out: list[tuple[RequestSpan, float]] = []
         for j in self.jobs:
             mine = set(j.workers)
-            total += busy_seconds((s for s in self.spans if s.worker in mine), j.t0, j.t1)
-        return total
+            out += clip((s for s in self.spans if s.worker in mine), j.t0, j.t1)
+        return out
+
+    def busy_worker_seconds(self) -> float:
+        return sum(inside for _, inside in self._reserved_spans())
+
+    def busy_by_op(self) -> dict[str, dict[str, float | None]]:
+        """Where the busy worker-seconds went: per request op, its worker-seconds inside the
+        reservation (``seconds``; they sum to :meth:`busy_worker_seconds`), the setup part of
+        them (``setup_seconds``) and its :func:`cpu_share` (``cpu_share``)."""
+        ops: dict[str, list[tuple[RequestSpan, float]]] = {}
+        for s, inside in self._reserved_spans():
+            ops.setdefault(s.op, []).append((s, inside))
+        return {
+            op: {
+                "seconds": sum(inside for _, inside in pairs),
+                "setup_seconds": sum(s.setup_seconds for s, _ in pairs),
+                "cpu_share": cpu_share(s for s, _ in pairs),
+            }
+            for op, pairs in sorted(ops.items())
+        }
 
     def idle_fraction(self) -> float:
         reserved = self.reserved_worker_seconds()
@@ -241,6 +262,7 @@ class ModeLedger:
             "rollout_worker_seconds": sum(v["rollout_worker_seconds"] for v in per_job.values()),
             "throughput_to_peak": self.throughput_to_peak(),
             "rollout_cpu_share": self.rollout_cpu_share(),
+            "busy_by_op": self.busy_by_op(),
             "jobs": per_job,
         }
 

@@ -37,14 +37,15 @@ from plexrl_dask.errors import (
     UnsupportedCall,
 )
 from plexrl_dask.serve import wire
+from plexrl_dask.serve.rest import RestApi
 from plexrl_dask.serve.service import JSON, Service, json_reply
 from plexrl_dask.serve.tenants import KeyRing, Tenant
 
 try:  # (the serve extra; routes need these names at module level to resolve annotations)
     from fastapi import FastAPI, Request
-    from fastapi.responses import Response
+    from fastapi.responses import FileResponse, Response
 except ImportError:  # pragma: no cover - create_app says what to install
-    FastAPI = Request = Response = None  # type: ignore[assignment,misc]
+    FastAPI = Request = Response = FileResponse = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def create_app(
     if wire.pb is None or FastAPI is None:
         raise ConfigError("plexrl serve needs the serve extra: pip install 'plexrl-dask[serve]'")
     service = Service(client, models, state_file)
+    rest = RestApi(service)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -220,6 +222,7 @@ def create_app(
         "optim_step",
         "save_weights_for_sampler",
         "save_weights",
+        "save_weights_external",
         "load_weights",
     ):
         json_future(path, getattr(service, path))
@@ -234,8 +237,56 @@ def create_app(
         route.__name__ = path
         app.get(f"{PREFIX}/{path}/{{object_id}}")(route)
 
-    described("training_runs", service.training_run)
+    described("training_runs", rest.training_run)
     described("samplers", service.describe_sampler)
+
+    # --- checkpoints and training runs (the SDK's RestClient) ------------------------------
+
+    def query(request: Request, name: str, default: Any) -> Any:
+        return request.query_params.get(name, default)
+
+    @app.get(f"{PREFIX}/training_runs")
+    async def list_training_runs(request: Request) -> Response:
+        tenant = await tenant_of(request)
+        if query(request, "project_id", None) is not None:
+            raise UnsupportedCall("projects are not supported: list without project_id")
+        limit, offset = query(request, "limit", 20), query(request, "offset", 0)
+        return ok(rest.list_runs(tenant, limit, offset))
+
+    @app.get(f"{PREFIX}/training_runs/{{run_id}}/checkpoints")
+    async def list_checkpoints(request: Request, run_id: str) -> Response:
+        return ok(rest.list_checkpoints(await tenant_of(request), run_id))
+
+    @app.get(f"{PREFIX}/checkpoints")
+    async def list_user_checkpoints(request: Request) -> Response:
+        tenant = await tenant_of(request)
+        limit, offset = query(request, "limit", 100), query(request, "offset", 0)
+        return ok(rest.list_user_checkpoints(tenant, limit, offset))
+
+    @app.delete(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(request: Request, run_id: str, checkpoint_id: str) -> Response:
+        await rest.delete_checkpoint(await tenant_of(request), run_id, checkpoint_id)
+        return ok(None)
+
+    @app.post(f"{PREFIX}/weights_info")
+    async def weights_info(request: Request) -> Response:
+        tenant = await tenant_of(request)
+        return ok(rest.weights_info(tenant, await json_of(request, tenant)))
+
+    @app.get(
+        f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls"
+    )
+    async def external_weights_urls(request: Request, run_id: str, checkpoint_id: str) -> Response:
+        tenant = await tenant_of(request)
+        base = str(request.base_url)
+        return ok(rest.export_urls(tenant, run_id, checkpoint_id, base))
+
+    @app.get(f"{PREFIX}/exports/{{run_id}}/{{checkpoint_id:path}}/{{file}}")
+    async def export_file(request: Request, run_id: str, checkpoint_id: str, file: str) -> Any:
+        """A signed URL's file (no API key: the signature is the permission)."""
+        expires, signature = query(request, "expires", None), query(request, "signature", None)
+        path = rest.export_file(run_id, checkpoint_id, file, expires, signature)
+        return FileResponse(path, filename=file)
 
     # --- sampling --------------------------------------------------------------------------
 

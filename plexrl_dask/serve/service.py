@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -58,9 +59,18 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.models.spec import LoraSpec, ModelSpec
 from plexrl_dask.serve import wire
+from plexrl_dask.serve.checkpoints import (
+    Checkpoint,
+    SavedCheckpoints,
+    expiry,
+    export_bytes,
+    remove_export,
+    write_export,
+)
 from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
 from plexrl_dask.shared.types import Datum, ForwardBackwardResult, ForwardResult
+from plexrl_dask.worker import ops
 from plexrl_dask.worker.losses import compute_loss
 
 logger = logging.getLogger(__name__)
@@ -144,15 +154,6 @@ class Run:
     lora: dict | None = None
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    path: str
-    tenant: str
-    base: str
-    saved: dict
-    lora: dict | None = None
-
-
 class Service:
     """The server's state and the translation of each Tinker call (see the module docstring).
     ``models``: base model name -> local checkpoint directory."""
@@ -169,7 +170,7 @@ class Service:
         self.samplers: dict[str, Sampler] = {}
         #: sampler id -> (tenant, why): snapshot samplers retired by a later step
         self.retired: dict[str, tuple[str, str]] = {}
-        self.checkpoints = {k: Checkpoint(**v) for k, v in self.state.table("checkpoints").items()}
+        self.saved = SavedCheckpoints(self.state, _export_dir(state_file))
         self.runs = {k: Run(**v) for k, v in self.state.table("runs").items()}
         self._context: dict[str, int] = {}
         self.promises: dict[str, Promise] = {}
@@ -251,8 +252,12 @@ class Service:
             return 408, json_reply(body)[1], JSON
 
     async def expire(self) -> None:
-        """Forget finished promises older than ``plexrl.serve.result-ttl``; end sessions
-        without a heartbeat for ``plexrl.serve.session-timeout``."""
+        """Delete checkpoints past their TTL; forget finished promises older than
+        ``plexrl.serve.result-ttl``; end sessions without a heartbeat for
+        ``plexrl.serve.session-timeout``."""
+        for checkpoint in self.saved.expired():
+            logger.info("checkpoint %s has expired: deleting it", checkpoint.path)
+            await self.delete(checkpoint)
         now = time.monotonic()
         for rid, p in list(self.promises.items()):
             if p.done_at is not None and now - p.done_at > self.result_ttl:
@@ -349,7 +354,7 @@ class Service:
         ``model_seq_id``; the SDK's ``create_training_client_from_state[_with_optimizer]``),
         or, with ``model_id`` and ``seq_id``, into an existing one in its order. ``optimizer``
         false: the weights only, a fresh optimizer."""
-        checkpoint = self._owned(self.checkpoints, str(body.get("path")), tenant, "checkpoint")
+        checkpoint = self.saved.loadable(tenant.name, str(body.get("path")))
         optimizer = body.get("optimizer") is True
         if body.get("model_id") is not None:
             model = self.model(tenant, str(body.get("model_id")))
@@ -418,20 +423,8 @@ class Service:
 
         return self.promise(tenant, kind, work())
 
-    def training_run(self, tenant: Tenant, run_id: str) -> dict:
-        """A training run (a training model, while it runs and after) as the REST API
-        describes it; the cookbook reads its ``user_metadata``."""
-        run = self._owned(self.runs, run_id, tenant, "training run")
-        return {
-            "training_run_id": run_id,
-            "base_model": run.base,
-            "model_owner": tenant.name,
-            "is_lora": run.lora is not None,
-            "lora_rank": None if run.lora is None else run.lora["rank"],
-            "corrupted": False,
-            "last_request_time": run.created,
-            "user_metadata": run.user_metadata or None,
-        }
+    def run(self, tenant: Tenant, run_id: str) -> Run:
+        return self._owned(self.runs, run_id, tenant, "training run")
 
     def get_info(self, tenant: Tenant, model_id: str) -> dict:
         model = self.model(tenant, model_id)
@@ -635,18 +628,15 @@ class Service:
     async def _save(
         self, tenant: Tenant, model: TrainModel, seq_id: int, kind: str, name: Any
     ) -> str:
-        if not isinstance(name, str) or not name or "/" in name:
+        try:
+            path = _checkpoint_path(model, kind, name)
+        except PlexRLError:
             self.skip(model, seq_id)
-            raise InvalidTinkerRequest(
-                f"a checkpoint name is a non-empty string without '/': {name!r}"
-            )
-        path = f"tinker://{model.model_id}/{kind}/{name}"
+            raise
         store_model = f"tinker-{tenant.name}-{uuid.uuid4().hex[:12]}"
 
         def reply(saved: dict) -> Reply:
-            checkpoint = Checkpoint(path, tenant.name, model.base, dict(saved), model.lora)
-            self.checkpoints[path] = checkpoint
-            self.state.put("checkpoints", path, dataclasses.asdict(checkpoint))
+            self.saved.add(Checkpoint(path, tenant.name, model.base, dict(saved), model.lora))
             return json_reply({"path": path})
 
         return await self.ordered(
@@ -657,6 +647,64 @@ class Service:
             lambda: model.deployment.save_state(model=store_model),
             reply,
         )
+
+    async def save_weights_external(self, tenant: Tenant, body: dict) -> str:
+        """Export the model's weights for other tools (:mod:`.checkpoints`): the weights
+        come to this server, which writes them under ``plexrl.serve.export-dir`` within the
+        tenant's ``export-bytes``; a second export of one name replaces the first."""
+        model = self.model(tenant, str(body.get("model_id")))
+        seq_id = _seq(body)
+        try:
+            path = _checkpoint_path(model, "external_weights", body.get("path"))
+            if body.get("age_encryption_recipients"):
+                raise UnsupportedCall(
+                    "encrypted exports (age_encryption_recipients) are not supported"
+                )
+            expires_at = expiry(body.get("ttl_seconds"))
+        except PlexRLError:
+            self.skip(model, seq_id)
+            raise
+
+        def submit() -> Checkpoint:
+            weights = result(model.deployment.get_weights())
+            replaced = self.saved.by_path.get(path)
+            used = self.saved.exported_bytes(tenant.name)
+            if replaced is not None:  # (replaced once this one is written)
+                used -= replaced.size_bytes or 0
+            if used + weights.nbytes() > tenant.limits.export_bytes:
+                raise TenantLimitExceeded(
+                    f"tenant {tenant.name!r}: exporting {weights.nbytes()} bytes would pass its "
+                    f"{tenant.limits.export_bytes} bytes of exports ({used} used); delete some"
+                )
+            directory = self.saved.export_dir_of(tenant.name)
+            base_dir = self.catalog[model.base].path
+            files = write_export(directory, weights.tensors, base_dir, model.lora)
+            saved = {"format": "external", "dir": str(directory), "files": files}
+            size = export_bytes(directory)
+            return Checkpoint(path, tenant.name, model.base, saved, model.lora, size_bytes=size,
+                              expires_at=expires_at)  # fmt: skip
+
+        def reply(checkpoint: Checkpoint) -> Reply:
+            replaced = self.saved.by_path.get(path)
+            self.saved.add(checkpoint)
+            if replaced is not None:
+                remove_export(replaced.saved["dir"])
+            body = {"path": path, "size_bytes": checkpoint.size_bytes}
+            return json_reply({**body, "type": "save_weights_external"})
+
+        return await self.ordered(tenant, model, seq_id, "save_weights_external", submit, reply)
+
+    async def delete(self, checkpoint: Checkpoint) -> None:
+        """Forget ``checkpoint`` and delete what it holds: an export's files, a stored
+        version on every node that has it (a sampler that loaded it keeps its weights)."""
+        self.saved.remove(checkpoint)
+        stored = checkpoint.saved
+        if not checkpoint.external and stored.get("path") is None and "model" in stored:
+            await self.blocking(
+                lambda: self.client.run(
+                    ops.drop_checkpoint, stored["model"], int(stored["version"]), on_error="return"
+                )  # fmt: skip
+            )
 
     def _add_sampler(self, tenant: Tenant, sampler: Sampler, session_id: str) -> None:
         """Register ``sampler``. A training model's snapshot samplers of earlier steps are
@@ -704,7 +752,7 @@ class Service:
         runtime = await self.runtime(tenant)
         path = body.get("model_path")
         if path is not None:
-            checkpoint = self._owned(self.checkpoints, str(path), tenant, "checkpoint")
+            checkpoint = self.saved.loadable(tenant.name, str(path))
             spec = self.spec(checkpoint.base, checkpoint.lora)
             name = f"{sampler_id}:rollout"
 
@@ -787,6 +835,22 @@ async def _replying(work: Awaitable[Reply]) -> Reply:
         if not isinstance(e, PlexRLError):
             logger.exception("a Tinker request failed")
         return json_reply(error_body(e))
+
+
+def _export_dir(state_file: str | os.PathLike[str] | None) -> str:
+    """``plexrl.serve.export-dir``; else beside the state file; else a temporary directory."""
+    configured = config.get("serve.export-dir")
+    if configured:
+        return str(configured)
+    if state_file is not None:
+        return f"{os.fspath(state_file)}.exports"
+    return tempfile.mkdtemp(prefix="plexrl-exports-")
+
+
+def _checkpoint_path(model: TrainModel, kind: str, name: Any) -> str:
+    if not isinstance(name, str) or not name or "/" in name:
+        raise InvalidTinkerRequest(f"a checkpoint name is a non-empty string without '/': {name!r}")
+    return f"tinker://{model.model_id}/{kind}/{name}"
 
 
 def _int(value: Any, what: str) -> int:

@@ -56,6 +56,10 @@ class ServeState:
         self.data[table][key] = value
         self._write()
 
+    def delete(self, table: str, key: str) -> None:
+        if self.data[table].pop(key, None) is not None:
+            self._write()
+
     def _write(self) -> None:
         if self.path is None:
             return

@@ -42,13 +42,15 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 @dataclass(frozen=True)
 class TenantLimits:
     """What one tenant may hold at once: training ``models``, sampling sessions
-    (``samplers``), requests submitted and not yet finished (``requests_waiting``), and the
-    bytes of one request body (``request_bytes``)."""
+    (``samplers``), requests submitted and not yet finished (``requests_waiting``), the
+    bytes of one request body (``request_bytes``), and the bytes of all its exported weights
+    on the server's disk (``export_bytes``: ``save_weights_external``)."""
 
     models: int
     samplers: int
     requests_waiting: int
     request_bytes: int
+    export_bytes: int
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> TenantLimits:
@@ -61,7 +63,7 @@ class TenantLimits:
         out = {}
         for key in known:
             value = merged[key]
-            if key == "request-bytes" and isinstance(value, str):
+            if key in ("request-bytes", "export-bytes") and isinstance(value, str):
                 value = dask.utils.parse_bytes(value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"tenant limit {key} must be an integer >= 1, got {value!r}")

@@ -274,8 +274,8 @@ def sampling_params(
     params: Any, num_samples: Any, eos_token_id: int | None, default_seed: int, room: int
 ) -> SamplingParams:
     """PlexRL's :class:`SamplingParams` of a Tinker ``sampling_params`` object. Stops: absent
-    is the end-of-sequence token; strings are stop strings; token ids must be the
-    end-of-sequence token (the only stop token the decoders know); ``[]`` decodes past it.
+    is the end-of-sequence token; strings are stop strings; token ids are the tokens that stop
+    (the end-of-sequence token only if listed); ``[]`` decodes past the end-of-sequence token.
     Without ``max_tokens``, up to ``room`` (what the model's context leaves after the
     prompt)."""
     if not isinstance(params, dict):
@@ -284,17 +284,15 @@ def sampling_params(
         raise UnsupportedCall("top_k sampling is not supported (top_p is)")
     stop = params.get("stop")
     strings: tuple[str, ...] = ()
+    ids: tuple[int, ...] = ()
     ignore_eos = False
     if isinstance(stop, str):
         strings = (stop,)
     elif isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
         strings = tuple(stop)
-    elif isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
-        if eos_token_id is None or set(stop) != {eos_token_id}:
-            raise UnsupportedCall(
-                f"stop tokens {stop}: only the end-of-sequence token ({eos_token_id}) can be a "
-                "stop token here; use stop strings for others"
-            )
+    elif isinstance(stop, list) and stop and all(_token_id(s) for s in stop):
+        # the tokens that stop, instead of the end-of-sequence token unless it is one of them
+        ids, ignore_eos = tuple(stop), eos_token_id not in stop
     elif stop == []:
         ignore_eos = True
     elif stop is not None:
@@ -310,9 +308,14 @@ def sampling_params(
             stop=strings,
             seed=default_seed if seed is None else seed,
             ignore_eos=ignore_eos,
+            stop_token_ids=ids,
         )
     except (TypeError, ValueError) as e:
         raise InvalidTinkerRequest(f"sampling_params: {e}") from e
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def derived_seed(*parts: object) -> int:
@@ -328,6 +331,16 @@ _LORA_MODULES = {
     "train_mlp": ("gate_proj", "up_proj", "down_proj"),
     "train_unembed": ("lm_head",),
 }
+
+
+def lora_flags(lora: dict[str, Any] | None) -> dict[str, bool | None]:
+    """Tinker's LoRA flags of a ``LoraSpec`` dict (each true when the adapter wraps any of
+    its modules; all None for full fine-tuning)."""
+    targets = set(() if lora is None else lora["targets"])
+    return {
+        flag: None if lora is None else bool(targets & set(modules))
+        for flag, modules in _LORA_MODULES.items()
+    }
 
 
 def lora_config(value: Any) -> dict[str, Any] | None:

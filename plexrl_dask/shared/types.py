@@ -294,18 +294,23 @@ class Chat:
         return [{"role": r, "content": c} for r, c in self.messages]
 
 
+#: the most stop token ids one request may name
+MAX_STOP_TOKENS = 1024
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample completions.
 
     ``n`` samples per prompt; ``temperature`` 0 is greedy; nucleus sampling with ``top_p``;
-    generation stops after ``max_tokens``, at the end-of-sequence token, or once the completion
-    text contains one of the ``stop`` strings (the tokens up to and including the one that
+    generation stops after ``max_tokens``, at the end-of-sequence token or one of
+    ``stop_token_ids`` (a chat template's end-of-turn token, say), or once the completion text
+    contains one of the ``stop`` strings (the tokens up to and including the one that
     completed it are kept). Randomness is a pure function of ``(seed, prompt id, sample index,
     position)``, never of the worker or batch, so a request samples the same tokens anywhere.
-    ``ignore_eos`` decodes past the end-of-sequence token (as vLLM's flag of that name): every
-    completion runs to a stop string or ``max_tokens``, which is how decode throughput at a
-    fixed batch size is measured.
+    ``ignore_eos`` decodes past the end-of-sequence token (as vLLM's flag of that name; the
+    ``stop_token_ids`` still stop): without those, every completion runs to a stop string or
+    ``max_tokens``, which is how decode throughput at a fixed batch size is measured.
     """
 
     n: int = 1
@@ -315,12 +320,21 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int = 0
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # A lone string is one stop string, not a set of characters.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         problems = []
+        if len(self.stop_token_ids) > MAX_STOP_TOKENS or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
+            problems.append(
+                f"stop_token_ids are at most {MAX_STOP_TOKENS} ints >= 0 "
+                f"(got {self.stop_token_ids!r:.80})"
+            )
         if not (isinstance(self.n, int) and self.n >= 1):
             problems.append(f"n must be an int >= 1 (got {self.n!r})")
         if not (_real(self.temperature) and self.temperature >= 0):
@@ -335,6 +349,12 @@ class SamplingParams:
             problems.append(f"seed must be an int in [0, 2**63) (got {self.seed!r})")
         if problems:
             raise InvalidSamplingParams("; ".join(problems))
+
+    def stop_ids(self, eos_token_id: int | None) -> frozenset[int]:
+        """The token ids that end a completion on a model whose end-of-sequence token is
+        ``eos_token_id``."""
+        eos = () if self.ignore_eos or eos_token_id is None else (eos_token_id,)
+        return frozenset((*self.stop_token_ids, *eos))
 
 
 @dataclass(frozen=True)

@@ -327,7 +327,7 @@ class StreamDecoder:
         # A stop string that appears in a row's text for the first time ends in its newest
         # token: the full check runs only after tokens whose text holds a stop's last character.
         may_stop = self.backend.tokens_ending(s[-1] for s in stops if s)
-        eos = None if params.ignore_eos else self.backend.eos_token_id
+        stop_ids = params.stop_ids(self.backend.eos_token_id)
         batch: Rows | None = None
         live: list[int] = []  # positions in the batch of the rows still generating
         waiting: Rows | None = None
@@ -352,7 +352,7 @@ class StreamDecoder:
                 token = chosen_l[k]
                 seq.append(token)
                 self.logprobs[r].append(lp_l[k])
-                if token == eos or (
+                if token in stop_ids or (
                     longest_stop
                     and (may_stop is None or token in may_stop)
                     and self.backend.stopped_by_string(seq, stops, longest_stop)

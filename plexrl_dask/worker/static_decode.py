@@ -525,7 +525,7 @@ class _Stream:
         if may_stop is not None and stops:
             stop_mask = np.zeros(backend.vocab_size, dtype=bool)
             stop_mask[list(may_stop)] = True
-        eos = -1 if params.ignore_eos or backend.eos_token_id is None else backend.eos_token_id
+        stop_ids = np.array(sorted(params.stop_ids(backend.eos_token_id)), dtype=np.int64)
         while True:
             self._admit()
             held = np.flatnonzero(self.slot_row >= 0)
@@ -543,7 +543,7 @@ class _Stream:
             self.tokens[rows, at] = chosen
             self.logprobs[rows, at] = out[:, 1]
             self.count[rows] = at + 1
-            hit = chosen == eos
+            hit = np.isin(chosen, stop_ids)
             if longest_stop:
                 maybe = ~hit if stop_mask is None else ~hit & stop_mask[chosen]
                 for k in np.flatnonzero(maybe):

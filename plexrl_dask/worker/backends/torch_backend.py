@@ -30,6 +30,7 @@ from plexrl_dask.errors import (
     NonFiniteGradient,
     NonFiniteLoss,
     PlexRLError,
+    TokenOutOfVocabulary,
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
@@ -375,6 +376,11 @@ class TorchBackend:
         (:mod:`plexrl_dask.worker.decode`)."""
         prompts = [list(p) for p in prompts]
         self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
+        beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if beyond:
+            raise TokenOutOfVocabulary(
+                f"stop token id {beyond[0]} is outside this model's vocabulary [0, {self.vocab_size})"
+            )
         if len(prompt_ids) != len(prompts):
             raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
         streams = Streams.from_config() if streams is None else streams

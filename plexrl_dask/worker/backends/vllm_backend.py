@@ -473,6 +473,7 @@ class VLLMBackend(NotATrainer):
                         stop=list(params.stop) or None,
                         include_stop_str_in_output=True,
                         ignore_eos=params.ignore_eos,
+                        stop_token_ids=list(params.stop_token_ids) or None,
                         seed=seeds[i][j],
                         logprobs=0,  # the sampled token's only
                     )
