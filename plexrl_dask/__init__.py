@@ -39,6 +39,7 @@ _LAZY = {
     "SampledSequence": "plexrl_dask.shared.types",
     "SampleResult": "plexrl_dask.shared.types",
     "SamplingParams": "plexrl_dask.shared.types",
+    "TurnPrompt": "plexrl_dask.shared.types",
 }
 
 
@@ -68,6 +69,7 @@ __all__ = [
     "SampleResult",
     "SampledSequence",
     "SamplingParams",
+    "TurnPrompt",
     "errors",
     "install",
     "kube_cluster_spec",

@@ -69,6 +69,12 @@ def test_observations_carry_no_weight_in_the_loss():
 AGENT = tiny_spec(seed=61, hidden_size=64, num_layers=2, max_positions=96)
 
 
+def _holder_status(dask_worker) -> dict:
+    from plexrl_dask.worker.holder import holder_of
+
+    return holder_of(dask_worker).status()
+
+
 def agentic_job(runtime, name: str, state, config: GRPOConfig) -> GRPOJob:
     policy = runtime.deploy(unique(name), AGENT)
     plexrl.result(policy.load_state(state), timeout=120)
@@ -87,7 +93,16 @@ def test_an_agentic_job_calls_its_tool_and_runs_the_same_multiplexed(client):
     config = GRPOConfig(
         steps=3, prompts_per_step=4, group_size=4, max_tokens=20, temperature=1.0, lr=3e-3, seed=3
     )
-    alone = agentic_job(runtime, "agent", state, config).run()
+    job = agentic_job(runtime, "agent", state, config)
+    alone = job.run()
+    # its later turns prefilled only their new tokens (the replica's prefix cache)
+    caches = [
+        r["prefix_cache"]
+        for status in client.run(_holder_status).values()
+        for name, r in status["replicas"].items()
+        if name == job.policy.name and r["prefix_cache"] is not None
+    ]
+    assert caches and sum(c["hits"] for c in caches) > 0
     other = plexrl.Runtime(client, job=unique("other"))
     beside = GRPOJob(
         "beside",

@@ -293,6 +293,10 @@ def test_a_training_group_samples_like_a_replica_and_trains_on_bit_for_bit(runti
     assert got == want and len(got.sequences) == 7
     one = [plexrl.result(d.sample(prompts[:1], params), timeout=120) for d in (hybrid, rollout)]
     assert one[0] == one[1]  # (rank 1 had no share, and took part in the gather)
+    # multi-turn prompts: the gathered copy prefills them turn by turn as the replica does
+    turns = [plexrl.TurnPrompt([5, 6, 7, 8, 9], [3, 5]), plexrl.TurnPrompt([5, 6, 7], [3])]
+    multi = [plexrl.result(d.sample(turns, params), timeout=120) for d in (hybrid, rollout)]
+    assert multi[0] == multi[1]
 
     # A budget where the copy fits only with gradients and moments on the host: rank state
     # is weights/2 + grads/2 + 2 moments/2 = 2W, the copy W.

@@ -17,7 +17,9 @@ figures and each job's ``colocated_wall_s``, and from the cheapest pool's run:
 ``tool_s_p99`` (seconds a call ran on its tool worker), ``reward_first``/``reward_last`` per
 agentic job (mean reward of its first and last 5 steps), ``reward_trajectories_identical``
 (every job's reward and loss per step the same in every synchronous layout: colocated and
-multiplexed), ``prefix_cache_hit_rate`` (None: replicas keep no prefix cache yet), and
+multiplexed), ``prefix_cache_hit_rate`` (the cheapest pool's turn prompts: tokens a replica's
+prefix cache held ÷ their tokens; :mod:`plexrl_dask.worker.prefix_cache`; ``prefix_cache``
+has the counts), and
 ``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
 sandbox in the same run, an escape being a file written outside it, a connection made, a
 process it left running, a program that ran past its limits unstopped, or one that read what
@@ -68,6 +70,7 @@ TARGETS = {
     "reward_trajectories_identical": "true",
     "sandbox_escapes": "0",
 }
+PREFIX_COUNTS = ("lookups", "hits", "tokens", "hit_tokens")
 #: The hostile suite's limits (short, so that the suite is quick).
 SUITE_LIMITS = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
 
@@ -96,7 +99,10 @@ def main() -> None:
         for mode in MODES:
             for layout in layouts(mode, len(workers)):
                 t0 = time.perf_counter()
+                before = prefix_totals(client)
                 run = run_mode(runtime, specs, layout, checkpoints, workers)
+                after = prefix_totals(client)
+                run.extra["prefix_cache"] = {k: after[k] - before[k] for k in after}
                 runs.append(run)
                 s = run.ledger.summary()
                 console.print(
@@ -143,7 +149,8 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "turns_max": max(turns, default=None),
         "tool_s_p50": percentile(tool_s, 0.5) if tool_s else None,
         "tool_s_p99": percentile(tool_s, 0.99) if tool_s else None,
-        "prefix_cache_hit_rate": None,  # (not built: every turn recomputes its prefix)
+        "prefix_cache_hit_rate": hit_rate(mux.extra["prefix_cache"]),
+        "prefix_cache": mux.extra["prefix_cache"],
         "reward_first": {n: reward_start_end(mux.records[n])[0] for n in agentic},
         "reward_last": {n: reward_start_end(mux.records[n])[1] for n in agentic},
         "reward_trajectories_identical": identical,
@@ -154,6 +161,34 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "best_layout": {m: r.layout.label for m, r in best.items()},
         "layouts": [{"layout": r.layout.label, **r.ledger.summary()} for r in runs],
     }
+
+
+def _holder_prefix_totals(dask_worker: Any) -> dict[str, int]:
+    from plexrl_dask.worker.holder import holder_of
+
+    holder = holder_of(dask_worker)
+    if holder is None:
+        return {}
+    status = holder.status()
+    out = {k: status["counters"][f"prefix_{k}"] for k in PREFIX_COUNTS}
+    for replica in status["replicas"].values():
+        for k in PREFIX_COUNTS:
+            out[k] += (replica["prefix_cache"] or {}).get(k, 0)
+    return out
+
+
+def prefix_totals(client: Client) -> dict[str, int]:
+    """The prefix caches' counters summed over every worker's replicas, live and dropped."""
+    out = dict.fromkeys(PREFIX_COUNTS, 0)
+    for totals in client.run(_holder_prefix_totals).values():
+        for k, v in totals.items():
+            out[k] += v
+    return out
+
+
+def hit_rate(counts: dict[str, int]) -> float | None:
+    """Turn prompts' tokens not prefilled again ÷ their tokens (None: no turn prompt)."""
+    return counts["hit_tokens"] / counts["tokens"] if counts["tokens"] else None
 
 
 def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from plexrl_dask import config
 from plexrl_dask.errors import ConfigError, NoChatTemplate
-from plexrl_dask.shared.types import Chat
+from plexrl_dask.shared.types import Chat, TurnPrompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -79,12 +79,12 @@ def encode_prompts(
     tokenizer: Any,
     prompts: Sequence[str | Chat | Sequence[int]],
     special_tokens: bool | None = None,
-) -> list[list[int]]:
+) -> list[Sequence[int]]:
     """Prompts as token ids: strings encoded with ``tokenizer`` as Hugging Face does, with its
     special tokens (``special_tokens``, default ``plexrl.sampling.special-tokens``: true);
     chats rendered with its chat template and the generation prompt, as
     ``apply_chat_template`` tokenizes them (the template places its own special tokens);
-    token-id sequences passed through as ints."""
+    token-id sequences passed through as ints (a :class:`TurnPrompt` as itself)."""
     if special_tokens is None:
         special_tokens = special_tokens_default()
     texts = [p for p in prompts if isinstance(p, str)]
@@ -99,6 +99,8 @@ def encode_prompts(
             out.append(list(next(encoded)))
         elif isinstance(p, Chat):
             out.append(_chat_ids(tokenizer, p))
+        elif isinstance(p, TurnPrompt):
+            out.append(p)  # (its turns go with it: the replica's prefix cache reads them)
         else:
             out.append([int(t) for t in p])
     return out

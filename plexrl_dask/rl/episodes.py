@@ -2,10 +2,11 @@
 
 A step's episodes (``group_size`` per problem) advance together, one turn at a time:
 
-1. every live conversation (its prompt, its turns and observations so far, as token ids) is
-   sampled for one turn in **one** ``sample`` request, ``n=1`` each, stopping at the task's stop
-   or at any tool's closing tag (:func:`~plexrl_dask.tools.calls.stop_strings`); between turns
-   the workers serve other work;
+1. every live conversation (its prompt, its turns and observations so far, as token ids: a
+   :class:`~plexrl_dask.shared.types.TurnPrompt`, so the replica prefills only what it has not
+   seen, :mod:`plexrl_dask.worker.prefix_cache`) is sampled for one turn in **one** ``sample``
+   request, ``n=1`` each, stopping at the task's stop or at any tool's closing tag
+   (:func:`~plexrl_dask.tools.calls.stop_strings`); between turns the workers serve other work;
 2. each turn that ends with a call is parsed, and the calls run at once on the tool pool
    (:class:`~plexrl_dask.tools.pool.ToolPool`, off the model workers); a call that does not
    parse or fails gives an error observation; the observation
@@ -35,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from plexrl_dask.driver.runtime import Deployment, result
 from plexrl_dask.errors import InvalidToolCall
-from plexrl_dask.shared.types import Chat, Datum, SamplingParams
+from plexrl_dask.shared.types import Chat, Datum, SamplingParams, TurnPrompt
 from plexrl_dask.tasks.base import Problem
 from plexrl_dask.tools.calls import (
     OUT_CLOSE,
@@ -146,7 +147,10 @@ def run_episodes(
         for p in problems
     ]
     n = len(prompts) * group_size
-    convs: list[list[int]] = [list(prompts[c // group_size]) for c in range(n)]
+    # each conversation so far, with where its turns end (the replica's prefix cache)
+    convs = [
+        TurnPrompt(prompts[c // group_size], [len(prompts[c // group_size])]) for c in range(n)
+    ]
     turns: list[list[Turn]] = [[] for _ in range(n)]
     live = list(range(n))
     stops = (*params.stop, *stop_strings(tools))
@@ -185,7 +189,7 @@ def run_episodes(
                 else:
                     still.append(c)
             turns[c].append(Turn(tuple(s.tokens), tuple(s.logprobs), s.text, call, res, obs))
-            convs[c].extend((*s.tokens, *obs))
+            convs[c] = convs[c].then((*s.tokens, *obs))
         live = still
     groups = tuple(
         tuple(Episode(prompts[i], tuple(turns[i * group_size + j])) for j in range(group_size))

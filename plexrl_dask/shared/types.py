@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from plexrl_dask import config
 from plexrl_dask.errors import (
@@ -252,6 +253,43 @@ class AdamWParams:
 
 
 # --- sampling -------------------------------------------------------------------------------
+
+
+class TurnPrompt(tuple):
+    """A token prompt that is a multi-turn conversation so far: its token ids (it is a tuple
+    of them, and any replica may treat it as a plain prompt) and ``turns``, the offsets where
+    each turn's context ends (increasing, the last one the prompt's length): the first
+    prompt's end, then after each model turn and its tool output. A replica with a prefix
+    cache prefills it turn by turn and keeps it, so the next turn's prompt, which starts with
+    this one, prefills only its new turns (:mod:`plexrl_dask.worker.prefix_cache`).
+    Checked wherever it is built, unpickling on a worker included."""
+
+    turns: tuple[int, ...]
+
+    def __new__(cls, tokens: Iterable[int], turns: Iterable[int]) -> TurnPrompt:
+        ids, ends = tuple(tokens), tuple(turns)
+        if not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in (*ids, *ends)
+        ):
+            raise InvalidSamplingParams(f"a TurnPrompt's tokens and turns are ints: {ends!r:.80}")
+        self = super().__new__(cls, (int(t) for t in ids))
+        ends = tuple(int(t) for t in ends)
+        increasing = bool(ends) and all(b > a for a, b in zip((0, *ends[:-1]), ends, strict=True))
+        if not increasing or ends[-1] != len(self):
+            raise InvalidSamplingParams(
+                f"a TurnPrompt's turns increase from above 0 to its length {len(self)}: "
+                f"{ends!r:.80}"
+            )
+        self.turns = ends
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TurnPrompt, (tuple(self), self.turns))
+
+    def then(self, tokens: Iterable[int]) -> TurnPrompt:
+        """This conversation followed by one more turn of ``tokens``."""
+        more = tuple(tokens)
+        return TurnPrompt((*self, *more), (*self.turns, len(self) + len(more)))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ How it works, and why:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from plexrl_dask.shared.types import SampledSequence, SamplingParams
+from plexrl_dask.worker.prefix_cache import Prefix
 from plexrl_dask.worker.sampling import choose_tokens, row_keys, uniforms_at
 
 if TYPE_CHECKING:
@@ -149,8 +151,12 @@ class StreamDecoder:
         params: SamplingParams,
         prompt_ids: Sequence[int],
         refill_min_rows: int,
+        turns: Sequence[tuple[int, ...] | None] | None = None,
     ):
+        """``turns``: per prompt, where its turns end (a :class:`TurnPrompt`'s), or None; a
+        prompt with turns is prefilled through ``backend.prefix_cache``, turn by turn."""
         self.backend = backend
+        self.turns = turns
         self.model = backend.model
         self.device = backend.device
         self.prompts = prompts
@@ -188,23 +194,19 @@ class StreamDecoder:
         self.prefilled += count
         distinct: dict[int, int] = {}  # prompt index -> its row in the prefill
         of_row = [distinct.setdefault(self.rows[r][0], len(distinct)) for r in picked]
-        width = max(len(self.prompts[i]) for i in distinct)
-        ids = torch.full((len(distinct), width), self.backend.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for i, k in distinct.items():
-            p = self.prompts[i]
-            ids[k, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[k, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
-        self.forwards += 1
-        if self.step is not None:
-            logits, keys, values = self.step(ids, mask, positions, None, None)
-            prompts = Rows(
-                list(range(len(distinct))), keys, values, mask, positions[:, -1:] + 1, logits
-            )
-        else:
-            prompts = self._prefill_hf(ids, mask, positions)
+        order = list(distinct)
+        turned = [i for i in order if self.turns is not None and self.turns[i] is not None]
+        if not turned:
+            prompts = self._prefill_batch(order)
+        else:  # each turn prompt on its own (prefix cache), the others in one batch
+            plain = [i for i in order if i not in set(turned)]
+            parts = [self._prefill_turns(i) for i in turned]
+            if plain:
+                parts.append(self._prefill_batch(plain))
+            joined = functools.reduce(Rows.join, parts)
+            at = {i: k for k, i in enumerate(turned + plain)}
+            prompts = joined.select([at[i] for i in order], trim=False)
+            prompts.index = list(range(len(order)))
         if len(distinct) == count:  # one sample per prompt: nothing to copy
             prompts.index = picked
             return prompts
@@ -215,6 +217,51 @@ class StreamDecoder:
                 torch.tensor(of_row, dtype=torch.long, device=self.device)
             )
         return rows
+
+    def _prefill_batch(self, indices: list[int]) -> Rows:
+        """The prompts ``indices`` (prompt indices) in one forward, left-padded."""
+        width = max(len(self.prompts[i]) for i in indices)
+        ids = torch.full((len(indices), width), self.backend.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(indices), width), dtype=torch.long)
+        for k, i in enumerate(indices):
+            p = self.prompts[i]
+            ids[k, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[k, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        self.forwards += 1
+        if self.step is not None:
+            logits, keys, values = self.step(ids, mask, positions, None, None)
+            return Rows(
+                list(range(len(indices))), keys, values, mask, positions[:, -1:] + 1, logits
+            )
+        return self._prefill_hf(ids, mask, positions)
+
+    def _prefill_turns(self, i: int) -> Rows:
+        """Prompt ``i`` alone, turn by turn from the longest of its prefixes the replica's
+        prefix cache holds (:mod:`plexrl_dask.worker.prefix_cache`), which then holds it."""
+        assert self.step is not None and self.turns is not None and self.turns[i] is not None
+        cache, version = self.backend.prefix_cache, self.backend.version
+        tokens, turns = self.prompts[i], self.turns[i]
+        start, hit = cache.lookup(version, tokens, turns)
+        cached = start
+        keys = None if hit is None else list(hit.keys)
+        values = None if hit is None else list(hit.values)
+        logits = None if hit is None else hit.logits[None]
+        for end in (b for b in turns if b > start):
+            ids = torch.tensor([tokens[start:end]], dtype=torch.long, device=self.device)
+            mask = torch.ones((1, end), dtype=torch.long, device=self.device)
+            positions = torch.arange(start, end, device=self.device)[None]
+            logits, keys, values = self.step(ids, mask, positions, keys, values)
+            self.forwards += 1
+            start = end
+        assert keys is not None and values is not None and logits is not None
+        if start > cached:  # (computed here: keep it)
+            cache.put(version, tokens, Prefix(tuple(keys), tuple(values), logits[0]))
+        n = len(tokens)
+        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
+        next_pos = torch.full((1, 1), n, dtype=torch.long, device=self.device)
+        return Rows([0], list(keys), list(values), mask, next_pos, logits)
 
     def _prefill_hf(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Rows:
         """The prompts ``ids`` through the HF forward, their cache kept as the batch's cache

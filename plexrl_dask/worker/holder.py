@@ -196,6 +196,11 @@ class ReplicaHolder:
             "requests": 0,
             "prefetches": 0,
             "stash_writes": 0,
+            # the prefix caches of replicas since dropped (live ones: status()'s replicas)
+            "prefix_lookups": 0,
+            "prefix_hits": 0,
+            "prefix_tokens": 0,
+            "prefix_hit_tokens": 0,
         }
         self._hint: tuple[str, str] | None = None  # (deployment, uid) predicted to run next
         self.load_seconds = 0.0  # measured time of every load into HBM, summed
@@ -260,6 +265,9 @@ class ReplicaHolder:
                 )
             if op in MUTATING_OPS:
                 replica.modified = True
+                forget = getattr(replica.backend, "forget_prefixes", None)
+                if forget is not None:  # (the prefix cache holds the old weights' keys)
+                    forget()
             if op in CHANGING_OPS and replica.stash is not None:
                 # The stored copy no longer is this replica's state: free it (the next
                 # offload writes the new state).
@@ -471,6 +479,10 @@ class ReplicaHolder:
         if replica is not None:
             with replica.transition:
                 self._replicas.pop(name, None)
+                cache = getattr(replica.backend, "prefix_cache", None)
+                if cache is not None:
+                    for k in ("lookups", "hits", "tokens", "hit_tokens"):
+                        self.counters[f"prefix_{k}"] += cache.stats()[k]
                 if replica.stash is not None:
                     replica.stash.delete()
                 close = getattr(replica.backend, "close", None)
@@ -640,6 +652,9 @@ class ReplicaHolder:
                         "bytes": r.backend.state_bytes(),
                         "version": r.backend.version,
                         "modified": r.modified,
+                        "prefix_cache": None
+                        if getattr(r.backend, "prefix_cache", None) is None
+                        else r.backend.prefix_cache.stats(),
                     }
                     for n, r in self._replicas.items()
                 },

@@ -201,7 +201,7 @@ class FSDPBackend(TorchBackend):
         Then the whole weights are gathered, tensor by tensor, into a plain copy, the copy
         samples exactly as a rollout replica holding the same weights would (the same
         decoding code, the same streams), and it is freed."""
-        prompts = [list(p) for p in prompts]
+        given, prompts = prompts, [list(p) for p in prompts]
 
         def check() -> bool:
             if prompts:
@@ -214,7 +214,8 @@ class FSDPBackend(TorchBackend):
             self._checked(check)
             copy = self._gathered()
             self._copy_bytes = copy.state_bytes()
-            return copy.sample(prompts, params, prompt_ids, streams) if prompts else []
+            # (the prompts as given: a TurnPrompt's turns decide how the copy prefills it)
+            return copy.sample(given, params, prompt_ids, streams) if prompts else []
         finally:
             copy = None
             self._copy_bytes = 0

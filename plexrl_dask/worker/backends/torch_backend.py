@@ -53,6 +53,7 @@ from plexrl_dask.worker.backends.base import check_weights
 from plexrl_dask.worker.decode import StreamDecoder
 from plexrl_dask.worker.decode_step import DecodeStep
 from plexrl_dask.worker.losses import compute_loss
+from plexrl_dask.worker.prefix_cache import PrefixCache, prefix_cache_bytes
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 from plexrl_dask.worker.static_decode import engine_for
 
@@ -183,6 +184,10 @@ class TorchBackend:
         self.decode_step = DecodeStep.for_model(self.model)
         # The static-shape decoder (plexrl_dask.worker.static_decode), where configured.
         self.static = engine_for(self)
+        # Multi-turn prompts' keys and values (plexrl_dask.worker.prefix_cache): only where the
+        # decode step prefills them (its forwards are the canonical ones a hit stands for).
+        size = prefix_cache_bytes(self.device)
+        self.prefix_cache = PrefixCache(size) if size and self.decode_step is not None else None
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
         self.pending_backward = 0
@@ -374,6 +379,7 @@ class TorchBackend:
         into streams of ``streams.rows`` (default: ``plexrl.sampling.*``), each decoded with
         continuous batching, ``max_batch_size`` rows at a time
         (:mod:`plexrl_dask.worker.decode`)."""
+        turns = [getattr(p, "turns", None) for p in prompts]
         prompts = [list(p) for p in prompts]
         self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
         beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -384,6 +390,9 @@ class TorchBackend:
         if len(prompt_ids) != len(prompts):
             raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
         streams = Streams.from_config() if streams is None else streams
+        # Turn prompts go through the prefix cache where there is one (the static engine
+        # prefills in batches; see plexrl_dask.worker.prefix_cache); elsewhere they are plain.
+        turned = self.prefix_cache is not None and any(t is not None for t in turns)
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
         self.model.eval()
@@ -391,15 +400,23 @@ class TorchBackend:
             for start in range(0, len(rows), streams.rows):
                 chunk = rows[start : start + streams.rows]
                 longest = max(len(prompts[i]) for i, _ in chunk)
-                if self.static is not None and self.static.fits(
-                    self.max_batch_size, longest, params.max_tokens
+                if (
+                    not turned
+                    and self.static is not None
+                    and self.static.fits(self.max_batch_size, longest, params.max_tokens)
                 ):
                     done = self.static.decode(
                         self, prompts, chunk, params, prompt_ids, streams.refill_min_rows
                     )
                 else:
                     done = StreamDecoder(
-                        self, prompts, chunk, params, prompt_ids, streams.refill_min_rows
+                        self,
+                        prompts,
+                        chunk,
+                        params,
+                        prompt_ids,
+                        streams.refill_min_rows,
+                        turns=turns if turned else None,
                     ).run()
                 for (i, j), seq in zip(chunk, done, strict=True):
                     out[i][j] = seq
@@ -667,7 +684,13 @@ class TorchBackend:
         if self._host is not None:
             return int(self._host["bytes"])  # type: ignore[arg-type]
         cache = 0 if self.static is None else self.static.nbytes()
+        cache += 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
         return cache + sum(_local_nbytes(t) for t in self._state_tensors().values())
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache (the weights changed: its keys and values are stale)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @property
     def resident(self) -> bool:
@@ -698,6 +721,7 @@ class TorchBackend:
             self.decode_step.release()
         if self.static is not None:
             self.static.release()
+        self.forget_prefixes()
         params = dict(self.model.named_parameters())
         # Optimizer state that lives on the device (Adam's "step" stays on the CPU on CUDA).
         device_optim: dict[str, list[str]] = {}
