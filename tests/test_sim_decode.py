@@ -199,3 +199,54 @@ def test_described_workload_errors_are_typed():
     paper["models"][0]["rollout_gpus"] = "auto"
     with pytest.raises(InvalidTrace, match="needs a described rollout"):
         WorkloadSpec.from_dict(paper)
+
+
+def test_the_decode_model_against_published_measurements():
+    from plexrl_dask.sim.measured import MEASUREMENTS, compare_measured, load_measurements
+
+    gpus, points = load_measurements()
+    assert MEASUREMENTS.parent == WORKLOADS and "H100-SXM-80GB" in gpus and len(points) >= 9
+    for p in points:
+        assert p.source.strip() and ("http" in p.source or "github.com" in p.source
+                                     or "docs." in p.source), p.name  # fmt: skip
+        assert p.printed.strip() and p.context > 0
+    rows = compare_measured(backlog_dict_hardware())
+    assert [r["name"] for r in rows] == [p.name for p in points]
+    for r in rows:
+        assert np.isfinite(r["ratio"]) and r["ratio"] > 0, r["name"]
+        assert r["predicted_tok_s_per_gpu"] == pytest.approx(
+            r["predicted_per_sequence_tok_s"] * r["batch"] / r["tp"]
+        )
+    # FP8 weights: half the bytes of bf16, the rest of the shape unchanged
+    fp8 = dataclasses.replace(DENSE_7B, weight_bytes=1.0)
+    assert fp8.weight_bytes_read(np.ones(1))[0] * 2 == DENSE_7B.weight_bytes_read(np.ones(1))[0]
+
+
+def backlog_dict_hardware() -> Hardware:
+    return Hardware.from_dict(backlog_dict()["hardware"])
+
+
+def test_a_malformed_measured_point_is_a_typed_error(tmp_path):
+    from plexrl_dask.sim.measured import MEASUREMENTS, compare_measured, parse_measurements
+
+    d = yaml.safe_load(MEASUREMENTS.read_text())
+    breaks = [
+        (lambda p: p.pop("source"), "source"),
+        (lambda p: p.update(gpu="B200"), "gpu"),
+        (lambda p: p.update(batch=0), "batch"),
+        (lambda p: p.pop("isl"), "isl and osl, or context"),
+        (lambda p: p["measured"].update(kind="tok/s"), "kind"),
+        (lambda p: p["measured"].update(value=-1), "value"),
+        (lambda p: p["shape"].pop("layers"), "lacks or mistypes"),
+    ]
+    for spoil, match in breaks:
+        bad = copy.deepcopy(d)
+        point = next(p for p in bad["points"] if "isl" in p)
+        spoil(point)
+        with pytest.raises(InvalidTrace, match=match):
+            parse_measurements(bad)
+    bad = copy.deepcopy(d)
+    bad["points"][0]["measured"] = 75
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(InvalidTrace, match="measured must be a mapping"):
+        compare_measured(backlog_dict_hardware(), tmp_path / "m.yaml")

@@ -55,6 +55,10 @@ def machine() -> dict[str, Any]:
     }
 
 
+#: The longest value the console table prints whole (longer dicts and lists: the JSON).
+SHOWN_MAX = 200
+
+
 def report(
     name: str,
     results: dict[str, Any],
@@ -69,6 +73,8 @@ def report(
     table.add_column("target")
     for key, value in results.items():
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        if len(shown) > SHOWN_MAX and isinstance(value, (dict, list, tuple)):
+            shown = f"({len(value)} entries: see the JSON)"  # (a table of its own)
         table.add_row(key, shown, targets.get(key, ""))
     Console().print(table)
     write_json(name, results, targets, config, out)

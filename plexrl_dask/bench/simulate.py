@@ -29,7 +29,12 @@ Per workload:
 
 Besides, ``curve.*``: the decode curve's shape (tokens/s per GPU at batch b ÷ at 256) of the
 workload's 7B class beside this project's measurement on its own engine
-(``benchmarks/device/device.json``, captured decode at 1, 8, 64, 256 rows), when present.
+(``benchmarks/device/device.json``, captured decode at 1, 8, 64, 256 rows), when present; and
+``decode_model_vs_measured``: the decode model with the backlog workload's ``hardware:`` at each
+published measurement of ``sim/workloads/decode-measurements.yaml``
+(:mod:`plexrl_dask.sim.measured`: predicted and measured tokens/s per sequence and per GPU,
+predicted ÷ measured, the source), with ``decode_model_vs_measured_median`` / ``_min`` /
+``_max`` of the ratios.
 
 Run: ``python -m plexrl_dask.bench.simulate --gpus 2048 --json OUT`` (about 2 minutes on
 one core: the capacity bisections at 2048 GPUs dominate); ``--quick``: 256 GPUs, 100 jobs.
@@ -48,6 +53,7 @@ from plexrl_dask.bench.common import parser, report
 from plexrl_dask.config import placement_config
 from plexrl_dask.policy.spatiotemporal import PlacementConfig
 from plexrl_dask.sim.decode import DecodeModel
+from plexrl_dask.sim.measured import compare_measured, ratio_summary
 from plexrl_dask.sim.study import capacity, compare, write_plots
 from plexrl_dask.sim.workload import WorkloadSpec
 
@@ -108,7 +114,8 @@ def study(spec: WorkloadSpec, policies: tuple[str, ...], capacity_policies: tupl
 
 
 def curve_figure(spec: WorkloadSpec, path: str) -> str:
-    """Every described class's decode curve (and the measured one) as a figure."""
+    """Every described class's decode curve (and the measured one) as a figure, with the
+    published measurements (tokens/s per GPU at their batch per GPU)."""
     from plexrl_dask.sim.plots import plot_curves
 
     curves = {}
@@ -129,7 +136,26 @@ def curve_figure(spec: WorkloadSpec, path: str) -> str:
         keys = [f"decode_0.5b_captured_tokens_per_s_b{k}" for k in b]
         if all(k in r for k in keys):
             measured = (b.astype(float), np.array([r[k] for k in keys]))
-    return str(plot_curves(curves, measured, path))
+    published: dict[str, tuple[list[float], list[float]]] = {}
+    if spec.hardware is not None:
+        for row in compare_measured(spec.hardware):
+            xs, ys = published.setdefault(f"{row['model']}, {row['gpu']} x{row['tp']}", ([], []))
+            xs.append(row["batch"] / row["tp"])
+            ys.append(row["measured_tok_s_per_gpu"])
+    points = {k: (np.array(x), np.array(y)) for k, (x, y) in published.items()}
+    return str(plot_curves(curves, measured, path, points))
+
+
+def measured_check(spec: WorkloadSpec) -> dict:
+    """The decode model with ``spec``'s hardware at every published measurement (per point,
+    and the ratios' median, min and max)."""
+    if spec.hardware is None:
+        return {}
+    rows = compare_measured(spec.hardware)
+    summary = ratio_summary(rows)
+    out: dict = {"decode_model_vs_measured": {row["name"]: row for row in rows}}
+    out |= {f"decode_model_vs_measured_{k}": v for k, v in summary.items()}
+    return out
 
 
 def curve_check(spec: WorkloadSpec) -> dict:
@@ -206,6 +232,7 @@ def main() -> None:
     )
     backlog = WorkloadSpec.load("paper2048-backlog")
     results |= curve_check(backlog)
+    results |= measured_check(backlog)
     if args.png:
         config["figures"].append(curve_figure(backlog, f"{args.png}-decode-curves.png"))
     results["sim_wall_s"] = time.perf_counter() - t0

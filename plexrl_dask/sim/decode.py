@@ -15,11 +15,13 @@ roofline of Pope et al., "Efficiently Scaling Transformer Inference", arXiv:2211
                        2 * N_active * a / tp / (peak bf16 FLOP/s * decode MFU)) + overhead
     bytes(a, c) = weights read per step / tp + a * c * KV bytes per token per GPU
 
-Weights read per step are the dense weights for a dense model; for a mixture of experts the
-shared part plus the experts at least one of the ``a`` tokens routes to (``1 - (1 - k/E)^a`` of
-them, routing taken as uniform). KV heads shard over ``tp`` up to their count and replicate
-beyond it. Tokens/s per GPU at ``b`` sequences per GPU is ``b / step_s(b * tp, c)``: linear in
-``b`` while the weights dominate the bytes, saturating once the KV cache (or compute) does.
+Weights are bf16 (2 bytes each) and so is the KV cache, unless the shape says otherwise
+(``weight_bytes``, ``kv_bytes``: 1 for FP8). Weights read per step are the dense weights for a
+dense model; for a mixture of experts the shared part plus the experts at least one of the
+``a`` tokens routes to (``1 - (1 - k/E)^a`` of them, routing taken as uniform). KV heads shard
+over ``tp`` up to their count and replicate beyond it. Tokens/s per GPU at ``b`` sequences per
+GPU is ``b / step_s(b * tp, c)``: linear in ``b`` while the weights dominate the bytes,
+saturating once the KV cache (or compute) does.
 
 **Concurrency.** A replica holds at most ``c_max`` sequences: the KV budget (``kv_memory_fraction``
 of HBM, vLLM's ``gpu_memory_utilization``, less the weights and an activation reserve) over the
@@ -52,6 +54,9 @@ per-step ``scale`` (lognormal, ``iteration_sigma``: how a step's prompts vary in
 token for the policy's forward and backward, 2 N each for the old-policy and reference
 log-probability forwards of GRPO (the 6N / 2N rule: Kaplan et al., "Scaling Laws for Neural
 Language Models", arXiv:2001.08361, §2.1), ``tokens`` the step's prompts and responses.
+
+**Checked** against published decode measurements (vLLM, NIM, TensorRT-LLM on H100 and A100):
+:mod:`plexrl_dask.sim.measured`, ``sim/workloads/decode-measurements.yaml``.
 
 Pure numpy; deterministic (randomness comes in as arrays the caller drew).
 """
@@ -121,7 +126,9 @@ class Hardware:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What decode reads per step: parameters (total, active), KV cache per token, experts."""
+    """What decode reads per step: parameters (total, active), KV cache per token, experts;
+    bytes per weight and per KV-cache element (2: bf16, the workloads'; 1: FP8, for the
+    measured points of :mod:`plexrl_dask.sim.measured`)."""
 
     params_b: float
     active_b: float
@@ -130,6 +137,8 @@ class ModelShape:
     head_dim: int
     experts: int = 0
     experts_active: int = 0
+    weight_bytes: float = 2.0
+    kv_bytes: float = 2.0
 
     @classmethod
     def from_dict(cls, d: dict, params_b: float) -> ModelShape:
@@ -142,11 +151,14 @@ class ModelShape:
                 head_dim=int(d["head_dim"]),
                 experts=int(d.get("experts", 0)),
                 experts_active=int(d.get("experts_active", 0)),
+                weight_bytes=float(d.get("weight_bytes", 2.0)),
+                kv_bytes=float(d.get("kv_bytes", 2.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidTrace(f"model shape lacks or mistypes {e}") from e
         _positive("model shape", params_b=shape.params_b, active_b=shape.active_b,
-                  layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim)  # fmt: skip
+                  layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                  weight_bytes=shape.weight_bytes, kv_bytes=shape.kv_bytes)  # fmt: skip
         if shape.active_b > shape.params_b:
             raise InvalidTrace("model shape: active_b exceeds params_b")
         if shape.experts and not 0 < shape.experts_active <= shape.experts:
@@ -155,19 +167,20 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """K and V, every layer, bf16."""
-        return 2.0 * self.layers * self.kv_heads * self.head_dim * 2
+        """K and V, every layer, ``kv_bytes`` each (bf16 unless told)."""
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes
 
     def weight_bytes_read(self, tokens: np.ndarray) -> np.ndarray:
         """Bytes of weights one decode step reads for ``tokens`` tokens (module docstring)."""
         tokens = np.asarray(tokens, dtype=float)
+        per_b = 1e9 * self.weight_bytes  # bytes per billion parameters
         if not self.experts:
-            return np.full(tokens.shape, 2e9 * self.params_b)
+            return np.full(tokens.shape, per_b * self.params_b)
         k, e = self.experts_active, self.experts
         expert_params = (self.params_b - self.active_b) * e / (e - k) if e > k else 0.0
         dense = self.params_b - expert_params
         touched = 1.0 - (1.0 - k / e) ** np.maximum(tokens, 1.0)
-        return 2e9 * (dense + expert_params * touched)
+        return per_b * (dense + expert_params * touched)
 
 
 @dataclass(frozen=True)
@@ -236,7 +249,7 @@ class DecodeModel:
         self.bandwidth = hw.hbm_tbps * 1e12 * hw.mbu
         self.flops = hw.bf16_tflops * 1e12 * hw.decode_mfu
         self.kv_per_gpu = shape.kv_bytes_per_token / min(tp, shape.kv_heads)
-        weights_gpu = 2e9 * shape.params_b / tp
+        weights_gpu = 1e9 * shape.weight_bytes * shape.params_b / tp
         self.kv_budget = (
             hw.hbm_gb * 1e9 * hw.kv_memory_fraction - weights_gpu - hw.activation_reserve_gb * 1e9
         )
@@ -246,12 +259,17 @@ class DecodeModel:
                 f"tp={tp}) leave no KV cache in {hw.hbm_gb} GB: raise tp"
             )
 
-    def step_s(self, alive: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """Seconds of one decode step of a replica with ``alive`` sequences at ``context``."""
+    def step_terms(self, alive: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The roofline's two terms of one decode step, seconds: memory traffic and compute."""
         alive = np.asarray(alive, dtype=float)
         mem = (self.shape.weight_bytes_read(alive) / self.tp
                + alive * context * self.kv_per_gpu) / self.bandwidth  # fmt: skip
         compute = 2e9 * self.shape.active_b * alive / self.tp / self.flops
+        return mem, compute
+
+    def step_s(self, alive: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """Seconds of one decode step of a replica with ``alive`` sequences at ``context``."""
+        mem, compute = self.step_terms(alive, context)
         return np.maximum(mem, compute) + self.hw.step_overhead_ms / 1e3
 
     def tokens_per_s_per_gpu(self, batch_per_gpu: np.ndarray, context: float) -> np.ndarray:

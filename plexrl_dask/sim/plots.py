@@ -90,14 +90,21 @@ def plot_curves(
     curves: dict[str, tuple[np.ndarray, np.ndarray]],
     measured: tuple[np.ndarray, np.ndarray] | None,
     path: str | Path,
+    published: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Path:
     """Decode tokens/s per GPU by sequences per GPU, one line per model (``curves``: name to
-    (batch, tokens/s)); right: each curve over its value at the largest batch, beside the
-    ``measured`` curve of this project's engine normalised the same way (the shape check)."""
+    (batch, tokens/s)), and ``published`` measurements as unjoined markers (name to (batch per
+    GPU, tokens/s per GPU); other models and GPUs than the curves'); right: each curve over its
+    value at the largest batch, beside the ``measured`` curve of this project's engine
+    normalised the same way (the shape check)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     for name, (x, y) in curves.items():
         a.plot(x, y, marker="o", ms=3, label=name)
         b.plot(x, y / y[-1], marker="o", ms=3, label=name)
+    lines = a.get_legend_handles_labels()
+    for i, (name, (x, y)) in enumerate((published or {}).items()):
+        a.scatter(x, y, marker="xs^vDP"[i % 6], s=30, color="k", zorder=3,
+                  label=f"published: {name}")  # fmt: skip
     if measured is not None:
         x, y = measured
         b.plot(x, y / y[-1], "k--", marker="s", ms=4, label="measured (device run, 0.5B)")
@@ -105,9 +112,15 @@ def plot_curves(
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequences per GPU")
     a.set_yscale("log")
-    a.set_ylabel("decode tokens/s per GPU (sourced model)")
+    a.set_ylabel("decode tokens/s per GPU (lines: model)")
     b.set_ylabel("tokens/s ÷ tokens/s at the largest batch")
-    a.legend(fontsize=7)
+    if published:  # the measurements' legend apart from the curves'
+        handles, labels = a.get_legend_handles_labels()
+        a.add_artist(a.legend(handles[len(lines[0]):], labels[len(lines[0]):], fontsize=6,
+                              loc="upper left"))  # fmt: skip
+        a.legend(*lines, fontsize=6, loc="lower right")
+    else:
+        a.legend(fontsize=7)
     b.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
