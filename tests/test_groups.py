@@ -272,6 +272,12 @@ def _set_budget(budget: int | None, dask_worker=None) -> int:
     return old
 
 
+def _set_bucket(nbytes: int) -> None:
+    from plexrl_dask.worker.backends import fsdp
+
+    fsdp.GATHER_BUCKET_BYTES = nbytes
+
+
 def test_a_training_group_samples_like_a_replica_and_trains_on_bit_for_bit(runtime):
     """The hybrid engine: a 2-rank training deployment samples (each rank its share of the
     streams, on gathered weights) exactly as a rollout replica synced from it; where the
@@ -297,6 +303,13 @@ def test_a_training_group_samples_like_a_replica_and_trains_on_bit_for_bit(runti
     turns = [plexrl.TurnPrompt([5, 6, 7, 8, 9], [3, 5]), plexrl.TurnPrompt([5, 6, 7], [3])]
     multi = [plexrl.result(d.sample(turns, params), timeout=120) for d in (hybrid, rollout)]
     assert multi[0] == multi[1]
+    # gathered in many small buckets (one all-gather each), the copy is the same
+    workers = list(hybrid.info.workers)
+    runtime.client.run(_set_bucket, 4096, workers=workers)
+    try:
+        assert plexrl.result(hybrid.sample(prompts, params), timeout=120) == want
+    finally:
+        runtime.client.run(_set_bucket, 64 * 2**20, workers=workers)
 
     # A budget where the copy fits only with gradients and moments on the host: rank state
     # is weights/2 + grads/2 + 2 moments/2 = 2W, the copy W.
