@@ -33,7 +33,8 @@ requests waited on other jobs' requests in the pool (:meth:`~plexrl_dask.rl.ledg
 A diagnostic of where to-peak goes: ``rollout_cpu_share`` (multiplexed; ``colocated_…``), the
 share of the rollout requests' run time their threads were on a CPU, against
 ``peak_cpu_share``, the same share of the peak requests around that layout
-(:func:`~plexrl_dask.rl.ledger.cpu_share`); each layout's ledger has both.
+(:func:`~plexrl_dask.rl.ledger.cpu_share`); each layout's ledger has both, and
+``busy_by_op``: its busy worker-seconds by request op (sample, train_step, weight syncs).
 Split-async changes the algorithm, not only the layout: ``split_async_vs_sync`` compares its
 final rewards with the synchronous job's over ``--seeds`` seeds (default 5): within two
 standard errors of independent samples (``split_async_within_two_se``), and seed by seed
