@@ -64,6 +64,30 @@ def test_adapters_share_one_base_and_train_only_themselves():
     assert trained[0] != before and trained[0] != trained[1]
 
 
+def test_residency_reports_count_the_base_once_over_its_adapters():
+    """What the scheduler sees of a worker: each adapter's report adds its share of the base,
+    so the latest reports sum to the base once plus the adapters, as adapters come and go."""
+    events: list[dict] = []
+    holder = ReplicaHolder("w", "cpu", 2**30, max_batch_size=8, report=events.append)
+    adapters = [info(f"t{i}", BASE.with_lora(4, seed=i)) for i in range(3)]
+
+    def seen() -> int:
+        latest = {}
+        for e in events:
+            latest[e["deployment"]] = e["bytes"] if e["tier"] == "hbm" else 0
+        return sum(latest.values())
+
+    for k, a in enumerate(adapters, start=1):
+        logprobs(holder, a)
+        status = holder.status()
+        assert seen() == status["resident_bytes"]
+        assert len(status["bases"]) == 1 and k == len(next(iter(status["bases"].values()))["users"])
+    train(holder, adapters[0])
+    assert seen() == holder.status()["resident_bytes"]
+    assert holder.offload("t1")
+    assert seen() == holder.status()["resident_bytes"]
+
+
 def test_an_adapter_offloaded_and_reloaded_continues_bit_for_bit():
     spec = BASE.with_lora(8, seed=1)
     # reference: three steps in a row

@@ -90,6 +90,13 @@ class _Replica:
     transition: threading.Lock = field(default_factory=threading.Lock)
 
 
+def _shared_bytes(backend: Any) -> int:
+    """The backend's share of state it shares with other replicas (a LoRA adapter's of its
+    base), 0 for any other."""
+    share = getattr(backend, "shared_bytes", None)
+    return 0 if share is None else int(share())
+
+
 def _reload_bytes(backend: Any) -> int:
     """Device bytes bringing ``backend`` back takes (a LoRA replica's base too, unless
     held)."""
@@ -529,11 +536,14 @@ class ReplicaHolder:
         lost: bool = False,
         source: str = "",
         unless_unchanged: bool = False,
+        others: bool = True,
     ) -> None:
         """Report ``replica``'s tier; ``source`` names the tier of a transition just measured
         (``load_s``), empty for a report that only refreshes size and version. With
         ``unless_unchanged``, nothing is sent when the report equals the last one sent for
-        this replica."""
+        this replica. A replica on a shared base (LoRA) reports its share of the base too;
+        when one comes or goes, the others' shares change, so (``others``) they report
+        again if theirs did."""
         replica.last_transition_s = load_s
         replica.tier = tier
         if tier == "hbm" and source in ("dram", "nvme", "absent"):
@@ -543,7 +553,7 @@ class ReplicaHolder:
                 deployment=replica.info.name,
                 version=int(replica.backend.version),
                 tier=tier,
-                bytes=int(replica.backend.state_bytes()),
+                bytes=int(replica.backend.state_bytes()) + _shared_bytes(replica.backend),
                 load_s=float(load_s),
                 uid=replica.info.uid,
                 modified=replica.modified,
@@ -556,6 +566,11 @@ class ReplicaHolder:
             replica.last_report = report
         except Exception:  # reporting must never fail a request
             logger.warning("could not send a residency report", exc_info=True)
+        if others and hasattr(replica.backend, "shared_bytes"):
+            for other in list(self._replicas.values()):
+                if other is not replica and hasattr(other.backend, "shared_bytes"):
+                    self._emit(other, other.tier, other.last_transition_s,
+                               unless_unchanged=True, others=False)  # fmt: skip
 
     # --- prefetch ------------------------------------------------------------------------------
 

@@ -73,6 +73,18 @@ class SharedBases:
             if not held.users:
                 del self._held[spec]
 
+    def share(self, spec: ModelSpec, user: str) -> int:
+        """``user``'s share of ``spec``'s base bytes: its bytes split evenly over its users,
+        the remainder to the first by name, so the shares sum to the base exactly (0 when
+        ``user`` does not hold it)."""
+        with self._lock:
+            held = self._held.get(spec)
+            if held is None or user not in held.users:
+                return 0
+            n = len(held.users)
+            first = min(held.users) == user
+            return held.nbytes // n + (held.nbytes % n if first else 0)
+
     def held(self, spec: ModelSpec) -> bool:
         with self._lock:
             return spec in self._held
@@ -163,6 +175,11 @@ class LoraBackend(TorchBackend):
                     if isinstance(v, torch.Tensor):
                         out[f"optim/{n}/{k}"] = v
         return out
+
+    def shared_bytes(self) -> int:
+        """This adapter's share of its base while it holds it (what its residency reports
+        add, so the scheduler's view of the worker counts the base once, over its users)."""
+        return self.bases.share(self.spec.base, self.user) if self.resident else 0
 
     def reload_bytes(self) -> int:
         """Device bytes a reload takes: the adapter's state, and its base unless held."""
