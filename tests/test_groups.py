@@ -272,6 +272,12 @@ def _set_budget(budget: int | None, dask_worker=None) -> int:
     return old
 
 
+def _holder_status(dask_worker) -> dict:
+    from plexrl_dask.worker.holder import holder_of
+
+    return holder_of(dask_worker).status()
+
+
 def _set_bucket(nbytes: int) -> None:
     from plexrl_dask.worker.backends import fsdp
 
@@ -303,6 +309,15 @@ def test_a_training_group_samples_like_a_replica_and_trains_on_bit_for_bit(runti
     turns = [plexrl.TurnPrompt([5, 6, 7, 8, 9], [3, 5]), plexrl.TurnPrompt([5, 6, 7], [3])]
     multi = [plexrl.result(d.sample(turns, params), timeout=120) for d in (hybrid, rollout)]
     assert multi[0] == multi[1]
+    # again: each rank's prefix cache outlives its copy (hits now), the same samples
+    assert plexrl.result(hybrid.sample(turns, params), timeout=120) == multi[0]
+    caches = [
+        r["prefix_cache"]
+        for st in runtime.client.run(_holder_status, workers=list(hybrid.info.workers)).values()
+        for n, r in st["replicas"].items()
+        if n == hybrid.name
+    ]
+    assert sum(c["hits"] for c in caches) >= 2
     # gathered in many small buckets (one all-gather each), the copy is the same
     workers = list(hybrid.info.workers)
     runtime.client.run(_set_bucket, 4096, workers=workers)

@@ -282,6 +282,11 @@ class FSDPBackend(TorchBackend):
             self._checked(check)
             copy = self._gathered()
             self._copy_bytes = copy.state_bytes()
+            copy.version = self.version
+            if copy.prefix_cache is not None:
+                # this rank's cache across copies (in its bytes; emptied when the weights
+                # change), so a colocated multi-turn job's next turn finds its prompt
+                copy.prefix_cache = self.prefix_cache
             # (the prompts as given: a TurnPrompt's turns decide how the copy prefills it)
             return copy.sample(given, params, prompt_ids, streams) if prompts else []
         finally:
@@ -414,6 +419,7 @@ class FSDPBackend(TorchBackend):
         is left alone; the next request rebuilds the module on whatever group it then needs."""
         if self._host is not None:
             return
+        self.forget_prefixes()
         if stored is not None:
             self._host = stored
         else:
