@@ -546,6 +546,18 @@ def test_checkpoints_are_listed_exported_for_hugging_face_and_deleted(server, tm
     assert first.checkpoints[0].tinker_path == export  # (newest first)
     info = rest.get_weights_info_by_tinker_path(state).result()
     assert info.base_model == BASE and not info.is_lora
+    # a TTL set and cleared; a name saved again replaces its checkpoint
+    rest.set_checkpoint_ttl_from_tinker_path(state, 7200).result()
+    [c] = [
+        c for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == state
+    ]
+    assert c.expires_at is not None
+    rest.set_checkpoint_ttl_from_tinker_path(state, None).result()
+    assert tc.save_state("state").result().path == state
+    again = [
+        c for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == state
+    ]
+    assert len(again) == 1 and again[0].expires_at is None and again[0].time >= c.time
 
     urls = rest.get_external_weights_urls(export).result().urls
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(urls)

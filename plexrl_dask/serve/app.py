@@ -268,6 +268,12 @@ def create_app(
         await rest.delete_checkpoint(await tenant_of(request), run_id, checkpoint_id)
         return ok(None)
 
+    @app.put(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
+    async def checkpoint_ttl(request: Request, run_id: str, checkpoint_id: str) -> Response:
+        tenant = await tenant_of(request)
+        rest.set_ttl(tenant, run_id, checkpoint_id, await json_of(request, tenant))
+        return ok(None)
+
     @app.post(f"{PREFIX}/weights_info")
     async def weights_info(request: Request) -> Response:
         tenant = await tenant_of(request)

@@ -267,6 +267,12 @@ class SavedCheckpoints:
         self.by_path[checkpoint.path] = checkpoint
         self.state.put("checkpoints", checkpoint.path, dataclasses.asdict(checkpoint))
 
+    def set_expiry(self, checkpoint: Checkpoint, expires_at: str | None) -> Checkpoint:
+        """``checkpoint`` from now on expiring at ``expires_at`` (None: never)."""
+        changed = dataclasses.replace(checkpoint, expires_at=expires_at)
+        self.add(changed)
+        return changed
+
     def owned(self, tenant: str, path: str) -> Checkpoint:
         """``tenant``'s checkpoint at ``path``; :class:`UnknownObject` for any other (another
         tenant's included)."""

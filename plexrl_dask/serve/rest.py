@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from plexrl_dask import config
 from plexrl_dask.errors import InvalidTinkerRequest, UnknownObject
 from plexrl_dask.serve import wire
-from plexrl_dask.serve.checkpoints import UrlSigner, exported_file, page
+from plexrl_dask.serve.checkpoints import UrlSigner, expiry, exported_file, page
 from plexrl_dask.serve.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -87,6 +87,11 @@ class RestApi:
         version on every node that has it (a sampler that loaded it keeps its weights)."""
         checkpoint = self.service.saved.owned(tenant.name, f"tinker://{run_id}/{checkpoint_id}")
         await self.service.delete(checkpoint)
+
+    def set_ttl(self, tenant: Tenant, run_id: str, checkpoint_id: str, body: dict) -> None:
+        """A checkpoint's time to live from now (``ttl_seconds``; None: it never expires)."""
+        checkpoint = self.service.saved.owned(tenant.name, f"tinker://{run_id}/{checkpoint_id}")
+        self.service.saved.set_expiry(checkpoint, expiry(body.get("ttl_seconds")))
 
     def export_urls(self, tenant: Tenant, run_id: str, checkpoint_id: str, base_url: str) -> dict:
         """Signed download URLs of an export's files (:class:`.checkpoints.UrlSigner`)."""

@@ -619,24 +619,31 @@ class Service:
                 submit,
                 lambda sid: json_reply({"sampling_session_id": sid}),
             )
-        return await self._save(tenant, model, seq_id, "sampler_weights", name)
+        return await self._save(tenant, model, seq_id, "sampler_weights", body)
 
     async def save_weights(self, tenant: Tenant, body: dict) -> str:
         model = self.model(tenant, str(body.get("model_id")))
-        return await self._save(tenant, model, _seq(body), "weights", body.get("path"))
+        return await self._save(tenant, model, _seq(body), "weights", body)
 
     async def _save(
-        self, tenant: Tenant, model: TrainModel, seq_id: int, kind: str, name: Any
+        self, tenant: Tenant, model: TrainModel, seq_id: int, kind: str, body: dict
     ) -> str:
+        """A named checkpoint (``body``'s ``path``, and ``ttl_seconds``: when it is deleted);
+        one saved again under its name replaces the first, whose stored version is dropped."""
         try:
-            path = _checkpoint_path(model, kind, name)
+            path = _checkpoint_path(model, kind, body.get("path"))
+            expires_at = expiry(body.get("ttl_seconds"))
         except PlexRLError:
             self.skip(model, seq_id)
             raise
         store_model = f"tinker-{tenant.name}-{uuid.uuid4().hex[:12]}"
 
         def reply(saved: dict) -> Reply:
-            self.saved.add(Checkpoint(path, tenant.name, model.base, dict(saved), model.lora))
+            replaced = self.saved.by_path.get(path)
+            self.saved.add(Checkpoint(path, tenant.name, model.base, dict(saved), model.lora,
+                                      expires_at=expires_at))  # fmt: skip
+            if replaced is not None:
+                asyncio.ensure_future(self._drop_stored(replaced))
             return json_reply({"path": path})
 
         return await self.ordered(
@@ -698,6 +705,10 @@ class Service:
         """Forget ``checkpoint`` and delete what it holds: an export's files, a stored
         version on every node that has it (a sampler that loaded it keeps its weights)."""
         self.saved.remove(checkpoint)
+        await self._drop_stored(checkpoint)
+
+    async def _drop_stored(self, checkpoint: Checkpoint) -> None:
+        """Drop ``checkpoint``'s version from every node's tiers (an export has none)."""
         stored = checkpoint.saved
         if not checkpoint.external and stored.get("path") is None and "model" in stored:
             await self.blocking(
