@@ -24,6 +24,10 @@ How it works, and why:
   of the stream's rows and outcomes, so a stream decodes bit-identically on any worker; the
   runtime splits a request over replicas only at stream boundaries
   (:func:`~plexrl_dask.driver.runtime.split_prompts`), so any replica count gives the same bits.
+- A multi-turn prompt (:class:`~plexrl_dask.shared.types.TurnPrompt`) on a replica with a
+  prefix cache is prefilled alone, turn by turn from the longest prefix the cache holds, and
+  then joins the waiting rows like any prefilled row (:mod:`plexrl_dask.worker.prefix_cache`
+  says why alone: so that a hit is bit-identical to a miss).
 - Cache layers other than plain growing ones (sliding windows, static caches) cannot be spliced:
   such a model decodes each batch of the stream to its end before admitting the next (what the
   backend did before streams existed).
