@@ -51,7 +51,8 @@ def test_adapters_share_one_base_and_train_only_themselves():
         train(holder, a)
     status = holder.status()
     [shared] = status["bases"].values()
-    assert shared["users"] == sorted(a.name for a in adapters)
+    # (the base's own rollout replica, unmodified, reads the same copy)
+    assert shared["users"] == sorted(["base", *(a.name for a in adapters)])
     adapter_bytes = [status["replicas"][a.name]["bytes"] for a in adapters]
     # the base counted once, each adapter only its own state (trained: + gradients and moments)
     assert status["resident_bytes"] == (

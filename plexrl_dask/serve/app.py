@@ -37,8 +37,9 @@ from plexrl_dask.errors import (
     UnsupportedCall,
 )
 from plexrl_dask.serve import wire
+from plexrl_dask.serve.records import JSON, json_reply
 from plexrl_dask.serve.rest import RestApi
-from plexrl_dask.serve.service import JSON, Service, json_reply
+from plexrl_dask.serve.service import Service
 from plexrl_dask.serve.tenants import KeyRing, Tenant
 
 try:  # (the serve extra; routes need these names at module level to resolve annotations)

@@ -28,15 +28,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -46,11 +43,9 @@ from plexrl_dask import config
 from plexrl_dask.driver.runtime import Deployment, Runtime
 from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import (
-    ConfigError,
     InvalidTinkerRequest,
     PermissionDenied,
     PlexRLError,
-    RequestError,
     SamplerSuperseded,
     TenantBusy,
     TenantLimitExceeded,
@@ -67,6 +62,18 @@ from plexrl_dask.serve.checkpoints import (
     remove_export,
     write_export,
 )
+from plexrl_dask.serve.records import (
+    JSON,
+    PROTO,
+    Promise,
+    Reply,
+    Run,
+    Sampler,
+    Session,
+    TrainModel,
+    error_body,
+    json_reply,
+)
 from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
 from plexrl_dask.shared.types import Datum, ForwardBackwardResult, ForwardResult
@@ -77,81 +84,6 @@ logger = logging.getLogger(__name__)
 
 #: how many retired samplers are remembered (to say why one can no longer sample)
 RETIRED_KEPT = 4096
-#: (HTTP status, body, media type) of a finished promise, as retrieve_future sends it
-Reply = tuple[int, bytes, str]
-JSON = "application/json"
-PROTO = "application/x-protobuf"
-
-
-def json_reply(body: Any) -> Reply:
-    return 200, json.dumps(body).encode(), JSON
-
-
-def error_body(exc: BaseException) -> dict[str, str]:
-    """A failed request as the SDK reads it: ``error`` and ``category`` (``user`` for what
-    the caller can fix)."""
-    user = isinstance(exc, (RequestError, ConfigError, InvalidTinkerRequest, UnsupportedCall))
-    user = user or isinstance(exc, (SamplerSuperseded, UnknownObject, TenantLimitExceeded))
-    return {"error": f"{type(exc).__name__}: {exc}", "category": "user" if user else "server"}
-
-
-@dataclass
-class Promise:
-    request_id: str
-    tenant: str
-    kind: str
-    task: asyncio.Task
-    done_at: float | None = None  # (monotonic) when its reply was ready
-
-
-@dataclass
-class Session:
-    session_id: str
-    tenant: str
-    last_seen: float = field(default_factory=time.monotonic)
-    models: list[str] = field(default_factory=list)
-    samplers: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TrainModel:
-    model_id: str
-    tenant: str
-    session_id: str
-    base: str
-    deployment: Deployment
-    #: the LoRA adapter's LoraSpec dict; None: full fine-tuning
-    lora: dict | None = None
-    next_seq: int = 1
-    #: seq_id -> request id, for every seq_id taken (a retry gets its first request id back)
-    taken: dict[int, str] = field(default_factory=dict)
-    #: seq_id -> (what submits it, the future its promise waits on for the Dask future)
-    waiting: dict[int, tuple[Callable[[], Any], asyncio.Future]] = field(default_factory=dict)
-    optim_steps: int = 0  # submitted
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    gap_check: asyncio.TimerHandle | None = None
-
-
-@dataclass
-class Sampler:
-    sampler_id: str
-    tenant: str
-    base: str
-    deployment: Deployment
-    model_id: str | None = None  # a session on a training model's own replica
-    version: int | None = None  # ... at this many optimizer steps (None: it follows them)
-    model_path: str | None = None
-    owned: bool = False  # its deployment is this sampler's own (undeployed with it)
-
-
-@dataclass(frozen=True)
-class Run:
-    run_id: str
-    tenant: str
-    base: str
-    user_metadata: dict
-    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
-    lora: dict | None = None
 
 
 class Service:

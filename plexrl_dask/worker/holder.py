@@ -184,6 +184,8 @@ class ReplicaHolder:
         self.max_batch_size = int(max_batch_size)
         self._report = report or (lambda msg: None)
         self._replicas: dict[str, _Replica] = {}
+        # unmodified rollout replicas of one spec share its model (worker/backends/shared.py)
+        self.share_frozen = bool(config.get("worker.share-frozen-weights"))
         self._bases: Any = None  # SharedBases of the LoRA replicas, created by the first
         self._groups: Any = None  # ProcessGroupManager, created by the first multi-rank request
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
@@ -237,6 +239,8 @@ class ReplicaHolder:
                     if replica.backend.resident and self._replicas.get(info.name) is replica:
                         self._running = info.name
                         break
+            if op in MUTATING_OPS and hasattr(replica.backend, "private_copy"):
+                self._unshare(replica)
             self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()
             ready, cpu0 = time.time(), time.thread_time()
@@ -306,7 +310,7 @@ class ReplicaHolder:
         if group is not None:
             self._join(group)
         if replica is None:
-            return self._load(info, group)
+            return self._load(info, group, op)
         try:
             return self._resident(replica, info, group)
         except CorruptState:
@@ -318,7 +322,7 @@ class ReplicaHolder:
                 "the offloaded copy of %s is damaged; rebuilding it for %s", info.name, op
             )
             self._drop(info.name)  # (its damaged copy with it)
-            return self._load(info, group)
+            return self._load(info, group, op)
 
     def _resident(
         self, replica: _Replica, info: DeploymentInfo, group: GroupContext | None
@@ -350,7 +354,7 @@ class ReplicaHolder:
             self._groups = engine.groups.ProcessGroupManager(get_worker(), self.device)
         self._groups.join(group)
 
-    def _load(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
+    def _load(self, info: DeploymentInfo, group: GroupContext | None, op: str) -> _Replica:
         if info.memory_bytes > self.budget_bytes:
             raise DeploymentDoesNotFit(
                 f"{info.name!r} needs {info.memory_bytes / 2**20:.1f} MiB per worker but "
@@ -358,6 +362,14 @@ class ReplicaHolder:
             )
         if info.spec.lora is not None:
             return self._load_adapter(info, group)
+        if (
+            self.share_frozen
+            and group is None
+            and info.role == "rollout"
+            and info.backend == "torch"
+            and op not in MUTATING_OPS  # (a first request that writes the weights: its own)
+        ):
+            return self._load_shared(info)
         self._make_room(info.memory_bytes, keep=info.name)
 
         backends = engine.backends.BACKENDS
@@ -378,6 +390,27 @@ class ReplicaHolder:
         if group is not None:  # a rank samples on a gathered copy: it asks for the room
             backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
         return self._held(info, backend, group, load_s)
+
+    def _load_shared(self, info: DeploymentInfo) -> _Replica:
+        """An unmodified rollout replica on this worker's copy of its spec's model (built if
+        none is held); its first request that changes the weights gives it its own."""
+        if self._bases is None:
+            self._bases = engine.backends.SharedBases(self.device)
+        self._make_room(0 if self._bases.held(info.spec) else info.memory_bytes, keep=info.name)
+        t0 = time.perf_counter()
+        backend = engine.backends.SharedWeightsBackend(
+            info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
+        )
+        load_s = time.perf_counter() - t0
+        self._check_built(info, backend)
+        return self._held(info, backend, None, load_s)
+
+    def _unshare(self, replica: _Replica) -> None:
+        """Give ``replica`` weights of its own before a request changes them (copy on
+        write); room is made for the copy first."""
+        self._make_room(replica.info.memory_bytes, keep=replica.info.name)
+        replica.backend = replica.backend.private_copy()
+        self._emit(replica, "hbm", 0.0)
 
     def _load_adapter(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
         """A LoRA replica on this worker's copy of its base (built if none is held)."""

@@ -2,7 +2,8 @@
 
 from plexrl_dask.worker.backends.base import RolloutBackend, TrainBackend
 from plexrl_dask.worker.backends.fsdp import FSDPBackend
-from plexrl_dask.worker.backends.lora import LoraBackend, SharedBases
+from plexrl_dask.worker.backends.lora import LoraBackend
+from plexrl_dask.worker.backends.shared import SharedBases, SharedWeightsBackend
 from plexrl_dask.worker.backends.torch_backend import TorchBackend
 from plexrl_dask.worker.backends.tp import TPBackend
 from plexrl_dask.worker.backends.vllm_backend import VLLMBackend
@@ -19,6 +20,7 @@ __all__ = [
     "LoraBackend",
     "RolloutBackend",
     "SharedBases",
+    "SharedWeightsBackend",
     "TPBackend",
     "TorchBackend",
     "TrainBackend",

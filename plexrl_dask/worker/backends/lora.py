@@ -3,7 +3,7 @@
 A LoRA deployment (``ModelSpec.with_lora``) trains only its adapter: PEFT's LoRA layers
 (``peft.inject_adapter_in_model``) around the linear modules its spec names, on a frozen base.
 Every LoRA replica on one worker whose base is the same spec uses the same base tensors:
-:class:`SharedBases` builds a base once and hands out its parameters; each replica has a module
+:class:`~plexrl_dask.worker.backends.shared.SharedBases` builds a base once and hands out its parameters; each replica has a module
 tree of its own (a copy of the base's modules that shares the base's parameter and buffer
 tensors, with its adapter injected), so requests of different adapters never switch adapters
 in a shared module and a replica's state is just its adapter, its gradients and its AdamW
@@ -20,10 +20,7 @@ requests of several adapters are not batched into one decode here.
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,85 +28,8 @@ import torch
 from plexrl_dask.errors import InvalidModelSpec, OpNotSupported
 from plexrl_dask.models.lora import attach_adapter
 from plexrl_dask.models.spec import ModelSpec
+from plexrl_dask.worker.backends.shared import SharedBases
 from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
-
-
-@dataclass
-class _Base:
-    model: torch.nn.Module
-    nbytes: int
-    users: set[str] = field(default_factory=set)
-
-
-class SharedBases:
-    """The frozen base models of one worker's LoRA replicas, each built once and freed when
-    its last user releases it."""
-
-    def __init__(self, device: str | torch.device) -> None:
-        self.device = torch.device(device)
-        self._held: dict[ModelSpec, _Base] = {}
-        self._lock = threading.Lock()
-
-    def acquire(self, spec: ModelSpec, user: str) -> torch.nn.Module:
-        """``spec``'s model (built on first use), with ``user`` counted as holding it."""
-        with self._lock:
-            held = self._held.get(spec)
-            if held is None:
-                model = spec.build_model(self.device)
-                model.requires_grad_(False)
-                model.eval()
-                nbytes = sum(t.numel() * t.element_size() for t in _tensors(model))
-                held = self._held[spec] = _Base(model, nbytes)
-            held.users.add(user)
-            return held.model
-
-    def release(self, spec: ModelSpec, user: str) -> None:
-        """``user`` no longer holds ``spec``; the base is freed with its last user."""
-        with self._lock:
-            held = self._held.get(spec)
-            if held is None:
-                return
-            held.users.discard(user)
-            if not held.users:
-                del self._held[spec]
-
-    def share(self, spec: ModelSpec, user: str) -> int:
-        """``user``'s share of ``spec``'s base bytes: its bytes split evenly over its users,
-        the remainder to the first by name, so the shares sum to the base exactly (0 when
-        ``user`` does not hold it)."""
-        with self._lock:
-            held = self._held.get(spec)
-            if held is None or user not in held.users:
-                return 0
-            n = len(held.users)
-            first = min(held.users) == user
-            return held.nbytes // n + (held.nbytes % n if first else 0)
-
-    def held(self, spec: ModelSpec) -> bool:
-        with self._lock:
-            return spec in self._held
-
-    def nbytes(self) -> int:
-        """Device bytes of every base held."""
-        with self._lock:
-            return sum(b.nbytes for b in self._held.values())
-
-    def status(self) -> dict[str, dict[str, Any]]:
-        """Per base held (by its checkpoint path, or a built model's name), its bytes and
-        users."""
-        with self._lock:
-            return {
-                s.path or s.name: {"bytes": b.nbytes, "users": sorted(b.users)}
-                for s, b in self._held.items()
-            }
-
-
-def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Each distinct parameter and buffer of ``model`` once (tied weights once)."""
-    seen: dict[int, torch.Tensor] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        seen.setdefault(id(t), t)
-    return list(seen.values())
 
 
 class _AdapterView:
