@@ -366,11 +366,12 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
         replica = holder_of(dask_worker)._replicas.get(name)
         return None if replica is None else replica.backend.state_bytes()
 
+    assert [plexrl.result(runtime.sync_weights(trainer, d)) for d in (tp, one)] == [1, 1]
+    # (synced, each holds weights of its own: an unmodified one would share its spec's)
     split = runtime.client.run(held, tp.name, workers=list(tp.info.workers))
     whole = runtime.client.run(held, one.name, workers=list(one.info.workers))
     # Each rank holds half of every split projection (embeddings and norms stay whole).
     assert all(b < 0.75 * next(iter(whole.values())) for b in split.values())
-    assert [plexrl.result(runtime.sync_weights(trainer, d)) for d in (tp, one)] == [1, 1]
     got, want = plexrl.result([tp.forward(data), one.forward(data)], timeout=120)
     diff = max(
         abs(a - b)

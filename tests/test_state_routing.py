@@ -97,6 +97,9 @@ def test_a_checkpoint_is_a_durable_nvme_version_and_survives_the_manager(cluster
 def test_replicas_on_one_node_share_one_stored_copy_and_tiers_are_reported(cluster, runtime):
     node = node_of(cluster)
     dep = runtime.deploy(unique("route-share"), tiny_spec(seed=34), role="rollout", replicas=2)
+    # weights of their own (an unmodified replica reads its worker's shared copy of the spec's
+    # model and stores nothing when offloaded)
+    plexrl.result(dep.set_weights(dep.get_weights()))
     workers = dep.info.workers
     assert len(set(workers)) == 2
     probe = [plexrl.Datum(tokens=dep.tokenize("7+8=15"))]

@@ -451,8 +451,11 @@ class ReplicaHolder:
         for the bytes it measures (a deployment that declared less than it holds does not
         crowd the others past the budget), and one that does not fit even alone is closed
         and refused with :class:`DeploymentDoesNotFit`."""
-        measured = int(backend.state_bytes())
-        if measured <= info.memory_bytes or self._make_room(measured, keep=info.name):
+        own = int(backend.state_bytes())
+        # a shared model is already counted once (its bases); the replica's share of it is
+        # what it holds beside its own bytes
+        measured = own + _shared_bytes(backend)
+        if measured <= info.memory_bytes or self._make_room(own, keep=info.name):
             return
         close = getattr(backend, "close", None)
         if close is not None:

@@ -127,10 +127,10 @@ class PrefixCache:
 
 
 def prefix_cache_bytes(device: torch.device) -> int:
-    """``plexrl.sampling.prefix-cache-bytes`` in bytes (``auto``: an eighth of the holder's
-    default budget on CUDA, 256 MiB on the CPU; 0 turns the cache off)."""
+    """``plexrl.sampling.prefix-cache-bytes`` in bytes (``auto``: a sixteenth of the worker's
+    memory budget, ``plexrl.worker.memory-budget`` or the device's default: 256 MiB of a
+    CPU's 4 GiB; 0 turns the cache off)."""
     if config.get("sampling.prefix-cache-bytes") == "auto":
-        if device.type == "cuda":
-            return default_budget(str(device)) // 8
-        return 256 * 2**20
+        budget = config.WorkerConfig.from_dask_config().memory_budget
+        return (budget if budget is not None else default_budget(str(device))) // 16
     return config.get_bytes("sampling.prefix-cache-bytes")
