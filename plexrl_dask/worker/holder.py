@@ -91,15 +91,14 @@ class _Replica:
 
 
 def _shared_bytes(backend: Any) -> int:
-    """The backend's share of state it shares with other replicas (a LoRA adapter's of its
-    base), 0 for any other."""
+    """The backend's share of a model it shares with other replicas (a LoRA adapter's of its
+    base, an unmodified rollout replica's of its spec's model), 0 for any other."""
     share = getattr(backend, "shared_bytes", None)
     return 0 if share is None else int(share())
 
 
 def _reload_bytes(backend: Any) -> int:
-    """Device bytes bringing ``backend`` back takes (a LoRA replica's base too, unless
-    held)."""
+    """Device bytes bringing ``backend`` back takes (a shared model too, unless held)."""
     reload_bytes = getattr(backend, "reload_bytes", None)
     return backend.state_bytes() if reload_bytes is None else reload_bytes()
 
@@ -186,7 +185,7 @@ class ReplicaHolder:
         self._replicas: dict[str, _Replica] = {}
         # unmodified rollout replicas of one spec share its model (worker/backends/shared.py)
         self.share_frozen = bool(config.get("worker.share-frozen-weights"))
-        self._bases: Any = None  # SharedBases of the LoRA replicas, created by the first
+        self._bases: Any = None  # SharedBases (LoRA bases, shared rollouts): made on first use
         self._groups: Any = None  # ProcessGroupManager, created by the first multi-rank request
         # Requests run one at a time (the GPU resource), but actor calls (status, offload) come
         # from the actor thread; the lock keeps them from seeing a replica mid-transition.
@@ -411,6 +410,7 @@ class ReplicaHolder:
         self._make_room(replica.info.memory_bytes, keep=replica.info.name)
         replica.backend = replica.backend.private_copy()
         self._emit(replica, "hbm", 0.0)
+        self._emit_sharers(replica)  # (it let go of the shared model)
 
     def _load_adapter(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
         """A LoRA replica on this worker's copy of its base (built if none is held)."""
@@ -603,10 +603,15 @@ class ReplicaHolder:
         except Exception:  # reporting must never fail a request
             logger.warning("could not send a residency report", exc_info=True)
         if others and hasattr(replica.backend, "shared_bytes"):
-            for other in list(self._replicas.values()):
-                if other is not replica and hasattr(other.backend, "shared_bytes"):
-                    self._emit(other, other.tier, other.last_transition_s,
-                               unless_unchanged=True, others=False)  # fmt: skip
+            self._emit_sharers(replica)
+
+    def _emit_sharers(self, changed: _Replica) -> None:
+        """Report again every other replica on a shared model whose share of it moved (one
+        came or went: ``changed``)."""
+        for other in list(self._replicas.values()):
+            if other is not changed and hasattr(other.backend, "shared_bytes"):
+                self._emit(other, other.tier, other.last_transition_s,
+                           unless_unchanged=True, others=False)  # fmt: skip
 
     # --- prefetch ------------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ import torch
 
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.worker.backends.torch_backend import TorchBackend
+from plexrl_dask.worker.decode_step import DecodeStep
+from plexrl_dask.worker.static_decode import engine_for
 
 
 @dataclass
@@ -148,7 +150,8 @@ class SharedWeightsBackend(TorchBackend):
         if self.static is not None:
             self.static.release()
         self.forget_prefixes()
-        self.model = None  # type: ignore[assignment]
+        # (the decoders hold the modules: dropped, so the model goes with its last user)
+        self.model, self.decode_step, self.static = None, None, None  # type: ignore[assignment]
         self._host = {"bytes": 0}
         self.bases.release(self.spec, self.user)
 
@@ -156,6 +159,8 @@ class SharedWeightsBackend(TorchBackend):
         if self._host is None:
             return
         self.model = self._build_model()
+        self.decode_step = DecodeStep.for_model(self.model)
+        self.static = engine_for(self)
         self._host = None
 
     def close(self) -> None:
