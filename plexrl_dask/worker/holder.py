@@ -393,11 +393,17 @@ class ReplicaHolder:
     def _load_shared(self, info: DeploymentInfo) -> _Replica:
         """An unmodified rollout replica on this worker's copy of its spec's model (built if
         none is held); its first request that changes the weights gives it its own."""
+        return self._on_bases(info, info.spec, 0, engine.backends.SharedWeightsBackend)
+
+    def _on_bases(self, info: DeploymentInfo, shared: Any, own: int, kind: Any) -> _Replica:
+        """A replica of backend ``kind`` on this worker's copy of the model ``shared`` (built
+        if none is held), room made for it and for ``own`` bytes of its own."""
         if self._bases is None:
             self._bases = engine.backends.SharedBases(self.device)
-        self._make_room(0 if self._bases.held(info.spec) else info.memory_bytes, keep=info.name)
+        base = 0 if self._bases.held(shared) else shared.memory_bytes("rollout")
+        self._make_room(base + own, keep=info.name)
         t0 = time.perf_counter()
-        backend = engine.backends.SharedWeightsBackend(
+        backend = kind(
             info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
         )
         load_s = time.perf_counter() - t0
@@ -419,17 +425,9 @@ class ReplicaHolder:
                 f"{info.name!r}: a LoRA adapter runs on one worker with the torch backend "
                 f"(world_size 1), not {info.world_size} ranks of {info.backend!r}"
             )
-        if self._bases is None:
-            self._bases = engine.backends.SharedBases(self.device)
-        base = 0 if self._bases.held(info.spec.base) else info.spec.base.memory_bytes("rollout")
-        self._make_room(base + info.spec.adapter_bytes(info.role), keep=info.name)
-        t0 = time.perf_counter()
-        backend = engine.backends.LoraBackend(
-            info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
+        return self._on_bases(
+            info, info.spec.base, info.spec.adapter_bytes(info.role), engine.backends.LoraBackend
         )
-        load_s = time.perf_counter() - t0
-        self._check_built(info, backend)
-        return self._held(info, backend, group, load_s)
 
     def _held(
         self, info: DeploymentInfo, backend: Any, group: GroupContext | None, load_s: float

@@ -145,11 +145,7 @@ class SharedWeightsBackend(TorchBackend):
         """Release the shared model (and the decoders' caches built on it)."""
         if self._host is not None:
             return
-        if self.decode_step is not None:
-            self.decode_step.release()
-        if self.static is not None:
-            self.static.release()
-        self.forget_prefixes()
+        self._release_decoders()
         # (the decoders hold the modules: dropped, so the model goes with its last user)
         self.model, self.decode_step, self.static = None, None, None  # type: ignore[assignment]
         self._host = {"bytes": 0}

@@ -687,6 +687,15 @@ class TorchBackend:
         cache += 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
         return cache + sum(_local_nbytes(t) for t in self._state_tensors().values())
 
+    def _release_decoders(self) -> None:
+        """Drop what the decoders keep beside the weights (the decode step's fused layout,
+        the static engine's cache, the prefix cache): an offload's first step."""
+        if self.decode_step is not None:
+            self.decode_step.release()
+        if self.static is not None:
+            self.static.release()
+        self.forget_prefixes()
+
     def forget_prefixes(self) -> None:
         """Empty the prefix cache (the weights changed: its keys and values are stale)."""
         if self.prefix_cache is not None:
@@ -717,11 +726,7 @@ class TorchBackend:
         nothing is copied to the host, the device copies are released and ``stored`` kept."""
         if self._host is not None:
             return
-        if self.decode_step is not None:
-            self.decode_step.release()
-        if self.static is not None:
-            self.static.release()
-        self.forget_prefixes()
+        self._release_decoders()
         params = dict(self.model.named_parameters())
         # Optimizer state that lives on the device (Adam's "step" stays on the CPU on CUDA).
         device_optim: dict[str, list[str]] = {}
