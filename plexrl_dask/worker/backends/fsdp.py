@@ -95,7 +95,8 @@ def gather_into(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
     order on every rank) into the matching ``targets``. Parameters sharded on dim 0 of a 1-D
     mesh travel in buckets of up to :data:`GATHER_BUCKET_BYTES`, one all-gather per bucket
     (per mesh and dtype) rather than one collective per tensor: on a small model, dozens of
-    collectives cost more than their bytes (about 1.4 ms each over gloo here). Any other
+    collectives cost more than their bytes (a 2-rank sample's fixed cost was 86 ms with one per
+    tensor, 39 ms bucketed, on the mix's countdown4 over gloo). Any other
     parameter is gathered on its own."""
     buckets: list[tuple[Any, torch.dtype, list[int]]] = []
     filling: dict[tuple[Any, torch.dtype], tuple[list[int], list[int]]] = {}
