@@ -67,7 +67,7 @@ def test_peft_names_drop_the_adapter_name():
 def test_the_catalog_is_per_tenant_and_kept_in_the_state_file(tmp_path):
     state = tmp_path / "state.json"
     saved = SavedCheckpoints(ServeState(state), tmp_path / "exports")
-    directory = tmp_path / "exports" / "alice" / "e1"
+    directory = tmp_path / "exports" / "tenant-alice" / "e1"
     directory.mkdir(parents=True)
     (directory / "config.json").write_text("{}")
     export = Checkpoint(

@@ -308,8 +308,9 @@ class SavedCheckpoints:
         )
 
     def export_dir_of(self, tenant: str) -> Path:
-        """A new directory for one of ``tenant``'s exports (not created)."""
-        return self.export_dir / tenant / secrets.token_hex(8)
+        """A new directory for one of ``tenant``'s exports (not created; ``tenant-<name>``: one
+        path component whatever the name, ``..`` included)."""
+        return self.export_dir / f"tenant-{tenant}" / secrets.token_hex(8)
 
     def remove(self, checkpoint: Checkpoint) -> None:
         """Forget ``checkpoint`` and delete an export's files (a stored version is the
