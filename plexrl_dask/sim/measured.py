@@ -20,7 +20,6 @@ Pure numpy; no Dask.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import numpy as np
 import yaml
 
 from plexrl_dask.errors import InvalidTrace
-from plexrl_dask.sim.decode import DecodeModel, Hardware, LengthModel, ModelShape
+from plexrl_dask.sim.decode import DecodeModel, Hardware, LengthModel, ModelShape, _positive
 from plexrl_dask.sim.workload import WORKLOADS
 
 MEASUREMENTS = WORKLOADS / "decode-measurements.yaml"
@@ -68,8 +67,9 @@ class MeasuredPoint:
 
 
 def _number(where: str, key: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+    if isinstance(v, bool):  # (decode's check takes bools for ints)
         raise InvalidTrace(f"{where}: {key} must be a finite number > 0, got {v!r}")
+    _positive(where, **{key: v})
     return float(v)
 
 
