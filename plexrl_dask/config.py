@@ -162,6 +162,23 @@ def request_timeout() -> float:
     return get_seconds("request.timeout")
 
 
+def batch_interval() -> float | None:
+    """``plexrl.comm.batch-interval`` in seconds: the interval PlexRL sets on Dask's batched
+    streams (see :func:`tune_batched_send`); None (null) leaves Dask's."""
+    return None if get("comm.batch-interval") is None else get_seconds("comm.batch-interval", positive=False)
+
+
+def tune_batched_send(stream: object) -> bool:
+    """Set a Dask ``BatchedSend``'s interval to :func:`batch_interval`; False where there is
+    none to set (null, or no such stream). A ``BatchedSend`` reads ``interval`` before each
+    send, so this takes effect on a running stream."""
+    interval = batch_interval()
+    if interval is None or not isinstance(getattr(stream, "interval", None), (int, float)):
+        return False
+    stream.interval = interval  # type: ignore[attr-defined]
+    return True
+
+
 def placement_config() -> PlacementConfig:
     """The spatiotemporal placement's configuration (``plexrl.placement.*``)."""
     from plexrl_dask.policy.spatiotemporal import PlacementConfig

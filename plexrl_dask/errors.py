@@ -129,6 +129,11 @@ class InvalidOptimizerParams(RequestError, ValueError):
     """Optimizer hyperparameters are out of range."""
 
 
+class InvalidRecipe(RequestError, ValueError):
+    """A scored training request's recipe (task, GRPO config, problems, step) or the samples
+    it scores do not fit together (:mod:`plexrl_dask.rl.scoring`)."""
+
+
 class NonFiniteLoss(RequestError, FloatingPointError):
     """The loss is NaN or infinite; no gradient was accumulated."""
 

@@ -147,6 +147,17 @@ def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...],
     return tuple(tuple(info.workers[r * k : (r + 1) * k]) for r in replicas)
 
 
+def _fetches(groups: Any, tasks: list[TaskState]) -> bool:
+    """Whether a worker of ``groups`` would fetch an input of ``tasks`` (other tasks' results)
+    before it could run them: some input is not held by every one of those workers."""
+    workers = {w for g in groups for w in g}
+    return any(
+        not workers <= {ws.address for ws in dep.who_has or ()}
+        for ts in tasks
+        for dep in ts.dependencies
+    )
+
+
 class PlexRLSchedulerPlugin(SchedulerPlugin):
     """See the module docstring."""
 
@@ -237,6 +248,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        for stream in [*scheduler.stream_comms.values(), *scheduler.client_comms.values()]:
+            config.tune_batched_send(stream)  # (plexrl.comm.batch-interval)
         self.registry.start(scheduler)
         self._start_principals(scheduler)
         restored = self.registry.restore()
@@ -518,6 +531,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 self._route(ts)
                 routed = True
         if routed:
+            # The stream to the requesting client carries its results' "key in memory": it
+            # exists once the client connected (after add_client), so it is tuned here.
+            config.tune_batched_send(scheduler.client_comms.get(kwargs.get("client")))
             self._soon(self._dispatch)
 
     def _route(self, ts: TaskState) -> None:
@@ -652,10 +668,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     deployment=r.deployment,
                     op=r.op,
                     job=r.job,
-                    # Results of other tasks, which the worker may still be fetching when the
+                    # Results of other tasks that a worker may still be fetching when the
                     # request is released (nothing may be queued behind it, or that would
-                    # start first).
-                    inputs=any(tasks[k].dependencies for k in r.keys.values()),
+                    # start first); none to fetch where they are held already (a scored
+                    # training step on its own samples).
+                    inputs=_fetches(r.groups, [tasks[k] for k in r.keys.values()]),
                 )
             )
             r.admitted = True
@@ -862,6 +879,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self._soon(self._reroute_orphans)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        config.tune_batched_send(scheduler.stream_comms.get(worker))
         ws = scheduler.workers.get(worker)
         if ws is not None and ws.resources.get(self.gpu_resource, 0) >= 1:
             self.dispatcher.add_worker(worker)

@@ -49,6 +49,8 @@ class PlexRLWorkerPlugin(WorkerPlugin):
     name = "plexrl-worker"
 
     def setup(self, worker: Any) -> None:
+        # Tool workers too: an agentic turn's tool call is a request/reply chain like any other.
+        config.tune_batched_send(getattr(worker, "batched_stream", None))
         cfg = WorkerConfig.from_dask_config()
         if worker.state.total_resources.get(cfg.gpu_resource, 0) < 1:
             return

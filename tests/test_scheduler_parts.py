@@ -174,7 +174,8 @@ def test_the_access_rule_knows_every_request_op():
     from plexrl_dask.shared.access import OPS, READ_OPS
     from plexrl_dask.worker import ops
 
-    routed = set(ops.__all__) - {"as_batch", "combine"}  # (helpers, not requests)
+    # (helpers, not requests; train_scored is a train_step request: the same rule)
+    routed = set(ops.__all__) - {"as_batch", "combine", "train_scored"}
     assert routed == OPS and set(READ_OPS) <= OPS
 
 

@@ -64,6 +64,7 @@ from plexrl_dask.bench.common import median, parser, report
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.grpo import GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.modes import JobSpec
+from plexrl_dask.rl.scoring import ScoringRecipe, checked_recipe, scored_training
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.checks import checked_adamw, checked_batch, checked_loss, checked_sample
 from plexrl_dask.shared.types import AdamWParams, Datum, SampleResult, SamplingParams, Streams
@@ -129,6 +130,17 @@ class InProcessDeployment:
 
     def optim_step(self, params: AdamWParams = AdamWParams()) -> concurrent.futures.Future:
         return _resolved(lambda: self.backend.optim_step(checked_adamw(params)))
+
+    def train_scored(
+        self, samples: concurrent.futures.Future, recipe: ScoringRecipe
+    ) -> concurrent.futures.Future:
+        def call() -> dict[str, Any]:
+            summary, training = scored_training(*checked_recipe(recipe, samples.result()), 0, 1)
+            if training is None:
+                return {"scored": summary}
+            return {"scored": summary, **self.backend.train_step(*training)}
+
+        return _resolved(call)
 
     def train_step(
         self, batch: Sequence[Datum], loss: Any, params: AdamWParams

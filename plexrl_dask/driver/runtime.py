@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -39,10 +38,10 @@ from plexrl_dask.driver.waits import result
 from plexrl_dask.errors import (
     CheckpointError,
     ConfigError,
-    InvalidBatch,
     InvalidLoss,
     InvalidModelSpec,
     InvalidOptimizerParams,
+    InvalidRecipe,
     JobNotPlaced,
     NoPlexRLWorkers,
     PlexRLError,
@@ -56,7 +55,13 @@ from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.models.tokenizer import encode_prompts
 from plexrl_dask.policy.horizon import Phase
 from plexrl_dask.shared.access import READ_OPS
-from plexrl_dask.shared.checks import check_rows, checked_sample, checked_temperature
+from plexrl_dask.shared.checks import (
+    check_rows,
+    checked_sample,
+    checked_temperature,
+    rank_shares,
+    whole_batch_loss,
+)
 from plexrl_dask.shared.records import DeploymentInfo, qualified_name
 from plexrl_dask.shared.timeline import RequestSpan
 from plexrl_dask.shared.types import (
@@ -134,6 +139,9 @@ class Runtime:
         self, client: Client | None = None, job: str | None = None, secret: str | None = None
     ):
         self.client = client if client is not None else get_client()
+        # A driver's steps are chains of requests and replies: its stream to the scheduler
+        # should not hold a request for Dask's 10 ms after a key release (plexrl.comm).
+        config.tune_batched_send(getattr(self.client, "scheduler_comm", None))
         self.job = job or f"job-{uuid.uuid4().hex[:8]}"
         self._secret = secret
         self._stored: set[str] = set()  # workers seen with a node store (sync_weights)
@@ -671,14 +679,7 @@ class Deployment:
         return [args] * self.info.world_size
 
     def _split_batch(self, batch: tuple[Datum, ...]) -> list[tuple[Datum, ...]]:
-        k = self.info.world_size
-        if len(batch) < k:
-            raise InvalidBatch(
-                f"a batch of {len(batch)} sequences cannot be split over {self.name!r}'s "
-                f"{k} ranks: give at least {k}"
-            )
-        bounds = [round(i * len(batch) / k) for i in range(k + 1)]
-        return [batch[bounds[i] : bounds[i + 1]] for i in range(k)]
+        return rank_shares(batch, self.info.world_size)
 
     def load(self) -> Future:
         """Make every rank and replica resident on its worker; the result describes rank 0."""
@@ -732,11 +733,31 @@ class Deployment:
                 f"loss must be CrossEntropy or PolicyGradient, got {type(loss).__name__}"
             )
         batch = self._validated(batch)
-        if self.info.world_size > 1 and loss.normalizer is None:
-            # Every rank normalises by the whole batch's weight, so the summed gradient is the
-            # one-process gradient of the combined batch.
-            loss = dataclasses.replace(loss, normalizer=sum(sum(d.token_weights()) for d in batch))
-        return self._split_batch(batch), loss
+        k = self.info.world_size
+        return rank_shares(batch, k), whole_batch_loss(loss, batch, k)
+
+    def train_scored(self, samples: Future, recipe: Any) -> Future:
+        """Score a synchronous GRPO step's samples where they are and train on them, in one
+        request (:mod:`plexrl_dask.rl.scoring`): ``samples`` is the future of this job's
+        ``sample`` request (never fetched by the driver), ``recipe`` a
+        :class:`~plexrl_dask.rl.scoring.ScoringRecipe` (or one already sealed:
+        :func:`~plexrl_dask.rl.scoring.seal_recipe`). Future of ``{"scored": ScoredSummary}``
+        plus, when a group taught something, what :meth:`train_step` returns
+        (``forward_backward``, ``optim_step``)."""
+        from plexrl_dask.rl.scoring import ScoringRecipe, seal_recipe  # (rl imports this module)
+
+        if isinstance(recipe, ScoringRecipe):
+            recipe = seal_recipe(recipe)
+        if not isinstance(recipe, bytes):
+            raise InvalidRecipe(f"recipe must be a ScoringRecipe, got {type(recipe).__name__}")
+        if not isinstance(samples, Future):
+            raise InvalidRecipe(
+                f"samples must be the future of a sample request, got {type(samples).__name__}"
+            )
+        k = self.info.world_size
+        return self._submit(
+            "train_step", ops.train_scored, [(samples, recipe, r, k) for r in range(k)]
+        )
 
     def sample(
         self,

@@ -145,8 +145,8 @@ first single-worker head eligible there (urgent heads in share order, then the r
 is expected to start on this worker no later than on any other of its groups (expected ends of
 what runs and is queued, plus setup). If a gang comes first there, nothing is queued: a single
 does not overtake a gang that way. Nor is anything queued behind a request with ``inputs`` (it
-takes other tasks' results, which its worker may still be fetching when it is released): the
-request queued behind it could start first. A queued request counts as released
+takes other tasks' results that its worker may still be fetching when it is released, not
+those its workers hold already): the request queued behind it could start first. A queued request counts as released
 (:class:`Decision` ``behind`` names the request it waits for). The bound above then holds with
 ``2 B`` for ``B`` plus one more ``B``, ``a(r) + P_max(r) + (2 n(r) + 1) * B`` (a reserved
 worker may still run one request and hold one queued before the urgent request), and a
@@ -172,7 +172,8 @@ class Request:
     ``groups``: its candidate groups, each with one distinct worker per rank (all of one size);
     ``order``: requests of one order run in arrival order; ``arrival``: when it could first run
     (seconds on the clock ``decide`` gets); ``service_s``: the estimated service time;
-    ``inputs``: its tasks take other tasks' results (nothing is queued behind it: lookahead).
+    ``inputs``: its tasks take other tasks' results that a worker of its groups must fetch
+    first (nothing is queued behind it: lookahead).
     """
 
     request: str

@@ -19,14 +19,21 @@ One step of :class:`GRPOJob`:
 
 Requests per step: one ``sample``, one ``train_step`` per epoch (plus one ``forward`` with
 several epochs, one ``reference.forward`` with a KL term, both in flight at once), and
-without colocation the sync's ``publish_weights`` and ``load_weights``. Rewards are scored on
-the driver, which must read the samples anyway to build the batch.
+without colocation the sync's ``publish_weights`` and ``load_weights``.
 
-Round trips to the scheduler per step (counted by ``bench.grpo``): the samples' fetch (with a
-split job's sync version in the same wait), the metrics' fetch (while the next step samples),
-the dashboard report, and the placement question (:class:`PlacementFollower`), asked while the
-step trains so that nothing waits for it. Only the samples' fetch lies between a sample's end
-and the next training request; the rest overlap the workers' work.
+**Where the samples are scored.** A synchronous step without a KL term or further epochs, on
+samples (not agentic episodes), is *scored training* by default (``score_on_worker``,
+:mod:`plexrl_dask.rl.scoring`): its ``train_step`` takes the sample request's future and
+scores, batches and trains on the worker, so the driver never reads the samples and nothing
+of the driver lies between a step's sample and its training. Otherwise the driver fetches the
+samples, scores them and submits the training. The records are the same either way.
+
+Round trips to the scheduler per step (counted by ``bench.grpo``), scored training: the
+training request's result (scores and metrics, while the next step samples), the dashboard
+report and the placement question (:class:`PlacementFollower`, asked while the step trains),
+none of them between a sample's end and its training. Scored on the driver: the samples'
+fetch (with a split job's sync version in the same wait) lies there, and the metrics' fetch
+is one more.
 
 After each step the driver reports it to the scheduler (``plexrl-job`` event,
 :mod:`plexrl_dask.dashboard.jobs`) under its runtime's job name, for the dashboard's Jobs page.
@@ -34,8 +41,10 @@ After each step the driver reports it to the scheduler (``plexrl-job`` event,
 Pipelining: everything a step submits goes out at once as futures; the PlexRL scheduler keeps
 each deployment's requests in submission order, so the next step's ``sample`` may be submitted
 as soon as this step's weight sync is (it runs after the sync). The driver only waits for what
-it must read: samples (to score them) and the step's metrics. Once per step, when nothing of
-the job is in flight, it follows the job's placement; between steps it checkpoints, and after
+it must read: samples (to score them, unless the worker does) and the step's metrics. Once
+per step, when nothing of the job is in flight, it follows the job's placement (with scored
+training the next sample is in flight then: it waits for it only when something moves);
+between steps it checkpoints, and after
 a lost deployment it goes back to its last checkpoint (:mod:`plexrl_dask.rl.recovery`).
 
 Modes, same job code: **colocated** samples from the policy itself (``rollout=None``, no weight
@@ -57,6 +66,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distributed.client import FutureCancelledError
+
 from plexrl_dask import config as plexrl_config
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
@@ -69,14 +80,21 @@ from plexrl_dask.errors import (
     RequestTimeout,
     SchedulerLost,
 )
-from plexrl_dask.rl.episodes import EpisodeBatch, episode_data, run_episodes
+from plexrl_dask.rl.episodes import EpisodeBatch, run_episodes
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
-from plexrl_dask.rl.objective import GRPOConfig, group_data
+from plexrl_dask.rl.objective import GRPOConfig
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
-from plexrl_dask.shared.types import Datum, SampleResult, SamplingParams
+from plexrl_dask.rl.scoring import (
+    MAX_SEALED_TASK_BYTES,
+    ScoredSummary,
+    ScoringRecipe,
+    score_samples,
+    seal_recipe,
+    seal_task,
+)
+from plexrl_dask.shared.types import Datum, SamplingParams
 from plexrl_dask.tasks.agentic import is_agentic
 from plexrl_dask.tasks.base import Problem, Task
-from plexrl_dask.tasks.rewards import score
 from plexrl_dask.tools.pool import ToolPool
 
 logger = logging.getLogger(__name__)
@@ -111,7 +129,10 @@ class GRPOJob:
     version when the job starts (a restored checkpoint's; what the first samples are drawn
     with). ``checkpoints``: where the job saves itself every few steps and, when that
     directory already holds its checkpoint, resumes from it (:mod:`plexrl_dask.rl.job_checkpoint`;
-    the resumed run's records equal an uninterrupted run's).
+    the resumed run's records equal an uninterrupted run's). ``score_on_worker`` (default
+    ``plexrl.grpo.score-on-worker``): a synchronous step's samples are scored in its training
+    request, where they are (:mod:`plexrl_dask.rl.scoring`), not fetched by the driver; the
+    records are the same either way.
     """
 
     def __init__(
@@ -126,6 +147,7 @@ class GRPOJob:
         metrics_path: str | Path | None = None,
         start_version: int = 0,
         checkpoints: JobCheckpoints | None = None,
+        score_on_worker: bool | None = None,
     ) -> None:
         if config.kl_coef > 0 and reference is None:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
@@ -144,6 +166,14 @@ class GRPOJob:
         self.rollout = rollout
         self.reference = reference
         self.config = config
+        if score_on_worker is None:
+            score_on_worker = plexrl_config.get("grpo.score-on-worker")
+        if not isinstance(score_on_worker, bool):
+            raise ConfigError(f"score_on_worker is true or false, got {score_on_worker!r}")
+        self.score_on_worker = score_on_worker
+        self._sealed_task: bytes | None = None  # (sealed once: every step's recipe carries it)
+        if self._scores_on_worker:
+            self._sealed_task = self._seal_task()
         self.start_version = int(start_version)
         self.records: list[StepRecord] = []
         self.checkpoints = checkpoints
@@ -213,53 +243,6 @@ class GRPOJob:
                 task.observation_limit,
             )
         return self._sampler().sample([p.prompt for p in self._problems(step)], params)
-
-    def _batch(
-        self, problems: list[Problem], out: SampleResult | EpisodeBatch
-    ) -> tuple[list[Datum], list[float], list[int], int, dict[str, float]]:
-        """Training data (completions with a non-zero advantage), every reward, every
-        completion length (the policy's tokens), how many groups taught something, and each
-        reward term's mean (``reward/<name>``, for a task that scores in terms) with, for
-        episodes, their turn and tool statistics (:meth:`EpisodeBatch.stats`)."""
-        data: list[Datum] = []
-        rewards: list[float] = []
-        lengths: list[int] = []
-        terms: dict[str, float] = {}
-        groups_used = 0
-        if isinstance(out, EpisodeBatch):
-            groups = [
-                (*episode_data(g), [e.answer for e in g], [e.policy_tokens for e in g])
-                for g in out.groups
-            ]
-        else:
-            groups = [
-                (
-                    prompt,
-                    [s.tokens for s in g],
-                    None,
-                    [s.text for s in g],
-                    [len(s.tokens) for s in g],
-                )
-                for prompt, g in zip(out.prompt_tokens, out.sequences, strict=True)
-            ]
-        for problem, (prompt, completions, masks, texts, sizes) in zip(
-            problems, groups, strict=True
-        ):
-            scores = []
-            for text in texts:
-                reward, parts = score(self.task, problem, text)
-                scores.append(reward)
-                for name, value in parts.items():
-                    terms[f"reward/{name}"] = terms.get(f"reward/{name}", 0.0) + value
-            rewards.extend(scores)
-            lengths.extend(sizes)
-            kept, teaches = group_data(self.config, prompt, completions, scores, masks)
-            groups_used += teaches
-            data.extend(kept)
-        extra = {k: v / len(rewards) for k, v in terms.items()}
-        if isinstance(out, EpisodeBatch):
-            extra.update(out.stats())
-        return data, rewards, lengths, groups_used, extra
 
     def _train(self, step: int, data: list[Datum], old: Any = None) -> list[Any]:
         """Submit step ``step``'s training; returns its futures. ``old``: a future of the
@@ -397,11 +380,111 @@ class GRPOJob:
         flight) changes no state; its last checkpoint stands."""
         self._stop.set()
 
+    def _seal_task(self) -> bytes | None:
+        """The task sealed for the workers; None (and the job scores on the driver, saying
+        why) for one that does not pickle or is too large to travel with every step."""
+        try:
+            sealed = seal_task(self.task)
+        except Exception as e:  # (whatever pickling it raises: a lock, an open file)
+            logger.warning("%s: its task does not pickle (%s); scoring on the driver", self.name, e)
+            self.score_on_worker = False
+            return None
+        if len(sealed) > MAX_SEALED_TASK_BYTES:
+            logger.info(
+                "%s: its task pickles to %d bytes, more than a step's request should carry; "
+                "scoring on the driver", self.name, len(sealed),
+            )  # fmt: skip
+            self.score_on_worker = False
+            return None
+        return sealed
+
+    @property
+    def _scores_on_worker(self) -> bool:
+        """Whether steps score their samples in the training request (:mod:`~plexrl_dask.rl.scoring`):
+        synchronous steps without a KL term or further epochs, on samples (not episodes)."""
+        c = self.config
+        return (
+            self.score_on_worker
+            and c.kl_coef == 0
+            and c.epochs == 1
+            and c.staleness == 0
+            and not is_agentic(self.task)
+        )
+
+    def _scored_step(
+        self, step: int, problems: list[Problem], pending: Any, pending_version: Any
+    ) -> tuple[list[Any], Any, Any, Any]:
+        """Submit step ``step``'s scored training on its samples' future (the driver never
+        reads them) and the next step's sample; returns the training futures, the next
+        samples' future and version, and the version these were drawn with (an int, or the
+        future of the sync that preceded them). With nothing to learn the worker trains
+        nothing and a split job's sync finds every tensor unchanged."""
+        c = self.config
+        recipe = seal_recipe(ScoringRecipe(self.task, c, tuple(problems), step), self._sealed_task)
+        futures = [self.policy.train_scored(pending, recipe)]
+        sampled_with = pending_version
+        if self.rollout is None:
+            sampled_with = self.records[-1].version if self.records else self.start_version
+        if step + 1 < c.steps:
+            sync = self._sync()
+            pending = self._submit_sample(step + 1)  # runs after the sync
+            pending_version = sync
+            self.follow_placement.ask()  # (answered while this step trains)
+        return futures, pending, pending_version, sampled_with
+
+    def _driver_step(
+        self, step: int, problems: list[Problem], pending: Any, pending_version: Any
+    ) -> tuple[ScoredSummary, list[Any], Any, Any, int]:
+        """Step ``step`` scored on the driver: wait for its samples, follow the placement (no
+        request of the job in flight), build the batch, submit the training (and a
+        split-async job's old log-probabilities and sync) and the next sample. Returns the
+        scores, the training futures, the next samples' future and version, and the
+        version these samples were drawn with."""
+        c = self.config
+        ahead = c.staleness == 1
+        if self.rollout is None:  # colocated: the policy samples with its current weights
+            out = result(pending)
+            sampled_with = self.records[-1].version if self.records else self.start_version
+        elif isinstance(pending_version, int):
+            out, sampled_with = result(pending), pending_version
+        else:  # (the samples and the sync that preceded them: one wait)
+            out, synced = result([pending, pending_version])
+            sampled_with = int(synced)
+        # (nothing of the job is in flight here; the question was asked ahead)
+        self.follow_placement()
+        scored = score_samples(self.task, c, problems, out)
+        data = list(scored.data)
+        if isinstance(out, EpisodeBatch):
+            episodes = [e for g in out.groups for e in g]
+            self.episode_turns += [len(e.turns) for e in episodes]
+            self.tool_seconds += [r.seconds for e in episodes for r in e.calls]
+        old = None
+        if ahead and data:
+            assert self.rollout is not None
+            old = self.rollout.forward(data)  # (queued before the sync below: old weights)
+        # (ahead, the sync for the next step's samples is what a checkpoint saves of the
+        # rollout: it is made after the last step too, so the job can be continued)
+        if ahead and (step + 1 < c.steps or self.checkpoints is not None):
+            sync = self._sync()
+        if ahead and step + 1 < c.steps:
+            pending, pending_version = self._submit_sample(step + 1), sync
+        elif ahead and self.checkpoints is not None:
+            # (held to the end: Dask cancels a request whose future is released before it
+            # runs, and the checkpoint saved next must find this sync done)
+            pending_version = sync
+        futures = self._train(step, data, old) if data else []
+        if not ahead and step + 1 < c.steps:
+            sync = self._sync() if futures else None
+            pending = self._submit_sample(step + 1)  # runs after the sync
+            pending_version = sync if sync is not None else sampled_with
+        if step + 1 < c.steps:  # (answered while this step trains)
+            self.follow_placement.ask()
+        return scored.summary, futures, pending, pending_version, sampled_with
+
     def _run(
         self, on_step: Callable[[StepRecord], None] | None, recovering: bool
     ) -> list[StepRecord]:
         c = self.config
-        ahead = c.staleness == 1
         first, pending_version = self._resume(recovering)
         if not recovering:  # (the first step this run() ran, for its ledger)
             self.first_step = first
@@ -414,39 +497,26 @@ class GRPOJob:
                 raise JobStopped(f"{self.name} stopped before step {step} of {c.steps}")
             t0 = time.perf_counter()
             problems = self._problems(step)
-            if self.rollout is None:  # colocated: the policy samples with its current weights
-                out = result(pending)
-                sampled_with = self.records[-1].version if self.records else self.start_version
-            elif isinstance(pending_version, int):
-                out, sampled_with = result(pending), pending_version
-            else:  # (the samples and the sync that preceded them: one wait)
-                out, synced = result([pending, pending_version])
-                sampled_with = int(synced)
-            # (nothing of the job is in flight here; the question was asked ahead)
-            self.follow_placement()
-            data, rewards, lengths, groups_used, terms = self._batch(problems, out)
-            if isinstance(out, EpisodeBatch):
-                episodes = [e for g in out.groups for e in g]
-                self.episode_turns += [len(e.turns) for e in episodes]
-                self.tool_seconds += [r.seconds for e in episodes for r in e.calls]
-            old = None
-            if ahead and data:
-                assert self.rollout is not None
-                old = self.rollout.forward(data)  # (queued before the sync below: old weights)
-            # (ahead, the sync for the next step's samples is what a checkpoint saves of the
-            # rollout: it is made after the last step too, so the job can be continued)
-            if ahead and (step + 1 < c.steps or self.checkpoints is not None):
-                sync = self._sync()
-            if ahead and step + 1 < c.steps:
-                pending, pending_version = self._submit_sample(step + 1), sync
-            futures = self._train(step, data, old) if data else []
-            if not ahead and step + 1 < c.steps:
-                sync = self._sync() if futures else None
-                pending = self._submit_sample(step + 1)  # runs after the sync
-                pending_version = sync if sync is not None else sampled_with
-            if step + 1 < c.steps:  # (answered while this step trains)
-                self.follow_placement.ask()
-            metrics = result(futures) if futures else []
+            if self._scores_on_worker:
+                samples = pending
+                futures, pending, pending_version, sampled_with = self._scored_step(
+                    step, problems, pending, pending_version
+                )
+                try:
+                    metrics = result(futures)
+                except FutureCancelledError:
+                    # (cancelled for a lost input: the samples' own error says why, typed:
+                    # a scheduler gone, a worker lost)
+                    result(samples)
+                    raise
+                summary = metrics[-1]["scored"]
+                if not isinstance(sampled_with, int):  # (a split step's sync, long done)
+                    sampled_with = int(result(sampled_with))
+            else:
+                summary, futures, pending, pending_version, sampled_with = self._driver_step(
+                    step, problems, pending, pending_version
+                )
+                metrics = result(futures) if futures else []
             last = metrics[-1] if metrics else {}
             fb, opt = last.get("forward_backward"), last.get("optim_step")
             version = (
@@ -454,21 +524,22 @@ class GRPOJob:
                 if opt is not None
                 else (self.records[-1].version if self.records else self.start_version)
             )
+            rewards = summary.rewards
             record = StepRecord(
                 job=self.name,
                 step=step,
                 reward_mean=sum(rewards) / len(rewards),
                 reward_max=max(rewards),
-                groups_used=groups_used,
-                sampled_tokens=out.num_tokens(),
-                completion_lengths=lengths,
+                groups_used=summary.groups_used,
+                sampled_tokens=summary.sampled_tokens,
+                completion_lengths=list(summary.lengths),
                 loss=None if fb is None else float(fb["loss"]),
                 grad_norm=None if opt is None else float(opt.get("grad_norm", float("nan"))),
                 version=version,
                 sampled_with=sampled_with,
                 wall_s=time.perf_counter() - t0,
                 extra={
-                    **terms,
+                    **summary.terms,
                     **{k: float(fb[k]) for k in ("kl", "clip_fraction") if fb and k in fb},
                 },
             )
@@ -481,6 +552,10 @@ class GRPOJob:
                 self.saver.step_done(asdict(record), step + 1, c.steps)
             if on_step is not None:
                 on_step(record)
+            if self._scores_on_worker and step + 1 < c.steps:
+                if self.follow_placement.due():  # (the job must be still to move)
+                    result(pending)  # (the next samples, in flight)
+                self.follow_placement()  # (no moves: no round trip; the next step asks again)
         if self.rollout is not None:
             result(self._sync())  # the rollout ends with the final weights
         return self.records

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from plexrl_dask.config import request_timeout
 from plexrl_dask.driver.runtime import Deployment, Runtime, result
 from plexrl_dask.errors import (
     CheckpointError,
@@ -189,6 +190,21 @@ class PlacementFollower:
         """Start the next call's question now (where none is pending)."""
         if not self.stay and self._asked is None:
             self._asked = self.runtime.ask_relocations()
+
+    def due(self) -> bool:
+        """Whether the call would move something (or raise): the question asked ahead lists
+        moves, or was not answered as it should. A job that keeps its next request in flight
+        across steps (scored training) lets it end before calling, only then. Waits for the
+        answer (asked while the step ran: there by now); False when nothing was asked."""
+        if self.stay or self._asked is None:
+            return False
+        try:
+            status = self._asked.result(timeout=request_timeout() + 5.0)
+        except Exception:
+            return True  # (the call raises it, typed)
+        return not (isinstance(status, dict) and status.get("status") == "OK") or bool(
+            status.get("moves")
+        )
 
     def __call__(self) -> None:
         asked, self._asked = self._asked, None

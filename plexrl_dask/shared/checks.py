@@ -26,6 +26,7 @@ from plexrl_dask import config
 from plexrl_dask.errors import (
     ConfigError,
     EmptyBatch,
+    InvalidBatch,
     InvalidLoss,
     InvalidOptimizerParams,
     InvalidSamplingParams,
@@ -174,3 +175,24 @@ def checked_weights(weights: Any) -> Mapping[str, Any]:
         ):
             raise WeightsMismatch(f"{name}: NaN or infinite values; nothing was written")
     return weights
+
+
+def rank_shares(batch: Sequence[Datum], ranks: int) -> list[tuple[Datum, ...]]:
+    """``batch`` split into ``ranks`` contiguous shares, rank ``r``'s at ``r`` (sizes differ
+    by at most one); :class:`InvalidBatch` when it has fewer sequences than ranks."""
+    if len(batch) < ranks:
+        raise InvalidBatch(
+            f"a batch of {len(batch)} sequences cannot be split over {ranks} ranks: give at "
+            f"least {ranks}"
+        )
+    bounds = [round(i * len(batch) / ranks) for i in range(ranks + 1)]
+    return [tuple(batch[bounds[i] : bounds[i + 1]]) for i in range(ranks)]
+
+
+def whole_batch_loss(loss: Any, batch: Sequence[Datum], ranks: int) -> Any:
+    """``loss`` as every rank of a sharded policy computes it: normalised by the whole
+    batch's token weight (unless it names a normaliser), so the summed gradient is one
+    process's gradient of the whole batch."""
+    if ranks > 1 and loss.normalizer is None:
+        return dataclasses.replace(loss, normalizer=sum(sum(d.token_weights()) for d in batch))
+    return loss

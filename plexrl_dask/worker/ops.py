@@ -35,6 +35,7 @@ from distributed.worker import thread_state
 from plexrl_dask import worker as engine
 from plexrl_dask.errors import (
     CheckpointError,
+    InvalidRecipe,
     NoPlexRLWorkers,
     NotRouted,
     PlexRLError,
@@ -43,6 +44,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.shared.checks import (
+    check_rows,
     checked_adamw,
     checked_batch,
     checked_loss,
@@ -210,6 +212,37 @@ def train_step(
             lambda: (checked_batch(batch), checked_loss(loss), checked_adamw(params))
         )
         return backend.train_step(*args)
+
+    return _run(deployment, "train_step", call)
+
+
+def train_scored(
+    deployment: str, samples: SampleResult, recipe: bytes, rank: int = 0, ranks: int = 1
+) -> dict[str, Any]:
+    """Score a GRPO step's ``samples`` with ``recipe`` (sealed: :mod:`plexrl_dask.rl.scoring`) and
+    :func:`train_step` on rank ``rank``'s share of the batch, in one request (``ranks``: the
+    policy's world size, which the worker checks against its own). Returns
+    ``{"scored": ScoredSummary}`` and, when a group taught something, ``train_step``'s
+    result; with nothing to learn from, nothing trains (every rank sees the same scores)."""
+    # (imported here: plexrl_dask.rl imports the driver, which imports this module)
+    from plexrl_dask.rl.scoring import checked_recipe, scored_training
+
+    def call(backend: Any) -> dict[str, Any]:
+        def prepare() -> tuple[Any, Any]:
+            here = backend._rank(), getattr(backend, "world_size", 1)
+            if (rank, ranks) != here:
+                raise InvalidRecipe(f"rank {rank} of {ranks} sent to rank {here[0]} of {here[1]}")
+            summary, training = scored_training(*checked_recipe(recipe, samples), rank, ranks)
+            if training is not None:
+                check_rows(len(summary.rewards), "the scored samples")
+            return summary, training
+
+        # (one agreement for every rank: the same checks, the same scores, the same data;
+        # the batch's tokens are checked by the training itself, as any batch's)
+        summary, training = backend._checked(prepare)
+        if training is None:
+            return {"scored": summary}
+        return {"scored": summary, **backend.train_step(*training)}
 
     return _run(deployment, "train_step", call)
 
@@ -385,11 +418,14 @@ def combine(op: str, *results: Any) -> Any:
             merged[key] = float(sum(r.get(key, 0.0) * r["total_weight"] for r in results) / total)
         return merged
     if op == "train_step":
+        # (a scored step's ranks agree on its scores; with nothing to learn, none trained)
+        if "forward_backward" not in results[0]:
+            return results[0]
         return {
+            **results[0],
             "forward_backward": combine(
                 "forward_backward", *(r["forward_backward"] for r in results)
             ),
-            "optim_step": results[0]["optim_step"],
         }
     return results[0]  # optim_step, get_weights, set_weights, load: rank 0 speaks for all
 
@@ -404,6 +440,7 @@ __all__ = [
     "load_state",
     "load_weights",
     "optim_step",
+    "train_scored",
     "train_step",
     "publish_weights",
     "save_state",
