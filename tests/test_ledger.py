@@ -422,7 +422,7 @@ def test_the_reward_plots_moving_average_averages_the_window_before_each_step():
 def test_a_pool_spreads_the_jobs_estimated_work_longest_first():
     from plexrl_dask.rl.catalog import standard_jobs
     from plexrl_dask.rl.modes import Layout, pool_placement
-    from plexrl_dask.rl.sizing import step_work
+    from plexrl_dask.rl.sizing import StepWork, step_work
     from tests.conftest import tiny_spec
 
     spec = tiny_spec(seed=3)
@@ -456,6 +456,15 @@ def test_a_pool_spreads_the_jobs_estimated_work_longest_first():
     assert one == pool_placement(jobs, rep, ["a", "b"], groups, stream_rows=128)
     with pytest.raises(errors.ConfigError, match="pool"):
         pool_placement(jobs, Layout("multiplexed", 1, 0), ["a"], groups, stream_rows=128)
+    # A profile (seconds per step) places by what the jobs did, not by FLOPs: the two jobs
+    # measured longest go to different workers, each with one short one.
+    profile = {"add2": 0.05, "countdown3": 0.15, "addsub2": 0.03, "countdown4": 0.14}
+    by_time = pool_placement(
+        jobs, Layout("multiplexed", 2, 0), ["a", "b"], stream_rows=128,
+        work={n: StepWork(sample=0.0, train=t) for n, t in profile.items()},
+    )  # fmt: skip
+    assert by_time["countdown3"].train != by_time["countdown4"].train
+    assert by_time["countdown3"].train == by_time["addsub2"].train
 
 
 def test_the_longest_jobs_bound_and_the_time_other_jobs_held_it_up():

@@ -3,7 +3,8 @@
     python -m plexrl_dask.bench.grpo --json OUT [--quick]
 
 Every arm runs :class:`~plexrl_dask.rl.grpo.GRPOJob`'s own step (sampling seeded per (job,
-step, prompt, sample), exact rewards, group advantages, one fused ``train_step``, the same
+step, prompt, sample), exact rewards, group advantages, one fused ``train_step`` that scores
+its samples where they are (:mod:`plexrl_dask.rl.scoring`), the same
 :class:`~plexrl_dask.rl.objective.GRPOConfig`); the in-process arms hand it an
 :class:`InProcessDeployment`, a baseline harness whose calls run a
 :class:`~plexrl_dask.worker.backends.torch_backend.TorchBackend` in the driver and return
@@ -31,10 +32,17 @@ thread everywhere.
   of them a step waits for: ``rl/grpo.py``'s module docstring and ``benchmarks/RESULTS.md``.
 - ``pool_vs_parallel_processes``: wall time of the mix's four jobs multiplexed on a
   ``local_cluster`` of two workers (:func:`~plexrl_dask.rl.grpo.run_jobs`, every job
-  colocated on one deployment placed by the scheduler) ÷ the same four jobs as two processes
-  (one core each), each running its pair of jobs in process one after the other: jobs 1–2 and
-  3–4 of the mix. Setup (cluster, deployments, weights; processes, backends) is outside both
-  (target ≤ 1.0). ``pool_records_equal``: every job's records are the same in both arms.
+  colocated on one deployment, placed as the multiplexed mode places the mix:
+  :func:`~plexrl_dask.rl.modes.pool_placement`, longest expected work first on the least
+  loaded worker, each job's work its measured seconds per step in process: a profile, as
+  PlexRL's placement profiles a job's first steps) ÷ the same four jobs as two processes (one core each), each running its pair
+  of jobs in process one after the other: jobs 1–2 and 3–4 of the mix. Setup (cluster,
+  deployments, weights; processes, backends) is outside both (target ≤ 1.0).
+  ``pool_records_equal``: every job's records are the same in both arms. Where the pool's CPU
+  went (the repetition of the median wall): ``pool_driver_cpu_s`` (the driver's process: its
+  jobs' threads, its client and the ``local_cluster``'s scheduler, all on the same two cores),
+  ``pool_worker_cpu_s`` and ``pool_worker_busy_s`` (each worker's CPU seconds, and the seconds
+  its requests ran), and the placement in the config.
 - ``bos_matches_hf``: a saved checkpoint whose tokenizer's post-processor adds BOS; string
   prompts through ``Deployment.tokenize`` and through ``sample`` (its ``prompt_tokens``) give
   ``AutoTokenizer.from_pretrained(dir)(prompt)``'s ids, and sampling from the string equals
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import resource
 import tempfile
 import threading
 import time
@@ -63,8 +72,9 @@ from plexrl_dask import config
 from plexrl_dask.bench.common import median, parser, report
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.grpo import GRPOJob, StepRecord, run_jobs
-from plexrl_dask.rl.modes import JobSpec
+from plexrl_dask.rl.modes import JobSpec, Layout, pool_placement
 from plexrl_dask.rl.scoring import ScoringRecipe, checked_recipe, scored_training
+from plexrl_dask.rl.sizing import StepWork
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.checks import checked_adamw, checked_batch, checked_loss, checked_sample
 from plexrl_dask.shared.types import AdamWParams, Datum, SampleResult, SamplingParams, Streams
@@ -271,6 +281,12 @@ def _same(a: Sequence[StepRecord], b: Sequence[StepRecord]) -> bool:
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
 
 
+def _median_index(values: Sequence[float]) -> int:
+    """The index of ``values``' median (the lower one of an even count)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return order[(len(order) - 1) // 2]
+
+
 def _rate(marks: Sequence[float]) -> float:
     """Steps per second from the first step's end to the last's."""
     return (len(marks) - 1) / (marks[-1] - marks[0])
@@ -386,21 +402,53 @@ def parallel_processes(
     return wall, {name: r for *_, records in done for name, r in records.items()}
 
 
+def _cpu_s(dask_worker: Any = None) -> float:
+    """CPU seconds this process has used (its threads and the scheduler's, in the driver)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def pool(
-    specs: list[JobSpec], weights: dict[str, Weights], workers: int
-) -> tuple[float, dict[str, list[StepRecord]]]:
+    specs: list[JobSpec],
+    weights: dict[str, Weights],
+    workers: int,
+    profile: dict[str, float] | None = None,
+) -> tuple[float, dict[str, list[StepRecord]], dict[str, Any]]:
     """Wall time of ``specs`` multiplexed on a pool of ``workers`` (each job colocated on one
-    deployment the scheduler places), from ``run_jobs`` to its return, and their records."""
+    deployment, placed as the multiplexed mode places the mix:
+    :func:`~plexrl_dask.rl.modes.pool_placement`, by ``profile``'s seconds per step where
+    given, else by estimated FLOPs), from ``run_jobs`` to its return, their
+    records, and where the CPU went meanwhile: the driver's process (its jobs' threads, its
+    client and, in a ``local_cluster``, the scheduler) and each worker's, and each worker's
+    busy seconds (its requests' spans)."""
     with plexrl.local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
+        gpu = str(config.get("worker.gpu-resource"))
+        addresses = sorted(
+            a for a, w in client.scheduler_info()["workers"].items() if w["resources"].get(gpu)
+        )
+        work = {n: StepWork(sample=0.0, train=t) for n, t in (profile or {}).items()}
+        placed = pool_placement(specs, Layout("multiplexed", workers), addresses, work=work)
         jobs = []
         for spec in specs:
             runtime = plexrl.Runtime(client, job=spec.name)
-            policy = runtime.deploy("policy", spec.model)
+            policy = runtime.deploy("policy", spec.model, workers=list(placed[spec.name].train))
             plexrl.result(policy.set_weights(weights[spec.name], version=0))
             jobs.append(GRPOJob(spec.name, runtime, spec.task, policy, spec.grpo))
-        t0 = time.perf_counter()
+        cpu0, workers0 = _cpu_s(), client.run(_cpu_s)
+        t0, since = time.perf_counter(), time.time()
         records = run_jobs(jobs)
-        return time.perf_counter() - t0, records
+        wall = time.perf_counter() - t0
+        cpu1, workers1 = _cpu_s(), client.run(_cpu_s)
+        busy = dict.fromkeys(addresses, 0.0)
+        for span in jobs[0].runtime.timeline(since):
+            if span.start >= since:
+                busy[span.worker] += span.seconds
+        return wall, records, {
+            "driver_cpu_s": cpu1 - cpu0,
+            "worker_cpu_s": sorted(workers1[a] - workers0[a] for a in addresses),
+            "worker_busy_s": sorted(busy.values()),
+            "placement": {s.name: list(placed[s.name].train) for s in specs},
+        }
 
 
 def split_round_trips(spec: JobSpec, weights: Weights, steps: int) -> dict[str, Any]:
@@ -458,11 +506,16 @@ def main() -> None:
     results = step_rates(specs, weights, steps, reps)
     results.update(split_round_trips(specs[0], weights[specs[0].name], max(4, steps // 2)))
     pairs = [specs[:2], specs[2:]]
+    # The pool is placed by a profile (as PlexRL's placement profiles a job's first steps):
+    # each job's measured seconds per step in process. The processes' pairs are the mix's.
+    profile = {s.name: 1 / results[f"steps_per_s_in_process_{s.name}"] for s in specs}
     walls: dict[str, list[float]] = {"pool": [], "processes": []}
+    where: list[dict[str, Any]] = []
     same = True
     for _ in range(1 if args.quick else 3):  # (arms alternated)
-        wall, pooled = pool(specs, weights, workers=2)
+        wall, pooled, spent = pool(specs, weights, 2, profile)
         walls["pool"].append(wall)
+        where.append(spent)
         timeout = config.request_timeout() * pool_steps * len(specs)
         wall, alone = parallel_processes(pairs, weights, timeout)
         walls["processes"].append(wall)
@@ -472,6 +525,10 @@ def main() -> None:
         pool_wall_s=median(walls["pool"]),
         parallel_processes_wall_s=median(walls["processes"]),
         pool_records_equal=same,
+        # (the repetition of the median wall: where its CPU went)
+        pool_driver_cpu_s=where[_median_index(walls["pool"])]["driver_cpu_s"],
+        pool_worker_cpu_s=where[_median_index(walls["pool"])]["worker_cpu_s"],
+        pool_worker_busy_s=where[_median_index(walls["pool"])]["worker_busy_s"],
         bos_matches_hf=bos_matches_hf(["12+3=", "7*8=", "countdown 3 4 5 -> 12"]),
     )
     cfg = {
@@ -483,6 +540,7 @@ def main() -> None:
         "repetitions": reps,
         "warmup_s": warmup_s,
         "walls": walls,
+        "pool_placement": where[0]["placement"],
         "max_batch_size": int(config.get("sampling.max-batch-size")),
     }
     targets = {

@@ -300,10 +300,13 @@ def pool_placement(
     pool: Sequence[str],
     groups: Mapping[str, int] | None = None,
     stream_rows: int | None = None,
+    work: Mapping[str, StepWork] | None = None,
 ) -> dict[str, PoolPlace]:
     """Each job's workers in the pool of a multiplexed ``layout``, the expected work spread
-    over them: longest job first (its steps × its estimated step work), each of its parts to
-    the least-loaded worker so far (LPT, Graham's rule: a makespan within 4/3 of the best).
+    over them: longest job first (its steps × its step work), each of its parts to the
+    least-loaded worker so far (LPT, Graham's rule: a makespan within 4/3 of the best). A
+    job's step work is ``work[name]`` where given (a profile: what its steps took), else its
+    estimate (:meth:`JobSpec.step_work`, FLOPs).
 
     A job's parts: each training rank's share of the step (training splits evenly over its
     ``groups[name]`` ranks, default one), and the rollout. Sampled by rollout replicas, the
@@ -321,14 +324,15 @@ def pool_placement(
         raise ConfigError(f"{layout.label}: a job needs more than the pool's {len(pool)} workers")
     parts: dict[str, tuple[list[float], list[float]]] = {}
     for spec in specs:
-        k, work, g = groups[spec.name], spec.step_work(), spec.grpo
+        k, g = groups[spec.name], spec.grpo
+        step = (work or {}).get(spec.name) or spec.step_work()
         replicas = layout.replicas_for(k)
-        ranks = [work.train / k] * k
-        rollout = [work.sample / replicas] * replicas if replicas else []
+        ranks = [step.train / k] * k
+        rollout = [step.sample / replicas] * replicas if replicas else []
         if not replicas:
             chunks = split_prompts(g.prompts_per_step, k, g.group_size, stream_rows)
             for rank, (a, b) in enumerate(chunks):
-                ranks[rank] += work.sample * (b - a) / g.prompts_per_step
+                ranks[rank] += step.sample * (b - a) / g.prompts_per_step
         parts[spec.name] = ([w * g.steps for w in ranks], [w * g.steps for w in rollout])
     load = dict.fromkeys(pool, 0.0)
     order = sorted(specs, key=lambda s: (-sum(map(sum, parts[s.name])), s.name))
