@@ -52,7 +52,7 @@ def main() -> None:
             "rollout",
             spec,
             role="rollout",
-            workers=[w for w in client.scheduler_info()["workers"] if w != policy.info.worker],
+            workers=[w for w in plexrl.worker_info(client) if w != policy.info.worker],
         )
         plexrl.result(runtime.sync_weights(policy, rollout))
         reference = None

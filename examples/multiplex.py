@@ -62,7 +62,7 @@ def gpu_workers(client: Client, n: int, timeout: float | None) -> list[str]:
     resource = dask.config.get("plexrl.worker.gpu-resource")
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        info = client.scheduler_info(n_workers=-1)["workers"]
+        info = plexrl.worker_info(client)
         found = sorted(a for a, w in info.items() if w.get("resources", {}).get(resource, 0) >= 1)
         if len(found) >= n:
             return found

@@ -34,7 +34,7 @@ def main() -> None:
 
     with plexrl.local_cluster(n_workers=args.workers) as cluster, Client(cluster) as client:
         console.print(
-            f"cluster up: {len(client.scheduler_info()['workers'])} workers, dashboard {cluster.dashboard_link}"
+            f"cluster up: {len(plexrl.worker_info(client))} workers, dashboard {cluster.dashboard_link}"
         )
         runtime = plexrl.Runtime(client, job="quickstart")
         policy = runtime.deploy(

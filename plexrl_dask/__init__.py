@@ -22,6 +22,7 @@ _LAZY = {
     "ops": "plexrl_dask.worker.ops",
     "install": "plexrl_dask.cluster",
     "local_cluster": "plexrl_dask.cluster",
+    "worker_info": "plexrl_dask.cluster",
     "slurm_cluster": "plexrl_dask.slurm",
     "kube_cluster_spec": "plexrl_dask.kubernetes",
     "ModelSpec": "plexrl_dask.models",
@@ -77,4 +78,5 @@ __all__ = [
     "ops",
     "result",
     "slurm_cluster",
+    "worker_info",
 ]

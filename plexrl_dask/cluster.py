@@ -158,6 +158,15 @@ class PlexRLLocalCluster(LocalCluster):
                 _remove_tiers(self.plexrl_state)
 
 
+def worker_info(client: Client) -> dict[str, dict[str, Any]]:
+    """Every worker the scheduler has now: address -> its identity (name, resources, ...).
+
+    Read from the scheduler, not from ``worker_info(client)``: a distributed
+    2026 client refreshes that cached identity every few seconds *without* its workers (only
+    cluster totals), so a call that reads it just after such a refresh sees none."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may hand to local workers: the entries of its own
     ``CUDA_VISIBLE_DEVICES`` when set, else every device CUDA reports; none when
@@ -418,7 +427,7 @@ class JournaledCluster:
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(OSError):
-                if len(client.scheduler_info()["workers"]) >= n_workers:
+                if len(worker_info(client)) >= n_workers:
                     return
             if time.monotonic() > deadline:
                 raise SchedulerNotStarted(f"{self.address} did not serve {n_workers} workers")

@@ -168,11 +168,11 @@ def batch_interval() -> float | None:
     return None if get("comm.batch-interval") is None else get_seconds("comm.batch-interval", positive=False)
 
 
-def tune_batched_send(stream: object) -> bool:
-    """Set a Dask ``BatchedSend``'s interval to :func:`batch_interval`; False where there is
-    none to set (null, or no such stream). A ``BatchedSend`` reads ``interval`` before each
-    send, so this takes effect on a running stream."""
-    interval = batch_interval()
+def tune_batched_send(stream: object, interval: float | None = None) -> bool:
+    """Set a Dask ``BatchedSend``'s interval to ``interval`` (default :func:`batch_interval`);
+    False where there is none to set (null, or no such stream). A ``BatchedSend`` reads
+    ``interval`` before each send, so this takes effect on a running stream."""
+    interval = batch_interval() if interval is None else interval
     if interval is None or not isinstance(getattr(stream, "interval", None), (int, float)):
         return False
     stream.interval = interval  # type: ignore[attr-defined]

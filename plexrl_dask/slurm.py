@@ -34,7 +34,7 @@ from typing import Any
 from distributed import Client
 
 from plexrl_dask import config, protocol
-from plexrl_dask.cluster import GPU_NANNY, PRELOAD
+from plexrl_dask.cluster import GPU_NANNY, PRELOAD, worker_info
 from plexrl_dask.errors import (
     BatchJobRefused,
     ConfigError,
@@ -216,7 +216,7 @@ def job_ids(cluster: Any) -> dict[str, str]:
 
 def job_of_worker(cluster: Any, client: Client, worker: str) -> str:
     """The SLURM job id of the job that started ``worker`` (an address)."""
-    name = str(client.scheduler_info()["workers"][worker]["name"])
+    name = str(worker_info(client)[worker]["name"])
     ids = job_ids(cluster)
     for job, job_id in ids.items():
         if name == job or name.startswith(f"{job}-"):
@@ -242,7 +242,7 @@ def wait_for_plexrl_workers(
         if time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    joined = client.scheduler_info()["workers"]
+    joined = worker_info(client)
     silent = sorted(set(joined) - set(reported))
     failed = {w: e for w, e in status.get("holder_errors", {}).items() if w in silent}
     if failed:

@@ -211,6 +211,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             ),
         )
         self.prefetch_hints = bool(config.get("scheduler.prefetch-hints"))
+        self.batch_interval = config.batch_interval()  # (plexrl.comm; None: Dask's own)
         self.hints: dict[
             str, tuple[str | None, str]
         ] = {}  # worker -> (deployment, uid) last hinted
@@ -249,7 +250,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         for stream in [*scheduler.stream_comms.values(), *scheduler.client_comms.values()]:
-            config.tune_batched_send(stream)  # (plexrl.comm.batch-interval)
+            config.tune_batched_send(stream, self.batch_interval)
         self.registry.start(scheduler)
         self._start_principals(scheduler)
         restored = self.registry.restore()
@@ -533,7 +534,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if routed:
             # The stream to the requesting client carries its results' "key in memory": it
             # exists once the client connected (after add_client), so it is tuned here.
-            config.tune_batched_send(scheduler.client_comms.get(kwargs.get("client")))
+            config.tune_batched_send(
+                scheduler.client_comms.get(kwargs.get("client")), self.batch_interval
+            )
             self._soon(self._dispatch)
 
     def _route(self, ts: TaskState) -> None:
@@ -879,7 +882,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self._soon(self._reroute_orphans)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        config.tune_batched_send(scheduler.stream_comms.get(worker))
+        config.tune_batched_send(scheduler.stream_comms.get(worker), self.batch_interval)
         ws = scheduler.workers.get(worker)
         if ws is not None and ws.resources.get(self.gpu_resource, 0) >= 1:
             self.dispatcher.add_worker(worker)

@@ -41,7 +41,7 @@ def test_each_local_worker_sees_one_gpu_of_the_node(monkeypatch):
         Client(c, set_as_default=False) as client,
     ):
         seen = client.run(_cuda_env)
-        names = {w["id"]: a for a, w in client.scheduler_info()["workers"].items()}
+        names = {w["id"]: a for a, w in plexrl.worker_info(client).items()}
         assert (seen[names[0]], seen[names[1]]) == ("3", "5")
 
 

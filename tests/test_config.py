@@ -71,3 +71,40 @@ def test_tiny_model_sizes_are_checked_before_anything_is_built(kwargs):
 def test_replaying_malformed_placement_inputs_is_an_invalid_trace(event):
     with pytest.raises(errors.InvalidTrace, match="placement input 0"):
         replay([], PlacementConfig(), [event])
+
+
+def test_batched_streams_get_the_configured_interval_or_keep_dasks():
+    from distributed.batched import BatchedSend
+
+    stream = BatchedSend(interval="10ms")
+    assert config.tune_batched_send(stream) and stream.interval == 0.001
+    with dask.config.set({"plexrl.comm.batch-interval": None}):
+        other = BatchedSend(interval="10ms")
+        assert not config.tune_batched_send(other) and other.interval == 0.01
+    with dask.config.set({"plexrl.comm.batch-interval": "0ms"}):
+        assert config.tune_batched_send(stream) and stream.interval == 0.0
+    with (
+        dask.config.set({"plexrl.comm.batch-interval": "soon"}),
+        pytest.raises(errors.ConfigError, match="batch-interval"),
+    ):
+        config.tune_batched_send(stream)
+    assert not config.tune_batched_send(None)  # (a client not connected yet)
+
+
+def test_a_cluster_and_its_runtime_use_the_configured_interval(client):
+    """Every hop of a request: the driver's stream to the scheduler, the scheduler's to the
+    workers and to the driver, each worker's to the scheduler."""
+    runtime = plexrl.Runtime(client, job="interval-check")
+    assert client.scheduler_comm.interval == 0.001
+    policy = runtime.deploy("interval-policy", plexrl.ModelSpec.tiny(hidden_size=32, num_layers=1))
+    plexrl.result(policy.forward([plexrl.Datum(tokens=[1, 5])]))  # (a routed request)
+    workers = client.run(lambda dask_worker: dask_worker.batched_stream.interval)
+    assert set(workers.values()) == {0.001}
+    on_scheduler = client.run_on_scheduler(
+        lambda dask_scheduler, me=client.id: (
+            {b.interval for b in dask_scheduler.stream_comms.values()},
+            dask_scheduler.client_comms[me].interval,
+        )
+    )
+    assert on_scheduler == ({0.001}, 0.001)
+    runtime.undeploy("interval-policy")

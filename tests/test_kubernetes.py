@@ -262,7 +262,7 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
             )
         with Client(address, set_as_default=False, timeout=60) as client:
             client.wait_for_workers(4, timeout=WAIT_S)
-            names = sorted(w["name"] for w in client.scheduler_info()["workers"].values())
+            names = sorted(w["name"] for w in plexrl.worker_info(client).values())
             assert names == sorted(f"{pod}-{k}" for pod in pods for k in (0, 1))
             runtime = plexrl.Runtime(client, job=unique("kube"))
             deadline = time.monotonic() + WAIT_S

@@ -123,11 +123,11 @@ def test_worker_restart_recreates_holder_and_replaces_deployments(small_client):
     small_client.restart_workers([old], timeout=120)
     _wait_for(
         lambda: (
-            len(small_client.scheduler_info()["workers"]) == 1
-            and old not in small_client.scheduler_info()["workers"]
+            len(plexrl.worker_info(small_client)) == 1
+            and old not in plexrl.worker_info(small_client)
         )
     )
-    new = next(iter(small_client.scheduler_info()["workers"]))
+    new = next(iter(plexrl.worker_info(small_client)))
 
     # The restarted worker got a fresh holder (cluster side, not from this client).
     _wait_for(lambda: new in runtime.status()["workers"])

@@ -58,7 +58,7 @@ def test_every_mode_runs_the_same_jobs(client, tmp_path):
     )
     assert {c["version"] for c in checkpoints.values()} == {3, 4}
 
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(plexrl.worker_info(client))
     grid = [
         Layout("colocated", 1),
         Layout("split", 2, 1),
@@ -142,7 +142,7 @@ def test_every_mode_runs_the_same_jobs(client, tmp_path):
 
 def test_peak_throughput_decodes_full_batches(client):
     runtime = plexrl.Runtime(client, job=unique("peak"))
-    worker = sorted(client.scheduler_info()["workers"])[0]
+    worker = sorted(plexrl.worker_info(client))[0]
     best, by_batch = peak_tokens_per_second(
         runtime, tiny_spec(seed=3), worker, "1+2=", max_tokens=5, batch_sizes=(2, 8), repeats=1
     )
@@ -187,7 +187,7 @@ def test_the_same_job_runs_on_a_local_checkpoint_path(client, tmp_path):
         warmup_batch_size=4,
     )
     checkpoints = warm_start(runtime, [spec], tmp_path / "warmup")
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(plexrl.worker_info(client))
     run = run_mode(runtime, [spec], Layout("split", 2, 1), checkpoints, workers)
     assert [r.sampled_with for r in run.records[spec.name]][0] == 2
     assert len(run.records[spec.name]) == 2 and run.ledger.useful_tokens() > 0
@@ -205,7 +205,7 @@ def warmed_job(client, tmp_path, prefix: str, seed: int):
         warmup_batch_size=4,
     )
     start = warm_start(runtime, [spec], tmp_path / "warmup")
-    return runtime, spec, start, sorted(client.scheduler_info()["workers"])
+    return runtime, spec, start, sorted(plexrl.worker_info(client))
 
 
 @pytest.mark.parametrize("layout", [Layout("multiplexed", 2, 1), Layout("split", 2, 1)])
@@ -304,7 +304,7 @@ def test_a_job_whose_training_shards_samples_on_its_group_and_pools_alike(client
         warmup_batch_size=8,
     )
     checkpoints = warm_start(runtime, [spec], tmp_path / "warmup")
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(plexrl.worker_info(client))
     groups = {spec.name: 2}
     runs = [
         run_mode(runtime, [spec], layout, checkpoints, workers, groups=groups)

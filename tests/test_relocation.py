@@ -105,7 +105,7 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
     worker = worker_process(cluster.scheduler_address, b_tiers, host="127.0.0.2")
     try:
         until("the job is admitted on the new host", lambda: job_state(mover)["state"] != "waiting")
-        b = [w for w in client.scheduler_info()["workers"] if "127.0.0.2" in w]
+        b = [w for w in plexrl.worker_info(client) if "127.0.0.2" in w]
         assert len(b) == 1
         until("the new worker reports its node", lambda: b[0] in mover.status()["workers"])
 

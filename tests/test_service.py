@@ -21,7 +21,7 @@ from tests.conftest import hold, tiny_spec, unique
 def gpu_workers(client: Client) -> list[str]:
     return sorted(
         addr
-        for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()
+        for addr, w in plexrl.worker_info(client).items()
         if w["resources"].get("GPU")
     )
 

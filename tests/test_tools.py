@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from plexrl_dask import errors
+from plexrl_dask.cluster import worker_info
 from plexrl_dask.shared.timeline import TOOL_TOPIC
 from plexrl_dask.tools import (
     Calculator,
@@ -223,7 +224,7 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
         distributed.Client(cluster) as client,
     ):
         [tool] = tool_workers(client)
-        assert client.scheduler_info()["workers"][tool]["name"] == "tool-0"
+        assert worker_info(client)[tool]["name"] == "tool-0"
         pool = ToolPool(client, {"where": WhereAmI(), "calc": Calculator()}, job="job-tools")
         calls = [ToolCall("where", ""), None, ToolCall("calc", "6*7"), ToolCall("calc", "6/0")]
         got = pool.run(calls, timeout_s=10)

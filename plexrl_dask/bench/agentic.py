@@ -89,7 +89,7 @@ def main() -> None:
     ):
         runtime = plexrl.Runtime(client, job="bench-agentic")
         tools = set(tool_workers(client))
-        workers = sorted(a for a in client.scheduler_info()["workers"] if a not in tools)
+        workers = sorted(a for a in plexrl.worker_info(client) if a not in tools)
         t0 = time.perf_counter()
         checkpoints = warm_start(runtime, specs, Path(tmp) / "warmup")
         console.print(

@@ -389,7 +389,7 @@ def worker_kill(client: Client) -> Row:
     pid = client.run(os.getpid, workers=[worker])[worker]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while worker in client.scheduler_info()["workers"] and time.monotonic() < deadline:
+    while worker in plexrl.worker_info(client) and time.monotonic() < deadline:
         time.sleep(0.2)
     client.wait_for_workers(2, timeout=120)  # the nanny starts it again
     lost, _ = _outcome(_resolve(lambda: dep.forward(batch)))

@@ -424,7 +424,7 @@ def pool(
     with plexrl.local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
         gpu = str(config.get("worker.gpu-resource"))
         addresses = sorted(
-            a for a, w in client.scheduler_info()["workers"].items() if w["resources"].get(gpu)
+            a for a, w in plexrl.worker_info(client).items() if w["resources"].get(gpu)
         )
         work = {n: StepWork(sample=0.0, train=t) for n, t in (profile or {}).items()}
         placed = pool_placement(specs, Layout("multiplexed", workers), addresses, work=work)

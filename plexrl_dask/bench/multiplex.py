@@ -195,7 +195,7 @@ def main() -> None:
         Client(cluster) as client,
     ):
         runtime = plexrl.Runtime(client, job="bench-multiplex")
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = sorted(plexrl.worker_info(client))
         t0 = time.perf_counter()
         checkpoints = warm_start(runtime, specs, Path(tmp) / "warmup")
         console.print(

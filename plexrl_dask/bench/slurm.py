@@ -132,7 +132,7 @@ def preempt_after(
             slurm.cancel(cancelled[0])
             # the job's next step starts once the worker is gone, not while it shuts down
             deadline = time.monotonic() + WORKER_WAIT_S
-            while worker in client.scheduler_info()["workers"]:
+            while worker in plexrl.worker_info(client):
                 if time.monotonic() > deadline:
                     raise slurm.WorkersNotStarted(f"{worker} still there after scancel")
                 time.sleep(0.1)

@@ -28,6 +28,7 @@ from distributed import Future, KilledWorker
 from distributed.comm.core import CommClosedError
 
 from plexrl_dask import config
+from plexrl_dask.cluster import worker_info
 from plexrl_dask.driver.waits import fetching
 from plexrl_dask.shared.timeline import TOOL_TOPIC
 from plexrl_dask.tools.calls import Tool, ToolCall, ToolResult, run_call
@@ -43,7 +44,7 @@ POLL_S = 0.5
 def tool_workers(client: Any) -> list[str]:
     """The addresses of the cluster's workers without the GPU resource."""
     gpu = str(config.get("worker.gpu-resource"))
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = worker_info(client)
     return sorted(a for a, w in workers.items() if not (w.get("resources") or {}).get(gpu))
 
 
