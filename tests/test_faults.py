@@ -109,8 +109,13 @@ def test_worker_killed_mid_request_the_request_completes_elsewhere(fault_client)
 def _wait_for_workers(runtime: plexrl.Runtime, n: int) -> None:
     # (a nanny restarting a killed worker on a loaded 2-core machine: not quick, never a hang)
     deadline = time.monotonic() + 180
-    while len(runtime.status()["workers"]) < n:
-        assert time.monotonic() < deadline, f"fewer than {n} workers reported in"
+    while len((status := runtime.status())["workers"]) < n:
+        # (what to look at when it fails: the workers the scheduler has, and the holders')
+        joined = sorted(plexrl.worker_info(runtime.client))
+        assert time.monotonic() < deadline, (
+            f"fewer than {n} workers reported in: the scheduler has {joined}, holders "
+            f"{sorted(status['workers'])}, holder errors {status.get('holder_errors')}"
+        )
         time.sleep(0.1)
 
 
