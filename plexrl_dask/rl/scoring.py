@@ -143,6 +143,7 @@ class ScoringRecipe:
 MAX_SEALED_TASK_BYTES = 1 << 20
 
 _SEALING = threading.Lock()  # (cloudpickle's by-value registry is process-wide)
+_SEALED = "plexrl-scoring-recipe-1"  # (the first field of a sealed recipe: what it is)
 
 
 def seal_task(task: Task) -> bytes:
@@ -194,9 +195,6 @@ def unseal_recipe(sealed: Any) -> ScoringRecipe:
         return ScoringRecipe(task, config, tuple(problems), step)
     except TypeError as e:
         raise InvalidRecipe(f"the scoring recipe: {e}") from None
-
-
-_SEALED = "plexrl-scoring-recipe-1"
 
 
 def checked_recipe(recipe: Any, samples: Any) -> tuple[ScoringRecipe, SampleResult]:
