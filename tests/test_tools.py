@@ -98,12 +98,20 @@ def run(program: str, limits: SandboxLimits = FAST) -> ToolResult:
 
 
 def test_the_sandbox_runs_a_program_in_an_empty_environment_and_is_deterministic():
-    program = "import os, sys\nprint(sorted(os.environ), sys.flags.isolated)\nprint(6 * 7)"
-    first, second = run(program), run(program)
-    assert first.ok and first.output == second.output
-    env, isolated = first.output.splitlines()[0].rsplit(" ", 1)
-    assert set(eval(env)) <= {"LC_CTYPE"} and isolated == "1"  # (Python's own locale coercion)
-    assert first.output.endswith("42\n")
+    program = (
+        "import os, sys\nprint(sorted(os.environ), sys.flags.no_user_site, sys.flags.safe_path)"
+        "\nprint(sorted(m for m in sys.modules if m.startswith('plexrl')))"
+        "\nprint({str(i) * 3 for i in range(12)})\nprint(6 * 7)"
+    )
+    outputs = {run(program).output for _ in range(3)}
+    assert len(outputs) == 1  # (a set of strings too: the hash seed is fixed)
+    flags, modules, _, answer = outputs.pop().splitlines()
+    assert flags == "[] 1 True" and modules == "[]" and answer == "42"
+    failed = run("def f():\n    1 / 0\nf()")
+    assert failed.error == "ToolError" and failed.output == "ZeroDivisionError: division by zero"
+    assert run("import sys\nsys.exit(3)").output == "exit status 3"
+    late = "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print(1))).start()"
+    assert run(late).output == "1\n"  # (it ends as a script does: its threads joined)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,9 @@
 """The Python sandbox tool: run a program in a subprocess with limits, return what it printed.
 
-Each call runs ``python -I -S -B main.py`` (the program, at most :attr:`SandboxLimits.code_bytes`)
-in a fresh process:
+Each call runs the program (at most :attr:`SandboxLimits.code_bytes`) as ``python -s -S -B -P
+main.py`` would with string hashing fixed (``PYTHONHASHSEED=0``, the only variable of the
+interpreter's environment), in a fresh interpreter started once per call (a jail that sets
+it up, whose child runs the program: ``_jail.py``):
 
 - **isolation** (``isolation="namespaces"``, the default where the kernel allows it: Linux, run
   as root or with user namespaces): new network, mount and PID namespaces (``unshare``), so the
@@ -22,8 +24,9 @@ in a fresh process:
   that fails gives its last line of standard error as a :class:`~plexrl_dask.errors.ToolError`.
 
 Deterministic for a given program: no network, no environment, a fixed working directory path,
-no other process to see; a program that reads the clock or randomness breaks that, which is
-the task's to avoid (the program-output tasks generate programs that do not).
+no other process to see, the same string hashes (so the order of a set of strings) in every
+call; a program that reads the clock or randomness breaks that, which is the task's to avoid
+(the program-output tasks generate programs that do not).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -89,7 +92,7 @@ def interpreter() -> str:
     """The interpreter programs run with: the first of this one's real file (a virtual
     environment's ``python`` is a link) and the system's ``python3`` that every user may run
     (every directory on its path searchable by others: a ``pyenv`` under ``/root`` is not).
-    ``-I -S`` needs none of its packages. :class:`~plexrl_dask.errors.ToolError` if none."""
+    ``-S`` needs none of its packages. :class:`~plexrl_dask.errors.ToolError` if none."""
     candidates = [
         sys.executable,
         shutil.which("python3"),
@@ -137,14 +140,17 @@ class PythonSandbox:
             slot = stack.enter_context(_uid_slot(self.limits)) if os.geteuid() == 0 else 0
             limits = {
                 **asdict(self.limits),
-                # (None: not run by root, so no uid to drop to: in a user namespace its root
+                # (empty: not run by root, so no uid to drop to: in a user namespace its root
                 # is the caller, who may not take another uid)
-                "uid": self.limits.uid_base + slot if os.geteuid() == 0 else None,
-                "private_mounts": mode == "namespaces",
+                "uid": self.limits.uid_base + slot if os.geteuid() == 0 else "",
+                "private_mounts": int(mode == "namespaces"),
                 "workdir": tmp,
-                "python": interpreter(),
             }
-            cmd = [sys.executable, "-I", "-S", str(_JAIL), json.dumps(limits)]
+            # (the program runs in this interpreter after dropping to the unprivileged user,
+            # so it must be one that user may run and whose library that user may read)
+            # (not ``-I``, whose ``-E`` would ignore the hash seed: the environment is ours)
+            cmd = [interpreter(), "-s", "-S", "-B", "-P", str(_JAIL)]
+            cmd += [f"{k}={v}" for k, v in limits.items()]
             if mode == "namespaces":
                 prefix = [shutil.which("unshare") or "unshare"]
                 if os.geteuid() != 0:
@@ -186,7 +192,7 @@ def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=cwd,
-        env={},
+        env={"PYTHONHASHSEED": "0"},  # (the jail empties it for the program)
         start_new_session=True,  # its own process group: killed as one
     )
     out = _Capped(proc.stdout, limits.output_bytes, proc)
@@ -198,10 +204,7 @@ def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
         pass
     deadline = time.monotonic() + limits.wall_s
     try:
-        proc.wait(timeout=limits.wall_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        timed_out = not _exited(proc, limits.wall_s)
     finally:
         _kill(proc)
     out.join(max(0.1, deadline - time.monotonic() + 1.0))
@@ -223,6 +226,25 @@ def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
             why = f"killed by signal {-proc.returncode} ({why})"
         raise ToolError(why)
     return out.data.decode(errors="replace")
+
+
+def _exited(proc: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``proc`` exits within ``timeout`` seconds, told the moment it does: through a
+    pidfd where the kernel has them (``Popen.wait(timeout)`` polls at doubling intervals,
+    which added half a call's time to a short program's)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # (not Linux ≥ 5.3)
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    return bool(ready)
 
 
 def _kill(proc: subprocess.Popen) -> None:
