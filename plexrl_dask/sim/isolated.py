@@ -87,6 +87,7 @@ def simulate_isolated(
     :mod:`plexrl_dask.sim.simulator`)."""
     mode = "best" if policy == "isolated" else policy
     runs = [isolated_run(j, mode, cluster) for j in jobs]
+    ends: dict[str, list[float]] = {}
     ideal = [fastest_s(j, cluster) for j in jobs]
     ledger = GpuLedger(cluster)
     free = np.ones(cluster.gpus, dtype=bool)
@@ -144,6 +145,8 @@ def simulate_isolated(
             now, i = heapq.heappop(running)
             ledger.give(held[i], start[i], now)
             free[held.pop(i)] = True
+            its = iteration_times(jobs[i], runs[i].mode, cluster)
+            ends[jobs[i].name] = (start[i] + np.cumsum(its)).tolist()
             outcomes[i] = JobOutcome(
                 jobs[i].name, jobs[i].arrival_s, start[i], now,
                 runs[i].gpu_seconds, ideal[i],
@@ -169,4 +172,5 @@ def simulate_isolated(
         wall_s=0.0,
         heatmap=ledger.heatmap(max(o.end_s for o in done)),
         bin_s=ledger.bin_s,
+        iteration_ends=ends,
     )

@@ -271,6 +271,7 @@ class MultiplexedSim:
         self.best_effort_iterations = 0  # waiting jobs' iterations started by Backfill
         self.preempted_phases = 0  # best-effort phases stopped by their group's release
         self.outcomes: list[JobOutcome] = []
+        self.iteration_ends: dict[str, list[float]] = {}
         self.gantt: list[tuple[str, str, float, float, int]] = []
         self.gantt_group, self.gantt_until = gantt_group, gantt_hours * 3600
         self.h2d = cluster.h2d_gbps * 1e9
@@ -317,6 +318,7 @@ class MultiplexedSim:
             nvme_loads=self.nvme_loads,
             best_effort_iterations=self.best_effort_iterations,
             preempted_phases=self.preempted_phases,
+            iteration_ends=self.iteration_ends,
         )
 
     # --- placement decisions -----------------------------------------------------------------
@@ -607,6 +609,7 @@ class MultiplexedSim:
             r.held = r.held[:0]
             n = min(self.config.profile_iterations, r.job.iterations)
             r.iteration = n
+            self.iteration_ends.setdefault(r.job.name, []).extend([now] * n)
             if n >= r.job.iterations:
                 self._finish(r, now)
             else:
@@ -642,6 +645,7 @@ class MultiplexedSim:
             self._release(g, r, r.held, t0, now, kind)
             r.held, r.releases, r.need = r.held[:0], [], None
             r.iteration += 1
+            self.iteration_ends.setdefault(r.job.name, []).append(now)
             if self._next_iteration(r, now) and r.group == g.name:
                 return  # as above
         self._dispatch(g, now)

@@ -32,6 +32,7 @@ this module's own event loop, over the same jobs, ledger and outcome as every ot
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,16 +68,32 @@ class _Group:
     busy: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_POOLS, False))
     last: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_POOLS, -1))  # resident
 
+    # the members' rollouts, trainings, longest and shortest solo iteration, kept while the
+    # members do not change (a queue of waiting jobs asks every group of its class per event)
+    _known: tuple[list[float], list[float], float, float] | None = field(default=None, repr=False)
+
+    def join(self, j: int) -> None:
+        self.members.append(j)
+        self._known = None
+
+    def leave(self, j: int) -> None:
+        self.members.remove(j)
+        self._known = None
+
     def cycle(self, runs: list[_Member], extra: _Member | None = None) -> tuple[float, float]:
         """The round-robin cycle of the members (and ``extra``), and the shortest solo
         iteration among them."""
-        ms = [runs[i] for i in self.members] + ([extra] if extra else [])
-        cycle = max(
-            sum(m.roll_mean for m in ms),
-            sum(m.train_mean for m in ms),
-            max(m.roll_mean + m.train_mean for m in ms),
-        )
-        return cycle, min(m.roll_mean + m.train_mean for m in ms)
+        if self._known is None:
+            ms = [runs[i] for i in self.members]
+            solos = [m.roll_mean + m.train_mean for m in ms]
+            self._known = ([m.roll_mean for m in ms], [m.train_mean for m in ms],
+                           max(solos, default=-math.inf), min(solos, default=math.inf))  # fmt: skip
+        rolls, trains, longest, shortest = self._known
+        if extra is not None:  # summed over the same values in the same order as before
+            rolls, trains = [*rolls, extra.roll_mean], [*trains, extra.train_mean]
+            solo = extra.roll_mean + extra.train_mean
+            longest, shortest = max(longest, solo), min(shortest, solo)
+        return max(sum(rolls), sum(trains), longest), shortest
 
 
 class RollMuxSim:
@@ -93,14 +110,17 @@ class RollMuxSim:
             m.roll_mean = j.sync_s + float(j.bulk.mean() + j.tail.mean()) + w
             m.train_mean = float(j.train.mean())
         self.free = np.ones(cluster.gpus, dtype=bool)
+        self.n_free = cluster.gpus  # (counted: a long queue asks per job whether one fits)
         self.ledger = GpuLedger(cluster)
         self.groups: dict[int, _Group] = {}
+        self.of_model: dict[str, list[_Group]] = {}  # the groups of each class, as formed
         self.waiting: list[int] = []
         self.heap: list[tuple[float, int, int, int, object]] = []
         self.seq = 0
         self.events = 0
         self.held_gpu_seconds = 0.0
         self.outcomes: list[JobOutcome] = []
+        self.iteration_ends: dict[str, list[float]] = {}
         for m in self.runs:
             self._push(m.job.arrival_s, _ARRIVE, m.idx, None)
 
@@ -129,6 +149,7 @@ class RollMuxSim:
             wall_s=0.0,
             heatmap=self.ledger.heatmap(end),
             bin_s=self.ledger.bin_s,
+            iteration_ends=self.iteration_ends,
         )
 
     # --- admission ---------------------------------------------------------------------------
@@ -143,14 +164,12 @@ class RollMuxSim:
             if g is None:
                 continue
             self.waiting.remove(j)
-            g.members.append(j)
+            g.join(j)
             m.group, m.start_s = g.gid, now
             self._serve(g, now)
 
     def _group_with_room(self, m: _Member) -> _Group | None:
-        for g in self.groups.values():
-            if g.model != m.job.model:
-                continue
+        for g in self.of_model.get(m.job.model, ()):
             cycle, solo = g.cycle(self.runs, m)
             if cycle <= self.max_stretch * solo:
                 return g
@@ -158,14 +177,16 @@ class RollMuxSim:
 
     def _form(self, m: _Member, now: float) -> _Group | None:
         r, t = m.job.rollout_gpus, m.job.train_gpus
-        ids = np.flatnonzero(self.free)
-        if len(ids) < r + t:
+        if self.n_free < r + t:
             return None
+        ids = np.flatnonzero(self.free)
         self.free[ids[: r + t]] = False
+        self.n_free -= r + t
         gid = self.seq
         self.seq += 1
         g = _Group(gid, m.job.model, {"rollout": ids[:r], "train": ids[r : r + t]}, now)
         self.groups[gid] = g
+        self.of_model.setdefault(g.model, []).append(g)
         return g
 
     # --- phases ------------------------------------------------------------------------------
@@ -218,6 +239,7 @@ class RollMuxSim:
             m.ready = "train"
         else:
             m.iteration += 1
+            self.iteration_ends.setdefault(m.job.name, []).append(now)
             m.ready = "rollout" if m.iteration < m.job.iterations else ""
             if not m.ready:
                 self._finish(g, m, now)
@@ -228,15 +250,17 @@ class RollMuxSim:
         self.outcomes.append(
             JobOutcome(m.job.name, m.job.arrival_s, m.start_s, now, m.gpu_seconds, ideal)
         )
-        g.members.remove(m.idx)
+        g.leave(m.idx)
         for pool in _POOLS:  # its states are dropped, not offloaded, when the pool switches
             if g.last[pool] == m.idx:
                 g.last[pool] = -1
         if not g.members:
             ids = np.concatenate([g.pools[p] for p in _POOLS])
             self.free[ids] = True
+            self.n_free += len(ids)
             self.held_gpu_seconds += len(ids) * (now - g.born)
             del self.groups[g.gid]
+            self.of_model[g.model] = [x for x in self.of_model[g.model] if x is not g]
         self._admit(now)
 
 

@@ -80,6 +80,9 @@ class SimOutcome:
     nvme_loads: int = 0  # training states loaded from NVMe (DRAM was full)
     best_effort_iterations: int = 0  # iterations of waiting jobs run by Backfill
     preempted_phases: int = 0  # best-effort phases stopped because their group was released
+    # when each job's iterations completed, by job name (profiled iterations: at the profile's
+    # end); what the sustained-throughput measure credits (plexrl_dask.sim.study)
+    iteration_ends: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     @property
     def makespan_s(self) -> float:
