@@ -1,7 +1,7 @@
 """Benchmark of the spatiotemporal placement, by trace-driven simulation at 2048 GPUs (issues 7
 and 40; docs/measurements.md, "bench.simulate").
 
-Two committed workloads, every baseline in one study, one run:
+Three committed workloads, every baseline in one study, one run:
 
 - ``paper2048-backlog`` (keys without a prefix): paper2048's job mix with rollouts from the
   decode model (:mod:`plexrl_dask.sim.decode`: colocated jobs decode over their training group),
@@ -25,7 +25,7 @@ Per workload:
   streams of ``--capacity-jobs`` jobs of the same mix; ``capacity_multiplier``:
   Spread+Backfill's ÷ the cheapest isolated mode's, ``_vs_colocated`` ÷ colocated's;
   ``rollmux_capacity_multiplier_vs_colocated``;
-- ``gpu_double_bookings`` (0) over every run; ``sim_wall_s`` of the whole benchmark.
+- ``gpu_double_bookings`` (0) over every run; ``sim_wall_s`` of the whole benchmark as run.
 
 Besides, ``curve.*``: the decode curve's shape (tokens/s per GPU at batch b ÷ at 256) of the
 workload's 7B class beside this project's measurement on its own engine
@@ -36,8 +36,21 @@ published measurement of ``sim/workloads/decode-measurements.yaml``
 predicted ÷ measured, the source), with ``decode_model_vs_measured_median`` / ``_min`` /
 ``_max`` of the ratios.
 
+With ``--extended`` (or each of its flags; beyond the plain command's 120 s budget):
+
+- ``--agentic-capacity``: the capacity bisection on ``paper2048-agentic`` too (``agentic.``);
+- ``--sustained``: per workload, ``sustained_load.<policy>``, the saturation throughput
+  (:func:`plexrl_dask.sim.study.sustained`: ``--sustained-jobs`` jobs all submitted at once
+  on the full cluster, the work of the iterations completed between the 1/5 and 3/5 job
+  completions per GPU-second, in offered-load units), its window, the jobs still queued at
+  its end, and ``sustained_capacity_multiplier`` (``_vs_colocated``, RollMux-style's);
+- ``--tool-sweep``: ``agentic.tool_latency_x<f>.*``, the agentic workload with its tool-call
+  latencies times each ``--tool-factors`` factor (completion-time ratios, charged costs, the
+  tool waits' share).
+
 Run: ``python -m plexrl_dask.bench.simulate --gpus 2048 --json OUT`` (about 2 minutes on
-one core: the capacity bisections at 2048 GPUs dominate); ``--quick``: 256 GPUs, 100 jobs.
+one core: the capacity bisections at 2048 GPUs dominate; ``sim_wall_s_default`` is that part
+of an extended run); ``--quick``: 256 GPUs, 100 jobs.
 """
 
 from __future__ import annotations
@@ -54,8 +67,8 @@ from plexrl_dask.config import placement_config
 from plexrl_dask.policy.spatiotemporal import PlacementConfig
 from plexrl_dask.sim.decode import DecodeModel
 from plexrl_dask.sim.measured import compare_measured, ratio_summary
-from plexrl_dask.sim.study import capacity, compare, write_plots
-from plexrl_dask.sim.workload import WorkloadSpec
+from plexrl_dask.sim.study import capacity, compare, sustained, tool_wait_share, write_plots
+from plexrl_dask.sim.workload import WorkloadSpec, generate
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +102,16 @@ def study(spec: WorkloadSpec, policies: tuple[str, ...], capacity_policies: tupl
     out["completion_time_floor_ratio"] = iso["floor_makespan_h"] / iso["makespan_h"]
     out["isolated_makespan_h"] = iso["makespan_h"]
     out["gpu_double_bookings"] = sum(o.double_bookings for o in outcomes.values())
+    out |= capacity_keys(spec, capacity_policies, args, placement)
+    if png:
+        out["figures"] = [str(p) for p in write_plots(outcomes, png)]
+    return out, s
+
+
+def capacity_keys(spec: WorkloadSpec, policies: tuple[str, ...], args,
+                  placement: PlacementConfig) -> dict:  # fmt: skip
+    """Each policy's capacity (the highest offered load with mean slowdown within the
+    target, bisected on ``--capacity-jobs`` streams on the full cluster) and the ratios."""
     cap_spec = spec.scaled(spec.cluster.gpus, args.capacity_jobs)
     cap = {
         name: capacity(
@@ -100,17 +123,70 @@ def study(spec: WorkloadSpec, policies: tuple[str, ...], capacity_policies: tupl
             *args.capacity_bracket,
             steps=args.capacity_steps,
         )  # fmt: skip
-        for name in capacity_policies
+        for name in policies
     }
-    for name, load in cap.items():
-        out[f"capacity_load.{name}"] = load
+    out = {f"capacity_load.{name}": load for name, load in cap.items()}
     out["capacity_multiplier"] = cap["spread+backfill"] / cap["isolated"]
     out["capacity_multiplier_vs_colocated"] = cap["spread+backfill"] / cap["colocated"]
     if "rollmux" in cap:
         out["rollmux_capacity_multiplier_vs_colocated"] = cap["rollmux"] / cap["colocated"]
-    if png:
-        out["figures"] = [str(p) for p in write_plots(outcomes, png)]
-    return out, s
+    return out
+
+
+def sustained_keys(spec: WorkloadSpec, policies: tuple[str, ...], args,
+                   placement: PlacementConfig) -> dict:  # fmt: skip
+    """Each policy's saturation throughput (:func:`~plexrl_dask.sim.study.sustained`:
+    ``--sustained-jobs`` jobs submitted at once on the full cluster), its window and the
+    jobs still queued at its end, and the ratios."""
+    out: dict = {}
+    load: dict[str, float] = {}
+    bookings = 0
+    for name in policies:
+        got, outcome = sustained(spec, name, args.sustained_jobs, args.seed, placement)
+        load[name] = out[f"sustained_load.{name}"] = got.load
+        out[f"sustained_window_h.{name}"] = [got.t0_s / 3600, got.t1_s / 3600]
+        out[f"sustained_queue_at_end.{name}"] = got.queued_at_end
+        bookings += outcome.double_bookings
+    out["sustained_capacity_multiplier"] = load["spread+backfill"] / load["isolated"]
+    out["sustained_capacity_multiplier_vs_colocated"] = load["spread+backfill"] / load["colocated"]
+    if "rollmux" in load:
+        out["rollmux_sustained_capacity_multiplier_vs_colocated"] = (
+            load["rollmux"] / load["colocated"]
+        )
+    out["sustained_gpu_double_bookings"] = bookings
+    return out
+
+
+def tool_sweep_keys(spec: WorkloadSpec, factors: list[float], args, placement: PlacementConfig,
+                    known: dict[float, dict]) -> dict:  # fmt: skip
+    """The agentic workload with its tool-call latencies times each factor
+    (:meth:`~plexrl_dask.sim.workload.WorkloadSpec.with_tool_latency`), every policy of
+    ``SHORT`` on it: the completion-time ratios, charged costs and the tool waits' share, under
+    ``tool_latency_x<f>.``. ``known``: policy summaries already run at a factor (the agentic
+    study at 1), by factor."""
+    out: dict = {}
+    for f in factors:
+        scaled = spec.with_tool_latency(f)
+        if f in known:
+            s, bookings = known[f], 0
+        else:
+            outcomes = compare(scaled, SHORT, args.seed, placement, progress=False)
+            s = {name: o.summary() for name, o in outcomes.items()}
+            bookings = sum(o.double_bookings for o in outcomes.values())
+        iso, col = s["isolated"], s["colocated"]["makespan_h"]
+        sb = s["spread+backfill"]["makespan_h"]
+        point = {
+            "completion_time_ratio_vs_colocated": sb / col,
+            "rollmux_completion_time_ratio_vs_colocated": s["rollmux"]["makespan_h"] / col,
+            "completion_time_ratio_vs_split_async": sb / s["split-async"]["makespan_h"],
+            "completion_time_floor_ratio": iso["floor_makespan_h"] / iso["makespan_h"],
+            "tool_wait_share": tool_wait_share(generate(scaled, args.seed), scaled.cluster),
+            "gpu_double_bookings": bookings,
+        }
+        point |= {f"user_cost_ratio.{n}": x["user_gpu_hours"] / iso["user_gpu_hours"]
+                  for n, x in s.items()}  # fmt: skip
+        out |= {f"tool_latency_x{f:g}.{k}": v for k, v in point.items()}
+    return out
 
 
 def curve_figure(spec: WorkloadSpec, path: str) -> str:
@@ -202,25 +278,53 @@ def main() -> None:
                    metavar=("LO", "HI"), help="offered loads the bisection searches")  # fmt: skip
     p.add_argument("--no-agentic", action="store_true", help="skip paper2048-agentic")
     p.add_argument("--png", default="benchmarks/simulate", help="prefix of the figures")
+    x = p.add_argument_group("extended (beyond the plain command's 120 s)")
+    x.add_argument("--extended", action="store_true", help="all three parts below")
+    x.add_argument("--agentic-capacity", action="store_true",
+                   help="the capacity bisection on paper2048-agentic too")  # fmt: skip
+    x.add_argument("--sustained", action="store_true",
+                   help="saturation throughput: jobs all submitted at once, completed work "
+                   "per GPU-second between the 1/5 and 3/5 completions")  # fmt: skip
+    x.add_argument("--sustained-jobs", type=int, default=1000, help="jobs of a sustained run")
+    x.add_argument(
+        "--tool-sweep",
+        action="store_true",
+        help="paper2048-agentic with its tool latencies times each factor",
+    )
+    x.add_argument("--tool-factors", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.extended:
+        args.agentic_capacity = args.sustained = args.tool_sweep = True
     if args.quick:
         args.gpus, args.jobs, args.capacity_jobs = 256, args.jobs or 100, 60
+        args.sustained_jobs = min(args.sustained_jobs, 100)
     t0 = time.perf_counter()
     placement = placement_config()
     results: dict = {}
     config: dict = {"summaries": {}}
+    extended_s = 0.0  # wall time of the extended parts
     plan = [("", "paper2048-backlog", MAIN, CAPACITY, args.png),
             ("paper2048.", "paper2048", SHORT, ("isolated", "colocated", "spread+backfill"),
              None)]  # fmt: skip
     if not args.no_agentic:
-        plan.append(("agentic.", "paper2048-agentic", SHORT, (), None))
+        plan.append(("agentic.", "paper2048-agentic", SHORT, CAPACITY, None))
     for prefix, name, policies, cap_policies, png in plan:
         spec = WorkloadSpec.load(name).scaled(args.gpus, args.jobs)
-        if cap_policies:
+        if prefix != "agentic.":
             out, summaries = study(spec, policies, cap_policies, args, placement, png)
-        else:  # completion only (capacity is bisected on the two workloads above)
+        else:  # completion; capacity (and the tool sweep) when asked for
             out, summaries = _completion_only(spec, policies, args, placement)
+            t = time.perf_counter()
+            if args.agentic_capacity:
+                out |= capacity_keys(spec, cap_policies, args, placement)
+            if args.tool_sweep:
+                out |= tool_sweep_keys(spec, args.tool_factors, args, placement, {1.0: summaries})
+            extended_s += time.perf_counter() - t
+        if args.sustained:
+            t = time.perf_counter()
+            out |= sustained_keys(spec, cap_policies, args, placement)
+            extended_s += time.perf_counter() - t
         results |= {f"{prefix}{k}": v for k, v in out.items() if k != "figures"}
         config["summaries"][name] = summaries
         config.setdefault("figures", []).extend(out.get("figures", []))
@@ -236,6 +340,8 @@ def main() -> None:
     if args.png:
         config["figures"].append(curve_figure(backlog, f"{args.png}-decode-curves.png"))
     results["sim_wall_s"] = time.perf_counter() - t0
+    results["extended_wall_s"] = extended_s
+    results["sim_wall_s_default"] = results["sim_wall_s"] - extended_s
     report(
         "simulate",
         results,
@@ -243,7 +349,7 @@ def main() -> None:
             "completion_time_ratio_vs_colocated": "<= 0.56 (paper), below RollMux-style",
             "capacity_multiplier_vs_colocated": ">= 1.8 (paper), above RollMux-style",
             "gpu_double_bookings": "0",
-            "sim_wall_s": "<= 120 on one core",
+            "sim_wall_s_default": "<= 120 on one core",
         },
         config={
             "gpus": args.gpus,
@@ -253,6 +359,11 @@ def main() -> None:
             "capacity_jobs": args.capacity_jobs,
             "capacity_steps": args.capacity_steps,
             "capacity_bracket": list(args.capacity_bracket),
+            "agentic_capacity": args.agentic_capacity,
+            "sustained": args.sustained,
+            "sustained_jobs": args.sustained_jobs,
+            "tool_sweep": args.tool_sweep,
+            "tool_factors": args.tool_factors,
             "placement": placement.__dict__,
             **config,
         },

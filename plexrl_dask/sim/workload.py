@@ -118,6 +118,15 @@ class Dist:
             return rng.uniform(self.a, self.b, n)
         return np.full(n, self.a)
 
+    def scaled(self, factor: float) -> Dist:
+        """The same distribution with every value times ``factor`` (a lognormal's median, a
+        uniform's bounds, a constant): each sample drawn from the same generator state is the
+        original sample times ``factor``."""
+        if not factor > 0:
+            raise InvalidTrace(f"a distribution's scale factor must be > 0, got {factor}")
+        b = self.b if self.kind == "lognormal" else self.b * factor
+        return Dist(self.kind, self.a * factor, b)
+
     def mean(self) -> float:
         if self.kind == "lognormal":
             return self.a * math.exp(self.b**2 / 2)
@@ -334,6 +343,17 @@ class WorkloadSpec:
     def with_load(self, offered_load: float) -> WorkloadSpec:
         """The same jobs, arriving to offer ``offered_load`` times the cluster's capacity."""
         return replace(self, offered_load=offered_load).validated()
+
+    def with_tool_latency(self, factor: float) -> WorkloadSpec:
+        """The same workload with every tool call's latency ``factor`` times the committed
+        one (:meth:`Dist.scaled`): the generated jobs are the same draws, their tool waits
+        times ``factor``; arrivals still offer ``offered_load`` at the jobs' new costs."""
+        models = tuple(
+            m if m.tools is None
+            else replace(m, tools=replace(m.tools, latency_s=m.tools.latency_s.scaled(factor)))
+            for m in self.models
+        )  # fmt: skip
+        return replace(self, models=models).validated()
 
     def validated(self) -> WorkloadSpec:
         """``self``, after :meth:`validate`."""
