@@ -156,7 +156,7 @@ def test_the_isolated_baseline_credits_its_iterations_in_order():
         assert math.isclose(o.iteration_ends[j.name][-1], out.end_s, rel_tol=1e-12)
 
 
-def test_the_benchmarks_sweep_and_sustained_keys():
+def test_the_benchmarks_sweep_and_sustained_keys(tmp_path):
     from argparse import Namespace
 
     from plexrl_dask.bench.simulate import SHORT, sustained_keys, tool_sweep_keys
@@ -173,6 +173,12 @@ def test_the_benchmarks_sweep_and_sustained_keys():
             assert known[k] == v, k
     assert known["tool_latency_x2.tool_wait_share"] > known["tool_latency_x1.tool_wait_share"]
     assert known["tool_latency_x2.gpu_double_bookings"] == 0
+    from plexrl_dask.sim.plots import plot_tool_sweep
+
+    points = {f: {k.removeprefix(f"tool_latency_x{f:g}."): v for k, v in known.items()
+                  if k.startswith(f"tool_latency_x{f:g}.")} for f in (1.0, 2.0)}  # fmt: skip
+    png = plot_tool_sweep(points, tmp_path / "sweep.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
     got = sustained_keys(spec, ("isolated", "colocated", "rollmux", "spread+backfill"), args,
                          SMALL)  # fmt: skip
     assert got["sustained_gpu_double_bookings"] == 0

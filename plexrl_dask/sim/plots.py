@@ -1,5 +1,6 @@
 """Figures of a simulation study: per-policy completion time and cost, a utilisation heatmap
-over time, a Gantt chart of one node group, and the decode curves the rollouts come from."""
+over time, a Gantt chart of one node group, the decode curves the rollouts come from, and the
+tool-latency sweep."""
 
 from __future__ import annotations
 
@@ -122,6 +123,32 @@ def plot_curves(
     else:
         a.legend(fontsize=7)
     b.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_tool_sweep(points: dict[float, dict[str, float]], path: str | Path) -> Path:
+    """The tool-latency sweep: by latency factor, the completion time of Spread+Backfill and
+    of the RollMux-style peer ÷ colocated's (left), and the tool waits' share of an agentic
+    job's colocated run beside Spread+Backfill's charged GPU-hours ÷ isolated's (right).
+    ``points``: factor to its ``tool_latency_x<f>.`` keys, without the prefix."""
+    f = sorted(points)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for key, label in (("completion_time_ratio_vs_colocated", "PlexRL Spread+Backfill"),
+                       ("rollmux_completion_time_ratio_vs_colocated", "RollMux-style")):  # fmt: skip
+        a.plot(f, [points[x][key] for x in f], marker="o", label=label)
+    a.axhline(1.0, color="k", lw=0.8, ls=":")
+    a.set_ylabel("completion time ÷ colocated")
+    b.plot(f, [points[x]["tool_wait_share"] for x in f], marker="o",
+           label="tool waits ÷ colocated run (agentic jobs)")  # fmt: skip
+    b.plot(f, [points[x]["user_cost_ratio.spread+backfill"] for x in f], marker="s",
+           label="Spread+Backfill GPU-h charged ÷ isolated")  # fmt: skip
+    b.set_ylabel("share / ratio")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(f, [f"×{x:g}" for x in f])
+        ax.set_xlabel("tool-call latency, × the committed estimate")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
 
