@@ -64,26 +64,116 @@ def test_scores_and_shares_are_the_driver_paths():
 
 def test_scored_steps_record_and_train_what_driver_steps_do(runtime):
     """Colocated on one worker and split with a rollout: scored on the worker or on the
-    driver, the same records and the same final weights."""
+    driver, the same records and the same final weights; colocated, each step one
+    ``sample_train`` request or a sample and a training request, the same again."""
     spec = tiny_spec(seed=11)  # (every step of CONFIG trains from these weights)
     task = FirstCharIsDigit()
     runs = {}
     for where in (True, False):
         policy = runtime.deploy(unique("scored-colocated"), spec)
-        runs["colocated", where] = (
-            GRPOJob("j", runtime, task, policy, CONFIG, score_on_worker=where).run(),
-            _weights(policy),
-        )
+        job = GRPOJob("j", runtime, task, policy, CONFIG, score_on_worker=where, fuse_steps=False)
+        assert not job._fuses
+        runs["colocated", where] = (job.run(), _weights(policy))
         policy = runtime.deploy(unique("scored-split"), spec)
         rollout = runtime.deploy(unique("scored-rollout"), spec, role="rollout")
         job = GRPOJob("j", runtime, task, policy, CONFIG, rollout, score_on_worker=where)
         runs["split", where] = (job.run(), _weights(policy))
         assert plexrl.result(rollout.get_weights()).version == 3  # (synced after the last)
-    for mode in ("colocated", "split"):
+    policy = runtime.deploy(unique("scored-fused"), spec)
+    job = GRPOJob("j", runtime, task, policy, CONFIG)
+    assert job._fuses  # (the default for a colocated job on one worker)
+    runs["fused", True] = (job.run(), _weights(policy))
+    runs["fused", False] = runs["colocated", False]
+    for mode in ("colocated", "split", "fused"):
         (on_worker, w_worker), (on_driver, w_driver) = runs[mode, True], runs[mode, False]
         assert [r.version for r in on_worker] == [1, 2, 3]  # (every step trained)
         assert _records(on_worker) == _records(on_driver)
         assert all(torch.equal(w_worker[n], t) for n, t in w_driver.items())
+
+
+def _span_ops(runtime, deployment: str) -> list[str]:
+    spans = [s for s in runtime.timeline(since=0.0) if s.deployment == deployment]
+    return [s.op for s in sorted(spans, key=lambda s: s.start)]
+
+
+def test_a_fused_step_is_a_sample_and_a_training_on_its_worker_and_checkpoints_see_its_weights(
+    runtime, tmp_path
+):
+    """Each fused step shows on its worker as a ``sample`` then a ``train_step`` request; a
+    checkpoint taken after a step holds that step's weights (the next step is not queued
+    before it), so a job resumed from it computes what the uninterrupted job did."""
+    from plexrl_dask.rl import JobCheckpoints
+
+    spec, task = tiny_spec(seed=11), FirstCharIsDigit()
+    config = replace(CONFIG, steps=4)
+    policy = runtime.deploy(unique("fused-spans"), spec)
+    whole = GRPOJob("j", runtime, task, policy, config).run()
+    ops = _span_ops(runtime, policy.name)
+    assert ops.count("sample") == 4 and ops[-2:] == ["sample", "train_step"]
+
+    ck = JobCheckpoints.at(tmp_path / "ck", every=2)
+    first = runtime.deploy(unique("fused-ck"), spec)
+    half = GRPOJob("j", runtime, task, first, replace(config, steps=2), checkpoints=ck)
+    assert half._fuses
+    half.run()
+    again = runtime.deploy(unique("fused-resumed"), spec)
+    resumed = GRPOJob("j", runtime, task, again, config, checkpoints=ck).run()
+    assert _records(resumed) == _records(whole)
+
+
+def test_a_stopped_fused_job_ends_with_the_weights_of_its_last_record(runtime):
+    """Stopped while the next step is queued behind the one running: that step still runs,
+    so it is recorded too; the policy's version is the last record's."""
+    policy = runtime.deploy(unique("fused-stop"), tiny_spec(seed=11))
+    job = GRPOJob("j", runtime, FirstCharIsDigit(), policy, replace(CONFIG, steps=6))
+
+    def stop_after_first(record) -> None:
+        if record.step == 0:
+            job.stop()
+
+    with pytest.raises(errors.JobStopped):
+        job.run(stop_after_first)
+    assert 1 <= len(job.records) <= 2
+    assert plexrl.result(policy.get_weights()).version == job.records[-1].version
+
+
+def test_sample_train_refuses_what_it_cannot_run_typed_with_nothing_trained(runtime):
+    """A sharded policy is refused by the driver; arguments the driver would refuse, sent
+    around it, are refused by the worker before anything trains."""
+    from plexrl_dask.rl.scoring import seal_recipe
+    from plexrl_dask.worker import ops
+
+    task = FirstCharIsDigit()
+    problems = tuple(task.problems(0, 2))
+    params = plexrl.SamplingParams(n=4, max_tokens=4, seed=1)
+    recipe = seal_recipe(ScoringRecipe(task, replace(CONFIG, group_size=4), problems, 0))
+    sharded = runtime.deploy(unique("fused-sharded"), tiny_spec(seed=34), world_size=2)
+    with pytest.raises(errors.InvalidRecipe, match="single-worker"):
+        sharded.sample_train([p.prompt for p in problems], params, recipe)
+
+    policy = runtime.deploy(unique("fused-bad"), tiny_spec(seed=34))
+    before = _weights(policy)
+    prompts = [p.prompt for p in problems]
+    bad_params = dataclasses.replace(params)
+    object.__setattr__(bad_params, "max_tokens", -3)  # (a client that skipped the checks)
+    with pytest.raises(errors.InvalidSamplingParams):
+        plexrl.result(policy._submit("sample_train", ops.sample_train,
+                                     [(prompts, bad_params, None, None, recipe)]))  # fmt: skip
+    with pytest.raises(errors.InvalidRecipe, match="does not unpickle"):
+        plexrl.result(policy.sample_train(prompts, params, b"not a recipe"))
+    with pytest.raises(errors.InvalidRecipe, match="1 problems"):
+        plexrl.result(policy.sample_train(prompts, params, replace_problems(recipe, problems)))
+    assert all(torch.equal(before[n], t) for n, t in _weights(policy).items())
+    done = plexrl.result(policy.sample_train(prompts, params, recipe))
+    assert len(done["scored"].rewards) == 8
+
+
+def replace_problems(recipe: bytes, problems) -> bytes:
+    """``recipe`` for the first of ``problems`` only (more samples than it has problems)."""
+    from plexrl_dask.rl.scoring import seal_recipe, unseal_recipe
+
+    whole = unseal_recipe(recipe)
+    return seal_recipe(replace(whole, problems=tuple(problems[:1])))
 
 
 def test_a_sharded_policy_scores_on_every_rank_as_one_process_would(runtime):
@@ -154,7 +244,7 @@ def test_a_recipe_that_does_not_fit_is_refused_by_the_worker_with_nothing_traine
     assert len(done["scored"].rewards) == 8
 
 
-TASK_MODULE = '''
+TASK_MODULE = """
 from dataclasses import dataclass
 from plexrl_dask.tasks import Problem
 
@@ -172,7 +262,7 @@ class LocalTask:
 
     def reward(self, problem, completion):
         return _digit_first(completion)
-'''
+"""
 
 
 def test_a_task_from_a_module_the_workers_lack_is_sealed_by_value(runtime, tmp_path, monkeypatch):
@@ -183,7 +273,9 @@ def test_a_task_from_a_module_the_workers_lack_is_sealed_by_value(runtime, tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     from only_here_task import LocalTask  # type: ignore[import-not-found]
 
-    modules = runtime.client.run(lambda: __import__("importlib.util").util.find_spec("only_here_task"))
+    modules = runtime.client.run(
+        lambda: __import__("importlib.util").util.find_spec("only_here_task")
+    )
     assert set(modules.values()) == {None}  # (the workers cannot import it)
     policy = runtime.deploy(unique("scored-local-task"), tiny_spec(seed=11))
     job = GRPOJob("j", runtime, LocalTask(), policy, replace(CONFIG, steps=2))

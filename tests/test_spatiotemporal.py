@@ -255,6 +255,17 @@ def test_trace_recorder_cuts_iterations_at_the_next_rollout():
     assert rec.trace(4, 0.9) is None
 
 
+def test_a_whole_iteration_request_records_a_rollout_then_its_training():
+    """``sample_train`` (a fused colocated step) is one iteration: a rollout of no duration,
+    then training over the request on its worker; iterations complete as the next begins."""
+    rec = TraceRecorder()
+    done = [rec.add("sample_train", "w0", 10.0 * i, 10.0 * i + 4.0) for i in range(3)]
+    assert done == [False, True, True]
+    assert list(rec.iterations) == [(Phase("rollout", 1, 0.0), Phase("train", 1, 4.0))] * 2
+    trace = rec.trace(2, 0.5)
+    assert trace is not None and trace.period_s == pytest.approx(4.0)
+
+
 def test_live_placement_profiles_then_places_and_replays():
     live = LivePlacement(cfg(slots=16, group_nodes=1, profile_iterations=2))
     hosts = {"tcp://a:1": "a", "tcp://a:2": "a", "tcp://b:1": "b", "tcp://b:2": "b"}

@@ -62,6 +62,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -105,6 +106,9 @@ class InProcessDeployment:
     in this process, each checked and computed as the worker's op does it (the same argument
     checks, the client's sampling streams, the workers' ``max-batch-size``) and returned as an
     already-resolved future. Not a fake of the system: it is what the runtime is compared to."""
+
+    #: What ``GRPOJob`` reads of a deployment's record: one worker, one replica.
+    info = SimpleNamespace(world_size=1, replicas=1)
 
     def __init__(self, spec: plexrl.ModelSpec, weights: Weights | None = None) -> None:
         self.name = f"in-process-{spec.name}"
@@ -151,6 +155,11 @@ class InProcessDeployment:
             return {"scored": summary, **self.backend.train_step(*training)}
 
         return _resolved(call)
+
+    def sample_train(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, recipe: bytes
+    ) -> concurrent.futures.Future:
+        return self.train_scored(self.sample(prompts, params), recipe)
 
     def train_step(
         self, batch: Sequence[Datum], loss: Any, params: AdamWParams

@@ -759,6 +759,35 @@ class Deployment:
             "train_step", ops.train_scored, [(samples, recipe, r, k) for r in range(k)]
         )
 
+    def sample_train(
+        self,
+        prompts: Sequence[str | Chat | Sequence[int]],
+        params: SamplingParams,
+        recipe: Any,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> Future:
+        """:meth:`sample` then :meth:`train_scored` on those samples, as one request of this
+        single-worker deployment: a colocated GRPO step whose training starts the moment its
+        samples are drawn, with no hand-off through the scheduler between the two (the
+        worker records them as a ``sample`` and a ``train_step`` request all the same).
+        Future of what :meth:`train_scored` returns. A deployment of several workers (a
+        sharded policy, replicas) refuses it (:class:`InvalidRecipe`): sample, then
+        :meth:`train_scored` on the samples' future."""
+        from plexrl_dask.rl.scoring import ScoringRecipe, seal_recipe  # (rl imports this module)
+
+        if self.info.world_size != 1 or self.info.replicas != 1:
+            raise InvalidRecipe(
+                f"sample_train runs on a single-worker deployment; {self.name!r} has "
+                f"world_size {self.info.world_size} and {self.info.replicas} replicas"
+            )
+        if isinstance(recipe, ScoringRecipe):
+            recipe = seal_recipe(recipe)
+        if not isinstance(recipe, bytes):
+            raise InvalidRecipe(f"recipe must be a ScoringRecipe, got {type(recipe).__name__}")
+        prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
+        task = (list(prompts), params, ids, Streams.from_config(), recipe)
+        return self._submit("sample_train", ops.sample_train, [task])
+
     def sample(
         self,
         prompts: Sequence[str | Chat | Sequence[int]],

@@ -204,6 +204,11 @@ OP_PHASES = {
     "publish_weights": "sync",
     "load_weights": "sync",
 }
+#: Ops that are a whole iteration in one request (``sample_train``: a colocated GRPO step's
+#: sampling then training on the same worker). The scheduler does not see where one half
+#: ends, so such an iteration records a rollout of no duration and a training phase over the
+#: request: its demand (the same workers, throughout) is what the two requests' would be.
+WHOLE_ITERATION_OPS = frozenset({"sample_train"})
 
 
 class TraceRecorder:
@@ -222,6 +227,10 @@ class TraceRecorder:
 
     def add(self, op: str, worker: str, start: float, end: float) -> bool:
         """Record one request (one rank of it); True if it completed an iteration."""
+        if op in WHOLE_ITERATION_OPS and end >= start:
+            done = self.add("sample", worker, start, start)
+            self._current.append(("train", worker, start, end))
+            return done
         kind = OP_PHASES.get(op)
         if kind is None or end < start:
             return False

@@ -26,7 +26,10 @@ samples (not agentic episodes), is *scored training* by default (``score_on_work
 :mod:`plexrl_dask.rl.scoring`): its ``train_step`` takes the sample request's future and
 scores, batches and trains on the worker, so the driver never reads the samples and nothing
 of the driver lies between a step's sample and its training. Otherwise the driver fetches the
-samples, scores them and submits the training. The records are the same either way.
+samples, scores them and submits the training. The records are the same either way. A
+colocated job whose policy is one worker makes each such step one ``sample_train`` request
+(``fuse_steps``), the next step's queued behind it: no hand-off through the scheduler within
+a step or between steps.
 
 Round trips to the scheduler per step (counted by ``bench.grpo``), scored training: the
 training request's result (scores and metrics, while the next step samples), the dashboard
@@ -132,7 +135,10 @@ class GRPOJob:
     the resumed run's records equal an uninterrupted run's). ``score_on_worker`` (default
     ``plexrl.grpo.score-on-worker``): a synchronous step's samples are scored in its training
     request, where they are (:mod:`plexrl_dask.rl.scoring`), not fetched by the driver; the
-    records are the same either way.
+    records are the same either way. ``fuse_steps`` (default ``plexrl.grpo.fuse-steps``):
+    such a step of a colocated job whose policy is one worker is one request
+    (:meth:`Deployment.sample_train <plexrl_dask.driver.runtime.Deployment.sample_train>`),
+    and the next step's is queued behind it; the records are the same either way.
     """
 
     def __init__(
@@ -148,6 +154,7 @@ class GRPOJob:
         start_version: int = 0,
         checkpoints: JobCheckpoints | None = None,
         score_on_worker: bool | None = None,
+        fuse_steps: bool | None = None,
     ) -> None:
         if config.kl_coef > 0 and reference is None:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
@@ -171,6 +178,11 @@ class GRPOJob:
         if not isinstance(score_on_worker, bool):
             raise ConfigError(f"score_on_worker is true or false, got {score_on_worker!r}")
         self.score_on_worker = score_on_worker
+        if fuse_steps is None:
+            fuse_steps = plexrl_config.get("grpo.fuse-steps")
+        if not isinstance(fuse_steps, bool):
+            raise ConfigError(f"fuse_steps is true or false, got {fuse_steps!r}")
+        self.fuse_steps = fuse_steps
         self._sealed_task: bytes | None = None  # (sealed once: every step's recipe carries it)
         if self._scores_on_worker:
             self._sealed_task = self._seal_task()
@@ -221,15 +233,32 @@ class GRPOJob:
         n = self.config.prompts_per_step
         return self.task.problems(self.config.problem_offset + step * n, n)
 
-    def _submit_sample(self, step: int) -> Any:
+    def _sampling(self, step: int) -> SamplingParams:
+        """Step ``step``'s sampling: its seed a pure function of (job seed, step)."""
         c = self.config
-        params = SamplingParams(
+        return SamplingParams(
             n=c.group_size,
             temperature=c.temperature,
             max_tokens=c.max_tokens,
             stop=() if c.eos_only else (self.task.stop,),
             seed=(c.seed * 1_000_003 + step) % 2**31,
         )
+
+    def _recipe(self, step: int, problems: list[Problem]) -> bytes:
+        """Step ``step``'s sealed scoring recipe (:mod:`plexrl_dask.rl.scoring`)."""
+        recipe = ScoringRecipe(self.task, self.config, tuple(problems), step)
+        return seal_recipe(recipe, self._sealed_task)
+
+    def _submit_fused(self, step: int) -> Any:
+        """Submit step ``step`` whole: its sampling and scored training as one request."""
+        problems = self._problems(step)
+        return self.policy.sample_train(
+            [p.prompt for p in problems], self._sampling(step), self._recipe(step, problems)
+        )
+
+    def _submit_sample(self, step: int) -> Any:
+        c = self.config
+        params = self._sampling(step)
         if is_agentic(self.task):
             task = self.task
             return self._episodes.submit(
@@ -411,6 +440,37 @@ class GRPOJob:
             and not is_agentic(self.task)
         )
 
+    @property
+    def _fuses(self) -> bool:
+        """Whether each step is one ``sample_train`` request (``fuse_steps``): scored
+        training of a colocated job whose policy is one worker."""
+        info = self.policy.info
+        return (
+            self.fuse_steps
+            and self._scores_on_worker
+            and self.rollout is None
+            and info.world_size == 1
+            and info.replicas == 1
+        )
+
+    def _fused_step(self, step: int, pending: Any) -> tuple[list[dict[str, Any]], Any]:
+        """Step ``step`` fused: submit the next step behind it (unless a checkpoint is due
+        after this one, whose save must see this step's weights, or the job is stopping),
+        then wait for this one. Returns its metrics and the next step's future (None when
+        not submitted yet)."""
+        c = self.config
+        saving = self.saver is not None and self.checkpoints.due(step + 1, c.steps)
+        ahead = None
+        if step + 1 < c.steps and not saving and not self._stop.is_set():
+            ahead = self._submit_fused(step + 1)  # (queued behind this step on its worker)
+            self.follow_placement.ask()  # (answered while this step runs)
+        try:
+            return result([pending]), ahead
+        except BaseException:
+            if ahead is not None:  # (a step past a failed one must not train)
+                ahead.cancel()
+            raise
+
     def _scored_step(
         self, step: int, problems: list[Problem], pending: Any, pending_version: Any
     ) -> tuple[list[Any], Any, Any, Any]:
@@ -420,8 +480,7 @@ class GRPOJob:
         future of the sync that preceded them). With nothing to learn the worker trains
         nothing and a split job's sync finds every tensor unchanged."""
         c = self.config
-        recipe = seal_recipe(ScoringRecipe(self.task, c, tuple(problems), step), self._sealed_task)
-        futures = [self.policy.train_scored(pending, recipe)]
+        futures = [self.policy.train_scored(pending, self._recipe(step, problems))]
         sampled_with = pending_version
         if self.rollout is None:
             sampled_with = self.records[-1].version if self.records else self.start_version
@@ -490,14 +549,20 @@ class GRPOJob:
             self.first_step = first
         if first >= c.steps:
             return self.records
-        pending = self._submit_sample(first)
+        fused = self._fuses
+        pending = self._submit_fused(first) if fused else self._submit_sample(first)
         self.follow_placement.ask()
         for step in range(first, c.steps):
-            if self._stop.is_set():
+            # (a fused step submitted ahead trains once it runs: it is finished and recorded)
+            if self._stop.is_set() and not (fused and pending is not None):
                 raise JobStopped(f"{self.name} stopped before step {step} of {c.steps}")
             t0 = time.perf_counter()
             problems = self._problems(step)
-            if self._scores_on_worker:
+            if fused:
+                metrics, pending = self._fused_step(step, pending)
+                summary = metrics[-1]["scored"]
+                sampled_with = self.records[-1].version if self.records else self.start_version
+            elif self._scores_on_worker:
                 samples = pending
                 futures, pending, pending_version, sampled_with = self._scored_step(
                     step, problems, pending, pending_version
@@ -552,9 +617,13 @@ class GRPOJob:
                 self.saver.step_done(asdict(record), step + 1, c.steps)
             if on_step is not None:
                 on_step(record)
-            if self._scores_on_worker and step + 1 < c.steps:
+            if fused and pending is None and step + 1 < c.steps and not self._stop.is_set():
+                self.follow_placement()  # (nothing of the job in flight)
+                pending = self._submit_fused(step + 1)  # (after this step's checkpoint)
+                self.follow_placement.ask()
+            elif self._scores_on_worker and step + 1 < c.steps and pending is not None:
                 if self.follow_placement.due():  # (the job must be still to move)
-                    result(pending)  # (the next samples, in flight)
+                    result(pending)  # (the next step's request, in flight)
                 self.follow_placement()  # (no moves: no round trip; the next step asks again)
         if self.rollout is not None:
             result(self._sync())  # the rollout ends with the final weights

@@ -40,6 +40,7 @@ OPS = frozenset(
         "optim_step",
         "train_step",
         "sample",
+        "sample_train",
         "get_weights",
         "set_weights",
         "save_state",

@@ -224,6 +224,11 @@ def train_scored(
     policy's world size, which the worker checks against its own). Returns
     ``{"scored": ScoredSummary}`` and, when a group taught something, ``train_step``'s
     result; with nothing to learn from, nothing trains (every rank sees the same scores)."""
+    return _run(deployment, "train_step", _scored_training(samples, recipe, rank, ranks))
+
+
+def _scored_training(samples: Any, recipe: Any, rank: int, ranks: int) -> Any:
+    """:func:`train_scored`'s call on the backend (``recipe``: sealed, or unsealed here)."""
     # (imported here: plexrl_dask.rl imports the driver, which imports this module)
     from plexrl_dask.rl.scoring import checked_recipe, scored_training
 
@@ -244,7 +249,29 @@ def train_scored(
             return {"scored": summary}
         return {"scored": summary, **backend.train_step(*training)}
 
-    return _run(deployment, "train_step", call)
+    return call
+
+
+def sample_train(
+    deployment: str,
+    prompts: Sequence[str | Sequence[int]],
+    params: SamplingParams,
+    prompt_ids: Sequence[int] | None,
+    streams: Streams | None,
+    recipe: bytes,
+) -> dict[str, Any]:
+    """:func:`sample` then :func:`train_scored` on those samples, in one request of a
+    single-worker deployment: a colocated GRPO step with no hand-off between its two halves
+    (the scheduler would otherwise release the training only once the samples were in). The
+    holder runs them as two requests (``sample``, then ``train_step``: their own spans,
+    checks, and the weights' change after the second), so every ledger and timeline sees
+    what the two requests would show, and the result is :func:`train_scored`'s. A recipe
+    that does not unseal fails before anything runs."""
+    from plexrl_dask.rl.scoring import unseal_recipe
+
+    opened = unseal_recipe(recipe)
+    samples = _run(deployment, "sample", _sampling(prompts, params, prompt_ids, streams))
+    return _run(deployment, "train_step", _scored_training(samples, opened, 0, 1))
 
 
 def sample(
@@ -261,6 +288,16 @@ def sample(
     ``streams``: how rows are continuously batched (default: the worker's
     ``plexrl.sampling.*``).
     """
+    return _run(deployment, "sample", _sampling(prompts, params, prompt_ids, streams))
+
+
+def _sampling(
+    prompts: Sequence[str | Sequence[int]],
+    params: SamplingParams,
+    prompt_ids: Sequence[int] | None,
+    streams: Streams | None,
+) -> Any:
+    """:func:`sample`'s call on the backend."""
 
     def call(backend: Any) -> SampleResult:
         args = backend._checked(
@@ -275,7 +312,7 @@ def sample(
             sequences=tuple(tuple(g) for g in groups),
         )
 
-    return _run(deployment, "sample", call)
+    return call
 
 
 def get_weights(deployment: str, names: Sequence[str] | None = None) -> NamedWeights:
@@ -445,5 +482,6 @@ __all__ = [
     "publish_weights",
     "save_state",
     "sample",
+    "sample_train",
     "set_weights",
 ]
