@@ -3,9 +3,10 @@
     python -m plexrl_dask.bench.grpo --json OUT [--quick]
 
 Every arm runs :class:`~plexrl_dask.rl.grpo.GRPOJob`'s own step (sampling seeded per (job,
-step, prompt, sample), exact rewards, group advantages, one fused ``train_step`` that scores
-its samples where they are (:mod:`plexrl_dask.rl.scoring`), the same
-:class:`~plexrl_dask.rl.objective.GRPOConfig`); the in-process arms hand it an
+step, prompt, sample), exact rewards, group advantages, the step as one ``sample_train``:
+sampling, then a fused ``train_step`` that scores its samples where they are
+(:mod:`plexrl_dask.rl.scoring`), the same :class:`~plexrl_dask.rl.objective.GRPOConfig`);
+the in-process arms hand it an
 :class:`InProcessDeployment`, a baseline harness whose calls run a
 :class:`~plexrl_dask.worker.backends.torch_backend.TorchBackend` in the driver and return
 already-resolved futures. Jobs are the standard mix (:mod:`plexrl_dask.rl.catalog`), each
