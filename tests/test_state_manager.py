@@ -1010,3 +1010,21 @@ def test_a_lora_adapter_offloaded_to_the_node_store_trains_on_bit_identically(ti
     assert_bit_equal(weights(holder, info), weights(reference, info))
     # its report: its own state plus the whole base (its only user), as the holder counts them
     assert events[-1]["bytes"] == holder.status()["resident_bytes"]
+
+
+def test_a_publish_keeps_the_version_before_it_for_a_replica_still_to_load_it(tiers):
+    """``drop_older`` after publishing version 3 keeps 2 (a rollout replica whose load of 2
+    is still queued finds it) and drops 1; it never drops a newer version than it was given
+    (a replica that loads late leaves the newer publish alone)."""
+    from plexrl_dask.worker.stores import drop_older
+
+    node = NodeState(tiers(dram_capacity=8 * MiB))
+    for v in (1, 2, 3):
+        node.publish("w", v, make_tensors(v, MiB // 4))
+    drop_older(node, "w", 3)
+    assert tier_versions(node.status(), "dram") == {("w", 2), ("w", 3)}
+    drop_older(node, "w", 2)  # (a late load of 2)
+    assert tier_versions(node.status(), "dram") == {("w", 2), ("w", 3)}
+    node.publish("w", 4, make_tensors(4, MiB // 4))
+    drop_older(node, "w", 4)
+    assert tier_versions(node.status(), "dram") == {("w", 3), ("w", 4)}

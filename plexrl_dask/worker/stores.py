@@ -130,7 +130,8 @@ def restoring(
 
 def publishing(deployment: str, store_version: int, publish_id: str) -> Call:
     """The call of ``ops.publish_weights``: the parameters as ``store_version`` of
-    ``weights.<deployment>`` on this node's DRAM tier; rank 0 drops the older versions."""
+    ``weights.<deployment>`` on this node's DRAM tier; rank 0 drops the versions before the
+    previous one (:func:`drop_older`)."""
     model = derived_model("weights", deployment)
 
     def call(backend: Any) -> dict[str, Any]:
@@ -214,13 +215,17 @@ def check_readable(deployment: str, meta: Mapping[str, Any], op: str) -> None:
     )
 
 
-def drop_older(node: NodeState, model: str, keep: int) -> None:
-    """Delete ``model``'s DRAM versions other than ``keep`` on ``node`` (weights versions:
-    only the newest is read again)."""
-    for old in node.store("dram").versions(model):
-        if old != keep:
-            with contextlib.suppress(PlexRLError):  # one being read stays until later
-                node.delete(model, old, tiers=("dram",))
+def drop_older(node: NodeState, model: str, newest: int) -> None:
+    """Delete ``model``'s DRAM versions on ``node`` older than the one before ``newest``
+    (weights versions, increasing). The one before stays: a rollout replica may still have
+    its load of it queued behind another job's request on its worker while another replica
+    already sampled the next step, whose training then published ``newest``; it goes with
+    the next publish. Newer versions than ``newest`` are never touched."""
+    versions = sorted(node.store("dram").versions(model))
+    before = [v for v in versions if v < newest]
+    for old in before[:-1]:
+        with contextlib.suppress(PlexRLError):  # one being read stays until later
+            node.delete(model, old, tiers=("dram",))
 
 
 def node_of(deployment: str) -> NodeState:
