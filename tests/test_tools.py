@@ -26,6 +26,7 @@ from plexrl_dask.tools import (
     stop_strings,
 )
 from plexrl_dask.tools.calls import check_tools
+from plexrl_dask.tools.pool import TASKS_PER_THREAD
 from plexrl_dask.tools.sandbox import TRUNCATED
 
 TOOLS = {"calc": Calculator()}
@@ -248,6 +249,14 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
         assert {s["worker"] for s in report["spans"]} == {tool}
         assert [s["tool"] for s in report["spans"]] == ["where", "calc", "calc"]
         assert all(0 <= s["end"] - s["start"] < 10 for s in report["spans"])
+        # A turn of many calls goes out in a few tasks (each a share of them, in order).
+        submitted, submit = [], client.submit
+        client.submit = lambda *a, **k: (submitted.append(k["key"]), submit(*a, **k))[1]
+        many = [ToolCall("calc", f"{i}*3") for i in range(40)]
+        assert [r.output for r in pool.run(many, timeout_s=10)] == [str(3 * i) for i in range(40)]
+        client.submit = submit
+        threads = worker_info(client)[tool]["nthreads"]
+        assert len(submitted) == TASKS_PER_THREAD * threads < 40
         t0 = time.monotonic()
         [lost] = pool.run([ToolCall("where", "die")], timeout_s=10)
         assert lost.error == "ToolWorkerLost" and time.monotonic() - t0 < 30
@@ -294,3 +303,11 @@ def _a_wait_that_times_out_leaves_the_client_working(client, pool) -> None:
     assert result(later, timeout=30) == 7
     assert result(client.submit(sum, [5, 6], pure=False), timeout=30) == 11
     assert pool.run([ToolCall("calc", "2+2")], timeout_s=10)[0].output == "4"
+
+
+def test_a_turn_of_calls_splits_into_even_contiguous_shares():
+    from plexrl_dask.tools.pool import _shares
+
+    assert _shares(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert _shares(3, 16) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert _shares(0, 4) == []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -135,3 +135,10 @@ def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
         logging.getLogger(__name__).exception("tool %r failed on %r", call.tool, call.text[:80])
         output, error = f"{type(e).__name__}: {e}", "ToolFailed"
     return ToolResult(output, error, time.perf_counter() - t0, where, started)
+
+
+def run_calls(calls: Sequence[ToolCall], tools: Mapping[str, Tool]) -> list[ToolResult]:
+    """:func:`run_call` for each of ``calls`` here, one after another, in order: what one task
+    on a tool worker runs (:class:`~plexrl_dask.tools.pool.ToolPool` sends a turn's calls in
+    a few such tasks, not one task per call)."""
+    return [run_call(c, tools) for c in calls]

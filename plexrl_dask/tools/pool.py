@@ -1,17 +1,24 @@
 """Where tool calls run: off the model workers.
 
-A tool call is an ordinary Dask task (key ``plexrl-tool-...``) restricted to the cluster's
+Tool calls run as ordinary Dask tasks (keys ``plexrl-tool-...``) restricted to the cluster's
 *tool workers*: workers that do not advertise the GPU resource (``plexrl.worker.gpu-resource``),
 so a program never runs beside a model replica and the PlexRL scheduler plugin, which routes
-only annotated requests, never sees it. ``local_cluster(tool_workers=n)`` starts such workers.
-Where the cluster has none, calls run on the driver, on a thread pool of its own (the sandbox
-is a subprocess either way).
+only annotated requests, never sees them. ``local_cluster(tool_workers=n)`` starts such
+workers. A turn's calls go out in at most :data:`TASKS_PER_THREAD` tasks per thread the tool
+workers run, each task running a contiguous share of them one after another
+(:func:`~plexrl_dask.tools.calls.run_calls`): as many calls run at once as one task per call
+would run, for a few tasks' scheduling instead of one per call (a calculator call takes
+microseconds, a task's round through the scheduler milliseconds); the share a task holds
+bounds how unevenly the threads finish. Where the cluster has none, calls run on the driver,
+on a thread pool of its own (the sandbox is a subprocess either way).
 
 Every call returns a :class:`~plexrl_dask.tools.calls.ToolResult`: a failed call (it did not
 parse, its program failed or ran past a limit) is a failed result, and so is a call whose worker
 died or that did not come back within its tool's time limit plus a margin
-(:class:`~plexrl_dask.errors.ToolWorkerLost`, :class:`~plexrl_dask.errors.ToolLimitExceeded`):
-the episode goes on either way.
+(:class:`~plexrl_dask.errors.ToolWorkerLost`, :class:`~plexrl_dask.errors.ToolLimitExceeded`;
+every call of that task's share, which did not come back with it): the episode goes on
+either way. The time limit covers a turn whose every call runs to its tool's limit, as many
+at once as there are threads.
 """
 
 from __future__ import annotations
@@ -31,21 +38,36 @@ from plexrl_dask import config
 from plexrl_dask.cluster import worker_info
 from plexrl_dask.driver.waits import fetching
 from plexrl_dask.shared.timeline import TOOL_TOPIC
-from plexrl_dask.tools.calls import Tool, ToolCall, ToolResult, run_call
+from plexrl_dask.tools.calls import Tool, ToolCall, ToolResult, run_calls
 
 logger = logging.getLogger(__name__)
 
 #: Seconds a call may take beyond its tool's own limit (scheduling, a worker's start).
 MARGIN_S = 30.0
+#: At most this many tasks per tool-worker thread for one turn's calls (see above).
+TASKS_PER_THREAD = 4
 #: How often a waiting driver checks that the call's tool workers are still there.
 POLL_S = 0.5
 
 
 def tool_workers(client: Any) -> list[str]:
     """The addresses of the cluster's workers without the GPU resource."""
+    return _tool_workers(worker_info(client))
+
+
+def _tool_workers(workers: Mapping[str, Any]) -> list[str]:
     gpu = str(config.get("worker.gpu-resource"))
-    workers = worker_info(client)
     return sorted(a for a, w in workers.items() if not (w.get("resources") or {}).get(gpu))
+
+
+def _shares(n: int, most: int) -> list[range]:
+    """``range(n)`` in at most ``most`` contiguous shares whose sizes differ by at most one."""
+    count = max(1, min(n, most))
+    size, extra = divmod(n, count)
+    bounds = [0]
+    for i in range(count):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 class ToolPool:
@@ -65,42 +87,53 @@ class ToolPool:
         self._local_threads = local_threads
 
     def run(self, calls: Sequence[ToolCall | None], timeout_s: float) -> list[ToolResult | None]:
-        """Run ``calls`` (None entries are skipped and give None) at once; each result in
-        order. ``timeout_s``: the tools' own limit; past it and :data:`MARGIN_S`, a call that
-        has not returned is a failed result."""
+        """Run ``calls`` (None entries are skipped and give None), as many at once as the
+        tool workers have threads (see the module docstring); each result in order.
+        ``timeout_s``: the tools' own limit; past what a turn of calls at that limit takes,
+        and :data:`MARGIN_S`, a call that has not returned is a failed result."""
         if not any(c is not None for c in calls):
             return [None] * len(calls)
-        workers = tool_workers(self.client) if self.client is not None else []
+        info = worker_info(self.client) if self.client is not None else {}
+        workers = _tool_workers(info)
         if workers:
-            futures = [
-                None
-                if c is None
-                else self.client.submit(
-                    run_call,
-                    c,
-                    self.tools,
-                    key=f"plexrl-tool-{c.tool}-{uuid.uuid4().hex}",
-                    workers=workers,
-                    allow_other_workers=False,
-                    pure=False,
-                    retries=0,
+            threads = sum(int(info[w].get("nthreads") or 1) for w in workers)
+            futures, shares = [], []
+            todo = [k for k, c in enumerate(calls) if c is not None]
+            for share in _shares(len(todo), TASKS_PER_THREAD * threads):
+                ids = [todo[i] for i in share]
+                tool = calls[ids[0]].tool  # type: ignore[union-attr]
+                futures.append(
+                    self.client.submit(
+                        run_calls,
+                        [calls[k] for k in ids],
+                        self.tools,
+                        key=f"plexrl-tool-{tool}-{uuid.uuid4().hex}",  # (its first call's tool)
+                        workers=workers,
+                        allow_other_workers=False,
+                        pure=False,
+                        retries=0,
+                    )
                 )
-                for c in calls
-            ]
+                shares.append(ids)
+            rounds = -(-len(todo) // threads)  # (every call at its limit, ``threads`` at once)
         else:
             if self._local is None:
                 self._local = concurrent.futures.ThreadPoolExecutor(
                     self._local_threads, thread_name_prefix="plexrl-tool"
                 )
-            futures = [
-                None if c is None else self._local.submit(run_call, c, self.tools) for c in calls
-            ]
+            shares = [[k] for k, c in enumerate(calls) if c is not None]
+            futures = [self._local.submit(run_calls, [calls[k]], self.tools) for k, *_ in shares]
+            rounds = -(-len(shares) // self._local_threads)
 
         def alive() -> bool:  # (a tool worker that died comes back under another address)
             return not workers or bool(set(workers) & set(self.client.nthreads()))
 
-        deadline = time.monotonic() + timeout_s + MARGIN_S
-        results = [None if f is None else _outcome(f, deadline, alive) for f in futures]
+        deadline = time.monotonic() + rounds * timeout_s + MARGIN_S
+        results: list[ToolResult | None] = [None] * len(calls)
+        for f, ids in zip(futures, shares, strict=True):
+            got = _outcome(f, deadline, alive)
+            for k, r in zip(ids, got if isinstance(got, list) else [got] * len(ids), strict=True):
+                results[k] = r
         if workers and self.job:
             self._report(calls, results)
         return results
@@ -126,9 +159,11 @@ class ToolPool:
             self._local = None
 
 
-def _outcome(future: Any, deadline: float, alive: Callable[[], bool]) -> ToolResult:
-    """``future``'s result by ``deadline``, checking every :data:`POLL_S` that a worker that
-    may run it is still there. A Dask future's result is fetched with
+def _outcome(
+    future: Any, deadline: float, alive: Callable[[], bool]
+) -> list[ToolResult] | ToolResult:
+    """``future``'s result (its calls' results) by ``deadline``, checking every
+    :data:`POLL_S` that a worker that may run it is still there. A Dask future's result is fetched with
     :func:`~plexrl_dask.driver.waits.fetching`: polling ``Future.result(timeout)`` cancels
     the client's fetches and can leave it unable to return any result again."""
     pending = fetching(future) if isinstance(future, Future) else future
