@@ -602,3 +602,13 @@ def test_worker_profile_interval_is_positive_or_null():
         pytest.raises(errors.ConfigError, match="profile-interval"),
     ):
         WorkerConfig.from_dask_config()
+
+
+def test_a_gpu_worker_process_keeps_what_it_started_with_out_of_full_collections(client):
+    """A worker with a nanny (a process of its own) freezes what exists once the plugin set
+    it up (Dask's worker, torch, the store): a full garbage collection walks only what
+    requests made since."""
+    import gc
+
+    counts = client.run(gc.get_freeze_count)
+    assert counts and all(n > 10_000 for n in counts.values()), counts
