@@ -283,13 +283,15 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
                 for w in (a[1], b[1])
             ]
             train_sync_sample(runtime, trainer, rolls)
-            # one version of the trainer's weights in each pod's DRAM tier, the same one
+            # the newest version of the trainer's weights in each pod's DRAM tier, the same
+            # one (where it was published, the one before it may stay too: a load may be queued)
             model = derived_model("weights", trainer.name)
             stored = []
             for pod in pods:
                 with contextlib.closing(node_state(tiers[pod])) as node:
                     stored.append(node.store("dram").versions(model))
-            assert stored[0] and stored[0] == stored[1], stored
+            assert stored[0] and stored[1] and stored[0][-1] == stored[1][-1], stored
+            assert all(len(v) <= 2 for v in stored), stored
 
             # The main job, from a driver outside the pods (as from a pod of its own).
             out = tmp_path / "run"
