@@ -544,6 +544,18 @@ def split_prompts(
     return out
 
 
+def _sealed(recipe: Any) -> bytes:
+    """A scoring recipe as the bytes a request carries (:func:`~plexrl_dask.rl.scoring.seal_recipe`;
+    bytes pass as they are, the worker checks them); :class:`InvalidRecipe` for anything else."""
+    from plexrl_dask.rl.scoring import ScoringRecipe, seal_recipe  # (rl imports this module)
+
+    if isinstance(recipe, ScoringRecipe):
+        recipe = seal_recipe(recipe)
+    if not isinstance(recipe, bytes):
+        raise InvalidRecipe(f"recipe must be a ScoringRecipe, got {type(recipe).__name__}")
+    return recipe
+
+
 class Deployment:
     """A handle on a registered deployment; every model call returns a ``Future``."""
 
@@ -744,12 +756,7 @@ class Deployment:
         :func:`~plexrl_dask.rl.scoring.seal_recipe`). Future of ``{"scored": ScoredSummary}``
         plus, when a group taught something, what :meth:`train_step` returns
         (``forward_backward``, ``optim_step``)."""
-        from plexrl_dask.rl.scoring import ScoringRecipe, seal_recipe  # (rl imports this module)
-
-        if isinstance(recipe, ScoringRecipe):
-            recipe = seal_recipe(recipe)
-        if not isinstance(recipe, bytes):
-            raise InvalidRecipe(f"recipe must be a ScoringRecipe, got {type(recipe).__name__}")
+        recipe = _sealed(recipe)
         if not isinstance(samples, Future):
             raise InvalidRecipe(
                 f"samples must be the future of a sample request, got {type(samples).__name__}"
@@ -773,17 +780,12 @@ class Deployment:
         Future of what :meth:`train_scored` returns. A deployment of several workers (a
         sharded policy, replicas) refuses it (:class:`InvalidRecipe`): sample, then
         :meth:`train_scored` on the samples' future."""
-        from plexrl_dask.rl.scoring import ScoringRecipe, seal_recipe  # (rl imports this module)
-
         if self.info.world_size != 1 or self.info.replicas != 1:
             raise InvalidRecipe(
                 f"sample_train runs on a single-worker deployment; {self.name!r} has "
                 f"world_size {self.info.world_size} and {self.info.replicas} replicas"
             )
-        if isinstance(recipe, ScoringRecipe):
-            recipe = seal_recipe(recipe)
-        if not isinstance(recipe, bytes):
-            raise InvalidRecipe(f"recipe must be a ScoringRecipe, got {type(recipe).__name__}")
+        recipe = _sealed(recipe)
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
         task = (list(prompts), params, ids, Streams.from_config(), recipe)
         return self._submit("sample_train", ops.sample_train, [task])

@@ -121,8 +121,8 @@ class ToolPool:
                 self._local = concurrent.futures.ThreadPoolExecutor(
                     self._local_threads, thread_name_prefix="plexrl-tool"
                 )
-            shares = [[k] for k, c in enumerate(calls) if c is not None]
-            futures = [self._local.submit(run_calls, [calls[k]], self.tools) for k, *_ in shares]
+            shares = [[k] for k, c in enumerate(calls) if c is not None]  # (a call a future)
+            futures = [self._local.submit(run_calls, [calls[k]], self.tools) for [k] in shares]
             rounds = -(-len(shares) // self._local_threads)
 
         def alive() -> bool:  # (a tool worker that died comes back under another address)
@@ -163,9 +163,10 @@ def _outcome(
     future: Any, deadline: float, alive: Callable[[], bool]
 ) -> list[ToolResult] | ToolResult:
     """``future``'s result (its calls' results) by ``deadline``, checking every
-    :data:`POLL_S` that a worker that may run it is still there. A Dask future's result is fetched with
-    :func:`~plexrl_dask.driver.waits.fetching`: polling ``Future.result(timeout)`` cancels
-    the client's fetches and can leave it unable to return any result again."""
+    :data:`POLL_S` that a worker that may run it is still there. A Dask future's result is
+    fetched with :func:`~plexrl_dask.driver.waits.fetching`: polling
+    ``Future.result(timeout)`` cancels the client's fetches and can leave it unable to
+    return any result again."""
     pending = fetching(future) if isinstance(future, Future) else future
     while True:
         left = deadline - time.monotonic()
