@@ -777,6 +777,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             deployment = self.dispatcher.hint(worker, now)
             info = self.deployments.get(deployment) if deployment else None
             hint = (deployment, info.uid) if info is not None else (None, "")
+            if deployment and self.residency.tier(deployment, worker) == "hbm":
+                # Resident already: nothing to prefetch. A job alone on its worker would
+                # otherwise get two hints per request (its deployment, then none), each a
+                # message on both event loops while its request runs.
+                hint = (None, "")
             comm = self.scheduler.stream_comms.get(worker)
             # Only workers whose holder reported in have the handler (an unknown op would
             # break the worker's stream).

@@ -331,3 +331,34 @@ def test_a_request_that_changes_nothing_sends_no_residency_report():
     assert len(events) == n + 1
     holder.offload("a")  # a transition is always reported
     assert events[-1]["tier"] != "hbm"
+
+
+def test_a_hint_starts_a_prefetch_thread_only_when_there_is_something_to_reload(monkeypatch):
+    """Hints arrive on the worker's event loop about once per request; a thread per hint
+    blocked the loop while it started and then took the GIL from the running request. Only a
+    hint naming a replica held here offloaded, of the hinted incarnation, starts one."""
+    import threading
+
+    from plexrl_dask.worker import holder as holder_module
+
+    started: list[str] = []
+
+    class Recording(threading.Thread):
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(holder_module.threading, "Thread", Recording)
+    holder, _ = make_holder(100_000)  # room for one of x and a (75 kB each)
+    x, a = make_info("x", seed=1, memory_bytes=75_000), make_info("a", seed=2, memory_bytes=75_000)
+    weights(holder, x)
+    holder.hint("x", x.uid)  # resident
+    holder.hint("nobody", "u")  # not held here
+    holder.hint("x", "another-incarnation")
+    holder.hint(None)
+    assert started == []
+    weights(holder, a)  # x offloaded to make room
+    assert resident(holder) == {"x": False, "a": True}
+    started.clear()
+    holder.hint("x", x.uid)
+    assert started == ["plexrl-prefetch"]

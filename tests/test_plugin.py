@@ -612,3 +612,12 @@ def test_a_gpu_worker_process_keeps_what_it_started_with_out_of_full_collections
 
     counts = client.run(gc.get_freeze_count)
     assert counts and all(n > 10_000 for n in counts.values()), counts
+
+
+def test_a_gpu_worker_process_encodes_prompts_on_its_own_threads(client):
+    """Tokenizers' pool is off in a worker (plexrl_dask.worker.device.fix_threads): its
+    threads would spin beside the worker's fixed torch threads."""
+    import os
+
+    values = client.run(lambda: os.environ.get("TOKENIZERS_PARALLELISM"))
+    assert values and set(values.values()) == {"false"}, values

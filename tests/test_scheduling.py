@@ -98,6 +98,20 @@ def test_data_parallel_requests_run_where_their_model_is_resident(small_runtime)
     runtime.undeploy(b.name)
 
 
+def test_a_model_resident_where_it_runs_next_gets_no_prefetch_hint(small_runtime):
+    """A hint is for bringing a model back: one already in HBM where it is predicted to run
+    gets none (a job alone on its worker would otherwise get two per request)."""
+    runtime = small_runtime
+    dep = runtime.deploy(unique("alone"), tiny_spec(seed=44, **SIZE), role="rollout")
+    plexrl.result(dep.load())
+    data = [plexrl.Datum(tokens=dep.tokenize("1+2=3"))]
+    plexrl.result([dep.forward(data) for _ in range(2)], timeout=120)
+    hints_before = runtime.status()["counters"].get("prefetch_hints", 0)
+    plexrl.result([dep.forward(data) for _ in range(6)], timeout=120)
+    assert runtime.status()["counters"].get("prefetch_hints", 0) == hints_before
+    runtime.undeploy(dep.name)
+
+
 @pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
 def test_a_queued_request_makes_its_worker_prefetch_its_model(small_runtime, lookahead):
     runtime = small_runtime

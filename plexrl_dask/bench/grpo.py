@@ -12,7 +12,7 @@ the in-process arms hand it an
 already-resolved futures. Jobs are the standard mix (:mod:`plexrl_dask.rl.catalog`), each
 warmed up once in this process (supervised, outside every timing) so its groups teach
 something; every arm starts from those weights at version 0 with a fresh optimizer. One torch
-thread everywhere.
+thread everywhere, and no tokenizer pool (as a PlexRL worker runs: ``fix_threads``).
 
 - ``step_rate_vs_in_process``: each job of the mix alone, colocated through the runtime on
   a one-worker ``local_cluster``, and in this process; a job's rate is its steps per second
@@ -81,6 +81,7 @@ from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.checks import checked_adamw, checked_batch, checked_loss, checked_sample
 from plexrl_dask.shared.types import AdamWParams, Datum, SampleResult, SamplingParams, Streams
 from plexrl_dask.worker.backends import TorchBackend
+from plexrl_dask.worker.device import fix_threads
 
 Weights = dict[str, torch.Tensor]
 #: What a record must repeat across arms (its wall time is the only field left out).
@@ -378,7 +379,7 @@ def _pair_main(
 ) -> None:
     """One process of the parallel-processes arm: its jobs in process, one after the other,
     started with the other process's (``barrier``); puts (index, start, end, records)."""
-    torch.set_num_threads(1)
+    fix_threads(1)  # as a PlexRL worker runs: one torch thread, no tokenizer pool
     jobs = [InProcessJob(s, w, s.grpo.steps) for s, w in zip(specs, weights, strict=True)]
     barrier.wait()
     start = time.time()
@@ -502,7 +503,7 @@ def bos_matches_hf(prompts: Sequence[str]) -> bool:
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    torch.set_num_threads(1)
+    fix_threads(1)  # as a PlexRL worker runs: one torch thread, no tokenizer pool
     # quick: fewer steps and warm-up steps, one repetition; the jobs are otherwise the mix's
     steps, pool_steps, warmup, reps = (6, 4, 100, 1) if args.quick else (16, 24, 300, 3)
     specs = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 #: The ``"auto"`` budget on the CPU, and the share of a GPU's memory it takes there.
@@ -26,5 +28,10 @@ def default_budget(device: str) -> int:
 
 def fix_threads(n: int) -> None:
     """Run torch's intra-op work on ``n`` threads in this process: results must not depend on
-    how a worker's cores are split (docs/architecture.md, "Sampling and determinism")."""
+    how a worker's cores are split (docs/architecture.md, "Sampling and determinism").
+    Hugging Face tokenizers' own pool (a thread per core, used to encode a batch of prompts)
+    is turned off unless ``TOKENIZERS_PARALLELISM`` says otherwise: its threads spin for a
+    while after each batch, on the cores the worker's request and event loop need, for
+    prompts that take well under a millisecond to encode on one thread."""
     torch.set_num_threads(n)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -623,6 +623,14 @@ class ReplicaHolder:
             self._prefetch_soon()
 
     def _prefetch_soon(self) -> None:
+        # Hints arrive on the event loop, about one per request: starting a thread blocks the
+        # loop until it runs, and the thread then takes the GIL from the running request.
+        # So only a hint that could reload something (its replica held here, not resident)
+        # gets one; prefetch re-checks all of this under its locks.
+        hint = self._hint
+        replica = None if hint is None else self._replicas.get(hint[0])
+        if replica is None or replica.info.uid != hint[1] or replica.backend.resident:
+            return
         threading.Thread(target=self.prefetch, name="plexrl-prefetch", daemon=True).start()
 
     def prefetch(self) -> bool:
