@@ -29,6 +29,7 @@ class PendingRequest:
     op: str = ""
     replica: int | None = 0
     job: str = ""
+    holds: bool = False  # its order's next request follows soon (an agentic turn)
     keys: dict[int, Any] = field(default_factory=dict)
     groups: tuple[tuple[str, ...], ...] | None = None
     admitted: bool = False

@@ -123,9 +123,12 @@ def dispatch_policy_from_config(
     if not isinstance(weights, dict):
         raise ConfigError(f"scheduler.job-weights maps job -> weight, got {weights!r}")
     gang_hold = config.get_seconds("scheduler.gang-hold", positive=False)
+    turn_hold = config.get_seconds("scheduler.turn-hold", positive=False)
     try:
         if ordering == "fifo":
-            return DispatchPolicy.fifo(choice, lookahead=lookahead, gang_hold_s=gang_hold)
+            return DispatchPolicy.fifo(
+                choice, lookahead=lookahead, gang_hold_s=gang_hold, turn_hold_s=turn_hold
+            )
         return DispatchPolicy(
             setup_weight=float(config.get("scheduler.setup-weight")),
             patience_factor=float(config.get("scheduler.patience-factor")),
@@ -135,6 +138,7 @@ def dispatch_policy_from_config(
             fair_share=fair_share,
             job_weights=tuple(sorted((str(j), w) for j, w in weights.items())),
             gang_hold_s=gang_hold,
+            turn_hold_s=turn_hold,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -393,11 +397,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         fair_share: bool | None = None,
         operator_secret: str | None = None,
         gang_hold_s: float | None = None,
+        turn_hold_s: float | None = None,
     ) -> dict[str, Any]:
         """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
         (the configured HRRS knobs unless given) or "fifo" (default: the configured one);
         ``choice`` "residency" or "blind"; ``lookahead`` and ``fair_share`` on or off,
-        ``gang_hold_s`` seconds (default: the configured ones). Only the operator may (``operator_secret``, else
+        ``gang_hold_s`` and ``turn_hold_s`` seconds (default: the configured ones). Only the operator may (``operator_secret``, else
         :class:`PermissionDenied`). Refused with :class:`SchedulerBusy` while requests are
         pending or released ones wait behind others, so every request is decided under the
         policy it arrived under."""
@@ -415,10 +420,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     raise ConfigError(f"{key} must be true or false, got {value!r}")
             policy = dispatch_policy_from_config(ordering, choice)
             given = {k: v for k, v in switches.items() if v is not None}
-            if gang_hold_s is not None:
-                if isinstance(gang_hold_s, bool) or not isinstance(gang_hold_s, int | float):
-                    raise ConfigError(f"gang_hold_s must be seconds, got {gang_hold_s!r}")
-                given["gang_hold_s"] = float(gang_hold_s)
+            for key, value in (("gang_hold_s", gang_hold_s), ("turn_hold_s", turn_hold_s)):
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ConfigError(f"{key} must be seconds, got {value!r}")
+                given[key] = float(value)
             if given:
                 try:
                     policy = dataclasses.replace(policy, **given)
@@ -610,7 +617,13 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ts.annotations = {**ts.annotations, ANNOTATION: ann}
         queued = self.requests.add(
             PendingRequest(
-                request, ranks, name, str(ann.get("op", "")), replica, str(ann.get("job", ""))
+                request,
+                ranks,
+                name,
+                str(ann.get("op", "")),
+                replica,
+                str(ann.get("job", "")),
+                holds=ann.get("holds") is True,
             )
         )
         self.requests.add_key(ts.key, queued, rank)
@@ -671,6 +684,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     deployment=r.deployment,
                     op=r.op,
                     job=r.job,
+                    holds=r.holds,
                     # Results of other tasks that a worker may still be fetching when the
                     # request is released (nothing may be queued behind it, or that would
                     # start first); none to fetch where they are held already (a scored

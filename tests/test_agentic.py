@@ -148,7 +148,7 @@ def test_an_episode_never_outgrows_its_models_context():
         def tokenize(self, text, special_tokens=None):
             return tok.tokenize(text, special_tokens)
 
-        def sample(self, prompts, params, prompt_ids):
+        def sample(self, prompts, params, prompt_ids, holds=False):
             call = tuple(tok.tokenize("<calc>12*34</calc>"))
             seq = SampledSequence(call, (-0.1,) * len(call), "<calc>12*34</calc>", "stop")
             out = Future()

@@ -180,6 +180,45 @@ def test_a_gang_holds_its_workers_for_its_next_request():
     assert names(d.decide(0.5 + d.policy.patience(1.0, 0.0))) == ["long"]
 
 
+def test_a_turn_holds_its_worker_for_the_next_turn():
+    """A request marked ``holds`` (an agentic turn, its tools running after it) holds its
+    worker for its order's next request, for the gap its turns left before (capped at
+    ``turn_hold_s``): another job's request starts there only if it is expected to end
+    before then, and the next turn starts at once. Unmarked requests, or ``turn_hold_s`` 0,
+    hold nothing."""
+
+    def turn(name: str, t: float, holds: bool = True) -> Request:
+        return Request(name, (("w0",),), t, 0.2, order="a", deployment="a", job="A", holds=holds)
+
+    def other(name: str, t: float, s: float) -> Request:
+        return Request(name, (("w0",),), t, s, order=name, deployment=name, job="B")
+
+    d = Dispatcher(replace(CALM, turn_hold_s=2.0), workers=["w0"])
+    d.add(turn("t1", 0.0))
+    assert names(d.decide(0.0)) == ["t1"]
+    d.release_worker("w0", "t1", 0.2)
+    d.add(turn("t2", 1.2))  # the tools took 1 s: the learned gap
+    assert names(d.decide(1.2)) == ["t2"]
+    d.release_worker("w0", "t2", 1.4)  # held until 2.4
+    d.add(other("long", 1.4, 1.5))  # would end at 2.9
+    d.add(other("short", 1.4, 0.5))  # ends at 1.9: fits
+    assert names(d.decide(1.4)) == ["short"]
+    d.release_worker("w0", "short", 1.9)
+    assert d.decide(1.9) == [] and d.next_wakeup(1.9) == pytest.approx(2.4)
+    d.add(turn("t3", 2.3, holds=False))  # the episode's last turn: no tools after it
+    assert names(d.decide(2.3)) == ["t3"]
+    d.release_worker("w0", "t3", 2.5)
+    assert names(d.decide(2.5)) == ["long"]  # nothing held after an unmarked request
+    # Off: the long request takes the worker as soon as the turn ends.
+    d = Dispatcher(CALM, workers=["w0"])
+    for name, t in (("t1", 0.0), ("t2", 1.2)):
+        d.add(turn(name, t))
+        d.decide(t)
+        d.release_worker("w0", name, t + 0.2)
+    d.add(other("long", 1.4, 1.5))
+    assert names(d.decide(1.4)) == ["long"]
+
+
 @pytest.mark.parametrize("policy", [HRRS, FIFO], ids=["hrrs", "fifo"])
 def test_a_busy_worker_gets_nothing_until_it_is_released(policy):
     d = Dispatcher(policy, workers=["w0"])
@@ -996,6 +1035,7 @@ hrrs_policies = st.builds(
     fair_share=st.booleans(),
     job_weights=st.sampled_from([(), (("j0", 3.0),), (("j1", 0.25), ("A", 2.0))]),
     gang_hold_s=st.sampled_from([0.0, 0.5, 5.0]),
+    turn_hold_s=st.sampled_from([0.0, 0.5, 5.0]),
 )
 any_policy = st.one_of(st.sampled_from(list(POLICIES.values())), hrrs_policies)
 
@@ -1011,10 +1051,27 @@ def check_promises(workload, result) -> None:
     assert result.order_violations() == []
 
 
+def _as_turns(workload):
+    """The workload with its single-worker samples marked as agentic turns (``holds``)."""
+    return [
+        replace(r, request=replace(r.request, holds=True))
+        if r.request.op == "sample" and len(r.request.groups) == 1
+        else r
+        for r in workload
+    ]
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([(6, 150), (2, 40), (4, 80)]), any_policy)
-def test_random_workloads_keep_the_dispatch_promises(seed, size, policy):
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([(6, 150), (2, 40), (4, 80)]),
+    any_policy,
+    st.booleans(),
+)
+def test_random_workloads_keep_the_dispatch_promises(seed, size, policy, turns):
     cluster, workload = random_workload(seed, *size)
+    if turns:
+        workload = _as_turns(workload)
     check_promises(workload, simulate(workload, cluster, policy))
 
 

@@ -98,6 +98,40 @@ def test_data_parallel_requests_run_where_their_model_is_resident(small_runtime)
     runtime.undeploy(b.name)
 
 
+def test_turns_holding_their_worker_run_every_request_to_the_end(small_runtime):
+    """plexrl.scheduler.turn-hold through the operator's set_policy (typed errors for bad
+    values): turns marked ``holds`` and another job's requests on the same worker all
+    complete, the turns with the samples they draw unheld (the hold's rule:
+    tests/test_dispatch.py)."""
+    runtime = small_runtime
+    with pytest.raises(plexrl.errors.ConfigError):
+        runtime.set_policy(turn_hold_s=-1.0)
+    with pytest.raises(plexrl.errors.ConfigError):
+        runtime.set_policy(turn_hold_s=True)
+    assert runtime.set_policy(turn_hold_s=0.5)["turn_hold_s"] == 0.5
+    try:
+        agent = runtime.deploy(unique("agent"), tiny_spec(seed=45, **SIZE), role="rollout")
+        other = plexrl.Runtime(runtime.client, job=unique("other"))
+        beside = other.deploy(
+            unique("beside"),
+            tiny_spec(seed=46, **SIZE),
+            role="rollout",
+            workers=[agent.info.worker],
+        )
+        params = plexrl.SamplingParams(n=2, max_tokens=6, seed=3)
+        data = [plexrl.Datum(tokens=beside.tokenize("1+2=3"))]
+        turns, reads = [], []
+        for _ in range(3):
+            turns.append(agent.sample(["1+1="], params, holds=True))
+            reads += [beside.forward(data) for _ in range(2)]
+        done = plexrl.result([*turns, *reads], timeout=120)
+        unheld = plexrl.result(agent.sample(["1+1="], params), timeout=120)
+        assert all(d.sequences == unheld.sequences for d in done[:3])
+    finally:
+        configured = plexrl.config.get_seconds("scheduler.turn-hold", positive=False)
+        assert runtime.set_policy()["turn_hold_s"] == configured
+
+
 def test_a_model_resident_where_it_runs_next_gets_no_prefetch_hint(small_runtime):
     """A hint is for bringing a model back: one already in HBM where it is predicted to run
     gets none (a job alone on its worker would otherwise get two per request)."""

@@ -327,7 +327,7 @@ class Runtime:
     def set_policy(self, operator_secret: str | None = None, **knobs: Any) -> dict[str, Any]:
         """Change the scheduler's dispatch policy while no request is pending (``ordering``,
         ``choice``, ``setup_weight``, ``patience_factor``, ``patience_floor_s``,
-        ``lookahead``, ``fair_share``, ``gang_hold_s``; see the ``plexrl_set_policy``
+        ``lookahead``, ``fair_share``, ``gang_hold_s``, ``turn_hold_s``; see the ``plexrl_set_policy``
         handler), as the cluster's
         operator: ``operator_secret``, else ``plexrl.operator-secret``, else the file the
         scheduler wrote it to (readable where the scheduler runs, by the user that runs it).
@@ -626,6 +626,7 @@ class Deployment:
         fn: Any,
         per_task_args: Sequence[tuple],
         replica_of: Sequence[int | None] | None = None,
+        holds: bool = False,
     ) -> Future:
         """Submit ``op`` as one task per element of ``per_task_args`` and return the future of
         their combined result.
@@ -645,7 +646,7 @@ class Deployment:
             rid = request if len(per) == 1 and k > 1 else f"{request}-{g}"
             for rank, args in enumerate(tasks):
                 annotation = {
-                    **self.annotation(),
+                    **self.annotation(**({"holds": True} if holds else {})),
                     "op": op,
                     "request": rid,
                     "ranks": k,
@@ -795,9 +796,12 @@ class Deployment:
         prompts: Sequence[str | Chat | Sequence[int]],
         params: SamplingParams = SamplingParams(),
         prompt_ids: Sequence[int] | None = None,
+        holds: bool = False,
     ) -> Future:
         """Future of a :class:`SampleResult` (``params.n`` completions per prompt: text,
-        chat messages rendered with the model's chat template, or token ids)."""
+        chat messages rendered with the model's chat template, or token ids). ``holds``: the
+        caller's next request follows once its tools have run (an agentic turn), so the
+        scheduler may keep the worker for it (``plexrl.scheduler.turn-hold``)."""
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
         streams = Streams.from_config()
         k = self.info.world_size
@@ -811,6 +815,7 @@ class Deployment:
                 ops.sample,
                 [t for t in tasks for _ in range(k)],
                 replica_of=[replica] * len(tasks),
+                holds=holds,
             )
         if k > 1:
             # On the training group (the hybrid engine): every rank decodes its share of the
@@ -818,7 +823,7 @@ class Deployment:
             chunks = split_prompts(len(prompts), k, params.n, streams.rows)
             chunks += [(len(prompts), len(prompts))] * (k - len(chunks))
             tasks = [(list(prompts[a:b]), params, ids[a:b], streams) for a, b in chunks]
-            return self._submit("sample", ops.sample, tasks)
+            return self._submit("sample", ops.sample, tasks, holds=holds)
         chunks = split_prompts(len(prompts), self.info.replicas, params.n, streams.rows)
         # The streams travel with the request, so the split and the decoding agree whatever
         # the workers' configuration (their max-batch-size, a memory bound, is theirs).
@@ -826,7 +831,7 @@ class Deployment:
         # Parts are data-parallel (replica None): the scheduler runs each on whichever replica
         # frees up first and holds the model warmest; any replica gives the same bits.
         any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)
-        return self._submit("sample", ops.sample, tasks, replica_of=any_replica)
+        return self._submit("sample", ops.sample, tasks, replica_of=any_replica, holds=holds)
 
     def save_state(
         self,

@@ -118,6 +118,14 @@ says when to decide again. Measured on the standard mix in a pool of two workers
 lower the pool's cost (``benchmarks/RESULTS.md``, bench.multiplex at 192 MiB), which is why it
 is off.
 
+**Turns hold their worker** (``DispatchPolicy.turn_hold_s`` > 0). An agentic episode's model
+turn is one request, and the episode's next turn arrives once the turn's tool calls have run;
+another job's long request that starts on the worker meanwhile holds that turn up, and the
+episode's job, whose wall time is mostly tool calls, is the one a pool waits for. A request
+marked ``holds`` (a turn after which tools run) makes its order hold its worker exactly as a
+gang's order does, capped at ``turn_hold_s``: others start there meanwhile only if they are
+expected to end before the turn's learned return.
+
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
 arrival order within an order is the submission order.
@@ -185,6 +193,7 @@ class Request:
     op: str = ""
     job: str = ""
     inputs: bool = False
+    holds: bool = False  # its order's next request follows soon ("Turns hold their worker")
 
     def __post_init__(self) -> None:
         if not self.groups or any(not g or len(set(g)) != len(g) for g in self.groups):
@@ -237,6 +246,9 @@ class DispatchPolicy:
     # Hold a gang's workers for its order's next request, for at most this long after its
     # last one ended (0: off; see "Gangs hold their workers").
     gang_hold_s: float = 0.0
+    # The same for the order of a request marked ``holds`` (an agentic turn; 0: off; see
+    # "Turns hold their worker").
+    turn_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not all(
@@ -246,6 +258,7 @@ class DispatchPolicy:
                 self.patience_factor,
                 self.patience_floor_s,
                 self.gang_hold_s,
+                self.turn_hold_s,
             )
         ):
             raise ValueError(f"dispatch weights must be >= 0: {self}")
@@ -259,7 +272,11 @@ class DispatchPolicy:
 
     @classmethod
     def fifo(
-        cls, choice: str = "residency", lookahead: bool = False, gang_hold_s: float = 0.0
+        cls,
+        choice: str = "residency",
+        lookahead: bool = False,
+        gang_hold_s: float = 0.0,
+        turn_hold_s: float = 0.0,
     ) -> DispatchPolicy:
         """Arrival order with reservations: every head urgent at once, no share order."""
         return cls(
@@ -270,6 +287,7 @@ class DispatchPolicy:
             lookahead=lookahead,
             fair_share=False,
             gang_hold_s=gang_hold_s,
+            turn_hold_s=turn_hold_s,
         )
 
     def weight(self, job: str) -> float:
@@ -369,10 +387,10 @@ class Dispatcher:
         self._next_tag: dict[str, float] = {}
         self._last_tag: dict[str, float] = {}
         self._tags: list[tuple[float, int, str]] = []
-        # Gangs hold their workers: per order of gang requests, its job and group, the
-        # request of it that runs, when its last one ended, and the learned gap from an end
-        # to the next arrival.
-        self._gang_orders: dict[str, tuple[str, Group]] = {}
+        # Gangs (and turns) hold their workers: per holding order, its job, group and cap on
+        # the hold, the request of it that runs, when its last one ended, and the learned gap
+        # from an end to the next arrival.
+        self._gang_orders: dict[str, tuple[str, Group, float]] = {}
         self._gang_running: dict[str, str] = {}  # order -> request
         self._gang_ended: dict[str, float] = {}
         self._gang_gap: dict[str, float] = {}
@@ -511,10 +529,8 @@ class Dispatcher:
         """Free worker -> (until when, for which job and order) a gang holds it (see "Gangs
         hold their workers"); the earliest hold where several overlap."""
         out: dict[str, tuple[float, str, str]] = {}
-        if not self.policy.gang_hold_s:
-            return out
-        for order, (job, group) in list(self._gang_orders.items()):
-            until = self._gang_until(order, group, now)
+        for order, (job, group, cap) in list(self._gang_orders.items()):
+            until = self._gang_until(order, group, cap, now)
             if until is None:
                 continue
             for w in group:
@@ -522,14 +538,14 @@ class Dispatcher:
                     out[w] = (until, job, order)
         return out
 
-    def _gang_until(self, order: str, group: Group, now: float) -> float | None:
+    def _gang_until(self, order: str, group: Group, cap: float, now: float) -> float | None:
         """Until when gang ``order`` holds its ``group``'s workers: while a request of it
         runs, until that one is expected to end plus the order's learned gap (capped); while
         its next request waits for this group (no other's urgent request has reserved it),
         until its busy workers are expected to end; after its last request ended, until that
         end plus the gap; None when it holds nothing (its hold is forgotten once it has
         expired: its next start holds again)."""
-        gap = min(self._gang_gap.get(order, 0.0), self.policy.gang_hold_s)
+        gap = min(self._gang_gap.get(order, 0.0), cap)
         rid = self._gang_running.get(order)
         if rid is not None:  # (a rank that runs past its estimate ends no earlier than now)
             ends = [self._busy_until.get(w, now) for w in group if self._busy.get(w) == rid]
@@ -695,13 +711,11 @@ class Dispatcher:
     def _busy_hold(self, worker: str, now: float) -> tuple[float, str, str] | None:
         """(until, job, order) of a gang's hold on busy ``worker`` once its running request ends:
         a rank of a gang whose other ranks run longer, or a worker of a gang that waits."""
-        if not self.policy.gang_hold_s:
-            return None
         out = None
-        for order, (job, group) in list(self._gang_orders.items()):
+        for order, (job, group, cap) in list(self._gang_orders.items()):
             if worker not in group:
                 continue
-            until = self._gang_until(order, group, now)
+            until = self._gang_until(order, group, cap, now)
             if until is not None and (out is None or until < out[0]):
                 out = (until, job, order)
         return out
@@ -1054,9 +1068,13 @@ class Dispatcher:
                 self._inputs.discard(w)
         if self.policy.lookahead:
             self._next_dirty.update(group)  # a slot opened behind it
-        if self.policy.gang_hold_s and len(group) > 1:
+        cap = max(
+            self.policy.gang_hold_s if len(group) > 1 else 0.0,
+            self.policy.turn_hold_s if e.request.holds else 0.0,
+        )
+        if cap:
             order = e.request.order_key
-            self._gang_orders[order] = (e.request.job, group)
+            self._gang_orders[order] = (e.request.job, group, cap)
             self._gang_running[order] = rid
             self._gang_ended.pop(order, None)
         self.remove(rid)  # (also drops its reservation, wherever it started)

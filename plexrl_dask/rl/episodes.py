@@ -162,9 +162,12 @@ def run_episodes(
         if not live:
             break
         turn_params = replace(params, n=1, seed=turn_seed(params.seed, t), stop=stops)
-        out = result(sampler.sample([convs[c] for c in live], turn_params, prompt_ids=live))
-        sampled = [group[0] for group in out.sequences]
         last = t == max_turns - 1
+        # (tools run after every turn but the last: the next turn follows them)
+        out = result(
+            sampler.sample([convs[c] for c in live], turn_params, prompt_ids=live, holds=not last)
+        )
+        sampled = [group[0] for group in out.sequences]
         calls: list[ToolCall | None] = []
         failed: dict[int, ToolResult] = {}  # calls that did not parse
         for k, s in enumerate(sampled):
