@@ -209,6 +209,7 @@ def test_a_turn_holds_its_worker_for_the_next_turn():
     assert names(d.decide(2.3)) == ["t3"]
     d.release_worker("w0", "t3", 2.5)
     assert names(d.decide(2.5)) == ["long"]  # nothing held after an unmarked request
+    assert d.next_wakeup(2.5) is None and not d._gang_orders  # (no hold left behind)
     # Off: the long request takes the worker as soon as the turn ends.
     d = Dispatcher(CALM, workers=["w0"])
     for name, t in (("t1", 0.0), ("t2", 1.2)):

@@ -1072,10 +1072,14 @@ class Dispatcher:
             self.policy.gang_hold_s if len(group) > 1 else 0.0,
             self.policy.turn_hold_s if e.request.holds else 0.0,
         )
+        order = e.request.order_key
         if cap:
-            order = e.request.order_key
             self._gang_orders[order] = (e.request.job, group, cap)
             self._gang_running[order] = rid
+            self._gang_ended.pop(order, None)
+        elif order in self._gang_orders:  # (a turn order's request that holds nothing)
+            del self._gang_orders[order]
+            self._gang_running.pop(order, None)
             self._gang_ended.pop(order, None)
         self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent, tag=e.tag)
