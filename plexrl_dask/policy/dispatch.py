@@ -124,7 +124,10 @@ another job's long request that starts on the worker meanwhile holds that turn u
 episode's job, whose wall time is mostly tool calls, is the one a pool waits for. A request
 marked ``holds`` (a turn after which tools run) makes its order hold its worker exactly as a
 gang's order does, capped at ``turn_hold_s``: others start there meanwhile only if they are
-expected to end before the turn's learned return.
+expected to end before the turn's learned return, and the order's next request, once it waits,
+takes the worker first. The order then holds with each of its requests (the episode's last
+turn, its training, the next step's first turn: its gaps after unmarked requests are learned
+apart) until a hold lapses with nothing of it running or waiting.
 
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
@@ -393,7 +396,9 @@ class Dispatcher:
         self._gang_orders: dict[str, tuple[str, Group, float]] = {}
         self._gang_running: dict[str, str] = {}  # order -> request
         self._gang_ended: dict[str, float] = {}
-        self._gang_gap: dict[str, float] = {}
+        # (learned apart after requests marked ``holds`` and after the others)
+        self._gang_gap: dict[tuple[str, bool], float] = {}
+        self._gang_kind: dict[str, bool] = {}  # order -> its running or last request holds
 
     # --- state changes -----------------------------------------------------------------------
 
@@ -439,8 +444,9 @@ class Dispatcher:
         ended = self._gang_ended.pop(order, None)
         if ended is not None:  # (the gap from its previous request's end to this arrival)
             gap = max(0.0, request.arrival - ended)
-            known = self._gang_gap.get(order)
-            self._gang_gap[order] = gap if known is None else (known + gap) / 2
+            key = (order, self._gang_kind.get(order, False))
+            known = self._gang_gap.get(key)
+            self._gang_gap[key] = gap if known is None else (known + gap) / 2
         setup = min(self._setup(request, g) for g in request.groups)
         e = _Entry(
             request,
@@ -545,7 +551,7 @@ class Dispatcher:
         until its busy workers are expected to end; after its last request ended, until that
         end plus the gap; None when it holds nothing (its hold is forgotten once it has
         expired: its next start holds again)."""
-        gap = min(self._gang_gap.get(order, 0.0), cap)
+        gap = min(self._gang_gap.get((order, self._gang_kind.get(order, False)), 0.0), cap)
         rid = self._gang_running.get(order)
         if rid is not None:  # (a rank that runs past its estimate ends no earlier than now)
             ends = [self._busy_until.get(w, now) for w in group if self._busy.get(w) == rid]
@@ -564,6 +570,7 @@ class Dispatcher:
         if ended is not None:
             del self._gang_orders[order]
             del self._gang_ended[order]
+            self._gang_kind.pop(order, None)
         return None
 
     def next_wakeup(self, now: float) -> float | None:
@@ -1068,19 +1075,20 @@ class Dispatcher:
                 self._inputs.discard(w)
         if self.policy.lookahead:
             self._next_dirty.update(group)  # a slot opened behind it
+        order = e.request.order_key
+        held = self._gang_orders.get(order)
         cap = max(
             self.policy.gang_hold_s if len(group) > 1 else 0.0,
             self.policy.turn_hold_s if e.request.holds else 0.0,
+            # (an order that holds keeps holding with each of its requests until its hold
+            # lapses: an episode's training and next turn follow its last turn)
+            held[2] if held is not None else 0.0,
         )
-        order = e.request.order_key
         if cap:
             self._gang_orders[order] = (e.request.job, group, cap)
             self._gang_running[order] = rid
             self._gang_ended.pop(order, None)
-        elif order in self._gang_orders:  # (a turn order's request that holds nothing)
-            del self._gang_orders[order]
-            self._gang_running.pop(order, None)
-            self._gang_ended.pop(order, None)
+            self._gang_kind[order] = e.request.holds
         self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent, tag=e.tag)
 
