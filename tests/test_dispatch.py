@@ -184,8 +184,9 @@ def test_a_turn_holds_its_worker_for_the_next_turn():
     """A request marked ``holds`` (an agentic turn, its tools running after it) holds its
     worker for its order's next request, for the gap its turns left before (capped at
     ``turn_hold_s``): another job's request starts there only if it is expected to end
-    before then, and the next turn starts at once. Unmarked requests, or ``turn_hold_s`` 0,
-    hold nothing."""
+    before then, and the next turn starts at once. The order's unmarked requests go on
+    holding for the gap learned after them (none yet here), and the hold is dropped once it
+    lapses; with ``turn_hold_s`` 0 nothing holds."""
 
     def turn(name: str, t: float, holds: bool = True) -> Request:
         return Request(name, (("w0",),), t, 0.2, order="a", deployment="a", job="A", holds=holds)
@@ -208,7 +209,7 @@ def test_a_turn_holds_its_worker_for_the_next_turn():
     d.add(turn("t3", 2.3, holds=False))  # the episode's last turn: no tools after it
     assert names(d.decide(2.3)) == ["t3"]
     d.release_worker("w0", "t3", 2.5)
-    assert names(d.decide(2.5)) == ["long"]  # nothing held after an unmarked request
+    assert names(d.decide(2.5)) == ["long"]  # (no gap learned after an unmarked one yet)
     assert d.next_wakeup(2.5) is None and not d._gang_orders  # (no hold left behind)
     # Off: the long request takes the worker as soon as the turn ends.
     d = Dispatcher(CALM, workers=["w0"])
