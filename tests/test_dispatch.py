@@ -211,6 +211,16 @@ def test_a_turn_holds_its_worker_for_the_next_turn():
     d.release_worker("w0", "t3", 2.5)
     assert names(d.decide(2.5)) == ["long"]  # (no gap learned after an unmarked one yet)
     assert d.next_wakeup(2.5) is None and not d._gang_orders  # (no hold left behind)
+    # Turned off mid-chain (the operator's set_policy): the hold goes at once.
+    d = Dispatcher(replace(CALM, turn_hold_s=2.0), workers=["w0"])
+    for name, t in (("t1", 0.0), ("t2", 1.2)):
+        d.add(turn(name, t))
+        d.decide(t)
+        d.release_worker("w0", name, t + 0.2)
+    d.add(other("long", 1.4, 1.5))
+    assert d.decide(1.4) == []
+    d.policy = replace(d.policy, turn_hold_s=0.0)
+    assert names(d.decide(1.4)) == ["long"] and not d._gang_orders
     # Off: the long request takes the worker as soon as the turn ends.
     d = Dispatcher(CALM, workers=["w0"])
     for name, t in (("t1", 0.0), ("t2", 1.2)):

@@ -390,10 +390,10 @@ class Dispatcher:
         self._next_tag: dict[str, float] = {}
         self._last_tag: dict[str, float] = {}
         self._tags: list[tuple[float, int, str]] = []
-        # Gangs (and turns) hold their workers: per holding order, its job, group and cap on
-        # the hold, the request of it that runs, when its last one ended, and the learned gap
-        # from an end to the next arrival.
-        self._gang_orders: dict[str, tuple[str, Group, float]] = {}
+        # Gangs (and turns) hold their workers: per holding order, its job, group and whether
+        # it is a chain of turns, the request of it that runs, when its last one ended, and
+        # the learned gap from an end to the next arrival.
+        self._gang_orders: dict[str, tuple[str, Group, bool]] = {}
         self._gang_running: dict[str, str] = {}  # order -> request
         self._gang_ended: dict[str, float] = {}
         # (learned apart after requests marked ``holds`` and after the others)
@@ -535,8 +535,8 @@ class Dispatcher:
         """Free worker -> (until when, for which job and order) a gang holds it (see "Gangs
         hold their workers"); the earliest hold where several overlap."""
         out: dict[str, tuple[float, str, str]] = {}
-        for order, (job, group, cap) in list(self._gang_orders.items()):
-            until = self._gang_until(order, group, cap, now)
+        for order, (job, group, turns) in list(self._gang_orders.items()):
+            until = self._gang_until(order, group, self._hold_cap(group, turns), now)
             if until is None:
                 continue
             for w in group:
@@ -544,13 +544,24 @@ class Dispatcher:
                     out[w] = (until, job, order)
         return out
 
+    def _hold_cap(self, group: Group, turns: bool) -> float:
+        """The longest hold an order over ``group`` may take (the policy in force: 0 when
+        its kind of hold is off)."""
+        return max(
+            self.policy.gang_hold_s if len(group) > 1 else 0.0,
+            self.policy.turn_hold_s if turns else 0.0,
+        )
+
     def _gang_until(self, order: str, group: Group, cap: float, now: float) -> float | None:
         """Until when gang ``order`` holds its ``group``'s workers: while a request of it
         runs, until that one is expected to end plus the order's learned gap (capped); while
         its next request waits for this group (no other's urgent request has reserved it),
         until its busy workers are expected to end; after its last request ended, until that
         end plus the gap; None when it holds nothing (its hold is forgotten once it has
-        expired: its next start holds again)."""
+        expired: its next start holds again, or when the policy turned its kind of hold off)."""
+        if not cap:
+            self._forget_hold(order)
+            return None
         gap = min(self._gang_gap.get((order, self._gang_kind.get(order, False)), 0.0), cap)
         rid = self._gang_running.get(order)
         if rid is not None:  # (a rank that runs past its estimate ends no earlier than now)
@@ -568,10 +579,14 @@ class Dispatcher:
         if ended is not None and ended + gap > now:
             return ended + gap
         if ended is not None:
-            del self._gang_orders[order]
-            del self._gang_ended[order]
-            self._gang_kind.pop(order, None)
+            self._forget_hold(order)
         return None
+
+    def _forget_hold(self, order: str) -> None:
+        self._gang_orders.pop(order, None)
+        self._gang_running.pop(order, None)
+        self._gang_ended.pop(order, None)
+        self._gang_kind.pop(order, None)
 
     def next_wakeup(self, now: float) -> float | None:
         """When a hold on a free worker ends while a request waits (a decision then may
@@ -719,10 +734,10 @@ class Dispatcher:
         """(until, job, order) of a gang's hold on busy ``worker`` once its running request ends:
         a rank of a gang whose other ranks run longer, or a worker of a gang that waits."""
         out = None
-        for order, (job, group, cap) in list(self._gang_orders.items()):
+        for order, (job, group, turns) in list(self._gang_orders.items()):
             if worker not in group:
                 continue
-            until = self._gang_until(order, group, cap, now)
+            until = self._gang_until(order, group, self._hold_cap(group, turns), now)
             if until is not None and (out is None or until < out[0]):
                 out = (until, job, order)
         return out
@@ -1077,15 +1092,11 @@ class Dispatcher:
             self._next_dirty.update(group)  # a slot opened behind it
         order = e.request.order_key
         held = self._gang_orders.get(order)
-        cap = max(
-            self.policy.gang_hold_s if len(group) > 1 else 0.0,
-            self.policy.turn_hold_s if e.request.holds else 0.0,
-            # (an order that holds keeps holding with each of its requests until its hold
-            # lapses: an episode's training and next turn follow its last turn)
-            held[2] if held is not None else 0.0,
-        )
-        if cap:
-            self._gang_orders[order] = (e.request.job, group, cap)
+        # (a chain of turns holds with each of its requests until its hold lapses: an
+        # episode's training and next turn follow its last turn)
+        turns = e.request.holds or (held is not None and held[2])
+        if self._hold_cap(group, turns):
+            self._gang_orders[order] = (e.request.job, group, turns)
             self._gang_running[order] = rid
             self._gang_ended.pop(order, None)
             self._gang_kind[order] = e.request.holds
