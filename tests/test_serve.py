@@ -423,6 +423,34 @@ def test_importance_sampling_raises_what_it_rewards_and_lowers_what_it_penalises
     sc.close("success").result()
 
 
+def test_concurrent_samples_are_merged_and_each_samples_what_it_would_alone(server):
+    """A burst of one sampler's calls goes to its replica as a few requests, not one each; each
+    call's tokens are what it samples alone, and a bad call among them fails alone."""
+    srv, client, keys = server
+    sc = sdk(srv, keys["bob"])
+    base = sc.create_sampling_client(base_model=BASE).result()
+    prompts = [types.ModelInput.from_ints(A[: 2 + i % 5]) for i in range(12)]
+    params = [
+        types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=100 + i)
+        for i in range(12)
+    ]
+    bad = types.ModelInput.from_ints([A[0], 10**6])  # past the vocabulary
+    burst = [base.sample(prompts[i], 2, params[i]) for i in range(6)]
+    failing = base.sample(bad, 2, params[0])
+    burst += [base.sample(prompts[i], 2, params[i]) for i in range(6, 12)]
+    merged = [f.result().sequences for f in burst]
+    with pytest.raises(tinker.RequestFailedError, match="TokenOutOfVocabulary"):
+        failing.result()
+    [sampler] = [s for s in srv.service.samplers.values() if s.tenant == "bob"]
+    assert sampler.merger.calls == 13 and sampler.merger.requests < 13
+    for i in range(12):  # one at a time: the same bits
+        alone = base.sample(prompts[i], 2, params[i]).result().sequences
+        assert [(s.tokens, s.logprobs) for s in merged[i]] == [
+            (s.tokens, s.logprobs) for s in alone
+        ]
+    sc.close("success").result()
+
+
 def test_lora_tenants_share_their_base_and_train_only_their_adapters(server, tmp_path):
     """Two tenants' LoRA models (``rank`` > 0) on one base: each worker holds the base once
     for every adapter it has, training moves only the adapter (the base's samples keep their

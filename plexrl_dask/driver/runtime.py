@@ -797,13 +797,16 @@ class Deployment:
         params: SamplingParams = SamplingParams(),
         prompt_ids: Sequence[int] | None = None,
         holds: bool = False,
+        invariant: bool | None = None,
     ) -> Future:
         """Future of a :class:`SampleResult` (``params.n`` completions per prompt: text,
         chat messages rendered with the model's chat template, or token ids). ``holds``: the
         caller's next request follows once its tools have run (an agentic turn), so the
-        scheduler may keep the worker for it (``plexrl.scheduler.turn-hold``)."""
+        scheduler may keep the worker for it (``plexrl.scheduler.turn-hold``). ``invariant``:
+        decode every row as if alone (default ``plexrl.sampling.batch-invariant``), so that
+        its tokens do not depend on the other prompts of the request."""
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
-        streams = Streams.from_config()
+        streams = Streams.from_config(invariant)
         k = self.info.world_size
         if self._tensor_parallel:
             # Each part to one replica's gang, every rank of it decoding the whole part.

@@ -87,6 +87,8 @@ class Sampler:
     version: int | None = None  # ... at this many optimizer steps (None: it follows them)
     model_path: str | None = None
     owned: bool = False  # its deployment is this sampler's own (undeployed with it)
+    # its calls merged into requests (serve/coalesce.py), made with its first call
+    merger: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

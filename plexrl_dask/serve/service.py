@@ -62,6 +62,7 @@ from plexrl_dask.serve.checkpoints import (
     remove_export,
     write_export,
 )
+from plexrl_dask.serve.coalesce import SampleMerger
 from plexrl_dask.serve.records import (
     JSON,
     PROTO,
@@ -104,7 +105,7 @@ class Service:
         self.retired: dict[str, tuple[str, str]] = {}
         self.saved = SavedCheckpoints(self.state, _export_dir(state_file))
         self.runs = {k: Run(**v) for k, v in self.state.table("runs").items()}
-        self._context: dict[str, int] = {}
+        self._context: dict[str, tuple[int, int]] = {}
         self.promises: dict[str, Promise] = {}
         self.waiting: dict[str, int] = {}  # tenant -> its promises not yet finished
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="plexrl-serve")
@@ -219,8 +220,13 @@ class Service:
 
     def context(self, base: str) -> int:
         """The base model's context length (read from its config once)."""
+        return self._shape(base)[0]
+
+    def _shape(self, base: str) -> tuple[int, int]:
+        """The base model's context length and vocabulary size (read from its config once)."""
         if base not in self._context:
-            self._context[base] = int(self.spec(base).hf_config().max_position_embeddings)
+            cfg = self.spec(base).hf_config()
+            self._context[base] = (int(cfg.max_position_embeddings), int(cfg.vocab_size))
         return self._context[base]
 
     def spec(self, base: str, lora: dict | None = None) -> ModelSpec:
@@ -755,11 +761,16 @@ class Service:
         )
         want_prompt = bool(body.get("prompt_logprobs"))
         dep = sampler.deployment
-        future = dep.sample([tokens], params)
+        if sampler.merger is None:
+            sampler.merger = SampleMerger(dep)
+        # A call the worker will refuse goes alone, so that it fails no other call.
+        vocab = self._shape(sampler.base)[1]
+        fits = room >= params.max_tokens and all(0 <= t < vocab for t in tokens)
+        sampled = sampler.merger.sample(tokens, params, merge=fits)
         scored = dep.forward([Datum(tokens=tokens)]) if want_prompt and len(tokens) > 1 else None
 
         async def work() -> Reply:
-            result = await settled(future)
+            result = await sampled
             prompt_lp = None
             if want_prompt:
                 lp = (await settled(scored)).logprobs[0] if scored is not None else (0.0,)

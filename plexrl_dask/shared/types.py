@@ -398,24 +398,36 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Streams:
     """How a request's rows are decoded: ``rows`` per stream, waiting rows admitted once
-    ``refill_min_rows`` slots are free. Chosen by the client and sent with the request, so the
-    split over replicas and the decoding agree whatever the workers' configuration."""
+    ``refill_min_rows`` slots are free; ``invariant``: each row decoded as if alone
+    (:mod:`plexrl_dask.worker.row_decode`, where the backend has it). Chosen by the client and
+    sent with the request, so the split over replicas and the decoding agree whatever the
+    workers' configuration."""
 
     rows: int
     refill_min_rows: int
+    invariant: bool = False
 
     def __post_init__(self) -> None:
         for name, value in (("stream-rows", self.rows), ("refill-min-rows", self.refill_min_rows)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ConfigError(f"plexrl.sampling.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.invariant, bool):
+            raise ConfigError(
+                f"plexrl.sampling.batch-invariant must be true or false, got {self.invariant!r}"
+            )
         object.__setattr__(self, "rows", int(self.rows))
         object.__setattr__(self, "refill_min_rows", int(self.refill_min_rows))
 
     @classmethod
-    def from_config(cls) -> Streams:
-        """``plexrl.sampling.stream-rows`` and ``plexrl.sampling.refill-min-rows``;
-        :class:`~plexrl_dask.errors.ConfigError` unless both are positive integers."""
-        return cls(config.get("sampling.stream-rows"), config.get("sampling.refill-min-rows"))  # type: ignore[arg-type]
+    def from_config(cls, invariant: bool | None = None) -> Streams:
+        """``plexrl.sampling.stream-rows``, ``refill-min-rows`` and ``batch-invariant``
+        (``invariant`` overrides it); :class:`~plexrl_dask.errors.ConfigError` unless the
+        first two are positive integers and the third a boolean."""
+        return cls(
+            config.get("sampling.stream-rows"),  # type: ignore[arg-type]
+            config.get("sampling.refill-min-rows"),  # type: ignore[arg-type]
+            config.get("sampling.batch-invariant") if invariant is None else invariant,  # type: ignore[arg-type]
+        )
 
 
 @dataclass(frozen=True)

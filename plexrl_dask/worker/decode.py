@@ -143,6 +143,28 @@ def _spliceable(cache: object) -> bool:
     )
 
 
+class StopRule:
+    """When a completion stops: at a stop token id (end of sequence unless ignored) or once its
+    text holds a stop string."""
+
+    def __init__(self, backend: TorchBackend, params: SamplingParams) -> None:
+        self.backend = backend
+        self.strings = params.stop
+        self.longest = max((len(s) for s in self.strings), default=0)
+        # A stop string that appears in a row's text for the first time ends in its newest
+        # token: the full check runs only after tokens whose text holds a stop's last character.
+        self.may_stop = backend.tokens_ending(s[-1] for s in self.strings if s)
+        self.ids = params.stop_ids(backend.eos_token_id)
+
+    def stopped(self, seq: list[int], token: int) -> bool:
+        """Whether ``seq``, whose newest token is ``token``, is complete."""
+        return token in self.ids or bool(
+            self.longest
+            and (self.may_stop is None or token in self.may_stop)
+            and self.backend.stopped_by_string(seq, self.strings, self.longest)
+        )
+
+
 class StreamDecoder:
     """Decodes one stream of ``rows`` (``(prompt index, sample index)`` pairs) of one request
     on ``backend``'s model (see the module docstring). Use :meth:`run` once."""
@@ -373,12 +395,7 @@ class StreamDecoder:
         dropping rows copies the whole cache, and a few idle rows cost less than that. Once
         nothing waits, finished rows are dropped at once."""
         params = self.params
-        stops = params.stop
-        longest_stop = max((len(s) for s in stops), default=0)
-        # A stop string that appears in a row's text for the first time ends in its newest
-        # token: the full check runs only after tokens whose text holds a stop's last character.
-        may_stop = self.backend.tokens_ending(s[-1] for s in stops if s)
-        stop_ids = params.stop_ids(self.backend.eos_token_id)
+        stops = StopRule(self.backend, params)
         batch: Rows | None = None
         live: list[int] = []  # positions in the batch of the rows still generating
         waiting: Rows | None = None
@@ -403,11 +420,7 @@ class StreamDecoder:
                 token = chosen_l[k]
                 seq.append(token)
                 self.logprobs[r].append(lp_l[k])
-                if token in stop_ids or (
-                    longest_stop
-                    and (may_stop is None or token in may_stop)
-                    and self.backend.stopped_by_string(seq, stops, longest_stop)
-                ):
+                if stops.stopped(seq, token):
                     self.reasons[r] = "stop"
                 elif len(seq) < params.max_tokens:
                     still.append(live[k])

@@ -55,6 +55,7 @@ from plexrl_dask.worker.decode_step import DecodeStep
 from plexrl_dask.worker.losses import compute_loss
 from plexrl_dask.worker.prefix_cache import PrefixCache, prefix_cache_bytes
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
+from plexrl_dask.worker.row_decode import RowDecoder
 from plexrl_dask.worker.static_decode import engine_for
 
 logger = logging.getLogger(__name__)
@@ -378,7 +379,10 @@ class TorchBackend:
         """``params.n`` completions per prompt. Rows (prompt, sample), in that order, are cut
         into streams of ``streams.rows`` (default: ``plexrl.sampling.*``), each decoded with
         continuous batching, ``max_batch_size`` rows at a time
-        (:mod:`plexrl_dask.worker.decode`)."""
+        (:mod:`plexrl_dask.worker.decode`). With ``streams.invariant`` each prompt samples
+        what it would alone: where the weight-level decode step runs and no prompt has turns,
+        every row is decoded as if alone (:mod:`plexrl_dask.worker.row_decode`); elsewhere
+        each prompt's rows are a stream of their own."""
         turns = [getattr(p, "turns", None) for p in prompts]
         prompts = [list(p) for p in prompts]
         self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
@@ -397,6 +401,14 @@ class TorchBackend:
         out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
         self.model.eval()
         with torch.inference_mode():
+            if streams.invariant and not turned and self.decode_step is not None:
+                # every row as if alone: any batching gives the same bits (row_decode.py)
+                done = RowDecoder(self, prompts, rows, params, prompt_ids).run()
+                return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+            if streams.invariant:
+                # No row-invariant decoder here: each prompt's rows are a stream of their own,
+                # which is what the prompt would sample alone in a request of its own.
+                streams = Streams(params.n, streams.refill_min_rows, invariant=True)
             for start in range(0, len(rows), streams.rows):
                 chunk = rows[start : start + streams.rows]
                 longest = max(len(prompts[i]) for i, _ in chunk)

@@ -1,0 +1,141 @@
+"""A sampler's concurrent ``sample`` calls merged into one PlexRL request.
+
+Recipes sample many prompts at once as many one-prompt calls (tinker-cookbook's RL loop sends
+a batch's groups together, each ``sample(prompt, num_samples=group_size)``). One request per
+call decodes a handful of rows at a time, one call after another on the sampler's replica;
+one request for all of them decodes them in one batch. Merging is safe for the results only
+because the merged request decodes every row as if alone (``Deployment.sample(...,
+invariant=True)``, :mod:`plexrl_dask.worker.row_decode`): a call's tokens are the same bits
+whichever calls it was merged with, so they stay a pure function of the call (its prompt,
+parameters and seed) however requests arrive.
+
+**How calls are merged.** Calls with equal sampling parameters (all but the seed) join one
+batch. A batch is sent after ``plexrl.serve.sample-merge-window`` (the calls of a burst arrive
+over a few milliseconds) or at once when it reaches ``sample-merge-rows`` rows; while a
+merged request of the sampler is in flight, calls wait for it to end and go together in the
+next (the replica would queue them anyway). A call's seed becomes its prompt's id, so each
+call keeps its own randomness (row keys are a hash of seed, prompt id and sample index:
+:mod:`plexrl_dask.worker.sampling`); every request of a sampler, merged or not, is sent this
+way.
+
+**Failures stay the call's own.** Only one tenant's calls to one sampler are ever merged. A
+call the worker will refuse (a token past the vocabulary, a prompt with no room for
+``max_tokens``) is sent alone, so its typed error is its own; and if a merged request fails
+anyway, each of its calls is sent again alone and gets its own answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from plexrl_dask import config
+from plexrl_dask.driver.runtime import Deployment
+from plexrl_dask.driver.waits import settled
+from plexrl_dask.shared.types import SampleResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    tokens: list[int]
+    seed: int
+    reply: asyncio.Future
+
+
+@dataclass
+class _Batch:
+    calls: list[_Call] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+
+def merge_settings() -> tuple[float, int]:
+    """``plexrl.serve.sample-merge-window`` (seconds) and ``sample-merge-rows``;
+    :class:`ConfigError` unless the window is >= 0 and the rows >= 1."""
+    return (
+        config.get_seconds("serve.sample-merge-window", positive=False),
+        config.count("plexrl.serve.sample-merge-rows", config.get("serve.sample-merge-rows")),
+    )
+
+
+class SampleMerger:
+    """Merges one sampler's calls (see the module docstring). Use from the server's event
+    loop; :attr:`calls` and :attr:`requests` count what it received and sent."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.window, self.max_rows = merge_settings()
+        self._open: dict[SamplingParams, _Batch] = {}
+        self._in_flight: dict[SamplingParams, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.calls = 0
+        self.requests = 0
+
+    def sample(
+        self, tokens: list[int], params: SamplingParams, merge: bool = True
+    ) -> asyncio.Future:
+        """A future of the call's :class:`SampleResult` (one prompt, ``params.n``
+        completions). ``merge`` False: a request of its own, sent at once (a call the worker
+        is expected to refuse)."""
+        loop = asyncio.get_running_loop()
+        key = dataclasses.replace(params, seed=0)
+        reply = loop.create_future()
+        call = _Call(list(tokens), params.seed, reply)
+        self.calls += 1
+        if not merge:
+            self._spawn(self._request(key, [call]))
+            return reply
+        batch = self._open.setdefault(key, _Batch())
+        batch.calls.append(call)
+        if len(batch.calls) * key.n >= self.max_rows:
+            self._send(key)
+        elif batch.timer is None and not self._in_flight.get(key):
+            batch.timer = loop.call_later(self.window, self._send, key)
+        return reply
+
+    def _send(self, key: SamplingParams) -> None:
+        batch = self._open.pop(key, None)
+        if batch is None or not batch.calls:
+            return
+        if batch.timer is not None:
+            batch.timer.cancel()
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        self._spawn(self._run(key, batch.calls))
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, key: SamplingParams, calls: list[_Call]) -> None:
+        try:
+            await self._request(key, calls)
+        finally:
+            self._in_flight[key] -= 1
+            if not self._in_flight[key] and key in self._open:
+                self._send(key)  # the calls that waited for this request
+
+    async def _request(self, key: SamplingParams, calls: list[_Call]) -> None:
+        self.requests += 1
+        try:
+            future = self.deployment.sample(
+                [c.tokens for c in calls], key, [c.seed for c in calls], invariant=True
+            )
+            result = await settled(future)
+        except Exception as e:
+            if len(calls) == 1:
+                if not calls[0].reply.done():
+                    calls[0].reply.set_exception(e)
+                return
+            logger.debug("a merged sample of %d calls failed (%s): each alone", len(calls), e)
+            await asyncio.gather(*(self._request(key, [c]) for c in calls))
+            return
+        for c, group in zip(calls, result.sequences, strict=True):
+            if not c.reply.done():
+                c.reply.set_result(
+                    SampleResult(prompt_tokens=(tuple(c.tokens),), sequences=(group,))
+                )

@@ -1,0 +1,420 @@
+"""Batch-invariant decoding: each row's tokens as if it were decoded alone.
+
+:mod:`plexrl_dask.worker.decode` batches a request's rows with left padding, so a row's
+logits depend, in their last bits, on the rows it shares a batch with: the request is
+deterministic, but two requests merged into one decode would not sample what each samples
+alone. This decoder makes every row's bits its own, so requests can be merged (the Tinker
+front door coalesces a sampler's concurrent calls, :mod:`plexrl_dask.serve.coalesce`) and a
+row samples the same tokens whatever ``max-batch-size``, stream length or companions:
+
+- **No padding.** Rows are kept in *cohorts* of equal cache length (the samples of prompts of
+  one length, admitted together; every live row grows by one token a step). Attention runs
+  per cohort on its own cache, unpadded: SDPA's result for one sequence does not depend on
+  how many sequences of that shape share the call (measured on this CPU build for 1-128).
+  Prompts are prefilled grouped by length, causal, without a mask.
+- **Products on row-invariant shapes.** A row of a matrix product can depend on how many rows
+  the call has: on this CPU build's MKL, a one-row ``mm`` takes a matrix-vector path and
+  differs in the last bits from the same row among 2-128 rows, which all agree (at the
+  widths of 896 and more, 200+ rows differ again). Every product of a step (the projections
+  and the head) runs on between 2 and ``cap`` rows: one row is paired with a copy of itself,
+  more than ``cap`` are cut into pieces. A norm whose weight is folded into the next
+  projection computes its mean of squares as a one-column product in the stream decoder,
+  which is not row-invariant here: this decoder reduces per row instead. :func:`invariance`
+  probes this on the model's own shapes, device and dtype once per kind (every row of 2 to
+  ``cap`` rows against that row alone); where it does not hold, every product runs on
+  exactly ``cap`` rows (padded with zeros), which it probes too; where neither holds the
+  request is refused (:class:`~plexrl_dask.errors.OpNotSupported`).
+- Everything else a step computes (embedding, norms, rotary, SiLU, the token choice) works row
+  by row.
+
+Rows are admitted while fewer than ``max_batch_size`` are live, prompts prefilled as they are
+admitted (a prompt whose samples are split over two admissions is prefilled twice, to the
+same bits). Finished rows are dropped from their cohort when a quarter of it has finished
+(a copy of its cache) and fed padding until then. Supported where :class:`DecodeStep` is
+(the weight-level step); turn prompts (prefix cache), the HF forward and the static CUDA
+engine decode through their own paths, not this one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from plexrl_dask.errors import OpNotSupported
+from plexrl_dask.shared.types import SampledSequence, SamplingParams
+from plexrl_dask.worker.decode import StopRule
+from plexrl_dask.worker.decode_step import BoundStep, _Norm, _rotate
+from plexrl_dask.worker.sampling import choose_tokens, row_keys, uniforms_at
+
+if TYPE_CHECKING:
+    from plexrl_dask.worker.backends.torch_backend import TorchBackend
+
+logger = logging.getLogger(__name__)
+
+#: The most rows one product takes (the probe checks 2..CAP agree).
+CAP = 128
+#: Row counts the probe compares (with the row at the first and the last position).
+_PROBE_ROWS = (2, 3, 17, 64, CAP)
+
+# (device type, dtype, the products' weight shapes) -> (cap, exact): what the probe found
+_PROBED: dict[tuple, tuple[int, bool]] = {}
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a step's products take rows: between 2 and ``cap`` per call, or (``exact``) exactly
+    ``cap`` per call, padded with zeros."""
+
+    cap: int
+    exact: bool
+
+    def apply(self, f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``f`` over the rows of ``x`` ``(rows, features)``, on row-invariant shapes."""
+        m = x.shape[0]
+        if self.exact:
+            pad = (-m) % self.cap
+            if pad:
+                x = torch.cat((x, x.new_zeros((pad, x.shape[1]))))
+            parts = [f(x[i : i + self.cap]) for i in range(0, x.shape[0], self.cap)]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return out[:m] if pad else out
+        if m == 1:  # (paired with itself: a one-row product takes another path)
+            return f(torch.cat((x, x)))[:1]
+        if m <= self.cap:
+            return f(x)
+        # pieces of cap rows; a last piece of one row is paired like any one row
+        return torch.cat([self.apply(f, x[i : i + self.cap]) for i in range(0, m, self.cap)])
+
+
+def _products(bound: BoundStep) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """Every row-wise computation a step of ``bound`` runs, with its input width."""
+    out: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
+    hidden = bound.embed.weight.shape[1]
+    for layer in bound.layers:
+        for proj in (layer.qkv, layer.q, layer.k, layer.v, layer.gate_up, layer.gate, layer.up):
+            if proj is not None:
+                out.append((proj, hidden))
+        out.append((layer.o, bound.step.heads * bound.step.head_dim))
+        out.append((layer.down, _in_width(layer.down)))
+    for norm in {id(n): n for n in _norms(bound)}.values():
+        out.append((functools.partial(_norm, norm), hidden))
+    out.append((bound.head, hidden))
+    return out
+
+
+def _norms(bound: BoundStep) -> list[_Norm]:
+    return [n for layer in bound.layers for n in (layer.input_norm, layer.post_norm)] + [bound.norm]
+
+
+def _norm(norm: _Norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` of ``x`` row by row. A folded norm (its weight in the next product's copy)
+    computes its mean of squares as a one-column product, which is not row-invariant on the
+    CPU: here it is a reduction per row."""
+    if norm.weight is None:
+        return F.rms_norm(x, (x.shape[-1],), None, norm.eps)
+    return norm(x)
+
+
+def _shape(f: object) -> tuple[int, ...]:
+    weight = getattr(f, "weight", None)
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
+
+
+def _in_width(proj: object) -> int:
+    weight = proj.weight  # type: ignore[attr-defined]
+    return weight.shape[0] if proj.transposed else weight.shape[1]  # type: ignore[attr-defined]
+
+
+def _agree(
+    rows: Rows, f: Callable[[torch.Tensor], torch.Tensor], width: int, like: torch.Tensor
+) -> bool:
+    """Whether every row of ``f`` over ``rows`` is what that row alone gives, for each probed
+    row count and position, on random inputs."""
+    gen = torch.Generator(device="cpu").manual_seed(width)
+    for m in _PROBE_ROWS:
+        x = torch.randn((m, width), generator=gen).to(like.device, like.dtype)
+        together = rows.apply(f, x)
+        for at in range(m):
+            if not torch.equal(together[at], rows.apply(f, x[at : at + 1])[0]):
+                return False
+    return True
+
+
+def invariance(bound: BoundStep) -> Rows:
+    """How ``bound``'s products must take rows for each row's result to be its own (see the
+    module docstring), probed on its shapes, device and dtype once per kind.
+    :class:`OpNotSupported` where no way was found."""
+    weight = bound.embed.weight
+    products = _products(bound)
+    key = (
+        weight.device.type,
+        weight.dtype,
+        tuple((width, _shape(f)) for f, width in products),
+    )
+    found = _PROBED.get(key)
+    if found is None:
+        with torch.inference_mode():
+            for rows in (Rows(CAP, exact=False), Rows(16, exact=True)):
+                if all(_agree(rows, f, width, weight) for f, width in products):
+                    found = (rows.cap, rows.exact)
+                    break
+            else:
+                found = (0, False)
+        _PROBED[key] = found
+        logger.debug("row-invariant products on %s/%s: %s", weight.device, weight.dtype, found)
+    if found[0] == 0:
+        raise OpNotSupported(
+            f"batch-invariant decoding: matrix products on {weight.device.type} "
+            f"({weight.dtype}) are not row-invariant at any shape tried"
+        )
+    return Rows(*found)
+
+
+@dataclass
+class _Cohort:
+    """Rows of equal cache length: ``index`` the rows (stream order), their caches per layer
+    ``(rows, kv_heads, width, head_dim)``, the next token's position and the next logits."""
+
+    index: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    position: int
+    logits: torch.Tensor
+    done: int = 0  # rows of index that finished (still fed until the cohort is compacted)
+
+    def select(self, keep: list[int]) -> _Cohort:
+        at = torch.tensor(keep, dtype=torch.long, device=self.logits.device)
+        return _Cohort(
+            [self.index[k] for k in keep],
+            [k.index_select(0, at) for k in self.keys],
+            [v.index_select(0, at) for v in self.values],
+            self.position,
+            self.logits.index_select(0, at),
+        )
+
+
+def forward_rows(
+    bound: BoundStep,
+    rows: Rows,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    parts: Sequence[tuple[int, list[torch.Tensor] | None, list[torch.Tensor] | None]],
+) -> tuple[torch.Tensor, list[tuple[list[torch.Tensor], list[torch.Tensor]]]]:
+    """Feed ``tokens`` ``(rows, new)`` at ``positions`` (same shape). ``parts``: consecutive
+    groups of rows, each ``(count, keys, values)`` with its cache per layer (None: no tokens
+    before; then ``new`` tokens are causal among themselves), all of one width within a
+    part. Returns each row's last-token logits (float32) and each part's grown cache."""
+    s = bound.step
+    count, new = tokens.shape
+    heads, kv_heads, head_dim = s.heads, s.kv_heads, s.head_dim
+    x = bound.embed(tokens).view(count * new, -1)
+    cos, sin = bound._rotary(positions)
+    grown: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in parts]
+    for i, layer in enumerate(bound.layers):
+        h = rows.apply(functools.partial(_norm, layer.input_norm), x)
+        if layer.qkv is not None:
+            qkv = rows.apply(layer.qkv, h).view(count, new, heads + 2 * kv_heads, head_dim)
+            qkv = qkv.transpose(1, 2)
+            qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        else:
+            assert layer.q is not None and layer.k is not None and layer.v is not None
+            q = rows.apply(layer.q, h).view(count, new, heads, head_dim).transpose(1, 2)
+            k = rows.apply(layer.k, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
+            v = rows.apply(layer.v, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        outs, at = [], 0
+        for p, (n, keys, values) in enumerate(parts):
+            kp, vp = k[at : at + n], v[at : at + n]
+            if keys is not None and values is not None:
+                kp = torch.cat((keys[i], kp), dim=2)
+                vp = torch.cat((values[i], vp), dim=2)
+                keys[i] = values[i] = None  # type: ignore[call-overload]  # (freed as we go)
+            else:
+                kp, vp = kp.contiguous(), vp.contiguous()
+            grown[p][0].append(kp)
+            grown[p][1].append(vp)
+            out = F.scaled_dot_product_attention(
+                q[at : at + n],
+                kp,
+                vp,
+                is_causal=keys is None and new > 1,
+                scale=layer.scaling,
+                enable_gqa=True,
+            )
+            outs.append(out.transpose(1, 2).reshape(n * new, heads * head_dim))
+            at += n
+        x = x + rows.apply(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
+        h = rows.apply(functools.partial(_norm, layer.post_norm), x)
+        if layer.gate_up is not None:
+            gate, up = rows.apply(layer.gate_up, h).chunk(2, dim=-1)
+        else:
+            assert layer.gate is not None and layer.up is not None
+            gate, up = rows.apply(layer.gate, h), rows.apply(layer.up, h)
+        x = x + rows.apply(layer.down, F.silu(gate) * up)
+    last = rows.apply(functools.partial(_norm, bound.norm), x.view(count, new, -1)[:, -1])
+    return rows.apply(bound.head, last).float(), grown
+
+
+class RowDecoder:
+    """Decodes ``rows`` (``(prompt index, sample index)`` pairs) of one request so that each
+    row's completion is what it would be alone (see the module docstring). Use :meth:`run`
+    once."""
+
+    def __init__(
+        self,
+        backend: TorchBackend,
+        prompts: list[list[int]],
+        rows: list[tuple[int, int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> None:
+        assert backend.decode_step is not None, "the weight-level decode step is required"
+        self.backend = backend
+        self.prompts = prompts
+        self.rows = rows
+        self.params = params
+        self.device = backend.device
+        self.batch_size = backend.max_batch_size
+        longest = max(len(prompts[i]) for i, _ in rows)
+        self.bound = backend.decode_step.bind(longest + params.max_tokens)
+        self.shape = invariance(self.bound)
+        self.keys = row_keys(
+            params.seed,
+            np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64),
+            np.array([j for _, j in rows], dtype=np.int64),
+        )
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.logprobs: list[list[float]] = [[] for _ in rows]
+        self.reasons = ["length"] * len(rows)
+        self.admitted = 0
+        self.forwards = 0
+
+    def _prefill(self, picked: list[int]) -> list[_Cohort]:
+        """Cohorts of the rows ``picked``: their distinct prompts prefilled, grouped by length."""
+        by_length: dict[int, list[int]] = {}  # length -> distinct prompt indices
+        for r in picked:
+            i = self.rows[r][0]
+            group = by_length.setdefault(len(self.prompts[i]), [])
+            if i not in group:
+                group.append(i)
+        cohorts = []
+        for length, indices in by_length.items():
+            ids = torch.tensor([self.prompts[i] for i in indices], dtype=torch.long)
+            positions = torch.arange(length).expand(len(indices), length)
+            logits, ((keys, values),) = forward_rows(
+                self.bound,
+                self.shape,
+                ids.to(self.device),
+                positions.to(self.device),
+                [(len(indices), None, None)],
+            )
+            self.forwards += 1
+            mine = [r for r in picked if len(self.prompts[self.rows[r][0]]) == length]
+            at = torch.tensor(
+                [indices.index(self.rows[r][0]) for r in mine], dtype=torch.long, device=self.device
+            )
+            cohorts.append(
+                _Cohort(
+                    mine,
+                    [k.index_select(0, at) for k in keys],
+                    [v.index_select(0, at) for v in values],
+                    length,
+                    logits.index_select(0, at),
+                )
+            )
+        return cohorts
+
+    def _record(self, r: int, token: int, logprob: float, stops: StopRule) -> bool:
+        """Append row ``r``'s token; whether the row goes on."""
+        seq = self.tokens[r]
+        seq.append(token)
+        self.logprobs[r].append(logprob)
+        if stops.stopped(seq, token):
+            self.reasons[r] = "stop"
+            return False
+        return len(seq) < self.params.max_tokens
+
+    def run(self) -> list[SampledSequence]:
+        """Decode every row; their completions in row order."""
+        params = self.params
+        stops = StopRule(self.backend, params)
+        cohorts: list[_Cohort] = []
+        live: dict[int, bool] = {}  # row -> still generating
+        pad = self.backend.pad_token_id
+        while True:
+            free = self.batch_size - sum(len(c.index) - c.done for c in cohorts)
+            if free > 0 and self.admitted < len(self.rows):
+                picked = list(range(self.admitted, min(len(self.rows), self.admitted + free)))
+                self.admitted += len(picked)
+                cohorts += self._prefill(picked)
+                live.update((r, True) for r in picked)
+            if not cohorts:
+                break
+            # choose every live row's next token
+            index = [r for c in cohorts for r in c.index if live[r]]
+            logits = torch.cat(
+                [c.logits[[k for k, r in enumerate(c.index) if live[r]]] for c in cohorts]
+            )
+            position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
+            u = uniforms_at(self.keys[index], position)
+            chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
+            fed = dict(zip(index, chosen.tolist(), strict=True))
+            for r, token, lp in zip(index, chosen.tolist(), chosen_lp.tolist(), strict=True):
+                live[r] = self._record(r, token, lp, stops)
+            cohorts = self._compacted(cohorts, live)
+            if not cohorts:
+                continue
+            feed = torch.tensor(
+                [fed[r] if live[r] else pad for c in cohorts for r in c.index], dtype=torch.long
+            ).to(self.device)
+            positions = torch.tensor(
+                [c.position for c in cohorts for _ in c.index], dtype=torch.long
+            ).to(self.device)
+            logits, grown = forward_rows(
+                self.bound,
+                self.shape,
+                feed[:, None],
+                positions[:, None],
+                [(len(c.index), c.keys, c.values) for c in cohorts],
+            )
+            self.forwards += 1
+            at = 0
+            for c, (keys, values) in zip(cohorts, grown, strict=True):
+                c.keys, c.values = keys, values
+                c.logits = logits[at : at + len(c.index)]
+                c.position += 1
+                at += len(c.index)
+        logger.debug("%d rows batch-invariantly: %d model calls", len(self.rows), self.forwards)
+        text = self.backend.text
+        return [
+            SampledSequence(
+                tokens=tuple(self.tokens[r]),
+                logprobs=tuple(self.logprobs[r]),
+                text=text(self.tokens[r]),
+                finish_reason=self.reasons[r],
+            )
+            for r in range(len(self.rows))
+        ]
+
+    @staticmethod
+    def _compacted(cohorts: list[_Cohort], live: dict[int, bool]) -> list[_Cohort]:
+        """The cohorts without finished rows where a quarter or more of one finished (a
+        finished row is fed padding until then: dropping rows copies the cohort's cache)."""
+        out = []
+        for c in cohorts:
+            keep = [k for k, r in enumerate(c.index) if live[r]]
+            c.done = len(c.index) - len(keep)
+            if not keep:
+                continue
+            if c.done and 4 * c.done >= len(c.index):
+                c = c.select(keep)
+            out.append(c)
+        return out

@@ -1,0 +1,112 @@
+"""Batch-invariant decoding (plexrl_dask/worker/row_decode.py), on a real tiny Qwen2 in-process.
+
+What it promises: a row's completion is the same bits whatever it is decoded with: alone,
+beside other prompts of other lengths, at any ``max_batch_size``, in any position of the
+request; its log-probabilities still equal teacher-forced scoring; the products' row counts
+stay where the probe found them invariant.
+"""
+
+from __future__ import annotations
+
+import dask
+import pytest
+import torch
+
+from plexrl_dask import errors
+from plexrl_dask.shared.types import SamplingParams, Streams
+from plexrl_dask.worker import row_decode
+from plexrl_dask.worker.backends import TorchBackend
+from tests.conftest import tiny_spec
+from tests.test_decode import assert_scores_match_forward
+
+PROMPTS = ["12+3=", "4+5=", "99+1=", "7*8=", "1+1=", "60-7=", "123+456=", "5="]
+PARAMS = SamplingParams(n=3, temperature=1.0, max_tokens=12, stop=("1", "5", "9"), seed=3)
+INVARIANT = Streams(128, 16, invariant=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def backend(batch: int, seed: int = 5) -> TorchBackend:
+    return TorchBackend(tiny_spec(seed=seed), "cpu", max_batch_size=batch)
+
+
+def test_a_row_samples_the_same_bits_whatever_it_is_batched_with():
+    b = backend(batch=64)
+    prompts = b.tokenize(PROMPTS)
+    ids = [101 + i for i in range(len(prompts))]
+    together = b.sample(prompts, PARAMS, ids, INVARIANT)
+    # each prompt alone, with its own id, at several batch sizes
+    for batch in (1, 2, 5, 64):
+        b.max_batch_size = batch
+        for i, prompt in enumerate(prompts):
+            alone = b.sample([prompt], PARAMS, [ids[i]], INVARIANT)
+            assert alone[0] == together[i], (batch, i)
+    # in another order, among other companions
+    b.max_batch_size = 7
+    order = [5, 0, 7, 2]
+    picked = b.sample([prompts[i] for i in order], PARAMS, [ids[i] for i in order], INVARIANT)
+    assert picked == [together[i] for i in order]
+    lengths = {len(s.tokens) for g in together for s in g}
+    assert len(lengths) > 2, "completions of varied lengths (rows finish at different steps)"
+    assert_scores_match_forward(b, prompts, together)
+
+
+def test_greedy_and_nucleus_rows_are_invariant_too():
+    b = backend(batch=4)
+    prompts = b.tokenize(PROMPTS[:5])
+    for params in (
+        SamplingParams(n=2, temperature=0.0, max_tokens=6, seed=1),
+        SamplingParams(n=3, temperature=0.8, top_p=0.7, max_tokens=8, seed=2),
+    ):
+        together = b.sample(prompts, params, list(range(5)), INVARIANT)
+        for i in range(5):
+            assert b.sample([prompts[i]], params, [i], INVARIANT)[0] == together[i]
+        assert_scores_match_forward(b, prompts, together, temperature=params.temperature)
+
+
+def test_config_turns_it_on_and_off_and_is_checked():
+    with dask.config.set({"plexrl.sampling.batch-invariant": True}):
+        assert Streams.from_config().invariant is True
+        assert Streams.from_config(invariant=False).invariant is False
+    assert Streams.from_config().invariant is False
+    with pytest.raises(errors.ConfigError, match="batch-invariant"):
+        Streams(8, 1, invariant="yes")  # type: ignore[arg-type]
+
+
+def test_the_products_stay_on_probed_row_counts():
+    b = backend(batch=4)
+    bound = b.decode_step.bind(64)
+    rows = row_decode.invariance(bound)
+    seen: list[int] = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return x * 2
+
+    for m in (1, 2, rows.cap, rows.cap + 1, 3 * rows.cap + 5):
+        seen.clear()
+        x = torch.randn(m, 4)
+        assert torch.equal(rows.apply(record, x), x * 2)
+        assert all(2 <= s <= rows.cap for s in seen) or (
+            rows.exact and all(s == rows.cap for s in seen)
+        ), (m, seen)
+    exact = row_decode.Rows(16, exact=True)
+    seen.clear()
+    x = torch.randn(21, 4)
+    assert torch.equal(exact.apply(record, x), x * 2)
+    assert seen == [16, 16]
+
+
+def test_without_the_decode_step_each_prompt_samples_what_it_would_alone():
+    with dask.config.set({"plexrl.sampling.decode-step": "hf"}):
+        b = backend(batch=4)
+    prompts = b.tokenize(PROMPTS[:3])
+    merged = b.sample(prompts, PARAMS, [0, 1, 2], INVARIANT)
+    for i in range(3):
+        assert b.sample([prompts[i]], PARAMS, [i], Streams(128, 16))[0] == merged[i]
