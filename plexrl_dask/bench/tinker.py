@@ -16,7 +16,9 @@ user runs it. Results:
   step: ``forward_backward`` of 8 sequences of 64 tokens (cross-entropy, summed), then
   ``optim_step``, then 8 sample requests of one prompt each, 4 samples of exactly 16 tokens
   (no stop), at once, all waited for. Through the SDK the step also makes its sampling client
-  (``save_weights_and_get_sampling_client``), as a Tinker RL loop does every step.
+  (``save_weights_and_get_sampling_client``), as a Tinker RL loop does every step, and the
+  server merges the 8 calls into fewer requests (see ``sample_merge_speedup``); the Runtime
+  arm sends 8 requests.
 - ``cookbook_rl_steps``, ``cookbook_reward_first``, ``cookbook_reward_last``: unmodified
   tinker-cookbook recipes end to end (:mod:`plexrl_dask.bench.cookbook`): two tenants at once,
   each warming a model up with ``chat_sl`` and then training it with ``math_rl``
@@ -26,6 +28,15 @@ user runs it. Results:
   run at learning rate 0: the same problems at every step) over steps 1 on, averaged; above 0,
   the updates learned. The cookbook needs its own interpreter (``--cookbook-python``, or ``PLEXRL_COOKBOOK_PYTHON``);
   without one the stage is not run and ``cookbook_status`` says so.
+- ``sample_merge_speedup``: a burst of ``BURST`` concurrent ``sample`` calls on a sampler of
+  the base model (one prompt each, 6 to 17 tokens long, ``SAMPLES`` samples of exactly
+  ``NEW`` tokens, each call its own seed), all waited for: median wall time through a server
+  that sends every call as a request of its own (``plexrl.serve.sample-merge-rows: 1``) ÷
+  through one that merges them (the defaults: :mod:`plexrl_dask.serve.coalesce`); both
+  servers on the same cluster, arms interleaved. ``sample_merge_tokens_identical``: whether every call's tokens and log-probabilities were the
+  same bits from both servers in every repetition (each row decoded as if alone).
+  ``protocol_overhead_ratio_unmerged`` is ``protocol_overhead_ratio`` through the server that
+  does not merge (its 8 sample calls are 8 requests, as in the Runtime arm).
 - ``lora_tenants_resident_bytes_ratio`` (target <= 1.05): eight tenants, each with a LoRA
   model (rank ``LORA_RANK``) of the same base on the one worker, each after one training step
   (its AdamW moments exist): the bytes of the distinct tensor storages their replicas reach on
@@ -45,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +76,7 @@ TARGETS = {
 }
 BASE = "bench-qwen"
 SEQ, BATCH, PROMPTS, SAMPLES, NEW = 64, 8, 8, 4, 16
+BURST = 32
 LORA_TENANTS, LORA_RANK = 8, 8
 #: the cookbook stage's model: small enough to warm up and train on 2 cores in minutes
 COOK_SPEC = plexrl.ModelSpec.tiny(
@@ -130,24 +143,42 @@ def main() -> None:
         key = add_key(keys, "bench")
         cook_keys = [add_key(keys, f"cook-{t}") for t in "ab"]
         lora_keys = [add_key(keys, f"lora-{i}") for i in range(LORA_TENANTS)]
+        # the server that does not merge: its own keys and state files, its own tenant's job
+        unmerged_keys = Path(tmp) / "unmerged-keys.yaml"
+        unmerged_key = add_key(unmerged_keys, "bench-unmerged")
         models = {BASE: checkpoint, cook_model: cook_model}
         with (
             plexrl.local_cluster(n_workers=1) as cluster,
             Client(cluster) as client,
             _server(cluster.scheduler_address, keys, models) as url,
+            _server(
+                cluster.scheduler_address,
+                unmerged_keys,
+                models,
+                {"DASK_PLEXRL__SERVE__SAMPLE_MERGE_ROWS": "1"},
+            ) as unmerged_url,
         ):
             service = tinker.ServiceClient(base_url=url, api_key=key)
+            unmerged = tinker.ServiceClient(base_url=unmerged_url, api_key=unmerged_key)
             calls = _every_call(tinker, service, url, key)
             trainer = service.create_lora_training_client(base_model=BASE, rank=0).result()
+            trainer_unmerged = unmerged.create_lora_training_client(
+                base_model=BASE, rank=0
+            ).result()
             # the same model as a deployment of the benchmark's own job (the server's tenant
             # job is the server's: another driver may not act in its name)
             runtime = plexrl.Runtime(client, job="bench-runtime")
             dep = runtime.deploy("policy", plexrl.ModelSpec(path=checkpoint))
             sdk_step, runtime_step = _steps(tinker, trainer, dep)
-            sdk_step(), runtime_step()  # (warm: both arms' first step builds caches)
-            times = interleaved({"sdk": sdk_step, "runtime": runtime_step}, reps)
-            service.close("success").result()
+            unmerged_step, _ = _steps(tinker, trainer_unmerged, dep)
+            sdk_step(), unmerged_step(), runtime_step()  # (warm: first steps build caches)
+            times = interleaved(
+                {"sdk": sdk_step, "sdk_unmerged": unmerged_step, "runtime": runtime_step}, reps
+            )
             runtime.undeploy(dep.name)
+            merge = _merge_burst(tinker, service, unmerged, reps)
+            unmerged.close("success").result()
+            service.close("success").result()
             lora = _lora_residency(tinker, client, url, lora_keys, spec)
             if args.cookbook_python:
                 cook = _cookbook(args, url, cook_keys, cook_model, Path(tmp))
@@ -158,7 +189,11 @@ def main() -> None:
         "sdk_calls": len(calls),
         "sdk_call_results": calls,
         "protocol_overhead_ratio": median(times["sdk"]) / median(times["runtime"]),
+        "protocol_overhead_ratio_unmerged": median(times["sdk_unmerged"])
+        / median(times["runtime"]),
+        **merge,
         "step_s_sdk": median(times["sdk"]),
+        "step_s_sdk_unmerged": median(times["sdk_unmerged"]),
         "step_s_runtime": median(times["runtime"]),
         "cookbook_status": cook["status"],
         "cookbook_tenants": len(ends),
@@ -170,15 +205,24 @@ def main() -> None:
         **lora,
     }
     config = {"reps": reps, "model_parameters": spec.num_parameters(), "step": {
-        "forward_backward": f"{BATCH} x {SEQ} tokens", "samples": f"{PROMPTS} x {SAMPLES} x {NEW}"}}  # fmt: skip
+        "forward_backward": f"{BATCH} x {SEQ} tokens", "samples": f"{PROMPTS} x {SAMPLES} x {NEW}",
+        "merge_burst": f"{BURST} calls x {SAMPLES} x {NEW}"}}  # fmt: skip
     report("tinker", results, TARGETS, config, args.json)
 
 
 class _server:
     """``plexrl serve`` as its own process on a free port; its URL once it answers."""
 
-    def __init__(self, scheduler: str, keys: Path, models: dict[str, str]) -> None:
+    def __init__(
+        self,
+        scheduler: str,
+        keys: Path,
+        models: dict[str, str],
+        env: dict[str, str] | None = None,
+    ) -> None:
         import socket
+
+        self.env = {**os.environ, **(env or {})}
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -190,7 +234,7 @@ class _server:
         ]  # fmt: skip
 
     def __enter__(self) -> str:
-        self.proc = subprocess.Popen(self.args)
+        self.proc = subprocess.Popen(self.args, env=self.env)
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -318,6 +362,43 @@ def _steps(tinker: Any, trainer: Any, dep: Any) -> tuple[Any, Any]:
             assert all(len(s.tokens) == NEW for s in r.sequences[0])
 
     return sdk, runtime
+
+
+def _merge_burst(tinker: Any, merged: Any, unmerged: Any, reps: int) -> dict[str, Any]:
+    """``sample_merge_*`` (module docstring): the burst through both servers, interleaved."""
+    types = tinker.types
+    prompts = [
+        types.ModelInput.from_ints([5 + (i * 11 + j) % 90 for j in range(6 + i % 12)])
+        for i in range(BURST)
+    ]
+    params = [types.SamplingParams(max_tokens=NEW, stop=[], seed=1000 + i) for i in range(BURST)]
+    samplers = {
+        "merged": merged.create_sampling_client(base_model=BASE).result(),
+        "unmerged": unmerged.create_sampling_client(base_model=BASE).result(),
+    }
+    outs: dict[str, list[Any]] = {name: [] for name in samplers}
+
+    def burst(name: str) -> Callable[[], None]:
+        def run() -> None:
+            sampler = samplers[name]
+            futures = [sampler.sample(p, SAMPLES, q) for p, q in zip(prompts, params, strict=True)]
+            got = [[(s.tokens, s.logprobs) for s in f.result().sequences] for f in futures]
+            assert all(len(t) == NEW for g in got for t, _ in g)
+            outs[name].append(got)
+
+        return run
+
+    arms = {name: burst(name) for name in samplers}
+    for run in arms.values():
+        run()  # (warm)
+    times = interleaved(arms, reps)
+    first = outs["merged"][0]
+    return {
+        "sample_merge_speedup": median(times["unmerged"]) / median(times["merged"]),
+        "sample_merge_burst_s": median(times["merged"]),
+        "sample_merge_burst_s_unmerged": median(times["unmerged"]),
+        "sample_merge_tokens_identical": all(o == first for v in outs.values() for o in v),
+    }
 
 
 def _every_call(tinker: Any, service: Any, url: str, key: str) -> dict[str, bool]:
