@@ -110,3 +110,30 @@ def test_without_the_decode_step_each_prompt_samples_what_it_would_alone():
     merged = b.sample(prompts, PARAMS, [0, 1, 2], INVARIANT)
     for i in range(3):
         assert b.sample([prompts[i]], PARAMS, [i], Streams(128, 16))[0] == merged[i]
+
+
+def test_a_lora_replica_decodes_rows_invariantly_with_its_adapter():
+    from plexrl_dask.models.spec import LORA_TARGETS
+    from plexrl_dask.worker.backends.lora import LoraBackend
+
+    # every linear layer adapted, the output head too (Tinker's default LoRA config)
+    spec = tiny_spec(seed=5).with_lora(4, alpha=16, targets=(*LORA_TARGETS, "lm_head"), seed=2)
+    b = LoraBackend(spec, "cpu", max_batch_size=8)
+    assert b.decode_step is None and b.row_step().adapters
+    with torch.no_grad():  # an adapter that changes the outputs (B starts at zero)
+        for name, p in b.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    prompts = b.tokenize(PROMPTS[:5])
+    together = b.sample(prompts, PARAMS, list(range(5)), INVARIANT)
+    for i in range(5):
+        assert b.sample([prompts[i]], PARAMS, [i], INVARIANT)[0] == together[i]
+    # the adapter is in the products: scoring through PEFT's forward agrees
+    assert_scores_match_forward(b, prompts, together)
+    base = backend(batch=8)
+    assert base.sample(prompts, PARAMS, list(range(5)), INVARIANT) != together
+    # an offload drops the step with the module tree; a reload builds one on the new tree
+    b.offload()
+    assert b._adapter_step is None
+    b.reload()
+    assert b.sample(prompts, PARAMS, list(range(5)), INVARIANT) == together

@@ -35,6 +35,8 @@ user runs it. Results:
   through one that merges them (the defaults: :mod:`plexrl_dask.serve.coalesce`); both
   servers on the same cluster, arms interleaved. ``sample_merge_tokens_identical``: whether every call's tokens and log-probabilities were the
   same bits from both servers in every repetition (each row decoded as if alone).
+  ``sample_merge_speedup_lora``: the same burst on the snapshot sampler of a new LoRA model
+  (rank ``LORA_RANK``, the SDK's default config) of the base on each server.
   ``protocol_overhead_ratio_unmerged`` is ``protocol_overhead_ratio`` through the server that
   does not merge (its 8 sample calls are 8 requests, as in the Runtime arm).
 - ``lora_tenants_resident_bytes_ratio`` (target <= 1.05): eight tenants, each with a LoRA
@@ -365,16 +367,24 @@ def _steps(tinker: Any, trainer: Any, dep: Any) -> tuple[Any, Any]:
 
 
 def _merge_burst(tinker: Any, merged: Any, unmerged: Any, reps: int) -> dict[str, Any]:
-    """``sample_merge_*`` (module docstring): the burst through both servers, interleaved."""
+    """``sample_merge_*`` (module docstring): the burst through both servers, interleaved, on
+    samplers of the base model and of a LoRA model of it."""
     types = tinker.types
     prompts = [
         types.ModelInput.from_ints([5 + (i * 11 + j) % 90 for j in range(6 + i % 12)])
         for i in range(BURST)
     ]
     params = [types.SamplingParams(max_tokens=NEW, stop=[], seed=1000 + i) for i in range(BURST)]
+
+    def lora_sampler(service: Any) -> Any:
+        trainer = service.create_lora_training_client(base_model=BASE, rank=LORA_RANK).result()
+        return trainer.save_weights_and_get_sampling_client().result()
+
     samplers = {
         "merged": merged.create_sampling_client(base_model=BASE).result(),
         "unmerged": unmerged.create_sampling_client(base_model=BASE).result(),
+        "lora_merged": lora_sampler(merged),
+        "lora_unmerged": lora_sampler(unmerged),
     }
     outs: dict[str, list[Any]] = {name: [] for name in samplers}
 
@@ -392,13 +402,20 @@ def _merge_burst(tinker: Any, merged: Any, unmerged: Any, reps: int) -> dict[str
     for run in arms.values():
         run()  # (warm)
     times = interleaved(arms, reps)
-    first = outs["merged"][0]
-    return {
-        "sample_merge_speedup": median(times["unmerged"]) / median(times["merged"]),
-        "sample_merge_burst_s": median(times["merged"]),
-        "sample_merge_burst_s_unmerged": median(times["unmerged"]),
-        "sample_merge_tokens_identical": all(o == first for v in outs.values() for o in v),
-    }
+    out: dict[str, Any] = {}
+    same = True
+    for kind in ("", "lora_"):
+        first = outs[f"{kind}merged"][0]
+        same = same and all(o == first for k in ("merged", "unmerged") for o in outs[kind + k])
+        out[f"sample_merge_speedup{'_lora' if kind else ''}"] = median(
+            times[f"{kind}unmerged"]
+        ) / median(times[f"{kind}merged"])
+        out[f"sample_merge_burst_s{'_lora' if kind else ''}"] = median(times[f"{kind}merged"])
+        out[f"sample_merge_burst_s_unmerged{'_lora' if kind else ''}"] = median(
+            times[f"{kind}unmerged"]
+        )
+    out["sample_merge_tokens_identical"] = same
+    return out
 
 
 def _every_call(tinker: Any, service: Any, url: str, key: str) -> dict[str, bool]:

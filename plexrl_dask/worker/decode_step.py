@@ -151,14 +151,22 @@ class _Proj:
     weight: torch.Tensor
     bias: torch.Tensor | None
     transposed: bool
+    # A LoRA adapter's (A, B, scaling) on this projection: ``+ scaling * B(A(x))``, as PEFT
+    # computes it (in the adapter's dtype, then cast back)
+    delta: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(tokens, in)`` -> ``(tokens, out)``."""
         if not self.transposed:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight)
-        return torch.addmm(self.bias, x, self.weight)
+            out = F.linear(x, self.weight, self.bias)
+        elif self.bias is None:
+            out = torch.mm(x, self.weight)
+        else:
+            out = torch.addmm(self.bias, x, self.weight)
+        if self.delta is None:
+            return out
+        a, b, scaling = self.delta
+        return out + (F.linear(F.linear(x.to(a.dtype), a), b) * scaling).to(out.dtype)
 
 
 def _proj(*modules: torch.nn.Module, copy: bool, scale: torch.Tensor | None = None) -> _Proj:
@@ -167,7 +175,17 @@ def _proj(*modules: torch.nn.Module, copy: bool, scale: torch.Tensor | None = No
     weight folded in: ``W · diag(scale)``). Without ``copy``, a single module as it is."""
     if not copy:
         assert len(modules) == 1 and scale is None, "fusing or folding copies the weights"
-        return _Proj(modules[0].weight, modules[0].bias, transposed=False)
+        module = modules[0]
+        if hasattr(module, "lora_A"):  # (PEFT's LoRA layer: checked by _unsupported)
+            name = module.active_adapters[0]
+            delta = (
+                module.lora_A[name].weight,
+                module.lora_B[name].weight,
+                float(module.scaling[name]),
+            )
+            base = module.base_layer
+            return _Proj(base.weight, base.bias, transposed=False, delta=delta)
+        return _Proj(module.weight, module.bias, transposed=False)
     weight = torch.cat([m.weight for m in modules])
     if scale is not None:
         weight = weight * scale
@@ -216,6 +234,9 @@ class DecodeStep:
     def __init__(self, model: torch.nn.Module, fuse_max_bytes: int = 0) -> None:
         cfg = model.config
         self.model = model
+        # LoRA layers: their base weights and adapters are read as they are, never copied (a
+        # copy per adapter would hold its base again)
+        self.adapters = any(hasattr(m, "lora_A") for m in model.modules())
         self.base = model.model
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(cfg.num_key_value_heads)
@@ -230,28 +251,41 @@ class DecodeStep:
         self._layout: tuple[tuple[int, ...], list[_Layer], _Norm, _Proj] | None = None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> DecodeStep | None:
+    def for_model(cls, model: torch.nn.Module, adapters: bool = False) -> DecodeStep | None:
         """A step for ``model`` when ``plexrl.sampling.decode-step`` is ``auto`` and the model
-        is of a supported kind (see the module docstring); None otherwise."""
+        is of a supported kind (see the module docstring); None otherwise. ``adapters``:
+        a model with PEFT LoRA layers (one active adapter each, unmerged, no dropout) is
+        supported too, its products adding the adapter's; only the batch-invariant row
+        decoder asks for that (:mod:`plexrl_dask.worker.row_decode`)."""
         mode = config.get("sampling.decode-step")
         if mode not in MODES:
             raise ConfigError(f"plexrl.sampling.decode-step must be one of {MODES}, got {mode!r}")
         if mode == "hf":
             return None
         fuse_max_bytes = fused_weights_max_bytes()
-        reason = cls._unsupported(model)
+        reason = cls._unsupported(model, adapters)
         if reason:
             logger.debug("decoding %s through its HF forward: %s", type(model).__name__, reason)
             return None
         return cls(model, fuse_max_bytes)
 
     @staticmethod
-    def _unsupported(model: torch.nn.Module) -> str | None:
+    def _unsupported(model: torch.nn.Module, adapters: bool = False) -> str | None:
         if type(model).__name__ not in SUPPORTED:
             return f"{type(model).__name__} is not one of {SUPPORTED}"
-        if any(hasattr(m, "lora_A") for m in model.modules()):
-            # (the step reads the modules' base weights and would leave the adapter out)
+        lora = [m for m in model.modules() if hasattr(m, "lora_A")]
+        if lora and not adapters:
             return "it has LoRA adapters"
+        for m in lora:
+            active = list(getattr(m, "active_adapters", ()))
+            if (
+                len(active) != 1
+                or getattr(m, "merged", False)
+                or any(getattr(m, "use_dora", {}).values())
+                or not isinstance(m.lora_dropout[active[0]], torch.nn.Identity)
+                or type(m.base_layer).__name__ != "Linear"
+            ):
+                return "a LoRA layer other than one unmerged adapter on a linear layer"
         cfg = model.config
         if getattr(cfg, "hidden_act", "silu") != "silu":
             return f"hidden_act {cfg.hidden_act!r}"
@@ -274,7 +308,10 @@ class DecodeStep:
 
     def _copies(self) -> bool:
         """Whether the bound step's copies of the weights (every projection transposed, q/k/v
-        and gate/up fused, the output head) fit ``fused-weights-max-bytes``."""
+        and gate/up fused, the output head) fit ``fused-weights-max-bytes`` (never with
+        adapters)."""
+        if self.adapters:
+            return False
         modules = [self.model.lm_head]
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp

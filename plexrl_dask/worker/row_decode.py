@@ -31,8 +31,9 @@ Rows are admitted while fewer than ``max_batch_size`` are live, prompts prefille
 admitted (a prompt whose samples are split over two admissions is prefilled twice, to the
 same bits). Finished rows are dropped from their cohort when a quarter of it has finished
 (a copy of its cache) and fed padding until then. Supported where :class:`DecodeStep` is
-(the weight-level step); turn prompts (prefix cache), the HF forward and the static CUDA
-engine decode through their own paths, not this one.
+(the weight-level step), LoRA adapters included (each product adds its adapter's, read from
+the modules: no copy of the shared base); turn prompts (prefix cache), the HF forward and
+the static CUDA engine decode through their own paths, not this one.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from plexrl_dask.errors import OpNotSupported
 from plexrl_dask.shared.types import SampledSequence, SamplingParams
 from plexrl_dask.worker.decode import StopRule
-from plexrl_dask.worker.decode_step import BoundStep, _Norm, _rotate
+from plexrl_dask.worker.decode_step import BoundStep, DecodeStep, _Norm, _rotate
 from plexrl_dask.worker.sampling import choose_tokens, row_keys, uniforms_at
 
 if TYPE_CHECKING:
@@ -124,7 +125,9 @@ def _norm(norm: _Norm, x: torch.Tensor) -> torch.Tensor:
 
 def _shape(f: object) -> tuple[int, ...]:
     weight = getattr(f, "weight", None)
-    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
+    delta = getattr(f, "delta", None)
+    shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
+    return shape if delta is None else (*shape, *delta[0].shape)
 
 
 def _in_width(proj: object) -> int:
@@ -271,12 +274,13 @@ class RowDecoder:
     def __init__(
         self,
         backend: TorchBackend,
+        step: DecodeStep,
         prompts: list[list[int]],
         rows: list[tuple[int, int]],
         params: SamplingParams,
         prompt_ids: Sequence[int],
     ) -> None:
-        assert backend.decode_step is not None, "the weight-level decode step is required"
+        """``step``: the replica's decode step (``backend.row_step()``)."""
         self.backend = backend
         self.prompts = prompts
         self.rows = rows
@@ -284,7 +288,7 @@ class RowDecoder:
         self.device = backend.device
         self.batch_size = backend.max_batch_size
         longest = max(len(prompts[i]) for i, _ in rows)
-        self.bound = backend.decode_step.bind(longest + params.max_tokens)
+        self.bound = step.bind(longest + params.max_tokens)
         self.shape = invariance(self.bound)
         self.keys = row_keys(
             params.seed,

@@ -13,9 +13,11 @@ Offload moves the adapter state to host memory (to the node's store, like any re
 drops the replica's module tree, so the base is freed when no resident adapter uses it;
 reload builds the tree again on the (possibly rebuilt) base and restores the adapter and its
 optimizer bit for bit. Decoding goes through the Hugging Face forward with the adapter
-applied (the weight-level decode step and the static engine read base weights only, so
-:mod:`plexrl_dask.worker.decode_step` refuses models with adapters). One adapter per request:
-requests of several adapters are not batched into one decode here.
+applied (the stream decoder's weight-level step and the static engine read base weights
+only); batch-invariant requests (``Streams.invariant``: the Tinker front door's merged calls)
+decode through :mod:`plexrl_dask.worker.row_decode` on a step that adds the adapter to each
+product (``TorchBackend.row_step``). One adapter per request: requests of several adapters
+are not batched into one decode here.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class LoraBackend(TorchBackend):
                 }
             kept = host if stash is None else stash(host)
         self.model = None  # type: ignore[assignment]
+        self._adapter_step = None  # (it holds the module tree, and through it the base)
         self.optimizer = None
         self._host = kept
         self.bases.release(self.spec.base, self.user)

@@ -183,6 +183,7 @@ class TorchBackend:
         # Decode steps computed from the modules' weights where the architecture allows
         # (plexrl_dask.worker.decode_step); None: through the HF forward.
         self.decode_step = DecodeStep.for_model(self.model)
+        self._adapter_step: DecodeStep | None = None  # (row_step's, for LoRA adapters)
         # The static-shape decoder (plexrl_dask.worker.static_decode), where configured.
         self.static = engine_for(self)
         # Multi-turn prompts' keys and values (plexrl_dask.worker.prefix_cache): only where the
@@ -380,7 +381,7 @@ class TorchBackend:
         into streams of ``streams.rows`` (default: ``plexrl.sampling.*``), each decoded with
         continuous batching, ``max_batch_size`` rows at a time
         (:mod:`plexrl_dask.worker.decode`). With ``streams.invariant`` each prompt samples
-        what it would alone: where the weight-level decode step runs and no prompt has turns,
+        what it would alone: where :meth:`row_step` has a step and no prompt has turns,
         every row is decoded as if alone (:mod:`plexrl_dask.worker.row_decode`); elsewhere
         each prompt's rows are a stream of their own."""
         turns = [getattr(p, "turns", None) for p in prompts]
@@ -401,9 +402,10 @@ class TorchBackend:
         out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
         self.model.eval()
         with torch.inference_mode():
-            if streams.invariant and not turned and self.decode_step is not None:
+            step = self.row_step() if streams.invariant and not turned else None
+            if step is not None:
                 # every row as if alone: any batching gives the same bits (row_decode.py)
-                done = RowDecoder(self, prompts, rows, params, prompt_ids).run()
+                done = RowDecoder(self, step, prompts, rows, params, prompt_ids).run()
                 return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
             if streams.invariant:
                 # No row-invariant decoder here: each prompt's rows are a stream of their own,
@@ -704,9 +706,21 @@ class TorchBackend:
         the static engine's cache, the prefix cache): an offload's first step."""
         if self.decode_step is not None:
             self.decode_step.release()
+        self._adapter_step = None
         if self.static is not None:
             self.static.release()
         self.forget_prefixes()
+
+    def row_step(self) -> DecodeStep | None:
+        """The decode step the batch-invariant decoder runs on: the replica's own, else, for
+        a model with LoRA adapters, one that adds them (built for the module tree the replica
+        holds now); None where there is none."""
+        if self.decode_step is not None or self.model is None or self.spec.lora is None:
+            return self.decode_step
+        step = self._adapter_step
+        if step is None or step.model is not self.model:
+            step = self._adapter_step = DecodeStep.for_model(self.model, adapters=True)
+        return step
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache (the weights changed: its keys and values are stale)."""
