@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 
+import dask
 import numpy as np
 import pytest
 
@@ -448,6 +449,14 @@ def test_concurrent_samples_are_merged_and_each_samples_what_it_would_alone(serv
         assert [(s.tokens, s.logprobs) for s in merged[i]] == [
             (s.tokens, s.logprobs) for s in alone
         ]
+    # a sampler of a server that sends each call alone: a request per call, the same bits
+    with dask.config.set({"plexrl.serve.sample-merge-rows": 1}):
+        single = sc.create_sampling_client(base_model=BASE).result()
+        burst = [single.sample(prompts[i], 2, params[i]) for i in range(12)]
+        each = [f.result().sequences for f in burst]
+    [one] = [s for s in srv.service.samplers.values() if s.tenant == "bob" and s is not sampler]
+    assert one.merger.calls == one.merger.requests == 12
+    assert [[s.tokens for s in g] for g in each] == [[s.tokens for s in g] for g in merged]
     sc.close("success").result()
 
 

@@ -165,6 +165,61 @@ class StopRule:
         )
 
 
+class Completions:
+    """What a decoder produces for a request's ``rows`` (``(prompt index, sample index)``):
+    each row's tokens, log-probabilities and finish reason, with the keys of its randomness."""
+
+    def __init__(
+        self,
+        backend: TorchBackend,
+        rows: list[tuple[int, int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> None:
+        self.backend = backend
+        self.params = params
+        self.stops = StopRule(backend, params)
+        self.keys = row_keys(
+            params.seed,
+            np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64),
+            np.array([j for _, j in rows], dtype=np.int64),
+        )
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.logprobs: list[list[float]] = [[] for _ in rows]
+        self.reasons = ["length"] * len(rows)
+
+    def choose(self, index: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+        """Choose the next token of rows ``index`` from their ``logits`` (a row each, in that
+        order) and record it; the tokens (on the logits' device), and whether each row goes
+        on."""
+        position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
+        u = uniforms_at(self.keys[index], position)
+        params = self.params
+        chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
+        goes_on = []
+        for r, token, lp in zip(index, chosen.tolist(), chosen_lp.tolist(), strict=True):
+            seq = self.tokens[r]
+            seq.append(token)
+            self.logprobs[r].append(lp)
+            if self.stops.stopped(seq, token):
+                self.reasons[r] = "stop"
+            goes_on.append(self.reasons[r] != "stop" and len(seq) < params.max_tokens)
+        return chosen, goes_on
+
+    def sequences(self) -> list[SampledSequence]:
+        """Every row's completion, in row order."""
+        text = self.backend.text
+        return [
+            SampledSequence(
+                tokens=tuple(seq),
+                logprobs=tuple(self.logprobs[r]),
+                text=text(seq),
+                finish_reason=self.reasons[r],
+            )
+            for r, seq in enumerate(self.tokens)
+        ]
+
+
 class StreamDecoder:
     """Decodes one stream of ``rows`` (``(prompt index, sample index)`` pairs) of one request
     on ``backend``'s model (see the module docstring). Use :meth:`run` once."""
@@ -190,14 +245,7 @@ class StreamDecoder:
         self.params = params
         self.batch_size = backend.max_batch_size
         self.refill_min_rows = max(1, int(refill_min_rows))
-        self.keys = row_keys(
-            params.seed,
-            np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64),
-            np.array([j for _, j in rows], dtype=np.int64),
-        )
-        self.tokens: list[list[int]] = [[] for _ in rows]
-        self.logprobs: list[list[float]] = [[] for _ in rows]
-        self.reasons = ["length"] * len(rows)
+        self.out = Completions(backend, rows, params, prompt_ids)
         self.prefilled = 0  # rows [0, prefilled) have been prefilled
         self.cache: object = None  # the batch's cache object, its tensors swapped in per step
         self.spliceable = True
@@ -394,8 +442,6 @@ class StreamDecoder:
         position frozen, its output ignored) until ``refill_min_rows`` rows have finished:
         dropping rows copies the whole cache, and a few idle rows cost less than that. Once
         nothing waits, finished rows are dropped at once."""
-        params = self.params
-        stops = StopRule(self.backend, params)
         batch: Rows | None = None
         live: list[int] = []  # positions in the batch of the rows still generating
         waiting: Rows | None = None
@@ -410,20 +456,8 @@ class StreamDecoder:
             else:
                 live_t = torch.tensor(live, dtype=torch.long, device=batch.logits.device)
                 logits = batch.logits.index_select(0, live_t)
-            position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
-            u = uniforms_at(self.keys[index], position)
-            chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
-            chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
-            still: list[int] = []
-            for k, r in enumerate(index):
-                seq = self.tokens[r]
-                token = chosen_l[k]
-                seq.append(token)
-                self.logprobs[r].append(lp_l[k])
-                if stops.stopped(seq, token):
-                    self.reasons[r] = "stop"
-                elif len(seq) < params.max_tokens:
-                    still.append(live[k])
+            chosen, goes_on = self.out.choose(index, logits)
+            still = [live[k] for k, on in enumerate(goes_on) if on]
             if not still:
                 batch, live = None, []
                 continue
@@ -451,16 +485,7 @@ class StreamDecoder:
                 advance = advance.to(batch.next_pos.device)
             batch = self._step(batch, feed, advance)
         logger.debug("stream of %d rows: %d model calls", len(self.rows), self.forwards)
-        text = self.backend.text
-        return [
-            SampledSequence(
-                tokens=tuple(self.tokens[r]),
-                logprobs=tuple(self.logprobs[r]),
-                text=text(self.tokens[r]),
-                finish_reason=self.reasons[r],
-            )
-            for r in range(len(self.rows))
-        ]
+        return self.out.sequences()
 
 
 def output_cache(out: object) -> object:

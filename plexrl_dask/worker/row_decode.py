@@ -44,15 +44,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from plexrl_dask.errors import OpNotSupported
 from plexrl_dask.shared.types import SampledSequence, SamplingParams
-from plexrl_dask.worker.decode import StopRule
+from plexrl_dask.worker.decode import Completions
 from plexrl_dask.worker.decode_step import BoundStep, DecodeStep, _Norm, _rotate
-from plexrl_dask.worker.sampling import choose_tokens, row_keys, uniforms_at
 
 if TYPE_CHECKING:
     from plexrl_dask.worker.backends.torch_backend import TorchBackend
@@ -64,7 +62,7 @@ CAP = 128
 #: Row counts the probe compares (with the row at the first and the last position).
 _PROBE_ROWS = (2, 3, 17, 64, CAP)
 
-# (device type, dtype, the products' weight shapes) -> (cap, exact): what the probe found
+# (device type, dtype, threads, the products' shapes) -> (cap, exact): what the probe found
 _PROBED: dict[tuple, tuple[int, bool]] = {}
 
 
@@ -159,6 +157,7 @@ def invariance(bound: BoundStep) -> Rows:
     key = (
         weight.device.type,
         weight.dtype,
+        torch.get_num_threads(),
         tuple((width, _shape(f)) for f, width in products),
     )
     found = _PROBED.get(key)
@@ -290,14 +289,7 @@ class RowDecoder:
         longest = max(len(prompts[i]) for i, _ in rows)
         self.bound = step.bind(longest + params.max_tokens)
         self.shape = invariance(self.bound)
-        self.keys = row_keys(
-            params.seed,
-            np.array([prompt_ids[i] for i, _ in rows], dtype=np.int64),
-            np.array([j for _, j in rows], dtype=np.int64),
-        )
-        self.tokens: list[list[int]] = [[] for _ in rows]
-        self.logprobs: list[list[float]] = [[] for _ in rows]
-        self.reasons = ["length"] * len(rows)
+        self.out = Completions(backend, rows, params, prompt_ids)
         self.admitted = 0
         self.forwards = 0
 
@@ -336,20 +328,8 @@ class RowDecoder:
             )
         return cohorts
 
-    def _record(self, r: int, token: int, logprob: float, stops: StopRule) -> bool:
-        """Append row ``r``'s token; whether the row goes on."""
-        seq = self.tokens[r]
-        seq.append(token)
-        self.logprobs[r].append(logprob)
-        if stops.stopped(seq, token):
-            self.reasons[r] = "stop"
-            return False
-        return len(seq) < self.params.max_tokens
-
     def run(self) -> list[SampledSequence]:
         """Decode every row; their completions in row order."""
-        params = self.params
-        stops = StopRule(self.backend, params)
         cohorts: list[_Cohort] = []
         live: dict[int, bool] = {}  # row -> still generating
         pad = self.backend.pad_token_id
@@ -367,12 +347,9 @@ class RowDecoder:
             logits = torch.cat(
                 [c.logits[[k for k, r in enumerate(c.index) if live[r]]] for c in cohorts]
             )
-            position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
-            u = uniforms_at(self.keys[index], position)
-            chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
+            chosen, goes_on = self.out.choose(index, logits)
             fed = dict(zip(index, chosen.tolist(), strict=True))
-            for r, token, lp in zip(index, chosen.tolist(), chosen_lp.tolist(), strict=True):
-                live[r] = self._record(r, token, lp, stops)
+            live.update(zip(index, goes_on, strict=True))
             cohorts = self._compacted(cohorts, live)
             if not cohorts:
                 continue
@@ -397,16 +374,7 @@ class RowDecoder:
                 c.position += 1
                 at += len(c.index)
         logger.debug("%d rows batch-invariantly: %d model calls", len(self.rows), self.forwards)
-        text = self.backend.text
-        return [
-            SampledSequence(
-                tokens=tuple(self.tokens[r]),
-                logprobs=tuple(self.logprobs[r]),
-                text=text(self.tokens[r]),
-                finish_reason=self.reasons[r],
-            )
-            for r in range(len(self.rows))
-        ]
+        return self.out.sequences()
 
     @staticmethod
     def _compacted(cohorts: list[_Cohort], live: dict[int, bool]) -> list[_Cohort]:

@@ -439,7 +439,9 @@ class VLLMBackend(NotATrainer):
         streams: Streams | None = None,
     ) -> list[list[SampledSequence]]:
         """``params.n`` completions per prompt, every row a seeded vLLM request (the engine
-        batches them continuously; ``streams`` does not apply)."""
+        batches them continuously; ``streams`` does not apply, ``streams.invariant`` included:
+        a row's bits depend on what vLLM's scheduler batches it with, unless vLLM's own
+        batch-invariant mode is on)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
