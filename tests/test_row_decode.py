@@ -17,19 +17,11 @@ from plexrl_dask.shared.types import SamplingParams, Streams
 from plexrl_dask.worker import row_decode
 from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec
-from tests.test_decode import assert_scores_match_forward
+from tests.test_decode import assert_scores_match_forward, one_thread  # noqa: F401 (autouse)
 
 PROMPTS = ["12+3=", "4+5=", "99+1=", "7*8=", "1+1=", "60-7=", "123+456=", "5="]
 PARAMS = SamplingParams(n=3, temperature=1.0, max_tokens=12, stop=("1", "5", "9"), seed=3)
 INVARIANT = Streams(128, 16, invariant=True)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def backend(batch: int, seed: int = 5) -> TorchBackend:
