@@ -50,6 +50,10 @@ def test_device_checks_run_on_the_cpu(tmp_path):
     assert results["add2_peak_tokens_per_s"] > 0
     assert results["add2_to_peak_b128"] > 0 and 0 < results["add2_tail_bound_b128"] <= 1
     assert "CUDA" in results["vllm_skipped"]  # the vLLM check says why it did not run
+    # batch-invariant decoding: a prompt samples alone what it samples among 15 others
+    assert results["row_invariant_identical"] is True
+    assert results["row_invariant_identical_bf16"] is True
+    assert results["row_invariant_cap"] >= 2 and results["row_invariant_merged_speedup"] > 0
     # The static decoder (op by op here: no graphs off CUDA) chooses what the dynamic one does
     # on the job's requests, and every decode arm and the roofline are measured.
     assert results["captured_token_agreement"] >= 0.99 and results["grpo_request_to_peak"] > 0

@@ -56,6 +56,13 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
   ``vllm_wake_identical``: the request after waking samples what it did before); and a
   published version of the torch replica's weights loaded into the engine
   (``vllm_load_weights_s``).
+- **Batch-invariant decoding** (``row_invariant_*``; :mod:`plexrl_dask.worker.row_decode`):
+  the row decoder's probe on this device (``row_invariant_cap``, ``row_invariant_exact``: on
+  how many rows its products agreed with one row alone), and ``row_invariant_identical``:
+  16 prompts of 4 to 19 tokens, 4 samples of up to 16 tokens each, sampled in one invariant
+  request and each prompt alone, the same bits (the model ``--hidden`` × ``--layers``,
+  float32; and in bf16, ``row_invariant_identical_bf16``). ``row_invariant_merged_speedup``:
+  the 16 prompts one request each ÷ in one request (median of ``--reps``).
 - **Sampling** (``<job>_*``): ``bench.sampling``'s per-job measurement on this device: the
   job's model after its supervised warm-up, a GRPO step's 128-row request decoded as one batch
   (``to_peak_b128``) and in 64-row streams, against the replica's ``ignore_eos`` peak at its
@@ -109,7 +116,7 @@ from plexrl_dask.bench.common import parser, report, write_json
 from plexrl_dask.bench.sampling import measure_job, warmed_backend
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.rl.catalog import standard_jobs
-from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams
+from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams, Streams
 from plexrl_dask.worker.backends import TorchBackend
 from plexrl_dask.worker.backends.fsdp import FSDPBackend
 from plexrl_dask.worker.backends.torch_backend import copy_stream
@@ -136,6 +143,7 @@ TARGETS = {
     "fsdp_offload_released": "true",
     "vllm_repeat_identical": "true",
     "vllm_wake_identical": "true",
+    "row_invariant_identical": "true",
 }
 
 
@@ -392,6 +400,41 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
     }
 
 
+def check_row_invariance(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
+    """``row_invariant_*`` (module docstring)."""
+    from plexrl_dask.worker.row_decode import invariance
+
+    out: dict[str, Any] = {}
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=5)
+    streams = Streams(128, 16, invariant=True)
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(4 + i)] for i in range(16)]
+    ids = list(range(16))
+    backends = {}
+    for dtype, suffix in (("bfloat16", "_bf16"), ("float32", "")):
+        b = backends[dtype] = TorchBackend(dataclasses.replace(spec, dtype=dtype), device)
+        together = b.sample(prompts, params, ids, streams)
+        alone = [b.sample([p], params, [i], streams)[0] for i, p in enumerate(prompts)]
+        out[f"row_invariant_identical{suffix}"] = alone == together
+    backend = backends["float32"]
+    rows = invariance(backend.row_step().bind(64))  # type: ignore[union-attr]
+    out["row_invariant_cap"], out["row_invariant_exact"] = rows.cap, rows.exact
+
+    def one_each() -> None:
+        for i, p in enumerate(prompts):
+            backend.sample([p], params, [i], streams)
+
+    def merged() -> None:
+        backend.sample(prompts, params, ids, streams)
+
+    times: dict[str, list[float]] = {"alone": [], "merged": []}
+    for _ in range(reps):
+        times["alone"].append(_timed(one_each, device))
+        times["merged"].append(_timed(merged, device))
+    alone_s, merged_s = statistics.median(times["alone"]), statistics.median(times["merged"])
+    out["row_invariant_merged_speedup"] = alone_s / merged_s
+    return out
+
+
 def check_vllm(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
     from plexrl_dask.worker.backends.vllm_backend import VLLMBackend, unavailable_reason
 
@@ -628,6 +671,7 @@ def main() -> None:
     section("overlap", lambda: check_overlap(spec, device, reps))
     section("fsdp", lambda: check_fsdp(spec, device, steps))
     section("vllm", lambda: check_vllm(spec, device, reps))
+    section("row_invariant", lambda: check_row_invariance(spec, device, reps))
 
     def decode_section(shape: str) -> None:
         section(
