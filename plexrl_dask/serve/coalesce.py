@@ -116,8 +116,10 @@ class SampleMerger:
             await self._request(key, calls)
         finally:
             self._in_flight[key] -= 1
-            if not self._in_flight[key] and key in self._open:
-                self._send(key)  # the calls that waited for this request
+            if not self._in_flight[key]:
+                del self._in_flight[key]
+                if key in self._open:
+                    self._send(key)  # the calls that waited for this request
 
     async def _request(self, key: SamplingParams, calls: list[_Call]) -> None:
         self.requests += 1

@@ -44,7 +44,9 @@ tokens equal teacher-forced scoring within 1e-4), and it is used for sampling on
 training always run the HF forward. Supported: ``Qwen2ForCausalLM`` and ``LlamaForCausalLM``
 with the default rotary embedding, SiLU MLPs, no sliding window, unsharded parameters;
 :meth:`DecodeStep.for_model` returns None for anything else, and such a model decodes through
-its HF forward. ``plexrl.sampling.decode-step: hf`` turns it off; workers must agree on it and
+its HF forward. A model with PEFT LoRA layers is supported only when asked for
+(``adapters=True``, the batch-invariant row decoder): each projection then adds its adapter's
+product, and no weight is copied (a copy per adapter would hold the shared base again). ``plexrl.sampling.decode-step: hf`` turns it off; workers must agree on it and
 on ``fused-weights-max-bytes`` (like ``max-batch-size``) for replicas to sample
 bit-identically.
 """
