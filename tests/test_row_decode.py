@@ -11,6 +11,8 @@ from __future__ import annotations
 import dask
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from plexrl_dask import errors
 from plexrl_dask.shared.types import SamplingParams, Streams
@@ -129,3 +131,36 @@ def test_a_lora_replica_decodes_rows_invariantly_with_its_adapter():
     assert b._adapter_step is None
     b.reload()
     assert b.sample(prompts, PARAMS, list(range(5)), INVARIANT) == together
+
+
+@pytest.fixture(scope="module")
+def shared_backend():
+    return backend(batch=64, seed=9)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(3, 99), min_size=1, max_size=12), min_size=1, max_size=6),
+    n=st.integers(1, 3),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_p=st.sampled_from([1.0, 0.8]),
+    batch=st.integers(1, 9),
+    data=st.data(),
+)
+def test_any_request_samples_each_prompt_as_it_samples_alone(
+    shared_backend, prompts, n, temperature, top_p, batch, data
+):
+    """Property: whatever the prompts beside it, their order, the replica's batch size and the
+    sampling parameters, a prompt's completions are the bits it gets in a request alone."""
+    params = SamplingParams(
+        n=n, temperature=temperature, top_p=top_p, max_tokens=8, stop=("5",), seed=4
+    )
+    b = shared_backend
+    assert b.vocab_size == 100  # (the token ids drawn: tests/conftest.py's tiny model)
+    ids = list(range(len(prompts)))
+    order = data.draw(st.permutations(ids))
+    b.max_batch_size = batch
+    together = b.sample([prompts[i] for i in order], params, order, INVARIANT)
+    b.max_batch_size = 64
+    for k, i in enumerate(order):
+        assert b.sample([prompts[i]], params, [i], INVARIANT)[0] == together[k]
