@@ -178,11 +178,24 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     run = tinker.RestClient(base_url=srv.url, api_key=keys["alice"])
     assert run.get_training_run_by_tinker_path(state).result().base_model == BASE
 
-    # a later step supersedes the snapshot sampler: a typed refusal, not other weights
+    # with kept-snapshots, a later step leaves the snapshot sampler its weights (a copy saved
+    # before the step), as asynchronous recipes need; without (the default) it is refused
+    before = sampler.sample(prompt, 2, seeded).result()
+    with dask.config.set({"plexrl.serve.kept-snapshots": 2}):
+        tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    after = sampler.sample(prompt, 2, seeded).result()
+    assert [(s.tokens, s.logprobs) for s in after.sequences] == [
+        (s.tokens, s.logprobs) for s in before.sequences
+    ]
+    stepped = tc.save_weights_and_get_sampling_client().result()
+    now = stepped.sample(prompt, 2, seeded).result()
+    assert [s.logprobs for s in now.sequences] != [s.logprobs for s in before.sequences]
     tc.forward_backward([ce_datum(A)], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    with pytest.raises(tinker.BadRequestError, match="SamplerSuperseded"):
-        sampler.sample(prompt, 1, params).result()
+    with pytest.raises(tinker.BadRequestError, match="kept-snapshots"):
+        stepped.sample(prompt, 1, params).result()
+    assert len(sampler.sample(prompt, 1, params).result().sequences) == 1  # (kept before)
 
     sc.close("success").result()
     assert not runtime.deployments()  # the session's deployments went with it
@@ -306,25 +319,30 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server):
     sc.close("success").result()
 
 
-def test_a_sampler_every_step_never_reaches_the_tenants_limit(server):
+@pytest.mark.parametrize("kept", [0, 2])
+def test_a_sampler_every_step_never_reaches_the_tenants_limit(server, kept):
     """A Tinker RL loop makes a sampling client every step: the earlier steps' snapshot
-    samplers are retired (still refused, typed), so a tenant's limit counts live ones only."""
+    samplers are retired (still refused, typed), so a tenant's limit counts live ones only.
+    With ``kept-snapshots``, the last ones keep their weights and the older are retired."""
     srv, client, keys = server
     sc = sdk(srv, keys["bob"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
     from plexrl_dask import config
 
-    first = None
-    for _ in range(int(config.get("serve.tenant-limits")["samplers"]) + 2):
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        first = first or sampler
-        tc.forward_backward([ce_datum(B)], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    made = []
     prompt = types.ModelInput.from_ints(B[:2])
+    short = types.SamplingParams(max_tokens=2)
+    with dask.config.set({"plexrl.serve.kept-snapshots": kept}):
+        for _ in range(int(config.get("serve.tenant-limits")["samplers"]) + 2):
+            made.append(tc.save_weights_and_get_sampling_client().result())
+            tc.forward_backward([ce_datum(B)], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     with pytest.raises(tinker.BadRequestError, match="SamplerSuperseded"):
-        first.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+        made[0].sample(prompt, 1, short).result()
+    for old in made[len(made) - kept :] if kept else []:  # the last ones sample their copies
+        assert len(old.sample(prompt, 1, short).result().sequences) == 1
     now = tc.save_weights_and_get_sampling_client().result()
-    assert len(now.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+    assert len(now.sample(prompt, 1, short).result().sequences) == 1
     sc.close("success").result()
 
 

@@ -89,6 +89,10 @@ class Sampler:
     owned: bool = False  # its deployment is this sampler's own (undeployed with it)
     # its calls merged into requests (serve/coalesce.py), made with its first call
     merger: Any = field(default=None, repr=False, compare=False)
+    # a snapshot's copy of its weights, kept past its model's next step (serve/snapshots.py):
+    # (the save_state future, the model's LoRA dict)
+    kept: tuple[Any, dict | None] | None = field(default=None, repr=False, compare=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

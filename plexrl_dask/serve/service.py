@@ -75,6 +75,7 @@ from plexrl_dask.serve.records import (
     error_body,
     json_reply,
 )
+from plexrl_dask.serve.snapshots import KeptSnapshots, deploy_from
 from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
 from plexrl_dask.shared.types import Datum, ForwardBackwardResult, ForwardResult
@@ -104,6 +105,7 @@ class Service:
         #: sampler id -> (tenant, why): snapshot samplers retired by a later step
         self.retired: dict[str, tuple[str, str]] = {}
         self.saved = SavedCheckpoints(self.state, _export_dir(state_file))
+        self.snapshots = KeptSnapshots(self)
         self.runs = {k: Run(**v) for k, v in self.state.table("runs").items()}
         self._context: dict[str, tuple[int, int]] = {}
         self.promises: dict[str, Promise] = {}
@@ -261,8 +263,8 @@ class Service:
         shared = {}
         for sampler_id in session.samplers:
             sampler = self.samplers.pop(sampler_id, None)
-            if sampler is not None and sampler.owned:
-                await self._undeploy(sampler.deployment)
+            if sampler is not None and (sampler.owned or sampler.kept is not None):
+                await self.snapshots.release(sampler)
             elif sampler is not None and sampler.model_id is None:
                 shared[sampler.deployment.name] = sampler.deployment
         # a base model's replica is the tenant's, shared by its sessions: it goes with the last
@@ -512,6 +514,7 @@ class Service:
             raise
 
         def submit() -> Any:
+            self.snapshots.before_step(tenant, model)  # (their copies, saved before the step)
             model.optim_steps += 1
             return model.deployment.optim_step(params)
 
@@ -679,7 +682,7 @@ class Service:
 
     def _superseded(self, sampler: Sampler) -> str | None:
         """Why ``sampler`` can no longer sample (None: it can)."""
-        if sampler.model_id is None or sampler.version is None:
+        if sampler.model_id is None or sampler.version is None or sampler.kept is not None:
             return None
         model = self.models.get(sampler.model_id)
         if model is None:
@@ -689,7 +692,8 @@ class Service:
         return (
             f"{sampler.sampler_id!r} samples {sampler.model_id} as of optimizer step "
             f"{sampler.version}; it has taken {model.optim_steps}. Save the weights for the "
-            "sampler again, or save them by name to keep a copy to sample"
+            "sampler again, or save them by name to keep a copy to sample (a server with "
+            "plexrl.serve.kept-snapshots > 0 keeps snapshot samplers' weights)"
         )
 
     # --- sampling --------------------------------------------------------------------------
@@ -703,18 +707,9 @@ class Service:
         if path is not None:
             checkpoint = self.saved.loadable(tenant.name, str(path))
             spec = self.spec(checkpoint.base, checkpoint.lora)
-            name = f"{sampler_id}:rollout"
-
-            def deploy() -> Deployment:
-                dep = runtime.deploy(name, spec, role="rollout")
-                try:
-                    result(dep.load_state(checkpoint.saved))
-                except BaseException:
-                    runtime.undeploy(dep.name)
-                    raise
-                return dep
-
-            deployment = await self.blocking(deploy)
+            deployment = await self.blocking(
+                deploy_from, runtime, f"{sampler_id}:rollout", spec, checkpoint.saved
+            )
             sampler = Sampler(
                 sampler_id, tenant.name, checkpoint.base, deployment, model_path=path, owned=True
             )
@@ -760,16 +755,20 @@ class Service:
             body.get("sampling_params"), body.get("num_samples", 1), eos, seed, room
         )
         want_prompt = bool(body.get("prompt_logprobs"))
-        dep = sampler.deployment
-        if sampler.merger is None:
-            sampler.merger = SampleMerger(dep)
         # A call the worker will refuse goes alone, so that it fails no other call.
         vocab = self._shape(sampler.base)[1]
         fits = room >= params.max_tokens and all(0 <= t < vocab for t in tokens)
-        sampled = sampler.merger.sample(tokens, params, merge=fits)
-        scored = dep.forward([Datum(tokens=tokens)]) if want_prompt and len(tokens) > 1 else None
 
         async def work() -> Reply:
+            # (a snapshot kept past its model's step samples from its own copy)
+            await self.snapshots.own_replica(tenant, sampler)
+            dep = sampler.deployment
+            if sampler.merger is None:
+                sampler.merger = SampleMerger(dep)
+            sampled = sampler.merger.sample(tokens, params, merge=fits)
+            scored = None
+            if want_prompt and len(tokens) > 1:
+                scored = dep.forward([Datum(tokens=tokens)])
             result = await sampled
             prompt_lp = None
             if want_prompt:
