@@ -20,8 +20,9 @@ refused after the next step).
 What it costs: a synchronous RL loop makes a sampler every step and never uses the last one
 again, yet each of its steps saves the weights once (Tinker saves them for every such
 sampler too) and never deploys the copy. The save is a store checkpoint (parameters and
-optimizer state, durable on the node's NVMe tier): ``bench.tinker``'s SDK step took 0.60 s
-with it against 0.35 s without, on its 3.4M-parameter model. So it is off unless
+optimizer state, durable on the node's NVMe tier): ``bench.tinker``'s SDK step takes about
+1.6 times as long with it on its 3.4M-parameter model (``kept_snapshots_step_ratio``,
+``benchmarks/RESULTS.md``). So it is off unless
 ``kept-snapshots`` is set; a save of the parameters alone to the DRAM tier, kept apart from
 weight syncs' versions (which drop their older ones), would make it cheap and is not built.
 """
