@@ -79,10 +79,11 @@ class KeptSnapshots:
         """Called as ``model``'s next ``optim_step`` is submitted: its live snapshot samplers
         of the current step keep a copy of the weights, saved before the step runs."""
         limit = kept_limit()
-        samplers = self.service.samplers
+        # (a copy: this runs on an executor thread while the event loop may change the table)
+        samplers = list(self.service.samplers.values())
         live = [
             s
-            for s in samplers.values()
+            for s in samplers
             if s.model_id == model.model_id and s.version == model.optim_steps and s.kept is None
         ]
         if not live or limit == 0:
@@ -92,7 +93,7 @@ class KeptSnapshots:
         for s in live:
             s.kept = (saved, model.lora)
         kept = sorted(
-            (s for s in samplers.values() if s.model_id == model.model_id and s.kept),
+            (s for s in samplers if s.model_id == model.model_id and s.kept),
             key=lambda s: s.version or 0,
         )
         for old in kept[: max(0, len(kept) - limit)]:
@@ -121,7 +122,7 @@ class KeptSnapshots:
             saved = await settled(sampler.kept[0])
         except PlexRLError:
             return  # (nothing was stored)
-        if any(s.kept is sampler.kept for s in self.service.samplers.values()):
+        if any(s.kept is sampler.kept for s in list(self.service.samplers.values())):
             return  # another sampler of that step still uses the copy
         await self.service.blocking(
             lambda: self.service.client.run(
