@@ -21,7 +21,7 @@ What it costs: a synchronous RL loop makes a sampler every step and never uses t
 again, yet each of its steps saves the weights once (Tinker saves them for every such
 sampler too) and never deploys the copy. The save is a store checkpoint (parameters and
 optimizer state, durable on the node's NVMe tier): ``bench.tinker``'s SDK step takes about
-1.6 times as long with it on its 3.4M-parameter model (``kept_snapshots_step_ratio``,
+1.7 times as long with it on its 3.8M-parameter model (``kept_snapshots_step_ratio``,
 ``benchmarks/RESULTS.md``). So it is off unless
 ``kept-snapshots`` is set; a save of the parameters alone to the DRAM tier, kept apart from
 weight syncs' versions (which drop their older ones), would make it cheap and is not built.
