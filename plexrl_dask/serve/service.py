@@ -652,11 +652,15 @@ class Service:
         """Drop ``checkpoint``'s version from every node's tiers (an export has none)."""
         stored = checkpoint.saved
         if not checkpoint.external and stored.get("path") is None and "model" in stored:
-            await self.blocking(
-                lambda: self.client.run(
-                    ops.drop_checkpoint, stored["model"], int(stored["version"]), on_error="return"
-                )  # fmt: skip
+            await self.drop_version(stored)
+
+    async def drop_version(self, stored: dict) -> None:
+        """Drop a ``save_state`` result's version from every node's tiers."""
+        await self.blocking(
+            lambda: self.client.run(
+                ops.drop_checkpoint, stored["model"], int(stored["version"]), on_error="return"
             )
+        )
 
     def _add_sampler(self, tenant: Tenant, sampler: Sampler, session_id: str) -> None:
         """Register ``sampler``. A training model's snapshot samplers of earlier steps are

@@ -41,7 +41,6 @@ from plexrl_dask.errors import ConfigError, PlexRLError
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.serve.records import Sampler, TrainModel
 from plexrl_dask.serve.tenants import Tenant
-from plexrl_dask.worker import ops
 
 if TYPE_CHECKING:
     from plexrl_dask.serve.service import Service
@@ -124,11 +123,7 @@ class KeptSnapshots:
             return  # (nothing was stored)
         if any(s.kept is sampler.kept for s in list(self.service.samplers.values())):
             return  # another sampler of that step still uses the copy
-        await self.service.blocking(
-            lambda: self.service.client.run(
-                ops.drop_checkpoint, saved["model"], int(saved["version"]), on_error="return"
-            )
-        )
+        await self.service.drop_version(saved)
 
     async def own_replica(self, tenant: Tenant, sampler: Sampler) -> None:
         """Before a kept sampler samples after its model stepped: its own rollout replica,
