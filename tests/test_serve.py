@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import dask
 import numpy as np
@@ -343,7 +344,35 @@ def test_a_sampler_every_step_never_reaches_the_tenants_limit(server, kept):
         assert len(old.sample(prompt, 1, short).result().sequences) == 1
     now = tc.save_weights_and_get_sampling_client().result()
     assert len(now.sample(prompt, 1, short).result().sequences) == 1
+    # the retired snapshots' copies were dropped from the node's store, and the rest go with
+    # the session
+    assert wait_for(lambda: len(snapshot_copies(client)) <= kept), snapshot_copies(client)
     sc.close("success").result()
+    assert wait_for(lambda: not snapshot_copies(client)), snapshot_copies(client)
+
+
+def snapshot_copies(client) -> set[str]:
+    """The kept snapshots' store models with a version on the workers' nodes."""
+
+    def models(dask_worker=None):
+        from plexrl_dask.worker.holder import holder_of
+
+        holder = holder_of(dask_worker)
+        if holder is None or holder.node is None:
+            return []
+        store = holder.node.store("nvme")
+        return [m for m in store.models() if "-snapshot-" in m and store.versions(m)]
+
+    return {m for found in client.run(models).values() for m in found}
+
+
+def wait_for(check, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def test_a_session_without_heartbeats_ends_and_frees_the_pool(server):

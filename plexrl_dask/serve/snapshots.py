@@ -30,6 +30,7 @@ weight syncs' versions (which drop their older ones), would make it cheap and is
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import uuid
 from typing import TYPE_CHECKING
@@ -66,6 +67,11 @@ def kept_limit() -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"plexrl.serve.kept-snapshots must be an int >= 0, got {value!r}")
     return value
+
+
+def _log_failure(done: concurrent.futures.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        logger.warning("releasing a retired snapshot sampler failed: %r", done.exception())
 
 
 class KeptSnapshots:
@@ -109,7 +115,8 @@ class KeptSnapshots:
         self.service.retired[sampler.sampler_id] = (sampler.tenant, why)
         # (called where requests are submitted: the server's executor threads)
         if self.service.loop is not None:
-            asyncio.run_coroutine_threadsafe(self.release(sampler), self.service.loop)
+            done = asyncio.run_coroutine_threadsafe(self.release(sampler), self.service.loop)
+            done.add_done_callback(_log_failure)
 
     async def release(self, sampler: Sampler) -> None:
         """Undeploy a kept sampler's own replica and drop its stored copy."""
