@@ -179,12 +179,11 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     run = tinker.RestClient(base_url=srv.url, api_key=keys["alice"])
     assert run.get_training_run_by_tinker_path(state).result().base_model == BASE
 
-    # with kept-snapshots, a later step leaves the snapshot sampler its weights (a copy saved
-    # before the step), as asynchronous recipes need; without (the default) it is refused
+    # a later step leaves the snapshot sampler its weights (a copy saved before the step), as
+    # asynchronous recipes need; with kept-snapshots 0 it is refused, typed
     before = sampler.sample(prompt, 2, seeded).result()
-    with dask.config.set({"plexrl.serve.kept-snapshots": 2}):
-        tc.forward_backward([ce_datum(A)], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     after = sampler.sample(prompt, 2, seeded).result()
     assert [(s.tokens, s.logprobs) for s in after.sequences] == [
         (s.tokens, s.logprobs) for s in before.sequences
@@ -192,8 +191,9 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     stepped = tc.save_weights_and_get_sampling_client().result()
     now = stepped.sample(prompt, 2, seeded).result()
     assert [s.logprobs for s in now.sequences] != [s.logprobs for s in before.sequences]
-    tc.forward_backward([ce_datum(A)], "cross_entropy").result()
-    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    with dask.config.set({"plexrl.serve.kept-snapshots": 0}):
+        tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     with pytest.raises(tinker.BadRequestError, match="kept-snapshots"):
         stepped.sample(prompt, 1, params).result()
     assert len(sampler.sample(prompt, 1, params).result().sequences) == 1  # (kept before)

@@ -457,6 +457,25 @@ def test_names_that_sanitise_alike_or_overflow_keep_their_own_state(runtime):
         assert all(torch.equal(got.tensors[n], t) for n, t in b.tensors.items()), d.name
 
 
+def test_a_weights_only_save_loads_into_a_rollout_replica(runtime):
+    """``save_state(weights_only=True)``: the parameters without the optimizer state (what a
+    sampler of them needs; plexrl serve's kept snapshots), loadable by a rollout replica."""
+    policy = runtime.deploy(unique("wo-policy"), tiny_spec(seed=31))
+    batch = [plexrl.Datum(tokens=policy.tokenize("1+1=2"))] * 2
+    plexrl.result([policy.forward_backward(batch), policy.optim_step(plexrl.AdamWParams(lr=0.1))])
+    full, light = plexrl.result(
+        [policy.save_state(), policy.save_state(model=unique("wo"), weights_only=True)]
+    )
+    rollout = runtime.deploy(unique("wo-rollout"), tiny_spec(seed=32), role="rollout")
+    plexrl.result(rollout.load_state(light))
+    want, got = plexrl.result([policy.get_weights(), rollout.get_weights()])
+    assert all(torch.equal(got.tensors[n], t) for n, t in want.tensors.items())
+    # (parameters alone: a store version only, not a DCP export)
+    with pytest.raises(errors.CheckpointError):
+        policy.save_state("/tmp", format="dcp", weights_only=True)
+    assert full["model"] != light["model"]
+
+
 def test_a_job_cannot_touch_another_jobs_deployment_unless_shared(client):
     a = plexrl.Runtime(client, job=unique("job-a"))
     b = plexrl.Runtime(client, job=unique("job-b"))

@@ -39,10 +39,11 @@ user runs it. Results:
   (rank ``LORA_RANK``, the SDK's default config) of the base on each server.
   ``protocol_overhead_ratio_unmerged`` is ``protocol_overhead_ratio`` through the server that
   does not merge (its 8 sample calls are 8 requests, as in the Runtime arm);
-  ``protocol_overhead_ratio_kept`` through a third server that keeps snapshot samplers'
-  weights past a step (``plexrl.serve.kept-snapshots: 4``: the step's ``optim_step`` first
-  saves the weights its last sampling client holds), and ``kept_snapshots_step_ratio`` that
-  step's time ÷ the default server's; all four arms interleaved.
+  ``protocol_overhead_ratio_unkept`` through a third server that does not keep snapshot
+  samplers' weights past a step (``plexrl.serve.kept-snapshots: 0``; by default each step's
+  ``optim_step`` first saves the weights its last sampling client holds), and
+  ``kept_snapshots_step_ratio`` the default server's step ÷ that one's; all four arms
+  interleaved.
 - ``lora_tenants_resident_bytes_ratio`` (target <= 1.05): eight tenants, each with a LoRA
   model (rank ``LORA_RANK``) of the same base on the one worker, each after one training step
   (its AdamW moments exist): the bytes of the distinct tensor storages their replicas reach on
@@ -152,9 +153,9 @@ def main() -> None:
         # the server that does not merge: its own keys and state files, its own tenant's job
         unmerged_keys = Path(tmp) / "unmerged-keys.yaml"
         unmerged_key = add_key(unmerged_keys, "bench-unmerged")
-        # and one that keeps snapshot samplers' weights past a step (serve/snapshots.py)
-        kept_keys = Path(tmp) / "kept-keys.yaml"
-        kept_key = add_key(kept_keys, "bench-kept")
+        # and one that does not keep snapshot samplers' weights past a step (serve/snapshots.py)
+        unkept_keys = Path(tmp) / "unkept-keys.yaml"
+        unkept_key = add_key(unkept_keys, "bench-unkept")
         models = {BASE: checkpoint, cook_model: cook_model}
         with (
             plexrl.local_cluster(n_workers=1) as cluster,
@@ -168,10 +169,10 @@ def main() -> None:
             ) as unmerged_url,
             _server(
                 cluster.scheduler_address,
-                kept_keys,
+                unkept_keys,
                 models,
-                {"DASK_PLEXRL__SERVE__KEPT_SNAPSHOTS": "4"},
-            ) as kept_url,
+                {"DASK_PLEXRL__SERVE__KEPT_SNAPSHOTS": "0"},
+            ) as unkept_url,
         ):
             service = tinker.ServiceClient(base_url=url, api_key=key)
             unmerged = tinker.ServiceClient(base_url=unmerged_url, api_key=unmerged_key)
@@ -180,25 +181,25 @@ def main() -> None:
             trainer_unmerged = unmerged.create_lora_training_client(
                 base_model=BASE, rank=0
             ).result()
-            kept = tinker.ServiceClient(base_url=kept_url, api_key=kept_key)
-            trainer_kept = kept.create_lora_training_client(base_model=BASE, rank=0).result()
+            unkept = tinker.ServiceClient(base_url=unkept_url, api_key=unkept_key)
+            trainer_unkept = unkept.create_lora_training_client(base_model=BASE, rank=0).result()
             # the same model as a deployment of the benchmark's own job (the server's tenant
             # job is the server's: another driver may not act in its name)
             runtime = plexrl.Runtime(client, job="bench-runtime")
             dep = runtime.deploy("policy", plexrl.ModelSpec(path=checkpoint))
             sdk_step, runtime_step = _steps(tinker, trainer, dep)
             unmerged_step, _ = _steps(tinker, trainer_unmerged, dep)
-            kept_step, _ = _steps(tinker, trainer_kept, dep)
+            unkept_step, _ = _steps(tinker, trainer_unkept, dep)
             arms = {
                 "sdk": sdk_step,
                 "sdk_unmerged": unmerged_step,
-                "sdk_kept": kept_step,
+                "sdk_unkept": unkept_step,
                 "runtime": runtime_step,
             }
             for arm in arms.values():
                 arm()  # (warm: first steps build caches)
             times = interleaved(arms, reps)
-            kept.close("success").result()
+            unkept.close("success").result()
             runtime.undeploy(dep.name)
             merge = _merge_burst(tinker, service, unmerged, reps)
             unmerged.close("success").result()
@@ -215,12 +216,12 @@ def main() -> None:
         "protocol_overhead_ratio": median(times["sdk"]) / median(times["runtime"]),
         "protocol_overhead_ratio_unmerged": median(times["sdk_unmerged"])
         / median(times["runtime"]),
-        "protocol_overhead_ratio_kept": median(times["sdk_kept"]) / median(times["runtime"]),
-        "kept_snapshots_step_ratio": median(times["sdk_kept"]) / median(times["sdk"]),
+        "protocol_overhead_ratio_unkept": median(times["sdk_unkept"]) / median(times["runtime"]),
+        "kept_snapshots_step_ratio": median(times["sdk"]) / median(times["sdk_unkept"]),
         **merge,
         "step_s_sdk": median(times["sdk"]),
         "step_s_sdk_unmerged": median(times["sdk_unmerged"]),
-        "step_s_sdk_kept": median(times["sdk_kept"]),
+        "step_s_sdk_unkept": median(times["sdk_unkept"]),
         "step_s_runtime": median(times["runtime"]),
         "cookbook_status": cook["status"],
         "cookbook_tenants": len(ends),

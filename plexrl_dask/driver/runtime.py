@@ -841,9 +841,10 @@ class Deployment:
         path: str | os.PathLike[str] | None = None,
         format: str = "store",
         model: str | None = None,
+        weights_only: bool = False,
     ) -> Future:
         """Future of ``{"path", "model", "version", "format"}`` once a checkpoint of parameters
-        and optimizer state is durable. Default: a version in the state store of the node's
+        and optimizer state (``weights_only``: parameters alone, store format) is durable. Default: a version in the state store of the node's
         NVMe tier (``path=None``) or of a store at ``path`` (a directory every rank's worker
         can reach, e.g. a shared filesystem, for a deployment spanning nodes); published
         atomically, each rank of a sharded deployment writing only its own shards.
@@ -852,8 +853,12 @@ class Deployment:
         deployment's name, made safe for a store)."""
         target = None if path is None else os.fspath(path)
         publish_id = uuid.uuid4().hex
+        if weights_only and format != "store":
+            raise CheckpointError("a weights-only checkpoint is in the store format")
         return self._submit(
-            "save_state", ops.save_state, self._ranks(target, publish_id, format, model)
+            "save_state",
+            ops.save_state,
+            self._ranks(target, publish_id, format, model, weights_only),
         )
 
     def load_state(

@@ -697,7 +697,7 @@ class Service:
             f"{sampler.sampler_id!r} samples {sampler.model_id} as of optimizer step "
             f"{sampler.version}; it has taken {model.optim_steps}. Save the weights for the "
             "sampler again, or save them by name to keep a copy to sample (a server with "
-            "plexrl.serve.kept-snapshots > 0 keeps snapshot samplers' weights)"
+            "plexrl.serve.kept-snapshots > 0 keeps the last snapshot samplers' weights)"
         )
 
     # --- sampling --------------------------------------------------------------------------

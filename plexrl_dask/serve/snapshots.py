@@ -7,9 +7,9 @@ model trains on, and asynchronous recipes rely on it (tinker-cookbook's RL loop 
 ``max_steps_off_policy`` samples from clients of earlier steps while the model trains).
 
 So before an ``optim_step`` changes a model whose snapshot samplers of the current step are
-still live, the server saves those weights (a ``save_state`` to the node's store, in the
-model's own request order, so it runs before the step on the replica; the adapter alone for a
-LoRA model) and the samplers keep it. A kept sampler's first call after the step deploys a
+still live, the server saves those weights (a weights-only ``save_state`` to the node's
+store, in the model's own request order, so it runs before the step on the replica; the
+adapter alone for a LoRA model) and the samplers keep it. A kept sampler's first call after the step deploys a
 rollout replica of its own from that copy (as a sampler of a named checkpoint is); calls
 before that, and every sampler of the model's current weights, still use the training
 replica. At most ``plexrl.serve.kept-snapshots`` kept samplers per training model: past that
@@ -19,12 +19,9 @@ refused after the next step).
 
 What it costs: a synchronous RL loop makes a sampler every step and never uses the last one
 again, yet each of its steps saves the weights once (Tinker saves them for every such
-sampler too) and never deploys the copy. The save is a store checkpoint (parameters and
-optimizer state, durable on the node's NVMe tier): ``bench.tinker``'s SDK step takes about
-1.7 times as long with it on its 3.8M-parameter model (``kept_snapshots_step_ratio``,
-``benchmarks/RESULTS.md``). So it is off unless
-``kept-snapshots`` is set; a save of the parameters alone to the DRAM tier, kept apart from
-weight syncs' versions (which drop their older ones), would make it cheap and is not built.
+sampler too) and never deploys the copy. The save is a store version of the parameters
+alone on the node's NVMe tier (no optimizer state): ``kept_snapshots_step_ratio`` in
+``benchmarks/RESULTS.md`` is ``bench.tinker``'s SDK step with it ÷ without it.
 """
 
 from __future__ import annotations
@@ -94,7 +91,7 @@ class KeptSnapshots:
         if not live or limit == 0:
             return
         store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
-        saved = model.deployment.save_state(model=store_model)
+        saved = model.deployment.save_state(model=store_model, weights_only=True)
         for s in live:
             s.kept = (saved, model.lora)
         kept = sorted(

@@ -355,8 +355,10 @@ def save_state(
     publish_id: str = "solo",
     format: str = "store",
     model: str | None = None,
+    weights_only: bool = False,
 ) -> dict[str, Any]:
-    """Checkpoint the deployment (parameters + optimizer state); every rank of a sharded
+    """Checkpoint the deployment (parameters + optimizer state, or with ``weights_only`` the
+    parameters alone, in the store format only); every rank of a sharded
     deployment writes only its own shards. ``format="store"``: a durable version of a state
     store, the node's NVMe tier when ``path`` is None (else a store at ``path``, e.g. on a
     shared filesystem), named after the deployment and numbered by its version; every rank
@@ -371,7 +373,10 @@ def save_state(
         return _run(deployment, "save_state", lambda b: b.save_state(path))
     if format != "store":
         raise CheckpointError(f"unknown checkpoint format {format!r}: 'store' or 'dcp'")
-    return _run(deployment, "save_state", engine.stores.saving(deployment, path, publish_id, model))
+    if not isinstance(weights_only, bool):
+        raise CheckpointError(f"weights_only is true or false, got {weights_only!r}")
+    call = engine.stores.saving(deployment, path, publish_id, model, weights_only)
+    return _run(deployment, "save_state", call)
 
 
 def load_state(

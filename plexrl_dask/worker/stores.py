@@ -52,10 +52,17 @@ __all__ = [
 Call = Callable[[Any], Any]
 
 
-def saving(deployment: str, path: str | None, publish_id: str, model: str | None) -> Call:
+def saving(
+    deployment: str,
+    path: str | None,
+    publish_id: str,
+    model: str | None,
+    weights_only: bool = False,
+) -> Call:
     """The call of ``ops.save_state(format="store")``: a version of ``model`` (default the
     deployment's :func:`~plexrl_dask.state_store.keys.model_key`) on this node's NVMe tier, or in the store at
-    ``path``; returns its reference."""
+    ``path``; returns its reference. ``weights_only``: the parameters without the optimizer
+    state (what a sampler of them needs)."""
     name = model or model_key(deployment)
 
     def open_target() -> tuple[NodeState | None, StoreCheckpoint]:
@@ -86,7 +93,10 @@ def saving(deployment: str, path: str | None, publish_id: str, model: str | None
             def opener(version: int, nbytes: int) -> Any:
                 return target.store.writer(name, version, publish_id)
 
-        ref = backend.save_state(target, publish_id, opener)
+        if weights_only:
+            ref = backend.publish_weights(target, publish_id, opener)
+        else:
+            ref = backend.save_state(target, publish_id, opener)
         if node is not None:  # on this node's tier: where ranks on other nodes import it from
             ref["node"], ref["source"] = node.node_id, get_worker().address
         return ref
