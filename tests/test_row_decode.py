@@ -90,7 +90,7 @@ def test_the_products_stay_on_probed_row_counts():
         assert all(2 <= s <= rows.cap for s in seen) or (
             rows.exact and all(s == rows.cap for s in seen)
         ), (m, seen)
-    exact = row_decode.Rows(16, exact=True)
+    exact = row_decode.ProductRows(16, exact=True)
     seen.clear()
     x = torch.randn(21, 4)
     assert torch.equal(exact.apply(record, x), x * 2)

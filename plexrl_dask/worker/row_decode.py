@@ -67,7 +67,7 @@ _PROBED: dict[tuple, tuple[int, bool]] = {}
 
 
 @dataclass(frozen=True)
-class Rows:
+class ProductRows:
     """How a step's products take rows: between 2 and ``cap`` per call, or (``exact``) exactly
     ``cap`` per call, padded with zeros."""
 
@@ -134,21 +134,21 @@ def _in_width(proj: object) -> int:
 
 
 def _agree(
-    rows: Rows, f: Callable[[torch.Tensor], torch.Tensor], width: int, like: torch.Tensor
+    tiling: ProductRows, f: Callable[[torch.Tensor], torch.Tensor], width: int, like: torch.Tensor
 ) -> bool:
     """Whether every row of ``f`` over ``rows`` is what that row alone gives, for each probed
     row count and position, on random inputs."""
     gen = torch.Generator(device="cpu").manual_seed(width)
     for m in _PROBE_ROWS:
         x = torch.randn((m, width), generator=gen).to(like.device, like.dtype)
-        together = rows.apply(f, x)
+        together = tiling.apply(f, x)
         for at in range(m):
-            if not torch.equal(together[at], rows.apply(f, x[at : at + 1])[0]):
+            if not torch.equal(together[at], tiling.apply(f, x[at : at + 1])[0]):
                 return False
     return True
 
 
-def invariance(bound: BoundStep) -> Rows:
+def invariance(bound: BoundStep) -> ProductRows:
     """How ``bound``'s products must take rows for each row's result to be its own (see the
     module docstring), probed on its shapes, device and dtype once per kind.
     :class:`OpNotSupported` where no way was found."""
@@ -163,9 +163,9 @@ def invariance(bound: BoundStep) -> Rows:
     found = _PROBED.get(key)
     if found is None:
         with torch.inference_mode():
-            for rows in (Rows(CAP, exact=False), Rows(16, exact=True)):
-                if all(_agree(rows, f, width, weight) for f, width in products):
-                    found = (rows.cap, rows.exact)
+            for tiling in (ProductRows(CAP, exact=False), ProductRows(16, exact=True)):
+                if all(_agree(tiling, f, width, weight) for f, width in products):
+                    found = (tiling.cap, tiling.exact)
                     break
             else:
                 found = (0, False)
@@ -176,7 +176,7 @@ def invariance(bound: BoundStep) -> Rows:
             f"batch-invariant decoding: matrix products on {weight.device.type} "
             f"({weight.dtype}) are not row-invariant at any shape tried"
         )
-    return Rows(*found)
+    return ProductRows(*found)
 
 
 @dataclass
@@ -204,7 +204,7 @@ class _Cohort:
 
 def forward_rows(
     bound: BoundStep,
-    rows: Rows,
+    tiling: ProductRows,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     parts: Sequence[tuple[int, list[torch.Tensor] | None, list[torch.Tensor] | None]],
@@ -220,17 +220,17 @@ def forward_rows(
     cos, sin = bound._rotary(positions)
     grown: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in parts]
     for i, layer in enumerate(bound.layers):
-        h = rows.apply(functools.partial(_norm, layer.input_norm), x)
+        h = tiling.apply(functools.partial(_norm, layer.input_norm), x)
         if layer.qkv is not None:
-            qkv = rows.apply(layer.qkv, h).view(count, new, heads + 2 * kv_heads, head_dim)
+            qkv = tiling.apply(layer.qkv, h).view(count, new, heads + 2 * kv_heads, head_dim)
             qkv = qkv.transpose(1, 2)
             qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         else:
             assert layer.q is not None and layer.k is not None and layer.v is not None
-            q = rows.apply(layer.q, h).view(count, new, heads, head_dim).transpose(1, 2)
-            k = rows.apply(layer.k, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
-            v = rows.apply(layer.v, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
+            q = tiling.apply(layer.q, h).view(count, new, heads, head_dim).transpose(1, 2)
+            k = tiling.apply(layer.k, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
+            v = tiling.apply(layer.v, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         outs, at = [], 0
         for p, (n, keys, values) in enumerate(parts):
@@ -253,16 +253,16 @@ def forward_rows(
             )
             outs.append(out.transpose(1, 2).reshape(n * new, heads * head_dim))
             at += n
-        x = x + rows.apply(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
-        h = rows.apply(functools.partial(_norm, layer.post_norm), x)
+        x = x + tiling.apply(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
+        h = tiling.apply(functools.partial(_norm, layer.post_norm), x)
         if layer.gate_up is not None:
-            gate, up = rows.apply(layer.gate_up, h).chunk(2, dim=-1)
+            gate, up = tiling.apply(layer.gate_up, h).chunk(2, dim=-1)
         else:
             assert layer.gate is not None and layer.up is not None
-            gate, up = rows.apply(layer.gate, h), rows.apply(layer.up, h)
-        x = x + rows.apply(layer.down, F.silu(gate) * up)
-    last = rows.apply(functools.partial(_norm, bound.norm), x.view(count, new, -1)[:, -1])
-    return rows.apply(bound.head, last).float(), grown
+            gate, up = tiling.apply(layer.gate, h), tiling.apply(layer.up, h)
+        x = x + tiling.apply(layer.down, F.silu(gate) * up)
+    last = tiling.apply(functools.partial(_norm, bound.norm), x.view(count, new, -1)[:, -1])
+    return tiling.apply(bound.head, last).float(), grown
 
 
 class RowDecoder:
@@ -288,7 +288,7 @@ class RowDecoder:
         self.batch_size = backend.max_batch_size
         longest = max(len(prompts[i]) for i, _ in rows)
         self.bound = step.bind(longest + params.max_tokens)
-        self.shape = invariance(self.bound)
+        self.tiling = invariance(self.bound)
         self.out = Completions(backend, rows, params, prompt_ids)
         self.admitted = 0
         self.forwards = 0
@@ -307,7 +307,7 @@ class RowDecoder:
             positions = torch.arange(length).expand(len(indices), length)
             logits, ((keys, values),) = forward_rows(
                 self.bound,
-                self.shape,
+                self.tiling,
                 ids.to(self.device),
                 positions.to(self.device),
                 [(len(indices), None, None)],
@@ -361,7 +361,7 @@ class RowDecoder:
             ).to(self.device)
             logits, grown = forward_rows(
                 self.bound,
-                self.shape,
+                self.tiling,
                 feed[:, None],
                 positions[:, None],
                 [(len(c.index), c.keys, c.values) for c in cohorts],
