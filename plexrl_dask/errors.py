@@ -176,6 +176,11 @@ class OpNotSupported(RequestError):
     """The deployment's role or layout does not offer this operation."""
 
 
+class AdapterNotFound(RequestError, _NotFound):
+    """A request named a LoRA adapter its adapter bank does not hold (never loaded, dropped,
+    or lost with the bank's worker: load it again from its stored version)."""
+
+
 class RankLost(PlexRLError):
     """A rank of a multi-rank request lost its worker or failed; the whole request failed."""
 

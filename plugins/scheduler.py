@@ -568,7 +568,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             job = str(ann.get("job") or "")
             self.registry.shares.check_request(name, info.owner, job, str(ann.get("op") or ""))
             self.principals.verify(job, ann.get("secret"))
-            if ann.get("op") in ("load_state", "load_weights"):
+            if ann.get("op") in ("load_state", "load_weights", "load_adapter"):
                 # whose stored state this job may read: its own, and what was shared with it
                 ann["readable"] = self.registry.shares.granting(job, "get_weights")
             self._check_queue_quota(job, request)

@@ -56,6 +56,7 @@ OP_COLORS = {
     "train_step": "#d95f02",
     "sync_weights": "#1b9e77",
     "load_weights": "#1b9e77",
+    "load_adapter": "#1b9e77",
     "publish_weights": "#66a61e",
     "save_state": "#7570b3",
     "load_state": "#7570b3",

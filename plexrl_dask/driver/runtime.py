@@ -36,6 +36,7 @@ from distributed import Actor, Client, Future, get_client
 from plexrl_dask import config, protocol
 from plexrl_dask.driver.waits import result
 from plexrl_dask.errors import (
+    AdapterNotFound,
     CheckpointError,
     ConfigError,
     InvalidLoss,
@@ -228,7 +229,9 @@ class Runtime:
         worker hold the base's weights once. ``backend``: ``"torch"`` (training
         and rollout, any device) or ``"vllm"`` (rollout on CUDA workers with the ``vllm``
         package; its budget includes ``plexrl.vllm.kv-cache-memory`` and
-        ``overhead-memory``).
+        ``overhead-memory``) or ``"adapters"`` (an adapter bank: a rollout replica of a base
+        model ``spec`` that samples many LoRA adapters' prompts in one decode, each adapter
+        loaded from a stored state with :meth:`Deployment.load_adapter`).
         """
         if not isinstance(model, ModelSpec):
             raise InvalidModelSpec(
@@ -798,15 +801,20 @@ class Deployment:
         prompt_ids: Sequence[int] | None = None,
         holds: bool = False,
         invariant: bool | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> Future:
         """Future of a :class:`SampleResult` (``params.n`` completions per prompt: text,
         chat messages rendered with the model's chat template, or token ids). ``holds``: the
         caller's next request follows once its tools have run (an agentic turn), so the
         scheduler may keep the worker for it (``plexrl.scheduler.turn-hold``). ``invariant``:
         decode every row as if alone (default ``plexrl.sampling.batch-invariant``), so that
-        its tokens do not depend on the other prompts of the request."""
+        its tokens do not depend on the other prompts of the request. ``adapters`` (an
+        adapter bank's): per prompt, the key of the loaded adapter it samples with (None:
+        the base)."""
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
         streams = Streams.from_config(invariant)
+        if adapters is not None:
+            return self._sample_adapters(prompts, params, ids, streams, adapters, holds)
         k = self.info.world_size
         if self._tensor_parallel:
             # Each part to one replica's gang, every rank of it decoding the whole part.
@@ -835,6 +843,41 @@ class Deployment:
         # frees up first and holds the model warmest; any replica gives the same bits.
         any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)
         return self._submit("sample", ops.sample, tasks, replica_of=any_replica, holds=holds)
+
+    def _sample_adapters(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        ids: Sequence[int],
+        streams: Streams,
+        adapters: Sequence[str | None],
+        holds: bool,
+    ) -> Future:
+        """An adapter bank's sample: parts split as for any data-parallel rollout, each part
+        with its prompts' adapter keys."""
+        keys = [None if a is None else str(a) for a in adapters]
+        if len(keys) != len(prompts):
+            raise AdapterNotFound(f"{len(keys)} adapter keys for {len(prompts)} prompts")
+        chunks = split_prompts(len(prompts), self.info.replicas, params.n, streams.rows)
+        tasks = [(list(prompts[a:b]), params, ids[a:b], streams, keys[a:b]) for a, b in chunks]
+        any_replica = [None if self.info.replicas > 1 else 0] * len(tasks)
+        return self._submit("sample", ops.sample, tasks, replica_of=any_replica, holds=holds)
+
+    def load_adapter(self, key: str, spec: ModelSpec, saved: Mapping[str, Any]) -> Future:
+        """An adapter bank's: load LoRA adapter ``key`` of ``spec`` (a LoRA spec on this
+        bank's base) from ``saved`` (what that deployment's ``save_state`` returned; its
+        owner shares ``get_weights`` with this bank's job where they differ) on every
+        replica, replacing a loaded one of that key. Future of the adapter's version."""
+        if not isinstance(spec, ModelSpec):
+            raise InvalidModelSpec(f"spec must be a ModelSpec, got {type(spec).__name__}")
+        if not isinstance(saved, Mapping) or "path" not in saved:
+            raise CheckpointError("load_adapter takes what save_state returned (with a 'path')")
+        return self._every("load_adapter", ops.load_adapter, (str(key), spec.to_dict(), saved))
+
+    def drop_adapter(self, key: str) -> Future:
+        """An adapter bank's: unload adapter ``key`` on every replica. Future of whether it
+        was loaded (on the first replica)."""
+        return self._every("drop_adapter", ops.drop_adapter, (str(key),))
 
     def save_state(
         self,

@@ -203,6 +203,7 @@ OP_PHASES = {
     "train_step": "train",
     "publish_weights": "sync",
     "load_weights": "sync",
+    "load_adapter": "sync",
 }
 #: Ops that are a whole iteration in one request (``sample_train``: a colocated GRPO step's
 #: sampling then training on the same worker). The scheduler does not see where one half

@@ -44,8 +44,11 @@ def split_name(registered: str) -> tuple[str, str]:
 
 
 ROLES = ("train", "rollout")
-#: What ``deploy(backend=...)`` accepts (plexrl_dask/worker/backends/).
+#: The engines a job's replicas run on (plexrl_dask/worker/backends/).
 BACKEND_NAMES = ("torch", "vllm")
+#: What ``deploy(backend=...)`` accepts: those, and "adapters", a bank of LoRA adapters on one
+#: base (plexrl_dask/worker/backends/adapters.py).
+DEPLOY_BACKENDS = (*BACKEND_NAMES, "adapters")
 #: Backends whose whole state is the weights they are given (``load_weights``,
 #: ``set_weights``): they hold nothing to checkpoint, and loading weights brings one back
 #: after its worker left or it moved (a rollout engine: vLLM).
@@ -151,8 +154,15 @@ class DeploymentInfo:
             raise ConfigError(
                 f"a tensor-parallel rollout runs on the torch backend, not {self.backend!r}"
             )
-        if self.backend not in BACKEND_NAMES:
-            raise ConfigError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        if self.backend not in DEPLOY_BACKENDS:
+            raise ConfigError(f"backend must be one of {DEPLOY_BACKENDS}, got {self.backend!r}")
+        if self.backend == "adapters" and (
+            self.role != "rollout" or self.world_size != 1 or self.spec.lora is not None
+        ):
+            raise ConfigError(
+                "an adapter bank is a rollout deployment of its base model's spec (no LoRA) "
+                "on one worker per replica: role='rollout', world_size=1"
+            )
         if self.backend == "vllm" and self.role != "rollout":
             raise ConfigError(
                 "the vllm backend only samples: deploy it with role='rollout', and the policy "

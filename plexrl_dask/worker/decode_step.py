@@ -158,17 +158,26 @@ class _Proj:
     delta: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(tokens, in)`` -> ``(tokens, out)``."""
-        if not self.transposed:
-            out = F.linear(x, self.weight, self.bias)
-        elif self.bias is None:
-            out = torch.mm(x, self.weight)
-        else:
-            out = torch.addmm(self.bias, x, self.weight)
+        """``x`` ``(tokens, in)`` -> ``(tokens, out)``: :meth:`base`, plus :meth:`lora`."""
+        out = self.base(x)
         if self.delta is None:
             return out
+        return out + self.lora(x).to(out.dtype)
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """The base weights' product alone (no adapter)."""
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
+
+    def lora(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's part, ``scaling * B(A(x))`` in the adapter's dtype (to be cast to
+        the base product's and added)."""
+        assert self.delta is not None
         a, b, scaling = self.delta
-        return out + (F.linear(F.linear(x.to(a.dtype), a), b) * scaling).to(out.dtype)
+        return F.linear(F.linear(x.to(a.dtype), a), b) * scaling
 
 
 def _proj(*modules: torch.nn.Module, copy: bool, scale: torch.Tensor | None = None) -> _Proj:

@@ -70,8 +70,10 @@ def _worker_only(what: str) -> None:
 
 #: The ops that change a replica's state away from what its spec builds.
 MUTATING_OPS = frozenset({"optim_step", "train_step", "set_weights", "load_state", "load_weights"})
-#: The ops after which an offload must write the state again (gradients count).
-CHANGING_OPS = MUTATING_OPS | {"forward_backward"}
+#: The ops after which an offload must write the state again (gradients count; an adapter
+#: bank's adapters are its state, but not a change of its weights: a bank rebuilt after its
+#: worker left is empty, not refused).
+CHANGING_OPS = MUTATING_OPS | {"forward_backward", "load_adapter", "drop_adapter"}
 
 
 @dataclass
@@ -361,6 +363,8 @@ class ReplicaHolder:
             )
         if info.spec.lora is not None:
             return self._load_adapter(info, group)
+        if info.backend == "adapters":
+            return self._on_bases(info, info.spec, 0, engine.backends.AdapterBank)
         if (
             self.share_frozen
             and group is None

@@ -23,6 +23,7 @@ the store runs in the backends and :mod:`plexrl_dask.worker.stores`, reached as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -34,10 +35,13 @@ from distributed.worker import thread_state
 
 from plexrl_dask import worker as engine
 from plexrl_dask.errors import (
+    AdapterNotFound,
     CheckpointError,
+    InvalidModelSpec,
     InvalidRecipe,
     NoPlexRLWorkers,
     NotRouted,
+    OpNotSupported,
     PlexRLError,
     WeightsMismatch,
     from_status,
@@ -161,15 +165,62 @@ def load(deployment: str) -> dict[str, Any]:
     )
 
 
-def forward(deployment: str, batch: Sequence[Datum], temperature: float = 1.0) -> ForwardResult:
-    """Per-token log-probabilities of each datum (aligned with its tokens)."""
+def forward(
+    deployment: str, batch: Sequence[Datum], temperature: float = 1.0, adapter: str | None = None
+) -> ForwardResult:
+    """Per-token log-probabilities of each datum (aligned with its tokens); ``adapter``: an
+    adapter bank's adapter to score with."""
 
     def call(backend: Any) -> ForwardResult:
         args = backend._checked(lambda: (checked_batch(batch), checked_temperature(temperature)))
+        if adapter is not None:
+            return _bank(backend, deployment).forward(*args, adapter=str(adapter))
         out = backend.forward(*args)
         return ForwardResult(logprobs=()) if _echo(backend) else out
 
     return _run(deployment, "forward", call)
+
+
+def _bank(backend: Any, deployment: str) -> Any:
+    """``backend`` if it is an adapter bank; :class:`OpNotSupported` otherwise."""
+    if not isinstance(backend, engine.backends.AdapterBank):
+        raise OpNotSupported(
+            f"{deployment!r} is not an adapter bank (deploy one with backend='adapters')"
+        )
+    return backend
+
+
+def load_adapter(
+    deployment: str, key: str, spec: Mapping[str, Any], saved: Mapping[str, Any]
+) -> int:
+    """Load LoRA adapter ``key`` (``spec``: its ``ModelSpec`` as a dict) into the adapter bank
+    from ``saved`` (what its deployment's ``save_state`` returned): the stored state must be
+    readable by this bank's job (its owner shared ``get_weights``). Returns its version."""
+    from plexrl_dask.models.spec import ModelSpec
+
+    def find(backend: Any) -> Any:
+        bank = _bank(backend, deployment)
+        if not isinstance(key, str) or not key:
+            raise InvalidModelSpec(f"an adapter key is a non-empty string, got {key!r}")
+        lora = ModelSpec.from_dict(dict(spec))
+        source = engine.stores.checkpoint_source(deployment, saved, None, None)
+        if isinstance(source, str):
+            raise CheckpointError("an adapter is loaded from a store checkpoint, not DCP")
+        with contextlib.suppress(PlexRLError):  # (missing: the load says so)
+            found = source.store.manifest(source.model, source.version)
+            engine.stores.check_readable(deployment, found.meta, "load_adapter")
+        return bank, lora, source
+
+    def call(backend: Any) -> int:
+        bank, lora, source = find(backend)
+        return bank.load_adapter(key, lora, source)
+
+    return _run(deployment, "load_adapter", call)
+
+
+def drop_adapter(deployment: str, key: str) -> bool:
+    """Unload adapter ``key`` from the adapter bank; whether it was loaded."""
+    return _run(deployment, "drop_adapter", lambda b: _bank(b, deployment).drop_adapter(key))
 
 
 def _echo(backend: Any) -> bool:
@@ -280,15 +331,18 @@ def sample(
     params: SamplingParams = SamplingParams(),
     prompt_ids: Sequence[int] | None = None,
     streams: Streams | None = None,
+    adapters: Sequence[str | None] | None = None,
 ) -> SampleResult:
     """``params.n`` completions of each prompt (strings or token ids).
 
     ``prompt_ids`` key each prompt's randomness (default: its position); a caller that splits
     one logical request into several passes the global positions, so the split changes nothing.
     ``streams``: how rows are continuously batched (default: the worker's
-    ``plexrl.sampling.*``).
+    ``plexrl.sampling.*``). ``adapters`` (an adapter bank's): per prompt, the key of the
+    adapter it samples with (None: the base).
     """
-    return _run(deployment, "sample", _sampling(prompts, params, prompt_ids, streams))
+    call = _sampling(prompts, params, prompt_ids, streams, adapters, deployment)
+    return _run(deployment, "sample", call)
 
 
 def _sampling(
@@ -296,6 +350,8 @@ def _sampling(
     params: SamplingParams,
     prompt_ids: Sequence[int] | None,
     streams: Streams | None,
+    adapters: Sequence[str | None] | None = None,
+    deployment: str = "",
 ) -> Any:
     """:func:`sample`'s call on the backend."""
 
@@ -304,7 +360,13 @@ def _sampling(
             lambda: checked_sample(prompts, params, prompt_ids, streams, part=True)
         )
         tokens = backend.tokenize(args[0])
-        groups = backend.sample(tokens, *args[1:])
+        if adapters is not None:
+            keys = list(adapters)
+            if not all(k is None or isinstance(k, str) for k in keys):
+                raise AdapterNotFound("adapter keys are strings (or None: the base)")
+            groups = _bank(backend, deployment).sample(tokens, *args[1:], adapters=keys)
+        else:
+            groups = backend.sample(tokens, *args[1:])
         if _echo(backend):
             return SampleResult(prompt_tokens=(), sequences=())
         return SampleResult(

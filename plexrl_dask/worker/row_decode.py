@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from plexrl_dask.errors import OpNotSupported
 from plexrl_dask.shared.types import SampledSequence, SamplingParams
 from plexrl_dask.worker.decode import Completions
-from plexrl_dask.worker.decode_step import BoundStep, DecodeStep, _Norm, _rotate
+from plexrl_dask.worker.decode_step import BoundStep, DecodeStep, _Norm, _Proj, _rotate
 
 if TYPE_CHECKING:
     from plexrl_dask.worker.backends.torch_backend import TorchBackend
@@ -93,18 +93,26 @@ class ProductRows:
 
 
 def _products(bound: BoundStep) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
-    """Every row-wise computation a step of ``bound`` runs, with its input width."""
+    """Every row-wise computation a step of ``bound`` runs, with its input width: each
+    projection's base product and, where it has an adapter, the adapter's part (computed
+    apart: rows of other adapters share the base product, :func:`forward_rows`)."""
     out: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
     hidden = bound.embed.weight.shape[1]
+
+    def add(proj: _Proj, width: int) -> None:
+        out.append((proj.base, width))
+        if proj.delta is not None:
+            out.append((proj.lora, width))
+
     for layer in bound.layers:
         for proj in (layer.qkv, layer.q, layer.k, layer.v, layer.gate_up, layer.gate, layer.up):
             if proj is not None:
-                out.append((proj, hidden))
-        out.append((layer.o, bound.step.heads * bound.step.head_dim))
-        out.append((layer.down, _in_width(layer.down)))
+                add(proj, hidden)
+        add(layer.o, bound.step.heads * bound.step.head_dim)
+        add(layer.down, _in_width(layer.down))
     for norm in {id(n): n for n in _norms(bound)}.values():
         out.append((functools.partial(_norm, norm), hidden))
-    out.append((bound.head, hidden))
+    add(bound.head, hidden)
     return out
 
 
@@ -122,10 +130,14 @@ def _norm(norm: _Norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _shape(f: object) -> tuple[int, ...]:
+    proj = getattr(f, "__self__", None)  # (a projection's bound method: base or lora)
+    if isinstance(proj, _Proj):
+        if f.__name__ == "lora":  # type: ignore[attr-defined]
+            assert proj.delta is not None
+            return (-1, *proj.delta[0].shape, *proj.delta[1].shape)
+        return tuple(proj.weight.shape)
     weight = getattr(f, "weight", None)
-    delta = getattr(f, "delta", None)
-    shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
-    return shape if delta is None else (*shape, *delta[0].shape)
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
 
 
 def _in_width(proj: object) -> int:
@@ -148,17 +160,18 @@ def _agree(
     return True
 
 
-def invariance(bound: BoundStep) -> ProductRows:
-    """How ``bound``'s products must take rows for each row's result to be its own (see the
-    module docstring), probed on its shapes, device and dtype once per kind.
-    :class:`OpNotSupported` where no way was found."""
-    weight = bound.embed.weight
-    products = _products(bound)
+def invariance(*bounds: BoundStep) -> ProductRows:
+    """How the products of ``bounds`` (a request's steps: the base's and its adapters') must
+    take rows for each row's result to be its own (see the module docstring), probed on
+    their shapes, device and dtype once per kind. :class:`OpNotSupported` where no way was
+    found."""
+    weight = bounds[0].embed.weight
+    products = [p for bound in bounds for p in _products(bound)]
     key = (
         weight.device.type,
         weight.dtype,
         torch.get_num_threads(),
-        tuple((width, _shape(f)) for f, width in products),
+        tuple(sorted({(width, _shape(f)) for f, width in products})),
     )
     found = _PROBED.get(key)
     if found is None:
@@ -177,6 +190,71 @@ def invariance(bound: BoundStep) -> ProductRows:
             f"({weight.dtype}) are not row-invariant at any shape tried"
         )
     return ProductRows(*found)
+
+
+#: A request's adapters in one model call: each the bound step whose projections carry that
+#: adapter's parts, with the rows (of the call) that add them (None: every row).
+Adapters = Sequence[tuple[BoundStep, Sequence[int] | None]]
+
+
+def _pick(bound: BoundStep, name: str, layer: int | None) -> _Proj:
+    proj = getattr(bound, name) if layer is None else getattr(bound.layers[layer], name)
+    assert proj is not None
+    return proj
+
+
+class _Products:
+    """A model call's projections on row-invariant shapes: the base product of every row,
+    plus each adapter's part for its rows (each part on the rows of its adapter alone, so a
+    row's bits do not depend on which adapters its companions use)."""
+
+    def __init__(
+        self, bound: BoundStep, tiling: ProductRows, adapters: Adapters, count: int, new: int
+    ) -> None:
+        self.bound, self.tiling = bound, tiling
+        if not adapters and bound.step.adapters:
+            adapters = ((bound, None),)  # (a LoRA replica's own step: its adapter, every row)
+        self.tokens: list[tuple[BoundStep, torch.Tensor | None]] = []
+        self.rows: list[tuple[BoundStep, torch.Tensor | None]] = []
+        device = bound.embed.weight.device
+        for step, rows in adapters:
+            if rows is None or len(rows) == count:
+                self.tokens.append((step, None))
+                self.rows.append((step, None))
+                continue
+            at = torch.tensor(rows, dtype=torch.long, device=device)
+            self.rows.append((step, at))
+            spread = at[:, None] * new + torch.arange(new, device=device)
+            self.tokens.append((step, spread.reshape(-1)))
+
+    def __call__(
+        self, name: str, layer: int | None, x: torch.Tensor, per_row: bool = False
+    ) -> torch.Tensor:
+        """Projection ``name`` of layer ``layer`` (None: the step's ``head``) over ``x``:
+        every token of the call, or (``per_row``) one per row."""
+        proj = _pick(self.bound, name, layer)
+        out = self.tiling.apply(proj.base, x)
+        for step, at in self.rows if per_row else self.tokens:
+            part = _pick(step, name, layer)
+            if part.delta is None:
+                continue
+            if at is None:
+                out = out + self.tiling.apply(part.lora, x).to(out.dtype)
+            else:
+                mine = self.tiling.apply(part.lora, x.index_select(0, at)).to(out.dtype)
+                out = out.index_put((at,), out.index_select(0, at) + mine)
+        return out
+
+
+def _check_base(step: DecodeStep, adapter: DecodeStep) -> None:
+    """An adapter's step must read the very base weights ``step`` reads (a bank's adapters are
+    on its base: :mod:`plexrl_dask.worker.backends.adapters`), and neither lays out copies."""
+    if step._copies():
+        raise OpNotSupported("adapters decode on a step without weight copies")
+    ours = [p.data_ptr() for p in step.model.parameters()]
+    theirs = [p.data_ptr() for n, p in adapter.model.named_parameters() if "lora_" not in n]
+    if ours != theirs:
+        raise OpNotSupported("an adapter on another copy of the base cannot decode with it")
 
 
 @dataclass
@@ -208,29 +286,35 @@ def forward_rows(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     parts: Sequence[tuple[int, list[torch.Tensor] | None, list[torch.Tensor] | None]],
+    adapters: Adapters = (),
 ) -> tuple[torch.Tensor, list[tuple[list[torch.Tensor], list[torch.Tensor]]]]:
     """Feed ``tokens`` ``(rows, new)`` at ``positions`` (same shape). ``parts``: consecutive
     groups of rows, each ``(count, keys, values)`` with its cache per layer (None: no tokens
     before; then ``new`` tokens are causal among themselves), all of one width within a
-    part. Returns each row's last-token logits (float32) and each part's grown cache."""
+    part. ``bound`` gives the base weights; ``adapters`` the LoRA adapters rows add
+    (:data:`Adapters`; none: the base alone). Returns each row's last-token logits (float32)
+    and each part's grown cache."""
     s = bound.step
     count, new = tokens.shape
     heads, kv_heads, head_dim = s.heads, s.kv_heads, s.head_dim
+    product = _Products(bound, tiling, adapters, count, new)
     x = bound.embed(tokens).view(count * new, -1)
     cos, sin = bound._rotary(positions)
     grown: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in parts]
     for i, layer in enumerate(bound.layers):
         h = tiling.apply(functools.partial(_norm, layer.input_norm), x)
         if layer.qkv is not None:
-            qkv = tiling.apply(layer.qkv, h).view(count, new, heads + 2 * kv_heads, head_dim)
-            qkv = qkv.transpose(1, 2)
+            qkv = product("qkv", i, h)
+            qkv = qkv.view(count, new, heads + 2 * kv_heads, head_dim).transpose(1, 2)
             qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         else:
-            assert layer.q is not None and layer.k is not None and layer.v is not None
-            q = tiling.apply(layer.q, h).view(count, new, heads, head_dim).transpose(1, 2)
-            k = tiling.apply(layer.k, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
-            v = tiling.apply(layer.v, h).view(count, new, kv_heads, head_dim).transpose(1, 2)
+            q = product("q", i, h)
+            k = product("k", i, h)
+            v = product("v", i, h)
+            q = q.view(count, new, heads, head_dim).transpose(1, 2)
+            k = k.view(count, new, kv_heads, head_dim).transpose(1, 2)
+            v = v.view(count, new, kv_heads, head_dim).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         outs, at = [], 0
         for p, (n, keys, values) in enumerate(parts):
@@ -253,16 +337,16 @@ def forward_rows(
             )
             outs.append(out.transpose(1, 2).reshape(n * new, heads * head_dim))
             at += n
-        x = x + tiling.apply(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
+        x = x + product("o", i, outs[0] if len(outs) == 1 else torch.cat(outs))
         h = tiling.apply(functools.partial(_norm, layer.post_norm), x)
         if layer.gate_up is not None:
-            gate, up = tiling.apply(layer.gate_up, h).chunk(2, dim=-1)
+            gate, up = product("gate_up", i, h).chunk(2, dim=-1)
         else:
-            assert layer.gate is not None and layer.up is not None
-            gate, up = tiling.apply(layer.gate, h), tiling.apply(layer.up, h)
-        x = x + tiling.apply(layer.down, F.silu(gate) * up)
+            gate = product("gate", i, h)
+            up = product("up", i, h)
+        x = x + product("down", i, F.silu(gate) * up)
     last = tiling.apply(functools.partial(_norm, bound.norm), x.view(count, new, -1)[:, -1])
-    return tiling.apply(bound.head, last).float(), grown
+    return product("head", None, last, per_row=True).float(), grown
 
 
 class RowDecoder:
@@ -278,20 +362,44 @@ class RowDecoder:
         rows: list[tuple[int, int]],
         params: SamplingParams,
         prompt_ids: Sequence[int],
+        adapters: Sequence[DecodeStep | None] | None = None,
     ) -> None:
-        """``step``: the replica's decode step (``backend.row_step()``)."""
+        """``step``: the replica's decode step (``backend.row_step()``). ``adapters``: per
+        prompt, the step of the LoRA adapter its rows decode with, on ``step``'s base weights
+        (None: the base alone); default: ``step`` as it is, its adapters included."""
         self.backend = backend
         self.prompts = prompts
         self.rows = rows
         self.params = params
         self.device = backend.device
         self.batch_size = backend.max_batch_size
-        longest = max(len(prompts[i]) for i, _ in rows)
-        self.bound = step.bind(longest + params.max_tokens)
-        self.tiling = invariance(self.bound)
+        width = max(len(prompts[i]) for i, _ in rows) + params.max_tokens
+        self.bound = step.bind(width)
+        self.adapter_of: list[int] | None = None  # per prompt: an index into self.adapters
+        self.adapters: list[BoundStep] = []
+        if adapters is not None:
+            bound: dict[int, int] = {}
+            self.adapter_of = []
+            for a in adapters:
+                if a is not None and id(a) not in bound:
+                    _check_base(step, a)
+                    bound[id(a)] = len(self.adapters)
+                    self.adapters.append(a.bind(width))
+                self.adapter_of.append(-1 if a is None else bound[id(a)])
+        self.tiling = invariance(self.bound, *self.adapters)
         self.out = Completions(backend, rows, params, prompt_ids)
         self.admitted = 0
         self.forwards = 0
+
+    def _adapters(self, prompts: Sequence[int]) -> Adapters:
+        """The adapters of a model call whose rows are of ``prompts`` (indices), in order."""
+        if self.adapter_of is None:
+            return ()
+        rows: list[list[int]] = [[] for _ in self.adapters]
+        for r, i in enumerate(prompts):
+            if self.adapter_of[i] >= 0:
+                rows[self.adapter_of[i]].append(r)
+        return [(b, mine) for b, mine in zip(self.adapters, rows, strict=True) if mine]
 
     def _prefill(self, picked: list[int]) -> list[_Cohort]:
         """Cohorts of the rows ``picked``: their distinct prompts prefilled, grouped by length."""
@@ -311,6 +419,7 @@ class RowDecoder:
                 ids.to(self.device),
                 positions.to(self.device),
                 [(len(indices), None, None)],
+                self._adapters(indices),
             )
             self.forwards += 1
             mine = [r for r in picked if len(self.prompts[self.rows[r][0]]) == length]
@@ -365,6 +474,7 @@ class RowDecoder:
                 feed[:, None],
                 positions[:, None],
                 [(len(c.index), c.keys, c.values) for c in cohorts],
+                self._adapters([self.rows[r][0] for c in cohorts for r in c.index]),
             )
             self.forwards += 1
             at = 0

@@ -16,8 +16,8 @@ optimizer bit for bit. Decoding goes through the Hugging Face forward with the a
 applied (the stream decoder's weight-level step and the static engine read base weights
 only); batch-invariant requests (``Streams.invariant``: the Tinker front door's merged calls)
 decode through :mod:`plexrl_dask.worker.row_decode` on a step that adds the adapter to each
-product (``TorchBackend.row_step``). One adapter per request: requests of several adapters
-are not batched into one decode here.
+product (``TorchBackend.row_step``). One adapter per request: an adapter bank
+(:mod:`plexrl_dask.worker.backends.adapters`) decodes the rows of many adapters in one.
 """
 
 from __future__ import annotations
@@ -55,14 +55,15 @@ class LoraBackend(TorchBackend):
         max_batch_size: int = 64,
         bases: SharedBases | None = None,
         user: str = "",
+        tokenizer: Any = None,
     ) -> None:
         """``bases``: the worker's shared bases (default: a private one); ``user`` names
-        this replica to them."""
+        this replica to them; ``tokenizer``: the base's, already built (default: built)."""
         if spec.lora is None:
             raise InvalidModelSpec(f"{spec.name} has no LoRA adapter: use the torch backend")
         self.bases = SharedBases(device) if bases is None else bases
         self.user = user or f"lora-{id(self):x}"
-        super().__init__(spec, device, max_batch_size)
+        super().__init__(spec, device, max_batch_size, tokenizer=tokenizer)
 
     def _build_model(self) -> torch.nn.Module:
         base = self.bases.acquire(self.spec.base, self.user)

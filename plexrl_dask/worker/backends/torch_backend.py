@@ -386,14 +386,7 @@ class TorchBackend:
         each prompt's rows are a stream of their own."""
         turns = [getattr(p, "turns", None) for p in prompts]
         prompts = [list(p) for p in prompts]
-        self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
-        beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if beyond:
-            raise TokenOutOfVocabulary(
-                f"stop token id {beyond[0]} is outside this model's vocabulary [0, {self.vocab_size})"
-            )
-        if len(prompt_ids) != len(prompts):
-            raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
+        self._check_sample(prompts, params, prompt_ids)
         streams = Streams.from_config() if streams is None else streams
         # Turn prompts go through the prefix cache where there is one (the static engine
         # prefills in batches; see plexrl_dask.worker.prefix_cache); elsewhere they are plain.
@@ -435,6 +428,20 @@ class TorchBackend:
                 for (i, j), seq in zip(chunk, done, strict=True):
                     out[i][j] = seq
         return [list(group) for group in out]  # type: ignore[arg-type]
+
+    def _check_sample(
+        self, prompts: list[list[int]], params: SamplingParams, prompt_ids: Sequence[int]
+    ) -> None:
+        """A sample request's checks against this model: every token in the vocabulary, room
+        for ``max_tokens`` after each prompt, one id per prompt."""
+        self._check_tokens(prompts, extra=params.max_tokens, what="prompt")
+        beyond = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if beyond:
+            raise TokenOutOfVocabulary(
+                f"stop token id {beyond[0]} is outside this model's vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_ids) != len(prompts):
+            raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
 
     def tokens_ending(self, chars: Iterable[str]) -> frozenset[int] | None:
         """The token ids whose text holds one of ``chars``, plus every id the tokenizer has no
