@@ -688,3 +688,49 @@ def test_a_job_is_held_to_its_quotas_and_others_are_not(runtime, client):
     served = plexrl.result(waiting, timeout=120)
     assert all(out == served[0] for out in served)
     assert plexrl.result(dep.forward(data), timeout=60) == served[0]
+
+
+def test_an_adapter_bank_samples_several_jobs_adapters_in_one_request(client):
+    """A bank (``backend="adapters"``) of a third job loads two jobs' LoRA policies from their
+    saved states (each shared for reading) and samples both in one request, each prompt the
+    bits its own policy samples; a job that did not share is refused, and so is a training
+    request on the bank."""
+    from plexrl_dask.models.spec import LORA_TARGETS
+
+    base = tiny_spec(seed=41)
+    server = plexrl.Runtime(client, job=unique("bank-owner"))
+    tenants = [plexrl.Runtime(client, job=unique(f"bank-t{i}")) for i in range(2)]
+    policies, saved = [], []
+    for i, rt in enumerate(tenants):
+        spec = base.with_lora(4, alpha=16, targets=(*LORA_TARGETS, "lm_head"), seed=i)
+        p = rt.deploy(unique("bank-policy"), spec)
+        batch = [plexrl.Datum(tokens=p.tokenize(f"{i}+1={i + 1}"))] * 2
+        plexrl.result([p.forward_backward(batch), p.optim_step(plexrl.AdamWParams(lr=0.5))])
+        saved.append(plexrl.result(p.save_state(weights_only=True)))
+        policies.append(p)
+    bank = server.deploy(unique("bank"), base, role="rollout", backend="adapters")
+    with pytest.raises(errors.PermissionDenied):  # not shared yet
+        plexrl.result(bank.load_adapter("t0", policies[0].info.spec, saved[0]))
+    for p in policies:
+        p.share(server.job, ops=("get_weights",))
+    plexrl.result([bank.load_adapter(f"t{i}", p.info.spec, saved[i]) for i, p in enumerate(policies)])
+    params = plexrl.SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=4)
+    prompts = ["1+2=", "3+4=", "5+6=", "7+8="]
+    keys = ["t0", "t1", None, "t1"]
+    got = plexrl.result(bank.sample(prompts, params, [1, 2, 3, 4], invariant=True, adapters=keys))
+    plain = server.deploy(unique("bank-base"), base, role="rollout")
+    for i, key in enumerate(keys):
+        own = plain if key is None else policies[int(key[1])]
+        alone = plexrl.result(own.sample([prompts[i]], params, [i + 1], invariant=True))
+        assert got.sequences[i] == alone.sequences[0], (i, key)
+    with pytest.raises(errors.AdapterNotFound):
+        plexrl.result(bank.sample(prompts[:1], params, adapters=["t9"]))
+    with pytest.raises(errors.OpNotSupported):
+        plexrl.result(bank.forward_backward([plexrl.Datum(tokens=bank.tokenize("1+1=2"))]))
+    with pytest.raises(errors.OpNotSupported):  # adapters on a replica that is no bank
+        plexrl.result(plain.sample(prompts[:1], params, adapters=[None]))
+    assert plexrl.result(bank.drop_adapter("t0")) is True
+    for rt in (server, *tenants):
+        for info in rt.deployments():
+            if info.owner == rt.job:
+                rt.undeploy(info.name)

@@ -206,8 +206,10 @@ def load_adapter(
         source = engine.stores.checkpoint_source(deployment, saved, None, None)
         if isinstance(source, str):
             raise CheckpointError("an adapter is loaded from a store checkpoint, not DCP")
+        found = None
         with contextlib.suppress(PlexRLError):  # (missing: the load says so)
             found = source.store.manifest(source.model, source.version)
+        if found is not None:
             engine.stores.check_readable(deployment, found.meta, "load_adapter")
         return bank, lora, source
 
