@@ -483,28 +483,81 @@ def test_concurrent_samples_are_merged_and_each_samples_what_it_would_alone(serv
         for i in range(12)
     ]
     bad = types.ModelInput.from_ints([A[0], 10**6])  # past the vocabulary
+    [sampler] = [s for s in srv.service.samplers.values() if s.tenant == "bob"]
+    merger = srv.service._merger(sampler)  # (the base's bank's: other tests' calls too)
+    calls, requests = merger.calls, merger.requests
     burst = [base.sample(prompts[i], 2, params[i]) for i in range(6)]
     failing = base.sample(bad, 2, params[0])
     burst += [base.sample(prompts[i], 2, params[i]) for i in range(6, 12)]
     merged = [f.result().sequences for f in burst]
     with pytest.raises(tinker.RequestFailedError, match="TokenOutOfVocabulary"):
         failing.result()
-    [sampler] = [s for s in srv.service.samplers.values() if s.tenant == "bob"]
-    assert sampler.merger.calls == 13 and sampler.merger.requests < 13
+    assert merger.calls - calls == 13 and merger.requests - requests < 13
     for i in range(12):  # one at a time: the same bits
         alone = base.sample(prompts[i], 2, params[i]).result().sequences
         assert [(s.tokens, s.logprobs) for s in merged[i]] == [
             (s.tokens, s.logprobs) for s in alone
         ]
     # a sampler of a server that sends each call alone: a request per call, the same bits
+    calls, requests = merger.calls, merger.requests
     with dask.config.set({"plexrl.serve.sample-merge-rows": 1}):
         single = sc.create_sampling_client(base_model=BASE).result()
         burst = [single.sample(prompts[i], 2, params[i]) for i in range(12)]
         each = [f.result().sequences for f in burst]
     [one] = [s for s in srv.service.samplers.values() if s.tenant == "bob" and s is not sampler]
-    assert one.merger.calls == one.merger.requests == 12
+    single = srv.service._merger(one)  # (the bank's: every base sampler's calls)
+    assert single.calls - calls == single.requests - requests == 12
     assert [[s.tokens for s in g] for g in each] == [[s.tokens for s in g] for g in merged]
     sc.close("success").result()
+
+
+def test_two_tenants_lora_snapshots_sample_together_in_their_base_bank(server):
+    """Two tenants' LoRA snapshot samplers are adapters in their base's bank: their concurrent
+    calls go as few requests (one decode for both tenants), each call sampling the bits it
+    samples alone; a snapshot keeps its weights after its model's next step (a copy); an
+    adapter the bank lost is loaded again from its saved state on the next call."""
+    pytest.importorskip("peft", reason="LoRA adapters need the peft package")
+    srv, client, keys = server
+    services = {t: sdk(srv, keys[t]) for t in ("alice", "bob")}
+    models = {
+        t: sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        for t, sc in services.items()
+    }
+    for i, tc in enumerate(models.values()):
+        tc.forward_backward([ce_datum(A), ce_datum(B)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2 * (i + 1))).result()
+    samplers = {t: tc.save_weights_and_get_sampling_client().result() for t, tc in models.items()}
+    mine = [s for s in srv.service.samplers.values() if s.adapter is not None]
+    assert {s.tenant for s in mine} >= {"alice", "bob"}
+    assert len({s.deployment.name for s in mine}) == 1  # one bank for the base
+    merger = srv.service._merger(mine[0])
+    calls, requests = merger.calls, merger.requests
+    prompts = [types.ModelInput.from_ints(A[: 2 + i % 4]) for i in range(8)]
+    params = [types.SamplingParams(max_tokens=5, temperature=1.0, seed=7 + i) for i in range(8)]
+    burst = [
+        (t, i, samplers[t].sample(prompts[i], 2, params[i]))
+        for i in range(8)
+        for t in ("alice", "bob")
+    ]
+    together = {(t, i): f.result().sequences for t, i, f in burst}
+    assert merger.calls - calls == 16 and merger.requests - requests < 16
+    for (t, i), seqs in together.items():
+        alone = samplers[t].sample(prompts[i], 2, params[i]).result().sequences
+        assert [(s.tokens, s.logprobs) for s in seqs] == [(s.tokens, s.logprobs) for s in alone]
+    assert together[("alice", 0)] != together[("bob", 0)]  # each its own adapter
+    # a later step leaves the snapshot its weights: it is a copy in the bank
+    tc = models["alice"]
+    tc.forward_backward([ce_datum(A)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-1)).result()
+    again = samplers["alice"].sample(prompts[0], 2, params[0]).result().sequences
+    assert [s.tokens for s in again] == [s.tokens for s in together[("alice", 0)]]
+    # the bank loses bob's adapter (as with its worker): the next call loads it again
+    [bobs] = [s for s in mine if s.tenant == "bob"]
+    assert plexrl.result(bobs.deployment.drop_adapter(bobs.adapter)) is True
+    back = samplers["bob"].sample(prompts[1], 2, params[1]).result().sequences
+    assert [s.tokens for s in back] == [s.tokens for s in together[("bob", 1)]]
+    for sc in services.values():
+        sc.close("success").result()
 
 
 def test_lora_tenants_share_their_base_and_train_only_their_adapters(server, tmp_path):
@@ -546,7 +599,8 @@ def test_lora_tenants_share_their_base_and_train_only_their_adapters(server, tmp
             [shared] = status["bases"].values()  # one base on the worker, for all of them
             assert adapters <= set(shared["users"])
             resident = {n for n, r in status["replicas"].items() if r["resident"]}
-            assert set(shared["users"]) <= resident
+            # (an adapter bank's adapters use the base as "<bank>|<adapter>")
+            assert {u.split("|")[0] for u in shared["users"]} <= resident
             assert all(status["replicas"][n]["bytes"] < shared["bytes"] for n in adapters)
     assert len(found) == 2
 

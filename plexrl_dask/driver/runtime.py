@@ -701,10 +701,21 @@ class Deployment:
         """Make every rank and replica resident on its worker; the result describes rank 0."""
         return self._every("load", ops.load, ())
 
-    def forward(self, batch: Sequence[Datum] | Datum, temperature: float = 1.0) -> Future:
-        """Future of a :class:`ForwardResult`: per-token log-probabilities."""
+    def forward(
+        self, batch: Sequence[Datum] | Datum, temperature: float = 1.0, adapter: str | None = None
+    ) -> Future:
+        """Future of a :class:`ForwardResult`: per-token log-probabilities (``adapter``: an
+        adapter bank's loaded adapter to score with)."""
         temperature = checked_temperature(temperature)
         batch = self._validated(batch)
+        if adapter is not None:
+            parts = rank_shares(batch, min(len(batch), self.info.replicas))
+            return self._submit(
+                "forward",
+                ops.forward,
+                [(p, temperature, str(adapter)) for p in parts],
+                replica_of=[None if self.info.replicas > 1 else 0] * len(parts),
+            )
         if self._tensor_parallel:  # every rank scores the whole batch; rank 0's is returned
             return self._submit("forward", ops.forward, self._ranks(batch, temperature))
         parts = self._split_batch(batch)
@@ -865,12 +876,13 @@ class Deployment:
 
     def load_adapter(self, key: str, spec: ModelSpec, saved: Mapping[str, Any]) -> Future:
         """An adapter bank's: load LoRA adapter ``key`` of ``spec`` (a LoRA spec on this
-        bank's base) from ``saved`` (what that deployment's ``save_state`` returned; its
-        owner shares ``get_weights`` with this bank's job where they differ) on every
+        bank's base) from ``saved`` (what that deployment's ``save_state`` returned, or its
+        future; its owner shares ``get_weights`` with this bank's job where they differ) on every
         replica, replacing a loaded one of that key. Future of the adapter's version."""
         if not isinstance(spec, ModelSpec):
             raise InvalidModelSpec(f"spec must be a ModelSpec, got {type(spec).__name__}")
-        if not isinstance(saved, Mapping) or "path" not in saved:
+        pending = hasattr(saved, "key") and hasattr(saved, "client")  # (save_state's future)
+        if not pending and (not isinstance(saved, Mapping) or "path" not in saved):
             raise CheckpointError("load_adapter takes what save_state returned (with a 'path')")
         return self._every("load_adapter", ops.load_adapter, (str(key), spec.to_dict(), saved))
 

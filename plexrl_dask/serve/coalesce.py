@@ -18,10 +18,14 @@ call keeps its own randomness (row keys are a hash of seed, prompt id and sample
 :mod:`plexrl_dask.worker.sampling`); every request of a sampler, merged or not, is sent this
 way.
 
-**Failures stay the call's own.** Only one tenant's calls to one sampler are ever merged. A
-call the worker will refuse (a token past the vocabulary, a prompt with no room for
-``max_tokens``) is sent alone, so its typed error is its own; and if a merged request fails
-anyway, each of its calls is sent again alone and gets its own answer.
+**Adapter banks.** On an adapter bank (:mod:`plexrl_dask.worker.backends.adapters`) one
+merger takes the calls of every sampler there, every tenant's: each call names its adapter
+(or the base), and one request decodes them all, each prompt still sampling its own bits.
+
+**Failures stay the call's own.** A call the worker will refuse (a token past the vocabulary,
+a prompt with no room for ``max_tokens``) is sent alone, so its typed error is its own; and if
+a merged request fails anyway (an adapter unloaded meanwhile), each of its calls is sent
+again alone and gets its own answer: one tenant's call never fails another's.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class _Call:
     tokens: list[int]
     seed: int
     reply: asyncio.Future
+    adapter: str | None = None
 
 
 @dataclass
@@ -68,6 +73,7 @@ class SampleMerger:
 
     def __init__(self, deployment: Deployment) -> None:
         self.deployment = deployment
+        self.bank = deployment.info.backend == "adapters"
         self.window, self.max_rows = merge_settings()
         self._open: dict[SamplingParams, _Batch] = {}
         self._in_flight: dict[SamplingParams, int] = {}
@@ -76,15 +82,21 @@ class SampleMerger:
         self.requests = 0
 
     def sample(
-        self, tokens: list[int], params: SamplingParams, merge: bool = True
+        self,
+        tokens: list[int],
+        params: SamplingParams,
+        merge: bool = True,
+        adapter: str | None = None,
     ) -> asyncio.Future:
         """A future of the call's :class:`SampleResult` (one prompt, ``params.n``
         completions). ``merge`` False: a request of its own, sent at once (a call the worker
-        is expected to refuse)."""
+        is expected to refuse). ``adapter``: on an adapter bank, the adapter the call samples
+        with (None: the base)."""
         loop = asyncio.get_running_loop()
+        self.window, self.max_rows = merge_settings()  # (as configured now)
         key = dataclasses.replace(params, seed=0)
         reply = loop.create_future()
-        call = _Call(list(tokens), params.seed, reply)
+        call = _Call(list(tokens), params.seed, reply, adapter)
         self.calls += 1
         if not merge:
             self._spawn(self._request(key, [call]))
@@ -124,8 +136,13 @@ class SampleMerger:
     async def _request(self, key: SamplingParams, calls: list[_Call]) -> None:
         self.requests += 1
         try:
+            adapters = [c.adapter for c in calls] if self.bank else None
             future = self.deployment.sample(
-                [c.tokens for c in calls], key, [c.seed for c in calls], invariant=True
+                [c.tokens for c in calls],
+                key,
+                [c.seed for c in calls],
+                invariant=True,
+                adapters=adapters,
             )
             result = await settled(future)
         except Exception as e:

@@ -92,6 +92,10 @@ class Sampler:
     # a snapshot's copy of its weights, kept past its model's next step (serve/snapshots.py):
     # (the save_state future, the model's LoRA dict)
     kept: tuple[Any, dict | None] | None = field(default=None, repr=False, compare=False)
+    # on an adapter bank (``deployment``): its adapter's key there (None: the base), and the
+    # future of the adapter's load
+    adapter: str | None = None
+    loading: Any = field(default=None, repr=False, compare=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
 

@@ -21,6 +21,14 @@ are awaited with :func:`~plexrl_dask.driver.waits.settled`, which never cancels 
   is :class:`~plexrl_dask.errors.SamplerSuperseded`. A named one saves a checkpoint (the node's
   state store); ``create_sampling_session`` on its path deploys a rollout replica that loads
   it, and on a base model name, a rollout replica of the base (one per tenant and base).
+- **Adapter banks** (``plexrl.serve.adapter-bank``, on by default) change two of those: a LoRA
+  model's snapshot sampler saves its adapter (weights only) and loads it into the bank of its
+  base, and a base-model sampler samples the bank's base. The bank is one rollout deployment
+  per base of the server's own job (``plexrl-serve``; tenants' LoRA models share their saved
+  state with it for reading only), and it decodes every tenant's merged calls in one request,
+  each prompt with its adapter (:mod:`plexrl_dask.worker.backends.adapters`). A snapshot in
+  the bank is a copy, so it never goes stale; a model keeps its newest one and
+  ``plexrl.serve.kept-snapshots`` older ones there.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from plexrl_dask import config
 from plexrl_dask.driver.runtime import Deployment, Runtime
 from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import (
+    AdapterNotFound,
     InvalidTinkerRequest,
     PermissionDenied,
     PlexRLError,
@@ -75,7 +84,7 @@ from plexrl_dask.serve.records import (
     error_body,
     json_reply,
 )
-from plexrl_dask.serve.snapshots import KeptSnapshots, deploy_from
+from plexrl_dask.serve.snapshots import KeptSnapshots, deploy_from, kept_limit
 from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
 from plexrl_dask.shared.types import Datum, ForwardBackwardResult, ForwardResult
@@ -86,6 +95,8 @@ logger = logging.getLogger(__name__)
 
 #: how many retired samplers are remembered (to say why one can no longer sample)
 RETIRED_KEPT = 4096
+#: The server's own job: it owns the adapter banks (no tenant job is named without "tinker-").
+BANK_JOB = "plexrl-serve"
 
 
 class Service:
@@ -99,6 +110,9 @@ class Service:
         self.state = ServeState(state_file)
         self.catalog = {name: ModelSpec(path=str(path)) for name, path in models.items()}
         self.runtimes: dict[str, Runtime] = {}
+        self.banked = bool(config.get("serve.adapter-bank"))
+        self.banks: dict[str, Deployment] = {}  # base -> its adapter bank
+        self.mergers: dict[str, SampleMerger] = {}  # bank name -> its calls' merger
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainModel] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -124,28 +138,41 @@ class Service:
         file; a job re-attached after a restart of this server first loses the deployments
         its last run left (:mod:`.state`)."""
         if tenant.name not in self.runtimes:
-            self.runtimes[tenant.name] = await self.blocking(self._attach, tenant)
+            self.runtimes[tenant.name] = await self.blocking(self._attach, tenant.job)
         return self.runtimes[tenant.name]
 
-    def _attach(self, tenant: Tenant) -> Runtime:
+    def _attach(self, job: str) -> Runtime:
         scheduler = str(self.client.scheduler.address)
-        known = self.state.secret(scheduler, tenant.job)
-        runtime = Runtime(self.client, job=tenant.job, secret=known)
+        known = self.state.secret(scheduler, job)
+        runtime = Runtime(self.client, job=job, secret=known)
         try:
             secret = runtime.attach()
         except PermissionDenied:
             if known is None:
                 raise  # (another driver holds a job of this name)
-            logger.warning("job %s was not known to the scheduler: registering it anew", tenant.job)
-            runtime, known = Runtime(self.client, job=tenant.job), None
+            logger.warning("job %s was not known to the scheduler: registering it anew", job)
+            runtime, known = Runtime(self.client, job=job), None
             secret = runtime.attach()
-        self.state.set_secret(scheduler, tenant.job, secret)
+        self.state.set_secret(scheduler, job, secret)
         if known is not None:
             for info in runtime.deployments():
-                if info.owner == tenant.job:
+                if info.owner == job:
                     logger.info("undeploying %s, left by this server's last run", info.name)
                     runtime.undeploy(info.name)
         return runtime
+
+    async def bank(self, base: str) -> Deployment:
+        """The adapter bank of ``base`` (deployed on first use, in the server's own job)."""
+        if base not in self.banks:
+            if BANK_JOB not in self.runtimes:
+                self.runtimes[BANK_JOB] = await self.blocking(self._attach, BANK_JOB)
+            runtime = self.runtimes[BANK_JOB]
+            spec = self.spec(base)
+            name = f"adapters:{len(self.banks)}"
+            self.banks[base] = await self.blocking(
+                lambda: runtime.deploy(name, spec, role="rollout", backend="adapters")
+            )
+        return self.banks[base]
 
     async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -265,7 +292,11 @@ class Service:
             sampler = self.samplers.pop(sampler_id, None)
             if sampler is not None and (sampler.owned or sampler.kept is not None):
                 await self.snapshots.release(sampler)
-            elif sampler is not None and sampler.model_id is None:
+            elif (
+                sampler is not None
+                and sampler.model_id is None
+                and sampler.deployment.info.backend != "adapters"  # (a bank is the server's)
+            ):
                 shared[sampler.deployment.name] = sampler.deployment
         # a base model's replica is the tenant's, shared by its sessions: it goes with the last
         in_use = {s.deployment.name for s in self.samplers.values()}
@@ -340,6 +371,8 @@ class Service:
 
         def deploy() -> Deployment:
             deployment = runtime.deploy(model_id, spec)
+            if lora is not None and self.banked:  # (its snapshots are loaded into a bank)
+                deployment.share(BANK_JOB, ops=("get_weights",))
             if restore is not None:
                 try:
                     result(deployment.load_state(restore[0].saved, optimizer=restore[1]))
@@ -536,6 +569,16 @@ class Service:
             sampler_id = f"{model.session_id}:sample:{n}"
             # "inflight": the session follows the model's weights as it trains
             follows = body.get("kind") == "inflight"
+            if model.lora is not None and self.banked and not follows:
+                bank = await self.bank(model.base)
+                return await self.ordered(
+                    tenant,
+                    model,
+                    seq_id,
+                    "save_weights_for_sampler",
+                    lambda: self._bank_snapshot(tenant, model, sampler_id, bank),
+                    lambda sid: json_reply({"sampling_session_id": sid}),
+                )
 
             def submit() -> str:
                 self._add_sampler(
@@ -662,6 +705,41 @@ class Service:
             )
         )
 
+    def _bank_snapshot(
+        self, tenant: Tenant, model: TrainModel, sampler_id: str, bank: Deployment
+    ) -> str:
+        """A snapshot sampler of LoRA ``model`` on ``bank``: its adapter saved (weights only,
+        in the model's request order) and loaded into the bank; the model's bank snapshots
+        beyond the newest and ``kept-snapshots`` older ones are retired."""
+        store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
+        saved = model.deployment.save_state(model=store_model, weights_only=True)
+        sampler = Sampler(
+            sampler_id,
+            tenant.name,
+            model.base,
+            bank,
+            model_id=model.model_id,
+            version=model.optim_steps,
+            kept=(saved, model.lora),
+            adapter=sampler_id,
+        )
+        sampler.loading = bank.load_adapter(sampler_id, model.deployment.info.spec, saved)
+        self._add_sampler(tenant, sampler, model.session_id)
+        limit = kept_limit()
+        mine = [
+            s
+            for s in list(self.samplers.values())
+            if s.model_id == model.model_id and s.adapter is not None
+        ]
+        for old in mine[: max(0, len(mine) - 1 - limit)]:
+            self.snapshots.retire(
+                old,
+                f"{old.sampler_id!r} sampled {old.model_id} as of optimizer step "
+                f"{old.version}; only the newest snapshot and the last {limit} before it are "
+                "kept (plexrl.serve.kept-snapshots): save the weights by name to keep a copy",
+            )
+        return sampler_id
+
     def _add_sampler(self, tenant: Tenant, sampler: Sampler, session_id: str) -> None:
         """Register ``sampler``. A training model's snapshot samplers of earlier steps are
         retired first (a Tinker RL loop makes one every step; they can no longer sample and
@@ -720,9 +798,12 @@ class Service:
         else:
             base = str(body.get("base_model"))
             spec = self.spec(base)
-            deployment = await self.blocking(
-                lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True)
-            )
+            if self.banked:
+                deployment = await self.bank(base)
+            else:
+                deployment = await self.blocking(
+                    lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True)
+                )
             sampler = Sampler(sampler_id, tenant.name, base, deployment)
         self._add_sampler(tenant, sampler, session.session_id)
         return sampler_id
@@ -767,13 +848,19 @@ class Service:
             # (a snapshot kept past its model's step samples from its own copy)
             await self.snapshots.own_replica(tenant, sampler)
             dep = sampler.deployment
-            if sampler.merger is None:
-                sampler.merger = SampleMerger(dep)
-            sampled = sampler.merger.sample(tokens, params, merge=fits)
+            if sampler.loading is not None:  # (its adapter's load into the bank)
+                await settled(sampler.loading)
+            merger = self._merger(sampler)
+            sampled = merger.sample(tokens, params, merge=fits, adapter=sampler.adapter)
             scored = None
             if want_prompt and len(tokens) > 1:
-                scored = dep.forward([Datum(tokens=tokens)])
-            result = await sampled
+                scored = dep.forward([Datum(tokens=tokens)], adapter=sampler.adapter)
+            try:
+                result = await sampled
+            except AdapterNotFound:
+                if not await self._reload_adapter(sampler):
+                    raise
+                result = await merger.sample(tokens, params, merge=fits, adapter=sampler.adapter)
             prompt_lp = None
             if want_prompt:
                 lp = (await settled(scored)).logprobs[0] if scored is not None else (0.0,)
@@ -782,6 +869,34 @@ class Service:
 
         request_id = self.promise(tenant, "sample", work())
         return request_id, [f"{request_id}:{i}" for i in range(params.n)]
+
+
+    def _merger(self, sampler: Sampler) -> SampleMerger:
+        """The merger of ``sampler``'s calls: its own, or its bank's (every sampler's there)."""
+        dep = sampler.deployment
+        if dep.info.backend == "adapters":
+            if dep.name not in self.mergers:
+                self.mergers[dep.name] = SampleMerger(dep)
+            return self.mergers[dep.name]
+        if sampler.merger is None:
+            sampler.merger = SampleMerger(dep)
+        return sampler.merger
+
+    async def _reload_adapter(self, sampler: Sampler) -> bool:
+        """Load a bank snapshot's adapter again from its saved state (the bank lost it with
+        its worker); whether it could."""
+        if sampler.adapter is None or sampler.kept is None:
+            return False
+        async with sampler.lock:
+            saved = await settled(sampler.kept[0])
+            spec = self.spec(sampler.base, sampler.kept[1])
+            logger.warning("reloading adapter %s into %s", sampler.adapter, sampler.deployment.name)
+            key = sampler.adapter
+            sampler.loading = await self.blocking(
+                lambda: sampler.deployment.load_adapter(key, spec, saved)
+            )
+            await settled(sampler.loading)
+        return True
 
 
 async def _replying(work: Awaitable[Reply]) -> Reply:

@@ -116,9 +116,15 @@ class KeptSnapshots:
             done.add_done_callback(_log_failure)
 
     async def release(self, sampler: Sampler) -> None:
-        """Undeploy a kept sampler's own replica and drop its stored copy."""
+        """Undeploy a kept sampler's own replica (or unload its adapter from its bank) and
+        drop its stored copy."""
         if sampler.owned:
             await self.service._undeploy(sampler.deployment)
+        if sampler.adapter is not None:
+            try:
+                await settled(sampler.deployment.drop_adapter(sampler.adapter))
+            except PlexRLError as e:  # (the bank lost it already: nothing to unload)
+                logger.warning("unloading adapter %s: %s", sampler.adapter, e)
         if sampler.kept is None:
             return
         try:
@@ -133,6 +139,8 @@ class KeptSnapshots:
         """Before a kept sampler samples after its model stepped: its own rollout replica,
         deployed from its copy once."""
         model = self.service.models.get(sampler.model_id or "")
+        if sampler.adapter is not None:
+            return  # a snapshot in an adapter bank: a copy already
         if sampler.kept is None or (model is not None and model.optim_steps == sampler.version):
             return  # the training replica still holds its weights
         async with sampler.lock:

@@ -186,6 +186,11 @@ class AdapterBank(SharedWeightsBackend):
             return int(self._host["bytes"])
         return super().state_bytes() + sum(a.state_bytes() for a in self.adapters.values())
 
+    def shared_bytes(self) -> int:
+        """Its share of the base, and its adapters' (each holds the base as a user of its
+        own), so that the shares the holder reports still sum to the base."""
+        return super().shared_bytes() + sum(a.shared_bytes() for a in self.adapters.values())
+
     def offload(
         self, stash: Callable[[dict[str, Any]], Any] | None = None, stored: Any = None
     ) -> None:
