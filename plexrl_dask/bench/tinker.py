@@ -44,6 +44,16 @@ user runs it. Results:
   ``optim_step`` first saves the weights its last sampling client holds), and
   ``kept_snapshots_step_ratio`` the default server's step ÷ that one's; all four arms
   interleaved.
+- ``bank_merge_speedup_tenants``: ``BANK_TENANTS`` tenants, each with a LoRA model (rank
+  ``LORA_RANK``) of the base after one training step on data of its own, and its snapshot
+  sampler; each sampler sends ``BURST // BANK_TENANTS`` of the burst's calls, all tenants at
+  once, all waited for: median wall time through a server without adapter banks
+  (``plexrl.serve.adapter-bank: false``: each tenant's calls merged on its own LoRA replica,
+  one request per tenant) ÷ through the default server (the snapshots are adapters in the
+  base's bank, and every tenant's calls merge into one decode:
+  :mod:`plexrl_dask.worker.backends.adapters`); the same tenants' models on both servers,
+  arms interleaved. ``bank_tokens_identical``: whether every call's tokens and
+  log-probabilities were the same bits through both servers in every repetition.
 - ``lora_tenants_resident_bytes_ratio`` (target <= 1.05): eight tenants, each with a LoRA
   model (rank ``LORA_RANK``) of the same base on the one worker, each after one training step
   (its AdamW moments exist): the bytes of the distinct tensor storages their replicas reach on
@@ -85,6 +95,7 @@ BASE = "bench-qwen"
 SEQ, BATCH, PROMPTS, SAMPLES, NEW = 64, 8, 8, 4, 16
 BURST = 32
 LORA_TENANTS, LORA_RANK = 8, 8
+BANK_TENANTS = 4
 #: the cookbook stage's model: small enough to warm up and train on 2 cores in minutes
 COOK_SPEC = plexrl.ModelSpec.tiny(
     hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=256, seed=1
@@ -156,6 +167,10 @@ def main() -> None:
         # and one that does not keep snapshot samplers' weights past a step (serve/snapshots.py)
         unkept_keys = Path(tmp) / "unkept-keys.yaml"
         unkept_key = add_key(unkept_keys, "bench-unkept")
+        # and one without adapter banks (each LoRA snapshot samples its own replica)
+        bank_keys = [add_key(keys, f"bank-{i}") for i in range(BANK_TENANTS)]
+        unbanked_keys = Path(tmp) / "unbanked-keys.yaml"
+        unbanked = [add_key(unbanked_keys, f"bank-{i}") for i in range(BANK_TENANTS)]
         models = {BASE: checkpoint, cook_model: cook_model}
         with (
             plexrl.local_cluster(n_workers=1) as cluster,
@@ -173,6 +188,12 @@ def main() -> None:
                 models,
                 {"DASK_PLEXRL__SERVE__KEPT_SNAPSHOTS": "0"},
             ) as unkept_url,
+            _server(
+                cluster.scheduler_address,
+                unbanked_keys,
+                models,
+                {"DASK_PLEXRL__SERVE__ADAPTER_BANK": "False"},
+            ) as unbanked_url,
         ):
             service = tinker.ServiceClient(base_url=url, api_key=key)
             unmerged = tinker.ServiceClient(base_url=unmerged_url, api_key=unmerged_key)
@@ -204,6 +225,7 @@ def main() -> None:
             merge = _merge_burst(tinker, service, unmerged, reps)
             unmerged.close("success").result()
             service.close("success").result()
+            bank = _bank_burst(tinker, (url, bank_keys), (unbanked_url, unbanked), reps)
             lora = _lora_residency(tinker, client, url, lora_keys, spec)
             if args.cookbook_python:
                 cook = _cookbook(args, url, cook_keys, cook_model, Path(tmp))
@@ -219,6 +241,7 @@ def main() -> None:
         "protocol_overhead_ratio_unkept": median(times["sdk_unkept"]) / median(times["runtime"]),
         "kept_snapshots_step_ratio": median(times["sdk"]) / median(times["sdk_unkept"]),
         **merge,
+        **bank,
         "step_s_sdk": median(times["sdk"]),
         "step_s_sdk_unmerged": median(times["sdk_unmerged"]),
         "step_s_sdk_unkept": median(times["sdk_unkept"]),
@@ -442,6 +465,63 @@ def _merge_burst(tinker: Any, merged: Any, unmerged: Any, reps: int) -> dict[str
         )
     out["sample_merge_tokens_identical"] = same
     return out
+
+
+def _bank_burst(
+    tinker: Any, banked: tuple[str, list[str]], unbanked: tuple[str, list[str]], reps: int
+) -> dict[str, Any]:
+    """``bank_merge_speedup_tenants`` (module docstring): the tenants' bursts through the
+    server with adapter banks and through the one without, interleaved."""
+    types = tinker.types
+    per = BURST // BANK_TENANTS
+    prompts = [
+        types.ModelInput.from_ints([5 + (i * 7 + j) % 90 for j in range(6 + i % 12)])
+        for i in range(per)
+    ]
+    params = [types.SamplingParams(max_tokens=NEW, stop=[], seed=2000 + i) for i in range(per)]
+
+    def tenants(url: str, keys: list[str]) -> tuple[list[Any], list[Any]]:
+        services = [tinker.ServiceClient(base_url=url, api_key=k) for k in keys]
+        samplers = []
+        for i, service in enumerate(services):
+            trainer = service.create_lora_training_client(base_model=BASE, rank=LORA_RANK).result()
+            _, datum = _data(tinker, i)  # (each tenant its own data: its own adapter)
+            trainer.forward_backward([datum], "cross_entropy").result()
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            samplers.append(trainer.save_weights_and_get_sampling_client().result())
+        return services, samplers
+
+    arms_of = {"banked": tenants(*banked), "unbanked": tenants(*unbanked)}
+    outs: dict[str, list[Any]] = {name: [] for name in arms_of}
+
+    def burst(name: str) -> Callable[[], None]:
+        def run() -> None:
+            samplers = arms_of[name][1]
+            futures = [
+                s.sample(p, SAMPLES, q)
+                for p, q in zip(prompts, params, strict=True)
+                for s in samplers
+            ]
+            got = [[(x.tokens, x.logprobs) for x in f.result().sequences] for f in futures]
+            outs[name].append(got)
+
+        return run
+
+    arms = {name: burst(name) for name in arms_of}
+    for run in arms.values():
+        run()  # (warm)
+    times = interleaved(arms, reps)
+    for services, _ in arms_of.values():
+        for service in services:
+            service.close("success").result()
+    first = outs["banked"][0]
+    return {
+        "bank_merge_speedup_tenants": median(times["unbanked"]) / median(times["banked"]),
+        "bank_burst_s": median(times["banked"]),
+        "bank_burst_s_unbanked": median(times["unbanked"]),
+        "bank_tokens_identical": all(o == first for runs in outs.values() for o in runs),
+        "bank_tenants": BANK_TENANTS,
+    }
 
 
 def _every_call(tinker: Any, service: Any, url: str, key: str) -> dict[str, bool]:

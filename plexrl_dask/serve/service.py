@@ -52,6 +52,7 @@ from plexrl_dask.driver.runtime import Deployment, Runtime
 from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import (
     AdapterNotFound,
+    ConfigError,
     InvalidTinkerRequest,
     PermissionDenied,
     PlexRLError,
@@ -110,7 +111,9 @@ class Service:
         self.state = ServeState(state_file)
         self.catalog = {name: ModelSpec(path=str(path)) for name, path in models.items()}
         self.runtimes: dict[str, Runtime] = {}
-        self.banked = bool(config.get("serve.adapter-bank"))
+        self.banked = config.get("serve.adapter-bank")
+        if not isinstance(self.banked, bool):
+            raise ConfigError(f"plexrl.serve.adapter-bank is true or false, got {self.banked!r}")
         self.banks: dict[str, Deployment] = {}  # base -> its adapter bank
         self.mergers: dict[str, SampleMerger] = {}  # bank name -> its calls' merger
         self.sessions: dict[str, Session] = {}
@@ -869,7 +872,6 @@ class Service:
 
         request_id = self.promise(tenant, "sample", work())
         return request_id, [f"{request_id}:{i}" for i in range(params.n)]
-
 
     def _merger(self, sampler: Sampler) -> SampleMerger:
         """The merger of ``sampler``'s calls: its own, or its bank's (every sampler's there)."""

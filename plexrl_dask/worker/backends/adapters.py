@@ -135,7 +135,9 @@ class AdapterBank(SharedWeightsBackend):
         self._check_sample(prompts, params, prompt_ids)
         base = self._base_row_step()
         steps = [None if a is None else a.row_step() for a in named]
-        if base is None or any(a is not None and s is None for a, s in zip(named, steps, strict=True)):
+        if base is None or any(
+            a is not None and s is None for a, s in zip(named, steps, strict=True)
+        ):
             raise OpNotSupported(
                 f"{self.spec.name}: adapters decode only where the weight-level decode step "
                 "runs (plexrl.sampling.decode-step: auto, a Qwen2 or Llama model)"
