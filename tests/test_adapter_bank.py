@@ -117,9 +117,34 @@ def test_what_a_bank_cannot_do_is_refused_and_changes_nothing(setup, tmp_path):
     with pytest.raises(errors.PlexRLError):
         bank.load_adapter("a", wider, saved["a"])
     with pytest.raises(errors.OpNotSupported):
-        bank.private_copy()
+        bank.optim_step(None)
+    with pytest.raises(errors.OpNotSupported):
+        bank.load_state(saved["a"])
     assert sorted(bank.adapters) == ["a", "b"]
     assert bank.drop_adapter("b") and not bank.drop_adapter("b")
     with pytest.raises(errors.AdapterNotFound):
         bank.sample(prompts, PARAMS, [0, 1], INVARIANT, adapters=["b", None])
     bank.load_adapter("b", setup[2].spec, saved["b"])
+
+
+def test_without_row_invariant_products_each_prompt_samples_alone(setup, monkeypatch):
+    """Where the probe finds no row-invariant products (a device whose kernels change with
+    the row count), a bank serves each prompt on its adapter alone, and a replica each prompt
+    as a stream of its own: still what each samples alone, merged or not."""
+    from plexrl_dask.worker import row_decode
+
+    bank, a, _, _ = setup
+
+    def refuse(*bounds):
+        raise errors.OpNotSupported("no row-invariant products (test)")
+
+    monkeypatch.setattr(row_decode, "invariance", refuse)
+    prompts = bank.tokenize(PROMPTS[:4])
+    keys = ["a", None, "b", "a"]
+    together = bank.sample(prompts, PARAMS, [1, 2, 3, 4], INVARIANT, adapters=keys)
+    for i, key in enumerate(keys):
+        alone = bank.sample([prompts[i]], PARAMS, [i + 1], INVARIANT, adapters=[key])
+        assert together[i] == alone[0]
+    assert together[0] == a.sample([prompts[0]], PARAMS, [1], INVARIANT)[0]
+    merged = a.sample(prompts, PARAMS, [1, 2, 3, 4], INVARIANT)
+    assert merged[3] == a.sample([prompts[3]], PARAMS, [4], INVARIANT)[0]

@@ -714,8 +714,6 @@ class Service:
         """A snapshot sampler of LoRA ``model`` on ``bank``: its adapter saved (weights only,
         in the model's request order) and loaded into the bank; the model's bank snapshots
         beyond the newest and ``kept-snapshots`` older ones are retired."""
-        store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
-        saved = model.deployment.save_state(model=store_model, weights_only=True)
         sampler = Sampler(
             sampler_id,
             tenant.name,
@@ -723,11 +721,13 @@ class Service:
             bank,
             model_id=model.model_id,
             version=model.optim_steps,
-            kept=(saved, model.lora),
             adapter=sampler_id,
         )
+        self._add_sampler(tenant, sampler, model.session_id)  # (refused before anything runs)
+        store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
+        saved = model.deployment.save_state(model=store_model, weights_only=True)
+        sampler.kept = (saved, model.lora)
         sampler.loading = bank.load_adapter(sampler_id, model.deployment.info.spec, saved)
-        self._add_sampler(tenant, sampler, model.session_id)
         limit = kept_limit()
         mine = [
             s

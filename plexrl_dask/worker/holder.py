@@ -240,7 +240,7 @@ class ReplicaHolder:
                     if replica.backend.resident and self._replicas.get(info.name) is replica:
                         self._running = info.name
                         break
-            if op in MUTATING_OPS and hasattr(replica.backend, "private_copy"):
+            if op in MUTATING_OPS and callable(getattr(replica.backend, "private_copy", None)):
                 self._unshare(replica)
             self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()

@@ -145,8 +145,29 @@ class AdapterBank(SharedWeightsBackend):
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         self.model.eval()
         with torch.inference_mode():
-            done = RowDecoder(self, base, prompts, rows, params, prompt_ids, steps).run()
+            try:
+                decoder = RowDecoder(self, base, prompts, rows, params, prompt_ids, steps)
+            except OpNotSupported:  # (no row-invariant products on this device)
+                return self._one_at_a_time(prompts, params, prompt_ids, streams, named)
+            done = decoder.run()
         return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _one_at_a_time(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        streams: Streams | None,
+        named: list[LoraBackend | None],
+    ) -> list[list[SampledSequence]]:
+        """Where rows cannot be decoded batch-invariantly: each prompt on its adapter's
+        replica (or the base) as a stream of its own, which is what it samples alone there."""
+        refill = (streams or Streams.from_config()).refill_min_rows
+        own = Streams(params.n, refill, invariant=False)
+        return [
+            (adapter or self).sample([p], params, [pid], own)[0]
+            for p, pid, adapter in zip(prompts, prompt_ids, named, strict=True)
+        ]
 
     def forward(
         self, batch: Sequence[Any], temperature: float = 1.0, adapter: str | None = None
@@ -158,6 +179,11 @@ class AdapterBank(SharedWeightsBackend):
         assert lora is not None
         return lora.forward(batch, temperature)
 
+    def row_step(self) -> DecodeStep | None:
+        """The base's batch-invariant step: the one adapters' rows decode with, so a base
+        row samples the same bits with or without them."""
+        return self._base_row_step()
+
     def _base_row_step(self) -> DecodeStep | None:
         """The base's step with no copies of its weights (adapters add to its products)."""
         step = self._base_step
@@ -168,11 +194,26 @@ class AdapterBank(SharedWeightsBackend):
             self._base_step = step
         return step
 
-    def private_copy(self) -> Any:
-        raise self._refused("change its weights")
+    #: No copy of the base of its own: requests that would change weights are refused.
+    private_copy = None
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
         raise self._refused("train")
+
+    def train_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refused("train")
+
+    def optim_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refused("train")
+
+    def set_weights(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refused("take weights")
+
+    def load_weights(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refused("take weights")
+
+    def load_state(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refused("load a state of its own")
 
     def _refused(self, what: str) -> OpNotSupported:
         return OpNotSupported(

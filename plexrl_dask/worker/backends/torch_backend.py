@@ -29,6 +29,7 @@ from plexrl_dask.errors import (
     InvalidOptimizerParams,
     NonFiniteGradient,
     NonFiniteLoss,
+    OpNotSupported,
     PlexRLError,
     TokenOutOfVocabulary,
     WeightsMismatch,
@@ -396,9 +397,15 @@ class TorchBackend:
         self.model.eval()
         with torch.inference_mode():
             step = self.row_step() if streams.invariant and not turned else None
+            decoder = None
             if step is not None:
+                try:
+                    decoder = RowDecoder(self, step, prompts, rows, params, prompt_ids)
+                except OpNotSupported:  # (no row-invariant products here: per prompt below)
+                    decoder = None
+            if decoder is not None:
                 # every row as if alone: any batching gives the same bits (row_decode.py)
-                done = RowDecoder(self, step, prompts, rows, params, prompt_ids).run()
+                done = decoder.run()
                 return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
             if streams.invariant:
                 # No row-invariant decoder here: each prompt's rows are a stream of their own,
