@@ -426,8 +426,9 @@ def test_a_restarted_server_keeps_its_tenants_and_their_checkpoints(server, tmp_
     """A server that stopped without its sessions ending (a crash, a redeploy) leaves its
     tenants' deployments on the pool: started again on its state file, it re-attaches to the
     tenants' jobs (their secrets are in the file), undeploys what the last run left, and still
-    knows the tinker:// paths of their saved checkpoints."""
-    srv, client, _ = server
+    knows the tinker:// paths of their saved checkpoints. Its adapter banks' job is its own
+    (two servers on one cluster each have one), the same across the restart."""
+    srv, client, tenants = server
     keys = tmp_path / "keys.yaml"
     key = add_key(keys, "dave")
     state, models = tmp_path / "state.json", {BASE: srv.service.catalog[BASE].path}
@@ -444,12 +445,25 @@ def test_a_restarted_server_keeps_its_tenants_and_their_checkpoints(server, tmp_
         saved = tc.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
         left = daves()
         assert len(left) == 1
+        # two servers on the cluster, each with its base's bank in a job of its own
+        prompt, short = types.ModelInput.from_ints(A[:3]), types.SamplingParams(max_tokens=2)
+        for s in (srv, first):
+            k = key if s is first else tenants["alice"]
+            sampler = sdk(s, k).create_sampling_client(base_model=BASE).result()
+            assert len(sampler.sample(prompt, 1, short).result().sequences) == 1
+        bank_job = first.service.bank_job
+        assert bank_job != srv.service.bank_job
     with ServerThread(client, KeyRing.from_file(keys), models, state_file=str(state)) as second:
         sc = sdk(second, key)
         again = sc.create_training_client_from_state(path).result()
         got = again.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
         assert got["logprobs"].tolist() == saved["logprobs"].tolist()
         assert not daves() & left  # (the last run's model is gone; the new one stays)
+        assert second.service.bank_job == bank_job
+        sampler = sc.create_sampling_client(base_model=BASE).result()
+        assert len(sampler.sample(prompt, 1, short).result().sequences) == 1
+        banks = [d for d in observer.deployments(every_job=True) if d.owner == bank_job]
+        assert len(banks) == 1  # (the last run's bank was undeployed)
         sc.close("success").result()
     assert not daves()
 

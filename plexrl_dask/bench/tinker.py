@@ -430,27 +430,12 @@ def _merge_burst(tinker: Any, merged: Any, unmerged: Any, reps: int) -> dict[str
         return trainer.save_weights_and_get_sampling_client().result()
 
     samplers = {
-        "merged": merged.create_sampling_client(base_model=BASE).result(),
-        "unmerged": unmerged.create_sampling_client(base_model=BASE).result(),
-        "lora_merged": lora_sampler(merged),
-        "lora_unmerged": lora_sampler(unmerged),
+        "merged": [merged.create_sampling_client(base_model=BASE).result()],
+        "unmerged": [unmerged.create_sampling_client(base_model=BASE).result()],
+        "lora_merged": [lora_sampler(merged)],
+        "lora_unmerged": [lora_sampler(unmerged)],
     }
-    outs: dict[str, list[Any]] = {name: [] for name in samplers}
-
-    def burst(name: str) -> Callable[[], None]:
-        def run() -> None:
-            sampler = samplers[name]
-            futures = [sampler.sample(p, SAMPLES, q) for p, q in zip(prompts, params, strict=True)]
-            got = [[(s.tokens, s.logprobs) for s in f.result().sequences] for f in futures]
-            assert all(len(t) == NEW for g in got for t, _ in g)
-            outs[name].append(got)
-
-        return run
-
-    arms = {name: burst(name) for name in samplers}
-    for run in arms.values():
-        run()  # (warm)
-    times = interleaved(arms, reps)
+    times, outs = _bursts(samplers, prompts, params, reps)
     out: dict[str, Any] = {}
     same = True
     for kind in ("", "lora_"):
@@ -492,25 +477,7 @@ def _bank_burst(
         return services, samplers
 
     arms_of = {"banked": tenants(*banked), "unbanked": tenants(*unbanked)}
-    outs: dict[str, list[Any]] = {name: [] for name in arms_of}
-
-    def burst(name: str) -> Callable[[], None]:
-        def run() -> None:
-            samplers = arms_of[name][1]
-            futures = [
-                s.sample(p, SAMPLES, q)
-                for p, q in zip(prompts, params, strict=True)
-                for s in samplers
-            ]
-            got = [[(x.tokens, x.logprobs) for x in f.result().sequences] for f in futures]
-            outs[name].append(got)
-
-        return run
-
-    arms = {name: burst(name) for name in arms_of}
-    for run in arms.values():
-        run()  # (warm)
-    times = interleaved(arms, reps)
+    times, outs = _bursts({k: v[1] for k, v in arms_of.items()}, prompts, params, reps)
     for services, _ in arms_of.values():
         for service in services:
             service.close("success").result()
@@ -522,6 +489,33 @@ def _bank_burst(
         "bank_tokens_identical": all(o == first for runs in outs.values() for o in runs),
         "bank_tenants": BANK_TENANTS,
     }
+
+
+def _bursts(
+    arms: dict[str, list[Any]], prompts: list[Any], params: list[Any], reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
+    """Each arm's burst (every prompt to each of its samplers, all at once, all waited for)
+    after one to warm up, arms interleaved: their times, and every call's tokens and
+    log-probabilities per burst."""
+    outs: dict[str, list[Any]] = {name: [] for name in arms}
+
+    def burst(name: str) -> Callable[[], None]:
+        def run() -> None:
+            futures = [
+                s.sample(p, SAMPLES, q)
+                for p, q in zip(prompts, params, strict=True)
+                for s in arms[name]
+            ]
+            got = [[(x.tokens, x.logprobs) for x in f.result().sequences] for f in futures]
+            assert all(len(t) == NEW for g in got for t, _ in g)
+            outs[name].append(got)
+
+        return run
+
+    runs = {name: burst(name) for name in arms}
+    for run in runs.values():
+        run()  # (warm)
+    return interleaved(runs, reps), outs
 
 
 def _every_call(tinker: Any, service: Any, url: str, key: str) -> dict[str, bool]:

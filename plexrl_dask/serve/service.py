@@ -24,7 +24,7 @@ are awaited with :func:`~plexrl_dask.driver.waits.settled`, which never cancels 
 - **Adapter banks** (``plexrl.serve.adapter-bank``, on by default) change two of those: a LoRA
   model's snapshot sampler saves its adapter (weights only) and loads it into the bank of its
   base, and a base-model sampler samples the bank's base. The bank is one rollout deployment
-  per base of the server's own job (``plexrl-serve``; tenants' LoRA models share their saved
+  per base of the server's own job (``plexrl-serve-<id>``; tenants' LoRA models share their saved
   state with it for reading only), and it decodes every tenant's merged calls in one request,
   each prompt with its adapter (:mod:`plexrl_dask.worker.backends.adapters`). A snapshot in
   the bank is a copy, so it never goes stale; a model keeps its newest one and
@@ -96,8 +96,6 @@ logger = logging.getLogger(__name__)
 
 #: how many retired samplers are remembered (to say why one can no longer sample)
 RETIRED_KEPT = 4096
-#: The server's own job: it owns the adapter banks (no tenant job is named without "tinker-").
-BANK_JOB = "plexrl-serve"
 
 
 class Service:
@@ -114,6 +112,7 @@ class Service:
         self.banked = config.get("serve.adapter-bank")
         if not isinstance(self.banked, bool):
             raise ConfigError(f"plexrl.serve.adapter-bank is true or false, got {self.banked!r}")
+        self.bank_job = self.state.server_job()  # (owns the banks; no tenant job is "plexrl-")
         self.banks: dict[str, Deployment] = {}  # base -> its adapter bank
         self.mergers: dict[str, SampleMerger] = {}  # bank name -> its calls' merger
         self.sessions: dict[str, Session] = {}
@@ -167,9 +166,9 @@ class Service:
     async def bank(self, base: str) -> Deployment:
         """The adapter bank of ``base`` (deployed on first use, in the server's own job)."""
         if base not in self.banks:
-            if BANK_JOB not in self.runtimes:
-                self.runtimes[BANK_JOB] = await self.blocking(self._attach, BANK_JOB)
-            runtime = self.runtimes[BANK_JOB]
+            if self.bank_job not in self.runtimes:
+                self.runtimes[self.bank_job] = await self.blocking(self._attach, self.bank_job)
+            runtime = self.runtimes[self.bank_job]
             spec = self.spec(base)
             name = f"adapters:{len(self.banks)}"
             self.banks[base] = await self.blocking(
@@ -375,7 +374,7 @@ class Service:
         def deploy() -> Deployment:
             deployment = runtime.deploy(model_id, spec)
             if lora is not None and self.banked:  # (its snapshots are loaded into a bank)
-                deployment.share(BANK_JOB, ops=("get_weights",))
+                deployment.share(self.bank_job, ops=("get_weights",))
             if restore is not None:
                 try:
                     result(deployment.load_state(restore[0].saved, optimizer=restore[1]))

@@ -1,6 +1,6 @@
 """What ``plexrl serve`` keeps across its own restarts (``plexrl.serve.state-file``).
 
-Three things outlive the server process, so they are written to a file (JSON, mode 0600,
+Four things outlive the server process, so they are written to a file (JSON, mode 0600,
 replaced whole on every change, so a reader never sees half of it):
 
 - **its tenants' job secrets**, per scheduler: a tenant is a PlexRL job, and the scheduler lets
@@ -9,7 +9,8 @@ replaced whole on every change, so a reader never sees half of it):
 - **saved checkpoints** (``tinker://`` paths to what ``save_state`` returned): the weights are in
   the cluster's state store, and their paths are how a tenant asks for them;
 - **training runs** (base model, ``user_metadata``): what ``training_runs/{id}`` answers for a
-  checkpoint's run.
+  checkpoint's run;
+- **the server's own job's name** (its adapter banks' job; its secret is with the tenants').
 
 Sessions, models and samplers are not kept: their clients are gone with the old server's
 connections. On its first use of a tenant's job, a restarted server undeploys what that job
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,12 @@ class ServeState:
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = None if path is None else Path(path)
-        self.data: dict[str, dict[str, Any]] = {"jobs": {}, "checkpoints": {}, "runs": {}}
+        self.data: dict[str, dict[str, Any]] = {
+            "jobs": {},
+            "checkpoints": {},
+            "runs": {},
+            "server": {},
+        }
         if self.path is not None and self.path.exists():
             try:
                 loaded = json.loads(self.path.read_text())
@@ -42,6 +49,15 @@ class ServeState:
                 raise ConfigError(f"plexrl serve's state file {self.path} is not a JSON object")
             for table in self.data:
                 self.data[table].update(loaded.get(table) or {})
+
+    def server_job(self) -> str:
+        """The server's own job (its adapter banks'): named once per state file, so that a
+        restarted server finds it again and two servers on one cluster never share one."""
+        job = self.data["server"].get("job")
+        if not isinstance(job, str):
+            job = f"plexrl-serve-{uuid.uuid4().hex[:12]}"
+            self.put("server", "job", job)
+        return job
 
     def secret(self, scheduler: str, job: str) -> str | None:
         return self.data["jobs"].get(f"{scheduler}|{job}")

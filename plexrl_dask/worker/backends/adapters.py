@@ -37,6 +37,7 @@ from plexrl_dask.shared.types import (
     SamplingParams,
     Streams,
 )
+from plexrl_dask.worker.backends.base import NotATrainer
 from plexrl_dask.worker.backends.lora import LoraBackend
 from plexrl_dask.worker.backends.shared import SharedBases, SharedWeightsBackend
 from plexrl_dask.worker.backends.torch_backend import copy_stream
@@ -44,7 +45,7 @@ from plexrl_dask.worker.decode_step import DecodeStep
 from plexrl_dask.worker.row_decode import RowDecoder
 
 
-class AdapterBank(SharedWeightsBackend):
+class AdapterBank(NotATrainer, SharedWeightsBackend):
     """A base and its loaded adapters (see the module docstring); ``user`` names the bank
     to ``bases``."""
 
@@ -197,29 +198,19 @@ class AdapterBank(SharedWeightsBackend):
     #: No copy of the base of its own: requests that would change weights are refused.
     private_copy = None
 
-    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refused("train")
-
-    def train_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refused("train")
-
-    def optim_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refused("train")
+    trainer_hint = (
+        "an adapter bank samples and scores its adapters; it neither trains nor takes weights "
+        "(train a LoRA deployment and load its saved state into the bank with load_adapter)"
+    )
 
     def set_weights(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refused("take weights")
+        raise self._not_a_trainer("set_weights")
 
     def load_weights(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refused("take weights")
+        raise self._not_a_trainer("load_weights")
 
     def load_state(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._refused("load a state of its own")
-
-    def _refused(self, what: str) -> OpNotSupported:
-        return OpNotSupported(
-            f"an adapter bank samples and scores its adapters; it does not {what} (deploy a "
-            "LoRA training deployment and load its saved state into the bank)"
-        )
+        raise self._not_a_trainer("load_state")
 
     # --- residency --------------------------------------------------------------------------
 
