@@ -91,7 +91,8 @@ def test_prompts_of_several_adapters_sample_as_each_does_alone(setup):
 
 
 def test_the_adapters_survive_an_offload(setup):
-    bank, *_ = setup
+    bank, a, _, saved = setup
+    bank.load_adapter("a", a.spec, saved["a"])  # (a replaced adapter keeps its own weights)
     prompts = bank.tokenize(PROMPTS[:4])
     keys = ["b", "a", "a", None]
     before = bank.sample(prompts, PARAMS, [1, 2, 3, 4], INVARIANT, adapters=keys)
@@ -101,6 +102,9 @@ def test_the_adapters_survive_an_offload(setup):
     assert not bank.resident and bank.adapters == {} and bank.state_bytes() == own
     bank.reload()
     assert bank.sample(prompts, PARAMS, [1, 2, 3, 4], INVARIANT, adapters=keys) == before
+    assert bank.sample(prompts[1:2], PARAMS, [2], INVARIANT, adapters=["a"])[0] == alone(
+        a, prompts[1], 2
+    )
 
 
 def test_what_a_bank_cannot_do_is_refused_and_changes_nothing(setup, tmp_path):

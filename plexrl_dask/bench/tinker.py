@@ -170,7 +170,7 @@ def main() -> None:
         # and one without adapter banks (each LoRA snapshot samples its own replica)
         bank_keys = [add_key(keys, f"bank-{i}") for i in range(BANK_TENANTS)]
         unbanked_keys = Path(tmp) / "unbanked-keys.yaml"
-        unbanked = [add_key(unbanked_keys, f"bank-{i}") for i in range(BANK_TENANTS)]
+        unbanked = [add_key(unbanked_keys, f"unbanked-{i}") for i in range(BANK_TENANTS)]
         models = {BASE: checkpoint, cook_model: cook_model}
         with (
             plexrl.local_cluster(n_workers=1) as cluster,

@@ -87,6 +87,7 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
         old = self.adapters.pop(key, None)
         if old is not None:
             old.close()
+        self._specs.pop(key, None)  # (both tables in one order: the offload's names follow it)
         self.adapters[key], self._specs[key] = adapter, spec
         return version
 
@@ -237,8 +238,8 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
             with copy_stream(self.device):
                 params = {
                     f"a{i}.{n}": self._to_host(p.data)
-                    for i, a in enumerate(self.adapters.values())
-                    for n, p in a._weights().items()
+                    for i, key in enumerate(self._specs)  # (reload names them in this order)
+                    for n, p in self.adapters[key]._weights().items()
                 }
             host = {"params": params, "grads": {}, "buffers": {}, "optim": {},
                     "optim_groups": None, "bytes": self.state_bytes()}  # fmt: skip
