@@ -100,6 +100,7 @@ def test_the_adapters_survive_an_offload(setup):
     assert own == sum(x.state_bytes() for x in bank.adapters.values()) > 0
     bank.offload()
     assert not bank.resident and bank.adapters == {} and bank.state_bytes() == own
+    assert bank.reload_bytes() >= own  # (and the base, where no other replica holds it)
     bank.reload()
     assert bank.sample(prompts, PARAMS, [1, 2, 3, 4], INVARIANT, adapters=keys) == before
     assert bank.sample(prompts[1:2], PARAMS, [2], INVARIANT, adapters=["a"])[0] == alone(

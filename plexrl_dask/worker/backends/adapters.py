@@ -226,6 +226,10 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
         own), so that the shares the holder reports still sum to the base."""
         return super().shared_bytes() + sum(a.shared_bytes() for a in self.adapters.values())
 
+    def reload_bytes(self) -> int:
+        """Device bytes a reload takes: the adapters, and the base unless another holds it."""
+        return self.state_bytes() + super().reload_bytes()
+
     def offload(
         self, stash: Callable[[dict[str, Any]], Any] | None = None, stored: Any = None
     ) -> None:
