@@ -54,6 +54,9 @@ def test_device_checks_run_on_the_cpu(tmp_path):
     assert results["row_invariant_identical"] is True
     assert results["row_invariant_identical_bf16"] is True
     assert results["row_invariant_cap"] >= 2 and results["row_invariant_merged_speedup"] > 0
+    # an adapter bank: four adapters' prompts in one request, each the bits it samples alone
+    assert results["bank_identical"] is True and results["bank_row_invariant"] is True
+    assert results["bank_merged_speedup"] > 0
     # The static decoder (op by op here: no graphs off CUDA) chooses what the dynamic one does
     # on the job's requests, and every decode arm and the roofline are measured.
     assert results["captured_token_agreement"] >= 0.99 and results["grpo_request_to_peak"] > 0

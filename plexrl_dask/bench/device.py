@@ -63,6 +63,13 @@ needs torch and transformers, and the few pure-Python packages ``plexrl_dask`` i
   request and each prompt alone, the same bits (the model ``--hidden`` × ``--layers``,
   float32; and in bf16, ``row_invariant_identical_bf16``). ``row_invariant_merged_speedup``:
   the 16 prompts one request each ÷ in one request (median of ``--reps``).
+- **Adapter banks** (``bank_*``; :mod:`plexrl_dask.worker.backends.adapters`): four LoRA
+  adapters (rank 8, every linear layer and the head; random ``B``) on one float32 base, saved
+  to a store and loaded into a bank; 16 prompts, four per adapter, sampled in one bank request
+  and each prompt alone on its adapter's own replica: ``bank_identical`` (the same bits), and
+  ``bank_merged_speedup``: the four adapters' prompts as one request per adapter on its own
+  replica ÷ one bank request (median of ``--reps``). Where the device's products are not
+  row-invariant, the bank serves prompts one at a time and says so (``bank_row_invariant``).
 - **Sampling** (``<job>_*``): ``bench.sampling``'s per-job measurement on this device: the
   job's model after its supervised warm-up, a GRPO step's 128-row request decoded as one batch
   (``to_peak_b128``) and in 64-row streams, against the replica's ``ignore_eos`` peak at its
@@ -144,6 +151,7 @@ TARGETS = {
     "vllm_repeat_identical": "true",
     "vllm_wake_identical": "true",
     "row_invariant_identical": "true",
+    "bank_identical": "true",
 }
 
 
@@ -402,8 +410,6 @@ def check_fsdp(spec: ModelSpec, device: torch.device, steps: int) -> dict[str, A
 
 def check_row_invariance(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
     """``row_invariant_*`` (module docstring)."""
-    from plexrl_dask.worker.row_decode import invariance
-
     out: dict[str, Any] = {}
     params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=5)
     streams = Streams(128, 16, invariant=True)
@@ -416,8 +422,9 @@ def check_row_invariance(spec: ModelSpec, device: torch.device, reps: int) -> di
         alone = [b.sample([p], params, [i], streams)[0] for i, p in enumerate(prompts)]
         out[f"row_invariant_identical{suffix}"] = alone == together
     backend = backends["float32"]
-    rows = invariance(backend.row_step().bind(64))  # type: ignore[union-attr]
-    out["row_invariant_cap"], out["row_invariant_exact"] = rows.cap, rows.exact
+    rows = _probe(backend)  # (None: each prompt then decodes as a stream of its own)
+    out["row_invariant_cap"] = 0 if rows is None else rows.cap
+    out["row_invariant_exact"] = None if rows is None else rows.exact
 
     def one_each() -> None:
         for i, p in enumerate(prompts):
@@ -433,6 +440,79 @@ def check_row_invariance(spec: ModelSpec, device: torch.device, reps: int) -> di
     alone_s, merged_s = statistics.median(times["alone"]), statistics.median(times["merged"])
     out["row_invariant_merged_speedup"] = alone_s / merged_s
     return out
+
+
+def check_adapter_bank(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
+    """``bank_*`` (module docstring)."""
+    import tempfile
+
+    from plexrl_dask.models.spec import LORA_TARGETS
+    from plexrl_dask.state_store.store import StateStore
+    from plexrl_dask.worker.backends import AdapterBank, LoraBackend, SharedBases
+    from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
+
+    base = dataclasses.replace(spec, dtype="float32")
+    bases = SharedBases(device)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=5)
+    streams = Streams(128, 16, invariant=True)
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(4 + i)] for i in range(16)]
+    ids = list(range(16))
+    keys = [f"t{i % 4}" for i in range(16)]
+    with tempfile.TemporaryDirectory(prefix="plexrl-bank-") as tmp:
+        store = StateStore(tmp, create=True)
+        bank = AdapterBank(base, device, bases=bases, user="bank")
+        replicas = {}
+        for t in range(4):
+            lora = base.with_lora(8, alpha=16, targets=(*LORA_TARGETS, "lm_head"), seed=t)
+            r = replicas[f"t{t}"] = LoraBackend(lora, device, bases=bases, user=f"t{t}")
+            with torch.no_grad():
+                for name, p in r.model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.05, generator=torch.Generator(p.device).manual_seed(t))
+            r.save_state(StoreCheckpoint(store, f"t{t}", None))
+            bank.load_adapter(f"t{t}", lora, StoreCheckpoint(store, f"t{t}", r.version))
+        together = bank.sample(prompts, params, ids, streams, adapters=keys)
+        alone = [
+            replicas[k].sample([p], params, [i], streams)[0]
+            for i, (p, k) in enumerate(zip(prompts, keys, strict=True))
+        ]
+        out: dict[str, Any] = {"bank_identical": alone == together}
+        out["bank_row_invariant"] = _probe(bank) is not None
+
+        def per_adapter() -> None:
+            for k, r in replicas.items():
+                mine = [i for i in ids if keys[i] == k]
+                r.sample([prompts[i] for i in mine], params, mine, streams)
+
+        def banked() -> None:
+            bank.sample(prompts, params, ids, streams, adapters=keys)
+
+        times: dict[str, list[float]] = {"own": [], "bank": []}
+        for _ in range(reps):
+            times["own"].append(_timed(per_adapter, device))
+            times["bank"].append(_timed(banked, device))
+        out["bank_merged_speedup"] = statistics.median(times["own"]) / statistics.median(
+            times["bank"]
+        )
+        bank.close()
+        for r in replicas.values():
+            r.close()
+    return out
+
+
+def _probe(backend: TorchBackend) -> Any:
+    """The row decoder's probe of ``backend``'s step on this device (its ``ProductRows``);
+    None where it has no step or found no row-invariant products."""
+    from plexrl_dask.errors import OpNotSupported
+    from plexrl_dask.worker.row_decode import invariance
+
+    step = backend.row_step()
+    if step is None:
+        return None
+    try:
+        return invariance(step.bind(64))
+    except OpNotSupported:
+        return None
 
 
 def check_vllm(spec: ModelSpec, device: torch.device, reps: int) -> dict[str, Any]:
@@ -672,6 +752,7 @@ def main() -> None:
     section("fsdp", lambda: check_fsdp(spec, device, steps))
     section("vllm", lambda: check_vllm(spec, device, reps))
     section("row_invariant", lambda: check_row_invariance(spec, device, reps))
+    section("adapter_bank", lambda: check_adapter_bank(spec, device, reps))
 
     def decode_section(shape: str) -> None:
         section(
