@@ -574,6 +574,32 @@ def test_two_tenants_lora_snapshots_sample_together_in_their_base_bank(server):
         sc.close("success").result()
 
 
+def test_a_tenant_flooding_the_bank_does_not_hold_back_anothers_call(server):
+    """Every tenant's base samplers merge into one bank's requests; a flood of one tenant's
+    calls waits in the server (two merged requests in flight), and the next batch takes the
+    other tenant's call first: it leaves in the first batch built after it arrived."""
+    srv, client, keys = server
+    alice, bob = sdk(srv, keys["alice"]), sdk(srv, keys["bob"])
+    flooding = alice.create_sampling_client(base_model=BASE).result()
+    victim = bob.create_sampling_client(base_model=BASE).result()
+    merger = srv.service._merger(srv.service.samplers[flooding._sampling_session_id])
+    short = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=3)
+    prompt = types.ModelInput.from_ints(A[:4])
+    with dask.config.set({"plexrl.serve.sample-merge-rows": 2}):
+        before = merger.calls
+        flood = [flooding.sample(prompt, 1, short) for _ in range(120)]
+        assert wait_for(lambda: merger.calls - before >= 120)  # (all of them at the server)
+        merger.waited.clear()
+        waiting = sum(len(b.calls) for b in merger._open.values())
+        mine = victim.sample(prompt, 1, short)
+        assert len(mine.result().sequences) == 1
+        assert all(len(f.result().sequences) == 1 for f in flood)
+    assert waiting > 10  # (the flood was still waiting when bob's call came)
+    assert merger.waited["bob"] == 0 < merger.waited["alice"]
+    for sc in (alice, bob):
+        sc.close("success").result()
+
+
 def test_lora_tenants_share_their_base_and_train_only_their_adapters(server, tmp_path):
     """Two tenants' LoRA models (``rank`` > 0) on one base: each worker holds the base once
     for every adapter it has, training moves only the adapter (the base's samples keep their

@@ -22,6 +22,14 @@ way.
 merger takes the calls of every sampler there, every tenant's: each call names its adapter
 (or the base), and one request decodes them all, each prompt still sampling its own bits.
 
+**Tenants share fairly.** At most ``IN_FLIGHT`` merged requests of one parameter set are in
+flight; calls that arrive meanwhile wait in the server, and each next batch (at most
+``sample-merge-rows`` rows) takes their calls round-robin over tenants, each tenant's in its
+order. A tenant that floods a bank fills the batches only where no other tenant has a call
+waiting: another tenant's call leaves in the next batch built after it arrives
+(:attr:`SampleMerger.waited` counts the batches each tenant's calls waited, at most; 0 is
+the next one).
+
 **Failures stay the call's own.** A call the worker will refuse (a token past the vocabulary,
 a prompt with no room for ``max_tokens``) is sent alone, so its typed error is its own; and if
 a merged request fails anyway (an adapter unloaded meanwhile), each of its calls is sent
@@ -44,12 +52,20 @@ from plexrl_dask.shared.types import SampleResult, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+#: Merged requests of one parameter set in flight at once: one decoding, one queued behind it
+#: on the worker (so the worker never waits on the server); the calls that arrive meanwhile
+#: wait here, where the next batch is chosen fairly among tenants.
+IN_FLIGHT = 2
+
+
 @dataclass
 class _Call:
     tokens: list[int]
     seed: int
     reply: asyncio.Future
     adapter: str | None = None
+    tenant: str = ""
+    arrived: int = 0  # merged batches sent before it arrived
 
 
 @dataclass
@@ -72,6 +88,10 @@ class SampleMerger:
     loop; :attr:`calls` and :attr:`requests` count what it received and sent."""
 
     def __init__(self, deployment: Deployment) -> None:
+        #: per tenant, the most merged requests sent between one of its calls' arrival and
+        #: the request that took it (0: the first sent after it arrived)
+        self.waited: dict[str, int] = {}
+        self.sent = 0  # merged batches sent
         self.deployment = deployment
         self.bank = deployment.info.backend == "adapters"
         self.window, self.max_rows = merge_settings()
@@ -87,16 +107,17 @@ class SampleMerger:
         params: SamplingParams,
         merge: bool = True,
         adapter: str | None = None,
+        tenant: str = "",
     ) -> asyncio.Future:
         """A future of the call's :class:`SampleResult` (one prompt, ``params.n``
         completions). ``merge`` False: a request of its own, sent at once (a call the worker
         is expected to refuse). ``adapter``: on an adapter bank, the adapter the call samples
-        with (None: the base)."""
+        with (None: the base); ``tenant``: whose call it is (batches are fair among them)."""
         loop = asyncio.get_running_loop()
         self.window, self.max_rows = merge_settings()  # (as configured now)
         key = dataclasses.replace(params, seed=0)
         reply = loop.create_future()
-        call = _Call(list(tokens), params.seed, reply, adapter)
+        call = _Call(list(tokens), params.seed, reply, adapter, tenant, self.sent)
         self.calls += 1
         if not merge:
             self._spawn(self._request(key, [call]))
@@ -110,13 +131,24 @@ class SampleMerger:
         return reply
 
     def _send(self, key: SamplingParams) -> None:
-        batch = self._open.pop(key, None)
-        if batch is None or not batch.calls:
+        """Send the next batch of ``key``'s waiting calls, unless ``IN_FLIGHT`` merged
+        requests of it are in flight (the end of one sends it then)."""
+        batch = self._open.get(key)
+        if batch is None or not batch.calls or self._in_flight.get(key, 0) >= IN_FLIGHT:
             return
         if batch.timer is not None:
             batch.timer.cancel()
+            batch.timer = None
+        chosen, rest = _fair(batch.calls, max(1, self.max_rows // key.n))
+        if rest:
+            batch.calls = rest
+        else:
+            del self._open[key]
+        for c in chosen:
+            self.waited[c.tenant] = max(self.waited.get(c.tenant, 0), self.sent - c.arrived)
+        self.sent += 1
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
-        self._spawn(self._run(key, batch.calls))
+        self._spawn(self._run(key, chosen))
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)
@@ -130,8 +162,8 @@ class SampleMerger:
             self._in_flight[key] -= 1
             if not self._in_flight[key]:
                 del self._in_flight[key]
-                if key in self._open:
-                    self._send(key)  # the calls that waited for this request
+            if key in self._open:
+                self._send(key)  # the calls that waited for this request
 
     async def _request(self, key: SamplingParams, calls: list[_Call]) -> None:
         self.requests += 1
@@ -158,3 +190,20 @@ class SampleMerger:
                 c.reply.set_result(
                     SampleResult(prompt_tokens=(tuple(c.tokens),), sequences=(group,))
                 )
+
+
+def _fair(calls: list[_Call], most: int) -> tuple[list[_Call], list[_Call]]:
+    """At most ``most`` of ``calls``, taken round-robin over their tenants (each tenant's in
+    its order), and the rest in their order."""
+    queues: dict[str, list[_Call]] = {}
+    for c in calls:
+        queues.setdefault(c.tenant, []).append(c)
+    chosen: list[_Call] = []
+    depth = 0
+    while len(chosen) < most and any(len(q) > depth for q in queues.values()):
+        for q in queues.values():
+            if len(q) > depth and len(chosen) < most:
+                chosen.append(q[depth])
+        depth += 1
+    taken = {id(c) for c in chosen}
+    return chosen, [c for c in calls if id(c) not in taken]

@@ -853,7 +853,9 @@ class Service:
             if sampler.loading is not None:  # (its adapter's load into the bank)
                 await settled(sampler.loading)
             merger = self._merger(sampler)
-            sampled = merger.sample(tokens, params, merge=fits, adapter=sampler.adapter)
+            sampled = merger.sample(
+                tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
+            )
             scored = None
             if want_prompt and len(tokens) > 1:
                 scored = dep.forward([Datum(tokens=tokens)], adapter=sampler.adapter)
@@ -862,7 +864,9 @@ class Service:
             except AdapterNotFound:
                 if not await self._reload_adapter(sampler):
                     raise
-                result = await merger.sample(tokens, params, merge=fits, adapter=sampler.adapter)
+                result = await merger.sample(
+                    tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
+                )
             prompt_lp = None
             if want_prompt:
                 lp = (await settled(scored)).logprobs[0] if scored is not None else (0.0,)
