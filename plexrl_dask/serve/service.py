@@ -115,6 +115,7 @@ class Service:
         self.bank_job = self.state.server_job()  # (owns the banks; no tenant job is "plexrl-")
         self.banks: dict[str, Deployment] = {}  # base -> its adapter bank
         self.mergers: dict[str, SampleMerger] = {}  # bank name -> its calls' merger
+        self._banking = asyncio.Lock()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainModel] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -165,15 +166,16 @@ class Service:
 
     async def bank(self, base: str) -> Deployment:
         """The adapter bank of ``base`` (deployed on first use, in the server's own job)."""
-        if base not in self.banks:
-            if self.bank_job not in self.runtimes:
-                self.runtimes[self.bank_job] = await self.blocking(self._attach, self.bank_job)
-            runtime = self.runtimes[self.bank_job]
-            spec = self.spec(base)
-            name = f"adapters:{len(self.banks)}"
-            self.banks[base] = await self.blocking(
-                lambda: runtime.deploy(name, spec, role="rollout", backend="adapters")
-            )
+        async with self._banking:  # (two first calls at once deploy it once)
+            if base not in self.banks:
+                if self.bank_job not in self.runtimes:
+                    self.runtimes[self.bank_job] = await self.blocking(self._attach, self.bank_job)
+                runtime = self.runtimes[self.bank_job]
+                spec = self.spec(base)
+                name = f"adapters:{len(self.banks)}"  # (catalog names may hold a '/')
+                self.banks[base] = await self.blocking(
+                    lambda: runtime.deploy(name, spec, role="rollout", backend="adapters")
+                )
         return self.banks[base]
 
     async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
