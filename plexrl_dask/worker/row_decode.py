@@ -166,13 +166,11 @@ def invariance(*bounds: BoundStep) -> ProductRows:
     their shapes, device and dtype once per kind. :class:`OpNotSupported` where no way was
     found."""
     weight = bounds[0].embed.weight
-    products = [p for bound in bounds for p in _products(bound)]
-    key = (
-        weight.device.type,
-        weight.dtype,
-        torch.get_num_threads(),
-        tuple(sorted({(width, _shape(f)) for f, width in products})),
-    )
+    # one product per shape: what the probe finds is a property of the kernels at a shape
+    # (the cache's key says so too), and adapters' steps repeat the base's products
+    kinds = {(width, _shape(f)): (f, width) for b in bounds for f, width in _products(b)}
+    products = list(kinds.values())
+    key = (weight.device.type, weight.dtype, torch.get_num_threads(), tuple(sorted(kinds)))
     found = _PROBED.get(key)
     if found is None:
         with torch.inference_mode():
