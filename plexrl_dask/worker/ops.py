@@ -23,7 +23,6 @@ the store runs in the backends and :mod:`plexrl_dask.worker.stores`, reached as 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -202,15 +201,13 @@ def load_adapter(
         bank = _bank(backend, deployment)
         if not isinstance(key, str) or not key:
             raise InvalidModelSpec(f"an adapter key is a non-empty string, got {key!r}")
-        lora = ModelSpec.from_dict(dict(spec))
-        source = engine.stores.checkpoint_source(deployment, saved, None, None)
+        try:
+            lora = ModelSpec.from_dict(dict(spec))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidModelSpec(f"adapter {key!r}: not a model spec ({e!r})") from None
+        source = engine.stores.readable_source(deployment, saved, None, None, "load_adapter")
         if isinstance(source, str):
             raise CheckpointError("an adapter is loaded from a store checkpoint, not DCP")
-        found = None
-        with contextlib.suppress(PlexRLError):  # (missing: the load says so)
-            found = source.store.manifest(source.model, source.version)
-        if found is not None:
-            engine.stores.check_readable(deployment, found.meta, "load_adapter")
         return bank, lora, source
 
     def call(backend: Any) -> int:

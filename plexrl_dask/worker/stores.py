@@ -115,14 +115,7 @@ def restoring(
     tier if it is there), check the deployment may read it, load it."""
 
     def find() -> str | StoreCheckpoint:
-        source = checkpoint_source(deployment, checkpoint, model, version)
-        if not isinstance(source, str):  # (a store version: whose state it is)
-            found = None
-            with contextlib.suppress(PlexRLError):  # (missing: the backend says so)
-                found = source.store.manifest(source.model, source.version)
-            if found is not None:
-                check_readable(deployment, found.meta, "load_state")
-        return source
+        return readable_source(deployment, checkpoint, model, version, "load_state")
 
     def call(backend: Any) -> int:
         # Finding the checkpoint may import it from another node: a rank that fails there
@@ -200,6 +193,26 @@ def weights_loading(deployment: str, ref: Mapping[str, Any]) -> Call:
         return loaded
 
     return call
+
+
+def readable_source(
+    deployment: str,
+    checkpoint: str | Mapping[str, Any],
+    model: str | None,
+    version: int | None,
+    op: str,
+) -> str | StoreCheckpoint:
+    """What ``op`` of ``deployment`` reads ``checkpoint`` from (:func:`checkpoint_source`),
+    once :func:`check_readable` allows a stored version (one that is missing is left for the
+    backend's read to report)."""
+    source = checkpoint_source(deployment, checkpoint, model, version)
+    if not isinstance(source, str):  # (a store version: whose state it is)
+        found = None
+        with contextlib.suppress(PlexRLError):
+            found = source.store.manifest(source.model, source.version)
+        if found is not None:
+            check_readable(deployment, found.meta, op)
+    return source
 
 
 def check_readable(deployment: str, meta: Mapping[str, Any], op: str) -> None:
