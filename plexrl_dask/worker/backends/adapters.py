@@ -8,10 +8,13 @@ backend="adapters")``) holds its base once per worker (the worker's
 there use) and any number of adapters, each a *snapshot*: loaded from a stored version of a
 LoRA deployment (``Deployment.load_adapter(key, spec, saved)``, what ``save_state`` returned)
 and never changed after. A sample request names an adapter per prompt (or none: the base
-alone), and every row decodes with the batch-invariant row decoder
-(:mod:`plexrl_dask.worker.row_decode`): each product computes the base's part for all rows at
-once and each adapter's part for that adapter's rows, so a row's tokens are the bits it
-samples alone, on its own LoRA replica, whichever adapters its companions use.
+alone). The adapters' rows decode together with the batch-invariant row decoder
+(:mod:`plexrl_dask.worker.row_decode`): each product computes the base's part for all of them
+at once and each adapter's part for that adapter's rows, so a row's tokens are the bits it
+samples alone, on its own LoRA replica, whichever adapters its companions use. The base's
+prompts decode apart, on the replica's own step (its weight copies included: the faster
+layout), as in a request of the base alone, and so sample what a plain replica of the base
+samples.
 
 State and residency: the bank's own bytes are its adapters' parameters (the base is counted
 once, shared). Offload writes the adapters to the node's store like any replica's state and
@@ -135,6 +138,11 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
         named = self._named(adapters)
         prompts = [list(p) for p in prompts]
         self._check_sample(prompts, params, prompt_ids)
+        if any(a is None for a in adapters):
+            # The base's prompts decode as they do in a request of the base alone (on the
+            # replica's own step, its weight copies included), the adapters' on the step
+            # without copies: each prompt the same bits whatever it is merged with.
+            return self._base_and_adapters(prompts, params, prompt_ids, streams, adapters)
         base = self._base_row_step()
         steps = [None if a is None else a.row_step() for a in named]
         if base is None or any(
@@ -153,6 +161,30 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
                 return self._one_at_a_time(prompts, params, prompt_ids, streams, named)
             done = decoder.run()
         return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _base_and_adapters(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        streams: Streams | None,
+        adapters: Sequence[str | None],
+    ) -> list[list[SampledSequence]]:
+        """A request of base prompts and adapters' prompts: the two parts decoded apart."""
+        base = [i for i, a in enumerate(adapters) if a is None]
+        mine = [i for i, a in enumerate(adapters) if a is not None]
+        out: list[list[SampledSequence]] = [[] for _ in prompts]
+        parts = (
+            (base, super().sample([prompts[i] for i in base], params,
+                                  [prompt_ids[i] for i in base], streams)),
+            (mine, self.sample([prompts[i] for i in mine], params,
+                               [prompt_ids[i] for i in mine], streams,
+                               [adapters[i] for i in mine])),
+        )  # fmt: skip
+        for indices, groups in parts:
+            for i, group in zip(indices, groups, strict=True):
+                out[i] = group
+        return out
 
     def _one_at_a_time(
         self,
@@ -180,11 +212,6 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
         (lora,) = self._named([adapter])
         assert lora is not None
         return lora.forward(batch, temperature)
-
-    def row_step(self) -> DecodeStep | None:
-        """The base's batch-invariant step: the one adapters' rows decode with, so a base
-        row samples the same bits with or without them."""
-        return self._base_row_step()
 
     def _base_row_step(self) -> DecodeStep | None:
         """The base's step with no copies of its weights (adapters add to its products)."""
