@@ -143,11 +143,11 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
             # replica's own step, its weight copies included), the adapters' on the step
             # without copies: each prompt the same bits whatever it is merged with.
             return self._base_and_adapters(prompts, params, prompt_ids, streams, adapters)
+        lora = [a for a in named if a is not None]
+        assert len(lora) == len(named)  # (every prompt has an adapter here)
         base = self._base_row_step()
-        steps = [None if a is None else a.row_step() for a in named]
-        if base is None or any(
-            a is not None and s is None for a, s in zip(named, steps, strict=True)
-        ):
+        steps = [a.row_step() for a in lora]
+        if base is None or any(s is None for s in steps):
             raise OpNotSupported(
                 f"{self.spec.name}: adapters decode only where the weight-level decode step "
                 "runs (plexrl.sampling.decode-step: auto, a Qwen2 or Llama model)"
@@ -158,7 +158,7 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
             try:
                 decoder = RowDecoder(self, base, prompts, rows, params, prompt_ids, steps)
             except OpNotSupported:  # (no row-invariant products on this device)
-                return self._one_at_a_time(prompts, params, prompt_ids, streams, named)
+                return self._one_at_a_time(prompts, params, prompt_ids, streams, lora)
             done = decoder.run()
         return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
@@ -192,15 +192,15 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
         params: SamplingParams,
         prompt_ids: Sequence[int],
         streams: Streams | None,
-        named: list[LoraBackend | None],
+        lora: list[LoraBackend],
     ) -> list[list[SampledSequence]]:
         """Where rows cannot be decoded batch-invariantly: each prompt on its adapter's
-        replica (or the base) as a stream of its own, which is what it samples alone there."""
+        replica as a stream of its own, which is what it samples alone there."""
         refill = (streams or Streams.from_config()).refill_min_rows
         own = Streams(params.n, refill, invariant=False)
         return [
-            (adapter or self).sample([p], params, [pid], own)[0]
-            for p, pid, adapter in zip(prompts, prompt_ids, named, strict=True)
+            adapter.sample([p], params, [pid], own)[0]
+            for p, pid, adapter in zip(prompts, prompt_ids, lora, strict=True)
         ]
 
     def forward(
