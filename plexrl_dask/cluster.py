@@ -41,6 +41,10 @@ GPU_NANNY = "plexrl_dask.gpu_nanny"
 TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRIM_ENV_KEY = f"distributed.nanny.pre-spawn-environ.{TRIM_ENV}"
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
+#: The cores a worker process binds its threads to (a list such as ``"3"`` or ``"4-7,12"``),
+#: read by the worker plugin (:func:`plexrl_dask.worker.device.bind_cpus`); any launcher may
+#: set it per worker, ``local_cluster`` does (:func:`cpus_of_worker`).
+CPUS_ENV = "PLEXRL_WORKER_CPUS"
 #: The model stack and the store: what workers and drivers import, and a scheduler never needs
 #: (docs/architecture.md, "The scheduler stays lean"; ``bench.scheduler`` and a test check it).
 MODEL_STACK = ("torch", "transformers", "tokenizers", "zarr")
@@ -99,6 +103,8 @@ def local_cluster(
         )
     if processes:
         kwargs.setdefault("worker_class", PlexRLNanny)
+        if kwargs["worker_class"] is PlexRLNanny:
+            kwargs.setdefault("node_workers", n_workers)
     with dask.config.set({TRIM_ENV_KEY: None}):
         cluster = PlexRLLocalCluster(
             tiers,
@@ -128,6 +134,7 @@ def _add_tool_workers(
         cluster.close()
         raise ConfigError(f"plexrl.local-cluster.tool-threads must be >= 1, got {threads}")
     options = dict(cluster.new_spec["options"])
+    options.pop("node_workers", None)  # (tool workers float over every core)
     options["nthreads"] = threads
     options["resources"] = {k: v for k, v in (options.get("resources") or {}).items() if k != gpu}
     for i in range(count):
@@ -193,16 +200,75 @@ class PlexRLNanny(Nanny):
     is launched elsewhere, also keeps FSDP2 and the object collectives, which use the
     current device, on the worker's GPU. A name past the GPU count wraps around (scaling a
     cluster beyond its GPUs shares them); an explicit ``env={"CUDA_VISIBLE_DEVICES": ...}``
-    is left as given."""
+    is left as given.
 
-    def __init__(self, *args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> None:
+    With ``node_workers`` (the node's GPU workers, as ``local_cluster`` starts them) and
+    ``plexrl.local-cluster.bind-cpus`` on, its worker's threads are bound to cores of their own
+    (:func:`cpus_of_worker`, through :data:`CPUS_ENV`); an explicit ``env`` entry stands."""
+
+    def __init__(
+        self,
+        *args: Any,
+        env: dict[str, str] | None = None,
+        node_workers: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         gpus = visible_gpus()
         name = kwargs.get("name")
         gpu = gpu_of_worker(name, gpus)
-        if gpu is not None and CUDA_ENV not in (env or {}):
-            env = {**(env or {}), CUDA_ENV: gpu}
+        env = dict(env or {})
+        if gpu is not None and CUDA_ENV not in env:
+            env[CUDA_ENV] = gpu
             logger.info("local worker %s gets GPU %s of %s", name, gpu, gpus)
-        super().__init__(*args, env=env, **kwargs)
+        if node_workers and CPUS_ENV not in env and config.get("local-cluster.bind-cpus"):
+            cpus = cpus_of_worker(
+                name, node_workers, sorted(os.sched_getaffinity(0)), _torch_threads()
+            )
+            if cpus is not None:
+                env[CPUS_ENV] = ",".join(map(str, cpus))
+        super().__init__(*args, env=env or None, **kwargs)
+
+
+def _torch_threads() -> int:
+    return int(config.get("worker.torch-threads"))
+
+
+def cpus_of_worker(
+    name: object, workers: int, cpus: Sequence[int], threads: int
+) -> list[int] | None:
+    """The cores of the worker called ``name`` (numbered as :func:`gpu_of_worker` reads it)
+    among a node's ``workers`` GPU workers, ``cpus`` being the cores the node may use and
+    ``threads`` each worker's torch threads: worker ``k`` gets ``threads`` cores of its own,
+    counted from the last (the launcher's own processes, the driver and the scheduler of a
+    local cluster, float over all of them). None (leave it unbound) where the workers'
+    threads outnumber the cores, or for a name without a number or past the count.
+
+    Why bind: a worker's request thread and its event loop share the GIL, which passes
+    between them at every torch call; on two cores it passes from one to the other, each
+    hand-off a cross-core wake-up, and the request thread loses its core to whatever the
+    scheduler put there (``bench.grpo``: a step through a bound worker ran 1.2x faster)."""
+    index = _worker_index(name)
+    if threads < 1 or workers * threads > len(cpus) or index is None or not 0 <= index < workers:
+        return None
+    end = len(cpus) - index * threads
+    return sorted(cpus[end - threads : end])
+
+
+def parse_cpus(text: str) -> list[int]:
+    """The cores of a list such as ``"3"``, ``"0-3,8"`` (what ``taskset -c`` takes).
+    :class:`~plexrl_dask.errors.ConfigError` for anything else."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, dash, last = part.strip().partition("-")
+            lo = int(first)
+            hi = int(last) if dash else lo
+            if lo < 0 or hi < lo:
+                raise ValueError(part)
+            cores.update(range(lo, hi + 1))
+    except ValueError as e:
+        raise ConfigError(f"{CPUS_ENV} must list cores such as '0-3,8', got {text!r}") from e
+    return sorted(cores)
 
 
 def gpu_of_worker(name: object, gpus: Sequence[str]) -> str | None:
@@ -212,15 +278,19 @@ def gpu_of_worker(name: object, gpus: Sequence[str]) -> str | None:
     ``-``-separated part (``dask worker --nworkers N --name X`` names them ``X-0`` ...
     ``X-{N-1}``). None (leave the worker all of them) with fewer than two GPUs or a name
     without such a number."""
-    if len(gpus) < 2:
-        return None
-    if isinstance(name, int) and not isinstance(name, bool):
-        index = name
-    elif isinstance(name, str) and name.rpartition("-")[2].isdecimal():
-        index = int(name.rpartition("-")[2])
-    else:
+    index = _worker_index(name)
+    if len(gpus) < 2 or index is None:
         return None
     return gpus[index % len(gpus)]
+
+
+def _worker_index(name: object) -> int | None:
+    """``k`` of a worker named ``k`` (an int) or ``X-k``; None for any other name."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        return name
+    if isinstance(name, str) and name.rpartition("-")[2].isdecimal():
+        return int(name.rpartition("-")[2])
+    return None
 
 
 def _private_tiers() -> dict[str, str]:

@@ -25,8 +25,9 @@ from tornado.ioloop import PeriodicCallback
 
 from plexrl_dask import config, protocol
 from plexrl_dask import worker as engine
+from plexrl_dask.cluster import CPUS_ENV, parse_cpus
 from plexrl_dask.config import WorkerConfig
-from plexrl_dask.errors import StateStoreError, to_status
+from plexrl_dask.errors import ConfigError, StateStoreError, to_status
 from plexrl_dask.protocol import PREFETCH_OP, STORE_MANIFEST, STORE_OBJECTS, WORKER_TOPIC
 from plexrl_dask.worker.holder import ReplicaHolder, holder_of
 
@@ -44,6 +45,21 @@ def new_replica_holder() -> Any:
     return ReplicaHolder()
 
 
+def _bind_cpus() -> list[int] | None:
+    """Bind this worker's threads to the cores its launcher chose (``PLEXRL_WORKER_CPUS``,
+    :func:`plexrl_dask.cluster.cpus_of_worker`); the cores bound, or None (unbound). A list
+    that does not parse or that this process may not use leaves the worker unbound, with a
+    warning: it still serves."""
+    listed = os.environ.get(CPUS_ENV)
+    if not listed:
+        return None
+    try:
+        return engine.device.bind_cpus(parse_cpus(listed))
+    except (ConfigError, OSError, NotImplementedError) as e:
+        logger.warning("worker left unbound: %s=%r (%s)", CPUS_ENV, listed, e)
+        return None
+
+
 class PlexRLWorkerPlugin(WorkerPlugin):
     """See the module docstring."""
 
@@ -58,6 +74,7 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         # (The engine loads here, on the worker; the scheduler imports this class to register
         # it and never loads torch or Zarr.)
         engine.device.fix_threads(cfg.torch_threads)
+        self.cpus = _bind_cpus()
         peer = engine.stores.peer
         profiler = worker.periodic_callbacks.get("profile")
         self._profile_ms = None  # Dask's own interval, restored by teardown
@@ -155,7 +172,7 @@ class PlexRLWorkerPlugin(WorkerPlugin):
             # time on a worker running countdown4). Garbage first, so none is kept for good.
             gc.collect()
             gc.freeze()
-        worker.log_event(WORKER_TOPIC, {"torch_threads": cfg.torch_threads})
+        worker.log_event(WORKER_TOPIC, {"torch_threads": cfg.torch_threads, "cpus": self.cpus})
 
     def teardown(self, worker: Any) -> None:
         refresh = worker.periodic_callbacks.pop("plexrl-tiers", None)

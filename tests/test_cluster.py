@@ -14,7 +14,7 @@ from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask import cluster
-from plexrl_dask.errors import SchedulerNotStarted
+from plexrl_dask.errors import ConfigError, SchedulerNotStarted
 
 
 def _cuda_env() -> str | None:
@@ -59,6 +59,66 @@ def test_one_gpu_or_an_explicit_choice_is_left_alone(monkeypatch):
         Client(c, set_as_default=False) as client,
     ):
         assert list(client.run(_cuda_env).values()) == ["9"]  # the caller's choice stands
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))  # (run on a worker: its threads' cores)
+
+
+def test_cpus_of_worker_gives_each_worker_its_threads_cores_from_the_last():
+    cpus = [0, 1, 2, 3, 8, 9]
+    assert [cluster.cpus_of_worker(k, 2, cpus, 1) for k in (0, 1)] == [[9], [8]]
+    assert [cluster.cpus_of_worker(f"pod-{k}", 3, cpus, 2) for k in (0, 1, 2)] == [
+        [8, 9],
+        [2, 3],
+        [0, 1],
+    ]
+    assert cluster.cpus_of_worker(0, 1, [0, 1], 1) == [1]  # the driver keeps a core to itself
+    assert cluster.cpus_of_worker(0, 3, [0, 1], 1) is None  # more threads than cores: unbound
+    assert cluster.cpus_of_worker(2, 2, cpus, 1) is None  # past the count (a later scale-up)
+    assert cluster.cpus_of_worker("tool-a", 2, cpus, 1) is None
+    assert cluster.cpus_of_worker(True, 2, cpus, 1) is None
+    assert cluster.cpus_of_worker(0, 2, cpus, 0) is None
+
+
+def test_parse_cpus_reads_taskset_lists_and_refuses_the_rest():
+    assert cluster.parse_cpus("3") == [3]
+    assert cluster.parse_cpus("0-2, 8,2") == [0, 1, 2, 8]
+    for bad in ("", "a", "3-1", "-1", "1,,2", "0-"):
+        with pytest.raises(ConfigError, match="PLEXRL_WORKER_CPUS"):
+            cluster.parse_cpus(bad)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores here")
+def test_local_workers_run_on_cores_of_their_own_and_the_setting_turns_it_off():
+    cores = sorted(os.sched_getaffinity(0))
+    with (
+        plexrl.local_cluster(n_workers=2) as c,
+        Client(c, set_as_default=False) as client,
+    ):
+        seen = client.run(_cores)
+        names = {w["id"]: a for a, w in plexrl.worker_info(client).items()}
+        assert (seen[names[0]], seen[names[1]]) == ([cores[-1]], [cores[-2]])
+        assert sorted(os.sched_getaffinity(0)) == cores  # the driver is left alone
+    with (
+        dask.config.set({"plexrl.local-cluster.bind-cpus": False}),
+        plexrl.local_cluster(n_workers=1) as c,
+        Client(c, set_as_default=False) as client,
+    ):
+        assert list(client.run(_cores).values()) == [cores]
+
+
+def test_a_bad_core_list_leaves_the_worker_unbound_and_serving():
+    cores = sorted(os.sched_getaffinity(0))
+    for listed in ("banana", "4096"):  # (does not parse; not this machine's)
+        with (
+            plexrl.local_cluster(n_workers=1, env={cluster.CPUS_ENV: listed}) as c,
+            Client(c, set_as_default=False) as client,
+        ):
+            assert list(client.run(_cores).values()) == [cores]
+            runtime = plexrl.Runtime(client, job="bad-cpus")
+            policy = runtime.deploy("policy", plexrl.ModelSpec.tiny(hidden_size=32))
+            assert plexrl.result(policy.sample([[5, 6]], plexrl.SamplingParams(max_tokens=2)))
 
 
 def test_a_scheduler_process_that_does_not_serve_in_time_is_a_typed_error(tmp_path):
