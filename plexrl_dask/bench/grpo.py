@@ -66,6 +66,7 @@ from dataclasses import asdict, replace
 from types import SimpleNamespace
 from typing import Any
 
+import dask
 import torch
 from distributed import Client
 
@@ -342,10 +343,17 @@ def step_rates(
     specs: Sequence[JobSpec], weights: dict[str, Weights], steps: int, reps: int
 ) -> dict[str, Any]:
     """``step_rate_vs_in_process`` (and each job's), ``records_equal`` and the round trips
-    of the first job's first runtime run."""
+    of the first job's first runtime run; the same runtime arm on a worker left unbound
+    (``plexrl.local-cluster.bind-cpus`` off), alternated with the others:
+    ``step_rate_unbound_vs_in_process`` and ``bound_vs_unbound_step_rate``."""
     rates: dict[tuple[str, str], list[float]] = {}
     same, trips = True, None
-    with plexrl.local_cluster(n_workers=1) as cluster, Client(cluster) as client:
+    with (
+        plexrl.local_cluster(n_workers=1) as cluster,
+        Client(cluster) as client,
+        _unbound_cluster(1) as unbound_cluster,
+        Client(unbound_cluster) as unbound_client,
+    ):
         for _ in range(reps):  # (arms alternated, job by job)
             for spec in specs:
                 rate, want, counted = runtime_run(client, spec, weights[spec.name], steps)
@@ -354,11 +362,17 @@ def step_rates(
                 rate, got = in_process_run(spec, weights[spec.name], steps)
                 rates.setdefault((spec.name, "in_process"), []).append(rate)
                 same = same and _same(want, got)
+                rate, got, _ = runtime_run(unbound_client, spec, weights[spec.name], steps)
+                rates.setdefault((spec.name, "unbound"), []).append(rate)
+                same = same and _same(want, got)
     assert trips is not None
     total, calls, messages = trips.per_step(0, steps - 2)
     rate = {key: median(v) for key, v in rates.items()}
     # A step of each job, one after another: the ratio of the summed step times.
-    step_s = {arm: sum(1 / rate[s.name, arm] for s in specs) for arm in ("runtime", "in_process")}
+    step_s = {
+        arm: sum(1 / rate[s.name, arm] for s in specs)
+        for arm in ("runtime", "in_process", "unbound")
+    }
     return {
         "step_rate_vs_in_process": step_s["in_process"] / step_s["runtime"],
         **{
@@ -366,12 +380,24 @@ def step_rates(
             / rate[s.name, "in_process"]
             for s in specs
         },
+        "step_rate_unbound_vs_in_process": step_s["in_process"] / step_s["unbound"],
+        "bound_vs_unbound_step_rate": step_s["unbound"] / step_s["runtime"],
         **{f"steps_per_s_{arm}_{job}": r for (job, arm), r in rate.items()},
         "records_equal": same,
         "round_trips_per_step": total,
         "round_trips_by_kind": calls,
         "messages_by_kind": messages,
     }
+
+
+@contextmanager
+def _unbound_cluster(workers: int) -> Iterator[Any]:
+    """A ``local_cluster`` whose workers float over every core (the nannies read the
+    setting when they are made)."""
+    with dask.config.set({"plexrl.local-cluster.bind-cpus": False}):
+        cluster = plexrl.local_cluster(n_workers=workers)
+    with cluster:
+        yield cluster
 
 
 def _pair_main(
@@ -424,6 +450,7 @@ def pool(
     weights: dict[str, Weights],
     workers: int,
     profile: dict[str, float] | None = None,
+    bind: bool = True,
 ) -> tuple[float, dict[str, list[StepRecord]], dict[str, Any]]:
     """Wall time of ``specs`` multiplexed on a pool of ``workers`` (each job colocated on one
     deployment, placed as the multiplexed mode places the mix:
@@ -431,8 +458,11 @@ def pool(
     given, else by estimated FLOPs), from ``run_jobs`` to its return, their
     records, and where the CPU went meanwhile: the driver's process (its jobs' threads, its
     client and, in a ``local_cluster``, the scheduler) and each worker's, and each worker's
-    busy seconds (its requests' spans)."""
-    with plexrl.local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
+    busy seconds (its requests' spans). ``bind``: its workers bound to cores of their own
+    (the default), else floating."""
+    with dask.config.set({"plexrl.local-cluster.bind-cpus": bind}):
+        made = plexrl.local_cluster(n_workers=workers)
+    with made as cluster, Client(cluster) as client:
         gpu = str(config.get("worker.gpu-resource"))
         addresses = sorted(
             a for a, w in plexrl.worker_info(client).items() if w["resources"].get(gpu)
@@ -454,12 +484,16 @@ def pool(
         for span in jobs[0].runtime.timeline(since):
             if span.start >= since:
                 busy[span.worker] += span.seconds
-        return wall, records, {
-            "driver_cpu_s": cpu1 - cpu0,
-            "worker_cpu_s": sorted(workers1[a] - workers0[a] for a in addresses),
-            "worker_busy_s": sorted(busy.values()),
-            "placement": {s.name: list(placed[s.name].train) for s in specs},
-        }
+        return (
+            wall,
+            records,
+            {
+                "driver_cpu_s": cpu1 - cpu0,
+                "worker_cpu_s": sorted(workers1[a] - workers0[a] for a in addresses),
+                "worker_busy_s": sorted(busy.values()),
+                "placement": {s.name: list(placed[s.name].train) for s in specs},
+            },
+        )
 
 
 def split_round_trips(spec: JobSpec, weights: Weights, steps: int) -> dict[str, Any]:
@@ -520,7 +554,7 @@ def main() -> None:
     # The pool is placed by a profile (as PlexRL's placement profiles a job's first steps):
     # each job's measured seconds per step in process. The processes' pairs are the mix's.
     profile = {s.name: 1 / results[f"steps_per_s_in_process_{s.name}"] for s in specs}
-    walls: dict[str, list[float]] = {"pool": [], "processes": []}
+    walls: dict[str, list[float]] = {"pool": [], "processes": [], "pool_unbound": []}
     where: list[dict[str, Any]] = []
     same = True
     for _ in range(1 if args.quick else 3):  # (arms alternated)
@@ -531,10 +565,16 @@ def main() -> None:
         wall, alone = parallel_processes(pairs, weights, timeout)
         walls["processes"].append(wall)
         same = same and all(_same(pooled[s.name], alone[s.name]) for s in specs)
+        wall, floating, _ = pool(specs, weights, 2, profile, bind=False)
+        walls["pool_unbound"].append(wall)
+        same = same and all(_same(pooled[s.name], floating[s.name]) for s in specs)
     results.update(
         pool_vs_parallel_processes=median(walls["pool"]) / median(walls["processes"]),
         pool_wall_s=median(walls["pool"]),
         parallel_processes_wall_s=median(walls["processes"]),
+        pool_unbound_vs_parallel_processes=median(walls["pool_unbound"])
+        / median(walls["processes"]),
+        pool_bound_vs_unbound_wall=median(walls["pool"]) / median(walls["pool_unbound"]),
         pool_records_equal=same,
         # (the repetition of the median wall: where its CPU went)
         pool_driver_cpu_s=where[_median_index(walls["pool"])]["driver_cpu_s"],
