@@ -239,16 +239,20 @@ def cpus_of_worker(
     """The cores of the worker called ``name`` (numbered as :func:`gpu_of_worker` reads it)
     among a node's ``workers`` GPU workers, ``cpus`` being the cores the node may use and
     ``threads`` each worker's torch threads: worker ``k`` gets ``threads`` cores of its own,
-    counted from the last (the launcher's own processes, the driver and the scheduler of a
-    local cluster, float over all of them). None (leave it unbound) where the workers'
-    threads outnumber the cores, or for a name without a number or past the count.
+    counted from the last, and the launcher's own processes (a local cluster's driver and
+    scheduler, its tool workers) float over all of them. None (leave it unbound) unless the
+    workers leave at least one core to the rest, or for a name without a number or past the
+    count.
 
     Why bind: a worker's request thread and its event loop share the GIL, which passes
-    between them at every torch call; on two cores it passes from one to the other, each
-    hand-off a cross-core wake-up, and the request thread loses its core to whatever the
-    scheduler put there (``bench.grpo``: a step through a bound worker ran 1.2x faster)."""
+    between them at every torch call; over two cores each hand-off is a cross-core wake-up,
+    and the request thread is moved to whichever core the kernel picks. Why only with a core
+    to spare: with every core bound, the driver and the scheduler can only take a worker's,
+    and a worker's event loop can no longer run beside its requests (``bench.grpo``, in
+    benchmarks/RESULTS.md: one worker bound on two cores ran the mix's steps 1.09x faster;
+    two bound on two cores ran the pool 1.15x slower)."""
     index = _worker_index(name)
-    if threads < 1 or workers * threads > len(cpus) or index is None or not 0 <= index < workers:
+    if threads < 1 or workers * threads >= len(cpus) or index is None or not 0 <= index < workers:
         return None
     end = len(cpus) - index * threads
     return sorted(cpus[end - threads : end])

@@ -20,8 +20,14 @@ thread everywhere, and no tokenizer pool (as a PlexRL worker runs: ``fix_threads
   repetitions, arms alternated job by job. The ratio is the mix's summed seconds per step in
   process ÷ through the runtime (one step of each job, one after another; target ≥ 0.90);
   ``step_rate_vs_in_process_<job>``: each job's runtime rate ÷ in-process rate.
-  ``records_equal``: both arms' records (rewards, lengths, losses, grad norms, versions,
-  sampled tokens) are identical for every job and repetition (true).
+  ``records_equal``: every arm's records (rewards, lengths, losses, grad norms, versions,
+  sampled tokens) are identical for every job and repetition (true). The runtime's worker
+  has its threads bound to a core of its own, as ``local_cluster`` binds a worker that
+  leaves a core to spare (``plexrl.local-cluster.bind-cpus``); in each repetition, before or
+  after both arms in turn, the same runtime arm on a one-worker cluster whose worker floats
+  over every core: ``step_rate_unbound_vs_in_process`` and ``bound_vs_unbound_step_rate`` (bound ÷
+  unbound, the summed step times as above; per job ``bound_vs_unbound_step_rate_<job>``).
+  The in-process arm floats: bound to one core it ran slower here.
 - ``round_trips_per_step``: request/reply calls the driver's client made to the scheduler
   (counted by wrapping ``client.scheduler``: handler calls and result fetches) per
   steady-state step of the first job's first runtime run (the steps after the first and
@@ -39,7 +45,9 @@ thread everywhere, and no tokenizer pool (as a PlexRL worker runs: ``fix_threads
   PlexRL's placement profiles a job's first steps) ÷ the same four jobs as two processes (one core each), each running its pair
   of jobs in process one after the other: jobs 1–2 and 3–4 of the mix. Setup (cluster,
   deployments, weights; processes, backends) is outside both (target ≤ 1.0).
-  ``pool_records_equal``: every job's records are the same in both arms. Where the pool's CPU
+  The pool's two workers float over the two cores (``local_cluster`` binds workers only
+  where they leave a core to spare). ``pool_records_equal``: every job's records are the
+  same in both arms. Where the pool's CPU
   went (the repetition of the median wall): ``pool_driver_cpu_s`` (the driver's process: its
   jobs' threads, its client and the ``local_cluster``'s scheduler, all on the same two cores),
   ``pool_worker_cpu_s`` and ``pool_worker_busy_s`` (each worker's CPU seconds, and the seconds
@@ -344,27 +352,28 @@ def step_rates(
 ) -> dict[str, Any]:
     """``step_rate_vs_in_process`` (and each job's), ``records_equal`` and the round trips
     of the first job's first runtime run; the same runtime arm on a worker left unbound
-    (``plexrl.local-cluster.bind-cpus`` off), alternated with the others:
-    ``step_rate_unbound_vs_in_process`` and ``bound_vs_unbound_step_rate``."""
+    (``plexrl.local-cluster.bind-cpus`` off), its cluster before or after the bound one's
+    in turn: ``step_rate_unbound_vs_in_process`` and ``bound_vs_unbound_step_rate``."""
     rates: dict[tuple[str, str], list[float]] = {}
-    same, trips = True, None
-    with (
-        plexrl.local_cluster(n_workers=1) as cluster,
-        Client(cluster) as client,
-        _unbound_cluster(1) as unbound_cluster,
-        Client(unbound_cluster) as unbound_client,
-    ):
-        for _ in range(reps):  # (arms alternated, job by job)
-            for spec in specs:
-                rate, want, counted = runtime_run(client, spec, weights[spec.name], steps)
-                rates.setdefault((spec.name, "runtime"), []).append(rate)
-                trips = trips or counted
-                rate, got = in_process_run(spec, weights[spec.name], steps)
-                rates.setdefault((spec.name, "in_process"), []).append(rate)
-                same = same and _same(want, got)
-                rate, got, _ = runtime_run(unbound_client, spec, weights[spec.name], steps)
-                rates.setdefault((spec.name, "unbound"), []).append(rate)
-                same = same and _same(want, got)
+    records: dict[tuple[str, str], list[list[StepRecord]]] = {}
+    trips = None
+    for rep in range(reps):
+        for bound in (True, False) if rep % 2 == 0 else (False, True):
+            with dask.config.set({"plexrl.local-cluster.bind-cpus": bound}):
+                cluster = plexrl.local_cluster(n_workers=1)
+            with cluster, Client(cluster) as client:
+                for spec in specs:  # (arms alternated, job by job)
+                    arm = "runtime" if bound else "unbound"
+                    rate, got, counted = runtime_run(client, spec, weights[spec.name], steps)
+                    rates.setdefault((spec.name, arm), []).append(rate)
+                    records.setdefault((spec.name, arm), []).append(got)
+                    trips = trips or (counted if bound else None)
+                    if bound:
+                        rate, got = in_process_run(spec, weights[spec.name], steps)
+                        rates.setdefault((spec.name, "in_process"), []).append(rate)
+                        records.setdefault((spec.name, "in_process"), []).append(got)
+    first = {s.name: records[s.name, "in_process"][0] for s in specs}
+    same = all(_same(first[job], r) for (job, _), runs in records.items() for r in runs)
     assert trips is not None
     total, calls, messages = trips.per_step(0, steps - 2)
     rate = {key: median(v) for key, v in rates.items()}
@@ -382,22 +391,17 @@ def step_rates(
         },
         "step_rate_unbound_vs_in_process": step_s["in_process"] / step_s["unbound"],
         "bound_vs_unbound_step_rate": step_s["unbound"] / step_s["runtime"],
+        **{
+            f"bound_vs_unbound_step_rate_{s.name}": rate[s.name, "runtime"]
+            / rate[s.name, "unbound"]
+            for s in specs
+        },
         **{f"steps_per_s_{arm}_{job}": r for (job, arm), r in rate.items()},
         "records_equal": same,
         "round_trips_per_step": total,
         "round_trips_by_kind": calls,
         "messages_by_kind": messages,
     }
-
-
-@contextmanager
-def _unbound_cluster(workers: int) -> Iterator[Any]:
-    """A ``local_cluster`` whose workers float over every core (the nannies read the
-    setting when they are made)."""
-    with dask.config.set({"plexrl.local-cluster.bind-cpus": False}):
-        cluster = plexrl.local_cluster(n_workers=workers)
-    with cluster:
-        yield cluster
 
 
 def _pair_main(
@@ -450,7 +454,6 @@ def pool(
     weights: dict[str, Weights],
     workers: int,
     profile: dict[str, float] | None = None,
-    bind: bool = True,
 ) -> tuple[float, dict[str, list[StepRecord]], dict[str, Any]]:
     """Wall time of ``specs`` multiplexed on a pool of ``workers`` (each job colocated on one
     deployment, placed as the multiplexed mode places the mix:
@@ -458,11 +461,8 @@ def pool(
     given, else by estimated FLOPs), from ``run_jobs`` to its return, their
     records, and where the CPU went meanwhile: the driver's process (its jobs' threads, its
     client and, in a ``local_cluster``, the scheduler) and each worker's, and each worker's
-    busy seconds (its requests' spans). ``bind``: its workers bound to cores of their own
-    (the default), else floating."""
-    with dask.config.set({"plexrl.local-cluster.bind-cpus": bind}):
-        made = plexrl.local_cluster(n_workers=workers)
-    with made as cluster, Client(cluster) as client:
+    busy seconds (its requests' spans)."""
+    with plexrl.local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
         gpu = str(config.get("worker.gpu-resource"))
         addresses = sorted(
             a for a, w in plexrl.worker_info(client).items() if w["resources"].get(gpu)
@@ -554,7 +554,7 @@ def main() -> None:
     # The pool is placed by a profile (as PlexRL's placement profiles a job's first steps):
     # each job's measured seconds per step in process. The processes' pairs are the mix's.
     profile = {s.name: 1 / results[f"steps_per_s_in_process_{s.name}"] for s in specs}
-    walls: dict[str, list[float]] = {"pool": [], "processes": [], "pool_unbound": []}
+    walls: dict[str, list[float]] = {"pool": [], "processes": []}
     where: list[dict[str, Any]] = []
     same = True
     for _ in range(1 if args.quick else 3):  # (arms alternated)
@@ -565,16 +565,10 @@ def main() -> None:
         wall, alone = parallel_processes(pairs, weights, timeout)
         walls["processes"].append(wall)
         same = same and all(_same(pooled[s.name], alone[s.name]) for s in specs)
-        wall, floating, _ = pool(specs, weights, 2, profile, bind=False)
-        walls["pool_unbound"].append(wall)
-        same = same and all(_same(pooled[s.name], floating[s.name]) for s in specs)
     results.update(
         pool_vs_parallel_processes=median(walls["pool"]) / median(walls["processes"]),
         pool_wall_s=median(walls["pool"]),
         parallel_processes_wall_s=median(walls["processes"]),
-        pool_unbound_vs_parallel_processes=median(walls["pool_unbound"])
-        / median(walls["processes"]),
-        pool_bound_vs_unbound_wall=median(walls["pool"]) / median(walls["pool_unbound"]),
         pool_records_equal=same,
         # (the repetition of the median wall: where its CPU went)
         pool_driver_cpu_s=where[_median_index(walls["pool"])]["driver_cpu_s"],
