@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
 
@@ -303,6 +304,52 @@ def _a_wait_that_times_out_leaves_the_client_working(client, pool) -> None:
     assert result(later, timeout=30) == 7
     assert result(client.submit(sum, [5, 6], pure=False), timeout=30) == 11
     assert pool.run([ToolCall("calc", "2+2")], timeout_s=10)[0].output == "4"
+
+
+def test_identical_calls_of_a_turn_run_once_unless_the_tool_is_not_pure():
+    """The samples of a group often make the same call: it runs once, and each identical
+    call gets its result, marked shared, in its own place; a failure is shared the same
+    way. A tool that says it is not pure has every call run."""
+
+    class Counted:
+        name = "count"
+
+        def __init__(self, pure: bool = True) -> None:
+            self.pure, self.ran, self.lock = pure, [], threading.Lock()
+
+        def run(self, text: str) -> str:
+            with self.lock:
+                self.ran.append(text)
+            if text == "bad":
+                raise errors.ToolError("bad input")
+            return text.upper()
+
+    tool = Counted()
+    pool = ToolPool(None, {"count": tool, "calc": Calculator()})
+    calls = [
+        ToolCall("count", "a"),
+        None,
+        ToolCall("count", "b"),
+        ToolCall("count", "a"),
+        ToolCall("calc", "a"),  # (another tool, the same text: a call of its own)
+        ToolCall("count", "bad"),
+        ToolCall("count", "bad"),
+    ]
+    got = pool.run(calls, timeout_s=5)
+    assert sorted(tool.ran) == ["a", "b", "bad"]
+    assert [r and (r.output, r.error, r.shared) for r in got] == [
+        ("A", None, False),
+        None,
+        ("B", None, False),
+        ("A", None, True),
+        (got[4].output, "InvalidToolCall", False),
+        ("bad input", "ToolError", False),
+        ("bad input", "ToolError", True),
+    ]
+    impure = Counted(pure=False)
+    ToolPool(None, {"count": impure}).run([ToolCall("count", "a")] * 3, timeout_s=5)
+    assert impure.ran == ["a", "a", "a"]
+    pool.close()
 
 
 def test_a_turn_of_calls_splits_into_even_contiguous_shares():

@@ -13,8 +13,10 @@ tool workers are not counted in any mode, since every mode runs the same calls o
 Results: ``cost_ratio_vs_colocated`` and ``cost_ratio_vs_split_async`` (the cheapest pool ÷
 each mode's cheapest layout), ``idle_fraction`` per mode, ``bench.multiplex``'s ``longest_job``
 figures and each job's ``colocated_wall_s``, and from the cheapest pool's run:
-``tool_calls``, ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
-``tool_s_p99`` (seconds a call ran on its tool worker), ``reward_first``/``reward_last`` per
+``tool_calls`` and ``tool_runs`` (the calls the policy made; those that ran: identical calls of
+a turn run once), ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
+``tool_s_p99`` (seconds a call that ran took on its tool worker; before identical calls ran
+once, every call ran and counted), ``reward_first``/``reward_last`` per
 agentic job (mean reward of its first and last 5 steps), ``reward_trajectories_identical``
 (every job's reward and loss per step the same in every synchronous layout: colocated and
 multiplexed), ``prefix_cache_hit_rate`` (the cheapest pool's turn prompts: tokens a replica's
@@ -144,7 +146,8 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
         "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
         "colocated_wall_s": {j.job: j.wall_s for j in colocated.jobs},
-        "tool_calls": len(tool_s),
+        "tool_calls": sum(e.get("tool_calls", 0) for e in episodes.values()),
+        "tool_runs": len(tool_s),
         "turns_p50": percentile(turns, 0.5) if turns else None,
         "turns_max": max(turns, default=None),
         "tool_s_p50": percentile(tool_s, 0.5) if tool_s else None,

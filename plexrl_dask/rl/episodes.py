@@ -110,16 +110,19 @@ class EpisodeBatch:
         return sum(e.policy_tokens for g in self.groups for e in g)
 
     def stats(self) -> dict[str, float]:
-        """Turns per episode (mean, max), tool calls, failed calls, tool seconds (mean), and
-        the driver's wait for tools: a step record's ``extra``."""
+        """Turns per episode (mean, max), tool calls, the calls that ran (the others were
+        identical to one that did), failed calls, tool seconds (mean over the calls that ran),
+        and the driver's wait for tools: a step record's ``extra``."""
         episodes = [e for g in self.groups for e in g]
         calls = [r for e in episodes for r in e.calls]
+        ran = [r for r in calls if not r.shared]
         return {
             "turns_mean": sum(len(e.turns) for e in episodes) / max(1, len(episodes)),
             "turns_max": float(max((len(e.turns) for e in episodes), default=0)),
             "tool_calls": float(len(calls)),
+            "tool_runs": float(len(ran)),
             "tool_errors": float(sum(not r.ok for r in calls)),
-            "tool_s_mean": sum(r.seconds for r in calls) / max(1, len(calls)),
+            "tool_s_mean": sum(r.seconds for r in ran) / max(1, len(ran)),
             "tool_wait_s": self.tool_wait_s,
         }
 

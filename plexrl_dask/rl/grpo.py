@@ -191,8 +191,10 @@ class GRPOJob:
         self.checkpoints = checkpoints
         self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
         self.recoveries: list[str] = []  # why the job went back to its checkpoint, each time
-        # (agentic tasks) every episode's model turns, every tool call's seconds on its worker
+        # (agentic tasks) every episode's model turns, its tool calls, and the seconds on its
+        # worker of every call that ran (identical calls of a turn run once)
         self.episode_turns: list[int] = []
+        self.tool_calls = 0
         self.tool_seconds: list[float] = []
         self._stop = threading.Event()
         self._header = {
@@ -516,7 +518,8 @@ class GRPOJob:
         if isinstance(out, EpisodeBatch):
             episodes = [e for g in out.groups for e in g]
             self.episode_turns += [len(e.turns) for e in episodes]
-            self.tool_seconds += [r.seconds for e in episodes for r in e.calls]
+            self.tool_calls += sum(len(e.calls) for e in episodes)
+            self.tool_seconds += [r.seconds for e in episodes for r in e.calls if not r.shared]
         old = None
         if ahead and data:
             assert self.rollout is not None

@@ -579,10 +579,12 @@ def trajectories_identical(runs: Sequence[ModeRun], jobs: Sequence[str]) -> tupl
 
 
 def _episodes(extra: dict[str, Any], job: GRPOJob) -> None:
-    """An agentic job's turns per episode and tool seconds per call, into a run's ``extra``."""
+    """An agentic job's turns per episode, tool calls, and tool seconds per call that ran,
+    into a run's ``extra``."""
     if job.episode_turns:
         extra.setdefault("episodes", {})[job.name] = {
             "turns": list(job.episode_turns),
+            "tool_calls": job.tool_calls,
             "tool_s": list(job.tool_seconds),
         }
 

@@ -16,7 +16,9 @@ turn without a call ends the episode: its text is the answer the task's verifier
 A tool is a pure function of its input (:class:`Tool`): the same call gives the same output
 wherever and whenever it runs. That is what keeps an agentic job's trajectory the same alone
 and multiplexed (the calculator is arithmetic; the sandbox runs a program with a fixed, empty
-environment, no network, no clock it could read differently: see :mod:`.sandbox`).
+environment, no network, no clock it could read differently: see :mod:`.sandbox`). It is
+also why identical calls of one turn run once (:class:`~plexrl_dask.tools.pool.ToolPool`):
+the samples of a group often make the same call, and each gets that one run's result.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 class Tool(Protocol):
     """A deterministic tool: ``name`` (its tag), ``run(text) -> output`` (raises
-    :class:`~plexrl_dask.errors.ToolError` for a failed call)."""
+    :class:`~plexrl_dask.errors.ToolError` for a failed call). A tool whose ``pure``
+    attribute is False has each call run, identical or not (by default identical calls of a
+    turn run once: see the module docstring)."""
 
     name: str
 
@@ -59,13 +63,16 @@ class ToolResult:
     """What one call returned: its output (or the error's message), whether it failed, why
     (the error's class name), how long it ran (seconds), and where and when: the tool
     worker's address (``"driver"`` on the driver's own pool; empty for a call that never came
-    back) and its wall-clock start (neither compared: a call's result is its output)."""
+    back) and its wall-clock start (neither compared: a call's result is its output).
+    ``shared``: the call did not run itself; an identical call of the same turn did, and this
+    is its result (:class:`~plexrl_dask.tools.pool.ToolPool`)."""
 
     output: str
     error: str | None = None
     seconds: float = 0.0
     worker: str = field(default="", compare=False)
     started: float = field(default=0.0, compare=False)
+    shared: bool = field(default=False, compare=False)
 
     @property
     def ok(self) -> bool:

@@ -12,6 +12,11 @@ microseconds, a task's round through the scheduler milliseconds); the share a ta
 bounds how unevenly the threads finish. Where the cluster has none, calls run on the driver,
 on a thread pool of its own (the sandbox is a subprocess either way).
 
+Identical calls of one batch (the same tool and input: the samples of a group often make
+the same call) run once, and each gets that run's result, marked ``shared``: tools are pure
+functions of their input (:mod:`plexrl_dask.tools.calls`). A tool whose ``pure`` attribute is
+False has every call run.
+
 Every call returns a :class:`~plexrl_dask.tools.calls.ToolResult`: a failed call (it did not
 parse, its program failed or ran past a limit) is a failed result, and so is a call whose worker
 died or that did not come back within its tool's time limit plus a margin
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -87,10 +93,31 @@ class ToolPool:
         self._local_threads = local_threads
 
     def run(self, calls: Sequence[ToolCall | None], timeout_s: float) -> list[ToolResult | None]:
-        """Run ``calls`` (None entries are skipped and give None), as many at once as the
-        tool workers have threads (see the module docstring); each result in order.
-        ``timeout_s``: the tools' own limit; past what a turn of calls at that limit takes,
-        and :data:`MARGIN_S`, a call that has not returned is a failed result."""
+        """Run ``calls`` (None entries are skipped and give None), each distinct call once
+        and as many at once as the tool workers have threads (see the module docstring);
+        each result in order. ``timeout_s``: the tools' own limit; past what a turn of calls
+        at that limit takes, and :data:`MARGIN_S`, a call that has not returned is a failed
+        result."""
+        first = self._first_of_each(calls)
+        ran = self._run([c if first.get(k) == k else None for k, c in enumerate(calls)], timeout_s)
+        return [
+            r if k == first.get(k, k) else dataclasses.replace(ran[first[k]], shared=True)
+            for k, r in enumerate(ran)
+        ]
+
+    def _first_of_each(self, calls: Sequence[ToolCall | None]) -> dict[int, int]:
+        """For each call, the position of the first identical call of a pure tool (itself
+        where there is none before it, or where its tool is not pure)."""
+        seen: dict[ToolCall, int] = {}
+        first = {}
+        for k, call in enumerate(calls):
+            if call is None:
+                continue
+            pure = getattr(self.tools.get(call.tool), "pure", True)
+            first[k] = seen.setdefault(call, k) if pure else k
+        return first
+
+    def _run(self, calls: Sequence[ToolCall | None], timeout_s: float) -> list[ToolResult | None]:
         if not any(c is not None for c in calls):
             return [None] * len(calls)
         info = worker_info(self.client) if self.client is not None else {}
