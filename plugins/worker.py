@@ -2,12 +2,12 @@
 
 The scheduler plugin registers this plugin cluster-wide, so every worker that joins (including
 one restarted by its nanny) gets it. On a worker advertising the GPU resource it fixes torch's
-thread count (docs/architecture.md, "Sampling and determinism"), binds its threads to the cores
-its launcher chose (``PLEXRL_WORKER_CPUS``: docs/deploying.md, "Local cluster"), sets the
-interval of Dask's profiler (``plexrl.worker.profile-interval``), adds the ``plexrl_holder_*`` worker handlers, the
-handlers that serve this node's stored versions to other nodes
-(:mod:`plexrl_dask.state_store.peer`) and the handler of the scheduler's prefetch hints
-(passed to the holder), and announces the worker on the ``plexrl-worker`` topic; the
+thread count (docs/architecture.md, "Sampling and determinism"), binds its threads to the
+cores its launcher chose (``PLEXRL_WORKER_CPUS``: docs/deploying.md, "Local cluster"), sets
+the interval of Dask's profiler (``plexrl.worker.profile-interval``), adds the
+``plexrl_holder_*`` worker handlers, the handlers that serve this node's stored versions to
+other nodes (:mod:`plexrl_dask.state_store.peer`) and the handler of the scheduler's prefetch
+hints (passed to the holder), and announces the worker on the ``plexrl-worker`` topic; the
 scheduler plugin answers by creating the worker's :class:`ReplicaHolder` actor. Workers
 without the GPU resource are left alone.
 """

@@ -45,10 +45,18 @@ def bind_cpus(cpus: Iterable[int]) -> list[int]:
     Returns the cores this process may use afterwards. ``OSError`` where ``cpus`` are not this
     process's to use (its cgroup or launcher gave it others); ``NotImplementedError`` off
     Linux. Binding changes no result: torch's thread count is fixed either way."""
-    cores = set(cpus)
     if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
         raise NotImplementedError("binding threads to cores needs Linux")
+    before = os.sched_getaffinity(0)
+    try:
+        _set_every_thread(set(cpus))
+    except OSError:
+        _set_every_thread(before)  # (all threads or none)
+        raise
+    return sorted(os.sched_getaffinity(0))
+
+
+def _set_every_thread(cores: set[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
             os.sched_setaffinity(int(tid), cores)
-    return sorted(os.sched_getaffinity(0))
