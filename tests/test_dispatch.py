@@ -180,6 +180,29 @@ def test_a_gang_holds_its_workers_for_its_next_request():
     assert names(d.decide(0.5 + d.policy.patience(1.0, 0.0))) == ["long"]
 
 
+def test_two_jobs_whose_turns_hold_one_worker_do_not_keep_each_other_out():
+    """Two agentic jobs on one worker, each holding it between its turns (each gap learned
+    though the other's requests were decided in it): a turn of either starts while the other
+    holds it, and a third job's request still starts only in time for the earlier hold."""
+
+    def turn(name: str, t: float, job: str, s: float = 0.2) -> Request:
+        return Request(name, (("w0",),), t, s, order=job, deployment=job, job=job, holds=True)
+
+    d = Dispatcher(replace(CALM, turn_hold_s=2.0), workers=["w0"])
+    for name, t in (("A1", 0.0), ("B1", 0.2), ("A2", 1.2), ("B2", 1.4)):
+        d.add(turn(name, t, name[0]))
+        assert names(d.decide(t)) == [name]
+        d.release_worker("w0", name, t + 0.2)
+    assert d._gang_gap == {("A", True): pytest.approx(1.0), ("B", True): pytest.approx(1.0)}
+    # held by A until 2.4 and by B until 2.6
+    d.add(Request("long", (("w0",),), 1.6, 1.0, order="C", deployment="C", job="C"))
+    d.add(turn("B3", 1.6, "B", s=1.0))  # ends at 2.6, past A's hold
+    assert names(d.decide(1.6)) == ["B3"]  # A's hold does not keep B out
+    d.release_worker("w0", "B3", 2.6)
+    assert names(d.decide(2.6)) == []  # B holds until 3.6: the long one waits
+    assert names(d.decide(3.61)) == ["long"]
+
+
 def test_a_turn_holds_its_worker_for_the_next_turn():
     """A request marked ``holds`` (an agentic turn, its tools running after it) holds its
     worker for its order's next request, for the gap its turns left before (capped at

@@ -127,7 +127,9 @@ gang's order does, capped at ``turn_hold_s``: others start there meanwhile only 
 expected to end before the turn's learned return, and the order's next request, once it waits,
 takes the worker first. The order then holds with each of its requests (the episode's last
 turn, its training, the next step's first turn: its gaps after unmarked requests are learned
-apart) until a hold lapses with nothing of it running or waiting.
+apart) until a hold lapses with nothing of it running or waiting. Two orders that hold one worker (two
+agentic jobs sharing it) do not keep each other out: either's requests start there by ratio,
+and the rest only if they end before the earlier hold does.
 
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
@@ -174,6 +176,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 Group = tuple[str, ...]
+#: A held worker's hold: until when, for which jobs and which orders.
+Hold = tuple[float, frozenset[str], frozenset[str]]
 
 
 @dataclass(frozen=True)
@@ -399,6 +403,10 @@ class Dispatcher:
         # (learned apart after requests marked ``holds`` and after the others)
         self._gang_gap: dict[tuple[str, bool], float] = {}
         self._gang_kind: dict[str, bool] = {}  # order -> its running or last request holds
+        # order -> (end, kind) of its last request, kept when its hold lapsed: the gap to its
+        # next arrival is learned all the same (else a gap longer than the one learned, or
+        # any gap while none is learned yet, would never be)
+        self._lapsed: dict[str, tuple[float, bool]] = {}
 
     # --- state changes -----------------------------------------------------------------------
 
@@ -441,12 +449,14 @@ class Dispatcher:
         if last is not None and request.arrival < last:
             request = _replace_arrival(request, last)
         self._last_arrival[order] = request.arrival
-        ended = self._gang_ended.pop(order, None)
+        ended, kind = self._gang_ended.pop(order, None), self._gang_kind.get(order, False)
+        lapsed = self._lapsed.pop(order, None)
+        if ended is None and lapsed is not None:
+            ended, kind = lapsed
         if ended is not None:  # (the gap from its previous request's end to this arrival)
             gap = max(0.0, request.arrival - ended)
-            key = (order, self._gang_kind.get(order, False))
-            known = self._gang_gap.get(key)
-            self._gang_gap[key] = gap if known is None else (known + gap) / 2
+            known = self._gang_gap.get((order, kind))
+            self._gang_gap[order, kind] = gap if known is None else (known + gap) / 2
         setup = min(self._setup(request, g) for g in request.groups)
         e = _Entry(
             request,
@@ -531,17 +541,23 @@ class Dispatcher:
                 if now is not None:
                     self._gang_ended[order] = now
 
-    def _gang_holds(self, now: float) -> dict[str, tuple[float, str, str]]:
-        """Free worker -> (until when, for which job and order) a gang holds it (see "Gangs
-        hold their workers"); the earliest hold where several overlap."""
-        out: dict[str, tuple[float, str, str]] = {}
+    def _gang_holds(self, now: float) -> dict[str, Hold]:
+        """Free worker -> until when, and for which jobs and orders, it is held (see "Gangs
+        hold their workers"). Where several orders hold one worker: until the earliest of
+        their holds, and for all of them (holders do not keep each other out)."""
+        out: dict[str, Hold] = {}
         for order, (job, group, turns) in list(self._gang_orders.items()):
             until = self._gang_until(order, group, self._hold_cap(group, turns), now)
             if until is None:
                 continue
             for w in group:
-                if w in self._free and (w not in out or until < out[w][0]):
-                    out[w] = (until, job, order)
+                if w not in self._free:
+                    continue
+                if w in out:
+                    was = out[w]
+                    out[w] = (min(until, was[0]), was[1] | {job}, was[2] | {order})
+                else:
+                    out[w] = (until, frozenset({job}), frozenset({order}))
         return out
 
     def _hold_cap(self, group: Group, turns: bool) -> float:
@@ -579,6 +595,7 @@ class Dispatcher:
         if ended is not None and ended + gap > now:
             return ended + gap
         if ended is not None:
+            self._lapsed[order] = (ended, self._gang_kind.get(order, False))
             self._forget_hold(order)
         return None
 
@@ -842,7 +859,7 @@ class Dispatcher:
                 if queue and not queue[0].urgent:
                     heads.append(queue[0])  # the new head competes by ratio
         held: dict[str, float] = {}  # free worker -> time until which it is held
-        gangs = self._gang_holds(now)  # free worker -> (until, job, order) a gang holds it
+        gangs = self._gang_holds(now)  # free worker -> (until, jobs, orders) holding it
         versions: dict[str, int] = {}
         heap: list[tuple[float, float, int, int, str, Group | None, float]] = []
 
@@ -924,7 +941,7 @@ class Dispatcher:
         now: float,
         urgent: bool,
         held: dict[str, float] | None = None,
-        gangs: dict[str, tuple[float, str, str]] | None = None,
+        gangs: dict[str, Hold] | None = None,
     ) -> tuple[Group, float] | None:
         """The free, unreserved group of ``e`` with the cheapest setup (then least crowded);
         for a request that is not urgent, only groups whose ``held`` workers it would release
@@ -1104,10 +1121,10 @@ class Dispatcher:
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent, tag=e.tag)
 
 
-def _holds_for(hold: tuple[float, str, str], request: Request) -> bool:
-    """Whether a gang's ``hold`` (until, job, order) is for ``request``: the gang's own order,
-    or another request of its job (the rest of its chain: its rollout, its syncs)."""
-    return request.order_key == hold[2] or (bool(request.job) and request.job == hold[1])
+def _holds_for(hold: Hold, request: Request) -> bool:
+    """Whether ``hold`` (until, jobs, orders) is for ``request``: one of the holding orders,
+    or another request of a holding job (the rest of its chain: its rollout, its syncs)."""
+    return request.order_key in hold[2] or (bool(request.job) and request.job in hold[1])
 
 
 def _replace_arrival(request: Request, arrival: float) -> Request:
