@@ -176,6 +176,9 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 Group = tuple[str, ...]
+#: Orders whose hold lapsed that the dispatcher remembers, to learn the gap to their next
+#: request.
+LAPSED_KEPT = 4096
 #: A held worker's hold: until when, for which jobs and which orders.
 Hold = tuple[float, frozenset[str], frozenset[str]]
 
@@ -596,6 +599,8 @@ class Dispatcher:
             return ended + gap
         if ended is not None:
             self._lapsed[order] = (ended, self._gang_kind.get(order, False))
+            if len(self._lapsed) > LAPSED_KEPT:  # (orders that never came back: oldest first)
+                del self._lapsed[next(iter(self._lapsed))]
             self._forget_hold(order)
         return None
 
