@@ -56,7 +56,7 @@ def _bind_cpus() -> list[int] | None:
         return None
     try:
         return engine.device.bind_cpus(parse_cpus(listed))
-    except (ConfigError, OSError, NotImplementedError) as e:
+    except (ConfigError, OSError) as e:
         logger.warning("worker left unbound: %s=%r (%s)", CPUS_ENV, listed, e)
         return None
 

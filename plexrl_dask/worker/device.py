@@ -8,6 +8,8 @@ from collections.abc import Iterable
 
 import torch
 
+from plexrl_dask.errors import ConfigError
+
 #: The ``"auto"`` budget on the CPU, and the share of a GPU's memory it takes there.
 CPU_DEFAULT_BUDGET = 4 * 2**30
 CUDA_BUDGET_FRACTION = 0.9
@@ -43,10 +45,11 @@ def bind_cpus(cpus: Iterable[int]) -> list[int]:
     """Bind every thread of this process to ``cpus``: the threads running now (the event
     loop, Dask's, torch's), and through them the ones they start later, which inherit it.
     Returns the cores this process may use afterwards. ``OSError`` where ``cpus`` are not this
-    process's to use (its cgroup or launcher gave it others); ``NotImplementedError`` off
-    Linux. Binding changes no result: torch's thread count is fixed either way."""
+    process's to use (its cgroup or launcher gave it others);
+    :class:`~plexrl_dask.errors.ConfigError` off Linux. Binding changes no result: torch's
+    thread count is fixed either way."""
     if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
-        raise NotImplementedError("binding threads to cores needs Linux")
+        raise ConfigError("binding a worker's threads to cores (PLEXRL_WORKER_CPUS) needs Linux")
     before = os.sched_getaffinity(0)
     try:
         _set_every_thread(set(cpus))
