@@ -127,9 +127,10 @@ gang's order does, capped at ``turn_hold_s``: others start there meanwhile only 
 expected to end before the turn's learned return, and the order's next request, once it waits,
 takes the worker first. The order then holds with each of its requests (the episode's last
 turn, its training, the next step's first turn: its gaps after unmarked requests are learned
-apart) until a hold lapses with nothing of it running or waiting. Two orders that hold one worker (two
-agentic jobs sharing it) do not keep each other out: either's requests start there by ratio,
-and the rest only if they end before the earlier hold does.
+apart) until a hold lapses with nothing of it running or waiting; a gap is learned also when
+it outlasted the hold. Two orders that hold one worker (two agentic jobs sharing it) do not
+keep each other out: either's requests start there by ratio, and the rest only if they end
+before the earlier hold does.
 
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
