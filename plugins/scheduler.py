@@ -679,7 +679,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     request=r.request,
                     groups=r.groups,
                     arrival=now,
-                    service_s=self.estimates.service(r.deployment, r.op),
+                    service_s=self.estimates.service(
+                        r.deployment, r.op, self.registry.bytes_of(r.deployment)
+                    ),
                     order=r.order,
                     deployment=r.deployment,
                     op=r.op,
@@ -822,7 +824,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 self.dispatcher.release_worker(worker, self.requests.request_of(key), now)
                 self._touched.add(worker)
                 if finish == "memory":
-                    self.estimates.observe_service(deployment, op, now - t0)
+                    self.estimates.observe_service(
+                        deployment, op, now - t0, self.registry.bytes_of(deployment)
+                    )
                     if self.placement is not None:
                         try:
                             self.placement.record(job, op, worker, t0, now)

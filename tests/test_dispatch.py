@@ -193,7 +193,10 @@ def test_two_jobs_whose_turns_hold_one_worker_do_not_keep_each_other_out():
         d.add(turn(name, t, name[0]))
         assert names(d.decide(t)) == [name]
         d.release_worker("w0", name, t + 0.2)
-    assert d._gang_gap == {("A", True): pytest.approx(1.0), ("B", True): pytest.approx(1.0)}
+    assert d._gang_gap == {
+        ("A", ("", True)): pytest.approx(1.0),
+        ("B", ("", True)): pytest.approx(1.0),
+    }
     # held by A until 2.4 and by B until 2.6
     d.add(Request("long", (("w0",),), 1.6, 1.0, order="C", deployment="C", job="C"))
     d.add(turn("B3", 1.6, "B", s=1.0))  # ends at 2.6, past A's hold
@@ -252,6 +255,44 @@ def test_a_turn_holds_its_worker_for_the_next_turn():
         d.release_worker("w0", name, t + 0.2)
     d.add(other("long", 1.4, 1.5))
     assert names(d.decide(1.4)) == ["long"]
+
+
+def test_a_held_order_learns_its_gap_per_kind_of_request():
+    """The gap after a chain's last turn (its driver scores) and after its training (its
+    next turn is sent while the training runs: no gap) are learned apart, so while the
+    training runs another job's request that would fit the scoring gap is not queued behind
+    it (lookahead): the next turn is."""
+
+    def mine(name: str, t: float, op: str, holds: bool = False) -> Request:
+        return Request(
+            name, (("w0",),), t, 0.2, order="a", deployment="a", op=op, job="A", holds=holds
+        )
+
+    d = Dispatcher(replace(CALM, turn_hold_s=2.0, lookahead=True), workers=["w0"])
+    for step, t in ((0, 0.0), (1, 1.4)):
+        d.add(mine(f"turn{step}", t, "sample", holds=True))
+        assert names(d.decide(t)) == [f"turn{step}"]
+        d.release_worker("w0", f"turn{step}", t + 0.2)
+        d.add(mine(f"last{step}", t + 0.5, "sample"))  # its tools ran 0.3 s
+        assert names(d.decide(t + 0.5)) == [f"last{step}"]
+        d.release_worker("w0", f"last{step}", t + 0.7)
+        if step == 1:
+            d.add(Request("other", (("w0",),), 2.2, 0.45, order="b", deployment="b", job="B"))
+            assert d.decide(2.2) == []  # ends at 2.65, after the scoring gap (2.1 + 0.5)
+        d.add(mine(f"train{step}", t + 1.15, "train_step"))  # scored for 0.45 s
+        assert names(d.decide(t + 1.15)) == [f"train{step}"]  # (and not "other" behind it)
+        if step == 0:
+            d.add(mine("turn1", 1.25, "sample", holds=True))  # sent while it trains
+            assert d._gang_gap == {
+                ("a", ("sample", True)): pytest.approx(0.3),
+                ("a", ("sample", False)): pytest.approx(0.45),
+                ("a", ("train_step", False)): 0.0,
+            }
+            d.remove("turn1")
+            d.release_worker("w0", "train0", 1.35)
+    assert d.queued == {}
+    d.add(mine("turn2", 2.6, "sample", holds=True))
+    assert names(d.decide(2.6)) == ["turn2"] and d.queued == {"w0": "turn2"}
 
 
 @pytest.mark.parametrize("policy", [HRRS, FIFO], ids=["hrrs", "fifo"])
@@ -1236,6 +1277,21 @@ def test_service_estimate_starts_at_the_prior_then_follows_an_ewma():
     assert est.service("d", "step") == pytest.approx(1e-6)  # clamped above 0
     est.forget("d")
     assert est.service("d", "fb") == 1.5
+
+
+def test_an_unseen_service_is_its_bytes_at_the_rate_learned_for_its_op():
+    """A (deployment, op) not yet observed: its bytes times the seconds per byte its op took
+    on the other deployments, else any op's; the prior only without bytes or observations."""
+    est = Estimates(service_prior_s=1.0, weight=0.5)
+    assert est.service("new", "sample", 1000) == 1.0
+    est.observe_service("a", "load", 0.4, nbytes=1000)  # 4e-4 s a byte
+    assert est.service("new", "sample", 500) == pytest.approx(0.2)  # any op's rate
+    est.observe_service("a", "sample", 0.02, nbytes=1000)  # 2e-5 s a byte
+    est.observe_service("b", "sample", 0.06, nbytes=1000)  # 6e-5: EWMA 4e-5
+    assert est.service("new", "sample", 2000) == pytest.approx(0.08)
+    assert est.service("new", "train", 1000) == pytest.approx(est._rate[""] * 1000)
+    assert est.service("new", "sample") == 1.0  # bytes unknown: the prior
+    assert est.service("a", "sample", 2000) == pytest.approx(0.02)  # learned: its own
 
 
 def test_setup_estimate_per_tier_prior_then_learned_per_deployment_and_tier():

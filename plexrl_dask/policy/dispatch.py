@@ -108,7 +108,9 @@ on one of its workers holds the whole gang up, and a rank that ends before the r
 frees a worker that the gang needs again moments later. So each order of gang requests holds
 its group's free workers: while one of its requests runs, until that request is expected to
 end plus the gap its requests usually leave between an end and the next arrival (learned per
-order, a running mean, capped at ``gang_hold_s``); after it ended, until that end plus the gap;
+order and per kind of request before the gap, its op and whether it is marked ``holds``: a
+running mean, capped at ``gang_hold_s``; a request that arrives while the one before it runs
+teaches a gap of 0, as a driver that sends its next step ahead does); after it ended, until that end plus the gap;
 while its next request waits for the group (nobody else's urgent request reserved it), until
 the group's busy workers are expected to end. Another job's request that is not urgent starts
 on a held worker only if it is expected to end by then (the same test as backfilling); the
@@ -126,8 +128,9 @@ marked ``holds`` (a turn after which tools run) makes its order hold its worker 
 gang's order does, capped at ``turn_hold_s``: others start there meanwhile only if they are
 expected to end before the turn's learned return, and the order's next request, once it waits,
 takes the worker first. The order then holds with each of its requests (the episode's last
-turn, its training, the next step's first turn: its gaps after unmarked requests are learned
-apart) until a hold lapses with nothing of it running or waiting; a gap is learned also when
+turn, its training, the next step's first turn: the gap after each kind of request is
+learned apart, so that the scoring after the last turn and the next turn sent while the
+training runs each get their own) until a hold lapses with nothing of it running or waiting; a gap is learned also when
 it outlasted the hold. Two orders that hold one worker (two agentic jobs sharing it) do not
 keep each other out: either's requests start there by ratio, and the rest only if they end
 before the earlier hold does.
@@ -180,6 +183,10 @@ Group = tuple[str, ...]
 #: Orders whose hold lapsed that the dispatcher remembers, to learn the gap to their next
 #: request.
 LAPSED_KEPT = 4096
+#: What a held order's gap to its next request is learned per: the op of the request before
+#: the gap, and whether it was marked ``holds``.
+Kind = tuple[str, bool]
+NO_KIND: Kind = ("", False)
 #: A held worker's hold: until when, for which jobs and which orders.
 Hold = tuple[float, frozenset[str], frozenset[str]]
 
@@ -404,13 +411,13 @@ class Dispatcher:
         self._gang_orders: dict[str, tuple[str, Group, bool]] = {}
         self._gang_running: dict[str, str] = {}  # order -> request
         self._gang_ended: dict[str, float] = {}
-        # (learned apart after requests marked ``holds`` and after the others)
-        self._gang_gap: dict[tuple[str, bool], float] = {}
-        self._gang_kind: dict[str, bool] = {}  # order -> its running or last request holds
+        # (learned apart per kind of request before the gap: its op, and whether it holds)
+        self._gang_gap: dict[tuple[str, Kind], float] = {}
+        self._gang_kind: dict[str, Kind] = {}  # order -> kind of its running or last request
         # order -> (end, kind) of its last request, kept when its hold lapsed: the gap to its
         # next arrival is learned all the same (else a gap longer than the one learned, or
         # any gap while none is learned yet, would never be)
-        self._lapsed: dict[str, tuple[float, bool]] = {}
+        self._lapsed: dict[str, tuple[float, Kind]] = {}
 
     # --- state changes -----------------------------------------------------------------------
 
@@ -453,14 +460,14 @@ class Dispatcher:
         if last is not None and request.arrival < last:
             request = _replace_arrival(request, last)
         self._last_arrival[order] = request.arrival
-        ended, kind = self._gang_ended.pop(order, None), self._gang_kind.get(order, False)
+        ended, kind = self._gang_ended.pop(order, None), self._gang_kind.get(order, NO_KIND)
         lapsed = self._lapsed.pop(order, None)
         if ended is None and lapsed is not None:
             ended, kind = lapsed
         if ended is not None:  # (the gap from its previous request's end to this arrival)
-            gap = max(0.0, request.arrival - ended)
-            known = self._gang_gap.get((order, kind))
-            self._gang_gap[order, kind] = gap if known is None else (known + gap) / 2
+            self._learn_gap(order, kind, max(0.0, request.arrival - ended))
+        elif order in self._gang_running and not self._queues.get(order):
+            self._learn_gap(order, kind, 0.0)  # sent while the one before it ran: no gap
         setup = min(self._setup(request, g) for g in request.groups)
         e = _Entry(
             request,
@@ -534,6 +541,10 @@ class Dispatcher:
             self._free.add(worker)
             self._dirty.add(worker)
 
+    def _learn_gap(self, order: str, kind: Kind, gap: float) -> None:
+        known = self._gang_gap.get((order, kind))
+        self._gang_gap[order, kind] = gap if known is None else (known + gap) / 2
+
     def _gang_rank_ended(self, worker: str, request: str | None, now: float | None) -> None:
         running = request if request is not None else self._busy.get(worker)
         for order, rid in list(self._gang_running.items()):
@@ -582,7 +593,7 @@ class Dispatcher:
         if not cap:
             self._forget_hold(order)
             return None
-        gap = min(self._gang_gap.get((order, self._gang_kind.get(order, False)), 0.0), cap)
+        gap = min(self._gang_gap.get((order, self._gang_kind.get(order, NO_KIND)), 0.0), cap)
         rid = self._gang_running.get(order)
         if rid is not None:  # (a rank that runs past its estimate ends no earlier than now)
             ends = [self._busy_until.get(w, now) for w in group if self._busy.get(w) == rid]
@@ -599,7 +610,7 @@ class Dispatcher:
         if ended is not None and ended + gap > now:
             return ended + gap
         if ended is not None:
-            self._lapsed[order] = (ended, self._gang_kind.get(order, False))
+            self._lapsed[order] = (ended, self._gang_kind.get(order, NO_KIND))
             if len(self._lapsed) > LAPSED_KEPT:  # (orders that never came back: oldest first)
                 del self._lapsed[next(iter(self._lapsed))]
             self._forget_hold(order)
@@ -742,16 +753,18 @@ class Dispatcher:
             ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
             ranked.append(((not e.urgent, e.rank if e.urgent else (-ratio, e.seq)), e))
         hold = self._busy_hold(worker, now)
+        held = False
         for _, e in sorted(ranked, key=lambda x: x[0]):
             if (worker,) not in e.request.groups:
                 return None, True
             if hold is not None and not e.urgent and not _holds_for(hold, e.request):
                 end = max(now, self._busy_until.get(worker, now)) + e.request.service_s
                 if end + self._setup(e.request, (worker,)) > hold[0]:
-                    return None, True  # a gang holds the worker next: look again later
+                    held = True  # held for another order: the next may fit or be the holder's
+                    continue
             if self._soonest_on(e, worker, now):
                 return e, False
-        return None, False
+        return None, held  # (held: look again as time passes)
 
     def _busy_hold(self, worker: str, now: float) -> tuple[float, str, str] | None:
         """(until, job, order) of a gang's hold on busy ``worker`` once its running request ends:
@@ -1122,7 +1135,7 @@ class Dispatcher:
             self._gang_orders[order] = (e.request.job, group, turns)
             self._gang_running[order] = rid
             self._gang_ended.pop(order, None)
-            self._gang_kind[order] = e.request.holds
+            self._gang_kind[order] = (e.request.op, e.request.holds)
         self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent, tag=e.tag)
 

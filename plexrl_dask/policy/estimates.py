@@ -4,7 +4,13 @@ Both are learned from what the cluster reports, as exponentially weighted moving
 start from documented priors (``plexrl.scheduler.*``):
 
 - **service**: the wall time from release to completion of each request (the plugin observes
-  it); prior ``service-prior`` (1 s: a tiny model's step on a CPU worker).
+  it), per (deployment, op). For a (deployment, op) not yet observed, its deployment's bytes
+  times the seconds per byte learned for that op over every deployment (an op's time grows
+  with the model it runs), else over every op; before any observation with bytes, the prior
+  ``service-prior`` (1 s: a tiny model's step on a CPU worker). A flat prior made a new job's
+  first request of each op look long beside the learned times of the jobs already running:
+  short requests overtook it by response ratio for about a second each
+  (``benchmarks/RESULTS.md``, bench.agentic).
 - **setup**: making a deployment resident in HBM on a worker costs a load from the tier it is
   in there. Each residency report of a transition into HBM carries its measured ``load_s`` and
   the tier it came from (``source``): ``dram`` (a reload of offloaded state), ``nvme`` (a read
@@ -52,6 +58,7 @@ class Estimates:
     _service: dict[tuple[str, str], float] = field(default_factory=dict)
     _load: dict[tuple[str, str], float] = field(default_factory=dict)
     _bandwidth: dict[str, float] = field(default_factory=dict)
+    _rate: dict[str, float] = field(default_factory=dict)  # op ('' for any) -> s per byte
     #: Bumped by every change to a setup estimate (what cached setup costs check).
     setup_stamp: int = 0
 
@@ -67,9 +74,15 @@ class Estimates:
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.weight) * old + self.weight * new
 
-    def observe_service(self, deployment: str, op: str, seconds: float) -> None:
+    def observe_service(self, deployment: str, op: str, seconds: float, nbytes: int = 0) -> None:
+        """A request of ``op`` on ``deployment`` (``nbytes`` per worker; 0: unknown) took
+        ``seconds`` from release to completion."""
+        seconds = max(seconds, 1e-6)
         key = (deployment, op)
-        self._service[key] = self._blend(self._service.get(key), max(seconds, 1e-6))
+        self._service[key] = self._blend(self._service.get(key), seconds)
+        if nbytes > 0:
+            for k in (op, ""):
+                self._rate[k] = self._blend(self._rate.get(k), seconds / nbytes)
 
     def observe_load(self, deployment: str, source: str, seconds: float, nbytes: int = 0) -> None:
         """A measured load of ``deployment`` (``nbytes``) from tier ``source`` into HBM."""
@@ -81,8 +94,16 @@ class Estimates:
         if nbytes > 0:
             self._bandwidth[source] = self._blend(self._bandwidth.get(source), nbytes / seconds)
 
-    def service(self, deployment: str, op: str) -> float:
-        return self._service.get((deployment, op), self.service_prior_s)
+    def service(self, deployment: str, op: str, nbytes: int = 0) -> float:
+        """Expected seconds of a request of ``op`` on ``deployment`` (``nbytes`` per worker,
+        for the estimate of a pair not yet observed; see the module docstring)."""
+        learned = self._service.get((deployment, op))
+        if learned is not None:
+            return learned
+        rate = self._rate.get(op) or self._rate.get("")
+        if nbytes > 0 and rate:
+            return nbytes * rate
+        return self.service_prior_s
 
     def setup(self, deployment: str, tier: str, nbytes: int) -> float:
         """Time to make ``deployment`` (``nbytes``) resident in HBM from ``tier``."""
