@@ -1272,16 +1272,18 @@ def test_service_estimate_starts_at_the_prior_then_follows_an_ewma():
     assert est.service("d", "fb") == 3.0  # the first observation replaces the prior
     est.observe_service("d", "fb", 1.0)
     assert est.service("d", "fb") == pytest.approx(2.0)
-    assert est.service("d", "step") == 1.5 and est.service("e", "fb") == 1.5
+    assert est.service("e", "fb") == 1.5  # (and "d", "step": d's other ops, below)
+    assert est.service("d", "step") == pytest.approx(2.0)
     est.observe_service("d", "step", 0.0)
     assert est.service("d", "step") == pytest.approx(1e-6)  # clamped above 0
     est.forget("d")
     assert est.service("d", "fb") == 1.5
 
 
-def test_an_unseen_service_is_its_bytes_at_the_rate_learned_for_its_op():
+def test_an_unseen_service_is_estimated_from_its_op_elsewhere_then_its_other_ops():
     """A (deployment, op) not yet observed: its bytes times the seconds per byte its op took
-    on the other deployments, else any op's; the prior only without bytes or observations."""
+    on the other deployments; else its own other ops; else any op's seconds per byte; the
+    prior only without bytes or observations."""
     est = Estimates(service_prior_s=1.0, weight=0.5)
     assert est.service("new", "sample", 1000) == 1.0
     est.observe_service("a", "load", 0.4, nbytes=1000)  # 4e-4 s a byte
@@ -1289,9 +1291,14 @@ def test_an_unseen_service_is_its_bytes_at_the_rate_learned_for_its_op():
     est.observe_service("a", "sample", 0.02, nbytes=1000)  # 2e-5 s a byte
     est.observe_service("b", "sample", 0.06, nbytes=1000)  # 6e-5: EWMA 4e-5
     assert est.service("new", "sample", 2000) == pytest.approx(0.08)
+    assert est.service("b", "train", 1000) == pytest.approx(0.06)  # b's other ops
     assert est.service("new", "train", 1000) == pytest.approx(est._rate[""] * 1000)
+    est.observe_service("a", "train", 0.1, nbytes=1000)
+    assert est.service("b", "train", 1000) == pytest.approx(0.1)  # the op elsewhere first
     assert est.service("new", "sample") == 1.0  # bytes unknown: the prior
     assert est.service("a", "sample", 2000) == pytest.approx(0.02)  # learned: its own
+    est.forget("b")
+    assert est.service("b", "load") == 1.0
 
 
 def test_setup_estimate_per_tier_prior_then_learned_per_deployment_and_tier():

@@ -204,9 +204,27 @@ def test_without_namespaces_the_limits_and_an_own_uid_still_hold():
     assert run_call(ToolCall("py", "print('after')"), tools).output == "after\n"
 
 
+def test_a_program_runs_at_the_lower_cpu_priority_it_was_given():
+    """The call's processes (the program and whatever it starts) run ``nice`` below the
+    caller, so that model workers on the same cores keep the CPU."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    program = "import os\nprint(os.getpriority(os.PRIO_PROCESS, 0))"
+    assert PythonSandbox(SandboxLimits()).run(program) == f"{min(19, base + 10)}\n"
+    assert PythonSandbox(SandboxLimits(nice=0)).run(program) == f"{base}\n"
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # (the caller's own is unchanged)
+    if os.path.exists("/proc/self/autogroup"):  # (the kernel groups by session: its group's)
+        with open("/proc/self/autogroup") as f:
+            own = int(f.read().split()[-1])
+        group = "print(open('/proc/self/autogroup').read().split()[-1])"
+        assert PythonSandbox(SandboxLimits()).run(group) == f"{min(19, own + 10)}\n"
+
+
 def test_bad_limits_and_modes_are_typed():
     with pytest.raises(errors.ConfigError):
         SandboxLimits(wall_s=0)
+    for nice in (-1, 20, 2.5, True):
+        with pytest.raises(errors.ConfigError):
+            SandboxLimits(nice=nice)
     with pytest.raises(errors.ConfigError):
         PythonSandbox(mode="docker")
     with pytest.raises(errors.ToolLimitExceeded):

@@ -4,9 +4,10 @@ Both are learned from what the cluster reports, as exponentially weighted moving
 start from documented priors (``plexrl.scheduler.*``):
 
 - **service**: the wall time from release to completion of each request (the plugin observes
-  it), per (deployment, op). For a (deployment, op) not yet observed, its deployment's bytes
-  times the seconds per byte learned for that op over every deployment (an op's time grows
-  with the model it runs), else over every op; before any observation with bytes, the prior
+  it), per (deployment, op). For a (deployment, op) not yet observed, the first of: its
+  deployment's bytes times the seconds per byte learned for that op over every deployment (an
+  op's time grows with the model it runs); the deployment's other ops (their running mean:
+  one job's steps are of one size); its bytes at the seconds per byte of every op; the prior
   ``service-prior`` (1 s: a tiny model's step on a CPU worker). A flat prior made a new job's
   first request of each op look long beside the learned times of the jobs already running:
   short requests overtook it by response ratio for about a second each
@@ -59,6 +60,7 @@ class Estimates:
     _load: dict[tuple[str, str], float] = field(default_factory=dict)
     _bandwidth: dict[str, float] = field(default_factory=dict)
     _rate: dict[str, float] = field(default_factory=dict)  # op ('' for any) -> s per byte
+    _of_deployment: dict[str, float] = field(default_factory=dict)  # any of its ops
     #: Bumped by every change to a setup estimate (what cached setup costs check).
     setup_stamp: int = 0
 
@@ -80,6 +82,7 @@ class Estimates:
         seconds = max(seconds, 1e-6)
         key = (deployment, op)
         self._service[key] = self._blend(self._service.get(key), seconds)
+        self._of_deployment[deployment] = self._blend(self._of_deployment.get(deployment), seconds)
         if nbytes > 0:
             for k in (op, ""):
                 self._rate[k] = self._blend(self._rate.get(k), seconds / nbytes)
@@ -100,9 +103,12 @@ class Estimates:
         learned = self._service.get((deployment, op))
         if learned is not None:
             return learned
-        rate = self._rate.get(op) or self._rate.get("")
-        if nbytes > 0 and rate:
-            return nbytes * rate
+        if nbytes > 0 and op in self._rate:
+            return nbytes * self._rate[op]
+        if deployment in self._of_deployment:
+            return self._of_deployment[deployment]
+        if nbytes > 0 and "" in self._rate:
+            return nbytes * self._rate[""]
         return self.service_prior_s
 
     def setup(self, deployment: str, tier: str, nbytes: int) -> float:
@@ -117,6 +123,7 @@ class Estimates:
 
     def forget(self, deployment: str) -> None:
         self.setup_stamp += 1
+        self._of_deployment.pop(deployment, None)
         for table in (self._load, self._service):
             for key in [k for k in table if k[0] == deployment]:
                 del table[key]
