@@ -22,6 +22,11 @@ agentic job (mean reward of its first and last 5 steps), ``reward_trajectories_i
 multiplexed), ``prefix_cache_hit_rate`` (the cheapest pool's turn prompts: tokens a replica's
 prefix cache held ÷ their tokens; :mod:`plexrl_dask.worker.prefix_cache`; ``prefix_cache``
 has the counts), and
+``longest_job_tool_s_ratio`` (the longest job's tool seconds, summed over its calls that ran,
+in the cheapest pool ÷ colocated: the same calls, slower where they share the cores with a busy
+model worker), ``cpu_s`` (CPU seconds each layout's run took, colocated and the cheapest pool:
+the model workers, the tool workers with their sandboxes, and this process, which is the driver
+of every job and the local cluster's scheduler), and
 ``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
 sandbox in the same run, an escape being a file written outside it, a connection made, a
 process it left running, a program that ran past its limits unstopped, or one that read what
@@ -38,6 +43,7 @@ the warm-up and steps).
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import tempfile
 import threading
@@ -101,10 +107,11 @@ def main() -> None:
         for mode in MODES:
             for layout in layouts(mode, len(workers)):
                 t0 = time.perf_counter()
-                before = prefix_totals(client)
+                before, cpu = prefix_totals(client), cpu_seconds(client, tools)
                 run = run_mode(runtime, specs, layout, checkpoints, workers)
-                after = prefix_totals(client)
+                after, cpu_after = prefix_totals(client), cpu_seconds(client, tools)
                 run.extra["prefix_cache"] = {k: after[k] - before[k] for k in after}
+                run.extra["cpu_s"] = {k: cpu_after[k] - cpu[k] for k in cpu}
                 runs.append(run)
                 s = run.ledger.summary()
                 console.print(
@@ -146,6 +153,11 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
         "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
         "colocated_wall_s": {j.job: j.wall_s for j in colocated.jobs},
+        "longest_job_tool_s_ratio": tool_seconds(mux, longest)
+        / tool_seconds(best["colocated"], longest)
+        if tool_seconds(best["colocated"], longest)
+        else None,
+        "cpu_s": {m: best[m].extra["cpu_s"] for m in ("colocated", "multiplexed")},
         "tool_calls": sum(e.get("tool_calls", 0) for e in episodes.values()),
         "tool_runs": len(tool_s),
         "turns_p50": percentile(turns, 0.5) if turns else None,
@@ -164,6 +176,29 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "best_layout": {m: r.layout.label for m, r in best.items()},
         "layouts": [{"layout": r.layout.label, **r.ledger.summary()} for r in runs],
     }
+
+
+def tool_seconds(run: ModeRun, job: str) -> float:
+    """``job``'s tool seconds in ``run``, summed over its calls that ran (0: none)."""
+    return sum(run.extra.get("episodes", {}).get(job, {}).get("tool_s", []))
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds and its ended children's (a tool worker's sandboxes)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def cpu_seconds(client: Client, tools: set[str]) -> dict[str, float]:
+    """CPU seconds so far: the model workers', the tool workers' (with their sandboxes) and
+    this process's (the jobs' drivers and, in a local cluster, the scheduler)."""
+    out = {"model_workers": 0.0, "tool_workers": 0.0, "driver_and_scheduler": _cpu_seconds()}
+    for addr, seconds in client.run(_cpu_seconds).items():
+        out["tool_workers" if addr in tools else "model_workers"] += seconds
+    return out
 
 
 def _holder_prefix_totals(dask_worker: Any) -> dict[str, int]:
