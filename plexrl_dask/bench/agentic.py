@@ -27,6 +27,9 @@ in the cheapest pool ÷ colocated: the same calls, slower where they share the c
 model worker), ``cpu_s`` (CPU seconds each layout's run took, colocated and the cheapest pool:
 the model workers, the tool workers with their sandboxes, and this process, which is the driver
 of every job and the local cluster's scheduler), and
+``paired_cost_ratios`` and their ``paired_cost_ratio_median`` (the cheapest colocated and
+pooled layouts run again back to back, ``--pairs`` times: the first figure's spread on this
+machine; a diagnostic, not the target's definition), and
 ``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
 sandbox in the same run, an escape being a file written outside it, a connection made, a
 process it left running, a program that ran past its limits unstopped, or one that read what
@@ -36,8 +39,8 @@ On 2 cores the tool worker's interpreters share the cores with the model workers
 driver: a pool, whose workers are busy while tools run, pays for that more than an isolated
 job, whose idle worker leaves a core to the tools. Clusters run tools on other machines.
 
-Run: ``python -m plexrl_dask.bench.agentic --json OUT [--quick]`` (``--quick``: a quarter of
-the warm-up and steps).
+Run: ``python -m plexrl_dask.bench.agentic --json OUT [--quick] [--pairs N]`` (``--quick``: a
+quarter of the warm-up and steps, one pair).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from distributed import Client
 from rich.console import Console
 
 import plexrl_dask as plexrl
-from plexrl_dask.bench.common import parser, report
+from plexrl_dask.bench.common import median, parser, report
 from plexrl_dask.rl.catalog import agentic_jobs
 from plexrl_dask.rl.ledger import cost_ratio, longest_job_bound, percentile
 from plexrl_dask.rl.modes import (
@@ -86,7 +89,15 @@ SUITE_LIMITS = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=None, help="model workers (default: the cores)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="rerun the cheapest colocated and pooled layouts in turn this often (default 4; "
+        "--quick: 1)",
+    )
     args = p.parse_args()
+    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 4)
     console = Console()
     workers_n = args.workers or os.cpu_count() or 1
     specs = agentic_jobs(0.25 if args.quick else 1.0)
@@ -118,16 +129,47 @@ def main() -> None:
                     f"{layout.label}: cost {s['cost_worker_seconds']:.1f} worker-s, idle "
                     f"{s['idle_fraction']:.2f} ({time.perf_counter() - t0:.0f}s)"
                 )
+        paired = paired_ratios(runtime, specs, runs, checkpoints, workers, pairs, console)
         suite = hostile_suite(client, Path(tmp))
     results = summarise(runs, specs, suite)
+    results["paired_cost_ratios"] = paired
+    results["paired_cost_ratio_median"] = median(paired) if paired else None
     config = {
         "jobs": [s.describe() for s in specs],
         "workers": workers_n,
         "tool_workers": 1,
         "quick": args.quick,
+        "pairs": pairs,
         "sandbox_isolation": isolation(),
     }
     report("agentic", results, TARGETS, config, args.json)
+
+
+def paired_ratios(
+    runtime: plexrl.Runtime,
+    specs: list[Any],
+    runs: list[ModeRun],
+    checkpoints: dict[str, dict[str, Any]],
+    workers: list[str],
+    pairs: int,
+    console: Console,
+) -> list[float]:
+    """The cheapest pool's cost ÷ the cheapest colocated layout's, each pair of the two run
+    again back to back (``pairs`` times): on a machine whose speed drifts between the sweep's
+    layouts, the spread of ratios measured moments apart."""
+    best = cheapest(runs, ("colocated", "multiplexed"))
+    if len(best) < 2:
+        return []
+    out = []
+    for i in range(pairs):
+        pair = [
+            run_mode(runtime, specs, best[m].layout, checkpoints, workers)
+            for m in ("colocated", "multiplexed")
+        ]
+        costs = [r.ledger.summary()["cost_worker_seconds"] for r in pair]
+        out.append(costs[1] / costs[0])
+        console.print(f"pair {i + 1}/{pairs}: colocated {costs[0]:.1f}, pool {costs[1]:.1f}")
+    return out
 
 
 def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> dict[str, Any]:
