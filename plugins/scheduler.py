@@ -679,9 +679,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     request=r.request,
                     groups=r.groups,
                     arrival=now,
-                    service_s=self.estimates.service(
-                        r.deployment, r.op, self.registry.bytes_of(r.deployment)
-                    ),
+                    service_s=self.service_estimate(r.deployment, r.op),
                     order=r.order,
                     deployment=r.deployment,
                     op=r.op,
@@ -696,6 +694,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             )
             r.admitted = True
             self._touched.update(w for g in r.groups for w in g)  # their predictions may change
+
+    def service_estimate(self, deployment: str, op: str) -> float:
+        """Expected seconds of a request of ``op`` on ``deployment`` (learned; for a pair
+        not yet seen, from its bytes: :class:`~plexrl_dask.policy.estimates.Estimates`)."""
+        return self.estimates.service(deployment, op, self.registry.bytes_of(deployment))
 
     def _dispatch(self) -> None:
         """Admit what became ready, release what the policy core picks (all ranks of a request

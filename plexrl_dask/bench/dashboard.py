@@ -129,7 +129,7 @@ def add_request(plexrl: Any, name: str, deployment: str, op: str, job: str, arri
             request=name,
             groups=groups,
             arrival=arrival,
-            service_s=plexrl.estimates.service(deployment, op),
+            service_s=plexrl.service_estimate(deployment, op),
             order=pending.order,
             deployment=deployment,
             op=op,
