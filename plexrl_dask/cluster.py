@@ -134,8 +134,15 @@ def _add_tool_workers(
         cluster.close()
         raise ConfigError(f"plexrl.local-cluster.tool-threads must be >= 1, got {threads}")
     options = dict(cluster.new_spec["options"])
-    options.pop("node_workers", None)  # (tool workers float over every core)
+    options.pop("node_workers", None)  # (not GPU workers: never bound as such)
     options["nthreads"] = threads
+    try:
+        cpus = tool_cpus(processes)
+    except ConfigError:
+        cluster.close()
+        raise
+    if cpus is not None:
+        options["env"] = {**(options.get("env") or {}), CPUS_ENV: ",".join(map(str, cpus))}
     options["resources"] = {k: v for k, v in (options.get("resources") or {}).items() if k != gpu}
     for i in range(count):
         cluster.worker_spec[f"tool-{i}"] = {
@@ -147,6 +154,29 @@ def _add_tool_workers(
     except BaseException:
         cluster.close()
         raise
+
+
+def tool_cpus(processes: bool = True) -> list[int] | None:
+    """The cores ``plexrl.local-cluster.tool-cpus`` gives the local tool workers (None: they
+    float). :class:`~plexrl_dask.errors.ConfigError` for a list that does not parse, cores
+    this process may not use, or a cluster of threads (binding would bind the caller)."""
+    listed = config.get("local-cluster.tool-cpus")
+    if listed is None:
+        return None
+    try:
+        cpus = parse_cpus(str(listed))
+    except ConfigError as e:
+        raise ConfigError(f"plexrl.local-cluster.tool-cpus: {e}") from e
+    if not hasattr(os, "sched_getaffinity"):
+        raise ConfigError("plexrl.local-cluster.tool-cpus needs Linux")
+    if not set(cpus) <= os.sched_getaffinity(0):
+        raise ConfigError(
+            f"plexrl.local-cluster.tool-cpus {listed!r}: not among this process's cores "
+            f"{sorted(os.sched_getaffinity(0))}"
+        )
+    if not processes:
+        raise ConfigError("plexrl.local-cluster.tool-cpus binds worker processes: processes=True")
+    return cpus
 
 
 class PlexRLLocalCluster(LocalCluster):

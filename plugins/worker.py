@@ -9,7 +9,8 @@ the interval of Dask's profiler (``plexrl.worker.profile-interval``), adds the
 other nodes (:mod:`plexrl_dask.state_store.peer`) and the handler of the scheduler's prefetch
 hints (passed to the holder), and announces the worker on the ``plexrl-worker`` topic; the
 scheduler plugin answers by creating the worker's :class:`ReplicaHolder` actor. Workers
-without the GPU resource are left alone.
+without the GPU resource (tool workers) only have their threads bound, where their launcher
+chose cores for them (``plexrl.local-cluster.tool-cpus``).
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ class PlexRLWorkerPlugin(WorkerPlugin):
         # Tool workers too: an agentic turn's tool call is a request/reply chain like any other.
         config.tune_batched_send(getattr(worker, "batched_stream", None))
         cfg = WorkerConfig.from_dask_config()
-        if worker.state.total_resources.get(cfg.gpu_resource, 0) < 1:
-            return
         # (The engine loads here, on the worker; the scheduler imports this class to register
         # it and never loads torch or Zarr.)
+        self.cpus = _bind_cpus()  # (a tool worker's too, where its launcher gave it cores)
+        if worker.state.total_resources.get(cfg.gpu_resource, 0) < 1:
+            return
         engine.device.fix_threads(cfg.torch_threads)
-        self.cpus = _bind_cpus()
         peer = engine.stores.peer
         profiler = worker.periodic_callbacks.get("profile")
         self._profile_ms = None  # Dask's own interval, restored by teardown

@@ -15,6 +15,8 @@ from distributed import Client
 import plexrl_dask as plexrl
 from plexrl_dask import cluster
 from plexrl_dask.errors import ConfigError, SchedulerNotStarted
+from plexrl_dask.tools import PythonSandbox, ToolCall, ToolPool
+from plexrl_dask.tools.pool import tool_workers
 
 
 def _cuda_env() -> str | None:
@@ -111,6 +113,32 @@ def test_local_workers_run_on_cores_of_their_own_and_the_setting_turns_it_off():
         Client(c, set_as_default=False) as client,
     ):
         assert list(client.run(_cores).values()) == [cores]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores here")
+def test_tool_workers_and_their_sandboxes_run_on_the_cores_given_them():
+    """``plexrl.local-cluster.tool-cpus`` binds the tool workers, and the programs they
+    sandbox inherit it; a list that does not parse or is not this machine's is a typed error
+    before any worker starts."""
+    cores = sorted(os.sched_getaffinity(0))
+    with (
+        dask.config.set({"plexrl.local-cluster.tool-cpus": str(cores[0])}),
+        plexrl.local_cluster(n_workers=1, tool_workers=1) as c,
+        Client(c, set_as_default=False) as client,
+    ):
+        tools = set(tool_workers(client))
+        seen = client.run(_cores)
+        assert [seen[t] for t in tools] == [[cores[0]]]
+        assert [v for w, v in seen.items() if w not in tools] == [[cores[-1]]]
+        program = "import os\nprint(sorted(os.sched_getaffinity(0)))"
+        [result] = ToolPool(client, {"py": PythonSandbox()}).run([ToolCall("py", program)], 10.0)
+        assert result.output == f"[{cores[0]}]\n"
+    for bad in ("banana", "4096"):
+        with (
+            dask.config.set({"plexrl.local-cluster.tool-cpus": bad}),
+            pytest.raises(ConfigError, match="tool-cpus"),
+        ):
+            plexrl.local_cluster(n_workers=1, tool_workers=1)
 
 
 def test_a_bad_core_list_leaves_the_worker_unbound_and_serving():

@@ -39,8 +39,10 @@ On 2 cores the tool worker's interpreters share the cores with the model workers
 driver: a pool, whose workers are busy while tools run, pays for that more than an isolated
 job, whose idle worker leaves a core to the tools. Clusters run tools on other machines.
 
-Run: ``python -m plexrl_dask.bench.agentic --json OUT [--quick] [--pairs N]`` (``--quick``: a
-quarter of the warm-up and steps, one pair).
+Run: ``python -m plexrl_dask.bench.agentic --json OUT [--quick] [--pairs N] [--tool-cpus LIST]``
+(``--quick``: a quarter of the warm-up and steps, one pair; ``--tool-cpus``: the tool worker
+and its sandboxes bound to those cores, as tools on machines of their own; by default they
+float over the cores the model workers use).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import dask
 from distributed import Client
 from rich.console import Console
 
@@ -96,12 +99,19 @@ def main() -> None:
         help="rerun the cheapest colocated and pooled layouts in turn this often (default 4; "
         "--quick: 1)",
     )
+    p.add_argument(
+        "--tool-cpus",
+        default=None,
+        help="bind the tool worker and its sandboxes to these cores (e.g. 0), as tools on "
+        "machines of their own (plexrl.local-cluster.tool-cpus; default: they float)",
+    )
     args = p.parse_args()
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 4)
     console = Console()
     workers_n = args.workers or os.cpu_count() or 1
     specs = agentic_jobs(0.25 if args.quick else 1.0)
     with (
+        dask.config.set({"plexrl.local-cluster.tool-cpus": args.tool_cpus}),
         tempfile.TemporaryDirectory(prefix="plexrl-bench-agentic-") as tmp,
         plexrl.local_cluster(n_workers=workers_n, tool_workers=1) as cluster,
         Client(cluster) as client,
@@ -140,6 +150,7 @@ def main() -> None:
         "tool_workers": 1,
         "quick": args.quick,
         "pairs": pairs,
+        "tool_cpus": args.tool_cpus,
         "sandbox_isolation": isolation(),
     }
     report("agentic", results, TARGETS, config, args.json)
