@@ -71,8 +71,9 @@ def local_cluster(
 
     ``tool_workers`` (default ``plexrl.local-cluster.tool-workers``) more workers without the
     GPU resource run agentic jobs' tool calls (:mod:`plexrl_dask.tools.pool`), named
-    ``tool-0``, ..., each with ``plexrl.local-cluster.tool-threads`` threads (calls at once);
-    a later ``cluster.scale(n)`` counts them among its workers.
+    ``tool-0``, ..., each with ``plexrl.local-cluster.tool-threads`` threads (calls at once)
+    and bound to the cores ``plexrl.local-cluster.tool-cpus`` lists, if it does
+    (:func:`tool_cpus`); a later ``cluster.scale(n)`` counts them among its workers.
     """
     gpu = str(config.get("worker.gpu-resource"))
     resources = {gpu: 1, **kwargs.pop("resources", {})}
@@ -85,6 +86,7 @@ def local_cluster(
         tool_workers = int(config.get("local-cluster.tool-workers"))
     if isinstance(tool_workers, bool) or not isinstance(tool_workers, int) or tool_workers < 0:
         raise ConfigError(f"tool_workers is a count >= 0, got {tool_workers!r}")
+    tool_cores = tool_cpus(processes) if tool_workers else None  # (checked before any starts)
     if threads_per_worker is None:
         threads_per_worker = int(config.get("local-cluster.threads-per-worker"))
     # Dask sets MALLOC_TRIM_THRESHOLD_ in worker processes; an explicit threshold turns off
@@ -120,15 +122,21 @@ def local_cluster(
         )
         if tool_workers:
             threads = int(config.get("local-cluster.tool-threads"))
-            _add_tool_workers(cluster, tool_workers, gpu, processes, threads)
+            _add_tool_workers(cluster, tool_workers, gpu, processes, threads, tool_cores)
         return cluster
 
 
 def _add_tool_workers(
-    cluster: LocalCluster, count: int, gpu: str, processes: bool, threads: int
+    cluster: LocalCluster,
+    count: int,
+    gpu: str,
+    processes: bool,
+    threads: int,
+    cpus: list[int] | None = None,
 ) -> None:
     """``count`` workers like the cluster's others but without the GPU resource (plain
-    nannies: no GPU to choose), each running ``threads`` calls at once."""
+    nannies: no GPU to choose), each running ``threads`` calls at once, bound to ``cpus``
+    (:func:`tool_cpus`; None: floating)."""
 
     if threads < 1:
         cluster.close()
@@ -136,11 +144,6 @@ def _add_tool_workers(
     options = dict(cluster.new_spec["options"])
     options.pop("node_workers", None)  # (not GPU workers: never bound as such)
     options["nthreads"] = threads
-    try:
-        cpus = tool_cpus(processes)
-    except ConfigError:
-        cluster.close()
-        raise
     if cpus is not None:
         options["env"] = {**(options.get("env") or {}), CPUS_ENV: ",".join(map(str, cpus))}
     options["resources"] = {k: v for k, v in (options.get("resources") or {}).items() if k != gpu}
