@@ -194,6 +194,7 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
     turns = [t for e in episodes.values() for t in e["turns"]]
     tool_s = [t for e in episodes.values() for t in e["tool_s"]]
     agentic = [s.name for s in specs if is_agentic(s.task)]
+    alone_tool_s = tool_seconds(best["colocated"], longest)
     return {
         "cost_ratio_vs_colocated": cost_ratio(mux.ledger, best["colocated"].ledger),
         "cost_ratio_vs_split_async": cost_ratio(mux.ledger, best["split-async"].ledger)
@@ -206,9 +207,8 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
         "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
         "colocated_wall_s": {j.job: j.wall_s for j in colocated.jobs},
-        "longest_job_tool_s_ratio": tool_seconds(mux, longest)
-        / tool_seconds(best["colocated"], longest)
-        if tool_seconds(best["colocated"], longest)
+        "longest_job_tool_s_ratio": tool_seconds(mux, longest) / alone_tool_s
+        if alone_tool_s
         else None,
         "cpu_s": {m: best[m].extra["cpu_s"] for m in ("colocated", "multiplexed")},
         "tool_calls": sum(e.get("tool_calls", 0) for e in episodes.values()),

@@ -261,8 +261,10 @@ def _lower_priority(proc: subprocess.Popen, nice: int) -> None:
         pass  # no autogroups here (or it ended): the process's nice is what counts
 
 
+@functools.cache
 def _autogroup_nice() -> int:
-    """This process's scheduling group's nice (0 where the kernel has no autogroups)."""
+    """This process's scheduling group's nice (0 where the kernel has no autogroups); read
+    once: what each call's group is set relative to."""
     try:
         with open("/proc/self/autogroup") as f:
             return int(f.read().split()[-1])
