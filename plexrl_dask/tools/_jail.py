@@ -22,7 +22,7 @@ import sys
 
 #: The limits given as integers (the rest: ``uid`` an integer or empty for none,
 #: ``private_mounts`` 0 or 1, ``workdir`` a path).
-INTEGERS = ("cpu_s", "memory_bytes", "file_bytes", "processes", "code_bytes")
+INTEGERS = ("cpu_s", "memory_bytes", "file_bytes", "processes", "code_bytes", "nice")
 
 
 def parse(args: list) -> dict:
@@ -37,6 +37,9 @@ def parse(args: list) -> dict:
 
 def main() -> None:
     limits = parse(sys.argv[1:])
+    # (first: the program and whatever it starts inherit it; raising one's nice needs no right)
+    if limits["nice"] > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setpriority(os.PRIO_PROCESS, 0, limits["nice"])
     code = sys.stdin.buffer.read(limits["code_bytes"] + 1)
     if len(code) > limits["code_bytes"]:
         fail(f"a program has at most {limits['code_bytes']} bytes")

@@ -150,7 +150,10 @@ class PythonSandbox:
             # (run by root, in either mode, the program drops to a uid slot of its own)
             slot = stack.enter_context(_uid_slot(self.limits)) if os.geteuid() == 0 else 0
             limits = {
-                **{k: v for k, v in asdict(self.limits).items() if k != "nice"},
+                **asdict(self.limits),
+                # (the niceness the jail sets for itself first, so that whatever it starts
+                # inherits it: set from here, after the start, it raced the jail's fork)
+                "nice": min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.limits.nice),
                 # (empty: not run by root, so no uid to drop to: in a user namespace its root
                 # is the caller, who may not take another uid)
                 "uid": self.limits.uid_base + slot if os.geteuid() == 0 else "",
@@ -241,19 +244,14 @@ def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
 
 
 def _lower_priority(proc: subprocess.Popen, nice: int) -> None:
-    """Lower the started call's CPU priority by ``nice``, as it starts (``unshare``, the jail
-    and the program are its descendants and inherit it; the few instructions before are the
-    caller's; not through ``preexec_fn``, which is not safe in a threaded worker). Its own
-    session is its own scheduling group where the kernel groups by session (autogroup,
-    Linux's default on desktops and many servers): a process's nice then weighs only within
-    its group, so the group's is set as well."""
+    """Lower the started call's scheduling group by ``nice``. The jail lowers its own
+    process's priority before it starts the program; but its own session is its own
+    scheduling group where the kernel groups by session (autogroup, Linux's default on
+    desktops and many servers): a process's nice then weighs only within its group, so the
+    group's is set as well. The group exists from the start (``setsid`` precedes ``exec``) and
+    every process of the session shares it, so setting it after the start misses none."""
     if not nice:
         return
-    # (it ended already, or may not be lowered here: it runs at the caller's)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.setpriority(
-            os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        )
     try:
         with open(f"/proc/{proc.pid}/autogroup", "w") as f:
             f.write(str(min(19, _autogroup_nice() + nice)))
