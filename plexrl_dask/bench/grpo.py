@@ -30,10 +30,7 @@ thread everywhere, and no tokenizer pool (as a PlexRL worker runs: ``fix_threads
   after both arms in turn, the same runtime arm on a one-worker cluster whose worker floats
   over every core: ``step_rate_unbound_vs_in_process`` and ``bound_vs_unbound_step_rate`` (bound ÷
   unbound, the summed step times as above; per job ``bound_vs_unbound_step_rate_<job>``).
-  The in-process arm floats: bound to one core it ran slower here. On the bound worker, in
-  turn with the default arm, the same job sending one step per request
-  (``plexrl.grpo.steps-per-request: 1``): ``step_rate_one_per_request_vs_in_process``, and
-  ``steps_per_request_speedup`` (its summed step times ÷ the default's).
+  The in-process arm floats: bound to one core it ran slower here.
 - ``round_trips_per_step``: request/reply calls the driver's client made to the scheduler
   (counted by wrapping ``client.scheduler``: handler calls and result fetches) per
   steady-state step of the first job's first runtime run (the steps after the first and
@@ -53,9 +50,7 @@ thread everywhere, and no tokenizer pool (as a PlexRL worker runs: ``fix_threads
   deployments, weights; processes, backends) is outside both (target ≤ 1.0).
   The pool's two workers float over the two cores (``local_cluster`` binds workers only
   where they leave a core to spare). ``pool_records_equal``: every job's records are the
-  same in every arm. ``pool_one_per_request_vs_parallel_processes``: the pool again, each
-  job sending one step per request (a job sends several only once its worker is its own:
-  here once the job beside it has ended), in turn with the default pool. Where the pool's CPU
+  same in both arms. Where the pool's CPU
   went (the repetition of the median wall): ``pool_driver_cpu_s`` (the driver's process: its
   jobs' threads, its client and the ``local_cluster``'s scheduler, all on the same two cores),
   ``pool_worker_cpu_s`` and ``pool_worker_busy_s`` (each worker's CPU seconds, and the seconds
@@ -361,9 +356,7 @@ def step_rates(
     """``step_rate_vs_in_process`` (and each job's), ``records_equal`` and the round trips
     of the first job's first runtime run; the same runtime arm on a worker left unbound
     (``plexrl.local-cluster.bind-cpus`` off), its cluster before or after the bound one's
-    in turn: ``step_rate_unbound_vs_in_process`` and ``bound_vs_unbound_step_rate``; and
-    on the bound worker, in turn with the default, the job sending one step per request:
-    ``step_rate_one_per_request_vs_in_process`` and ``steps_per_request_speedup``."""
+    in turn: ``step_rate_unbound_vs_in_process`` and ``bound_vs_unbound_step_rate``."""
     rates: dict[tuple[str, str], list[float]] = {}
     records: dict[tuple[str, str], list[list[StepRecord]]] = {}
     trips = None
@@ -373,17 +366,11 @@ def step_rates(
                 cluster = plexrl.local_cluster(n_workers=1)
             with cluster, Client(cluster) as client:
                 for spec in specs:  # (arms alternated, job by job)
-                    # bound: the default, and one step per request, in turn
-                    arms = [("runtime", None), ("one_per_request", 1)]
-                    arms = (arms if rep % 2 == 0 else arms[::-1]) if bound else [("unbound", None)]
-                    for arm, k in arms:
-                        with dask.config.set({"plexrl.grpo.steps-per-request": k} if k else {}):
-                            rate, got, counted = runtime_run(
-                                client, spec, weights[spec.name], steps
-                            )
-                        rates.setdefault((spec.name, arm), []).append(rate)
-                        records.setdefault((spec.name, arm), []).append(got)
-                        trips = trips or (counted if arm == "runtime" else None)
+                    arm = "runtime" if bound else "unbound"
+                    rate, got, counted = runtime_run(client, spec, weights[spec.name], steps)
+                    rates.setdefault((spec.name, arm), []).append(rate)
+                    records.setdefault((spec.name, arm), []).append(got)
+                    trips = trips or (counted if bound else None)
                     if bound:
                         rate, got = in_process_run(spec, weights[spec.name], steps)
                         rates.setdefault((spec.name, "in_process"), []).append(rate)
@@ -396,7 +383,7 @@ def step_rates(
     # A step of each job, one after another: the ratio of the summed step times.
     step_s = {
         arm: sum(1 / rate[s.name, arm] for s in specs)
-        for arm in ("runtime", "in_process", "unbound", "one_per_request")
+        for arm in ("runtime", "in_process", "unbound")
     }
     return {
         "step_rate_vs_in_process": step_s["in_process"] / step_s["runtime"],
@@ -406,8 +393,6 @@ def step_rates(
             for s in specs
         },
         "step_rate_unbound_vs_in_process": step_s["in_process"] / step_s["unbound"],
-        "step_rate_one_per_request_vs_in_process": step_s["in_process"] / step_s["one_per_request"],
-        "steps_per_request_speedup": step_s["one_per_request"] / step_s["runtime"],
         "bound_vs_unbound_step_rate": step_s["unbound"] / step_s["runtime"],
         **{
             f"bound_vs_unbound_step_rate_{s.name}": rate[s.name, "runtime"]
@@ -572,25 +557,19 @@ def main() -> None:
     # The pool is placed by a profile (as PlexRL's placement profiles a job's first steps):
     # each job's measured seconds per step in process. The processes' pairs are the mix's.
     profile = {s.name: 1 / results[f"steps_per_s_in_process_{s.name}"] for s in specs}
-    walls: dict[str, list[float]] = {"pool": [], "processes": [], "pool_one_per_request": []}
+    walls: dict[str, list[float]] = {"pool": [], "processes": []}
     where: list[dict[str, Any]] = []
     same = True
     for _ in range(1 if args.quick else 3):  # (arms alternated)
         wall, pooled, spent = pool(specs, weights, 2, profile)
         walls["pool"].append(wall)
         where.append(spent)
-        with dask.config.set({"plexrl.grpo.steps-per-request": 1}):
-            wall, one, _ = pool(specs, weights, 2, profile)
-        walls["pool_one_per_request"].append(wall)
-        same = same and all(_same(pooled[s.name], one[s.name]) for s in specs)
         timeout = config.request_timeout() * pool_steps * len(specs)
         wall, alone = parallel_processes(pairs, weights, timeout)
         walls["processes"].append(wall)
         same = same and all(_same(pooled[s.name], alone[s.name]) for s in specs)
     results.update(
         pool_vs_parallel_processes=median(walls["pool"]) / median(walls["processes"]),
-        pool_one_per_request_vs_parallel_processes=median(walls["pool_one_per_request"])
-        / median(walls["processes"]),
         pool_wall_s=median(walls["pool"]),
         parallel_processes_wall_s=median(walls["processes"]),
         pool_records_equal=same,
