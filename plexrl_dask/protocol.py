@@ -25,9 +25,6 @@ from __future__ import annotations
 ANNOTATION = "plexrl"
 #: A worker address that never exists: restricting a task to it parks it in ``no-worker``.
 PARKED = "plexrl-parked://nowhere"
-#: The most GRPO steps one request may carry (``sample_train_steps``; its annotation's
-#: ``steps``): a request never holds a worker for longer.
-MAX_STEPS_PER_REQUEST = 16
 
 # --- scheduler handlers (the scheduler plugin's, plugins/scheduler.py) ----------------------
 

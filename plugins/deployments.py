@@ -365,25 +365,7 @@ class DeploymentRegistry:
     def relocations(self, owner: str) -> dict[str, Any]:
         """``owner``'s deployments placed outside its node group while the group has room for
         them: ``{"status": "OK", "moves": [{"name", "uid", "modified", "workers", "group"}]}``
-        (empty without placement, while the job waits, or for deployments given workers);
-        and ``"shared"``: the names of ``owner``'s deployments one of whose workers another
-        owner's deployment is placed on or may be placed on (a job alone on its workers may
-        send several steps per request: ``GRPOJob``'s ``steps_per_request``)."""
-        return {"status": "OK", "moves": self._moves(owner), "shared": self._shared(owner)}
-
-    def _shared(self, owner: str) -> list[str]:
-        others: set[str] = set()
-        for info in self.deployments.values():
-            if info.owner != owner:
-                others.update(info.workers)
-                others.update(info.candidates or ())
-        return sorted(
-            info.name
-            for info in self.deployments.values()
-            if info.owner == owner and others.intersection(info.workers)
-        )
-
-    def _moves(self, owner: str) -> list[dict[str, Any]]:
+        (empty without placement, while the job waits, or for deployments given workers)."""
         moves = []
         for info in self.deployments.values():
             if info.owner != owner or info.candidates is not None or info.state != "placed":
@@ -399,7 +381,7 @@ class DeploymentRegistry:
                         "group": list(group),
                     }
                 )
-        return moves
+        return {"status": "OK", "moves": moves}
 
     def relocate(self, name: str, uid: str, job: str | None = None) -> dict[str, Any]:
         """Move idle deployment ``name`` (incarnation ``uid``, as ``relocations`` listed it)

@@ -123,15 +123,10 @@ class LivePlacement:
         assert self.placer is not None
         return tuple(w for w in self.placer.group_of(job).gpus if w in live)
 
-    def record(
-        self, job: str, op: str, worker: str, start: float, end: float, iterations: int = 1
-    ) -> None:
-        """A request of ``job`` completed (``iterations``: the steps it carried, for an op
-        that is whole iterations); profile the job once its trace is recorded."""
+    def record(self, job: str, op: str, worker: str, start: float, end: float) -> None:
+        """A request of ``job`` completed; profile the job once its trace is recorded."""
         recorder = self.recorders.get(job)
-        if recorder is None or self.placer is None:
-            return
-        if not recorder.add(op, worker, start, end, iterations):
+        if recorder is None or self.placer is None or not recorder.add(op, worker, start, end):
             return
         j = self.placer.jobs.get(job)
         if j is None or j.state != "profiling":

@@ -144,15 +144,6 @@ def dispatch_policy_from_config(
         raise ConfigError(str(e)) from e
 
 
-def _steps(ann: dict) -> int:
-    """The GRPO steps a request's annotation says it carries (1 where it says nothing or
-    nothing sensible: a client's annotation never breaks the scheduler's records)."""
-    try:
-        return min(max(int(ann.get("steps", 1)), 1), protocol.MAX_STEPS_PER_REQUEST)
-    except (TypeError, ValueError):
-        return 1
-
-
 def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...], ...]:
     """The candidate groups of a request: its replica's workers, or every replica's."""
     k = info.world_size
@@ -831,8 +822,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         if start == "processing":
             now = time.monotonic()
             started = self.accounting.ended(key, finish == "memory", now)
-            ts = self.scheduler.tasks.get(key)
-            ann = (ts.annotations or {}).get(ANNOTATION, {}) if ts is not None else {}
             if started is not None:
                 t0, deployment, op, worker, job = started
                 self.dispatcher.release_worker(worker, self.requests.request_of(key), now)
@@ -843,9 +832,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     )
                     if self.placement is not None:
                         try:
-                            self.placement.record(job, op, worker, t0, now, _steps(ann))
+                            self.placement.record(job, op, worker, t0, now)
                         except PlexRLError as e:  # a bad trace must not break the scheduler
                             logger.warning("placement: %s", e)
+            ts = self.scheduler.tasks.get(key)
+            ann = (ts.annotations or {}).get(ANNOTATION, {}) if ts is not None else {}
             if finish != "memory" and int(ann.get("ranks", 1)) > 1:
                 # A failed rank may have left its group unusable: the next gang request of
                 # this deployment forms a new group.

@@ -3,7 +3,6 @@ round-trip counter counts the driver's calls to the scheduler."""
 
 from __future__ import annotations
 
-import dask
 import torch
 
 from plexrl_dask.bench.grpo import InProcessDeployment, in_process_run, runtime_run
@@ -27,10 +26,7 @@ def test_the_in_process_arm_repeats_the_runtime_and_round_trips_are_counted(clie
         GRPOConfig(steps=4, prompts_per_step=4, group_size=4, max_tokens=5, lr=1e-2, seed=5),
     )
     weights = InProcessDeployment(spec.model).backend.get_weights()
-    # (one step per request: a job alone on its worker would send several from its third
-    # step, tests/test_scored_training.py)
-    with dask.config.set({"plexrl.grpo.steps-per-request": 1}):
-        _, via_runtime, trips = runtime_run(client, spec, weights, 4)
+    _, via_runtime, trips = runtime_run(client, spec, weights, 4)
     _, in_process = in_process_run(spec, weights, 4)
 
     assert [r.version for r in via_runtime] == [1, 2, 3, 4]  # (every step trained)

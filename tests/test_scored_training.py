@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from distributed import Client
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
@@ -123,137 +122,19 @@ def test_a_fused_step_is_a_sample_and_a_training_on_its_worker_and_checkpoints_s
 
 
 def test_a_stopped_fused_job_ends_with_the_weights_of_its_last_record(runtime):
-    """Stopped while the next request is queued behind the one running: its steps still
-    run, so they are recorded too; the policy's version is the last record's."""
-    for k in (1, 3):
-        policy = runtime.deploy(unique("fused-stop"), tiny_spec(seed=11))
-        config = replace(CONFIG, steps=6)
-        job = GRPOJob("j", runtime, FirstCharIsDigit(), policy, config, steps_per_request=k)
+    """Stopped while the next step is queued behind the one running: that step still runs,
+    so it is recorded too; the policy's version is the last record's."""
+    policy = runtime.deploy(unique("fused-stop"), tiny_spec(seed=11))
+    job = GRPOJob("j", runtime, FirstCharIsDigit(), policy, replace(CONFIG, steps=6))
 
-        def stop_after_first(record, job=job) -> None:
-            if record.step == 0:
-                job.stop()
+    def stop_after_first(record) -> None:
+        if record.step == 0:
+            job.stop()
 
-        with pytest.raises(errors.JobStopped):
-            job.run(stop_after_first)
-        assert 1 <= len(job.records) <= 1 + k
-        assert plexrl.result(policy.get_weights()).version == job.records[-1].version
-
-
-def test_a_job_alone_on_its_worker_sends_several_steps_per_request_and_records_the_same():
-    """On a worker of its own a fused job sends up to ``steps_per_request`` steps per
-    request (the first alone: the scheduler has not answered yet; never past a
-    checkpoint), one per request once another job's deployment shares the worker; the
-    records and weights are those of one step per request, and so is the worker's
-    timeline (a sample and a training per step)."""
-    from plexrl_dask.rl import JobCheckpoints
-
-    spec, task, config = tiny_spec(seed=11), FirstCharIsDigit(), replace(CONFIG, steps=7)
-    with plexrl.local_cluster(n_workers=1) as cluster, Client(cluster) as client:
-        runtime = plexrl.Runtime(client, job="alone")
-
-        def run(name, k, **kw):
-            policy = runtime.deploy(name, spec)
-            job = GRPOJob("j", runtime, task, policy, config, steps_per_request=k, **kw)
-            sent = []
-            for method in ("sample_train", "sample_train_steps"):
-                real = getattr(policy, method)
-
-                def counted(*a, real=real, method=method, **k):
-                    sent.append(method if method == "sample_train" else len(a[0]))
-                    return real(*a, **k)
-
-                setattr(policy, method, counted)
-            records = job.run()
-            spans = [op for op in _span_ops(runtime, policy.name) if op != "save_state"]
-            out = (_records(records), _weights(policy), spans)
-            runtime.undeploy(name)
-            return out, sent
-
-        one, sent = run("one", 1)
-        assert sent == ["sample_train"] * 7
-        many, sent = run("many", 3)
-        assert sent[0] == "sample_train" and sum(_counts(sent)) == 7 and 3 in sent
-        ck = JobCheckpoints.at(cluster_tmp(), every=2)
-        saved, sent = run("saved", 4, checkpoints=ck)  # (chunks end where a save is due)
-        steps = _counts(sent)
-        assert sum(steps) == 7 and max(steps) > 1
-        assert all(not ck.due(d, 7) for d in _inner_ends(steps))
-        other = plexrl.Runtime(client, job="other")
-        other.deploy("neighbour", spec)  # (another job's deployment on the worker)
-        shared, sent = run("shared", 3)
-        assert sent == ["sample_train"] * 7
-    for got in (many, saved, shared):
-        assert got[0] == one[0] and got[2] == one[2]
-        assert all(torch.equal(got[1][n], t) for n, t in one[1].items())
-
-
-def _counts(sent: list) -> list[int]:
-    """The steps each request carried."""
-    return [1 if s == "sample_train" else s for s in sent]
-
-
-def cluster_tmp():
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="plexrl-steps-")
-
-
-def _inner_ends(chunks: list[int]) -> list[int]:
-    """The step counts reached inside each chunk (not at its end)."""
-    out, done = [], 0
-    for n in chunks:
-        out += [done + i for i in range(1, n)]
-        done += n
-    return out
-
-
-def test_a_request_of_several_steps_keeps_the_steps_before_a_failed_one(runtime):
-    """A step that fails after others trained takes its place in the result as its
-    exception, the steps after it do not run, and a request queued after it runs nothing;
-    steps the driver would refuse, sent around it, are refused before anything trains."""
-    from plexrl_dask.rl.scoring import seal_recipe
-    from plexrl_dask.worker import ops
-
-    task = FirstCharIsDigit()
-    params = plexrl.SamplingParams(n=4, max_tokens=4, seed=1)
-    config = replace(CONFIG, group_size=4)
-
-    def step(i: int, bad: bool = False) -> tuple:
-        problems = tuple(task.problems(2 * i, 2))
-        recipe = seal_recipe(ScoringRecipe(task, config, problems, i))
-        if bad:
-            recipe = replace_problems(recipe, problems)  # (unseals; fails when scored)
-        return ([p.prompt for p in problems], params, recipe)
-
-    policy = runtime.deploy(unique("steps-bad"), tiny_spec(seed=34))
-    before = _weights(policy)
-    for bad in ([], [step(0)] * 17, [step(0), ("too", "short")]):
-        with pytest.raises(errors.InvalidRecipe):
-            policy.sample_train_steps(bad)
-    with pytest.raises(errors.InvalidRecipe, match="1 to 16 steps"):
-        plexrl.result(policy._submit("sample_train", ops.sample_train_steps, [([],)]))
-    with pytest.raises(errors.InvalidRecipe, match="does not unpickle"):
-        plexrl.result(policy.sample_train_steps([step(0), (*step(1)[:2], b"not a recipe")]))
-    bad_params = dataclasses.replace(params)
-    object.__setattr__(bad_params, "max_tokens", -3)  # (a client that skipped the checks)
-    good = (step(0)[0], params, None, None, step(0)[2])
-    with pytest.raises(errors.InvalidSamplingParams):
-        plexrl.result(policy._submit("sample_train", ops.sample_train_steps,
-                                     [([good, (good[0], bad_params, *good[2:])],)]))  # fmt: skip
-    with pytest.raises(errors.InvalidRecipe, match="after"):
-        plexrl.result(policy._submit("sample_train", ops.sample_train_steps, [([good], 3)]))
-    assert all(torch.equal(before[n], t) for n, t in _weights(policy).items())
-
-    first = policy.sample_train_steps([step(0), step(1, bad=True), step(2)])
-    after = policy.sample_train_steps([step(2)], after=first)
-    got = plexrl.result(first)
-    assert len(got) == 2 and isinstance(got[1], errors.InvalidRecipe)
-    assert plexrl.result(after) == []
-    assert plexrl.result(policy.get_weights()).version == 1  # (step 0 only)
-    for k in (0, 17, True, 2.0):
-        with pytest.raises(errors.ConfigError):
-            GRPOJob("j", runtime, task, policy, CONFIG, steps_per_request=k)
+    with pytest.raises(errors.JobStopped):
+        job.run(stop_after_first)
+    assert 1 <= len(job.records) <= 2
+    assert plexrl.result(policy.get_weights()).version == job.records[-1].version
 
 
 def test_sample_train_refuses_what_it_cannot_run_typed_with_nothing_trained(runtime):

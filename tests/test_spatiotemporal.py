@@ -264,10 +264,6 @@ def test_a_whole_iteration_request_records_a_rollout_then_its_training():
     assert list(rec.iterations) == [(Phase("rollout", 1, 0.0), Phase("train", 1, 4.0))] * 2
     trace = rec.trace(2, 0.5)
     assert trace is not None and trace.period_s == pytest.approx(4.0)
-    # a request of several steps: that many iterations, each an equal share of it
-    rec = TraceRecorder()
-    assert rec.add("sample_train", "w0", 0.0, 12.0, iterations=3)
-    assert list(rec.iterations) == [(Phase("rollout", 1, 0.0), Phase("train", 1, 4.0))] * 2
 
 
 def test_live_placement_profiles_then_places_and_replays():

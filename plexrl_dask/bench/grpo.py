@@ -5,9 +5,7 @@
 Every arm runs :class:`~plexrl_dask.rl.grpo.GRPOJob`'s own step (sampling seeded per (job,
 step, prompt, sample), exact rewards, group advantages, the step as one ``sample_train``:
 sampling, then a fused ``train_step`` that scores its samples where they are
-(:mod:`plexrl_dask.rl.scoring`), the same :class:`~plexrl_dask.rl.objective.GRPOConfig`;
-through the runtime, a job alone on its worker sends up to ``plexrl.grpo.steps-per-request``
-such steps per request once the scheduler has said so, which is from its third step);
+(:mod:`plexrl_dask.rl.scoring`), the same :class:`~plexrl_dask.rl.objective.GRPOConfig`);
 the in-process arms hand it an
 :class:`InProcessDeployment`, a baseline harness whose calls run a
 :class:`~plexrl_dask.worker.backends.torch_backend.TorchBackend` in the driver and return
@@ -18,8 +16,7 @@ thread everywhere, and no tokenizer pool (as a PlexRL worker runs: ``fix_threads
 
 - ``step_rate_vs_in_process``: each job of the mix alone, colocated through the runtime on
   a one-worker ``local_cluster``, and in this process; a job's rate is its steps per second
-  after the first (from the first step's record to the last's: the first request carries
-  one step, so its record ends a request), the median over
+  after the first (from the first step's record to the last's), the median over
   repetitions, arms alternated job by job. The ratio is the mix's summed seconds per step in
   process ÷ through the runtime (one step of each job, one after another; target ≥ 0.90);
   ``step_rate_vs_in_process_<job>``: each job's runtime rate ÷ in-process rate.

@@ -630,11 +630,9 @@ class Deployment:
         per_task_args: Sequence[tuple],
         replica_of: Sequence[int | None] | None = None,
         holds: bool = False,
-        steps: int = 1,
     ) -> Future:
         """Submit ``op`` as one task per element of ``per_task_args`` and return the future of
-        their combined result (``steps``: the GRPO steps each task carries, for the
-        scheduler's record of the job's iterations).
+        their combined result.
 
         Single-rank replicas: each task is a request of its own, for replica ``replica_of[i]``
         (default: replica 0; ``None``: any replica, chosen by the scheduler). Multi-rank
@@ -657,7 +655,6 @@ class Deployment:
                     "ranks": k,
                     "rank": rank,
                     "replica": 0 if replica_of is None else replica_of[g],
-                    **({"steps": steps} if steps > 1 else {}),
                 }
                 key = f"{rid}-{rank}" if k > 1 else rid
                 with dask.annotate(plexrl=annotation):
@@ -798,40 +795,6 @@ class Deployment:
         Future of what :meth:`train_scored` returns. A deployment of several workers (a
         sharded policy, replicas) refuses it (:class:`InvalidRecipe`): sample, then
         :meth:`train_scored` on the samples' future."""
-        return self._submit(
-            "sample_train", ops.sample_train, [self._step(prompts, params, recipe, prompt_ids)]
-        )
-
-    def sample_train_steps(
-        self,
-        steps: Sequence[tuple[Sequence[str | Chat | Sequence[int]], SamplingParams, Any]],
-        after: Future | None = None,
-    ) -> Future:
-        """Consecutive :meth:`sample_train` steps, each ``(prompts, params, recipe)``, as one
-        request: each step samples with the weights the one before trained, as one request
-        per step would. Future of the list of what :meth:`sample_train` returns, one per
-        step; where a step failed after earlier ones trained, its exception in its place
-        (the steps after it did not run). At most ``protocol.MAX_STEPS_PER_REQUEST`` steps
-        (:class:`InvalidRecipe`); a single-worker deployment's, as :meth:`sample_train`'s.
-        ``after``: the future of the previous such request, submitted before its result is
-        in: these steps run after it, and not at all (an empty list) if one of its steps
-        failed."""
-        steps = list(steps)
-        if not 1 <= len(steps) <= protocol.MAX_STEPS_PER_REQUEST:
-            raise InvalidRecipe(
-                f"a request carries 1 to {protocol.MAX_STEPS_PER_REQUEST} steps, got {len(steps)}"
-            )
-        if not all(isinstance(s, tuple) and len(s) == 3 for s in steps):
-            raise InvalidRecipe("each step is (prompts, params, recipe)")
-        tasks = [self._step(*s) for s in steps]
-        return self._submit(
-            "sample_train", ops.sample_train_steps, [(tasks, after)], steps=len(tasks)
-        )
-
-    def _step(
-        self, prompts: Sequence[Any], params: SamplingParams, recipe: Any, prompt_ids: Any = None
-    ) -> tuple:
-        """One fused step's arguments, checked (a single-worker deployment's)."""
         if self.info.world_size != 1 or self.info.replicas != 1:
             raise InvalidRecipe(
                 f"sample_train runs on a single-worker deployment; {self.name!r} has "
@@ -839,7 +802,8 @@ class Deployment:
             )
         recipe = _sealed(recipe)
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
-        return (list(prompts), params, ids, Streams.from_config(), recipe)
+        task = (list(prompts), params, ids, Streams.from_config(), recipe)
+        return self._submit("sample_train", ops.sample_train, [task])
 
     def sample(
         self,

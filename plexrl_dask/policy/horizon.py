@@ -205,11 +205,10 @@ OP_PHASES = {
     "load_weights": "sync",
     "load_adapter": "sync",
 }
-#: Ops that are whole iterations in one request (``sample_train``: a colocated GRPO step's
-#: sampling then training on the same worker, or several such steps). The scheduler does not
-#: see where one half ends, so each iteration records a rollout of no duration and a training
-#: phase over its share of the request (``iterations`` equal shares): its demand (the same
-#: workers, throughout) is what the two requests' would be.
+#: Ops that are a whole iteration in one request (``sample_train``: a colocated GRPO step's
+#: sampling then training on the same worker). The scheduler does not see where one half
+#: ends, so such an iteration records a rollout of no duration and a training phase over the
+#: request: its demand (the same workers, throughout) is what the two requests' would be.
 WHOLE_ITERATION_OPS = frozenset({"sample_train"})
 
 
@@ -227,16 +226,11 @@ class TraceRecorder:
         self._current: list[tuple[str, str, float, float]] = []  # (kind, worker, start, end)
         self.iterations: deque[tuple[Phase, ...]] = deque(maxlen=keep)  # the most recent
 
-    def add(self, op: str, worker: str, start: float, end: float, iterations: int = 1) -> bool:
-        """Record one request (one rank of it; ``iterations``: how many a whole-iteration
-        op carried); True if it completed an iteration."""
+    def add(self, op: str, worker: str, start: float, end: float) -> bool:
+        """Record one request (one rank of it); True if it completed an iteration."""
         if op in WHOLE_ITERATION_OPS and end >= start:
-            done = False
-            share = (end - start) / max(1, iterations)
-            for i in range(max(1, iterations)):
-                a = start + i * share
-                done = self.add("sample", worker, a, a) or done
-                self._current.append(("train", worker, a, a + share))
+            done = self.add("sample", worker, start, start)
+            self._current.append(("train", worker, start, end))
             return done
         kind = OP_PHASES.get(op)
         if kind is None or end < start:

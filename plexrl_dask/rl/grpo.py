@@ -83,7 +83,6 @@ from plexrl_dask.errors import (
     RequestTimeout,
     SchedulerLost,
 )
-from plexrl_dask.protocol import MAX_STEPS_PER_REQUEST
 from plexrl_dask.rl.episodes import EpisodeBatch, run_episodes
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
 from plexrl_dask.rl.objective import GRPOConfig
@@ -123,24 +122,6 @@ class StepRecord:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class _Chunk:
-    """Fused steps ``[start, end)`` in one request (``many``: a ``sample_train_steps``
-    request, whose result is a list), their results once in, and the request submitted
-    behind it."""
-
-    start: int
-    end: int
-    future: Any
-    many: bool
-    results: list[Any] | None = None
-    ahead: _Chunk | None = None
-
-    def drop_ahead(self) -> None:
-        if self.ahead is not None:
-            self.ahead.future.cancel()
-
-
 class GRPOJob:
     """A GRPO job on deployments of a :class:`Runtime` (see the module docstring).
 
@@ -158,14 +139,6 @@ class GRPOJob:
     such a step of a colocated job whose policy is one worker is one request
     (:meth:`Deployment.sample_train <plexrl_dask.driver.runtime.Deployment.sample_train>`),
     and the next step's is queued behind it; the records are the same either way.
-    ``steps_per_request`` (default ``plexrl.grpo.steps-per-request``): while such a job's
-    policy has its worker to itself (no other job's deployment placed there or free to be:
-    the scheduler's answer to the placement question), it sends up to this many steps per
-    request (:meth:`Deployment.sample_train_steps
-    <plexrl_dask.driver.runtime.Deployment.sample_train_steps>`, never across a
-    checkpoint), paying a task's hand-offs once for them; one step per request while
-    another job shares the worker, so the scheduler interleaves the two step by step. The
-    records are the same either way; a stop ends the job after the request in flight.
     """
 
     def __init__(
@@ -182,7 +155,6 @@ class GRPOJob:
         checkpoints: JobCheckpoints | None = None,
         score_on_worker: bool | None = None,
         fuse_steps: bool | None = None,
-        steps_per_request: int | None = None,
     ) -> None:
         if config.kl_coef > 0 and reference is None:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
@@ -211,18 +183,6 @@ class GRPOJob:
         if not isinstance(fuse_steps, bool):
             raise ConfigError(f"fuse_steps is true or false, got {fuse_steps!r}")
         self.fuse_steps = fuse_steps
-        if steps_per_request is None:
-            steps_per_request = plexrl_config.get("grpo.steps-per-request")
-        if (
-            isinstance(steps_per_request, bool)
-            or not isinstance(steps_per_request, int)
-            or not 1 <= steps_per_request <= MAX_STEPS_PER_REQUEST
-        ):
-            raise ConfigError(
-                f"steps_per_request is an integer from 1 to {MAX_STEPS_PER_REQUEST}, "
-                f"got {steps_per_request!r}"
-            )
-        self.steps_per_request = steps_per_request
         self._sealed_task: bytes | None = None  # (sealed once: every step's recipe carries it)
         if self._scores_on_worker:
             self._sealed_task = self._seal_task()
@@ -291,35 +251,12 @@ class GRPOJob:
         recipe = ScoringRecipe(self.task, self.config, tuple(problems), step)
         return seal_recipe(recipe, self._sealed_task)
 
-    def _submit_fused(self, step: int, after: _Chunk | None = None) -> _Chunk:
-        """Submit the steps from ``step`` whole, each its sampling and scored training: one
-        step per request, or up to ``steps_per_request`` while the policy has its worker to
-        itself (never past a checkpoint). ``after``: the request of steps before these,
-        still in flight (they run after it, and not if one of its steps failed)."""
-        k = self.steps_per_request
-        if k > 1 and not self.follow_placement.alone(self.policy.name):
-            k = 1
-        end = self._chunk_end(step, k)
-        parts = []
-        for s in range(step, end):
-            problems = self._problems(s)
-            parts.append(
-                ([p.prompt for p in problems], self._sampling(s), self._recipe(s, problems))
-            )
-        if end - step == 1 and (after is None or not after.many):
-            return _Chunk(step, end, self.policy.sample_train(*parts[0]), many=False)
-        # (after a request of several steps, a dependency on it: see sample_train_steps)
-        before = after.future if after is not None and after.many else None
-        return _Chunk(step, end, self.policy.sample_train_steps(parts, before), many=True)
-
-    def _chunk_end(self, start: int, k: int) -> int:
-        """The end of the steps from ``start`` one request carries: ``k`` of them, fewer
-        where the job ends or a checkpoint is due (it must see exactly its step's weights)."""
-        last = min(start + k, self.config.steps)
-        for end in range(start + 1, last):
-            if self.saver is not None and self.checkpoints.due(end, self.config.steps):
-                return end
-        return last
+    def _submit_fused(self, step: int) -> Any:
+        """Submit step ``step`` whole: its sampling and scored training as one request."""
+        problems = self._problems(step)
+        return self.policy.sample_train(
+            [p.prompt for p in problems], self._sampling(step), self._recipe(step, problems)
+        )
 
     def _submit_sample(self, step: int) -> Any:
         c = self.config
@@ -518,29 +455,23 @@ class GRPOJob:
             and info.replicas == 1
         )
 
-    def _fused_step(self, step: int, chunk: _Chunk) -> tuple[list[dict[str, Any]], _Chunk | None]:
-        """Step ``step`` of the fused request ``chunk``. At its first step: submit the steps
-        after it behind it (unless a checkpoint is due after it, whose save must see its
-        weights, or the job is stopping), then wait for it. Returns the step's metrics and
-        the request holding the next step (None when not submitted yet)."""
+    def _fused_step(self, step: int, pending: Any) -> tuple[list[dict[str, Any]], Any]:
+        """Step ``step`` fused: submit the next step behind it (unless a checkpoint is due
+        after this one, whose save must see this step's weights, or the job is stopping),
+        then wait for this one. Returns its metrics and the next step's future (None when
+        not submitted yet)."""
         c = self.config
-        if chunk.results is None:
-            saving = self.saver is not None and self.checkpoints.due(chunk.end, c.steps)
-            if chunk.end < c.steps and not saving and not self._stop.is_set():
-                # (queued behind this request on its worker)
-                chunk.ahead = self._submit_fused(chunk.end, after=chunk)
-                self.follow_placement.ask()  # (answered while this request runs)
-            try:
-                got = result([chunk.future])[0]
-            except BaseException:
-                chunk.drop_ahead()  # (a step past a failed one must not train)
-                raise
-            chunk.results = list(got) if chunk.many else [got]
-        got = chunk.results[step - chunk.start]
-        if isinstance(got, BaseException):  # (the steps before it trained and are recorded)
-            chunk.drop_ahead()
-            raise got
-        return [got], (chunk if step + 1 < chunk.end else chunk.ahead)
+        saving = self.saver is not None and self.checkpoints.due(step + 1, c.steps)
+        ahead = None
+        if step + 1 < c.steps and not saving and not self._stop.is_set():
+            ahead = self._submit_fused(step + 1)  # (queued behind this step on its worker)
+            self.follow_placement.ask()  # (answered while this step runs)
+        try:
+            return result([pending]), ahead
+        except BaseException:
+            if ahead is not None:  # (a step past a failed one must not train)
+                ahead.cancel()
+            raise
 
     def _scored_step(
         self, step: int, problems: list[Problem], pending: Any, pending_version: Any

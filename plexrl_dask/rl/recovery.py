@@ -185,31 +185,11 @@ class PlacementFollower:
         self.name = name
         self.stay = False  # set when the job's deployments cannot follow its placement
         self._asked: Any = None  # a question started by ask(), for the next call
-        self._sharing: Any = None  # the question alone() asked, for its next call
-        self._shared: set[str] | None = None  # the newest answer's shared deployments
 
     def ask(self) -> None:
         """Start the next call's question now (where none is pending)."""
         if not self.stay and self._asked is None:
             self._asked = self.runtime.ask_relocations()
-
-    def alone(self, name: str) -> bool:
-        """Whether the job's deployment ``name`` had its workers to itself (no other job's
-        deployment placed on them, or free to be placed there) at the newest answered
-        question; False until one is answered. Never waits: each call reads the answer to
-        the question the call before asked, if it is in, and asks again."""
-        asking = self._sharing
-        if asking is not None and asking.done():
-            try:
-                status = asking.result(timeout=0)
-            except Exception:  # (unknown: not alone, until an answer says so)
-                status = None
-            ok = isinstance(status, dict) and status.get("status") == "OK" and "shared" in status
-            self._shared = set(status["shared"]) if ok else None
-            asking = None
-        if asking is None:
-            self._sharing = self.runtime.ask_relocations()
-        return self._shared is not None and name not in self._shared
 
     def due(self) -> bool:
         """Whether the call would move something (or raise): the question asked ahead lists

@@ -46,7 +46,6 @@ from plexrl_dask.errors import (
     from_status,
     raise_for_status,
 )
-from plexrl_dask.protocol import MAX_STEPS_PER_REQUEST
 from plexrl_dask.shared.checks import (
     check_rows,
     checked_adamw,
@@ -325,54 +324,6 @@ def sample_train(
     return _run(deployment, "train_step", _scored_training(samples, opened, 0, 1))
 
 
-def sample_train_steps(
-    deployment: str, steps: Sequence[tuple], after: Sequence[Any] | None = None
-) -> list[Any]:
-    """Several consecutive :func:`sample_train` steps in one request: each step's
-    ``(prompts, params, prompt_ids, streams, recipe)``, run in order, each step's sampling on
-    the weights the step before trained (the same arithmetic as one request per step: the
-    holder records each half as its own request). A job alone on its worker sends them so
-    (``GRPOJob``'s ``steps_per_request``), paying a task's hand-offs once for several steps.
-
-    Every step's sampling arguments are checked and every recipe unsealed before anything
-    runs (typed: :class:`InvalidRecipe`, or the sampling checks' errors). The list of
-    results, one per step; where a step fails after others trained (a prompt's tokens, its
-    scoring), its exception takes its place and the steps after it do not run, so
-    the caller records the steps that changed the weights before raising it. ``after``:
-    the results of the request of steps before these (a dependency, so these run after
-    it); where one of them failed, nothing runs and the result is empty (its caller
-    raised that failure and drops this request)."""
-    from plexrl_dask.rl.scoring import unseal_recipe
-
-    if after is not None and not isinstance(after, (list, tuple)):
-        raise InvalidRecipe(
-            f"after is the results of a request of steps, got {type(after).__name__}"
-        )
-    if after is not None and any(isinstance(r, BaseException) for r in after):
-        return []
-    if not isinstance(steps, (list, tuple)) or not 1 <= len(steps) <= MAX_STEPS_PER_REQUEST:
-        raise InvalidRecipe(
-            f"a request carries 1 to {MAX_STEPS_PER_REQUEST} steps, got "
-            f"{len(steps) if isinstance(steps, (list, tuple)) else type(steps).__name__}"
-        )
-    if not all(isinstance(s, (list, tuple)) and len(s) == 5 for s in steps):
-        raise InvalidRecipe("each step is (prompts, params, prompt_ids, streams, recipe)")
-    for prompts, params, prompt_ids, streams, _ in steps:
-        checked_sample(prompts, params, prompt_ids, streams, part=True)
-    opened = [unseal_recipe(s[4]) for s in steps]
-    results: list[Any] = []
-    for (prompts, params, prompt_ids, streams, _), recipe in zip(steps, opened, strict=True):
-        try:
-            samples = _run(deployment, "sample", _sampling(prompts, params, prompt_ids, streams))
-            results.append(_run(deployment, "train_step", _scored_training(samples, recipe, 0, 1)))
-        except Exception as e:
-            if not results:
-                raise  # (nothing changed: the request fails as one step's would)
-            results.append(e)
-            break
-    return results
-
-
 def sample(
     deployment: str,
     prompts: Sequence[str | Sequence[int]],
@@ -598,6 +549,5 @@ __all__ = [
     "save_state",
     "sample",
     "sample_train",
-    "sample_train_steps",
     "set_weights",
 ]
