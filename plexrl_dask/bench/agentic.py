@@ -28,8 +28,8 @@ model worker), ``cpu_s`` (CPU seconds each layout's run took, colocated and the 
 the model workers, the tool workers with their sandboxes, and this process, which is the driver
 of every job and the local cluster's scheduler), and
 ``paired_cost_ratios`` and their ``paired_cost_ratio_median`` (the cheapest colocated and
-pooled layouts run again back to back, ``--pairs`` times: the first figure's spread on this
-machine; a diagnostic, not the target's definition), and
+pooled layouts run again back to back, ``--pairs`` times, which goes first alternating: the
+first figure's spread on this machine; a diagnostic, not the target's definition), and
 ``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
 sandbox in the same run, an escape being a file written outside it, a connection made, a
 process it left running, a program that ran past its limits unstopped, or one that read what
@@ -166,18 +166,22 @@ def paired_ratios(
     console: Console,
 ) -> list[float]:
     """The cheapest pool's cost ÷ the cheapest colocated layout's, each pair of the two run
-    again back to back (``pairs`` times): on a machine whose speed drifts between the sweep's
-    layouts, the spread of ratios measured moments apart."""
+    again back to back (``pairs`` times), which one goes first alternating from pair to pair:
+    on a machine whose speed drifts between the sweep's layouts, the spread of ratios
+    measured moments apart, with no layout always the first of its pair."""
     best = cheapest(runs, ("colocated", "multiplexed"))
     if len(best) < 2:
         return []
+
+    def cost_of(mode: str) -> float:
+        run = run_mode(runtime, specs, best[mode].layout, checkpoints, workers)
+        return run.ledger.summary()["cost_worker_seconds"]
+
     out = []
     for i in range(pairs):
-        pair = [
-            run_mode(runtime, specs, best[m].layout, checkpoints, workers)
-            for m in ("colocated", "multiplexed")
-        ]
-        costs = [r.ledger.summary()["cost_worker_seconds"] for r in pair]
+        order = ("colocated", "multiplexed") if i % 2 == 0 else ("multiplexed", "colocated")
+        cost = {m: cost_of(m) for m in order}
+        costs = [cost["colocated"], cost["multiplexed"]]
         out.append(costs[1] / costs[0])
         console.print(f"pair {i + 1}/{pairs}: colocated {costs[0]:.1f}, pool {costs[1]:.1f}")
     return out
