@@ -32,8 +32,7 @@ in the cheapest pool ÷ colocated: the same calls, slower where they share the c
 model worker), ``cpu_s`` (CPU seconds each layout's run took, colocated and the cheapest pool:
 the model workers, the tool workers with their sandboxes, and this process, which is the driver
 of every job and the local cluster's scheduler), and
-``paired_cost_ratios`` and their ``paired_cost_ratio_median`` (the pairs behind the first
-figure: its spread on this machine), and
+``paired_cost_ratios`` (the pairs behind the first figure: its spread on this machine), and
 ``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
 sandbox in the same run, an escape being a file written outside it, a connection made, a
 process it left running, a program that ran past its limits unstopped, or one that read what
@@ -151,7 +150,6 @@ def main() -> None:
     # reruns in three runs and dearer than each in a fourth. The sweep's ratio is kept too.
     results["sweep_cost_ratio_vs_colocated"] = results["cost_ratio_vs_colocated"]
     results["paired_cost_ratios"] = paired
-    results["paired_cost_ratio_median"] = median(paired) if paired else None
     if paired:
         results["cost_ratio_vs_colocated"] = median(paired)
     config = {

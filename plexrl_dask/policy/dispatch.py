@@ -111,8 +111,9 @@ end plus the gap its requests usually leave between an end and the next arrival 
 order and per kind of request before the gap, its op and whether it is marked ``holds``: a
 running mean, capped at ``gang_hold_s``; a request that arrives while the one before it runs
 teaches a gap of 0, as a driver that sends its next step ahead does); after it ended, until
-that end plus the gap; while its next request waits for the group (nobody else's urgent request reserved it), until
-the group's busy workers are expected to end. Another job's request that is not urgent starts
+that end plus the gap; while its next request waits for the group (nobody else's urgent
+request reserved it), until the group's busy workers are expected to end. Another job's
+request that is not urgent starts
 on a held worker only if it is expected to end by then (the same test as backfilling); the
 gang's own order and job (its rollout, its syncs) and urgent requests ignore holds, so the
 bound below is unaffected. No event marks the end of a hold: :meth:`Dispatcher.next_wakeup`
@@ -131,9 +132,9 @@ takes the worker first. The order then holds with each of its requests (the epis
 turn, its training, the next step's first turn: the gap after each kind of request is
 learned apart, so that the scoring after the last turn and the next turn sent while the
 training runs each get their own) until a hold lapses with nothing of it running or waiting;
-a gap is learned also when it outlasted the hold. Two orders that hold one worker (two agentic jobs sharing it) do not
-keep each other out: either's requests start there by ratio, and the rest only if they end
-before the earlier hold does.
+a gap is learned also when it outlasted the hold. Two orders that hold one worker (two
+agentic jobs sharing it) do not keep each other out: either's requests start there by
+ratio, and the rest only if they end before the earlier hold does.
 
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
