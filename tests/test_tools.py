@@ -207,8 +207,8 @@ def test_without_namespaces_the_limits_and_an_own_uid_still_hold():
 
 def test_a_program_runs_at_the_lower_cpu_priority_it_was_given():
     """The call's processes (the program and whatever it starts) run ``nice`` below the
-    caller, so that model workers on the same cores keep the CPU: in either mode (under
-    ``unshare --fork`` the jail is a grandchild, started before the caller could lower it)."""
+    caller, so that model workers on the same cores keep the CPU, in either mode, and so does
+    its session's scheduling group where the kernel shows one."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     program = "import os\nprint(os.getpriority(os.PRIO_PROCESS, 0))"
     for mode in sorted({"limits", isolation()}):
@@ -227,6 +227,65 @@ def test_a_program_runs_at_the_lower_cpu_priority_it_was_given():
         return
     group = "print(open('/proc/self/autogroup').read().split()[-1])"
     assert PythonSandbox(SandboxLimits()).run(group) == f"{min(19, own + 10)}\n"
+
+
+def test_calls_are_forks_of_a_server_that_comes_back_when_it_ends():
+    """Every call of a mode runs on this process's sandbox server; calls at once each get
+    their own output; a server that ended (killed here) is started again by the next call,
+    which prints what it printed before; the server's CPU time counts its ended calls."""
+    import concurrent.futures
+    import signal
+
+    from plexrl_dask.tools.sandbox import _server, servers_cpu_seconds
+
+    program = "import sys\nprint(sorted({str(i) * 2 for i in range(9)}), sys.argv)"
+    for mode in sorted({"limits", isolation()}):
+        sandbox = PythonSandbox(FAST, mode)
+        first = sandbox.run(program)
+        server = _server(mode)
+        before = servers_cpu_seconds()
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            outs = list(ex.map(sandbox.run, [f"print({i} * 3)" for i in range(16)]))
+        assert outs == [f"{i * 3}\n" for i in range(16)]
+        assert servers_cpu_seconds() > before
+        pid = server.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        server.proc.wait()
+        assert sandbox.run(program) == first
+        assert server.proc.pid != pid and server.running()
+
+
+def test_a_program_cannot_write_its_own_status_or_reach_the_server():
+    """The program's process holds standard input, output and error only: not the call's
+    status socket (a program writing ``exit 0`` there would pass for one that succeeded),
+    nor the server's."""
+    forge = (
+        "import os, sys\nheld = sorted(int(f) for f in os.listdir('/proc/self/fd'))\n"
+        "for fd in range(3, 64):\n    try:\n        os.write(fd, b'exit 0\\n')\n"
+        "    except OSError:\n        pass\nprint(held[:3])\nsys.exit(3)"
+    )
+    for mode in sorted({"limits", isolation()}):
+        res = run_call(ToolCall("py", forge), {"py": PythonSandbox(FAST, mode)})
+        assert res.error == "ToolError" and res.output == "exit status 3", res
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a uid of its own per program needs root")
+def test_without_namespaces_what_a_program_leaves_running_ends_with_its_call():
+    """In limits mode there is no PID namespace to end with the program: a process it left
+    in a session of its own is killed with the call, lest it keep the uid the next call gets."""
+    import subprocess
+
+    leave = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+        "print(os.getuid())"
+    )
+    sandbox = PythonSandbox(FAST, "limits")
+    uid = int(sandbox.run(leave))
+    left = subprocess.run(["pgrep", "-u", str(uid)], capture_output=True, text=True).stdout
+    assert left.split() == []
+    sleeper = "import time\nif True:\n    import os\n    os.fork()\n    time.sleep(60)"
+    assert run_call(ToolCall("py", sleeper), {"py": sandbox}).error == "ToolLimitExceeded"
+    assert sandbox.run("print('next')") == "next\n"
 
 
 def test_bad_limits_and_modes_are_typed():

@@ -1,7 +1,7 @@
 """Benchmark: agentic jobs (tool calls between turns) isolated and multiplexed.
 
 The agentic mix (:func:`~plexrl_dask.rl.catalog.agentic_jobs`): ``multiply3`` calls the
-calculator, ``program`` runs each of its calls in the Python sandbox (a fresh interpreter per
+calculator, ``program`` runs each of its calls in the Python sandbox (a process forked per
 call), beside two single-turn jobs of the standard mix. One ``local_cluster`` with as many
 model workers as cores and one tool worker (without the GPU resource, running
 ``plexrl.local-cluster.tool-threads`` calls at once: the tool calls run there). Each job first runs its supervised warm-up (outside every measurement); then every
@@ -80,6 +80,7 @@ from plexrl_dask.rl.report import reward_start_end
 from plexrl_dask.tasks.agentic import is_agentic
 from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolCall, ToolPool, isolation
 from plexrl_dask.tools.pool import tool_workers
+from plexrl_dask.tools.sandbox import servers_cpu_seconds
 
 MODES = ("colocated", "split-async", "multiplexed")
 TARGETS = {
@@ -249,12 +250,14 @@ def tool_seconds(run: ModeRun, job: str) -> float:
 
 
 def _cpu_seconds() -> float:
-    """This process's CPU seconds and its ended children's (a tool worker's sandboxes)."""
+    """This process's CPU seconds, its ended children's and its sandbox servers' (their ended
+    calls' included): a tool worker's sandboxes."""
     own, children = (
         resource.getrusage(resource.RUSAGE_SELF),
         resource.getrusage(resource.RUSAGE_CHILDREN),
     )
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    ended = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return ended + servers_cpu_seconds()
 
 
 def cpu_seconds(client: Client, tools: set[str]) -> dict[str, float]:

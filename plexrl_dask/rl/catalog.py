@@ -89,7 +89,7 @@ def agentic_jobs(scale: float = 1.0) -> list[JobSpec]:
     """The agentic mix (``bench.agentic``): two agentic jobs, one calling the calculator and
     one the Python sandbox (:mod:`plexrl_dask.tasks.agentic`), beside two single-turn jobs of
     the standard mix; ``scale`` as in :func:`standard_jobs`. Smaller steps than the standard
-    mix (8 prompts x 8 samples): every sandbox call is a fresh interpreter on these 2 cores."""
+    mix (8 prompts x 8 samples): every sandbox call is a process of its own on these 2 cores."""
     grpo = replace(_GRPO, steps=24, prompts_per_step=8, group_size=8, temperature=1.0)
     jobs = [
         JobSpec(

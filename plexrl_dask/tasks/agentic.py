@@ -15,7 +15,7 @@ model to multiply in its head, one ``calc`` call away: the transcript is
 :class:`ProgramTask`: ``EXPR=`` for a generated Python expression (a sum of a range, a
 remainder, the length of a power's digits, the middle of three numbers, ...); the way to its
 value is to run it in the sandbox: ``<py>print(EXPR)</py><out>value\n</out>value`` and the stop.
-Each call is a fresh interpreter (tens of milliseconds of a CPU), the tool wait that leaves a
+Each call is a sandboxed process (milliseconds of a CPU), the tool wait that leaves a
 colocated job's workers idle.
 """
 

@@ -1,54 +1,211 @@
-"""The sandbox's child: run as ``python -s -S -B -P _jail.py KEY=VALUE ...`` (standard library
-only, and as little of it as a call needs: every import here is paid by every tool call), inside
-the namespaces :mod:`plexrl_dask.tools.sandbox` started it in; the program arrives on standard
-input.
+"""The sandbox's server: run as ``python -s -S -B -P _jail.py FD`` (standard library only) by
+:mod:`plexrl_dask.tools.sandbox`, once per calling process and mode, it serves that process's
+calls for as long as it lives; the interpreter starts once, not once per call (a fresh
+interpreter's start was most of a short program's call).
 
-As root in a private mount namespace it first mounts empty tmpfs file systems over the
-world-writable directories (``/tmp``, ``/var/tmp``, ``/dev/shm``), so whatever the program
-writes there goes away with the namespace, and makes its working directory there, owned by the
-unprivileged user; then, in every mode, a child of it sets the resource limits, drops to that
-user (when the jail is root), clears the environment and runs the program as ``__main__`` of
-this interpreter (one interpreter start per call, not two), while the jail waits for it and
-exits with its status (128 + the signal that killed it). The child ends as ``python main.py``
-would: its non-daemon threads joined, its output flushed, an uncaught exception's traceback
-(the program's frames only) on standard error and status 1. Exit status 125 and a message on
-standard error: the jail itself could not be set up (the parent reports it as such, not as the
-program's failure).
+It reads calls from the ``SOCK_SEQPACKET`` socket ``FD``: each a JSON message of the call's
+limits with four descriptors (the program's standard input, output and error, and a stream
+socket the call's status goes back on), and forks a *call* process for each: it starts a
+session of its own (the caller kills the call as a process group), sends ``pid N``, sets the
+session's and its own CPU priority, reads the program from standard input and, where the call
+asks for private mounts, enters new mount, PID and network namespaces (the server runs as root,
+or as root of a user namespace ``unshare --user`` started it in). Its child, the *jail*, is
+that PID namespace's init: it mounts empty tmpfs file systems over the world-writable
+directories (``/tmp``, ``/var/tmp``, ``/dev/shm``) and a ``/proc`` of the namespace, makes the
+working directory, owned by the unprivileged user, and forks the program's process, which sets
+the resource limits, drops to that user (when the jail is root), clears the environment and runs
+the program as ``__main__`` of this interpreter. The jail waits for it (reaping what it leaves)
+and exits with its status (128 + the signal that killed it). The call sends ``exit N`` (N < 0:
+the jail was killed by signal -N) and stays until the caller closes its end of the status
+socket, so that its process group is there for the caller to kill. Exit status 125 and a
+message on standard error: the call could not be set up (not the program's failure).
+
+The program ends as ``python main.py`` would: its non-daemon threads joined, its output flushed,
+an uncaught exception's traceback (the program's frames only) on standard error and status 1.
+It starts from a fork of this server, which has imported only what serving needs; a fork of the
+same server for every call, so a program sees the same interpreter in every call.
 """
 
+import atexit
+import contextlib
+import ctypes
+import json
 import os
 import resource
+import select
+import signal
+import socket
 import sys
 
-#: The limits given as integers (the rest: ``uid`` an integer or empty for none,
-#: ``private_mounts`` 0 or 1, ``workdir`` a path).
-INTEGERS = ("cpu_s", "memory_bytes", "file_bytes", "processes", "code_bytes", "nice")
+#: The limits given as integers (the rest: ``uid`` an integer or None, ``private_mounts`` a
+#: bool, ``workdir`` a path).
+INTEGERS = ("cpu_s", "memory_bytes", "file_bytes", "processes", "code_bytes", "nice", "group_nice")
+_CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+#: Seconds a call waits for its caller to close the status socket once it has sent the status.
+_LINGER_S = 60.0
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def parse(args: list) -> dict:
-    """The limits from ``KEY=VALUE`` arguments (what :mod:`plexrl_dask.tools.sandbox` passes)."""
-    limits = dict(a.split("=", 1) for a in args)
+def serve(fd: int) -> None:
+    """Serve calls from socket ``fd`` until the caller closes it (see the module docstring)."""
+    server = socket.socket(fileno=fd)
+    # (orphans of a call come back to this process, which reaps them: their CPU time counts)
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    own_mounts = os.stat("/proc/self/ns/mnt").st_ino
+    # (ended calls and orphans are reaped at once: their CPU time counts from then on)
+    signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    server.send(b"ready")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(server, 1 << 16, 4)
+        except OSError:
+            return
+        if not message:
+            return  # (the caller closed its end)
+        try:
+            _fork_into(call, server, json.loads(message), fds, own_mounts)
+        except OSError as e:
+            _refuse(fds, f"forking the call: {e}")
+            continue
+        for f in fds:
+            os.close(f)
+
+
+def _fork_into(body, *args) -> int:
+    """Fork a child that runs ``body(*args)``, which ends the process (125 if it returns or
+    raises); return the child's pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        body(*args)
+    finally:
+        os._exit(125)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _refuse(fds: list, message: str) -> None:
+    """Answer a call the server could not start."""
+    if len(fds) == 4:
+        os.write(fds[2], f"plexrl-jail: {message}\n".encode())
+        with socket.socket(fileno=os.dup(fds[3])) as status:
+            status.sendall(b"exit 125\n")
+    for f in fds:
+        os.close(f)
+
+
+def call(server: socket.socket, limits: dict, fds: list, own_mounts: int) -> None:
+    """The call process (see the module docstring); never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (it waits for its own child)
+    server.close()
+    for i, f in enumerate(fds[:3]):
+        os.dup2(f, i)
+    # (a bare descriptor, no socket object: the jail closes it, and nothing of the program's
+    # interpreter may hold it, lest a program write a status of its own)
+    status = os.dup(fds[3])
+    for f in fds:
+        os.close(f)
+    os.closerange(3, status)
+    os.closerange(status + 1, 1 << 16)
+    os.setsid()
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (no call outlives its server)
     for key in INTEGERS:
-        limits[key] = int(float(limits[key]))
-    limits["uid"] = int(limits["uid"]) if limits["uid"] else None
-    limits["private_mounts"] = limits["private_mounts"] == "1"
-    return limits
+        limits[key] = int(limits[key])
+    try:
+        os.write(status, f"pid {os.getpid()}\n".encode())
+        _lower_priority(limits["group_nice"], limits["nice"])
+        code = sys.stdin.buffer.read(limits["code_bytes"] + 1)
+        if len(code) > limits["code_bytes"]:
+            fail(f"a program has at most {limits['code_bytes']} bytes")
+        if limits["private_mounts"] and _libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET):
+            fail(f"entering new namespaces: errno {ctypes.get_errno()}")
+        # (before any mount: the copied mounts must not pass new ones back to the machine's)
+        if limits["private_mounts"] and _libc.mount(
+            b"none", b"/", None, _MS_REC | _MS_PRIVATE, None
+        ):
+            fail(f"making the mounts private: errno {ctypes.get_errno()}")
+        code_of = _wait(_fork_into(run_jail, limits, code, own_mounts), status)
+        if not limits["private_mounts"] and limits["uid"] is not None and os.geteuid() == 0:
+            # (no PID namespace to end with the jail: what the program started and left in a
+            # session of its own would keep the uid the next call may get)
+            os.waitpid(_fork_into(_kill_all_of, limits["uid"]), 0)
+    except SystemExit as e:  # (``fail``)
+        code_of = e.code
+    except OSError:
+        os._exit(125)  # (the caller went away: nothing to tell)
+    try:
+        os.write(status, f"exit {code_of}\n".encode())
+        select.select([status], [], [], _LINGER_S)  # (until the caller closes it)
+    finally:
+        os._exit(0)
 
 
-def main() -> None:
-    limits = parse(sys.argv[1:])
-    # (first: the program and whatever it starts inherit it; raising one's nice needs no right)
-    if limits["nice"] > os.getpriority(os.PRIO_PROCESS, 0):
-        os.setpriority(os.PRIO_PROCESS, 0, limits["nice"])
-    code = sys.stdin.buffer.read(limits["code_bytes"] + 1)
-    if len(code) > limits["code_bytes"]:
-        fail(f"a program has at most {limits['code_bytes']} bytes")
+def _kill_all_of(uid: int) -> None:
+    os.setresuid(uid, uid, uid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)  # (every process this uid may signal: its own, not this)
+    os._exit(0)
+
+
+def _lower_priority(group_nice: int, nice: int) -> None:
+    """The session's scheduling group (where the kernel groups by session: a process's nice
+    then weighs only within its group) and this process's, whatever it starts inheriting it."""
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(group_nice))
+    except OSError:
+        pass  # (no autogroups here: the process's nice is what counts)
+    if nice > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
+def _wait(jail: int, status: int) -> int:
+    """The jail's exit status (−N: killed by signal N), once it has ended, or once the caller
+    asked for the end (a byte on the status socket, or its end closed): then the jail is
+    killed. Either way its process group goes (what the program left in it)."""
+    with contextlib.suppress(OSError):  # (the jail does it too: whichever runs first)
+        os.setpgid(jail, jail)
+    try:
+        handle = [os.pidfd_open(jail)]
+    except OSError:  # (not Linux >= 5.3: look every 50 ms)
+        handle = []
+    # (not reaped yet: an ended jail's group is still there to kill)
+    while os.waitid(os.P_PID, jail, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        ready, _, _ = select.select([status, *handle], [], [], None if handle else 0.05)
+        if status in ready:
+            break
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(jail, signal.SIGKILL)
+    _, code = os.waitpid(jail, 0)
+    return -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
+
+
+def run_jail(limits: dict, code: bytes, own_mounts: int) -> None:
+    """The jail: the namespace's init where there is one (see the module docstring)."""
+    os.closerange(3, 1 << 16)  # (the call's status: not the program's to write)
+    os.setpgid(0, 0)  # (its own group, which the call kills; the call's own is the caller's)
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     uid = gid = limits["uid"]
     root = uid is not None and os.geteuid() == 0  # (drop to ``uid``)
     if limits["private_mounts"]:
+        if os.stat("/proc/self/ns/mnt").st_ino == own_mounts:
+            fail("not in a mount namespace of its own")  # (never mount over the machine's)
         for target in ("/tmp", "/var/tmp", "/dev/shm"):
             if os.path.isdir(target):
-                mount_tmpfs(target, limits["file_bytes"] * 4)
+                mount(b"none", target, b"tmpfs", 0, f"size={limits['file_bytes'] * 4},mode=1777")
+        mount(b"proc", "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "")
     base = "/tmp" if limits["private_mounts"] else limits["workdir"]
     work = os.path.join(base, "work")
     os.mkdir(work, 0o700)
@@ -58,14 +215,14 @@ def main() -> None:
         os.chown(work, uid, gid)
         os.chown(os.path.join(work, "main.py"), uid, gid)
     os.chdir(work)
-    # The jail stays (the namespace's init, reaping what the program leaves) and waits for the
-    # program in a child: a program killed by a signal (SIGXCPU at its CPU limit) then exits
-    # the jail with 128 + the signal, which ``unshare`` passes on as it is.
     pid = os.fork()
     if pid == 0:
-        confine(limits, root, uid)
-        run_program(code)  # (never returns: SystemExit ends this interpreter)
-    while True:
+        try:
+            confine(limits, root, uid)
+        except BaseException as e:
+            fail(f"confining the program: {e!r}")
+        run_program(code)  # (never returns)
+    while True:  # (a program's orphans come here, this being its namespace's init)
         done, status = os.waitpid(-1, 0)
         if done == pid:
             break
@@ -99,8 +256,11 @@ def confine(limits: dict, root: bool, uid: int) -> None:
 
 
 def run_program(code: bytes) -> None:
-    """Run ``code`` as ``__main__`` (what ``python -s -S -B -P main.py`` would), then end this
-    process through :class:`SystemExit`, so the interpreter shuts down as after a script."""
+    """Run ``code`` as ``__main__`` (what ``python -s -S -B -P main.py`` would) and end the
+    process as the interpreter ends a script: its non-daemon threads joined, its exit
+    functions run, its output flushed, its status. Not the interpreter's full teardown: in
+    a fork of the server that would touch, and so copy, every page the server left it (two
+    thirds of a short call's time), and a script's output does not depend on it."""
     sys.argv = ["main.py"]
     sys.dont_write_bytecode = True
     module = type(sys)("__main__")
@@ -108,30 +268,57 @@ def run_program(code: bytes) -> None:
     sys.modules["__main__"] = module
     try:
         exec(compile(code, "main.py", "exec"), module.__dict__)
-    except SystemExit:
-        raise
+        status = 0
+    except SystemExit as e:
+        status = _exit_status(e)
     except BaseException as e:
         tb = e.__traceback__  # (from the program's first frame: the jail's are not its own)
         while tb is not None and tb.tb_frame.f_code.co_filename != "main.py":
             tb = tb.tb_next
         sys.excepthook(type(e), e, tb)
-        sys.exit(1)
-    sys.exit(0)
+        status = 1
+    os._exit(_finish(status))
 
 
-def mount_tmpfs(target: str, size: int) -> None:
-    import ctypes  # (namespaces only: its import is a tenth of a call's start)
+def _exit_status(e: SystemExit) -> int:
+    """What the interpreter makes of an uncaught ``SystemExit``."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    sys.stderr.write(f"{e.code}\n")
+    return 1
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    opts = f"size={size},mode=1777".encode()
-    if libc.mount(b"none", target.encode(), b"tmpfs", 0, opts) != 0:
+
+def _finish(status: int) -> int:
+    """The interpreter's end of a script, before its teardown; the exit status."""
+    threading = sys.modules.get("threading")
+    try:
+        if threading is not None:
+            threading._shutdown()  # (joins the non-daemon threads)
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        status = _exit_status(e)
+    except BaseException:
+        status = status or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            status = status or 120  # (the interpreter's status when flushing fails)
+    return status
+
+
+def mount(source: bytes, target: str, kind: bytes, flags: int, options: str) -> None:
+    if _libc.mount(source, target.encode(), kind, flags, options.encode() or None):
         fail(f"mounting a private {target}: errno {ctypes.get_errno()}")
 
 
 def fail(message: str) -> None:
     sys.stderr.write(f"plexrl-jail: {message}\n")
+    sys.stderr.flush()
     sys.exit(125)
 
 
 if __name__ == "__main__":
-    main()
+    serve(int(sys.argv[1]))

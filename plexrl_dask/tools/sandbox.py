@@ -2,11 +2,15 @@
 
 Each call runs the program (at most :attr:`SandboxLimits.code_bytes`) as ``python -s -S -B -P
 main.py`` would with string hashing fixed (``PYTHONHASHSEED=0``, the only variable of the
-interpreter's environment), in a fresh interpreter started once per call (a jail that sets
-it up, whose child runs the program: ``_jail.py``):
+interpreter's environment), in a process forked for it from this process's *sandbox server*
+(``_jail.py``: an interpreter started once per calling process and mode, and again if it
+ends): a call costs a fork, not an interpreter's start, which was most of a short program's
+call (``bench.agentic``'s ``sandbox_call_cpu_ratio``). Every call is a fork of the same
+server, so a program finds the same interpreter in every call.
 
 - **isolation** (``isolation="namespaces"``, the default where the kernel allows it: Linux, run
-  as root or with user namespaces): new network, mount and PID namespaces (``unshare``), so the
+  as root or with user namespaces): new network, mount and PID namespaces per call (where
+  this process is not root, its server runs as root of a user namespace), so the
   program has no network (a loopback that is down), sees no other process than the jail that
   waits for it, and every process it starts dies with it; empty tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``; it
   runs as an unprivileged user, in a working directory of its own, so it cannot write outside
@@ -17,8 +21,9 @@ it up, whose child runs the program: ``_jail.py``):
   not available (``"limits"``, what :func:`isolation` falls back to): the limits below, an
   empty environment in a temporary directory, and, when run by root, the uid of its own; a
   test says which mode ran.
-- **limits**: wall-clock time (the process group is killed), CPU seconds, address space, file
-  size, open files, processes; no core files; an empty environment.
+- **limits**: wall-clock time (the call's processes are killed: its PID namespace, or its
+  process group and, run by root, every process of its uid), CPU seconds, address space,
+  file size, open files, processes; no core files; an empty environment.
 - **CPU priority**: the call's processes run at :attr:`SandboxLimits.nice` (10 by default), so
   that on a machine they share with model workers (a node's spare cores, a laptop's
   ``local_cluster``) untrusted programs take the CPU the workers leave, and a worker's decode
@@ -36,19 +41,22 @@ call; a program that reads the clock or randomness breaks that, which is the tas
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import functools
+import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -87,9 +95,12 @@ class SandboxLimits:
 @functools.cache
 def isolation() -> str:
     """``"namespaces"`` where a program runs in the namespaced sandbox here (checked once, by
-    running one: ``unshare`` must make network, mount and PID namespaces, and the unprivileged
-    user must be able to run the interpreter), else ``"limits"``."""
-    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
+    running one: a call must be able to make network, mount and PID namespaces, as root or
+    in the user namespace ``unshare --user`` gives its server, and the unprivileged user must
+    be able to run the interpreter), else ``"limits"``."""
+    if not sys.platform.startswith("linux"):
+        return "limits"
+    if os.geteuid() != 0 and shutil.which("unshare") is None:
         return "limits"
     try:
         ok = PythonSandbox(mode="namespaces").run("print(6 * 7)") == "42\n"
@@ -137,7 +148,9 @@ class PythonSandbox:
         self.limits = limits
         self.mode = mode
 
-    def run(self, text: str) -> str:
+    def run(self, text: str, server: SandboxServer | None = None) -> str:
+        """The program's output (see the module docstring). ``server``: run the call on this
+        server, not this process's for the mode (a server of the same mode)."""
         mode = self.mode or isolation()
         code = text.encode()
         if len(code) > self.limits.code_bytes:
@@ -151,30 +164,17 @@ class PythonSandbox:
             slot = stack.enter_context(_uid_slot(self.limits)) if os.geteuid() == 0 else 0
             limits = {
                 **asdict(self.limits),
-                # (the niceness the jail sets for itself first, so that whatever it starts
-                # inherits it: set from here, after the start, it raced the jail's fork)
+                # (the niceness the call sets for itself first, so that whatever it starts
+                # inherits it, and its session's scheduling group's: see _jail.py)
                 "nice": min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.limits.nice),
-                # (empty: not run by root, so no uid to drop to: in a user namespace its root
+                "group_nice": min(19, _autogroup_nice() + self.limits.nice),
+                # (None: not run by root, so no uid to drop to: in a user namespace its root
                 # is the caller, who may not take another uid)
-                "uid": self.limits.uid_base + slot if os.geteuid() == 0 else "",
-                "private_mounts": int(mode == "namespaces"),
+                "uid": self.limits.uid_base + slot if os.geteuid() == 0 else None,
+                "private_mounts": mode == "namespaces",
                 "workdir": tmp,
             }
-            # (the program runs in this interpreter after dropping to the unprivileged user,
-            # so it must be one that user may run and whose library that user may read)
-            # (not ``-I``, whose ``-E`` would ignore the hash seed: the environment is ours)
-            cmd = [interpreter(), "-s", "-S", "-B", "-P", str(_JAIL)]
-            cmd += [f"{k}={v}" for k, v in limits.items()]
-            if mode == "namespaces":
-                prefix = [shutil.which("unshare") or "unshare"]
-                if os.geteuid() != 0:
-                    prefix += ["--user", "--map-root-user"]
-                cmd = [
-                    *prefix,
-                    *("--net", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child"),
-                    *cmd,
-                ]
-            return _run(cmd, code, self.limits, tmp)
+            return _run(server or _server(mode), limits, code, self.limits)
 
 
 @contextlib.contextmanager
@@ -199,70 +199,10 @@ def _uid_slot(limits: SandboxLimits) -> Iterator[int]:
     raise ToolLimitExceeded(f"all {limits.uid_slots} sandbox uids are in use on this machine")
 
 
-def _run(cmd: list[str], code: bytes, limits: SandboxLimits, cwd: str) -> str:
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=cwd,
-        env={"PYTHONHASHSEED": "0"},  # (the jail empties it for the program)
-        start_new_session=True,  # its own process group: killed as one
-    )
-    _lower_priority(proc, limits.nice)
-    out = _Capped(proc.stdout, limits.output_bytes, proc)
-    err = _Capped(proc.stderr, limits.output_bytes, None, tail=True)
-    try:
-        proc.stdin.write(code)  # type: ignore[union-attr]
-        proc.stdin.close()  # type: ignore[union-attr]
-    except BrokenPipeError:
-        pass
-    deadline = time.monotonic() + limits.wall_s
-    try:
-        timed_out = not _exited(proc, limits.wall_s)
-    finally:
-        _kill(proc)
-    out.join(max(0.1, deadline - time.monotonic() + 1.0))
-    err.join(1.0)
-    if proc.returncode == 125 and b"plexrl-jail:" in err.data:
-        raise ToolError(err.data.decode(errors="replace").strip())  # (the jail, not the program)
-    if out.truncated:
-        return out.data.decode(errors="replace") + TRUNCATED
-    if timed_out:
-        raise ToolLimitExceeded(f"the program ran past {limits.wall_s:g} s")
-    if proc.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):  # (unshare passes it on)
-        raise ToolLimitExceeded(f"the program ran past {limits.cpu_s} s of CPU time")
-    if proc.returncode != 0:
-        # the exception's line: the last one that is not a traceback's indented frame
-        lines = [ln for ln in err.data.decode(errors="replace").splitlines() if ln.strip()]
-        top = [ln for ln in lines if not ln.startswith((" ", "\t", "Traceback"))]
-        why = (top or lines or [f"exit status {proc.returncode}"])[-1]
-        if proc.returncode < 0:
-            why = f"killed by signal {-proc.returncode} ({why})"
-        raise ToolError(why)
-    return out.data.decode(errors="replace")
-
-
-def _lower_priority(proc: subprocess.Popen, nice: int) -> None:
-    """Lower the started call's scheduling group by ``nice``. The jail lowers its own
-    process's priority before it starts the program; but its own session is its own
-    scheduling group where the kernel groups by session (autogroup, Linux's default on
-    desktops and many servers): a process's nice then weighs only within its group, so the
-    group's is set as well. The group exists from the start (``setsid`` precedes ``exec``) and
-    every process of the session shares it, so setting it after the start misses none."""
-    if not nice:
-        return
-    try:
-        with open(f"/proc/{proc.pid}/autogroup", "w") as f:
-            f.write(str(min(19, _autogroup_nice() + nice)))
-    except OSError:
-        pass  # no autogroups here (or it ended): the process's nice is what counts
-
-
 @functools.cache
 def _autogroup_nice() -> int:
-    """This process's scheduling group's nice (0 where the kernel has no autogroups); read
-    once: what each call's group is set relative to."""
+    """This process's scheduling group's nice (0 where the kernel shows none); read once:
+    what each call's group is set relative to."""
     try:
         with open("/proc/self/autogroup") as f:
             return int(f.read().split()[-1])
@@ -270,48 +210,256 @@ def _autogroup_nice() -> int:
         return 0
 
 
-def _exited(proc: subprocess.Popen, timeout: float) -> bool:
-    """Whether ``proc`` exits within ``timeout`` seconds, told the moment it does: through a
-    pidfd where the kernel has them (``Popen.wait(timeout)`` polls at doubling intervals,
-    which added half a call's time to a short program's)."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):  # (not Linux ≥ 5.3)
+#: Seconds a sandbox server may take to start.
+START_S = 30.0
+#: Seconds a call that ran past its time may take to end when asked.
+END_S = 5.0
+
+
+class SandboxServer:
+    """This process's sandbox server for one mode (``_jail.py``): started on first use, and
+    again where it ended; every call of the mode is a fork of it. Where the mode is
+    ``namespaces`` and this process is not root, the server runs as root of a user namespace
+    of its own (``unshare --user``), which lets its calls make the other namespaces."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.owner = 0  # (the pid that started it: a forked caller starts its own)
+
+    def submit(self, limits: dict, fds: list[int]) -> None:
+        """Send one call (its limits and its four descriptors: see ``_jail.py``)."""
+        message = json.dumps(limits).encode()
+        with self.lock:
+            for attempt in range(2):
+                if not self.running():
+                    self._start()
+                try:
+                    socket.send_fds(self.sock, [message], fds)
+                    return
+                except OSError as e:
+                    self.stop()
+                    if attempt:
+                        raise ToolError(f"the sandbox server took no call: {e}") from e
+
+    def running(self) -> bool:
+        return self.proc is not None and self.owner == os.getpid() and self.proc.poll() is None
+
+    def cpu_seconds(self) -> float:
+        """The server's CPU seconds and its ended calls' (0 where it is not running here)."""
+        if not self.running():
+            return 0.0
         try:
-            proc.wait(timeout=timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return sum(int(t) for t in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+    def _start(self) -> None:
+        self.stop()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = [interpreter(), "-s", "-S", "-B", "-P", str(_JAIL), str(theirs.fileno())]
+        if self.mode == "namespaces" and os.geteuid() != 0:
+            cmd = [shutil.which("unshare") or "unshare", "--user", "--map-root-user", *cmd]
+        with theirs, tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(
+                cmd,
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                cwd="/",
+                env={"PYTHONHASHSEED": "0"},  # (the calls empty it for the programs)
+                start_new_session=True,  # (a signal to the caller's group is not its)
+            )
+            mine.settimeout(START_S)  # (sends too: a stuck server is restarted)
+            try:
+                ready = mine.recv(16) == b"ready"
+            except OSError:
+                ready = False
+            if not ready:
+                proc.kill()
+                proc.wait()
+                mine.close()
+                log.seek(0)
+                why = log.read().decode(errors="replace").strip().splitlines()
+                raise ToolError(f"the sandbox server did not start: {why[-1:] or proc.returncode}")
+        self.proc, self.sock, self.owner = proc, mine, os.getpid()
+
+    def stop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()  # (the server ends when its socket does)
+        if self.proc is not None and self.owner == os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait()
+        self.proc = self.sock = None
+
+
+_servers: dict[str, SandboxServer] = {}
+_servers_lock = threading.Lock()
+
+
+def _server(mode: str) -> SandboxServer:
+    with _servers_lock:
+        if not _servers:
+            atexit.register(lambda: [s.stop() for s in _servers.values()])
+        return _servers.setdefault(mode, SandboxServer(mode))
+
+
+def servers_cpu_seconds() -> float:
+    """CPU seconds of this process's running sandbox servers, their ended calls' included
+    (a server that ended counts in this process's children's time)."""
+    with _servers_lock:
+        return sum(s.cpu_seconds() for s in _servers.values())
+
+
+def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) -> str:
+    """Run one call on ``server``: the program's output, or the typed error of its end."""
+    deadline = time.monotonic() + limits.wall_s
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    status, theirs = socket.socketpair()
     try:
-        ready, _, _ = select.select([fd], [], [], timeout)
+        server.submit(call, [in_r, out_w, err_w, theirs.fileno()])
+    except BaseException:
+        for f in (in_w, out_r, err_r):
+            os.close(f)
+        status.close()
+        raise
+    finally:
+        for f in (in_r, out_w, err_w):
+            os.close(f)
+        theirs.close()
+    with status:
+        try:
+            proc = _Call(status, deadline)
+        except BaseException:
+            for f in (in_w, out_r, err_r):
+                os.close(f)
+            raise
+        out = _Capped(os.fdopen(out_r, "rb", 0), limits.output_bytes, proc.kill)
+        err = _Capped(os.fdopen(err_r, "rb", 0), limits.output_bytes, None, tail=True)
+        returncode = None
+        try:
+            _feed(in_w, code, deadline)
+            returncode = proc.wait(deadline)
+        finally:
+            if returncode is None:
+                proc.end()
+    out.join(max(0.1, deadline - time.monotonic() + 1.0))
+    err.join(1.0)
+    if returncode == 125 and b"plexrl-jail:" in err.data:
+        raise ToolError(err.data.decode(errors="replace").strip())  # (the jail, not the program)
+    if out.truncated:
+        return out.data.decode(errors="replace") + TRUNCATED
+    if returncode is None:
+        raise ToolLimitExceeded(f"the program ran past {limits.wall_s:g} s")
+    if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        raise ToolLimitExceeded(f"the program ran past {limits.cpu_s} s of CPU time")
+    if returncode != 0:
+        # the exception's line: the last one that is not a traceback's indented frame
+        lines = [ln for ln in err.data.decode(errors="replace").splitlines() if ln.strip()]
+        top = [ln for ln in lines if not ln.startswith((" ", "\t", "Traceback"))]
+        why = (top or lines or [f"exit status {returncode}"])[-1]
+        if returncode < 0:
+            why = f"killed by signal {-returncode} ({why})"
+        raise ToolError(why)
+    return out.data.decode(errors="replace")
+
+
+class _Call:
+    """A started call, as its status socket tells it (``pid N``, then ``exit N``)."""
+
+    def __init__(self, status: socket.socket, deadline: float) -> None:
+        self.status, self.buffer, self.pid = status, b"", 0
+        try:
+            line = self._line(deadline)
+        except TimeoutError:
+            raise ToolLimitExceeded("the sandbox server did not start the call in time") from None
+        if not line.startswith(b"pid "):
+            raise ToolError("the sandbox server did not start the call")
+        self.pid = int(line[4:])
+
+    def wait(self, deadline: float) -> int | None:
+        """The call's exit status; None if it did not end by ``deadline``; −9 where it ended
+        without one (it was killed)."""
+        try:
+            line = self._line(deadline)
+        except TimeoutError:
+            return None
+        return int(line[5:]) if line.startswith(b"exit ") else -signal.SIGKILL
+
+    def kill(self) -> None:
+        """Ask the call to end: it kills the jail's process group (the PID namespace's init,
+        and so all of it, where there is one) and answers with its status."""
+        with contextlib.suppress(OSError):
+            self.status.send(b"k")
+
+    def end(self) -> None:
+        """End a call that ran past its time: asked, or where it does not answer within
+        :data:`END_S`, killed (the call's own group; the jail dies with it)."""
+        self.kill()
+        with contextlib.suppress(TimeoutError):
+            if self._line(time.monotonic() + END_S):
+                return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)  # (it waits for this socket to close: still there)
+
+    def _line(self, deadline: float) -> bytes:
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.status], [], [], max(0.0, left))
+            if not ready:
+                raise TimeoutError
+            chunk = self.status.recv(256)
+            if not chunk:
+                return b""
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line
+
+
+def _feed(fd: int, data: bytes, deadline: float) -> None:
+    """Write ``data`` to the pipe ``fd`` and close it, by ``deadline`` (what the reader does
+    not take by then is dropped: the call then runs past its time and is stopped)."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    try:
+        while view:
+            left = deadline - time.monotonic()
+            _, ready, _ = select.select([], [fd], [], max(0.0, left))
+            if not ready:
+                return
+            view = view[os.write(fd, view[:65536]) :]
+    except BrokenPipeError:
+        pass
     finally:
         os.close(fd)
-    return bool(ready)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """Kill the call's process group, whether or not its first process is still running
-    (what the program left behind in its group goes too)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, 9)
-    proc.wait()
 
 
 class _Capped(threading.Thread):
-    """Reads a pipe up to ``cap`` bytes; past it, stops the process (``proc``, if given) and
+    """Reads a pipe up to ``cap`` bytes; past it, stops the call (``kill``, if given) and
     marks the data truncated. With ``tail``, reads it all and keeps the last ``cap`` bytes
     (standard error: the exception's line comes last)."""
 
-    def __init__(self, pipe, cap: int, proc: subprocess.Popen | None, tail: bool = False) -> None:
+    def __init__(self, pipe, cap: int, kill: Callable[[], None] | None, tail: bool = False) -> None:
         super().__init__(daemon=True)
-        self.pipe, self.cap, self.proc, self.tail = pipe, cap, proc, tail
+        self.pipe, self.cap, self.kill, self.tail = pipe, cap, kill, tail
         self.data = b""
         self.truncated = False
         self.start()
 
     def run(self) -> None:
+        with self.pipe:
+            self._read()
+
+    def _read(self) -> None:
         while True:
-            chunk = self.pipe.read1(65536) if hasattr(self.pipe, "read1") else self.pipe.read(65536)
+            chunk = self.pipe.read(65536)
             if not chunk:
                 return
             if self.tail:
@@ -321,6 +469,6 @@ class _Capped(threading.Thread):
             self.data += chunk[:room]
             if len(chunk) > room:
                 self.truncated = True
-                if self.proc is not None:
-                    _kill(self.proc)
+                if self.kill is not None:
+                    self.kill()
                 return
