@@ -165,7 +165,11 @@ def request_timeout() -> float:
 def batch_interval() -> float | None:
     """``plexrl.comm.batch-interval`` in seconds: the interval PlexRL sets on Dask's batched
     streams (see :func:`tune_batched_send`); None (null) leaves Dask's."""
-    return None if get("comm.batch-interval") is None else get_seconds("comm.batch-interval", positive=False)
+    return (
+        None
+        if get("comm.batch-interval") is None
+        else get_seconds("comm.batch-interval", positive=False)
+    )
 
 
 def tune_batched_send(stream: object, interval: float | None = None) -> bool:

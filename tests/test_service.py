@@ -20,9 +20,7 @@ from tests.conftest import hold, tiny_spec, unique
 
 def gpu_workers(client: Client) -> list[str]:
     return sorted(
-        addr
-        for addr, w in plexrl.worker_info(client).items()
-        if w["resources"].get("GPU")
+        addr for addr, w in plexrl.worker_info(client).items() if w["resources"].get("GPU")
     )
 
 
@@ -713,7 +711,9 @@ def test_an_adapter_bank_samples_several_jobs_adapters_in_one_request(client):
         plexrl.result(bank.load_adapter("t0", policies[0].info.spec, saved[0]))
     for p in policies:
         p.share(server.job, ops=("get_weights",))
-    plexrl.result([bank.load_adapter(f"t{i}", p.info.spec, saved[i]) for i, p in enumerate(policies)])
+    plexrl.result(
+        [bank.load_adapter(f"t{i}", p.info.spec, saved[i]) for i, p in enumerate(policies)]
+    )
     params = plexrl.SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=4)
     prompts = ["1+2=", "3+4=", "5+6=", "7+8="]
     keys = ["t0", "t1", None, "t1"]

@@ -29,7 +29,7 @@ from plexrl_dask.tools import (
 )
 from plexrl_dask.tools.calls import check_tools
 from plexrl_dask.tools.pool import TASKS_PER_THREAD
-from plexrl_dask.tools.sandbox import TRUNCATED
+from plexrl_dask.tools.sandbox import TRUNCATED, sandbox_processes
 
 TOOLS = {"calc": Calculator()}
 FAST = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
@@ -273,16 +273,17 @@ def test_a_program_cannot_write_its_own_status_or_reach_the_server():
 def test_without_namespaces_what_a_program_leaves_running_ends_with_its_call():
     """In limits mode there is no PID namespace to end with the program: a process it left
     in a session of its own is killed with the call, lest it keep the uid the next call gets."""
-    import subprocess
-
     leave = (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
         "print(os.getuid())"
     )
     sandbox = PythonSandbox(FAST, "limits")
     uid = int(sandbox.run(leave))
-    left = subprocess.run(["pgrep", "-u", str(uid)], capture_output=True, text=True).stdout
-    assert left.split() == []
+    assert FAST.uid_base <= uid < FAST.uid_base + FAST.uid_slots
+    deadline = time.monotonic() + 5.0  # (killed with the call; reaped a moment later)
+    while sandbox_processes(FAST) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes(FAST) == []
     sleeper = "import time\nif True:\n    import os\n    os.fork()\n    time.sleep(60)"
     assert run_call(ToolCall("py", sleeper), {"py": sandbox}).error == "ToolLimitExceeded"
     assert sandbox.run("print('next')") == "next\n"

@@ -80,7 +80,7 @@ from plexrl_dask.rl.report import reward_start_end
 from plexrl_dask.tasks.agentic import is_agentic
 from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolCall, ToolPool, isolation
 from plexrl_dask.tools.pool import tool_workers
-from plexrl_dask.tools.sandbox import servers_cpu_seconds
+from plexrl_dask.tools.sandbox import sandbox_processes, servers_cpu_seconds
 
 MODES = ("colocated", "split-async", "multiplexed")
 TARGETS = {
@@ -344,8 +344,7 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
         stop.set()
         listener.close()
         pool.close()
-    base = SandboxLimits().uid_base
-    leftovers = _processes_of(range(base, base + SandboxLimits().uid_slots))
+    leftovers = sandbox_processes(SandboxLimits())
     for name, v in out.items():
         v["escaped"] = (
             (name == "write outside" and any(p.exists() for p in outside))
@@ -355,18 +354,6 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
         )
     out["orphan"]["escaped"] = out["orphan"]["escaped"] or bool(leftovers)
     return {"programs": out, "processes_left": leftovers, "isolation": isolation()}
-
-
-def _processes_of(uids: range) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.stat(entry.path).st_uid in uids:
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 if __name__ == "__main__":

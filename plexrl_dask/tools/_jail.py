@@ -54,7 +54,10 @@ def serve(fd: int) -> None:
     server = socket.socket(fileno=fd)
     # (orphans of a call come back to this process, which reaps them: their CPU time counts)
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    own_mounts = os.stat("/proc/self/ns/mnt").st_ino
+    try:  # (a call mounts only in a mount namespace other than this one)
+        own_mounts = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        own_mounts = None  # (nor then: no way to tell)
     # (ended calls and orphans are reaped at once: their CPU time counts from then on)
     signal.signal(signal.SIGCHLD, lambda *_: _reap())
     server.send(b"ready")
@@ -106,7 +109,7 @@ def _refuse(fds: list, message: str) -> None:
         os.close(f)
 
 
-def call(server: socket.socket, limits: dict, fds: list, own_mounts: int) -> None:
+def call(server: socket.socket, limits: dict, fds: list, own_mounts: int | None) -> None:
     """The call process (see the module docstring); never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (it waits for its own child)
     server.close()
@@ -192,7 +195,7 @@ def _wait(jail: int, status: int) -> int:
     return -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
 
 
-def run_jail(limits: dict, code: bytes, own_mounts: int) -> None:
+def run_jail(limits: dict, code: bytes, own_mounts: int | None) -> None:
     """The jail: the namespace's init where there is one (see the module docstring)."""
     os.closerange(3, 1 << 16)  # (the call's status: not the program's to write)
     os.setpgid(0, 0)  # (its own group, which the call kills; the call's own is the caller's)
@@ -200,7 +203,7 @@ def run_jail(limits: dict, code: bytes, own_mounts: int) -> None:
     uid = gid = limits["uid"]
     root = uid is not None and os.geteuid() == 0  # (drop to ``uid``)
     if limits["private_mounts"]:
-        if os.stat("/proc/self/ns/mnt").st_ino == own_mounts:
+        if own_mounts is None or os.stat("/proc/self/ns/mnt").st_ino == own_mounts:
             fail("not in a mount namespace of its own")  # (never mount over the machine's)
         for target in ("/tmp", "/var/tmp", "/dev/shm"):
             if os.path.isdir(target):

@@ -309,6 +309,21 @@ def _server(mode: str) -> SandboxServer:
         return _servers.setdefault(mode, SandboxServer(mode))
 
 
+def sandbox_processes(limits: SandboxLimits) -> list[int]:
+    """The pids of this machine's processes that run under ``limits``' uids (those a
+    program runs as, when run by root): none once every call has ended."""
+    uids = range(limits.uid_base, limits.uid_base + limits.uid_slots)
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.stat(entry.path).st_uid in uids:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def servers_cpu_seconds() -> float:
     """CPU seconds of this process's running sandbox servers, their ended calls' included
     (a server that ended counts in this process's children's time)."""
