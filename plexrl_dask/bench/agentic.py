@@ -17,7 +17,7 @@ layouts' ratio in the sweep, was the figure before: one run of each layout, whic
 the machine by more than the gap), and
 ``cost_ratio_vs_split_async`` (the cheapest pool ÷ split-async's cheapest layout, in the
 sweep), ``idle_fraction`` per mode, ``bench.multiplex``'s ``longest_job``
-figures and each job's ``colocated_wall_s``, and from the cheapest pool's run:
+figures and ``busy_ratio_vs_colocated``, each job's ``colocated_wall_s``, and from the cheapest pool's run:
 ``tool_calls`` and ``tool_runs`` (the calls the policy made; those that ran: identical calls of
 a turn run once), ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
 ``tool_s_p99`` (seconds a call that ran took on its tool worker; before identical calls ran
@@ -217,6 +217,8 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         # where the pool's cost goes with a fixed set of jobs (as in bench.multiplex)
         "longest_job": longest,
         "longest_job_bound_ratio_vs_colocated": bound / colocated.reserved_worker_seconds(),
+        "busy_ratio_vs_colocated": mux.ledger.busy_worker_seconds()
+        / colocated.busy_worker_seconds(),
         "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
         "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
         "colocated_wall_s": {j.job: j.wall_s for j in colocated.jobs},

@@ -29,7 +29,9 @@ last job ends, so ``longest_job`` (the longest colocated wall time) matters most
 ran in the pool as fast as alone and everything else fitted around it
 (:func:`~plexrl_dask.rl.ledger.longest_job_bound`); ``longest_job_wall_ratio`` is the pool's
 makespan ÷ that job's colocated wall, and ``longest_job_blocked_s`` the seconds its chain of
-requests waited on other jobs' requests in the pool (:meth:`~plexrl_dask.rl.ledger.ModeLedger.blocked_seconds`).
+requests waited on other jobs' requests in the pool (:meth:`~plexrl_dask.rl.ledger.ModeLedger.blocked_seconds`);
+``busy_ratio_vs_colocated`` is the pool's busy worker-seconds ÷ colocated's: the same requests,
+slower where they share the cores with more.
 A diagnostic of where to-peak goes: ``rollout_cpu_share`` (multiplexed; ``colocated_…``), the
 share of the rollout requests' run time their threads were on a CPU, against
 ``peak_cpu_share``, the same share of the peak requests around that layout
@@ -441,6 +443,8 @@ def summarise(
         # where the pool's cost goes with a fixed set of jobs (rl/ledger.py)
         "longest_job": longest,
         "longest_job_bound_ratio_vs_colocated": bound / colocated.reserved_worker_seconds(),
+        "busy_ratio_vs_colocated": mux.ledger.busy_worker_seconds()
+        / colocated.busy_worker_seconds(),
         "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
         "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
         "reward_trajectories_identical": identical,
