@@ -6,9 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -287,6 +292,92 @@ def test_without_namespaces_what_a_program_leaves_running_ends_with_its_call():
     sleeper = "import time\nif True:\n    import os\n    os.fork()\n    time.sleep(60)"
     assert run_call(ToolCall("py", sleeper), {"py": sandbox}).error == "ToolLimitExceeded"
     assert sandbox.run("print('next')") == "next\n"
+
+
+ESCAPE = r"""
+import ctypes, os
+ctypes.CDLL(None, use_errno=True).umount2(b"/proc", 2)  # (the machine's /proc beneath)
+mine, pid = set(), int(os.readlink("/proc/self"))  # (its pid there, not in its namespace)
+for _ in range(3):  # (this call's processes: the program's, the jail, the call)
+    mine.add(pid)
+    status = open(f"/proc/{pid}/status").read()
+    pid = int(status.split("PPid:")[1].split()[0])
+seen = denied = 0
+for p in os.listdir("/proc"):
+    try:
+        if not p.isdigit() or b"_jail.py" not in open(f"/proc/{p}/cmdline", "rb").read():
+            continue
+    except OSError:
+        continue
+    if int(p) in mine:
+        continue
+    seen += 1
+    try:
+        open(f"/proc/{p}/mem", "rb").close()
+        print("LEAK", p)
+    except PermissionError:
+        denied += 1
+print(seen, denied)
+"""
+
+NOT_ROOT_PROBE = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from plexrl_dask.tools import PythonSandbox, SandboxLimits
+from plexrl_dask.tools.sandbox import isolation
+if isolation() != "namespaces":
+    sys.exit(3)
+sandbox = PythonSandbox(SandboxLimits(wall_s=10), "namespaces")
+slept = []
+other = threading.Thread(target=lambda: slept.append(sandbox.run("import time; time.sleep(3)")))
+other.start()
+time.sleep(1.0)  # (the other call runs on the same server meanwhile)
+print(sandbox.run(sys.stdin.read()), end="")
+other.join()
+assert slept == [""]
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the sandbox as another user: needs root")
+def test_without_root_no_program_reaches_the_server_or_another_call():
+    """Run by a user that is not root, the server is root of a user namespace and so is each
+    program (in one of its own, nested): a program that uncovers the machine's ``/proc`` finds
+    the server and another call's processes there, and may open neither's memory."""
+    import plexrl_dask
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv to run as another user")
+    repo = str(Path(plexrl_dask.__file__).resolve().parents[1])
+    folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))  # (pytest's is root's alone)
+    folder.chmod(0o755)
+    probe = folder / "probe.py"
+    probe.write_text(NOT_ROOT_PROBE)
+    probe.chmod(0o644)
+    try:
+        _run_as_nobody(setpriv, probe, repo)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_as_nobody(setpriv: str, probe: Path, repo: str) -> None:
+    nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    done = subprocess.run(
+        [*nobody, sys.executable, str(probe), repo],
+        input=ESCAPE.encode(),
+        capture_output=True,
+        cwd="/",
+        timeout=60,
+    )
+    if done.returncode == 3:
+        pytest.skip("user namespaces are not available to an unprivileged user here")
+    if done.returncode != 0 and b"Permission denied" in done.stderr:
+        pytest.skip("this checkout is not readable by an unprivileged user")
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    out = done.stdout.decode()
+    assert "LEAK" not in out
+    seen, denied = map(int, out.split())
+    assert seen >= 4 and denied == seen  # (the server, and the other call's three processes)
 
 
 def test_bad_limits_and_modes_are_typed():

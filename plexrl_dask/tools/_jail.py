@@ -20,27 +20,43 @@ the jail was killed by signal -N) and stays until the caller closes its end of t
 socket, so that its process group is there for the caller to kill. Exit status 125 and a
 message on standard error: the call could not be set up (not the program's failure).
 
-The program ends as ``python main.py`` would: its non-daemon threads joined, its output flushed,
-an uncaught exception's traceback (the program's frames only) on standard error and status 1.
-It starts from a fork of this server, which has imported only what serving needs; a fork of the
-same server for every call, so a program sees the same interpreter in every call.
+The program ends as ``python main.py`` would: its non-daemon threads joined, its exit functions
+run, its module's objects released, its output flushed, an uncaught exception's traceback (the
+program's frames only) on standard error and status 1. It starts from a fork of this server
+whose ``sys.modules`` holds only what a fresh interpreter's does (what the server imported to
+serve is imported afresh if the program imports it); a fork of the same server for every call,
+so a program sees the same interpreter in every call. (It can tell: the frames below its own
+are the server's.)
+
+Where the caller is not root, every call makes a user namespace of its own too (nested in the
+server's), so that no program, root in its namespaces, holds a capability over the server or
+another call's processes.
 """
 
-import atexit
-import contextlib
-import ctypes
-import json
-import os
-import resource
-import select
-import signal
-import socket
+from __future__ import annotations
+
 import sys
+
+#: What a fresh ``python -s -S -B -P`` has imported (a program starts from these alone).
+_FRESH_MODULES = frozenset(sys.modules) - {"__future__"}
+
+import atexit  # noqa: E402
+import contextlib  # noqa: E402
+import ctypes  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
 
 #: The limits given as integers (the rest: ``uid`` an integer or None, ``private_mounts`` a
 #: bool, ``workdir`` a path).
 INTEGERS = ("cpu_s", "memory_bytes", "file_bytes", "processes", "code_bytes", "nice", "group_nice")
 _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+_CLONE_NEWUSER = 0x10000000
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
@@ -60,6 +76,9 @@ def serve(fd: int) -> None:
         own_mounts = None  # (nor then: no way to tell)
     # (ended calls and orphans are reaped at once: their CPU time counts from then on)
     signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    # (what exists now is left alone by the collections of a call's program, which would
+    # otherwise copy every page the server's objects are on)
+    gc.freeze()
     server.send(b"ready")
     while True:
         try:
@@ -100,11 +119,12 @@ def _reap() -> None:
 
 
 def _refuse(fds: list, message: str) -> None:
-    """Answer a call the server could not start."""
-    if len(fds) == 4:
-        os.write(fds[2], f"plexrl-jail: {message}\n".encode())
-        with socket.socket(fileno=os.dup(fds[3])) as status:
-            status.sendall(b"exit 125\n")
+    """Answer a call the server could not start (a caller that went away hears nothing)."""
+    with contextlib.suppress(OSError):
+        if len(fds) == 4:
+            os.write(fds[2], f"plexrl-jail: {message}\n".encode())
+            with socket.socket(fileno=os.dup(fds[3])) as status:
+                status.sendall(b"exit 125\n")
     for f in fds:
         os.close(f)
 
@@ -132,8 +152,8 @@ def call(server: socket.socket, limits: dict, fds: list, own_mounts: int | None)
         code = sys.stdin.buffer.read(limits["code_bytes"] + 1)
         if len(code) > limits["code_bytes"]:
             fail(f"a program has at most {limits['code_bytes']} bytes")
-        if limits["private_mounts"] and _libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET):
-            fail(f"entering new namespaces: errno {ctypes.get_errno()}")
+        if limits["private_mounts"]:
+            _enter_namespaces(limits["user_namespace"])
         # (before any mount: the copied mounts must not pass new ones back to the machine's)
         if limits["private_mounts"] and _libc.mount(
             b"none", b"/", None, _MS_REC | _MS_PRIVATE, None
@@ -146,13 +166,48 @@ def call(server: socket.socket, limits: dict, fds: list, own_mounts: int | None)
             os.waitpid(_fork_into(_kill_all_of, limits["uid"]), 0)
     except SystemExit as e:  # (``fail``)
         code_of = e.code
-    except OSError:
+    except BrokenPipeError:
         os._exit(125)  # (the caller went away: nothing to tell)
+    except Exception as e:  # (a fault of the call's own: the caller hears of it as such)
+        with contextlib.suppress(OSError):
+            os.write(2, f"plexrl-jail: the call failed: {e!r}\n".encode())
+        code_of = 125
     try:
         os.write(status, f"exit {code_of}\n".encode())
-        select.select([status], [], [], _LINGER_S)  # (until the caller closes it)
+        _linger(status)
     finally:
         os._exit(0)
+
+
+def _linger(status: int) -> None:
+    """Stay (this process group there for the caller to kill) until the caller closes the
+    status socket, at most :data:`_LINGER_S`; what it sent meanwhile is read and dropped."""
+    end = time.monotonic() + _LINGER_S
+    while (left := end - time.monotonic()) > 0:
+        ready, _, _ = select.select([status], [], [], left)
+        if ready and not os.read(status, 256):
+            return
+
+
+def _enter_namespaces(own_user: bool) -> None:
+    """New mount, PID and network namespaces for the call (and a user namespace of its own
+    when ``own_user``: its root is this process's uid in the server's); the mounts made
+    private before any is made."""
+    uid, gid = os.getuid(), os.getgid()
+    flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | (_CLONE_NEWUSER if own_user else 0)
+    if _libc.unshare(flags):
+        fail(f"entering new namespaces: errno {ctypes.get_errno()}")
+    if own_user:
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"0 {uid} 1"),
+            ("gid_map", f"0 {gid} 1"),
+        ):
+            try:
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            except OSError as e:
+                fail(f"mapping the call's user namespace ({name}): {e}")
 
 
 def _kill_all_of(uid: int) -> None:
@@ -182,7 +237,7 @@ def _wait(jail: int, status: int) -> int:
         os.setpgid(jail, jail)
     try:
         handle = [os.pidfd_open(jail)]
-    except OSError:  # (not Linux >= 5.3: look every 50 ms)
+    except (AttributeError, OSError):  # (not Linux >= 5.3: look every 50 ms)
         handle = []
     # (not reaped yet: an ended jail's group is still there to kill)
     while os.waitid(os.P_PID, jail, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
@@ -265,7 +320,10 @@ def run_program(code: bytes) -> None:
     a fork of the server that would touch, and so copy, every page the server left it (two
     thirds of a short call's time), and a script's output does not depend on it."""
     sys.argv = ["main.py"]
+    sys.orig_argv = [sys.executable, "-s", "-S", "-B", "-P", "main.py"]
     sys.dont_write_bytecode = True
+    for name in set(sys.modules) - _FRESH_MODULES:
+        del sys.modules[name]  # (the server's: imported afresh, as in a fresh interpreter)
     module = type(sys)("__main__")
     module.__file__ = "main.py"
     sys.modules["__main__"] = module
@@ -280,7 +338,7 @@ def run_program(code: bytes) -> None:
             tb = tb.tb_next
         sys.excepthook(type(e), e, tb)
         status = 1
-    os._exit(_finish(status))
+    os._exit(_finish(status, module))
 
 
 def _exit_status(e: SystemExit) -> int:
@@ -288,27 +346,47 @@ def _exit_status(e: SystemExit) -> int:
     if e.code is None:
         return 0
     if isinstance(e.code, int):
-        return e.code & 0xFF
+        return e.code & 0xFF if -(2**63) <= e.code < 2**63 else 255  # (C long, or -1)
     sys.stderr.write(f"{e.code}\n")
     return 1
 
 
-def _finish(status: int) -> int:
-    """The interpreter's end of a script, before its teardown; the exit status."""
-    threading = sys.modules.get("threading")
+def _finish(status: int, module: object) -> int:
+    """The interpreter's end of a script (``Py_FinalizeEx``'s order): the non-daemon threads
+    joined, the exit functions run, the standard streams flushed, the program's objects
+    released (``__main__``'s namespace cleared, cycles collected: their ``__del__`` and
+    ``finally`` run), the streams flushed again; the exit status. The rest of the
+    interpreter's teardown is left out: in a fork of the server it would copy every page the
+    server left it, two thirds of a short call's time, for nothing a program prints."""
+    threading = sys.modules.get("threading")  # (the program's, if it imported it)
     try:
         if threading is not None:
-            threading._shutdown()  # (joins the non-daemon threads)
+            threading._shutdown()
         atexit._run_exitfuncs()
     except SystemExit as e:
         status = _exit_status(e)
     except BaseException:
         status = status or 1
-    for stream in (sys.stdout, sys.stderr):
+    status = _flush(status)
+    with contextlib.suppress(BaseException):
+        module.__dict__.clear()
+        gc.collect()
+    return _flush(status)
+
+
+def _flush(status: int) -> int:
+    """Flush the standard streams as the interpreter does at exit (those closed or None are
+    skipped; the originals too, if the program replaced them): 120 if standard output fails."""
+    for stream in {
+        id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    }.values():
+        if stream is None or getattr(stream, "closed", True):
+            continue
         try:
             stream.flush()
         except Exception:
-            status = status or 120  # (the interpreter's status when flushing fails)
+            if stream in (sys.stdout, sys.__stdout__):
+                status = status or 120
     return status
 
 

@@ -122,9 +122,23 @@ def interpreter() -> str:
         "/usr/local/bin/python3",
     ]
     for c in candidates:
-        if c and os.path.exists(c) and _runnable_by_others(os.path.realpath(c)):
-            return os.path.realpath(c)
-    raise ToolError(f"no Python interpreter that an unprivileged user may run among {candidates}")
+        real = os.path.realpath(c) if c else ""
+        if real and os.path.exists(real) and _runnable_by_others(real) and _recent_enough(real):
+            return real
+    raise ToolError(
+        f"no Python interpreter (3.9 or later) that an unprivileged user may run among {candidates}"
+    )
+
+
+def _recent_enough(path: str) -> bool:
+    """Whether the interpreter at ``path`` is Python 3.9 or later (the server's needs)."""
+    if path == os.path.realpath(sys.executable):
+        return sys.version_info >= (3, 9)
+    probe = "import sys; sys.exit(sys.version_info < (3, 9))"
+    try:
+        return subprocess.run([path, "-S", "-c", probe], timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _runnable_by_others(path: str) -> bool:
@@ -151,6 +165,10 @@ class PythonSandbox:
     def run(self, text: str, server: SandboxServer | None = None) -> str:
         """The program's output (see the module docstring). ``server``: run the call on this
         server, not this process's for the mode (a server of the same mode)."""
+        if not sys.platform.startswith("linux"):
+            raise ToolError(
+                "the Python sandbox runs on Linux only (its calls are forks of a server)"
+            )
         mode = self.mode or isolation()
         code = text.encode()
         if len(code) > self.limits.code_bytes:
@@ -172,6 +190,8 @@ class PythonSandbox:
                 # is the caller, who may not take another uid)
                 "uid": self.limits.uid_base + slot if os.geteuid() == 0 else None,
                 "private_mounts": mode == "namespaces",
+                # (not root: the server is root of a user namespace; each call gets one more)
+                "user_namespace": mode == "namespaces" and os.geteuid() != 0,
                 "workdir": tmp,
             }
             return _run(server or _server(mode), limits, code, self.limits)
@@ -259,21 +279,28 @@ class SandboxServer:
 
     def _start(self) -> None:
         self.stop()
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as e:
+            raise ToolError(f"the sandbox server could not start: {e}") from e
         cmd = [interpreter(), "-s", "-S", "-B", "-P", str(_JAIL), str(theirs.fileno())]
         if self.mode == "namespaces" and os.geteuid() != 0:
             cmd = [shutil.which("unshare") or "unshare", "--user", "--map-root-user", *cmd]
         with theirs, tempfile.TemporaryFile() as log:
-            proc = subprocess.Popen(
-                cmd,
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                cwd="/",
-                env={"PYTHONHASHSEED": "0"},  # (the calls empty it for the programs)
-                start_new_session=True,  # (a signal to the caller's group is not its)
-            )
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    cwd="/",
+                    env={"PYTHONHASHSEED": "0"},  # (the calls empty it for the programs)
+                    start_new_session=True,  # (a signal to the caller's group is not its)
+                )
+            except OSError as e:
+                mine.close()
+                raise ToolError(f"the sandbox server could not start: {e}") from e
             mine.settimeout(START_S)  # (sends too: a stuck server is restarted)
             try:
                 ready = mine.recv(16) == b"ready"
@@ -312,7 +339,10 @@ def _server(mode: str) -> SandboxServer:
 def sandbox_processes(limits: SandboxLimits) -> list[int]:
     """The pids of this machine's processes that run under ``limits``' uids (those a
     program runs as, when run by root): none once every call has ended."""
-    uids = range(limits.uid_base, limits.uid_base + limits.uid_slots)
+    return _processes_of(range(limits.uid_base, limits.uid_base + limits.uid_slots))
+
+
+def _processes_of(uids: range) -> list[int]:
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -333,38 +363,37 @@ def servers_cpu_seconds() -> float:
 
 def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) -> str:
     """Run one call on ``server``: the program's output, or the typed error of its end."""
-    deadline = time.monotonic() + limits.wall_s
-    in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    status, theirs = socket.socketpair()
     try:
-        server.submit(call, [in_r, out_w, err_w, theirs.fileno()])
-    except BaseException:
-        for f in (in_w, out_r, err_r):
+        (in_r, in_w), (out_r, out_w), (err_r, err_w) = (os.pipe() for _ in range(3))
+        status, theirs = socket.socketpair()
+    except OSError as e:
+        raise ToolError(f"no descriptors left for a sandbox call: {e}") from e
+    mine = [in_w, out_r, err_r]  # (closed here, unless handed on)
+    proc, returncode = None, None
+    try:
+        try:
+            server.submit(call, [in_r, out_w, err_w, theirs.fileno()])
+        finally:
+            for f in (in_r, out_w, err_w):
+                os.close(f)
+            theirs.close()
+        proc = _Call(status, server)
+        out = _Capped(os.fdopen(mine.pop(1), "rb", 0), limits.output_bytes, proc.kill)
+        err = _Capped(os.fdopen(mine.pop(1), "rb", 0), limits.output_bytes, None, tail=True)
+        deadline = time.monotonic() + limits.wall_s  # (the program's time, from its start)
+        _feed(mine.pop(0), code, deadline)
+        returncode = proc.wait(deadline)
+    finally:
+        if proc is not None and returncode is None:
+            proc.end()
+        for f in mine:
             os.close(f)
         status.close()
-        raise
-    finally:
-        for f in (in_r, out_w, err_w):
-            os.close(f)
-        theirs.close()
-    with status:
-        try:
-            proc = _Call(status, deadline)
-        except BaseException:
-            for f in (in_w, out_r, err_r):
-                os.close(f)
-            raise
-        out = _Capped(os.fdopen(out_r, "rb", 0), limits.output_bytes, proc.kill)
-        err = _Capped(os.fdopen(err_r, "rb", 0), limits.output_bytes, None, tail=True)
-        returncode = None
-        try:
-            _feed(in_w, code, deadline)
-            returncode = proc.wait(deadline)
-        finally:
-            if returncode is None:
-                proc.end()
+        # (a call that did not say it ended did not end what the program left; with no PID
+        # namespace to end it, it is ended here, run by root, before the uid is free again)
+        unended = proc is not None and not proc.reported and not call["private_mounts"]
+        if unended and call["uid"] is not None:
+            _kill_uid(call["uid"])
     out.join(max(0.1, deadline - time.monotonic() + 1.0))
     err.join(1.0)
     if returncode == 125 and b"plexrl-jail:" in err.data:
@@ -389,12 +418,13 @@ def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) 
 class _Call:
     """A started call, as its status socket tells it (``pid N``, then ``exit N``)."""
 
-    def __init__(self, status: socket.socket, deadline: float) -> None:
-        self.status, self.buffer, self.pid = status, b"", 0
+    def __init__(self, status: socket.socket, server: SandboxServer) -> None:
+        self.status, self.buffer, self.pid, self.reported = status, b"", 0, False
         try:
-            line = self._line(deadline)
+            line = self._line(time.monotonic() + START_S)
         except TimeoutError:
-            raise ToolLimitExceeded("the sandbox server did not start the call in time") from None
+            server.stop()  # (stuck: the next call starts another)
+            raise ToolError(f"the sandbox server did not start the call in {START_S:g} s") from None
         if not line.startswith(b"pid "):
             raise ToolError("the sandbox server did not start the call")
         self.pid = int(line[4:])
@@ -406,7 +436,8 @@ class _Call:
             line = self._line(deadline)
         except TimeoutError:
             return None
-        return int(line[5:]) if line.startswith(b"exit ") else -signal.SIGKILL
+        self.reported = line.startswith(b"exit ")
+        return int(line[5:]) if self.reported else -signal.SIGKILL
 
     def kill(self) -> None:
         """Ask the call to end: it kills the jail's process group (the PID namespace's init,
@@ -416,26 +447,52 @@ class _Call:
 
     def end(self) -> None:
         """End a call that ran past its time: asked, or where it does not answer within
-        :data:`END_S`, killed (the call's own group; the jail dies with it)."""
+        :data:`END_S`, killed (the call's own group; the jail dies with it). A call that
+        ended without answering is not killed: its pid may be another's by now."""
         self.kill()
-        with contextlib.suppress(TimeoutError):
-            if self._line(time.monotonic() + END_S):
-                return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)  # (it waits for this socket to close: still there)
+        try:
+            self.reported = self._line(time.monotonic() + END_S).startswith(b"exit ")
+        except TimeoutError:  # (there, stuck: it waits for this socket to close)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
 
     def _line(self, deadline: float) -> bytes:
+        """The next line (b"" once the call's end of the socket is closed)."""
         while b"\n" not in self.buffer:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([self.status], [], [], max(0.0, left))
             if not ready:
                 raise TimeoutError
-            chunk = self.status.recv(256)
+            try:
+                chunk = self.status.recv(256)
+            except OSError:  # (reset: the call died with bytes of ours unread)
+                chunk = b""
             if not chunk:
                 return b""
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
         return line
+
+
+def _kill_uid(uid: int) -> None:
+    """Kill every process of ``uid`` (run by root; no PID namespace ends them with the
+    call), before its slot is free for the next call; looked for again until none is left
+    (at most a second: what it still forks is killed too, and its process limit bounds it)."""
+    for _ in range(100):
+        alive = [p for p in _processes_of(range(uid, uid + 1)) if not _zombie(p)]
+        if not alive:
+            return
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # (gone)
 
 
 def _feed(fd: int, data: bytes, deadline: float) -> None:
