@@ -5,12 +5,13 @@ main.py`` would with string hashing fixed (``PYTHONHASHSEED=0``, the only variab
 interpreter's environment), in a process forked for it from this process's *sandbox server*
 (``_jail.py``: an interpreter started once per calling process and mode, and again if it
 ends): a call costs a fork, not an interpreter's start, which was most of a short program's
-call (``bench.agentic``'s ``sandbox_call_cpu_ratio``). Every call is a fork of the same
-server, so a program finds the same interpreter in every call.
+call (``bench.sandbox``). Every call is a fork of the same server, so a program finds the
+same interpreter in every call, and what a fresh one has (see ``_jail.py``). Linux only.
 
 - **isolation** (``isolation="namespaces"``, the default where the kernel allows it: Linux, run
   as root or with user namespaces): new network, mount and PID namespaces per call (where
-  this process is not root, its server runs as root of a user namespace), so the
+  this process is not root, its server runs as root of a user namespace and each call in a
+  user namespace of its own, so that no program holds a capability over another), so the
   program has no network (a loopback that is down), sees no other process than the jail that
   waits for it, and every process it starts dies with it; empty tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``; it
   runs as an unprivileged user, in a working directory of its own, so it cannot write outside
