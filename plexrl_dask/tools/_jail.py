@@ -314,11 +314,9 @@ def confine(limits: dict, root: bool, uid: int) -> None:
 
 
 def run_program(code: bytes) -> None:
-    """Run ``code`` as ``__main__`` (what ``python -s -S -B -P main.py`` would) and end the
-    process as the interpreter ends a script: its non-daemon threads joined, its exit
-    functions run, its output flushed, its status. Not the interpreter's full teardown: in
-    a fork of the server that would touch, and so copy, every page the server left it (two
-    thirds of a short call's time), and a script's output does not depend on it."""
+    """Run ``code`` as ``__main__`` (what ``python -s -S -B -P main.py`` would), from the
+    modules a fresh interpreter has, and end the process as the interpreter ends a script
+    (:func:`_finish`)."""
     sys.argv = ["main.py"]
     sys.orig_argv = [sys.executable, "-s", "-S", "-B", "-P", "main.py"]
     sys.dont_write_bytecode = True

@@ -245,7 +245,7 @@ class SandboxServer:
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # (stop() takes it too, inside submit() or not)
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.owner = 0  # (the pid that started it: a forked caller starts its own)
@@ -317,13 +317,15 @@ class SandboxServer:
         self.proc, self.sock, self.owner = proc, mine, os.getpid()
 
     def stop(self) -> None:
-        if self.sock is not None:
-            self.sock.close()  # (the server ends when its socket does)
-        if self.proc is not None and self.owner == os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            self.proc.wait()
-        self.proc = self.sock = None
+        """End the server (its calls in flight end with it: killed, say their callers)."""
+        with self.lock:
+            if self.sock is not None:
+                self.sock.close()  # (the server ends when its socket does)
+            if self.proc is not None and self.owner == os.getpid():
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                self.proc.wait()
+            self.proc = self.sock = None
 
 
 _servers: dict[str, SandboxServer] = {}
