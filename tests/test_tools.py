@@ -295,8 +295,10 @@ def test_without_namespaces_what_a_program_leaves_running_ends_with_its_call():
 
 
 ESCAPE = r"""
-import ctypes, os
-ctypes.CDLL(None, use_errno=True).umount2(b"/proc", 2)  # (the machine's /proc beneath)
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).umount2(b"/proc", 2):  # (the machine's /proc beneath)
+    print("COVERED")
+    sys.exit(0)
 mine, pid = set(), int(os.readlink("/proc/self"))  # (its pid there, not in its namespace)
 for _ in range(3):  # (this call's processes: the program's, the jail, the call)
     mine.add(pid)
@@ -375,6 +377,8 @@ def _run_as_nobody(setpriv: str, probe: Path, repo: str) -> None:
         pytest.skip("this checkout is not readable by an unprivileged user")
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     out = done.stdout.decode()
+    if out == "COVERED\n":
+        pytest.skip("a program cannot uncover the machine's /proc here: nothing to reach")
     assert "LEAK" not in out
     seen, denied = map(int, out.split())
     assert seen >= 4 and denied == seen  # (the server, and the other call's three processes)
