@@ -240,7 +240,7 @@ def _wait(jail: int, status: int) -> int:
     except (AttributeError, OSError):  # (not Linux >= 5.3: look every 50 ms)
         handle = []
     # (not reaped yet: an ended jail's group is still there to kill)
-    while os.waitid(os.P_PID, jail, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+    while not _ended(jail):
         ready, _, _ = select.select([status, *handle], [], [], None if handle else 0.05)
         if status in ready:
             break
@@ -248,6 +248,15 @@ def _wait(jail: int, status: int) -> int:
         os.killpg(jail, signal.SIGKILL)
     _, code = os.waitpid(jail, 0)
     return -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
+
+
+def _ended(pid: int) -> bool:
+    """Whether child ``pid`` has ended, without reaping it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except OSError:  # (a kernel without ``WNOWAIT``: the zombie's state says it)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def run_jail(limits: dict, code: bytes, own_mounts: int | None) -> None:
