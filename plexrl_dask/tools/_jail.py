@@ -154,11 +154,6 @@ def call(server: socket.socket, limits: dict, fds: list, own_mounts: int | None)
             fail(f"a program has at most {limits['code_bytes']} bytes")
         if limits["private_mounts"]:
             _enter_namespaces(limits["user_namespace"])
-        # (before any mount: the copied mounts must not pass new ones back to the machine's)
-        if limits["private_mounts"] and _libc.mount(
-            b"none", b"/", None, _MS_REC | _MS_PRIVATE, None
-        ):
-            fail(f"making the mounts private: errno {ctypes.get_errno()}")
         code_of = _wait(_fork_into(run_jail, limits, code, own_mounts), status)
         if not limits["private_mounts"] and limits["uid"] is not None and os.geteuid() == 0:
             # (no PID namespace to end with the jail: what the program started and left in a
@@ -208,6 +203,9 @@ def _enter_namespaces(own_user: bool) -> None:
                     f.write(text)
             except OSError as e:
                 fail(f"mapping the call's user namespace ({name}): {e}")
+    # (before any mount: the copied mounts must not pass new ones back to the machine's)
+    if _libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None):
+        fail(f"making the mounts private: errno {ctypes.get_errno()}")
 
 
 def _kill_all_of(uid: int) -> None:
