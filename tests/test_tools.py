@@ -33,7 +33,6 @@ from plexrl_dask.tools import (
     stop_strings,
 )
 from plexrl_dask.tools.calls import check_tools
-from plexrl_dask.tools.pool import TASKS_PER_THREAD
 from plexrl_dask.tools.sandbox import TRUNCATED, sandbox_processes
 
 TOOLS = {"calc": Calculator()}
@@ -410,6 +409,10 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
                 os._exit(1)
             if text == "hang":
                 time.sleep(120)
+            if text.startswith("nap"):
+                t0 = time.monotonic()
+                time.sleep(0.2)
+                return f"{t0} {time.monotonic()} {distributed.get_worker().name}"
             return str(distributed.get_worker().name)
 
     with (
@@ -433,14 +436,24 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
         assert {s["worker"] for s in report["spans"]} == {tool}
         assert [s["tool"] for s in report["spans"]] == ["where", "calc", "calc"]
         assert all(0 <= s["end"] - s["start"] < 10 for s in report["spans"])
-        # A turn of many calls goes out in a few tasks (each a share of them, in order).
+        # A turn of many calls goes out as one task per tool worker, which runs them as many
+        # at once as the worker has threads (each result in its call's place).
         submitted, submit = [], client.submit
         client.submit = lambda *a, **k: (submitted.append(k["key"]), submit(*a, **k))[1]
         many = [ToolCall("calc", f"{i}*3") for i in range(40)]
         assert [r.output for r in pool.run(many, timeout_s=10)] == [str(3 * i) for i in range(40)]
         client.submit = submit
+        assert len(submitted) == 1
+        # ... on threads every such task on the worker shares: at most its threads at once.
         threads = worker_info(client)[tool]["nthreads"]
-        assert len(submitted) == TASKS_PER_THREAD * threads < 40
+        naps = [ToolCall("where", f"nap{i}") for i in range(2 * threads + 1)]
+        spans = []
+        for r in pool.run(naps, timeout_s=10):
+            t0, t1, name = r.output.split()
+            spans.append((float(t0), float(t1)))
+            assert name == "tool-0" and r.worker == tool
+        at_once = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+        assert min(2, threads) <= at_once <= threads
         t0 = time.monotonic()
         [lost] = pool.run([ToolCall("where", "die")], timeout_s=10)
         assert lost.error == "ToolWorkerLost" and time.monotonic() - t0 < 30
@@ -535,9 +548,10 @@ def test_identical_calls_of_a_turn_run_once_unless_the_tool_is_not_pure():
     pool.close()
 
 
-def test_a_turn_of_calls_splits_into_even_contiguous_shares():
+def test_a_turn_of_calls_splits_into_strided_shares():
     from plexrl_dask.tools.pool import _shares
 
-    assert _shares(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
-    assert _shares(3, 16) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert _shares(10, 4) == [range(0, 10, 4), range(1, 10, 4), range(2, 10, 4), range(3, 10, 4)]
+    assert [list(s) for s in _shares(5, 2)] == [[0, 2, 4], [1, 3]]
+    assert _shares(3, 16) == [range(0, 3, 3), range(1, 3, 3), range(2, 3, 3)]
     assert _shares(0, 4) == []

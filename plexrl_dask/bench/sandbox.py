@@ -18,6 +18,14 @@ the ended interpreters'), and the ratios ``<mode>_call_cpu_ratio_vs_fresh_server
 sandbox ÷ the baseline; below 1: cheaper). ``outputs_identical``: every call's output the
 same in every arm.
 
+**Turns.** Then a turn of :data:`TURN_CALLS` distinct calls at a time through
+:class:`~plexrl_dask.tools.pool.ToolPool` on a ``local_cluster`` with one tool worker (what an
+agentic episode waits for between its model turns), against the same calls sent as one Dask
+task each to that worker (``task_per_call``), turns alternating between the arms, for the
+calculator and for the sandbox: ``turn_<tool>_wall_ms`` and
+``turn_<tool>_task_per_call_wall_ms`` (medians), ``turn_<tool>_wall_ratio_vs_task_per_call``,
+and ``turn_outputs_identical``.
+
 Run: ``python -m plexrl_dask.bench.sandbox --json OUT [--quick]`` (``--quick``: a fifth of
 the calls).
 """
@@ -29,7 +37,14 @@ import subprocess
 import time
 from collections.abc import Callable
 
+from distributed import Client
+
 from plexrl_dask.bench.common import median, parser, report
+from plexrl_dask.cluster import local_cluster
+from plexrl_dask.driver.waits import result
+from plexrl_dask.tools.calculator import Calculator
+from plexrl_dask.tools.calls import ToolCall, run_call
+from plexrl_dask.tools.pool import ToolPool, tool_workers
 from plexrl_dask.tools.sandbox import (
     PythonSandbox,
     SandboxLimits,
@@ -68,6 +83,62 @@ def fresh_server(mode: str) -> Callable[[str], str]:
             server.stop()
 
     return run
+
+
+#: Calls per measured turn (one step of 8 prompts × 8 samples, each making a call).
+TURN_CALLS = 64
+
+
+def turn_calls(tool: str, turn: int) -> list[ToolCall]:
+    """Turn ``turn``'s distinct calls of ``tool`` (no two alike: every one runs)."""
+    if tool == "calc":
+        return [ToolCall("calc", f"{i}*{turn + 7}") for i in range(TURN_CALLS)]
+    return [ToolCall("python", f"print({i}*{turn + 7})") for i in range(TURN_CALLS)]
+
+
+def measure_turns(turns: int) -> dict[str, object]:
+    """The turn results (see the module docstring)."""
+    tools = {"calc": Calculator(), "python": PythonSandbox()}
+    out: dict[str, object] = {}
+    identical = True
+    with (
+        local_cluster(n_workers=1, tool_workers=1) as cluster,
+        Client(cluster) as client,
+    ):
+        pool = ToolPool(client, tools)
+        [worker] = tool_workers(client)
+
+        def task_per_call(calls: list[ToolCall]) -> list[str]:
+            futures = [
+                client.submit(run_call, c, tools, workers=[worker], pure=False) for c in calls
+            ]
+            return [r.output for r in result(futures, 60)]
+
+        def pooled(calls: list[ToolCall]) -> list[str]:
+            return [r.output for r in pool.run(calls, 10)]  # type: ignore[union-attr]
+
+        for tool in tools:
+            arms = {"pool": pooled, "task_per_call": task_per_call}
+            for run in arms.values():  # (warm: the sandbox server starts)
+                run(turn_calls(tool, -1)[:2])
+            walls: dict[str, list[float]] = {name: [] for name in arms}
+            for turn in range(turns):
+                calls = turn_calls(tool, turn)
+                got = []
+                for name in list(arms) if turn % 2 == 0 else list(reversed(arms)):
+                    t0 = time.perf_counter()
+                    got.append(arms[name](calls))
+                    walls[name].append(time.perf_counter() - t0)
+                identical &= got[0] == got[1]
+            pool_ms, task_ms = (median(walls[n]) * 1e3 for n in arms)
+            out |= {
+                f"turn_{tool}_wall_ms": pool_ms,
+                f"turn_{tool}_task_per_call_wall_ms": task_ms,
+                f"turn_{tool}_wall_ratio_vs_task_per_call": pool_ms / task_ms,
+            }
+        pool.close()
+    out["turn_outputs_identical"] = identical
+    return out
 
 
 def cpu_seconds() -> float:
@@ -129,8 +200,18 @@ def main() -> None:
             f"{mode}_call_wall_ratio_vs_fresh_interpreter": wall / base_wall,
         }
     results["outputs_identical"] = all(o == outputs["fresh_interpreter"] for o in outputs.values())
-    config = {"blocks": blocks, "calls_per_block": calls, "programs": PROGRAMS, "modes": modes}
-    report("sandbox", results, {"outputs_identical": "true"}, config, args.json)
+    turns = 6 if args.quick else 20
+    results |= measure_turns(turns)
+    config = {
+        "blocks": blocks,
+        "calls_per_block": calls,
+        "programs": PROGRAMS,
+        "modes": modes,
+        "turns": turns,
+        "turn_calls": TURN_CALLS,
+    }
+    targets = {"outputs_identical": "true", "turn_outputs_identical": "true"}
+    report("sandbox", results, targets, config, args.json)
 
 
 if __name__ == "__main__":

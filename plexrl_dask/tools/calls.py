@@ -23,8 +23,11 @@ the samples of a group often make the same call, and each gets that one run's re
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import logging
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,8 +147,38 @@ def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
     return ToolResult(output, error, time.perf_counter() - t0, where, started)
 
 
-def run_calls(calls: Sequence[ToolCall], tools: Mapping[str, Tool]) -> list[ToolResult]:
-    """:func:`run_call` for each of ``calls`` here, one after another, in order: what one task
-    on a tool worker runs (:class:`~plexrl_dask.tools.pool.ToolPool` sends a turn's calls in
-    a few such tasks, not one task per call)."""
-    return [run_call(c, tools) for c in calls]
+def run_calls(
+    calls: Sequence[ToolCall], tools: Mapping[str, Tool], at_once: bool = False
+) -> list[ToolResult]:
+    """:func:`run_call` for each of ``calls`` here, results in order: what one task on a tool
+    worker runs (:class:`~plexrl_dask.tools.pool.ToolPool` sends a turn's calls to a tool
+    worker as one task). One after another; with ``at_once``, as many at once as this
+    worker has threads, on this process's tool threads (:func:`tool_threads`), which every
+    such task shares: however many turns' tasks run here, no more calls run at once than the
+    worker has threads, and they take turns in the order they came."""
+    if not at_once or len(calls) < 2:
+        return [run_call(c, tools) for c in calls]
+    try:
+        threads = get_worker().state.nthreads
+    except ValueError:  # (not on a Dask worker)
+        threads = 1
+    pool = tool_threads(threads)
+    # (each call in a copy of this task's context: a tool may ask ``get_worker()``)
+    running = [pool.submit(contextvars.copy_context().run, run_call, c, tools) for c in calls]
+    return [f.result() for f in running]
+
+
+_threads: concurrent.futures.ThreadPoolExecutor | None = None
+_threads_lock = threading.Lock()
+
+
+def tool_threads(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """This process's pool of ``threads`` threads for tool calls (made on first use; the
+    first caller's count stays: a worker's thread count does not change)."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = concurrent.futures.ThreadPoolExecutor(
+                max(1, threads), thread_name_prefix="plexrl-tool-call"
+            )
+        return _threads

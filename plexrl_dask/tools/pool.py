@@ -4,13 +4,15 @@ Tool calls run as ordinary Dask tasks (keys ``plexrl-tool-...``) restricted to t
 *tool workers*: workers that do not advertise the GPU resource (``plexrl.worker.gpu-resource``),
 so a program never runs beside a model replica and the PlexRL scheduler plugin, which routes
 only annotated requests, never sees them. ``local_cluster(tool_workers=n)`` starts such
-workers. A turn's calls go out in at most :data:`TASKS_PER_THREAD` tasks per thread the tool
-workers run, each task running a contiguous share of them one after another
-(:func:`~plexrl_dask.tools.calls.run_calls`): as many calls run at once as one task per call
-would run, for a few tasks' scheduling instead of one per call (a calculator call takes
-microseconds, a task's round through the scheduler milliseconds); the share a task holds
-bounds how unevenly the threads finish. Where the cluster has none, calls run on the driver,
-on a thread pool of its own (the sandbox is a subprocess either way).
+workers. A turn's calls go out as one task per tool worker, each with every n-th call
+(:func:`_shares`), which runs them as many at once as its worker has threads, on threads that
+every such task there shares (:func:`~plexrl_dask.tools.calls.run_calls`): a worker's
+threads stay busy until its share is done, and a turn costs one task's round through the
+scheduler and one fetch per tool worker, where a call may take microseconds (the calculator)
+and a task's round milliseconds of the scheduler's, the driver's and the worker's CPU, which
+the tools and the model workers need. The tool workers are asked of the scheduler at most
+every :data:`WORKERS_TTL_S`. Where the cluster has none, calls run on the driver, on a thread
+pool of its own (the sandbox is a subprocess either way).
 
 Identical calls of one batch (the same tool and input: the samples of a group often make
 the same call) run once, and each gets that run's result, marked ``shared``: tools are pure
@@ -50,8 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a call may take beyond its tool's own limit (scheduling, a worker's start).
 MARGIN_S = 30.0
-#: At most this many tasks per tool-worker thread for one turn's calls (see above).
-TASKS_PER_THREAD = 4
+#: How long the tool workers the scheduler named are taken as they are (a dead one shows in
+#: the wait's checks; a new one is used from the next ask on).
+WORKERS_TTL_S = 2.0
 #: How often a waiting driver checks that the call's tool workers are still there.
 POLL_S = 0.5
 
@@ -67,13 +70,11 @@ def _tool_workers(workers: Mapping[str, Any]) -> list[str]:
 
 
 def _shares(n: int, most: int) -> list[range]:
-    """``range(n)`` in at most ``most`` contiguous shares whose sizes differ by at most one."""
+    """``range(n)`` in at most ``most`` shares, share ``i`` every ``most``-th from ``i`` (the
+    samples of one prompt, which make similar calls, are neighbours: strided, they spread
+    over the shares)."""
     count = max(1, min(n, most))
-    size, extra = divmod(n, count)
-    bounds = [0]
-    for i in range(count):
-        bounds.append(bounds[-1] + size + (i < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return [range(i, n, count) for i in range(count) if i < n]
 
 
 class ToolPool:
@@ -91,6 +92,19 @@ class ToolPool:
         self.tools = dict(tools)
         self._local: concurrent.futures.ThreadPoolExecutor | None = None
         self._local_threads = local_threads
+        self._workers: tuple[float, dict[str, int]] = (-WORKERS_TTL_S, {})
+
+    def _tool_threads(self) -> dict[str, int]:
+        """The tool workers and their thread counts, asked of the scheduler at most every
+        :data:`WORKERS_TTL_S`."""
+        if self.client is None:
+            return {}
+        asked, workers = self._workers
+        if time.monotonic() - asked >= WORKERS_TTL_S:
+            info = worker_info(self.client)
+            workers = {w: int(info[w].get("nthreads") or 1) for w in _tool_workers(info)}
+            self._workers = (time.monotonic(), workers)
+        return workers
 
     def run(self, calls: Sequence[ToolCall | None], timeout_s: float) -> list[ToolResult | None]:
         """Run ``calls`` (None entries are skipped and give None), each distinct call once
@@ -120,13 +134,13 @@ class ToolPool:
     def _run(self, calls: Sequence[ToolCall | None], timeout_s: float) -> list[ToolResult | None]:
         if not any(c is not None for c in calls):
             return [None] * len(calls)
-        info = worker_info(self.client) if self.client is not None else {}
-        workers = _tool_workers(info)
+        threads_of = self._tool_threads()
+        workers = sorted(threads_of)
         if workers:
-            threads = sum(int(info[w].get("nthreads") or 1) for w in workers)
+            threads = sum(threads_of.values())
             futures, shares = [], []
             todo = [k for k, c in enumerate(calls) if c is not None]
-            for share in _shares(len(todo), TASKS_PER_THREAD * threads):
+            for share in _shares(len(todo), len(workers)):
                 ids = [todo[i] for i in share]
                 tool = calls[ids[0]].tool  # type: ignore[union-attr]
                 futures.append(
@@ -134,6 +148,7 @@ class ToolPool:
                         run_calls,
                         [calls[k] for k in ids],
                         self.tools,
+                        True,
                         key=f"plexrl-tool-{tool}-{uuid.uuid4().hex}",  # (its first call's tool)
                         workers=workers,
                         allow_other_workers=False,
@@ -161,6 +176,8 @@ class ToolPool:
             got = _outcome(f, deadline, alive)
             for k, r in zip(ids, got if isinstance(got, list) else [got] * len(ids), strict=True):
                 results[k] = r
+            if isinstance(got, ToolResult) and got.error == "ToolWorkerLost":
+                self._workers = (-WORKERS_TTL_S, {})  # (ask again: it comes back elsewhere)
         if workers and self.job:
             self._report(calls, results)
         return results
