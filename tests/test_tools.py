@@ -19,6 +19,7 @@ import pytest
 
 from plexrl_dask import errors
 from plexrl_dask.cluster import worker_info
+from plexrl_dask.driver.waits import post_event
 from plexrl_dask.shared.timeline import TOOL_TOPIC
 from plexrl_dask.tools import (
     Calculator,
@@ -431,6 +432,10 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
             ("division by zero", "InvalidToolCall"),
         ]
         # each call's span on its tool worker, reported for the dashboard's Timeline
+        # (sent without waiting: it arrives soon after)
+        deadline = time.monotonic() + 10
+        while not client.get_events(TOOL_TOPIC) and time.monotonic() < deadline:
+            time.sleep(0.05)
         [(_, report)] = client.get_events(TOOL_TOPIC)
         assert report["job"] == "job-tools" and len(report["spans"]) == 3
         assert {s["worker"] for s in report["spans"]} == {tool}
@@ -463,6 +468,8 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
             time.sleep(0.2)
         assert pool.run([ToolCall("calc", "1+1")], timeout_s=10)[0].output == "2"
         _a_wait_that_times_out_leaves_the_client_working(client, pool)
+    # A report posted through a client that is gone is logged, never raised.
+    post_event(client, TOOL_TOPIC, {"job": "job-tools", "spans": []})
     # Without tool workers, calls run on the driver.
     local = ToolPool(None, {"calc": Calculator()})
     assert local.run([ToolCall("calc", "2*21")], timeout_s=5)[0].output == "42"

@@ -12,12 +12,17 @@ So a wait here never cancels a fetch: :func:`fetching` starts the fetch on the c
 loop and hands back a ``concurrent.futures.Future`` that the caller waits for with its own
 timeouts, as often as it likes; a fetch that is given up on finishes (or fails) on its own,
 harmlessly, when the Dask future settles (a cancelled Dask future ends it at once).
+
+What needs no answer is not waited for at all: :func:`post_event` logs an event on the
+scheduler from the client's loop while the caller goes on (``Client.log_event`` waits for
+the scheduler's reply, a round trip that an agentic episode would otherwise pay every turn).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from typing import Any
 
@@ -26,6 +31,8 @@ from distributed.client import FutureCancelledError
 
 from plexrl_dask import config
 from plexrl_dask.errors import PlexRLError, RequestTimeout, SchedulerLost
+
+logger = logging.getLogger(__name__)
 
 # Why a client cancels its futures when its scheduler goes (distributed.client).
 _SCHEDULER_GONE = ("scheduler-connection-lost", "scheduler-restart")
@@ -38,6 +45,23 @@ def fetching(future: Future) -> concurrent.futures.Future:
     if loop.is_closed():
         raise RuntimeError("the client's event loop is closed")
     return asyncio.run_coroutine_threadsafe(_first(future), loop)
+
+
+def post_event(client: Any, topic: str, msg: Any) -> None:
+    """Log ``msg`` under ``topic`` on ``client``'s scheduler (as ``Client.log_event`` does)
+    without waiting: best effort, a failure is logged, never raised. Events posted so may
+    reach the scheduler out of order (each takes a connection of the client's pool)."""
+
+    async def send() -> None:
+        try:
+            await client.scheduler.log_event(topic=topic, msg=msg)
+        except Exception as e:  # noqa: BLE001 (a report must never fail its sender)
+            logger.warning("could not log a %s event: %r", topic, e)
+
+    try:
+        asyncio.run_coroutine_threadsafe(send(), client.loop.asyncio_loop)
+    except RuntimeError as e:  # (the client's loop is closed)
+        logger.warning("could not log a %s event: %r", topic, e)
 
 
 async def _first(future: Future) -> Any:

@@ -44,7 +44,7 @@ from distributed.comm.core import CommClosedError
 
 from plexrl_dask import config
 from plexrl_dask.cluster import worker_info
-from plexrl_dask.driver.waits import fetching
+from plexrl_dask.driver.waits import fetching, post_event
 from plexrl_dask.shared.timeline import TOOL_TOPIC
 from plexrl_dask.tools.calls import Tool, ToolCall, ToolResult, run_calls
 
@@ -183,8 +183,8 @@ class ToolPool:
         return results
 
     def _report(self, calls: Sequence[ToolCall | None], results: list[ToolResult | None]) -> None:
-        """Log the calls' spans on their tool workers (best effort: a report that cannot be
-        sent is logged; the episode goes on)."""
+        """Log the calls' spans on their tool workers, without waiting (best effort: a report
+        that cannot be sent is logged; the episode goes on)."""
         spans = [
             {"worker": r.worker, "tool": c.tool, "start": r.started, "end": r.started + r.seconds}
             for c, r in zip(calls, results, strict=True)
@@ -192,10 +192,7 @@ class ToolPool:
         ]
         if not spans:
             return
-        try:
-            self.client.log_event(TOOL_TOPIC, {"job": self.job, "spans": spans})
-        except Exception:  # (reporting must never fail an episode)
-            logger.warning("could not report %d tool calls' spans", len(spans), exc_info=True)
+        post_event(self.client, TOOL_TOPIC, {"job": self.job, "spans": spans})
 
     def close(self) -> None:
         if self._local is not None:
