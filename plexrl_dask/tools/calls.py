@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from distributed import get_worker
+from distributed.threadpoolexecutor import ThreadPoolExecutor
 
 from plexrl_dask.errors import InvalidToolCall, ToolError
 
@@ -168,17 +169,16 @@ def run_calls(
     return [f.result() for f in running]
 
 
-_threads: concurrent.futures.ThreadPoolExecutor | None = None
+_threads: concurrent.futures.Executor | None = None
 _threads_lock = threading.Lock()
 
 
-def tool_threads(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+def tool_threads(threads: int) -> concurrent.futures.Executor:
     """This process's pool of ``threads`` threads for tool calls (made on first use; the
-    first caller's count stays: a worker's thread count does not change)."""
+    first caller's count stays: a worker's thread count does not change). Daemon threads, as
+    a Dask worker's own: a call stuck in a tool does not keep the worker from exiting."""
     global _threads
     with _threads_lock:
         if _threads is None:
-            _threads = concurrent.futures.ThreadPoolExecutor(
-                max(1, threads), thread_name_prefix="plexrl-tool-call"
-            )
+            _threads = ThreadPoolExecutor(max(1, threads), thread_name_prefix="plexrl-tool-call")
         return _threads
