@@ -468,7 +468,7 @@ def test_a_pool_spreads_the_jobs_estimated_work_longest_first():
 
 
 def test_the_longest_jobs_bound_and_the_time_other_jobs_held_it_up():
-    from plexrl_dask.rl.ledger import longest_job_bound
+    from plexrl_dask.rl.ledger import cost_ratio, longest_job_bound, where_cost_goes
 
     # Pool of two: job a (a gang on w1+w2) samples on w1, then trains on both; job b's
     # request on w2 runs 1.0-2.5, so a's training (ready at 1.5) starts at 2.5 on both.
@@ -514,3 +514,18 @@ def test_the_longest_jobs_bound_and_the_time_other_jobs_held_it_up():
     assert colocated.reserved_worker_seconds() == 8.0
     assert longest_job_bound(colocated, 2) == ("a", 6.0)  # 2 x 3 s > 4.9 busy
     assert longest_job_bound(colocated, 1) == ("a", pytest.approx(4.9))
+    # The split of the pool's cost against colocated's: the same requests, as long (busy 4.9
+    # worker-s in each: a's 3.0, b's 1.9), colocated's over 8.0 reserved worker-s.
+    costs = where_cost_goes(pool, colocated)
+    assert costs == {
+        "longest_job": "a",
+        "longest_job_bound_ratio_vs_colocated": pytest.approx(6.0 / 8.0),
+        "busy_ratio_vs_colocated": pytest.approx(1.0),
+        "no_idle_cost_ratio_vs_colocated": pytest.approx(4.9 / 8.0),
+        "longest_job_wall_ratio": pytest.approx(4.0 / 3.0),
+        "longest_job_blocked_s": pytest.approx(1.5),
+    }
+    # cost ratio = no-idle ratio ÷ (1 − the pool's idle fraction)
+    assert cost_ratio(pool, colocated) == pytest.approx(
+        costs["no_idle_cost_ratio_vs_colocated"] / (1 - pool.idle_fraction())
+    )

@@ -17,7 +17,7 @@ layouts' ratio in the sweep, was the figure before: one run of each layout, whic
 the machine by more than the gap), and
 ``cost_ratio_vs_split_async`` (the cheapest pool ÷ split-async's cheapest layout, in the
 sweep), ``idle_fraction`` per mode, ``bench.multiplex``'s ``longest_job``
-figures and ``busy_ratio_vs_colocated``, each job's ``colocated_wall_s``, and from the cheapest pool's run:
+figures, ``busy_ratio_vs_colocated`` and ``no_idle_cost_ratio_vs_colocated``, each job's ``colocated_wall_s``, and from the cheapest pool's run:
 ``tool_calls`` and ``tool_runs`` (the calls the policy made; those that ran: identical calls of
 a turn run once), ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
 ``tool_s_p99`` (seconds a call that ran took on its tool worker; before identical calls ran
@@ -67,7 +67,7 @@ from rich.console import Console
 import plexrl_dask as plexrl
 from plexrl_dask.bench.common import median, parser, report
 from plexrl_dask.rl.catalog import agentic_jobs
-from plexrl_dask.rl.ledger import cost_ratio, longest_job_bound, percentile
+from plexrl_dask.rl.ledger import cost_ratio, percentile, where_cost_goes
 from plexrl_dask.rl.modes import (
     ModeRun,
     cheapest,
@@ -201,7 +201,8 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
     best = cheapest(runs, MODES)
     mux = best["multiplexed"]
     colocated = best["colocated"].ledger
-    longest, bound = longest_job_bound(colocated, len(mux.ledger.pool))
+    costs = where_cost_goes(mux.ledger, colocated)
+    longest = costs["longest_job"]
     identical, trained = trajectories_identical(runs, [s.name for s in specs])
     episodes = mux.extra.get("episodes", {})
     turns = [t for e in episodes.values() for t in e["turns"]]
@@ -215,12 +216,7 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         else None,
         "idle_fraction": {m: r.ledger.idle_fraction() for m, r in best.items()},
         # where the pool's cost goes with a fixed set of jobs (as in bench.multiplex)
-        "longest_job": longest,
-        "longest_job_bound_ratio_vs_colocated": bound / colocated.reserved_worker_seconds(),
-        "busy_ratio_vs_colocated": mux.ledger.busy_worker_seconds()
-        / colocated.busy_worker_seconds(),
-        "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
-        "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
+        **costs,
         "colocated_wall_s": {j.job: j.wall_s for j in colocated.jobs},
         "longest_job_tool_s_ratio": tool_seconds(mux, longest) / alone_tool_s
         if alone_tool_s

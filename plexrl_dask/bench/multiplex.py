@@ -31,7 +31,9 @@ ran in the pool as fast as alone and everything else fitted around it
 makespan ÷ that job's colocated wall, and ``longest_job_blocked_s`` the seconds its chain of
 requests waited on other jobs' requests in the pool (:meth:`~plexrl_dask.rl.ledger.ModeLedger.blocked_seconds`);
 ``busy_ratio_vs_colocated`` is the pool's busy worker-seconds ÷ colocated's: the same requests,
-slower where they share the cores with more.
+slower where they share the cores with more; ``no_idle_cost_ratio_vs_colocated`` the pool's busy
+worker-seconds ÷ colocated's cost, what the pool would cost with no idle time
+(:func:`~plexrl_dask.rl.ledger.where_cost_goes`).
 A diagnostic of where to-peak goes: ``rollout_cpu_share`` (multiplexed; ``colocated_…``), the
 share of the rollout requests' run time their threads were on a CPU, against
 ``peak_cpu_share``, the same share of the peak requests around that layout
@@ -90,9 +92,9 @@ from plexrl_dask.rl.ledger import (
     MODES,
     cost_ratio,
     cpu_share,
-    longest_job_bound,
     percentile,
     seed_difference,
+    where_cost_goes,
 )
 from plexrl_dask.rl.modes import (
     JobSpec,
@@ -416,7 +418,7 @@ def summarise(
     identical, trained = trajectories_identical(runs, [s.name for s in specs])
     lengths = [n for recs in mux.records.values() for rec in recs for n in rec.completion_lengths]
     colocated = best["colocated"].ledger
-    longest, bound = longest_job_bound(colocated, len(mux.ledger.pool))
+    costs = where_cost_goes(mux.ledger, colocated)
     plot_run(mux.records, mux.ledger, png, title=f"{mux.layout.label}: reward per step")
     results: dict[str, Any] = {
         "cost_ratio_vs_split_async": of_best(
@@ -441,12 +443,7 @@ def summarise(
         "peak_cpu_share": peak_shares.get(mux.layout.label),
         "colocated_rollout_cpu_share": best["colocated"].ledger.rollout_cpu_share(),
         # where the pool's cost goes with a fixed set of jobs (rl/ledger.py)
-        "longest_job": longest,
-        "longest_job_bound_ratio_vs_colocated": bound / colocated.reserved_worker_seconds(),
-        "busy_ratio_vs_colocated": mux.ledger.busy_worker_seconds()
-        / colocated.busy_worker_seconds(),
-        "longest_job_wall_ratio": mux.ledger.makespan() / colocated._job(longest).wall_s,
-        "longest_job_blocked_s": mux.ledger.blocked_seconds(longest),
+        **costs,
         "reward_trajectories_identical": identical,
         "trajectory_steps_trained": trained,
         "final_mean_reward": {s.name: reward_start_end(mux.records[s.name])[1] for s in specs},

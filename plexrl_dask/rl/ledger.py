@@ -307,6 +307,28 @@ def longest_job_bound(colocated: ModeLedger, pool: int) -> tuple[str, float]:
     return longest.job, max(pool * longest.wall_s, colocated.busy_worker_seconds())
 
 
+def where_cost_goes(pool: ModeLedger, colocated: ModeLedger) -> dict[str, Any]:
+    """Where a pool's cost goes against colocated's, for a fixed set of jobs (both benchmarks
+    of mixes report it): ``longest_job`` and ``longest_job_bound_ratio_vs_colocated``
+    (:func:`longest_job_bound` ÷ colocated's cost); ``longest_job_wall_ratio``, the pool's
+    makespan ÷ that job's colocated wall; ``longest_job_blocked_s``
+    (:meth:`ModeLedger.blocked_seconds`); ``busy_ratio_vs_colocated``, the pool's busy
+    worker-seconds ÷ colocated's (the same requests, slower where they share the cores with
+    more); and ``no_idle_cost_ratio_vs_colocated``, the pool's busy worker-seconds ÷
+    colocated's cost: what the pool would cost with no idle time at all, its requests as slow
+    as they ran (cost ratio = this ÷ (1 − pool idle))."""
+    longest, bound = longest_job_bound(colocated, len(pool.pool))
+    cost = colocated.reserved_worker_seconds()
+    return {
+        "longest_job": longest,
+        "longest_job_bound_ratio_vs_colocated": bound / cost,
+        "busy_ratio_vs_colocated": pool.busy_worker_seconds() / colocated.busy_worker_seconds(),
+        "no_idle_cost_ratio_vs_colocated": pool.busy_worker_seconds() / cost,
+        "longest_job_wall_ratio": pool.makespan() / colocated._job(longest).wall_s,
+        "longest_job_blocked_s": pool.blocked_seconds(longest),
+    }
+
+
 def cost_ratio(multiplexed: ModeLedger, baseline: ModeLedger) -> float:
     """Multiplexed cost ÷ a baseline's (below 1: multiplexing is cheaper)."""
     return multiplexed.reserved_worker_seconds() / baseline.reserved_worker_seconds()
