@@ -16,8 +16,9 @@ alternating: the median of the pairs' ratios; ``sweep_cost_ratio_vs_colocated``,
 layouts' ratio in the sweep, was the figure before: one run of each layout, which moved with
 the machine by more than the gap), and
 ``cost_ratio_vs_split_async`` (the cheapest pool ÷ split-async's cheapest layout, in the
-sweep), ``idle_fraction`` per mode, ``bench.multiplex``'s ``longest_job``
-figures, ``busy_ratio_vs_colocated`` and ``no_idle_cost_ratio_vs_colocated``, each job's ``colocated_wall_s``, and from the cheapest pool's run:
+sweep), ``idle_fraction`` per mode, ``bench.multiplex``'s ``longest_job`` figures,
+``busy_ratio_vs_colocated`` and ``no_idle_cost_ratio_vs_colocated``, each job's
+``colocated_wall_s``, and from the cheapest pool's run:
 ``tool_calls`` and ``tool_runs`` (the calls the policy made; those that ran: identical calls of
 a turn run once), ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
 ``tool_s_p99`` (seconds a call that ran took on its tool worker; before identical calls ran

@@ -94,7 +94,7 @@ class ToolPool:
         self._local_threads = local_threads
         self._workers: tuple[float, dict[str, int]] = (-WORKERS_TTL_S, {})
 
-    def _tool_threads(self) -> dict[str, int]:
+    def _known_workers(self) -> dict[str, int]:
         """The tool workers and their thread counts, asked of the scheduler at most every
         :data:`WORKERS_TTL_S`."""
         if self.client is None:
@@ -134,7 +134,7 @@ class ToolPool:
     def _run(self, calls: Sequence[ToolCall | None], timeout_s: float) -> list[ToolResult | None]:
         if not any(c is not None for c in calls):
             return [None] * len(calls)
-        threads_of = self._tool_threads()
+        threads_of = self._known_workers()
         workers = sorted(threads_of)
         if workers:
             threads = sum(threads_of.values())
