@@ -295,6 +295,31 @@ def test_a_held_order_learns_its_gap_per_kind_of_request():
     assert names(d.decide(2.6)) == ["turn2"] and d.queued == {"w0": "turn2"}
 
 
+def test_a_busy_workers_hold_is_its_holders_by_name_not_by_part_of_it():
+    """Regression: the hold on a busy worker (lookahead) named its job and order as strings,
+    so a job whose name is part of the holder's (``job-1`` of ``job-12``) passed for the
+    holder and was queued behind its turn though it would run past the hold."""
+
+    def turn(name: str, t: float) -> Request:
+        return Request(
+            name, (("w0",),), t, 0.2, order="a", deployment="a", job="job-12", holds=True
+        )
+
+    def other(name: str, t: float, s: float) -> Request:
+        return Request(name, (("w0",),), t, s, order=name, deployment=name, job="job-1")
+
+    d = Dispatcher(replace(CALM, turn_hold_s=2.0, lookahead=True), workers=["w0"])
+    d.add(turn("t1", 0.0))
+    assert names(d.decide(0.0)) == ["t1"]
+    d.release_worker("w0", "t1", 0.2)
+    d.add(turn("t2", 1.2))  # the tools took 1 s: the learned gap
+    assert names(d.decide(1.2)) == ["t2"]  # runs until 1.4, then holds until 2.4
+    d.add(other("long", 1.25, 1.5))  # would end at 2.9
+    assert d.decide(1.25) == []
+    d.add(other("short", 1.3, 0.5))  # ends at 1.9: queued behind the turn
+    assert names(d.decide(1.3)) == ["short"] and d.queued == {"w0": "short"}
+
+
 @pytest.mark.parametrize("policy", [HRRS, FIFO], ids=["hrrs", "fifo"])
 def test_a_busy_worker_gets_nothing_until_it_is_released(policy):
     d = Dispatcher(policy, workers=["w0"])

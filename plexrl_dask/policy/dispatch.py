@@ -767,16 +767,16 @@ class Dispatcher:
                 return e, False
         return None, held  # (held: look again as time passes)
 
-    def _busy_hold(self, worker: str, now: float) -> tuple[float, str, str] | None:
-        """(until, job, order) of a gang's hold on busy ``worker`` once its running request ends:
-        a rank of a gang whose other ranks run longer, or a worker of a gang that waits."""
-        out = None
+    def _busy_hold(self, worker: str, now: float) -> Hold | None:
+        """(until, {job}, {order}) of a gang's hold on busy ``worker`` once its running request
+        ends: a rank of a gang whose other ranks run longer, or a worker of a gang that waits."""
+        out: Hold | None = None
         for order, (job, group, turns) in list(self._gang_orders.items()):
             if worker not in group:
                 continue
             until = self._gang_until(order, group, self._hold_cap(group, turns), now)
             if until is not None and (out is None or until < out[0]):
-                out = (until, job, order)
+                out = (until, frozenset({job}), frozenset({order}))
         return out
 
     def _soonest_on(self, e: _Entry, worker: str, now: float) -> bool:
