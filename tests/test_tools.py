@@ -396,10 +396,11 @@ def test_bad_limits_and_modes_are_typed():
         PythonSandbox(SandboxLimits(code_bytes=10)).run("print('a long program')")
 
 
-def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
+def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monkeypatch):
     import distributed
 
     import plexrl_dask as plexrl
+    from plexrl_dask.tools import pool as pool_module
     from plexrl_dask.tools.pool import tool_workers
 
     class WhereAmI:
@@ -410,9 +411,9 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
                 os._exit(1)
             if text == "hang":
                 time.sleep(120)
-            if text.startswith("nap"):
+            if text.startswith("nap"):  # "nap<i>" or "nap<i>:<seconds>"
                 t0 = time.monotonic()
-                time.sleep(0.2)
+                time.sleep(float(text.partition(":")[2] or 0.2))
                 return f"{t0} {time.monotonic()} {distributed.get_worker().name}"
             return str(distributed.get_worker().name)
 
@@ -449,8 +450,25 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result():
         assert [r.output for r in pool.run(many, timeout_s=10)] == [str(3 * i) for i in range(40)]
         client.submit = submit
         assert len(submitted) == 1
-        # ... on threads every such task on the worker shares: at most its threads at once.
+        # A call stuck in its tool past its limit (and a margin, from its start) is given up
+        # on by the worker: a failed result, and another thread takes its place.
+        monkeypatch.setattr(pool_module, "CALL_MARGIN_S", 0.3)
+        t0 = time.monotonic()
+        [stuck] = pool.run([ToolCall("where", "hang")], timeout_s=0.2)
+        assert stuck.error == "ToolLimitExceeded" and time.monotonic() - t0 < 10
+        # Time a call waits for a thread behind other jobs' calls does not count: another
+        # job's turn queued behind a turn of long calls comes back whole, though its wait
+        # is longer than its limit and both margins (past which it once failed).
+        monkeypatch.setattr(pool_module, "MARGIN_S", 0.3)
         threads = worker_info(client)[tool]["nthreads"]
+        long_turn = [ToolCall("where", f"nap{i}:0.6") for i in range(2 * threads)]
+        ahead = threading.Thread(target=pool.run, args=(long_turn, 2.0))
+        ahead.start()
+        time.sleep(0.3)  # (its calls are queued on the worker first)
+        other = ToolPool(client, {"calc": Calculator()}, job="job-other")
+        assert [r.output for r in other.run([ToolCall("calc", "6*7")], timeout_s=0.1)] == ["42"]
+        ahead.join(30)
+        # ... on threads every such task on the worker shares: at most its threads at once.
         naps = [ToolCall("where", f"nap{i}") for i in range(2 * threads + 1)]
         spans = []
         for r in pool.run(naps, timeout_s=10):

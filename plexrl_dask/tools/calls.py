@@ -23,18 +23,18 @@ the samples of a group often make the same call, and each gets that one run's re
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextvars
+import functools
 import logging
+import queue
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from distributed import get_worker
-from distributed.threadpoolexecutor import ThreadPoolExecutor
 
 from plexrl_dask.errors import InvalidToolCall, ToolError
 
@@ -149,36 +149,107 @@ def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
 
 
 def run_calls(
-    calls: Sequence[ToolCall], tools: Mapping[str, Tool], at_once: bool = False
+    calls: Sequence[ToolCall],
+    tools: Mapping[str, Tool],
+    at_once: bool = False,
+    give_up_s: float | None = None,
 ) -> list[ToolResult]:
     """:func:`run_call` for each of ``calls`` here, results in order: what one task on a tool
     worker runs (:class:`~plexrl_dask.tools.pool.ToolPool` sends a turn's calls to a tool
-    worker as one task). One after another; with ``at_once``, as many at once as this
-    worker has threads, on this process's tool threads (:func:`tool_threads`), which every
-    such task shares: however many turns' tasks run here, no more calls run at once than the
-    worker has threads, and they take turns in the order they came."""
-    if not at_once or len(calls) < 2:
+    worker as one task). One after another; with ``at_once``, on this process's
+    :class:`CallThreads` (as many as the worker has threads), which every such task shares:
+    however many turns' tasks run here, no more calls run at once than the worker has
+    threads, and they start in the order they came. ``give_up_s`` (with ``at_once``): a call
+    still running that long after it started is given up on, a ``ToolLimitExceeded`` result,
+    and its thread replaced; the time a call waits for a thread does not count."""
+    if not at_once:
         return [run_call(c, tools) for c in calls]
     try:
-        threads = get_worker().state.nthreads
+        worker = get_worker()
+        threads, where = worker.state.nthreads, worker.address
     except ValueError:  # (not on a Dask worker)
-        threads = 1
-    pool = tool_threads(threads)
+        threads, where = 1, "driver"
+    pool = call_threads(threads)
     # (each call in a copy of this task's context: a tool may ask ``get_worker()``)
-    running = [pool.submit(contextvars.copy_context().run, run_call, c, tools) for c in calls]
-    return [f.result() for f in running]
+    running = [
+        pool.submit(functools.partial(contextvars.copy_context().run, run_call, c, tools))
+        for c in calls
+    ]
+    return [pool.result(r, give_up_s, where) for r in running]
 
 
-_threads: concurrent.futures.Executor | None = None
+class _Call:
+    """A call queued on :class:`CallThreads`: when it started (monotonic), its result."""
+
+    def __init__(self, fn: Callable[[], ToolResult]) -> None:
+        self.fn = fn
+        self.started: float | None = None
+        self.result: ToolResult | None = None
+        self.given_up = False
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+
+
+class CallThreads:
+    """Daemon threads (as a Dask worker's own: a call stuck in a tool does not keep the
+    process from exiting) that run tool calls first come, first served, ``threads`` at
+    once. A call given up on keeps its thread until it returns, and a new thread takes its
+    place, so calls stuck in a tool do not use up the pool."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        for _ in range(self.threads):
+            self._start()
+
+    def _start(self) -> None:
+        threading.Thread(target=self._serve, name="plexrl-tool-call", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call = self._queue.get()
+            call.started = time.monotonic()
+            result = call.fn()
+            with call.lock:
+                call.result, given_up = result, call.given_up
+            call.done.set()
+            if given_up:
+                return  # (another thread has taken its place)
+
+    def submit(self, fn: Callable[[], ToolResult]) -> _Call:
+        call = _Call(fn)
+        self._queue.put(call)
+        return call
+
+    def result(self, call: _Call, give_up_s: float | None, where: str) -> ToolResult:
+        """``call``'s result once it is done; with ``give_up_s``, a failed result once it has
+        run that long (see :func:`run_calls`)."""
+        while not call.done.wait(POLL_S):
+            started = call.started
+            if give_up_s is None or started is None or time.monotonic() - started < give_up_s:
+                continue
+            with call.lock:
+                if call.result is None:  # (not done meanwhile)
+                    call.given_up = True
+            if call.given_up:
+                self._start()
+                message = f"the call did not return within {give_up_s:g} s"
+                return ToolResult(message, "ToolLimitExceeded", give_up_s, where)
+        assert call.result is not None
+        return call.result
+
+
+#: How often a task waiting for its calls looks whether one has run past its time.
+POLL_S = 0.05
+_threads: CallThreads | None = None
 _threads_lock = threading.Lock()
 
 
-def tool_threads(threads: int) -> concurrent.futures.Executor:
-    """This process's pool of ``threads`` threads for tool calls (made on first use; the
-    first caller's count stays: a worker's thread count does not change). Daemon threads, as
-    a Dask worker's own: a call stuck in a tool does not keep the worker from exiting."""
+def call_threads(threads: int) -> CallThreads:
+    """This process's :class:`CallThreads` (made on first use with ``threads`` threads; the
+    first caller's count stays: a worker's thread count does not change)."""
     global _threads
     with _threads_lock:
         if _threads is None:
-            _threads = ThreadPoolExecutor(max(1, threads), thread_name_prefix="plexrl-tool-call")
+            _threads = CallThreads(threads)
         return _threads

@@ -21,11 +21,14 @@ False has every call run.
 
 Every call returns a :class:`~plexrl_dask.tools.calls.ToolResult`: a failed call (it did not
 parse, its program failed or ran past a limit) is a failed result, and so is a call whose worker
-died or that did not come back within its tool's time limit plus a margin
-(:class:`~plexrl_dask.errors.ToolWorkerLost`, :class:`~plexrl_dask.errors.ToolLimitExceeded`;
-every call of that task's share, which did not come back with it): the episode goes on
-either way. The time limit covers a turn whose every call runs to its tool's limit, as many
-at once as there are threads.
+died (:class:`~plexrl_dask.errors.ToolWorkerLost`, every call of that task's share) or that
+ran past its tool's time limit plus :data:`CALL_MARGIN_S` (the tool worker gives up on it:
+:class:`~plexrl_dask.errors.ToolLimitExceeded`): the episode goes on either way. A call's
+time counts from when it starts on its tool worker, not from when the driver sent it, so the
+calls of other jobs queued ahead of it on the worker's threads cannot make it fail. The
+driver itself waits at most what a turn of calls at their limit takes on the tool workers'
+threads plus :data:`MARGIN_S`, or ``plexrl.request.timeout`` if that is longer (the bound of
+a wait that others' calls make long).
 """
 
 from __future__ import annotations
@@ -50,7 +53,11 @@ from plexrl_dask.tools.calls import Tool, ToolCall, ToolResult, run_calls
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a call may take beyond its tool's own limit (scheduling, a worker's start).
+#: Seconds a call may run on its tool worker beyond its tool's own limit before the worker
+#: gives up on it.
+CALL_MARGIN_S = 5.0
+#: Seconds the driver waits beyond a turn of calls at their tools' limit (scheduling, a
+#: worker's start).
 MARGIN_S = 30.0
 #: How long the tool workers the scheduler named are taken as they are (a dead one shows in
 #: the wait's checks; a new one is used from the next ask on).
@@ -109,9 +116,8 @@ class ToolPool:
     def run(self, calls: Sequence[ToolCall | None], timeout_s: float) -> list[ToolResult | None]:
         """Run ``calls`` (None entries are skipped and give None), each distinct call once
         and as many at once as the tool workers have threads (see the module docstring);
-        each result in order. ``timeout_s``: the tools' own limit; past what a turn of calls
-        at that limit takes, and :data:`MARGIN_S`, a call that has not returned is a failed
-        result."""
+        each result in order. ``timeout_s``: the tools' own limit; a call that has run past
+        it and :data:`CALL_MARGIN_S` is a failed result (see the module docstring)."""
         first = self._first_of_each(calls)
         ran = self._run([c if first.get(k) == k else None for k, c in enumerate(calls)], timeout_s)
         return [
@@ -149,6 +155,7 @@ class ToolPool:
                         [calls[k] for k in ids],
                         self.tools,
                         True,
+                        timeout_s + CALL_MARGIN_S,
                         key=f"plexrl-tool-{tool}-{uuid.uuid4().hex}",  # (its first call's tool)
                         workers=workers,
                         allow_other_workers=False,
@@ -170,7 +177,8 @@ class ToolPool:
         def alive() -> bool:  # (a tool worker that died comes back under another address)
             return not workers or bool(set(workers) & set(self.client.nthreads()))
 
-        deadline = time.monotonic() + rounds * timeout_s + MARGIN_S
+        wait = rounds * timeout_s + MARGIN_S
+        deadline = time.monotonic() + (max(wait, config.request_timeout()) if workers else wait)
         results: list[ToolResult | None] = [None] * len(calls)
         for f, ids in zip(futures, shares, strict=True):
             got = _outcome(f, deadline, alive)
