@@ -411,6 +411,8 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
                 os._exit(1)
             if text == "hang":
                 time.sleep(120)
+            if text == "exit":
+                raise SystemExit(3)
             if text.startswith("nap"):  # "nap<i>" or "nap<i>:<seconds>"
                 t0 = time.monotonic()
                 time.sleep(float(text.partition(":")[2] or 0.2))
@@ -456,6 +458,10 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
         t0 = time.monotonic()
         [stuck] = pool.run([ToolCall("where", "hang")], timeout_s=0.2)
         assert stuck.error == "ToolLimitExceeded" and time.monotonic() - t0 < 10
+        assert stuck.worker == tool and abs(stuck.started - time.time()) < 10  # (its span)
+        # A tool that exits its thread fails its call only.
+        [exited] = pool.run([ToolCall("where", "exit")], timeout_s=5)
+        assert (exited.error, exited.output) == ("ToolFailed", "SystemExit: 3")
         # Time a call waits for a thread behind other jobs' calls does not count: another
         # job's turn queued behind a turn of long calls comes back whole, though its wait
         # is longer than its limit and both margins (past which it once failed).

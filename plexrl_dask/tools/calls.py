@@ -209,7 +209,10 @@ class CallThreads:
         while True:
             call = self._queue.get()
             call.started = time.monotonic()
-            result = call.fn()
+            try:
+                result = call.fn()
+            except BaseException as e:  # (``run_call`` catches the rest: a tool's exit)
+                result = ToolResult(f"{type(e).__name__}: {e}", "ToolFailed")
             with call.lock:
                 call.result, given_up = result, call.given_up
             call.done.set()
@@ -234,7 +237,8 @@ class CallThreads:
             if call.given_up:
                 self._start()
                 message = f"the call did not return within {give_up_s:g} s"
-                return ToolResult(message, "ToolLimitExceeded", give_up_s, where)
+                wall_start = time.time() - (time.monotonic() - started)
+                return ToolResult(message, "ToolLimitExceeded", give_up_s, where, wall_start)
         assert call.result is not None
         return call.result
 
