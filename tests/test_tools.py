@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from plexrl_dask import errors
+from plexrl_dask.bench.agentic import writable_directories, write_everywhere
 from plexrl_dask.cluster import worker_info
 from plexrl_dask.driver.waits import post_event
 from plexrl_dask.shared.timeline import TOOL_TOPIC
@@ -197,6 +198,28 @@ def test_the_sandbox_has_no_network_and_writes_nothing_outside_it(tmp_path):
     assert limits.uid_base <= uid < limits.uid_base + limits.uid_slots
 
 
+@NAMESPACES
+def test_a_program_writes_in_no_directory_the_machine_leaves_open_to_anyone():
+    """Not only ``/tmp``: the whole file system is read-only to a program (``/run/lock``, on
+    most machines, is anyone's to write in); its private ``/tmp``, ``/var/tmp`` and
+    ``/dev/shm`` take what it writes, and vanish with it."""
+    directories = writable_directories()
+    marker = f"plexrl-escape-{uuid.uuid4().hex}"
+    try:
+        res = run(write_everywhere(directories, marker))
+    finally:
+        written = [d for d in directories if (d / marker).exists()]
+        for d in written:
+            (d / marker).unlink()
+    assert written == []
+    assert res.ok and int(res.output) >= 1  # (its own /tmp, at least)
+    refused = run(
+        "import os\ntry:\n    os.mkdir('/run/plexrl-x')\nexcept OSError as e:\n"
+        "    print(e.strerror)"
+    )
+    assert refused.output.strip() in ("Read-only file system", "No such file or directory")
+
+
 def test_without_namespaces_the_limits_and_an_own_uid_still_hold():
     tools = {"py": PythonSandbox(FAST, mode="limits")}
     uid = int(run_call(ToolCall("py", "import os\nprint(os.getuid())"), tools).output)
@@ -296,7 +319,15 @@ def test_without_namespaces_what_a_program_leaves_running_ends_with_its_call():
 
 ESCAPE = r"""
 import ctypes, os, sys
-if ctypes.CDLL(None, use_errno=True).umount2(b"/proc", 2):  # (the machine's /proc beneath)
+libc = ctypes.CDLL(None, use_errno=True)
+try:  # (a directory its uid owns outside its private mounts: the caller's files)
+    open(os.path.join(OWNED, "escaped"), "w").write("x")
+    print("WROTE")
+except OSError:
+    pass
+if libc.mount(None, b"/", None, 0x1020, None) == 0:  # (MS_REMOUNT | MS_BIND: read-write)
+    print("REMOUNTED")
+if libc.umount2(b"/proc", 2):  # (the machine's /proc beneath)
     print("COVERED")
     sys.exit(0)
 mine, pid = set(), int(os.readlink("/proc/self"))  # (its pid there, not in its namespace)
@@ -343,30 +374,36 @@ assert slept == [""]
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs the sandbox as another user: needs root")
 def test_without_root_no_program_reaches_the_server_or_another_call():
     """Run by a user that is not root, the server is root of a user namespace and so is each
-    program (in one of its own, nested): a program that uncovers the machine's ``/proc`` finds
-    the server and another call's processes there, and may open neither's memory."""
+    program (in one of its own, nested), but with no capability: it can neither write the
+    caller's own files (the file system is read-only to it) nor remount it, nor uncover the
+    machine's ``/proc``; and if it could uncover it, it could open neither the server's
+    memory nor another call's processes' there."""
     import plexrl_dask
 
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("no setpriv to run as another user")
-    repo = str(Path(plexrl_dask.__file__).resolve().parents[1])
+    repo = Path(plexrl_dask.__file__).resolve().parents[1]
     folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))  # (pytest's is root's alone)
     folder.chmod(0o755)
     probe = folder / "probe.py"
     probe.write_text(NOT_ROOT_PROBE)
     probe.chmod(0o644)
+    owned = Path(tempfile.mkdtemp(prefix=".plexrl-test-", dir=repo))  # (not under /tmp)
+    os.chown(owned, 65534, 65534)
     try:
-        _run_as_nobody(setpriv, probe, repo)
+        _run_as_nobody(setpriv, probe, str(repo), owned)
+        assert list(owned.iterdir()) == []
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(owned, ignore_errors=True)
 
 
-def _run_as_nobody(setpriv: str, probe: Path, repo: str) -> None:
+def _run_as_nobody(setpriv: str, probe: Path, repo: str, owned: Path) -> None:
     nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
     done = subprocess.run(
         [*nobody, sys.executable, str(probe), repo],
-        input=ESCAPE.encode(),
+        input=ESCAPE.replace("OWNED", repr(str(owned))).encode(),
         capture_output=True,
         cwd="/",
         timeout=60,
@@ -377,8 +414,9 @@ def _run_as_nobody(setpriv: str, probe: Path, repo: str) -> None:
         pytest.skip("this checkout is not readable by an unprivileged user")
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     out = done.stdout.decode()
+    assert "WROTE" not in out and "REMOUNTED" not in out
     if out == "COVERED\n":
-        pytest.skip("a program cannot uncover the machine's /proc here: nothing to reach")
+        return  # (it cannot uncover the machine's /proc: nothing to reach there)
     assert "LEAK" not in out
     seen, denied = map(int, out.split())
     assert seen >= 4 and denied == seen  # (the server, and the other call's three processes)

@@ -35,7 +35,8 @@ the model workers, the tool workers with their sandboxes, and this process, whic
 of every job and the local cluster's scheduler), and
 ``paired_cost_ratios`` (the pairs behind the first figure: its spread on this machine), and
 ``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
-sandbox in the same run, an escape being a file written outside it, a connection made, a
+sandbox in the same run, an escape being a file written outside it (in ``/tmp``, the run's
+temporary directory, or any directory the machine leaves writable to anyone), a connection made, a
 process it left running, a program that ran past its limits unstopped, or one that read what
 only root may read.
 
@@ -51,6 +52,7 @@ float over the cores the model workers use).
 
 from __future__ import annotations
 
+import collections
 import os
 import resource
 import socket
@@ -296,11 +298,47 @@ def hit_rate(counts: dict[str, int]) -> float | None:
     return counts["hit_tokens"] / counts["tokens"] if counts["tokens"] else None
 
 
+def writable_directories(budget_s: float = 5.0) -> list[Path]:
+    """The directories anyone may write in (``o+w``), found walking the file system from
+    ``/``, the shallowest first, for ``budget_s`` at most (``/proc`` and ``/sys`` aside,
+    symbolic links not followed, nor directories others may not enter: nothing under them
+    is anyone's to reach): where a program that got past the sandbox's mounts could leave a
+    file."""
+    found, queue, end = [], collections.deque(["/"]), time.monotonic() + budget_s
+    while queue and time.monotonic() < end:
+        try:
+            entries = list(os.scandir(queue.popleft()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if not entry.is_dir(follow_symlinks=False) or entry.path in ("/proc", "/sys"):
+                    continue
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+            if mode & 0o002:
+                found.append(Path(entry.path))
+            if mode & 0o001:
+                queue.append(entry.path)
+    return sorted(found)
+
+
+def write_everywhere(directories: list[Path], marker: str) -> str:
+    """A program that tries to leave file ``marker`` in each of ``directories`` (and prints
+    how many it could write: its own private ``/tmp`` and the like, which vanish with it)."""
+    return (
+        f"import os\nwrote = 0\nfor d in {[str(d) for d in directories]!r}:\n"
+        f"    try:\n        open(os.path.join(d, {marker!r}), 'w').write('x')\n"
+        "        wrote += 1\n    except OSError:\n        pass\nprint(wrote)"
+    )
+
+
 def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
     """Run the hostile programs on the tool worker, each checked for an escape (see the
     module docstring); returns each program's result and verdict."""
     marker = f"plexrl-escape-{uuid.uuid4().hex}"
-    outside = [Path("/tmp") / marker, tmp / marker]
+    outside = [d / marker for d in [Path("/tmp"), tmp, *writable_directories()]]
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -325,7 +363,7 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
         "memory": "x = bytearray(1 << 40)",
         "huge output": "while True:\n    print('x' * 10000)",
         "huge file": "open('big', 'wb').write(b'x' * (1 << 30))",
-        "write outside": "".join(f"open({str(p)!r}, 'w').write('x')\n" for p in outside),
+        "write outside": write_everywhere([p.parent for p in outside], marker),
         "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
         "kill others": "import os, signal\nfor p in range(2, 40000):\n    try:\n        os.kill(p, signal.SIGKILL)\n    except Exception:\n        pass",
         "read secrets": "print(open('/etc/shadow').read()[:20])",
@@ -344,15 +382,24 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
         listener.close()
         pool.close()
     leftovers = sandbox_processes(SandboxLimits())
+    written = [p for p in outside if p.exists()]
+    for p in written:
+        p.unlink()
     for name, v in out.items():
         v["escaped"] = (
-            (name == "write outside" and any(p.exists() for p in outside))
+            (name == "write outside" and bool(written))
             or (name == "network" and bool(accepted))
             or v["seconds"] > SUITE_LIMITS.wall_s + 10
             or (name == "read secrets" and v["error"] is None)
         )
     out["orphan"]["escaped"] = out["orphan"]["escaped"] or bool(leftovers)
-    return {"programs": out, "processes_left": leftovers, "isolation": isolation()}
+    return {
+        "programs": out,
+        "processes_left": leftovers,
+        "isolation": isolation(),
+        "writable_directories_tried": len(outside),
+        "files_written_outside": [str(p) for p in written],
+    }
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ session of its own (the caller kills the call as a process group), sends ``pid N
 session's and its own CPU priority, reads the program from standard input and, where the call
 asks for private mounts, enters new mount, PID and network namespaces (the server runs as root,
 or as root of a user namespace ``unshare --user`` started it in). Its child, the *jail*, is
-that PID namespace's init: it mounts empty tmpfs file systems over the world-writable
-directories (``/tmp``, ``/var/tmp``, ``/dev/shm``) and a ``/proc`` of the namespace, makes the
-working directory, owned by the unprivileged user, and forks the program's process, which sets
-the resource limits, drops to that user (when the jail is root), clears the environment and runs
-the program as ``__main__`` of this interpreter. The jail waits for it (reaping what it leaves)
+that PID namespace's init: it makes every mount read-only, mounts empty tmpfs file systems
+over the usual world-writable directories (``/tmp``, ``/var/tmp``, ``/dev/shm``) and a
+``/proc`` of the namespace, makes the working directory, owned by the unprivileged user, and
+forks the program's process, which sets the resource limits, drops to that user (when the jail
+is root; else, root of the call's user namespace, it drops every capability), clears the
+environment and runs the program as ``__main__`` of this interpreter. The jail waits for it (reaping what it leaves)
 and exits with its status (128 + the signal that killed it). The call sends ``exit N`` (N < 0:
 the jail was killed by signal -N) and stays until the caller closes its end of the status
 socket, so that its process group is there for the caller to kill. Exit status 125 and a
@@ -59,7 +60,23 @@ _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND = 0x1, 0x20, 0x1000
+#: A mount's flags that a read-only remount must keep (in a user namespace the machine's
+#: mounts are locked to them: a remount that drops one is refused).
+_KEPT_FLAGS = {
+    "nosuid": _MS_NOSUID,
+    "nodev": _MS_NODEV,
+    "noexec": _MS_NOEXEC,
+    "noatime": 0x400,
+    "nodiratime": 0x800,
+    "relatime": 0x200000,
+    "strictatime": 0x1000000,
+}
+#: ``mount_setattr`` (Linux >= 5.12; the same number in every architecture's table).
+_SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
+_CAPABILITY_VERSION_3 = 0x20080522
 #: Seconds a call waits for its caller to close the status socket once it has sent the status.
 _LINGER_S = 60.0
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -267,6 +284,7 @@ def run_jail(limits: dict, code: bytes, own_mounts: int | None) -> None:
     if limits["private_mounts"]:
         if own_mounts is None or os.stat("/proc/self/ns/mnt").st_ino == own_mounts:
             fail("not in a mount namespace of its own")  # (never mount over the machine's)
+        read_only_mounts()
         for target in ("/tmp", "/var/tmp", "/dev/shm"):
             if os.path.isdir(target):
                 mount(b"none", target, b"tmpfs", 0, f"size={limits['file_bytes'] * 4},mode=1777")
@@ -317,7 +335,67 @@ def confine(limits: dict, root: bool, uid: int) -> None:
             else min(hard, limits["processes"])
         )
         resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
+    if os.geteuid() == 0:  # (root of the call's user namespace: the caller is not root)
+        drop_capabilities()
+    _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # (nothing it executes gains privileges)
     os.environ.clear()
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("set", "clear", "propagation", "userns")]
+
+
+def read_only_mounts() -> None:
+    """Every mount of the call's mount namespace read-only (before the private ones are
+    made over it): a program writes only in those, whatever the machine leaves writable to
+    its uid (``/run/lock``, a world-writable directory anywhere, the caller's own files
+    where the caller is not root). ``mount_setattr`` does it at once; a kernel without it
+    gets each mount remounted read-only, from ``/proc/self/mountinfo``."""
+    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+    done = _libc.syscall(
+        ctypes.c_long(_SYS_MOUNT_SETATTR),
+        ctypes.c_int(_AT_FDCWD),
+        b"/",
+        ctypes.c_uint(_AT_RECURSIVE),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    if done == 0:
+        return
+    errno = ctypes.get_errno()
+    if errno not in (38, 22, 1):  # (ENOSYS, EINVAL, EPERM: try mount by mount)
+        fail(f"making the file system read-only: errno {errno}")
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    for fields in mounts:
+        point = fields[4]
+        for escaped, char in ((r"\040", " "), (r"\011", "\t"), (r"\012", "\n"), (r"\134", "\\")):
+            point = point.replace(escaped, char)  # (the kernel escapes these in a path)
+        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY
+        flags |= sum(_KEPT_FLAGS.get(o, 0) for o in fields[5].split(","))
+        if _libc.mount(None, point.encode(), None, flags, None):
+            errno = ctypes.get_errno()
+            if errno != 2:  # (ENOENT: a mount point hidden by another mount; unreachable)
+                fail(f"making {point} read-only: errno {errno}")
+
+
+def drop_capabilities() -> None:
+    """No capability left, nor any that executing a program would give back (the bounding
+    and inheritable sets emptied): root of its user namespace only by name, it can neither
+    mount (undo :func:`read_only_mounts`, uncover the machine's ``/proc``) nor override a
+    file's permissions."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) and ctypes.get_errno() != 22:
+            fail(f"dropping capability {cap}: errno {ctypes.get_errno()}")
+    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+    empty = (ctypes.c_uint32 * 6)()
+    if _libc.capset(header, empty):
+        fail(f"dropping the capabilities: errno {ctypes.get_errno()}")
 
 
 def run_program(code: bytes) -> None:

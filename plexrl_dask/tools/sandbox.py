@@ -13,15 +13,19 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   this process is not root, its server runs as root of a user namespace and each call in a
   user namespace of its own, so that no program holds a capability over another), so the
   program has no network (a loopback that is down), sees no other process than the jail that
-  waits for it, and every process it starts dies with it; empty tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``; it
-  runs as an unprivileged user, in a working directory of its own, so it cannot write outside
-  that directory and those private mounts. Each running program has a uid of its own
+  waits for it, and every process it starts dies with it; every mount read-only but empty
+  tmpfs file systems over ``/tmp``, ``/var/tmp`` and ``/dev/shm``, so it cannot write outside
+  those private mounts (not in a directory the machine leaves open to anyone, nor in the
+  caller's own files); it runs as an unprivileged user (where the caller is not root: root of
+  its user namespace with no capability, so it cannot remount), in a working directory of its
+  own. Each running program has a uid of its own
   (:attr:`SandboxLimits.uid_base` + a slot held with a lock file while it runs, across the
   machine's processes), so one program's processes never count against another's process
   limit: a fork bomb stops at its own. Where namespaces are
   not available (``"limits"``, what :func:`isolation` falls back to): the limits below, an
   empty environment in a temporary directory, and, when run by root, the uid of its own; a
-  test says which mode ran.
+  test says which mode ran. There a program may write wherever its uid may: a directory open
+  to anyone, and, where the caller is not root, the caller's own files.
 - **limits**: wall-clock time (the call's processes are killed: its PID namespace, or its
   process group and, run by root, every process of its uid), CPU seconds, address space,
   file size, open files, processes; no core files; an empty environment.
