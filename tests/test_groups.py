@@ -352,7 +352,9 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
     """tensor_parallel=2: one replica over both workers, its weights synced from a 2-rank
     FSDP trainer; scores equal one worker's to rounding, tokens agree where rounding does not
     flip a choice; bad layouts and training ops are typed errors."""
-    spec = tiny_spec(seed=41, num_kv_heads=2)
+    # (hidden 128: its projections are over the store's 16 KiB split threshold, so a rank's
+    # slice is its own chunks; a smaller tensor is one chunk, fetched whole by every rank)
+    spec = tiny_spec(seed=41, num_kv_heads=2, hidden_size=128)
     trainer = runtime.deploy(unique("tp-train"), spec, world_size=2)
     data = batch_for(trainer, 4)
     plexrl.result([trainer.forward_backward(data), trainer.optim_step()], timeout=120)
@@ -366,12 +368,24 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
         replica = holder_of(dask_worker)._replicas.get(name)
         return None if replica is None else replica.backend.state_bytes()
 
-    assert [plexrl.result(runtime.sync_weights(trainer, d)) for d in (tp, one)] == [1, 1]
+    def read(dask_worker=None):  # (bytes the worker's node stores have served it so far)
+        from plexrl_dask.worker.holder import holder_of
+
+        node = holder_of(dask_worker).node
+        return sum(node.store(t).stats.bytes_read for t in ("dram", "nvme"))
+
+    ranks = list(tp.info.workers)
+    before = runtime.client.run(read, workers=ranks)
+    assert plexrl.result(runtime.sync_weights(trainer, tp)) == 1
+    fetched = {w: n - before[w] for w, n in runtime.client.run(read, workers=ranks).items()}
+    assert plexrl.result(runtime.sync_weights(trainer, one)) == 1
     # (synced, each holds weights of its own: an unmodified one would share its spec's)
-    split = runtime.client.run(held, tp.name, workers=list(tp.info.workers))
+    split = runtime.client.run(held, tp.name, workers=ranks)
     whole = runtime.client.run(held, one.name, workers=list(one.info.workers))
-    # Each rank holds half of every split projection (embeddings and norms stay whole).
+    # Each rank holds half of every split projection (embeddings and norms stay whole), and
+    # read from the store its own slices, not the whole tensors (the store's own counters).
     assert all(b < 0.75 * next(iter(whole.values())) for b in split.values())
+    assert all(0 < fetched[w] <= 1.05 * split[w] for w in ranks), (fetched, split)
     got, want = plexrl.result([tp.forward(data), one.forward(data)], timeout=120)
     diff = max(
         abs(a - b)

@@ -14,6 +14,7 @@ from distributed import Client
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.rl import GRPOConfig, GRPOJob, group_advantages, run_jobs
+from plexrl_dask.rl.objective import group_data
 from plexrl_dask.tasks import Problem
 from tests.conftest import tiny_spec, unique
 
@@ -240,6 +241,41 @@ def test_jobs_multiplexed_on_one_pool_compute_exactly_what_they_compute_alone(ti
             (r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.version) for r in records
         ]
         assert got == want, name
+
+
+def test_a_second_epoch_takes_its_ratios_against_the_weights_that_sampled(runtime):
+    """``epochs=2``: a step's batch trains twice, both epochs against the log-probabilities of
+    the weights that sampled it (scored before the first update). The first epoch's ratios are
+    1; the second's are (weights after one update) ÷ (sampling weights), which a twin of the
+    policy, given the same first update, reproduces by hand."""
+    spec = tiny_spec(seed=13)
+    policy = runtime.deploy(unique("grpo-epochs-policy"), spec)
+    twin = runtime.deploy(unique("grpo-epochs-twin"), spec)
+    config = GRPOConfig(
+        steps=1, prompts_per_step=1, group_size=4, max_tokens=6, lr=5e-2, seed=7, epochs=2
+    )
+    job = GRPOJob("epochs", runtime, FirstCharIsDigit(), policy, config)
+    prompt = policy.tokenize("12=")
+    completions = [(5, 6), (7,), (8, 9, 10), (11,)]
+    data, _ = group_data(config, prompt, completions, [1.0, 0.0, 1.0, 0.0])
+    first, second = plexrl.result(job._train(0, data))
+    assert [first["optim_step"]["version"], second["optim_step"]["version"]] == [1, 2]
+    assert first["forward_backward"]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+    sampling = plexrl.result(twin.forward(data)).logprobs
+    behaved = [
+        plexrl.Datum(d.tokens, d.weights, d.advantages, tuple(o))
+        for d, o in zip(data, sampling, strict=True)
+    ]
+    plexrl.result(twin.train_step(behaved, config.loss(len(data)), config.optimizer(0)))
+    updated = plexrl.result(twin.forward(data)).logprobs
+    num = den = 0.0
+    for d, old, new in zip(data, sampling, updated, strict=True):
+        for w, a, b in zip(d.token_weights(), old, new, strict=True):
+            if w > 0:
+                num, den = num + w * math.exp(b - a), den + w
+    assert abs(num / den - 1.0) > 1e-3  # (the first update moved the weights)
+    assert second["forward_backward"]["ratio_mean"] == pytest.approx(num / den, abs=1e-5)
 
 
 def test_split_async_samples_one_version_behind_and_corrects_for_it(runtime):

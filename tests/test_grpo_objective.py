@@ -10,6 +10,7 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask.errors import ConfigError
+from plexrl_dask.rl.episodes import Episode, Turn, episode_data
 from plexrl_dask.rl.objective import GRPOConfig, group_advantages, group_data, lr_at
 from plexrl_dask.worker.losses import compute_loss
 
@@ -103,6 +104,50 @@ def test_each_kl_estimator_adds_its_documented_term(estimator, per_token):
     )
 
 
+def _episode(turns: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Episode:
+    return Episode(PROMPT, tuple(Turn(t, (0.0,) * len(t), "", observation=o) for t, o in turns))
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean"])
+def test_an_episodes_observations_carry_no_loss_and_no_gradient(aggregation):
+    """Two episodes of a group, rewards 1 and 0 (A = +1, -1): the first a call (2 tokens), its
+    observation (3) and an answer (1); the second one turn of 2 tokens. Old log-probabilities
+    0.5 below the new on the policy's tokens (ratio e^0.5, clipped at 1.2 for A > 0, not for
+    A < 0); on the observations' tokens old and new are far apart (e^3): were they not
+    masked, the loss would move. The loss is the hand-computed one over the policy's tokens
+    alone, and the observations' log-probabilities get a gradient of exactly 0."""
+    first = _episode([((11, 12), (20, 21, 22)), ((13,), ())])
+    second = _episode([((14, 15), ())])
+    config = GRPOConfig(loss_aggregation=aggregation)
+    prompt, completions, masks = episode_data([first, second])
+    data, _ = group_data(config, prompt, completions, (1.0, 0.0), masks)
+    new = {11: -1.0, 12: -1.5, 13: -0.2, 14: -0.7, 15: -0.9, 20: -5.0, 21: -6.0, 22: -7.0}
+    old = {t: v - 0.5 for t, v in new.items()} | {20: -2.0, 21: -3.0, 22: -4.0}
+    data = [
+        plexrl.Datum(d.tokens, d.weights, d.advantages, tuple(old.get(t, 0.0) for t in d.tokens))
+        for d in data
+    ]
+    width = max(len(d.tokens) for d in data) - 1
+    logp = torch.zeros(len(data), width)
+    valid = torch.zeros(len(data), width)
+    for i, d in enumerate(data):
+        for j, t in enumerate(d.tokens[1:]):
+            logp[i, j], valid[i, j] = new.get(t, 0.0), 1.0
+    logp.requires_grad_(True)
+    value, _ = compute_loss(config.loss(len(data)), tuple(data), logp, valid)
+    value.backward()
+    r = math.exp(0.5)
+    # token-mean: 3 policy tokens at -1.2 (A > 0, clipped), 2 at +r, over 5; seq-mean: each
+    # episode's mean over its policy tokens, then over the 2 episodes
+    want = (3 * -1.2 + 2 * r) / 5 if aggregation == "token-mean" else (-1.2 + r) / 2
+    assert float(value.detach()) == pytest.approx(want, abs=1e-5)
+    observed = [(i, j) for i, d in enumerate(data) for j, t in enumerate(d.tokens[1:]) if t >= 20]
+    assert len(observed) == 3
+    assert all(float(logp.grad[i, j]) == 0.0 for i, j in observed)
+    # (the second episode's tokens are not clipped: a gradient of -A * r / n there)
+    assert float(logp.grad[1, len(PROMPT) - 1]) != 0.0
+
+
 def test_zero_advantage_groups_are_dropped_unless_kept():
     config = GRPOConfig()
     assert group_data(config, PROMPT, COMPLETIONS, (1.0, 1.0)) == ([], False)
@@ -111,6 +156,13 @@ def test_zero_advantage_groups_are_dropped_unless_kept():
     )
     assert not teaches and len(kept) == 2
     assert all(a == 0.0 for d in kept for a in d.advantages)
+
+
+def test_a_completion_stops_at_the_tasks_string_the_configs_or_eos_alone():
+    assert GRPOConfig().stops("\n") == ("\n",)
+    assert GRPOConfig(stop=["</answer>", "\n\n"]).stops("\n") == ("</answer>", "\n\n")
+    assert GRPOConfig(stop=()).stops("\n") == GRPOConfig(eos_only=True).stops("\n") == ()
+    assert hash(GRPOConfig(stop=["a"])) == hash(GRPOConfig(stop=("a",)))
 
 
 def test_the_learning_rate_warms_up_then_follows_its_schedule():
@@ -137,6 +189,9 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule():
         ({"loss_constant": 0.0}, "loss_constant"),
         ({"lr_warmup_steps": 50}, "lr_warmup_steps"),
         ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+        ({"stop": "\n"}, "stop"),
+        ({"stop": ("\n", "")}, "stop"),
+        ({"stop": ("\n",), "eos_only": True}, "eos_only"),
     ],
 )
 def test_a_bad_option_is_a_config_error_before_any_step(bad, match):

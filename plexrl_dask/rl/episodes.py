@@ -24,8 +24,12 @@ functions of their input. So an episode is the same alone and multiplexed.
 
 Training (:func:`plexrl_dask.rl.objective.group_data` with ``masks``): the completion is every
 token after the prompt, the policy's and the observations'; only the policy's tokens carry
-weight (observations are masked out of the loss), and their behaviour log-probabilities are
-each turn's sampling ones.
+weight (observations are masked out of the loss, and get no gradient). Where the importance
+ratio is not 1 (several epochs, split-async), the behaviour log-probabilities of every turn's
+tokens are scored on the weights that sampled the episode, at the loss's temperature, as for
+single-turn jobs (:class:`~plexrl_dask.rl.grpo.GRPOJob`): not the turns' sampling
+log-probabilities (:attr:`Turn.logprobs`, kept with the episode), which are of the sampling
+temperature's distribution and of the decode's arithmetic, not the training forward's.
 """
 
 from __future__ import annotations

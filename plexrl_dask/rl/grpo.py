@@ -242,7 +242,7 @@ class GRPOJob:
             n=c.group_size,
             temperature=c.temperature,
             max_tokens=c.max_tokens,
-            stop=() if c.eos_only else (self.task.stop,),
+            stop=c.stops(self.task.stop),
             seed=(c.seed * 1_000_003 + step) % 2**31,
         )
 

@@ -42,8 +42,9 @@ symmetric; DAPO's clip-higher, e.g. ``clip=0.2, clip_high=0.28``).
 ``epochs`` optimizer steps per batch; from the second on, the importance ratio is against the
 log-probabilities of the policy that sampled (scored before the first epoch).
 
-**Stopping**: completions stop at the task's stop string or EOS, or with ``eos_only`` at EOS only
-(and ``max_tokens`` either way).
+**Stopping**: completions stop at EOS and at the task's stop string, or at the strings of
+``stop`` in its place (any of them), or with ``eos_only`` at EOS only (and at ``max_tokens``
+in every case).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class GRPOConfig:
     lr_warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     eos_only: bool = False
+    #: The strings a completion stops at (besides EOS); None: the task's ``stop``.
+    stop: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if min(self.steps, self.prompts_per_step, self.group_size, self.epochs) < 1:
@@ -126,6 +129,12 @@ class GRPOConfig:
             raise ConfigError(f"lr_warmup_steps must be in [0, steps], got {self.lr_warmup_steps}")
         if not (0.0 <= self.min_lr_ratio <= 1.0):
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.stop is not None:
+            if isinstance(self.stop, str) or not all(isinstance(x, str) and x for x in self.stop):
+                raise ConfigError(f"stop is a tuple of non-empty strings, got {self.stop!r}")
+            if self.eos_only and self.stop:
+                raise ConfigError(f"eos_only stops at EOS alone: it takes no stop {self.stop!r}")
+            object.__setattr__(self, "stop", tuple(self.stop))  # (a list given: hashable)
         try:  # the worker's own checks, run here first: a bad value fails before any step
             self.loss(1)
             self.optimizer(0)
@@ -149,6 +158,12 @@ class GRPOConfig:
             kl_estimator=self.kl_estimator,
             normalizer=normalizer,
         )
+
+    def stops(self, task_stop: str) -> tuple[str, ...]:
+        """The strings a completion stops at, the task's being ``task_stop`` (see Stopping)."""
+        if self.eos_only:
+            return ()
+        return self.stop if self.stop is not None else (task_stop,)
 
     def optimizer(self, step: int) -> AdamWParams:
         """The AdamW step of GRPO step ``step`` (its learning rate: :func:`lr_at`)."""
