@@ -11,11 +11,12 @@ import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.models.tokenizer import build_char_tokenizer
 from plexrl_dask.rl import GRPOConfig, GRPOJob, run_jobs
-from plexrl_dask.rl.episodes import Episode, Turn, transcript_datum
+from plexrl_dask.rl.episodes import Episode, Turn, transcript_datum, turn_calls
 from plexrl_dask.rl.objective import group_data
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.tasks.agentic import MultiplyTask, is_agentic
 from plexrl_dask.tasks.arithmetic import ArithmeticTask
+from plexrl_dask.tools import Calculator, ToolCall
 from tests.conftest import tiny_spec, unique
 
 
@@ -64,6 +65,20 @@ def test_observations_carry_no_weight_in_the_loss():
     assert data[0].weights == (0, 0, 0.25, 0.25, 0.25, 0, 0, 0.25)
     with pytest.raises(errors.ConfigError):
         group_data(config, ep.prompt, [ep.completion] * 2, [1.0, 0.0], [(1, 0)] * 2)
+
+
+def test_a_turn_whose_call_does_not_parse_goes_on_with_an_error_observation():
+    """A turn that closes a call it never opened gets the parse error as its observation (a
+    failed result, as a failing tool's) and its episode goes on; an answer has no call; the
+    last allowed turn runs none."""
+    tools = {"calc": Calculator()}
+    texts = ["<calc>6*7</calc>", "6*7</calc>", "42\n", "<out>1</out> 2</calc>"]
+    calls, failed = turn_calls(texts, tools, last=False)
+    assert calls == [ToolCall("calc", "6*7"), None, None, None]
+    assert sorted(failed) == [1, 3]
+    assert all(r.error == "InvalidToolCall" and not r.ok for r in failed.values())
+    assert "</calc> without <calc>" in failed[1].observation(64)
+    assert turn_calls(texts, tools, last=True) == ([None] * 4, {})
 
 
 AGENT = tiny_spec(seed=61, hidden_size=64, num_layers=2, max_positions=96)

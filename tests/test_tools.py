@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from plexrl_dask import errors
-from plexrl_dask.bench.agentic import writable_directories, write_everywhere
+from plexrl_dask.bench.agentic import hostile_suite, writable_directories, write_everywhere
 from plexrl_dask.cluster import worker_info
 from plexrl_dask.driver.waits import post_event
 from plexrl_dask.shared.timeline import TOOL_TOPIC
@@ -434,7 +434,7 @@ def test_bad_limits_and_modes_are_typed():
         PythonSandbox(SandboxLimits(code_bytes=10)).run("print('a long program')")
 
 
-def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monkeypatch):
+def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monkeypatch, tmp_path):
     import distributed
 
     import plexrl_dask as plexrl
@@ -521,6 +521,14 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
             assert name == "tool-0" and r.worker == tool
         at_once = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
         assert min(2, threads) <= at_once <= threads
+        # bench.agentic's hostile programs, each a call through a pool to the tool worker:
+        # none escapes (a file outside, a connection, a process left, a limit overrun, a
+        # secret read), and the worker's pool serves on.
+        suite = hostile_suite(client, tmp_path)
+        assert [n for n, v in suite["programs"].items() if v["escaped"]] == [], suite
+        assert suite["processes_left"] == [] and suite["files_written_outside"] == []
+        assert suite["programs"]["fork bomb"]["error"] and suite["programs"]["memory"]["error"]
+        assert pool.run([ToolCall("calc", "2*3")], timeout_s=10)[0].output == "6"
         t0 = time.monotonic()
         [lost] = pool.run([ToolCall("where", "die")], timeout_s=10)
         assert lost.error == "ToolWorkerLost" and time.monotonic() - t0 < 30

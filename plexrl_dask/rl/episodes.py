@@ -35,7 +35,7 @@ temperature's distribution and of the decode's arithmetic, not the training forw
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from plexrl_dask.driver.runtime import Deployment, result
@@ -45,6 +45,7 @@ from plexrl_dask.tasks.base import Problem
 from plexrl_dask.tools.calls import (
     OUT_CLOSE,
     OUT_OPEN,
+    Tool,
     ToolCall,
     ToolResult,
     check_tools,
@@ -136,6 +137,24 @@ def turn_seed(seed: int, turn: int) -> int:
     return (seed * 1_000_033 + turn * 7919) % 2**31
 
 
+def turn_calls(
+    texts: Sequence[str], tools: Mapping[str, Tool], last: bool
+) -> tuple[list[ToolCall | None], dict[int, ToolResult]]:
+    """The calls that turns ``texts`` end with (None: an answer; every one of the ``last``
+    turn, whose calls would have no turn to read them) and, by index, the results of those
+    whose call does not parse: an error observation, as a failed call's, which the
+    conversation goes on with."""
+    calls: list[ToolCall | None] = []
+    failed: dict[int, ToolResult] = {}
+    for k, text in enumerate(texts):
+        try:
+            calls.append(None if last else parse_call(text, tools))
+        except InvalidToolCall as e:
+            calls.append(None)
+            failed[k] = ToolResult(str(e), type(e).__name__)
+    return calls, failed
+
+
 def run_episodes(
     sampler: Deployment,
     pool: ToolPool,
@@ -175,14 +194,7 @@ def run_episodes(
             sampler.sample([convs[c] for c in live], turn_params, prompt_ids=live, holds=not last)
         )
         sampled = [group[0] for group in out.sequences]
-        calls: list[ToolCall | None] = []
-        failed: dict[int, ToolResult] = {}  # calls that did not parse
-        for k, s in enumerate(sampled):
-            try:
-                calls.append(None if last else parse_call(s.text, tools))
-            except InvalidToolCall as e:
-                calls.append(None)
-                failed[k] = ToolResult(str(e), type(e).__name__)
+        calls, failed = turn_calls([s.text for s in sampled], tools, last)
         t0 = time.perf_counter()
         results = pool.run(calls, tool_timeout_s)
         waited += time.perf_counter() - t0
