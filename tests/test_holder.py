@@ -362,3 +362,51 @@ def test_a_hint_starts_a_prefetch_thread_only_when_there_is_something_to_reload(
     started.clear()
     holder.hint("x", x.uid)
     assert started == ["plexrl-prefetch"]
+
+
+def test_a_holder_short_of_room_shrinks_a_prefix_cache_before_it_offloads_a_replica():
+    """Multi-turn conversations grow a rollout replica's prefix cache past what the budget
+    leaves beside another resident replica: the holder evicts cached prompts (the least
+    recently used) rather than offload the other replica, stays within its budget, and the
+    conversations sample the bits they sample with room for every prompt."""
+    import dask
+
+    from plexrl_dask.shared.types import SamplingParams, Streams, TurnPrompt
+
+    def rollout(name: str, seed: int) -> DeploymentInfo:
+        declared = spec(seed).memory_bytes("rollout")
+        return dataclasses.replace(
+            make_info(name, seed=seed), role="rollout", memory_bytes=declared
+        )
+
+    def converse(holder: ReplicaHolder, info: DeploymentInfo) -> list:
+        prompts = [TurnPrompt(p, [len(p)]) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+        out = []
+        for t in range(3):
+            params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=3 + t)
+            got = holder.run(
+                info,
+                "sample",
+                lambda b, ps=prompts, sp=params: b.sample(ps, sp, [0, 1, 2], Streams(3, 1)),
+            )
+            out.append([(g[0].tokens, g[0].logprobs) for g in got])
+            prompts = [p.then([*g[0].tokens, 40, 41]) for p, g in zip(prompts, got, strict=True)]
+        return out
+
+    a, b = rollout("a", 1), rollout("b", 2)
+    with dask.config.set({"plexrl.sampling.prefix-cache-bytes": 1 << 20}):
+        roomy, _ = make_holder(64 * TRAIN_BYTES)
+        roomy.run(b, "load", lambda x: x.state_bytes())
+        want = converse(roomy, a)
+        status = roomy.status()
+        cached = status["replicas"]["a"]["prefix_cache"]["bytes"]
+        assert cached > 0 and status["replicas"]["a"]["bytes"] >= cached  # (counted)
+        budget = status["resident_bytes"] - cached // 2
+        tight, _ = make_holder(budget)
+        tight.run(b, "load", lambda x: x.state_bytes())
+        got = converse(tight, a)
+    status = tight.status()
+    assert got == want
+    assert resident(tight) == {"a": True, "b": True} and status["counters"]["offloads"] == 0
+    assert status["resident_bytes"] <= budget
+    assert 0 < status["replicas"]["a"]["prefix_cache"]["bytes"] <= cached // 2

@@ -8,8 +8,10 @@ Requests do **not** go through actor calls (those bypass the scheduler); they ru
 tasks on this worker and use the instance in-process (:func:`holder_of`).
 
 Memory: every replica's device bytes count against ``budget_bytes``. Before a replica is loaded
-or reloaded, and after any request that grew one (optimizer state appears at the first step),
-the least recently used *other* resident replicas are offloaded until the resident total fits.
+or reloaded, and after any request that grew one (optimizer state appears at the first step, a
+prefix cache grows with the conversations it keeps), the resident replicas' prefix caches are
+shrunk and then the least recently used *other* resident replicas offloaded until the resident
+total fits.
 On a worker, offloaded state goes to the node's state store (DRAM tier, NVMe under pressure;
 :mod:`plexrl_dask.worker.offload`), shared by the node's workers and deduplicated; a holder
 built without a node (``node=None``: unit tests and tools) keeps it in its own memory. Each
@@ -475,10 +477,13 @@ class ReplicaHolder:
         )
 
     def _make_room(self, incoming: int, keep: str) -> bool:
-        """Offload least-recently-used replicas other than ``keep`` (and than the one whose
-        request runs, and those mid-transition) until ``incoming`` more bytes fit in the budget
-        besides the reloads in flight; False if they still do not. A request marks its replica
-        running under ``_moves`` (see :meth:`run`), so none starts on a victim meanwhile."""
+        """Make ``incoming`` more bytes fit in the budget besides the reloads in flight: first
+        shrink the prefix caches of resident replicas other than the one whose request runs
+        (the least recently used replicas' first, ``keep``'s last: a prompt evicted costs its
+        prefill again, where an offloaded replica costs its reload), then offload the least
+        recently used replicas other than ``keep`` (and than the running one, and those
+        mid-transition); False if they still do not fit. A request marks its replica running
+        under ``_moves`` (see :meth:`run`), so none starts on a victim meanwhile."""
         with self._moves:
             victims = sorted(
                 (
@@ -488,6 +493,17 @@ class ReplicaHolder:
                 ),
                 key=lambda r: r.last_used,
             )
+            kept = self._replicas.get(keep)
+            caches = [
+                cache
+                for r in [*victims, *([kept] if kept is not None and keep != self._running else [])]
+                if (cache := getattr(r.backend, "prefix_cache", None)) is not None
+            ]
+            for cache in caches:  # (not the running request's: it may be using it)
+                over = self._resident_bytes() + self._incoming + incoming - self.budget_bytes
+                if over <= 0:
+                    return True
+                cache.shrink(cache.nbytes() - over)
             for victim in victims:
                 if self._resident_bytes() + self._incoming + incoming <= self.budget_bytes:
                     return True

@@ -20,7 +20,8 @@ other conversations' prompts. Identical prompts (the samples of one problem at t
 turn) are prefilled once and hit after.
 
 The cache is bounded (``plexrl.sampling.prefix-cache-bytes``), evicts the least recently used
-prompt first, counts in the replica's bytes (so in the holder's budget), is emptied when the
+prompt first, counts in the replica's bytes (so in the holder's budget: a holder short of room
+shrinks its replicas' prefix caches before it offloads any replica), is emptied when the
 replica is offloaded, and is emptied when its weights change (any request that mutates them:
 the holder's ``MUTATING_OPS``). It holds tensors that are never written in place: a hit's
 tensors go into the stream's batch, whose steps make new ones.
@@ -114,6 +115,17 @@ class PrefixCache:
             self._bytes -= evicted.nbytes()
         self._entries[key] = prefix
         self._bytes += size
+
+    def shrink(self, max_bytes: int) -> int:
+        """Evict the least recently used prompts until at most ``max_bytes`` are kept (the
+        holder, short of memory: :class:`~plexrl_dask.worker.holder.ReplicaHolder`); returns
+        the bytes freed."""
+        freed = 0
+        while self._entries and self._bytes > max(0, max_bytes):
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.nbytes()
+            freed += evicted.nbytes()
+        return freed
 
     def stats(self) -> dict[str, int]:
         return {
