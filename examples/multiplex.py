@@ -4,7 +4,7 @@ calculator on a tool worker) multiplexed on one local pool, with live progress p
 table at the end and a PNG.
 
     python examples/multiplex.py [--jobs 4] [--agentic 1] [--memory-budget 192MiB] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
-                                 [--out runs/multiplex] [--checkpoint-every N] [--fresh]
+                                 [--out runs/multiplex] [--checkpoint-every N] [--fresh] [--compare isolated|none]
                                  [--model PATH]   # every job on a local HF checkpoint instead
                                  [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
                                  [--slurm GPUS [--slurm-queue Q ...] [--dry-run]]   # on SLURM
@@ -13,6 +13,13 @@ table at the end and a PNG.
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
 core), their requests ordered by the PlexRL scheduler plugin. Every job's per-step metrics go
 to ``<out>/multiplexed-<job>.jsonl`` (the first line: the config that reproduces it).
+
+Then (``--compare isolated``, the default) the same jobs run again from the same warm-ups,
+alone, one after another, in each isolated mode's smallest layout that fits on the pool's
+workers (colocated on each job's training group; split and split-async where a job's training
+group leaves room for its rollout), written to ``<out>/<mode>-<job>.jsonl``: the table gives
+the pool's cost against each as measured, and says whether each job's rewards and losses were
+the same, step by step, as in the pool. (``bench.multiplex`` runs every layout of every mode.)
 
 Every job checkpoints itself under ``<out>/checkpoints`` every few steps: stopped (Ctrl-C, a
 lost machine), the same command resumes each job after its last checkpoint, without its
@@ -36,7 +43,16 @@ from rich.console import Console
 import plexrl_dask as plexrl
 from plexrl_dask.cli import nonnegative_int, positive_float, positive_int
 from plexrl_dask.rl.catalog import STANDARD_BUDGET, agentic_jobs, standard_jobs
-from plexrl_dask.rl.modes import Layout, resumable, run_mode, smallest_groups, warm_start
+from plexrl_dask.rl.modes import (
+    Layout,
+    layouts,
+    resumable,
+    run_mode,
+    smallest_groups,
+    tensor_parallel_degrees,
+    trajectories_identical,
+    warm_start,
+)
 from plexrl_dask.rl.progress import JobProgress
 from plexrl_dask.rl.report import plot_run, summary_table
 from plexrl_dask.rl.sizing import budget_bytes
@@ -69,6 +85,47 @@ def gpu_workers(client: Client, n: int, timeout: float | None) -> list[str]:
         if deadline is not None and time.monotonic() > deadline:
             raise SystemExit(f"{len(found)} of {n} PlexRL workers joined within {timeout:.0f}s")
         time.sleep(0.2)
+
+
+def isolated_runs(runtime, specs, checkpoints, workers, groups, pool, out, console):
+    """The same jobs, from the same warm-ups, run alone one after another in each isolated
+    mode's smallest layout that fits on the pool's workers: each one's measured cost by
+    label, and a line per mode (its rewards and losses against the pool's, step by step, or
+    why it did not run)."""
+    costs, notes = {}, []
+    tp = tensor_parallel_degrees(specs, len(workers))
+    for mode in ("colocated", "split", "split-async"):
+        offered = layouts(mode, len(workers), groups.values(), tp)
+        if not offered:
+            widest = max(groups, key=groups.get)
+            notes.append(
+                f"{mode}: no layout fits on {len(workers)} workers ({widest} trains on "
+                f"{groups[widest]}, and a split job holds its rollout workers too)"
+            )
+            continue
+        layout = offered[0]
+        totals = [(s.name, s.grpo.steps) for s in specs]
+        with JobProgress(totals, console) as progress:
+            run = run_mode(
+                runtime,
+                specs,
+                layout,
+                checkpoints,
+                workers,
+                metrics_dir=out,
+                on_step=lambda r, m=mode: progress.update(
+                    r.job, r.step + 1, f"{m} reward {r.reward_mean:.3f}"
+                ),
+                groups=groups,
+            )
+        costs[f"{layout.label} (measured)"] = run.ledger.reserved_worker_seconds()
+        if mode != "split-async":  # (a step ahead: other samples, by design)
+            same, _ = trajectories_identical([pool, run], [s.name for s in specs])
+            notes.append(
+                f"{mode}: every job's reward and loss, step by step, "
+                + ("the same as in the pool" if same else "NOT the same as in the pool")
+            )
+    return costs, notes
 
 
 def main() -> None:
@@ -104,6 +161,15 @@ def main() -> None:
         "--checkpoint-every", type=positive_int, default=None, help="GRPO steps between checkpoints"
     )
     parser.add_argument("--fresh", action="store_true", help="ignore checkpoints: start over")
+    parser.add_argument(
+        "--compare",
+        choices=("isolated", "none"),
+        default="isolated",
+        help="after the pool, run the same jobs from the same warm-ups alone, one after "
+        "another, in each isolated mode's smallest layout that fits on --workers (colocated on "
+        "each job's training group; split and split-async), and give the pool's cost against "
+        "each as measured (default); none: against lower bounds estimated from the pool's run",
+    )
     parser.add_argument(
         "--rollout-backend",
         choices=("torch", "vllm"),
@@ -271,22 +337,27 @@ def main() -> None:
                 groups=groups,
             )
         console.print(f"GRPO: {len(specs)} jobs multiplexed in {time.perf_counter() - t0:.0f}s")
+        baselines, notes = {}, []
+        if args.compare == "isolated" and resumed:
+            notes.append("no isolated runs to compare with: jobs resumed (--fresh runs them)")
+        elif args.compare == "isolated":
+            baselines, notes = isolated_runs(
+                runtime, specs, checkpoints, workers, groups, run, out, console
+            )
 
     ledger = run.ledger
+    if args.compare == "none" or not baselines:
+        # (each job alone on its training group; split: and a rollout worker)
+        baselines = {"isolated colocated, at least": ledger.isolated_cost_lower_bound(groups)}
+        if max(groups.values()) < args.workers:
+            baselines["isolated split, at least"] = ledger.isolated_cost_lower_bound(
+                {job: k + 1 for job, k in groups.items()}
+            )
     console.print(
-        summary_table(
-            run.records,
-            ledger,
-            # (each job alone on its training group; split: and a rollout worker)
-            isolated_estimates={
-                "isolated colocated, at least": ledger.isolated_cost_lower_bound(groups),
-                "isolated split, at least": ledger.isolated_cost_lower_bound(
-                    {job: k + 1 for job, k in groups.items()}
-                ),
-            },
-            title=layout.label,
-        )
+        summary_table(run.records, ledger, isolated_estimates=baselines, title=layout.label)
     )
+    for note in notes:
+        console.print(note)
     png = out / "multiplex.png"
     plot_run(run.records, ledger, png)
     console.print(

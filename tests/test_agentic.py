@@ -185,3 +185,13 @@ def test_an_episode_never_outgrows_its_models_context():
             # (the first turn's observation fits with room for a second turn; the second's not)
             assert len(ep.turns) == 2 and ep.turns[0].observation
             assert ep.turns[1].result is not None and ep.turns[1].observation == ()
+
+
+def test_bench_agentic_reports_each_jobs_turns_and_tool_times_as_distributions():
+    from plexrl_dask.bench.agentic import distribution
+
+    got = distribution({"turns": [1, 2, 2, 3, 2], "tool_s": [0.01, 0.02, 0.5], "tool_calls": 4})
+    assert got["episodes"] == 5 and got["turns"] == {"1": 1, "2": 3, "3": 1}
+    assert (got["tool_calls"], got["tool_runs"]) == (4, 3)
+    assert got["tool_s"]["p50"] == 0.02 and got["tool_s"]["max"] == 0.5
+    assert distribution({"turns": [1], "tool_s": []})["tool_s"] is None

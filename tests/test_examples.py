@@ -45,6 +45,13 @@ def test_the_main_job_runs_end_to_end(tmp_path):
         assert header["job"] == job and header["config"]["steps"] == 2
         assert [json.loads(line)["step"] for line in lines[1:]] == [0, 1]
     assert "utilisation" in proc.stdout and "makespan" in proc.stdout
+    # The same jobs alone, colocated on their training groups, measured against the pool;
+    # split layouts do not fit on 2 workers beside countdown4's training group of 2.
+    plain = " ".join(proc.stdout.split())
+    assert "× colocated, each job on its smallest training group (measured)" in plain
+    assert "colocated: every job's reward and loss, step by step, the same as in the pool" in plain
+    assert "split: no layout fits on 2 workers (countdown4 trains on 2" in plain
+    assert [r["step"] for r in steps(out / "colocated-countdown4.jsonl")] == [0, 1]
     assert (out / "multiplex.png").read_bytes()[:4] == b"\x89PNG"
     run = json.loads((out / "run.json").read_text())
     assert [j["name"] for j in run["jobs"]] == jobs
@@ -55,6 +62,7 @@ def test_the_main_job_runs_end_to_end(tmp_path):
     before = {job: steps(out / f"multiplexed-{job}.jsonl") for job in jobs}
     proc = main_job(out, "--scale", "0.02", "--grpo-steps", "3")
     assert "resuming add2, countdown3, addsub2, countdown4, multiply3" in proc.stdout
+    assert "no isolated runs to compare with: jobs resumed" in " ".join(proc.stdout.split())
     for job in jobs:
         after = steps(out / f"multiplexed-{job}.jsonl")
         assert [r["step"] for r in after] == [0, 1, 2]
@@ -136,3 +144,29 @@ def test_the_main_job_on_a_cluster_without_plexrl_says_so(tmp_path):
         )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "PluginsNotInstalled" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_grpo_example_with_a_kl_term_and_the_quickstart_run(tmp_path):
+    """The reference path as the docs show it: a frozen copy of the warmed-up weights, a KL
+    term that is 0 at the first step (the policy is the reference) and recorded every step."""
+    metrics = tmp_path / "grpo.jsonl"
+    example = str(ROOT / "examples" / "grpo_arithmetic.py")
+    proc = subprocess.run(
+        [sys.executable, example, "--warmup", "150", "--steps", "3", "--kl-coef", "0.05",
+         "--metrics", str(metrics)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = steps(metrics)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    # (150 warm-up steps: some answers are right, so groups teach and steps train)
+    trained = [r for r in records if r["loss"] is not None]
+    assert trained and all(r["extra"]["kl"] >= 0 for r in trained)
+    assert records[0]["loss"] is None or records[0]["extra"]["kl"] == 0.0
+    assert "greedy accuracy" in " ".join(proc.stdout.split())
+    quick = str(ROOT / "examples" / "quickstart.py")
+    proc = subprocess.run(
+        [sys.executable, quick, "--steps", "3"], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,7 +22,8 @@ sweep), ``idle_fraction`` per mode, ``bench.multiplex``'s ``longest_job`` figure
 ``tool_calls`` and ``tool_runs`` (the calls the policy made; those that ran: identical calls of
 a turn run once), ``turns_p50``/``turns_max`` (model turns per episode), ``tool_s_p50``/
 ``tool_s_p99`` (seconds a call that ran took on its tool worker; before identical calls ran
-once, every call ran and counted), ``reward_first``/``reward_last`` per
+once, every call ran and counted), ``distributions`` (per agentic job: its episodes by number
+of model turns, and percentiles of its calls' seconds), ``reward_first``/``reward_last`` per
 agentic job (mean reward of its first and last 5 steps), ``reward_trajectories_identical``
 (every job's reward and loss per step the same in every synchronous layout: colocated and
 multiplexed), ``prefix_cache_hit_rate`` (the cheapest pool's turn prompts: tokens a replica's
@@ -231,6 +232,7 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "turns_max": max(turns, default=None),
         "tool_s_p50": percentile(tool_s, 0.5) if tool_s else None,
         "tool_s_p99": percentile(tool_s, 0.99) if tool_s else None,
+        "distributions": {job: distribution(e) for job, e in episodes.items()},
         "prefix_cache_hit_rate": hit_rate(mux.extra["prefix_cache"]),
         "prefix_cache": mux.extra["prefix_cache"],
         "reward_first": {n: reward_start_end(mux.records[n])[0] for n in agentic},
@@ -242,6 +244,22 @@ def summarise(runs: list[ModeRun], specs: list[Any], suite: dict[str, Any]) -> d
         "sandbox": suite,
         "best_layout": {m: r.layout.label for m, r in best.items()},
         "layouts": [{"layout": r.layout.label, **r.ledger.summary()} for r in runs],
+    }
+
+
+def distribution(episodes: dict[str, Any]) -> dict[str, Any]:
+    """One agentic job's measured distributions in a run: episodes by their number of model
+    turns, and the seconds of its calls that ran (percentiles)."""
+    turns, tool_s = episodes["turns"], episodes["tool_s"]
+    return {
+        "episodes": len(turns),
+        "turns": {str(n): turns.count(n) for n in sorted(set(turns))},
+        "tool_calls": episodes.get("tool_calls", 0),
+        "tool_runs": len(tool_s),
+        "tool_s": {f"p{round(q * 100)}": percentile(tool_s, q) for q in (0.1, 0.5, 0.9, 0.99)}
+        | {"max": max(tool_s)}
+        if tool_s
+        else None,
     }
 
 
