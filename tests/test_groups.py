@@ -421,6 +421,18 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
     with pytest.raises(errors.OpNotSupported, match="train_step"):
         plexrl.result(tp.train_step(data), timeout=120)
     assert plexrl.result(tp.forward(data), timeout=120) == got  # still serves
+    # A sync into a tensor-parallel replica of another architecture: a typed error, before
+    # any rank took anything; both ranks keep their weights (they score as before).
+    wide = runtime.deploy(
+        unique("tp-other"), tiny_spec(seed=41, num_kv_heads=2, hidden_size=64),
+        role="rollout", tensor_parallel=2,
+    )  # fmt: skip
+    probe = [plexrl.Datum(tokens=wide.tokenize("12+3=15"))]
+    before = plexrl.result(wide.forward(probe), timeout=120)
+    with pytest.raises(errors.WeightsMismatch, match="shape"):
+        plexrl.result(runtime.sync_weights(trainer, wide), timeout=120)
+    assert plexrl.result(wide.forward(probe), timeout=120) == before
+    assert plexrl.result(tp.forward(data), timeout=120) == got
 
 
 def test_only_a_groups_rank_0_publishes_its_address(runtime):
