@@ -79,3 +79,28 @@ def test_malformed_chats_are_typed_errors():
         checked_sample([{"role": "user", "content": "hi"}], SamplingParams())
     with pytest.raises(errors.NoChatTemplate):  # (the character tokenizer has none)
         encode_prompts(tokenizer, [plexrl.Chat((("user", "hi"),))])
+
+
+def test_a_worker_tokenizes_a_text_prompt_as_the_driver_configured(checkpoints, runtime):
+    """The driver sets ``plexrl.sampling.special-tokens: false`` in its own process only
+    (a worker process does not see it): ``sample`` carries the setting, so the worker
+    prefills the ids ``Deployment.tokenize`` gives on the driver; a request may also say."""
+    import dask
+
+    from tests.conftest import unique
+
+    chat_spec, _ = checkpoints
+    dep = runtime.deploy(unique("bos"), chat_spec, role="rollout")
+    params = plexrl.SamplingParams(n=1, max_tokens=2, seed=1)
+    with_bos = dep.tokenize("7+1=")
+    assert with_bos[0] == dep.tokenizer.convert_tokens_to_ids(BOS)
+    with dask.config.set({"plexrl.sampling.special-tokens": False}):
+        plain = dep.tokenize("7+1=")
+        got = plexrl.result(dep.sample(["7+1="], params))
+    assert plain == with_bos[1:] and list(got.prompt_tokens[0]) == plain
+    asked = plexrl.SamplingParams(n=1, max_tokens=2, seed=1, special_tokens=True)
+    with dask.config.set({"plexrl.sampling.special-tokens": False}):
+        got = plexrl.result(dep.sample(["7+1="], asked))
+    assert list(got.prompt_tokens[0]) == with_bos
+    with pytest.raises(plexrl.errors.InvalidSamplingParams):
+        plexrl.SamplingParams(special_tokens="yes")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ from plexrl_dask.errors import (
     raise_for_status,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.models.tokenizer import encode_prompts
+from plexrl_dask.models.tokenizer import encode_prompts, special_tokens_default
 from plexrl_dask.policy.horizon import Phase
 from plexrl_dask.shared.access import READ_OPS
 from plexrl_dask.shared.checks import (
@@ -547,6 +548,15 @@ def split_prompts(
     return out
 
 
+def _tokenized_here(params: SamplingParams) -> SamplingParams:
+    """``params`` with ``special_tokens`` as this process's ``plexrl.sampling.special-tokens``
+    where it is None: text prompts are tokenized on the worker as :meth:`Deployment.tokenize`
+    tokenizes them here, whatever the worker's own configuration says."""
+    if params.special_tokens is not None:
+        return params
+    return dataclasses.replace(params, special_tokens=special_tokens_default())
+
+
 def _sealed(recipe: Any) -> bytes:
     """A scoring recipe as the bytes a request carries (:func:`~plexrl_dask.rl.scoring.seal_recipe`;
     bytes pass as they are, the worker checks them); :class:`InvalidRecipe` for anything else."""
@@ -802,6 +812,7 @@ class Deployment:
             )
         recipe = _sealed(recipe)
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
+        params = _tokenized_here(params)
         task = (list(prompts), params, ids, Streams.from_config(), recipe)
         return self._submit("sample_train", ops.sample_train, [task])
 
@@ -823,6 +834,7 @@ class Deployment:
         adapter bank's): per prompt, the key of the loaded adapter it samples with (None:
         the base)."""
         prompts, params, ids, _ = checked_sample(prompts, params, prompt_ids)
+        params = _tokenized_here(params)
         streams = Streams.from_config(invariant)
         if adapters is not None:
             return self._sample_adapters(prompts, params, ids, streams, adapters, holds)

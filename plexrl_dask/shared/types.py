@@ -349,6 +349,10 @@ class SamplingParams:
     ``ignore_eos`` decodes past the end-of-sequence token (as vLLM's flag of that name; the
     ``stop_token_ids`` still stop): without those, every completion runs to a stop string or
     ``max_tokens``, which is how decode throughput at a fixed batch size is measured.
+    ``special_tokens``: whether text prompts get the tokenizer's special tokens (a BOS, say)
+    as Hugging Face adds them; None: ``plexrl.sampling.special-tokens`` where the request is
+    made (``Deployment.sample`` fills it in from the driver's configuration, so that a
+    worker tokenizes as the driver's own ``Deployment.tokenize`` does).
     """
 
     n: int = 1
@@ -359,6 +363,7 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    special_tokens: bool | None = None
 
     def __post_init__(self) -> None:
         # A lone string is one stop string, not a set of characters.
@@ -385,6 +390,10 @@ class SamplingParams:
             problems.append("stop strings must be non-empty strings")
         if not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             problems.append(f"seed must be an int in [0, 2**63) (got {self.seed!r})")
+        if not (self.special_tokens is None or isinstance(self.special_tokens, bool)):
+            problems.append(
+                f"special_tokens must be true, false or None (got {self.special_tokens!r})"
+            )
         if problems:
             raise InvalidSamplingParams("; ".join(problems))
 

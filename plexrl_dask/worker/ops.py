@@ -358,7 +358,7 @@ def _sampling(
         args = backend._checked(
             lambda: checked_sample(prompts, params, prompt_ids, streams, part=True)
         )
-        tokens = backend.tokenize(args[0])
+        tokens = backend.tokenize(args[0], args[1].special_tokens)
         if adapters is not None:
             keys = list(adapters)
             if not all(k is None or isinstance(k, str) for k in keys):
