@@ -308,3 +308,27 @@ def test_split_async_samples_one_version_behind_and_corrects_for_it(runtime):
     assert records[0].loss == pytest.approx(synchronous[0].loss, abs=1e-6)  # ratio ~1 vs exactly 1
     with pytest.raises(errors.ConfigError, match="rollout"):
         GRPOJob("bad", runtime, task, policy, config)
+
+
+def test_the_documented_dataset_task_trains_through_a_job(runtime):
+    """docs/tasks.md's task, defined as a user's script defines it (not importable by the
+    workers: it travels by value), over a finite dataset from index 0: each step scores its
+    own rows, epochs wrap, and the job runs its steps."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    namespace: dict = {"__name__": "__main__"}  # (a script's classes travel by value)
+    exec(compile(code, "docs/tasks.md", "exec", dont_inherit=True), namespace)  # noqa: S102
+    rows = tuple((f"{i}+{i}=", str(2 * i)) for i in range(10))
+    task = namespace["QATask"]("qa", rows, seed=3)
+    config = GRPOConfig(
+        steps=3, prompts_per_step=4, group_size=4, max_tokens=4, seed=5, problem_offset=0
+    )
+    policy = runtime.deploy(unique("dataset-task"), tiny_spec(seed=21))
+    records = GRPOJob("dataset", runtime, task, policy, config).run()
+    assert [r.step for r in records] == [0, 1, 2]
+    assert all(len(r.completion_lengths) == 16 and 0.0 <= r.reward_mean <= 1.0 for r in records)
+    # (step 2's rows are 8, 9 of the first epoch, then 0, 1 of the second, reshuffled)
+    assert [p.index for p in task.problems(8, 4)] == [8, 9, 10, 11]
