@@ -35,15 +35,20 @@ def _loss_of(config: GRPOConfig, logp_of: dict[int, float], ref_of=None, old_of=
             )
             for d in data
         ]
+    value, _ = compute_loss(config.loss(len(data)), tuple(data), *_predicted(data, logp_of))
+    return float(value)
+
+
+def _predicted(data, logp_of: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (B, L-1) log-probabilities a model giving each token ``logp_of[token]`` assigns
+    to ``data``'s predicted tokens, and their validity."""
     width = max(len(d.tokens) for d in data) - 1
     logp = torch.zeros(len(data), width)
     valid = torch.zeros(len(data), width)
     for i, d in enumerate(data):
         for j, t in enumerate(d.tokens[1:]):
-            logp[i, j] = logp_of.get(t, 0.0)
-            valid[i, j] = 1.0
-    value, _ = compute_loss(config.loss(len(data)), tuple(data), logp, valid)
-    return float(value)
+            logp[i, j], valid[i, j] = logp_of.get(t, 0.0), 1.0
+    return logp, valid
 
 
 LOGP = {7: -0.5, 8: -1.0, 9: -2.0, 10: -3.0}
@@ -127,12 +132,7 @@ def test_an_episodes_observations_carry_no_loss_and_no_gradient(aggregation):
         plexrl.Datum(d.tokens, d.weights, d.advantages, tuple(old.get(t, 0.0) for t in d.tokens))
         for d in data
     ]
-    width = max(len(d.tokens) for d in data) - 1
-    logp = torch.zeros(len(data), width)
-    valid = torch.zeros(len(data), width)
-    for i, d in enumerate(data):
-        for j, t in enumerate(d.tokens[1:]):
-            logp[i, j], valid[i, j] = new.get(t, 0.0), 1.0
+    logp, valid = _predicted(data, new)
     logp.requires_grad_(True)
     value, _ = compute_loss(config.loss(len(data)), tuple(data), logp, valid)
     value.backward()
