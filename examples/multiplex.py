@@ -3,7 +3,7 @@ needs two workers at the stated memory budget) and an agentic one (multi-turn, c
 calculator on a tool worker) multiplexed on one local pool, with live progress per job, a
 table at the end and a PNG.
 
-    python examples/multiplex.py [--jobs 4] [--agentic 1] [--memory-budget 192MiB] [--scale 1.0] [--grpo-steps N] [--rollout-replicas 1]
+    python examples/multiplex.py [--jobs 4] [--agentic 1] [--memory-budget 192MiB] [--scale 1.0] [--grpo-steps N] [--rollout-replicas R]
                                  [--out runs/multiplex] [--checkpoint-every N] [--fresh] [--compare isolated|none]
                                  [--model PATH]   # every job on a local HF checkpoint instead
                                  [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
@@ -145,7 +145,13 @@ def main() -> None:
     parser.add_argument(
         "--grpo-steps", type=positive_int, default=None, help="GRPO steps of every job"
     )
-    parser.add_argument("--rollout-replicas", type=nonnegative_int, default=1)
+    parser.add_argument(
+        "--rollout-replicas",
+        type=nonnegative_int,
+        default=None,
+        help="rollout replicas per job in the pool (default 0, each job sampling from its "
+        "policy: the cheaper pool in bench.multiplex; 1 with --rollout-backend vllm)",
+    )
     parser.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="runs/multiplex")
     parser.add_argument(
@@ -230,7 +236,7 @@ def main() -> None:
     if args.slurm and args.slurm % args.slurm_gpus_per_job:
         parser.error("--slurm GPUS must be a multiple of --slurm-gpus-per-job")
     if args.rollout_backend == "vllm":
-        if not args.rollout_replicas:
+        if args.rollout_replicas == 0:
             parser.error("--rollout-backend vllm needs --rollout-replicas >= 1")
         # each vLLM replica runs its engine in a child process of its worker
         dask.config.set({"distributed.worker.daemon": False})
@@ -249,6 +255,8 @@ def main() -> None:
     specs = [replace(s, rollout_backend=args.rollout_backend) for s in specs]
     if args.slurm:
         args.workers = args.slurm  # the pool: one worker per GPU job
+    if args.rollout_replicas is None:
+        args.rollout_replicas = 1 if args.rollout_backend == "vllm" else 0
     layout = Layout("multiplexed", args.workers, args.rollout_replicas)
     dask.config.set({"plexrl.worker.memory-budget": args.memory_budget})
     try:

@@ -3,7 +3,9 @@ trajectories, a ledger that adds up, the report."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from dataclasses import replace
 
@@ -12,6 +14,7 @@ from rich.console import Console
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
+from plexrl_dask.bench.common import confined
 from plexrl_dask.rl import GRPOConfig
 from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.rl.modes import (
@@ -66,10 +69,31 @@ def test_every_mode_runs_the_same_jobs(client, tmp_path):
         Layout("multiplexed", 2, 1),
         Layout("multiplexed", 1, 0),
     ]
+    # Each isolated job's run, and each pool's, confined to as many cores as it holds workers
+    # (bench --cores equal): what it holds, and the driver's cores meanwhile.
+    held: list[tuple[int, int]] = []
+    floating = os.sched_getaffinity(0)
+
+    @contextlib.contextmanager
+    def recording(workers_held):
+        with confined(len(workers_held)) as cores:
+            held.append((len(workers_held), len(os.sched_getaffinity(0))))
+            yield cores
+
     runs = {
-        layout: run_mode(runtime, specs, layout, checkpoints, workers, metrics_dir=tmp_path / "m")
+        layout: run_mode(
+            runtime, specs, layout, checkpoints, workers, metrics_dir=tmp_path / "m",
+            confine=recording,
+        )
         for layout in grid
-    }
+    }  # fmt: skip
+    cores = len(floating)
+    assert held == [
+        (1, 1), (1, 1),  # colocated: each job alone on its worker
+        (2, min(2, cores)), (2, min(2, cores)), (2, min(2, cores)), (2, min(2, cores)),  # split
+        (2, min(2, cores)), (1, 1),  # the pools
+    ]  # fmt: skip
+    assert os.sched_getaffinity(0) == floating
 
     # The synchronous layouts compute exactly the same thing; the jobs trained.
     reference = runs[grid[0]]

@@ -45,10 +45,11 @@ On 2 cores the tool worker's interpreters share the cores with the model workers
 driver: a pool, whose workers are busy while tools run, pays for that more than an isolated
 job, whose idle worker leaves a core to the tools. Clusters run tools on other machines.
 
-Run: ``python -m plexrl_dask.bench.agentic --json OUT [--quick] [--pairs N] [--tool-cpus LIST]``
-(``--quick``: a quarter of the warm-up and steps, one pair; ``--tool-cpus``: the tool worker
-and its sandboxes bound to those cores, as tools on machines of their own; by default they
-float over the cores the model workers use).
+Run: ``python -m plexrl_dask.bench.agentic --json OUT [--quick] [--pairs N] [--tool-cpus LIST]
+[--cores free|equal]`` (``--quick``: a quarter of the warm-up and steps, one pair;
+``--tool-cpus``: the tool worker and its sandboxes bound to those cores, as tools on machines
+of their own; by default they float over the cores the model workers use; ``--cores``: see
+``bench.multiplex``, the same definition, tools included).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from distributed import Client
 from rich.console import Console
 
 import plexrl_dask as plexrl
-from plexrl_dask.bench.common import median, parser, report
+from plexrl_dask.bench.common import add_cores_option, confinement, median, parser, report
 from plexrl_dask.rl.catalog import agentic_jobs
 from plexrl_dask.rl.ledger import cost_ratio, percentile, where_cost_goes
 from plexrl_dask.rl.modes import (
@@ -113,7 +114,11 @@ def main() -> None:
         help="bind the tool worker and its sandboxes to these cores (e.g. 0), as tools on "
         "machines of their own (plexrl.local-cluster.tool-cpus; default: they float)",
     )
+    add_cores_option(p)
     args = p.parse_args()
+    if args.cores == "equal" and args.tool_cpus is not None:
+        p.error("--cores equal runs the tools on each layout's cores: no --tool-cpus with it")
+    confine = confinement(args.cores)
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 4)
     console = Console()
     workers_n = args.workers or os.cpu_count() or 1
@@ -137,7 +142,7 @@ def main() -> None:
             for layout in layouts(mode, len(workers)):
                 t0 = time.perf_counter()
                 before, cpu = prefix_totals(client), cpu_seconds(client, tools)
-                run = run_mode(runtime, specs, layout, checkpoints, workers)
+                run = run_mode(runtime, specs, layout, checkpoints, workers, confine=confine)
                 after, cpu_after = prefix_totals(client), cpu_seconds(client, tools)
                 run.extra["prefix_cache"] = {k: after[k] - before[k] for k in after}
                 run.extra["cpu_s"] = {k: cpu_after[k] - cpu[k] for k in cpu}
@@ -147,7 +152,9 @@ def main() -> None:
                     f"{layout.label}: cost {s['cost_worker_seconds']:.1f} worker-s, idle "
                     f"{s['idle_fraction']:.2f} ({time.perf_counter() - t0:.0f}s)"
                 )
-        paired = paired_ratios(runtime, specs, runs, checkpoints, workers, pairs, console)
+        paired = paired_ratios(
+            runtime, specs, runs, checkpoints, workers, pairs, console, args.cores
+        )
         suite = hostile_suite(client, Path(tmp))
     results = summarise(runs, specs, suite)
     # The target's figure: the pairs' median where there are pairs. The sweep runs each
@@ -164,6 +171,7 @@ def main() -> None:
         "quick": args.quick,
         "pairs": pairs,
         "tool_cpus": args.tool_cpus,
+        "cores": args.cores,
         "sandbox_isolation": isolation(),
     }
     report("agentic", results, TARGETS, config, args.json)
@@ -177,17 +185,21 @@ def paired_ratios(
     workers: list[str],
     pairs: int,
     console: Console,
+    cores: str = "free",
 ) -> list[float]:
     """The cheapest pool's cost ÷ the cheapest colocated layout's, each pair of the two run
     again back to back (``pairs`` times), which one goes first alternating from pair to pair:
     on a machine whose speed drifts between the sweep's layouts, the spread of ratios
-    measured moments apart, with no layout always the first of its pair."""
+    measured moments apart, with no layout always the first of its pair (``cores``: as
+    ``--cores``)."""
     best = cheapest(runs, ("colocated", "multiplexed"))
     if len(best) < 2:
         return []
 
     def cost_of(mode: str) -> float:
-        run = run_mode(runtime, specs, best[mode].layout, checkpoints, workers)
+        run = run_mode(
+            runtime, specs, best[mode].layout, checkpoints, workers, confine=confinement(cores)
+        )
         return run.ledger.summary()["cost_worker_seconds"]
 
     out = []

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
@@ -104,3 +105,76 @@ def write_json(
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it (read from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _threads(pids: list[int]) -> dict[int, int]:
+    """Every thread of ``pids``: its process, by thread id."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            out.update({int(tid): pid for tid in os.listdir(f"/proc/{pid}/task")})
+    return out
+
+
+@contextlib.contextmanager
+def confined(workers: int) -> Iterator[list[int]]:
+    """For the block, this process and every process it started (a local cluster's
+    scheduler in it, nannies, workers, tool workers, their sandbox servers), every thread of
+    each, on the first ``workers`` cores it may use; yields those cores. After it, each
+    thread gets its cores back (one started meanwhile: its process's). What ``--cores
+    equal`` runs a layout in: as many cores as it holds workers, its drivers, scheduler and
+    tools on them too, as in a pool, where they share its workers' cores. Linux only."""
+    cores = sorted(os.sched_getaffinity(0))[: max(1, workers)]
+    saved: dict[int, set[int]] = {}
+    for tid in _threads(_process_tree(os.getpid())):
+        with contextlib.suppress(OSError):  # (a thread that ended, or not ours to move)
+            saved[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cores)
+    try:
+        yield cores
+    finally:
+        mine = saved.get(os.getpid(), set(os.sched_getaffinity(0)))
+        for tid, pid in _threads(_process_tree(os.getpid())).items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, saved.get(tid) or saved.get(pid) or mine)
+
+
+def add_cores_option(p: argparse.ArgumentParser) -> None:
+    """``--cores free|equal``: what machine a layout's run gets (see :func:`confinement`)."""
+    p.add_argument(
+        "--cores",
+        choices=("free", "equal"),
+        default="free",
+        help="free: every layout's processes float over all the cores (an isolated job's "
+        "driver and scheduler then run beside its worker, on cores no worker is charged for); "
+        "equal: each layout's run, and each isolated job's, on as many cores as it holds "
+        "workers, its drivers, scheduler and tools on them too",
+    )
+
+
+def confinement(cores: str) -> Callable[[Any], Any] | None:
+    """``run_mode``'s ``confine`` for ``--cores``: None (free), or :func:`confined` to as
+    many cores as the run holds workers (equal)."""
+    if cores == "free":
+        return None
+    return lambda held: confined(len(held))

@@ -60,7 +60,19 @@ need a second one. ``modes_not_run`` names them, and every result that needs the
 (``cost_ratio_vs_split_async``, ``cost_ratio_vs_split``, their to-peaks, idle fractions and
 rewards) is None.
 
-Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick]`` (8-20 minutes on
+**Cores per worker** (``--cores``). Cost counts worker-seconds, a worker standing for a
+device; on this CPU machine a worker is a core, and everything else (each job's driver, the
+scheduler, tool calls) runs on the same cores. With ``--cores free`` (the default, and every
+run recorded before the option) every process floats over all of them: an isolated job
+holding one worker of two cores has its driver and the scheduler on the other core for free,
+while a pool's drivers share its workers' cores, which its cost counts. With ``--cores equal``
+each run is confined (:func:`~plexrl_dask.bench.common.confined`) to as many cores as it holds
+workers (an isolated job to its group's and rollout's; the pool to its workers'), its
+drivers, scheduler and tools on them: every layout gets one core per worker-second it is
+charged, what a device's host CPUs are where drivers do not count. The two definitions are
+reported apart, the option in ``config["cores"]``.
+
+Run: ``python -m plexrl_dask.bench.multiplex --jobs 4 --json OUT [--quick] [--cores free|equal]`` (8-20 minutes on
 2 cores as the machine's speed varies, 2-8 of them warm-up; ``--quick``: a quarter of the
 warm-up and GRPO steps).
 """
@@ -84,7 +96,7 @@ from distributed import Client
 from rich.console import Console
 
 import plexrl_dask as plexrl
-from plexrl_dask.bench.common import parser, report
+from plexrl_dask.bench.common import add_cores_option, confinement, parser, report
 from plexrl_dask.cluster import visible_gpus
 from plexrl_dask.rl.catalog import STANDARD_BUDGET, standard_jobs
 from plexrl_dask.rl.ledger import (
@@ -157,6 +169,7 @@ def main() -> None:
         default=5,
         help="GRPO seeds per job in the split-async comparison (0: skip it; else >= 2)",
     )
+    add_cores_option(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     console = Console()
@@ -233,6 +246,7 @@ def main() -> None:
                     metrics_dir=Path(tmp) / "metrics",
                     peak_tokens_per_s=here,
                     groups=groups,
+                    confine=confinement(args.cores),
                 )
                 runs.append(run)
                 s = run.ledger.summary()
@@ -271,6 +285,7 @@ def main() -> None:
             training_memory_bytes={s.name: dataclasses.asdict(s.training_memory()) for s in specs},
             seeds=0,
             steps=steps,
+            cores=args.cores,
         )
         report("multiplex", results, TARGETS, config, args.json)
         seeds = None

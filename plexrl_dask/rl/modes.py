@@ -601,6 +601,7 @@ def run_mode(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
     groups: Mapping[str, int] | None = None,
+    confine: Callable[[Sequence[str]], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> ModeRun:
     """Run ``specs`` in ``layout`` on the first ``layout.workers`` of ``workers``: isolated
     modes one job after another, multiplexed all at once; returns every job's records and
@@ -615,7 +616,11 @@ def run_mode(
     resumes after its steps: its state is loaded once, from that checkpoint, and it needs
     no starting state (:func:`resumable` lists them). The ledger then covers the steps run
     in this call. A job with neither raises :class:`ConfigError` before anything is
-    deployed."""
+    deployed.
+
+    ``confine``: entered with the workers an isolated job holds, around that job's run (the
+    pool: its workers, around the jobs' run); a benchmark confines the machine there
+    (``bench.common.confined``: everything on as many cores as the run holds workers)."""
     groups = {s.name: layout.group((groups or {}).get(s.name, 1)) for s in specs}
     needs = max(
         [layout.workers]
@@ -668,9 +673,11 @@ def run_mode(
                 layout.rollout_replicas,
             ) as placed:
                 job = _job(placed, layout.mode, out_dir, ck_dir, checkpoint_every)
-                t0 = time.time()
-                first = t0 if first is None else first
-                records[spec.name] = job.run(on_step)
+                held = reserved[: layout.job_workers(k)]
+                with confine(held) if confine is not None else contextlib.nullcontext():
+                    t0 = time.time()
+                    first = t0 if first is None else first
+                    records[spec.name] = job.run(on_step)
                 _episodes(extra, job)
                 windows.append(
                     _window(placed, t0, time.time(), records[spec.name], False, job.first_step)
@@ -697,9 +704,10 @@ def run_mode(
                 for spec in specs
             ]
             jobs = [_job(p, layout.mode, out_dir, ck_dir, checkpoint_every) for p in placed_jobs]
-            t_start = time.time()
-            records = run_jobs(jobs, on_step)
-            t_end = time.time()
+            with confine(reserved) if confine is not None else contextlib.nullcontext():
+                t_start = time.time()
+                records = run_jobs(jobs, on_step)
+                t_end = time.time()
             for job in jobs:
                 _episodes(extra, job)
             windows = [
