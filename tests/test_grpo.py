@@ -332,3 +332,29 @@ def test_the_documented_dataset_task_trains_through_a_job(runtime):
     assert all(len(r.completion_lengths) == 16 and 0.0 <= r.reward_mean <= 1.0 for r in records)
     # (step 2's rows are 8, 9 of the first epoch, then 0, 1 of the second, reshuffled)
     assert [p.index for p in task.problems(8, 4)] == [8, 9, 10, 11]
+
+
+@dataclass(frozen=True)
+class EightRows:
+    """A finite dataset that does not wrap its indices: 8 rows, then IndexError."""
+
+    stop: str = "\n"
+
+    def problems(self, start: int, count: int) -> list[Problem]:
+        rows = [f"{i}+{i}=" for i in range(8)]
+        return [Problem(rows[i], "0\n", i) for i in range(start, start + count)]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(completion[:1].isdigit())
+
+
+def test_a_task_that_runs_out_of_problems_stops_its_job_with_a_typed_error(runtime):
+    config = GRPOConfig(
+        steps=3, prompts_per_step=4, group_size=2, max_tokens=2, seed=1, problem_offset=0
+    )
+    policy = runtime.deploy(unique("eight-rows"), tiny_spec(seed=22))
+    job = GRPOJob("eight", runtime, EightRows(), policy, config)
+    with pytest.raises(errors.ConfigError, match=r"problems\(8, 4\) \(step 2\) failed: IndexError"):
+        job.run()
+    assert [r.step for r in job.records] in ([0], [0, 1])  # (step 2's problems: asked ahead)
+    assert plexrl.result(policy.forward([plexrl.Datum(tokens=(5, 6, 7))])).logprobs  # serves

@@ -232,8 +232,22 @@ class GRPOJob:
         return self.rollout if self.rollout is not None else self.policy
 
     def _problems(self, step: int) -> list[Problem]:
+        """Step ``step``'s problems. A task that cannot give them (an index past a finite
+        dataset's end, say) or gives anything but ``prompts_per_step`` problems stops the
+        job with a :class:`ConfigError` that names the indices asked for."""
         n = self.config.prompts_per_step
-        return self.task.problems(self.config.problem_offset + step * n, n)
+        start = self.config.problem_offset + step * n
+        what = f"{type(self.task).__name__}.problems({start}, {n}) (step {step})"
+        try:
+            problems = list(self.task.problems(start, n))
+        except Exception as e:  # noqa: BLE001 (the user's task: any failure, typed here)
+            raise ConfigError(
+                f"{what} failed: {type(e).__name__}: {e}; a finite dataset maps every index "
+                "onto its rows (epochs: docs/tasks.md), or problem_offset and steps keep to them"
+            ) from e
+        if len(problems) != n or not all(isinstance(p, Problem) for p in problems):
+            raise ConfigError(f"{what} gave {len(problems)} items, not {n} Problems")
+        return problems
 
     def _sampling(self, step: int) -> SamplingParams:
         """Step ``step``'s sampling: its seed a pure function of (job seed, step)."""
