@@ -3,6 +3,7 @@ masked out of the loss, and the same trajectory alone and multiplexed (real proc
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,9 +15,11 @@ from plexrl_dask.rl import GRPOConfig, GRPOJob, run_jobs
 from plexrl_dask.rl.episodes import Episode, Turn, transcript_datum, turn_calls
 from plexrl_dask.rl.objective import group_data
 from plexrl_dask.rl.warmup import supervised_warmup
+from plexrl_dask.shared.timeline import TOOL_TOPIC
 from plexrl_dask.tasks.agentic import MultiplyTask, is_agentic
 from plexrl_dask.tasks.arithmetic import ArithmeticTask
 from plexrl_dask.tools import Calculator, ToolCall
+from plexrl_dask.tools.pool import driver_lane
 from tests.conftest import tiny_spec, unique
 
 
@@ -118,6 +121,15 @@ def test_an_agentic_job_calls_its_tool_and_runs_the_same_multiplexed(client):
         if name == job.policy.name and r["prefix_cache"] is not None
     ]
     assert caches and sum(c["hits"] for c in caches) > 0
+    # No tool workers here: the calls ran on the driver, and the Timeline has them in a lane
+    # of the job's driver (reported without waiting: they arrive soon after).
+    lane, deadline, reported = driver_lane(runtime.job), time.monotonic() + 10, []
+    while not reported and time.monotonic() < deadline:
+        reported = [
+            s for _, m in client.get_events(TOOL_TOPIC) for s in m["spans"] if s["worker"] == lane
+        ]
+        time.sleep(0.05)
+    assert reported and {s["tool"] for s in reported} == {"calc"}
     other = plexrl.Runtime(client, job=unique("other"))
     beside = GRPOJob(
         "beside",

@@ -84,6 +84,11 @@ def _shares(n: int, most: int) -> list[range]:
     return [range(i, n, count) for i in range(count) if i < n]
 
 
+def driver_lane(job: str) -> str:
+    """The Timeline lane of the tool calls that ``job``'s driver ran itself."""
+    return f"driver:{job}"
+
+
 class ToolPool:
     """Runs tool calls for a driver: on the cluster's tool workers (see the module
     docstring), else on a local thread pool of ``local_threads``."""
@@ -91,9 +96,11 @@ class ToolPool:
     def __init__(
         self, client: Any, tools: Mapping[str, Tool], local_threads: int = 4, job: str = ""
     ) -> None:
-        """``job``: the job the calls are for; with it, each batch of calls that ran on tool
-        workers is reported (:data:`~plexrl_dask.shared.timeline.TOOL_TOPIC`) for the
-        dashboard's Timeline."""
+        """``job``: the job the calls are for; with it and a client, each batch of calls is
+        reported (:data:`~plexrl_dask.shared.timeline.TOOL_TOPIC`) for the dashboard's
+        Timeline: in the lanes of the tool workers that ran them, or, where they ran on the
+        driver (a cluster without tool workers), in a lane of that job's driver
+        (:func:`driver_lane`)."""
         self.client = client
         self.job = job
         self.tools = dict(tools)
@@ -186,17 +193,23 @@ class ToolPool:
                 results[k] = r
             if isinstance(got, ToolResult) and got.error == "ToolWorkerLost":
                 self._workers = (-WORKERS_TTL_S, {})  # (ask again: it comes back elsewhere)
-        if workers and self.job:
+        if self.client is not None and self.job:
             self._report(calls, results)
         return results
 
     def _report(self, calls: Sequence[ToolCall | None], results: list[ToolResult | None]) -> None:
-        """Log the calls' spans on their tool workers, without waiting (best effort: a report
+        """Log the calls' spans on where they ran, without waiting (best effort: a report
         that cannot be sent is logged; the episode goes on)."""
+        lane = driver_lane(self.job)
         spans = [
-            {"worker": r.worker, "tool": c.tool, "start": r.started, "end": r.started + r.seconds}
+            {
+                "worker": lane if r.worker == "driver" else r.worker,
+                "tool": c.tool,
+                "start": r.started,
+                "end": r.started + r.seconds,
+            }
             for c, r in zip(calls, results, strict=True)
-            if c is not None and r is not None and r.worker and r.worker != "driver"
+            if c is not None and r is not None and r.worker
         ]
         if not spans:
             return
