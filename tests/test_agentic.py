@@ -43,6 +43,23 @@ def test_the_multiply_task_and_its_transcripts():
     assert task.reward(p, f"{a * b}\n") == 1.0 and task.reward(p, "12\n") == 0.0
     with pytest.raises(errors.ConfigError):
         MultiplyTask(digits=0)
+    # With 2 or 3 factors, a call per product, each on the last one's output.
+    chains = MultiplyTask(digits=2, seed=4, factors=[2, 3])
+    problems = chains.problems(0, 40)
+    assert {p.prompt.count("*") + 1 for p in problems} == {2, 3}
+    q = next(p for p in problems if p.prompt.count("*") == 2)
+    x, y, z = (int(n) for n in q.prompt[:-1].split("*"))
+    assert q.answer == (
+        f"<calc>{x}*{y}</calc><out>{x * y}</out><calc>{x * y}*{z}</calc><out>{x * y * z}</out>"
+        f"{x * y * z}\n"
+    )
+    assert chains.reward(q, f"{x * y * z}\n") == 1.0 and chains.factors == (2, 3)
+    assert MultiplyTask(digits=3, seed=1, factors=(2, 2)).problems(7, 1) == [p]  # (as before)
+    for bad in ((1, 2), (3, 2), (2, 9)):
+        with pytest.raises(errors.ConfigError, match="factors"):
+            MultiplyTask(factors=bad)
+    with pytest.raises(errors.ConfigError, match="max_turns"):
+        MultiplyTask(factors=(2, 4), max_turns=3)
     # The warm-up trains on the model's parts of the transcript only.
     dep = CharDeployment()
     datum = transcript_datum(dep, p)

@@ -8,9 +8,11 @@ episode's last turn, its answer. A problem's ``answer`` is a whole reference tra
 (calls, observations, answer), what the supervised warm-up trains on with the observations
 masked (:func:`plexrl_dask.rl.episodes.transcript_datum`).
 
-:class:`MultiplyTask`: ``a*b=`` with numbers of ``digits`` digits; too many digits for a tiny
-model to multiply in its head, one ``calc`` call away: the transcript is
-``<calc>a*b</calc><out>p</out>p`` and the stop.
+:class:`MultiplyTask`: ``a*b=`` (or ``a*b*c=`` ..., ``factors`` of them, their number drawn
+per problem) with numbers of ``digits`` digits; too many digits for a tiny model to multiply in
+its head, one ``calc`` call per product away: the transcript multiplies left to right, each
+call on the last one's output, ``<calc>a*b</calc><out>p</out><calc>p*c</calc><out>q</out>q``
+and the stop, so an episode takes as many model turns as the problem has factors.
 
 :class:`ProgramTask`: ``EXPR=`` for a generated Python expression (a sum of a range, a
 remainder, the length of a power's digits, the middle of three numbers, ...); the way to its
@@ -38,10 +40,12 @@ def is_agentic(task: object) -> bool:
 
 @dataclass(frozen=True)
 class MultiplyTask:
-    """Multiply two ``digits``-digit numbers with the calculator (see the module docstring)."""
+    """Multiply ``digits``-digit numbers with the calculator, as many as ``factors`` says for
+    each problem (``(least, most)``, drawn uniformly; see the module docstring)."""
 
     digits: int = 3
     seed: int = 0
+    factors: tuple[int, int] = (2, 2)
     stop: str = "\n"
     max_turns: int = 3
     observation_limit: int = 64
@@ -54,16 +58,33 @@ class MultiplyTask:
             raise ConfigError(f"digits is 1-12, got {self.digits}")
         if self.max_turns < 1 or self.observation_limit < 8:
             raise ConfigError("max_turns >= 1 and observation_limit >= 8")
+        least, most = self.factors
+        if not (isinstance(least, int) and isinstance(most, int) and 2 <= least <= most <= 8):
+            raise ConfigError(
+                f"factors is (least, most) with 2 <= least <= most <= 8, got {self.factors}"
+            )
+        if most > self.max_turns:
+            raise ConfigError(f"{most} factors take {most} turns: max_turns is {self.max_turns}")
+        object.__setattr__(self, "factors", (least, most))  # (a list given: hashable)
 
     def problems(self, start: int, count: int) -> list[Problem]:
         out = []
         lo, hi = 10 ** (self.digits - 1), 10**self.digits - 1
         for i in range(start, start + count):
             rng = random.Random(self.seed * 1_000_003 + i)
-            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-            p = a * b
-            transcript = f"<calc>{a}*{b}</calc>{OUT_OPEN}{p}{OUT_CLOSE}{p}{self.stop}"
-            out.append(Problem(f"{a}*{b}=", transcript, i, {"product": p}))
+            n = (
+                self.factors[0]
+                if self.factors[0] == self.factors[1]
+                else rng.randint(*self.factors)
+            )
+            numbers = [rng.randint(lo, hi) for _ in range(n)]
+            transcript, p = "", numbers[0]
+            for x in numbers[1:]:
+                transcript += f"<calc>{p}*{x}</calc>{OUT_OPEN}{p * x}{OUT_CLOSE}"
+                p *= x
+            transcript += f"{p}{self.stop}"
+            prompt = "*".join(map(str, numbers)) + "="
+            out.append(Problem(prompt, transcript, i, {"product": p}))
         return out
 
     def reward(self, problem: Problem, completion: str) -> float:
