@@ -87,7 +87,16 @@ def gpu_workers(client: Client, n: int, timeout: float | None) -> list[str]:
         time.sleep(0.2)
 
 
-def isolated_runs(runtime, specs, checkpoints, workers, groups, pool, out, console):
+def isolated_runs(
+    runtime: plexrl.Runtime,
+    specs: list,
+    checkpoints: dict,
+    workers: list[str],
+    groups: dict[str, int],
+    pool: object,
+    out: Path,
+    console: Console,
+) -> tuple[dict[str, float], list[str]]:
     """The same jobs, from the same warm-ups, run alone one after another in each isolated
     mode's smallest layout that fits on the pool's workers: each one's measured cost by
     label, and a line per mode (its rewards and losses against the pool's, step by step, or
