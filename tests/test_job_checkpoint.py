@@ -4,7 +4,7 @@ an uninterrupted run computes; a checkpoint of another job is refused and left w
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from plexrl_dask.cli import main as cli_main
 from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint, run_jobs
 from plexrl_dask.rl.job_checkpoint import hold
 from plexrl_dask.state_store.store import StateStore
+from plexrl_dask.tasks import Problem
 from tests.conftest import tiny_spec, unique
 from tests.test_grpo import FirstCharIsDigit
 
@@ -208,3 +209,36 @@ def test_a_job_whose_steps_train_nothing_resumes(runtime, tmp_path):
         idle(25).run(stop_after(1))
     got = idle(26).run()
     assert [r.loss for r in got] == [None] * 3 and read_checkpoint(ck.directory).version == 0
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A dataset task whose repr leaves its rows out (docs/tasks.md's advice)."""
+
+    rows: tuple[str, ...] = field(repr=False)
+    stop: str = "\n"
+
+    def problems(self, start: int, count: int) -> list[Problem]:
+        n = len(self.rows)
+        return [Problem(self.rows[i % n], "1\n", i) for i in range(start, start + count)]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(completion[:1].isdigit())
+
+
+def test_a_checkpoint_of_the_same_task_with_other_data_is_refused(runtime, tmp_path):
+    """Two datasets whose tasks print alike: the checkpoint's problems say which trained."""
+    ck = JobCheckpoints.at(tmp_path / "ck", every=1)
+    config = replace(CONFIG, steps=2, problem_offset=0)
+    mine, theirs = Rows(tuple(f"{i}+1=" for i in range(12))), Rows(("7+7=", "8+8="))
+    assert repr(mine) == repr(theirs)
+
+    def rows_job(task: Rows, seed: int) -> GRPOJob:
+        policy = runtime.deploy(unique("ck-rows"), tiny_spec(seed=seed))
+        return GRPOJob("rows", runtime, task, policy, config, checkpoints=ck)
+
+    done = rows_job(mine, 31).run()
+    assert read_checkpoint(ck.directory).problems is not None
+    with pytest.raises(errors.CheckpointIncompatible, match="other problems"):
+        rows_job(theirs, 32).run()
+    assert comparable(rows_job(mine, 32).run()) == comparable(done)

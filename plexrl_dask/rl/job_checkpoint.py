@@ -141,6 +141,10 @@ class JobCheckpoint:
     kept: list[list[dict[str, Any] | None]] = field(default_factory=list)
     time: float = 0.0
     format: int = FORMAT
+    #: A digest of the problems its ``steps_done`` steps trained on (None: a checkpoint of a
+    #: runtime before it): a task whose repr leaves its data out (``repr=False``) is still
+    #: the same task only if it gives those steps the same problems.
+    problems: str | None = None
 
     def check(self, job: str, job_config: dict[str, Any], task: str, model: dict[str, Any]) -> None:
         """Raise :class:`CheckpointIncompatible` unless this checkpoint is of the same job:

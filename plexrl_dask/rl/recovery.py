@@ -8,8 +8,10 @@ GRPO. The checkpoint's on-disk form is :mod:`plexrl_dask.rl.job_checkpoint`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,8 +64,12 @@ class JobSaver:
         policy: Deployment,
         rollout: Deployment | None,
         staleness: int,
+        problems: Callable[[int], str] | None = None,
     ) -> None:
+        """``problems``: the digest of the problems of the job's first ``n`` steps
+        (:func:`problems_digest`), checked against a checkpoint's on resume."""
         self.name = name
+        self.problems = problems
         self.checkpoints = checkpoints
         self.identity = identity
         self.policy = policy
@@ -110,6 +116,14 @@ class JobSaver:
             self.identity["task"],
             model_identity(self.policy.info.spec),
         )
+        if self.problems is not None and saved.problems is not None:
+            here = self.problems(saved.steps_done)
+            if here != saved.problems:
+                raise CheckpointIncompatible(
+                    f"{self.name}'s task gives its first {saved.steps_done} steps other "
+                    "problems than the checkpoint's steps trained on (its data changed?); "
+                    "resume it with the same task, or give a new directory"
+                )
         if self.staleness and saved.rollout is None:
             raise CheckpointIncompatible(
                 "a split-async job resumes with its rollout's saved weights (one version "
@@ -161,6 +175,7 @@ class JobSaver:
             version=int(saved[0]["version"]),  # (the deployment's, as saved)
             policy=saved[0],
             rollout=saved[1] if len(saved) > 1 else None,
+            problems=None if self.problems is None else self.problems(done),
         )
         write_checkpoint(ck.directory, self.saved)
         prune(ck, self.saved)
@@ -221,3 +236,14 @@ class PlacementFollower:
                 "%s: its deployments cannot move into its node group (%s); they stay where "
                 "they are", self.name, e,
             )  # fmt: skip
+
+
+def problems_digest(problems: Callable[[int], Sequence[Any]], steps: int) -> str:
+    """A digest of the problems ``problems(step)`` of steps ``0 .. steps - 1``: their
+    prompts, answers and indices (not their metadata, which the repr of a problem leaves out
+    too)."""
+    h = hashlib.blake2b(digest_size=16)
+    for step in range(steps):
+        for p in problems(step):
+            h.update(repr((p.prompt, p.answer, p.index)).encode())
+    return h.hexdigest()
