@@ -86,7 +86,7 @@ from plexrl_dask.errors import (
 from plexrl_dask.rl.episodes import EpisodeBatch, run_episodes
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
 from plexrl_dask.rl.objective import GRPOConfig
-from plexrl_dask.rl.recovery import JobSaver, PlacementFollower, problems_digest
+from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
 from plexrl_dask.rl.scoring import (
     MAX_SEALED_TASK_BYTES,
     ScoredSummary,
@@ -205,9 +205,8 @@ class GRPOJob:
         if checkpoints is not None:
             identity = {"config": asdict(config), "task": repr(task)}
             self.saver = JobSaver(
-                name, checkpoints, identity, policy, rollout, config.staleness,
-                problems=lambda steps: problems_digest(self._problems, steps),
-            )  # fmt: skip
+                name, checkpoints, identity, policy, rollout, config.staleness, self._problems
+            )
         self.follow_placement = PlacementFollower(runtime, name)
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         if self.metrics_path is not None:

@@ -64,12 +64,12 @@ class JobSaver:
         policy: Deployment,
         rollout: Deployment | None,
         staleness: int,
-        problems: Callable[[int], str] | None = None,
+        problems: Callable[[int], Sequence[Any]] | None = None,
     ) -> None:
-        """``problems``: the digest of the problems of the job's first ``n`` steps
-        (:func:`problems_digest`), checked against a checkpoint's on resume."""
+        """``problems``: step ``k``'s problems, of which a checkpoint keeps a digest
+        (:class:`ProblemsDigest`), checked on resume."""
         self.name = name
-        self.problems = problems
+        self.problems = None if problems is None else ProblemsDigest(problems)
         self.checkpoints = checkpoints
         self.identity = identity
         self.policy = policy
@@ -117,7 +117,7 @@ class JobSaver:
             model_identity(self.policy.info.spec),
         )
         if self.problems is not None and saved.problems is not None:
-            here = self.problems(saved.steps_done)
+            here = self.problems.at(saved.steps_done)
             if here != saved.problems:
                 raise CheckpointIncompatible(
                     f"{self.name}'s task gives its first {saved.steps_done} steps other "
@@ -175,7 +175,7 @@ class JobSaver:
             version=int(saved[0]["version"]),  # (the deployment's, as saved)
             policy=saved[0],
             rollout=saved[1] if len(saved) > 1 else None,
-            problems=None if self.problems is None else self.problems(done),
+            problems=None if self.problems is None else self.problems.at(done),
         )
         write_checkpoint(ck.directory, self.saved)
         prune(ck, self.saved)
@@ -238,12 +238,21 @@ class PlacementFollower:
             )  # fmt: skip
 
 
-def problems_digest(problems: Callable[[int], Sequence[Any]], steps: int) -> str:
-    """A digest of the problems ``problems(step)`` of steps ``0 .. steps - 1``: their
-    prompts, answers and indices (not their metadata, which the repr of a problem leaves out
-    too)."""
-    h = hashlib.blake2b(digest_size=16)
-    for step in range(steps):
-        for p in problems(step):
-            h.update(repr((p.prompt, p.answer, p.index)).encode())
-    return h.hexdigest()
+class ProblemsDigest:
+    """A digest of the problems of a job's first ``n`` steps, ``problems(step)`` each: their
+    prompts, answers and indices (not their metadata, which a problem's repr leaves out
+    too). Kept running: a checkpoint every few steps hashes only the steps since the last
+    (going back, it starts over)."""
+
+    def __init__(self, problems: Callable[[int], Sequence[Any]]) -> None:
+        self.problems = problems
+        self._hashed, self._hash = 0, hashlib.blake2b(digest_size=16)
+
+    def at(self, steps: int) -> str:
+        if steps < self._hashed:
+            self._hashed, self._hash = 0, hashlib.blake2b(digest_size=16)
+        for step in range(self._hashed, steps):
+            for p in self.problems(step):
+                self._hash.update(repr((p.prompt, p.answer, p.index)).encode())
+        self._hashed = steps
+        return self._hash.copy().hexdigest()
