@@ -114,12 +114,42 @@ class IOStats:
     objects_repaired: int = 0  # stored objects found damaged by a write that reused them
     bytes_read: int = 0
     chunks_read: int = 0
+    #: Bytes of the buffers reads allocated: the tensors a read without ``out`` returns, and
+    #: the growth of the I/O threads' scratch buffers a read needed (a read into ``out`` from
+    #: a memory tier allocates none: chunks are mapped and copied into place).
+    bytes_allocated: int = 0
+    #: The most one read (one ``read`` or ``read_many``) allocated, since the store was made
+    #: or :meth:`reset_peak`: a reader's peak extra memory for the read, as the store counts it.
+    peak_read_allocation: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
         with self.lock:
             for k, v in counts.items():
                 setattr(self, k, getattr(self, k) + v)
+
+    def read_allocated(self, nbytes: int) -> None:
+        """Count one read's allocation (see :attr:`peak_read_allocation`)."""
+        with self.lock:
+            self.bytes_allocated += nbytes
+            self.peak_read_allocation = max(self.peak_read_allocation, nbytes)
+
+    def reset_peak(self) -> None:
+        """Start :attr:`peak_read_allocation` again from 0 (as ``tracemalloc.reset_peak``)."""
+        with self.lock:
+            self.peak_read_allocation = 0
+
+
+class Allocation:
+    """The bytes one read allocates, added from the I/O threads that run its fetches."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.nbytes += nbytes
 
 
 T = TypeVar("T")
@@ -132,12 +162,15 @@ _POOL_LOCK = threading.Lock()
 _SCRATCH = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
+def _scratch(nbytes: int, allocation: Allocation | None = None) -> np.ndarray:
     """A reusable byte buffer of this thread (fresh multi-MB allocations page-fault on every
-    touch: reusing one keeps chunk copies at memory speed)."""
+    touch: reusing one keeps chunk copies at memory speed); a buffer it has to make (the
+    thread's first, or a larger one) is counted in ``allocation``."""
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.nbytes < nbytes:
         buf = _SCRATCH.buf = np.empty(max(nbytes, 4 << 20), dtype=np.uint8)
+        if allocation is not None:
+            allocation.add(buf.nbytes)
     return buf[:nbytes]
 
 

@@ -82,6 +82,7 @@ from plexrl_dask.state_store.keys import (
     to_storage,
 )
 from plexrl_dask.state_store.objects import (
+    Allocation,
     IOStats,
     Objects,
     _fsync_dir,
@@ -528,8 +529,9 @@ class StateStore:
         tier, nothing lands in ``out`` unless every chunk was found intact (see
         :meth:`read_many`)."""
         manifest = self.manifest(model, version)
-        fetches, result = self._plan_read(manifest, name, region, shape, dtype, out)
-        self._run_reads(fetches)
+        allocation = Allocation()
+        fetches, result = self._plan_read(manifest, name, region, shape, dtype, out, allocation)
+        self._run_reads(fetches, allocation)
         return result()
 
     def read_many(
@@ -549,18 +551,25 @@ class StateStore:
         checked one by one (straight into the output, without a buffer between), so ``out``
         may be partly written when one of them fails."""
         manifest = self.manifest(model, version)  # (once: every tensor's entry is in it)
+        allocation = Allocation()
         plans = [
-            self._plan_read(manifest, name, region, None, None, (out or {}).get(name))
+            self._plan_read(manifest, name, region, None, None, (out or {}).get(name), allocation)
             for name, region in regions.items()
         ]
-        self._run_reads([f for fetches, _ in plans for f in fetches])
+        self._run_reads([f for fetches, _ in plans for f in fetches], allocation)
         return {name: result() for name, (_, result) in zip(regions, plans, strict=True)}
 
-    def _run_reads(self, fetches: list[Callable[[], Callable[[], None] | None]]) -> None:
+    def _run_reads(
+        self, fetches: list[Callable[[], Callable[[], None] | None]], allocation: Allocation
+    ) -> None:
         """Run the chunk fetches of :meth:`_plan_read` on the I/O threads, then the copies
-        into place that they return (all of them checked by then)."""
-        places = [p for p in _run_fetches(fetches, self.durable) if p is not None]
-        _run_fetches(places, disk=False)
+        into place that they return (all of them checked by then); count what the read
+        allocated, whether or not it succeeded."""
+        try:
+            places = [p for p in _run_fetches(fetches, self.durable) if p is not None]
+            _run_fetches(places, disk=False)
+        finally:
+            self.stats.read_allocated(allocation.nbytes)
 
     def _plan_read(
         self,
@@ -570,10 +579,11 @@ class StateStore:
         shape: tuple[int, ...] | None,
         dtype: torch.dtype | None,
         out: torch.Tensor | None,
+        allocation: Allocation,
     ) -> tuple[list[Callable[[], Callable[[], None] | None]], Callable[[], torch.Tensor]]:
         """The chunk fetches of one read (to run on the I/O threads) and its result. A fetch
         reads and checks one chunk, and returns the copy that puts it into place (None when
-        it read it there itself)."""
+        it read it there itself). What the read allocates is counted in ``allocation``."""
         model, version = manifest.model, manifest.version
         entry = manifest.tensors.get(check_name(name))
         if entry is None:
@@ -594,6 +604,7 @@ class StateStore:
         want = tuple(b - a for a, b in bounds)
         if out is None:
             dst_array = np.empty(want, dtype=storage)
+            allocation.add(dst_array.nbytes)
         else:
             if (
                 tuple(out.shape) != want
@@ -654,7 +665,7 @@ class StateStore:
                     return None
             # Into a warm per-thread buffer, checked there, then copied into place (reading
             # straight into the output's rows with one readv measured slower).
-            raw = _scratch(chunk_bytes)
+            raw = _scratch(chunk_bytes, allocation)
             self.objects.get_into(digest, what, memoryview(raw))
             src, dst = overlap(origin)
             dst_array[dst] = raw.view(storage).reshape(entry.chunks)[src]

@@ -368,16 +368,22 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
         replica = holder_of(dask_worker)._replicas.get(name)
         return None if replica is None else replica.backend.state_bytes()
 
-    def read(dask_worker=None):  # (bytes the worker's node stores have served it so far)
+    def read(reset=False, dask_worker=None):
+        """Bytes the worker's node stores have served it so far, and the most one of its
+        reads allocated since ``reset``."""
         from plexrl_dask.worker.holder import holder_of
 
-        node = holder_of(dask_worker).node
-        return sum(node.store(t).stats.bytes_read for t in ("dram", "nvme"))
+        stats = [holder_of(dask_worker).node.store(t).stats for t in ("dram", "nvme")]
+        for s in stats if reset else ():
+            s.reset_peak()
+        return sum(s.bytes_read for s in stats), max(s.peak_read_allocation for s in stats)
 
     ranks = list(tp.info.workers)
-    before = runtime.client.run(read, workers=ranks)
+    before = runtime.client.run(read, True, workers=ranks)
     assert plexrl.result(runtime.sync_weights(trainer, tp)) == 1
-    fetched = {w: n - before[w] for w, n in runtime.client.run(read, workers=ranks).items()}
+    after = runtime.client.run(read, workers=ranks)
+    fetched = {w: n - before[w][0] for w, (n, _) in after.items()}
+    allocated = {w: peak for w, (_, peak) in after.items()}
     assert plexrl.result(runtime.sync_weights(trainer, one)) == 1
     # (synced, each holds weights of its own: an unmodified one would share its spec's)
     split = runtime.client.run(held, tp.name, workers=ranks)
@@ -386,6 +392,9 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
     # read from the store its own slices, not the whole tensors (the store's own counters).
     assert all(b < 0.75 * next(iter(whole.values())) for b in split.values())
     assert all(0 < fetched[w] <= 1.05 * split[w] for w in ranks), (fetched, split)
+    # ...and allocated for it at most its slice (the store's count of the buffers its reads
+    # made: none where the parameters are read straight into place)
+    assert all(allocated[w] <= 1.05 * split[w] for w in ranks), (allocated, split)
     got, want = plexrl.result([tp.forward(data), one.forward(data)], timeout=120)
     diff = max(
         abs(a - b)

@@ -348,6 +348,30 @@ def test_a_memory_tier_read_into_tensors_writes_nothing_unless_every_chunk_is_in
     assert torch.equal(got["b"], ts["b"][8:])
 
 
+def test_the_store_counts_what_its_reads_allocate(any_store):
+    """A read's extra memory as the store counts it (``IOStats.peak_read_allocation``): the
+    tensors it returns, nothing for a read into ``out`` of whole chunks (or of any region
+    from a memory tier: mapped chunks are copied into place)."""
+    store = any_store
+    t = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    store.publish("m", 0, {"w": t, "v": t + 1})
+    stats = store.stats
+    assert (stats.bytes_allocated, stats.peak_read_allocation) == (0, 0)
+    half = store.read("m", 0, "w", (slice(32, 64),))
+    assert stats.peak_read_allocation == stats.bytes_allocated == half.numel() * 4
+    both = store.read_many("m", 0, {"w": (slice(0, 32),), "v": None})
+    assert stats.peak_read_allocation == sum(x.numel() * 4 for x in both.values())
+    assert stats.bytes_allocated == half.numel() * 4 + stats.peak_read_allocation
+    stats.reset_peak()
+    out = torch.empty(32, 48)
+    assert store.read("m", 0, "w", (slice(0, 32),), out=out) is out
+    assert torch.equal(out, t[:32]) and stats.peak_read_allocation == 0
+    if not store.durable:  # (a disk tier reads a column's partial chunks through a buffer)
+        cols = torch.empty(64, 24)
+        store.read("m", 0, "w", (slice(None), slice(24, 48)), out=cols)
+        assert torch.equal(cols, t[:, 24:]) and stats.peak_read_allocation == 0
+
+
 def test_missing_and_mismatched_reads(store):
     store.publish("m", 0, {"w": torch.randn(4, 4)})
     with pytest.raises(errors.VersionNotFound):

@@ -24,11 +24,15 @@ encryption costs each arm.
 deployment sharded FSDP(2) over both takes a step, then ``sync_weights`` into a tensor-
 parallel rollout TP(2) over the same two workers and into two data-parallel replicas DP(2).
 Around each sync every rollout worker's state-store reader counts the bytes it fetched
-(``IOStats.bytes_read`` of its node's stores) and ``tracemalloc`` its peak allocation (the
-store's read buffers are numpy arrays, which it traces); each is divided by the bytes of the
-rank's own slice (its local parameters), and the worst rank is reported:
-``reshard_live_fetch_ratio`` and ``reshard_live_peak_alloc_ratio`` (``_tp``, ``_dp``; target
-<= 1.05 each). Then the TP replica and one plain replica holding the same weights sample the
+(``IOStats.bytes_read`` of its node's stores) and the most one of its reads allocated
+(``IOStats.peak_read_allocation``: the buffers the store made for the read, its outputs and
+any scratch buffer it had to grow; a read straight into the parameters makes none); each is
+divided by the bytes of the rank's own slice (its local parameters), and the worst rank is
+reported: ``reshard_live_fetch_ratio`` and ``reshard_live_peak_alloc_ratio`` (``_tp``,
+``_dp``; target <= 1.05 each). ``reshard_live_peak_traced_ratio`` is the peak of every Python
+allocation of the worker meanwhile (``tracemalloc``, which sees numpy's buffers but not
+torch's allocator), over the same slice: the definition of ``reshard_live_peak_alloc_ratio``
+before the store counted its allocations. Then the TP replica and one plain replica holding the same weights sample the
 same prompts with the same seeds: ``tp_token_agreement`` is the share of sampled sequences
 whose tokens are identical (target >= 0.99), and ``tp_logprob_max_abs_diff`` the largest
 log-probability difference over the tokens of identical sequences.
@@ -202,28 +206,31 @@ def run(trials: int, tls: bool = False) -> dict[str, Any]:
 
 
 def _probe(start: bool, deployment: str, dask_worker: Any = None) -> dict[str, int]:
-    """(Run on a worker.) Its node stores' bytes read so far, and with ``start`` begin
-    tracing allocations, else their peak since, and the bytes of ``deployment``'s local
-    parameters on this worker."""
+    """(Run on a worker.) Its node stores' bytes read so far; with ``start`` restart their
+    peak read allocation and begin tracing Python allocations, else the peak of each since,
+    and the bytes of ``deployment``'s local parameters on this worker."""
     import tracemalloc
 
     from plexrl_dask.worker.holder import holder_of
 
     holder = holder_of(dask_worker)
-    node = holder.node
-    read = sum(node.store(t).stats.bytes_read for t in ("dram", "nvme"))
+    stats = [holder.node.store(t).stats for t in ("dram", "nvme")]
+    read = sum(s.bytes_read for s in stats)
     if start:
+        for s in stats:
+            s.reset_peak()
         tracemalloc.start()
         tracemalloc.reset_peak()
         return {"read": read}
-    _, peak = tracemalloc.get_traced_memory()
+    _, traced = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     model = holder._replicas[deployment].backend.model
     local = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
         for p in model.parameters()
     )
-    return {"read": read, "peak": peak, "slice": local}
+    peak = max(s.peak_read_allocation for s in stats)
+    return {"read": read, "peak": peak, "traced": traced, "slice": local}
 
 
 def live_reshard(quick: bool) -> dict[str, Any]:
@@ -248,13 +255,15 @@ def live_reshard(quick: bool) -> dict[str, Any]:
             plexrl.result(runtime.sync_weights(trainer, dst))
             ends = client.run(_probe, False, dst.name, workers=workers)
             fetch = [(e["read"] - starts[w]["read"]) / e["slice"] for w, e in ends.items()]
-            peak = [e["peak"] / e["slice"] for e in ends.values()]
             out[f"reshard_live_fetch_ratio_{kind}"] = max(fetch)
-            out[f"reshard_live_peak_alloc_ratio_{kind}"] = max(peak)
-        out["reshard_live_fetch_ratio"] = max(out[f"reshard_live_fetch_ratio_{k}"] for k in targets)
-        out["reshard_live_peak_alloc_ratio"] = max(
-            out[f"reshard_live_peak_alloc_ratio_{k}"] for k in targets
-        )
+            for metric, key in (("peak_alloc", "peak"), ("peak_traced", "traced")):
+                out[f"reshard_live_{metric}_ratio_{kind}"] = max(
+                    e[key] / e["slice"] for e in ends.values()
+                )
+        for metric in ("fetch", "peak_alloc", "peak_traced"):
+            out[f"reshard_live_{metric}_ratio"] = max(
+                out[f"reshard_live_{metric}_ratio_{k}"] for k in targets
+            )
         prompts = [f"{i}+{2 * i}=" for i in range(8 if quick else 32)]
         params = plexrl.SamplingParams(n=4, max_tokens=16, seed=7)
         tp = plexrl.result(targets["tp"].sample(prompts, params))
