@@ -38,8 +38,9 @@ of every job and the local cluster's scheduler), and
 ``sandbox_escapes`` with ``sandbox_programs``: a fixed suite of hostile programs run in the
 sandbox in the same run, an escape being a file written outside it (in ``/tmp``, the run's
 temporary directory, or any directory the machine leaves writable to anyone), a connection made, a
-process it left running, a program that ran past its limits unstopped, or one that read what
-only root may read.
+process it left running, a program that ran past its limits unstopped, one that read what
+only root may read, or processes of one program that held more memory together than the
+call's bound (``memory in processes``).
 
 On 2 cores the tool worker's interpreters share the cores with the model workers and the
 driver: a pool, whose workers are busy while tools run, pays for that more than an isolated
@@ -364,6 +365,21 @@ def write_everywhere(directories: list[Path], marker: str) -> str:
     )
 
 
+def hold_at_once(children: int, mib: int) -> str:
+    """A program whose ``children`` processes each fill ``mib`` MiB and hold it until all have
+    (each within a process's limit; together past the call's): it prints how many held theirs
+    to the end, and fails unless all did."""
+    return (
+        "import os, time\nr, w = os.pipe()\nkids = []\n"
+        f"for _ in range({children}):\n    pid = os.fork()\n    if pid == 0:\n"
+        f"        x = b'\\1' * ({mib} << 20)\n        os.write(w, b'h')\n"
+        "        time.sleep(1.0)\n        os._exit(0)\n    kids.append(pid)\n"
+        "os.close(w)\nwhile os.read(r, 16):\n    pass\n"
+        "held = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint(held)\n"
+        f"raise SystemExit(held != {children})"
+    )
+
+
 def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
     """Run the hostile programs on the tool worker, each checked for an escape (see the
     module docstring); returns each program's result and verdict."""
@@ -391,6 +407,7 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
         "fork bomb": "import os\nwhile True:\n    os.fork()",
         "orphan": "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint('parent done')",
         "memory": "x = bytearray(1 << 40)",
+        "memory in processes": hold_at_once(5, 300),  # (past SUITE_LIMITS' call, 1 GiB)
         "huge output": "while True:\n    print('x' * 10000)",
         "huge file": "open('big', 'wb').write(b'x' * (1 << 30))",
         "write outside": write_everywhere([p.parent for p in outside], marker),
@@ -421,6 +438,7 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
             or (name == "network" and bool(accepted))
             or v["seconds"] > SUITE_LIMITS.wall_s + 10
             or (name == "read secrets" and v["error"] is None)
+            or (name == "memory in processes" and v["error"] is None)
         )
     out["orphan"]["escaped"] = out["orphan"]["escaped"] or bool(leftovers)
     return {

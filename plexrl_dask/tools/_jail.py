@@ -32,6 +32,14 @@ are the server's.)
 Where the caller is not root, every call makes a user namespace of its own too (nested in the
 server's), so that no program, root in its namespaces, holds a capability over the server or
 another call's processes.
+
+Where the server may write the machine's memory cgroup tree (run by root, cgroup v1 or a v2
+tree whose memory controller it may enable), it makes a cgroup of its own for its calls
+(``plexrl-sandbox-<pid>``, in its own memory cgroup; it says so in its ``ready``), and every
+call a cgroup in that with the call's ``call_memory_bytes`` as its memory limit: the jail moves
+itself there first, so the program and whatever it forks share one bound (the per-process
+address-space limit alone let 32 processes take 32 times it). Where that bound killed one of
+them, the call's status says so (``exit N memory``). The call removes its cgroup when it ends.
 """
 
 from __future__ import annotations
@@ -55,7 +63,23 @@ import time  # noqa: E402
 
 #: The limits given as integers (the rest: ``uid`` an integer or None, ``private_mounts`` a
 #: bool, ``workdir`` a path).
-INTEGERS = ("cpu_s", "memory_bytes", "file_bytes", "processes", "code_bytes", "nice", "group_nice")
+INTEGERS = (
+    "cpu_s",
+    "memory_bytes",
+    "call_memory_bytes",
+    "file_bytes",
+    "processes",
+    "code_bytes",
+    "nice",
+    "group_nice",
+)
+#: Per cgroup version: a call's memory limit file, and the file whose ``oom_kill`` line counts
+#: the processes the limit killed.
+_CGROUP_FILES = {
+    1: ("memory.limit_in_bytes", "memory.oom_control"),
+    2: ("memory.max", "memory.events"),
+}
+_CGROUP_PREFIX = "plexrl-sandbox-"
 _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
@@ -93,10 +117,19 @@ def serve(fd: int) -> None:
         own_mounts = None  # (nor then: no way to tell)
     # (ended calls and orphans are reaped at once: their CPU time counts from then on)
     signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    groups = memory_groups()
     # (what exists now is left alone by the collections of a call's program, which would
     # otherwise copy every page the server's objects are on)
     gc.freeze()
-    server.send(b"ready")
+    server.send(b"ready" + (b" memory" if groups else b""))
+    try:
+        _serve_calls(server, own_mounts, groups)
+    finally:
+        if groups is not None:  # (a server that is killed leaves them to the next one)
+            _remove_tree(groups[1])
+
+
+def _serve_calls(server: socket.socket, own_mounts: int | None, groups: tuple | None) -> None:
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(server, 1 << 16, 4)
@@ -105,7 +138,7 @@ def serve(fd: int) -> None:
         if not message:
             return  # (the caller closed its end)
         try:
-            _fork_into(call, server, json.loads(message), fds, own_mounts)
+            _fork_into(call, server, json.loads(message), fds, own_mounts, groups)
         except OSError as e:
             _refuse(fds, f"forking the call: {e}")
             continue
@@ -146,7 +179,13 @@ def _refuse(fds: list, message: str) -> None:
         os.close(f)
 
 
-def call(server: socket.socket, limits: dict, fds: list, own_mounts: int | None) -> None:
+def call(
+    server: socket.socket,
+    limits: dict,
+    fds: list,
+    own_mounts: int | None,
+    groups: tuple[int, str] | None,
+) -> None:
     """The call process (see the module docstring); never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (it waits for its own child)
     server.close()
@@ -163,15 +202,17 @@ def call(server: socket.socket, limits: dict, fds: list, own_mounts: int | None)
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (no call outlives its server)
     for key in INTEGERS:
         limits[key] = int(limits[key])
+    group, killed = None, False
     try:
         os.write(status, f"pid {os.getpid()}\n".encode())
         _lower_priority(limits["group_nice"], limits["nice"])
         code = sys.stdin.buffer.read(limits["code_bytes"] + 1)
         if len(code) > limits["code_bytes"]:
             fail(f"a program has at most {limits['code_bytes']} bytes")
+        group = _call_group(groups, limits["call_memory_bytes"])
         if limits["private_mounts"]:
             _enter_namespaces(limits["user_namespace"])
-        code_of = _wait(_fork_into(run_jail, limits, code, own_mounts), status)
+        code_of = _wait(_fork_into(run_jail, limits, code, own_mounts, group), status)
         if not limits["private_mounts"] and limits["uid"] is not None and os.geteuid() == 0:
             # (no PID namespace to end with the jail: what the program started and left in a
             # session of its own would keep the uid the next call may get)
@@ -184,8 +225,11 @@ def call(server: socket.socket, limits: dict, fds: list, own_mounts: int | None)
         with contextlib.suppress(OSError):
             os.write(2, f"plexrl-jail: the call failed: {e!r}\n".encode())
         code_of = 125
+    finally:
+        if group is not None:
+            killed = _release_group(groups[0], group)
     try:
-        os.write(status, f"exit {code_of}\n".encode())
+        os.write(status, f"exit {code_of}{' memory' if killed else ''}\n".encode())
         _linger(status)
     finally:
         os._exit(0)
@@ -274,11 +318,17 @@ def _ended(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def run_jail(limits: dict, code: bytes, own_mounts: int | None) -> None:
+def run_jail(limits: dict, code: bytes, own_mounts: int | None, group: str | None) -> None:
     """The jail: the namespace's init where there is one (see the module docstring)."""
     os.closerange(3, 1 << 16)  # (the call's status: not the program's to write)
     os.setpgid(0, 0)  # (its own group, which the call kills; the call's own is the caller's)
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if group is not None:  # (first: before it allocates, and before the mounts are read-only)
+        try:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write("0")  # (this process: its pid here is not the tree's in a PID namespace)
+        except OSError as e:
+            fail(f"entering the call's memory cgroup: {e}")
     uid = gid = limits["uid"]
     root = uid is not None and os.geteuid() == 0  # (drop to ``uid``)
     if limits["private_mounts"]:
@@ -339,6 +389,127 @@ def confine(limits: dict, root: bool, uid: int) -> None:
         drop_capabilities()
     _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # (nothing it executes gains privileges)
     os.environ.clear()
+
+
+def memory_groups() -> tuple[int, str] | None:
+    """(cgroup version, directory) of the cgroup this server makes its calls' memory cgroups
+    in, made now in its own memory cgroup (after removing those of servers that have ended);
+    None where it cannot: no memory controller, or one it may not write (not root of the
+    machine) or, in cgroup v2, not enable below its own cgroup."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.split(":", 2) for ln in f.read().splitlines()]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [ln.split() for ln in f.read().splitlines()]
+    except OSError:
+        return None
+    v1 = [p for _, controllers, p in lines if "memory" in controllers.split(",")]
+    version, own = (1, v1[0]) if v1 else (2, next((p for h, _, p in lines if h == "0"), None))
+    for m in mounts:
+        kind, options = m[m.index("-") + 1], m[-1].split(",")
+        if (version, kind) in ((1, "cgroup"), (2, "cgroup2")) and (
+            version == 2 or "memory" in options
+        ):
+            root, point = m[3], m[4]
+            break
+    else:
+        return None
+    if own is None or not (own == root or own.startswith(root.rstrip("/") + "/")):
+        return None
+    parent = os.path.join(point, own[len(root) :].lstrip("/"))
+    _remove_ended(parent)
+    base = os.path.join(parent, f"{_CGROUP_PREFIX}{os.getpid()}")
+    try:
+        os.mkdir(base)
+    except OSError:
+        return None
+    try:
+        if version == 2:
+            with open(os.path.join(base, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory")
+        return version, base
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        return None
+
+
+def _remove_ended(parent: str) -> None:
+    """Remove the call cgroups of servers that ended (a killed server removes nothing)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            pid = entry.name.removeprefix(_CGROUP_PREFIX)
+            if entry.name.startswith(_CGROUP_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                _remove_tree(entry.path)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove the cgroup ``path`` and its calls' (those whose processes have all gone)."""
+    with contextlib.suppress(OSError):
+        for child in os.scandir(path):
+            if child.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(child.path)
+        os.rmdir(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def _call_group(groups: tuple[int, str] | None, limit: int) -> str | None:
+    """A memory cgroup for this call (see the module docstring), ``limit`` bytes; None where
+    the server has none to make it in."""
+    if groups is None:
+        return None
+    version, base = groups
+    path = os.path.join(base, f"call-{os.getpid()}")
+    try:
+        os.mkdir(path)
+    except FileExistsError:  # (a call of this pid before, whose processes had not all gone)
+        pass
+    except OSError as e:
+        fail(f"making the call's memory cgroup: {e}")
+    try:
+        with open(os.path.join(path, _CGROUP_FILES[version][0]), "w") as f:
+            f.write(str(limit))
+        if version == 2:  # (its bound is memory, not memory and swap)
+            with (
+                contextlib.suppress(OSError),
+                open(os.path.join(path, "memory.swap.max"), "w") as f,
+            ):
+                f.write("0")
+    except OSError as e:
+        fail(f"limiting the call's memory cgroup: {e}")
+    return path
+
+
+def _release_group(version: int, path: str) -> bool:
+    """Whether the limit of the call's cgroup ``path`` killed one of its processes; the
+    cgroup removed once its processes have gone (at most a second: killed, they go at once)."""
+    killed = False
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open(os.path.join(path, _CGROUP_FILES[version][1])) as f,
+    ):
+        killed = any(
+            ln.split()[0] == "oom_kill" and int(ln.split()[1]) > 0 for ln in f if ln.strip()
+        )
+    for _ in range(100):
+        try:
+            os.rmdir(path)
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.01)
+    return killed
 
 
 class _MountAttr(ctypes.Structure):

@@ -27,8 +27,13 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   test says which mode ran. There a program may write wherever its uid may: a directory open
   to anyone, and, where the caller is not root, the caller's own files.
 - **limits**: wall-clock time (the call's processes are killed: its PID namespace, or its
-  process group and, run by root, every process of its uid), CPU seconds, address space,
-  file size, open files, processes; no core files; an empty environment.
+  process group and, run by root, every process of its uid), CPU seconds, address space per
+  process, file size, open files, processes; no core files; an empty environment. And, where
+  the server may write the machine's memory cgroups (run by root, cgroup v1, or v2 with the
+  memory controller delegated: :func:`memory_bounded` says), the memory of all the call's
+  processes together (:attr:`SandboxLimits.call_memory_bytes`, a cgroup per call): elsewhere
+  a program of :attr:`~SandboxLimits.processes` processes may hold that many times
+  :attr:`~SandboxLimits.memory_bytes`.
 - **CPU priority**: the call's processes run at :attr:`SandboxLimits.nice` (10 by default), so
   that on a machine they share with model workers (a node's spare cores, a laptop's
   ``local_cluster``) untrusted programs take the CPU the workers leave, and a worker's decode
@@ -77,7 +82,8 @@ class SandboxLimits:
 
     wall_s: float = 5.0
     cpu_s: int = 5
-    memory_bytes: int = 512 * 2**20
+    memory_bytes: int = 512 * 2**20  # (each process's address space)
+    call_memory_bytes: int = 2**30  # (all of a call's processes, where cgroups allow)
     file_bytes: int = 2**20
     processes: int = 32
     output_bytes: int = 4096
@@ -239,6 +245,8 @@ def _autogroup_nice() -> int:
 START_S = 30.0
 #: Seconds a call that ran past its time may take to end when asked.
 END_S = 5.0
+#: Seconds a server whose socket was closed may take to end by itself.
+STOP_S = 1.0
 
 
 class SandboxServer:
@@ -253,6 +261,7 @@ class SandboxServer:
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.owner = 0  # (the pid that started it: a forked caller starts its own)
+        self.memory_bounded = False  # (its calls get a memory cgroup each: see _jail.py)
 
     def submit(self, limits: dict, fds: list[int]) -> None:
         """Send one call (its limits and its four descriptors: see ``_jail.py``)."""
@@ -308,9 +317,10 @@ class SandboxServer:
                 raise ToolError(f"the sandbox server could not start: {e}") from e
             mine.settimeout(START_S)  # (sends too: a stuck server is restarted)
             try:
-                ready = mine.recv(16) == b"ready"
+                reply = mine.recv(64)
             except OSError:
-                ready = False
+                reply = b""
+            ready = reply.split(b" ")[0] == b"ready"
             if not ready:
                 proc.kill()
                 proc.wait()
@@ -319,6 +329,7 @@ class SandboxServer:
                 why = log.read().decode(errors="replace").strip().splitlines()
                 raise ToolError(f"the sandbox server did not start: {why[-1:] or proc.returncode}")
         self.proc, self.sock, self.owner = proc, mine, os.getpid()
+        self.memory_bounded = reply == b"ready memory"
 
     def stop(self) -> None:
         """End the server (its calls in flight end with it: killed, say their callers)."""
@@ -326,6 +337,9 @@ class SandboxServer:
             if self.sock is not None:
                 self.sock.close()  # (the server ends when its socket does)
             if self.proc is not None and self.owner == os.getpid():
+                # (a moment to end by itself, removing its calls' memory cgroups, then killed)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(STOP_S)
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
                 self.proc.wait()
@@ -341,6 +355,17 @@ def _server(mode: str) -> SandboxServer:
         if not _servers:
             atexit.register(lambda: [s.stop() for s in _servers.values()])
         return _servers.setdefault(mode, SandboxServer(mode))
+
+
+def memory_bounded(mode: str | None = None) -> bool:
+    """Whether this process's calls in ``mode`` (default: :func:`isolation`'s) are bounded in
+    the memory of all their processes together (:attr:`SandboxLimits.call_memory_bytes`),
+    as the mode's server, started if need be, says."""
+    server = _server(mode or isolation())
+    with server.lock:
+        if not server.running():
+            server._start()
+        return server.memory_bounded
 
 
 def sandbox_processes(limits: SandboxLimits) -> list[int]:
@@ -411,6 +436,11 @@ def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) 
         raise ToolLimitExceeded(f"the program ran past {limits.wall_s:g} s")
     if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         raise ToolLimitExceeded(f"the program ran past {limits.cpu_s} s of CPU time")
+    if returncode != 0 and proc.out_of_memory:
+        raise ToolLimitExceeded(
+            f"the program's processes used more than {limits.call_memory_bytes} bytes of "
+            "memory together"
+        )
     if returncode != 0:
         # the exception's line: the last one that is not a traceback's indented frame
         lines = [ln for ln in err.data.decode(errors="replace").splitlines() if ln.strip()]
@@ -427,6 +457,7 @@ class _Call:
 
     def __init__(self, status: socket.socket, server: SandboxServer) -> None:
         self.status, self.buffer, self.pid, self.reported = status, b"", 0, False
+        self.out_of_memory = False  # (the call's memory limit killed one of its processes)
         try:
             line = self._line(time.monotonic() + START_S)
         except TimeoutError:
@@ -444,7 +475,11 @@ class _Call:
         except TimeoutError:
             return None
         self.reported = line.startswith(b"exit ")
-        return int(line[5:]) if self.reported else -signal.SIGKILL
+        if not self.reported:
+            return -signal.SIGKILL
+        words = line.split()
+        self.out_of_memory = words[2:] == [b"memory"]
+        return int(words[1])
 
     def kill(self) -> None:
         """Ask the call to end: it kills the jail's process group (the PID namespace's init,
