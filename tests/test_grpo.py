@@ -122,6 +122,50 @@ def test_a_job_with_a_reference_and_non_default_options_trains_away_from_it(runt
     assert ref.version == 0  # (the reference never trains)
 
 
+def test_jobs_whose_references_are_one_checkpoint_read_one_copy_of_it(runtime):
+    """Two jobs' references deployed from one spec, unsynced (the checkpoint they start from),
+    on one worker: the worker holds that model once for both, counted once in what it
+    reports. A third job's reference holds the same weights as a copy of its own (synced).
+    The three jobs, alike but for their names and references, compute the same records:
+    sharing changes nothing."""
+    spec = tiny_spec(seed=17)
+    worker = sorted(runtime.client.scheduler_info()["workers"])[0]
+    config = GRPOConfig(
+        steps=2, prompts_per_step=4, group_size=4, max_tokens=6, lr=2e-2, seed=5, kl_coef=0.1
+    )
+    jobs = []
+    for i, shared in enumerate((True, True, False)):
+        policy = runtime.deploy(unique(f"grpo-ref-policy-{i}"), spec)
+        ref = runtime.deploy(unique(f"grpo-ref-{i}"), spec, role="rollout", workers=[worker])
+        if not shared:
+            plexrl.result(runtime.sync_weights(policy, ref))  # (its weights, written: its own)
+        jobs.append(GRPOJob(f"ref-{i}", runtime, FirstCharIsDigit(), policy, config, reference=ref))
+    records = run_jobs(jobs)
+
+    def bases(dask_worker=None):
+        from plexrl_dask.worker.holder import holder_of
+
+        status = holder_of(dask_worker).status()
+        return list(status["bases"].values()), status["replicas"]
+
+    held_bases, replicas = runtime.client.run(bases, workers=[worker])[worker]
+    refs = [j.reference.name for j in jobs]
+    [base] = [b for b in held_bases if b["users"] == sorted(refs[:2])]
+    assert not any(refs[2] in b["users"] for b in held_bases)
+    own = {n: replicas[n]["bytes"] for n in refs}  # (a replica's bytes beside any base)
+    # the shared weights counted once, in the base, and in neither reference's own bytes;
+    # the synced reference holds a copy of them
+    assert own[refs[0]] + own[refs[1]] < base["bytes"] <= own[refs[2]]
+    got = [
+        [
+            (r.reward_mean, r.completion_lengths, r.loss, r.grad_norm, r.extra["kl"])
+            for r in records[j.name]
+        ]
+        for j in jobs
+    ]
+    assert got[0] == got[1] == got[2] and got[0][0][-1] == 0.0 < got[0][1][-1]
+
+
 @dataclass(frozen=True)
 class AsTokenIds:
     """FirstCharIsDigit's problems with their prompts as token ids (the tiny tokenizer's, which

@@ -40,7 +40,7 @@ from plexrl_dask.tools import (
     stop_strings,
 )
 from plexrl_dask.tools.calls import check_tools
-from plexrl_dask.tools.sandbox import TRUNCATED, memory_bounded, sandbox_processes
+from plexrl_dask.tools.sandbox import TRUNCATED, _server, memory_bounded, sandbox_processes
 
 TOOLS = {"calc": Calculator()}
 FAST = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
@@ -179,6 +179,10 @@ def test_the_processes_of_a_program_share_one_memory_bound():
     res = run(program, tight)
     assert res.error == "ToolLimitExceeded" and "memory together" in res.output, res
     assert run("print('next')", tight).output == "next\n"
+    # every call's cgroup is gone once the call has ended (the server's own stays)
+    server = _server(isolation())
+    assert server.memory_cgroup is not None and os.path.isdir(server.memory_cgroup)
+    assert [e.name for e in os.scandir(server.memory_cgroup) if e.is_dir()] == []
 
 
 @NAMESPACES

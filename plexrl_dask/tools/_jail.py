@@ -35,7 +35,7 @@ another call's processes.
 
 Where the server may write the machine's memory cgroup tree (run by root, cgroup v1 or a v2
 tree whose memory controller it may enable), it makes a cgroup of its own for its calls
-(``plexrl-sandbox-<pid>``, in its own memory cgroup; it says so in its ``ready``), and every
+(``plexrl-sandbox-<pid>``, in its own memory cgroup; its ``ready`` says ``memory PATH``), and every
 call a cgroup in that with the call's ``call_memory_bytes`` as its memory limit: the jail moves
 itself there first, so the program and whatever it forks share one bound (the per-process
 address-space limit alone let 32 processes take 32 times it). Where that bound killed one of
@@ -121,7 +121,7 @@ def serve(fd: int) -> None:
     # (what exists now is left alone by the collections of a call's program, which would
     # otherwise copy every page the server's objects are on)
     gc.freeze()
-    server.send(b"ready" + (b" memory" if groups else b""))
+    server.send(b"ready" + (f" memory {groups[1]}".encode() if groups else b""))
     try:
         _serve_calls(server, own_mounts, groups)
     finally:
@@ -209,10 +209,13 @@ def call(
         code = sys.stdin.buffer.read(limits["code_bytes"] + 1)
         if len(code) > limits["code_bytes"]:
             fail(f"a program has at most {limits['code_bytes']} bytes")
+        # (made, and its parent opened, in the server's mount namespace: in the call's, which
+        # the jail makes read-only, the cgroup could not be removed)
         group = _call_group(groups, limits["call_memory_bytes"])
         if limits["private_mounts"]:
             _enter_namespaces(limits["user_namespace"])
-        code_of = _wait(_fork_into(run_jail, limits, code, own_mounts, group), status)
+        jail = _fork_into(run_jail, limits, code, own_mounts, None if group is None else group[0])
+        code_of = _wait(jail, status)
         if not limits["private_mounts"] and limits["uid"] is not None and os.geteuid() == 0:
             # (no PID namespace to end with the jail: what the program started and left in a
             # session of its own would keep the uid the next call may get)
@@ -227,7 +230,7 @@ def call(
         code_of = 125
     finally:
         if group is not None:
-            killed = _release_group(groups[0], group)
+            killed = _release_group(groups[0], *group)
     try:
         os.write(status, f"exit {code_of}{' memory' if killed else ''}\n".encode())
         _linger(status)
@@ -463,9 +466,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _call_group(groups: tuple[int, str] | None, limit: int) -> str | None:
-    """A memory cgroup for this call (see the module docstring), ``limit`` bytes; None where
-    the server has none to make it in."""
+def _call_group(groups: tuple[int, str] | None, limit: int) -> tuple[str, int] | None:
+    """A memory cgroup for this call (see the module docstring), ``limit`` bytes, and a
+    descriptor of the directory it is in (to remove it by, whatever the call's mounts have
+    become); None where the server has none to make it in."""
     if groups is None:
         return None
     version, base = groups
@@ -485,30 +489,34 @@ def _call_group(groups: tuple[int, str] | None, limit: int) -> str | None:
                 open(os.path.join(path, "memory.swap.max"), "w") as f,
             ):
                 f.write("0")
+        return path, os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
         fail(f"limiting the call's memory cgroup: {e}")
-    return path
 
 
-def _release_group(version: int, path: str) -> bool:
+def _release_group(version: int, path: str, base: int) -> bool:
     """Whether the limit of the call's cgroup ``path`` killed one of its processes; the
-    cgroup removed once its processes have gone (at most a second: killed, they go at once)."""
+    cgroup removed (through ``base``, its parent's descriptor) once its processes have gone
+    (at most a second: killed, they go at once)."""
     killed = False
     with (
-        contextlib.suppress(OSError, ValueError),
+        contextlib.suppress(OSError, ValueError, IndexError),
         open(os.path.join(path, _CGROUP_FILES[version][1])) as f,
     ):
-        killed = any(
-            ln.split()[0] == "oom_kill" and int(ln.split()[1]) > 0 for ln in f if ln.strip()
-        )
-    for _ in range(100):
-        try:
-            os.rmdir(path)
-            break
-        except FileNotFoundError:
-            break
-        except OSError:
-            time.sleep(0.01)
+        killed = any(ln.split()[:1] == ["oom_kill"] and int(ln.split()[1]) > 0 for ln in f)
+    try:
+        for _ in range(100):
+            try:
+                os.rmdir(os.path.basename(path), dir_fd=base)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+    finally:
+        os.close(base)
     return killed
 
 

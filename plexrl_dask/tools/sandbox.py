@@ -261,7 +261,8 @@ class SandboxServer:
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.owner = 0  # (the pid that started it: a forked caller starts its own)
-        self.memory_bounded = False  # (its calls get a memory cgroup each: see _jail.py)
+        #: The cgroup its calls' memory cgroups are made in, where it makes them (_jail.py).
+        self.memory_cgroup: str | None = None
 
     def submit(self, limits: dict, fds: list[int]) -> None:
         """Send one call (its limits and its four descriptors: see ``_jail.py``)."""
@@ -317,7 +318,7 @@ class SandboxServer:
                 raise ToolError(f"the sandbox server could not start: {e}") from e
             mine.settimeout(START_S)  # (sends too: a stuck server is restarted)
             try:
-                reply = mine.recv(64)
+                reply = mine.recv(4096)
             except OSError:
                 reply = b""
             ready = reply.split(b" ")[0] == b"ready"
@@ -329,7 +330,8 @@ class SandboxServer:
                 why = log.read().decode(errors="replace").strip().splitlines()
                 raise ToolError(f"the sandbox server did not start: {why[-1:] or proc.returncode}")
         self.proc, self.sock, self.owner = proc, mine, os.getpid()
-        self.memory_bounded = reply == b"ready memory"
+        memory = reply.split(b" ", 2)[1:]
+        self.memory_cgroup = memory[1].decode() if memory[:1] == [b"memory"] else None
 
     def stop(self) -> None:
         """End the server (its calls in flight end with it: killed, say their callers)."""
@@ -365,7 +367,7 @@ def memory_bounded(mode: str | None = None) -> bool:
     with server.lock:
         if not server.running():
             server._start()
-        return server.memory_bounded
+        return server.memory_cgroup is not None
 
 
 def sandbox_processes(limits: SandboxLimits) -> list[int]:
