@@ -366,16 +366,19 @@ def write_everywhere(directories: list[Path], marker: str) -> str:
 
 
 def hold_at_once(children: int, mib: int) -> str:
-    """A program whose ``children`` processes each fill ``mib`` MiB and hold it until all have
-    (each within a process's limit; together past the call's): it prints how many held theirs
-    to the end, and fails unless all did."""
+    """A program whose ``children`` processes each fill ``mib`` MiB (each within a process's
+    limit; together past the call's) and hold it until every one has filled its own or died:
+    it prints how many lived to the end, and fails unless all did (then all held theirs at
+    once)."""
     return (
-        "import os, time\nr, w = os.pipe()\nkids = []\n"
+        "import os\nfilled_r, filled_w = os.pipe()\ngo_r, go_w = os.pipe()\nkids = []\n"
         f"for _ in range({children}):\n    pid = os.fork()\n    if pid == 0:\n"
-        f"        x = b'\\1' * ({mib} << 20)\n        os.write(w, b'h')\n"
-        "        time.sleep(1.0)\n        os._exit(0)\n    kids.append(pid)\n"
-        "os.close(w)\nwhile os.read(r, 16):\n    pass\n"
-        "held = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint(held)\n"
+        "        os.close(filled_r)\n        os.close(go_w)\n"
+        f"        x = b'\\1' * ({mib} << 20)\n"
+        "        os.write(filled_w, b'f')\n        os.close(filled_w)\n"
+        "        os.read(go_r, 1)\n        os._exit(0)\n    kids.append(pid)\n"
+        "os.close(filled_w)\nos.close(go_r)\nwhile os.read(filled_r, 16):\n    pass\n"
+        "os.close(go_w)\nheld = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint(held)\n"
         f"raise SystemExit(held != {children})"
     )
 
