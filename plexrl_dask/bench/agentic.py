@@ -441,7 +441,10 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
             or (name == "network" and bool(accepted))
             or v["seconds"] > SUITE_LIMITS.wall_s + 10
             or (name == "read secrets" and v["error"] is None)
-            or (name == "memory in processes" and v["error"] is None)
+            or (
+                name == "memory in processes"  # (anything but the call's bound stopping it)
+                and not (v["error"] == "ToolLimitExceeded" and "memory together" in v["output"])
+            )
         )
     out["orphan"]["escaped"] = out["orphan"]["escaped"] or bool(leftovers)
     return {

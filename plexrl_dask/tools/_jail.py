@@ -33,13 +33,18 @@ Where the caller is not root, every call makes a user namespace of its own too (
 server's), so that no program, root in its namespaces, holds a capability over the server or
 another call's processes.
 
-Where the server may write the machine's memory cgroup tree (run by root, cgroup v1 or a v2
-tree whose memory controller it may enable), it makes a cgroup of its own for its calls
+Where the server may write the machine's memory cgroup tree (run as root: by root, or in a
+user namespace the tree was delegated to; cgroup v1, or v2 where the server's own cgroup may
+enable the memory controller below it, which v2 allows only the machine's root cgroup while
+processes live in it), it makes a cgroup of its own for its calls
 (``plexrl-sandbox-<pid>``, in its own memory cgroup; its ``ready`` says ``memory PATH``), and every
 call a cgroup in that with the call's ``call_memory_bytes`` as its memory limit: the jail moves
 itself there first, so the program and whatever it forks share one bound (the per-process
 address-space limit alone let 32 processes take 32 times it). Where that bound killed one of
-them, the call's status says so (``exit N memory``). The call removes its cgroup when it ends.
+them, the call's status says so (``exit N memory``). The call removes its cgroup when it ends
+(one a killed call leaves is removed by the next server that starts in the same cgroup). A
+program never holds a right to its cgroup's files: it runs as another uid than root, or in
+mounts made read-only; a server that is not root makes none (its programs would share its uid).
 """
 
 from __future__ import annotations
@@ -223,7 +228,7 @@ def call(
     except SystemExit as e:  # (``fail``)
         code_of = e.code
     except BrokenPipeError:
-        os._exit(125)  # (the caller went away: nothing to tell)
+        code_of = None  # (the caller went away: nothing to tell)
     except Exception as e:  # (a fault of the call's own: the caller hears of it as such)
         with contextlib.suppress(OSError):
             os.write(2, f"plexrl-jail: the call failed: {e!r}\n".encode())
@@ -231,6 +236,8 @@ def call(
     finally:
         if group is not None:
             killed = _release_group(groups[0], *group)
+    if code_of is None:
+        os._exit(125)
     try:
         os.write(status, f"exit {code_of}{' memory' if killed else ''}\n".encode())
         _linger(status)
@@ -397,29 +404,18 @@ def confine(limits: dict, root: bool, uid: int) -> None:
 def memory_groups() -> tuple[int, str] | None:
     """(cgroup version, directory) of the cgroup this server makes its calls' memory cgroups
     in, made now in its own memory cgroup (after removing those of servers that have ended);
-    None where it cannot: no memory controller, or one it may not write (not root of the
-    machine) or, in cgroup v2, not enable below its own cgroup."""
+    None where it cannot or may not: not root (its programs, of its uid, could raise their own
+    limits), no memory controller, one it may not write, or, in cgroup v2, one it may not
+    enable below its own cgroup."""
+    if os.geteuid() != 0:
+        return None
     try:
-        with open("/proc/self/cgroup") as f:
-            lines = [ln.split(":", 2) for ln in f.read().splitlines()]
-        with open("/proc/self/mountinfo") as f:
-            mounts = [ln.split() for ln in f.read().splitlines()]
-    except OSError:
+        found = _own_memory_cgroup()
+    except (OSError, ValueError, IndexError):  # (an unreadable or unexpected /proc)
         return None
-    v1 = [p for _, controllers, p in lines if "memory" in controllers.split(",")]
-    version, own = (1, v1[0]) if v1 else (2, next((p for h, _, p in lines if h == "0"), None))
-    for m in mounts:
-        kind, options = m[m.index("-") + 1], m[-1].split(",")
-        if (version, kind) in ((1, "cgroup"), (2, "cgroup2")) and (
-            version == 2 or "memory" in options
-        ):
-            root, point = m[3], m[4]
-            break
-    else:
+    if found is None:
         return None
-    if own is None or not (own == root or own.startswith(root.rstrip("/") + "/")):
-        return None
-    parent = os.path.join(point, own[len(root) :].lstrip("/"))
+    version, parent = found
     _remove_ended(parent)
     base = os.path.join(parent, f"{_CGROUP_PREFIX}{os.getpid()}")
     try:
@@ -435,6 +431,44 @@ def memory_groups() -> tuple[int, str] | None:
         with contextlib.suppress(OSError):
             os.rmdir(base)
         return None
+
+
+def _own_memory_cgroup() -> tuple[int, str] | None:
+    """(cgroup version, directory) of this process's memory cgroup, where a mount of its
+    hierarchy shows it; None where none does."""
+    with open("/proc/self/cgroup") as f:
+        lines = [ln.split(":", 2) for ln in f.read().splitlines() if ln.count(":") >= 2]
+    with open("/proc/self/mountinfo") as f:
+        mounts = [ln.split() for ln in f.read().splitlines()]
+    v1 = [p for _, controllers, p in lines if "memory" in controllers.split(",")]
+    version, own = (1, v1[0]) if v1 else (2, next((p for h, _, p in lines if h == "0"), None))
+    if own is None:
+        return None
+    for m in mounts:
+        if "-" not in m:
+            continue
+        kind, options = m[m.index("-") + 1], m[-1].split(",")
+        if kind != ("cgroup" if version == 1 else "cgroup2"):
+            continue
+        if version == 1 and "memory" not in options:
+            continue
+        root, point = _unescape(m[3]), _unescape(m[4])
+        if own == root or own.startswith(root.rstrip("/") + "/"):
+            return version, os.path.join(point, own[len(root) :].lstrip("/"))
+    return None
+
+
+def _unescape(field: str) -> str:
+    """A path of ``/proc/self/mountinfo`` (spaces and the like written as octal escapes)."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
 
 
 def _remove_ended(parent: str) -> None:
@@ -473,16 +507,19 @@ def _call_group(groups: tuple[int, str] | None, limit: int) -> tuple[str, int] |
     if groups is None:
         return None
     version, base = groups
-    path = os.path.join(base, f"call-{os.getpid()}")
+    # (a name no call had: one a killed call left, under a pid used again, is not reused)
+    path = os.path.join(base, f"call-{os.getpid()}-{time.monotonic_ns()}")
     try:
         os.mkdir(path)
-    except FileExistsError:  # (a call of this pid before, whose processes had not all gone)
-        pass
     except OSError as e:
         fail(f"making the call's memory cgroup: {e}")
     try:
         with open(os.path.join(path, _CGROUP_FILES[version][0]), "w") as f:
             f.write(str(limit))
+        swap = os.path.join(path, "memory.memsw.limit_in_bytes")  # (v1 with swap accounting)
+        if version == 1 and os.path.exists(swap):
+            with open(swap, "w") as f:
+                f.write(str(limit))  # (memory and swap together: no more than memory alone)
         if version == 2:  # (its bound is memory, not memory and swap)
             with (
                 contextlib.suppress(OSError),

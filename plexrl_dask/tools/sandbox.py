@@ -29,8 +29,9 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
 - **limits**: wall-clock time (the call's processes are killed: its PID namespace, or its
   process group and, run by root, every process of its uid), CPU seconds, address space per
   process, file size, open files, processes; no core files; an empty environment. And, where
-  the server may write the machine's memory cgroups (run by root, cgroup v1, or v2 with the
-  memory controller delegated: :func:`memory_bounded` says), the memory of all the call's
+  the server may write the machine's memory cgroups (run as root, cgroup v1, or v2 where the
+  server's cgroup may enable the memory controller below it: :func:`memory_bounded` says; see
+  ``_jail.py``), the memory of all the call's
   processes together (:attr:`SandboxLimits.call_memory_bytes`, a cgroup per call): elsewhere
   a program of :attr:`~SandboxLimits.processes` processes may hold that many times
   :attr:`~SandboxLimits.memory_bytes`.
@@ -365,8 +366,11 @@ def memory_bounded(mode: str | None = None) -> bool:
     as the mode's server, started if need be, says."""
     server = _server(mode or isolation())
     with server.lock:
-        if not server.running():
-            server._start()
+        try:
+            if not server.running():
+                server._start()
+        except (OSError, ToolError):
+            return False  # (no server here: no call runs, bounded or not)
         return server.memory_cgroup is not None
 
 
