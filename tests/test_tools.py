@@ -185,6 +185,34 @@ def test_the_processes_of_a_program_share_one_memory_bound():
     assert [e.name for e in os.scandir(server.memory_cgroup) if e.is_dir()] == []
 
 
+def test_the_sandbox_finds_its_memory_cgroup_on_v1_and_v2_hosts_and_in_containers():
+    from plexrl_dask.tools._jail import memory_cgroup_of
+
+    v1_cgroups = "9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
+    v1_mounts = (
+        "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+        "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+        "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+    )
+    assert memory_cgroup_of(v1_cgroups, v1_mounts) == (1, "/sys/fs/cgroup/memory/process_api/abc")
+    # a container's v1 mount shows its own subtree (root /docker/c1), and one that does not
+    # hold the process's cgroup is passed over
+    docker = "5:memory:/docker/c1/job\n0::/\n"
+    mounts = (
+        "40 31 0:32 /other /mnt/x rw - cgroup cgroup rw,memory\n"
+        "41 31 0:32 /docker/c1 /sys/fs/cgroup/memory rw shared:9 - cgroup cgroup rw,memory\n"
+    )
+    assert memory_cgroup_of(docker, mounts) == (1, "/sys/fs/cgroup/memory/job")
+    # v2 only: the unified hierarchy, a systemd unit's path; a mount point with a space
+    v2 = "0::/system.slice/worker.service\n"
+    v2_mounts = "30 23 0:26 / /sys/fs/my\\040cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n"
+    assert memory_cgroup_of(v2, v2_mounts) == (2, "/sys/fs/my cgroup/system.slice/worker.service")
+    assert memory_cgroup_of("0::/\n", v2_mounts) == (2, "/sys/fs/my cgroup")  # (cgroupns)
+    assert memory_cgroup_of(v2, v1_mounts.replace("cgroup2", "tmpfs")) is None
+    assert memory_cgroup_of("", v1_mounts) is None
+
+
 @NAMESPACES
 def test_a_fork_bomb_does_not_starve_a_program_running_beside_it():
     import concurrent.futures

@@ -436,10 +436,17 @@ def memory_groups() -> tuple[int, str] | None:
 def _own_memory_cgroup() -> tuple[int, str] | None:
     """(cgroup version, directory) of this process's memory cgroup, where a mount of its
     hierarchy shows it; None where none does."""
-    with open("/proc/self/cgroup") as f:
-        lines = [ln.split(":", 2) for ln in f.read().splitlines() if ln.count(":") >= 2]
-    with open("/proc/self/mountinfo") as f:
-        mounts = [ln.split() for ln in f.read().splitlines()]
+    with open("/proc/self/cgroup") as f, open("/proc/self/mountinfo") as g:
+        return memory_cgroup_of(f.read(), g.read())
+
+
+def memory_cgroup_of(cgroups: str, mountinfo: str) -> tuple[int, str] | None:
+    """:func:`_own_memory_cgroup` of a process whose ``/proc/PID/cgroup`` and
+    ``/proc/PID/mountinfo`` read ``cgroups`` and ``mountinfo``: v1's memory hierarchy where
+    there is one, else v2's; the directory under the first mount of that hierarchy whose root
+    holds the process's cgroup (a container's mount shows a subtree)."""
+    lines = [ln.split(":", 2) for ln in cgroups.splitlines() if ln.count(":") >= 2]
+    mounts = [ln.split() for ln in mountinfo.splitlines()]
     v1 = [p for _, controllers, p in lines if "memory" in controllers.split(",")]
     version, own = (1, v1[0]) if v1 else (2, next((p for h, _, p in lines if h == "0"), None))
     if own is None:
@@ -454,7 +461,8 @@ def _own_memory_cgroup() -> tuple[int, str] | None:
             continue
         root, point = _unescape(m[3]), _unescape(m[4])
         if own == root or own.startswith(root.rstrip("/") + "/"):
-            return version, os.path.join(point, own[len(root) :].lstrip("/"))
+            below = own[len(root) :].strip("/")
+            return version, os.path.join(point, below) if below else point
     return None
 
 
