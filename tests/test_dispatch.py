@@ -193,7 +193,7 @@ def test_two_jobs_whose_turns_hold_one_worker_do_not_keep_each_other_out():
         d.add(turn(name, t, name[0]))
         assert names(d.decide(t)) == [name]
         d.release_worker("w0", name, t + 0.2)
-    assert d._gang_gap == {
+    assert d._holds.gap == {
         ("A", ("", True)): pytest.approx(1.0),
         ("B", ("", True)): pytest.approx(1.0),
     }
@@ -236,7 +236,7 @@ def test_a_turn_holds_its_worker_for_the_next_turn():
     assert names(d.decide(2.3)) == ["t3"]
     d.release_worker("w0", "t3", 2.5)
     assert names(d.decide(2.5)) == ["long"]  # (no gap learned after an unmarked one yet)
-    assert d.next_wakeup(2.5) is None and not d._gang_orders  # (no hold left behind)
+    assert d.next_wakeup(2.5) is None and not d._holds.orders  # (no hold left behind)
     # Turned off mid-chain (the operator's set_policy): the hold goes at once.
     d = Dispatcher(replace(CALM, turn_hold_s=2.0), workers=["w0"])
     for name, t in (("t1", 0.0), ("t2", 1.2)):
@@ -246,7 +246,7 @@ def test_a_turn_holds_its_worker_for_the_next_turn():
     d.add(other("long", 1.4, 1.5))
     assert d.decide(1.4) == []
     d.policy = replace(d.policy, turn_hold_s=0.0)
-    assert names(d.decide(1.4)) == ["long"] and not d._gang_orders
+    assert names(d.decide(1.4)) == ["long"] and not d._holds.orders
     # Off: the long request takes the worker as soon as the turn ends.
     d = Dispatcher(CALM, workers=["w0"])
     for name, t in (("t1", 0.0), ("t2", 1.2)):
@@ -283,7 +283,7 @@ def test_a_held_order_learns_its_gap_per_kind_of_request():
         assert names(d.decide(t + 1.15)) == [f"train{step}"]  # (and not "other" behind it)
         if step == 0:
             d.add(mine("turn1", 1.25, "sample", holds=True))  # sent while it trains
-            assert d._gang_gap == {
+            assert d._holds.gap == {
                 ("a", ("sample", True)): pytest.approx(0.3),
                 ("a", ("sample", False)): pytest.approx(0.45),
                 ("a", ("train_step", False)): 0.0,

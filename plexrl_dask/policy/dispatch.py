@@ -101,40 +101,11 @@ over the jobs with requests pending while ``r`` waits: with two jobs of weight 1
 ``k``-th pending request waits at most ``P_max + 4k * B`` behind job A's flood however long
 the flood is, not one ``B`` per flooding request.
 
-**Gangs hold their workers** (``DispatchPolicy.gang_hold_s`` > 0; off by default). A gang
-needs all its workers free at once, and its job's driver submits its next request only after
-reading the last one's result: in between, a single-worker request of another job that starts
-on one of its workers holds the whole gang up, and a rank that ends before the rest of its gang
-frees a worker that the gang needs again moments later. So each order of gang requests holds
-its group's free workers: while one of its requests runs, until that request is expected to
-end plus the gap its requests usually leave between an end and the next arrival (learned per
-order and per kind of request before the gap, its op and whether it is marked ``holds``: a
-running mean, capped at ``gang_hold_s``; a request that arrives while the one before it runs
-teaches a gap of 0, as a driver that sends its next step ahead does); after it ended, until
-that end plus the gap; while its next request waits for the group (nobody else's urgent
-request reserved it), until the group's busy workers are expected to end. Another job's
-request that is not urgent starts
-on a held worker only if it is expected to end by then (the same test as backfilling); the
-gang's own order and job (its rollout, its syncs) and urgent requests ignore holds, so the
-bound below is unaffected. No event marks the end of a hold: :meth:`Dispatcher.next_wakeup`
-says when to decide again. Measured on the standard mix in a pool of two workers, it did not
-lower the pool's cost (``benchmarks/RESULTS.md``, bench.multiplex at 192 MiB), which is why it
-is off.
-
-**Turns hold their worker** (``DispatchPolicy.turn_hold_s`` > 0). An agentic episode's model
-turn is one request, and the episode's next turn arrives once the turn's tool calls have run;
-another job's long request that starts on the worker meanwhile holds that turn up, and the
-episode's job, whose wall time is mostly tool calls, is the one a pool waits for. A request
-marked ``holds`` (a turn after which tools run) makes its order hold its worker exactly as a
-gang's order does, capped at ``turn_hold_s``: others start there meanwhile only if they are
-expected to end before the turn's learned return, and the order's next request, once it waits,
-takes the worker first. The order then holds with each of its requests (the episode's last
-turn, its training, the next step's first turn: the gap after each kind of request is
-learned apart, so that the scoring after the last turn and the next turn sent while the
-training runs each get their own) until a hold lapses with nothing of it running or waiting;
-a gap is learned also when it outlasted the hold. Two orders that hold one worker (two
-agentic jobs sharing it) do not keep each other out: either's requests start there by
-ratio, and the rest only if they end before the earlier hold does.
+**Holds** (``DispatchPolicy.gang_hold_s``, ``turn_hold_s``; :mod:`plexrl_dask.policy.holds`).
+A gang's order, or an agentic chain of turns, may hold its workers for its next request:
+another job's request that is not urgent starts on a held worker only if it is expected to end
+before the hold does; the holder's own job and urgent requests ignore holds, so the bound
+above is unaffected.
 
 **Arrival** is when a request can run: every task has arrived and waits only for a worker, and
 every earlier request of its order has arrived (the plugin admits requests in that order), so
@@ -180,16 +151,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-Group = tuple[str, ...]
-#: Orders whose hold lapsed that the dispatcher remembers, to learn the gap to their next
-#: request.
-LAPSED_KEPT = 4096
-#: What a held order's gap to its next request is learned per: the op of the request before
-#: the gap, and whether it was marked ``holds``.
-Kind = tuple[str, bool]
-NO_KIND: Kind = ("", False)
-#: A held worker's hold: until when, for which jobs and which orders.
-Hold = tuple[float, frozenset[str], frozenset[str]]
+from plexrl_dask.policy.holds import Group, Hold, Holds, holds_for
 
 
 @dataclass(frozen=True)
@@ -212,7 +174,7 @@ class Request:
     op: str = ""
     job: str = ""
     inputs: bool = False
-    holds: bool = False  # its order's next request follows soon ("Turns hold their worker")
+    holds: bool = False  # its order's next request follows soon (:mod:`~plexrl_dask.policy.holds`)
 
     def __post_init__(self) -> None:
         if not self.groups or any(not g or len(set(g)) != len(g) for g in self.groups):
@@ -263,10 +225,9 @@ class DispatchPolicy:
     # per turn of a job of weight 1. Pairs, so that the policy stays hashable.
     job_weights: tuple[tuple[str, float], ...] = ()
     # Hold a gang's workers for its order's next request, for at most this long after its
-    # last one ended (0: off; see "Gangs hold their workers").
+    # last one ended (0: off; see :mod:`~plexrl_dask.policy.holds`).
     gang_hold_s: float = 0.0
-    # The same for the order of a request marked ``holds`` (an agentic turn; 0: off; see
-    # "Turns hold their worker").
+    # The same for the order of a request marked ``holds`` (an agentic turn; 0: off).
     turn_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -406,19 +367,8 @@ class Dispatcher:
         self._next_tag: dict[str, float] = {}
         self._last_tag: dict[str, float] = {}
         self._tags: list[tuple[float, int, str]] = []
-        # Gangs (and turns) hold their workers: per holding order, its job, group and whether
-        # it is a chain of turns, the request of it that runs, when its last one ended, and
-        # the learned gap from an end to the next arrival.
-        self._gang_orders: dict[str, tuple[str, Group, bool]] = {}
-        self._gang_running: dict[str, str] = {}  # order -> request
-        self._gang_ended: dict[str, float] = {}
-        # (learned apart per kind of request before the gap: its op, and whether it holds)
-        self._gang_gap: dict[tuple[str, Kind], float] = {}
-        self._gang_kind: dict[str, Kind] = {}  # order -> kind of its running or last request
-        # order -> (end, kind) of its last request, kept when its hold lapsed: the gap to its
-        # next arrival is learned all the same (else a gap longer than the one learned, or
-        # any gap while none is learned yet, would never be)
-        self._lapsed: dict[str, tuple[float, Kind]] = {}
+        # Gangs (and turns) that hold their workers (see "Holds")
+        self._holds = Holds(self)
 
     # --- state changes -----------------------------------------------------------------------
 
@@ -461,14 +411,7 @@ class Dispatcher:
         if last is not None and request.arrival < last:
             request = _replace_arrival(request, last)
         self._last_arrival[order] = request.arrival
-        ended, kind = self._gang_ended.pop(order, None), self._gang_kind.get(order, NO_KIND)
-        lapsed = self._lapsed.pop(order, None)
-        if ended is None and lapsed is not None:
-            ended, kind = lapsed
-        if ended is not None:  # (the gap from its previous request's end to this arrival)
-            self._learn_gap(order, kind, max(0.0, request.arrival - ended))
-        elif order in self._gang_running and not self._queues.get(order):
-            self._learn_gap(order, kind, 0.0)  # sent while the one before it ran: no gap
+        self._holds.arrived(order, request.arrival, first_pending=not self._queues.get(order))
         setup = min(self._setup(request, g) for g in request.groups)
         e = _Entry(
             request,
@@ -519,7 +462,7 @@ class Dispatcher:
         there, else the worker is free. Naming the queued request: it ended (cancelled)
         before it ran, and the slot is open again. A request that neither runs nor waits
         there changes nothing."""
-        self._gang_rank_ended(worker, request, now)
+        self._holds.rank_ended(worker, request, self._busy, now)
         queued = self._next.get(worker)
         stale = request is not None and request != self._busy.get(worker)
         if stale and (queued is None or request != queued[0]):
@@ -542,93 +485,33 @@ class Dispatcher:
             self._free.add(worker)
             self._dirty.add(worker)
 
-    def _learn_gap(self, order: str, kind: Kind, gap: float) -> None:
-        known = self._gang_gap.get((order, kind))
-        self._gang_gap[order, kind] = gap if known is None else (known + gap) / 2
+    # --- what holds read (policy.holds.DispatchView) ----------------------------------------
 
-    def _gang_rank_ended(self, worker: str, request: str | None, now: float | None) -> None:
-        running = request if request is not None else self._busy.get(worker)
-        for order, rid in list(self._gang_running.items()):
-            if rid != running or self._busy.get(worker) != rid:
-                continue
-            group = self._gang_orders[order][1]
-            if all(self._busy.get(w) != rid for w in group if w != worker):
-                del self._gang_running[order]  # its last rank
-                if now is not None:
-                    self._gang_ended[order] = now
+    def running_ends(self, request: str, group: Group, now: float) -> list[float]:
+        """The expected ends of the ranks of ``request`` that run on ``group``'s workers."""
+        return [self._busy_until.get(w, now) for w in group if self._busy.get(w) == request]
 
-    def _gang_holds(self, now: float) -> dict[str, Hold]:
-        """Free worker -> until when, and for which jobs and orders, it is held (see "Gangs
-        hold their workers"). Where several orders hold one worker: until the earliest of
-        their holds, and for all of them (holders do not keep each other out)."""
-        out: dict[str, Hold] = {}
-        for order, (job, group, turns) in list(self._gang_orders.items()):
-            until = self._gang_until(order, group, self._hold_cap(group, turns), now)
-            if until is None:
-                continue
-            for w in group:
-                if w not in self._free:
-                    continue
-                if w in out:
-                    was = out[w]
-                    out[w] = (min(until, was[0]), was[1] | {job}, was[2] | {order})
-                else:
-                    out[w] = (until, frozenset({job}), frozenset({order}))
-        return out
+    def waits(self, order: str) -> bool:
+        """Whether a request of ``order`` is pending."""
+        return bool(self._queues.get(order))
 
-    def _hold_cap(self, group: Group, turns: bool) -> float:
-        """The longest hold an order over ``group`` may take (the policy in force: 0 when
-        its kind of hold is off)."""
-        return max(
-            self.policy.gang_hold_s if len(group) > 1 else 0.0,
-            self.policy.turn_hold_s if turns else 0.0,
-        )
-
-    def _gang_until(self, order: str, group: Group, cap: float, now: float) -> float | None:
-        """Until when gang ``order`` holds its ``group``'s workers: while a request of it
-        runs, until that one is expected to end plus the order's learned gap (capped); while
-        its next request waits for this group (no other's urgent request has reserved it),
-        until its busy workers are expected to end; after its last request ended, until that
-        end plus the gap; None when it holds nothing (its hold is forgotten once it has
-        expired: its next start holds again, or when the policy turned its kind of hold off)."""
-        if not cap:
-            self._forget_hold(order)
+    def waiting_until(self, order: str, group: Group, now: float) -> float | None:
+        """For ``order``'s pending head: until when ``group``'s busy workers are expected to
+        run; None when it waits for other workers, or ``group`` is promised to another's
+        urgent request."""
+        head = self._queues[order][0]
+        if group not in head.request.groups or not self._all_live(group):
             return None
-        gap = min(self._gang_gap.get((order, self._gang_kind.get(order, NO_KIND)), 0.0), cap)
-        rid = self._gang_running.get(order)
-        if rid is not None:  # (a rank that runs past its estimate ends no earlier than now)
-            ends = [self._busy_until.get(w, now) for w in group if self._busy.get(w) == rid]
-            return max([now, *ends]) + gap
-        queue = self._queues.get(order)
-        if queue:
-            head = queue[0]
-            if group not in head.request.groups or not self._all_live(group):
-                return None  # it waits for other workers: nothing to hold here
-            if any(self._top_reserver(w) not in (None, head) for w in group):
-                return None  # promised to another's urgent request
-            return max([now] + [self._busy_until.get(w, now) for w in group if w in self._busy])
-        ended = self._gang_ended.get(order)
-        if ended is not None and ended + gap > now:
-            return ended + gap
-        if ended is not None:
-            self._lapsed[order] = (ended, self._gang_kind.get(order, NO_KIND))
-            if len(self._lapsed) > LAPSED_KEPT:  # (orders that never came back: oldest first)
-                del self._lapsed[next(iter(self._lapsed))]
-            self._forget_hold(order)
-        return None
-
-    def _forget_hold(self, order: str) -> None:
-        self._gang_orders.pop(order, None)
-        self._gang_running.pop(order, None)
-        self._gang_ended.pop(order, None)
-        self._gang_kind.pop(order, None)
+        if any(self._top_reserver(w) not in (None, head) for w in group):
+            return None
+        return max([now] + [self._busy_until.get(w, now) for w in group if w in self._busy])
 
     def next_wakeup(self, now: float) -> float | None:
         """When a hold on a free worker ends while a request waits (a decision then may
         start what the hold kept back; no event marks that moment), else None."""
         if not self._entries:
             return None
-        ends = [until for until, *_ in self._gang_holds(now).values() if until > now]
+        ends = [until for until, *_ in self._holds.on_free(self._free, now).values() if until > now]
         return min(ends, default=None)
 
     # --- queries -----------------------------------------------------------------------------
@@ -753,12 +636,16 @@ class Dispatcher:
             setup = min(self._setup(e.request, g) for g in e.request.groups if worker in g)
             ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
             ranked.append(((not e.urgent, e.rank if e.urgent else (-ratio, e.seq)), e))
-        hold = self._busy_hold(worker, now)
+        hold = self._holds.on_busy(worker, now)
         held = False
         for _, e in sorted(ranked, key=lambda x: x[0]):
             if (worker,) not in e.request.groups:
                 return None, True
-            if hold is not None and not e.urgent and not _holds_for(hold, e.request):
+            if (
+                hold is not None
+                and not e.urgent
+                and not holds_for(hold, e.request.order_key, e.request.job)
+            ):
                 end = max(now, self._busy_until.get(worker, now)) + e.request.service_s
                 if end + self._setup(e.request, (worker,)) > hold[0]:
                     held = True  # held for another order: the next may fit or be the holder's
@@ -766,18 +653,6 @@ class Dispatcher:
             if self._soonest_on(e, worker, now):
                 return e, False
         return None, held  # (held: look again as time passes)
-
-    def _busy_hold(self, worker: str, now: float) -> Hold | None:
-        """(until, {job}, {order}) of a gang's hold on busy ``worker`` once its running request
-        ends: a rank of a gang whose other ranks run longer, or a worker of a gang that waits."""
-        out: Hold | None = None
-        for order, (job, group, turns) in list(self._gang_orders.items()):
-            if worker not in group:
-                continue
-            until = self._gang_until(order, group, self._hold_cap(group, turns), now)
-            if until is not None and (out is None or until < out[0]):
-                out = (until, frozenset({job}), frozenset({order}))
-        return out
 
     def _soonest_on(self, e: _Entry, worker: str, now: float) -> bool:
         """Whether ``e`` is expected to start on ``worker`` alone (after what runs and is
@@ -879,7 +754,9 @@ class Dispatcher:
                 if queue and not queue[0].urgent:
                     heads.append(queue[0])  # the new head competes by ratio
         held: dict[str, float] = {}  # free worker -> time until which it is held
-        gangs = self._gang_holds(now)  # free worker -> (until, jobs, orders) holding it
+        gangs = self._holds.on_free(
+            self._free, now
+        )  # free worker -> (until, jobs, orders) holding it
         versions: dict[str, int] = {}
         heap: list[tuple[float, float, int, int, str, Group | None, float]] = []
 
@@ -983,7 +860,9 @@ class Dispatcher:
             if gangs and not urgent:
                 end = now + setup + e.request.service_s
                 if any(
-                    w in gangs and end > gangs[w][0] and not _holds_for(gangs[w], e.request)
+                    w in gangs
+                    and end > gangs[w][0]
+                    and not holds_for(gangs[w], e.request.order_key, e.request.job)
                     for w in group
                 ):
                     continue
@@ -1127,24 +1006,10 @@ class Dispatcher:
                 self._inputs.discard(w)
         if self.policy.lookahead:
             self._next_dirty.update(group)  # a slot opened behind it
-        order = e.request.order_key
-        held = self._gang_orders.get(order)
-        # (a chain of turns holds with each of its requests until its hold lapses: an
-        # episode's training and next turn follow its last turn)
-        turns = e.request.holds or (held is not None and held[2])
-        if self._hold_cap(group, turns):
-            self._gang_orders[order] = (e.request.job, group, turns)
-            self._gang_running[order] = rid
-            self._gang_ended.pop(order, None)
-            self._gang_kind[order] = (e.request.op, e.request.holds)
+        r = e.request
+        self._holds.started(r.order_key, r.job, group, rid, r.op, r.holds)
         self.remove(rid)  # (also drops its reservation, wherever it started)
         return Decision(e.request, group, ratio, setup, now - e.request.arrival, urgent, tag=e.tag)
-
-
-def _holds_for(hold: Hold, request: Request) -> bool:
-    """Whether ``hold`` (until, jobs, orders) is for ``request``: one of the holding orders,
-    or another request of a holding job (the rest of its chain: its rollout, its syncs)."""
-    return request.order_key in hold[2] or (bool(request.job) and request.job in hold[1])
 
 
 def _replace_arrival(request: Request, arrival: float) -> Request:
