@@ -26,7 +26,7 @@ _LAZY = {
     "slurm_cluster": "plexrl_dask.slurm",
     "kube_cluster_spec": "plexrl_dask.kubernetes",
     "ModelSpec": "plexrl_dask.models",
-    "Deployment": "plexrl_dask.driver.runtime",
+    "Deployment": "plexrl_dask.driver.deployment",
     "Runtime": "plexrl_dask.driver.runtime",
     "result": "plexrl_dask.driver.waits",
     "AdamWParams": "plexrl_dask.shared.types",

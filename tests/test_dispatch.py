@@ -22,7 +22,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from plexrl_dask.driver.runtime import split_prompts
+from plexrl_dask.driver.deployment import split_prompts
 from plexrl_dask.policy.dispatch import Decision, Dispatcher, DispatchPolicy, Request
 from plexrl_dask.policy.estimates import DEFAULT_LOAD_BANDWIDTHS, Estimates, SetupCosts
 from plexrl_dask.policy.residency import TIERS, ResidencyMap, ResidencyReport

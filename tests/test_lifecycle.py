@@ -183,7 +183,7 @@ def test_a_replica_is_held_to_the_budget_by_what_it_measures_not_what_it_declare
     import uuid
 
     from plexrl_dask import protocol
-    from plexrl_dask.driver.runtime import Deployment
+    from plexrl_dask.driver.deployment import Deployment
     from plexrl_dask.shared.records import DeploymentInfo
 
     runtime = plexrl.Runtime(small_client, job="declared")

@@ -112,7 +112,7 @@ def _resolved(call: Callable[[], Any]) -> concurrent.futures.Future:
 
 
 class InProcessDeployment:
-    """The baseline harness: the calls of :class:`~plexrl_dask.driver.runtime.Deployment`
+    """The baseline harness: the calls of :class:`~plexrl_dask.driver.deployment.Deployment`
     that a colocated ``GRPOJob`` and ``supervised_warmup`` make, run on a ``TorchBackend``
     in this process, each checked and computed as the worker's op does it (the same argument
     checks, the client's sampling streams, the workers' ``max-batch-size``) and returned as an

@@ -38,7 +38,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from plexrl_dask.driver.runtime import Deployment, result
+from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.waits import result
 from plexrl_dask.errors import InvalidToolCall
 from plexrl_dask.shared.types import Chat, Datum, SamplingParams, TurnPrompt
 from plexrl_dask.tasks.base import Problem

@@ -74,7 +74,9 @@ from distributed.client import FutureCancelledError
 from plexrl_dask import config as plexrl_config
 from plexrl_dask.config import request_timeout
 from plexrl_dask.dashboard.jobs import JobStepReport, report_step
-from plexrl_dask.driver.runtime import Deployment, Runtime, result
+from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.runtime import Runtime
+from plexrl_dask.driver.waits import result
 from plexrl_dask.errors import (
     ConfigError,
     DeploymentLost,
@@ -137,7 +139,7 @@ class GRPOJob:
     request, where they are (:mod:`plexrl_dask.rl.scoring`), not fetched by the driver; the
     records are the same either way. ``fuse_steps`` (default ``plexrl.grpo.fuse-steps``):
     such a step of a colocated job whose policy is one worker is one request
-    (:meth:`Deployment.sample_train <plexrl_dask.driver.runtime.Deployment.sample_train>`),
+    (:meth:`Deployment.sample_train <plexrl_dask.driver.deployment.Deployment.sample_train>`),
     and the next step's is queued behind it; the records are the same either way.
     """
 

@@ -36,13 +36,9 @@ from typing import Any
 
 from plexrl_dask import config
 from plexrl_dask.config import request_timeout
-from plexrl_dask.driver.runtime import (
-    Deployment,
-    Runtime,
-    check_tensor_parallel,
-    result,
-    split_prompts,
-)
+from plexrl_dask.driver.deployment import Deployment, split_prompts
+from plexrl_dask.driver.runtime import Runtime, check_tensor_parallel
+from plexrl_dask.driver.waits import result
 from plexrl_dask.errors import ConfigError, RequestTimeout
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.models.tokenizer import encode_prompts
@@ -311,7 +307,7 @@ def pool_placement(
     A job's parts: each training rank's share of the step (training splits evenly over its
     ``groups[name]`` ranks, default one), and the rollout. Sampled by rollout replicas, the
     rollout splits evenly over them; sampled on the training group (the hybrid engine), each
-    rank decodes the prompts :func:`~plexrl_dask.driver.runtime.split_prompts` gives it for
+    rank decodes the prompts :func:`~plexrl_dask.driver.deployment.split_prompts` gives it for
     ``stream_rows`` (default ``plexrl.sampling.stream-rows``): one stream per step puts the
     whole rollout on rank 0. A job's heaviest rank goes to the least-loaded worker, and its
     ranks and its replicas each take distinct workers. Ties go to the pool's order, so the

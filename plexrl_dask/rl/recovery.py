@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexrl_dask.config import request_timeout
-from plexrl_dask.driver.runtime import Deployment, Runtime, result
+from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.runtime import Runtime
+from plexrl_dask.driver.waits import result
 from plexrl_dask.errors import (
     CheckpointError,
     CheckpointIncompatible,

@@ -4,7 +4,7 @@
 each completion scored by the task's verifier (:func:`~plexrl_dask.tasks.rewards.score`),
 advantages per group, zero-advantage groups dropped (:func:`~plexrl_dask.rl.objective.group_data`).
 
-**Scored training** (:meth:`Deployment.train_scored <plexrl_dask.driver.runtime.Deployment.train_scored>`):
+**Scored training** (:meth:`Deployment.train_scored <plexrl_dask.driver.deployment.Deployment.train_scored>`):
 a synchronous GRPO step need not bring its samples to the driver at all. The training request
 takes the sample request's future and a :class:`ScoringRecipe` (the task, the
 :class:`GRPOConfig`, the step's problems and step number); the worker that trains scores the

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from plexrl_dask.driver.runtime import Deployment, result
+from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.waits import result
 from plexrl_dask.rl.episodes import transcript_datum
 from plexrl_dask.shared.types import AdamWParams, Chat, CrossEntropy, Datum, SamplingParams
 from plexrl_dask.tasks.agentic import is_agentic

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl_dask import config
-from plexrl_dask.driver.runtime import Deployment
+from plexrl_dask.driver.deployment import Deployment
 from plexrl_dask.driver.waits import settled
 from plexrl_dask.shared.types import SampleResult, SamplingParams
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from plexrl_dask.driver.runtime import Deployment
+from plexrl_dask.driver.deployment import Deployment
 from plexrl_dask.errors import (
     ConfigError,
     InvalidTinkerRequest,

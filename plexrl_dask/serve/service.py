@@ -48,7 +48,8 @@ import numpy as np
 import torch
 
 from plexrl_dask import config
-from plexrl_dask.driver.runtime import Deployment, Runtime
+from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.runtime import Runtime
 from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import (
     AdapterNotFound,

@@ -33,7 +33,8 @@ import uuid
 from typing import TYPE_CHECKING
 
 from plexrl_dask import config
-from plexrl_dask.driver.runtime import Deployment, Runtime
+from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.runtime import Runtime
 from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import ConfigError, PlexRLError
 from plexrl_dask.models.spec import ModelSpec

@@ -23,7 +23,7 @@ How it works, and why:
   batch (CPU and GPU matmuls are not batch-invariant). The admission schedule is a pure function
   of the stream's rows and outcomes, so a stream decodes bit-identically on any worker; the
   runtime splits a request over replicas only at stream boundaries
-  (:func:`~plexrl_dask.driver.runtime.split_prompts`), so any replica count gives the same bits.
+  (:func:`~plexrl_dask.driver.deployment.split_prompts`), so any replica count gives the same bits.
 - A multi-turn prompt (:class:`~plexrl_dask.shared.types.TurnPrompt`) on a replica with a
   prefix cache is prefilled alone, turn by turn from the longest prefix the cache holds, and
   then joins the waiting rows like any prefilled row (:mod:`plexrl_dask.worker.prefix_cache`
