@@ -40,7 +40,7 @@ from plexrl_dask.tools import (
     stop_strings,
 )
 from plexrl_dask.tools.calls import check_tools
-from plexrl_dask.tools.sandbox import TRUNCATED, _server, memory_bounded, sandbox_processes
+from plexrl_dask.tools.sandbox import _server, memory_bounded, sandbox_processes
 
 TOOLS = {"calc": Calculator()}
 FAST = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
@@ -153,10 +153,38 @@ def test_a_hostile_program_gets_an_error_and_the_next_one_runs(name, program, er
     assert run("print('next')").output == "next\n"
 
 
-def test_a_program_that_prints_megabytes_is_cut_at_the_documented_size():
+def test_a_program_that_prints_megabytes_is_stopped_at_the_documented_size():
+    t0 = time.monotonic()
     res = run("while True:\n    print('x' * 1000)")
-    assert res.ok and res.output.endswith(TRUNCATED)
-    assert len(res.output) == FAST.output_bytes + len(TRUNCATED)
+    assert res.error == "ToolLimitExceeded", res
+    assert f"more than {FAST.output_bytes} bytes" in res.output
+    assert time.monotonic() - t0 < FAST.wall_s  # (stopped at the size, not at the clock)
+    assert (
+        run(f"print('x' * {FAST.output_bytes - 1})").output == "x" * (FAST.output_bytes - 1) + "\n"
+    )
+
+
+def test_the_sandbox_runs_without_namespaces_only_as_configured(monkeypatch, caplog):
+    import dask.config
+
+    from plexrl_dask.tools import sandbox
+
+    # (the pid a program sees: 1 or 2 in a PID namespace of its own, the host's elsewhere)
+    pid = "import os\nprint(os.getpid() > 2)"
+    with dask.config.set({"plexrl.tools.sandbox-isolation": "limits"}):
+        assert run(pid).output == "True\n"  # (limits alone, asked for: no warning)
+    with dask.config.set({"plexrl.tools.sandbox-isolation": "bogus"}):
+        with pytest.raises(errors.ConfigError, match="sandbox-isolation"):
+            PythonSandbox(FAST).run("print(1)")
+    monkeypatch.setattr(sandbox, "isolation", lambda: "limits")  # (as on a host without them)
+    with dask.config.set({"plexrl.tools.sandbox-isolation": "namespaces"}):
+        res = run(pid)
+        assert res.error == "ToolError" and "not available" in res.output, res
+    sandbox._warn_limits_only.cache_clear()
+    with caplog.at_level("WARNING", logger="plexrl_dask.tools.sandbox"):
+        assert run(pid).output == "True\n" and run(pid).output == "True\n"  # auto: limits
+    said = [r for r in caplog.records if "limits alone" in r.getMessage()]
+    assert len(said) == 1  # (once, not per call)
 
 
 def test_a_fork_bomb_stays_inside_its_limits():

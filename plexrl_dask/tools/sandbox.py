@@ -22,7 +22,9 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   (:attr:`SandboxLimits.uid_base` + a slot held with a lock file while it runs, across the
   machine's processes), so one program's processes never count against another's process
   limit: a fork bomb stops at its own. Where namespaces are
-  not available (``"limits"``, what :func:`isolation` falls back to): the limits below, an
+  not available (``"limits"``, what :func:`isolation` falls back to, and what a call runs
+  with unless ``plexrl.tools.sandbox-isolation`` is ``namespaces``: then it refuses; with
+  ``auto`` it says so once in the log): the limits below, an
   empty environment in a temporary directory, and, when run by root, the uid of its own; a
   test says which mode ran. There a program may write wherever its uid may: a directory open
   to anyone, and, where the caller is not root, the caller's own files.
@@ -40,9 +42,11 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   ``local_cluster``) untrusted programs take the CPU the workers leave, and a worker's decode
   loop, which feeds its accelerator, is not slowed by them. Measured on 2 cores in
   ``bench.agentic`` (``benchmarks/RESULTS.md``).
-- **output**: standard output, at most :attr:`SandboxLimits.output_bytes` (the program is
-  stopped when it prints more; what came first is kept and marked ``[truncated]``); a program
-  that fails gives its last line of standard error as a :class:`~plexrl_dask.errors.ToolError`.
+- **output**: standard output, at most :attr:`SandboxLimits.output_bytes`: a program that
+  prints more is stopped there and its call fails with
+  :class:`~plexrl_dask.errors.ToolLimitExceeded` (an output cut short is not the program's
+  answer: the episode sees a tool error, as for any other limit); a program that fails gives
+  its last line of standard error as a :class:`~plexrl_dask.errors.ToolError`.
 
 Deterministic for a given program: no network, no environment, a fixed working directory path,
 no other process to see, the same string hashes (so the order of a set of strings) in every
@@ -57,6 +61,7 @@ import contextlib
 import fcntl
 import functools
 import json
+import logging
 import os
 import select
 import shutil
@@ -71,10 +76,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import dask.config
+
 from plexrl_dask.errors import ConfigError, ToolError, ToolLimitExceeded
 
+logger = logging.getLogger(__name__)
+
 _JAIL = Path(__file__).with_name("_jail.py")
-TRUNCATED = "[truncated]"
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,40 @@ def isolation() -> str:
     except (OSError, ToolError):
         ok = False
     return "namespaces" if ok else "limits"
+
+
+ISOLATIONS = ("auto", "namespaces", "limits")
+
+
+def chosen_isolation() -> str:
+    """The mode a call of a sandbox with no mode of its own runs in, as
+    ``plexrl.tools.sandbox-isolation`` asks (see the module docstring):
+    :class:`~plexrl_dask.errors.ToolError` where it asks for namespaces that are not
+    available here, :class:`~plexrl_dask.errors.ConfigError` for a setting it does not know."""
+    want = dask.config.get("plexrl.tools.sandbox-isolation", "auto")
+    if want not in ISOLATIONS:
+        raise ConfigError(f"plexrl.tools.sandbox-isolation is one of {ISOLATIONS}, got {want!r}")
+    if want == "limits":
+        return "limits"
+    if isolation() == "namespaces":
+        return "namespaces"
+    if want == "namespaces":
+        raise ToolError(
+            "the sandbox's namespaces are not available here (plexrl.tools.sandbox-isolation "
+            "is 'namespaces'): no program runs without them"
+        )
+    _warn_limits_only()
+    return "limits"
+
+
+@functools.cache
+def _warn_limits_only() -> None:
+    logger.warning(
+        "the Python sandbox runs programs with limits alone here: no namespaces (not root, "
+        "and no user namespaces), so a program may use the network and write wherever its "
+        "user may. Set plexrl.tools.sandbox-isolation to 'namespaces' to refuse, or to "
+        "'limits' to say this is meant"
+    )
 
 
 @functools.cache
@@ -181,7 +223,7 @@ class PythonSandbox:
             raise ToolError(
                 "the Python sandbox runs on Linux only (its calls are forks of a server)"
             )
-        mode = self.mode or isolation()
+        mode = self.mode or chosen_isolation()
         code = text.encode()
         if len(code) > self.limits.code_bytes:
             raise ToolLimitExceeded(f"a program has at most {self.limits.code_bytes} bytes")
@@ -437,7 +479,9 @@ def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) 
     if returncode == 125 and b"plexrl-jail:" in err.data:
         raise ToolError(err.data.decode(errors="replace").strip())  # (the jail, not the program)
     if out.truncated:
-        return out.data.decode(errors="replace") + TRUNCATED
+        raise ToolLimitExceeded(
+            f"the program printed more than {limits.output_bytes} bytes (stopped there)"
+        )
     if returncode is None:
         raise ToolLimitExceeded(f"the program ran past {limits.wall_s:g} s")
     if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
