@@ -224,3 +224,99 @@ def test_bench_agentic_reports_each_jobs_turns_and_tool_times_as_distributions()
     assert (got["tool_calls"], got["tool_runs"]) == (4, 3)
     assert got["tool_s"]["p50"] == 0.02 and got["tool_s"]["max"] == 0.5
     assert distribution({"turns": [1], "tool_s": []})["tool_s"] is None
+
+
+def test_the_program_task_its_transcripts_and_the_sandbox_agree():
+    """ProgramTask's problems are deterministic, its warm-up transcripts show the output the
+    sandbox really gives for their call, and its verifier takes the value and nothing else."""
+    from plexrl_dask.tasks.agentic import ProgramTask
+    from plexrl_dask.tools import parse_call, run_call
+
+    task = ProgramTask(seed=3)
+    assert is_agentic(task) and task == ProgramTask(seed=3)  # (its tools are not its identity)
+    problems = task.problems(0, 12)
+    assert problems == task.problems(0, 12) and problems != ProgramTask(seed=4).problems(0, 12)
+    for p in problems:
+        value = p.metadata["value"]
+        call_text, rest = p.answer.split("</py>", 1)
+        call = parse_call(call_text + "</py>", task.tools)
+        assert call is not None and call.text == f"print({p.prompt[:-1]})"
+        res = run_call(call, task.tools)  # (the real sandbox)
+        assert res.ok and res.observation(task.observation_limit) == f"<out>{value}\n</out>"
+        assert rest == f"<out>{value}\n</out>{value}\n"
+        assert task.reward(p, f"{value}\n") == 1.0
+        assert task.reward(p, f"{int(value) + 1}\n") == 0.0 and task.reward(p, "") == 0.0
+    with pytest.raises(errors.ConfigError):
+        ProgramTask(max_turns=0)
+    with pytest.raises(errors.ConfigError):
+        ProgramTask(observation_limit=4)
+
+
+def test_hostile_tool_calls_end_as_error_observations_and_every_episode_goes_on():
+    """An episode's program that loops, forks, allocates, prints megabytes, writes outside its
+    directory, tries the network, or a call that does not parse: that sample's observation is
+    the tool's error, its next turn is sampled and scored like any other, and the pool runs
+    the next call as before (the real sandbox, on the driver's pool)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from plexrl_dask.rl.episodes import run_episodes
+    from plexrl_dask.shared.types import SampledSequence, SampleResult, SamplingParams
+    from plexrl_dask.tasks.agentic import ProgramTask
+    from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolPool
+    from plexrl_dask.tools.sandbox import sandbox_processes
+
+    limits = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
+    hostile = {
+        "loop": ("<py>while True:\n    pass</py>", "ToolLimitExceeded"),
+        "fork": ("<py>import os\nwhile True:\n    os.fork()</py>", "Tool"),
+        "allocate": ("<py>x = []\nwhile True:\n    x.append(bytearray(2**24))</py>", "Tool"),
+        "megabytes": ("<py>while True:\n    print('x' * 1000)</py>", "ToolLimitExceeded"),
+        "outside": ("<py>open('/etc/plexrl-escape', 'w').write('x')</py>", "ToolError"),
+        "network": (
+            "<py>import socket\nsocket.create_connection(('1.1.1.1', 53), 1)</py>",
+            "ToolError",
+        ),
+        "unparsed": ("print(1)</py>", "InvalidToolCall"),
+        "fine": ("<py>print(6 * 7)</py>", None),
+    }
+    programs = list(hostile.values())
+    tok = CharDeployment()
+    task = ProgramTask(seed=1, limits=limits)
+
+    class Sampler:  # in-process: the first turn calls a program, the second answers
+        info = SimpleNamespace(max_positions=None)
+
+        def tokenize(self, text, special_tokens=None):
+            return tok.tokenize(text, special_tokens)
+
+        def sample(self, prompts, params, prompt_ids, holds=False):
+            texts = [programs[c][0] if holds else "42\n" for c in prompt_ids]
+            seqs = [
+                SampledSequence(tuple(tok.tokenize(t)), (-0.1,) * len(t), t, "stop") for t in texts
+            ]
+            out = Future()
+            out.set_result(SampleResult(tuple(map(tuple, prompts)), tuple((s,) for s in seqs)))
+            return out
+
+    pool = ToolPool(None, {"py": PythonSandbox(limits)})
+    problems = task.problems(0, len(programs))
+    params = SamplingParams(n=1, max_tokens=64, seed=1)
+    t0 = time.monotonic()
+    batch = run_episodes(Sampler(), pool, problems, params, 1, 2, task.observation_limit)
+    assert time.monotonic() - t0 < 60
+    for (name, (_, error)), [ep], p in zip(hostile.items(), batch.groups, problems, strict=True):
+        first, answer = ep.turns
+        assert answer.text == "42\n" and ep.answer == "42\n", name  # (the episode went on)
+        if error is None:
+            assert first.result.ok and first.result.output == "42\n"
+        else:
+            assert not first.result.ok and first.result.error.startswith(error), (name, first)
+            seen = tok.tok.decode(list(first.observation))
+            assert seen.startswith("<out>error: ") and seen.endswith("</out>"), (name, seen)
+        assert task.reward(p, ep.answer) == float(p.metadata["value"] == "42")
+    assert not __import__("os").path.exists("/etc/plexrl-escape")
+    [res] = pool.run([ToolCall("py", "print('next')")], 10)
+    assert res.ok and res.output == "next\n"
+    assert sandbox_processes(limits) == []
+    pool.close()

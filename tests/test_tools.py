@@ -173,9 +173,11 @@ def test_the_sandbox_runs_without_namespaces_only_as_configured(monkeypatch, cap
     pid = "import os\nprint(os.getpid() > 2)"
     with dask.config.set({"plexrl.tools.sandbox-isolation": "limits"}):
         assert run(pid).output == "True\n"  # (limits alone, asked for: no warning)
-    with dask.config.set({"plexrl.tools.sandbox-isolation": "bogus"}):
-        with pytest.raises(errors.ConfigError, match="sandbox-isolation"):
-            PythonSandbox(FAST).run("print(1)")
+    with (
+        dask.config.set({"plexrl.tools.sandbox-isolation": "bogus"}),
+        pytest.raises(errors.ConfigError, match="sandbox-isolation"),
+    ):
+        PythonSandbox(FAST).run("print(1)")
     monkeypatch.setattr(sandbox, "isolation", lambda: "limits")  # (as on a host without them)
     with dask.config.set({"plexrl.tools.sandbox-isolation": "namespaces"}):
         res = run(pid)
@@ -526,7 +528,8 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
         name = "where"
 
         def run(self, text: str) -> str:
-            if text == "die":
+            if text.startswith("die"):  # "die" or "die:<seconds>"
+                time.sleep(float(text.partition(":")[2] or 0))
                 os._exit(1)
             if text == "hang":
                 time.sleep(120)
@@ -544,7 +547,8 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
     ):
         [tool] = tool_workers(client)
         assert worker_info(client)[tool]["name"] == "tool-0"
-        pool = ToolPool(client, {"where": WhereAmI(), "calc": Calculator()}, job="job-tools")
+        tools = {"where": WhereAmI(), "calc": Calculator(), "py": PythonSandbox(FAST)}
+        pool = ToolPool(client, tools, job="job-tools")
         calls = [ToolCall("where", ""), None, ToolCall("calc", "6*7"), ToolCall("calc", "6/0")]
         got = pool.run(calls, timeout_s=10)
         assert [r and (r.output, r.error) for r in got] == [
@@ -613,9 +617,16 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
         assert suite["processes_left"] == [] and suite["files_written_outside"] == []
         assert suite["programs"]["fork bomb"]["error"] and suite["programs"]["memory"]["error"]
         assert pool.run([ToolCall("calc", "2*3")], timeout_s=10)[0].output == "6"
+        # The tool worker dies while a sandboxed program of the same turn runs: both calls
+        # are failed results, and the program does not outlive its worker.
         t0 = time.monotonic()
-        [lost] = pool.run([ToolCall("where", "die")], timeout_s=10)
-        assert lost.error == "ToolWorkerLost" and time.monotonic() - t0 < 30
+        sleeper = ToolCall("py", "import time\nprint('up', flush=True)\ntime.sleep(60)")
+        lost = pool.run([ToolCall("where", "die:1.0"), sleeper], timeout_s=10)
+        assert [r.error for r in lost] == ["ToolWorkerLost"] * 2 and time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 15
+        while sandbox_processes(FAST) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sandbox_processes(FAST) == []
         client.wait_for_workers(2, timeout=60)  # (its nanny starts it again)
         deadline = time.monotonic() + 30
         while not tool_workers(client) and time.monotonic() < deadline:
