@@ -55,6 +55,42 @@ def test_bad_configs_are_typed_errors(runtime):
     with pytest.raises(errors.ConfigError, match="reference"):
         GRPOJob("bad", runtime, FirstCharIsDigit(), policy, GRPOConfig(kl_coef=0.1))
 
+    # A task that is not one is refused when the job is made, each lack named.
+    class NoStop:
+        def problems(self, start, count):
+            return []
+
+        def reward(self, problem, completion):
+            return 0.0
+
+    class NotCallable(NoStop):
+        stop = "\n"
+        reward = 1.0
+        score = "yes"
+
+    for bad, lacks in (
+        (NoStop(), "stop"),
+        (NotCallable(), "reward, score"),
+        (object(), "problems"),
+    ):
+        with pytest.raises(errors.ConfigError, match=lacks):
+            GRPOJob("bad", runtime, bad, policy, GRPOConfig())
+
+
+def test_a_task_is_described_by_its_repr_cut_with_a_digest_where_it_is_long():
+    from plexrl_dask.tasks.base import TASK_REPR_CHARS, describe_task
+
+    @dataclass(frozen=True)
+    class Rows:
+        rows: tuple[str, ...]
+
+    short = Rows(("a", "b"))
+    assert describe_task(short) == repr(short)
+    big, other = Rows(("x",) * 5000), Rows(("x",) * 4999 + ("y",))
+    text = describe_task(big)
+    assert len(text) < TASK_REPR_CHARS + 100 and text.startswith(repr(big)[:100])
+    assert "sha256" in text and describe_task(other) != text  # (still told apart)
+
 
 def test_split_and_colocated_jobs_are_bit_identical(runtime, tmp_path):
     """The same job (model, task, seeds) sampling from a separate rollout deployment kept in

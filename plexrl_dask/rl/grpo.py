@@ -99,7 +99,7 @@ from plexrl_dask.rl.scoring import (
 )
 from plexrl_dask.shared.types import Datum, SamplingParams
 from plexrl_dask.tasks.agentic import is_agentic
-from plexrl_dask.tasks.base import Problem, Task
+from plexrl_dask.tasks.base import Problem, Task, check_task, describe_task
 from plexrl_dask.tools.pool import ToolPool
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,7 @@ class GRPOJob:
         score_on_worker: bool | None = None,
         fuse_steps: bool | None = None,
     ) -> None:
+        check_task(task)
         if config.kl_coef > 0 and reference is None:
             raise ConfigError("kl_coef > 0 needs a reference deployment")
         if config.staleness and rollout is None:
@@ -200,12 +201,12 @@ class GRPOJob:
         self.tool_seconds: list[float] = []
         self._stop = threading.Event()
         self._header = {
-            "job": name, "config": asdict(config), "task": repr(task), "policy": policy.name
+            "job": name, "config": asdict(config), "task": describe_task(task), "policy": policy.name
         }  # fmt: skip
         # Between steps (plexrl_dask.rl.recovery): checkpoints, and following the placement.
         self.saver = None
         if checkpoints is not None:
-            identity = {"config": asdict(config), "task": repr(task)}
+            identity = {"config": asdict(config), "task": describe_task(task)}
             self.saver = JobSaver(
                 name, checkpoints, identity, policy, rollout, config.staleness, self._problems
             )

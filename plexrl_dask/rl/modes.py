@@ -50,7 +50,7 @@ from plexrl_dask.rl.sizing import StepWork, TrainingMemory, step_work, training_
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
 from plexrl_dask.shared.types import AdamWParams, SamplingParams, Streams
-from plexrl_dask.tasks.base import Task
+from plexrl_dask.tasks.base import Task, describe_task
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class JobSpec:
         """What reproduces the job (JSON-able)."""
         return {
             "name": self.name,
-            "task": repr(self.task),
+            "task": describe_task(self.task),
             "model": self.model.to_dict(),
             "grpo": asdict(self.grpo),
             "rollout_backend": self.rollout_backend,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,3 +50,35 @@ class Task(Protocol):
     def problems(self, start: int, count: int) -> list[Problem]: ...
 
     def reward(self, problem: Problem, completion: str) -> float: ...
+
+
+#: The longest task ``repr`` written as it is into a metrics header or job description; a
+#: longer one (a task whose data fields are in its repr) is cut there, with a digest of all of
+#: it, so that two such tasks still read apart.
+TASK_REPR_CHARS = 2000
+
+
+def check_task(task: Any) -> None:
+    """:class:`~plexrl_dask.errors.ConfigError` unless ``task`` is a :class:`Task`: a string
+    ``stop``, callable ``problems`` and ``reward``, and ``score``, where it has one, callable
+    (checked when a job is made, not at its first step)."""
+    missing = [m for m in ("problems", "reward") if not callable(getattr(task, m, None))]
+    if not isinstance(getattr(task, "stop", None), str):
+        missing.append("stop (a string)")
+    if hasattr(task, "score") and not callable(task.score):
+        missing.append("score (callable, where a task has one)")
+    if missing:
+        raise ConfigError(
+            f"a task has problems(start, count), reward(problem, completion) and a stop string "
+            f"(docs/tasks.md); {type(task).__name__} lacks {', '.join(missing)}"
+        )
+
+
+def describe_task(task: Any) -> str:
+    """``repr(task)``, cut at :data:`TASK_REPR_CHARS` characters with a digest of the whole
+    where it is longer."""
+    text = repr(task)
+    if len(text) <= TASK_REPR_CHARS:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{text[:TASK_REPR_CHARS]}... ({len(text)} characters, sha256 {digest})"
