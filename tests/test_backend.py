@@ -67,6 +67,50 @@ def test_cross_entropy_training_lowers_loss(backend):
     assert last < 0.5 * first
 
 
+@pytest.mark.parametrize("no_decay", ["none", "biases-and-norms"])
+def test_optim_step_is_torch_adamw_at_the_requested_hyperparameters(no_decay):
+    """Each step equals ``torch.optim.AdamW`` at the request's betas, eps and decay; with
+    ``no_decay="biases-and-norms"`` the parameters Hugging Face's ``Trainer`` exempts from
+    decay (its own rule, asked of it) get none, and the rest do."""
+    import copy
+
+    from transformers import Trainer
+
+    torch.set_num_threads(1)
+    spec = tiny_spec(seed=7)
+    ours = TorchBackend(spec, "cpu")
+    ref_model = copy.deepcopy(ours.model)
+    params = AdamWParams(
+        lr=0.05, beta1=0.8, beta2=0.95, eps=1e-4, weight_decay=0.5, grad_clip=None,
+        no_decay=no_decay,
+    )  # fmt: skip
+    named = [(n, p) for n, p in ref_model.named_parameters() if p.requires_grad]
+    decayed = set(Trainer.get_decay_parameter_names(None, ref_model))
+    if no_decay == "none":
+        groups = [{"params": [p for _, p in named], "weight_decay": 0.5}]
+    else:
+        assert {n for n, _ in named} - decayed  # (the tiny model has norms to exempt)
+        groups = [
+            {"params": [p for n, p in named if n in decayed], "weight_decay": 0.5},
+            {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
+        ]
+    ref = torch.optim.AdamW(groups, lr=0.05, betas=(0.8, 0.95), eps=1e-4)
+    batch = [
+        Datum.from_prompt_completion(toks(ours, f"{i}+{i}="), toks(ours, f"{2 * i}\n"))
+        for i in range(4)
+    ]
+    for _ in range(3):
+        ours.forward_backward(batch, CrossEntropy())
+        trained = (p for p in ours.model.parameters() if p.requires_grad)
+        for (_, p), q in zip(named, trained, strict=True):
+            p.grad = q.grad.clone()
+        ours.optim_step(params)
+        ref.step()
+        ref.zero_grad(set_to_none=True)
+    for (name, p), q in zip(ref_model.named_parameters(), ours.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def test_split_batch_with_normalizer_equals_one_call():
     spec = tiny_spec()
     a, b = TorchBackend(spec, "cpu"), TorchBackend(spec, "cpu")

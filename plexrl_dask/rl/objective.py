@@ -35,8 +35,9 @@ symmetric; DAPO's clip-higher, e.g. ``clip=0.2, clip_high=0.28``).
 ``d = ref_logp - logp``: ``"k1"`` ``-d``; ``"k2"`` ``d^2 / 2``; ``"k3"`` (default)
 ``exp(d) - d - 1``, the unbiased non-negative estimator.
 
-**Optimizer**: AdamW with ``beta1``, ``beta2``, ``adam_eps``, ``weight_decay`` and ``grad_clip``
-(max global L2 norm, None: none), at the learning rate of :func:`lr_at`: a linear warm-up over
+**Optimizer**: AdamW with ``beta1``, ``beta2``, ``adam_eps``, ``weight_decay`` (on every
+parameter, or, with ``no_decay="biases-and-norms"``, not on biases and normalisation weights,
+as Hugging Face's ``Trainer`` and TRL) and ``grad_clip`` (max global L2 norm, None: none), at the learning rate of :func:`lr_at`: a linear warm-up over
 ``lr_warmup_steps`` steps from ``lr / lr_warmup_steps`` to ``lr``, then ``lr_schedule``
 ``"constant"``, ``"linear"`` or ``"cosine"`` decay to ``min_lr_ratio * lr`` at the last step.
 ``epochs`` optimizer steps per batch; from the second on, the importance ratio is against the
@@ -92,6 +93,7 @@ class GRPOConfig:
     beta2: float = 0.999
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
+    no_decay: str = "none"
     grad_clip: float | None = 1.0
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
@@ -174,6 +176,7 @@ class GRPOConfig:
             eps=self.adam_eps,
             weight_decay=self.weight_decay,
             grad_clip=self.grad_clip,
+            no_decay=self.no_decay,
         )
 
 

@@ -223,10 +223,17 @@ class PolicyGradient:
 Loss = CrossEntropy | PolicyGradient
 
 
+#: What ``AdamWParams.no_decay`` may say.
+NO_DECAY = ("none", "biases-and-norms")
+
+
 @dataclass(frozen=True)
 class AdamWParams:
     """Hyperparameters of one ``optim_step`` (AdamW); ``grad_clip`` is the max global L2 norm
-    (``None``: no clipping)."""
+    (``None``: no clipping). ``no_decay``: which parameters ``weight_decay`` leaves alone:
+    ``"none"`` (torch's AdamW: it decays every parameter) or ``"biases-and-norms"`` (as
+    Hugging Face's ``Trainer`` and TRL do: biases and normalisation weights, by the names
+    ``Trainer.get_decay_parameter_names`` matches)."""
 
     lr: float = 1e-3
     beta1: float = 0.9
@@ -234,6 +241,7 @@ class AdamWParams:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0
+    no_decay: str = "none"
 
     def __post_init__(self) -> None:
         betas = (self.beta1, self.beta2)
@@ -246,6 +254,7 @@ class AdamWParams:
             "eps must be > 0": _real(self.eps) and self.eps > 0,
             "weight_decay must be >= 0": _real(self.weight_decay) and self.weight_decay >= 0,
             "grad_clip must be None or > 0": clip is None or (_real(clip) and clip > 0),
+            f"no_decay must be one of {NO_DECAY}": self.no_decay in NO_DECAY,
         }
         for message, ok in checks.items():
             if not ok:

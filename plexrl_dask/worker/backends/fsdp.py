@@ -51,6 +51,7 @@ from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams
 from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
 from plexrl_dask.worker.groups import ProcessGroupManager
+from plexrl_dask.worker.optimizer import new_adamw
 from plexrl_dask.worker.replica_checkpoint import local_shard
 
 logger = logging.getLogger(__name__)
@@ -455,7 +456,7 @@ class FSDPBackend(TorchBackend):
                 if n in state["grads"]:
                     p.grad = _like(p, state["grads"][n].to(self.device, non_blocking=True))
         if state["hyper"] is not None:
-            new.optimizer = torch.optim.AdamW(list(params.values()))
+            new.optimizer = new_adamw(params.items())
             for group, old in zip(new.optimizer.param_groups, state["hyper"], strict=True):
                 group.update(old)
             for n, st in state["optim"].items():

@@ -32,6 +32,7 @@ from plexrl_dask.models.lora import attach_adapter
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.worker.backends.shared import SharedBases
 from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
+from plexrl_dask.worker.optimizer import new_adamw
 
 
 class _AdapterView:
@@ -159,7 +160,7 @@ class LoraBackend(TorchBackend):
                 p.grad = None if g is None else g.to(self.device, non_blocking=True)
         groups = host.get("optim_groups")
         if groups is not None:
-            self.optimizer = torch.optim.AdamW(list(weights.values()))
+            self.optimizer = new_adamw(weights.items())
             for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
                 group.update(saved)
             for n, st in host["optim"].items():

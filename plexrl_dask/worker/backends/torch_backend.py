@@ -54,6 +54,7 @@ from plexrl_dask.worker.backends.base import check_weights
 from plexrl_dask.worker.decode import StreamDecoder
 from plexrl_dask.worker.decode_step import DecodeStep
 from plexrl_dask.worker.losses import compute_loss
+from plexrl_dask.worker.optimizer import new_adamw, set_hyperparameters
 from plexrl_dask.worker.prefix_cache import PrefixCache, prefix_cache_bytes
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 from plexrl_dask.worker.row_decode import RowDecoder
@@ -348,14 +349,8 @@ class TorchBackend:
                 for g in grads:
                     g.mul_(coef)
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(trainable, lr=params.lr)
-        for group in self.optimizer.param_groups:
-            group.update(
-                lr=params.lr,
-                betas=(params.beta1, params.beta2),
-                eps=params.eps,
-                weight_decay=params.weight_decay,
-            )
+            self.optimizer = new_adamw(self.model.named_parameters())
+        set_hyperparameters(self.optimizer, params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending_backward = 0
@@ -662,9 +657,7 @@ class TorchBackend:
         self._checked(check)
         meta["has_optimizer"] = bool(meta["has_optimizer"]) and optimizer is True
         if meta["has_optimizer"] and self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], weight_decay=0.0
-            )
+            self.optimizer = new_adamw(self.model.named_parameters())
         if not meta["has_optimizer"]:
             self.optimizer = None  # moments of the old state do not belong to the restored one
         if isinstance(path, str):
