@@ -149,6 +149,10 @@ def test_a_job_with_a_reference_and_non_default_options_trains_away_from_it(runt
         lr_schedule="cosine", lr_warmup_steps=1, eos_only=True,
     )  # fmt: skip
     job = GRPOJob("kl", runtime, FirstCharIsDigit(), policy, config, reference=reference)
+    assert job._sampling(0).stop == ()  # (EOS only: not the task's stop string)
+    assert GRPOJob("s", runtime, FirstCharIsDigit(), policy, GRPOConfig())._sampling(0).stop == (
+        FirstCharIsDigit().stop,
+    )
     records = job.run()
     assert [r.version for r in records] == [1, 2, 3]
     assert records[0].extra["kl"] == 0.0

@@ -4,6 +4,7 @@ a tiny batch (hand-computed) through the worker's own loss function."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,10 +21,12 @@ COMPLETIONS = ((7,), (8, 9, 10))
 REWARDS = (1.0, 0.0)
 
 
-def _loss_of(config: GRPOConfig, logp_of: dict[int, float], ref_of=None, old_of=None) -> float:
-    """The worker's loss of the group above, the model giving each completion token the
-    log-probability ``logp_of[token]``."""
-    data, _ = group_data(config, PROMPT, COMPLETIONS, REWARDS)
+def _loss_of(
+    config: GRPOConfig, logp_of: dict[int, float], ref_of=None, old_of=None, rewards=REWARDS
+) -> float:
+    """The worker's loss of the group above (its ``rewards``), the model giving each
+    completion token the log-probability ``logp_of[token]``."""
+    data, _ = group_data(config, PROMPT, COMPLETIONS, rewards)
     if ref_of is not None or old_of is not None:
         data = [
             plexrl.Datum(
@@ -156,6 +159,31 @@ def test_zero_advantage_groups_are_dropped_unless_kept():
     )
     assert not teaches and len(kept) == 2
     assert all(a == 0.0 for d in kept for a in d.advantages)
+
+
+def test_advantage_eps_is_added_to_the_std_and_a_spread_under_it_counts_as_none():
+    assert group_advantages([1.0, 0.0], "std", eps=0.5) == pytest.approx([0.5, -0.5])
+    assert group_advantages([1.0, 0.99], "std", eps=0.01) == [0.0, 0.0]  # (std 0.005)
+    assert group_advantages([1.0, 0.99], "std", eps=0.001) == pytest.approx(
+        [0.8333, -0.8333], abs=1e-3
+    )
+    data, teaches = group_data(GRPOConfig(advantage_eps=0.5), PROMPT, COMPLETIONS, REWARDS)
+    assert teaches and [d.advantages[-1] for d in data] == pytest.approx([0.5, -0.5])
+
+
+def test_a_kept_zero_advantage_group_carries_its_kl_term_and_nothing_else():
+    """Kept (``keep_zero_advantage``), a group whose rewards are equal adds its KL term over
+    all its tokens (token mean: k2 of d = 0.3 on each); dropped (the default), nothing."""
+    ref = {t: v + 0.3 for t, v in LOGP.items()}
+    kept = GRPOConfig(keep_zero_advantage=True, kl_coef=0.5, kl_estimator="k2")
+    loss = _loss_of(kept, LOGP, ref_of=ref, rewards=(1.0, 1.0))
+    assert loss == pytest.approx(0.5 * 0.3 * 0.3 / 2, abs=1e-6)
+    assert group_data(
+        replace(kept, keep_zero_advantage=False), PROMPT, COMPLETIONS, (1.0, 1.0)
+    ) == (
+        [],
+        False,
+    )
 
 
 def test_a_completion_stops_at_the_tasks_string_the_configs_or_eos_alone():
