@@ -48,6 +48,7 @@ from plexrl_dask.rl.modes import (
     layouts,
     resumable,
     run_mode,
+    sampling_fits,
     smallest_groups,
     tensor_parallel_degrees,
     trajectories_identical,
@@ -104,7 +105,10 @@ def isolated_runs(
     costs, notes = {}, []
     tp = tensor_parallel_degrees(specs, len(workers))
     for mode in ("colocated", "split", "split-async"):
-        offered = layouts(mode, len(workers), groups.values(), tp)
+        fits = sampling_fits(
+            specs, budget_bytes(dask.config.get("plexrl.worker.memory-budget")), groups
+        )
+        offered = layouts(mode, len(workers), groups.values(), tp, fits)
         if not offered:
             widest = max(groups, key=groups.get)
             notes.append(
@@ -272,6 +276,8 @@ def main() -> None:
         groups = smallest_groups(specs, budget_bytes(args.memory_budget), args.workers)
     except plexrl.errors.ConfigError as e:
         raise SystemExit(str(e)) from None
+    if not sampling_fits(specs, budget_bytes(args.memory_budget), groups)(layout):
+        raise SystemExit(f"the jobs' sampling does not fit {layout.label} at {args.memory_budget}")
     resumed = resumable(checkpoint_dir, layout.mode, specs)
     if resumed:
         console.print(f"resuming {', '.join(resumed)} from {checkpoint_dir} (--fresh starts over)")

@@ -529,3 +529,26 @@ def test_the_longest_jobs_bound_and_the_time_other_jobs_held_it_up():
     assert cost_ratio(pool, colocated) == pytest.approx(
         costs["no_idle_cost_ratio_vs_colocated"] / (1 - pool.idle_fraction())
     )
+
+
+def test_the_layout_search_offers_no_layout_whose_sampling_does_not_fit():
+    """At a budget where countdown4's batch does not fit one worker's rollout replica but its
+    shard on each of two (tensor-parallel, or its training group sampling on gathered
+    weights) does, only the layouts that sample it on two workers are offered."""
+    from plexrl_dask.rl.catalog import standard_jobs
+    from plexrl_dask.rl.modes import sampling_fits
+
+    [job] = [s for s in standard_jobs(4) if s.name == "countdown4"]
+    m = job.sampling_memory()
+    budget = max(m.per_replica(2), m.hybrid_per_rank(2))
+    assert budget < m.per_replica(1) == m.hybrid_per_rank(1)
+    fits = sampling_fits([job], budget, {"countdown4": 2})
+    assert layouts("colocated", 2, [2], fits=fits) == [Layout("colocated", 1, 0)]  # (on its 2)
+    assert layouts("split", 4, [2], [2], fits) == [Layout("split", 3, 1, tensor_parallel=2)]
+    pools = layouts("multiplexed", 3, [2], fits=fits)
+    assert pools and all(p.rollout_replicas == 0 for p in pools)  # (no one-worker replica)
+    # trained on one worker, it cannot sample there: no colocated or pooled layout at all
+    alone = sampling_fits([job], budget, {"countdown4": 1})
+    assert layouts("colocated", 1, fits=alone) == layouts("multiplexed", 2, fits=alone) == []
+    # the default budget fits every layout of the standard mix
+    assert all(sampling_fits(standard_jobs(4), 192 * 2**20, {"countdown4": 2})(x) for x in pools)

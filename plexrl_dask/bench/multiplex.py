@@ -116,6 +116,7 @@ from plexrl_dask.rl.modes import (
     layouts,
     peak_tokens_per_second,
     run_mode,
+    sampling_fits,
     smallest_groups,
     tensor_parallel_degrees,
     trajectories_identical,
@@ -231,8 +232,9 @@ def main() -> None:
         # requests' CPU share
         brackets: list[dict[str, dict[int, float]]] = []
         shares: list[float | None] = []
+        fits = sampling_fits(specs, budget, groups)
         for mode in MODES:
-            for layout in layouts(mode, args.workers, groups.values(), degrees):
+            for layout in layouts(mode, args.workers, groups.values(), degrees, fits):
                 t0 = time.perf_counter()
                 here, detail, share = measure_peaks(runtime, specs, workers[0])
                 brackets.append(detail)

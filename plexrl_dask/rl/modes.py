@@ -46,7 +46,14 @@ from plexrl_dask.rl.grpo import GRPOJob, StepRecord, run_jobs
 from plexrl_dask.rl.job_checkpoint import JobCheckpoint, JobCheckpoints, read_checkpoint
 from plexrl_dask.rl.ledger import ISOLATED_MODES, MODES, JobWindow, ModeLedger
 from plexrl_dask.rl.objective import GRPOConfig
-from plexrl_dask.rl.sizing import StepWork, TrainingMemory, step_work, training_memory
+from plexrl_dask.rl.sizing import (
+    SamplingMemory,
+    StepWork,
+    TrainingMemory,
+    sampling_memory,
+    step_work,
+    training_memory,
+)
 from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
 from plexrl_dask.shared.types import AdamWParams, SamplingParams, Streams
@@ -92,6 +99,11 @@ class JobSpec:
         """What a step's training holds (:mod:`plexrl_dask.rl.sizing`): the state, and the
         activations of its whole batch (:meth:`step_shape`)."""
         return training_memory(self.model, *self.step_shape())
+
+    def sampling_memory(self) -> SamplingMemory:
+        """What sampling a step's batch holds (:func:`plexrl_dask.rl.sizing.sampling_memory`)
+        at :meth:`step_shape`."""
+        return sampling_memory(self.model, *self.step_shape())
 
     def step_work(self) -> StepWork:
         """A step's estimated compute (:func:`plexrl_dask.rl.sizing.step_work`) at
@@ -214,12 +226,53 @@ def layouts(
     max_workers: int,
     groups: Iterable[int] = (),
     tensor_parallel: Iterable[int] = (),
+    fits: Callable[[Layout], bool] | None = None,
 ) -> list[Layout]:
     """Every layout of ``mode`` on at most ``max_workers`` workers (the search space), for
     jobs whose training needs ``groups`` workers each (default: one each) and whose models
     split over each of ``tensor_parallel`` (degrees > 1; :func:`tensor_parallel_degrees`).
     A layout that does not fit one of the jobs is not offered: an isolated job holds its
-    group and its rollout workers, a pool is at least as large as the largest group."""
+    group and its rollout workers, a pool is at least as large as the largest group, and
+    where ``fits`` is given (:func:`sampling_fits`), every job's sampling fits where the
+    layout puts it."""
+    out = _layouts(mode, max_workers, groups, tensor_parallel)
+    return out if fits is None else [layout for layout in out if fits(layout)]
+
+
+def sampling_fits(
+    specs: Sequence[JobSpec], budget: int, groups: Mapping[str, int] | None = None
+) -> Callable[[Layout], bool]:
+    """Whether each job's sampling fits a worker ``budget`` (bytes) in a layout
+    (:class:`~plexrl_dask.rl.sizing.SamplingMemory`): on a rollout replica of one worker, or
+    of a split layout's ``tensor_parallel`` workers, its share of the weights and of its
+    batch's keys and values; sampling from its training group (colocated, or a pool's job
+    without replicas), its shard, the gathered copy and its share of the batch, its gradients
+    and moments offloaded. ``groups``: each job's smallest training group (default 1)."""
+    groups = dict(groups or {})
+    memory = {s.name: s.sampling_memory() for s in specs}
+
+    def fits(layout: Layout) -> bool:
+        for name, m in memory.items():
+            g = groups.get(name, 1)
+            if layout.mode == "colocated":
+                need = m.hybrid_per_rank(max(layout.train_ranks, g))
+            elif layout.mode in ("split", "split-async"):
+                need = m.per_replica(layout.tensor_parallel)
+            else:
+                replicas = layout.rollout_replicas > 0 and (
+                    not layout.sharded_rollout_only or g > 1
+                )
+                need = m.per_replica(1) if replicas else m.hybrid_per_rank(g)
+            if need > budget:
+                return False
+        return True
+
+    return fits
+
+
+def _layouts(
+    mode: str, max_workers: int, groups: Iterable[int], tensor_parallel: Iterable[int]
+) -> list[Layout]:
     if max_workers < 1:
         raise ConfigError("the search needs at least one worker")
     if mode not in MODES:

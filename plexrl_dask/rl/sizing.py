@@ -7,7 +7,11 @@ rule here: :func:`training_memory` counts a job's training state and the activat
 step's batch; :meth:`TrainingMemory.per_rank` is what each of ``k`` FSDP ranks holds (a 1/k
 shard of the state and 1/k of the batch); :meth:`TrainingMemory.smallest_group` is the fewest
 ranks whose share fits a worker's budget. The layout search (:func:`plexrl_dask.rl.modes.layouts`)
-offers no layout that puts a job's training on fewer workers.
+offers no layout that puts a job's training on fewer workers, nor one whose sampling does not
+fit (:func:`sampling_memory`: a rollout replica, or a tensor-parallel rank of one, holding the
+weights and the batch's keys and values; a training group sampling on gathered weights with
+its gradients and moments offloaded, as the worker does where the copy does not fit beside
+them).
 
 The activation count is an estimate, stated here so its assumptions can be checked: per token
 and decoder layer, the tensors autograd keeps for the backward of a Qwen2 layer as
@@ -96,6 +100,51 @@ def training_memory(spec: ModelSpec, rows: int, width: int) -> TrainingMemory:
         moments=n * _ADAM_BYTES,
         activations=activations,
         unit=unit,
+    )
+
+
+@dataclass(frozen=True)
+class SamplingMemory:
+    """What sampling a step's batch holds, in bytes: the weights, the keys and values of every
+    row at the batch's widest, and each row's fp32 logits over the vocabulary."""
+
+    weights: int
+    kv_cache: int
+    logits: int
+
+    def per_replica(self, t: int = 1) -> int:
+        """What each of ``t`` tensor-parallel ranks of one rollout replica holds while it
+        decodes the whole batch: 1/t of the weights (whole heads and MLP columns) and of the
+        keys and values (whole key-value heads), and the logits whole (gathered to choose)."""
+        if t < 1:
+            raise ConfigError(f"a rollout replica has at least one rank, got {t}")
+        return -(-self.weights // t) + -(-self.kv_cache // t) + self.logits
+
+    def hybrid_per_rank(self, k: int) -> int:
+        """What each of ``k`` ranks of a training group holds while it samples on gathered
+        weights (the hybrid engine) with its gradients and AdamW moments offloaded, the least
+        it can hold: its shard of the weights, the gathered copy, and its share of the rows'
+        keys, values and logits."""
+        if k < 1:
+            raise ConfigError(f"a training group has at least one rank, got {k}")
+        if k == 1:
+            return self.weights + self.kv_cache + self.logits  # (its weights: no copy)
+        return -(-self.weights // k) + self.weights + -(-(self.kv_cache + self.logits) // k)
+
+
+def sampling_memory(spec: ModelSpec, rows: int, width: int) -> SamplingMemory:
+    """``spec``'s sampling memory for ``rows`` sequences of up to ``width`` tokens."""
+    if rows < 1 or width < 1:
+        raise ConfigError(f"a sampling batch has rows >= 1 and width >= 1, got {rows}x{width}")
+    cfg = dict(spec.hf_config().to_dict())
+    dtype = spec.torch_dtype.itemsize
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg["hidden_size"]) // heads * int(cfg.get("num_key_value_heads") or heads)
+    layers = int(cfg["num_hidden_layers"])
+    return SamplingMemory(
+        weights=spec.num_parameters() * dtype,
+        kv_cache=rows * width * layers * 2 * kv * dtype,
+        logits=rows * int(cfg["vocab_size"]) * 4,
     )
 
 
