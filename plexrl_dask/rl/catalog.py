@@ -28,9 +28,13 @@ _GRPO = GRPOConfig(steps=60, prompts_per_step=16, group_size=8, temperature=0.7,
 
 #: The workers' memory budget the mix is run at (``bench.multiplex``, ``make demo``):
 #: countdown4's training (weights, gradients, AdamW moments and the activations of its
-#: 128-sequence step: 267 MiB by :mod:`plexrl_dask.rl.sizing`) is 1.39x it, as a 7B model's
-#: (112 GB of fp32 AdamW state, plus activations) is about 1.4x an 80 GB device: it must shard
-#: over two workers, colocated or pooled. Every other job fits one (countdown3: 110 MiB).
+#: 128-sequence step: 267 MiB by :mod:`plexrl_dask.rl.sizing`) is 1.39x it: it must shard
+#: over two workers, colocated or pooled, as a 7B model's fp32 AdamW training (112 GB of state
+#: before any activation) shards over two 80 GB devices. The ratio is a 7B job's; its cause
+#: is not: of countdown4's 267 MiB, 255 are the activations of its whole step (its state is
+#: 11.5 MiB), where a 7B job's excess is its state. A trainer could instead cut this step into
+#: micro-batches on one worker; the job trains its step whole, as it does in every layout, so
+#: that memory forces the same group everywhere. Every other job fits one (countdown3: 110 MiB).
 STANDARD_BUDGET = "192MiB"
 
 
