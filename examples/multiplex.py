@@ -99,15 +99,16 @@ def isolated_runs(
     console: Console,
 ) -> tuple[dict[str, float], list[str]]:
     """The same jobs, from the same warm-ups, run alone one after another in each isolated
-    mode's smallest layout that fits on the pool's workers: each one's measured cost by
-    label, and a line per mode (its rewards and losses against the pool's, step by step, or
-    why it did not run)."""
+    mode's smallest layout that fits on the pool's workers (each job on its smallest group:
+    the mode's cheapest layout in ``bench.multiplex``'s sweep of every layout of these jobs,
+    which the main job does not repeat): each one's measured cost by label, and a line per
+    mode (its rewards and losses against the pool's, step by step, or why it did not run)."""
     costs, notes = {}, []
     tp = tensor_parallel_degrees(specs, len(workers))
+    fits = sampling_fits(
+        specs, budget_bytes(dask.config.get("plexrl.worker.memory-budget")), groups
+    )
     for mode in ("colocated", "split", "split-async"):
-        fits = sampling_fits(
-            specs, budget_bytes(dask.config.get("plexrl.worker.memory-budget")), groups
-        )
         offered = layouts(mode, len(workers), groups.values(), tp, fits)
         if not offered:
             widest = max(groups, key=groups.get)
