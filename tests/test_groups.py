@@ -430,6 +430,16 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
     with pytest.raises(errors.OpNotSupported, match="train_step"):
         plexrl.result(tp.train_step(data), timeout=120)
     assert plexrl.result(tp.forward(data), timeout=120) == got  # still serves
+    # Offloaded to host memory (both ranks) and rebuilt on its group by the next request:
+    # the same scores and the same tokens, bit for bit.
+    offloaded = tp.offload()
+    assert set(offloaded) == set(ranks) and all(offloaded.values()), offloaded
+    assert runtime.client.run(held, tp.name, workers=ranks) == split  # (host bytes counted)
+    again = plexrl.result(tp.sample(prompts, params), timeout=120)
+    assert [[x.tokens for x in g] for g in again.sequences] == [
+        [x.tokens for x in g] for g in a.sequences
+    ]
+    assert plexrl.result(tp.forward(data), timeout=120) == got
     # A sync into a tensor-parallel replica of another architecture: a typed error, before
     # any rank took anything; both ranks keep their weights (they score as before).
     wide = runtime.deploy(

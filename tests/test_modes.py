@@ -371,3 +371,40 @@ def test_other_jobs_start_from_a_warm_up_only_while_its_job_shares_it(client, tm
             plexrl.result(policy.load_state(start[spec.name]), timeout=120)
     finally:
         other.undeploy("policy")
+
+
+def test_a_split_job_samples_on_a_tensor_parallel_replica_synced_every_step(tmp_path):
+    """Split with tensor-parallel rollout inside a job (3 workers: its trainer and one
+    replica over the other two): every step syncs the trainer's weights into both ranks'
+    slices and samples there, the job trains, and its ledger holds all three workers. Its
+    first step's reward is a one-worker rollout's (rounding flips no token there)."""
+    from distributed import Client
+
+    spec = JobSpec(
+        unique("tp-job"),
+        FirstCharIsDigit(),
+        tiny_spec(seed=9, num_kv_heads=2),
+        replace(CONFIG, seed=9),
+        warmup_steps=3,
+        warmup_batch_size=8,
+    )
+    with plexrl.local_cluster(n_workers=3) as cluster, Client(cluster) as client:
+        runtime = plexrl.Runtime(client, job=unique("split-tp"))
+        checkpoints = warm_start(runtime, [spec], tmp_path / "warmup")
+        workers = sorted(plexrl.worker_info(client))
+        tp = run_mode(
+            runtime, [spec], Layout("split", 3, 1, tensor_parallel=2), checkpoints, workers
+        )
+        one = run_mode(runtime, [spec], Layout("split", 2, 1), checkpoints, workers)
+    records = tp.records[spec.name]
+    assert [r.step for r in records] == [0, 1, 2]
+    assert any(r.loss is not None for r in records)
+    (window,) = tp.ledger.jobs
+    assert set(window.workers) == set(workers) and len(window.rollout_workers) == 2
+    sampled = {sp.worker for sp in tp.ledger.spans if sp.op == "sample"}
+    synced = {sp.worker for sp in tp.ledger.spans if sp.op == "load_weights"}
+    assert sampled == set(window.rollout_workers), (sampled, window)
+    assert set(window.rollout_workers) <= synced, synced
+    # (its first step's samples, from the same weights: tokens agree but where rounding flips
+    # a choice, none of 128 in bench.weight_sync; the steps after follow from them)
+    assert tp.trajectory(spec.name)[0][0] == one.trajectory(spec.name)[0][0]
