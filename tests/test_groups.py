@@ -10,6 +10,7 @@ import torch
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors, protocol
+from plexrl_dask.bench.weight_sync import rank_probe
 from plexrl_dask.state_store.keys import model_key
 from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
@@ -368,22 +369,10 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
         replica = holder_of(dask_worker)._replicas.get(name)
         return None if replica is None else replica.backend.state_bytes()
 
-    def read(reset=False, dask_worker=None):
-        """Bytes the worker's node stores have served it so far, and the most one of its
-        reads allocated since ``reset``."""
-        from plexrl_dask.worker.holder import holder_of
-
-        stats = [holder_of(dask_worker).node.store(t).stats for t in ("dram", "nvme")]
-        for s in stats if reset else ():
-            s.reset_peak()
-        return sum(s.bytes_read for s in stats), max(s.peak_read_allocation for s in stats)
-
     ranks = list(tp.info.workers)
-    before = runtime.client.run(read, True, workers=ranks)
+    starts = runtime.client.run(rank_probe, True, tp.name, workers=ranks)
     assert plexrl.result(runtime.sync_weights(trainer, tp)) == 1
-    after = runtime.client.run(read, workers=ranks)
-    fetched = {w: n - before[w][0] for w, (n, _) in after.items()}
-    allocated = {w: peak for w, (_, peak) in after.items()}
+    ends = runtime.client.run(rank_probe, False, tp.name, workers=ranks)
     assert plexrl.result(runtime.sync_weights(trainer, one)) == 1
     # (synced, each holds weights of its own: an unmodified one would share its spec's)
     split = runtime.client.run(held, tp.name, workers=ranks)
@@ -391,10 +380,14 @@ def test_a_tensor_parallel_rollout_scores_and_samples_like_one_worker(runtime):
     # Each rank holds half of every split projection (embeddings and norms stay whole), and
     # read from the store its own slices, not the whole tensors (the store's own counters).
     assert all(b < 0.75 * next(iter(whole.values())) for b in split.values())
-    assert all(0 < fetched[w] <= 1.05 * split[w] for w in ranks), (fetched, split)
-    # ...and allocated for it at most its slice (the store's count of the buffers its reads
-    # made: none where the parameters are read straight into place)
-    assert all(allocated[w] <= 1.05 * split[w] for w in ranks), (allocated, split)
+    for w, e in ends.items():
+        assert 0 < e["read"] - starts[w]["read"] <= 1.05 * e["slice"], (starts, ends)
+        # ...and allocated for it at most its slice: the store's count of the buffers its
+        # reads made (none where the parameters are read straight into place). (The Python
+        # allocation traced on the worker meanwhile, bench.weight_sync's other measure, is
+        # about 1 MB a sync whatever the slice, 10 MB in a worker's first, which imports:
+        # the measure of a 126 MB model, not of this one's 0.6 MB slices.)
+        assert e["peak"] <= 1.05 * e["slice"], ends
     got, want = plexrl.result([tp.forward(data), one.forward(data)], timeout=120)
     diff = max(
         abs(a - b)

@@ -205,7 +205,7 @@ def run(trials: int, tls: bool = False) -> dict[str, Any]:
     return results
 
 
-def _probe(start: bool, deployment: str, dask_worker: Any = None) -> dict[str, int]:
+def rank_probe(start: bool, deployment: str, dask_worker: Any = None) -> dict[str, int]:
     """(Run on a worker.) Its node stores' bytes read so far; with ``start`` restart their
     peak read allocation and begin tracing Python allocations, else the peak of each since,
     and the bytes of ``deployment``'s local parameters on this worker."""
@@ -251,9 +251,9 @@ def live_reshard(quick: bool) -> dict[str, Any]:
         }
         for kind, dst in targets.items():
             workers = list(dst.info.workers)
-            starts = client.run(_probe, True, dst.name, workers=workers)
+            starts = client.run(rank_probe, True, dst.name, workers=workers)
             plexrl.result(runtime.sync_weights(trainer, dst))
-            ends = client.run(_probe, False, dst.name, workers=workers)
+            ends = client.run(rank_probe, False, dst.name, workers=workers)
             fetch = [(e["read"] - starts[w]["read"]) / e["slice"] for w, e in ends.items()]
             out[f"reshard_live_fetch_ratio_{kind}"] = max(fetch)
             for metric, key in (("peak_alloc", "peak"), ("peak_traced", "traced")):
