@@ -331,7 +331,8 @@ def test_a_second_epoch_takes_its_ratios_against_the_weights_that_sampled(runtim
     """``epochs=2``: a step's batch trains twice, both epochs against the log-probabilities of
     the weights that sampled it (scored before the first update). The first epoch's ratios are
     1; the second's are (weights after one update) ÷ (sampling weights), which a twin of the
-    policy, given the same first update, reproduces by hand."""
+    policy, given the same first update, reproduces by hand, over the policy's own tokens (a
+    multi-turn episode's observation, token 9 here, carries no weight and no ratio)."""
     spec = tiny_spec(seed=13)
     policy = runtime.deploy(unique("grpo-epochs-policy"), spec)
     twin = runtime.deploy(unique("grpo-epochs-twin"), spec)
@@ -341,7 +342,9 @@ def test_a_second_epoch_takes_its_ratios_against_the_weights_that_sampled(runtim
     job = GRPOJob("epochs", runtime, FirstCharIsDigit(), policy, config)
     prompt = policy.tokenize("12=")
     completions = [(5, 6), (7,), (8, 9, 10), (11,)]
-    data, _ = group_data(config, prompt, completions, [1.0, 0.0, 1.0, 0.0])
+    masks = [(1, 1), (1,), (1, 0, 1), (1,)]
+    data, _ = group_data(config, prompt, completions, [1.0, 0.0, 1.0, 0.0], masks)
+    assert data[2].token_weights()[-2] == 0.0  # (the observation)
     first, second = plexrl.result(job._train(0, data))
     assert [first["optim_step"]["version"], second["optim_step"]["version"]] == [1, 2]
     assert first["forward_backward"]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
