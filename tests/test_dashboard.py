@@ -385,6 +385,14 @@ async def test_tool_calls_reported_by_a_driver_are_lanes_of_the_timeline_not_cha
     assert list(data["deployment"]) == ["tool:calc", "tool:py"]
     assert "tcp://10.0.0.9:4000" in page._lanes
     assert "job-t" not in dash.ledger.charges  # tool workers are not the pool
+    # ...and the Jobs page counts each job's calls and their seconds (not charged)
+    [row] = [r for r in dash.jobs_view()["jobs"] if r["job"] == "job-t"]
+    assert row["tool_calls"] == 2 and row["tool_s"] == pytest.approx(1.3)
+    assert row["charged_s"] == 0.0
+    jobs = JobsPage(s)
+    jobs.update()
+    [i] = [k for k, j in enumerate(jobs.source.data["job"]) if j == "job-t"]
+    assert jobs.source.data["tool_calls"][i] == 2
 
 
 @gen_cluster(client=True, nthreads=[], config=CONFIG, scheduler_kwargs=DASHBOARD)

@@ -194,6 +194,9 @@ class JobLedger:
         self.charges: dict[str, JobCharge] = {}
         self.deployments: dict[str, set[str]] = {}  # job -> deployments its spans ran
         self.layout_workers: dict[str, int] = {}  # job -> workers its deployments hold
+        # job -> (tool calls, their seconds): what its episodes waited on tools (tool
+        # workers are not the pool: shown, never charged)
+        self.tools: dict[str, tuple[int, float]] = {}
         self._active: dict[str, float] = {}  # job -> last activity (wall clock), LRU order
         self.version = 0  # bumped on every change: pages redraw only then
         self.reports_version = 0  # bumped on every step report (reward curves redraw then)
@@ -219,6 +222,12 @@ class JobLedger:
         assert c.union is not None
         c.union.add(s.start, s.end)
         self.deployments.setdefault(s.job, set()).add(s.deployment)
+        self._touch(s.job, s.end)
+
+    def tool(self, s: RequestSpan) -> None:
+        """A tool call of ``s.job`` ran (a span of a tool report)."""
+        calls, seconds = self.tools.get(s.job, (0, 0.0))
+        self.tools[s.job] = (calls + 1, seconds + max(0.0, s.end - s.start))
         self._touch(s.job, s.end)
 
     def set_layout(self, job: str, workers: int) -> None:
@@ -255,5 +264,6 @@ class JobLedger:
                 self.charges,
                 self.deployments,
                 self.layout_workers,
+                self.tools,
             ):
                 table.pop(old, None)

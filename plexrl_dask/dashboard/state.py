@@ -284,8 +284,9 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 self.counters["bad_job_reports"] += 1
                 logger.warning("ignored a job report: %s", e)
         elif topic == TOOL_TOPIC:
-            # Tool calls' spans go to the Timeline only: tool workers are not the pool, so
-            # the job ledger (worker-seconds of the pool) does not charge them.
+            # Tool calls' spans go to the Timeline, and each job's count of them to the Jobs
+            # page: tool workers are not the pool, so the job ledger (worker-seconds of the
+            # pool) does not charge them.
             try:
                 spans = tool_spans(msg)
             except ValueError as e:
@@ -294,6 +295,7 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 return
             for s in spans:
                 self.spans.add(s)
+                self.ledger.tool(s)
             self.counters["tool_spans"] += len(spans)
         elif topic == RESIDENCY_TOPIC and isinstance(msg, dict):
             self.mark_residency(str(msg.get("deployment")), str(msg.get("worker")))
@@ -670,6 +672,8 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 "dispatched": dispatched,
                 "failed": int(q.get("failed", 0)),
                 "mean_wait_s": q.get("wait_s", 0.0) / dispatched if dispatched else 0.0,
+                "tool_calls": ledger.tools.get(job, (0, 0.0))[0],
+                "tool_s": ledger.tools.get(job, (0, 0.0))[1],
             }
             if with_history:
                 row["rewards"] = [list(h) for h in ledger.history.get(job, ())]

@@ -219,7 +219,7 @@ class JobsPage(Page):
     FIELDS = (
         "job", "name", "progress", "step", "reward_mean", "reward_max", "loss", "charged_s",
         "busy_s", "setup_s", "share", "isolated_s", "isolated_workers", "requests",
-        "mean_wait_s", "failed", "color",
+        "mean_wait_s", "failed", "tool_calls", "tool_s", "color",
     )  # fmt: skip
     TEXT = ("job", "name", "progress", "color")
 
@@ -254,6 +254,8 @@ class JobsPage(Page):
                     ("requests", "requests", "0,0"),
                     ("mean_wait_s", "mean queue wait s", "0.000"),
                     ("failed", "failed", "0"),
+                    ("tool_calls", "tool calls", "0,0"),
+                    ("tool_s", "tool s", "0.0"),
                 ]
             ),
             height=220,
