@@ -121,6 +121,11 @@ def gather_into(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
         _gather_bucket(mesh, dtype, [sources[i] for i in members], [targets[i] for i in members])
 
 
+# torch 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor, the
+# name before, warns that it is deprecated); the same collective either way.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather_bucket(
     mesh: Any, dtype: torch.dtype, sources: list[torch.Tensor], targets: list[torch.Tensor]
 ) -> None:
@@ -134,7 +139,7 @@ def _gather_bucket(
     mine = torch.zeros(width, dtype=dtype, device=local[0].device)
     torch.cat(local, out=mine[: sizes[rank]])
     every = torch.empty(world * width, dtype=dtype, device=mine.device)
-    dist.all_gather_into_tensor(every, mine, group=mesh.get_group())
+    _all_gather(every, mine, group=mesh.get_group())
     at = [k * width for k in range(world)]
     for p, target, r, n in zip(sources, targets, rows, per_row, strict=True):
         start = 0
