@@ -126,6 +126,7 @@ def main() -> None:
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 4)
     console = Console()
     workers_n = args.workers or os.cpu_count() or 1
+    started = time.perf_counter()
     specs = agentic_jobs()
     if args.quick:  # (half the steps; the warm-ups whole: see the module docstring)
         specs = [replace(j, grpo=replace(j.grpo, steps=j.grpo.steps // 2)) for j in specs]
@@ -140,9 +141,8 @@ def main() -> None:
         workers = sorted(a for a in plexrl.worker_info(client) if a not in tools)
         t0 = time.perf_counter()
         checkpoints = warm_start(runtime, specs, Path(tmp) / "warmup")
-        console.print(
-            f"warm-up of {len(specs)} jobs: {time.perf_counter() - t0:.0f}s (not measured)"
-        )
+        warmup_s = time.perf_counter() - t0
+        console.print(f"warm-up of {len(specs)} jobs: {warmup_s:.0f}s (not measured)")
         runs: list[ModeRun] = []
         for mode in MODES:
             for layout in layouts(mode, len(workers)):
@@ -168,6 +168,8 @@ def main() -> None:
     # reruns in three runs and dearer than each in a fourth. The sweep's ratio is kept too.
     results["sweep_cost_ratio_vs_colocated"] = results["cost_ratio_vs_colocated"]
     results["paired_cost_ratios"] = paired
+    # (the whole run's seconds, cluster start to the hostile suite's end, and its warm-ups')
+    results["wall_s"], results["warmup_s"] = time.perf_counter() - started, warmup_s
     if paired:
         results["cost_ratio_vs_colocated"] = median(paired)
     config = {
@@ -447,10 +449,9 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
             or v["seconds"] > SUITE_LIMITS.wall_s + 10
             or (name == "read secrets" and v["error"] is None)
             or (name == "huge output" and v["error"] != "ToolLimitExceeded")
-            or (
-                name == "memory in processes"  # (anything but the call's bound stopping it)
-                and not (v["error"] == "ToolLimitExceeded" and "memory together" in v["output"])
-            )
+            # (it exits 0 only if all its processes held theirs at once: past the call's
+            # bound; stopped by the bound or, on a slow machine, by the clock first, not)
+            or (name == "memory in processes" and v["error"] is None)
         )
     out["orphan"]["escaped"] = out["orphan"]["escaped"] or bool(leftovers)
     return {
