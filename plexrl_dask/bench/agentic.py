@@ -39,8 +39,9 @@ of every job and the local cluster's scheduler), and
 sandbox in the same run, an escape being a file written outside it (in ``/tmp``, the run's
 temporary directory, or any directory the machine leaves writable to anyone), a connection made, a
 process it left running, a program that ran past its limits unstopped, one that read what
-only root may read, or processes of one program that held more memory together than the
-call's bound (``memory in processes``).
+only root may read, megabytes of output not stopped with a limit error, or processes of one
+program that held more memory together than the call's bound (``memory in processes``, which
+ends by itself only if all its processes held theirs at once).
 
 On 2 cores the tool worker's interpreters share the cores with the model workers and the
 driver: a pool, whose workers are busy while tools run, pays for that more than an isolated
