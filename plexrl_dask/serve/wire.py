@@ -250,6 +250,14 @@ def adam(params: Mapping[str, Any]) -> AdamWParams:
         raise InvalidTinkerRequest(f"adam_params: {e!r}") from e
 
 
+def count(value: Any, what: str) -> int:
+    """``value``, a request's field ``what``, as an integer >= 0; else
+    :class:`~plexrl_dask.errors.InvalidTinkerRequest`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidTinkerRequest(f"{what} is an integer >= 0, got {value!r}")
+    return value
+
+
 def prompt_tokens(prompt: Any) -> list[int]:
     """The tokens of a JSON ``ModelInput`` (text chunks only)."""
     chunks = prompt.get("chunks") if isinstance(prompt, dict) else None

@@ -1,0 +1,241 @@
+"""``plexrl serve``'s sampling sessions: making them (a training model's snapshot, a saved
+checkpoint's replica, a base model's, or a slot in its adapter bank), retiring the ones a
+training step superseded, and running their ``sample`` calls through a
+:class:`~plexrl_dask.serve.coalesce.SampleMerger`.
+
+:class:`SamplingSessions` is part of :class:`~plexrl_dask.serve.service.Service` (a base class
+of it): its methods read and write the service's tables (``samplers``, ``retired``,
+``sessions``, ``models``, ``mergers``) on the server's event loop, as the rest of the service
+does (see :mod:`plexrl_dask.serve.service` for what a sampler is).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.waits import settled
+from plexrl_dask.errors import (
+    AdapterNotFound,
+    SamplerSuperseded,
+    TenantLimitExceeded,
+    UnsupportedCall,
+)
+from plexrl_dask.serve import wire
+from plexrl_dask.serve.coalesce import SampleMerger
+from plexrl_dask.serve.records import (
+    PROTO,
+    Reply,
+    Sampler,
+    TrainModel,
+)
+from plexrl_dask.serve.snapshots import deploy_from, kept_limit
+from plexrl_dask.serve.tenants import Tenant
+from plexrl_dask.shared.types import Datum
+
+logger = logging.getLogger(__name__)
+
+#: how many retired samplers are remembered (to say why one can no longer sample)
+RETIRED_KEPT = 4096
+
+
+class SamplingSessions:
+    """The sampling half of :class:`~plexrl_dask.serve.service.Service` (see the module
+    docstring)."""
+
+    def _bank_snapshot(
+        self, tenant: Tenant, model: TrainModel, sampler_id: str, bank: Deployment
+    ) -> str:
+        """A snapshot sampler of LoRA ``model`` on ``bank``: its adapter saved (weights only,
+        in the model's request order) and loaded into the bank; the model's bank snapshots
+        beyond the newest and ``kept-snapshots`` older ones are retired."""
+        sampler = Sampler(
+            sampler_id,
+            tenant.name,
+            model.base,
+            bank,
+            model_id=model.model_id,
+            version=model.optim_steps,
+            adapter=sampler_id,
+        )
+        self._add_sampler(tenant, sampler, model.session_id)  # (refused before anything runs)
+        store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
+        saved = model.deployment.save_state(model=store_model, weights_only=True)
+        sampler.kept = (saved, model.lora)
+        sampler.loading = bank.load_adapter(sampler_id, model.deployment.info.spec, saved)
+        limit = kept_limit()
+        mine = [
+            s
+            for s in list(self.samplers.values())
+            if s.model_id == model.model_id and s.adapter is not None
+        ]
+        for old in mine[: max(0, len(mine) - 1 - limit)]:
+            self.snapshots.retire(
+                old,
+                f"{old.sampler_id!r} sampled {old.model_id} as of optimizer step "
+                f"{old.version}; only the newest snapshot and the last {limit} before it are "
+                "kept (plexrl.serve.kept-snapshots): save the weights by name to keep a copy",
+            )
+        return sampler_id
+
+    def _add_sampler(self, tenant: Tenant, sampler: Sampler, session_id: str) -> None:
+        """Register ``sampler``. A training model's snapshot samplers of earlier steps are
+        retired first (a Tinker RL loop makes one every step; they can no longer sample and
+        do not count against the tenant's limit); using one later is still
+        :class:`SamplerSuperseded`."""
+        for old in list(self.samplers.values()):
+            why = self._superseded(old) if old.tenant == tenant.name else None
+            if why is not None:
+                del self.samplers[old.sampler_id]
+                self.retired[old.sampler_id] = (tenant.name, why)
+        while len(self.retired) > RETIRED_KEPT:
+            del self.retired[next(iter(self.retired))]
+        mine = sum(1 for s in self.samplers.values() if s.tenant == tenant.name)
+        if mine >= tenant.limits.samplers:
+            raise TenantLimitExceeded(
+                f"tenant {tenant.name!r} has {mine} sampling sessions (limit "
+                f"{tenant.limits.samplers}); end a session to free them"
+            )
+        self.samplers[sampler.sampler_id] = sampler
+        if session_id in self.sessions:
+            self.sessions[session_id].samplers.append(sampler.sampler_id)
+
+    def _superseded(self, sampler: Sampler) -> str | None:
+        """Why ``sampler`` can no longer sample (None: it can)."""
+        if sampler.model_id is None or sampler.version is None or sampler.kept is not None:
+            return None
+        model = self.models.get(sampler.model_id)
+        if model is None:
+            return f"the training model of {sampler.sampler_id!r} has ended"
+        if model.optim_steps == sampler.version:
+            return None
+        return (
+            f"{sampler.sampler_id!r} samples {sampler.model_id} as of optimizer step "
+            f"{sampler.version}; it has taken {model.optim_steps}. Save the weights for the "
+            "sampler again, or save them by name to keep a copy to sample (a server with "
+            "plexrl.serve.kept-snapshots > 0 keeps the last snapshot samplers' weights)"
+        )
+
+    # --- sampling --------------------------------------------------------------------------
+
+    async def create_sampling_session(self, tenant: Tenant, body: dict) -> str:
+        session = self.session(tenant, str(body.get("session_id")))
+        n = wire.count(body.get("sampling_session_seq_id", 0), "sampling_session_seq_id")
+        sampler_id = f"{session.session_id}:sample:{n}"
+        runtime = await self.runtime(tenant)
+        path = body.get("model_path")
+        if path is not None:
+            checkpoint = self.saved.loadable(tenant.name, str(path))
+            spec = self.spec(checkpoint.base, checkpoint.lora)
+            deployment = await self.blocking(
+                deploy_from, runtime, f"{sampler_id}:rollout", spec, checkpoint.saved
+            )
+            sampler = Sampler(
+                sampler_id, tenant.name, checkpoint.base, deployment, model_path=path, owned=True
+            )
+        else:
+            base = str(body.get("base_model"))
+            spec = self.spec(base)
+            if self.banked:
+                deployment = await self.bank(base)
+            else:
+                deployment = await self.blocking(
+                    lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True)
+                )
+            sampler = Sampler(sampler_id, tenant.name, base, deployment)
+        self._add_sampler(tenant, sampler, session.session_id)
+        return sampler_id
+
+    def describe_sampler(self, tenant: Tenant, sampler_id: str) -> dict:
+        s = self.sampler(tenant, sampler_id)
+        out = {"sampler_id": sampler_id, "base_model": s.base}
+        if s.model_path is not None:
+            out["model_path"] = s.model_path
+        return out
+
+    def sample(self, tenant: Tenant, body: dict) -> tuple[str, list[str]]:
+        """Start a sample request; its request id and the ids of its sequences."""
+        sampler_id = str(body.get("sampling_session_id"))
+        retired = self.retired.get(sampler_id)
+        if retired is not None and retired[0] == tenant.name:
+            raise SamplerSuperseded(retired[1])
+        sampler = self.sampler(tenant, sampler_id)
+        why = self._superseded(sampler)
+        if why is not None:
+            raise SamplerSuperseded(why)
+        for flag in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(flag):
+                raise UnsupportedCall(f"{flag} is not supported")
+        if body.get("target_prompt_logprobs") is not None or body.get("record_stability_info"):
+            raise UnsupportedCall(
+                "target_prompt_logprobs and record_stability_info are not supported"
+            )
+        tokens = wire.prompt_tokens(body.get("prompt"))
+        seed = wire.derived_seed(tenant.name, sampler.sampler_id, body.get("seq_id"))
+        eos = sampler.deployment.tokenizer.eos_token_id
+        room = self.context(sampler.base) - len(tokens)
+        params = wire.sampling_params(
+            body.get("sampling_params"), body.get("num_samples", 1), eos, seed, room
+        )
+        want_prompt = bool(body.get("prompt_logprobs"))
+        # A call the worker will refuse goes alone, so that it fails no other call.
+        vocab = self._shape(sampler.base)[1]
+        fits = room >= params.max_tokens and all(0 <= t < vocab for t in tokens)
+
+        async def work() -> Reply:
+            # (a snapshot kept past its model's step samples from its own copy)
+            await self.snapshots.own_replica(tenant, sampler)
+            dep = sampler.deployment
+            if sampler.loading is not None:  # (its adapter's load into the bank)
+                await settled(sampler.loading)
+            merger = self._merger(sampler)
+            sampled = merger.sample(
+                tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
+            )
+            scored = None
+            if want_prompt and len(tokens) > 1:
+                scored = dep.forward([Datum(tokens=tokens)], adapter=sampler.adapter)
+            try:
+                result = await sampled
+            except AdapterNotFound:
+                if not await self._reload_adapter(sampler):
+                    raise
+                result = await merger.sample(
+                    tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
+                )
+            prompt_lp = None
+            if want_prompt:
+                lp = (await settled(scored)).logprobs[0] if scored is not None else (0.0,)
+                prompt_lp = [float("nan"), *lp[1:]]
+            return 200, wire.sample_output(result, prompt_lp), PROTO
+
+        request_id = self.promise(tenant, "sample", work())
+        return request_id, [f"{request_id}:{i}" for i in range(params.n)]
+
+    def _merger(self, sampler: Sampler) -> SampleMerger:
+        """The merger of ``sampler``'s calls: its own, or its bank's (every sampler's there)."""
+        dep = sampler.deployment
+        if dep.info.backend == "adapters":
+            if dep.name not in self.mergers:
+                self.mergers[dep.name] = SampleMerger(dep)
+            return self.mergers[dep.name]
+        if sampler.merger is None:
+            sampler.merger = SampleMerger(dep)
+        return sampler.merger
+
+    async def _reload_adapter(self, sampler: Sampler) -> bool:
+        """Load a bank snapshot's adapter again from its saved state (the bank lost it with
+        its worker); whether it could."""
+        if sampler.adapter is None or sampler.kept is None:
+            return False
+        async with sampler.lock:
+            saved = await settled(sampler.kept[0])
+            spec = self.spec(sampler.base, sampler.kept[1])
+            logger.warning("reloading adapter %s into %s", sampler.adapter, sampler.deployment.name)
+            key = sampler.adapter
+            sampler.loading = await self.blocking(
+                lambda: sampler.deployment.load_adapter(key, spec, saved)
+            )
+            await settled(sampler.loading)
+        return True
