@@ -189,6 +189,17 @@ def test_the_sandbox_runs_without_namespaces_only_as_configured(monkeypatch, cap
     assert len(said) == 1  # (once, not per call)
 
 
+def test_a_failed_programs_error_is_its_last_whole_line_never_a_frame_or_a_cut_one():
+    # (standard error past output_bytes is kept from its end: the line the cut began inside
+    # of is not the program's, and a traceback's frames name the sandbox's own files)
+    cut = run(
+        "import sys\nsys.stderr.write('A' * 300 + '/host/path\\n  File \"x\"\\n')\nsys.exit(1)"
+    )
+    assert cut.error == "ToolError" and cut.output == "exit status 1", cut
+    res = run("import sys\nsys.stderr.write('y' * 1000 + '\\n')\nraise ValueError('boom')")
+    assert res.error == "ToolError" and res.output == "ValueError: boom", res
+
+
 def test_a_fork_bomb_stays_inside_its_limits():
     res = run("import os\nwhile True:\n    os.fork()")
     assert not res.ok

@@ -492,10 +492,14 @@ def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) 
             "memory together"
         )
     if returncode != 0:
-        # the exception's line: the last one that is not a traceback's indented frame
-        lines = [ln for ln in err.data.decode(errors="replace").splitlines() if ln.strip()]
+        # the exception's line: the last one that is not a traceback's indented frame (of a
+        # tail cut short, not its first line, which the cut began inside of); none: its status
+        text = err.data.decode(errors="replace")
+        if err.truncated:
+            text = text.partition("\n")[2]
+        lines = [ln for ln in text.splitlines() if ln.strip()]
         top = [ln for ln in lines if not ln.startswith((" ", "\t", "Traceback"))]
-        why = (top or lines or [f"exit status {returncode}"])[-1]
+        why = (top or [f"exit status {returncode}"])[-1]
         if returncode < 0:
             why = f"killed by signal {-returncode} ({why})"
         raise ToolError(why)
@@ -627,7 +631,9 @@ class _Capped(threading.Thread):
             if not chunk:
                 return
             if self.tail:
-                self.data = (self.data + chunk)[-self.cap :]
+                joined = self.data + chunk
+                self.truncated = self.truncated or len(joined) > self.cap
+                self.data = joined[-self.cap :]
                 continue
             room = self.cap - len(self.data)
             self.data += chunk[:room]
