@@ -46,7 +46,8 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   prints more is stopped there and its call fails with
   :class:`~plexrl_dask.errors.ToolLimitExceeded` (an output cut short is not the program's
   answer: the episode sees a tool error, as for any other limit); a program that fails gives
-  its last line of standard error as a :class:`~plexrl_dask.errors.ToolError`.
+  its exception's line (the last whole line of its standard error that is not a traceback's
+  frame; else its exit status) as a :class:`~plexrl_dask.errors.ToolError`.
 
 Deterministic for a given program: no network, no environment, a fixed working directory path,
 no other process to see, the same string hashes (so the order of a set of strings) in every
