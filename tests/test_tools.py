@@ -4,6 +4,7 @@ hostile programs, and the pool that runs calls on tool workers (a real process c
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -259,10 +260,11 @@ def test_a_fork_bomb_does_not_starve_a_program_running_beside_it():
     import concurrent.futures
 
     bomb = "import os\nwhile True:\n    os.fork()"
+    # (one child at a time: where no memory cgroup bounds a call, a program has 2 processes)
     forks = (
-        "import os, time\ntime.sleep(0.5)\nkids = []\nfor _ in range(4):\n"
-        "    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    kids.append(pid)\n"
-        "print(sum(os.waitpid(p, 0)[1] == 0 for p in kids))"
+        "import os, time\ntime.sleep(0.5)\nok = 0\nfor _ in range(4):\n"
+        "    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n"
+        "    ok += os.waitpid(pid, 0)[1] == 0\nprint(ok)"
     )
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         b = ex.submit(run, bomb)
@@ -514,6 +516,55 @@ def _run_as_nobody(setpriv: str, probe: Path, repo: str, owned: Path) -> None:
     assert "LEAK" not in out
     seen, denied = map(int, out.split())
     assert seen >= 4 and denied == seen  # (the server, and the other call's three processes)
+
+
+UNBOUNDED_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolCall, run_call
+from plexrl_dask.tools.sandbox import isolation, memory_bounded
+program = sys.stdin.read()
+out = {}
+for mode in sorted({"limits", isolation()}):
+    tools = {"py": PythonSandbox(SandboxLimits(wall_s=10), mode)}
+    held, alone = (run_call(ToolCall("py", p), tools) for p in (program, "print(6 * 7)"))
+    out[mode] = [memory_bounded(mode), held.error, alone.output]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the sandbox as another user: needs root")
+def test_without_a_memory_cgroup_a_programs_processes_fit_the_calls_bound_one_by_one():
+    """A server that is not root makes no memory cgroups: there a program may have only as
+    many processes as fit the call's bound at the per-process limit (2 of 512 MiB in 1 GiB),
+    so three that would hold 300 MiB each at once cannot all run; one process runs as ever."""
+    import plexrl_dask
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv to run as another user")
+    repo = Path(plexrl_dask.__file__).resolve().parents[1]
+    folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))
+    folder.chmod(0o755)
+    probe = folder / "probe.py"
+    probe.write_text(UNBOUNDED_PROBE)
+    probe.chmod(0o644)
+    try:
+        nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+        done = subprocess.run(
+            [*nobody, sys.executable, str(probe), str(repo)],
+            input=hold_at_once(3, 300).encode(),
+            capture_output=True,
+            cwd="/",
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if done.returncode != 0 and b"Permission denied" in done.stderr:
+        pytest.skip("this checkout is not readable by an unprivileged user")
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    for mode, (bounded, held_error, alone) in json.loads(done.stdout).items():
+        assert not bounded and held_error is not None and alone == "42\n", (mode, done.stdout)
 
 
 def test_bad_limits_and_modes_are_typed():

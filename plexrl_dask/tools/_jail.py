@@ -45,6 +45,10 @@ them, the call's status says so (``exit N memory``). The call removes its cgroup
 (one a killed call leaves is removed by the next server that starts in the same cgroup). A
 program never holds a right to its cgroup's files: it runs as another uid than root, or in
 mounts made read-only; a server that is not root makes none (its programs would share its uid).
+Where a call has no such cgroup, its program may have at most ``call_memory_bytes //
+memory_bytes`` processes (2 by default; where the server is not root this counts every
+process of its user, so the program cannot fork at all), so that they cannot together hold
+more than the call's bound either.
 """
 
 from __future__ import annotations
@@ -217,6 +221,9 @@ def call(
         # (made, and its parent opened, in the server's mount namespace: in the call's, which
         # the jail makes read-only, the cgroup could not be removed)
         group = _call_group(groups, limits["call_memory_bytes"])
+        if group is None:  # (no bound on its processes together: so few that they fit it)
+            within = max(1, limits["call_memory_bytes"] // limits["memory_bytes"])
+            limits["processes"] = min(limits["processes"], within)
         if limits["private_mounts"]:
             _enter_namespaces(limits["user_namespace"])
         jail = _fork_into(run_jail, limits, code, own_mounts, None if group is None else group[0])

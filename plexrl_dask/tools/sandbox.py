@@ -35,8 +35,9 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   server's cgroup may enable the memory controller below it: :func:`memory_bounded` says; see
   ``_jail.py``), the memory of all the call's
   processes together (:attr:`SandboxLimits.call_memory_bytes`, a cgroup per call): elsewhere
-  a program of :attr:`~SandboxLimits.processes` processes may hold that many times
-  :attr:`~SandboxLimits.memory_bytes`.
+  a program has at most ``call_memory_bytes // memory_bytes`` processes (2 by default, and,
+  where the server is not root, counting every process of its user: it cannot fork), so that
+  they cannot together hold more than the call's bound either.
 - **CPU priority**: the call's processes run at :attr:`SandboxLimits.nice` (10 by default), so
   that on a machine they share with model workers (a node's spare cores, a laptop's
   ``local_cluster``) untrusted programs take the CPU the workers leave, and a worker's decode
