@@ -106,11 +106,13 @@ def training_memory(spec: ModelSpec, rows: int, width: int) -> TrainingMemory:
 @dataclass(frozen=True)
 class SamplingMemory:
     """What sampling a step's batch holds, in bytes: the weights, the keys and values of every
-    row at the batch's widest, and each row's fp32 logits over the vocabulary."""
+    row at the batch's widest, and each row's fp32 logits over the vocabulary; and the AdamW
+    moments a training deployment that samples on its own weights keeps beside them."""
 
     weights: int
     kv_cache: int
     logits: int
+    moments: int = 0
 
     def per_replica(self, t: int = 1) -> int:
         """What each of ``t`` tensor-parallel ranks of one rollout replica holds while it
@@ -121,14 +123,15 @@ class SamplingMemory:
         return -(-self.weights // t) + -(-self.kv_cache // t) + self.logits
 
     def hybrid_per_rank(self, k: int) -> int:
-        """What each of ``k`` ranks of a training group holds while it samples on gathered
-        weights (the hybrid engine) with its gradients and AdamW moments offloaded, the least
-        it can hold: its shard of the weights, the gathered copy, and its share of the rows'
-        keys, values and logits."""
+        """What each of ``k`` ranks of a training group holds while it samples. Over several
+        ranks, on gathered weights (the hybrid engine) with its gradients and AdamW moments
+        offloaded, the least it can hold: its shard of the weights, the gathered copy, and its
+        share of the rows' keys, values and logits. On one, on its own weights, beside its
+        moments (its gradients are freed after each step): no copy, nothing offloaded."""
         if k < 1:
             raise ConfigError(f"a training group has at least one rank, got {k}")
         if k == 1:
-            return self.weights + self.kv_cache + self.logits  # (its weights: no copy)
+            return self.weights + self.moments + self.kv_cache + self.logits
         return -(-self.weights // k) + self.weights + -(-(self.kv_cache + self.logits) // k)
 
 
@@ -145,6 +148,7 @@ def sampling_memory(spec: ModelSpec, rows: int, width: int) -> SamplingMemory:
         weights=spec.num_parameters() * dtype,
         kv_cache=rows * width * layers * 2 * kv * dtype,
         logits=rows * int(cfg["vocab_size"]) * 4,
+        moments=spec.num_parameters() * _ADAM_BYTES,
     )
 
 
