@@ -455,7 +455,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ratio and setup on its best live group (the cheapest setup, as the dispatcher ranks
         them; ``worker``: that group), plus totals: pending, admitted, busy workers (worker ->
         request running there), the requests queued behind them (lookahead; worker ->
-        request) and pending requests per deployment. Bounded by ``limit`` and the number of
+        request), the free workers a hold keeps (worker -> seconds left and the holding jobs)
+        and pending requests per deployment. Bounded by ``limit`` and the number of
         deployments, however long the queue is (it runs on the scheduler's event loop). ``now``: the dispatcher's
         clock (``time.monotonic()``), echoed in the result."""
         now = time.monotonic() if now is None else now
@@ -491,6 +492,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             "admitted": len(self.dispatcher),
             "busy": self.dispatcher.busy,
             "queued": self.dispatcher.queued,
+            # free workers kept for a gang's or an agentic turn's next request, and until when
+            "held": {
+                w: {"for_s": max(0.0, until - now), "jobs": sorted(jobs)}
+                for w, (until, jobs, _) in self.dispatcher.holds(now).items()
+            },
             "by_deployment": self.requests.counts(),
             "by_job": self.requests.job_counts(),
             "top": rows,

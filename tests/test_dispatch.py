@@ -197,7 +197,8 @@ def test_two_jobs_whose_turns_hold_one_worker_do_not_keep_each_other_out():
         ("A", ("", True)): pytest.approx(1.0),
         ("B", ("", True)): pytest.approx(1.0),
     }
-    # held by A until 2.4 and by B until 2.6
+    # held by A until 2.4 and by B until 2.6 (as the scheduler's status shows it)
+    assert d.holds(1.6) == {"w0": (pytest.approx(2.4), frozenset("AB"), frozenset("AB"))}
     d.add(Request("long", (("w0",),), 1.6, 1.0, order="C", deployment="C", job="C"))
     d.add(turn("B3", 1.6, "B", s=1.0))  # ends at 2.6, past A's hold
     assert names(d.decide(1.6)) == ["B3"]  # A's hold does not keep B out

@@ -127,6 +127,10 @@ def test_turns_holding_their_worker_run_every_request_to_the_end(small_runtime):
         done = plexrl.result([*turns, *reads], timeout=120)
         unheld = plexrl.result(agent.sample(["1+1="], params), timeout=120)
         assert all(d.sequences == unheld.sequences for d in done[:3])
+        # the status lists the free workers holds keep (none left by now: each lapsed)
+        held = runtime.status()["queue"]["held"]
+        assert isinstance(held, dict)
+        assert all(v["for_s"] >= 0 and v["jobs"] == [runtime.job] for v in held.values())
     finally:
         configured = plexrl.config.get_seconds("scheduler.turn-hold", positive=False)
         assert runtime.set_policy()["turn_hold_s"] == configured

@@ -506,6 +506,12 @@ class Dispatcher:
             return None
         return max([now] + [self._busy_until.get(w, now) for w in group if w in self._busy])
 
+    def holds(self, now: float) -> dict[str, Hold]:
+        """Free worker -> (until, jobs, orders) of the holds on it now (see "Holds"): why a
+        free worker runs nothing while requests wait. A hold that has lapsed is dropped, as a
+        decision at ``now`` would."""
+        return self._holds.on_free(self._free, now)
+
     def next_wakeup(self, now: float) -> float | None:
         """When a hold on a free worker ends while a request waits (a decision then may
         start what the hold kept back; no event marks that moment), else None."""
