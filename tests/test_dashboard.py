@@ -232,6 +232,8 @@ async def test_queue_page_shows_the_top_requests_and_totals_of_a_long_queue(c, s
     assert sum(totals["shown"]) == 7
     assert totals["owner"] == [plexrl.deployments[d].owner for d in totals["deployment"]]
     assert "10,000</b> pending" in page.summary.text
+    held = len(plexrl.queue_view(1)["held"])  # (none: no gang or turn holds by default)
+    assert f"<b>{held}</b> free workers held" in page.summary.text
     decisions = page.decisions.data
     newest = list(plexrl.decisions)[::-1][:5]
     assert decisions["deployment"] == [d["deployment"] for d in newest]

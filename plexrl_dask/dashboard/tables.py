@@ -150,7 +150,8 @@ class QueuePage(Page):
         summary = (
             f"<b>{q['pending']:,}</b> pending requests (<b>{q['admitted']:,}</b> admitted to the "
             f"dispatcher), <b>{len(q['busy'])}</b> busy workers, <b>{len(q.get('queued', ()))}"
-            f"</b> requests queued behind running ones · policy: setup weight "
+            f"</b> requests queued behind running ones, <b>{len(q.get('held', ()))}</b> free "
+            f"workers held for a gang's or a turn's next request · policy: setup weight "
             f"{policy['setup_weight']}, patience {policy['patience_factor']}×(service+setup)+"
             f"{policy['patience_floor_s']}s, choice {policy['choice']}, lookahead "
             f"{'on' if policy.get('lookahead') else 'off'}"
