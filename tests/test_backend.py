@@ -311,7 +311,7 @@ def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(bac
     tokens dropped, for every sequence."""
     import random
 
-    from plexrl_dask.worker.backends.torch_backend import _token_pieces
+    from plexrl_dask.models.tokenizer import token_pieces
 
     pieces = backend._pieces
     assert pieces is not None and len(pieces) == backend.vocab_size
@@ -338,7 +338,7 @@ def test_stop_strings_are_checked_on_token_pieces_exactly_as_on_decoded_text(bac
 
     other = ModelSpec.tiny(**TINY).build_tokenizer()
     other.backend_tokenizer.decoder = decoders.WordPiece()
-    assert _token_pieces(other) is None
+    assert token_pieces(other) is None
     backend._pieces = None  # such a backend's texts are the tokenizer's decode
     try:
         ids = [5, 6, backend.eos_token_id, 7]

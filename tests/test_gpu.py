@@ -57,7 +57,7 @@ def test_sampling_on_cuda_is_seeded():
 
 def test_reload_beside_a_busy_default_stream_is_bit_identical():
     """A prefetch reloads on a stream of its own while another request's kernels run on the
-    default stream (TorchBackend's copy_stream): the weights still come back bit for bit."""
+    default stream (worker.device.copy_stream): the weights still come back bit for bit."""
     import threading
 
     backend = TorchBackend(tiny_spec(hidden_size=256, num_layers=4), "cuda")

@@ -126,8 +126,7 @@ from plexrl_dask.rl.catalog import standard_jobs
 from plexrl_dask.shared.types import AdamWParams, CrossEntropy, Datum, SamplingParams, Streams
 from plexrl_dask.worker.backends import TorchBackend
 from plexrl_dask.worker.backends.fsdp import FSDPBackend
-from plexrl_dask.worker.backends.torch_backend import copy_stream
-from plexrl_dask.worker.device import default_budget
+from plexrl_dask.worker.device import copy_stream, default_budget
 from plexrl_dask.worker.groups import GroupContext, ProcessGroupManager
 
 if TYPE_CHECKING:

@@ -125,3 +125,31 @@ def special_tokens_default() -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"plexrl.sampling.special-tokens must be true or false, got {value!r}")
     return value
+
+
+def token_pieces(tokenizer: Any) -> list[str] | None:
+    """Each token id's text, when the tokenizer decodes by plain concatenation (a ``Fuse``
+    decoder, or a ``ByteLevel`` one whose every token is whole UTF-8 on its own, and no
+    clean-up of spaces, like the character tokenizer of tiny models): then
+    ``decode(ids, skip_special_tokens=True) == "".join(pieces[i] for i in ids)``. ``None``
+    for any other tokenizer, which is then decoded."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = type(getattr(backend, "decoder", None)).__name__
+    if backend is None or decoder not in ("Fuse", "ByteLevel"):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    special = set(tokenizer.all_special_ids)
+    pieces = [""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        if i in special:
+            continue
+        if decoder == "Fuse":
+            pieces[i] = token
+            continue
+        try:  # (a token of part of a character decodes only beside the rest of it)
+            pieces[i] = bytes(BYTE_OF_SYMBOL[c] for c in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            return None
+    return pieces

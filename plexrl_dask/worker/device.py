@@ -1,10 +1,11 @@
-"""The device a worker's replicas run on, its default memory budget, torch's threads, its cores."""
+"""The device a worker's replicas run on, its default memory budget, torch's threads, its cores,
+and the CUDA streams that copies between host and device run on."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -63,3 +64,42 @@ def _set_every_thread(cores: set[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
             os.sched_setaffinity(int(tid), cores)
+
+
+@contextlib.contextmanager
+def copy_stream(device: torch.device, after_default: bool = True) -> Iterator[None]:
+    """Run the enclosed copies between host and ``device`` on a CUDA stream of their own,
+    and wait for those copies alone when the block ends (on the CPU: nothing to do).
+
+    Offloads and reloads run beside another replica's request (a prefetch runs in its own
+    thread; a request makes room by offloading idle replicas). On the default stream their
+    copies would queue behind that request's kernels, and a device-wide synchronize would
+    wait for all of them; on a stream of their own they go to the copy engines meanwhile.
+
+    ``after_default``: the stream first waits for what is already queued on the default
+    stream. An offload needs it: its copies read device tensors that queued kernels (the
+    replica's last optimizer step) may still write. A reload does not (``False``): it reads
+    pinned host memory, and writes device memory allocated here, on this stream, which the
+    caching allocator hands only to this stream's work, and only once the streams that used
+    it are done with it. Tensors made here are used on the default stream afterwards:
+    :func:`used_by_default_stream` marks them so."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device=device)
+    if after_default:
+        stream.wait_stream(torch.cuda.default_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def used_by_default_stream(tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+    """Mark device ``tensors`` made inside :func:`copy_stream` as used on the default stream
+    (the caching allocator then waits for that stream before it reuses their memory)."""
+    if device.type != "cuda":
+        return
+    default = torch.cuda.default_stream(device)
+    for t in tensors:
+        if t.device.type == "cuda":
+            t.record_stream(default)

@@ -43,8 +43,8 @@ from plexrl_dask.shared.types import (
 from plexrl_dask.worker.backends.base import NotATrainer
 from plexrl_dask.worker.backends.lora import LoraBackend
 from plexrl_dask.worker.backends.shared import SharedBases, SharedWeightsBackend
-from plexrl_dask.worker.backends.torch_backend import copy_stream
 from plexrl_dask.worker.decode_step import DecodeStep
+from plexrl_dask.worker.device import copy_stream
 from plexrl_dask.worker.row_decode import RowDecoder
 
 

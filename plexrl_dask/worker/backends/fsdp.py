@@ -49,7 +49,8 @@ from torch.distributed.tensor import DTensor, Shard
 from plexrl_dask.errors import ConfigError, DeploymentDoesNotFit, EmptyBatch
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams
-from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
+from plexrl_dask.worker.backends.torch_backend import TorchBackend
+from plexrl_dask.worker.device import copy_stream
 from plexrl_dask.worker.groups import ProcessGroupManager
 from plexrl_dask.worker.optimizer import new_adamw
 from plexrl_dask.worker.replica_checkpoint import local_shard

@@ -31,7 +31,8 @@ from plexrl_dask.errors import InvalidModelSpec, OpNotSupported
 from plexrl_dask.models.lora import attach_adapter
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.worker.backends.shared import SharedBases
-from plexrl_dask.worker.backends.torch_backend import TorchBackend, copy_stream
+from plexrl_dask.worker.backends.torch_backend import TorchBackend
+from plexrl_dask.worker.device import copy_stream
 from plexrl_dask.worker.optimizer import new_adamw
 
 

@@ -13,11 +13,10 @@ continues bit-identically.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import pickle
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.models.tokenizer import BYTE_OF_SYMBOL, encode_prompts
+from plexrl_dask.models.tokenizer import encode_prompts, token_pieces
 from plexrl_dask.shared.checks import checked_temperature
 from plexrl_dask.shared.types import (
     AdamWParams,
@@ -53,6 +52,7 @@ from plexrl_dask.worker import replica_checkpoint
 from plexrl_dask.worker.backends.base import check_weights
 from plexrl_dask.worker.decode import StreamDecoder
 from plexrl_dask.worker.decode_step import DecodeStep
+from plexrl_dask.worker.device import copy_stream, used_by_default_stream
 from plexrl_dask.worker.losses import compute_loss
 from plexrl_dask.worker.optimizer import new_adamw, set_hyperparameters
 from plexrl_dask.worker.prefix_cache import PrefixCache, prefix_cache_bytes
@@ -73,45 +73,6 @@ def _local_nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-@contextlib.contextmanager
-def copy_stream(device: torch.device, after_default: bool = True) -> Iterator[None]:
-    """Run the enclosed copies between host and ``device`` on a CUDA stream of their own,
-    and wait for those copies alone when the block ends (on the CPU: nothing to do).
-
-    Offloads and reloads run beside another replica's request (a prefetch runs in its own
-    thread; a request makes room by offloading idle replicas). On the default stream their
-    copies would queue behind that request's kernels, and a device-wide synchronize would
-    wait for all of them; on a stream of their own they go to the copy engines meanwhile.
-
-    ``after_default``: the stream first waits for what is already queued on the default
-    stream. An offload needs it: its copies read device tensors that queued kernels (the
-    replica's last optimizer step) may still write. A reload does not (``False``): it reads
-    pinned host memory, and writes device memory allocated here, on this stream, which the
-    caching allocator hands only to this stream's work, and only once the streams that used
-    it are done with it. Tensors made here are used on the default stream afterwards:
-    :func:`used_by_default_stream` marks them so."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = torch.cuda.Stream(device=device)
-    if after_default:
-        stream.wait_stream(torch.cuda.default_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
-
-
-def used_by_default_stream(tensors: Iterable[torch.Tensor], device: torch.device) -> None:
-    """Mark device ``tensors`` made inside :func:`copy_stream` as used on the default stream
-    (the caching allocator then waits for that stream before it reuses their memory)."""
-    if device.type != "cuda":
-        return
-    default = torch.cuda.default_stream(device)
-    for t in tensors:
-        if t.device.type == "cuda":
-            t.record_stream(default)
-
-
 def _portable(error: Exception) -> Exception:
     """``error`` if it pickles (to travel to the other ranks), else a typed stand-in."""
     try:
@@ -119,34 +80,6 @@ def _portable(error: Exception) -> Exception:
         return error
     except Exception:
         return InvalidBatch(f"another rank's part of this request failed: {error!r}")
-
-
-def _token_pieces(tokenizer: Any) -> list[str] | None:
-    """Each token id's text, when the tokenizer decodes by plain concatenation (a ``Fuse``
-    decoder, or a ``ByteLevel`` one whose every token is whole UTF-8 on its own, and no
-    clean-up of spaces, like the character tokenizer of tiny models): then
-    ``decode(ids, skip_special_tokens=True) == "".join(pieces[i] for i in ids)``. ``None``
-    for any other tokenizer, which is then decoded."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = type(getattr(backend, "decoder", None)).__name__
-    if backend is None or decoder not in ("Fuse", "ByteLevel"):
-        return None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None
-    vocab = backend.get_vocab(with_added_tokens=True)
-    special = set(tokenizer.all_special_ids)
-    pieces = [""] * (max(vocab.values()) + 1)
-    for token, i in vocab.items():
-        if i in special:
-            continue
-        if decoder == "Fuse":
-            pieces[i] = token
-            continue
-        try:  # (a token of part of a character decodes only beside the rest of it)
-            pieces[i] = bytes(BYTE_OF_SYMBOL[c] for c in token).decode("utf-8")
-        except (KeyError, UnicodeDecodeError):
-            return None
-    return pieces
 
 
 class TorchBackend:
@@ -180,7 +113,7 @@ class TorchBackend:
         self.forward_params = frozenset(inspect.signature(self.model.forward).parameters)
         # The KV-cache argument: ``cache`` in recent transformers, ``past_key_values`` before.
         self.cache_kw = "cache" if "cache" in self.forward_params else "past_key_values"
-        self._pieces = _token_pieces(self.tokenizer)
+        self._pieces = token_pieces(self.tokenizer)
         self._ending: dict[frozenset[str], frozenset[int]] = {}  # tokens_ending's answers
         # Decode steps computed from the modules' weights where the architecture allows
         # (plexrl_dask.worker.decode_step); None: through the HF forward.
