@@ -25,13 +25,8 @@ from distributed.utils_test import gen_cluster
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
 from plexrl_dask import errors
-from plexrl_dask.bench.dashboard import (
-    ReferenceWork,
-    add_request,
-    churn,
-    fill_synthetic,
-    scrape_times,
-)
+from plexrl_dask.bench.dashboard import ReferenceWork, scrape_times
+from plexrl_dask.bench.synthetic_state import add_request, churn, fill_synthetic
 from plexrl_dask.cluster import scheduler_process
 from plexrl_dask.dashboard import PAGES, ROUTES_MODULE, metrics
 from plexrl_dask.dashboard.browser import fetch_json
