@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import dask
 import numpy as np
@@ -34,16 +35,17 @@ def server(tmp_path_factory):
     tiny_spec(seed=3).save_pretrained(checkpoint)
     keys = root / "keys.yaml"
     alice, bob = add_key(keys, "alice"), add_key(keys, "bob")
-    small = add_key(keys, "small")
+    small, single = add_key(keys, "small"), add_key(keys, "single")
     limits = "    limits: {request-bytes: 2048, requests-waiting: 2}\n"
     text = keys.read_text().replace("  small:\n", "  small:\n" + limits)
+    text = text.replace("  single:\n", "  single:\n    limits: {models: 1}\n")
     keys.write_text(text)
     with (
         plexrl.local_cluster(n_workers=2) as cluster,
         Client(cluster, set_as_default=False) as client,
         ServerThread(client, KeyRing.from_file(keys), {BASE: checkpoint}) as srv,
     ):
-        yield srv, client, {"alice": alice, "bob": bob, "small": small}
+        yield srv, client, {"alice": alice, "bob": bob, "small": small, "single": single}
 
 
 def sdk(srv, key):
@@ -396,6 +398,40 @@ def test_a_session_without_heartbeats_ends_and_frees_the_pool(server):
     assert model_id not in {d.name.split("@")[0] for d in runtime.deployments()}
     r = httpx.post(f"{api}/get_info", headers=headers, json={"model_id": model_id}, timeout=30)
     assert r.status_code == 404
+
+
+def test_a_new_tenants_first_calls_at_once_attach_once_and_count_each_other(server):
+    """A tenant's first two ``create_model`` calls, sent at once (its limit: 1 model): its
+    job is attached once (a second attach would take the first's secret for a stale one and
+    undeploy its new model), and the two count against the limit together, so one model is
+    made and the other call is refused, typed."""
+    srv, client, keys = server
+    api, headers = f"{srv.url}/api/v1", {"X-API-Key": keys["single"]}
+    sid = httpx.post(f"{api}/create_session", headers=headers, json={}, timeout=30)
+    sid = sid.json()["session_id"]
+
+    def create(n):
+        body = {"session_id": sid, "model_seq_id": n, "base_model": BASE, "lora_config": {"rank": 0}}
+        return httpx.post(f"{api}/create_model", headers=headers, json=body, timeout=60)
+
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(create, [0, 1]))
+    codes = sorted(r.status_code for r in replies)
+    assert codes == [200, 403], [r.text for r in replies]
+    [refused] = [r for r in replies if r.status_code == 403]
+    assert refused.json()["error"] == "TenantLimitExceeded"
+    [made] = [r for r in replies if r.status_code == 200]
+    for _ in range(10):
+        r = httpx.post(f"{api}/retrieve_future", headers=headers, json=made.json(), timeout=60)
+        if r.status_code != 408:
+            break
+    assert r.status_code == 200, r.text
+    model_id = r.json()["model_id"]
+    runtime = plexrl.Runtime(client, job="tinker-single")
+    mine = [d.name for d in runtime.deployments() if d.owner == "tinker-single"]
+    assert [n.split("@")[0] for n in mine] == [model_id]
+    assert list(srv.service.creating) == []
+    httpx.post(f"{api}/sessions/{sid}/finish", headers=headers, json={}, timeout=30)
 
 
 def test_a_tenants_requests_waiting_are_bounded_with_a_retryable_refusal(server):

@@ -113,8 +113,11 @@ class Service(SamplingSessions):
         self.banks: dict[str, Deployment] = {}  # base -> its adapter bank
         self.mergers: dict[str, SampleMerger] = {}  # bank name -> its calls' merger
         self._banking = asyncio.Lock()
+        self._attaching: dict[str, asyncio.Lock] = {}  # job -> held while it attaches
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainModel] = {}
+        #: model id -> tenant: models being deployed (counted against the tenant's limit)
+        self.creating: dict[str, str] = {}
         self.samplers: dict[str, Sampler] = {}
         #: sampler id -> (tenant, why): snapshot samplers retired by a later step
         self.retired: dict[str, tuple[str, str]] = {}
@@ -137,9 +140,16 @@ class Service(SamplingSessions):
         """The tenant's job's runtime: registered, or re-attached with the secret in the state
         file; a job re-attached after a restart of this server first loses the deployments
         its last run left (:mod:`.state`)."""
-        if tenant.name not in self.runtimes:
-            self.runtimes[tenant.name] = await self.blocking(self._attach, tenant.job)
-        return self.runtimes[tenant.name]
+        return await self._runtime_of(tenant.name, tenant.job)
+
+    async def _runtime_of(self, key: str, job: str) -> Runtime:
+        # One attach per job, whatever arrives meanwhile: a second attach would read the
+        # state file's secret half-written, or undeploy the first's new deployments.
+        lock = self._attaching.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key not in self.runtimes:
+                self.runtimes[key] = await self.blocking(self._attach, job)
+        return self.runtimes[key]
 
     def _attach(self, job: str) -> Runtime:
         scheduler = str(self.client.scheduler.address)
@@ -165,9 +175,7 @@ class Service(SamplingSessions):
         """The adapter bank of ``base`` (deployed on first use, in the server's own job)."""
         async with self._banking:  # (two first calls at once deploy it once)
             if base not in self.banks:
-                if self.bank_job not in self.runtimes:
-                    self.runtimes[self.bank_job] = await self.blocking(self._attach, self.bank_job)
-                runtime = self.runtimes[self.bank_job]
+                runtime = await self._runtime_of(self.bank_job, self.bank_job)
                 spec = self.spec(base)
                 name = f"adapters:{len(self.banks)}"  # (catalog names may hold a '/')
                 self.banks[base] = await self.blocking(
@@ -359,17 +367,19 @@ class Service(SamplingSessions):
         spec = self.spec(base, lora)
         if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise UnsupportedCall("the optimizer is AdamW (optimizer_config type 'adamw')")
+        n = wire.count(body.get("model_seq_id", 0), "model_seq_id")
+        model_id = f"{session.session_id}:train:{n}"
+        metadata = {str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}
+        runtime = await self.runtime(tenant)
+        # Checked and reserved with no await between: calls at once count each other.
         mine = sum(1 for m in self.models.values() if m.tenant == tenant.name)
+        mine += sum(1 for owner in self.creating.values() if owner == tenant.name)
         if mine >= tenant.limits.models:
             raise TenantLimitExceeded(
                 f"tenant {tenant.name!r} has {mine} training models (limit {tenant.limits.models})"
             )
-        n = wire.count(body.get("model_seq_id", 0), "model_seq_id")
-        model_id = f"{session.session_id}:train:{n}"
-        if model_id in self.models:
+        if model_id in self.models or model_id in self.creating:
             raise InvalidTinkerRequest(f"model {model_id!r} exists (model_seq_id reused)")
-        metadata = {str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}
-        runtime = await self.runtime(tenant)
 
         def deploy() -> Deployment:
             deployment = runtime.deploy(model_id, spec)
@@ -384,7 +394,10 @@ class Service(SamplingSessions):
             return deployment
 
         async def work() -> Reply:
-            deployment = await self.blocking(deploy)
+            try:
+                deployment = await self.blocking(deploy)
+            finally:
+                self.creating.pop(model_id, None)
             self.models[model_id] = TrainModel(
                 model_id, tenant.name, session.session_id, base, deployment, lora
             )
@@ -396,7 +409,12 @@ class Service(SamplingSessions):
                 out["path"] = restore[0].path
             return json_reply(out)
 
-        return self.promise(tenant, kind, work())
+        self.creating[model_id] = tenant.name
+        try:
+            return self.promise(tenant, kind, work())
+        except BaseException:
+            self.creating.pop(model_id, None)
+            raise
 
     def run(self, tenant: Tenant, run_id: str) -> Run:
         return self._owned(self.runs, run_id, tenant, "training run")
