@@ -37,17 +37,16 @@ from plexrl_dask import config
 from plexrl_dask.errors import ManagerUnavailable, PlexRLError, StateStoreError, from_status
 from plexrl_dask.state_store.keys import DTYPES, ROW_SPLITS, Manifest
 from plexrl_dask.state_store.manager import (
-    CLIENTS_DIR,
     ERROR_FILE,
     LOCK_FILE,
     LOG_FILE,
     START_LOCK_FILE,
-    STORE_DIR,
     ManagerConfig,
     private_tier_dir,
     socket_name,
 )
 from plexrl_dask.state_store.store import StateStore, VersionWriter
+from plexrl_dask.state_store.tiers import CLIENTS_DIR, STORE_DIR
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ their own shard regions: a writer stores the chunks its region covers completely
 parts of chunks it covers partly as *fragments*; the commit assembles each such chunk from its
 fragments (at most one chunk per shard boundary is touched twice). Objects no manifest refers
 to are garbage: :meth:`StateStore.gc` counts references from every manifest and deletes the
-rest (mark and sweep, so counts can never drift).
+rest (mark and sweep, so counts can never drift; :mod:`~plexrl_dask.state_store.collection`).
 
 **Atomic versions.** Writers (:mod:`~plexrl_dask.state_store.writer`) write objects (immutable,
 never visible partly written: :mod:`~plexrl_dask.state_store.objects`) and their parts into a
@@ -31,17 +31,16 @@ one (:class:`VersionConflict`).
 **Reads** go through Zarr's layout (:mod:`~plexrl_dask.state_store.zarr_layout`): a region of a
 tensor fetches exactly the chunks it overlaps, and every fetched chunk is checked against its
 digest (:class:`CorruptState` names the tensor); from a memory tier all of them are checked
-before any is copied out.
+before any is copied out (planned and run by :mod:`~plexrl_dask.state_store.reads`).
 
-This module: :class:`StateStore` (publish and commit, reads, imports and tier copies,
-collection).
+This module: :class:`StateStore` (versions, publish and commit with the assembly of partly
+written chunks, reads, imports and tier copies; its collection methods come from
+:class:`~plexrl_dask.state_store.collection.CollectionMixin`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
 import itertools
 import json
 import logging
@@ -64,11 +63,11 @@ from plexrl_dask.errors import (
     NotAStore,
     PublishIncomplete,
     StateMismatch,
-    StoreBusy,
     TensorNotFound,
     VersionConflict,
     VersionNotFound,
 )
+from plexrl_dask.state_store.collection import CollectionMixin
 from plexrl_dask.state_store.keys import (
     DEFAULT_CHUNK_BYTES,
     DTYPES,
@@ -79,7 +78,6 @@ from plexrl_dask.state_store.keys import (
     check_name,
     check_version,
     from_storage,
-    to_storage,
 )
 from plexrl_dask.state_store.objects import (
     Allocation,
@@ -87,13 +85,11 @@ from plexrl_dask.state_store.objects import (
     Objects,
     _fsync_dir,
     _io_pool,
-    _object_files,
-    _run_fetches,
-    _scratch,
     _syncfs,
     _write_file,
 )
 from plexrl_dask.state_store.objects import digest_of as digest_of  # re-exported
+from plexrl_dask.state_store.reads import plan_read, run_reads
 from plexrl_dask.state_store.writer import VersionWriter, _region, _Touched
 from plexrl_dask.state_store.zarr_layout import _byte_range as _byte_range  # re-exported
 from plexrl_dask.state_store.zarr_layout import (
@@ -117,8 +113,6 @@ IMPORT_BATCH_BYTES = 8 << 20
 IMPORT_AHEAD = 4
 #: Batches an import stores at once (on the I/O threads).
 IMPORT_STORING = 2
-#: Bound on waiting for a store's collection lock (a collection walks every object once).
-_COLLECTION_LOCK_TIMEOUT_S = 120.0
 
 
 def _check_fragments_cover(
@@ -195,24 +189,7 @@ def _assembled_chunks(
         yield "/".join((name, "c", *map(str, idx))), chunk
 
 
-def _last_activity(staging: Path) -> float:
-    """When a staging directory last changed (its records of use grow as it writes)."""
-    times = [0.0]
-    for p in (staging, *(staging / "touched").glob("*")):
-        with contextlib.suppress(FileNotFoundError):
-            times.append(p.stat().st_mtime)
-    return max(times)
-
-
-def _touched_digests(staging: Path) -> set[str]:
-    out: set[str] = set()
-    for path in (staging / "touched").glob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            out.update(line for line in path.read_text().split() if line)
-    return out
-
-
-class StateStore:
+class StateStore(CollectionMixin):
     """One tier's store of model versions (see the module docstring).
 
     ``durable``: fsync what a publish writes (persistent tiers); ``capacity_bytes``: refuse
@@ -530,8 +507,10 @@ class StateStore:
         :meth:`read_many`)."""
         manifest = self.manifest(model, version)
         allocation = Allocation()
-        fetches, result = self._plan_read(manifest, name, region, shape, dtype, out, allocation)
-        self._run_reads(fetches, allocation)
+        fetches, result = plan_read(
+            self.objects, manifest, name, region, shape, dtype, out, allocation
+        )
+        run_reads(self.objects, fetches, allocation)
         return result()
 
     def read_many(
@@ -553,131 +532,13 @@ class StateStore:
         manifest = self.manifest(model, version)  # (once: every tensor's entry is in it)
         allocation = Allocation()
         plans = [
-            self._plan_read(manifest, name, region, None, None, (out or {}).get(name), allocation)
+            plan_read(
+                self.objects, manifest, name, region, None, None, (out or {}).get(name), allocation
+            )
             for name, region in regions.items()
         ]
-        self._run_reads([f for fetches, _ in plans for f in fetches], allocation)
+        run_reads(self.objects, [f for fetches, _ in plans for f in fetches], allocation)
         return {name: result() for name, (_, result) in zip(regions, plans, strict=True)}
-
-    def _run_reads(
-        self, fetches: list[Callable[[], Callable[[], None] | None]], allocation: Allocation
-    ) -> None:
-        """Run the chunk fetches of :meth:`_plan_read` on the I/O threads, then the copies
-        into place that they return (all of them checked by then); count what the read
-        allocated, whether or not it succeeded."""
-        try:
-            places = [p for p in _run_fetches(fetches, self.durable) if p is not None]
-            _run_fetches(places, disk=False)
-        finally:
-            self.stats.read_allocated(allocation.nbytes)
-
-    def _plan_read(
-        self,
-        manifest: Manifest,
-        name: str,
-        region: tuple[slice, ...] | None,
-        shape: tuple[int, ...] | None,
-        dtype: torch.dtype | None,
-        out: torch.Tensor | None,
-        allocation: Allocation,
-    ) -> tuple[list[Callable[[], Callable[[], None] | None]], Callable[[], torch.Tensor]]:
-        """The chunk fetches of one read (to run on the I/O threads) and its result. A fetch
-        reads and checks one chunk, and returns the copy that puts it into place (None when
-        it read it there itself). What the read allocates is counted in ``allocation``."""
-        model, version = manifest.model, manifest.version
-        entry = manifest.tensors.get(check_name(name))
-        if entry is None:
-            raise TensorNotFound(
-                f"{model!r} v{version} has no tensor {name!r} ({len(manifest.tensors)} tensors, e.g. "
-                f"{sorted(manifest.tensors)[:3]})"
-            )
-        if shape is not None and tuple(shape) != entry.shape:
-            raise StateMismatch(
-                f"{name!r} of {model!r} v{version} has shape {entry.shape}, expected {tuple(shape)}"
-            )
-        if dtype is not None and DTYPES[entry.dtype][0] != dtype:
-            raise StateMismatch(
-                f"{name!r} of {model!r} v{version} has dtype {entry.dtype}, expected {dtype}"
-            )
-        bounds = _region(entry.shape, region)
-        storage = np.dtype(DTYPES[entry.dtype][1])
-        want = tuple(b - a for a, b in bounds)
-        if out is None:
-            dst_array = np.empty(want, dtype=storage)
-            allocation.add(dst_array.nbytes)
-        else:
-            if (
-                tuple(out.shape) != want
-                or out.dtype != DTYPES[entry.dtype][0]
-                or out.device.type != "cpu"
-                or not out.is_contiguous()
-            ):
-                raise StateMismatch(
-                    f"out for {name!r} must be a contiguous CPU {DTYPES[entry.dtype][0]} tensor of shape {want}, "
-                    f"got {out.dtype} {tuple(out.shape)} on {out.device}"
-                )
-            dst_array = to_storage(out)  # a view: reads land in ``out``
-        chunk_bytes = int(np.prod(entry.chunks, dtype=np.int64)) * storage.itemsize
-
-        def overlap(origin: list[int]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
-            """The part of the chunk at ``origin`` the read wants, and where it goes."""
-            src = tuple(
-                slice(max(a, o) - o, min(b, o + c) - o)
-                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
-            )
-            dst = tuple(
-                slice(max(a, o) - a, min(b, o + c) - a)
-                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
-            )
-            return src, dst
-
-        def fetch(idx: tuple[int, ...]) -> Callable[[], None] | None:
-            key = "/".join(("c", *map(str, idx)))
-            digest = entry.chunk_digests.get(key)
-            what = f"tensor {name!r} of {model!r} v{version}, chunk {key}"
-            if digest is None:
-                raise CorruptState(f"{what}: not in the manifest")
-            origin = [i * c for i, c in zip(idx, entry.chunks, strict=True)]
-            if not self.durable:
-                # A memory tier: the object's own pages, mapped and checked now, copied into
-                # place once every chunk of the read has been checked.
-                view = self.objects.view(digest, what, chunk_bytes)
-                src, dst = overlap(origin)
-
-                def place() -> None:
-                    chunk = np.frombuffer(view, dtype=storage).reshape(entry.chunks)
-                    dst_array[dst] = chunk[src]
-
-                return place
-            whole = all(
-                a <= o and o + c <= b
-                for (a, b), o, c in zip(bounds, origin, entry.chunks, strict=True)
-            )
-            if whole and dst_array.ndim:
-                dst_view = dst_array[
-                    tuple(
-                        slice(o - a, o - a + c)
-                        for (a, _), o, c in zip(bounds, origin, entry.chunks, strict=True)
-                    )
-                ]
-                if dst_view.flags.c_contiguous:  # straight into the output, no second copy
-                    self.objects.get_into(digest, what, memoryview(dst_view).cast("B"))
-                    return None
-            # Into a warm per-thread buffer, checked there, then copied into place (reading
-            # straight into the output's rows with one readv measured slower).
-            raw = _scratch(chunk_bytes, allocation)
-            self.objects.get_into(digest, what, memoryview(raw))
-            src, dst = overlap(origin)
-            dst_array[dst] = raw.view(storage).reshape(entry.chunks)[src]
-            return None
-
-        # Zarr's on-disk layout (regular grid, edge chunks padded, raw little-endian bytes), read
-        # without its per-chunk asyncio pipeline.
-        indices = itertools.product(
-            *(range(a // c, -(-b // c)) for (a, b), c in zip(bounds, entry.chunks, strict=True))
-        )
-        fetches = [functools.partial(fetch, idx) for idx in indices]
-        return fetches, lambda: out if out is not None else from_storage(dst_array, entry.dtype)
 
     def read_with_zarr(
         self, model: str, version: int, name: str, region: tuple[slice, ...] | None = None
@@ -822,128 +683,6 @@ class StateStore:
         os.rename(final, trash)  # invisible at once, then removed
         shutil.rmtree(trash, ignore_errors=True)
         self._manifests.pop((model, version), None)
-
-    def refcounts(self) -> dict[str, int]:
-        """How many (version, chunk) places refer to each object."""
-        counts: dict[str, int] = {}
-        for model in self.models():
-            for version in self.versions(model):
-                for entry in self.manifest(model, version).tensors.values():
-                    for digest in entry.chunk_digests.values():
-                        counts[digest] = counts.get(digest, 0) + 1
-        return counts
-
-    def live_digests(
-        self, exclude: tuple[str, int] | None = None, staging_grace_s: float = 3600.0
-    ) -> set[str]:
-        """Every object something may still refer to: published versions (but ``exclude``),
-        closed writers' parts and the records of use of publishes in progress (staging
-        directories active within ``staging_grace_s``; older ones are abandoned)."""
-        live: set[str] = set()
-        now = time.time()
-        staging_root = self.root / "staging"
-        for st in staging_root.glob("*/*") if staging_root.is_dir() else ():
-            if st.parent.name.startswith(".") or now - _last_activity(st) > staging_grace_s:
-                continue
-            live |= _touched_digests(st)
-            for part in (st / "parts").glob("*.json"):
-                with contextlib.suppress(FileNotFoundError, ValueError):
-                    live.update(json.loads(part.read_text())["pointers"].values())
-        # Versions after staging: a publish renames its staging directory into versions/, so
-        # one that moves while we look is seen on one side or the other, never on neither.
-        for model in self.models():
-            for version in self.versions(model):
-                if (model, version) != exclude:
-                    with contextlib.suppress(VersionNotFound):
-                        live |= self.manifest(model, version).digests()
-        return live
-
-    def gc(self, grace_s: float = 3600.0, staging_grace_s: float = 3600.0) -> dict[str, int]:
-        """Delete objects nothing refers to (:meth:`live_digests`) and untouched for
-        ``grace_s``; remove staging directories inactive for ``staging_grace_s`` (a crashed
-        publish).
-
-        Exact without a grace period. A writer records each object it uses in its staging
-        directory *before* it looks the object up (and writes it when absent); a commit
-        verifies and names its objects under a shared lock. A collection holds that lock
-        exclusively and: takes the live set; renames every other object out of the way;
-        takes the live set again; renames back what became live meanwhile (a writer that
-        found it before the rename recorded it before, so the second look sees it; a writer
-        that looked after the rename found nothing and wrote its own copy) and deletes the
-        rest. No commit can see the objects renamed in between."""
-        now = time.time()
-        keep_after = now - grace_s
-        removed_staging = 0
-        staging_root = self.root / "staging"
-        for st in list(staging_root.glob("*/*")) if staging_root.is_dir() else ():
-            if not st.parent.name.startswith(".") and now - _last_activity(st) > staging_grace_s:
-                shutil.rmtree(st, ignore_errors=True)
-                removed_staging += 1
-        objects_root = self.root / "objects"
-        freed = deleted = 0
-        with self._collection_lock(shared=False):
-            live = self.live_digests(staging_grace_s=staging_grace_s)
-            doomed: list[tuple[Path, Path, int]] = []
-            for file in _object_files(objects_root):
-                try:
-                    st = file.stat()
-                except FileNotFoundError:
-                    continue
-                if file.name.startswith("."):
-                    if now - st.st_mtime > staging_grace_s:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(file.path)  # a temporary of a crashed writer
-                    continue
-                if file.name in live or st.st_mtime >= keep_after:
-                    continue
-                path = Path(file.path)
-                aside = path.with_name(f".gc-{path.name}-{uuid.uuid4().hex[:8]}")
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(path, aside)
-                    doomed.append((path, aside, st.st_size))
-            if doomed:
-                live = self.live_digests(staging_grace_s=staging_grace_s)
-            for path, aside, size in doomed:
-                if path.name in live:
-                    with contextlib.suppress(FileExistsError):  # a writer stored it again
-                        os.link(aside, path)
-                else:
-                    freed += size
-                    deleted += 1
-                aside.unlink(missing_ok=True)
-            # A full walk: exact again, whoever wrote meanwhile.
-            kept = self.objects.scan_bytes()
-        return {
-            "objects_deleted": deleted,
-            "bytes_freed": freed,
-            "staging_removed": removed_staging,
-            "objects_live": len(live),
-            "object_bytes": kept,
-        }
-
-    @contextlib.contextmanager
-    def _collection_lock(self, shared: bool) -> Any:
-        """The store's collection lock (an ``flock`` on ``<root>/gc.lock``, across
-        processes): shared by commits, exclusive for :meth:`gc`. Waits at most
-        ``_COLLECTION_LOCK_TIMEOUT_S``, then raises :class:`StoreBusy`."""
-        fd = os.open(self.root / "gc.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
-            deadline = time.monotonic() + _COLLECTION_LOCK_TIMEOUT_S
-            while True:
-                try:
-                    fcntl.flock(fd, mode)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreBusy(
-                            f"store {self.root}: the collection lock stayed taken for "
-                            f"{_COLLECTION_LOCK_TIMEOUT_S:.0f}s; nothing was changed"
-                        ) from None
-                    time.sleep(0.002)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
 
     def usage(self) -> dict[str, int]:
         return {

@@ -526,12 +526,12 @@ def test_gc_racing_a_publish_that_reuses_an_unreferenced_object(store, monkeypat
 def test_commits_wait_for_a_collection_and_give_up_typed(store, monkeypatch):
     import fcntl
 
-    from plexrl_dask.state_store import store as store_module
+    from plexrl_dask.state_store import collection
 
     writer = store.writer("m", 0, "p")
     writer.write("w", torch.randn(8, 8))
     writer.close()
-    monkeypatch.setattr(store_module, "_COLLECTION_LOCK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(collection, "_COLLECTION_LOCK_TIMEOUT_S", 0.2)
     fd = os.open(store.root / "gc.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a collection in progress (another process)
     try:
