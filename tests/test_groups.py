@@ -163,6 +163,12 @@ def test_bad_checkpoints_are_refused_and_harmless(runtime, tmp_path):
         plexrl.result(dep.load_state(in_store))
     with pytest.raises(errors.CheckpointNotFound):
         plexrl.result(dep.load_state({**in_store, "version": 99}))
+    # malformed references: refused alike on both ranks, before either reads or imports
+    no_path = {k: v for k, v in in_store.items() if k != "path"}
+    for bad in (no_path, {**in_store, "version": "1"}, {**in_store, "model": "../x"},
+                {**in_store, "source": 7}):  # fmt: skip
+        with pytest.raises(errors.CheckpointError):
+            plexrl.result(dep.load_state(bad), timeout=60)
     path = str(tmp_path / "other")
     plexrl.result(other.save_state(path, format="dcp"))
     with pytest.raises(errors.CheckpointIncompatible, match="shape"):
@@ -545,3 +551,15 @@ def test_gangs_holding_their_workers_run_every_request_to_the_end(runtime):
         assert all(len(r.logprobs) == len(data) for r in done[4:])
     finally:
         assert runtime.set_policy(gang_hold_s=0.0)["gang_hold_s"] == 0.0
+
+
+def test_a_malformed_weights_reference_is_refused_typed():
+    """What ``load_weights`` reads is checked where it runs, whatever sent it."""
+    from plexrl_dask.worker.stores import checked_reference
+
+    good = {"path": "/x", "model": "weights.p", "version": 3, "node": "n", "source": "tcp://a"}
+    assert checked_reference(good) == ("weights.p", 3)
+    for bad in ([1], {"version": 3}, {**good, "version": -1}, {**good, "version": True},
+                {**good, "model": "a/b"}, {**good, "source": 5}):  # fmt: skip
+        with pytest.raises(errors.WeightsMismatch):
+            checked_reference(bad)

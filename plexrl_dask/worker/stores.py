@@ -22,6 +22,7 @@ from plexrl_dask.errors import (
     CheckpointError,
     CheckpointIncompatible,
     CheckpointNotFound,
+    InvalidStateKey,
     NotAStore,
     PermissionDenied,
     PlexRLError,
@@ -29,7 +30,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.shared.records import split_name
 from plexrl_dask.state_store import peer
-from plexrl_dask.state_store.keys import derived_model, model_key
+from plexrl_dask.state_store.keys import check_model, check_version, derived_model, model_key
 from plexrl_dask.state_store.node import NodeState, node_state
 from plexrl_dask.state_store.store import MARKER as STORE_MARKER
 from plexrl_dask.state_store.store import StateStore
@@ -113,6 +114,8 @@ def restoring(
 ) -> Call:
     """The call of ``ops.load_state``: find the checkpoint (importing it from another node's
     tier if it is there), check the deployment may read it, load it."""
+    if isinstance(checkpoint, Mapping):
+        checked_checkpoint(checkpoint)
 
     def find() -> str | StoreCheckpoint:
         return readable_source(deployment, checkpoint, model, version, "load_state")
@@ -161,7 +164,7 @@ def publishing(deployment: str, store_version: int, publish_id: str) -> Call:
 def weights_loading(deployment: str, ref: Mapping[str, Any]) -> Call:
     """The call of ``ops.load_weights``: import the published version into this node's tiers
     if it was published on another node, check the deployment may read it, load it."""
-    model, version = str(ref["model"]), int(ref["version"])
+    model, version = checked_reference(ref)
 
     def call(backend: Any) -> int:
         node = node_of(deployment)
@@ -193,6 +196,43 @@ def weights_loading(deployment: str, ref: Mapping[str, Any]) -> Call:
         return loaded
 
     return call
+
+
+def checked_reference(ref: Any) -> tuple[str, int]:
+    """The (store model, version) of a reference :func:`publishing` returned, checked on the
+    worker before anything reads it (every rank gets the same reference, so every rank
+    refuses it alike, before any collective): :class:`WeightsMismatch` if it is malformed."""
+    if not isinstance(ref, Mapping):
+        raise WeightsMismatch(f"a weights reference is a mapping, got {type(ref).__name__}")
+    try:
+        model, version = check_model(ref["model"]), check_version(ref["version"])
+    except (KeyError, InvalidStateKey) as e:
+        raise WeightsMismatch(f"a malformed weights reference ({e!r}): {dict(ref)!r}") from None
+    _optional_strings(ref, ("node", "source"), WeightsMismatch)
+    return model, version
+
+
+def checked_checkpoint(ckpt: Mapping[str, Any]) -> None:
+    """:class:`CheckpointError` unless ``ckpt`` has the shape :func:`saving` gives a checkpoint
+    (a ``path``; ``model``, ``version``, ``node`` and ``source`` where given), checked before
+    any rank's path depends on it: a rank on the checkpoint's node reads ``path`` where the
+    others import from ``source``, so a malformed one must fail on every rank alike."""
+    if not isinstance(ckpt.get("path"), str) or not ckpt["path"]:
+        raise CheckpointError(f"a checkpoint names its path, got {dict(ckpt)!r}")
+    try:
+        if ckpt.get("model") is not None:
+            check_model(ckpt["model"])
+        if ckpt.get("version") is not None:
+            check_version(ckpt["version"])
+    except InvalidStateKey as e:
+        raise CheckpointError(f"a malformed checkpoint ({e}): {dict(ckpt)!r}") from None
+    _optional_strings(ckpt, ("node", "source", "format"), CheckpointError)
+
+
+def _optional_strings(record: Mapping[str, Any], keys: tuple[str, ...], error: type) -> None:
+    for key in keys:
+        if record.get(key) is not None and not isinstance(record[key], str):
+            raise error(f"{key!r} is a string where given, got {record[key]!r}")
 
 
 def readable_source(
