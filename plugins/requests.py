@@ -6,7 +6,8 @@ deployment (requests of one deployment are admitted to the dispatcher in that or
 which deployments' queues changed since the dispatcher last looked, and which request each task
 key belongs to. It holds no policy: the plugin routes, admits and releases
 (:mod:`plexrl_dask.plugins.scheduler`); the dashboard benchmark fills it the same way
-(:mod:`plexrl_dask.bench.dashboard`).
+(:mod:`plexrl_dask.bench.dashboard`). :class:`QueueQuota` is the one limit on it: how many
+requests a job may have waiting at once, checked when the plugin routes a request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from plexrl_dask import config
+from plexrl_dask.errors import QuotaExceeded
 
 
 @dataclass(eq=False)
@@ -162,3 +166,38 @@ class RequestQueue:
                 del self._by_deployment[request.deployment]
         if always or request.deployment in self._by_deployment:
             self._changed.add(request.deployment)
+
+
+class QueueQuota:
+    """``plexrl.quotas.max-queued-requests-per-job``: how many requests one job may have
+    pending in ``requests`` at once. Refusals count in ``counters``; a refused request is
+    remembered (the newest 4096), so each of its ranks is refused alike."""
+
+    def __init__(self, requests: RequestQueue, counters: Counter[str]) -> None:
+        self._requests = requests
+        self._counters = counters
+        self._refused: dict[str, QuotaExceeded] = {}  # request -> the error it was refused with
+
+    def check(self, job: str, request: str) -> None:
+        """:class:`QuotaExceeded` for a new request of ``job`` while it has
+        ``plexrl.quotas.max-queued-requests-per-job`` pending (and for every rank of a request
+        refused so, whenever its ranks arrive)."""
+        if request in self._refused:
+            raise self._refused[request]
+        if request in self._requests:
+            return  # another rank of a request already queued
+        limit = config.count(
+            "plexrl.quotas.max-queued-requests-per-job",
+            config.get("quotas.max-queued-requests-per-job"),
+        )
+        if self._requests.of_job(job) < limit:
+            return
+        error = QuotaExceeded(
+            f"job {job!r} has {self._requests.of_job(job)} requests waiting, "
+            f"plexrl.quotas.max-queued-requests-per-job = {limit}: wait for some to finish"
+        )
+        self._refused[request] = error
+        while len(self._refused) > 4096:
+            self._refused.pop(next(iter(self._refused)))
+        self._counters["quota_refusals"] += 1
+        raise error

@@ -8,11 +8,15 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
   can address any deployment. The plugin is composed of parts, each in its own module: the
   registry (deploy, undeploy, relocate, placement through the policy core, re-placing after a
   worker left, the replica holders: :class:`~plexrl_dask.plugins.deployments.DeploymentRegistry`),
-  the queue of routed requests (:class:`~plexrl_dask.plugins.requests.RequestQueue`), the
+  the queue of routed requests and its per-job quota
+  (:class:`~plexrl_dask.plugins.requests.RequestQueue`,
+  :class:`~plexrl_dask.plugins.requests.QueueQuota`), the dispatch policy from configuration
+  and the operator, and the queue as it ranks it (:mod:`plexrl_dask.plugins.dispatching`), the
   accounting of released ones (:class:`~plexrl_dask.plugins.accounting.RequestAccounting`), the
-  gangs' process-group epochs (:class:`~plexrl_dask.plugins.gangs.GroupEpochs`) and the live
-  placement of jobs (:class:`~plexrl_dask.plugins.placement.LivePlacement`); this module
-  composes them and holds the request path;
+  gangs' process-group epochs and rendezvous (:class:`~plexrl_dask.plugins.gangs.GroupEpochs`,
+  :class:`~plexrl_dask.plugins.gangs.Rendezvous`) and the live placement of jobs
+  (:class:`~plexrl_dask.plugins.placement.LivePlacement`); this module composes them and holds
+  the request path;
 - **parks** every task annotated ``plexrl={"deployment": ...}`` before the scheduler first
   places it (``update_graph`` runs before the new tasks' transitions: the task is restricted to
   an address that is never a worker, so it waits in ``no-worker``), aims it at its deployment's
@@ -23,7 +27,8 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
 - knows the **principals** (:class:`~plexrl_dask.shared.access.Principals`): jobs register and
   get a secret, every handler run in a job's name and every request presents it, and only
   the operator changes the dispatch policy;
-- hosts the rendezvous of worker process groups (``plexrl_rendezvous_*`` handlers);
+- hosts the rendezvous of worker process groups (``plexrl_rendezvous_*`` handlers, served by
+  :class:`~plexrl_dask.plugins.gangs.Rendezvous` with the token each gang is released with);
 - keeps the **residency map** from the holders' ``plexrl-residency`` events;
 - re-places a deployment whose worker left (rebuilt from its spec on another worker) unless its
   state was modified (then it is ``lost`` and requests fail with :class:`DeploymentLost`), and
@@ -46,10 +51,8 @@ import asyncio
 import dataclasses
 import functools
 import inspect
-import itertools
 import logging
 import os
-import secrets
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
@@ -64,23 +67,25 @@ from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
     ConfigError,
     DeploymentNotFound,
-    GroupTimeout,
     NotRouted,
-    PermissionDenied,
     PlexRLError,
-    QuotaExceeded,
     RankLost,
     SchedulerBusy,
     to_status,
 )
 from plexrl_dask.plugins.accounting import RequestAccounting, Started
 from plexrl_dask.plugins.deployments import DeploymentRegistry
-from plexrl_dask.plugins.gangs import GroupEpochs
+from plexrl_dask.plugins.dispatching import (
+    dispatch_policy_from_config,
+    queue_view,
+    requested_policy,
+)
+from plexrl_dask.plugins.gangs import GroupEpochs, Rendezvous
 from plexrl_dask.plugins.journal import JournaledMap, open_journal
 from plexrl_dask.plugins.placement import LivePlacement
-from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
+from plexrl_dask.plugins.requests import PendingRequest, QueueQuota, RequestQueue
 from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
-from plexrl_dask.policy.dispatch import Dispatcher, DispatchPolicy, Request
+from plexrl_dask.policy.dispatch import Dispatcher, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
 from plexrl_dask.policy.residency import (
     HOLDER_TOPIC,
@@ -98,50 +103,6 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
 
 logger = logging.getLogger(__name__)
-
-
-def dispatch_policy_from_config(
-    ordering: str | None = None, choice: str | None = None
-) -> DispatchPolicy:
-    """The dispatch rule configured under ``plexrl.scheduler``, with ``ordering`` ("hrrs" or
-    "fifo") and ``choice`` ("residency" or "blind") overriding the configured ones."""
-    ordering = ordering or str(config.get("scheduler.ordering"))
-    if dask.config.get("plexrl.scheduler.placement", None) is not None:
-        raise ConfigError(
-            "plexrl.scheduler.placement was renamed plexrl.scheduler.replica-choice "
-            '("placement" is placing jobs into node groups)'
-        )
-    choice = choice or str(config.get("scheduler.replica-choice"))
-    if ordering not in ("hrrs", "fifo"):
-        raise ConfigError(f"ordering must be 'hrrs' or 'fifo', got {ordering!r}")
-    lookahead = config.get("scheduler.lookahead")
-    fair_share = config.get("scheduler.fair-share")
-    for key, value in (("lookahead", lookahead), ("fair-share", fair_share)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"scheduler.{key} must be true or false, got {value!r}")
-    weights = config.get("scheduler.job-weights") or {}
-    if not isinstance(weights, dict):
-        raise ConfigError(f"scheduler.job-weights maps job -> weight, got {weights!r}")
-    gang_hold = config.get_seconds("scheduler.gang-hold", positive=False)
-    turn_hold = config.get_seconds("scheduler.turn-hold", positive=False)
-    try:
-        if ordering == "fifo":
-            return DispatchPolicy.fifo(
-                choice, lookahead=lookahead, gang_hold_s=gang_hold, turn_hold_s=turn_hold
-            )
-        return DispatchPolicy(
-            setup_weight=float(config.get("scheduler.setup-weight")),
-            patience_factor=float(config.get("scheduler.patience-factor")),
-            patience_floor_s=config.get_seconds("scheduler.patience-floor", positive=False),
-            choice=choice,
-            lookahead=lookahead,
-            fair_share=fair_share,
-            job_weights=tuple(sorted((str(j), w) for j, w in weights.items())),
-            gang_hold_s=gang_hold,
-            turn_hold_s=turn_hold,
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
 
 
 def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...], ...]:
@@ -174,11 +135,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.residency = ResidencyMap()
         self.counters: Counter[str] = Counter()
         self.requests = RequestQueue()  # routed, not yet released (plugins/requests.py)
-        # requests refused for their job's queue quota: each of their ranks is refused alike
-        self._over_quota: dict[str, QuotaExceeded] = {}
+        self.quota = QueueQuota(self.requests, self.counters)  # what a job may have waiting
         self.groups = GroupEpochs()  # the gangs' process groups (plugins/gangs.py)
-        # key -> (start, deployment, op, worker, job) of a released task; the start is the
-        # release, or for a task queued behind another (lookahead) when that one ended.
         # Released tasks: when each started, what is queued behind it, per-job counters.
         self.accounting = RequestAccounting()
         self._releases = 0  # requests released so far (their tasks' Dask priority)
@@ -216,16 +174,12 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         )
         self.prefetch_hints = bool(config.get("scheduler.prefetch-hints"))
         self.batch_interval = config.batch_interval()  # (plexrl.comm; None: Dask's own)
-        self.hints: dict[
-            str, tuple[str | None, str]
-        ] = {}  # worker -> (deployment, uid) last hinted
+        self.hints: dict[str, tuple[str | None, str]] = {}  # worker -> (deployment, uid) hinted
         self._touched: set[str] = set()  # workers whose prediction may have changed
         self.decisions: deque[dict[str, Any]] = deque(
             maxlen=int(config.get("scheduler.decisions-kept"))
         )
-        self._rendezvous: dict[str, str] = {}
-        self._rendezvous_tokens: dict[str, str] = {}  # group key -> its rank 0's token
-        self._rendezvous_events: dict[str, asyncio.Event] = {}
+        self.rendezvous = Rendezvous(self.counters)  # where gangs' groups meet (plugins/gangs.py)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -271,8 +225,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             protocol.LIST_DEPLOYMENTS: registry.list_deployments,
             protocol.STATUS: self.status,
             protocol.SET_POLICY: self.set_policy,
-            protocol.RENDEZVOUS_PUT: self.rendezvous_put,
-            protocol.RENDEZVOUS_GET: self.rendezvous_get,
+            protocol.RENDEZVOUS_PUT: self.rendezvous.put,
+            protocol.RENDEZVOUS_GET: self.rendezvous.get,
             protocol.PLACEMENT: registry.placement_status,
             protocol.RELOCATIONS: registry.relocations,
             protocol.RELOCATE: registry.relocate,
@@ -402,10 +356,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         """Change the dispatch policy (for experiments and benchmarks): ``ordering`` "hrrs"
         (the configured HRRS knobs unless given) or "fifo" (default: the configured one);
         ``choice`` "residency" or "blind"; ``lookahead`` and ``fair_share`` on or off,
-        ``gang_hold_s`` and ``turn_hold_s`` seconds (default: the configured ones). Only the operator may (``operator_secret``, else
-        :class:`PermissionDenied`). Refused with :class:`SchedulerBusy` while requests are
-        pending or released ones wait behind others, so every request is decided under the
-        policy it arrived under."""
+        ``gang_hold_s`` and ``turn_hold_s`` seconds (default: the configured ones; see
+        :func:`~plexrl_dask.plugins.dispatching.requested_policy`). Only the operator may
+        (``operator_secret``, else :class:`PermissionDenied`). Refused with
+        :class:`SchedulerBusy` while requests are pending or released ones wait behind others,
+        so every request is decided under the policy it arrived under."""
         try:
             self.principals.check_operator(operator_secret, "change the dispatch policy")
             if self.requests or self.accounting.busy():
@@ -414,35 +369,17 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     f"{len(self.accounting.queued_behind)} "
                     "queued behind others; change the policy when idle"
                 )
-            switches = {"lookahead": lookahead, "fair_share": fair_share}
-            for key, value in switches.items():
-                if value is not None and not isinstance(value, bool):
-                    raise ConfigError(f"{key} must be true or false, got {value!r}")
-            policy = dispatch_policy_from_config(ordering, choice)
-            given = {k: v for k, v in switches.items() if v is not None}
-            for key, value in (("gang_hold_s", gang_hold_s), ("turn_hold_s", turn_hold_s)):
-                if value is None:
-                    continue
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ConfigError(f"{key} must be seconds, got {value!r}")
-                given[key] = float(value)
-            if given:
-                try:
-                    policy = dataclasses.replace(policy, **given)
-                except ValueError as e:
-                    raise ConfigError(str(e)) from e
-            knobs = {
-                "setup_weight": setup_weight,
-                "patience_factor": patience_factor,
-                "patience_floor_s": patience_floor_s,
-            }
-            if (ordering or config.get("scheduler.ordering")) == "hrrs":
-                try:
-                    policy = dataclasses.replace(
-                        policy, **{k: v for k, v in knobs.items() if v is not None}
-                    )
-                except ValueError as e:
-                    raise ConfigError(str(e)) from e
+            policy = requested_policy(
+                ordering=ordering,
+                choice=choice,
+                setup_weight=setup_weight,
+                patience_factor=patience_factor,
+                patience_floor_s=patience_floor_s,
+                lookahead=lookahead,
+                fair_share=fair_share,
+                gang_hold_s=gang_hold_s,
+                turn_hold_s=turn_hold_s,
+            )
         except PlexRLError as e:
             return to_status(e)
         self.policy = self.dispatcher.policy = policy
@@ -450,88 +387,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         return {"status": "OK", "policy": dataclasses.asdict(policy)}
 
     def queue_view(self, limit: int, now: float | None = None) -> dict[str, Any]:
-        """The queue as plain data, for ``status`` and the dashboard: the first ``limit``
-        admitted requests in arrival order (the longest-waiting), each with its current HRRS
-        ratio and setup on its best live group (the cheapest setup, as the dispatcher ranks
-        them; ``worker``: that group), plus totals: pending, admitted, busy workers (worker ->
-        request running there), the requests queued behind them (lookahead; worker ->
-        request), the free workers a hold keeps (worker -> seconds left and the holding jobs)
-        and pending requests per deployment. Bounded by ``limit`` and the number of
-        deployments, however long the queue is (it runs on the scheduler's event loop). ``now``: the dispatcher's
-        clock (``time.monotonic()``), echoed in the result."""
-        now = time.monotonic() if now is None else now
-        # Requests of one deployment and candidate groups share their setup and best group:
-        # look them up once per update (setup costs are the expensive part).
-        memo: dict[tuple[str, tuple], tuple[float, tuple[str, ...]]] = {}
-        rows = []
-        for req in itertools.islice(self.dispatcher.pending(), limit):
-            key = (req.deployment, req.groups)
-            if key not in memo:
-                memo[key] = self.dispatcher.best_group(req)
-            setup, best = memo[key]
-            wait = now - req.arrival
-            ratio = self.dispatcher.policy.ratio(wait, req.service_s, setup) if best else 0.0
-            rows.append(
-                {
-                    "request": req.request,
-                    "deployment": req.deployment,
-                    "op": req.op,
-                    "job": req.job,
-                    "groups": [list(g) for g in req.groups],
-                    "worker": list(best),
-                    "wait_s": wait,
-                    "ratio": ratio,
-                    "service_s": req.service_s,
-                    "setup_s": setup,
-                    "urgent": self.dispatcher.is_urgent(req.request),
-                }
-            )
-        return {
-            "now": now,
-            "pending": len(self.requests),
-            "admitted": len(self.dispatcher),
-            "busy": self.dispatcher.busy,
-            "queued": self.dispatcher.queued,
-            # free workers kept for a gang's or an agentic turn's next request, and until when
-            "held": {
-                w: {"for_s": max(0.0, until - now), "jobs": sorted(jobs)}
-                for w, (until, jobs, _) in self.dispatcher.holds(now).items()
-            },
-            "by_deployment": self.requests.counts(),
-            "by_job": self.requests.job_counts(),
-            "top": rows,
-        }
-
-    def rendezvous_put(self, key: str, address: str, token: str = "") -> dict[str, Any]:
-        """Rank 0 of group ``key`` publishes its store's ``host:port``, presenting the token
-        its request was released with (:class:`PermissionDenied` for any other: a client
-        cannot point a group's ranks at an address of its own)."""
-        expected = self._rendezvous_tokens.get(key)
-        if expected is None or not secrets.compare_digest(expected, str(token)):
-            self.counters["rendezvous_refused"] += 1
-            return to_status(
-                PermissionDenied(
-                    f"only rank 0 of group {key}, running its request, publishes its address"
-                )
-            )
-        self._rendezvous[key] = address
-        self._rendezvous_events.setdefault(key, asyncio.Event()).set()
-        while len(self._rendezvous) > 1024:  # bounded: old groups' entries are never read again
-            old = next(iter(self._rendezvous))
-            self._rendezvous.pop(old)
-            self._rendezvous_events.pop(old, None)
-        return {"status": "OK"}
-
-    async def rendezvous_get(self, key: str, timeout: float) -> dict[str, Any]:
-        """The ``host:port`` of group ``key``'s rank 0, waiting up to ``timeout`` seconds."""
-        event = self._rendezvous_events.setdefault(key, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            return to_status(
-                GroupTimeout(f"rank 0 of group {key} did not publish its address in {timeout:.0f}s")
-            )
-        return {"status": "OK", "address": self._rendezvous[key]}
+        """The queue as plain data, for ``status`` and the dashboard (``now``: the dispatcher's
+        clock): :func:`plexrl_dask.plugins.dispatching.queue_view`."""
+        return queue_view(self.dispatcher, self.requests, limit, now)
 
     # --- routing and dispatch ----------------------------------------------------------------
 
@@ -577,7 +435,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if ann.get("op") in ("load_state", "load_weights", "load_adapter"):
                 # whose stored state this job may read: its own, and what was shared with it
                 ann["readable"] = self.registry.shares.granting(job, "get_weights")
-            self._check_queue_quota(job, request)
+            self.quota.check(job, request)
             if ann.get("incarnation") not in (None, info.incarnation):
                 raise DeploymentNotFound(
                     f"the deployment {name!r} this handle addressed was undeployed, and "
@@ -635,30 +493,6 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.requests.add_key(ts.key, queued, rank)
         queued.groups = groups
         self.counters["routed"] += 1
-
-    def _check_queue_quota(self, job: str, request: str) -> None:
-        """:class:`QuotaExceeded` for a new request of ``job`` while it has
-        ``plexrl.quotas.max-queued-requests-per-job`` pending (and for every rank of a request
-        refused so, whenever its ranks arrive)."""
-        if request in self._over_quota:
-            raise self._over_quota[request]
-        if request in self.requests:
-            return  # another rank of a request already queued
-        limit = config.count(
-            "plexrl.quotas.max-queued-requests-per-job",
-            config.get("quotas.max-queued-requests-per-job"),
-        )
-        if self.requests.of_job(job) < limit:
-            return
-        error = QuotaExceeded(
-            f"job {job!r} has {self.requests.of_job(job)} requests waiting, "
-            f"plexrl.quotas.max-queued-requests-per-job = {limit}: wait for some to finish"
-        )
-        self._over_quota[request] = error
-        while len(self._over_quota) > 4096:
-            self._over_quota.pop(next(iter(self._over_quota)))
-        self.counters["quota_refusals"] += 1
-        raise error
 
     def _admit(self, name: str) -> None:
         """Hand ``name``'s requests to the dispatcher in submission order, each once it is
@@ -764,9 +598,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             extra["group"] = groups.index(group) if group in groups else 0
             extra["epoch"] = self.groups.epoch_for(info.uid, group, extra["group"])
             key = group_key(info.uid, extra["group"], extra["epoch"])
-            token = self._rendezvous_tokens.setdefault(key, secrets.token_hex(16))
-            while len(self._rendezvous_tokens) > 1024:  # (bounded like the addresses)
-                self._rendezvous_tokens.pop(next(iter(self._rendezvous_tokens)))
+            token = self.rendezvous.token(key)
         # A worker runs the tasks waiting on it by Dask priority, which ties for requests
         # submitted within fifo-timeout of each other (each is a one-task graph): order them
         # by release instead, so that a worker runs PlexRL requests in the order they were

@@ -4,11 +4,15 @@ gangs' group epochs, the journal, the principals."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
+
+import dask
 import pytest
 
 from plexrl_dask import errors
 from plexrl_dask.models import ModelSpec
-from plexrl_dask.plugins.gangs import GroupEpochs
+from plexrl_dask.plugins.gangs import GroupEpochs, Rendezvous
 from plexrl_dask.plugins.requests import PendingRequest, RequestQueue
 from plexrl_dask.shared.records import MOVES, DeploymentInfo, Lifecycle
 
@@ -96,10 +100,38 @@ def test_a_gang_keeps_its_group_until_a_worker_or_a_rank_breaks_it():
     assert g.epoch_for("u3", other, 1) == 1 and g.epoch_for("u3", other, 0) == 1
 
 
+def test_a_rendezvous_takes_only_rank_0s_token_and_bounds_every_wait():
+    """Rank 0 publishes with its token (any other is refused and counted); a waiting rank is
+    woken by the publish; a wait asked longer than ``plexrl.group.timeout`` or not a number
+    ends within that timeout, typed, and leaves the rendezvous working."""
+
+    async def scenario():
+        counters = Counter()
+        rv = Rendezvous(counters)
+        token = rv.token("g1")
+        assert rv.token("g1") == token
+        refused = rv.put("g1", "10.0.0.1:1", "not-it")
+        assert refused["status"] == "error" and counters["rendezvous_refused"] == 1
+        waiting = asyncio.ensure_future(rv.get("g1", 30))
+        await asyncio.sleep(0)
+        assert rv.put("g1", "10.0.0.1:1", token) == {"status": "OK"}
+        assert (await waiting)["address"] == "10.0.0.1:1"
+        with dask.config.set({"plexrl.group.timeout": "0.2s"}):
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            late = await rv.get("never", 1e9)
+            assert late["status"] == "error" and loop.time() - t0 < 5
+            for bad in (None, "soon", True, float("nan")):
+                assert (await rv.get("never", bad))["status"] == "error"
+        assert (await rv.get("g1", 1))["address"] == "10.0.0.1:1"
+
+    asyncio.run(scenario())
+
+
 def test_the_replica_choice_setting_and_its_old_name():
     import dask
 
-    from plexrl_dask.plugins.scheduler import dispatch_policy_from_config
+    from plexrl_dask.plugins.dispatching import dispatch_policy_from_config
 
     assert dispatch_policy_from_config().choice == "residency"
     assert dispatch_policy_from_config("fifo", "blind").choice == "blind"
