@@ -217,6 +217,34 @@ def test_the_same_job_runs_on_a_local_checkpoint_path(client, tmp_path):
     assert len(run.records[spec.name]) == 2 and run.ledger.useful_tokens() > 0
 
 
+def test_a_warm_up_past_its_timeout_raises_at_once_and_undeploys(client, tmp_path, monkeypatch):
+    """``warm_start`` past its timeout raises then, not when the warm-ups end; the one still
+    running stops after its current step and leaves nothing deployed."""
+    import plexrl_dask.rl.modes as modes
+
+    runtime = plexrl.Runtime(client, job=unique("late"))
+    spec = JobSpec(
+        unique("late"), FirstCharIsDigit(), tiny_spec(seed=6), CONFIG, warmup_steps=100_000
+    )
+    monkeypatch.setattr(modes, "request_timeout", lambda: 1e-4)  # the whole: ~10 s
+    t0 = time.monotonic()
+    steps = []
+    with pytest.raises(errors.RequestTimeout, match="did not finish"):
+        warm_start(runtime, [spec], tmp_path / "warmup", on_progress=lambda *a: steps.append(a))
+    assert time.monotonic() - t0 < 40 and steps  # (it had started)
+
+    def left() -> list[str]:
+        return [d.name for d in runtime.deployments(every_job=True) if d.owner == spec.name]
+
+    deadline = time.monotonic() + 60
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left()
+    ran = len(steps)
+    time.sleep(0.5)
+    assert len(steps) == ran < spec.warmup_steps  # stopped
+
+
 def warmed_job(client, tmp_path, prefix: str, seed: int):
     """A 2-step job after a 2-step warm-up: its runtime, spec, starting state and workers."""
     runtime = plexrl.Runtime(client, job=unique(f"{prefix}-runtime"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -439,7 +440,19 @@ def warm_start(
     """Run every job's supervised warm-up (at once, on whatever workers placement picks) and
     save each trained state as a checkpoint under ``directory``; returns the checkpoints by
     job (what ``save_state`` returned, for ``load_state``). ``on_progress(job, step, loss)``
-    is called after every warm-up step."""
+    is called after every warm-up step. Past its timeout (a request timeout per step) it
+    raises :class:`RequestTimeout` at once; the warm-ups still running stop after their
+    current step and undeploy."""
+    stop = threading.Event()
+
+    def stepped(name: str) -> Callable[[int, dict[str, float]], None]:
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            if stop.is_set():
+                raise RequestTimeout(f"the warm-up of {name} was stopped: past its timeout")
+            if on_progress is not None:
+                on_progress(name, step + 1, float(metrics["loss"]))
+
+        return on_step
 
     def one(spec: JobSpec) -> dict[str, Any]:
         name = warmup_deployment(spec.name)
@@ -452,9 +465,7 @@ def warm_start(
                 steps=spec.warmup_steps,
                 batch_size=spec.warmup_batch_size,
                 optim=AdamWParams(lr=spec.warmup_lr),
-                on_step=None
-                if on_progress is None
-                else lambda step, m: on_progress(spec.name, step + 1, float(m["loss"])),
+                on_step=stepped(spec.name),
             )
             return result(policy.save_state(Path(directory) / spec.name))
         finally:
@@ -464,13 +475,17 @@ def warm_start(
         return {}
     # Every wait inside is bounded by the request timeout; so is the whole, per step.
     timeout = request_timeout() * (max((s.warmup_steps for s in specs), default=0) + 3)
-    with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup") as pool:
+    pool = ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup")
+    try:
         futures = {s.name: pool.submit(one, s) for s in specs}
         _, running = wait(futures.values(), timeout=timeout)
-        if running:  # (each still-running warm-up ends within a request timeout per step)
+        if running:
             late = [name for name, f in futures.items() if f in running]
             raise RequestTimeout(f"the warm-ups of {late} did not finish in {timeout:.0f} s")
         return {name: f.result() for name, f in futures.items()}
+    finally:
+        stop.set()  # (a warm-up still running stops at its next step and undeploys)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
