@@ -57,6 +57,7 @@ class RequestQueue:
         self._by_deployment: dict[str, list[PendingRequest]] = {}
         self._changed: set[str] = set()
         self._of_key: dict[Any, str] = {}
+        self._keys_of: dict[str, set[Any]] = {}  # request id -> its tracked keys
         self._per_job: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -80,6 +81,10 @@ class RequestQueue:
         have been released already)."""
         return key in self._of_key
 
+    def in_use(self, request: str, key: Any) -> bool:
+        """Whether a tracked task other than ``key`` belongs to request id ``request``."""
+        return bool(self._keys_of.get(request, set()) - {key})
+
     def request_of(self, key: Any) -> str:
         """The request id of a tracked task ``key``."""
         return self._of_key[key]
@@ -98,11 +103,21 @@ class RequestQueue:
     def add_key(self, key: Any, request: PendingRequest, rank: int) -> None:
         """Task ``key`` is rank ``rank`` of ``request``."""
         request.keys[rank] = key
+        self._untrack(key)
         self._of_key[key] = request.request
+        self._keys_of.setdefault(request.request, set()).add(key)
 
     def drop_key(self, key: Any) -> None:
         """Stop tracking task ``key`` (it finished, failed or was forgotten)."""
-        self._of_key.pop(key, None)
+        self._untrack(key)
+
+    def _untrack(self, key: Any) -> None:
+        request = self._of_key.pop(key, None)
+        keys = self._keys_of.get(request, None) if request is not None else None
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._keys_of[request]
 
     def deployment(self, name: str) -> list[PendingRequest]:
         """``name``'s pending requests in submission order (the queue's own list: do not
@@ -149,7 +164,7 @@ class RequestQueue:
             self._uncount(queued)
         self._unlist(request)
         for key in request.keys.values():
-            self._of_key.pop(key, None)
+            self._untrack(key)
 
     def _uncount(self, request: PendingRequest) -> None:
         self._per_job[request.job] -= 1

@@ -105,6 +105,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _positions(ann: dict) -> tuple[int, int, int | None]:
+    """A request's ``ranks``, this task's ``rank`` and its ``replica`` (None: any replica)
+    from its annotation (:class:`NotRouted` for what is not an integer)."""
+    try:
+        ranks, rank = int(ann.get("ranks", 1)), int(ann.get("rank", 0))
+        replica = ann.get("replica", 0)
+        return ranks, rank, None if replica is None else int(replica)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise NotRouted(f"ranks, rank and replica are integers: {e}") from None
+
+
 def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...], ...]:
     """The candidate groups of a request: its replica's workers, or every replica's."""
     k = info.world_size
@@ -419,10 +430,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         ann.pop("error", None)
         name = ann.get("deployment")
         request = str(ann.get("request") or ts.key)
-        ranks, rank = int(ann.get("ranks", 1)), int(ann.get("rank", 0))
-        replica = None if ann.get("replica", 0) is None else int(ann.get("replica", 0))
         groups: tuple[tuple[str, ...], ...] | None = None
         try:
+            ranks, rank, replica = _positions(ann)
             info = self.deployments.get(name) if isinstance(name, str) else None
             if info is None:
                 raise DeploymentNotFound(
@@ -448,6 +458,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "its worker mid-request; the request failed and the group is rebuilt on the "
                     "next request"
                 )
+            self._check_request_id(request, ts.key, job, name, ranks, rank, replica, ann)
             if (
                 not 0 <= rank < ranks
                 or ranks != info.world_size
@@ -468,7 +479,10 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 groups = _groups(info, replica)
                 ann.update(uid=info.uid, modified=info.modified)
             # else: no GPU worker right now; parked until one reports (then _reroute_orphans).
-        except PlexRLError as e:
+        except Exception as e:
+            if not isinstance(e, PlexRLError):  # a bug, or input nothing checked: this
+                logger.exception("routing %s failed", ts.key)  # request fails, nothing else
+                e = NotRouted(f"this request could not be routed: {e!r}")
             ann["error"] = to_status(e)
             ts.worker_restrictions = None
             ts.resource_restrictions = None
@@ -493,6 +507,37 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         self.requests.add_key(ts.key, queued, rank)
         queued.groups = groups
         self.counters["routed"] += 1
+
+    def _check_request_id(
+        self,
+        request: str,
+        key: Any,
+        job: str,
+        name: str,
+        ranks: int,
+        rank: int,
+        replica: int | None,
+        ann: dict,
+    ) -> None:
+        """:class:`NotRouted` unless task ``key`` may be rank ``rank`` of request ``request``:
+        a request id names one call (every rank of it: the same job, deployment, op, ranks
+        and replica, each rank once), and an id whose tasks still run names no new one. A
+        request id is the caller's to choose, so it is checked here: one job reusing another's
+        would otherwise take over that job's queued request, or its tasks' accounting."""
+        queued = self.requests.get(request)
+        if queued is None:
+            if self.requests.in_use(request, key):
+                raise NotRouted(f"request id {request!r} names a request still running")
+            return
+        same = (queued.job, queued.deployment, queued.ranks, queued.op, queued.replica) == (
+            job,
+            name,
+            ranks,
+            str(ann.get("op", "")),
+            replica,
+        )
+        if not same or queued.keys.get(rank, key) != key:
+            raise NotRouted(f"request id {request!r} names another request; ids are per call")
 
     def _admit(self, name: str) -> None:
         """Hand ``name``'s requests to the dispatcher in submission order, each once it is
@@ -720,7 +765,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 stale.append(ts)
         errors = {}
         for ts in stale:
-            self._route(ts)
+            self._route(ts)  # (never raises: a request that cannot be routed fails alone)
             if ts.worker_restrictions is None and ts.state == "no-worker":
                 errors[ts.key] = "processing"  # a routing error: run it to raise the error
         if errors:

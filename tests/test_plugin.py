@@ -354,6 +354,38 @@ async def test_annotated_task_is_routed_to_the_deployment_worker(c, s, a, b):
 
 
 @gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_a_request_id_of_another_job_is_refused_and_its_request_kept(c, s, a, b):
+    """Request ids are the caller's to choose: a job that sends another job's id (read from
+    the queue's view) gets NotRouted, and the queued request keeps its ranks and its job."""
+    plugin = await install(c, s, [a, b])
+    await deploy(c, POLICY, world_size=2)
+    ann = {"deployment": POLICY, "job": "test-job", "secret": TEST_JOB["secret"], "op": "load"}
+    with dask.annotate(plexrl={**ann, "request": "shared-id", "ranks": 2, "rank": 0}):
+        first = c.submit(ops.load, POLICY, pure=False)  # (rank 1 never comes: it stays queued)
+    await until(lambda: plugin.requests.get("shared-id") is not None, "the request queued")
+    secret = plugin.principals.register("other-job")
+    other = {"job": "other-job", "owner": "other-job", "secret": secret}
+    await deploy(c, "mine@other-job", **other)
+    theirs = {"deployment": "mine@other-job", "job": "other-job", "secret": secret}
+    for extra in ({"request": "shared-id"}, {"request": "shared-id", "ranks": 2, "rank": 1}):
+        with dask.annotate(plexrl={**theirs, "op": "load", **extra}):
+            fut = c.submit(ops.load, "mine@other-job", pure=False)
+        with pytest.raises(errors.NotRouted):
+            await asyncio.wait_for(fut, WAIT_S)
+    # the same job's own id for another deployment's call, or a rank it already has: refused
+    for extra in ({"rank": 0}, {"ranks": 1, "rank": 0}, {"rank": "one"}):
+        with dask.annotate(plexrl={**ann, "request": "shared-id", "ranks": 2, **extra}):
+            fut = c.submit(ops.load, POLICY, pure=False)
+        with pytest.raises(errors.NotRouted):
+            await asyncio.wait_for(fut, WAIT_S)
+    queued = plugin.requests.get("shared-id")
+    assert queued.job == "test-job" and queued.keys == {0: first.key}
+    await first.cancel()
+    await until(lambda: plugin.requests.get("shared-id") is None, "the request dropped")
+    assert holder_of(a).names() == [] and holder_of(b).names() == []
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
 async def test_plain_tasks_are_not_touched(c, s, a, b):
     plugin = await install(c, s, [a, b])
     await deploy(c, POLICY)
