@@ -17,7 +17,7 @@ Definitions (fixed before any number was looked at):
   deployment, then job B five on its own, on the same worker, all queued behind one request
   of A's that holds the worker until every one of them is in the queue. Each of B's requests' wait
   (from its arrival in the dispatcher to its release: the scheduler's decision record) over
-  the share-order bound of ``policy/dispatch.py`` for two jobs, ``P_max + 4 k B`` (with
+  the share-order bound of ``policy/DISPATCH.md`` for two jobs, ``P_max + 4 k B`` (with
   lookahead, as configured by default, ``P_max + (8 k + 1) B``) (``P_max``
   the largest patience among the requests released in the window, ``B`` the longest request
   on the worker then, from the holder's timeline), the largest of the five. Target <= 1. The

@@ -4,142 +4,11 @@ Pure code over plain state (no Dask). The scheduler plugin and the simulators dr
 :class:`Dispatcher` each: they add requests, tell it when workers free up, join or leave, and
 call :meth:`Dispatcher.decide` after every such event.
 
-**Requests.** A request is one API call: ``k`` tasks that must start together on the ``k``
-workers of one *group* (a gang; ``k = 1`` for a single-worker call). It names its candidate
-groups: one for a request aimed at a placed replica (or at a training deployment's worker
-process group), several for a data-parallel request that any replica of its deployment may
-serve (rollout sampling). It also names an *order*: requests of one order run in arrival order
-(a deployment's ``optim_step`` must follow the ``forward_backward`` before it), so only the
-oldest pending request of each order, its *head*, is ever a candidate.
-
-**HRRS among candidates.** Highest Response Ratio with Setup: a head ``r`` that has waited ``w``
-with estimated service time ``s``, placed on a group ``g`` where making its deployment resident
-costs ``c(r, g)`` (0 where it is in HBM on every worker of ``g``, else the estimated load from
-the slowest worker's tier: DRAM, NVMe or a cold build), scores
-
-    ratio(r, g) = (w + s) / (s + alpha * c(r, g))
-
-HRRN's response ratio with the setup cost, weighted by ``alpha``, added to the service time in
-the denominator. Without waiting, a resident request scores 1 and one that needs a load scores
-below 1, so same-model requests batch up on the workers that hold the model; short requests
-overtake long ones; and since the ratio grows without bound with ``w``, waiting always wins in
-the end. Among the free groups of one request, the cheapest setup wins (HBM, then DRAM, then
-NVMe, then absent), then the group whose workers hold the fewest other models in HBM: different
-models spread over workers instead of every worker thrashing between the same two.
-
-**Waiting can beat starting.** Two refinements decide among the requests that are not urgent,
-by estimates: a data-parallel read whose own replica is busy but expected to free up and run
-it sooner than a load on an idle worker waits for it; and a head that cannot start (a gang
-whose other workers are busy) still takes its turn in ratio order, holding the free workers
-it needs until its busy ones are expected to finish, which lower-ratio work may use only if it
-ends in time (EASY backfilling). Neither touches urgent requests or reserved workers, so the
-bound below is unaffected.
-
-**Urgency and reservations.** Growth of the ratio alone does not stop a stream of fresh, tiny
-requests from overtaking forever, and a gang needs all its workers free at once. So each
-request gets a *patience*, fixed when it arrives,
-
-    P(r) = beta * (s + c) + floor        (c: its cheapest setup at arrival)
-
-and a head that has waited ``P(r)`` becomes **urgent**: it reserves one of its groups (the one
-with the cheapest setup), and on each reserved worker urgent requests start in *share order*
-(below) and nothing else may start. An urgent request may also start on another of its groups
-that is free and reserved by no one (a data-parallel request does not wait for "its" replica
-while another idles). A request starts on all workers of its group in the same decision or not
-at all, so no worker runs part of a gang, and reservations, granted in one total order fixed
-when requests arrive, cannot deadlock.
-
-**Share order.** Urgent requests are ordered not by arrival but by a per-job *share tag*, given
-when a request is added (start-time fair queueing, counting requests):
-
-    S(r) = max(V, F(j), S(r') )         F(j) := S(r) + 1 / w(j)
-
-where ``j`` is ``r``'s job, ``w(j)`` its weight (1 unless configured), ``F(j)`` the tag after
-``j``'s previous request, ``r'`` the previous request of ``r``'s order (tags, like arrivals,
-never go back within an order), and ``V`` the *virtual clock*: the smallest tag of any
-pending request (it never goes back). The urgency order is ``K(r) = (S(r), a(r), seq)``.
-A job that floods the queue with 500 requests has tags up to ``V + 500``; another job's fresh
-request gets ``V`` and comes after at most one of the flood's. Within one job tags follow
-submission, so the order is that job's arrival order. With ``fair_share`` off (FIFO) every tag
-is 0 and ``K`` is arrival order. The ratio (above) does not look at tags: a flood's head that
-has waited longer still wins by ratio until the other job's request turns urgent.
-
-**The bound.** For a request ``r``, let ``A(r)`` be the requests with ``K <= K(r)`` that arrived
-no later than ``r``, and ``L(r)`` those with ``K < K(r)`` that arrived after it;
-``P_max(r)`` the largest patience in ``A(r)``, ``t0 = a(r) + P_max(r)``; ``n(r)`` the number of
-``A(r)`` still pending at ``t0`` plus twice the number of ``L(r)`` released after ``t0``;
-``B`` the longest duration (actual service + setup) of any request that runs while ``r``
-waits. Then ``r`` starts by
-
-    S_start(r) <= a(r) + P_max(r) + n(r) * B
-
-*Proof.* At any ``t >= t0`` while ``r`` pends, let ``e`` be the pending member of ``A(r)`` with
-the smallest ``K``. Its order's earlier requests have smaller ``K`` and arrived earlier, so
-they are in ``A(r)`` and have started: ``e`` is a head, it has waited at least
-``t - a(r) >= P_max(r) >= P(e)``, so it is urgent. Now take the urgent request ``u`` with the
-smallest ``K`` of all (``K(u) <= K(e) <= K(r)``, so ``u`` is in ``A(r)`` or ``L(r)``): it is the
-first reserver on every worker it reserved, nothing else starts there, what runs there ends
-within ``B``, and ``u`` starts then (or earlier elsewhere; the dispatcher decides at every
-event), unless before that a request with a smaller ``K`` turns urgent, which is a member of
-``L(r)`` (members of ``A(r)`` are urgent from ``t0`` on as soon as they are heads). So from
-``t0`` the time splits into intervals of at most ``B``, each ending when a member of ``A(r)`` or
-``L(r)`` starts or a member of ``L(r)`` turns urgent, and ``r`` starts at the end of the last.
-With FIFO ``P_max = 0`` and ``L(r)`` is empty (``K`` is arrival order). The bound counts
-requests, not ratios: HRRS reorders only what is younger than every request's patience.
-Requests whose workers die are routed again and excluded.
-
-*What a flood can do.* Every request counted in ``n(r)`` is pending at or after ``a(r)``, so its
-tag is at least ``V(a(r))``, and at most ``S(r)``; a job's tags are ``1 / w(j)`` apart. So job
-``j`` contributes at most ``floor(D(r) * w(j)) + 1`` of them, where ``D(r) = S(r) - V(a(r))``
-is ``r``'s job's lead over the virtual clock when ``r`` arrived: 0 for a job with nothing
-pending, at most its pending requests over its weight otherwise (more only if HRRS ran its
-requests ahead of their turn, which it then pays back). Hence
-
-    n(r) <= 2 * sum over jobs j (floor(D(r) * w(j)) + 1)
-
-over the jobs with requests pending while ``r`` waits: with two jobs of weight 1, job B's
-``k``-th pending request waits at most ``P_max + 4k * B`` behind job A's flood however long
-the flood is, not one ``B`` per flooding request.
-
-**Holds** (``DispatchPolicy.gang_hold_s``, ``turn_hold_s``; :mod:`plexrl_dask.policy.holds`).
-A gang's order, or an agentic chain of turns, may hold its workers for its next request:
-another job's request that is not urgent starts on a held worker only if it is expected to end
-before the hold does; the holder's own job and urgent requests ignore holds, so the bound
-above is unaffected.
-
-**Arrival** is when a request can run: every task has arrived and waits only for a worker, and
-every earlier request of its order has arrived (the plugin admits requests in that order), so
-arrival order within an order is the submission order.
-
-FIFO is the special case ``alpha = beta = floor = 0``: every head is urgent on arrival and the
-rule is "arrival order with reservations" (``plexrl.scheduler.ordering: fifo``). With
-``choice="blind"`` a request takes its first free group regardless of residency (the
-residency-blind baseline of the benchmark).
-
-**Cost.** A decision touches only the free workers, the heads eligible on them and the urgent
-reservers at the top of their per-worker heaps: with 10,000 queued requests it costs a few
-heap operations per released request, not a pass over the queue.
-
-**Prefetch hints.** :meth:`Dispatcher.hint` names the deployment a worker is predicted to run
-next (the request queued there, below; else its first urgent reserver, else its best eligible
-head by ratio), for the worker to load ahead of time.
-
-**Lookahead** (``DispatchPolicy.lookahead``). A released request reaches its worker a few
-milliseconds later: a completion travels to the scheduler, the release travels back, the task
-starts. Requests that wait for a busy worker pay that each time. With lookahead, a worker that
-runs a request may also hold *one* single-worker request queued behind it, which starts there
-as soon as the running one ends. It is the request the rule would pick for that worker when it
-frees up, decided now: its first urgent reserver if that reserved the worker alone, else the
-first single-worker head eligible there (urgent heads in share order, then the rest by ratio) that
-is expected to start on this worker no later than on any other of its groups (expected ends of
-what runs and is queued, plus setup). If a gang comes first there, nothing is queued: a single
-does not overtake a gang that way. Nor is anything queued behind a request with ``inputs`` (it
-takes other tasks' results that its worker may still be fetching when it is released, not
-those its workers hold already): the request queued behind it could start first. A queued request counts as released
-(:class:`Decision` ``behind`` names the request it waits for). The bound above then holds with
-``2 B`` for ``B`` plus one more ``B``, ``a(r) + P_max(r) + (2 n(r) + 1) * B`` (a reserved
-worker may still run one request and hold one queued before the urgent request), and a
-request released behind another starts at most ``B`` after its release.
+The rule (HRRS among candidates, waiting that beats starting, urgency and reservations, share
+order, the bound and its proof, holds, lookahead, prefetch hints) is specified in the design
+document beside this module, ``DISPATCH.md``; docstrings here cite its sections by name ("Share
+order"). Urgency's bookkeeping (deadlines, reservations, share tags) is in
+:mod:`~plexrl_dask.policy.urgency`, holds in :mod:`~plexrl_dask.policy.holds`.
 """
 
 from __future__ import annotations
@@ -148,10 +17,11 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass, replace
 
-from plexrl_dask.policy.holds import Group, Hold, Holds, holds_for
+from plexrl_dask.policy.estimates import Costs, NoCosts
+from plexrl_dask.policy.holds import Group, Hold, Holds, held_off, holds_for
+from plexrl_dask.policy.urgency import Entry, Urgency
 
 
 @dataclass(frozen=True)
@@ -189,31 +59,9 @@ class Request:
         return self.order or self.request
 
 
-class Costs(Protocol):
-    """What dispatch needs to know about residency."""
-
-    def setup_s(self, deployment: str, group: Group) -> float:
-        """Estimated time to make ``deployment`` resident on every worker of ``group``."""
-        ...
-
-    def crowding(self, worker: str) -> int:
-        """How many deployments ``worker`` holds in HBM (for spreading)."""
-        ...
-
-
-class NoCosts:
-    """Everything resident everywhere (no setup)."""
-
-    def setup_s(self, deployment: str, group: Group) -> float:
-        return 0.0
-
-    def crowding(self, worker: str) -> int:
-        return 0
-
-
 @dataclass(frozen=True)
 class DispatchPolicy:
-    """The knobs of the rule (``plexrl.scheduler.*``; see the module docstring)."""
+    """The knobs of the rule (``plexrl.scheduler.*``; see ``DISPATCH.md``)."""
 
     setup_weight: float = 2.0  # alpha
     patience_factor: float = 8.0  # beta
@@ -312,25 +160,8 @@ class Decision:
         }
 
 
-@dataclass(eq=False)
-class _Entry:
-    request: Request
-    seq: int
-    patience: float
-    tag: float = 0.0
-    head: bool = False
-    urgent: bool = False
-    reserved: Group | None = None
-    workers: frozenset[str] = field(default_factory=frozenset)
-
-    @property
-    def rank(self) -> tuple[float, float, int]:
-        """Position in share order (``K``; arrival order when every tag is 0)."""
-        return (self.tag, self.request.arrival, self.seq)
-
-
 class Dispatcher:
-    """The dispatch state of one cluster (see the module docstring)."""
+    """The dispatch state of one cluster (the rule: ``DISPATCH.md``)."""
 
     def __init__(
         self,
@@ -350,23 +181,15 @@ class Dispatcher:
         self._next: dict[str, tuple[str, str, float, bool]] = {}
         self._next_dirty: set[str] = set()
         self._inputs: set[str] = set()  # workers whose running request has inputs
-        self._queues: dict[str, deque[_Entry]] = {}
-        self._entries: dict[str, _Entry] = {}  # pending, in order of add()
+        self._queues: dict[str, deque[Entry]] = {}
+        self._entries: dict[str, Entry] = {}  # pending, in order of add()
         self._eligible: dict[str, set[str]] = {}  # worker -> orders with a non-urgent head there
-        self._deadlines: list[tuple[float, int, str]] = []  # (urgent at, seq, request) of heads
-        self._reservers: dict[str, list[tuple[float, float, int, str]]] = {}  # worker -> heap
-        self._stranded: set[str] = set()  # urgent, but no group with all workers live
+        self._urgency = Urgency(self._entries)  # deadlines, reservations, share tags
         # Workers where what may start changed since the last decision (freed, joined, a new
         # head or reservation there, a reservation gone): only these are looked at.
         self._dirty: set[str] = set(self._live)
         self._seq = itertools.count()
         self._last_arrival: dict[str, float] = {}
-        # Share order: the virtual clock, the next tag of each job, the last tag of each order,
-        # and the pending tags (a heap, entries of requests gone are dropped lazily).
-        self._clock = 0.0
-        self._next_tag: dict[str, float] = {}
-        self._last_tag: dict[str, float] = {}
-        self._tags: list[tuple[float, int, str]] = []
         # Gangs (and turns) that hold their workers (see "Holds")
         self._holds = Holds(self)
 
@@ -394,12 +217,8 @@ class Dispatcher:
         self._busy_until.pop(worker, None)
         self._next.pop(worker, None)
         self._inputs.discard(worker)
-        for *_, rid in self._reservers.pop(worker, []):
-            e = self._entries.get(rid)
-            if e is not None and e.reserved is not None and worker in e.reserved:
-                self._dirty.update(e.reserved)
-                e.reserved = None
-                self._stranded.add(rid)
+        for group in self._urgency.drop_worker(worker):
+            self._dirty.update(group)
 
     def add(self, request: Request) -> float:
         """Queue ``request`` (its arrival is raised to its order's last arrival, if earlier);
@@ -413,7 +232,7 @@ class Dispatcher:
         self._last_arrival[order] = request.arrival
         self._holds.arrived(order, request.arrival, first_pending=not self._queues.get(order))
         setup = min(self._setup(request, g) for g in request.groups)
-        e = _Entry(
+        e = Entry(
             request,
             next(self._seq),
             self.policy.patience(request.service_s, setup),
@@ -422,7 +241,7 @@ class Dispatcher:
         )
         self._entries[request.request] = e
         if self.policy.fair_share:
-            heapq.heappush(self._tags, (e.tag, e.seq, request.request))
+            self._urgency.track(e)
         queue = self._queues.setdefault(order, deque())
         queue.append(e)
         if len(queue) == 1:
@@ -446,8 +265,8 @@ class Dispatcher:
         if not queue:
             del self._queues[order]
             self._last_arrival.pop(order, None)
-            self._last_tag.pop(order, None)
-        self._stranded.discard(request)
+            self._urgency.order_done(order)
+        self._urgency.stranded.discard(request)
         if e.reserved is not None:
             self._dirty.update(e.reserved)
             e.reserved = None
@@ -502,7 +321,7 @@ class Dispatcher:
         head = self._queues[order][0]
         if group not in head.request.groups or not self._all_live(group):
             return None
-        if any(self._top_reserver(w) not in (None, head) for w in group):
+        if any(self._urgency.top(w) not in (None, head) for w in group):
             return None
         return max([now] + [self._busy_until.get(w, now) for w in group if w in self._busy])
 
@@ -567,8 +386,7 @@ class Dispatcher:
     @property
     def clock(self) -> float:
         """The virtual clock ``V``: the smallest tag of a pending request (it never goes back)."""
-        self._advance_clock()
-        return self._clock
+        return self._urgency.advance_clock()
 
     def is_urgent(self, request: str) -> bool:
         e = self._entries.get(request)
@@ -581,7 +399,7 @@ class Dispatcher:
         queued = self._next.get(worker)
         if queued is not None:
             return queued[1] or None
-        top = self._top_reserver(worker)
+        top = self._urgency.top(worker)
         if top is not None:
             return top.request.deployment or None
         best: tuple[float, int] | None = None
@@ -615,7 +433,7 @@ class Dispatcher:
 
     def _release_lookahead(self, now: float, out: list[Decision]) -> None:
         """Queue, on each busy worker with an open slot, the request it would run next (see
-        the module docstring), until a release makes an overdue request a head."""
+        "Lookahead"), until a release makes an overdue request a head."""
         watch, self._next_dirty = sorted(self._next_dirty), set()
         for i, w in enumerate(watch):
             if w not in self._live or w not in self._busy or w in self._next or w in self._inputs:
@@ -630,10 +448,10 @@ class Dispatcher:
                 self._next_dirty.update(watch[i + 1 :])
                 return
 
-    def _next_for(self, worker: str, now: float) -> tuple[_Entry | None, bool]:
+    def _next_for(self, worker: str, now: float) -> tuple[Entry | None, bool]:
         """The single-worker request to queue behind ``worker``'s running one, if any; and
         whether a gang comes first there (ratios move with time: look again later)."""
-        top = self._top_reserver(worker)
+        top = self._urgency.top(worker)
         if top is not None:
             return (top, False) if top.reserved == (worker,) else (None, False)
         ranked = []
@@ -660,7 +478,7 @@ class Dispatcher:
                 return e, False
         return None, held  # (held: look again as time passes)
 
-    def _soonest_on(self, e: _Entry, worker: str, now: float) -> bool:
+    def _soonest_on(self, e: Entry, worker: str, now: float) -> bool:
         """Whether ``e`` is expected to start on ``worker`` alone (after what runs and is
         queued there, and its setup) no later than on any other of its live groups."""
 
@@ -674,10 +492,10 @@ class Dispatcher:
             for g in e.request.groups
             if g != (worker,)
             and self._all_live(g)
-            and all(self._top_reserver(w) in (None, e) for w in g)
+            and all(self._urgency.top(w) in (None, e) for w in g)
         )
 
-    def _queue_behind(self, e: _Entry, worker: str, now: float) -> Decision:
+    def _queue_behind(self, e: Entry, worker: str, now: float) -> Decision:
         setup = self._setup(e.request, (worker,))
         ratio = self.policy.ratio(now - e.request.arrival, e.request.service_s, setup)
         running_until = self._busy_until.get(worker, now)
@@ -697,12 +515,8 @@ class Dispatcher:
     def _promote(self, now: float) -> None:
         """Heads that have waited their patience become urgent and reserve a group."""
         self._stranded_retry()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, seq, rid = heapq.heappop(self._deadlines)
-            e = self._entries.get(rid)
-            # (seq: the id may have been removed and added again, with a new deadline)
-            if e is not None and e.seq == seq and e.head and not e.urgent:
-                self._make_urgent(e)
+        for e in self._urgency.due(now):
+            self._make_urgent(e)
 
     def _release_urgent(self, dirty: set[str], now: float, out: list[Decision]) -> bool:
         """Start urgent requests on their reserved groups where they may (only a reserver of
@@ -710,13 +524,13 @@ class Dispatcher:
         a head (to be promoted before anything else starts)."""
         candidates = {}
         for w in dirty:
-            top = self._top_reserver(w)
+            top = self._urgency.top(w)
             if top is not None:
                 candidates[top.request.request] = top
         for e in sorted(candidates.values(), key=lambda e: e.rank):
             group = e.reserved
             if group is not None and all(
-                w in self._free and self._top_reserver(w) is e for w in group
+                w in self._free and self._urgency.top(w) is e for w in group
             ):
                 out.append(self._start(e, group, now, urgent=True))
                 if self._overdue_next(e, now):
@@ -738,11 +552,11 @@ class Dispatcher:
         is not overtaken indefinitely by singles before it turns urgent. A start looks again at
         the heads that could use its workers: one that was waiting may now start elsewhere (the
         start took the busy group it waited for) or hold another group."""
-        urgent: list[_Entry] = []
-        heads: list[_Entry] = []
+        urgent: list[Entry] = []
+        heads: list[Entry] = []
         seen: set[str] = set()
         for w in dirty:
-            if w not in self._free or self._top_reserver(w) is not None:
+            if w not in self._free or self._urgency.top(w) is not None:
                 continue
             for order in self._eligible.get(w, ()):
                 e = self._queues[order][0]
@@ -766,7 +580,7 @@ class Dispatcher:
         versions: dict[str, int] = {}
         heap: list[tuple[float, float, int, int, str, Group | None, float]] = []
 
-        def push(e: _Entry) -> None:
+        def push(e: Entry) -> None:
             if e.urgent or not e.head:
                 return
             rid = e.request.request
@@ -811,13 +625,13 @@ class Dispatcher:
             # Held workers stay under watch: who holds them changes with time, not events.
             self._dirty.update(w for w in (*held, *gangs) if w in self._free)
 
-    def _hold(self, e: _Entry, now: float, held: dict[str, float]) -> list[str]:
+    def _hold(self, e: Entry, now: float, held: dict[str, float]) -> list[str]:
         """Hold, for blocked head ``e``, the free workers of the group it can start on soonest
         (expected start = when that group's busy workers end; then cheapest setup); returns
         the workers newly held."""
         best: tuple[float, int, Group, float] | None = None
         for i, group in enumerate(e.request.groups):
-            if not self._all_live(group) or any(self._top_reserver(w) is not None for w in group):
+            if not self._all_live(group) or any(self._urgency.top(w) is not None for w in group):
                 continue
             start = max(max(now, self._busy_until.get(w, now)) for w in group)
             key = (start + self._setup(e.request, group), i)
@@ -833,14 +647,14 @@ class Dispatcher:
                 newly.append(w)
         return newly
 
-    def _overdue_next(self, started: _Entry, now: float) -> bool:
+    def _overdue_next(self, started: Entry, now: float) -> bool:
         """Whether the new head of ``started``'s order has waited its patience already."""
         queue = self._queues.get(started.request.order_key)
         return bool(queue) and queue[0].request.arrival + queue[0].patience <= now
 
     def _best_group(
         self,
-        e: _Entry,
+        e: Entry,
         now: float,
         urgent: bool,
         held: dict[str, float] | None = None,
@@ -865,12 +679,7 @@ class Dispatcher:
                     continue
             if gangs and not urgent:
                 end = now + setup + e.request.service_s
-                if any(
-                    w in gangs
-                    and end > gangs[w][0]
-                    and not holds_for(gangs[w], e.request.order_key, e.request.job)
-                    for w in group
-                ):
+                if held_off(gangs, group, end, e.request.order_key, e.request.job):
                     continue
             if self.policy.choice == "blind":
                 return group, setup
@@ -885,7 +694,7 @@ class Dispatcher:
                 continue
             if any(w not in self._busy_until and w not in self._free for w in group):
                 continue
-            if any(self._top_reserver(w) is not None for w in group):
+            if any(self._urgency.top(w) is not None for w in group):
                 continue  # promised to an urgent request: no telling when
             wait = max(max(0.0, self._busy_until.get(w, now) - now) for w in group)
             if wait + self._setup(e.request, group) < free_setup:
@@ -895,28 +704,10 @@ class Dispatcher:
     # --- internals -----------------------------------------------------------------------------
 
     def _share_tag(self, request: Request) -> float:
-        """``S(r)`` of a request being added, advancing its job's next tag (see "Share order")."""
+        """``S(r)`` of a request being added (0 without fair share; see "Share order")."""
         if not self.policy.fair_share:
             return 0.0
-        self._advance_clock()
-        order, job = request.order_key, request.job
-        tag = max(self._clock, self._next_tag.get(job, 0.0), self._last_tag.get(order, 0.0))
-        self._next_tag[job] = tag + 1.0 / self.policy.weight(job)
-        self._last_tag[order] = tag
-        return tag
-
-    def _advance_clock(self) -> None:
-        """Move ``V`` up to the smallest pending tag (entries of requests gone are dropped)."""
-        tags = self._tags
-        while tags:
-            tag, seq, rid = tags[0]
-            e = self._entries.get(rid)
-            if e is not None and e.seq == seq:
-                self._clock = max(self._clock, tag)
-                return
-            heapq.heappop(tags)
-        # Nothing pending: a job whose next tag is not ahead of the clock needs no entry.
-        self._next_tag = {j: t for j, t in self._next_tag.items() if t > self._clock}
+        return self._urgency.share_tag(request, self.policy.weight(request.job))
 
     def _setup(self, request: Request, group: Group) -> float:
         return self.costs.setup_s(request.deployment or request.order_key, group)
@@ -925,17 +716,17 @@ class Dispatcher:
         return all(w in self._live for w in group)
 
     def _usable(self, group: Group) -> bool:
-        return all(w in self._free and self._top_reserver(w) is None for w in group)
+        return all(w in self._free and self._urgency.top(w) is None for w in group)
 
-    def _make_head(self, e: _Entry) -> None:
+    def _make_head(self, e: Entry) -> None:
         e.head = True
         self._dirty.update(e.workers)
         order = e.request.order_key
         for w in e.workers:
             self._eligible.setdefault(w, set()).add(order)
-        heapq.heappush(self._deadlines, (e.request.arrival + e.patience, e.seq, e.request.request))
+        self._urgency.watch(e)
 
-    def _unhead(self, e: _Entry) -> None:
+    def _unhead(self, e: Entry) -> None:
         e.head = False
         order = e.request.order_key
         for w in e.workers:
@@ -945,14 +736,14 @@ class Dispatcher:
                 if not orders:
                     del self._eligible[w]
 
-    def _make_urgent(self, e: _Entry) -> None:
+    def _make_urgent(self, e: Entry) -> None:
         e.urgent = True
         self._reserve(e)
 
-    def _reserve(self, e: _Entry) -> None:
+    def _reserve(self, e: Entry) -> None:
         groups = [g for g in e.request.groups if self._all_live(g)]
         if not groups:
-            self._stranded.add(e.request.request)
+            self._urgency.stranded.add(e.request.request)
             return
         if self.policy.choice == "blind":
             group = min(groups, key=lambda g: sum(w in self._busy for w in g))
@@ -965,32 +756,19 @@ class Dispatcher:
                     sum(self.costs.crowding(w) for w in g),
                 ),
             )
-        e.reserved = group
+        self._urgency.reserve(e, group)
         self._dirty.update(group)
-        for w in group:
-            heapq.heappush(self._reservers.setdefault(w, []), (*e.rank, e.request.request))
 
     def _stranded_retry(self) -> None:
-        for rid in list(self._stranded):
+        for rid in list(self._urgency.stranded):
             e = self._entries.get(rid)
-            self._stranded.discard(rid)
+            self._urgency.stranded.discard(rid)
             if e is not None and e.urgent and e.reserved is None:
                 self._reserve(e)
 
-    def _top_reserver(self, worker: str) -> _Entry | None:
-        heap = self._reservers.get(worker)
-        while heap:
-            e = self._entries.get(heap[0][-1])
-            if e is not None and e.reserved is not None and worker in e.reserved:
-                return e
-            heapq.heappop(heap)  # started, removed, or re-reserved elsewhere
-        if heap is not None:
-            del self._reservers[worker]
-        return None
-
     def _start(
         self,
-        e: _Entry,
+        e: Entry,
         group: Group,
         now: float,
         urgent: bool,

@@ -28,15 +28,16 @@ start from documented priors (``plexrl.scheduler.*``):
   first load from a tier, its estimate is its whole budget over that tier's bandwidth (an
   overestimate of a wake: the weights are what is copied).
 
-:class:`SetupCosts` puts them together with the residency map into the ``Costs`` the
+:class:`SetupCosts` puts them together with the residency map into the :class:`Costs` the
 dispatcher asks (:mod:`plexrl_dask.policy.dispatch`); the live plugin and the simulators use it
-alike.
+alike (:class:`NoCosts`: everything resident everywhere).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from plexrl_dask.policy.residency import TIERS, ResidencyMap
 
@@ -127,6 +128,28 @@ class Estimates:
         for table in (self._load, self._service):
             for key in [k for k in table if k[0] == deployment]:
                 del table[key]
+
+
+class Costs(Protocol):
+    """What dispatch needs to know about residency."""
+
+    def setup_s(self, deployment: str, group: tuple[str, ...]) -> float:
+        """Estimated time to make ``deployment`` resident on every worker of ``group``."""
+        ...
+
+    def crowding(self, worker: str) -> int:
+        """How many deployments ``worker`` holds in HBM (for spreading)."""
+        ...
+
+
+class NoCosts:
+    """Everything resident everywhere (no setup)."""
+
+    def setup_s(self, deployment: str, group: tuple[str, ...]) -> float:
+        return 0.0
+
+    def crowding(self, worker: str) -> int:
+        return 0
 
 
 class SetupCosts:

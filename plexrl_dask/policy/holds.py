@@ -86,6 +86,15 @@ def holds_for(hold: Hold, order: str, job: str) -> bool:
     return order in hold[2] or (bool(job) and job in hold[1])
 
 
+def held_off(holds: dict[str, Hold], group: Group, end: float, order: str, job: str) -> bool:
+    """Whether ``holds`` (worker -> its hold) keep a request of ``order`` and ``job`` that would
+    run on ``group`` until ``end`` off it: a worker of ``group`` is held, for others, until
+    before ``end``."""
+    return any(
+        w in holds and end > holds[w][0] and not holds_for(holds[w], order, job) for w in group
+    )
+
+
 class Holds:
     """The holding orders of one dispatcher: per order its job, group and whether it is a
     chain of turns, the request of it that runs, when its last one ended, and the learned gap
