@@ -37,6 +37,7 @@ from plexrl_dask.errors import (
     DeploymentLost,
     DeploymentNotFound,
     DeploymentRelocating,
+    InvalidModelSpec,
     PermissionDenied,
     PlexRLError,
     QuotaExceeded,
@@ -220,20 +221,13 @@ class DeploymentRegistry:
                     f"{name!r} is in another job's namespace, not job {owner!r}'s: deployment "
                     "names are registered as <name>@<job> (Runtime.deploy does it)"
                 )
-            info = DeploymentInfo(
-                name=name,
-                uid=uid,
-                spec=ModelSpec.from_dict(spec),
-                role=role,
-                backend=backend,
-                owner=owner,
-                memory_bytes=int(memory_bytes),
-                candidates=None if candidates is None else tuple(candidates),
-                world_size=int(world_size),
-                replicas=int(replicas),
-                vocab_size=int(vocab_size),
-                max_positions=int(max_positions),
-            )
+            info = _deployment_info(
+                name, uid, spec, role, backend, owner, memory_bytes, candidates,
+                world_size, replicas, vocab_size, max_positions,
+            )  # fmt: skip
+            # Wait here, before the checks: from them to the registration nothing awaits, so
+            # two deploys at once count each other (a name, the job's quotas).
+            await self._wait_for_worker_reports()
             existing = self.deployments.get(name)
             if existing is not None:
                 same = existing.same_model_and_layout(info)
@@ -256,7 +250,6 @@ class DeploymentRegistry:
                     f"= {limit}: undeploy one first"
                 )
             self._check_bytes_quota(owner, info)
-            await self._wait_for_worker_reports()
             candidates = info.candidates
             if candidates is None and self.placement is not None:
                 # the job's node group (its dedicated workers while it is profiled)
@@ -318,16 +311,14 @@ class DeploymentRegistry:
         self.estimates.forget(name)
         self.on_undeploy(info)  # its requests, groups: the plugin's
         live = [w for w in info.workers if w in self.scheduler.workers]
-        if live:
-            await self.scheduler.broadcast(
-                msg={"op": protocol.HOLDER_DROP, "name": name}, workers=live, on_error="return"
-            )
+        replies = await self._tell_holders(protocol.HOLDER_DROP, name, live)
         self.counters["undeploys"] += 1
         if self.placement is not None and not any(
             d.owner == info.owner for d in self.deployments.values()
         ):
             self.placement.finish(info.owner, time.monotonic())  # its last deployment went
-        return {"status": "OK"}
+        dropping = [w for w in live if w not in replies]  # (each drops it when it can)
+        return {"status": "OK", "dropping": dropping} if dropping else {"status": "OK"}
 
     async def offload(
         self, name: str, job: str | None = None, replica: int | None = None
@@ -351,10 +342,32 @@ class DeploymentRegistry:
         except PlexRLError as e:
             return to_status(e)
         live = [w for w in workers if w in self.scheduler.workers]
-        replies = await self.scheduler.broadcast(
-            msg={"op": protocol.HOLDER_OFFLOAD, "name": name}, workers=live, on_error="return"
-        )
-        return {"status": "OK", "offloaded": {w: r is True for w, r in replies.items()}}
+        replies = await self._tell_holders(protocol.HOLDER_OFFLOAD, name, live)
+        return {"status": "OK", "offloaded": {w: replies.get(w) is True for w in live}}
+
+    async def _tell_holders(self, op: str, name: str, workers: list[str]) -> dict[str, Any]:
+        """Send ``op`` about deployment ``name`` to the holders of ``workers``; their replies,
+        of those that answered within ``plexrl.deploy.holder-wait``. A holder running a
+        request (possibly another job's) acts once that request ends: the caller is not kept
+        waiting on it, and the message still takes effect."""
+        if not workers:
+            return {}
+        wait = config.get_seconds("deploy.holder-wait")
+        msg = {"op": op, "name": name}
+        sent = {
+            w: asyncio.ensure_future(
+                self.scheduler.broadcast(msg=msg, workers=[w], on_error="return")
+            )
+            for w in workers
+        }
+        await asyncio.wait(sent.values(), timeout=wait)
+        replies = {}
+        for w, task in sent.items():
+            if task.done():
+                replies.update(task.result())
+            else:
+                logger.info("%s of %s on %s: still waiting after %.0f s", op, name, w, wait)
+        return replies
 
     def placement_status(self, job: str | None = None) -> dict[str, Any]:
         """The spatiotemporal placement's state, decisions, recorded events and traces."""
@@ -580,3 +593,56 @@ class DeploymentRegistry:
         self.counters["replacements"] += 1
         logger.info("re-placed %s on %s", info.name, workers)
         return placed
+
+
+def _deployment_info(
+    name: str,
+    uid: str,
+    spec: Any,
+    role: str,
+    backend: str,
+    owner: str,
+    memory_bytes: Any,
+    candidates: Any,
+    world_size: Any,
+    replicas: Any,
+    vocab_size: Any,
+    max_positions: Any,
+) -> DeploymentInfo:
+    """The record a deploy asks for, from the fields the handler got over the wire: each
+    checked here, whatever the client checked (:class:`ConfigError` for a malformed field,
+    :class:`InvalidModelSpec` for a spec that does not parse)."""
+    if not isinstance(spec, dict):
+        raise InvalidModelSpec(f"a deployment's spec is a dict, got {type(spec).__name__}")
+    try:
+        model = ModelSpec.from_dict(spec)
+    except PlexRLError:
+        raise
+    except Exception as e:
+        raise InvalidModelSpec(f"the deployment's spec does not parse: {e!r}") from None
+    numbers = {
+        "memory_bytes": memory_bytes,
+        "world_size": world_size,
+        "replicas": replicas,
+        "vocab_size": vocab_size,
+        "max_positions": max_positions,
+    }
+    for field, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{field} is an integer >= 0, got {value!r}")
+    if candidates is not None and (
+        not isinstance(candidates, list | tuple) or not all(isinstance(w, str) for w in candidates)
+    ):
+        raise ConfigError(f"candidates are worker addresses, got {candidates!r}")
+    if not all(isinstance(x, str) for x in (name, uid, role, backend, owner)):
+        raise ConfigError("name, uid, role, backend and owner are strings")
+    return DeploymentInfo(
+        name=name,
+        uid=uid,
+        spec=model,
+        role=role,
+        backend=backend,
+        owner=owner,
+        candidates=None if candidates is None else tuple(candidates),
+        **numbers,
+    )

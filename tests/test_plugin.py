@@ -230,10 +230,26 @@ async def test_deployment_handlers(c, s, a, b):
     bad = await c.scheduler.plexrl_deploy(**deploy_fields("has/slash@test-job", model))
     assert bad["status"] == "error" and isinstance(errors.from_status(bad), errors.ConfigError)
 
+    # Each field is checked by the handler, whatever the client checked.
+    for field, value in (
+        ("memory_bytes", -1), ("world_size", "2"), ("replicas", None), ("vocab_size", 1.5),
+        ("spec", {"nope": 1}), ("spec", "tiny"), ("candidates", "tcp://a:1"), ("uid", 7),
+    ):  # fmt: skip
+        bad_fields = {**deploy_fields("bad-field@test-job", model), field: value}
+        bad = await c.scheduler.plexrl_deploy(**bad_fields)
+        assert isinstance(errors.from_status(bad), errors.ConfigError), (field, bad)
+    assert "bad-field@test-job" not in plugin.deployments
+
     # A second deployment goes to the other (less committed) worker.
     second = (await deploy(c, VALUE, spec(seed=3)))["deployment"]
     assert second["workers"] != info["workers"]
     assert plugin.counters["deploys"] == 2
+    # Two deploys of one name at once: one is made, the other refused.
+    racing = await asyncio.gather(
+        *(c.scheduler.plexrl_deploy(**deploy_fields("racer@test-job", model)) for _ in range(2))
+    )
+    assert sorted(r["status"] for r in racing) == ["OK", "error"]
+    await c.scheduler.plexrl_undeploy(name="racer@test-job", job="test-job", secret=TEST_JOB["secret"])
 
     missing = await c.scheduler.plexrl_get_deployment(name="nope")
     assert missing["error"] == "DeploymentNotFound"
@@ -259,6 +275,40 @@ async def test_deployment_handlers(c, s, a, b):
         name=VALUE, job="test-job", secret=TEST_JOB["secret"]
     ) == {"status": "OK"}
     assert list((await c.scheduler.plexrl_list_deployments())["deployments"]) == []
+
+
+_QUICK_HOLDERS = copy.deepcopy(_PLEXRL)
+_QUICK_HOLDERS["deploy"]["holder-wait"] = "0.3s"
+
+
+@gen_cluster(
+    client=True,
+    nthreads=TWO_GPU_WORKERS,
+    worker_kwargs=GPU,
+    config={"plexrl": _QUICK_HOLDERS},
+    timeout=60,
+)
+async def test_undeploy_does_not_wait_on_a_holder_busy_with_a_request(c, s, a, b):
+    """A holder running a request (another job's, say) drops a replica when the request
+    ends; the owner's undeploy answers within plexrl.deploy.holder-wait meanwhile, saying
+    which workers have yet to drop it."""
+    await install(c, s, [a, b])
+    (placed,) = (await deploy(c, POLICY))["deployment"]["workers"]
+    await asyncio.wait_for(submit_routed(c, POLICY), WAIT_S)  # built on its worker
+    holder = holder_of(a if placed == a.address else b)
+    assert holder.names() == [POLICY]
+    loop = asyncio.get_running_loop()
+    owner = {"job": "test-job", "secret": TEST_JOB["secret"]}
+    holder._lock.acquire()  # (what a running request holds)
+    try:
+        t0 = loop.time()  # (offload tells the holders the same way: _tell_holders)
+        gone = await c.scheduler.plexrl_undeploy(name=POLICY, **owner)
+        assert gone["status"] == "OK" and list(gone["dropping"]) == [placed]
+        assert loop.time() - t0 < 10
+        assert (await c.scheduler.plexrl_get_deployment(name=POLICY))["status"] == "error"
+    finally:
+        holder._lock.release()
+    await until(lambda: holder.names() == [], "the replica dropped once the request ended")
 
 
 @gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
