@@ -121,6 +121,12 @@ class RequestTooLarge(RequestError, ValueError):
     decode) than ``plexrl.quotas.max-request-rows``."""
 
 
+class DeviceOutOfMemory(RequestTooLarge):
+    """A request ran out of its device's memory. The replica is intact and keeps serving; a
+    training request's pending gradients (of this call and the ``forward_backward`` calls
+    since the last step) are dropped: send it again in smaller batches."""
+
+
 class InvalidLoss(RequestError, ValueError):
     """A loss specification is invalid or lacks the inputs it needs."""
 

@@ -93,6 +93,7 @@ def test_budget_of_one_alternately_offloads_the_lru_replica():
         "reloads": 3,
         "offloads": 4,
         "requests": 10,
+        "out_of_memory": 0,
         "prefetches": 0,
         "stash_writes": 0,
     }
@@ -235,6 +236,31 @@ def test_failed_request_leaves_the_holder_usable():
     out = holder.run(a, "forward", lambda b: b.forward([Datum(tokens=(1, 5, 6))]))
     assert len(out.logprobs[0]) == 3
     assert holder.status()["counters"]["requests"] == 2
+
+
+def test_a_request_out_of_device_memory_is_typed_and_leaves_the_replica_training():
+    """A request that runs out of device memory part-way (here, after its backward) is
+    refused DeviceOutOfMemory; the replica keeps serving, with the gradients it left dropped:
+    its next step is the step of a replica that never saw the failed one."""
+    holder, _ = make_holder(TRAIN_BYTES * 4)
+    a, b = make_info("a", seed=1), make_info("b", seed=1)
+
+    def fails(backend):
+        backend.forward_backward(batch(0), CrossEntropy())  # gradients accumulated, then:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    fb(holder, a, 3)  # (a pending step, dropped with the failed request's gradients)
+    with pytest.raises(errors.DeviceOutOfMemory, match="pending gradients were dropped"):
+        holder.run(a, "forward_backward", fails)
+    with pytest.raises(errors.DeviceOutOfMemory) as sampling:
+        holder.run(a, "sample", lambda backend: (_ for _ in ()).throw(torch.OutOfMemoryError()))
+    assert "gradients" not in str(sampling.value)
+    assert holder.status()["counters"]["out_of_memory"] == 2
+    for info in (a, b):
+        fb(holder, info, 1)
+        step(holder, info)
+    wa, wb = weights(holder, a), weights(holder, b)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
 
 def test_actor_offload_capacity_and_names():

@@ -26,6 +26,7 @@ the node's store as the package's engine attributes, loaded when a worker first 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from plexrl_dask.errors import (
     CorruptState,
     DeploymentDoesNotFit,
     DeploymentLost,
+    DeviceOutOfMemory,
     OpNotSupported,
     PermissionDenied,
     PlexRLError,
@@ -70,6 +72,16 @@ def _worker_only(what: str) -> None:
         )
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is torch's out-of-device-memory error (torch is looked up, not
+    imported: the scheduler imports this module's names and never torch)."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(error, oom)
+
+
+#: The ops that train: a request of one that runs out of memory drops pending gradients.
+TRAINING_OPS = frozenset({"forward_backward", "train_step", "optim_step"})
 #: The ops that change a replica's state away from what its spec builds.
 MUTATING_OPS = frozenset({"optim_step", "train_step", "set_weights", "load_state", "load_weights"})
 #: The ops after which an offload must write the state again (gradients count; an adapter
@@ -206,6 +218,7 @@ class ReplicaHolder:
             "reloads": 0,
             "offloads": 0,
             "requests": 0,
+            "out_of_memory": 0,  # requests refused DeviceOutOfMemory, the replica kept
             "prefetches": 0,
             "stash_writes": 0,
             # the prefix caches of replicas since dropped (live ones: status()'s replicas)
@@ -250,6 +263,8 @@ class ReplicaHolder:
             try:
                 result = call(replica.backend)
             except RuntimeError as e:
+                if group is None and _out_of_memory(e):
+                    raise self._out_of_memory(replica, info.name, op, e) from e
                 if group is None or isinstance(e, PlexRLError):
                     raise
                 # A collective failed: a peer rank died or failed, possibly halfway through a
@@ -534,6 +549,23 @@ class ReplicaHolder:
         self.counters["offloads"] += 1
         logger.info("offloaded %s from %s to %s", replica.info.name, self.worker_address, tier)
         self._emit(replica, tier, time.perf_counter() - t0, source="hbm")
+
+    def _out_of_memory(
+        self, replica: Any, name: str, op: str, error: BaseException
+    ) -> DeviceOutOfMemory:
+        """The typed error of ``op`` of ``name`` that ran out of device memory, once the
+        replica has let go of what that request left (see :class:`DeviceOutOfMemory`)."""
+        training = op in TRAINING_OPS
+        recover = getattr(replica.backend, "after_out_of_memory", None)
+        if callable(recover):
+            recover(training)
+        self.counters["out_of_memory"] += 1
+        dropped = " its pending gradients were dropped;" if training else ""
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        return DeviceOutOfMemory(
+            f"{op} of {name!r} ran out of device memory ({first_line});"
+            f"{dropped} the replica is intact: send it in smaller batches"
+        )
 
     def _drop(self, name: str, lost: bool = False) -> None:
         replica = self._replicas.get(name)

@@ -641,6 +641,17 @@ class TorchBackend:
         cache += 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
         return cache + sum(_local_nbytes(t) for t in self._state_tensors().values())
 
+    def after_out_of_memory(self, training: bool) -> None:
+        """A request of this replica ran out of device memory part-way: hand the allocator's
+        cached blocks back, and after a training request drop the gradients it may have
+        accumulated in part (the pending step's with them: they cannot be told apart)."""
+        if training:
+            self.model.zero_grad(set_to_none=True)
+            self.pending_backward = 0
+        self._release_decoders()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _release_decoders(self) -> None:
         """Drop what the decoders keep beside the weights (the decode step's fused layout,
         the static engine's cache, the prefix cache): an offload's first step."""
