@@ -136,18 +136,39 @@ class JournaledMap(MutableMapping[str, V], Generic[V]):
         return self._data[key]
 
     def __setitem__(self, key: str, value: V) -> None:
-        self._data[key] = value
+        """Set ``key``; a value that cannot be journaled (not JSON once encoded) is refused
+        (:class:`ConfigError`) before anything changes. A journal that fails to write (a
+        full disk, a lock) leaves the change made in memory, said in the log: the cluster
+        keeps running, and that record will not outlive a restart."""
+        encoded = None
         if self._journal is not None:
             encoded = self._encode(value)
-            if self._written.get(key) != encoded:
-                self._journal.put(self._kind, key, encoded)
+            try:
+                json.dumps(encoded, sort_keys=True)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"a {self._kind} record is JSON when journaled: {e}") from None
+        self._data[key] = value
+        if encoded is not None and self._written.get(key) != encoded:
+            self._written.pop(key, None)
+            if self._write(key, lambda: self._journal.put(self._kind, key, encoded)):
                 self._written[key] = encoded
 
     def __delitem__(self, key: str) -> None:
         del self._data[key]
         if self._journal is not None:
             self._written.pop(key, None)
-            self._journal.delete(self._kind, key)
+            self._write(key, lambda: self._journal.delete(self._kind, key))
+
+    def _write(self, key: str, write: Callable[[], None]) -> bool:
+        try:
+            write()
+            return True
+        except sqlite3.Error as e:
+            logger.error(
+                "journal: the %s record %r was not written (%s); it will not outlive a "
+                "restart of the scheduler", self._kind, key, e,
+            )  # fmt: skip
+            return False
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._data)

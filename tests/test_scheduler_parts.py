@@ -247,6 +247,25 @@ def test_the_journal_writes_each_change_once_and_restores_what_decodes(tmp_path)
         Journal(tmp_path / "no-such-dir" / "journal.sqlite")
 
 
+def test_a_journal_refuses_what_is_not_json_and_survives_a_failing_disk(tmp_path, caplog):
+    """A value that cannot be journaled is refused, typed, with the map unchanged; a journal
+    that cannot write leaves the change made in memory and says so (the scheduler keeps
+    going; only that record would not outlive a restart)."""
+    from plexrl_dask.plugins.journal import Journal, JournaledMap
+
+    journal = Journal(tmp_path / "journal.sqlite")
+    m = JournaledMap(journal, "things", lambda v: v)
+    m["a"] = {"x": 1}
+    with pytest.raises(errors.ConfigError, match="JSON"):
+        m["b"] = {"x": b"bytes"}
+    assert dict(m) == {"a": {"x": 1}} and journal.load("things") == {"a": {"x": 1}}
+    journal._db.close()  # (what a vanished disk looks like to sqlite)
+    m["c"] = {"x": 3}
+    del m["a"]
+    assert dict(m) == {"c": {"x": 3}}
+    assert "will not outlive a restart" in caplog.text
+
+
 def test_principals_register_reattach_and_refuse():
     from plexrl_dask.shared.access import Principals
 
