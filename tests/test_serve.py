@@ -22,7 +22,7 @@ from tinker import types  # noqa: E402
 import plexrl_dask as plexrl  # noqa: E402
 from plexrl_dask.serve.app import ServerThread  # noqa: E402
 from plexrl_dask.serve.tenants import KeyRing, add_key  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
+from tests.conftest import tiny_spec, unique  # noqa: E402
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 BASE = "tiny-qwen"
@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     small, single = add_key(keys, "small"), add_key(keys, "single")
     limits = "    limits: {request-bytes: 2048, requests-waiting: 2}\n"
     text = keys.read_text().replace("  small:\n", "  small:\n" + limits)
-    text = text.replace("  single:\n", "  single:\n    limits: {models: 1}\n")
+    text = text.replace("  single:\n", "  single:\n    limits: {models: 1, samplers: 1}\n")
     keys.write_text(text)
     with (
         plexrl.local_cluster(n_workers=2) as cluster,
@@ -432,6 +432,45 @@ def test_a_new_tenants_first_calls_at_once_attach_once_and_count_each_other(serv
     assert [n.split("@")[0] for n in mine] == [model_id]
     assert list(srv.service.creating) == []
     httpx.post(f"{api}/sessions/{sid}/finish", headers=headers, json={}, timeout=30)
+
+
+def test_a_sampler_past_the_limit_is_refused_before_its_replica_is_made(server):
+    """At its limit of samplers (here 1), a tenant's next sampling session of a saved
+    checkpoint is refused before a replica is deployed for it, so none is left behind; a
+    retried call of the one it has answers that one; its seq id reused for another is
+    refused."""
+    srv, client, keys = server
+    sc = sdk(srv, keys["single"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    path = tc.save_weights_for_sampler("kept").result().path
+    api, headers = f"{srv.url}/api/v1", {"X-API-Key": keys["single"]}
+    sid = httpx.post(f"{api}/create_session", headers=headers, json={}, timeout=30)
+    sid = sid.json()["session_id"]
+    runtime = plexrl.Runtime(client, job=unique("looker"))
+
+    def replicas():
+        return [
+            d.name
+            for d in runtime.deployments(every_job=True)
+            if d.owner == "tinker-single" and d.name.split("@")[0].endswith(":rollout")
+        ]
+
+    def create(n, **body):
+        body = {"session_id": sid, "sampling_session_seq_id": n, **body}
+        return httpx.post(f"{api}/create_sampling_session", headers=headers, json=body, timeout=60)
+
+    first = create(0, model_path=path)
+    assert first.status_code == 200, first.text
+    assert create(0, model_path=path).json() == first.json()  # (a retry)
+    assert len(replicas()) == 1
+    refused = create(1, model_path=path)
+    assert refused.status_code == 403 and refused.json()["error"] == "TenantLimitExceeded"
+    reused = create(0, base_model=BASE)
+    assert reused.status_code == 400 and reused.json()["error"] == "InvalidTinkerRequest"
+    assert len(replicas()) == 1 and srv.service.reserved_samplers == {}
+    httpx.post(f"{api}/sessions/{sid}/finish", headers=headers, json={}, timeout=30)
+    sc.close("success").result()
+    assert replicas() == []
 
 
 def test_a_tenants_requests_waiting_are_bounded_with_a_retryable_refusal(server):

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 from plexrl_dask.driver.deployment import Deployment
 from plexrl_dask.driver.waits import settled
 from plexrl_dask.errors import (
     AdapterNotFound,
+    InvalidTinkerRequest,
     SamplerSuperseded,
     TenantLimitExceeded,
     UnsupportedCall,
@@ -59,7 +61,7 @@ class SamplingSessions:
             version=model.optim_steps,
             adapter=sampler_id,
         )
-        self._add_sampler(tenant, sampler, model.session_id)  # (refused before anything runs)
+        self._add_sampler(tenant, sampler, model.session_id)  # (reserved before it was queued)
         store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
         saved = model.deployment.save_state(model=store_model, weights_only=True)
         sampler.kept = (saved, model.lora)
@@ -79,27 +81,48 @@ class SamplingSessions:
             )
         return sampler_id
 
+    def _reserve_sampler(self, tenant: Tenant, sampler_id: str) -> None:
+        """Hold ``sampler_id`` for ``tenant`` before anything is deployed or queued for it:
+        refused if the id is taken (:class:`InvalidTinkerRequest`: its seq id reused) or the
+        tenant is at its limit of samplers, counting those being made
+        (:class:`TenantLimitExceeded`). A training model's snapshot samplers of earlier
+        steps are retired first (a Tinker RL loop makes one every step; they can no longer
+        sample and do not count); using one later is still :class:`SamplerSuperseded`.
+        Release with :meth:`_add_sampler` or :meth:`_unreserve_sampler`."""
+        with self.sampler_lock:  # (also taken on the executor's threads)
+            for old in list(self.samplers.values()):
+                why = self._superseded(old) if old.tenant == tenant.name else None
+                if why is not None:
+                    del self.samplers[old.sampler_id]
+                    self.retired[old.sampler_id] = (tenant.name, why)
+            while len(self.retired) > RETIRED_KEPT:
+                del self.retired[next(iter(self.retired))]
+            if sampler_id in self.samplers or sampler_id in self.reserved_samplers:
+                raise InvalidTinkerRequest(f"sampling session {sampler_id!r} exists (seq id reused)")
+            mine = sum(1 for s in self.samplers.values() if s.tenant == tenant.name)
+            mine += sum(1 for owner in self.reserved_samplers.values() if owner == tenant.name)
+            if mine >= tenant.limits.samplers:
+                raise TenantLimitExceeded(
+                    f"tenant {tenant.name!r} has {mine} sampling sessions (limit "
+                    f"{tenant.limits.samplers}); end a session to free them"
+                )
+            self.reserved_samplers[sampler_id] = tenant.name
+
+    def _unreserve_sampler(self, sampler_id: str) -> None:
+        with self.sampler_lock:
+            self.reserved_samplers.pop(sampler_id, None)
+
     def _add_sampler(self, tenant: Tenant, sampler: Sampler, session_id: str) -> None:
-        """Register ``sampler``. A training model's snapshot samplers of earlier steps are
-        retired first (a Tinker RL loop makes one every step; they can no longer sample and
-        do not count against the tenant's limit); using one later is still
-        :class:`SamplerSuperseded`."""
-        for old in list(self.samplers.values()):
-            why = self._superseded(old) if old.tenant == tenant.name else None
-            if why is not None:
-                del self.samplers[old.sampler_id]
-                self.retired[old.sampler_id] = (tenant.name, why)
-        while len(self.retired) > RETIRED_KEPT:
-            del self.retired[next(iter(self.retired))]
-        mine = sum(1 for s in self.samplers.values() if s.tenant == tenant.name)
-        if mine >= tenant.limits.samplers:
-            raise TenantLimitExceeded(
-                f"tenant {tenant.name!r} has {mine} sampling sessions (limit "
-                f"{tenant.limits.samplers}); end a session to free them"
-            )
-        self.samplers[sampler.sampler_id] = sampler
-        if session_id in self.sessions:
-            self.sessions[session_id].samplers.append(sampler.sampler_id)
+        """Register ``sampler``, reserved with :meth:`_reserve_sampler`, in its session;
+        :class:`InvalidTinkerRequest` (and nothing registered) if the session ended
+        meanwhile: what the caller made for it is the caller's to release."""
+        with self.sampler_lock:
+            self.reserved_samplers.pop(sampler.sampler_id, None)
+            session = self.sessions.get(session_id)
+            if session is None:
+                raise InvalidTinkerRequest(f"session {session_id!r} ended")
+            self.samplers[sampler.sampler_id] = sampler
+            session.samplers.append(sampler.sampler_id)
 
     def _superseded(self, sampler: Sampler) -> str | None:
         """Why ``sampler`` can no longer sample (None: it can)."""
@@ -123,29 +146,57 @@ class SamplingSessions:
         session = self.session(tenant, str(body.get("session_id")))
         n = wire.count(body.get("sampling_session_seq_id", 0), "sampling_session_seq_id")
         sampler_id = f"{session.session_id}:sample:{n}"
-        runtime = await self.runtime(tenant)
         path = body.get("model_path")
+        path = None if path is None else str(path)
+        base = None if path is not None else str(body.get("base_model"))
+        made = self.samplers.get(sampler_id)
+        if (
+            made is not None
+            and made.tenant == tenant.name
+            and made.model_id is None
+            and made.model_path == path
+            and (path is not None or made.base == base)
+        ):
+            return sampler_id  # (a retry of a call that made it)
+        runtime = await self.runtime(tenant)
+        self._reserve_sampler(tenant, sampler_id)
+        try:
+            sampler = await self._make_sampler(tenant, runtime, sampler_id, path, base)
+        except BaseException:
+            self._unreserve_sampler(sampler_id)
+            raise
+        try:
+            self._add_sampler(tenant, sampler, session.session_id)
+        except InvalidTinkerRequest:
+            if sampler.owned:  # (the session ended while its replica was made)
+                await self.snapshots.release(sampler)
+            raise
+        return sampler_id
+
+    async def _make_sampler(
+        self, tenant: Tenant, runtime: Any, sampler_id: str, path: str | None, base: str | None
+    ) -> Sampler:
+        """The sampler ``create_sampling_session`` asks for: a replica of the saved
+        checkpoint ``path`` of its own, else a slot of ``base``'s (its bank, or the tenant's
+        replica of it)."""
         if path is not None:
-            checkpoint = self.saved.loadable(tenant.name, str(path))
+            checkpoint = self.saved.loadable(tenant.name, path)
             spec = self.spec(checkpoint.base, checkpoint.lora)
             deployment = await self.blocking(
                 deploy_from, runtime, f"{sampler_id}:rollout", spec, checkpoint.saved
             )
-            sampler = Sampler(
+            return Sampler(
                 sampler_id, tenant.name, checkpoint.base, deployment, model_path=path, owned=True
             )
+        assert base is not None
+        spec = self.spec(base)
+        if self.banked:
+            deployment = await self.bank(base)
         else:
-            base = str(body.get("base_model"))
-            spec = self.spec(base)
-            if self.banked:
-                deployment = await self.bank(base)
-            else:
-                deployment = await self.blocking(
-                    lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True)
-                )
-            sampler = Sampler(sampler_id, tenant.name, base, deployment)
-        self._add_sampler(tenant, sampler, session.session_id)
-        return sampler_id
+            deployment = await self.blocking(
+                lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True)
+            )
+        return Sampler(sampler_id, tenant.name, base, deployment)
 
     def describe_sampler(self, tenant: Tenant, sampler_id: str) -> dict:
         s = self.sampler(tenant, sampler_id)

@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -119,6 +120,9 @@ class Service(SamplingSessions):
         #: model id -> tenant: models being deployed (counted against the tenant's limit)
         self.creating: dict[str, str] = {}
         self.samplers: dict[str, Sampler] = {}
+        #: sampler id -> tenant: samplers being made (counted against the tenant's limit)
+        self.reserved_samplers: dict[str, str] = {}
+        self.sampler_lock = threading.Lock()  # (samplers are added on executor threads too)
         #: sampler id -> (tenant, why): snapshot samplers retired by a later step
         self.retired: dict[str, tuple[str, str]] = {}
         self.saved = SavedCheckpoints(self.state, _export_dir(state_file))
@@ -586,43 +590,46 @@ class Service(SamplingSessions):
             if not isinstance(n, int):
                 self.skip(model, seq_id)
                 raise InvalidTinkerRequest("save_weights_for_sampler needs a path or a seq id")
+            if model.taken.get(seq_id):
+                return model.taken[seq_id]  # (a retry of a request we have)
             sampler_id = f"{model.session_id}:sample:{n}"
             # "inflight": the session follows the model's weights as it trains
             follows = body.get("kind") == "inflight"
+            bank = None
             if model.lora is not None and self.banked and not follows:
                 bank = await self.bank(model.base)
+            try:
+                self._reserve_sampler(tenant, sampler_id)
+            except PlexRLError:
+                self.skip(model, seq_id)
+                raise
+
+            def submit() -> str:
+                try:
+                    if bank is not None:
+                        return self._bank_snapshot(tenant, model, sampler_id, bank)
+                    version = None if follows else model.optim_steps
+                    sampler = Sampler(
+                        sampler_id, tenant.name, model.base, model.deployment,
+                        model_id=model.model_id, version=version,
+                    )  # fmt: skip
+                    self._add_sampler(tenant, sampler, model.session_id)
+                    return sampler_id
+                finally:
+                    self._unreserve_sampler(sampler_id)  # (added, or failed)
+
+            try:
                 return await self.ordered(
                     tenant,
                     model,
                     seq_id,
                     "save_weights_for_sampler",
-                    lambda: self._bank_snapshot(tenant, model, sampler_id, bank),
+                    submit,
                     lambda sid: json_reply({"sampling_session_id": sid}),
                 )
-
-            def submit() -> str:
-                self._add_sampler(
-                    tenant,
-                    Sampler(
-                        sampler_id,
-                        tenant.name,
-                        model.base,
-                        model.deployment,
-                        model_id=model.model_id,
-                        version=None if follows else model.optim_steps,
-                    ),
-                    model.session_id,
-                )
-                return sampler_id
-
-            return await self.ordered(
-                tenant,
-                model,
-                seq_id,
-                "save_weights_for_sampler",
-                submit,
-                lambda sid: json_reply({"sampling_session_id": sid}),
-            )
+            except BaseException:
+                self._unreserve_sampler(sampler_id)
+                raise
         return await self._save(tenant, model, seq_id, "sampler_weights", body)
 
     async def save_weights(self, tenant: Tenant, body: dict) -> str:
