@@ -402,6 +402,9 @@ class Service(SamplingSessions):
                 deployment = await self.blocking(deploy)
             finally:
                 self.creating.pop(model_id, None)
+            if session.session_id not in self.sessions:  # (it ended meanwhile: nothing is left)
+                await self._undeploy(deployment)
+                raise InvalidTinkerRequest(f"session {session.session_id!r} ended")
             self.models[model_id] = TrainModel(
                 model_id, tenant.name, session.session_id, base, deployment, lora
             )
