@@ -105,6 +105,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: Annotation fields only this plugin writes (a worker trusts them): what a client sent under
+#: these names is dropped when its graph arrives.
+SCHEDULER_FIELDS = frozenset(
+    {"readable", "uid", "modified", "dispatched", "group", "epoch", "rendezvous", "worker", "error"}
+)
+
+
+def _keep_only_the_clients(ts: TaskState) -> None:
+    ann = ts.annotations.get(ANNOTATION)
+    if isinstance(ann, dict) and not SCHEDULER_FIELDS.isdisjoint(ann):
+        clean = {k: v for k, v in ann.items() if k not in SCHEDULER_FIELDS}
+        ts.annotations = {**ts.annotations, ANNOTATION: clean}
+
+
 def _positions(ann: dict) -> tuple[int, int, int | None]:
     """A request's ``ranks``, this task's ``rank`` and its ``replica`` (None: any replica)
     from its annotation (:class:`NotRouted` for what is not an integer)."""
@@ -411,6 +425,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for key in (annotations or {}).get(ANNOTATION, {}):
             ts = scheduler.tasks.get(key)
             if ts is not None and ts.run_spec is not None:
+                _keep_only_the_clients(ts)
                 self._route(ts)
                 routed = True
         if routed:

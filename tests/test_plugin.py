@@ -436,6 +436,28 @@ async def test_a_request_id_of_another_job_is_refused_and_its_request_kept(c, s,
 
 
 @gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
+async def test_what_runs_must_be_the_op_routed_and_scheduler_fields_are_the_schedulers(c, s, a, b):
+    """Access is checked against the op an annotation names, so the worker runs only that op
+    (a request labelled "forward" that would load a checkpoint is refused); the fields only
+    the scheduler writes (the stored state a request may read, the uid, ...) are dropped
+    from what a client sends."""
+    await install(c, s, [a, b])
+    await deploy(c, POLICY)
+    ann = {"deployment": POLICY, "job": "test-job", "secret": TEST_JOB["secret"]}
+    with dask.annotate(plexrl={**ann, "op": "forward"}):
+        fut = c.submit(ops.load, POLICY, pure=False)
+    with pytest.raises(errors.NotRouted, match="routed as 'forward'"):
+        await asyncio.wait_for(fut, WAIT_S)
+    forged = {"readable": ["other@other-job"], "uid": "forged", "worker": "tcp://x:1"}
+    with dask.annotate(plexrl={**ann, "op": "load", **forged}):
+        fut = c.submit(ops.load, POLICY, pure=False)
+    assert (await asyncio.wait_for(fut, WAIT_S))["version"] == 0
+    routed = s.tasks[fut.key].annotations["plexrl"]
+    assert "readable" not in routed and routed["uid"] != "forged"
+    assert routed["worker"] in (a.address, b.address)
+
+
+@gen_cluster(client=True, nthreads=TWO_GPU_WORKERS, worker_kwargs=GPU, config=CONFIG, timeout=60)
 async def test_plain_tasks_are_not_touched(c, s, a, b):
     plugin = await install(c, s, [a, b])
     await deploy(c, POLICY)

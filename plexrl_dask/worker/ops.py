@@ -127,8 +127,21 @@ def _deployment_info(worker: Any, deployment: str, uid: str) -> DeploymentInfo:
     return info
 
 
+#: A request op whose function runs other ops on the replica (each checked against it).
+_RUNS = {"sample_train": ("sample", "train_step"), "train_scored": ("train_step",)}
+
+
 def _run(deployment: str, op: str, call: Any) -> Any:
     ann = routing(get_worker(), deployment)  # routing errors first: they need no holder
+    routed = ann.get("op")
+    if routed and op not in _RUNS.get(routed, (routed,)):
+        # The scheduler checked the job's access against the op the annotation names; the
+        # function is what runs: they must agree (a job shared only "sample" cannot send
+        # set_weights labelled "sample").
+        raise NotRouted(
+            f"this task runs {op!r} on {deployment!r} but was routed as {routed!r}: annotate "
+            "each request with the op it runs (the Deployment methods do)"
+        )
     worker, holder = _worker_and_holder()
     # The record is cached by uid; whether its state was modified since is the plugin's
     # current word, sent along with every request.
