@@ -263,6 +263,28 @@ def test_a_request_out_of_device_memory_is_typed_and_leaves_the_replica_training
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
 
+def test_out_of_device_memory_inside_the_optimizer_step_drops_the_replica_as_lost():
+    """AdamW updates parameters and moments group by group, in place: a step that runs out
+    of memory part-way leaves them half updated, so the replica is dropped as lost, not
+    said intact."""
+    holder, _ = make_holder(TRAIN_BYTES * 4)
+    a = make_info("a", seed=1)
+    fb(holder, a)
+    step(holder, a)  # (its optimizer exists)
+    fb(holder, a, 1)
+
+    def half_step(backend):
+        def oom():
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        backend.optimizer.step = oom
+        return backend.optim_step(AdamWParams(lr=1e-2))
+
+    with pytest.raises(errors.DeploymentLost, match="half updated"):
+        holder.run(a, "optim_step", half_step)
+    assert holder.names() == []
+
+
 def test_actor_offload_capacity_and_names():
     holder, events = make_holder(4 * TRAIN_BYTES)
     assert holder.capacity() == {"budget_bytes": 4 * TRAIN_BYTES, "device": "cpu", "node": None}

@@ -30,7 +30,7 @@ import torch
 
 from plexrl_dask import errors
 from plexrl_dask.shared.records import DeploymentInfo
-from plexrl_dask.shared.types import Datum
+from plexrl_dask.shared.types import CrossEntropy, Datum
 from plexrl_dask.state_store import peer
 from plexrl_dask.state_store.keys import Manifest
 from plexrl_dask.state_store.manager import (
@@ -863,6 +863,30 @@ def test_holders_of_one_node_store_one_copy_and_skip_unchanged_rewrites(tiers):
     assert tier_versions(s2, "dram") == {(m1, v1), (m2, v2)}
     assert s2["tiers"]["dram"]["used"] == dram["used"]
     assert forward(h1, info).logprobs == out1.logprobs
+
+
+def test_a_failed_training_request_never_brings_its_stored_copy_back(tiers):
+    """A replica offloaded with pending gradients, reloaded by a training request that fails
+    part-way (its gradients dropped, as the refusal says): its next offload writes the state
+    as it is, so no later reload brings the dropped gradients back; it trains on as one that
+    never had them."""
+    node = NodeState(tiers(dram_capacity=64 * MiB))
+    info, twin = make_info("trainee", seed=7), make_info("twin", seed=7)
+    holder, _ = make_holder("w1", node)
+
+    def fails(backend):
+        backend.forward_backward([Datum(tokens=(1, 5, 6, 7))], CrossEntropy())
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    fb(holder, info, 3)  # pending gradients ...
+    assert holder.offload("trainee")  # ... stored with the replica
+    with pytest.raises(errors.DeviceOutOfMemory):
+        holder.run(info, "forward_backward", fails)  # reloads it, then fails: dropped
+    assert holder.offload("trainee") and holder.counters["stash_writes"] == 2
+    for i in (info, twin):
+        fb(holder, i, 1)  # (reloads the trainee)
+        step(holder, i)
+    assert_bit_equal(weights(holder, info), weights(holder, twin))
 
 
 def test_training_replica_evicted_to_nvme_reloads_and_trains_bit_identically(tiers):

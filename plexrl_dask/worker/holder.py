@@ -260,8 +260,10 @@ class ReplicaHolder:
             self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()
             ready, cpu0 = time.time(), time.thread_time()
+            done = False
             try:
                 result = call(replica.backend)
+                done = True
             except RuntimeError as e:
                 if group is None and _out_of_memory(e):
                     raise self._out_of_memory(replica, info.name, op, e) from e
@@ -278,6 +280,11 @@ class ReplicaHolder:
                 ) from e
             finally:
                 self._running = None
+                if not done and op in CHANGING_OPS:
+                    # A failed request may have changed the state part-way (gradients it
+                    # accumulated, then dropped): the stored copy is no longer known to be
+                    # this state, and a reload must not bring the old one back.
+                    self._free_stash(replica)
                 replica.last_used = time.monotonic()
                 self.counters["requests"] += 1
                 self.spans.add(
@@ -297,11 +304,10 @@ class ReplicaHolder:
                 forget = getattr(replica.backend, "forget_prefixes", None)
                 if forget is not None:  # (the prefix cache holds the old weights' keys)
                     forget()
-            if op in CHANGING_OPS and replica.stash is not None:
+            if op in CHANGING_OPS:
                 # The stored copy no longer is this replica's state: free it (the next
                 # offload writes the new state).
-                stale, replica.stash = replica.stash, None
-                threading.Thread(target=stale.delete, name="plexrl-free-stash", daemon=True).start()
+                self._free_stash(replica)
             # A request can grow the replica (gradients, optimizer state): re-balance, and
             # tell the scheduler the new size/version.
             self._make_room(0, keep=info.name)
@@ -550,16 +556,30 @@ class ReplicaHolder:
         logger.info("offloaded %s from %s to %s", replica.info.name, self.worker_address, tier)
         self._emit(replica, tier, time.perf_counter() - t0, source="hbm")
 
+    @staticmethod
+    def _free_stash(replica: _Replica) -> None:
+        if replica.stash is not None:
+            stale, replica.stash = replica.stash, None
+            threading.Thread(target=stale.delete, name="plexrl-free-stash", daemon=True).start()
+
     def _out_of_memory(
         self, replica: Any, name: str, op: str, error: BaseException
-    ) -> DeviceOutOfMemory:
+    ) -> PlexRLError:
         """The typed error of ``op`` of ``name`` that ran out of device memory, once the
-        replica has let go of what that request left (see :class:`DeviceOutOfMemory`)."""
+        replica has let go of what that request left (see :class:`DeviceOutOfMemory`); a
+        replica whose optimizer step ran out part-way is dropped as lost
+        (:class:`DeploymentLost`: its state is half updated)."""
         training = op in TRAINING_OPS
         recover = getattr(replica.backend, "after_out_of_memory", None)
-        if callable(recover):
-            recover(training)
+        whole = recover(training) is not False if callable(recover) else True
         self.counters["out_of_memory"] += 1
+        if not whole:
+            self._drop(name, lost=True)
+            return DeploymentLost(
+                f"{op} of {name!r} ran out of device memory inside its optimizer step, which "
+                "left the parameters half updated: the replica was dropped; restore a "
+                "checkpoint with load_state"
+            )
         dropped = " its pending gradients were dropped;" if training else ""
         first_line = (str(error).splitlines() or [type(error).__name__])[0]
         return DeviceOutOfMemory(

@@ -128,6 +128,7 @@ class TorchBackend:
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
         self.pending_backward = 0
+        self.stepping = False  # inside optimizer.step() (a failure there leaves it half done)
         # Offloaded state: a host dict, or a stash handle (see offload()); None while resident.
         self._host: Any = None
 
@@ -284,7 +285,9 @@ class TorchBackend:
         if self.optimizer is None:
             self.optimizer = new_adamw(self.model.named_parameters())
         set_hyperparameters(self.optimizer, params)
+        self.stepping = True  # (until the step is whole: see after_out_of_memory)
         self.optimizer.step()
+        self.stepping = False
         self.optimizer.zero_grad(set_to_none=True)
         self.pending_backward = 0
         self.version += 1
@@ -641,16 +644,21 @@ class TorchBackend:
         cache += 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
         return cache + sum(_local_nbytes(t) for t in self._state_tensors().values())
 
-    def after_out_of_memory(self, training: bool) -> None:
+    def after_out_of_memory(self, training: bool) -> bool:
         """A request of this replica ran out of device memory part-way: hand the allocator's
         cached blocks back, and after a training request drop the gradients it may have
-        accumulated in part (the pending step's with them: they cannot be told apart)."""
+        accumulated in part (the pending step's with them: they cannot be told apart).
+        Returns whether the replica's state is whole: not if it ran out inside the optimizer's
+        step, which updates parameters and moments group by group, in place."""
+        whole = not self.stepping
+        self.stepping = False
         if training:
             self.model.zero_grad(set_to_none=True)
             self.pending_backward = 0
         self._release_decoders()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        return whole
 
     def _release_decoders(self) -> None:
         """Drop what the decoders keep beside the weights (the decode step's fused layout,
