@@ -110,6 +110,7 @@ class JournaledMap(MutableMapping[str, V], Generic[V]):
     ) -> None:
         self._data: dict[str, V] = {}
         self._written: dict[str, Any] = {}
+        self.unwritten: set[str] = set()  # keys whose last change the journal failed to take
         self._journal = journal
         self._kind = kind
         self._encode = encode
@@ -139,7 +140,8 @@ class JournaledMap(MutableMapping[str, V], Generic[V]):
         """Set ``key``; a value that cannot be journaled (not JSON once encoded) is refused
         (:class:`ConfigError`) before anything changes. A journal that fails to write (a
         full disk, a lock) leaves the change made in memory, said in the log: the cluster
-        keeps running, and that record will not outlive a restart."""
+        keeps running, and the record is written again with the map's next write that
+        succeeds (until then it would not outlive a restart: :attr:`unwritten`)."""
         encoded = None
         if self._journal is not None:
             encoded = self._encode(value)
@@ -162,13 +164,32 @@ class JournaledMap(MutableMapping[str, V], Generic[V]):
     def _write(self, key: str, write: Callable[[], None]) -> bool:
         try:
             write()
-            return True
         except sqlite3.Error as e:
+            self.unwritten.add(key)
             logger.error(
                 "journal: the %s record %r was not written (%s); it will not outlive a "
-                "restart of the scheduler", self._kind, key, e,
+                "restart of the scheduler until a later write succeeds", self._kind, key, e,
             )  # fmt: skip
             return False
+        self.unwritten.discard(key)
+        if self.unwritten:
+            self._catch_up()
+        return True
+
+    def _catch_up(self) -> None:
+        """Write the records whose last change failed to write (the journal works again)."""
+        assert self._journal is not None
+        for key in list(self.unwritten):
+            try:
+                if key in self._data:
+                    encoded = self._encode(self._data[key])
+                    self._journal.put(self._kind, key, encoded)
+                    self._written[key] = encoded
+                else:
+                    self._journal.delete(self._kind, key)
+            except sqlite3.Error:
+                return  # (still failing: the next write tries again)
+            self.unwritten.discard(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._data)

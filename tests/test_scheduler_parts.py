@@ -5,6 +5,7 @@ gangs' group epochs, the journal, the principals."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections import Counter
 
 import dask
@@ -250,7 +251,7 @@ def test_the_journal_writes_each_change_once_and_restores_what_decodes(tmp_path)
 def test_a_journal_refuses_what_is_not_json_and_survives_a_failing_disk(tmp_path, caplog):
     """A value that cannot be journaled is refused, typed, with the map unchanged; a journal
     that cannot write leaves the change made in memory and says so (the scheduler keeps
-    going; only that record would not outlive a restart)."""
+    going), and writes it with the next write that succeeds."""
     from plexrl_dask.plugins.journal import Journal, JournaledMap
 
     journal = Journal(tmp_path / "journal.sqlite")
@@ -259,11 +260,16 @@ def test_a_journal_refuses_what_is_not_json_and_survives_a_failing_disk(tmp_path
     with pytest.raises(errors.ConfigError, match="JSON"):
         m["b"] = {"x": b"bytes"}
     assert dict(m) == {"a": {"x": 1}} and journal.load("things") == {"a": {"x": 1}}
-    journal._db.close()  # (what a vanished disk looks like to sqlite)
+    db = journal._db
+    journal._db = sqlite3.connect(":memory:")  # (a journal whose writes fail: no table)
     m["c"] = {"x": 3}
     del m["a"]
-    assert dict(m) == {"c": {"x": 3}}
+    assert dict(m) == {"c": {"x": 3}} and m.unwritten == {"a", "c"}
     assert "will not outlive a restart" in caplog.text
+    journal._db = db  # (the disk is back) ...
+    m["d"] = {"x": 4}  # ... and the next write catches up with what failed
+    assert m.unwritten == set()
+    assert journal.load("things") == {"c": {"x": 3}, "d": {"x": 4}}
 
 
 def test_principals_register_reattach_and_refuse():
