@@ -4,6 +4,7 @@ an uninterrupted run computes; a checkpoint of another job is refused and left w
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 import pytest
@@ -242,3 +243,30 @@ def test_a_checkpoint_of_the_same_task_with_other_data_is_refused(runtime, tmp_p
     with pytest.raises(errors.CheckpointIncompatible, match="other problems"):
         rows_job(theirs, 32).run()
     assert comparable(rows_job(mine, 32).run()) == comparable(done)
+
+
+def test_a_manifest_never_counts_step_records_a_crash_can_lose(tmp_path, monkeypatch):
+    """The step records are flushed to disk before the manifest that counts them replaces
+    the old one, and the rename is made durable with its directory."""
+    from plexrl_dask.rl import job_checkpoint as jc
+
+    jc.append_step(tmp_path, {"step": 0})
+    order = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        order.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def recorded_replace(src, dst):
+        order.append(("replace", str(dst)))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    ckpt = jc.JobCheckpoint("j", {}, "t", {}, 1, 1, {"path": "p"}, None)
+    jc.write_checkpoint(tmp_path, ckpt)
+    names = [(op, os.path.basename(p)) for op, p in order]
+    assert names[0] == ("fsync", jc.STEPS)
+    assert names[-2:] == [("replace", jc.MANIFEST), ("fsync", tmp_path.name)]
+    assert jc.read_checkpoint(tmp_path) == ckpt

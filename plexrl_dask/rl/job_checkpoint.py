@@ -221,14 +221,28 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> JobCheckpoint | None:
 
 
 def write_checkpoint(directory: str | os.PathLike[str], ckpt: JobCheckpoint) -> None:
-    """Replace the manifest atomically (written beside it, flushed, renamed over it)."""
+    """Replace the manifest atomically (written beside it, flushed, renamed over it), once
+    the step records it counts are on disk; the rename is made durable with the directory.
+    A crash at any point leaves the old manifest or the new one, each with its records."""
     path = Path(directory) / MANIFEST
+    steps = Path(directory) / STEPS
+    if steps.exists():  # (the manifest must never count records a crash can lose)
+        _fsync(steps)
     tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(asdict(ckpt), f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(Path(directory), directory=True)
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def append_step(directory: str | os.PathLike[str], record: dict[str, Any]) -> None:
