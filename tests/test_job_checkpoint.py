@@ -270,3 +270,27 @@ def test_a_manifest_never_counts_step_records_a_crash_can_lose(tmp_path, monkeyp
     assert names[0] == ("fsync", jc.STEPS)
     assert names[-2:] == [("replace", jc.MANIFEST), ("fsync", tmp_path.name)]
     assert jc.read_checkpoint(tmp_path) == ckpt
+
+
+def test_a_save_left_by_a_driver_that_died_does_not_block_the_resume(runtime, tmp_path):
+    """The driver died after saving the policy's state of a step whose manifest it never
+    wrote: the resumed job's save of that version meets a version no manifest refers to,
+    with other bytes (on a GPU a redone step need not be bit-identical). It is pruned when
+    the job resumes, and the job goes on."""
+    ck = JobCheckpoints.at(tmp_path / "ck", every=2, keep=2)
+    name = unique("orphan")
+    policy = runtime.deploy(name, tiny_spec(seed=23))
+    first = GRPOJob("orphan", runtime, FirstCharIsDigit(), policy, CONFIG, checkpoints=ck)
+    with pytest.raises(Stop):
+        first.run(stop_after(2))
+    saved = read_checkpoint(ck.directory)
+    # the next checkpoint's version, saved with other bytes than the redone steps will give
+    w = plexrl.result(policy.get_weights()).tensors
+    plexrl.result(policy.set_weights({n: t + 1 for n, t in w.items()}, version=4))
+    orphan = plexrl.result(policy.save_state(ck.store))
+    assert orphan["version"] == 4 and saved.version < 4
+    runtime.undeploy(name)
+    again = runtime.deploy(name, tiny_spec(seed=99))
+    resumed = GRPOJob("orphan", runtime, FirstCharIsDigit(), again, CONFIG, checkpoints=ck)
+    assert len(resumed.run()) == CONFIG.steps
+    assert read_checkpoint(ck.directory).steps_done == CONFIG.steps

@@ -276,13 +276,17 @@ def read_steps(directory: str | os.PathLike[str], steps_done: int) -> list[dict[
     return records
 
 
-def prune(checkpoints: JobCheckpoints, ckpt: JobCheckpoint) -> dict[str, int]:
-    """Delete the store's versions that no kept checkpoint refers to, and collect their
-    chunks that nothing else shares. Returns the store's collection counts. Best effort: a
-    failure is logged (the checkpoint itself is already whole)."""
-
-    live = {(s["model"], int(s["version"])) for pair in ckpt.kept for s in pair if s}
-    live |= {(s["model"], int(s["version"])) for s in (ckpt.policy, ckpt.rollout) if s}
+def prune(checkpoints: JobCheckpoints, ckpt: JobCheckpoint | None) -> dict[str, int]:
+    """Delete the store's versions that no kept checkpoint refers to (``ckpt`` None: every
+    version), and collect their chunks that nothing else shares. Returns the store's
+    collection counts. Best effort: a failure is logged (the checkpoint itself is already
+    whole)."""
+    live: set[tuple[str, int]] = set()
+    if ckpt is not None:
+        live = {(s["model"], int(s["version"])) for pair in ckpt.kept for s in pair if s}
+        live |= {(s["model"], int(s["version"])) for s in (ckpt.policy, ckpt.rollout) if s}
+    if not Path(checkpoints.store).exists():
+        return {}
     try:
         store = StateStore(checkpoints.store)
         # Every model of the job's store: a resumed job's deployments may have new names.

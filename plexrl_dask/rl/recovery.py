@@ -105,6 +105,7 @@ class JobSaver:
         if saved is None:
             ck.directory.mkdir(parents=True, exist_ok=True)
             read_steps(ck.directory, 0)  # steps of an earlier run that never checkpointed
+            prune(ck, None)  # (and what it saved before it died)
             self.save(0)
             return None
         if not (ck.resume or recovering):
@@ -142,6 +143,11 @@ class JobSaver:
                 f"says {saved.version} after {saved.steps_done} steps"
             )
         self.saved = saved
+        # A save the job made after this checkpoint, before it died (the policy's state of a
+        # step whose manifest was never written), would meet the redone step's save under the
+        # same version: a conflict unless the redone step is bit-identical (on a GPU it need
+        # not be). Nothing refers to it: it goes.
+        prune(ck, saved)
         logger.info(
             "%s: resumed from %s after %d steps (policy version %d)",
             self.name, ck.directory, saved.steps_done, saved.version,
