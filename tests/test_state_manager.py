@@ -739,6 +739,20 @@ def test_used_bytes_stay_exact_when_a_collect_ran_during_a_write(tiers):
     assert not problems, problems
 
 
+def test_a_publish_drops_older_weights_from_both_tiers(tiers):
+    """Published weights older than the version before the newest go from DRAM and from
+    NVMe, where eviction moved the ones that waited unused."""
+    from plexrl_dask.worker.stores import drop_older
+
+    node = NodeState(tiers(dram_capacity=64 * MiB))
+    for v in range(4):
+        node.publish("weights.p", v, make_tensors(90 + v))
+    for v in (0, 1):
+        assert node.evict("weights.p", v) and node.locate("weights.p", v) == "nvme"
+    drop_older(node, "weights.p", 3)
+    assert [node.locate("weights.p", v) for v in range(4)] == [None, None, "dram", "dram"]
+
+
 def test_eviction_under_an_open_write_frees_what_it_evicts(tiers):
     node = NodeState(tiers(dram_capacity=4 * MiB))
     data = {v: make_tensors(80 + v) for v in range(4)}

@@ -279,16 +279,18 @@ def check_readable(deployment: str, meta: Mapping[str, Any], op: str) -> None:
 
 
 def drop_older(node: NodeState, model: str, newest: int) -> None:
-    """Delete ``model``'s DRAM versions on ``node`` older than the one before ``newest``
+    """Delete ``model``'s versions on ``node`` older than the one before ``newest``
     (weights versions, increasing). The one before stays: a rollout replica may still have
     its load of it queued behind another job's request on its worker while another replica
     already sampled the next step, whose training then published ``newest``; it goes with
-    the next publish. Newer versions than ``newest`` are never touched."""
-    versions = sorted(node.store("dram").versions(model))
+    the next publish. Newer versions than ``newest`` are never touched. Both tiers: the
+    version before, unused while it waits, is what DRAM evicts first, and one left on NVMe
+    would stay there for good (a copy of the weights per sync)."""
+    versions = sorted({v for tier in ("dram", "nvme") for v in node.store(tier).versions(model)})
     before = [v for v in versions if v < newest]
     for old in before[:-1]:
         with contextlib.suppress(PlexRLError):  # one being read stays until later
-            node.delete(model, old, tiers=("dram",))
+            node.delete(model, old, tiers=("dram", "nvme"))
 
 
 def node_of(deployment: str) -> NodeState:
