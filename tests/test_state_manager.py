@@ -903,6 +903,25 @@ def test_a_failed_training_request_never_brings_its_stored_copy_back(tiers):
     assert_bit_equal(weights(holder, info), weights(holder, twin))
 
 
+def test_an_offloaded_copy_that_is_gone_rebuilds_a_fresh_replica_and_loses_a_trained_one(tiers):
+    """An offloaded copy removed behind the holder's back (a cleaned /dev/shm): a replica
+    whose state its spec builds comes back built afresh, a trained one is lost (the job goes
+    back to its checkpoint), not stuck failing every request."""
+    node = NodeState(tiers(dram_capacity=64 * MiB))
+    fresh, trained = make_info("fresh", seed=8), make_info("trained", seed=8)
+    holder, _ = make_holder("w1", node)
+    first = forward(holder, fresh)
+    fb(holder, trained)
+    step(holder, trained)
+    for name in ("fresh", "trained"):
+        assert holder.offload(name)
+        node.delete(*stored_as(holder, name))
+    assert forward(holder, fresh).logprobs == first.logprobs
+    with pytest.raises(errors.DeploymentLost, match="cannot be read back"):
+        forward(holder, trained)
+    assert holder.names() == ["fresh"]
+
+
 def test_training_replica_evicted_to_nvme_reloads_and_trains_bit_identically(tiers):
     node = NodeState(tiers(dram_capacity=64 * MiB))
     info = make_info("trainee", seed=6)

@@ -48,6 +48,8 @@ from plexrl_dask.errors import (
     PermissionDenied,
     PlexRLError,
     RankLost,
+    TensorNotFound,
+    VersionNotFound,
 )
 from plexrl_dask.policy.residency import HOLDER_TOPIC, RESIDENCY_TOPIC, ResidencyReport
 from plexrl_dask.shared.records import DeploymentInfo
@@ -337,16 +339,24 @@ class ReplicaHolder:
             return self._load(info, group, op)
         try:
             return self._resident(replica, info, group)
-        except CorruptState:
-            if not info.revived_by(op):
-                raise
-            # Its offloaded copy is damaged, but this request restores its whole state (a
-            # checkpoint, or a weights-only deployment's weights): build it afresh for that.
-            logger.warning(
-                "the offloaded copy of %s is damaged; rebuilding it for %s", info.name, op
-            )
-            self._drop(info.name)  # (its damaged copy with it)
-            return self._load(info, group, op)
+        except (CorruptState, VersionNotFound, TensorNotFound) as e:
+            if info.revived_by(op) or not (replica.modified or info.modified):
+                # Its offloaded copy is damaged or gone, but this request restores its whole
+                # state (a checkpoint, or a weights-only deployment's weights), or its state
+                # is what its spec builds: build it afresh.
+                logger.warning(
+                    "the offloaded copy of %s is unreadable (%s); rebuilding it for %s",
+                    info.name, e, op,
+                )  # fmt: skip
+                self._drop(info.name)  # (its damaged copy with it)
+                return self._load(info, group, op)
+            # Trained state that cannot be read back: the deployment is lost (the job goes
+            # back to its checkpoint), not stuck failing every request.
+            self._drop(info.name, lost=True)
+            raise DeploymentLost(
+                f"the offloaded state of {info.name!r} on {self.worker_address} cannot be read "
+                f"back ({e}); restore a checkpoint with load_state"
+            ) from e
 
     def _resident(
         self, replica: _Replica, info: DeploymentInfo, group: GroupContext | None
