@@ -205,18 +205,20 @@ def test_drop_reports_absent_and_frees():
     assert sum(e["tier"] == "absent" for e in events) == 1
 
 
-def test_modified_after_optim_step_and_set_weights():
+def test_modified_after_gradients_an_optim_step_and_set_weights():
     holder, events = make_holder(4 * TRAIN_BYTES)
     a, b = make_info("a", seed=1), make_info("b", seed=2)
-    fb(holder, a)
+    weights(holder, a)
     weights(holder, b)
     assert holder.status()["replicas"]["a"]["modified"] is False
     assert holder.status()["replicas"]["b"]["modified"] is False
     assert not any(e["modified"] for e in events)
 
-    step(holder, a)
+    fb(holder, a)  # pending gradients: state a replica rebuilt from its spec would not have
     assert holder.status()["replicas"]["a"]["modified"] is True
     assert events[-1]["deployment"] == "a" and events[-1]["modified"] is True
+    step(holder, a)
+    assert holder.status()["replicas"]["a"]["modified"] is True
 
     source = weights(holder, a)
     holder.run(b, "set_weights", lambda be: be.set_weights(source, version=7))

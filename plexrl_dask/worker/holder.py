@@ -306,6 +306,12 @@ class ReplicaHolder:
                 forget = getattr(replica.backend, "forget_prefixes", None)
                 if forget is not None:  # (the prefix cache holds the old weights' keys)
                     forget()
+            elif op == "forward_backward":
+                # Pending gradients are state a rebuilt replica would not have: were its
+                # worker to leave before the step, its next micro-batches would accumulate on
+                # a fresh replica and the step apply part of the batch, silently. Modified,
+                # it is lost instead (the job goes back to its checkpoint).
+                replica.modified = True
             if op in CHANGING_OPS:
                 # The stored copy no longer is this replica's state: free it (the next
                 # offload writes the new state).
