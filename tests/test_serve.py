@@ -473,6 +473,42 @@ def test_a_sampler_past_the_limit_is_refused_before_its_replica_is_made(server):
     assert replicas() == []
 
 
+def test_one_tenants_blocking_calls_take_at_most_its_share_of_the_servers_threads(server):
+    """A tenant whose calls block (restores, exports) holds at most
+    plexrl.serve.tenant-threads of the server's threads; another tenant's call runs
+    meanwhile, where without a share the first would hold all of them."""
+    import asyncio
+    import threading
+
+    from plexrl_dask.serve.service import THREADS
+
+    srv, _, _ = server
+    svc = srv.service
+    gate, lock, running, peak = threading.Event(), threading.Lock(), [], [0]
+
+    def slow():
+        with lock:
+            running.append(1)
+            peak[0] = max(peak[0], len(running))
+        gate.wait(60)
+        with lock:
+            running.pop()
+        return "hog"
+
+    async def scenario():
+        hogs = [asyncio.ensure_future(svc.blocking(slow, tenant="hog")) for _ in range(THREADS + 2)]
+        await asyncio.sleep(0.5)
+        try:
+            other = await asyncio.wait_for(svc.blocking(lambda: "other", tenant="other"), 20)
+        finally:
+            gate.set()
+        return other, await asyncio.gather(*hogs)
+
+    other, hogs = srv.run(scenario(), timeout=90)
+    assert other == "other" and hogs == ["hog"] * (THREADS + 2)
+    assert peak[0] == svc.tenant_threads < THREADS
+
+
 def test_a_tenants_requests_waiting_are_bounded_with_a_retryable_refusal(server):
     """Past its requests waiting (here 2: two requests queued behind a seq_id that has not
     arrived), a tenant's next request is a 429 TenantBusy, which the SDK retries; other

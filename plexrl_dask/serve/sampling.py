@@ -183,8 +183,9 @@ class SamplingSessions:
             checkpoint = self.saved.loadable(tenant.name, path)
             spec = self.spec(checkpoint.base, checkpoint.lora)
             deployment = await self.blocking(
-                deploy_from, runtime, f"{sampler_id}:rollout", spec, checkpoint.saved
-            )
+                deploy_from, runtime, f"{sampler_id}:rollout", spec, checkpoint.saved,
+                tenant=tenant.name,
+            )  # fmt: skip
             return Sampler(
                 sampler_id, tenant.name, checkpoint.base, deployment, model_path=path, owned=True
             )
@@ -194,7 +195,8 @@ class SamplingSessions:
             deployment = await self.bank(base)
         else:
             deployment = await self.blocking(
-                lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True)
+                lambda: runtime.deploy(f"base:{base}", spec, role="rollout", exist_ok=True),
+                tenant=tenant.name,
             )
         return Sampler(sampler_id, tenant.name, base, deployment)
 

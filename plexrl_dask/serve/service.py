@@ -95,6 +95,9 @@ from plexrl_dask.worker.losses import compute_loss
 
 logger = logging.getLogger(__name__)
 
+#: Threads the server runs its blocking calls on (a tenant's share: plexrl.serve.tenant-threads).
+THREADS = 16
+
 
 class Service(SamplingSessions):
     """The server's state and the translation of each Tinker call (see the module docstring).
@@ -131,7 +134,15 @@ class Service(SamplingSessions):
         self._context: dict[str, tuple[int, int]] = {}
         self.promises: dict[str, Promise] = {}
         self.waiting: dict[str, int] = {}  # tenant -> its promises not yet finished
-        self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="plexrl-serve")
+        self.pool = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="plexrl-serve")
+        self.tenant_threads = config.count(
+            "plexrl.serve.tenant-threads", config.get("serve.tenant-threads")
+        )
+        if not 1 <= self.tenant_threads < THREADS:
+            raise ConfigError(
+                f"plexrl.serve.tenant-threads is 1 to {THREADS - 1}, got {self.tenant_threads}"
+            )
+        self._lanes: dict[str, asyncio.Semaphore] = {}  # tenant -> its share of the threads
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
         self.long_poll = float(config.get("serve.long-poll"))  # type: ignore[arg-type]
         self.result_ttl = float(config.get("serve.result-ttl"))  # type: ignore[arg-type]
@@ -187,8 +198,14 @@ class Service(SamplingSessions):
                 )
         return self.banks[base]
 
-    async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def blocking(self, fn: Callable[..., Any], *args: Any, tenant: str | None = None) -> Any:
+        """``fn(*args)`` on the server's threads; a ``tenant``'s call waits for one of its
+        ``plexrl.serve.tenant-threads`` first (its own queue, not the other tenants')."""
+        if tenant is None:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        lane = self._lanes.setdefault(tenant, asyncio.Semaphore(self.tenant_threads))
+        async with lane:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def promise(self, tenant: Tenant, kind: str, work: Awaitable[Reply]) -> str:
         """Start ``work`` as a promise of ``tenant``; its request id. At the tenant's limit of
@@ -399,7 +416,7 @@ class Service(SamplingSessions):
 
         async def work() -> Reply:
             try:
-                deployment = await self.blocking(deploy)
+                deployment = await self.blocking(deploy, tenant=tenant.name)
             finally:
                 self.creating.pop(model_id, None)
             if session.session_id not in self.sessions:  # (it ended meanwhile: nothing is left)
@@ -488,7 +505,7 @@ class Service(SamplingSessions):
                 submit, submitted = model.waiting.pop(model.next_seq)
                 model.next_seq += 1
                 try:
-                    value = await self.blocking(submit)
+                    value = await self.blocking(submit, tenant=model.tenant)
                 except Exception as e:  # (its promise fails; later requests go on)
                     if not submitted.done():
                         submitted.set_exception(e)

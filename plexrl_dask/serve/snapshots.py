@@ -153,6 +153,6 @@ class KeptSnapshots:
             spec = self.service.spec(sampler.base, lora)
             name = f"{sampler.sampler_id}:rollout"
             sampler.deployment = await self.service.blocking(
-                deploy_from, runtime, name, spec, saved
+                deploy_from, runtime, name, spec, saved, tenant=tenant.name
             )
             sampler.owned, sampler.merger = True, None
