@@ -236,12 +236,23 @@ def test_bad_input_is_typed_and_touches_no_other_tenant(server):
     assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest"
     r = post("forward_backward", keys["small"], content=b"x" * 4096, headers=proto)
     assert r.status_code == 413 and r.json()["error"] == "RequestTooLarge"
+    # ... also sent without a length (chunked), refused as it arrives
+    r = post("forward_backward", keys["small"], content=iter([b"x" * 1024] * 4), headers=proto)
+    assert r.status_code == 413 and r.json()["error"] == "RequestTooLarge"
+    # JSON nested past the parser's depth, metadata that is not an object or is too large
+    r = post("create_session", keys["alice"], content=b"[" * 100_000)
+    assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest"
     with pytest.raises(tinker.BadRequestError, match="UnsupportedCall"):
         tc.forward_backward([ce_datum(A)], "dro").result()
     session = post("create_session", keys["alice"], json={}).json()["session_id"]
     for lora in ({"rank": -1}, {"rank": 4, "train_attn": False, "train_mlp": False,
                                 "train_unembed": False}):  # fmt: skip
         body = {"session_id": session, "base_model": BASE, "lora_config": lora}
+        r = post("create_model", keys["alice"], json=body)
+        assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest", r.json()
+    for extra in ({"user_metadata": ["a"]}, {"user_metadata": {"k": "v" * 20_000}},
+                  {"optimizer_config": "sgd"}):  # fmt: skip
+        body = {"session_id": session, "base_model": BASE, "lora_config": {"rank": 0}, **extra}
         r = post("create_model", keys["alice"], json=body)
         assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest", r.json()
     r = post("get_audit_log", keys["alice"], json={})

@@ -115,18 +115,21 @@ def create_app(
             raise RequestTooLarge(
                 f"a request body of {declared} bytes is past this tenant's {limit}"
             )
-        raw = await request.body()
-        if len(raw) > limit:
-            raise RequestTooLarge(
-                f"a request body of {len(raw)} bytes is past this tenant's {limit}"
-            )
-        return raw
+        # Read as it arrives, refused once past the limit: a body sent without a length
+        # (chunked) is never held whole first.
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"a request body past {limit} bytes (this tenant's limit)")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def json_of(request: Request, tenant: Tenant) -> dict:
         raw = await body_of(request, tenant)
         try:
             body = json.loads(raw or b"{}")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise InvalidTinkerRequest(f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise InvalidTinkerRequest("the body is a JSON object")

@@ -386,11 +386,14 @@ class Service(SamplingSessions):
         optimizer state comes too)."""
         session = self.session(tenant, str(body.get("session_id")))
         spec = self.spec(base, lora)
-        if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
+        optimizer = body.get("optimizer_config") or {}
+        if not isinstance(optimizer, dict):
+            raise InvalidTinkerRequest(f"optimizer_config is an object, got {optimizer!r:.80}")
+        if optimizer.get("type", "adamw") != "adamw":
             raise UnsupportedCall("the optimizer is AdamW (optimizer_config type 'adamw')")
         n = wire.count(body.get("model_seq_id", 0), "model_seq_id")
         model_id = f"{session.session_id}:train:{n}"
-        metadata = {str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()}
+        metadata = _metadata(body.get("user_metadata"))
         runtime = await self.runtime(tenant)
         # Checked and reserved with no await between: calls at once count each other.
         mine = sum(1 for m in self.models.values() if m.tenant == tenant.name)
@@ -751,6 +754,27 @@ class Service(SamplingSessions):
                 ops.drop_checkpoint, stored["model"], int(stored["version"]), on_error="return"
             )
         )
+
+
+#: Bytes of a training run's user_metadata (kept with the run in the state file for good).
+METADATA_BYTES = 16 * 1024
+
+
+def _metadata(raw: Any) -> dict[str, str]:
+    """A run's ``user_metadata`` as strings, checked: an object of at most
+    :data:`METADATA_BYTES` bytes (:class:`InvalidTinkerRequest` otherwise)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidTinkerRequest(f"user_metadata is an object, got {type(raw).__name__}")
+    metadata = {str(k): str(v) for k, v in raw.items()}
+    size = sum(len(k) + len(v) for k, v in metadata.items())
+    if size > METADATA_BYTES:
+        raise InvalidTinkerRequest(
+            f"user_metadata of {size} characters is past {METADATA_BYTES}: it is kept with "
+            "the training run for good"
+        )
+    return metadata
 
 
 async def _replying(work: Awaitable[Reply]) -> Reply:
