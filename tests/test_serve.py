@@ -38,7 +38,8 @@ def server(tmp_path_factory):
     small, single = add_key(keys, "small"), add_key(keys, "single")
     limits = "    limits: {request-bytes: 2048, requests-waiting: 2}\n"
     text = keys.read_text().replace("  small:\n", "  small:\n" + limits)
-    text = text.replace("  single:\n", "  single:\n    limits: {models: 1, samplers: 1}\n")
+    limits = "    limits: {models: 1, samplers: 1, checkpoints: 1}\n"
+    text = text.replace("  single:\n", "  single:\n" + limits)
     keys.write_text(text)
     with (
         plexrl.local_cluster(n_workers=2) as cluster,
@@ -454,6 +455,10 @@ def test_a_sampler_past_the_limit_is_refused_before_its_replica_is_made(server):
     sc = sdk(srv, keys["single"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
     path = tc.save_weights_for_sampler("kept").result().path
+    # its limit of saved checkpoints (1): saved again under its name is no other ...
+    assert tc.save_weights_for_sampler("kept").result().path == path
+    with pytest.raises(tinker.APIStatusError, match="TenantLimitExceeded"):
+        tc.save_weights_for_sampler("another").result()  # ... and none past it
     api, headers = f"{srv.url}/api/v1", {"X-API-Key": keys["single"]}
     sid = httpx.post(f"{api}/create_session", headers=headers, json={}, timeout=30)
     sid = sid.json()["session_id"]

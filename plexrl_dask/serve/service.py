@@ -671,9 +671,19 @@ class Service(SamplingSessions):
             self.skip(model, seq_id)
             raise
         store_model = f"tinker-{tenant.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            self._check_checkpoints(tenant, path)  # (early; again when it is kept)
+        except PlexRLError:
+            self.skip(model, seq_id)
+            raise
 
         def reply(saved: dict) -> Reply:
             replaced = self.saved.by_path.get(path)
+            try:
+                self._check_checkpoints(tenant, path)
+            except PlexRLError:
+                asyncio.ensure_future(self.drop_version(dict(saved)))  # (nothing is kept)
+                raise
             self.saved.add(Checkpoint(path, tenant.name, model.base, dict(saved), model.lora,
                                       expires_at=expires_at))  # fmt: skip
             if replaced is not None:
@@ -688,6 +698,18 @@ class Service(SamplingSessions):
             lambda: model.deployment.save_state(model=store_model),
             reply,
         )
+
+    def _check_checkpoints(self, tenant: Tenant, path: str) -> None:
+        """:class:`TenantLimitExceeded` if a checkpoint saved at ``path`` would be one past
+        the tenant's ``checkpoints`` (one saved again under its name replaces the first)."""
+        if path in self.saved.by_path:
+            return
+        mine = sum(1 for c in self.saved.of_tenant(tenant.name) if not c.external)
+        if mine >= tenant.limits.checkpoints:
+            raise TenantLimitExceeded(
+                f"tenant {tenant.name!r} has {mine} saved checkpoints (limit "
+                f"{tenant.limits.checkpoints}); delete some, or save again under a name"
+            )
 
     async def save_weights_external(self, tenant: Tenant, body: dict) -> str:
         """Export the model's weights for other tools (:mod:`.checkpoints`): the weights

@@ -43,14 +43,17 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class TenantLimits:
     """What one tenant may hold at once: training ``models``, sampling sessions
     (``samplers``), requests submitted and not yet finished (``requests_waiting``), the
-    bytes of one request body (``request_bytes``), and the bytes of all its exported weights
-    on the server's disk (``export_bytes``: ``save_weights_external``)."""
+    bytes of one request body (``request_bytes``), the bytes of all its exported weights
+    on the server's disk (``export_bytes``: ``save_weights_external``), and its saved
+    checkpoints in the cluster's tiers (``checkpoints``: ``save_weights``,
+    ``save_weights_for_sampler`` by name; one saved again under its name is not another)."""
 
     models: int
     samplers: int
     requests_waiting: int
     request_bytes: int
     export_bytes: int
+    checkpoints: int
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> TenantLimits:
