@@ -246,8 +246,8 @@ def test_bad_input_is_typed_and_touches_no_other_tenant(server):
     with pytest.raises(tinker.BadRequestError, match="UnsupportedCall"):
         tc.forward_backward([ce_datum(A)], "dro").result()
     session = post("create_session", keys["alice"], json={}).json()["session_id"]
-    for lora in ({"rank": -1}, {"rank": 4, "train_attn": False, "train_mlp": False,
-                                "train_unembed": False}):  # fmt: skip
+    for lora in ({"rank": -1}, {"rank": 10**6}, {"rank": 4, "train_attn": False,
+                 "train_mlp": False, "train_unembed": False}):  # fmt: skip
         body = {"session_id": session, "base_model": BASE, "lora_config": lora}
         r = post("create_model", keys["alice"], json=body)
         assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest", r.json()

@@ -298,7 +298,13 @@ class Service(SamplingSessions):
         spec = self.catalog[base]
         if lora is None:
             return spec
-        return dataclasses.replace(spec, lora=LoraSpec.from_dict(lora))
+        adapter = LoraSpec.from_dict(lora)
+        width = int(spec.hf_config().hidden_size)
+        if adapter.rank > width:  # (no more expressive; as large as the model, or larger)
+            raise InvalidTinkerRequest(
+                f"lora_config.rank {adapter.rank} is past {base}'s hidden size {width}"
+            )
+        return dataclasses.replace(spec, lora=adapter)
 
     # --- sessions --------------------------------------------------------------------------
 
