@@ -107,8 +107,10 @@ class Rendezvous:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout != timeout:
             return to_status(GroupTimeout(f"a rendezvous wait is a number, got {timeout!r}"))
         timeout = min(max(0.0, float(timeout)), limit)
+        if key not in self._tokens:  # (a group the scheduler released has its token first)
+            return to_status(PermissionDenied(f"no group {key} was released to meet here"))
         event = self._events.setdefault(key, asyncio.Event())
-        while len(self._events) > 2 * KEPT:  # (waits for groups that never formed, too)
+        while len(self._events) > 2 * KEPT:  # (bounded like the tokens)
             self._events.pop(next(iter(self._events)))
         try:
             await asyncio.wait_for(event.wait(), timeout)

@@ -104,7 +104,8 @@ def test_a_gang_keeps_its_group_until_a_worker_or_a_rank_breaks_it():
 def test_a_rendezvous_takes_only_rank_0s_token_and_bounds_every_wait():
     """Rank 0 publishes with its token (any other is refused and counted); a waiting rank is
     woken by the publish; a wait asked longer than ``plexrl.group.timeout`` or not a number
-    ends within that timeout, typed, and leaves the rendezvous working."""
+    ends within that timeout, typed, and leaves the rendezvous working; a group the
+    scheduler never released is refused at once."""
 
     async def scenario():
         counters = Counter()
@@ -117,13 +118,17 @@ def test_a_rendezvous_takes_only_rank_0s_token_and_bounds_every_wait():
         await asyncio.sleep(0)
         assert rv.put("g1", "10.0.0.1:1", token) == {"status": "OK"}
         assert (await waiting)["address"] == "10.0.0.1:1"
+        rv.token("slow")  # (released; its rank 0 never publishes)
         with dask.config.set({"plexrl.group.timeout": "0.2s"}):
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            late = await rv.get("never", 1e9)
-            assert late["status"] == "error" and loop.time() - t0 < 5
+            late = await rv.get("slow", 1e9)
+            assert late["error"] == "GroupTimeout" and loop.time() - t0 < 5
             for bad in (None, "soon", True, float("nan")):
-                assert (await rv.get("never", bad))["status"] == "error"
+                assert (await rv.get("slow", bad))["status"] == "error"
+        # a group never released: refused at once (no wait is kept for it)
+        assert (await rv.get("never", 30))["error"] == "PermissionDenied"
+        assert "never" not in rv._events
         assert (await rv.get("g1", 1))["address"] == "10.0.0.1:1"
 
     asyncio.run(scenario())
