@@ -525,6 +525,25 @@ def test_one_tenants_blocking_calls_take_at_most_its_share_of_the_servers_thread
     assert peak[0] == svc.tenant_threads < THREADS
 
 
+def test_a_tenants_idle_training_runs_beyond_the_newest_are_forgotten(server, monkeypatch):
+    """Training runs are kept in the state file, written whole on every change: a tenant's
+    runs without a live model or a saved checkpoint are kept only as its newest RUNS_KEPT."""
+    import plexrl_dask.serve.service as service_module
+    from plexrl_dask.serve.records import Run
+
+    srv, _, _ = server
+    svc = srv.service
+    monkeypatch.setattr(service_module, "RUNS_KEPT", 2)
+    for i in range(4):
+        svc.runs[f"ghost-run-{i}"] = Run(f"ghost-run-{i}", "ghost", BASE, {})
+    svc.runs["other-run"] = Run("other-run", "other-ghost", BASE, {})
+    svc._forget_old_runs("ghost")
+    kept = sorted(r for r in svc.runs if r.startswith("ghost-run") or r == "other-run")
+    assert kept == ["ghost-run-2", "ghost-run-3", "other-run"]
+    for r in ("ghost-run-2", "ghost-run-3", "other-run"):
+        del svc.runs[r]
+
+
 def test_a_tenants_requests_waiting_are_bounded_with_a_retryable_refusal(server):
     """Past its requests waiting (here 2: two requests queued behind a seq_id that has not
     arrived), a tenant's next request is a 429 TenantBusy, which the SDK retries; other

@@ -435,6 +435,7 @@ class Service(SamplingSessions):
                 model_id, tenant.name, session.session_id, base, deployment, lora
             )
             self.runs[model_id] = run = Run(model_id, tenant.name, base, metadata, lora=lora)
+            self._forget_old_runs(tenant.name)
             self.state.put("runs", model_id, dataclasses.asdict(run))
             session.models.append(model_id)
             out = {"model_id": model_id, "type": kind}
@@ -705,6 +706,20 @@ class Service(SamplingSessions):
             reply,
         )
 
+    def _forget_old_runs(self, tenant: str) -> None:
+        """Keep a tenant's newest :data:`RUNS_KEPT` training runs, and every run with a live
+        model or a saved checkpoint: the runs are kept in the state file, which is written
+        whole on every change."""
+        mine = [r for r in self.runs.values() if r.tenant == tenant]
+        idle = [
+            r.run_id
+            for r in mine
+            if r.run_id not in self.models and not self.saved.of_run(tenant, r.run_id)
+        ]
+        for run_id in idle[: max(0, len(mine) - RUNS_KEPT)]:  # (oldest first: insertion order)
+            del self.runs[run_id]
+            self.state.delete("runs", run_id)
+
     def _check_checkpoints(self, tenant: Tenant, path: str) -> None:
         """:class:`TenantLimitExceeded` if a checkpoint saved at ``path`` would be one past
         the tenant's ``checkpoints`` (one saved again under its name replaces the first)."""
@@ -784,7 +799,9 @@ class Service(SamplingSessions):
         )
 
 
-#: Bytes of a training run's user_metadata (kept with the run in the state file for good).
+#: A tenant's training runs kept without a live model or a saved checkpoint (the newest).
+RUNS_KEPT = 256
+#: Bytes of a training run's user_metadata (kept with the run in the state file).
 METADATA_BYTES = 16 * 1024
 
 
