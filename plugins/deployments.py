@@ -396,14 +396,21 @@ class DeploymentRegistry:
                 )
         return {"status": "OK", "moves": moves}
 
-    def relocate(self, name: str, uid: str, job: str | None = None) -> dict[str, Any]:
+    def relocate(
+        self, name: str, uid: str, job: str | None = None, checkpoint: dict | None = None
+    ) -> dict[str, Any]:
         """Move idle deployment ``name`` (incarnation ``uid``, as ``relocations`` listed it)
         into its job's node group: ``unplaced`` if its state is unmodified (its next request
         rebuilds it there from its spec), else ``relocating`` (refusing every request but
-        ``load_state``, which places it there and restores the checkpoint the job saved first).
-        Returns ``{"status": "OK", "state": ...}``; :class:`DeploymentNotFound` for another
-        incarnation, :class:`DeploymentBusy` while any of its requests is in flight."""
+        ``load_state``, which places it there and restores ``checkpoint``, the one the job
+        saved first, kept in the record meanwhile). Returns ``{"status": "OK", "state": ...}``;
+        :class:`DeploymentNotFound` for another incarnation, :class:`DeploymentBusy` while any
+        of its requests is in flight."""
         try:
+            if checkpoint is not None and not (
+                isinstance(checkpoint, dict) and all(isinstance(k, str) for k in checkpoint)
+            ):
+                raise ConfigError(f"a relocation's checkpoint is a dict, got {checkpoint!r:.80}")
             info = self.deployments.get(name)
             if info is None or info.uid != uid:
                 raise DeploymentNotFound(
@@ -418,7 +425,8 @@ class DeploymentRegistry:
                     "job's requests are (between steps)"
                 )
             state = "relocating" if info.modified else "unplaced"
-            self.deployments[name] = info.moved(state)
+            kept = dict(checkpoint) if state == "relocating" and checkpoint else None
+            self.deployments[name] = info.moved(state, relocation=kept)
             self.counters["relocations"] += 1
             logger.info("relocating %s (%s) from %s", name, state, list(info.workers))
             return {"status": "OK", "state": state}
@@ -560,7 +568,9 @@ class DeploymentRegistry:
                 "(runtime.sync_weights) before other requests"
                 if info.weights_only
                 else f"{info.name!r} is moving to its job's node group: restore the checkpoint "
-                "saved for the move (Runtime.relocate does) before other requests"
+                "saved for the move (Runtime.relocate does; a driver that took over: "
+                f"deployment.load_state(deployment.info.relocation), {info.relocation}) before "
+                "other requests"
             )
         if info.state == "lost" and info.weights_only:
             raise DeploymentLost(

@@ -487,7 +487,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 # Restoring a checkpoint (or a weights-only deployment's weights) is how a lost
                 # (or relocating) deployment comes back: a new incarnation (new uid, so no
                 # holder reuses a stale rank), placed anew.
-                info = info.moved(Lifecycle.UNPLACED)
+                info = info.moved(Lifecycle.UNPLACED, relocation=None)
                 self.deployments[name] = info
             if info.state in ("lost", "relocating") or self.registry.worker_views():
                 info = self.registry.placed(info)

@@ -89,7 +89,11 @@ def test_a_damaged_offloaded_copy_does_not_block_restoring_a_checkpoint(small_cl
                             )
                             damaged += 1
     assert damaged
-    with pytest.raises(errors.CorruptState):  # what the damaged copy held is gone...
+    # what the damaged copy held is gone: the deployment is lost (its job goes back to its
+    # checkpoint), not stuck failing every request ...
+    with pytest.raises(errors.DeploymentLost, match="does not match its digest"):
+        plexrl.result(a.forward(data))
+    with pytest.raises(errors.DeploymentLost):
         plexrl.result(a.forward(data))
     # ...but restoring the checkpoint does not need it.
     assert plexrl.result(a.load_state(saved)) == want.version

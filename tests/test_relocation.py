@@ -152,12 +152,18 @@ def test_a_job_that_ran_best_effort_moves_into_its_group_with_its_trained_state(
             mover._call(
                 "plexrl_relocate", name=policy.name, uid="another-incarnation", job=mover.job
             )
-        assert mover._call("plexrl_relocate", name=policy.name, uid=uid, job=mover.job)[
-            "state"
-        ] == ("relocating")
-        with pytest.raises(DeploymentRelocating):
+        moved = mover._call(
+            "plexrl_relocate", name=policy.name, uid=uid, job=mover.job, checkpoint=saved
+        )
+        assert moved["state"] == "relocating"
+        with pytest.raises(DeploymentRelocating, match="deployment.info.relocation"):
             plexrl.result(policy.get_weights())
-        plexrl.result(policy.load_state(saved))
+        # the driver that moved it is gone: the one that takes over finds the checkpoint in
+        # the record (the scheduler's journal keeps it)
+        relocation = mover.deployment("reloc-policy").info.relocation
+        assert relocation == dict(saved)
+        plexrl.result(policy.load_state(relocation))
+        assert mover.deployment("reloc-policy").info.relocation is None
         assert all(torch.equal(v, got[k]) for k, v in weights(policy).items())
     finally:
         worker.terminate()

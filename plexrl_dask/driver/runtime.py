@@ -372,7 +372,9 @@ class Runtime:
                 # the job saved itself
                 model = derived_model("relocate", name, move["uid"][:12])
                 restored = result(dep.save_state(model=model), timeout)
-            self._call(protocol.RELOCATE, name=name, uid=move["uid"], job=self.job)
+            self._call(
+                protocol.RELOCATE, name=name, uid=move["uid"], job=self.job, checkpoint=restored
+            )
             entry = {k: move[k] for k in ("name", "workers", "group")}
             entry["restored"] = restored is not None
             # a weights-only deployment (vLLM) is placed anew by its next weight load

@@ -128,6 +128,10 @@ class DeploymentInfo:
     #: new only when the name is deployed again. A handle's requests carry it, so a handle of
     #: an undeployed deployment never reaches a later one of the same name.
     incarnation: str = ""
+    #: While ``relocating``: the checkpoint saved for the move (what ``save_state`` returned),
+    #: for ``load_state``; kept here (and so in the journal) so that a driver that died
+    #: mid-move can be replaced by one that finishes it.
+    relocation: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.incarnation:
@@ -231,6 +235,7 @@ class DeploymentInfo:
             "state": self.state.value,
             "modified": self.modified,
             "incarnation": self.incarnation,
+            "relocation": self.relocation,
         }
 
     @classmethod
@@ -252,4 +257,5 @@ class DeploymentInfo:
             state=d.get("state", "placed"),
             modified=bool(d.get("modified", False)),
             incarnation=str(d.get("incarnation") or ""),
+            relocation=d.get("relocation"),
         )
