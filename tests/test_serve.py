@@ -4,6 +4,7 @@ input that leave other tenants' state untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -47,10 +48,32 @@ def server(tmp_path_factory):
         ServerThread(client, KeyRing.from_file(keys), {BASE: checkpoint}) as srv,
     ):
         yield srv, client, {"alice": alice, "bob": bob, "small": small, "single": single}
+        close_clients(srv)
+
+
+#: Every SDK client a test made, by the server it talks to: each is closed before its server
+#: stops, so that none goes on sending heartbeats to a server that is gone.
+CLIENTS: dict[str, list] = {}
 
 
 def sdk(srv, key):
-    return tinker.ServiceClient(base_url=srv.url, api_key=key)
+    sc = tinker.ServiceClient(base_url=srv.url, api_key=key)
+    CLIENTS.setdefault(srv.url, []).append(sc)
+    return sc
+
+
+def close_clients(srv, finish: bool = True) -> None:
+    """Close ``srv``'s SDK clients: ending their sessions (``finish``), or, for a server
+    that crashed, only stopping what runs in this process (the SDK has no public call that
+    stops a session's heartbeats without telling its server)."""
+    for sc in CLIENTS.pop(srv.url, []):
+        if finish:
+            with contextlib.suppress(Exception):
+                sc.close("success").result(timeout=30)
+        else:
+            for holder in (sc._session_holder, sc._rest_holder):
+                if holder is not None:
+                    holder.close()
 
 
 def ce_datum(tokens, first_trained=2):
@@ -599,6 +622,7 @@ def test_a_restarted_server_keeps_its_tenants_and_their_checkpoints(server, tmp_
             assert len(sampler.sample(prompt, 1, short).result().sequences) == 1
         bank_job = first.service.bank_job
         assert bank_job != srv.service.bank_job
+    close_clients(first, finish=False)  # (as a crash leaves them: their server is gone)
     with ServerThread(client, KeyRing.from_file(keys), models, state_file=str(state)) as second:
         sc = sdk(second, key)
         again = sc.create_training_client_from_state(path).result()
@@ -611,6 +635,7 @@ def test_a_restarted_server_keeps_its_tenants_and_their_checkpoints(server, tmp_
         banks = [d for d in observer.deployments(every_job=True) if d.owner == bank_job]
         assert len(banks) == 1  # (the last run's bank was undeployed)
         sc.close("success").result()
+        close_clients(second)
     assert not daves()
 
 
