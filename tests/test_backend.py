@@ -471,3 +471,42 @@ def test_string_prompts_are_tokenized_as_hugging_face_does_with_the_checkpoints_
         pytest.raises(errors.ConfigError),
     ):
         backend.tokenize(["12+3="])
+
+
+def test_the_exempt_parameters_are_hugging_faces_where_norms_are_not_named_norm():
+    """``no_decay="biases-and-norms"`` exempts what Hugging Face's ``Trainer`` does, norms
+    found by type: GPT-2 names its ``ln_1``, ``ln_2``, ``ln_f``, which no name rule finds."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+
+    from plexrl_dask.worker.optimizer import EXEMPT, new_adamw, norm_parameter_names
+
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32)
+    model = GPT2LMHeadModel(config)
+    optimizer = new_adamw(model.named_parameters(), norm_parameter_names(model))
+    exempt = {id(p) for g in optimizer.param_groups if g[EXEMPT] for p in g["params"]}
+    ours = {n for n, p in model.named_parameters() if id(p) in exempt}
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    assert "transformer.ln_f.weight" in ours
+    assert ours == {n for n, _ in model.named_parameters()} - decayed
+
+
+def test_a_policy_gradient_is_taken_at_the_temperature_its_completions_were_sampled_at():
+    """The log-probabilities a policy-gradient step differentiates are those of
+    ``softmax(logits / temperature)``, as ``forward`` scores them at that temperature."""
+    from plexrl_dask.rl.objective import GRPOConfig
+    from plexrl_dask.shared.types import PolicyGradient
+
+    b = TorchBackend(tiny_spec(seed=4), "cpu")
+    batch = [
+        Datum.from_prompt_completion(toks(b, f"{i}+{i}="), toks(b, f"{2 * i}\n"), advantage=1.0)
+        for i in range(3)
+    ]
+    scored = b.forward(batch, temperature=0.7).logprobs
+    out = b.forward_backward(batch, PolicyGradient(temperature=0.7), logprobs=True)
+    for got, want in zip(out.logprobs, scored, strict=True):
+        assert got == pytest.approx(want, abs=1e-6)
+    assert out.logprobs != b.forward(batch).logprobs  # (not at temperature 1)
+    assert GRPOConfig(temperature=0.7).loss(3).temperature == 0.7
+    assert GRPOConfig(temperature=0.0).loss(3).temperature == 1.0  # (greedy: the logits')
+    with pytest.raises(errors.InvalidLoss):
+        PolicyGradient(temperature=0.0)

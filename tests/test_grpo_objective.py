@@ -161,14 +161,28 @@ def test_zero_advantage_groups_are_dropped_unless_kept():
     assert all(a == 0.0 for d in kept for a in d.advantages)
 
 
-def test_advantage_eps_is_added_to_the_std_and_a_spread_under_it_counts_as_none():
+def test_advantage_eps_is_added_to_the_std_and_nothing_else():
+    """As TRL's and verl's: a spread under ``advantage_eps`` still teaches (scaled down by
+    it); only equal rewards give zero advantages."""
     assert group_advantages([1.0, 0.0], "std", eps=0.5) == pytest.approx([0.5, -0.5])
-    assert group_advantages([1.0, 0.99], "std", eps=0.01) == [0.0, 0.0]  # (std 0.005)
+    # std 0.005: 0.005 / 0.015
+    assert group_advantages([1.0, 0.99], "std", eps=0.01) == pytest.approx([1 / 3, -1 / 3])
+    assert group_advantages([0.0, 0.1], "std", eps=0.1) == pytest.approx([-1 / 3, 1 / 3])
     assert group_advantages([1.0, 0.99], "std", eps=0.001) == pytest.approx(
         [0.8333, -0.8333], abs=1e-3
     )
     data, teaches = group_data(GRPOConfig(advantage_eps=0.5), PROMPT, COMPLETIONS, REWARDS)
     assert teaches and [d.advantages[-1] for d in data] == pytest.approx([0.5, -0.5])
+
+
+def test_a_completion_at_its_groups_mean_stays_in_a_group_that_teaches():
+    """Rewards (1, 0, 0.5, 0.5): the two completions at the mean have advantage 0, but their
+    group teaches, so they stay (their tokens count in the normaliser, as in TRL, verl and
+    the GRPO paper); only groups whose rewards are all equal are dropped."""
+    completions = [COMPLETIONS[0], COMPLETIONS[1], COMPLETIONS[0], COMPLETIONS[1]]
+    data, teaches = group_data(GRPOConfig(), PROMPT, completions, (1.0, 0.0, 0.5, 0.5))
+    assert teaches and len(data) == 4
+    assert [d.advantages[-1] for d in data][2:] == [0.0, 0.0]
 
 
 def test_a_kept_zero_advantage_group_carries_its_kl_term_and_nothing_else():
@@ -197,8 +211,11 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule():
     base = dict(steps=11, lr=1.0)
     assert [lr_at(GRPOConfig(**base), s) for s in (0, 10)] == [1.0, 1.0]
     warm = GRPOConfig(**base, lr_warmup_steps=2, lr_schedule="linear", min_lr_ratio=0.1)
-    assert [lr_at(warm, s) for s in (0, 1, 2, 10)] == pytest.approx([0.5, 1.0, 1.0, 0.1])
-    assert lr_at(warm, 6) == pytest.approx(0.1 + 0.9 * 0.5)
+    # the peak on the warm-up's last step (1), then 9 steps of decay to the floor at step 10
+    assert [lr_at(warm, s) for s in (0, 1, 2, 10)] == pytest.approx([0.5, 1.0, 0.9, 0.1])
+    assert lr_at(warm, 6) == pytest.approx(0.1 + 0.9 * (4 / 9))
+    edge = GRPOConfig(steps=10, lr=1.0, lr_warmup_steps=9, lr_schedule="cosine")
+    assert lr_at(edge, 8) == 1.0 and lr_at(edge, 9) == pytest.approx(0.0, abs=1e-12)
     cosine = GRPOConfig(**base, lr_schedule="cosine")
     assert [lr_at(cosine, s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0], abs=1e-9)
     opt = GRPOConfig(**base, beta2=0.95, weight_decay=0.1, grad_clip=None).optimizer(3)

@@ -379,7 +379,8 @@ def test_policy_gradient_clipping_zeroes_gradient_beyond_the_trust_region():
     # Unclipped rows: d/dlogp of -(r A)/N = -r A / N
     torch.testing.assert_close(g[1], -ratio[1] * advantages[1] / 4)
     torch.testing.assert_close(g[3], -ratio[3] * advantages[3] / 4)
-    assert metrics["clip_fraction"] == 1.0  # every ratio is outside [0.8, 1.2]
+    # every ratio is outside [0.8, 1.2], but only rows 0 and 2 take the clipped term
+    assert metrics["clip_fraction"] == 0.5
     # Value: clipped rows contribute -(clip(r) A), unclipped ones -(r A).
     expected = -(1.2 * 1.0 + math.e * -1.0 + 0.8 * -1.0 + math.exp(-1) * 1.0) / 4
     assert float(value.detach()) == pytest.approx(expected, rel=1e-5)

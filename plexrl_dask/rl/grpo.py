@@ -298,12 +298,13 @@ class GRPOJob:
         """Submit step ``step``'s training; returns its futures. ``old``: a future of the
         behaviour policy's log-probabilities of ``data`` (split-async)."""
         c = self.config
+        t = c.scoring_temperature  # (every side of the ratio and the KL at the sampling one)
         ref = None
         if c.kl_coef > 0:
             assert self.reference is not None
-            ref = self.reference.forward(data)
+            ref = self.reference.forward(data, temperature=t)
         if old is None and c.epochs > 1:
-            old = self.policy.forward(data)
+            old = self.policy.forward(data, temperature=t)
         # Both scorings are in flight at once and waited for together: one wait, not two
         # (neither reads the other's field of the data).
         scored = result([f for f in (ref, old) if f is not None])
@@ -542,7 +543,8 @@ class GRPOJob:
         old = None
         if ahead and data:
             assert self.rollout is not None
-            old = self.rollout.forward(data)  # (queued before the sync below: old weights)
+            # (queued before the sync below: old weights; at the sampling temperature)
+            old = self.rollout.forward(data, temperature=c.scoring_temperature)
         # (ahead, the sync for the next step's samples is what a checkpoint saves of the
         # rollout: it is made after the last step too, so the job can be continued)
         if ahead and (step + 1 < c.steps or self.checkpoints is not None):

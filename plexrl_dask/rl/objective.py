@@ -3,19 +3,23 @@ turn one step's samples and rewards into training data, a loss and an optimizer 
 
 Pure code (no Dask, no torch): :class:`~plexrl_dask.rl.grpo.GRPOJob` calls it every step, and
 the tests compute each option's loss by hand against it (``tests/test_grpo_objective.py``).
-The defaults are the job's behaviour before the options existed, so earlier runs reproduce.
+
+**Temperature**: log-probabilities are scored at the sampling ``temperature`` on every side of
+the ratio and the KL (:meth:`GRPOConfig.scoring_temperature`, carried by the loss), the
+distribution the completions came from, as TRL and verl score them.
 
 **Advantages** (:func:`group_advantages`), per group of ``group_size`` completions of one
 prompt with rewards ``r``: ``A = (r - mean(r)) / (std(r) + advantage_eps)`` with
 ``advantage_norm``:
 
-- ``"std"`` (default): the population standard deviation (GRPO as published);
+- ``"std"`` (default): the population standard deviation;
 - ``"std-unbiased"``: the sample standard deviation (``n - 1``), as some trainers compute it;
 - ``"none"``: centred only, ``A = r - mean(r)`` (Dr. GRPO: no per-group rescaling).
 
 A group whose rewards are all equal has ``A = 0`` everywhere and teaches nothing; it is dropped
 from the batch unless ``keep_zero_advantage`` (then its tokens still carry the KL term and count
-in the loss's normaliser).
+in the loss's normaliser). In a group that teaches every completion stays, those at the mean
+(``A = 0``) included. ``advantage_eps`` only adds to the std.
 
 **Loss aggregation** (``loss_aggregation``; the per-token loss is the clipped importance-weighted
 advantage plus ``kl_coef`` times the KL estimate, :class:`~plexrl_dask.PolicyGradient`), over the
@@ -38,8 +42,9 @@ symmetric; DAPO's clip-higher, e.g. ``clip=0.2, clip_high=0.28``).
 **Optimizer**: AdamW with ``beta1``, ``beta2``, ``adam_eps``, ``weight_decay`` (on every
 parameter, or, with ``no_decay="biases-and-norms"``, not on biases and normalisation weights,
 as Hugging Face's ``Trainer`` and TRL) and ``grad_clip`` (max global L2 norm, None: none), at the learning rate of :func:`lr_at`: a linear warm-up over
-``lr_warmup_steps`` steps from ``lr / lr_warmup_steps`` to ``lr``, then ``lr_schedule``
-``"constant"``, ``"linear"`` or ``"cosine"`` decay to ``min_lr_ratio * lr`` at the last step.
+``lr_warmup_steps`` steps from ``lr / lr_warmup_steps`` to ``lr`` (reached on the warm-up's
+last step), then ``lr_schedule`` ``"constant"``, ``"linear"`` or ``"cosine"`` decay from there
+to ``min_lr_ratio * lr`` on the last step.
 ``epochs`` optimizer steps per batch; from the second on, the importance ratio is against the
 log-probabilities of the policy that sampled (scored before the first epoch).
 
@@ -159,7 +164,14 @@ class GRPOConfig:
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
             normalizer=normalizer,
+            temperature=self.scoring_temperature,
         )
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probabilities are scored at: the sampling temperature (the
+        distribution the completions came from), 1 for greedy sampling."""
+        return self.temperature if self.temperature > 0 else 1.0
 
     def stops(self, task_stop: str) -> tuple[str, ...]:
         """The strings a completion stops at, the task's being ``task_stop`` (see Stopping)."""
@@ -187,8 +199,10 @@ def lr_at(config: GRPOConfig, step: int) -> float:
         return lr * (step + 1) / warm
     if config.lr_schedule == "constant":
         return lr
-    span = max(config.steps - 1 - warm, 1)
-    progress = min(max((step - warm) / span, 0.0), 1.0)
+    # The decay starts at the peak, the warm-up's last step (or step 0), and ends at the
+    # floor on the last step: no step repeats the peak, and the last is never at it.
+    start = max(warm - 1, 0)
+    progress = min(max((step - start) / max(config.steps - 1 - start, 1), 0.0), 1.0)
     floor = config.min_lr_ratio
     if config.lr_schedule == "linear":
         return lr * (floor + (1.0 - floor) * (1.0 - progress))
@@ -208,8 +222,6 @@ def group_advantages(rewards: Sequence[float], norm: str = "std", eps: float = 1
         raise ConfigError(f"advantage_norm is one of {ADVANTAGE_NORMS}, got {norm!r}")
     dof = n - 1 if norm == "std-unbiased" else n
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(dof, 1))
-    if std < eps:
-        return [0.0] * n
     return [(r - mean) / (std + eps) for r in rewards]
 
 
@@ -232,7 +244,9 @@ def group_data(
         return [], False
     data = []
     for k, (tokens, advantage) in enumerate(zip(completions, advantages, strict=True)):
-        if not tokens or (advantage == 0.0 and not config.keep_zero_advantage):
+        # (a completion whose reward is its group's mean stays: its tokens count in the
+        # normaliser and carry the KL term, as in every other trainer)
+        if not tokens:
             continue
         datum = Datum.from_prompt_completion(prompt, tokens, advantage=advantage)
         mask = tuple(masks[k]) if masks is not None else (1.0,) * len(tokens)

@@ -195,6 +195,9 @@ class PolicyGradient:
     Without ``old_logprobs`` the ratio is 1 with the gradient of ``logp`` (on-policy REINFORCE).
     ``clip=False``: no clipping, ``l = -r A`` (plain importance sampling, Tinker's
     ``importance_sampling``); ``clip_low``/``clip_high`` are then unused.
+    ``temperature``: ``logp`` is under ``softmax(logits / temperature)``, the distribution the
+    completions were sampled from (TRL's and verl's rule); ``old_logprobs`` and
+    ``ref_logprobs`` are to be scored at the same temperature.
     """
 
     clip_low: float = 0.2
@@ -203,6 +206,7 @@ class PolicyGradient:
     normalizer: float | None = None
     kl_estimator: str = "k3"
     clip: bool = True
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.clip, bool):
@@ -218,6 +222,9 @@ class PolicyGradient:
             raise InvalidLoss(f"normalizer must be > 0, got {self.normalizer}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise InvalidLoss(f"kl_estimator is one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t > 0):
+            raise InvalidLoss(f"temperature must be finite and > 0, got {t!r}")
 
 
 Loss = CrossEntropy | PolicyGradient

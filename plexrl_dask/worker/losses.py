@@ -66,9 +66,12 @@ def compute_loss(
         if loss.clip:
             clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
             per_token = -torch.minimum(ratio * adv, clipped * adv)
-            metrics["clip_fraction"] = float(((ratio != clipped) & mask).sum()) / max(
-                int(mask.sum()), 1
+            # Tokens whose clipped term is the one taken (no gradient through them): past
+            # the upper bound with A > 0, or under the lower one with A < 0 (TRL's, verl's).
+            active = ((ratio > 1.0 + loss.clip_high) & (adv > 0)) | (
+                (ratio < 1.0 - loss.clip_low) & (adv < 0)
             )
+            metrics["clip_fraction"] = float((active & mask).sum()) / max(int(mask.sum()), 1)
         else:
             per_token = -ratio * adv
         metrics["ratio_mean"] = float((ratio.detach() * weights).sum()) / max(total_weight, 1e-12)

@@ -52,7 +52,7 @@ from plexrl_dask.shared.types import SampledSequence, SamplingParams, Streams
 from plexrl_dask.worker.backends.torch_backend import TorchBackend
 from plexrl_dask.worker.device import copy_stream
 from plexrl_dask.worker.groups import ProcessGroupManager
-from plexrl_dask.worker.optimizer import new_adamw
+from plexrl_dask.worker.optimizer import new_adamw, norm_parameter_names
 from plexrl_dask.worker.replica_checkpoint import local_shard
 
 logger = logging.getLogger(__name__)
@@ -462,7 +462,7 @@ class FSDPBackend(TorchBackend):
                 if n in state["grads"]:
                     p.grad = _like(p, state["grads"][n].to(self.device, non_blocking=True))
         if state["hyper"] is not None:
-            new.optimizer = new_adamw(params.items())
+            new.optimizer = new_adamw(params.items(), norm_parameter_names(new.model))
             for group, old in zip(new.optimizer.param_groups, state["hyper"], strict=True):
                 group.update(old)
             for n, st in state["optim"].items():

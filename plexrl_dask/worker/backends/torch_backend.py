@@ -42,6 +42,7 @@ from plexrl_dask.shared.types import (
     ForwardBackwardResult,
     ForwardResult,
     Loss,
+    PolicyGradient,
     SampledSequence,
     SamplingParams,
     Streams,
@@ -54,7 +55,7 @@ from plexrl_dask.worker.decode import StreamDecoder
 from plexrl_dask.worker.decode_step import DecodeStep
 from plexrl_dask.worker.device import copy_stream, used_by_default_stream
 from plexrl_dask.worker.losses import compute_loss
-from plexrl_dask.worker.optimizer import new_adamw, set_hyperparameters
+from plexrl_dask.worker.optimizer import new_adamw, norm_parameter_names, set_hyperparameters
 from plexrl_dask.worker.prefix_cache import PrefixCache, prefix_cache_bytes
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
 from plexrl_dask.worker.row_decode import RowDecoder
@@ -232,7 +233,8 @@ class TorchBackend:
         batch = as_batch(batch)
         self._checked(lambda: self._check_tokens([d.tokens for d in batch]))
         self.model.train()
-        logp, valid = self._logprobs(batch, 1.0)
+        temperature = loss.temperature if isinstance(loss, PolicyGradient) else 1.0
+        logp, valid = self._logprobs(batch, temperature)
         computed: list[Any] = []
         # Agreed: a loss error on one rank's part (a field missing there) fails every rank.
         self._checked(lambda: computed.extend(compute_loss(loss, batch, logp, valid)))
@@ -283,7 +285,7 @@ class TorchBackend:
                 for g in grads:
                     g.mul_(coef)
         if self.optimizer is None:
-            self.optimizer = new_adamw(self.model.named_parameters())
+            self.optimizer = new_adamw(self.model.named_parameters(), norm_parameter_names(self.model))
         set_hyperparameters(self.optimizer, params)
         self.stepping = True  # (until the step is whole: see after_out_of_memory)
         self.optimizer.step()
@@ -593,7 +595,7 @@ class TorchBackend:
         self._checked(check)
         meta["has_optimizer"] = bool(meta["has_optimizer"]) and optimizer is True
         if meta["has_optimizer"] and self.optimizer is None:
-            self.optimizer = new_adamw(self.model.named_parameters())
+            self.optimizer = new_adamw(self.model.named_parameters(), norm_parameter_names(self.model))
         if not meta["has_optimizer"]:
             self.optimizer = None  # moments of the old state do not belong to the restored one
         if isinstance(path, str):
