@@ -214,6 +214,17 @@ def test_an_episode_never_outgrows_its_models_context():
             # (the first turn's observation fits with room for a second turn; the second's not)
             assert len(ep.turns) == 2 and ep.turns[0].observation
             assert ep.turns[1].result is not None and ep.turns[1].observation == ()
+    # a prompt with no room for its first turn is refused, typed, as a single-turn one is
+    # (not an empty episode whose group quietly teaches nothing)
+    with pytest.raises(errors.SequenceTooLong):
+        run_episodes(Sampler(), Pool(), problems, replace(params, max_tokens=80), 2, 5, 64)
+    # a job that stopped starts no further turn (its rollout ends after the one it runs)
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(errors.JobStopped):
+        run_episodes(Sampler(), Pool(), problems, params, 2, 5, 64, stop=stop)
 
 
 def test_bench_agentic_reports_each_jobs_turns_and_tool_times_as_distributions():

@@ -4,6 +4,7 @@ hostile programs, and the pool that runs calls on tool workers (a real process c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -101,6 +102,12 @@ def test_a_turn_ends_with_a_call_or_is_an_answer():
     assert stop_strings(TOOLS) == ("</calc>",)
     assert parse_call("let me see <calc>12*3</calc>", TOOLS) == ToolCall("calc", "12*3")
     assert parse_call("36\n", TOOLS) is None
+    # the token that completed the tag may carry a little more (a BPE token such as ">\n")
+    for rest in ("\n", ".", " \n\n"):
+        assert parse_call(f"<calc>12*3</calc>{rest}", TOOLS) == ToolCall("calc", "12*3")
+    # ... but an answer that only mentions a call is one
+    assert parse_call("<calc>12*3</calc> gives 36", TOOLS) is None
+    assert parse_call("<calc>1</calc>" + "." * 20, TOOLS) is None
     with pytest.raises(errors.InvalidToolCall):
         parse_call("12*3</calc>", TOOLS)
     for bad in ({"out": Calculator()}, {"a b": Calculator()}, {"py": Calculator()}):
@@ -295,6 +302,31 @@ def test_the_sandbox_has_no_network_and_writes_nothing_outside_it(tmp_path):
 
 
 @NAMESPACES
+def test_a_program_reaches_none_of_the_machines_unix_sockets():
+    """A read-only mount does not stop a connect() on a socket file: the machine's sockets
+    (under /run: a user's bus, systemd's, docker's) are behind an empty mount."""
+    import socket
+
+    path = f"/run/plexrl-test-{uuid.uuid4().hex[:8]}.sock"
+    try:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+    except OSError as e:
+        pytest.skip(f"cannot make a socket under /run here: {e}")
+    os.chmod(path, 0o777)  # (anyone may connect: only the mount stops the program)
+    server.listen(1)
+    server.settimeout(0.5)
+    try:
+        res = run(f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})")
+        assert res.error == "ToolError"
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+        os.unlink(path)
+
+
+@NAMESPACES
 def test_a_program_writes_in_no_directory_the_machine_leaves_open_to_anyone():
     """Not only ``/tmp``: the whole file system is read-only to a program (``/run/lock``, on
     most machines, is anyone's to write in); its private ``/tmp``, ``/var/tmp`` and
@@ -377,6 +409,41 @@ def test_calls_are_forks_of_a_server_that_comes_back_when_it_ends():
         server.proc.wait()
         assert sandbox.run(program) == first
         assert server.proc.pid != pid and server.running()
+
+
+def test_nothing_a_program_starts_outlives_its_call_in_any_mode():
+    """A process that makes itself a session of its own escapes the jail's group kill (in
+    "limits" mode, with no PID namespace): it is ended with the call all the same, as the
+    call's subreaper kills what comes back to it; a program's direct child ends with it."""
+    import psutil
+
+    marker, sleep = f"plexrl-stray-{uuid.uuid4().hex}", shutil.which("sleep")
+    assert sleep is not None
+    program = (
+        "import os\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv({sleep!r}, [{marker!r}, '60'])\n"
+        f"    os.execv({sleep!r}, [{marker!r}, '60'])\n"
+        "print('left')\n"
+    )
+
+    def strays() -> list[int]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "create_time"]):
+            with contextlib.suppress(psutil.Error):
+                if any(marker in part for part in p.info["cmdline"] or ()):
+                    found.append(p.pid)
+        return found
+
+    limits = SandboxLimits(processes=8, call_memory_bytes=8 * SandboxLimits().memory_bytes)
+    for mode in sorted({"limits", isolation()}):
+        assert PythonSandbox(limits, mode).run(program) == "left\n"
+        deadline = time.monotonic() + 10
+        while strays() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert strays() == [], mode
 
 
 def test_a_program_cannot_write_its_own_status_or_reach_the_server():
@@ -565,6 +632,86 @@ def test_without_a_memory_cgroup_a_programs_processes_fit_the_calls_bound_one_by
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     for mode, (bounded, held_error, alone) in json.loads(done.stdout).items():
         assert not bounded and held_error is not None and alone == "42\n", (mode, done.stdout)
+
+
+STRAY_PROBE = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from plexrl_dask.tools import PythonSandbox, SandboxLimits
+marker, program = sys.argv[2], sys.stdin.read()
+try:
+    PythonSandbox(SandboxLimits(wall_s=2), "limits").run(program)
+except Exception as e:  # (its wall clock ends the call)
+    print(type(e).__name__, file=sys.stderr)
+
+def strays():
+    found = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue  # (its own command line names the marker)
+        try:
+            found += marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            pass
+    return found
+
+deadline = time.monotonic() + 10
+while strays() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(strays())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the sandbox as another user: needs root")
+def test_what_a_program_of_an_unprivileged_server_leaves_ends_with_its_call():
+    """With limits alone and no root (no uid of its own to kill, no PID namespace, and no
+    room to fork under the uid's process cap), a program that made itself a session of its
+    own, out of the jail's process group, ends with the call all the same."""
+    import plexrl_dask
+
+    setpriv, sleep = shutil.which("setpriv"), shutil.which("sleep")
+    if setpriv is None or sleep is None:
+        pytest.skip("no setpriv to run as another user")
+    repo = Path(plexrl_dask.__file__).resolve().parents[1]
+    marker = f"plexrl-stray-{uuid.uuid4().hex}"
+    program = f"import os\nos.setsid()\nos.execv({sleep!r}, [{marker!r}, '60'])\n"
+    folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))
+    folder.chmod(0o755)
+    probe = folder / "probe.py"
+    probe.write_text(STRAY_PROBE)
+    probe.chmod(0o644)
+    try:
+        nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+        done = subprocess.run(
+            [*nobody, sys.executable, str(probe), str(repo), marker],
+            input=program.encode(),
+            capture_output=True,
+            cwd="/",
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        subprocess.run(["pkill", "-f", marker], check=False)
+    if done.returncode != 0 and b"Permission denied" in done.stderr:
+        pytest.skip("this checkout is not readable by an unprivileged user")
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().strip() == "0"
+
+
+def test_a_call_short_of_descriptors_is_refused_typed_and_keeps_none(monkeypatch):
+    from plexrl_dask.tools import sandbox as sandbox_module
+
+    box = PythonSandbox(FAST, "limits")
+    assert box.run("print(1)") == "1\n"  # (its server is up)
+
+    def none_left(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(sandbox_module.socket, "socketpair", none_left)
+    with pytest.raises(errors.ToolError, match="no descriptors"):
+        box.run("print(2)")
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_bad_limits_and_modes_are_typed():

@@ -34,13 +34,15 @@ temperature's distribution and of the decode's arithmetic, not the training forw
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from plexrl_dask.config import request_timeout
 from plexrl_dask.driver.deployment import Deployment
 from plexrl_dask.driver.waits import result
-from plexrl_dask.errors import InvalidToolCall
+from plexrl_dask.errors import InvalidToolCall, JobStopped, SequenceTooLong
 from plexrl_dask.shared.types import Chat, Datum, SamplingParams, TurnPrompt
 from plexrl_dask.tasks.base import Problem
 from plexrl_dask.tools.calls import (
@@ -156,6 +158,16 @@ def turn_calls(
     return calls, failed
 
 
+#: Seconds one turn's tool calls may take, together.
+TOOL_TIMEOUT_S = 30.0
+
+
+def episodes_timeout(max_turns: int) -> float:
+    """The most :func:`run_episodes` waits, all its turns together (a sample and its tools
+    each, with a little room for the driver's own work)."""
+    return max_turns * (request_timeout() + TOOL_TIMEOUT_S + 5.0)
+
+
 def run_episodes(
     sampler: Deployment,
     pool: ToolPool,
@@ -164,10 +176,14 @@ def run_episodes(
     group_size: int,
     max_turns: int,
     observation_limit: int,
-    tool_timeout_s: float = 30.0,
+    tool_timeout_s: float = TOOL_TIMEOUT_S,
+    stop: threading.Event | None = None,
 ) -> EpisodeBatch:
     """The step's episodes (see the module docstring): ``params`` is the step's sampling
-    (its ``n`` is replaced by 1, its stops extended by the tools' closing tags)."""
+    (its ``n`` is replaced by 1, its stops extended by the tools' closing tags). ``stop``:
+    once set, no further turn starts (:class:`JobStopped`). Each turn waits at most a
+    request timeout for its sample and ``tool_timeout_s`` for its tools: the whole, at most
+    :func:`episodes_timeout`."""
     tools = check_tools(pool.tools)
     prompts = [
         tuple(sampler.tokenize(p.prompt)) if isinstance(p.prompt, (str, Chat)) else tuple(p.prompt)
@@ -183,7 +199,16 @@ def run_episodes(
     stops = (*params.stop, *stop_strings(tools))
     waited = 0.0
     room = sampler.info.max_positions or None
+    if room is not None:  # (the first turn must fit, as a single-turn prompt must)
+        for p, prompt in zip(problems, prompts, strict=True):
+            if len(prompt) + params.max_tokens > room:
+                raise SequenceTooLong(
+                    f"a prompt of {len(prompt)} tokens and max_tokens {params.max_tokens} are "
+                    f"past the model's {room} positions ({str(p.prompt)[:60]!r}...)"
+                )
     for t in range(max_turns):
+        if stop is not None and stop.is_set():
+            raise JobStopped("the job stopped: no further turn of its episodes starts")
         # (a conversation with no room for another whole turn ends with the turn it has)
         live = [c for c in live if room is None or len(convs[c]) + params.max_tokens <= room]
         if not live:

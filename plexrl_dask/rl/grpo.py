@@ -85,7 +85,7 @@ from plexrl_dask.errors import (
     RequestTimeout,
     SchedulerLost,
 )
-from plexrl_dask.rl.episodes import EpisodeBatch, run_episodes
+from plexrl_dask.rl.episodes import EpisodeBatch, episodes_timeout, run_episodes
 from plexrl_dask.rl.job_checkpoint import JobCheckpoints
 from plexrl_dask.rl.objective import GRPOConfig
 from plexrl_dask.rl.recovery import JobSaver, PlacementFollower
@@ -200,6 +200,7 @@ class GRPOJob:
         self.tool_calls = 0
         self.tool_seconds: list[float] = []
         self._stop = threading.Event()
+        self._episodes_stop = threading.Event()  # (set: an agentic rollout starts no turn)
         self._header = {
             "job": name, "config": asdict(config), "task": describe_task(task), "policy": policy.name
         }  # fmt: skip
@@ -227,9 +228,11 @@ class GRPOJob:
             return
         self._tools = ToolPool(self.runtime.client, self.task.tools, job=self.runtime.job)
         self._episodes = ThreadPoolExecutor(1, thread_name_prefix=f"plexrl-episodes-{self.name}")
+        self._episodes_stop.clear()
         try:
             yield
         finally:
+            self._episodes_stop.set()  # (a rollout still running ends after its turn)
             self._episodes.shutdown(wait=True, cancel_futures=True)
             self._tools.close()
 
@@ -291,8 +294,14 @@ class GRPOJob:
                 c.group_size,
                 task.max_turns,
                 task.observation_limit,
+                stop=self._episodes_stop,
             )
         return self._sampler().sample([p.prompt for p in self._problems(step)], params)
+
+    def _samples_timeout(self) -> float | None:
+        """How long a step waits for its samples: a request timeout (None), or for an agentic
+        step's episodes, whose turns each have one, :func:`episodes_timeout`."""
+        return episodes_timeout(self.task.max_turns) if is_agentic(self.task) else None
 
     def _train(self, step: int, data: list[Datum], old: Any = None) -> list[Any]:
         """Submit step ``step``'s training; returns its futures. ``old``: a future of the
@@ -523,13 +532,14 @@ class GRPOJob:
         version these samples were drawn with."""
         c = self.config
         ahead = c.staleness == 1
+        wait = self._samples_timeout()
         if self.rollout is None:  # colocated: the policy samples with its current weights
-            out = result(pending)
+            out = result(pending, wait)
             sampled_with = self.records[-1].version if self.records else self.start_version
         elif isinstance(pending_version, int):
-            out, sampled_with = result(pending), pending_version
+            out, sampled_with = result(pending, wait), pending_version
         else:  # (the samples and the sync that preceded them: one wait)
-            out, synced = result([pending, pending_version])
+            out, synced = result([pending, pending_version], wait)
             sampled_with = int(synced)
         # (nothing of the job is in flight here; the question was asked ahead)
         self.follow_placement()

@@ -209,6 +209,9 @@ def call(
     os.closerange(status + 1, 1 << 16)
     os.setsid()
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (no call outlives its server)
+    # (what the program leaves in a group or session of its own, past the jail's group kill,
+    # comes back here when orphaned, and is ended with the call: _end_strays)
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for key in INTEGERS:
         limits[key] = int(limits[key])
     group, killed = None, False
@@ -228,6 +231,7 @@ def call(
             _enter_namespaces(limits["user_namespace"])
         jail = _fork_into(run_jail, limits, code, own_mounts, None if group is None else group[0])
         code_of = _wait(jail, status)
+        _end_strays()
         if not limits["private_mounts"] and limits["uid"] is not None and os.geteuid() == 0:
             # (no PID namespace to end with the jail: what the program started and left in a
             # session of its own would keep the uid the next call may get)
@@ -250,6 +254,40 @@ def call(
         _linger(status)
     finally:
         os._exit(0)
+
+
+def _end_strays() -> None:
+    """Kill what the call's program left running of its own, once the jail has ended: a
+    process that made itself a group or session of its own escaped the jail's group kill
+    (no PID namespace to end with the jail, in "limits" mode); orphaned, it came back to this
+    call process, their subreaper. Each round kills the children there are; theirs come back
+    for the next."""
+    for _ in range(64):
+        strays = _children()
+        if not strays:
+            return
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in strays:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _children() -> list[int]:
+    """This process's children (from ``/proc``: their parent pid)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # (it ended meanwhile)
+        if parent == me:
+            found.append(int(entry))
+    return found
 
 
 def _linger(status: int) -> None:
@@ -355,6 +393,12 @@ def run_jail(limits: dict, code: bytes, own_mounts: int | None, group: str | Non
         for target in ("/tmp", "/var/tmp", "/dev/shm"):
             if os.path.isdir(target):
                 mount(b"none", target, b"tmpfs", 0, f"size={limits['file_bytes'] * 4},mode=1777")
+        # The machine's sockets live under /run (a user's bus and systemd, docker's): a
+        # read-only mount does not stop a connect(), an empty one over it does.
+        flags = _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+        for target in ("/run", "/var/run"):
+            if os.path.isdir(target) and not os.path.islink(target):
+                mount(b"none", target, b"tmpfs", flags, "size=64k,mode=0755")
         mount(b"proc", "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "")
     base = "/tmp" if limits["private_mounts"] else limits["workdir"]
     work = os.path.join(base, "work")
@@ -405,6 +449,8 @@ def confine(limits: dict, root: bool, uid: int) -> None:
     if os.geteuid() == 0:  # (root of the call's user namespace: the caller is not root)
         drop_capabilities()
     _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # (nothing it executes gains privileges)
+    # (last: a change of uid clears it) the program ends with its jail, wherever it went
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.environ.clear()
 
 

@@ -28,6 +28,7 @@ import functools
 import logging
 import queue
 import re
+import string
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -109,18 +110,30 @@ def check_tools(tools: Mapping[str, Tool]) -> dict[str, Tool]:
     return out
 
 
+#: What may follow a turn's closing tag in the token that completed it (a tokenizer with
+#: tokens such as ``">\n"`` or ``">."``): whitespace and punctuation, this many at most.
+_TAIL = 8
+_TAIL_CHARS = "".join(c for c in string.whitespace + string.punctuation if c != "<")
+
+
 def parse_call(turn: str, tools: Mapping[str, Tool]) -> ToolCall | None:
-    """The call a turn's text ends with; None if it ends with none (an answer).
+    """The call a turn's text ends with; None if it ends with none (an answer). A turn stops
+    at the token that completes a closing tag, so that token's rest may follow the tag (up
+    to :data:`_TAIL` whitespace or punctuation characters): still the call.
     :class:`~plexrl_dask.errors.InvalidToolCall` for a turn that ends with a known closing tag
     but whose call does not parse (no opening tag after the last observation)."""
+    tail = len(turn) - len(turn.rstrip(_TAIL_CHARS))
     for name in tools:
         close = f"</{name}>"
-        if turn.endswith(close):
-            open_ = f"<{name}>"
-            start = turn.rfind(open_, 0, len(turn) - len(close))
-            if start < 0:
-                raise InvalidToolCall(f"{close} without {open_}")
-            return ToolCall(name, turn[start + len(open_) : len(turn) - len(close)])
+        end = turn.rfind(close, max(0, len(turn) - len(close) - min(tail, _TAIL)))
+        if end < 0 or turn[end + len(close) :].strip(_TAIL_CHARS):
+            continue
+        body = turn[:end]
+        open_ = f"<{name}>"
+        start = body.rfind(open_)
+        if start < 0:
+            raise InvalidToolCall(f"{close} without {open_}")
+        return ToolCall(name, body[start + len(open_) :])
     return None
 
 

@@ -64,6 +64,7 @@ import fcntl
 import functools
 import json
 import logging
+import math
 import os
 import select
 import shutil
@@ -114,20 +115,34 @@ class SandboxLimits:
                 raise ConfigError(f"sandbox limit {name} must be a number > 0, got {value!r}")
 
 
-@functools.cache
+#: Seconds before a failed probe of the namespaced sandbox is tried again.
+PROBE_RETRY_S = 60.0
+_probe: dict[str, float | bool] = {"ok": False, "failed_at": -math.inf}
+
+
 def isolation() -> str:
-    """``"namespaces"`` where a program runs in the namespaced sandbox here (checked once, by
+    """``"namespaces"`` where a program runs in the namespaced sandbox here (checked by
     running one: a call must be able to make network, mount and PID namespaces, as root or
     in the user namespace ``unshare --user`` gives its server, and the unprivileged user must
-    be able to run the interpreter), else ``"limits"``."""
+    be able to run the interpreter), else ``"limits"``. A success holds for the process; a
+    failure is tried again after :data:`PROBE_RETRY_S` (a probe that timed out under load, or
+    found every uid slot busy, must not leave the process without namespaces for good)."""
     if not sys.platform.startswith("linux"):
         return "limits"
     if os.geteuid() != 0 and shutil.which("unshare") is None:
+        return "limits"
+    if _probe["ok"]:
+        return "namespaces"
+    if time.monotonic() - float(_probe["failed_at"]) < PROBE_RETRY_S:
         return "limits"
     try:
         ok = PythonSandbox(mode="namespaces").run("print(6 * 7)") == "42\n"
     except (OSError, ToolError):
         ok = False
+    if ok:
+        _probe["ok"] = True
+    else:
+        _probe["failed_at"] = time.monotonic()
     return "namespaces" if ok else "limits"
 
 
@@ -159,8 +174,9 @@ def chosen_isolation() -> str:
 def _warn_limits_only() -> None:
     logger.warning(
         "the Python sandbox runs programs with limits alone here: no namespaces (not root, "
-        "and no user namespaces), so a program may use the network and write wherever its "
-        "user may. Set plexrl.tools.sandbox-isolation to 'namespaces' to refuse, or to "
+        "and no user namespaces), so a program may use the network, write wherever its "
+        "user may and, run as the caller's user (not root), signal the caller's other "
+        "processes. Set plexrl.tools.sandbox-isolation to 'namespaces' to refuse, or to "
         "'limits' to say this is meant"
     )
 
@@ -445,11 +461,16 @@ def servers_cpu_seconds() -> float:
 
 def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) -> str:
     """Run one call on ``server``: the program's output, or the typed error of its end."""
+    made: list[int] = []
     try:
-        (in_r, in_w), (out_r, out_w), (err_r, err_w) = (os.pipe() for _ in range(3))
+        for _ in range(3):
+            made.extend(os.pipe())
         status, theirs = socket.socketpair()
     except OSError as e:
+        for f in made:  # (a worker short of descriptors must not lose more on every call)
+            os.close(f)
         raise ToolError(f"no descriptors left for a sandbox call: {e}") from e
+    in_r, in_w, out_r, out_w, err_r, err_w = made
     mine = [in_w, out_r, err_r]  # (closed here, unless handed on)
     proc, returncode = None, None
     try:
