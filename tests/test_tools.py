@@ -935,3 +935,31 @@ def test_a_turn_of_calls_splits_into_strided_shares():
     assert [list(s) for s in _shares(5, 2)] == [[0, 2, 4], [1, 3]]
     assert _shares(3, 16) == [range(0, 3, 3), range(1, 3, 3), range(2, 3, 3)]
     assert _shares(0, 4) == []
+
+
+def test_a_workers_tool_threads_serve_the_jobs_in_turn():
+    """One job's many calls queued first do not hold back another job's: the jobs with calls
+    waiting take turns, a call each, each job's in the order they came."""
+    from plexrl_dask.tools.calls import CallThreads
+
+    threads = CallThreads(1)
+    gate, order = threading.Event(), []
+
+    def call(name):
+        def run():
+            if name == "a1":
+                gate.wait(10)
+            order.append(name)
+            return ToolResult(name)
+
+        return run
+
+    first = threads.submit(call("a1"), "a")
+    while first.started is None:
+        time.sleep(0.01)
+    calls = [threads.submit(call(f"a{i}"), "a") for i in range(2, 6)]
+    calls.append(threads.submit(call("b1"), "b"))
+    gate.set()
+    outputs = [threads.result(c, None, "here").output for c in [first, *calls]]
+    assert outputs == ["a1", "a2", "a3", "a4", "a5", "b1"]  # (each its own result)
+    assert order == ["a1", "a2", "b1", "a3", "a4", "a5"]

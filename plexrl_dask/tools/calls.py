@@ -23,10 +23,10 @@ the samples of a group often make the same call, and each gets that one run's re
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import functools
 import logging
-import queue
 import re
 import string
 import threading
@@ -166,15 +166,18 @@ def run_calls(
     tools: Mapping[str, Tool],
     at_once: bool = False,
     give_up_s: float | None = None,
+    job: str = "",
 ) -> list[ToolResult]:
     """:func:`run_call` for each of ``calls`` here, results in order: what one task on a tool
     worker runs (:class:`~plexrl_dask.tools.pool.ToolPool` sends a turn's calls to a tool
     worker as one task). One after another; with ``at_once``, on this process's
     :class:`CallThreads` (as many as the worker has threads), which every such task shares:
     however many turns' tasks run here, no more calls run at once than the worker has
-    threads, and they start in the order they came. ``give_up_s`` (with ``at_once``): a call
-    still running that long after it started is given up on, a ``ToolLimitExceeded`` result,
-    and its thread replaced; the time a call waits for a thread does not count."""
+    threads, and they start in turn by ``job`` (the calls' job: one job's many calls do not
+    hold back another's), in the order they came within one. ``give_up_s`` (with
+    ``at_once``): a call still running that long after it started is given up on, a
+    ``ToolLimitExceeded`` result, and its thread replaced; the time a call waits for a thread
+    does not count."""
     if not at_once:
         return [run_call(c, tools) for c in calls]
     try:
@@ -185,7 +188,7 @@ def run_calls(
     pool = call_threads(threads)
     # (each call in a copy of this task's context: a tool may ask ``get_worker()``)
     running = [
-        pool.submit(functools.partial(contextvars.copy_context().run, run_call, c, tools))
+        pool.submit(functools.partial(contextvars.copy_context().run, run_call, c, tools), job)
         for c in calls
     ]
     return [pool.result(r, give_up_s, where) for r in running]
@@ -205,22 +208,39 @@ class _Call:
 
 class CallThreads:
     """Daemon threads (as a Dask worker's own: a call stuck in a tool does not keep the
-    process from exiting) that run tool calls first come, first served, ``threads`` at
-    once. A call given up on keeps its thread until it returns, and a new thread takes its
-    place, so calls stuck in a tool do not use up the pool."""
+    process from exiting) that run tool calls ``threads`` at once, the jobs with calls
+    waiting in turn, one call each (a job's turn of 512 calls at their time limit delays
+    another job's call by one call per job, not by all of them), each job's in the order
+    they came. A call given up on keeps its thread until it returns, and a new thread takes
+    its place, so calls stuck in a tool do not use up the pool."""
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
-        self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._ready = threading.Condition()
+        self._queues: dict[str, collections.deque[_Call]] = {}
+        self._turns: collections.deque[str] = collections.deque()  # jobs with calls waiting
         for _ in range(self.threads):
             self._start()
+
+    def _next(self) -> _Call:
+        with self._ready:
+            while not self._turns:
+                self._ready.wait()
+            job = self._turns.popleft()
+            waiting = self._queues[job]
+            call = waiting.popleft()
+            if waiting:
+                self._turns.append(job)  # (its next call after the other jobs' next)
+            else:
+                del self._queues[job]
+            return call
 
     def _start(self) -> None:
         threading.Thread(target=self._serve, name="plexrl-tool-call", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
-            call = self._queue.get()
+            call = self._next()
             call.started = time.monotonic()
             try:
                 result = call.fn()
@@ -232,9 +252,15 @@ class CallThreads:
             if given_up:
                 return  # (another thread has taken its place)
 
-    def submit(self, fn: Callable[[], ToolResult]) -> _Call:
+    def submit(self, fn: Callable[[], ToolResult], job: str = "") -> _Call:
         call = _Call(fn)
-        self._queue.put(call)
+        with self._ready:
+            waiting = self._queues.get(job)
+            if waiting is None:
+                waiting = self._queues[job] = collections.deque()
+                self._turns.append(job)
+            waiting.append(call)
+            self._ready.notify()
         return call
 
     def result(self, call: _Call, give_up_s: float | None, where: str) -> ToolResult:

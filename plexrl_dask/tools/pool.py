@@ -163,6 +163,7 @@ class ToolPool:
                         self.tools,
                         True,
                         timeout_s + CALL_MARGIN_S,
+                        self.job,
                         key=f"plexrl-tool-{tool}-{uuid.uuid4().hex}",  # (its first call's tool)
                         workers=workers,
                         allow_other_workers=False,
