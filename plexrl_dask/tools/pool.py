@@ -6,8 +6,9 @@ so a program never runs beside a model replica and the PlexRL scheduler plugin, 
 only annotated requests, never sees them. ``local_cluster(tool_workers=n)`` starts such
 workers. A turn's calls go out as one task per tool worker, each with every n-th call
 (:func:`_shares`), which runs them as many at once as its worker has threads, on threads that
-every such task there shares (:func:`~plexrl_dask.tools.calls.run_calls`): a worker's
-threads stay busy until its share is done, and a turn costs one task's round through the
+every such task there shares, the jobs with calls waiting in turn
+(:func:`~plexrl_dask.tools.calls.run_calls`): a worker's threads stay busy until its share is
+done, and a turn costs one task's round through the
 scheduler and one fetch per tool worker, where a call may take microseconds (the calculator)
 and a task's round milliseconds of the scheduler's, the driver's and the worker's CPU, which
 the tools and the model workers need. The tool workers are asked of the scheduler at most
