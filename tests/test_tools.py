@@ -543,46 +543,60 @@ def test_without_root_no_program_reaches_the_server_or_another_call():
     memory nor another call's processes' there."""
     import plexrl_dask
 
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("no setpriv to run as another user")
     repo = Path(plexrl_dask.__file__).resolve().parents[1]
-    folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))  # (pytest's is root's alone)
-    folder.chmod(0o755)
-    probe = folder / "probe.py"
-    probe.write_text(NOT_ROOT_PROBE)
-    probe.chmod(0o644)
     owned = Path(tempfile.mkdtemp(prefix=".plexrl-test-", dir=repo))  # (not under /tmp)
     os.chown(owned, 65534, 65534)
     try:
-        _run_as_nobody(setpriv, probe, str(repo), owned)
+        escape = ESCAPE.replace("OWNED", repr(str(owned)))
+        no_userns = "user namespaces are not available to an unprivileged user here"
+        out = probe_as_nobody(NOT_ROOT_PROBE, stdin=escape, skips={3: no_userns})
         assert list(owned.iterdir()) == []
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(owned, ignore_errors=True)
-
-
-def _run_as_nobody(setpriv: str, probe: Path, repo: str, owned: Path) -> None:
-    nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-    done = subprocess.run(
-        [*nobody, sys.executable, str(probe), repo],
-        input=ESCAPE.replace("OWNED", repr(str(owned))).encode(),
-        capture_output=True,
-        cwd="/",
-        timeout=60,
-    )
-    if done.returncode == 3:
-        pytest.skip("user namespaces are not available to an unprivileged user here")
-    if done.returncode != 0 and b"Permission denied" in done.stderr:
-        pytest.skip("this checkout is not readable by an unprivileged user")
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    out = done.stdout.decode()
     assert "WROTE" not in out and "REMOUNTED" not in out
     if out == "COVERED\n":
         return  # (it cannot uncover the machine's /proc: nothing to reach there)
     assert "LEAK" not in out
     seen, denied = map(int, out.split())
     assert seen >= 4 and denied == seen  # (the server, and the other call's three processes)
+
+
+def probe_as_nobody(
+    probe: str, *args: str, stdin: str = "", skips: dict[int, str] | None = None
+) -> str:
+    """Run the script ``probe`` (its first argument this checkout, then ``args``) as the
+    unprivileged user ``nobody``, ``stdin`` its input; its standard output. Skipped where
+    there is no ``setpriv``, ``nobody`` cannot read the checkout, or the probe exits with a
+    code of ``skips`` (its reason). The script lives in a directory ``nobody`` may read
+    (pytest's are root's alone)."""
+    import plexrl_dask
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv to run as another user")
+    repo = Path(plexrl_dask.__file__).resolve().parents[1]
+    folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))
+    folder.chmod(0o755)
+    script = folder / "probe.py"
+    script.write_text(probe)
+    script.chmod(0o644)
+    try:
+        nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+        done = subprocess.run(
+            [*nobody, sys.executable, str(script), str(repo), *args],
+            input=stdin.encode(),
+            capture_output=True,
+            cwd="/",
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if done.returncode in (skips or {}):
+        pytest.skip((skips or {})[done.returncode])
+    if done.returncode != 0 and b"Permission denied" in done.stderr:
+        pytest.skip("this checkout is not readable by an unprivileged user")
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    return done.stdout.decode()
 
 
 UNBOUNDED_PROBE = """
@@ -605,33 +619,9 @@ def test_without_a_memory_cgroup_a_programs_processes_fit_the_calls_bound_one_by
     """A server that is not root makes no memory cgroups: there a program may have only as
     many processes as fit the call's bound at the per-process limit (2 of 512 MiB in 1 GiB),
     so three that would hold 300 MiB each at once cannot all run; one process runs as ever."""
-    import plexrl_dask
-
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("no setpriv to run as another user")
-    repo = Path(plexrl_dask.__file__).resolve().parents[1]
-    folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))
-    folder.chmod(0o755)
-    probe = folder / "probe.py"
-    probe.write_text(UNBOUNDED_PROBE)
-    probe.chmod(0o644)
-    try:
-        nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-        done = subprocess.run(
-            [*nobody, sys.executable, str(probe), str(repo)],
-            input=hold_at_once(3, 300).encode(),
-            capture_output=True,
-            cwd="/",
-            timeout=120,
-        )
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    if done.returncode != 0 and b"Permission denied" in done.stderr:
-        pytest.skip("this checkout is not readable by an unprivileged user")
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    for mode, (bounded, held_error, alone) in json.loads(done.stdout).items():
-        assert not bounded and held_error is not None and alone == "42\n", (mode, done.stdout)
+    out = probe_as_nobody(UNBOUNDED_PROBE, stdin=hold_at_once(3, 300))
+    for mode, (bounded, held_error, alone) in json.loads(out).items():
+        assert not bounded and held_error is not None and alone == "42\n", (mode, out)
 
 
 STRAY_PROBE = """
@@ -667,35 +657,14 @@ def test_what_a_program_of_an_unprivileged_server_leaves_ends_with_its_call():
     """With limits alone and no root (no uid of its own to kill, no PID namespace, and no
     room to fork under the uid's process cap), a program that made itself a session of its
     own, out of the jail's process group, ends with the call all the same."""
-    import plexrl_dask
-
-    setpriv, sleep = shutil.which("setpriv"), shutil.which("sleep")
-    if setpriv is None or sleep is None:
-        pytest.skip("no setpriv to run as another user")
-    repo = Path(plexrl_dask.__file__).resolve().parents[1]
+    sleep = shutil.which("sleep")
+    assert sleep is not None
     marker = f"plexrl-stray-{uuid.uuid4().hex}"
     program = f"import os\nos.setsid()\nos.execv({sleep!r}, [{marker!r}, '60'])\n"
-    folder = Path(tempfile.mkdtemp(prefix="plexrl-test-"))
-    folder.chmod(0o755)
-    probe = folder / "probe.py"
-    probe.write_text(STRAY_PROBE)
-    probe.chmod(0o644)
     try:
-        nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-        done = subprocess.run(
-            [*nobody, sys.executable, str(probe), str(repo), marker],
-            input=program.encode(),
-            capture_output=True,
-            cwd="/",
-            timeout=120,
-        )
+        assert probe_as_nobody(STRAY_PROBE, marker, stdin=program).strip() == "0"
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
         subprocess.run(["pkill", "-f", marker], check=False)
-    if done.returncode != 0 and b"Permission denied" in done.stderr:
-        pytest.skip("this checkout is not readable by an unprivileged user")
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert done.stdout.decode().strip() == "0"
 
 
 def test_a_call_short_of_descriptors_is_refused_typed_and_keeps_none(monkeypatch):
