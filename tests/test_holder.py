@@ -460,3 +460,18 @@ def test_a_holder_short_of_room_shrinks_a_prefix_cache_before_it_offloads_a_repl
     assert resident(tight) == {"a": True, "b": True} and status["counters"]["offloads"] == 0
     assert status["resident_bytes"] <= budget
     assert 0 < status["replicas"]["a"]["prefix_cache"]["bytes"] <= cached // 2
+
+
+def test_room_for_a_growing_replica_offloads_others_or_says_it_does_not_fit():
+    """What an adapter loaded into a bank asks of its holder: room beside the replica it
+    grows, made by offloading the others; False where even that is not enough."""
+    holder, _ = make_holder(int(TRAIN_BYTES * 2.5))
+    a, b = make_info("a", seed=1), make_info("b", seed=2)
+    fb(holder, a)
+    fb(holder, b)
+    assert resident(holder) == {"a": True, "b": True}
+    used = sum(r["bytes"] for r in holder.status()["replicas"].values() if r["resident"])
+    assert holder.room_for(holder.budget_bytes - used + 1, keep="b")  # (a must go)
+    assert resident(holder) == {"a": False, "b": True}
+    assert not holder.room_for(TRAIN_BYTES * 3, keep="b")
+    assert resident(holder)["b"]

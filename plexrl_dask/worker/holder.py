@@ -513,6 +513,12 @@ class ReplicaHolder:
             r.backend.state_bytes() for r in list(self._replicas.values()) if r.backend.resident
         )
 
+    def room_for(self, incoming: int, keep: str) -> bool:
+        """Make room for ``incoming`` more bytes of ``keep``'s replica (a request that grows
+        it: an adapter loaded into a bank), offloading others as :meth:`_make_room` does;
+        whether they fit now."""
+        return self._make_room(incoming, keep)
+
     def _make_room(self, incoming: int, keep: str) -> bool:
         """Make ``incoming`` more bytes fit in the budget besides the reloads in flight: first
         shrink the prefix caches of resident replicas other than the one whose request runs

@@ -36,6 +36,7 @@ from plexrl_dask import worker as engine
 from plexrl_dask.errors import (
     AdapterNotFound,
     CheckpointError,
+    DeploymentDoesNotFit,
     InvalidModelSpec,
     InvalidRecipe,
     NoPlexRLWorkers,
@@ -221,6 +222,15 @@ def load_adapter(
         source = engine.stores.readable_source(deployment, saved, None, None, "load_adapter")
         if isinstance(source, str):
             raise CheckpointError("an adapter is loaded from a store checkpoint, not DCP")
+        # The bank grows by the adapter: room is made for it first, as for a replica loaded
+        # (other replicas offloaded); where none can be, it is refused, the bank unchanged.
+        _, holder = _worker_and_holder()
+        adding = lora.adapter_bytes("rollout")
+        if not holder.room_for(adding, keep=deployment):
+            raise DeploymentDoesNotFit(
+                f"adapter {key!r} ({adding} bytes) does not fit beside the bank {deployment!r} "
+                f"in its worker's budget of {holder.budget_bytes} bytes: drop an adapter first"
+            )
         return bank, lora, source
 
     def call(backend: Any) -> int:
