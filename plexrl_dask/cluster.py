@@ -40,6 +40,8 @@ PRELOAD = "plexrl_dask.plugins"
 GPU_NANNY = "plexrl_dask.gpu_nanny"
 TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRIM_ENV_KEY = f"distributed.nanny.pre-spawn-environ.{TRIM_ENV}"
+#: The environment variable that sets that key in a worker's config ("None": no threshold).
+TRIM_CONFIG_ENV = f"DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__{TRIM_ENV}"
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 #: The cores a worker process binds its threads to (a list such as ``"3"`` or ``"4-7,12"``),
 #: read by the worker plugin (:func:`plexrl_dask.worker.device.bind_cpus`); any launcher may
@@ -497,7 +499,7 @@ class JournaledCluster:
             "DASK_PLEXRL__SCHEDULER__JOURNAL": str(directory / "journal.sqlite"),
             "DASK_PLEXRL__STATE__DRAM_PATH": self.tiers["dram-path"],
             "DASK_PLEXRL__STATE__NVME_PATH": self.tiers["nvme-path"],
-            "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_": "",
+            TRIM_CONFIG_ENV: "",
         }
         dask_exe = str(Path(sys.executable).parent / "dask")
         self.argv = (

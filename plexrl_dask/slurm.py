@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dask
 from distributed import Client
 
 from plexrl_dask import config, protocol
-from plexrl_dask.cluster import GPU_NANNY, PRELOAD, worker_info
+from plexrl_dask.cluster import GPU_NANNY, PRELOAD, TRIM_CONFIG_ENV, worker_info
 from plexrl_dask.errors import (
     BatchJobRefused,
     ConfigError,
@@ -65,7 +66,9 @@ def jobqueue_options(rollout_backend: str = "torch", gpus_per_job: int = 1) -> d
     if rollout_backend not in BACKEND_NAMES:
         raise ConfigError(f"rollout_backend is one of {BACKEND_NAMES}, got {rollout_backend!r}")
     config.count("gpus_per_job", gpus_per_job)
-    prologue = []
+    # (Dask's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold: training ran
+    # 1.2-2x slower under it; None drops it from the worker's environment)
+    prologue = [f"export {TRIM_CONFIG_ENV}=None"]
     if rollout_backend == "vllm":
         prologue.append("export DASK_DISTRIBUTED__WORKER__DAEMON=False")
     worker_args = ["--resources", f"{config.get('worker.gpu-resource')}=1"]
@@ -106,10 +109,16 @@ def slurm_cluster(
     options = jobqueue_options(rollout_backend, gpus_per_job)
     if gpus % gpus_per_job:
         raise ConfigError(f"gpus ({gpus}) must be a multiple of gpus_per_job ({gpus_per_job})")
-    site.setdefault("job_extra_directives", [f"--gres=gpu:{gpus_per_job}"])
+    # What the site gave, as an argument or in its jobqueue config (dask-jobqueue reads its
+    # config only for an argument left out, and these are never left out here).
+    given = {key: _site_setting(site, key) for key in _SITE_KEYS}
+    directives = list(given["job_extra_directives"] or [])
+    if not any(str(d).startswith("--gres") for d in directives):
+        directives.append(f"--gres=gpu:{gpus_per_job}")
+    site["job_extra_directives"] = directives
     for key in ("worker_extra_args", "job_script_prologue"):  # ours, then the site's
-        site[key] = [*options.pop(key), *site.get(key, [])]
-    scheduler = {**site.get("scheduler_options", {})}
+        site[key] = [*options.pop(key), *(given[key] or [])]
+    scheduler = {**(given["scheduler_options"] or {})}
     preloads = scheduler.get("preload", [])
     preloads = [preloads] if isinstance(preloads, str) else list(preloads)
     scheduler["preload"] = [PRELOAD, *(p for p in preloads if p != PRELOAD)]
@@ -123,6 +132,18 @@ def slurm_cluster(
         yield cluster
     finally:
         cluster.close()
+
+
+#: The ``SLURMCluster`` arguments slurm_cluster always passes, which dask-jobqueue then reads
+#: from its config (``jobqueue.slurm.<key>``) no more: slurm_cluster merges that in itself.
+_SITE_KEYS = ("job_extra_directives", "worker_extra_args", "job_script_prologue", "scheduler_options")
+
+
+def _site_setting(site: dict[str, Any], key: str) -> Any:
+    """``site``'s ``key``, else the site's dask-jobqueue config of it (None: neither)."""
+    if site.get(key) is not None:
+        return site[key]
+    return dask.config.get(f"jobqueue.slurm.{key.replace('_', '-')}", None)
 
 
 def _slurm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

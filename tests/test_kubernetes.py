@@ -89,6 +89,7 @@ def test_a_pod_per_gpu_and_a_pod_per_machine():
     assert env["DASK_PLEXRL__STATE__NVME_PATH"] == NVME_MOUNT
     assert env["DASK_PLEXRL__STATE__DRAM_PATH"].startswith("/dev/shm/")
     assert int(env["DASK_PLEXRL__STATE__DRAM_CAPACITY"]) == int(400 * 2**30 * 0.9)
+    assert env["DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_"] == "None"
     assert env["DASK_PLEXRL__REQUEST__TIMEOUT"] == "1200s"
     assert env_of(container(machine, "scheduler")) == {"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s"}
     mounts = {m["name"]: m["mountPath"] for m in w["volumeMounts"]}

@@ -8,6 +8,7 @@ per node) and are skipped with the reason where none answers: real jobs submitte
 
 from __future__ import annotations
 
+import dask
 import pytest
 from distributed import Client
 
@@ -36,6 +37,18 @@ def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
         assert not cluster.workers  # nothing submitted
     with plexrl.slurm_cluster(1, "vllm", submit=False, **site) as cluster:
         assert "export DASK_DISTRIBUTED__WORKER__DAEMON=False" in cluster.job_script()
+    # the site's dask-jobqueue config (its environment, its directives) is kept too, and the
+    # workers run without Dask's malloc trim threshold
+    jobqueue = {
+        "jobqueue.slurm.job-script-prologue": ["source /site/venv/bin/activate"],
+        "jobqueue.slurm.job-extra-directives": ["--qos=high"],
+        "jobqueue.slurm.worker-extra-args": ["--lifetime", "2h"],
+    }
+    with dask.config.set(jobqueue), plexrl.slurm_cluster(1, submit=False, **site) as cluster:
+        script = cluster.job_script()
+        assert "source /site/venv/bin/activate" in script and "#SBATCH --qos=high" in script
+        assert "#SBATCH --gres=gpu:1" in script and "--lifetime 2h" in script
+        assert "PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_=None" in script
     with pytest.raises(errors.ConfigError, match="rollout_backend"):
         jobqueue_options("tensorrt")
     with (
