@@ -29,6 +29,11 @@ are awaited with :func:`~plexrl_dask.driver.waits.settled`, which never cancels 
   each prompt with its adapter (:mod:`plexrl_dask.worker.backends.adapters`). A snapshot in
   the bank is a copy, so it never goes stale; a model keeps its newest one and
   ``plexrl.serve.kept-snapshots`` older ones there.
+
+:class:`Service` is this module's class and two base classes, each a part of the calls:
+:class:`~plexrl_dask.serve.sampling.SamplingSessions` (making, retiring and sampling the
+samplers) and :class:`~plexrl_dask.serve.saving.CheckpointCalls` (saving by name, exporting
+and deleting checkpoints).
 """
 
 from __future__ import annotations
@@ -64,14 +69,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.models.spec import LoraSpec, ModelSpec
 from plexrl_dask.serve import wire
-from plexrl_dask.serve.checkpoints import (
-    Checkpoint,
-    SavedCheckpoints,
-    expiry,
-    export_bytes,
-    remove_export,
-    write_export,
-)
+from plexrl_dask.serve.checkpoints import SavedCheckpoints
 from plexrl_dask.serve.coalesce import SampleMerger
 from plexrl_dask.serve.records import (
     JSON,
@@ -86,11 +84,11 @@ from plexrl_dask.serve.records import (
     json_reply,
 )
 from plexrl_dask.serve.sampling import SamplingSessions
+from plexrl_dask.serve.saving import CheckpointCalls
 from plexrl_dask.serve.snapshots import KeptSnapshots
 from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
 from plexrl_dask.shared.types import ForwardBackwardResult, ForwardResult
-from plexrl_dask.worker import ops
 from plexrl_dask.worker.losses import compute_loss
 
 logger = logging.getLogger(__name__)
@@ -99,7 +97,7 @@ logger = logging.getLogger(__name__)
 THREADS = 16
 
 
-class Service(SamplingSessions):
+class Service(SamplingSessions, CheckpointCalls):
     """The server's state and the translation of each Tinker call (see the module docstring).
     ``models``: base model name -> local checkpoint directory."""
 
@@ -368,7 +366,7 @@ class Service(SamplingSessions):
             return await self.ordered(
                 tenant,
                 model,
-                _seq(body),
+                wire.seq_id(body),
                 "load_weights",
                 lambda: model.deployment.load_state(checkpoint.saved, optimizer=optimizer),
                 lambda _: json_reply({"path": checkpoint.path, "type": "load_weights"}),
@@ -593,7 +591,7 @@ class Service(SamplingSessions):
 
     async def optim_step(self, tenant: Tenant, body: dict) -> str:
         model = self.model(tenant, str(body.get("model_id")))
-        seq_id = _seq(body)
+        seq_id = wire.seq_id(body)
         try:
             params = wire.adam(body.get("adam_params") or {})
         except PlexRLError:
@@ -613,7 +611,7 @@ class Service(SamplingSessions):
 
     async def save_weights_for_sampler(self, tenant: Tenant, body: dict) -> str:
         model = self.model(tenant, str(body.get("model_id")))
-        seq_id = _seq(body)
+        seq_id = wire.seq_id(body)
         name = body.get("path")
         if name is None:
             n = body.get("sampling_session_seq_id")
@@ -662,50 +660,6 @@ class Service(SamplingSessions):
                 raise
         return await self._save(tenant, model, seq_id, "sampler_weights", body)
 
-    async def save_weights(self, tenant: Tenant, body: dict) -> str:
-        model = self.model(tenant, str(body.get("model_id")))
-        return await self._save(tenant, model, _seq(body), "weights", body)
-
-    async def _save(
-        self, tenant: Tenant, model: TrainModel, seq_id: int, kind: str, body: dict
-    ) -> str:
-        """A named checkpoint (``body``'s ``path``, and ``ttl_seconds``: when it is deleted);
-        one saved again under its name replaces the first, whose stored version is dropped."""
-        try:
-            path = _checkpoint_path(model, kind, body.get("path"))
-            expires_at = expiry(body.get("ttl_seconds"))
-        except PlexRLError:
-            self.skip(model, seq_id)
-            raise
-        store_model = f"tinker-{tenant.name}-{uuid.uuid4().hex[:12]}"
-        try:
-            self._check_checkpoints(tenant, path)  # (early; again when it is kept)
-        except PlexRLError:
-            self.skip(model, seq_id)
-            raise
-
-        def reply(saved: dict) -> Reply:
-            replaced = self.saved.by_path.get(path)
-            try:
-                self._check_checkpoints(tenant, path)
-            except PlexRLError:
-                asyncio.ensure_future(self.drop_version(dict(saved)))  # (nothing is kept)
-                raise
-            self.saved.add(Checkpoint(path, tenant.name, model.base, dict(saved), model.lora,
-                                      expires_at=expires_at))  # fmt: skip
-            if replaced is not None:
-                asyncio.ensure_future(self._drop_stored(replaced))
-            return json_reply({"path": path})
-
-        return await self.ordered(
-            tenant,
-            model,
-            seq_id,
-            f"save_{kind}",
-            lambda: model.deployment.save_state(model=store_model),
-            reply,
-        )
-
     def _forget_old_runs(self, tenant: str) -> None:
         """Keep a tenant's newest :data:`RUNS_KEPT` training runs, and every run with a live
         model or a saved checkpoint: the runs are kept in the state file, which is written
@@ -719,84 +673,6 @@ class Service(SamplingSessions):
         for run_id in idle[: max(0, len(mine) - RUNS_KEPT)]:  # (oldest first: insertion order)
             del self.runs[run_id]
             self.state.delete("runs", run_id)
-
-    def _check_checkpoints(self, tenant: Tenant, path: str) -> None:
-        """:class:`TenantLimitExceeded` if a checkpoint saved at ``path`` would be one past
-        the tenant's ``checkpoints`` (one saved again under its name replaces the first)."""
-        if path in self.saved.by_path:
-            return
-        mine = sum(1 for c in self.saved.of_tenant(tenant.name) if not c.external)
-        if mine >= tenant.limits.checkpoints:
-            raise TenantLimitExceeded(
-                f"tenant {tenant.name!r} has {mine} saved checkpoints (limit "
-                f"{tenant.limits.checkpoints}); delete some, or save again under a name"
-            )
-
-    async def save_weights_external(self, tenant: Tenant, body: dict) -> str:
-        """Export the model's weights for other tools (:mod:`.checkpoints`): the weights
-        come to this server, which writes them under ``plexrl.serve.export-dir`` within the
-        tenant's ``export-bytes``; a second export of one name replaces the first."""
-        model = self.model(tenant, str(body.get("model_id")))
-        seq_id = _seq(body)
-        try:
-            path = _checkpoint_path(model, "external_weights", body.get("path"))
-            if body.get("age_encryption_recipients"):
-                raise UnsupportedCall(
-                    "encrypted exports (age_encryption_recipients) are not supported"
-                )
-            expires_at = expiry(body.get("ttl_seconds"))
-        except PlexRLError:
-            self.skip(model, seq_id)
-            raise
-
-        def submit() -> Checkpoint:
-            weights = result(model.deployment.get_weights())
-            replaced = self.saved.by_path.get(path)
-            used = self.saved.exported_bytes(tenant.name)
-            if replaced is not None:  # (replaced once this one is written)
-                used -= replaced.size_bytes or 0
-            if used + weights.nbytes() > tenant.limits.export_bytes:
-                raise TenantLimitExceeded(
-                    f"tenant {tenant.name!r}: exporting {weights.nbytes()} bytes would pass its "
-                    f"{tenant.limits.export_bytes} bytes of exports ({used} used); delete some"
-                )
-            directory = self.saved.export_dir_of(tenant.name)
-            base_dir = self.catalog[model.base].path
-            files = write_export(directory, weights.tensors, base_dir, model.lora)
-            saved = {"format": "external", "dir": str(directory), "files": files}
-            size = export_bytes(directory)
-            return Checkpoint(path, tenant.name, model.base, saved, model.lora, size_bytes=size,
-                              expires_at=expires_at)  # fmt: skip
-
-        def reply(checkpoint: Checkpoint) -> Reply:
-            replaced = self.saved.by_path.get(path)
-            self.saved.add(checkpoint)
-            if replaced is not None:
-                remove_export(replaced.saved["dir"])
-            body = {"path": path, "size_bytes": checkpoint.size_bytes}
-            return json_reply({**body, "type": "save_weights_external"})
-
-        return await self.ordered(tenant, model, seq_id, "save_weights_external", submit, reply)
-
-    async def delete(self, checkpoint: Checkpoint) -> None:
-        """Forget ``checkpoint`` and delete what it holds: an export's files, a stored
-        version on every node that has it (a sampler that loaded it keeps its weights)."""
-        self.saved.remove(checkpoint)
-        await self._drop_stored(checkpoint)
-
-    async def _drop_stored(self, checkpoint: Checkpoint) -> None:
-        """Drop ``checkpoint``'s version from every node's tiers (an export has none)."""
-        stored = checkpoint.saved
-        if not checkpoint.external and stored.get("path") is None and "model" in stored:
-            await self.drop_version(stored)
-
-    async def drop_version(self, stored: dict) -> None:
-        """Drop a ``save_state`` result's version from every node's tiers."""
-        await self.blocking(
-            lambda: self.client.run(
-                ops.drop_checkpoint, stored["model"], int(stored["version"]), on_error="return"
-            )
-        )
 
 
 #: A tenant's training runs kept without a live model or a saved checkpoint (the newest).
@@ -840,19 +716,6 @@ def _export_dir(state_file: str | os.PathLike[str] | None) -> str:
     if state_file is not None:
         return f"{os.fspath(state_file)}.exports"
     return tempfile.mkdtemp(prefix="plexrl-exports-")
-
-
-def _checkpoint_path(model: TrainModel, kind: str, name: Any) -> str:
-    if not isinstance(name, str) or not name or "/" in name:
-        raise InvalidTinkerRequest(f"a checkpoint name is a non-empty string without '/': {name!r}")
-    return f"tinker://{model.model_id}/{kind}/{name}"
-
-
-def _seq(body: dict) -> int:
-    seq_id = body.get("seq_id")
-    if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
-        raise InvalidTinkerRequest(f"seq_id is an integer >= 1, got {seq_id!r}")
-    return seq_id
 
 
 def _number(value: Any) -> bool:

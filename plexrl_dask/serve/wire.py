@@ -258,6 +258,15 @@ def count(value: Any, what: str) -> int:
     return value
 
 
+def seq_id(body: Mapping[str, Any]) -> int:
+    """A training model's request's ``seq_id`` (1, 2, ... per model, the SDK's order); else
+    :class:`~plexrl_dask.errors.InvalidTinkerRequest`."""
+    value = body.get("seq_id")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidTinkerRequest(f"seq_id is an integer >= 1, got {value!r}")
+    return value
+
+
 def prompt_tokens(prompt: Any) -> list[int]:
     """The tokens of a JSON ``ModelInput`` (text chunks only)."""
     chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
