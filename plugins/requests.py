@@ -1,4 +1,5 @@
-"""The scheduler plugin's queue of PlexRL requests that are routed but not yet released.
+"""The scheduler plugin's queue of PlexRL requests that are routed but not yet released, and
+what a request's annotation may say.
 
 A request is one call on a deployment: one task per rank, parked in ``no-worker`` until the
 dispatch rule releases all of them together. The queue keeps them in submission order, per
@@ -8,6 +9,13 @@ key belongs to. It holds no policy: the plugin routes, admits and releases
 (:mod:`plexrl_dask.plugins.scheduler`); the dashboard benchmark fills it the same way
 (:mod:`plexrl_dask.bench.dashboard`). :class:`QueueQuota` is the one limit on it: how many
 requests a job may have waiting at once, checked when the plugin routes a request.
+
+A task's ``plexrl`` annotation is the client's word on its request, checked when the plugin
+routes it: the fields only the scheduler writes (:data:`SCHEDULER_FIELDS`) are dropped from what
+a client sent (:func:`keep_only_the_clients`); ``ranks``, ``rank`` and ``replica`` are integers
+(:func:`positions`) that fit the deployment (:func:`check_fits`), whose workers for them are the
+request's candidate groups (:func:`candidate_groups`); and a request id names one call
+(:meth:`RequestQueue.check_id`). A check that fails raises :class:`NotRouted`.
 """
 
 from __future__ import annotations
@@ -15,10 +23,63 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plexrl_dask import config
-from plexrl_dask.errors import QuotaExceeded
+from plexrl_dask.errors import NotRouted, QuotaExceeded
+from plexrl_dask.protocol import ANNOTATION
+
+if TYPE_CHECKING:
+    from distributed.scheduler import TaskState
+
+    from plexrl_dask.shared.records import DeploymentInfo
+
+#: Annotation fields only the scheduler plugin writes (a worker trusts them): what a client sent
+#: under these names is dropped when its graph arrives.
+SCHEDULER_FIELDS = frozenset(
+    {"readable", "uid", "modified", "dispatched", "group", "epoch", "rendezvous", "worker", "error"}
+)
+
+
+def keep_only_the_clients(ts: TaskState) -> None:
+    """Drop the :data:`SCHEDULER_FIELDS` from what a client annotated task ``ts`` with (its
+    annotations are replaced, not changed in place; left alone when it sent none of them)."""
+    ann = ts.annotations.get(ANNOTATION)
+    if isinstance(ann, dict) and not SCHEDULER_FIELDS.isdisjoint(ann):
+        clean = {k: v for k, v in ann.items() if k not in SCHEDULER_FIELDS}
+        ts.annotations = {**ts.annotations, ANNOTATION: clean}
+
+
+def positions(ann: dict) -> tuple[int, int, int | None]:
+    """A request's ``ranks``, this task's ``rank`` and its ``replica`` (None: any replica)
+    from its annotation (:class:`NotRouted` for what is not an integer)."""
+    try:
+        ranks, rank = int(ann.get("ranks", 1)), int(ann.get("rank", 0))
+        replica = ann.get("replica", 0)
+        return ranks, rank, None if replica is None else int(replica)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise NotRouted(f"ranks, rank and replica are integers: {e}") from None
+
+
+def check_fits(name: str, info: DeploymentInfo, ranks: int, rank: int, replica: int | None) -> None:
+    """:class:`NotRouted` unless rank ``rank`` of a ``ranks``-rank request for ``replica``
+    (None: any) fits deployment ``name`` (``info``): its world size, one of its replicas."""
+    if (
+        not 0 <= rank < ranks
+        or ranks != info.world_size
+        or (replica is not None and not 0 <= replica < info.replicas)
+    ):
+        raise NotRouted(
+            f"{name!r} has world_size {info.world_size} and {info.replicas} replicas; "
+            f"a request for rank {rank}/{ranks} of replica {replica} does not fit it"
+        )
+
+
+def candidate_groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...], ...]:
+    """The candidate groups of a request: its replica's workers, or every replica's."""
+    k = info.world_size
+    replicas = range(info.replicas) if replica is None else (replica,)
+    return tuple(tuple(info.workers[r * k : (r + 1) * k]) for r in replicas)
 
 
 @dataclass(eq=False)
@@ -84,6 +145,38 @@ class RequestQueue:
     def in_use(self, request: str, key: Any) -> bool:
         """Whether a tracked task other than ``key`` belongs to request id ``request``."""
         return bool(self._keys_of.get(request, set()) - {key})
+
+    def check_id(
+        self,
+        request: str,
+        key: Any,
+        job: str,
+        deployment: str,
+        op: str,
+        ranks: int,
+        rank: int,
+        replica: int | None,
+    ) -> None:
+        """:class:`NotRouted` unless task ``key`` may be rank ``rank`` of request ``request``:
+        a request id names one call (every rank of it: the same job, deployment, op, ranks
+        and replica, each rank once), and an id whose tasks still run names no new one. A
+        request id is the caller's to choose, so the plugin checks it when it routes a task:
+        one job reusing another's would otherwise take over that job's queued request, or its
+        tasks' accounting."""
+        queued = self.get(request)
+        if queued is None:
+            if self.in_use(request, key):
+                raise NotRouted(f"request id {request!r} names a request still running")
+            return
+        same = (queued.job, queued.deployment, queued.ranks, queued.op, queued.replica) == (
+            job,
+            deployment,
+            ranks,
+            op,
+            replica,
+        )
+        if not same or queued.keys.get(rank, key) != key:
+            raise NotRouted(f"request id {request!r} names another request; ids are per call")
 
     def request_of(self, key: Any) -> str:
         """The request id of a tracked task ``key``."""

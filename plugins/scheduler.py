@@ -8,7 +8,7 @@ Installed on the scheduler (``plexrl_dask.local_cluster()``, ``plexrl_dask.insta
   can address any deployment. The plugin is composed of parts, each in its own module: the
   registry (deploy, undeploy, relocate, placement through the policy core, re-placing after a
   worker left, the replica holders: :class:`~plexrl_dask.plugins.deployments.DeploymentRegistry`),
-  the queue of routed requests and its per-job quota
+  the queue of routed requests, its per-job quota and the checks of their annotations
   (:class:`~plexrl_dask.plugins.requests.RequestQueue`,
   :class:`~plexrl_dask.plugins.requests.QueueQuota`), the dispatch policy from configuration
   and the operator, and the queue as it ranks it (:mod:`plexrl_dask.plugins.dispatching`), the
@@ -83,7 +83,15 @@ from plexrl_dask.plugins.dispatching import (
 from plexrl_dask.plugins.gangs import GroupEpochs, Rendezvous
 from plexrl_dask.plugins.journal import JournaledMap, open_journal
 from plexrl_dask.plugins.placement import LivePlacement
-from plexrl_dask.plugins.requests import PendingRequest, QueueQuota, RequestQueue
+from plexrl_dask.plugins.requests import (
+    PendingRequest,
+    QueueQuota,
+    RequestQueue,
+    candidate_groups,
+    check_fits,
+    keep_only_the_clients,
+    positions,
+)
 from plexrl_dask.plugins.worker import PlexRLWorkerPlugin
 from plexrl_dask.policy.dispatch import Dispatcher, Request
 from plexrl_dask.policy.estimates import Estimates, SetupCosts
@@ -103,38 +111,6 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
 
 logger = logging.getLogger(__name__)
-
-
-#: Annotation fields only this plugin writes (a worker trusts them): what a client sent under
-#: these names is dropped when its graph arrives.
-SCHEDULER_FIELDS = frozenset(
-    {"readable", "uid", "modified", "dispatched", "group", "epoch", "rendezvous", "worker", "error"}
-)
-
-
-def _keep_only_the_clients(ts: TaskState) -> None:
-    ann = ts.annotations.get(ANNOTATION)
-    if isinstance(ann, dict) and not SCHEDULER_FIELDS.isdisjoint(ann):
-        clean = {k: v for k, v in ann.items() if k not in SCHEDULER_FIELDS}
-        ts.annotations = {**ts.annotations, ANNOTATION: clean}
-
-
-def _positions(ann: dict) -> tuple[int, int, int | None]:
-    """A request's ``ranks``, this task's ``rank`` and its ``replica`` (None: any replica)
-    from its annotation (:class:`NotRouted` for what is not an integer)."""
-    try:
-        ranks, rank = int(ann.get("ranks", 1)), int(ann.get("rank", 0))
-        replica = ann.get("replica", 0)
-        return ranks, rank, None if replica is None else int(replica)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise NotRouted(f"ranks, rank and replica are integers: {e}") from None
-
-
-def _groups(info: DeploymentInfo, replica: int | None) -> tuple[tuple[str, ...], ...]:
-    """The candidate groups of a request: its replica's workers, or every replica's."""
-    k = info.world_size
-    replicas = range(info.replicas) if replica is None else (replica,)
-    return tuple(tuple(info.workers[r * k : (r + 1) * k]) for r in replicas)
 
 
 def _fetches(groups: Any, tasks: list[TaskState]) -> bool:
@@ -425,7 +401,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for key in (annotations or {}).get(ANNOTATION, {}):
             ts = scheduler.tasks.get(key)
             if ts is not None and ts.run_spec is not None:
-                _keep_only_the_clients(ts)
+                keep_only_the_clients(ts)
                 self._route(ts)
                 routed = True
         if routed:
@@ -447,7 +423,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         request = str(ann.get("request") or ts.key)
         groups: tuple[tuple[str, ...], ...] | None = None
         try:
-            ranks, rank, replica = _positions(ann)
+            ranks, rank, replica = positions(ann)
             info = self.deployments.get(name) if isinstance(name, str) else None
             if info is None:
                 raise DeploymentNotFound(
@@ -473,16 +449,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                     "its worker mid-request; the request failed and the group is rebuilt on the "
                     "next request"
                 )
-            self._check_request_id(request, ts.key, job, name, ranks, rank, replica, ann)
-            if (
-                not 0 <= rank < ranks
-                or ranks != info.world_size
-                or (replica is not None and not 0 <= replica < info.replicas)
-            ):
-                raise NotRouted(
-                    f"{name!r} has world_size {info.world_size} and {info.replicas} replicas; "
-                    f"a request for rank {rank}/{ranks} of replica {replica} does not fit it"
-                )
+            op = str(ann.get("op", ""))
+            self.requests.check_id(request, ts.key, job, name, op, ranks, rank, replica)
+            check_fits(name, info, ranks, rank, replica)
             if info.state in ("lost", "relocating") and info.revived_by(str(ann.get("op"))):
                 # Restoring a checkpoint (or a weights-only deployment's weights) is how a lost
                 # (or relocating) deployment comes back: a new incarnation (new uid, so no
@@ -491,7 +460,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 self.deployments[name] = info
             if info.state in ("lost", "relocating") or self.registry.worker_views():
                 info = self.registry.placed(info)
-                groups = _groups(info, replica)
+                groups = candidate_groups(info, replica)
                 ann.update(uid=info.uid, modified=info.modified)
             # else: no GPU worker right now; parked until one reports (then _reroute_orphans).
         except Exception as e:
@@ -515,44 +484,13 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 name,
                 str(ann.get("op", "")),
                 replica,
-                str(ann.get("job", "")),
+                job,
                 holds=ann.get("holds") is True,
             )
         )
         self.requests.add_key(ts.key, queued, rank)
         queued.groups = groups
         self.counters["routed"] += 1
-
-    def _check_request_id(
-        self,
-        request: str,
-        key: Any,
-        job: str,
-        name: str,
-        ranks: int,
-        rank: int,
-        replica: int | None,
-        ann: dict,
-    ) -> None:
-        """:class:`NotRouted` unless task ``key`` may be rank ``rank`` of request ``request``:
-        a request id names one call (every rank of it: the same job, deployment, op, ranks
-        and replica, each rank once), and an id whose tasks still run names no new one. A
-        request id is the caller's to choose, so it is checked here: one job reusing another's
-        would otherwise take over that job's queued request, or its tasks' accounting."""
-        queued = self.requests.get(request)
-        if queued is None:
-            if self.requests.in_use(request, key):
-                raise NotRouted(f"request id {request!r} names a request still running")
-            return
-        same = (queued.job, queued.deployment, queued.ranks, queued.op, queued.replica) == (
-            job,
-            name,
-            ranks,
-            str(ann.get("op", "")),
-            replica,
-        )
-        if not same or queued.keys.get(rank, key) != key:
-            raise NotRouted(f"request id {request!r} names another request; ids are per call")
 
     def _admit(self, name: str) -> None:
         """Hand ``name``'s requests to the dispatcher in submission order, each once it is
@@ -653,7 +591,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             info = self.deployments[request.deployment]
             # (the replica whose group runs it: a request for any replica names none; a
             # group the record no longer has, after a move, keeps replica 0's numbering)
-            groups = _groups(info, None)
+            groups = candidate_groups(info, None)
             group = tuple(decision.group)
             extra["group"] = groups.index(group) if group in groups else 0
             extra["epoch"] = self.groups.epoch_for(info.uid, group, extra["group"])
