@@ -16,7 +16,8 @@ On a worker, offloaded state goes to the node's state store (DRAM tier, NVMe und
 :mod:`plexrl_dask.worker.offload`), shared by the node's workers and deduplicated; a holder
 built without a node (``node=None``: unit tests and tools) keeps it in its own memory. Each
 transition is reported to the scheduler as a residency event (schema: docs/architecture.md, "Residency reports") with its
-measured duration and the tier it came from or went to.
+measured duration and the tier it came from or went to. The record kept per replica, and what
+each op does to its state, are :mod:`plexrl_dask.worker.replica`'s.
 
 This module is part of the worker package's face (:mod:`plexrl_dask.worker`): the task functions
 the scheduler deserialises import it, so it reaches the backends, offload, process groups and
@@ -30,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed import get_worker
@@ -54,11 +54,17 @@ from plexrl_dask.errors import (
 from plexrl_dask.policy.residency import HOLDER_TOPIC, RESIDENCY_TOPIC, ResidencyReport
 from plexrl_dask.shared.records import DeploymentInfo
 from plexrl_dask.shared.timeline import RequestSpan, SpanLog
+from plexrl_dask.worker.replica import (
+    MUTATING_OPS,
+    TRAINING_OPS,
+    Replica,
+    reload_bytes,
+    shared_bytes,
+)
 
 if TYPE_CHECKING:
     from plexrl_dask.state_store.node import NodeState
     from plexrl_dask.worker.groups import GroupContext
-    from plexrl_dask.worker.offload import Stasher, StoredState
 
 logger = logging.getLogger(__name__)
 
@@ -80,45 +86,6 @@ def _out_of_memory(error: BaseException) -> bool:
     torch = sys.modules.get("torch")
     oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
     return oom is not None and isinstance(error, oom)
-
-
-#: The ops that train: a request of one that runs out of memory drops pending gradients.
-TRAINING_OPS = frozenset({"forward_backward", "train_step", "optim_step"})
-#: The ops that change a replica's state away from what its spec builds.
-MUTATING_OPS = frozenset({"optim_step", "train_step", "set_weights", "load_state", "load_weights"})
-#: The ops after which an offload must write the state again (gradients count; an adapter
-#: bank's adapters are its state, but not a change of its weights: a bank rebuilt after its
-#: worker left is empty, not refused).
-CHANGING_OPS = MUTATING_OPS | {"forward_backward", "load_adapter", "drop_adapter"}
-
-
-@dataclass
-class _Replica:
-    info: DeploymentInfo
-    backend: Any
-    last_used: float
-    modified: bool = False
-    last_transition_s: float = 0.0
-    stasher: Stasher | None = None
-    stash: StoredState | None = None  # the stored copy of the state, while it is current
-    tier: str = "hbm"  # last reported tier
-    last_report: ResidencyReport | None = None  # the last report sent for this replica
-    # Held for the whole of this replica's offload or reload: a prefetch may reload it while
-    # another replica's request runs, and its own request then waits for that reload.
-    transition: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _shared_bytes(backend: Any) -> int:
-    """The backend's share of a model it shares with other replicas (a LoRA adapter's of its
-    base, an unmodified rollout replica's of its spec's model), 0 for any other."""
-    share = getattr(backend, "shared_bytes", None)
-    return 0 if share is None else int(share())
-
-
-def _reload_bytes(backend: Any) -> int:
-    """Device bytes bringing ``backend`` back takes (a shared model too, unless held)."""
-    reload_bytes = getattr(backend, "reload_bytes", None)
-    return backend.state_bytes() if reload_bytes is None else reload_bytes()
 
 
 def holder_of(worker: Any) -> ReplicaHolder | None:
@@ -200,7 +167,7 @@ class ReplicaHolder:
         self.budget_bytes = int(budget_bytes)
         self.max_batch_size = int(max_batch_size)
         self._report = report or (lambda msg: None)
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, Replica] = {}
         # unmodified rollout replicas of one spec share its model (worker/backends/shared.py)
         self.share_frozen = bool(config.get("worker.share-frozen-weights"))
         self._bases: Any = None  # SharedBases (LoRA bases, shared rollouts): made on first use
@@ -282,11 +249,8 @@ class ReplicaHolder:
                 ) from e
             finally:
                 self._running = None
-                if not done and op in CHANGING_OPS:
-                    # A failed request may have changed the state part-way (gradients it
-                    # accumulated, then dropped): the stored copy is no longer known to be
-                    # this state, and a reload must not bring the old one back.
-                    self._free_stash(replica)
+                if not done:
+                    replica.after_failure(op)
                 replica.last_used = time.monotonic()
                 self.counters["requests"] += 1
                 self.spans.add(
@@ -301,21 +265,7 @@ class ReplicaHolder:
                         time.thread_time() - cpu0,
                     )
                 )
-            if op in MUTATING_OPS:
-                replica.modified = True
-                forget = getattr(replica.backend, "forget_prefixes", None)
-                if forget is not None:  # (the prefix cache holds the old weights' keys)
-                    forget()
-            elif op == "forward_backward":
-                # Pending gradients are state a rebuilt replica would not have: were its
-                # worker to leave before the step, its next micro-batches would accumulate on
-                # a fresh replica and the step apply part of the batch, silently. Modified,
-                # it is lost instead (the job goes back to its checkpoint).
-                replica.modified = True
-            if op in CHANGING_OPS:
-                # The stored copy no longer is this replica's state: free it (the next
-                # offload writes the new state).
-                self._free_stash(replica)
+            replica.after_success(op)  # (modified, prefixes and stored copy forgotten)
             # A request can grow the replica (gradients, optimizer state): re-balance, and
             # tell the scheduler the new size/version.
             self._make_room(0, keep=info.name)
@@ -330,7 +280,7 @@ class ReplicaHolder:
                 self._prefetch_soon()
         return result
 
-    def _ensure(self, info: DeploymentInfo, op: str, group: GroupContext | None) -> _Replica:
+    def _ensure(self, info: DeploymentInfo, op: str, group: GroupContext | None) -> Replica:
         """``info``'s replica, resident and (for a rank) on the group of ``group``."""
         replica = self._replicas.get(info.name)
         if replica is not None and replica.info.uid != info.uid:
@@ -365,8 +315,8 @@ class ReplicaHolder:
             ) from e
 
     def _resident(
-        self, replica: _Replica, info: DeploymentInfo, group: GroupContext | None
-    ) -> _Replica:
+        self, replica: Replica, info: DeploymentInfo, group: GroupContext | None
+    ) -> Replica:
         """``replica`` made resident (reloaded, or rebuilt on the group of ``group``)."""
         with replica.transition:  # (waits for a prefetch of this replica in flight)
             t0 = time.perf_counter()
@@ -375,11 +325,11 @@ class ReplicaHolder:
                 replica.backend.epoch_key != group.key or not replica.backend.resident
             ):
                 if not replica.backend.resident:
-                    self._make_room(_reload_bytes(replica.backend), keep=info.name)
+                    self._make_room(reload_bytes(replica.backend), keep=info.name)
                     self.counters["reloads"] += 1
                 replica.backend = replica.backend.rebuilt(self._groups)
             elif not replica.backend.resident:
-                self._make_room(_reload_bytes(replica.backend), keep=info.name)
+                self._make_room(reload_bytes(replica.backend), keep=info.name)
                 replica.backend.reload()
                 self.counters["reloads"] += 1
             else:
@@ -394,7 +344,7 @@ class ReplicaHolder:
             self._groups = engine.groups.ProcessGroupManager(get_worker(), self.device)
         self._groups.join(group)
 
-    def _load(self, info: DeploymentInfo, group: GroupContext | None, op: str) -> _Replica:
+    def _load(self, info: DeploymentInfo, group: GroupContext | None, op: str) -> Replica:
         if info.memory_bytes > self.budget_bytes:
             raise DeploymentDoesNotFit(
                 f"{info.name!r} needs {info.memory_bytes / 2**20:.1f} MiB per worker but "
@@ -433,12 +383,12 @@ class ReplicaHolder:
             backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
         return self._held(info, backend, group, load_s)
 
-    def _load_shared(self, info: DeploymentInfo) -> _Replica:
+    def _load_shared(self, info: DeploymentInfo) -> Replica:
         """An unmodified rollout replica on this worker's copy of its spec's model (built if
         none is held); its first request that changes the weights gives it its own."""
         return self._on_bases(info, info.spec, 0, engine.backends.SharedWeightsBackend)
 
-    def _on_bases(self, info: DeploymentInfo, shared: Any, own: int, kind: Any) -> _Replica:
+    def _on_bases(self, info: DeploymentInfo, shared: Any, own: int, kind: Any) -> Replica:
         """A replica of backend ``kind`` on this worker's copy of the model ``shared`` (built
         if none is held), room made for it and for ``own`` bytes of its own."""
         if self._bases is None:
@@ -453,7 +403,7 @@ class ReplicaHolder:
         self._check_built(info, backend)
         return self._held(info, backend, None, load_s)
 
-    def _unshare(self, replica: _Replica) -> None:
+    def _unshare(self, replica: Replica) -> None:
         """Give ``replica`` weights of its own before a request changes them (copy on
         write); room is made for the copy first."""
         self._make_room(replica.info.memory_bytes, keep=replica.info.name)
@@ -461,7 +411,7 @@ class ReplicaHolder:
         self._emit(replica, "hbm", 0.0)
         self._emit_sharers(replica)  # (it let go of the shared model)
 
-    def _load_adapter(self, info: DeploymentInfo, group: GroupContext | None) -> _Replica:
+    def _load_adapter(self, info: DeploymentInfo, group: GroupContext | None) -> Replica:
         """A LoRA replica on this worker's copy of its base (built if none is held)."""
         if group is not None or info.backend != "torch":
             raise OpNotSupported(
@@ -474,8 +424,8 @@ class ReplicaHolder:
 
     def _held(
         self, info: DeploymentInfo, backend: Any, group: GroupContext | None, load_s: float
-    ) -> _Replica:
-        replica = _Replica(info=info, backend=backend, last_used=time.monotonic())
+    ) -> Replica:
+        replica = Replica(info=info, backend=backend, last_used=time.monotonic())
         if self.node is not None:
             rank = group.rank if group is not None else 0
             replica.stasher = engine.offload.Stasher(
@@ -495,7 +445,7 @@ class ReplicaHolder:
         own = int(backend.state_bytes())
         # a shared model is already counted once (its bases); the replica's share of it is
         # what it holds beside its own bytes
-        measured = own + _shared_bytes(backend)
+        measured = own + shared_bytes(backend)
         if measured <= info.memory_bytes or self._make_room(own, keep=info.name):
             return
         close = getattr(backend, "close", None)
@@ -558,7 +508,7 @@ class ReplicaHolder:
                     victim.transition.release()
             return self._resident_bytes() + self._incoming + incoming <= self.budget_bytes
 
-    def _offload(self, replica: _Replica) -> None:
+    def _offload(self, replica: Replica) -> None:
         t0 = time.perf_counter()
         if replica.stasher is None or not replica.backend.stashes:
             replica.backend.offload()  # (a backend that keeps its own host copy: vLLM)
@@ -578,15 +528,7 @@ class ReplicaHolder:
         logger.info("offloaded %s from %s to %s", replica.info.name, self.worker_address, tier)
         self._emit(replica, tier, time.perf_counter() - t0, source="hbm")
 
-    @staticmethod
-    def _free_stash(replica: _Replica) -> None:
-        if replica.stash is not None:
-            stale, replica.stash = replica.stash, None
-            threading.Thread(target=stale.delete, name="plexrl-free-stash", daemon=True).start()
-
-    def _out_of_memory(
-        self, replica: Any, name: str, op: str, error: BaseException
-    ) -> PlexRLError:
+    def _out_of_memory(self, replica: Any, name: str, op: str, error: BaseException) -> PlexRLError:
         """The typed error of ``op`` of ``name`` that ran out of device memory, once the
         replica has let go of what that request left (see :class:`DeviceOutOfMemory`); a
         replica whose optimizer step ran out part-way is dropped as lost
@@ -658,7 +600,7 @@ class ReplicaHolder:
 
     def _emit(
         self,
-        replica: _Replica,
+        replica: Replica,
         tier: str,
         load_s: float,
         lost: bool = False,
@@ -681,7 +623,7 @@ class ReplicaHolder:
                 deployment=replica.info.name,
                 version=int(replica.backend.version),
                 tier=tier,
-                bytes=int(replica.backend.state_bytes()) + _shared_bytes(replica.backend),
+                bytes=int(replica.backend.state_bytes()) + shared_bytes(replica.backend),
                 load_s=float(load_s),
                 uid=replica.info.uid,
                 modified=replica.modified,
@@ -697,7 +639,7 @@ class ReplicaHolder:
         if others and hasattr(replica.backend, "shared_bytes"):
             self._emit_sharers(replica)
 
-    def _emit_sharers(self, changed: _Replica) -> None:
+    def _emit_sharers(self, changed: Replica) -> None:
         """Report again every other replica on a shared model whose share of it moved (one
         came or went: ``changed``)."""
         for other in list(self._replicas.values()):
@@ -757,7 +699,7 @@ class ReplicaHolder:
         try:
             if replica.backend.resident or self._replicas.get(name) is not replica:
                 return False
-            nbytes = _reload_bytes(replica.backend)
+            nbytes = reload_bytes(replica.backend)
             with self._moves:
                 if name == self._running or not self._make_room(nbytes, keep=name):
                     return False
@@ -797,23 +739,7 @@ class ReplicaHolder:
                 "hint": None if self._hint is None else self._hint[0],
                 "node": None if self.node is None else self.node.node_id,
                 "bases": {} if self._bases is None else self._bases.status(),
-                "replicas": {
-                    n: {
-                        "uid": r.info.uid,
-                        "resident": r.backend.resident,
-                        "tier": r.tier,
-                        "stored_as": None
-                        if r.stash is None
-                        else f"{r.stash.model}/{r.stash.version}",
-                        "bytes": r.backend.state_bytes(),
-                        "version": r.backend.version,
-                        "modified": r.modified,
-                        "prefix_cache": None
-                        if getattr(r.backend, "prefix_cache", None) is None
-                        else r.backend.prefix_cache.stats(),
-                    }
-                    for n, r in self._replicas.items()
-                },
+                "replicas": {n: r.status() for n, r in self._replicas.items()},
             }
 
     def capacity(self) -> dict[str, Any]:
