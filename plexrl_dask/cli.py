@@ -164,7 +164,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    console.print(yaml.safe_dump({"plexrl": dask.config.get("plexrl")}, sort_keys=False))
+    shown = dict(dask.config.get("plexrl"))
+    if shown.get("operator-secret") is not None:  # (printed configs end up in logs)
+        shown["operator-secret"] = "<set: not shown>"
+    console.print(yaml.safe_dump({"plexrl": shown}, sort_keys=False))
     return 0
 
 

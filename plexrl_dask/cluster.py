@@ -81,16 +81,26 @@ def local_cluster(
     resources = {gpu: 1, **kwargs.pop("resources", {})}
     scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", {}))
     scheduler_kwargs["preload"] = [*scheduler_kwargs.get("preload", []), PRELOAD]
+    # Every setting checked before anything starts (a bad one leaves no tier or process).
     limit = memory_limit if memory_limit is not None else config.get("local-cluster.memory-limit")
+    try:
+        limit = parse_bytes(limit) if isinstance(limit, str) else limit
+    except ValueError as e:
+        raise ConfigError(f"plexrl.local-cluster.memory-limit: {e}") from None
     if n_workers is None:
-        n_workers = int(config.get("local-cluster.n-workers"))
+        n_workers = config.get("local-cluster.n-workers")
+    n_workers = config.count("n_workers", n_workers)
     if tool_workers is None:
-        tool_workers = int(config.get("local-cluster.tool-workers"))
+        tool_workers = config.get("local-cluster.tool-workers")
     if isinstance(tool_workers, bool) or not isinstance(tool_workers, int) or tool_workers < 0:
         raise ConfigError(f"tool_workers is a count >= 0, got {tool_workers!r}")
-    tool_cores = tool_cpus(processes) if tool_workers else None  # (checked before any starts)
+    tool_cores = tool_cpus(processes) if tool_workers else None
+    tool_threads = config.count(
+        "plexrl.local-cluster.tool-threads", config.get("local-cluster.tool-threads")
+    )
     if threads_per_worker is None:
-        threads_per_worker = int(config.get("local-cluster.threads-per-worker"))
+        threads_per_worker = config.get("local-cluster.threads-per-worker")
+    threads_per_worker = config.count("threads_per_worker", threads_per_worker)
     # Dask sets MALLOC_TRIM_THRESHOLD_ in worker processes; an explicit threshold turns off
     # glibc's adaptive mmap threshold, so every large tensor allocation is a fresh mmap and page
     # faults: torch training ran 1.2-2x slower in such a worker (benchmarks/RESULTS.md). Nannies
@@ -115,7 +125,7 @@ def local_cluster(
             n_workers=n_workers,
             threads_per_worker=threads_per_worker,
             processes=processes,
-            memory_limit=parse_bytes(limit) if isinstance(limit, str) else limit,
+            memory_limit=limit,
             resources=resources,
             host="127.0.0.1",
             dashboard_address=dashboard_address,
@@ -123,8 +133,7 @@ def local_cluster(
             **kwargs,
         )
         if tool_workers:
-            threads = int(config.get("local-cluster.tool-threads"))
-            _add_tool_workers(cluster, tool_workers, gpu, processes, threads, tool_cores)
+            _add_tool_workers(cluster, tool_workers, gpu, processes, tool_threads, tool_cores)
         return cluster
 
 

@@ -94,14 +94,19 @@ class WorkerConfig:
 
     @classmethod
     def from_dask_config(cls) -> WorkerConfig:
+        """The worker's settings, each checked (:class:`ConfigError` naming the key): read
+        where the worker starts, so that a wrong one is said there, not deep in a request."""
         budget = get("worker.memory-budget")
         profile = get("worker.profile-interval")
+        resource = get("worker.gpu-resource")
+        if not isinstance(resource, str) or not resource:
+            raise ConfigError(f"plexrl.worker.gpu-resource is a resource name, got {resource!r}")
         return cls(
-            torch_threads=int(get("worker.torch-threads")),
+            torch_threads=count("plexrl.worker.torch-threads", get("worker.torch-threads")),
             device=str(get("worker.device")),
-            memory_budget=None if budget in (None, "auto") else int(parse_bytes(budget)),
-            gpu_resource=str(get("worker.gpu-resource")),
-            timeline_length=int(get("worker.timeline-length")),
+            memory_budget=None if budget in (None, "auto") else get_bytes("worker.memory-budget"),
+            gpu_resource=resource,
+            timeline_length=count("plexrl.worker.timeline-length", get("worker.timeline-length")),
             profile_interval_s=None if profile is None else get_seconds("worker.profile-interval"),
         )
 

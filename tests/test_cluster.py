@@ -206,3 +206,24 @@ def test_the_gpu_nanny_preload_gives_each_worker_of_a_machine_one_gpu(monkeypatc
                 await asyncio.gather(*(n.close() for n in nannies))
 
     assert asyncio.run(asyncio.wait_for(run(), 120)) == {"pod-0": "3", "pod-1": "5", "pod-2": "9"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, settings",
+    [
+        ({"n_workers": 0}, {}),
+        ({"threads_per_worker": -1}, {}),
+        ({"memory_limit": "lots"}, {}),
+        ({}, {"plexrl.local-cluster.tool-threads": "four", "plexrl.local-cluster.tool-workers": 1}),
+    ],
+)
+def test_a_bad_local_cluster_setting_is_refused_before_anything_starts(kwargs, settings):
+    """No tier is made and no process started for a cluster refused (a bad setting caught
+    once the scheduler and the tiers were up left them behind)."""
+    import glob
+    import tempfile
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "plexrl-nvme-*")))
+    with dask.config.set(settings), pytest.raises(ConfigError):
+        plexrl.local_cluster(**kwargs)
+    assert not set(glob.glob(os.path.join(tempfile.gettempdir(), "plexrl-nvme-*"))) - before

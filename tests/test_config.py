@@ -108,3 +108,32 @@ def test_a_cluster_and_its_runtime_use_the_configured_interval(client):
     )
     assert on_scheduler == ({0.001}, 0.001)
     runtime.undeploy("interval-policy")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("torch-threads", 0),
+        ("torch-threads", "two"),
+        ("memory-budget", "90%"),
+        ("memory-budget", -1),
+        ("gpu-resource", ""),
+        ("timeline-length", 0),
+    ],
+)
+def test_a_bad_worker_setting_is_a_config_error_naming_it(key, value):
+    """Read where a worker starts (its plugin, its holder): a wrong one is said there, by
+    name, and reaches ``holder_errors`` (not a worker up with no holder and no reason)."""
+    assert config.WorkerConfig.from_dask_config().torch_threads >= 1
+    with dask.config.set({f"plexrl.worker.{key}": value}):
+        with pytest.raises(errors.ConfigError, match=key):
+            config.WorkerConfig.from_dask_config()
+
+
+def test_the_printed_config_does_not_show_the_operator_secret(capsys):
+    from plexrl_dask.cli import main
+
+    with dask.config.set({"plexrl.operator-secret": "s3cret-value"}):
+        assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret-value" not in out and "operator-secret" in out and "request" in out
