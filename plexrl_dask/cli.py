@@ -20,6 +20,7 @@ import threading
 
 import dask.config
 import yaml
+from dask.utils import parse_bytes
 from rich.console import Console
 from rich.table import Table
 
@@ -70,32 +71,47 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _byte_size(text: str) -> str:
+    """A size such as ``64GB`` (kept as written: dask-jobqueue reads it)."""
+    try:
+        parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 64GB") from None
+    return text
+
+
 def _cmd_cluster(args: argparse.Namespace) -> int:
     from plexrl_dask.cluster import local_cluster
 
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with local_cluster(n_workers=args.workers, dashboard_address=args.dashboard) as cluster:
         console.print(f"scheduler: [bold]{cluster.scheduler_address}[/bold]")
         console.print(f"dashboard: {cluster.dashboard_link}")
         console.print("connect with plexrl.Runtime(Client(address)); Ctrl-C stops the cluster")
-        stop.wait()
+        _until_stopped()
     return 0
+
+
+def _until_stopped() -> None:
+    """Wait for Ctrl-C or SIGTERM, then return (the caller's ``with`` closes what it runs).
+    Set only once up: before, Ctrl-C interrupts the start or the wait for workers."""
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
 
 
 def _cmd_slurm(args: argparse.Namespace) -> int:
     from plexrl_dask import slurm
 
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # (the site's jobqueue config first, then what the command line adds to it)
+    directives = dask.config.get("jobqueue.slurm.job-extra-directives", None) or []
+    scheduler = dask.config.get("jobqueue.slurm.scheduler-options", None) or {}
     site: dict[str, object] = {
         "cores": args.cores,
         "memory": args.memory,
         "walltime": args.walltime,
-        "job_extra_directives": [f"--gres=gpu:{args.gpus_per_job}", *args.directive],
-        "scheduler_options": {"dashboard_address": args.dashboard},
+        "job_extra_directives": [*directives, *args.directive],
+        "scheduler_options": {**scheduler, "dashboard_address": args.dashboard},
     }
     if args.scheduler_host:
         site["scheduler_options"]["host"] = args.scheduler_host  # type: ignore[index]
@@ -116,7 +132,7 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
             console.print(f"{len(reports)} workers on nodes {', '.join(nodes)}")
             console.print(f"dashboard: {cluster.dashboard_link}")
             console.print("connect with plexrl.Runtime(Client(address)); Ctrl-C stops the jobs")
-            stop.wait()
+            _until_stopped()
     return 0
 
 
@@ -318,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue", default=None, help="the SLURM partition")
     p.add_argument("--account", default=None)
     p.add_argument("--cores", type=positive_int, default=8, help="each job's")
-    p.add_argument("--memory", default="64GB", help="each job's")
+    p.add_argument("--memory", type=_byte_size, default="64GB", help="each job's")
     p.add_argument("--walltime", default="04:00:00")
     p.add_argument(
         "--directive",
