@@ -52,11 +52,11 @@ from plexrl_dask.rl.modes import (
     smallest_groups,
     tensor_parallel_degrees,
     trajectories_identical,
-    warm_start,
 )
 from plexrl_dask.rl.progress import JobProgress
 from plexrl_dask.rl.report import plot_run, summary_table
 from plexrl_dask.rl.sizing import budget_bytes
+from plexrl_dask.rl.warmup import warm_start
 
 # Worker processes are spawned and re-import this file: everything runs under main().
 

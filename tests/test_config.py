@@ -125,9 +125,11 @@ def test_a_bad_worker_setting_is_a_config_error_naming_it(key, value):
     """Read where a worker starts (its plugin, its holder): a wrong one is said there, by
     name, and reaches ``holder_errors`` (not a worker up with no holder and no reason)."""
     assert config.WorkerConfig.from_dask_config().torch_threads >= 1
-    with dask.config.set({f"plexrl.worker.{key}": value}):
-        with pytest.raises(errors.ConfigError, match=key):
-            config.WorkerConfig.from_dask_config()
+    with (
+        dask.config.set({f"plexrl.worker.{key}": value}),
+        pytest.raises(errors.ConfigError, match=key),
+    ):
+        config.WorkerConfig.from_dask_config()
 
 
 def test_the_printed_config_does_not_show_the_operator_secret(capsys):

@@ -23,9 +23,9 @@ from plexrl_dask.rl.modes import (
     peak_tokens_per_second,
     resumable,
     run_mode,
-    warm_start,
 )
 from plexrl_dask.rl.report import plot_run, summary_table
+from plexrl_dask.rl.warmup import warm_start
 from tests.conftest import tiny_spec, unique
 from tests.test_grpo import FirstCharIsDigit
 
@@ -220,13 +220,13 @@ def test_the_same_job_runs_on_a_local_checkpoint_path(client, tmp_path):
 def test_a_warm_up_past_its_timeout_raises_at_once_and_undeploys(client, tmp_path, monkeypatch):
     """``warm_start`` past its timeout raises then, not when the warm-ups end; the one still
     running stops after its current step and leaves nothing deployed."""
-    import plexrl_dask.rl.modes as modes
+    import plexrl_dask.rl.warmup as warmup
 
     runtime = plexrl.Runtime(client, job=unique("late"))
     spec = JobSpec(
         unique("late"), FirstCharIsDigit(), tiny_spec(seed=6), CONFIG, warmup_steps=100_000
     )
-    monkeypatch.setattr(modes, "request_timeout", lambda: 1e-4)  # the whole: ~10 s
+    monkeypatch.setattr(warmup, "request_timeout", lambda: 1e-4)  # the whole: ~10 s
     t0 = time.monotonic()
     steps = []
     with pytest.raises(errors.RequestTimeout, match="did not finish"):

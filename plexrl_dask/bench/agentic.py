@@ -84,9 +84,9 @@ from plexrl_dask.rl.modes import (
     layouts,
     run_mode,
     trajectories_identical,
-    warm_start,
 )
 from plexrl_dask.rl.report import reward_start_end
+from plexrl_dask.rl.warmup import warm_start
 from plexrl_dask.tasks.agentic import is_agentic
 from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolCall, ToolPool, isolation
 from plexrl_dask.tools.pool import tool_workers

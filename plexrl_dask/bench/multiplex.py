@@ -120,11 +120,10 @@ from plexrl_dask.rl.modes import (
     smallest_groups,
     tensor_parallel_degrees,
     trajectories_identical,
-    warm_start,
-    warmup_deployment,
 )
 from plexrl_dask.rl.report import plot_run, reward_start_end
 from plexrl_dask.rl.sizing import budget_bytes
+from plexrl_dask.rl.warmup import warm_start, warmup_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +362,7 @@ def shared_warmups(
     runtime: plexrl.Runtime, specs: list[JobSpec], readers: dict[str, list[str]]
 ) -> Iterator[None]:
     """While the block runs, the jobs ``readers[job]`` may load ``job``'s warm-up checkpoint
-    (:func:`~plexrl_dask.rl.modes.warm_start`'s): they are other jobs, and stored state is its
+    (:func:`~plexrl_dask.rl.warmup.warm_start`'s): they are other jobs, and stored state is its
     deployment's (docs/tenancy.md), so the job deploys its warm-up deployment's name again
     (never loaded: it holds no memory) and its owner shares ``get_weights`` with them."""
     held = []

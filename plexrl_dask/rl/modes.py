@@ -1,8 +1,9 @@
 """The same GRPO jobs in every deployment mode, on one runtime, with what each mode cost.
 
 A :class:`JobSpec` is a whole job: task, model, GRPO config, supervised warm-up. Every mode
-starts each job from the same warm-up checkpoint (:func:`warm_start`, run once) and runs the
-same :class:`~plexrl_dask.rl.grpo.GRPOJob` code; only the deployments differ:
+starts each job from the same warm-up checkpoint (:func:`~plexrl_dask.rl.warmup.warm_start`,
+run once) and runs the same :class:`~plexrl_dask.rl.grpo.GRPOJob` code; only the deployments
+differ:
 
 - **colocated**: the job's training deployment samples too, on its whole training group
   (verl's hybrid engine: each rank decodes its share on gathered weights);
@@ -27,20 +28,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from plexrl_dask import config
-from plexrl_dask.config import request_timeout
 from plexrl_dask.driver.deployment import Deployment, split_prompts
 from plexrl_dask.driver.runtime import Runtime, check_tensor_parallel
 from plexrl_dask.driver.waits import result
-from plexrl_dask.errors import ConfigError, RequestTimeout
+from plexrl_dask.errors import ConfigError
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.models.tokenizer import encode_prompts
 from plexrl_dask.rl.grpo import GRPOJob, StepRecord, run_jobs
@@ -55,9 +53,8 @@ from plexrl_dask.rl.sizing import (
     step_work,
     training_memory,
 )
-from plexrl_dask.rl.warmup import supervised_warmup
 from plexrl_dask.shared.records import BACKEND_NAMES, WEIGHTS_ONLY_BACKENDS
-from plexrl_dask.shared.types import AdamWParams, SamplingParams, Streams
+from plexrl_dask.shared.types import SamplingParams, Streams
 from plexrl_dask.tasks.base import Task, describe_task
 
 logger = logging.getLogger(__name__)
@@ -425,69 +422,6 @@ class ModeRun:
         return [(r.reward_mean, r.loss) for r in self.records[job]]
 
 
-def warmup_deployment(job: str) -> str:
-    """The name of ``job``'s warm-up deployment (:func:`warm_start`), the writer its
-    checkpoint records."""
-    return f"warmup-{job}"
-
-
-def warm_start(
-    runtime: Runtime,
-    specs: Sequence[JobSpec],
-    directory: str | os.PathLike[str],
-    on_progress: Callable[[str, int, float], None] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Run every job's supervised warm-up (at once, on whatever workers placement picks) and
-    save each trained state as a checkpoint under ``directory``; returns the checkpoints by
-    job (what ``save_state`` returned, for ``load_state``). ``on_progress(job, step, loss)``
-    is called after every warm-up step. Past its timeout (a request timeout per step) it
-    raises :class:`RequestTimeout` at once; the warm-ups still running stop after their
-    current step and undeploy."""
-    stop = threading.Event()
-
-    def stepped(name: str) -> Callable[[int, dict[str, float]], None]:
-        def on_step(step: int, metrics: dict[str, float]) -> None:
-            if stop.is_set():
-                raise RequestTimeout(f"the warm-up of {name} was stopped: past its timeout")
-            if on_progress is not None:
-                on_progress(name, step + 1, float(metrics["loss"]))
-
-        return on_step
-
-    def one(spec: JobSpec) -> dict[str, Any]:
-        name = warmup_deployment(spec.name)
-        job = Runtime(runtime.client, job=spec.name)  # the job's requests carry its name
-        policy = job.deploy(name, spec.model)
-        try:
-            supervised_warmup(
-                policy,
-                spec.task,
-                steps=spec.warmup_steps,
-                batch_size=spec.warmup_batch_size,
-                optim=AdamWParams(lr=spec.warmup_lr),
-                on_step=stepped(spec.name),
-            )
-            return result(policy.save_state(Path(directory) / spec.name))
-        finally:
-            job.undeploy(name)
-
-    if not specs:
-        return {}
-    # Every wait inside is bounded by the request timeout; so is the whole, per step.
-    timeout = request_timeout() * (max((s.warmup_steps for s in specs), default=0) + 3)
-    pool = ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="plexrl-warmup")
-    try:
-        futures = {s.name: pool.submit(one, s) for s in specs}
-        _, running = wait(futures.values(), timeout=timeout)
-        if running:
-            late = [name for name, f in futures.items() if f in running]
-            raise RequestTimeout(f"the warm-ups of {late} did not finish in {timeout:.0f} s")
-        return {name: f.result() for name, f in futures.items()}
-    finally:
-        stop.set()  # (a warm-up still running stops at its next step and undeploys)
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
 @dataclass
 class _Placed:
     spec: JobSpec
@@ -671,9 +605,9 @@ def run_mode(
     modes one job after another, multiplexed all at once; returns every job's records and
     the mode's ledger (``peak_tokens_per_s``, by job, for throughput-to-peak).
     ``checkpoints``: each job's starting state by name (what ``save_state`` returned, e.g.
-    by :func:`warm_start`). ``groups``: the workers each job's training needs at least
-    (:func:`smallest_groups`; default one), which an isolated job holds in addition to its
-    rollout workers and a pool must be as large as.
+    by :func:`~plexrl_dask.rl.warmup.warm_start`). ``groups``: the workers each job's training
+    needs at least (:func:`smallest_groups`; default one), which an isolated job holds in
+    addition to its rollout workers and a pool must be as large as.
 
     ``checkpoint_dir``: each job checkpoints every ``checkpoint_every`` steps (default: the
     config's) under :func:`job_checkpoint_dir`, and a job that has a checkpoint there

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from distributed.utils import sync
 from torch.distributed.device_mesh import init_device_mesh
 
 from plexrl_dask import config, protocol
-from plexrl_dask.errors import GroupTimeout, raise_for_status
+from plexrl_dask.errors import GroupTimeout, InvalidBatch, raise_for_status
 from plexrl_dask.shared.records import group_key
 
 logger = logging.getLogger(__name__)
@@ -174,3 +175,12 @@ class ProcessGroupManager:
         flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item() == 1.0)
+
+
+def portable_error(error: Exception) -> Exception:
+    """``error`` if it pickles (to travel to the other ranks), else a typed stand-in."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return InvalidBatch(f"another rank's part of this request failed: {error!r}")

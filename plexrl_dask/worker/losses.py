@@ -95,3 +95,12 @@ def compute_loss(
         value = (weights * per_token).sum() / normalizer
     metrics["loss"] = float(value.detach())
     return value, metrics
+
+
+def per_datum(logp: torch.Tensor, batch: tuple[Datum, ...]) -> tuple[tuple[float, ...], ...]:
+    """Each datum's log-probabilities from the (B, L-1) batch tensor, aligned with its tokens
+    (entry 0, never predicted, is 0.0)."""
+    rows = logp.detach().cpu().tolist()
+    return tuple(
+        (0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch, strict=True)
+    )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +23,6 @@ import torch
 from plexrl_dask.errors import (
     CheckpointError,
     EmptyBatch,
-    InvalidBatch,
     InvalidOptimizerParams,
     NonFiniteGradient,
     NonFiniteLoss,
@@ -53,8 +51,9 @@ from plexrl_dask.worker import replica_checkpoint
 from plexrl_dask.worker.backends.base import check_weights
 from plexrl_dask.worker.decode import StreamDecoder
 from plexrl_dask.worker.decode_step import DecodeStep
-from plexrl_dask.worker.device import copy_stream, used_by_default_stream
-from plexrl_dask.worker.losses import compute_loss
+from plexrl_dask.worker.device import copy_stream, local_nbytes, used_by_default_stream
+from plexrl_dask.worker.groups import portable_error
+from plexrl_dask.worker.losses import compute_loss, per_datum
 from plexrl_dask.worker.optimizer import new_adamw, norm_parameter_names, set_hyperparameters
 from plexrl_dask.worker.prefix_cache import PrefixCache, prefix_cache_bytes
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
@@ -62,25 +61,6 @@ from plexrl_dask.worker.row_decode import RowDecoder
 from plexrl_dask.worker.static_decode import engine_for
 
 logger = logging.getLogger(__name__)
-
-
-def _local_nbytes(t: torch.Tensor) -> int:
-    """Bytes this process holds for ``t`` (its local shard, for a DTensor)."""
-    # (a DTensor's shard as it holds it: ``to_local`` goes through an autograd function,
-    # ~30 us a tensor, and the holder sums every replica's bytes before every request)
-    local = getattr(t, "_local_tensor", None)
-    if local is None:
-        local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def _portable(error: Exception) -> Exception:
-    """``error`` if it pickles (to travel to the other ranks), else a typed stand-in."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return InvalidBatch(f"another rank's part of this request failed: {error!r}")
 
 
 class TorchBackend:
@@ -172,7 +152,7 @@ class TorchBackend:
         if not self._agree(error is None):
             if elsewhere is not None:
                 raise error or elsewhere
-            errors = self._gather_object(None if error is None else _portable(error))
+            errors = self._gather_object(None if error is None else portable_error(error))
             raise error or next(e for e in errors if e is not None)
         return result
 
@@ -219,7 +199,7 @@ class TorchBackend:
         self.model.eval()
         with torch.inference_mode():
             logp, _ = self._logprobs(batch, temperature)
-        return ForwardResult(logprobs=_per_datum(logp, batch))
+        return ForwardResult(logprobs=per_datum(logp, batch))
 
     def forward_backward(
         self, batch: Sequence[Datum], loss: Loss, logprobs: bool = False
@@ -249,7 +229,7 @@ class TorchBackend:
         self.pending_backward += 1
         if not logprobs:
             return metrics
-        return ForwardBackwardResult(metrics=metrics, logprobs=_per_datum(logp, batch))
+        return ForwardBackwardResult(metrics=metrics, logprobs=per_datum(logp, batch))
 
     def train_step(
         self, batch: Sequence[Datum], loss: Loss, params: AdamWParams
@@ -499,7 +479,7 @@ class TorchBackend:
         self._reshard()
         version = self.version if target.version is None else int(target.version)
         nbytes = sum(
-            _local_nbytes(t)
+            local_nbytes(t)
             for k, t in self._state_tensors().items()
             if k.startswith("param/") or (optimizer is not None and k.startswith("optim/"))
         )
@@ -644,7 +624,7 @@ class TorchBackend:
             return int(self._host["bytes"])  # type: ignore[arg-type]
         cache = 0 if self.static is None else self.static.nbytes()
         cache += 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
-        return cache + sum(_local_nbytes(t) for t in self._state_tensors().values())
+        return cache + sum(local_nbytes(t) for t in self._state_tensors().values())
 
     def after_out_of_memory(self, training: bool) -> bool:
         """A request of this replica ran out of device memory part-way: hand the allocator's
@@ -804,12 +784,3 @@ class TorchBackend:
 
     def wake(self) -> None:
         self.reload()
-
-
-def _per_datum(logp: torch.Tensor, batch: tuple[Datum, ...]) -> tuple[tuple[float, ...], ...]:
-    """Each datum's log-probabilities from the (B, L-1) batch tensor, aligned with its tokens
-    (entry 0, never predicted, is 0.0)."""
-    rows = logp.detach().cpu().tolist()
-    return tuple(
-        (0.0,) + tuple(row[: len(d.tokens) - 1]) for row, d in zip(rows, batch, strict=True)
-    )
