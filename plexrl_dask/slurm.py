@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import dask
+from dask.utils import parse_bytes
 from distributed import Client
 
 from plexrl_dask import config, protocol
@@ -116,6 +117,9 @@ def slurm_cluster(
     if not any(str(d).startswith("--gres") for d in directives):
         directives.append(f"--gres=gpu:{gpus_per_job}")
     site["job_extra_directives"] = directives
+    dram = _dram_capacity(site.get("memory"))
+    if dram is not None:
+        options["job_script_prologue"].append(f"export DASK_PLEXRL__STATE__DRAM_CAPACITY={dram}")
     for key in ("worker_extra_args", "job_script_prologue"):  # ours, then the site's
         site[key] = [*options.pop(key), *(given[key] or [])]
     scheduler = {**(given["scheduler_options"] or {})}
@@ -137,6 +141,23 @@ def slurm_cluster(
 #: The ``SLURMCluster`` arguments slurm_cluster always passes, which dask-jobqueue then reads
 #: from its config (``jobqueue.slurm.<key>``) no more: slurm_cluster merges that in itself.
 _SITE_KEYS = ("job_extra_directives", "worker_extra_args", "job_script_prologue", "scheduler_options")
+
+
+#: The share of a job's memory its node's DRAM tier takes where ``plexrl.state.dram-capacity`` is
+#: "auto": the tier's files on /dev/shm count against the job's memory (its cgroup), where
+#: "auto" alone would size it by the node's /dev/shm, half the machine.
+SLURM_DRAM_SHARE = 0.25
+
+
+def _dram_capacity(memory: Any) -> int | None:
+    """The DRAM tier's bytes for a job of ``memory`` (None: the setting is not "auto", or the
+    job states no memory)."""
+    if config.get("state.dram-capacity") != "auto" or memory is None:
+        return None
+    try:
+        return int(parse_bytes(memory) * SLURM_DRAM_SHARE)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"memory is a size such as '64GB', got {memory!r}") from e
 
 
 def _site_setting(site: dict[str, Any], key: str) -> Any:

@@ -49,6 +49,8 @@ def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
         assert "source /site/venv/bin/activate" in script and "#SBATCH --qos=high" in script
         assert "#SBATCH --gres=gpu:1" in script and "--lifetime 2h" in script
         assert "PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_=None" in script
+        # the node's DRAM tier is sized by the job's memory (its files count against it)
+        assert "DASK_PLEXRL__STATE__DRAM_CAPACITY=250000000" in script  # (1GB / 4)
     with pytest.raises(errors.ConfigError, match="rollout_backend"):
         jobqueue_options("tensorrt")
     with (
