@@ -34,13 +34,7 @@ import torch
 from dask.utils import parse_bytes
 
 from plexrl_dask import config
-from plexrl_dask.errors import (
-    ConfigError,
-    ManagerUnavailable,
-    PlexRLError,
-    StateStoreError,
-    from_status,
-)
+from plexrl_dask.errors import ManagerUnavailable, PlexRLError, StateStoreError, from_status
 from plexrl_dask.state_store.keys import DTYPES, ROW_SPLITS, Manifest
 from plexrl_dask.state_store.manager import (
     ERROR_FILE,
@@ -89,10 +83,8 @@ class StateConfig:
         if nvme == "auto":
             nvme = str(Path(tempfile.gettempdir()) / f"plexrl-nvme-{user}")
         dram_cap = config.get("state.dram-capacity")
-        parent = dram if os.path.isdir(dram) else os.path.dirname(dram)
-        if not os.path.isdir(parent):  # (said where a worker starts, whatever the capacity)
-            raise ConfigError(f"plexrl.state.dram-path {dram!r}: no directory {parent!r}")
         if dram_cap == "auto":
+            parent = dram if os.path.isdir(dram) else os.path.dirname(dram)
             st = os.statvfs(parent)
             dram_cap = st.f_blocks * st.f_frsize // 2
         nvme_cap = config.get("state.nvme-capacity")
