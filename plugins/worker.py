@@ -70,7 +70,15 @@ class PlexRLWorkerPlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         # Tool workers too: an agentic turn's tool call is a request/reply chain like any other.
         config.tune_batched_send(getattr(worker, "batched_stream", None))
-        cfg = WorkerConfig.from_dask_config()
+        try:
+            cfg = WorkerConfig.from_dask_config()
+        except ConfigError as e:
+            # Announced all the same: the scheduler then tries this worker's holder, which
+            # fails with the same error and names it (holder_errors), where a plugin that
+            # failed here would leave a worker up with no holder and no reason.
+            logger.error("this worker's PlexRL settings are wrong: %s", e)
+            worker.log_event(WORKER_TOPIC, {"error": str(e)})
+            return
         # (The engine loads here, on the worker; the scheduler imports this class to register
         # it and never loads torch or Zarr.)
         self.cpus = _bind_cpus()  # (a tool worker's too, where its launcher gave it cores)

@@ -106,11 +106,12 @@ def test_slurm_refusals_pending_jobs_and_broken_workers_are_typed_and_named(tmp_
     ):
         slurm.wait_for_plexrl_workers(client, 1, 2, cluster)
     no_gpu = {**site, "worker_extra_args": ["--host", "127.0.0.1", "--resources", "CPU=1"]}
-    broken = {
-        **site,
-        "job_script_prologue": ["export DASK_PLEXRL__STATE__DRAM_PATH=/nonexistent/dram"],
-    }
-    for kwargs, match in ((no_gpu, "does not advertise the GPU"), (broken, "holders failed")):
+    # (a worker setting that is wrong: its holder fails, naming the setting)
+    broken = {**site, "job_script_prologue": ["export DASK_PLEXRL__WORKER__TORCH_THREADS=0"]}
+    for kwargs, match in (
+        (no_gpu, "does not advertise the GPU"),
+        (broken, "holders failed.*torch-threads"),
+    ):
         with slurm.slurm_cluster(1, **kwargs) as cluster, Client(cluster) as client:
             client.wait_for_workers(1, timeout=scenario.WORKER_WAIT_S)
             with pytest.raises(errors.PluginsNotInstalled, match=match):
