@@ -231,7 +231,8 @@ def call(
             _enter_namespaces(limits["user_namespace"])
         jail = _fork_into(run_jail, limits, code, own_mounts, None if group is None else group[0])
         code_of = _wait(jail, status)
-        _end_strays()
+        if not limits["private_mounts"]:  # (in a PID namespace, all ended with the jail)
+            _end_strays()
         if not limits["private_mounts"] and limits["uid"] is not None and os.geteuid() == 0:
             # (no PID namespace to end with the jail: what the program started and left in a
             # session of its own would keep the uid the next call may get)
@@ -275,8 +276,15 @@ def _end_strays() -> None:
 
 
 def _children() -> list[int]:
-    """This process's children (from ``/proc``: their parent pid)."""
-    me, found = os.getpid(), []
+    """This process's children: the kernel's list of them where it keeps one (this process
+    is single-threaded), else every process whose parent it is."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:
+        pass  # (a kernel without CONFIG_PROC_CHILDREN: look at every process)
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
