@@ -1,6 +1,7 @@
 """The ``plexrl`` command.
 
 plexrl cluster [--workers N]          start a local PlexRL cluster and keep it running
+plexrl slurm GPUS [...]               start a PlexRL cluster on SLURM and keep it running
 plexrl status --scheduler ADDRESS     deployments, residency and worker budgets of a cluster
 plexrl config                         the effective ``plexrl`` configuration
 plexrl simulate [--policy P ...] [--gpus N] [--jobs N] [--json OUT] [--png PREFIX]
@@ -13,10 +14,15 @@ plexrl kube-spec --name N --gpus G --image I [...]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
+import shutil
 import signal
 import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import dask.config
 import yaml
@@ -119,9 +125,14 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
         site["queue"] = args.queue
     if args.account:
         site["account"] = args.account
-    with slurm.slurm_cluster(
-        args.gpus, args.rollout_backend, gpus_per_job=args.gpus_per_job, **site
-    ) as cluster:
+    if args.shared_dir:
+        site["shared_temp_directory"] = args.shared_dir
+    with (
+        slurm.slurm_cluster(
+            args.gpus, args.rollout_backend, gpus_per_job=args.gpus_per_job, tls=args.tls, **site
+        ) as cluster,
+        _client_credentials(cluster, args.tls_dir) as connect,
+    ):
         from distributed import Client
 
         with Client(cluster) as client:
@@ -131,9 +142,29 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
             nodes = sorted({str(r.get("node")) for r in reports.values()})
             console.print(f"{len(reports)} workers on nodes {', '.join(nodes)}")
             console.print(f"dashboard: {cluster.dashboard_link}")
-            console.print("connect with plexrl.Runtime(Client(address)); Ctrl-C stops the jobs")
+            console.print(f"connect with plexrl.Runtime({connect}); Ctrl-C stops the jobs")
             _until_stopped()
     return 0
+
+
+@contextlib.contextmanager
+def _client_credentials(cluster: Any, directory: str) -> Iterator[str]:
+    """How a client in another process connects to ``cluster``: with TLS, through the
+    credentials written under ``directory`` (removed when the cluster stops)."""
+    if not cluster.scheduler_address.startswith("tls://"):
+        yield "Client(address)"
+        return
+    from plexrl_dask.cluster import save_client_credentials
+
+    where = cluster.scheduler_address.removeprefix("tls://").replace(":", "-")
+    saved = save_client_credentials(cluster.security, Path(directory).expanduser() / where)
+    try:
+        yield (
+            f"Client(address, security=plexrl_dask.cluster.client_security('{saved}'))"
+            f" (plexrl status --tls {saved})"
+        )
+    finally:
+        shutil.rmtree(saved, ignore_errors=True)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -141,7 +172,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     from plexrl_dask.driver.runtime import Runtime
 
-    with Client(args.scheduler, timeout=args.timeout) as client:
+    security = None
+    if args.tls:
+        from plexrl_dask.cluster import client_security
+
+        security = client_security(args.tls)
+    with Client(args.scheduler, timeout=args.timeout, security=security) as client:
         status = Runtime(client, job="plexrl-status").status()
     table = Table(title="deployments")
     for col in ("name", "owner", "role", "model", "workers", "state", "modified"):
@@ -351,12 +387,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--wait", type=positive_float, default=600.0, help="seconds for the workers to report"
     )
+    p.add_argument(
+        "--no-tls",
+        dest="tls",
+        action="store_false",
+        help="plain TCP: only on a network no one else reaches (a Dask client runs code on the "
+        "workers)",
+    )
+    p.add_argument(
+        "--shared-dir",
+        default=None,
+        help="where the workers' copy of the cluster's TLS certificate is written: a directory "
+        "the jobs' nodes see at the same path (default: jobqueue.slurm.shared-temp-directory, "
+        "else your home)",
+    )
+    p.add_argument(
+        "--tls-dir",
+        default="~/.plexrl/tls",
+        help="where the credentials of clients in other processes are written, one directory "
+        "per cluster, removed when it stops",
+    )
     p.set_defaults(fn=_cmd_slurm)
     p = sub.add_parser("status", help="show a cluster's deployments, residency and workers")
     p.add_argument(
         "--scheduler", required=True, help="scheduler address, e.g. tcp://127.0.0.1:8786"
     )
     p.add_argument("--timeout", type=positive_float, default=10.0)
+    p.add_argument(
+        "--tls", default=None, metavar="DIR", help="the client credentials `plexrl slurm` wrote"
+    )
     p.set_defaults(fn=_cmd_status)
     p = sub.add_parser("config", help="print the effective plexrl configuration")
     p.set_defaults(fn=_cmd_config)

@@ -422,6 +422,50 @@ def tls_environment(security: Security | None, role: str) -> dict[str, str]:
     return env
 
 
+#: The files :func:`save_client_credentials` writes: the CA, the client's certificate, its key.
+_CREDENTIALS = {
+    "tls_ca_file": "ca.pem",
+    "tls_client_cert": "client.pem",
+    "tls_client_key": "client-key.pem",
+}
+
+
+def save_client_credentials(security: Security, directory: str | os.PathLike[str]) -> Path:
+    """Write what a client in another process needs to reach a cluster of ``security`` (its
+    CA, and the client's certificate and key: PEM text, as ``Security.temporary()`` holds
+    them, or files, copied) into ``directory``, made readable by this user only; returns it.
+    Read back with :func:`client_security`. :class:`ConfigError` for a ``security`` without
+    a client certificate."""
+    values = {attr: getattr(security, attr, None) for attr in _CREDENTIALS}
+    if not all(values.values()):
+        raise ConfigError("save_client_credentials needs a Security with a CA and a client key")
+    root = Path(directory).expanduser()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root.chmod(0o700)
+    for attr, name in _CREDENTIALS.items():
+        value = str(values[attr])
+        text = value if "\n" in value else Path(value).read_text()
+        fd = os.open(root / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    return root
+
+
+def client_security(directory: str | os.PathLike[str]) -> Security:
+    """The ``Security`` a client connects with from the credentials
+    :func:`save_client_credentials` wrote into ``directory`` (encryption required);
+    :class:`ConfigError` where one of its files is missing."""
+    root = Path(directory).expanduser()
+    missing = [name for name in _CREDENTIALS.values() if not (root / name).is_file()]
+    if missing:
+        raise ConfigError(
+            f"{root} holds no PlexRL client credentials: {', '.join(missing)} missing"
+        )
+    return Security(
+        require_encryption=True, **{attr: str(root / name) for attr, name in _CREDENTIALS.items()}
+    )
+
+
 def worker_process(
     scheduler_address: str,
     state: Mapping[str, str] | None = None,

@@ -210,3 +210,35 @@ def placement_config() -> PlacementConfig:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"invalid plexrl.placement setting: {e}") from e
+
+
+#: Settings that :func:`shipped_settings` never ships: the operator's secret (a job script or a
+#: pod spec is no place for it: give the scheduler its own), the node id of the machine that
+#: set it, and the front door's and the local cluster's, read only in the process that set them.
+NOT_SHIPPED = ("operator-secret", "state.node-id", "serve", "local-cluster")
+
+
+def shipped_settings() -> dict[str, str]:
+    """The environment that gives a process started elsewhere (a SLURM job's workers, a
+    Kubernetes pod) this process's PlexRL settings: a ``DASK_PLEXRL__...`` variable for each
+    ``plexrl.*`` setting that differs from PlexRL's defaults, except :data:`NOT_SHIPPED`.
+    A setting whose default is a non-empty mapping is shipped key by key, any other whole.
+    Values are Python literals (``repr``), which Dask reads back with ``ast.literal_eval``:
+    a string stays a string, ``None`` stays null."""
+    env: dict[str, str] = {}
+
+    def walk(value: object, default: object, path: tuple[str, ...]) -> None:
+        if ".".join(path) in NOT_SHIPPED:
+            return
+        if isinstance(value, dict) and isinstance(default, dict) and default:
+            for key in value:
+                walk(value[key], default.get(key, _ABSENT), (*path, str(key)))
+        elif value != default:
+            name = "__".join(p.upper().replace("-", "_") for p in ("plexrl", *path))
+            env[f"DASK_{name}"] = repr(value)
+
+    walk(dask.config.get("plexrl"), _defaults["plexrl"], ())
+    return env
+
+
+_ABSENT = object()

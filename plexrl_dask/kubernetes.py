@@ -113,6 +113,10 @@ def kube_cluster_spec(
       mounted on every worker pod (e.g. ``{"persistentVolumeClaim": {"claimName": "runs"}}``
       of a ReadWriteMany claim; by default none).
     - ``env``: more environment for every container (e.g. ``DASK_PLEXRL__...`` settings).
+      Every container also gets this process's PlexRL settings that differ from the defaults
+      (:func:`~plexrl_dask.config.shipped_settings`; not the operator secret: give the
+      scheduler pod that from a Kubernetes ``Secret`` through ``env``'s valueFrom or its
+      image); a worker pod's tier paths and DRAM capacity are the spec's own.
     - ``idle_timeout``: seconds after which the operator removes an idle cluster (0: never).
 
     :class:`~plexrl_dask.errors.ConfigError` for a value the operator or PlexRL would refuse.
@@ -154,8 +158,10 @@ def kube_cluster_spec(
             )
         memory_limit = room // gpus_per_pod
 
-    common = dict(env or {})
+    # (this process's PlexRL settings, where they differ from the defaults; ``env`` wins)
+    common = {**config.shipped_settings(), **(env or {})}
     worker_env = {
+        **common,
         "DASK_PLEXRL__STATE__DRAM_PATH": DRAM_PATH,
         # (stated, not "auto": a memory-backed emptyDir may report the machine's memory)
         "DASK_PLEXRL__STATE__DRAM_CAPACITY": str(int(dram_bytes * DRAM_SHARE)),
@@ -163,7 +169,7 @@ def kube_cluster_spec(
         # (Dask's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold: training
         # ran 1.2-2x slower under it; None drops it from the worker's environment)
         TRIM_CONFIG_ENV: "None",
-        **common,
+        **(env or {}),
     }
     if rollout_backend == "vllm":
         worker_env["DASK_DISTRIBUTED__WORKER__DAEMON"] = "False"

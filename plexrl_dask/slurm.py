@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -33,7 +34,7 @@ from typing import Any
 
 import dask
 from dask.utils import parse_bytes
-from distributed import Client
+from distributed import Client, Security
 
 from plexrl_dask import config, protocol
 from plexrl_dask.cluster import GPU_NANNY, PRELOAD, TRIM_CONFIG_ENV, worker_info
@@ -61,8 +62,12 @@ def jobqueue_options(rollout_backend: str = "torch", gpus_per_job: int = 1) -> d
       advertising the GPU resource; with several, the nanny preload :mod:`plexrl_dask.gpu_nanny`
       gives each one of the GPUs the queue made visible to the job (its
       ``CUDA_VISIBLE_DEVICES``). A job's workers share a node's tiers;
-    - ``job_script_prologue``: with a vLLM rollout (``rollout_backend="vllm"``), workers that
-      may start the engines' processes (``distributed.worker.daemon: false``)."""
+    - ``job_script_prologue``: this process's PlexRL settings, where they differ from the
+      defaults (:func:`~plexrl_dask.config.shipped_settings`: what ``dask.config.set`` or a
+      config file gave the driver applies to the workers too), and with a vLLM rollout
+      (``rollout_backend="vllm"``), workers that may start the engines' processes
+      (``distributed.worker.daemon: false``). The site's prologue goes after it, so a
+      setting exported there wins."""
 
     if rollout_backend not in BACKEND_NAMES:
         raise ConfigError(f"rollout_backend is one of {BACKEND_NAMES}, got {rollout_backend!r}")
@@ -70,6 +75,7 @@ def jobqueue_options(rollout_backend: str = "torch", gpus_per_job: int = 1) -> d
     # (Dask's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold: training ran
     # 1.2-2x slower under it; None drops it from the worker's environment)
     prologue = [f"export {TRIM_CONFIG_ENV}=None"]
+    prologue += [f"export {k}={shlex.quote(v)}" for k, v in config.shipped_settings().items()]
     if rollout_backend == "vllm":
         prologue.append("export DASK_DISTRIBUTED__WORKER__DAEMON=False")
     worker_args = ["--resources", f"{config.get('worker.gpu-resource')}=1"]
@@ -89,6 +95,7 @@ def slurm_cluster(
     rollout_backend: str = "torch",
     submit: bool = True,
     gpus_per_job: int = 1,
+    tls: bool = True,
     **site: Any,
 ) -> Iterator[Any]:
     """A dask-jobqueue ``SLURMCluster`` of ``gpus / gpus_per_job`` jobs (it must divide) of
@@ -99,7 +106,15 @@ def slurm_cluster(
     shared by its workers). The jobs are submitted on entry, once ``sbatch --test-only`` has
     accepted the job script (:class:`BatchJobRefused` otherwise); not with ``submit=False``
     (to read ``cluster.job_script()``). Wait for the workers with
-    :func:`wait_for_plexrl_workers`. Needs ``pip install plexrl-dask[jobqueue]``."""
+    :func:`wait_for_plexrl_workers`. Needs ``pip install plexrl-dask[jobqueue]``.
+
+    ``tls`` (the default), unless the site passes its own ``security``: the scheduler, the
+    workers and ``Client(cluster)`` speak TLS with a certificate made for this cluster
+    (``Security.temporary()``), so that no one else on the cluster's network can reach the
+    scheduler or the workers (a Dask client runs code on them). dask-jobqueue writes the
+    workers' copy of it, readable only by you, into ``shared_temp_directory`` (a site
+    argument, or ``jobqueue.slurm.shared-temp-directory``; by default your home directory),
+    which the jobs' nodes must see at the same path; it is deleted when the cluster closes."""
     try:
         from dask_jobqueue import SLURMCluster
     except ImportError as e:
@@ -128,6 +143,19 @@ def slurm_cluster(
     scheduler["preload"] = [PRELOAD, *(p for p in preloads if p != PRELOAD)]
     options.pop("scheduler_options")
     site["scheduler_options"] = scheduler
+    if tls and site.get("security") is None:
+        try:
+            site["security"] = Security.temporary()
+        except ImportError as e:
+            raise ConfigError(
+                "a TLS cluster needs cryptography: pip install plexrl-dask[jobqueue] "
+                "(or tls=False on a network no one else reaches)"
+            ) from e
+        site["shared_temp_directory"] = os.path.expanduser(
+            site.get("shared_temp_directory")
+            or dask.config.get("jobqueue.slurm.shared-temp-directory", None)
+            or "~"
+        )
     cluster = SLURMCluster(**{**options, **site})
     try:
         if submit:
@@ -140,7 +168,12 @@ def slurm_cluster(
 
 #: The ``SLURMCluster`` arguments slurm_cluster always passes, which dask-jobqueue then reads
 #: from its config (``jobqueue.slurm.<key>``) no more: slurm_cluster merges that in itself.
-_SITE_KEYS = ("job_extra_directives", "worker_extra_args", "job_script_prologue", "scheduler_options")
+_SITE_KEYS = (
+    "job_extra_directives",
+    "worker_extra_args",
+    "job_script_prologue",
+    "scheduler_options",
+)
 
 
 #: The share of a job's memory its node's DRAM tier takes where ``plexrl.state.dram-capacity`` is
@@ -335,8 +368,8 @@ def one_machine_site(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``SLURMCluster`` site arguments for a SLURM cluster whose nodes all run on this
     machine (``tools/slurm-local``: the tests, ``bench.slurm``): scheduler and workers on
     127.0.0.1 with free ports, each node's tiers in its own directories under ``directory``
-    (on separate machines each node has its own /dev/shm and disk; made here), job logs there
-    too."""
+    (on separate machines each node has its own /dev/shm and disk; made here), job logs and
+    the workers' TLS certificate there too."""
     root = Path(directory)
     tier = root / "tiers"
     tier.mkdir(parents=True, exist_ok=True)  # (the workers make their own tiers inside)
@@ -351,6 +384,7 @@ def one_machine_site(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"export DASK_PLEXRL__STATE__NVME_PATH={tier}/nvme-$SLURMD_NODENAME",
         ],
         "log_directory": str(root / "logs"),
+        "shared_temp_directory": str(root),
     }
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import dask
 import pytest
 import yaml
 from distributed import Client
@@ -64,18 +65,27 @@ def test_a_pod_per_gpu_and_a_pod_per_machine():
     assert {p["containerPort"] for p in s["ports"]} == {8786, 8787}
     assert one["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == "rl"
 
-    machine = kube_cluster_spec(
-        "rl",
-        16,
-        "registry/plexrl:1",
-        gpus_per_pod=8,
-        rollout_backend="vllm",
-        worker_resources={"cpu": "64", "memory": "1000Gi"},
-        dram_size="400Gi",
-        shared_volume={"persistentVolumeClaim": {"claimName": "runs"}},
-        shared_path="/runs",
-        env={"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s"},
-    )
+    # (settings made here go to every pod, but the operator secret, and a worker pod's tiers
+    # are the spec's own)
+    driver = {
+        "plexrl.worker.torch-threads": 2,
+        "plexrl.state.nvme-path": "/here/nvme",
+        "plexrl.operator-secret": "an-operator-secret-of-this-process",
+    }
+    with dask.config.set(driver):
+        machine = kube_cluster_spec(
+            "rl",
+            16,
+            "registry/plexrl:1",
+            gpus_per_pod=8,
+            rollout_backend="vllm",
+            worker_resources={"cpu": "64", "memory": "1000Gi"},
+            dram_size="400Gi",
+            shared_volume={"persistentVolumeClaim": {"claimName": "runs"}},
+            shared_path="/runs",
+            env={"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s"},
+        )
+    assert "operator-secret-of" not in yaml.safe_dump(machine)
     assert machine["spec"]["worker"]["replicas"] == 2
     w = container(machine, "worker")
     assert w["resources"]["limits"] == {"cpu": "64", "memory": "1000Gi", "nvidia.com/gpu": "8"}
@@ -91,7 +101,12 @@ def test_a_pod_per_gpu_and_a_pod_per_machine():
     assert int(env["DASK_PLEXRL__STATE__DRAM_CAPACITY"]) == int(400 * 2**30 * 0.9)
     assert env["DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_"] == "None"
     assert env["DASK_PLEXRL__REQUEST__TIMEOUT"] == "1200s"
-    assert env_of(container(machine, "scheduler")) == {"DASK_PLEXRL__REQUEST__TIMEOUT": "1200s"}
+    assert env["DASK_PLEXRL__WORKER__TORCH_THREADS"] == "2"
+    assert env_of(container(machine, "scheduler")) == {
+        "DASK_PLEXRL__REQUEST__TIMEOUT": "1200s",
+        "DASK_PLEXRL__WORKER__TORCH_THREADS": "2",
+        "DASK_PLEXRL__STATE__NVME_PATH": "'/here/nvme'",
+    }
     mounts = {m["name"]: m["mountPath"] for m in w["volumeMounts"]}
     assert mounts == {
         "plexrl-dram": "/dev/shm",

@@ -8,6 +8,10 @@ per node) and are skipped with the reason where none answers: real jobs submitte
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import dask
 import pytest
 from distributed import Client
@@ -19,22 +23,49 @@ from plexrl_dask.cli import main as plexrl_main
 from plexrl_dask.slurm import jobqueue_options
 
 
-def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted():
+def test_a_slurm_cluster_is_a_plexrl_cluster_before_any_job_is_submitted(tmp_path):
     """dask-jobqueue's SLURMCluster with PlexRL's options (no SLURM here: nothing is submitted):
-    its scheduler, in this process, runs the PlexRL plugins, and its job script starts one
-    worker per job with the GPU resource and one GPU (workers that may have children when the
-    rollout is vLLM); the site's own options are kept beside PlexRL's."""
-    site = dict(cores=1, memory="1GB", scheduler_options={"host": "127.0.0.1"})
-    with plexrl.slurm_cluster(
-        2, submit=False, worker_extra_args=["--lifetime", "3h"], **site
-    ) as cluster:
+    its scheduler, in this process, runs the PlexRL plugins and speaks TLS, and its job script
+    starts one worker per job with the GPU resource, one GPU and the cluster's certificate
+    (workers that may have children when the rollout is vLLM), and gives them the driver's
+    PlexRL settings (not its secret); the site's own options are kept beside PlexRL's."""
+    site = dict(
+        cores=1,
+        memory="1GB",
+        scheduler_options={"host": "127.0.0.1"},
+        shared_temp_directory=str(tmp_path),
+    )
+    driver = {
+        "plexrl.worker.timeline-length": 123,
+        "plexrl.scheduler.job-weights": {"Job A": 2},
+        "plexrl.operator-secret": "an-operator-secret-not-in-scripts",
+    }
+    with (
+        dask.config.set(driver),
+        plexrl.slurm_cluster(
+            2, submit=False, worker_extra_args=["--lifetime", "3h"], **site
+        ) as cluster,
+    ):
         assert "plexrl" in cluster.scheduler.plugins
-        assert cluster.scheduler.address.startswith("tcp://127.0.0.1:")
+        assert cluster.scheduler.address.startswith("tls://127.0.0.1:")
         script = cluster.job_script()
         assert "#SBATCH --gres=gpu:1" in script
         assert "--resources GPU=1" in script and "--lifetime 3h" in script
         assert "DAEMON" not in script
+        assert "tls://127.0.0.1:" in script and f"--tls-key {tmp_path}/" in script
+        # (what a worker's shell and Dask make of the exports: the driver's values)
+        exports = [line for line in script.splitlines() if line.startswith("export DASK_PLEXRL")]
+        keys = ["plexrl.worker.timeline-length", "plexrl.scheduler.job-weights"]
+        read = f"import json, plexrl_dask, dask; print(json.dumps([dask.config.get(k) for k in {keys}]))"
+        shell = [*exports, f'{sys.executable} -c "{read}"']
+        out = subprocess.run(["bash", "-c", "\n".join(shell)], capture_output=True, text=True)
+        assert json.loads(out.stdout) == [123, {"Job A": 2}]
+        assert "not-in-scripts" not in script and "OPERATOR" not in script
         assert not cluster.workers  # nothing submitted
+    with plexrl.slurm_cluster(1, submit=False, tls=False, **site) as cluster:
+        assert cluster.scheduler.address.startswith("tcp://127.0.0.1:")
+        assert "--tls" not in cluster.job_script()
+        assert "DASK_PLEXRL__WORKER" not in cluster.job_script()
     with plexrl.slurm_cluster(1, "vllm", submit=False, **site) as cluster:
         assert "export DASK_DISTRIBUTED__WORKER__DAEMON=False" in cluster.job_script()
     # the site's dask-jobqueue config (its environment, its directives) is kept too, and the
@@ -117,6 +148,7 @@ def test_slurm_refusals_pending_jobs_and_broken_workers_are_typed_and_named(tmp_
             with pytest.raises(errors.PluginsNotInstalled, match=match):
                 slurm.wait_for_plexrl_workers(client, 1, 3, cluster)
     common = ["--scheduler-host", "127.0.0.1", "--dashboard", ":0", "--cores", "1"]
+    common += ["--shared-dir", str(tmp_path), "--tls-dir", str(tmp_path / "clients")]
     assert plexrl_main(["slurm", "1", "--queue", "nope", *common, "--memory", "1GB"]) == 2
     refused = capsys.readouterr().err
     assert "BatchJobRefused" in refused and "invalid partition" in refused
@@ -131,9 +163,17 @@ def on_slurm(tmp_path_factory):
     if NO_SLURM is not None:
         pytest.skip(NO_SLURM)
     site = slurm.one_machine_site(tmp_path_factory.mktemp("slurm"))
-    with slurm.slurm_cluster(2, **site) as cluster, Client(cluster) as client:
+    with (
+        dask.config.set(DRIVER_SETTING),  # (for the workers: their jobs' scripts carry it)
+        slurm.slurm_cluster(2, **site) as cluster,
+        Client(cluster) as client,
+    ):
         slurm.wait_for_plexrl_workers(client, 2, scenario.WORKER_WAIT_S, cluster)
         yield cluster, client
+
+
+#: A PlexRL setting made in the driver, which the SLURM jobs' workers get too.
+DRIVER_SETTING = {"plexrl.worker.timeline-length": 4321}
 
 
 @pytest.fixture(scope="module")
@@ -148,10 +188,15 @@ def uninterrupted(on_slurm):
 def test_slurm_jobs_start_plexrl_workers_whose_nodes_are_slurms_and_grpo_runs_as_locally(
     on_slurm, uninterrupted
 ):
-    """Each submitted job's worker joins with the PlexRL plugins and reports the node SLURM
-    ran it on; the placer's nodes are those; two GRPO jobs multiplexed there compute exactly
-    what they compute on a local cluster."""
+    """Each submitted job's worker joins with the PlexRL plugins, over TLS, with the driver's
+    PlexRL settings, and reports the node SLURM ran it on; the placer's nodes are those; two
+    GRPO jobs multiplexed there compute exactly what they compute on a local cluster."""
     cluster, client = on_slurm
+    assert cluster.scheduler_address.startswith("tls://")
+    [(key, value)] = DRIVER_SETTING.items()
+    seen = client.run(lambda: (dask.config.get(key), dask.config.get("plexrl.state.node-id")))
+    assert len(seen) == 2 and all(got == (value, "auto") for got in seen.values())
+    assert all(w.startswith("tls://") for w in seen)
     reports = slurm.wait_for_plexrl_workers(client, 2, 10)
     nodes = sorted(r["node"] for r in reports.values())
     assert nodes == slurm.slurm_nodes() == ["n1", "n2"]

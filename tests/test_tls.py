@@ -17,7 +17,15 @@ from distributed import Client, Security
 
 import plexrl_dask as plexrl
 from plexrl_dask import errors
-from plexrl_dask.cluster import scheduler_process, stop_process, tls_environment, worker_process
+from plexrl_dask.cli import _client_credentials
+from plexrl_dask.cli import main as plexrl_main
+from plexrl_dask.cluster import (
+    client_security,
+    scheduler_process,
+    stop_process,
+    tls_environment,
+    worker_process,
+)
 from plexrl_dask.state_store.keys import derived_model
 from plexrl_dask.state_store.node import NodeState
 from tests.conftest import node_state, tiny_spec, unique
@@ -81,10 +89,11 @@ def role(sec: Security, name: str) -> Security:
     )
 
 
-def test_a_tls_local_cluster_trains_a_group_and_syncs_its_replicas():
+def test_a_tls_local_cluster_trains_a_group_and_syncs_its_replicas(tmp_path, capsys):
     """``local_cluster(security=..., protocol="tls")``: a two-rank trainer (its rendezvous
     through the scheduler), a rollout replica synced from it and sampled, the dashboard's
-    Timeline filled by polls of both workers."""
+    Timeline filled by polls of both workers; ``plexrl status`` from the client credentials
+    saved for other processes."""
     sec = Security.temporary()
     with (
         plexrl.local_cluster(n_workers=2, security=sec, protocol="tls") as cluster,
@@ -106,6 +115,20 @@ def test_a_tls_local_cluster_trains_a_group_and_syncs_its_replicas():
             assert time.monotonic() < deadline, f"the Timeline saw only {workers}"
             time.sleep(0.5)
         assert all(w.startswith("tls://") for w in workers)
+
+        # a client in another process: through the credentials `plexrl slurm` writes
+        with _client_credentials(cluster, str(tmp_path)) as connect:
+            saved = tmp_path / cluster.scheduler_address[len("tls://") :].replace(":", "-")
+            assert str(saved) in connect
+            assert saved.stat().st_mode & 0o777 == 0o700
+            assert all(f.stat().st_mode & 0o777 == 0o600 for f in saved.iterdir())
+            address = cluster.scheduler_address
+            assert plexrl_main(["status", "--scheduler", address, "--tls", str(saved)]) == 0
+            shown = capsys.readouterr().out  # (its workers table)
+            assert all(w in shown for w in trainer.info.workers)
+        assert not saved.exists()  # (gone with the cluster)
+        with pytest.raises(errors.ConfigError, match="ca.pem"):
+            client_security(saved)
 
 
 def test_a_tls_shared_cluster_moves_weights_between_nodes(tmp_path):
