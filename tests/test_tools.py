@@ -775,6 +775,36 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
         other = ToolPool(client, {"calc": Calculator()}, job="job-other")
         assert [r.output for r in other.run([ToolCall("calc", "6*7")], timeout_s=0.1)] == ["42"]
         ahead.join(30)
+        # A driver that goes away mid-turn (its client closed, so its task is cancelled):
+        # the calls of its turn that have not started never run.
+        from plexrl_dask.tools.calls import call_threads, run_calls
+
+        def waiting(dask_worker=None) -> int:
+            return call_threads(1).waiting()
+
+        class Noted:  # (a call of 0.3 s that notes it ran)
+            name = "noted"
+
+            def run(self, text: str) -> str:
+                with open(tmp_path / "ran", "a") as f:
+                    f.write(text + "\n")
+                time.sleep(0.3)
+                return text
+
+        doomed = distributed.Client(cluster.scheduler_address, set_as_default=False)
+        naps = [ToolCall("noted", str(i)) for i in range(8 * threads)]
+        doomed.submit(run_calls, naps, {"noted": Noted()}, True, 30.0, "job-doomed", pure=False)
+        deadline = time.monotonic() + 30
+        while client.run(waiting, workers=[tool])[tool] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        doomed.close()
+        deadline = time.monotonic() + 10
+        while client.run(waiting, workers=[tool])[tool]:
+            assert time.monotonic() < deadline, "a cancelled turn's calls still wait to run"
+            time.sleep(0.05)
+        time.sleep(0.5)  # (the calls running then end)
+        assert len((tmp_path / "ran").read_text().split()) < 4 * threads
         # ... on threads every such task on the worker shares: at most its threads at once.
         naps = [ToolCall("where", f"nap{i}") for i in range(2 * threads + 1)]
         spans = []
@@ -932,3 +962,37 @@ def test_a_workers_tool_threads_serve_the_jobs_in_turn():
     outputs = [threads.result(c, None, "here").output for c in [first, *calls]]
     assert outputs == ["a1", "a2", "a3", "a4", "a5", "b1"]  # (each its own result)
     assert order == ["a1", "a2", "b1", "a3", "a4", "a5"]
+
+
+def test_withdrawn_calls_never_run_and_a_running_one_runs_to_its_end():
+    """A task that was cancelled takes its calls that have not started out of the queue
+    (its driver is gone: nobody reads their results); the other jobs' calls keep their turn;
+    a call already running ends as it would."""
+    from plexrl_dask.tools.calls import CallThreads
+
+    threads = CallThreads(1)
+    gate, ran = threading.Event(), []
+
+    def call(name):
+        def run():
+            if name == "a1":
+                gate.wait(10)
+            ran.append(name)
+            return ToolResult(name)
+
+        return run
+
+    first = threads.submit(call("a1"), "a")
+    while first.started is None:
+        time.sleep(0.01)
+    mine = [first, *(threads.submit(call(f"a{i}"), "a") for i in range(2, 5))]
+    other = threads.submit(call("b1"), "b")
+    assert threads.waiting() == 4
+    # (a task waiting on a call returns None as soon as it is cancelled)
+    assert threads.result(mine[1], None, "here", cancelled=lambda: True) is None
+    assert threads.withdraw(mine) == 3 and threads.waiting() == 1
+    assert threads.withdraw(mine) == 0
+    gate.set()
+    assert threads.result(other, None, "here").output == "b1"
+    assert threads.result(first, None, "here").output == "a1"
+    assert ran == ["a1", "b1"] and threads.waiting() == 0

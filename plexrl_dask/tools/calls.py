@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from distributed import get_worker
+from distributed.worker import thread_state
 
 from plexrl_dask.errors import InvalidToolCall, ToolError
 
@@ -191,7 +192,34 @@ def run_calls(
         pool.submit(functools.partial(contextvars.copy_context().run, run_call, c, tools), job)
         for c in calls
     ]
-    return [pool.result(r, give_up_s, where) for r in running]
+    cancelled = _task_cancelled()
+    results = []
+    for r in running:
+        got = pool.result(r, give_up_s, where, cancelled)
+        if got is None:  # (this task was cancelled: its calls not yet started never run)
+            pool.withdraw(running)
+            return [CANCELLED] * len(running)
+        results.append(got)
+    return results
+
+
+#: What a task that was cancelled returns for its calls (nobody reads it: its caller gave up).
+CANCELLED = ToolResult("the call was cancelled before it ran", "ToolCancelled")
+
+
+def _task_cancelled() -> Callable[[], bool]:
+    """Whether the Dask task this thread runs has been cancelled (its caller gave up on it,
+    or its worker released it); never, outside a task."""
+    try:
+        worker, key = get_worker(), thread_state.key
+    except (ValueError, AttributeError):
+        return lambda: False
+
+    def cancelled() -> bool:
+        task = worker.state.tasks.get(key)
+        return task is None or task.state in ("cancelled", "released", "forgotten")
+
+    return cancelled
 
 
 class _Call:
@@ -202,6 +230,7 @@ class _Call:
         self.started: float | None = None
         self.result: ToolResult | None = None
         self.given_up = False
+        self.withdrawn = False
         self.done = threading.Event()
         self.lock = threading.Lock()
 
@@ -233,6 +262,7 @@ class CallThreads:
                 self._turns.append(job)  # (its next call after the other jobs' next)
             else:
                 del self._queues[job]
+            call.started = time.monotonic()  # (under the lock: withdraw sees it)
             return call
 
     def _start(self) -> None:
@@ -241,7 +271,6 @@ class CallThreads:
     def _serve(self) -> None:
         while True:
             call = self._next()
-            call.started = time.monotonic()
             try:
                 result = call.fn()
             except BaseException as e:  # (``run_call`` catches the rest: a tool's exit)
@@ -263,10 +292,42 @@ class CallThreads:
             self._ready.notify()
         return call
 
-    def result(self, call: _Call, give_up_s: float | None, where: str) -> ToolResult:
+    def withdraw(self, calls: Sequence[_Call]) -> int:
+        """Take those of ``calls`` that have not started out of the queues (they never run);
+        how many. A call already running runs to its end or its own limit."""
+        with self._ready:
+            out = [c for c in calls if c.started is None and not c.withdrawn]
+            for call in out:
+                call.withdrawn = True
+            for job, waiting in list(self._queues.items()):
+                kept = collections.deque(c for c in waiting if not c.withdrawn)
+                if len(kept) == len(waiting):
+                    continue
+                if kept:
+                    self._queues[job] = kept
+                else:
+                    del self._queues[job]
+                    self._turns.remove(job)
+        return len(out)
+
+    def waiting(self) -> int:
+        """Calls queued, not yet started."""
+        with self._ready:
+            return sum(len(q) for q in self._queues.values())
+
+    def result(
+        self,
+        call: _Call,
+        give_up_s: float | None,
+        where: str,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> ToolResult | None:
         """``call``'s result once it is done; with ``give_up_s``, a failed result once it has
-        run that long (see :func:`run_calls`)."""
+        run that long (see :func:`run_calls`); None as soon as ``cancelled()`` says its caller
+        is gone."""
         while not call.done.wait(POLL_S):
+            if cancelled is not None and cancelled():
+                return None
             started = call.started
             if give_up_s is None or started is None or time.monotonic() - started < give_up_s:
                 continue

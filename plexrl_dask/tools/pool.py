@@ -29,7 +29,8 @@ time counts from when it starts on its tool worker, not from when the driver sen
 calls of other jobs queued ahead of it on the worker's threads cannot make it fail. The
 driver itself waits at most what a turn of calls at their limit takes on the tool workers'
 threads plus :data:`MARGIN_S`, or ``plexrl.request.timeout`` if that is longer (the bound of
-a wait that others' calls make long).
+a wait that others' calls make long). A task the driver gives up on (or whose driver went
+away) takes its calls that have not started out of the worker's queue.
 """
 
 from __future__ import annotations
@@ -252,6 +253,6 @@ def _outcome(
 
 
 def _cancel(future: Any) -> None:
-    # (best effort: the call's own limit stops its program)
+    # (best effort: the task withdraws its calls not started; a running one ends at its limit)
     with contextlib.suppress(Exception):
         future.cancel()
