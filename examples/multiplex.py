@@ -7,7 +7,7 @@ table at the end and a PNG.
                                  [--out runs/multiplex] [--checkpoint-every N] [--fresh] [--compare isolated|none]
                                  [--model PATH]   # every job on a local HF checkpoint instead
                                  [--rollout-backend vllm]   # rollout on vLLM (CUDA workers)
-                                 [--slurm GPUS [--slurm-queue Q ...] [--dry-run]]   # on SLURM
+                                 [--slurm GPUS [--slurm-queue Q ...] [--dry-run]]   # on SLURM (TLS)
                                  [--scheduler ADDRESS --workers N]   # on a running cluster
 
 Each job runs a supervised warm-up, then GRPO; all jobs share the pool's workers (one per
@@ -226,6 +226,12 @@ def main() -> None:
         default=3600.0,
         help="seconds to wait for the jobs to start",
     )
+    slurm.add_argument(
+        "--slurm-shared-dir",
+        default=None,
+        help="where the workers' copy of the cluster's TLS certificate goes: a directory the "
+        "jobs' nodes see at the same path (default: your home)",
+    )
     slurm.add_argument("--dry-run", action="store_true", help="print the job script and stop")
     running = parser.add_argument_group(
         "on a running PlexRL cluster (Kubernetes, dask scheduler --preload), instead of a local one"
@@ -296,6 +302,8 @@ def main() -> None:
         }
         if args.slurm_scheduler_host:
             site["scheduler_options"] = {"host": args.slurm_scheduler_host}
+        if args.slurm_shared_dir:
+            site["shared_temp_directory"] = args.slurm_shared_dir
         cluster_cm = plexrl.slurm_cluster(
             args.slurm,
             args.rollout_backend,

@@ -85,13 +85,16 @@ def test_the_main_job_on_slurm_prints_its_job_script(tmp_path):
         "gpu",
         "--slurm-scheduler-host",
         "127.0.0.1",
+        "--slurm-shared-dir",
+        str(tmp_path),
         "--dry-run",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "#SBATCH -p gpu" in proc.stdout and "#SBATCH --gres=gpu:1" in proc.stdout
     worker = [line for line in proc.stdout.splitlines() if "dask_worker" in line]
-    assert len(worker) == 1 and worker[0].endswith("--resources GPU=1")
-    assert "tcp://127.0.0.1:" in worker[0]
+    assert len(worker) == 1 and "--resources GPU=1" in worker[0]
+    # (TLS by default: the workers' certificate in the shared directory)
+    assert "tls://127.0.0.1:" in worker[0] and f"--tls-key {tmp_path}/" in worker[0]
 
     proc = run_main(
         tmp_path / "r",
@@ -101,6 +104,8 @@ def test_the_main_job_on_slurm_prints_its_job_script(tmp_path):
         "4",
         "--slurm-scheduler-host",
         "127.0.0.1",
+        "--slurm-shared-dir",
+        str(tmp_path),
         "--dry-run",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -386,6 +386,76 @@ def test_policy_gradient_clipping_zeroes_gradient_beyond_the_trust_region():
     assert float(value.detach()) == pytest.approx(expected, rel=1e-5)
 
 
+def test_cispo_weighs_every_tokens_gradient_by_its_clipped_ratio_without_its_gradient():
+    """CISPO (Tinker's ``cispo``): ``l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A logp``.
+    Unlike PPO's clip, a token past the bounds keeps its gradient, weighed by the bound."""
+    lengths = (2, 2, 2, 2)
+    advantages = [1.0, -1.0, -1.0, 1.0]
+    shifts = [-1.0, -1.0, 1.0, 0.1]  # old = logp + shift  ->  ratio = exp(-shift)
+    batch, logp, valid = _setup(lengths, advantages=_adv(lengths, advantages))
+    rows = logp.detach().tolist()
+    batch = tuple(
+        Datum(tokens=d.tokens, advantages=d.advantages, old_logprobs=(0.0, rows[i][0] + shifts[i]))
+        for i, d in enumerate(batch)
+    )
+    value, metrics = compute_loss(
+        PolicyGradient(objective="cispo", clip_low=0.2, clip_high=0.2, normalizer=1.0),
+        batch,
+        logp,
+        valid,
+    )
+    value.backward()
+    coef = [1.2, 1.2, 0.8, math.exp(-0.1)]  # (the ratio, clipped into [0.8, 1.2])
+    lp = [r[0] for r in rows]
+    expected = -sum(c * a * x for c, a, x in zip(coef, advantages, lp, strict=True))
+    assert float(value.detach()) == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(
+        logp.grad[:, 0], -torch.tensor(coef) * torch.tensor(advantages), rtol=1e-5, atol=1e-6
+    )
+    assert metrics["clip_fraction"] == 0.75  # (every ratio outside the bounds: rows 0-2)
+
+
+def test_dro_is_the_advantage_weighted_log_probability_less_a_quadratic_penalty():
+    """DRO (Tinker's ``dro``): ``l = -(A logp - beta / 2 (logp - old)^2)``."""
+    lengths = (3, 4)
+    advantages = [[0.5, -1.0], [2.0, 0.0, -0.5]]
+    batch, logp, valid = _setup(lengths, pad=0.0, advantages=advantages)
+    rows = logp.detach().tolist()
+    shifts = [[0.3, -0.2], [0.0, 1.0, 0.5]]
+    batch = tuple(
+        Datum(
+            tokens=d.tokens,
+            advantages=d.advantages,
+            old_logprobs=(0.0,) + tuple(v + s for v, s in zip(rows[i], shifts[i], strict=False)),
+        )
+        for i, d in enumerate(batch)
+    )
+    beta = 0.7
+    value, _ = compute_loss(
+        PolicyGradient(objective="dro", dro_beta=beta, normalizer=1.0), batch, logp, valid
+    )
+    value.backward()
+    expected, grads = 0.0, []
+    for i, row in enumerate(advantages):
+        for j, a in enumerate(row):
+            x, d = rows[i][j], -shifts[i][j]  # (logp - old)
+            expected -= a * x - 0.5 * beta * d * d
+            grads.append((i, j, -(a - beta * d)))
+    assert float(value.detach()) == pytest.approx(expected, rel=1e-5)
+    for i, j, g in grads:
+        assert float(logp.grad[i, j]) == pytest.approx(g, rel=1e-5, abs=1e-6)
+    assert float(logp.grad[0, 2]) == 0.0  # (padding)
+
+
+def test_policy_gradient_objectives_are_checked():
+    with pytest.raises(errors.InvalidLoss, match="objective"):
+        PolicyGradient(objective="gspo")
+    with pytest.raises(errors.InvalidLoss, match="dro_beta"):
+        PolicyGradient(objective="dro", dro_beta=-1.0)
+    with pytest.raises(errors.InvalidLoss, match="clip"):
+        PolicyGradient(objective="cispo", clip=False)
+
+
 def test_policy_gradient_kl_penalty():
     lengths = (3, 4)
     # Padding logp is 0, as the backend passes it (log-probabilities masked by validity).

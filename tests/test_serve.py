@@ -157,6 +157,21 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     ).result()
     want = -sum(min(math.exp(x + 2.0), 1.1) * 0.5 for x in cur)
     assert ppo.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    # CISPO (the clipped ratio weighs the log-probability) and DRO (a quadratic penalty),
+    # each scored on the varied datum, forward only, with their configs and without
+    bounds = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    for config, (lo, hi) in ((bounds, (0.9, 1.1)), (None, (0.8, 1.2))):
+        out = tc.forward([varied], "cispo", config).result()
+        lp = out.loss_fn_outputs[0]["logprobs"].tolist()
+        want = -sum(
+            min(max(math.exp(x - y), lo), hi) * x * a for x, y, a in zip(lp, q, adv, strict=True)
+        )
+        assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    for config, beta in (({"beta": 0.3}, 0.3), (None, 0.05)):
+        out = tc.forward([varied], "dro", config).result()
+        lp = out.loss_fn_outputs[0]["logprobs"].tolist()
+        want = -sum(x * a - 0.5 * beta * (x - y) ** 2 for x, y, a in zip(lp, q, adv, strict=True))
+        assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
     # sampling from the policy's own replica at this step
@@ -267,7 +282,11 @@ def test_bad_input_is_typed_and_touches_no_other_tenant(server):
     r = post("create_session", keys["alice"], content=b"[" * 100_000)
     assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest"
     with pytest.raises(tinker.BadRequestError, match="UnsupportedCall"):
-        tc.forward_backward([ce_datum(A)], "dro").result()
+        tc.forward_backward([ce_datum(A)], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="dro takes loss_fn_inputs.*InvalidTinkerRequest"):
+        tc.forward_backward([ce_datum(A)], "dro").result()  # (an SFT datum)
+    with pytest.raises(tinker.BadRequestError, match="beta.*InvalidTinkerRequest"):
+        tc.forward_backward([rl_datum(A, -2.0, 0.5)], "dro", {"beta": -1.0}).result()
     session = post("create_session", keys["alice"], json={}).json()["session_id"]
     for lora in ({"rank": -1}, {"rank": 10**6}, {"rank": 4, "train_attn": False,
                  "train_mlp": False, "train_unembed": False}):  # fmt: skip

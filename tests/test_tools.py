@@ -793,7 +793,9 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
 
         doomed = distributed.Client(cluster.scheduler_address, set_as_default=False)
         naps = [ToolCall("noted", str(i)) for i in range(8 * threads)]
-        doomed.submit(run_calls, naps, {"noted": Noted()}, True, 30.0, "job-doomed", pure=False)
+        doomed.submit(
+            run_calls, naps, {"noted": Noted()}, True, 30.0, "job-doomed", workers=[tool], pure=False
+        )
         deadline = time.monotonic() + 30
         while client.run(waiting, workers=[tool])[tool] == 0:
             assert time.monotonic() < deadline

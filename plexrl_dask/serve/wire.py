@@ -43,14 +43,19 @@ except ImportError:  # pragma: no cover - checked by serve.app.create_app
 
 #: The Tinker SDK version whose wire contract this module implements.
 SDK_VERSION = "0.38.0"
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")
-#: Each loss's inputs (besides ``target_tokens``) and the keys its config may have.
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+#: Each loss's inputs (besides ``target_tokens``) and the keys its config may have, with
+#: their defaults (Tinker documents none for cispo and dro: ours are ppo's bounds, and the
+#: beta its documentation shows).
 _INPUTS = {
     "cross_entropy": ("weights",),
     "importance_sampling": ("logprobs", "advantages"),
     "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
 }
-_CONFIG = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}}
+_BOUNDS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_CONFIG = {"ppo": _BOUNDS, "cispo": _BOUNDS, "dro": {"beta": 0.05}}
 _DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
 
 
@@ -113,14 +118,21 @@ def _loss(loss_fn: str, config: Mapping[str, float]) -> Loss:
         return CrossEntropy(normalizer=1.0)
     if loss_fn == "importance_sampling":
         return PolicyGradient(clip=False, normalizer=1.0)
+    if loss_fn == "dro":
+        beta = float(config.get("beta", allowed["beta"]))
+        if not (math.isfinite(beta) and beta >= 0):
+            raise InvalidTinkerRequest(f"dro's beta must be finite and >= 0, got {beta}")
+        return PolicyGradient(objective="dro", dro_beta=beta, normalizer=1.0)
     low = float(config.get("clip_low_threshold", allowed["clip_low_threshold"]))
     high = float(config.get("clip_high_threshold", allowed["clip_high_threshold"]))
     if not (0.0 < low <= 1.0 <= high and math.isfinite(high)):
         raise InvalidTinkerRequest(
-            f"ppo's ratio bounds need 0 < clip_low_threshold <= 1 <= clip_high_threshold, "
-            f"got {low}, {high}"
+            f"{loss_fn}'s ratio bounds need 0 < clip_low_threshold <= 1 <= "
+            f"clip_high_threshold, got {low}, {high}"
         )
-    return PolicyGradient(clip_low=1.0 - low, clip_high=high - 1.0, normalizer=1.0)
+    return PolicyGradient(
+        objective=loss_fn, clip_low=1.0 - low, clip_high=high - 1.0, normalizer=1.0
+    )
 
 
 def _datum(i: int, datum: Any, loss_fn: str) -> tuple[Datum, int]:

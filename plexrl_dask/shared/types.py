@@ -182,6 +182,10 @@ class CrossEntropy:
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+#: What ``PolicyGradient.objective`` may say.
+PG_OBJECTIVES = ("ppo", "cispo", "dro")
+
+
 @dataclass(frozen=True)
 class PolicyGradient:
     """Importance-sampled policy gradient with PPO/GRPO clipping and an optional KL penalty.
@@ -195,6 +199,13 @@ class PolicyGradient:
     Without ``old_logprobs`` the ratio is 1 with the gradient of ``logp`` (on-policy REINFORCE).
     ``clip=False``: no clipping, ``l = -r A`` (plain importance sampling, Tinker's
     ``importance_sampling``); ``clip_low``/``clip_high`` are then unused.
+    ``objective`` (with the KL penalty above added to each): ``"ppo"`` (the rule above;
+    default); ``"cispo"``, ``l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A logp`` (CISPO,
+    Tinker's ``cispo``: the clipped ratio, without its gradient, weighs the log-probability's,
+    so a token past the bounds keeps a gradient where PPO's clip drops it); ``"dro"``,
+    ``l = -(A logp - dro_beta / 2 (logp - old_logp)^2)`` (DRO, Tinker's ``dro``: a quadratic
+    penalty on the distance from the sampler instead of a clip; the advantages are the
+    caller's, as Tinker's).
     ``temperature``: ``logp`` is under ``softmax(logits / temperature)``, the distribution the
     completions were sampled from (TRL's and verl's rule); ``old_logprobs`` and
     ``ref_logprobs`` are to be scored at the same temperature.
@@ -207,10 +218,21 @@ class PolicyGradient:
     kl_estimator: str = "k3"
     clip: bool = True
     temperature: float = 1.0
+    objective: str = "ppo"
+    dro_beta: float = 0.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.clip, bool):
             raise InvalidLoss(f"clip is True or False, got {self.clip!r}")
+        if self.objective not in PG_OBJECTIVES:
+            raise InvalidLoss(f"objective is one of {PG_OBJECTIVES}, got {self.objective!r}")
+        if self.objective == "cispo" and not self.clip:
+            raise InvalidLoss("the cispo objective clips its ratio: clip must be True")
+        b = self.dro_beta
+        if isinstance(b, bool) or not isinstance(b, int | float) or not (
+            math.isfinite(b) and b >= 0
+        ):
+            raise InvalidLoss(f"dro_beta must be finite and >= 0, got {b!r}")
         if not (0.0 <= self.clip_low < 1.0) or not (self.clip_high >= 0.0):
             raise InvalidLoss(
                 f"clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, "

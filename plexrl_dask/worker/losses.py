@@ -1,4 +1,5 @@
-"""Token-level losses of ``forward_backward``: cross-entropy and clipped policy gradient.
+"""Token-level losses of ``forward_backward``: cross-entropy and policy gradient (PPO's
+clipped ratio, plain importance sampling, CISPO, DRO: ``PolicyGradient``).
 
 Inputs are per-token tensors of shape (B, L-1), aligned with the predicted tokens
 ``tokens[:, 1:]`` (the per-token fields of :class:`~plexrl_dask.Datum` minus their unused
@@ -62,8 +63,18 @@ def compute_loss(
         old = logp.detach() if old is None else old.to(logp.device)
         mask = weights > 0
         # Unweighted positions get ratio 1: their (padded) old log-probs could overflow exp().
-        ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(logp)))
-        if loss.clip:
+        log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
+        ratio = torch.exp(log_ratio)
+        # (cispo and dro weigh logp itself: an unweighted position's, padding's, is left out)
+        own = torch.where(mask, logp, torch.zeros_like(logp))
+        if loss.objective == "cispo":
+            low, high = 1.0 - loss.clip_low, 1.0 + loss.clip_high
+            per_token = -ratio.clamp(low, high).detach() * adv * own
+            clipped = (ratio < low) | (ratio > high)
+            metrics["clip_fraction"] = float((clipped & mask).sum()) / max(int(mask.sum()), 1)
+        elif loss.objective == "dro":
+            per_token = -(adv * own - 0.5 * loss.dro_beta * log_ratio * log_ratio)
+        elif loss.clip:
             clipped = ratio.clamp(1.0 - loss.clip_low, 1.0 + loss.clip_high)
             per_token = -torch.minimum(ratio * adv, clipped * adv)
             # Tokens whose clipped term is the one taken (no gradient through them): past
