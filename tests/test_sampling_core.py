@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plexrl_dask import errors
-from plexrl_dask.shared.types import CrossEntropy, Datum, PolicyGradient
+from plexrl_dask.shared.types import CrossEntropy, Datum, PolicyGradient, SamplingParams
 from plexrl_dask.worker.losses import compute_loss
 from plexrl_dask.worker.sampling import choose_tokens, uniforms
 
@@ -166,6 +166,38 @@ def test_top_p_never_picks_outside_the_nucleus(logits, temperature, top_p, u):
     above = p[p > p[chosen]].sum()
     assert above < top_p + 1e-9, (chosen, above, top_p)
     assert math.isfinite(float(logprobs[0])) and float(logprobs[0]) <= 0.0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    logits=LOGIT_ROWS,
+    temperature=st.floats(min_value=0.05, max_value=4.0),
+    top_k=st.integers(min_value=1, max_value=8),
+    top_p=st.sampled_from([1.0, 0.5]),
+    u=UNIFORMS,
+)
+def test_top_k_picks_among_the_k_most_probable_and_scores_before_truncation(
+    logits, temperature, top_k, top_p, u
+):
+    row = torch.tensor([logits], dtype=torch.float32)
+    tokens, logprobs = choose_tokens(row, temperature, top_p, np.array([u]), top_k)
+    chosen = int(tokens[0])
+    p = _probs(row, temperature)[0]
+    assert p[chosen] > 0.0
+    # fewer than top_k tokens are strictly more probable than the chosen one
+    assert int((p > p[chosen]).sum()) < top_k
+    # its log-probability is under the whole distribution, as without truncation
+    full = torch.log_softmax(row / temperature, dim=-1)[0, chosen]
+    assert float(logprobs[0]) == pytest.approx(float(full), abs=1e-5)
+
+
+def test_top_k_of_one_is_the_most_probable_token_whatever_the_uniform():
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(3)) * 3
+    for u in (0.0, 0.3, np.nextafter(1.0, 0.0)):
+        tokens, _ = choose_tokens(logits, 1.3, 1.0, np.full(8, u), top_k=1)
+        assert torch.equal(tokens, logits.argmax(dim=-1))
+    with pytest.raises(errors.InvalidSamplingParams, match="top_k"):
+        SamplingParams(top_k=-1)
 
 
 @settings(max_examples=60, deadline=None)

@@ -197,6 +197,11 @@ def test_the_sdk_trains_and_samples_with_the_runtimes_numbers(server):
     assert loaded.sample(prompt, 1, greedy).result().sequences[0].tokens == (
         sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
     )
+    # top-k: the one most probable token at any temperature is the greedy choice
+    top1 = types.SamplingParams(max_tokens=4, temperature=1.5, top_k=1, seed=5)
+    assert [s.tokens for s in sampler.sample(prompt, 3, top1).result().sequences] == [
+        sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
+    ] * 3
     base = sc.create_sampling_client(base_model=BASE).result()
     assert len(base.sample(prompt, 1, greedy).result().sequences) == 1
     # without max_tokens: up to what the context leaves after the prompt

@@ -41,6 +41,8 @@ KINDS = {
     "sample-stop": SamplingParams(n=4, max_tokens=24, stop=("1", "5"), seed=7),
     "greedy": SamplingParams(n=3, max_tokens=12, temperature=0.0),
     "nucleus": SamplingParams(n=5, max_tokens=40, temperature=0.7, top_p=0.8, seed=3),
+    "top-k": SamplingParams(n=5, max_tokens=30, temperature=1.2, top_k=3, seed=5),
+    "top-k-and-p": SamplingParams(n=4, max_tokens=30, temperature=1.0, top_k=5, top_p=0.9),
 }
 
 
@@ -146,21 +148,25 @@ def test_uniforms_on_the_device_are_the_hosts_bit_for_bit(seed, prompt, sample, 
     assert np.array_equal(device.numpy(), host)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 1.0), (0.9, 0.5)])
-def test_the_choice_without_read_back_is_the_hosts(temperature, top_p):
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k",
+    [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 1.0, 0), (0.9, 0.5, 0), (1.0, 1.0, 7), (0.8, 0.6, 40)],
+)
+def test_the_choice_without_read_back_is_the_hosts(temperature, top_p, top_k):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 300, generator=gen) * 4
     logits[3, 250:] = float("-inf")  # a row whose last tokens have no mass
     u = np.random.default_rng(1).random(16)
     u[3] = np.nextafter(1.0, 0.0)  # the top of the CDF: the last token with mass
-    want = choose_tokens(logits, temperature, top_p, u)
+    want = choose_tokens(logits, temperature, top_p, u, top_k)
     got = choose_tokens_on_device(
         logits,
         torch.tensor(max(temperature, 1.0) if temperature == 0 else temperature),
         torch.tensor(top_p, dtype=torch.float64),
         torch.from_numpy(u),
         greedy=temperature == 0,
-        nucleus=top_p < 1,
+        nucleus=top_p < 1 or top_k > 0,
+        top_k=torch.tensor(top_k),
     )
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     assert int(got[0][3]) < 250

@@ -309,8 +309,11 @@ def sampling_params(
     prompt)."""
     if not isinstance(params, dict):
         raise InvalidTinkerRequest("sampling_params is an object")
-    if params.get("top_k", -1) not in (-1, 0, None):
-        raise UnsupportedCall("top_k sampling is not supported (top_p is)")
+    top_k = params.get("top_k", -1)
+    if top_k is None or top_k in (-1, 0):
+        top_k = 0  # (Tinker's "no limit" is -1)
+    elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise InvalidTinkerRequest(f"top_k is -1 (no limit) or an int >= 1, got {top_k!r}")
     stop = params.get("stop")
     strings: tuple[str, ...] = ()
     ids: tuple[int, ...] = ()
@@ -333,6 +336,7 @@ def sampling_params(
             n=num_samples,
             temperature=float(params.get("temperature", 1.0)),
             top_p=float(params.get("top_p", 1.0)),
+            top_k=top_k,
             max_tokens=max_tokens if max_tokens is not None else max(1, room),
             stop=strings,
             seed=default_seed if seed is None else seed,

@@ -378,7 +378,8 @@ MAX_STOP_TOKENS = 1024
 class SamplingParams:
     """How to sample completions.
 
-    ``n`` samples per prompt; ``temperature`` 0 is greedy; nucleus sampling with ``top_p``;
+    ``n`` samples per prompt; ``temperature`` 0 is greedy; nucleus sampling with ``top_p``,
+    and among the ``top_k`` most probable tokens (0: all), both together where both are set;
     generation stops after ``max_tokens``, at the end-of-sequence token or one of
     ``stop_token_ids`` (a chat template's end-of-turn token, say), or once the completion text
     contains one of the ``stop`` strings (the tokens up to and including the one that
@@ -402,6 +403,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     special_tokens: bool | None = None
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         # A lone string is one stop string, not a set of characters.
@@ -422,6 +424,8 @@ class SamplingParams:
             problems.append(f"temperature must be finite and >= 0 (got {self.temperature!r})")
         if not (_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1] (got {self.top_p})")
+        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k must be an int >= 0, 0 for no limit (got {self.top_k!r})")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an int >= 1 (got {self.max_tokens!r})")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -434,6 +438,11 @@ class SamplingParams:
             )
         if problems:
             raise InvalidSamplingParams("; ".join(problems))
+
+    @property
+    def truncated(self) -> bool:
+        """Whether sampling is limited to a part of the vocabulary (``top_p`` or ``top_k``)."""
+        return self.top_p < 1.0 or self.top_k > 0
 
     def stop_ids(self, eos_token_id: int | None) -> frozenset[int]:
         """The token ids that end a completion on a model whose end-of-sequence token is

@@ -195,7 +195,9 @@ class Completions:
         position = np.array([len(self.tokens[r]) for r in index], dtype=np.int64)
         u = uniforms_at(self.keys[index], position)
         params = self.params
-        chosen, chosen_lp = choose_tokens(logits, params.temperature, params.top_p, u)
+        chosen, chosen_lp = choose_tokens(
+            logits, params.temperature, params.top_p, u, params.top_k
+        )
         goes_on = []
         for r, token, lp in zip(index, chosen.tolist(), chosen_lp.tolist(), strict=True):
             seq = self.tokens[r]

@@ -87,14 +87,14 @@ def uniforms_on_device(keys: torch.Tensor, position: torch.Tensor) -> torch.Tens
 
 
 def choose_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, u: np.ndarray
+    logits: torch.Tensor, temperature: float, top_p: float, u: np.ndarray, top_k: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` (B, V) by inverse-CDF sampling with uniforms ``u``
-    (the CDF in vocabulary order when ``top_p >= 1``; in descending probability, truncated to
-    the nucleus, otherwise).
+    (the CDF in vocabulary order when ``top_p >= 1`` and ``top_k`` is 0; otherwise in
+    descending probability, truncated to the nucleus and to the ``top_k`` most probable).
 
     Returns ``(tokens, logprobs)``: the log-probability is under ``log_softmax(logits /
-    temperature)`` (before top-p truncation), or under ``log_softmax(logits)`` when greedy.
+    temperature)`` (before truncation), or under ``log_softmax(logits)`` when greedy.
     Every operation is row-wise, so a row's result does not depend on the other rows.
     """
     target_u = torch.from_numpy(u).to(logits.device)
@@ -104,8 +104,9 @@ def choose_tokens(
         top_p,
         target_u,
         greedy=temperature == 0.0,
-        nucleus=top_p < 1.0,
+        nucleus=top_p < 1.0 or top_k > 0,
         check_end=True,
+        top_k=top_k,
     )
 
 
@@ -118,11 +119,13 @@ def choose_tokens_on_device(
     greedy: bool,
     nucleus: bool,
     check_end: bool = False,
+    top_k: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`choose_tokens` with the uniforms ``u`` (float64, (B,)) already on the device and
-    ``temperature``/``top_p`` as Python numbers or 0-d tensors (float32 / float64: the same
-    arithmetic as the numbers), the kind of choice (``greedy``, ``nucleus``) fixed by the
-    caller. With ``check_end`` False nothing waits for the device (no value is read back), so
+    ``temperature``/``top_p``/``top_k`` as Python numbers or 0-d tensors (float32 / float64
+    / int64: the same arithmetic as the numbers; a ``top_k`` of 0 or past the vocabulary
+    keeps every token), the kind of choice (``greedy``, ``nucleus``: truncated by ``top_p``
+    or ``top_k``) fixed by the caller. With ``check_end`` False nothing waits for the device (no value is read back), so
     the choice can be captured in a CUDA graph; the result is the same either way."""
     logits = logits.float()
     if greedy:
@@ -151,8 +154,12 @@ def choose_tokens_on_device(
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     cdf = sorted_p.cumsum(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays), and
+    # at most top_k of them.
     keep = (cdf - sorted_p) < top_p
+    if isinstance(top_k, torch.Tensor) or top_k > 0:
+        rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
+        keep &= (rank < top_k) | (top_k <= 0)
     sorted_p = sorted_p * keep
     cdf = sorted_p.cumsum(dim=-1)
     total = cdf[:, -1:]

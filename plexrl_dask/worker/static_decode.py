@@ -128,6 +128,7 @@ class _Cache:
     chosen: torch.Tensor
     temperature: torch.Tensor  # () float32
     top_p: torch.Tensor  # () float64
+    top_k: torch.Tensor  # () int64, 0: no limit
     columns: torch.Tensor  # (length,) 0 .. length - 1
 
     @property
@@ -231,6 +232,7 @@ class StaticEngine:
             chosen=zeros(slots, 2, dtype=torch.float64),
             temperature=torch.ones((), dtype=torch.float32, device=dev),
             top_p=torch.ones((), dtype=torch.float64, device=dev),
+            top_k=torch.zeros((), dtype=torch.int64, device=dev),
             columns=torch.arange(length, device=dev),
         )
         return self._cache
@@ -286,7 +288,13 @@ class StaticEngine:
         assert c is not None
         u = uniforms_on_device(c.row_keys[:batch], c.completion[:batch])
         tokens, logprobs = choose_tokens_on_device(
-            c.logits[:batch], c.temperature, c.top_p, u, greedy=greedy, nucleus=nucleus
+            c.logits[:batch],
+            c.temperature,
+            c.top_p,
+            u,
+            greedy=greedy,
+            nucleus=nucleus,
+            top_k=c.top_k,
         )
         c.chosen[:batch, 0].copy_(tokens)
         c.chosen[:batch, 1].copy_(logprobs)
@@ -426,9 +434,10 @@ class StaticEngine:
         if addresses != self._addresses:
             self._graphs.clear()  # weights moved (a reload, a new layout): record again
             self._addresses = addresses
-        greedy, nucleus = params.temperature == 0.0, params.top_p < 1.0
+        greedy, nucleus = params.temperature == 0.0, params.truncated
         c.temperature.fill_(params.temperature if not greedy else 1.0)
         c.top_p.fill_(params.top_p)
+        c.top_k.fill_(params.top_k)
         stream = _Stream(self, backend, prompts, rows, params, prompt_ids, refill_min_rows)
         return stream.run(greedy, nucleus)
 

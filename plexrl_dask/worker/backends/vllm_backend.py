@@ -30,7 +30,7 @@ and runtime as the torch backend. What it does, against vLLM's public API (writt
   request was split. With ``plexrl.vllm.batch-invariant`` (the default) vLLM's batch-invariant
   kernels make the row's logits independent of its batch too. Rows are not bit-identical to
   the torch backend's: the engines draw differently from the same seed, and compute with other
-  kernels. ``top_p < 1`` is refused: vLLM's processed log-probabilities are then those of the
+  kernels. ``top_p < 1`` or ``top_k > 0`` is refused: vLLM's processed log-probabilities are then those of the
   truncated distribution, where this project's contract (:class:`SampledSequence`) is the
   distribution before truncation, which the GRPO importance ratio relies on.
 - **Weights.** A published version is loaded by the engine process itself, straight from the
@@ -449,9 +449,10 @@ class VLLMBackend(NotATrainer):
         check_tokens(prompts, self.vocab_size, self.max_positions, params.max_tokens, "prompt")
         if len(prompt_ids) != len(prompts):
             raise EmptyBatch(f"{len(prompt_ids)} prompt ids for {len(prompts)} prompts")
-        if params.top_p < 1.0:
+        if params.truncated:
             raise InvalidSamplingParams(
-                f"the vLLM backend samples with top_p = 1 only (got {params.top_p}): its "
+                f"the vLLM backend samples with top_p = 1 and top_k = 0 only (got "
+                f"{params.top_p}, {params.top_k}): its "
                 "log-probabilities would be those of the truncated distribution, not of the "
                 "distribution before truncation that the loss expects"
             )
