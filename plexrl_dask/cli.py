@@ -97,6 +97,10 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _terminated(*_: object) -> None:
+    raise SystemExit(143)
+
+
 def _until_stopped() -> None:
     """Wait for Ctrl-C or SIGTERM, then return (the caller's ``with`` closes what it runs).
     Set only once up: before, Ctrl-C interrupts the start or the wait for workers."""
@@ -108,6 +112,10 @@ def _until_stopped() -> None:
 
 def _cmd_slurm(args: argparse.Namespace) -> int:
     from plexrl_dask import slurm
+
+    # (SIGTERM while the jobs start ends as Ctrl-C does: the jobs cancelled, the cluster's
+    # credentials removed; _until_stopped takes it over once they are up)
+    signal.signal(signal.SIGTERM, _terminated)
 
     # (the site's jobqueue config first, then what the command line adds to it)
     directives = dask.config.get("jobqueue.slurm.job-extra-directives", None) or []

@@ -7,6 +7,7 @@ same defaults, and users override them the usual Dask ways.
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 from dataclasses import dataclass
@@ -214,8 +215,9 @@ def placement_config() -> PlacementConfig:
 
 #: Settings that :func:`shipped_settings` never ships: the operator's secret (a job script or a
 #: pod spec is no place for it: give the scheduler its own), the node id of the machine that
-#: set it, and the front door's and the local cluster's, read only in the process that set them.
-NOT_SHIPPED = ("operator-secret", "state.node-id", "serve", "local-cluster")
+#: set it, the scheduler's journal (a path on the driver's machine), and the front door's and
+#: the local cluster's, read only in the process that set them.
+NOT_SHIPPED = ("operator-secret", "state.node-id", "scheduler.journal", "serve", "local-cluster")
 
 
 def shipped_settings() -> dict[str, str]:
@@ -224,7 +226,10 @@ def shipped_settings() -> dict[str, str]:
     ``plexrl.*`` setting that differs from PlexRL's defaults, except :data:`NOT_SHIPPED`.
     A setting whose default is a non-empty mapping is shipped key by key, any other whole.
     Values are Python literals (``repr``), which Dask reads back with ``ast.literal_eval``:
-    a string stays a string, ``None`` stays null."""
+    a string stays a string, ``None`` stays null; :class:`ConfigError` names a setting whose
+    value would not come back as it is (a path object, an infinity). Keys are compared in
+    their hyphenated form: a setting made by a ``DASK_PLEXRL__...`` variable keeps its
+    underscores in Dask's config."""
     env: dict[str, str] = {}
 
     def walk(value: object, default: object, path: tuple[str, ...]) -> None:
@@ -232,10 +237,21 @@ def shipped_settings() -> dict[str, str]:
             return
         if isinstance(value, dict) and isinstance(default, dict) and default:
             for key in value:
-                walk(value[key], default.get(key, _ABSENT), (*path, str(key)))
+                name = str(key).replace("_", "-")
+                walk(value[key], default.get(name, _ABSENT), (*path, name))
         elif value != default:
+            text = repr(value)
+            try:
+                same = ast.literal_eval(text) == value
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                same = False
+            if not same:
+                raise ConfigError(
+                    f"plexrl.{'.'.join(path)} = {text:.80} cannot be given to workers started "
+                    "elsewhere: use a plain number, string, bool, list or mapping"
+                )
             name = "__".join(p.upper().replace("-", "_") for p in ("plexrl", *path))
-            env[f"DASK_{name}"] = repr(value)
+            env[f"DASK_{name}"] = text
 
     walk(dask.config.get("plexrl"), _defaults["plexrl"], ())
     return env

@@ -114,7 +114,8 @@ def slurm_cluster(
     scheduler or the workers (a Dask client runs code on them). dask-jobqueue writes the
     workers' copy of it, readable only by you, into ``shared_temp_directory`` (a site
     argument, or ``jobqueue.slurm.shared-temp-directory``; by default your home directory),
-    which the jobs' nodes must see at the same path; it is deleted when the cluster closes."""
+    which the jobs' nodes must see at the same path; dask-jobqueue deletes it when the cluster
+    object is collected or the process exits."""
     try:
         from dask_jobqueue import SLURMCluster
     except ImportError as e:

@@ -139,3 +139,43 @@ def test_the_printed_config_does_not_show_the_operator_secret(capsys):
         assert main(["config"]) == 0
     out = capsys.readouterr().out
     assert "s3cret-value" not in out and "operator-secret" in out and "request" in out
+
+
+def test_settings_shipped_to_workers_elsewhere_are_the_changed_ones_and_never_the_secret():
+    """``shipped_settings``: what differs from the defaults, as ``DASK_PLEXRL__`` variables
+    that read back as set; never the operator secret, the node id or the journal, whether set
+    in the driver's Dask config or by its own environment (whose keys Dask keeps with
+    underscores); a value that would not read back is a ConfigError naming it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    driver = {
+        "plexrl.worker.timeline-length": 7,
+        "plexrl.scheduler.load-bandwidth-priors.dram": "20GB",
+        "plexrl.operator-secret": "s" * 16,
+        "plexrl.scheduler.journal": "/driver/journal.sqlite",
+        "plexrl.serve.keys-file": "/driver/keys",
+    }
+    with dask.config.set(driver):
+        assert config.shipped_settings() == {
+            "DASK_PLEXRL__WORKER__TIMELINE_LENGTH": "7",
+            "DASK_PLEXRL__SCHEDULER__LOAD_BANDWIDTH_PRIORS__DRAM": "'20GB'",
+        }
+    env = {
+        **os.environ,
+        "DASK_PLEXRL__OPERATOR_SECRET": "e" * 16,
+        "DASK_PLEXRL__STATE__NODE_ID": "the-driver",
+        "DASK_PLEXRL__LOCAL_CLUSTER__N_WORKERS": "3",
+        "DASK_PLEXRL__WORKER__TIMELINE_LENGTH": "9",
+    }
+    code = "import json, plexrl_dask.config as c; print(json.dumps(c.shipped_settings()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert json.loads(out.stdout) == {"DASK_PLEXRL__WORKER__TIMELINE_LENGTH": "9"}, out.stderr
+    for bad in (float("inf"), float("nan")):
+        with (
+            dask.config.set({"plexrl.request.timeout": bad}),
+            pytest.raises(errors.ConfigError, match="plexrl.request.timeout"),
+        ):
+            config.shipped_settings()

@@ -186,6 +186,10 @@ def test_top_k_picks_among_the_k_most_probable_and_scores_before_truncation(
     assert p[chosen] > 0.0
     # fewer than top_k tokens are strictly more probable than the chosen one
     assert int((p > p[chosen]).sum()) < top_k
+    # and top_p applies to the top_k's own mass (Hugging Face's and vLLM's order): the mass of
+    # those more probable than the chosen one is under top_p of it (ties may go either way)
+    top = np.sort(p)[::-1][:top_k]
+    assert float(p[p > p[chosen]].sum()) < top_p * float(top.sum()) + 1e-9
     # its log-probability is under the whole distribution, as without truncation
     full = torch.log_softmax(row / temperature, dim=-1)[0, chosen]
     assert float(logprobs[0]) == pytest.approx(float(full), abs=1e-5)

@@ -966,6 +966,40 @@ def test_a_workers_tool_threads_serve_the_jobs_in_turn():
     assert order == ["a1", "a2", "b1", "a3", "a4", "a5"]
 
 
+def test_a_cancelled_turn_still_gives_up_on_its_call_stuck_in_a_tool(monkeypatch):
+    """A turn's task that is cancelled withdraws its queued calls but still waits out the one
+    running (at most its give-up time), so that a call stuck in its tool is given up on and
+    its thread replaced, not left holding a thread of the pool for good."""
+    from plexrl_dask.tools import calls as calls_module
+
+    threads = calls_module.CallThreads(1)
+    monkeypatch.setattr(calls_module, "call_threads", lambda n: threads)
+    gate, ran = threading.Event(), []
+    # (cancelled once its first call has started)
+    monkeypatch.setattr(calls_module, "_task_cancelled", lambda: lambda: bool(ran))
+
+    class Stuck:
+        name = "stuck"
+
+        def run(self, text: str) -> str:
+            ran.append(text)
+            if text == "hang":
+                gate.wait(30)
+            return text
+
+    t0 = time.monotonic()
+    got = calls_module.run_calls(
+        [ToolCall("stuck", "hang"), ToolCall("stuck", "never")], {"stuck": Stuck()}, True, 0.3
+    )
+    assert [r.error for r in got] == ["ToolCancelled"] * 2
+    assert 0.3 <= time.monotonic() - t0 < 10 and ran == ["hang"]
+    # the stuck call was given up on: another thread serves the next call at once
+    late = threads.submit(lambda: ToolResult("late"), "j")
+    assert late.done.wait(5), "the stuck call still holds the pool's only thread"
+    assert late.result is not None and late.result.output == "late"
+    gate.set()
+
+
 def test_withdrawn_calls_never_run_and_a_running_one_runs_to_its_end():
     """A task that was cancelled takes its calls that have not started out of the queue
     (its driver is gone: nobody reads their results); the other jobs' calls keep their turn;

@@ -378,8 +378,9 @@ MAX_STOP_TOKENS = 1024
 class SamplingParams:
     """How to sample completions.
 
-    ``n`` samples per prompt; ``temperature`` 0 is greedy; nucleus sampling with ``top_p``,
-    and among the ``top_k`` most probable tokens (0: all), both together where both are set;
+    ``n`` samples per prompt; ``temperature`` 0 is greedy; among the ``top_k`` most probable
+    tokens (0: all), then nucleus sampling with ``top_p`` of what that leaves (its mass
+    renormalised, as Hugging Face and vLLM apply the two);
     generation stops after ``max_tokens``, at the end-of-sequence token or one of
     ``stop_token_ids`` (a chat template's end-of-turn token, say), or once the completion text
     contains one of the ``stop`` strings (the tokens up to and including the one that
@@ -424,8 +425,9 @@ class SamplingParams:
             problems.append(f"temperature must be finite and >= 0 (got {self.temperature!r})")
         if not (_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1] (got {self.top_p})")
-        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 0):
-            problems.append(f"top_k must be an int >= 0, 0 for no limit (got {self.top_k!r})")
+        k = self.top_k
+        if isinstance(k, bool) or not (isinstance(k, int) and 0 <= k < 2**31):
+            problems.append(f"top_k must be an int in [0, 2**31), 0 for no limit (got {k!r})")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an int >= 1 (got {self.max_tokens!r})")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -198,6 +198,9 @@ def run_calls(
         got = pool.result(r, give_up_s, where, cancelled)
         if got is None:  # (this task was cancelled: its calls not yet started never run)
             pool.withdraw(running)
+            for call in running:  # (a started one is still given up on past its time)
+                if call.started is not None and not call.withdrawn:
+                    pool.result(call, give_up_s, where)
             return [CANCELLED] * len(running)
         results.append(got)
     return results

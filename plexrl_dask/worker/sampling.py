@@ -91,7 +91,8 @@ def choose_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of ``logits`` (B, V) by inverse-CDF sampling with uniforms ``u``
     (the CDF in vocabulary order when ``top_p >= 1`` and ``top_k`` is 0; otherwise in
-    descending probability, truncated to the nucleus and to the ``top_k`` most probable).
+    descending probability, truncated to the ``top_k`` most probable, then to the nucleus of
+    what they hold).
 
     Returns ``(tokens, logprobs)``: the log-probability is under ``log_softmax(logits /
     temperature)`` (before truncation), or under ``log_softmax(logits)`` when greedy.
@@ -153,13 +154,17 @@ def choose_tokens_on_device(
         tokens = idx[:, 0]
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    cdf = sorted_p.cumsum(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays), and
-    # at most top_k of them.
-    keep = (cdf - sorted_p) < top_p
+    mass: float | torch.Tensor = 1.0
     if isinstance(top_k, torch.Tensor) or top_k > 0:
+        # The top_k most probable first; top_p then takes a share of their mass (Hugging
+        # Face's and vLLM's order). A top_k of 0 leaves the mass at 1, as without it.
         rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
-        keep &= (rank < top_k) | (top_k <= 0)
+        sorted_p = sorted_p * ((rank < top_k) | (top_k <= 0))
+        kept = sorted_p.sum(dim=-1, keepdim=True)
+        mass = torch.where(top_k > 0, kept, 1.0) if isinstance(top_k, torch.Tensor) else kept
+    cdf = sorted_p.cumsum(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p of it (the first token always stays).
+    keep = (cdf - sorted_p) < top_p * mass
     sorted_p = sorted_p * keep
     cdf = sorted_p.cumsum(dim=-1)
     total = cdf[:, -1:]
