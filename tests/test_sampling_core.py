@@ -392,20 +392,27 @@ def test_policy_gradient_normalizer_scales_value_and_gradient():
     torch.testing.assert_close(value.detach(), torch.tensor(-(2 * 1.0 + 2 * 2.0) / 8.0))
 
 
-def test_policy_gradient_clipping_zeroes_gradient_beyond_the_trust_region():
-    # Row 0: ratio e (> 1 + clip_high) with A > 0 -> clipped, no gradient.
-    # Row 1: ratio e with A < 0 -> the unclipped term is the minimum, gradient flows.
-    # Row 2: ratio 1/e (< 1 - clip_low) with A < 0 -> clipped, no gradient.
-    # Row 3: ratio 1/e with A > 0 -> gradient flows.
-    lengths = (2, 2, 2, 2)
-    advantages = [1.0, -1.0, -1.0, 1.0]
-    shifts = [-1.0, -1.0, 1.0, 1.0]  # old = logp + shift  ->  ratio = exp(-shift)
+def _one_token_rows(advantages, shifts):
+    """Rows of one predicted token each, with that advantage and an old log-probability of
+    ``logp + shift`` (so a ratio of ``exp(-shift)``); the batch, logp, valid, logp's rows."""
+    lengths = (2,) * len(advantages)
     batch, logp, valid = _setup(lengths, advantages=_adv(lengths, advantages))
     rows = logp.detach().tolist()
     batch = tuple(
         Datum(tokens=d.tokens, advantages=d.advantages, old_logprobs=(0.0, rows[i][0] + shifts[i]))
         for i, d in enumerate(batch)
     )
+    return batch, logp, valid, rows
+
+
+def test_policy_gradient_clipping_zeroes_gradient_beyond_the_trust_region():
+    # Row 0: ratio e (> 1 + clip_high) with A > 0 -> clipped, no gradient.
+    # Row 1: ratio e with A < 0 -> the unclipped term is the minimum, gradient flows.
+    # Row 2: ratio 1/e (< 1 - clip_low) with A < 0 -> clipped, no gradient.
+    # Row 3: ratio 1/e with A > 0 -> gradient flows.
+    advantages = [1.0, -1.0, -1.0, 1.0]
+    shifts = [-1.0, -1.0, 1.0, 1.0]  # old = logp + shift  ->  ratio = exp(-shift)
+    batch, logp, valid, rows = _one_token_rows(advantages, shifts)
     loss = PolicyGradient(clip_low=0.2, clip_high=0.2)
     value, metrics = compute_loss(loss, batch, logp, valid)
     value.backward()
@@ -425,15 +432,9 @@ def test_policy_gradient_clipping_zeroes_gradient_beyond_the_trust_region():
 def test_cispo_weighs_every_tokens_gradient_by_its_clipped_ratio_without_its_gradient():
     """CISPO (Tinker's ``cispo``): ``l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A logp``.
     Unlike PPO's clip, a token past the bounds keeps its gradient, weighed by the bound."""
-    lengths = (2, 2, 2, 2)
     advantages = [1.0, -1.0, -1.0, 1.0]
     shifts = [-1.0, -1.0, 1.0, 0.1]  # old = logp + shift  ->  ratio = exp(-shift)
-    batch, logp, valid = _setup(lengths, advantages=_adv(lengths, advantages))
-    rows = logp.detach().tolist()
-    batch = tuple(
-        Datum(tokens=d.tokens, advantages=d.advantages, old_logprobs=(0.0, rows[i][0] + shifts[i]))
-        for i, d in enumerate(batch)
-    )
+    batch, logp, valid, rows = _one_token_rows(advantages, shifts)
     value, metrics = compute_loss(
         PolicyGradient(objective="cispo", clip_low=0.2, clip_high=0.2, normalizer=1.0),
         batch,

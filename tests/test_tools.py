@@ -938,19 +938,19 @@ def test_a_turn_of_calls_splits_into_strided_shares():
     assert _shares(0, 4) == []
 
 
-def test_a_workers_tool_threads_serve_the_jobs_in_turn():
-    """One job's many calls queued first do not hold back another job's: the jobs with calls
-    waiting take turns, a call each, each job's in the order they came."""
+def _pool_running_a_gated_call():
+    """Call threads (one) running job "a"'s call "a1", which waits for the gate; the names of
+    the calls in the order they ran; a factory of calls that note their name; "a1"."""
     from plexrl_dask.tools.calls import CallThreads
 
     threads = CallThreads(1)
-    gate, order = threading.Event(), []
+    gate, ran = threading.Event(), []
 
     def call(name):
         def run():
             if name == "a1":
                 gate.wait(10)
-            order.append(name)
+            ran.append(name)
             return ToolResult(name)
 
         return run
@@ -958,6 +958,13 @@ def test_a_workers_tool_threads_serve_the_jobs_in_turn():
     first = threads.submit(call("a1"), "a")
     while first.started is None:
         time.sleep(0.01)
+    return threads, gate, ran, call, first
+
+
+def test_a_workers_tool_threads_serve_the_jobs_in_turn():
+    """One job's many calls queued first do not hold back another job's: the jobs with calls
+    waiting take turns, a call each, each job's in the order they came."""
+    threads, gate, order, call, first = _pool_running_a_gated_call()
     calls = [threads.submit(call(f"a{i}"), "a") for i in range(2, 6)]
     calls.append(threads.submit(call("b1"), "b"))
     gate.set()
@@ -1004,23 +1011,7 @@ def test_withdrawn_calls_never_run_and_a_running_one_runs_to_its_end():
     """A task that was cancelled takes its calls that have not started out of the queue
     (its driver is gone: nobody reads their results); the other jobs' calls keep their turn;
     a call already running ends as it would."""
-    from plexrl_dask.tools.calls import CallThreads
-
-    threads = CallThreads(1)
-    gate, ran = threading.Event(), []
-
-    def call(name):
-        def run():
-            if name == "a1":
-                gate.wait(10)
-            ran.append(name)
-            return ToolResult(name)
-
-        return run
-
-    first = threads.submit(call("a1"), "a")
-    while first.started is None:
-        time.sleep(0.01)
+    threads, gate, ran, call, first = _pool_running_a_gated_call()
     mine = [first, *(threads.submit(call(f"a{i}"), "a") for i in range(2, 5))]
     other = threads.submit(call("b1"), "b")
     assert threads.waiting() == 4
