@@ -101,6 +101,18 @@ def _terminated(*_: object) -> None:
     raise SystemExit(143)
 
 
+@contextlib.contextmanager
+def _terminate_exits() -> Iterator[None]:
+    """Inside, SIGTERM raises ``SystemExit(143)`` as Ctrl-C raises ``KeyboardInterrupt``, so
+    that what the block holds is closed (:func:`_until_stopped` may take it over); the
+    handler before it, after."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _until_stopped() -> None:
     """Wait for Ctrl-C or SIGTERM, then return (the caller's ``with`` closes what it runs).
     Set only once up: before, Ctrl-C interrupts the start or the wait for workers."""
@@ -112,10 +124,6 @@ def _until_stopped() -> None:
 
 def _cmd_slurm(args: argparse.Namespace) -> int:
     from plexrl_dask import slurm
-
-    # (SIGTERM while the jobs start ends as Ctrl-C does: the jobs cancelled, the cluster's
-    # credentials removed; _until_stopped takes it over once they are up)
-    signal.signal(signal.SIGTERM, _terminated)
 
     # (the site's jobqueue config first, then what the command line adds to it)
     directives = dask.config.get("jobqueue.slurm.job-extra-directives", None) or []
@@ -136,6 +144,7 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     if args.shared_dir:
         site["shared_temp_directory"] = args.shared_dir
     with (
+        _terminate_exits(),  # (SIGTERM while the jobs start: cancelled, credentials removed)
         slurm.slurm_cluster(
             args.gpus, args.rollout_backend, gpus_per_job=args.gpus_per_job, tls=args.tls, **site
         ) as cluster,

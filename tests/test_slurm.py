@@ -110,6 +110,25 @@ def test_a_slurm_job_of_several_gpus_runs_one_worker_per_gpu():
             pass
 
 
+def test_sigterm_while_plexrl_slurm_starts_closes_what_it_holds():
+    """``plexrl slurm`` runs its cluster inside ``_terminate_exits``: a SIGTERM there raises
+    SystemExit, so the jobs are cancelled and the client credentials removed on the way out
+    (by default it would end the process on the spot); the handler before it, after."""
+    import signal
+
+    from plexrl_dask.cli import _terminate_exits
+
+    before = signal.getsignal(signal.SIGTERM)
+    closed = []
+    with pytest.raises(SystemExit) as ended, _terminate_exits():
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        finally:
+            closed.append(True)
+    assert ended.value.code == 143 and closed == [True]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 # --- on a real SLURM cluster -----------------------------------------------------------------
 
 NO_SLURM = slurm.environment_problem()
