@@ -1007,6 +1007,33 @@ def test_a_cancelled_turn_still_gives_up_on_its_call_stuck_in_a_tool(monkeypatch
     gate.set()
 
 
+def test_a_cancelled_turn_ends_its_running_sandbox_programs(monkeypatch):
+    """A sandboxed program of a turn whose task is cancelled ends then, not at its wall-clock
+    limit: nobody reads its output any more, and the tool worker's thread is free again."""
+    from dataclasses import replace
+
+    from plexrl_dask.tools import calls as calls_module
+
+    threads = calls_module.CallThreads(1)
+    monkeypatch.setattr(calls_module, "call_threads", lambda n: threads)
+    cancel_at = time.monotonic() + 1.0  # (once the program runs)
+    monkeypatch.setattr(
+        calls_module, "_task_cancelled", lambda: lambda: time.monotonic() > cancel_at
+    )
+    limits = replace(FAST, wall_s=30.0, cpu_s=30)
+    program = "import time\nprint('up', flush=True)\ntime.sleep(60)"
+    t0 = time.monotonic()
+    got = calls_module.run_calls(
+        [ToolCall("py", program)], {"py": PythonSandbox(limits)}, True, limits.wall_s + 5
+    )
+    assert [r.error for r in got] == ["ToolCancelled"]
+    assert time.monotonic() - t0 < 10  # (not the program's 30 s)
+    deadline = time.monotonic() + 10
+    while sandbox_processes(limits) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_processes(limits) == []
+
+
 def test_withdrawn_calls_never_run_and_a_running_one_runs_to_its_end():
     """A task that was cancelled takes its calls that have not started out of the queue
     (its driver is gone: nobody reads their results); the other jobs' calls keep their turn;

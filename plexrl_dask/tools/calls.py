@@ -187,16 +187,23 @@ def run_calls(
     except ValueError:  # (not on a Dask worker)
         threads, where = 1, "driver"
     pool = call_threads(threads)
-    # (each call in a copy of this task's context: a tool may ask ``get_worker()``)
-    running = [
-        pool.submit(functools.partial(contextvars.copy_context().run, run_call, c, tools), job)
-        for c in calls
-    ]
+    # (each call in a copy of this task's context: a tool may ask ``get_worker()``, and see
+    # whether its task was cancelled)
+    stop = threading.Event()
+    token = CALL_CANCELLED.set(stop)
+    try:
+        running = [
+            pool.submit(functools.partial(contextvars.copy_context().run, run_call, c, tools), job)
+            for c in calls
+        ]
+    finally:
+        CALL_CANCELLED.reset(token)
     cancelled = _task_cancelled()
     results = []
     for r in running:
         got = pool.result(r, give_up_s, where, cancelled)
         if got is None:  # (this task was cancelled: its calls not yet started never run)
+            stop.set()  # (and a tool that can stop early does)
             pool.withdraw(running)
             for call in running:  # (a started one is still given up on past its time)
                 if call.started is not None and not call.withdrawn:
@@ -205,6 +212,12 @@ def run_calls(
         results.append(got)
     return results
 
+
+#: Set, in a tool call's context, once the task running it is cancelled: nobody reads its
+#: result any more, and a tool that can stop early (the sandbox ends its program) does.
+CALL_CANCELLED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "plexrl_tool_call_cancelled", default=None
+)
 
 #: What a task that was cancelled returns for its calls (nobody reads it: its caller gave up).
 CANCELLED = ToolResult("the call was cancelled before it ran", "ToolCancelled")

@@ -30,7 +30,8 @@ calls of other jobs queued ahead of it on the worker's threads cannot make it fa
 driver itself waits at most what a turn of calls at their limit takes on the tool workers'
 threads plus :data:`MARGIN_S`, or ``plexrl.request.timeout`` if that is longer (the bound of
 a wait that others' calls make long). A task the driver gives up on (or whose driver went
-away) takes its calls that have not started out of the worker's queue.
+away) takes its calls that have not started out of the worker's queue, and ends its running
+sandboxed programs (:data:`~plexrl_dask.tools.calls.CALL_CANCELLED`).
 """
 
 from __future__ import annotations
@@ -253,6 +254,6 @@ def _outcome(
 
 
 def _cancel(future: Any) -> None:
-    # (best effort: the task withdraws its calls not started; a running one ends at its limit)
+    # (best effort: the task withdraws its calls not started and ends its sandboxed programs)
     with contextlib.suppress(Exception):
         future.cancel()

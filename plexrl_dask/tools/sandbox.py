@@ -82,6 +82,7 @@ from pathlib import Path
 import dask.config
 
 from plexrl_dask.errors import ConfigError, ToolError, ToolLimitExceeded
+from plexrl_dask.tools.calls import CALL_CANCELLED
 
 logger = logging.getLogger(__name__)
 
@@ -485,7 +486,7 @@ def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) 
         err = _Capped(os.fdopen(mine.pop(1), "rb", 0), limits.output_bytes, None, tail=True)
         deadline = time.monotonic() + limits.wall_s  # (the program's time, from its start)
         _feed(mine.pop(0), code, deadline)
-        returncode = proc.wait(deadline)
+        returncode = _wait(proc, deadline, CALL_CANCELLED.get())
     finally:
         if proc is not None and returncode is None:
             proc.end()
@@ -499,6 +500,9 @@ def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) 
             _kill_uid(call["uid"])
     out.join(max(0.1, deadline - time.monotonic() + 1.0))
     err.join(1.0)
+    stop = CALL_CANCELLED.get()
+    if returncode is None and stop is not None and stop.is_set():
+        raise ToolError("the call was cancelled: its turn's task was given up on")
     if returncode == 125 and b"plexrl-jail:" in err.data:
         raise ToolError(err.data.decode(errors="replace").strip())  # (the jail, not the program)
     if out.truncated:
@@ -527,6 +531,21 @@ def _run(server: SandboxServer, call: dict, code: bytes, limits: SandboxLimits) 
             why = f"killed by signal {-returncode} ({why})"
         raise ToolError(why)
     return out.data.decode(errors="replace")
+
+
+def _wait(proc: _Call, deadline: float, stop: threading.Event | None) -> int | None:
+    """``proc``'s exit status, or None where it ran to ``deadline`` or ``stop`` was set
+    first (looked at every :data:`CANCEL_POLL_S`): the caller then ends it."""
+    while True:
+        if stop is None:
+            return proc.wait(deadline)
+        returncode = proc.wait(min(deadline, time.monotonic() + CANCEL_POLL_S))
+        if returncode is not None or stop.is_set() or time.monotonic() >= deadline:
+            return returncode
+
+
+#: How often a running call looks whether its task was cancelled.
+CANCEL_POLL_S = 0.1
 
 
 class _Call:
