@@ -35,12 +35,14 @@ _LAZY = {
     "Datum": "plexrl_dask.shared.types",
     "ForwardBackwardResult": "plexrl_dask.shared.types",
     "ForwardResult": "plexrl_dask.shared.types",
+    "GraphLoss": "plexrl_dask.shared.loss_graph",
     "NamedWeights": "plexrl_dask.shared.types",
     "PolicyGradient": "plexrl_dask.shared.types",
     "SampledSequence": "plexrl_dask.shared.types",
     "SampleResult": "plexrl_dask.shared.types",
     "SamplingParams": "plexrl_dask.shared.types",
     "TurnPrompt": "plexrl_dask.shared.types",
+    "trace_loss": "plexrl_dask.driver.loss_trace",
 }
 
 
@@ -63,6 +65,7 @@ __all__ = [
     "Deployment",
     "ForwardBackwardResult",
     "ForwardResult",
+    "GraphLoss",
     "ModelSpec",
     "NamedWeights",
     "PolicyGradient",
@@ -78,5 +81,6 @@ __all__ = [
     "ops",
     "result",
     "slurm_cluster",
+    "trace_loss",
     "worker_info",
 ]

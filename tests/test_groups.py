@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import dask
@@ -25,6 +26,43 @@ def batch_for(dep_or_backend, n: int = 6) -> list[plexrl.Datum]:
         else (lambda s: dep_or_backend.tokenize([s])[0])
     )
     return [plexrl.Datum(tokens=tok(f"{i}+{i * 3}={4 * i}")) for i in range(n)]
+
+
+def _clipped(logprobs, old, advantages):
+    ratio = torch.exp(logprobs - old)
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).sum()
+    return loss, {"custom/ratio:mean": ratio.mean(), "custom/n:sum": logprobs.sum() * 0 + 1}
+
+
+def test_a_graph_loss_trains_a_two_rank_policy_as_the_built_in_loss_trains_one(runtime):
+    """A traced PPO loss sent as data: on a 2-rank FSDP policy it gives the loss, metrics and
+    weights of the built-in PolicyGradient on one process (ranks' sums combined)."""
+    spec = tiny_spec(seed=22)
+    dep = runtime.deploy(unique("graph-fsdp"), spec, world_size=2)
+    loss = plexrl.trace_loss(_clipped, {"logprobs": 1, "old": 1, "advantages": 1})
+    data = []
+    for i, d in enumerate(batch_for(dep, 6)):
+        n = len(d.tokens)
+        old = [0.0] + [-1.0 - 0.1 * ((i + j) % 7) for j in range(n - 1)]
+        adv = [0.0] + [(-1.0) ** (i + j) * 0.5 for j in range(n - 1)]
+        data.append(plexrl.Datum(d.tokens, old_logprobs=old, advantages=adv,
+                                 inputs={"old": old, "advantages": adv}))  # fmt: skip
+    torch.set_num_threads(1)
+    ref = TorchBackend(spec, "cpu")
+    opt = plexrl.AdamWParams(lr=1e-3)
+    got, _ = plexrl.result([dep.forward_backward(data, loss), dep.optim_step(opt)])
+    ratios = [
+        sum(math.exp(x - y) for x, y in zip(lp[1:], d.old_logprobs[1:], strict=True))
+        / (len(d.tokens) - 1)
+        for lp, d in zip(ref.forward(data).logprobs, data, strict=True)
+    ]
+    want = ref.forward_backward(data, plexrl.PolicyGradient(normalizer=1.0))
+    ref.optim_step(opt)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["custom/n:sum"] == len(data)
+    assert got["custom/ratio:mean"] == pytest.approx(sum(ratios) / len(data), rel=1e-5)
+    weights, expected = plexrl.result(dep.get_weights()).tensors, ref.get_weights()
+    assert max(float((weights[n] - expected[n]).abs().max()) for n in expected) <= 1e-5
 
 
 def test_two_rank_fsdp_equals_one_process_on_the_combined_batch(runtime):

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dask
 import numpy as np
 import pytest
+import torch
 
 tinker = pytest.importorskip("tinker", reason="the serve extra (tinker SDK) is not installed")
 httpx = pytest.importorskip("httpx")
@@ -677,6 +678,95 @@ def test_importance_sampling_raises_what_it_rewards_and_lowers_what_it_penalises
         tc.forward_backward([rl_datum(A, -3.0, advantage)], "importance_sampling").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         assert (total() - before) * sign > 0
+    sc.close("success").result()
+
+
+def clipped_is(logprobs, logprob_old, advantages, scale):
+    """A custom loss: importance sampling with a clipped ratio, scaled by a per-datum number."""
+    ratio = torch.exp(logprobs - logprob_old).clamp(0.5, 2.0)
+    loss = -(ratio * advantages).sum() * scale
+    return loss, {"custom/ratio:mean": ratio.mean(), "custom/tokens:sum": logprobs.sum() * 0 + 1}
+
+
+def custom_datum(tokens, q, adv, scale):
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprob_old": np.full(n, q, dtype=np.float32),
+            "advantages": np.linspace(-1, 1, n, dtype=np.float32) * adv,
+            "scale": types.TensorData(data=[scale], dtype="float32", shape=[]),
+            "unused": np.zeros(n, dtype=np.float32),  # (not read by the loss: left out)
+        },
+    )
+
+
+def test_a_custom_loss_runs_on_the_workers_in_one_request_as_the_sdk_runs_it(server):
+    """``create_custom_loss`` uploads a traced loss; ``forward_backward_custom`` with its
+    handle is then one request, computing what the SDK's own two-request path computes (a
+    forward, then cross_entropy weighted by the gradient): the same loss, metrics and
+    weights after a step. A graph past the allowed operations, a loss of another session or
+    tenant, or data without its inputs is refused, typed."""
+    srv, client, keys = server
+    sc = sdk(srv, keys["alice"])
+    ranks = {"logprobs": 1, "logprob_old": 1, "advantages": 1, "scale": 0}
+    handle = sc.create_custom_loss(clipped_is, ranks).result()
+    assert handle.loss_id is not None  # (uploaded: the server said it runs them)
+    server_side = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    client_side = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    data = [custom_datum(A, -2.0, 0.7, 1.5), custom_datum(B, -3.5, -0.4, 0.5)]
+
+    def in_the_sdk(data, logprobs):  # (a callable: the SDK's forward + backward path)
+        total, ratio, tokens = 0.0, 0.0, 0.0
+        for d, lp in zip(data, logprobs, strict=True):
+            ins = {k: d.loss_fn_inputs[k].to_torch() for k in ("logprob_old", "advantages")}
+            loss, m = clipped_is(lp, ins["logprob_old"], ins["advantages"],
+                                 d.loss_fn_inputs["scale"].to_torch().reshape(()))  # fmt: skip
+            total, ratio, tokens = total + loss, ratio + m["custom/ratio:mean"].item(), tokens + 1
+        return total, {"custom/ratio:mean": ratio / len(data), "custom/tokens:sum": tokens}
+
+    requests = srv.service.promises.keys()
+    before = set(requests)
+    got = server_side.forward_backward_custom(data, handle).result()
+    assert len(set(requests) - before) == 1  # one request, no forward pass first
+    want = client_side.forward_backward_custom(data, in_the_sdk).result()
+    for key in ("loss:sum", "custom/ratio:mean", "custom/tokens:sum"):
+        assert got.metrics[key] == pytest.approx(want.metrics[key], rel=1e-5), key
+    assert got.metrics["custom/tokens:sum"] == 2.0
+    for a, b in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-6)
+    for tc in (server_side, client_side):
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = [tc.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+             for tc in (server_side, client_side)]  # fmt: skip
+    assert after[0]["logprobs"].tolist() == pytest.approx(after[1]["logprobs"].tolist(), abs=1e-5)
+
+    # refusals: typed, and the model trains on afterwards
+    with pytest.raises(tinker.BadRequestError, match="scale"):
+        server_side.forward_backward(
+            [rl_datum(A, -2.0, 0.5)], "custom", {"loss_id": handle.loss_id}
+        ).result()
+    session = sc.holder.get_session_id()
+    hostile = {
+        "session_id": session, "custom_loss_seq_id": 99, "name": "escape",
+        "inputs": [{"name": "logprobs", "rank": 1}],
+        "graph": {"format": 1, "nodes": [
+            {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+            {"op": "call_function", "name": "x", "target": "builtins.exec",
+             "args": ["import os; os.system('touch /tmp/escaped')"]},
+            {"op": "output", "name": "output", "target": "output",
+             "args": [{"tuple": [{"ref": "x"}, {"dict": {}}]}]},
+        ]},
+    }  # fmt: skip
+    reply = httpx.post(f"{srv.url}/api/v1/create_custom_loss", json=hostile,
+                       headers={"X-API-Key": keys["alice"]}, timeout=30)  # fmt: skip
+    assert reply.status_code == 400 and "builtins.exec" in reply.json()["detail"]
+    bob = sdk(srv, keys["bob"]).create_lora_training_client(base_model=BASE, rank=0).result()
+    with pytest.raises(tinker.NotFoundError):
+        bob.forward_backward(data, "custom", {"loss_id": handle.loss_id}).result()
+    again = server_side.forward_backward_custom(data, handle).result()
+    assert again.metrics["custom/tokens:sum"] == 2.0
     sc.close("success").result()
 
 

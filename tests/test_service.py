@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 
@@ -344,6 +345,14 @@ def _bypassed(value, **fields):
     return out
 
 
+def _smuggled_graph() -> plexrl.GraphLoss:
+    """A graph loss whose one call is ``builtins.eval``, made around its constructor."""
+    loss = plexrl.trace_loss(lambda logprobs: (torch.exp(logprobs), {}), {"logprobs": 1})
+    first, call, out = loss.nodes
+    evil = dataclasses.replace(call, target="builtins.eval", args=("print('escaped')",))
+    return _bypassed(loss, nodes=(first, evil, out))
+
+
 def test_the_worker_checks_what_it_runs_whatever_the_driver_checked(runtime):
     from plexrl_dask.worker import ops
 
@@ -376,6 +385,7 @@ def test_the_worker_checks_what_it_runs_whatever_the_driver_checked(runtime):
                 (good, _bypassed(plexrl.PolicyGradient(), clip_low=5.0)),
             ),
             ("forward_backward", ops.forward_backward, (good, "cross-entropy")),
+            ("forward_backward", ops.forward_backward, (good, _smuggled_graph())),
         ],
         errors.EmptyBatch: [
             ("forward", ops.forward, (["1+1=2"], 1.0)),

@@ -51,6 +51,7 @@ from plexrl_dask.shared.types import (
     Chat,
     CrossEntropy,
     Datum,
+    GraphLoss,
     Loss,
     NamedWeights,
     PolicyGradient,
@@ -310,9 +311,10 @@ class Deployment:
         self, batch: Sequence[Datum] | Datum, loss: Loss
     ) -> tuple[list[tuple[Datum, ...]], Loss]:
         """``batch`` checked and split over the ranks, and ``loss`` as every rank computes it."""
-        if not isinstance(loss, (CrossEntropy, PolicyGradient)):
+        if not isinstance(loss, (CrossEntropy, PolicyGradient, GraphLoss)):
             raise InvalidLoss(
-                f"loss must be CrossEntropy or PolicyGradient, got {type(loss).__name__}"
+                f"loss must be CrossEntropy, PolicyGradient or GraphLoss, got "
+                f"{type(loss).__name__}"
             )
         batch = self._validated(batch)
         k = self.info.world_size

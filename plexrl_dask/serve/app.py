@@ -147,8 +147,9 @@ def create_app(
     @app.post(f"{PREFIX}/client/config")
     async def client_config(request: Request) -> Response:
         await tenant_of(request)
-        # plain httpx (no pyqwest transport); none of the optional features
-        return ok({"use_pyqwest_transport": False})
+        # plain httpx (no pyqwest transport); custom losses run here unless configured off
+        server_side = config.get("serve.custom-losses") is True
+        return ok({"use_pyqwest_transport": False, "custom_loss_server_side": server_side})
 
     @app.post(f"{PREFIX}/client/dynamic_config")
     async def dynamic_config(request: Request) -> Response:
@@ -228,6 +229,7 @@ def create_app(
         "save_weights",
         "save_weights_external",
         "load_weights",
+        "create_custom_loss",
     ):
         json_future(path, getattr(service, path))
 

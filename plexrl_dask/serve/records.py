@@ -56,6 +56,8 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
+    #: loss id -> the custom loss (a GraphLoss) its clients made (create_custom_loss)
+    losses: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -59,6 +59,7 @@ from plexrl_dask.driver.runtime import Runtime
 from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import (
     ConfigError,
+    InvalidLoss,
     InvalidTinkerRequest,
     PermissionDenied,
     PlexRLError,
@@ -88,7 +89,9 @@ from plexrl_dask.serve.saving import CheckpointCalls
 from plexrl_dask.serve.snapshots import KeptSnapshots
 from plexrl_dask.serve.state import ServeState
 from plexrl_dask.serve.tenants import Tenant
+from plexrl_dask.shared.loss_graph import GraphLoss
 from plexrl_dask.shared.types import ForwardBackwardResult, ForwardResult
+from plexrl_dask.worker.loss_graph import build
 from plexrl_dask.worker.losses import compute_loss
 
 logger = logging.getLogger(__name__)
@@ -546,7 +549,7 @@ class Service(SamplingSessions, CheckpointCalls):
         if model.taken.get(seq_id):
             return model.taken[seq_id]
         try:
-            batch = wire.training_batch(message)
+            batch = wire.training_batch(message, lambda loss_id: self.custom_loss(model, loss_id))
         except PlexRLError:
             self.skip(model, seq_id)
             raise
@@ -563,9 +566,7 @@ class Service(SamplingSessions, CheckpointCalls):
     @staticmethod
     def _backward_reply(batch: wire.TrainingBatch) -> Callable[[Any], Reply]:
         def reply(result: ForwardBackwardResult) -> Reply:
-            metrics = {"loss:sum": result.metrics["loss"]}
-            if "clip_fraction" in result.metrics:
-                metrics["clip_fraction:mean"] = result.metrics["clip_fraction"]
+            metrics = _tinker_metrics(result.metrics)
             body = wire.forward_backward_output(result.logprobs, batch.targets, metrics)
             return 200, body, PROTO
 
@@ -582,12 +583,52 @@ class Service(SamplingSessions, CheckpointCalls):
             for i, lp in enumerate(result.logprobs):
                 logp[i, : len(lp) - 1] = torch.tensor(lp[1:])
                 valid[i, : len(lp) - 1] = 1.0
-            value, _ = compute_loss(batch.loss, batch.data, logp, valid)
-            metrics = {"loss:sum": float(value)}
+            value, metrics = compute_loss(batch.loss, batch.data, logp, valid)
+            metrics = {**_tinker_metrics(metrics), "loss:sum": float(value)}
             body = wire.forward_backward_output(result.logprobs, batch.targets, metrics)
             return 200, body, PROTO
 
         return reply
+
+    def custom_loss(self, model: TrainModel, loss_id: str) -> GraphLoss:
+        """The custom loss ``loss_id`` of ``model``'s session (its clients made it)."""
+        session = self.sessions.get(model.session_id)
+        loss = None if session is None else session.losses.get(loss_id)
+        if loss is None:
+            raise UnknownObject(f"no custom loss {loss_id!r} in the session of {model.model_id}")
+        return loss
+
+    async def create_custom_loss(self, tenant: Tenant, body: dict) -> str:
+        """``create_custom_loss``: the session's loss of a traced graph (checked against the
+        allowed operations here, and again by each worker that runs it); a promise of its
+        ``loss_id``. The same ``custom_loss_seq_id`` sent again gets the same id."""
+        session = self.session(tenant, str(body.get("session_id")))
+        if config.get("serve.custom-losses") is not True:
+            raise UnsupportedCall("custom losses run in the SDK here (plexrl.serve.custom-losses)")
+        n = wire.count(body.get("custom_loss_seq_id"), "custom_loss_seq_id")
+        loss_id = f"{session.session_id}:loss:{n}"
+        try:
+            loss = GraphLoss.from_tinker(body.get("name"), body.get("inputs"), body.get("graph"))
+            build(loss)  # (every name resolved through the allowed lists, now)
+        except InvalidLoss as e:
+            raise InvalidTinkerRequest(f"custom loss: {e}") from None
+        known = session.losses.get(loss_id)
+        if known is not None and known.key != loss.key:
+            raise InvalidTinkerRequest(f"custom_loss_seq_id {n} is another loss's")
+        limit = config.count(
+            "plexrl.serve.custom-losses-per-session", config.get("serve.custom-losses-per-session")
+        )
+        if known is None and len(session.losses) >= limit:
+            raise TenantLimitExceeded(
+                f"session {session.session_id} has {limit} custom losses "
+                "(plexrl.serve.custom-losses-per-session)"
+            )
+        session.losses[loss_id] = loss
+
+        async def made() -> Reply:
+            return json_reply({"loss_id": loss_id, "type": "create_custom_loss"})
+
+        return self.promise(tenant, "create_custom_loss", made())
 
     async def optim_step(self, tenant: Tenant, body: dict) -> str:
         model = self.model(tenant, str(body.get("model_id")))
@@ -720,3 +761,13 @@ def _export_dir(state_file: str | os.PathLike[str] | None) -> str:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+
+
+def _tinker_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A PlexRL loss's metrics as Tinker's (``name:reduction``): the summed loss, the clip
+    fraction of a clipped one, and a custom loss's own (already so named)."""
+    out = {"loss:sum": float(metrics["loss"])}
+    if "clip_fraction" in metrics:
+        out["clip_fraction:mean"] = float(metrics["clip_fraction"])
+    out.update((k, float(v)) for k, v in metrics.items() if k.startswith("custom/"))
+    return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from plexrl_dask.errors import InvalidModelSpec, InvalidTinkerRequest, UnsupportedCall
 from plexrl_dask.models.spec import LoraSpec
+from plexrl_dask.shared.loss_graph import GraphLoss
 from plexrl_dask.shared.types import (
     AdamWParams,
     CrossEntropy,
@@ -43,7 +44,7 @@ except ImportError:  # pragma: no cover - checked by serve.app.create_app
 
 #: The Tinker SDK version whose wire contract this module implements.
 SDK_VERSION = "0.38.0"
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "custom")
 #: Each loss's inputs (besides ``target_tokens``) and the keys its config may have, with
 #: their defaults (Tinker documents none for cispo and dro: ours are ppo's bounds, and the
 #: beta its documentation shows).
@@ -85,22 +86,34 @@ def parse_forward_backward(body: bytes) -> tuple[str, int, Any]:
     return message.model_id, int(message.seq_id), message
 
 
-def training_batch(message: Any) -> TrainingBatch:
-    """The PlexRL data and loss of a parsed ``ForwardBackwardRequest``."""
+def training_batch(
+    message: Any, custom_loss: Callable[[str], GraphLoss] | None = None
+) -> TrainingBatch:
+    """The PlexRL data and loss of a parsed ``ForwardBackwardRequest``; ``custom_loss``
+    gives the custom loss of a ``loss_id`` (``loss_fn`` ``custom``: a loss the session made
+    with ``create_custom_loss``)."""
     loss_fn = message.loss_fn
-    if loss_fn not in LOSSES:
+    if loss_fn not in LOSSES or (loss_fn == "custom" and custom_loss is None):
         raise UnsupportedCall(f"loss_fn {loss_fn!r} is not supported here; supported: {LOSSES}")
-    config = {k: v for k, v in message.loss_fn_config.items()}
+    config: dict[str, Any] = {k: v for k, v in message.loss_fn_config.items()}
     for key, value in message.loss_fn_config_v2.items():
-        if value.WhichOneof("value") == "text":
-            raise InvalidTinkerRequest(f"loss_fn_config {key!r} must be a number")
-        config[key] = value.number
-    loss = _loss(loss_fn, config)
+        text = value.WhichOneof("value") == "text"
+        if text != (loss_fn == "custom" and key == "loss_id"):
+            raise InvalidTinkerRequest(
+                f"loss_fn_config {key!r} must be {'a string' if not text else 'a number'}"
+            )
+        config[key] = value.text if text else value.number
+    if loss_fn == "custom":
+        if set(config) != {"loss_id"}:
+            raise InvalidTinkerRequest("a custom loss's loss_fn_config is {'loss_id': ...}")
+        loss: Loss = custom_loss(str(config["loss_id"]))  # type: ignore[misc]
+    else:
+        loss = _loss(loss_fn, config)
     if not message.data:
         raise InvalidTinkerRequest("a forward_backward request has at least one datum")
     data, targets = [], []
     for i, datum in enumerate(message.data):
-        d, n = _datum(i, datum, loss_fn)
+        d, n = _datum(i, datum, loss_fn, loss)
         data.append(d)
         targets.append(n)
     return TrainingBatch(bool(message.forward_only), tuple(data), tuple(targets), loss)
@@ -135,7 +148,7 @@ def _loss(loss_fn: str, config: Mapping[str, float]) -> Loss:
     )
 
 
-def _datum(i: int, datum: Any, loss_fn: str) -> tuple[Datum, int]:
+def _datum(i: int, datum: Any, loss_fn: str, loss: Loss) -> tuple[Datum, int]:
     tokens: list[int] = []
     for chunk in datum.model_input:
         kind = chunk.WhichOneof("chunk")
@@ -143,8 +156,19 @@ def _datum(i: int, datum: Any, loss_fn: str) -> tuple[Datum, int]:
             raise UnsupportedCall(f"datum {i}: {kind} chunks are not supported (text only)")
         tokens.extend(_array(chunk.encoded_text.tokens, np.dtype("<i4"), f"datum {i} tokens"))
     inputs = {k: tensor(v, f"datum {i} {k}") for k, v in datum.loss_fn_inputs.items()}
-    wanted = ("target_tokens", *_INPUTS[loss_fn])
-    missing = [k for k in wanted if k not in inputs]
+    scalars: dict[str, float] = {}
+    if isinstance(loss, GraphLoss):
+        # (what a custom loss does not read may be there, as the SDK allows: it is left out)
+        wanted: tuple[str, ...] = ("target_tokens", *loss.input_names)
+        inputs = {k: v for k, v in inputs.items() if k in wanted}
+        for name, rank in loss.inputs[1:]:
+            if rank == 0 and name in inputs:
+                if inputs[name].size != 1 or len(datum.loss_fn_inputs[name].shape) > 1:
+                    raise InvalidTinkerRequest(f"datum {i}: {name} is a number (rank 0)")
+                scalars[name] = float(inputs.pop(name).reshape(()))
+    else:
+        wanted = ("target_tokens", *_INPUTS[loss_fn])
+    missing = [k for k in wanted if k not in inputs and k not in scalars]
     extra = sorted(set(inputs) - set(wanted))
     if missing or extra:
         raise InvalidTinkerRequest(
@@ -174,7 +198,12 @@ def _datum(i: int, datum: Any, loss_fn: str) -> tuple[Datum, int]:
         return (0.0, *values.tolist())
 
     fields: dict[str, Any] = {}
-    if loss_fn == "cross_entropy":
+    if isinstance(loss, GraphLoss):
+        if not all(math.isfinite(v) for v in scalars.values()):
+            raise InvalidTinkerRequest(f"datum {i}: a number input is NaN or infinite")
+        named = {k: shifted(k) for k in inputs if k != "target_tokens"}
+        fields["inputs"] = {**named, **scalars}
+    elif loss_fn == "cross_entropy":
         fields["weights"] = shifted("weights")
     else:
         fields["old_logprobs"] = shifted("logprobs")

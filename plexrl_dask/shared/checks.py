@@ -39,6 +39,7 @@ from plexrl_dask.shared.types import (
     Chat,
     CrossEntropy,
     Datum,
+    GraphLoss,
     Loss,
     PolicyGradient,
     SamplingParams,
@@ -94,7 +95,7 @@ def checked_batch(batch: Any) -> tuple[Datum, ...]:
 
 
 def checked_loss(loss: Any) -> Loss:
-    return rebuilt(loss, (CrossEntropy, PolicyGradient), InvalidLoss, "loss")
+    return rebuilt(loss, (CrossEntropy, PolicyGradient, GraphLoss), InvalidLoss, "loss")
 
 
 def checked_adamw(params: Any) -> AdamWParams:

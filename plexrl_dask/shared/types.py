@@ -31,6 +31,7 @@ from plexrl_dask.errors import (
     SequenceTooLong,
     TokenOutOfVocabulary,
 )
+from plexrl_dask.shared.loss_graph import GraphLoss
 
 
 def _real(value: object) -> bool:
@@ -51,7 +52,10 @@ class Datum:
     """One sequence to score or train on.
 
     ``weights`` default to 1 on every predicted token (all but the first), i.e. plain language
-    modelling; set them to 0 on prompt tokens to train on completions only.
+    modelling; set them to 0 on prompt tokens to train on completions only. ``inputs``: the
+    named values a :class:`~plexrl_dask.shared.loss_graph.GraphLoss` reads, each a number or
+    one per token (aligned with ``tokens`` as the other per-token fields, entry 0 unused);
+    given as a mapping, kept as sorted pairs.
     """
 
     tokens: tuple[int, ...]
@@ -59,6 +63,7 @@ class Datum:
     advantages: tuple[float, ...] | None = None
     old_logprobs: tuple[float, ...] | None = None
     ref_logprobs: tuple[float, ...] | None = None
+    inputs: tuple[tuple[str, float | tuple[float, ...]], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -78,6 +83,12 @@ class Datum:
                 )
         if self.weights is not None and self.weights[0] != 0.0:
             raise MismatchedLengths("Datum.weights[0] must be 0: token 0 is never predicted")
+        if self.inputs is not None:
+            object.__setattr__(self, "inputs", _named_inputs(self.inputs, len(self.tokens)))
+
+    def input(self, name: str) -> float | tuple[float, ...] | None:
+        """The named input ``name`` (None when the datum has none of that name)."""
+        return dict(self.inputs or ()).get(name)
 
     @classmethod
     def from_prompt_completion(
@@ -115,6 +126,37 @@ class Datum:
         return (
             self.weights if self.weights is not None else (0.0,) + (1.0,) * (len(self.tokens) - 1)
         )
+
+
+def _named_inputs(inputs: Any, n: int) -> tuple[tuple[str, float | tuple[float, ...]], ...]:
+    """``Datum.inputs`` as sorted ``(name, value)`` pairs: each value a finite number or
+    ``n`` finite numbers; :class:`InvalidLoss` otherwise."""
+    pairs = inputs.items() if isinstance(inputs, Mapping) else inputs
+    try:
+        pairs = sorted((name, value) for name, value in pairs)
+    except (TypeError, ValueError):
+        raise InvalidLoss("Datum.inputs maps names to numbers or per-token lists") from None
+    out: list[tuple[str, float | tuple[float, ...]]] = []
+    for name, value in pairs:
+        if not isinstance(name, str) or (out and out[-1][0] == name):
+            raise InvalidLoss(f"Datum.inputs: {name!r} is not a name, or is given twice")
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            values: float | tuple[float, ...] = float(value)
+            finite = math.isfinite(values)
+        elif isinstance(value, Iterable) and not isinstance(value, str | bytes):
+            values = tuple(float(v) for v in value)
+            if len(values) != n:
+                raise MismatchedLengths(
+                    f"Datum.inputs[{name!r}] has {len(values)} entries but tokens has {n}; "
+                    "per-token inputs are aligned with tokens (entry 0 is unused)"
+                )
+            finite = all(math.isfinite(v) for v in values)
+        else:
+            raise InvalidLoss(f"Datum.inputs[{name!r}] is a number or a list of numbers")
+        if not finite:
+            raise InvalidLoss(f"Datum.inputs[{name!r}] has NaN or infinite values")
+        out.append((name, values))
+    return tuple(out)
 
 
 def check_tokens(
@@ -249,7 +291,7 @@ class PolicyGradient:
             raise InvalidLoss(f"temperature must be finite and > 0, got {t!r}")
 
 
-Loss = CrossEntropy | PolicyGradient
+Loss = CrossEntropy | PolicyGradient | GraphLoss
 
 
 #: What ``AdamWParams.no_decay`` may say.

@@ -1,5 +1,6 @@
 """Token-level losses of ``forward_backward``: cross-entropy and policy gradient (PPO's
-clipped ratio, plain importance sampling, CISPO, DRO: ``PolicyGradient``).
+clipped ratio, plain importance sampling, CISPO, DRO: ``PolicyGradient``); a
+``GraphLoss`` runs in :mod:`plexrl_dask.worker.loss_graph`.
 
 Inputs are per-token tensors of shape (B, L-1), aligned with the predicted tokens
 ``tokens[:, 1:]`` (the per-token fields of :class:`~plexrl_dask.Datum` minus their unused
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from plexrl_dask.errors import InvalidLoss
-from plexrl_dask.shared.types import CrossEntropy, Datum, Loss, PolicyGradient
+from plexrl_dask.shared.types import CrossEntropy, Datum, GraphLoss, Loss, PolicyGradient
+from plexrl_dask.worker.loss_graph import graph_loss
 
 
 def _field(batch: tuple[Datum, ...], name: str, width: int) -> torch.Tensor | None:
@@ -34,8 +36,12 @@ def compute_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of ``batch`` given log-probabilities ``logp`` (B, L-1) of its predicted tokens;
     ``valid`` (B, L-1) is 1 where a real (non-padding) token is predicted."""
+    if isinstance(loss, GraphLoss):
+        return graph_loss(loss, batch, logp, valid)
     if not isinstance(loss, (CrossEntropy, PolicyGradient)):
-        raise InvalidLoss(f"unknown loss {type(loss).__name__}: use CrossEntropy or PolicyGradient")
+        raise InvalidLoss(
+            f"unknown loss {type(loss).__name__}: use CrossEntropy, PolicyGradient or GraphLoss"
+        )
     width = logp.shape[1]
     weights = torch.zeros(len(batch), width, dtype=torch.float32)
     for i, d in enumerate(batch):

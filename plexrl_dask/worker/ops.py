@@ -536,11 +536,13 @@ def combine(op: str, *results: Any) -> Any:
             logprobs=tuple(lp for r in results for lp in r.logprobs),
         )
     if op == "forward_backward":
-        # Each rank's loss is its share of the whole batch's loss (same normalizer): sum them;
-        # per-token averages are re-weighted by each rank's token weight.
+        # Each rank's loss is its share of the whole batch's loss (same normalizer): sum them,
+        # and a graph loss's ":sum" metrics; per-token averages are re-weighted by each
+        # rank's token weight (a graph loss's ":mean" ones by its data: its total_weight).
         total = sum(r["total_weight"] for r in results)
-        merged = {k: float(sum(r[k] for r in results)) for k in _SUMMED}
-        for key in sorted(set().union(*results) - set(_SUMMED)):
+        summed = {*_SUMMED, *(k for r in results for k in r if k.endswith(":sum"))}
+        merged = {k: float(sum(r.get(k, 0.0) for r in results)) for k in sorted(summed)}
+        for key in sorted(set().union(*results) - summed):
             merged[key] = float(sum(r.get(key, 0.0) * r["total_weight"] for r in results) / total)
         return merged
     if op == "train_step":

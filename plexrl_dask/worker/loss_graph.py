@@ -1,0 +1,284 @@
+"""Building and running a :class:`~plexrl_dask.shared.loss_graph.GraphLoss` on the worker.
+
+The graph is checked again here (the worker trusts no client's checks: its constructor's
+rules ran where it was made, and a pickled value arrives without running them), then built
+from the allowed lists alone: every function is looked up by its allowed qualified name,
+every method called on a tensor only, every ``to`` given dtypes only. Before the first datum
+of a length runs, the graph runs on shapes only (tensors on torch's ``meta`` device): an
+intermediate of more than :func:`element_bound` elements, a shape that does not broadcast, or
+an operation that cannot tell its result's shape from its inputs' is refused there, with
+nothing allocated. Python integers (shape arithmetic) are bounded to 2**62, so no chain of
+operations grows one without bound. Whatever fails while it runs is :class:`InvalidLoss`
+naming the node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from plexrl_dask.errors import InvalidLoss, PlexRLError
+from plexrl_dask.shared.loss_graph import ATTRIBUTES, DTYPES, FUNCTIONS, METHODS, GraphLoss
+from plexrl_dask.shared.types import Datum
+
+#: An intermediate may hold this many elements per token of its datum (and at least
+#: :data:`MIN_ELEMENTS`): room for a few [T, T]-free products, none for an outer product of a
+#: long sequence with itself.
+ELEMENTS_PER_TOKEN = 64
+MIN_ELEMENTS = 1 << 16
+_MAX_INT = 2**62
+_ROOTS = {"torch": torch, "operator": operator, "math": math}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+#: What a running graph may raise, turned into InvalidLoss naming its node.
+_FAILURES = (
+    TypeError, ValueError, RuntimeError, IndexError, KeyError, ZeroDivisionError,
+    OverflowError, NotImplementedError, AttributeError,
+)  # fmt: skip
+_CACHE_SIZE = 64
+
+
+def element_bound(tokens: int) -> int:
+    """The most elements one intermediate of a datum of ``tokens`` predicted tokens may hold."""
+    return max(ELEMENTS_PER_TOKEN * tokens, MIN_ELEMENTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    name: str
+    call: Any  # a callable, or a method's name (str)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _Program:
+    """A graph built for running: its steps, its output, and the lengths it was checked at."""
+
+    def __init__(self, loss: GraphLoss) -> None:
+        self.name = loss.name
+        self.inputs = loss.inputs
+        self.steps: list[_Step] = []
+        for node in loss.nodes[len(loss.inputs) : -1]:
+            if node.op == "call_method" and node.target not in METHODS:
+                raise InvalidLoss(f"{node.target!r} is not an allowed method")
+            call = node.target if node.op == "call_method" else _function(node.target)
+            args = tuple(_decode(a) for a in node.args)
+            kwargs = {k: _decode(v) for k, v in node.kwargs}
+            if node.target == "to" and not all(
+                isinstance(a, torch.dtype) for a in (*args[1:], *kwargs.values())
+            ):
+                raise InvalidLoss(f"node {node.name!r}: to() takes a dtype only, no device")
+            self.steps.append(_Step(node.name, call, args, kwargs))
+        self.output = _decode(loss.nodes[-1].args[0])
+        self.checked: set[int] = set()
+        self.lock = threading.Lock()
+
+    def check_shapes(self, tokens: int) -> None:
+        """Run the graph on shapes only for a datum of ``tokens`` predicted tokens (once per
+        length): :class:`InvalidLoss` for what would not run or would be too large."""
+        if tokens in self.checked:
+            return
+        shapes = [(tokens,) if rank == 1 else () for _, rank in self.inputs]
+        values = [torch.empty(s, device="meta") for s in shapes]
+        self.run(values, element_bound(tokens))
+        with self.lock:
+            self.checked.add(tokens)
+
+    def run(self, values: Sequence[Any], bound: int) -> tuple[torch.Tensor, dict[str, float]]:
+        env: dict[str, Any] = {name: v for (name, _), v in zip(self.inputs, values, strict=True)}
+        for step in self.steps:
+            args, kwargs = _bind(step.args, env), _bind(step.kwargs, env)
+            try:
+                if isinstance(step.call, str):
+                    if not isinstance(args[0], torch.Tensor):
+                        raise InvalidLoss(
+                            f"node {step.name!r} calls {step.call}() on a "
+                            f"{type(args[0]).__name__}, not a tensor"
+                        )
+                    out = getattr(args[0], step.call)(*args[1:], **kwargs)
+                else:
+                    out = step.call(*args, **kwargs)
+            except PlexRLError:
+                raise
+            except _FAILURES as e:
+                raise InvalidLoss(f"loss {self.name!r}, node {step.name!r}: {e}") from None
+            _check_value(out, step.name, bound)
+            env[step.name] = out
+        loss, metrics = _bind(self.output, env)
+        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+            raise InvalidLoss(f"loss {self.name!r} must return a floating scalar tensor")
+        out_metrics = {}
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise InvalidLoss(f"loss {self.name!r}: metric {key!r} is not a scalar")
+            if loss.device.type != "meta":
+                out_metrics[key] = float(
+                    value.detach() if isinstance(value, torch.Tensor) else value
+                )
+        return loss, out_metrics
+
+
+_PROGRAMS: OrderedDict[str, _Program] = OrderedDict()
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def build(loss: GraphLoss) -> _Program:
+    """``loss`` checked again (its constructor's rules, in this process) and built from the
+    allowed lists; cached by its digest."""
+    if not isinstance(loss, GraphLoss):
+        raise InvalidLoss(f"a graph loss is a GraphLoss, got {type(loss).__name__}")
+    key = loss.key
+    with _PROGRAMS_LOCK:
+        program = _PROGRAMS.get(key)
+        if program is not None:
+            _PROGRAMS.move_to_end(key)
+            return program
+    program = _Program(dataclasses.replace(loss))
+    with _PROGRAMS_LOCK:
+        _PROGRAMS[key] = program
+        while len(_PROGRAMS) > _CACHE_SIZE:
+            _PROGRAMS.popitem(last=False)
+    return program
+
+
+def graph_loss(
+    loss: GraphLoss, batch: tuple[Datum, ...], logp: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of ``batch`` (the per-datum losses summed, divided by the normalizer) given
+    log-probabilities ``logp`` (B, L-1) of its predicted tokens, and its metrics."""
+    program = build(loss)
+    total: torch.Tensor | None = None
+    sums: dict[str, float] = {}
+    for i, datum in enumerate(batch):
+        n = len(datum.tokens) - 1
+        values = [logp[i, :n]]
+        for name, rank in loss.inputs[1:]:
+            value = datum.input(name)
+            if value is None:
+                raise InvalidLoss(f"datum {i} has no input {name!r}, which {loss.name!r} reads")
+            if (rank == 0) != (not isinstance(value, tuple)):
+                want = "a number" if rank == 0 else "one value per token"
+                raise InvalidLoss(f"datum {i}: input {name!r} of {loss.name!r} is {want}")
+            data = value if rank == 0 else value[1:]
+            values.append(torch.tensor(data, dtype=torch.float32, device=logp.device))
+        program.check_shapes(n)
+        value, metrics = program.run(values, element_bound(n))
+        total = value if total is None else total + value
+        for key, m in metrics.items():
+            sums[key] = sums.get(key, 0.0) + m
+    if total is None:  # (a rank with no share of the batch still joins the backward)
+        total = (logp * 0.0).sum()
+    value = total.to(torch.float32) / loss.normalizer
+    out = {"num_tokens": float(valid.sum()), "total_weight": float(len(batch))}
+    for key, s in sums.items():
+        out[key] = s / len(batch) if key.endswith(":mean") else s
+    out["loss"] = float(value.detach())
+    return value, out
+
+
+# --- decoding and checking ---------------------------------------------------------------------
+
+
+def _function(qualified: str) -> Any:
+    if qualified not in FUNCTIONS:
+        raise InvalidLoss(f"{qualified!r} is not an allowed function")
+    if qualified == "getattr":
+        return _attribute
+    root, *path = qualified.split(".")
+    value: Any = _ROOTS[root]
+    for part in path:
+        value = getattr(value, part)
+    if root == "operator" and qualified != "operator.getitem":
+        return _on_numbers(value)
+    return value
+
+
+def _on_numbers(fn: Any) -> Any:
+    """Python's operator ``fn`` on tensors and numbers only (``[x] * n`` would build a list
+    of any length), and no integer power past 2**62 computed first."""
+
+    def call(*args: Any) -> Any:
+        for a in args:
+            if not isinstance(a, torch.Tensor | int | float | bool):
+                raise InvalidLoss(f"{fn.__name__} of a {type(a).__name__}")
+        if fn is operator.pow and all(isinstance(a, int) for a in args):
+            base, power = args
+            if power > 0 and abs(base) > 1 and power * math.log2(abs(base)) > 62:
+                raise InvalidLoss(f"{base} ** {power} is past 2**62")
+        return fn(*args)
+
+    call.__name__ = fn.__name__
+    return call
+
+
+def _attribute(value: Any, name: str) -> Any:
+    if not isinstance(value, torch.Tensor) or name not in ATTRIBUTES:
+        raise InvalidLoss(f"getattr reads {sorted(ATTRIBUTES)} of a tensor, not {name!r}")
+    return getattr(value, name)
+
+
+def _decode(arg: Any) -> Any:
+    """An encoded argument as Python values, with :class:`_Ref` for node references."""
+    if isinstance(arg, list):
+        return [_decode(a) for a in arg]
+    if isinstance(arg, tuple):
+        return tuple(_decode(a) for a in arg)
+    if not isinstance(arg, dict):
+        return arg
+    ((kind, value),) = arg.items()
+    if kind == "ref":
+        return _Ref(value)
+    if kind == "tuple":
+        return tuple(_decode(a) for a in value)
+    if kind == "dict":
+        return {k: _decode(v) for k, v in value.items()}
+    if kind == "slice":
+        return slice(*(_decode(a) for a in value))
+    if kind == "ellipsis":
+        return Ellipsis
+    if kind == "float":
+        return _FLOATS[value]
+    if kind == "dtype":
+        return _DTYPES[value]
+    raise InvalidLoss(f"an argument of an unknown encoding: {kind!r}")
+
+
+def _bind(arg: Any, env: dict[str, Any]) -> Any:
+    if isinstance(arg, _Ref):
+        return env[arg.name]
+    if isinstance(arg, list):
+        return [_bind(a, env) for a in arg]
+    if isinstance(arg, tuple):
+        return tuple(_bind(a, env) for a in arg)
+    if isinstance(arg, dict):
+        return {k: _bind(v, env) for k, v in arg.items()}
+    if isinstance(arg, slice):
+        return slice(_bind(arg.start, env), _bind(arg.stop, env), _bind(arg.step, env))
+    return arg
+
+
+def _check_value(value: Any, node: str, bound: int) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() > bound:
+            raise InvalidLoss(
+                f"node {node!r} makes a tensor of {value.numel()} elements, past this datum's "
+                f"bound of {bound}"
+            )
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > _MAX_INT:
+            raise InvalidLoss(f"node {node!r} makes an integer past 2**62")
+    elif isinstance(value, tuple | list):
+        for item in value:
+            _check_value(item, node, bound)
