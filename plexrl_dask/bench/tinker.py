@@ -54,6 +54,14 @@ user runs it. Results:
   :mod:`plexrl_dask.worker.backends.adapters`); the same tenants' models on both servers,
   arms interleaved. ``bank_tokens_identical``: whether every call's tokens and
   log-probabilities were the same bits through both servers in every repetition.
+- ``custom_loss_step_ratio``: a step of a custom loss (``forward_backward_custom`` of the
+  step's 8 sequences, a clipped importance-sampling loss of their ``logprob_old`` and
+  ``advantages`` inputs, then ``optim_step``), median wall time with a handle of
+  ``create_custom_loss`` (the loss runs on the worker: one ``forward_backward``) ÷ with the
+  same loss as a Python callable (the SDK's own path: a ``forward``, the loss on the client,
+  then a ``cross_entropy`` backward weighted by its gradient); two models of the base, arms
+  interleaved. ``custom_loss_matches_sdk``: whether both arms' ``loss:sum`` agreed at every
+  step to a relative 1e-4.
 - ``lora_tenants_resident_bytes_ratio`` (target <= 1.05): eight tenants, each with a LoRA
   model (rank ``LORA_RANK``) of the same base on the one worker, each after one training step
   (its AdamW moments exist): the bytes of the distinct tensor storages their replicas reach on
@@ -78,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from distributed import Client
 
 import plexrl_dask as plexrl
@@ -220,6 +229,7 @@ def main() -> None:
             for arm in arms.values():
                 arm()  # (warm: first steps build caches)
             times = interleaved(arms, reps)
+            custom = _custom_loss(tinker, service, reps)
             unkept.close("success").result()
             runtime.undeploy(dep.name)
             merge = _merge_burst(tinker, service, unmerged, reps)
@@ -242,6 +252,7 @@ def main() -> None:
         "kept_snapshots_step_ratio": median(times["sdk"]) / median(times["sdk_unkept"]),
         **merge,
         **bank,
+        **custom,
         "step_s_sdk": median(times["sdk"]),
         "step_s_sdk_unmerged": median(times["sdk_unmerged"]),
         "step_s_sdk_unkept": median(times["sdk_unkept"]),
@@ -413,6 +424,61 @@ def _steps(tinker: Any, trainer: Any, dep: Any) -> tuple[Any, Any]:
             assert all(len(s.tokens) == NEW for s in r.sequences[0])
 
     return sdk, runtime
+
+
+def _clipped(
+    logprobs: torch.Tensor, logprob_old: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The custom loss of `custom_loss_*` (traced by the SDK: no branching on values)."""
+    ratio = torch.exp(logprobs - logprob_old).clamp(0.5, 2.0)
+    return -(ratio * advantages).sum(), {"custom/ratio:mean": ratio.mean()}
+
+
+def _custom_loss(tinker: Any, service: Any, reps: int) -> dict[str, Any]:
+    """``custom_loss_*`` (module docstring)."""
+    types = tinker.types
+    handle = service.create_custom_loss(
+        _clipped, {"logprobs": 1, "logprob_old": 1, "advantages": 1}
+    ).result()
+    data = []
+    for i in range(BATCH):
+        _, datum = _data(tinker, i)
+        inputs = {"logprob_old": [-4.0] * (SEQ - 1), "advantages": [(-1.0) ** i] * (SEQ - 1)}
+        data.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
+            "target_tokens": datum.loss_fn_inputs["target_tokens"], **inputs}))  # fmt: skip
+
+    def in_the_sdk(data: list, logprobs: list) -> tuple[Any, dict[str, float]]:
+        total, ratio = 0.0, 0.0
+        for d, lp in zip(data, logprobs, strict=True):
+            ins = [d.loss_fn_inputs[k].to_torch() for k in ("logprob_old", "advantages")]
+            loss, metrics = _clipped(lp, *ins)
+            total, ratio = total + loss, ratio + float(metrics["custom/ratio:mean"])
+        return total, {"custom/ratio:mean": ratio / len(data)}
+
+    losses: dict[str, list[float]] = {"server": [], "sdk": []}
+
+    def step(trainer: Any, loss: Any, arm: str) -> None:
+        fb = trainer.forward_backward_custom(data, loss)
+        opt = trainer.optim_step(types.AdamParams(learning_rate=1e-4))
+        losses[arm].append(fb.result().metrics["loss:sum"])
+        opt.result()
+
+    server = service.create_lora_training_client(base_model=BASE, rank=0).result()
+    sdk = service.create_lora_training_client(base_model=BASE, rank=0).result()
+    arms = {
+        "server": lambda: step(server, handle, "server"),
+        "sdk": lambda: step(sdk, in_the_sdk, "sdk"),
+    }
+    for arm in arms.values():
+        arm()  # (warm)
+    times = interleaved(arms, reps)
+    pairs = zip(losses["server"], losses["sdk"], strict=True)
+    return {
+        "custom_loss_step_ratio": median(times["server"]) / median(times["sdk"]),
+        "custom_loss_matches_sdk": all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in pairs),
+        "custom_loss_step_s_server": median(times["server"]),
+        "custom_loss_step_s_sdk": median(times["sdk"]),
+    }
 
 
 def _merge_burst(tinker: Any, merged: Any, unmerged: Any, reps: int) -> dict[str, Any]:
