@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import torch
 from distributed import Client
 
@@ -443,7 +444,11 @@ def _custom_loss(tinker: Any, service: Any, reps: int) -> dict[str, Any]:
     data = []
     for i in range(BATCH):
         _, datum = _data(tinker, i)
-        inputs = {"logprob_old": [-4.0] * (SEQ - 1), "advantages": [(-1.0) ** i] * (SEQ - 1)}
+        # (arrays: the SDK turns lists into tensors only under the keys it knows)
+        inputs = {
+            "logprob_old": np.full(SEQ - 1, -4.0, dtype=np.float32),
+            "advantages": np.full(SEQ - 1, (-1.0) ** i, dtype=np.float32),
+        }
         data.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
             "target_tokens": datum.loss_fn_inputs["target_tokens"], **inputs}))  # fmt: skip
 
