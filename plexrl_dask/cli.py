@@ -303,7 +303,8 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_kube_spec(args: argparse.Namespace) -> int:
-    from plexrl_dask.kubernetes import kube_cluster_spec
+    from plexrl_dask.cluster import save_client_credentials
+    from plexrl_dask.kubernetes import kube_cluster_spec, kube_tls_secret
 
     def resources(cpu: str | None, memory: str | None) -> dict[str, str]:
         return {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
@@ -330,9 +331,23 @@ def _cmd_kube_spec(args: argparse.Namespace) -> int:
         ),
         env=dict(args.env),
         idle_timeout=args.idle_timeout,
+        tls_secret=None if args.no_tls else args.tls_secret or f"{args.name}-tls",
     )
+    documents = [spec]
+    if not args.no_tls:
+        secret, security = kube_tls_secret(args.tls_secret or f"{args.name}-tls")
+        documents.insert(0, secret)
+        where = Path(args.tls_dir).expanduser() / f"kube-{args.name}"
+        saved = save_client_credentials(security, where)
+        err_console.print(
+            f"The cluster's TLS certificate is in the Secret {secret['metadata']['name']} (apply "
+            f"it first, with the cluster); a client's copy is in {saved}: "
+            f"Client('tls://<the scheduler service>:8786', security="
+            f"plexrl_dask.cluster.client_security('{saved}'))",
+            soft_wrap=True,
+        )
     # plain print: YAML for kubectl, which a console would wrap and colour
-    print(yaml.safe_dump(spec, sort_keys=False), end="")
+    print(yaml.safe_dump_all(documents, sort_keys=False), end="")
     return 0
 
 
@@ -485,6 +500,17 @@ def main(argv: list[str] | None = None) -> int:
         help="environment of every container, e.g. DASK_PLEXRL__REQUEST__TIMEOUT=1200s",
     )
     p.add_argument("--idle-timeout", type=nonnegative_int, default=0, help="seconds; 0: never")
+    p.add_argument(
+        "--no-tls",
+        action="store_true",
+        help="plain TCP comms (by default TLS: a Secret of a new certificate is printed first)",
+    )
+    p.add_argument("--tls-secret", default=None, help="the TLS Secret's name (default NAME-tls)")
+    p.add_argument(
+        "--tls-dir",
+        default="~/.plexrl/tls",
+        help="where a client's copy of the certificate is written (in kube-NAME)",
+    )
     p.set_defaults(fn=_cmd_kube_spec)
     p = sub.add_parser("serve", help="a Tinker-compatible HTTP server on a PlexRL cluster")
     p.add_argument("--scheduler", required=True, help="scheduler address, e.g. tcp://host:8786")

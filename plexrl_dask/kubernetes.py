@@ -28,6 +28,15 @@ What a pod is to PlexRL:
 - **A shared volume** (``shared_volume`` mounted at ``shared_path``, e.g. a ReadWriteMany
   claim) for job checkpoint directories, which the driver and the workers must both reach.
 
+**TLS** (``tls_secret``). Whoever reaches a Dask scheduler can run code on its workers, so on
+a cluster others share the comms should be TLS: :func:`kube_tls_secret` makes a Kubernetes
+``Secret`` of a certificate made for the cluster (``Security.temporary()``), the spec mounts
+it read-only at :data:`TLS_MOUNT` in every pod, the scheduler listens on ``tls://`` only and
+every process requires encryption; the workers join ``tls://<name>-scheduler:8786`` (the
+operator's own ``DASK_SCHEDULER_ADDRESS`` says ``tcp://``). A client needs the same
+certificate: ``plexrl kube-spec`` (TLS by default) writes the client's copy under
+``--tls-dir`` and prints the ``Secret`` before the cluster.
+
 The image must hold this package and its dependencies (and vLLM for ``rollout_backend=
 "vllm"``); a driver run in a pod (``examples/multiplex.py --scheduler``) needs the repository's
 ``examples/`` too. ``tests/test_kubernetes.py`` starts the resource's scheduler and worker commands as
@@ -37,14 +46,16 @@ available to apply it to.
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from dask.utils import parse_bytes
+from distributed.security import Security
 
 from plexrl_dask import config
-from plexrl_dask.cluster import GPU_NANNY, PRELOAD, TRIM_CONFIG_ENV
+from plexrl_dask.cluster import GPU_NANNY, PRELOAD, TRIM_CONFIG_ENV, tls_environment
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.shared.records import BACKEND_NAMES
 
@@ -53,6 +64,9 @@ API_VERSION = "kubernetes.dask.org/v1"
 SCHEDULER_PORT, DASHBOARD_PORT, WORKER_DASHBOARD_PORT = 8786, 8787, 8788
 #: Where a worker pod mounts its NVMe tier.
 NVME_MOUNT = "/plexrl/nvme"
+#: Where every pod mounts the cluster's TLS secret (its keys are the files' names).
+TLS_MOUNT = "/plexrl/tls"
+TLS_FILES = {"tls_ca_file": "ca.crt", "cert": "tls.crt", "key": "tls.key"}
 #: The operator names the scheduler's Service "<name>-scheduler" (a DNS-1035 label: a letter
 #: first) and each worker's Deployment "<name>-default-worker-<10 hex digits>" (26 more
 #: characters; a label holds 63).
@@ -65,6 +79,49 @@ DRAM_PATH = "/dev/shm/plexrl-dram"
 #: Of the in-memory /dev/shm, the share the DRAM tier may fill (the rest: torch's own shared
 #: memory, and a margin before the kubelet evicts a pod over its volume's size limit).
 DRAM_SHARE = 0.9
+
+
+#: A Secret's name: a DNS-1123 subdomain.
+_SECRET = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
+
+
+def _tls_environment() -> dict[str, str]:
+    """Every pod's Dask TLS settings: the mounted secret's files for each role (scheduler,
+    worker, and the client each process opens), encryption required."""
+    files = {attr: f"{TLS_MOUNT}/{TLS_FILES[attr]}" for attr in ("tls_ca_file",)}
+    for role in ("scheduler", "worker", "client"):
+        files[f"tls_{role}_cert"] = f"{TLS_MOUNT}/{TLS_FILES['cert']}"
+        files[f"tls_{role}_key"] = f"{TLS_MOUNT}/{TLS_FILES['key']}"
+    security = Security(require_encryption=True, **files)
+    return {**tls_environment(security, "scheduler"), **tls_environment(security, "worker")}
+
+
+def kube_tls_secret(name: str, security: Security | None = None) -> tuple[dict[str, Any], Security]:
+    """The ``Secret`` manifest ``name`` (type ``kubernetes.io/tls``: ``tls.crt``, ``tls.key``
+    and ``ca.crt``) of a certificate for a cluster, and the ``Security`` a client connects
+    with (write it for another process with
+    :func:`~plexrl_dask.cluster.save_client_credentials`). ``security``: one whose CA,
+    certificate and key are PEM text (default: a new ``Security.temporary()``, a
+    self-signed certificate that is its own CA)."""
+    if not isinstance(name, str) or not _SECRET.match(name):
+        raise ConfigError(f"a Secret's name is a DNS subdomain, got {name!r}")
+    security = security or Security.temporary()
+    pem = {
+        "ca.crt": security.tls_ca_file,
+        "tls.crt": security.tls_scheduler_cert,
+        "tls.key": security.tls_scheduler_key,
+    }
+    if not all(isinstance(v, str) and "-----BEGIN" in v for v in pem.values()):
+        raise ConfigError("kube_tls_secret needs a Security holding PEM text (its CA, cert, key)")
+    data = {k: base64.b64encode(v.encode()).decode() for k, v in pem.items()}
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "plexrl"}},
+        "type": "kubernetes.io/tls",
+        "data": data,
+    }
+    return manifest, security
 
 
 def _quantity(label: str, value: object) -> int:
@@ -94,6 +151,7 @@ def kube_cluster_spec(
     env: Mapping[str, str] | None = None,
     gpu_resource: str = "nvidia.com/gpu",
     idle_timeout: int = 0,
+    tls_secret: str | None = None,
 ) -> dict[str, Any]:
     """The ``DaskCluster`` resource of a PlexRL cluster of ``gpus`` GPUs (module docstring).
 
@@ -118,6 +176,9 @@ def kube_cluster_spec(
       scheduler pod that from a Kubernetes ``Secret`` through ``env``'s valueFrom or its
       image); a worker pod's tier paths and DRAM capacity are the spec's own.
     - ``idle_timeout``: seconds after which the operator removes an idle cluster (0: never).
+    - ``tls_secret``: the name of a ``Secret`` of the cluster's certificate
+      (:func:`kube_tls_secret`): every pod's comms are then TLS only (module docstring).
+      None: plain TCP, for a network no one else reaches.
 
     :class:`~plexrl_dask.errors.ConfigError` for a value the operator or PlexRL would refuse.
     """
@@ -148,6 +209,8 @@ def kube_cluster_spec(
     for label, volume in (("nvme_volume", nvme_volume), ("shared_volume", shared_volume)):
         if volume is not None and (not isinstance(volume, Mapping) or "name" in volume):
             raise ConfigError(f"{label} is a pod volume's source, without a name: {volume!r}")
+    if tls_secret is not None and not (isinstance(tls_secret, str) and _SECRET.match(tls_secret)):
+        raise ConfigError(f"tls_secret must name a Kubernetes Secret, got {tls_secret!r}")
     memory_limit = None
     if worker_resources and "memory" in worker_resources:
         room = _quantity("worker_resources['memory']", worker_resources["memory"]) - dram_bytes
@@ -160,8 +223,10 @@ def kube_cluster_spec(
 
     # (this process's PlexRL settings, where they differ from the defaults; ``env`` wins)
     common = {**config.shipped_settings(), **(env or {})}
+    tls = {} if tls_secret is None else _tls_environment()
     worker_env = {
         **common,
+        **tls,
         "DASK_PLEXRL__STATE__DRAM_PATH": DRAM_PATH,
         # (stated, not "auto": a memory-backed emptyDir may report the machine's memory)
         "DASK_PLEXRL__STATE__DRAM_CAPACITY": str(int(dram_bytes * DRAM_SHARE)),
@@ -173,8 +238,10 @@ def kube_cluster_spec(
     }
     if rollout_backend == "vllm":
         worker_env["DASK_DISTRIBUTED__WORKER__DAEMON"] = "False"
+    # (with TLS, the scheduler's service by a tls:// address: the operator's says tcp://)
+    address = () if tls_secret is None else (f"tls://{name}-scheduler:{SCHEDULER_PORT}",)
     worker_args = [
-        "dask", "worker",
+        "dask", "worker", *address,
         "--name", "$(DASK_WORKER_NAME)",
         "--nthreads", "1",
         "--resources", f"{config.get('worker.gpu-resource')}=1",
@@ -200,6 +267,14 @@ def kube_cluster_spec(
     if shared_volume is not None:
         mounts.append({"name": "plexrl-shared", "mountPath": shared_path})
         volumes.append({"name": "plexrl-shared", **dict(shared_volume)})
+    tls_mounts, tls_volumes = [], []
+    if tls_secret is not None:
+        tls_mounts = [{"name": "plexrl-tls", "mountPath": TLS_MOUNT, "readOnly": True}]
+        # (0400: the key is the cluster's; a container running as another user needs fsGroup)
+        secret = {"secretName": tls_secret, "defaultMode": 0o400}
+        tls_volumes = [{"name": "plexrl-tls", "secret": secret}]
+        mounts += tls_mounts
+        volumes += tls_volumes
     worker = {
         "replicas": gpus // gpus_per_pod,
         "spec": {
@@ -228,8 +303,11 @@ def kube_cluster_spec(
                 {
                     "name": "scheduler",
                     "image": image,
-                    "args": ["dask", "scheduler", "--host", "0.0.0.0", "--preload", PRELOAD],
-                    "env": _env(common),
+                    "args": [
+                        "dask", "scheduler", "--host", "0.0.0.0", "--preload", PRELOAD,
+                        *(() if tls_secret is None else ("--protocol", "tls")),
+                    ],  # fmt: skip
+                    "env": _env({**common, **tls}),
                     "resources": {"limits": sched_limits, "requests": dict(sched_limits)},
                     "ports": [
                         {"name": "tcp-comm", "containerPort": SCHEDULER_PORT, "protocol": "TCP"},
@@ -241,8 +319,10 @@ def kube_cluster_spec(
                     ],
                     "readinessProbe": probe(periodSeconds=1, timeoutSeconds=300),
                     "livenessProbe": probe(initialDelaySeconds=15, periodSeconds=20),
+                    **({"volumeMounts": tls_mounts} if tls_mounts else {}),
                 }
-            ]
+            ],
+            **({"volumes": tls_volumes} if tls_volumes else {}),
         },
         "service": {
             "type": "ClusterIP",

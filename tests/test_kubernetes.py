@@ -8,6 +8,7 @@ syncs weights between its pods and samples."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -25,8 +26,8 @@ from distributed import Client
 import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.cli import main as plexrl_main
-from plexrl_dask.cluster import read_scheduler_file, stop_process
-from plexrl_dask.kubernetes import NVME_MOUNT, kube_cluster_spec
+from plexrl_dask.cluster import client_security, read_scheduler_file, stop_process
+from plexrl_dask.kubernetes import NVME_MOUNT, TLS_MOUNT, kube_cluster_spec, kube_tls_secret
 from plexrl_dask.state_store.keys import derived_model
 from tests.conftest import node_state, tiny_spec, unique
 from tests.test_tls import train_sync_sample
@@ -137,7 +138,7 @@ def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
                         "shared_volume": {"persistentVolumeClaim": {"claimName": "runs"}},
                         "nvme_volume": {"hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
                         "worker_resources": {"cpu": "32", "memory": "500Gi"},
-                        "scheduler_resources": {"cpu": "4"}}):  # fmt: skip
+                        "scheduler_resources": {"cpu": "4"}, "tls_secret": "rl-tls"}):  # fmt: skip
         spec = kube_cluster_spec("rl", 8, "registry/plexrl:1", **kwargs)
         assert set(spec) == {"apiVersion", "kind", "metadata", "spec"}
         assert set(spec["spec"]) == {"idleTimeout", "worker", "scheduler"}
@@ -149,6 +150,9 @@ def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
         for pod in (worker["spec"], scheduler["spec"]):
             assert round_trip(pod, "V1PodSpec") == pod
         assert round_trip(scheduler["service"], "V1ServiceSpec") == scheduler["service"]
+
+    secret, _ = kube_tls_secret("rl-tls")
+    assert round_trip(secret, "V1Secret") == secret
 
     broken = kube_cluster_spec("rl", 8, "registry/plexrl:1")["spec"]["worker"]["spec"]
     broken["containers"][0]["volumeMount"] = broken["containers"][0].pop("volumeMounts")
@@ -180,6 +184,8 @@ def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
         ({"shared_volume": "runs"}, "without a name"),
         ({"worker_resources": {"memory": "16Gi"}}, "must exceed its dram_size"),
         ({"worker_resources": {"memory": "lots"}}, "quantity"),
+        ({"tls_secret": "RL_TLS"}, "Secret"),
+        ({"tls_secret": ""}, "Secret"),
     ],
 )
 def test_values_the_operator_or_plexrl_would_refuse_are_typed_errors(kwargs, match):
@@ -188,10 +194,23 @@ def test_values_the_operator_or_plexrl_would_refuse_are_typed_errors(kwargs, mat
         kube_cluster_spec(args.pop("name"), args.pop("gpus"), args.pop("image"), **args)
 
 
-def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys):
+def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys, tmp_path):
+    # by default with TLS: the Secret first, a client's copy of its certificate written
+    assert plexrl_main(["kube-spec", "--name", "rl", "--gpus", "2", "--image", "img:1",
+                        "--tls-dir", str(tmp_path / "tls")]) == 0  # fmt: skip
+    shown = capsys.readouterr()
+    secret, spec = yaml.safe_load_all(shown.out)
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "rl-tls"
+    assert spec == kube_cluster_spec("rl", 2, "img:1", tls_secret="rl-tls")
+    saved = tmp_path / "tls" / "kube-rl"
+    assert str(saved) in shown.err.replace("\n", "")
+    ca = client_security(saved).tls_ca_file
+    assert Path(ca).read_text().encode() == base64.b64decode(secret["data"]["ca.crt"])
+    assert oct(saved.stat().st_mode & 0o777) == "0o700"
+
     assert plexrl_main(
         ["kube-spec", "--name", "rl", "--gpus", "8", "--gpus-per-pod", "4", "--image", "img:1",
-         "--worker-memory", "256Gi", "--shared-claim", "runs"]
+         "--worker-memory", "256Gi", "--shared-claim", "runs", "--no-tls"]
     ) == 0  # fmt: skip
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == kube_cluster_spec(
@@ -205,7 +224,7 @@ def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys):
     assert plexrl_main(
         ["kube-spec", "--name", "rl", "--gpus", "2", "--image", "img:1", "--idle-timeout", "600",
          "--nvme-host-path", "/mnt/nvme/plexrl", "--env", "DASK_PLEXRL__REQUEST__TIMEOUT=1200s",
-         "--env", "HF_HOME=/plexrl/shared/hf"]
+         "--env", "HF_HOME=/plexrl/shared/hf", "--no-tls"]
     ) == 0  # fmt: skip
     assert yaml.safe_load(capsys.readouterr().out) == kube_cluster_spec(
         "rl",
@@ -219,7 +238,7 @@ def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys):
         plexrl_main(["kube-spec", "--name", "rl", "--gpus", "2", "--image", "i", "--env", "X"])
     assert info.value.code == 2 and "KEY=VALUE" in capsys.readouterr().err
     assert plexrl_main(["kube-spec", "--name", "rl", "--gpus", "6", "--gpus-per-pod", "4",
-                        "--image", "img:1"]) == 2  # fmt: skip
+                        "--image", "img:1", "--no-tls"]) == 2  # fmt: skip
     shown = capsys.readouterr()
     assert "multiple of gpus_per_pod" in shown.err and not shown.out  # nothing for kubectl
 
@@ -328,3 +347,71 @@ def test_the_resources_pods_form_a_plexrl_cluster(tmp_path):
         for pod in pods:  # the pods' managers outlive their workers
             with contextlib.suppress(Exception):
                 node_state(tiers[pod]).shutdown()
+
+
+def test_a_tls_resources_pods_take_only_clients_of_its_certificate(tmp_path):
+    """With ``tls_secret`` every pod mounts the Secret and speaks TLS only: the pods' commands,
+    the Secret's files where the kubelet would mount them, form a cluster that a client of
+    the certificate trains and samples on, and that a plain or another certificate's client
+    cannot reach."""
+    secret, security = kube_tls_secret("rl-tls")
+    spec = kube_cluster_spec("rl", 1, "registry/plexrl:1", tls_secret="rl-tls")
+    for role in ("scheduler", "worker"):
+        pod = spec["spec"][role]["spec"]
+        [volume] = [v for v in pod["volumes"] if v["name"] == "plexrl-tls"]
+        assert volume["secret"]["secretName"] == "rl-tls"
+        [mount] = [m for m in container(spec, role)["volumeMounts"] if m["name"] == "plexrl-tls"]
+        assert mount == {"name": "plexrl-tls", "mountPath": TLS_MOUNT, "readOnly": True}
+        env = env_of(container(spec, role))
+        assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
+        assert env["DASK_DISTRIBUTED__COMM__TLS__CA_FILE"] == f"{TLS_MOUNT}/ca.crt"
+    assert container(spec, "scheduler")["args"][-2:] == ["--protocol", "tls"]
+    assert "tls://rl-scheduler:8786" in container(spec, "worker")["args"]
+
+    mounted = tmp_path / "tls"  # (the kubelet's mount of the Secret)
+    mounted.mkdir()
+    for key, value in secret["data"].items():
+        (mounted / key).write_bytes(base64.b64decode(value))
+        (mounted / key).chmod(0o400)
+    local = {k: v.replace(TLS_MOUNT, str(mounted)) for k, v in env_of(container(spec, "worker")).items()
+             if k.startswith("DASK_DISTRIBUTED__COMM__")}  # fmt: skip
+    sched_file = tmp_path / "scheduler.json"
+    procs = [
+        start(container(spec, "scheduler"), local, tmp_path / "scheduler.log",
+              "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+              "--scheduler-file", str(sched_file))
+    ]  # fmt: skip
+    pod = "rl-default-worker-0a1b2c"
+    tiers = {"dram-path": tmp_path / "dram", "nvme-path": tmp_path / "nvme"}
+    try:
+        address = read_scheduler_file(sched_file, procs[0], WAIT_S)["address"]
+        assert address.startswith("tls://")
+        worker = dict(container(spec, "worker"))
+        worker["args"] = [address if a == "tls://rl-scheduler:8786" else a for a in worker["args"]]
+        env = {
+            **local,
+            "DASK_WORKER_NAME": pod,
+            "DASK_SCHEDULER_ADDRESS": "tcp://" + address.removeprefix("tls://"),  # (the operator's)
+            "DASK_PLEXRL__STATE__DRAM_PATH": str(tiers["dram-path"]),
+            "DASK_PLEXRL__STATE__NVME_PATH": str(tiers["nvme-path"]),
+            "DASK_PLEXRL__STATE__NODE_ID": pod,
+        }
+        procs.append(start(worker, env, tmp_path / "worker.log", "--host", "127.0.0.1"))
+        with Client(address, security=security, set_as_default=False, timeout=60) as client:
+            client.wait_for_workers(1, timeout=WAIT_S)
+            assert all(w.startswith("tls://") for w in client.scheduler_info()["workers"])
+            runtime = plexrl.Runtime(client, job=unique("kube-tls"))
+            trainer = runtime.deploy(unique("kube-tls-train"), tiny_spec(seed=53))
+            roll = runtime.deploy(unique("kube-tls-roll"), tiny_spec(seed=53), role="rollout")
+            train_sync_sample(runtime, trainer, [roll])
+        plain = "tcp://" + address.removeprefix("tls://")
+        with pytest.raises(OSError):
+            Client(plain, set_as_default=False, timeout=5)
+        with pytest.raises(OSError):  # a certificate the cluster's CA did not sign
+            Client(address, security=type(security).temporary(), set_as_default=False, timeout=5)
+    finally:
+        for proc in reversed(procs):
+            with contextlib.suppress(Exception):
+                stop_process(proc, timeout=60)
+        with contextlib.suppress(Exception):
+            node_state(tiers).shutdown()
