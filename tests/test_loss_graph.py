@@ -126,6 +126,7 @@ LP = {"ref": "logprobs"}
         (lambda: graph(node("call_function", "x", "os.system", "true")), "not allowed"),
         (lambda: graph(node("call_function", "x", "torch.zeros", 10**9)), "not allowed"),
         (lambda: graph(node("call_method", "x", "repeat", LP, 10**6)), "not allowed"),
+        (lambda: graph(node("call_function", "x", "torch.matmul", LP, LP)), "not allowed"),
         (lambda: graph(node("call_method", "x", "item", LP)), "not allowed"),
         (lambda: graph(node("call_function", "x", "getattr", LP, "grad_fn")), "getattr"),
         (lambda: graph(node("call_function", "x", "torch.exp", {"ref": "y"})), "earlier node"),

@@ -47,73 +47,31 @@ _ELEMENTWISE = (
 )  # fmt: skip
 _REDUCTIONS = (
     "sum", "mean", "prod", "min", "max", "amin", "amax", "cumsum", "logsumexp", "softmax",
-    "log_softmax", "std", "var", "norm", "dot", "matmul", "numel",
+    "log_softmax", "std", "var", "norm", "dot", "numel",
 )  # fmt: skip
+# (no matmul: every allowed operation's work is linear in its operands' sizes, so the
+# element bound and the node count bound a graph's time as well as its memory)
+_OPERATORS = (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "getitem",
+    "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert",
+)  # fmt: skip
+_LIKE = ("zeros_like", "ones_like", "full_like", "stack", "cat", "flip", "detach")
+_MATH = ("exp", "log", "log1p", "expm1", "sqrt", "tanh", "fabs", "floor", "ceil")
 
 #: Functions a loss may call, by the qualified names the Tinker SDK sends.
 FUNCTIONS: frozenset[str] = frozenset(
-    {f"torch.{name}" for name in (*_ELEMENTWISE, *_REDUCTIONS)}
-    | {
-        f"torch.{name}"
-        for name in ("zeros_like", "ones_like", "full_like", "stack", "cat", "flip", "detach")
-    }  # fmt: skip
+    {f"torch.{name}" for name in (*_ELEMENTWISE, *_REDUCTIONS, *_LIKE)}
     | {f"torch._C._nn.{name}" for name in ("log_sigmoid", "softplus")}
     | {f"torch.nn.functional.{name}" for name in ("relu", "softmax", "log_softmax", "silu")}
-    | {
-        f"operator.{name}"
-        for name in (
-            "add",
-            "sub",
-            "mul",
-            "truediv",
-            "floordiv",
-            "mod",
-            "pow",
-            "neg",
-            "pos",
-            "abs",
-            "getitem",
-            "lt",
-            "le",
-            "gt",
-            "ge",
-            "eq",
-            "ne",
-            "and_",
-            "or_",
-            "xor",
-            "invert",
-            "matmul",
-        )
-    }  # fmt: skip
-    | {
-        f"math.{name}"
-        for name in ("exp", "log", "log1p", "expm1", "sqrt", "tanh", "fabs", "floor", "ceil")
-    }  # fmt: skip
+    | {f"operator.{name}" for name in _OPERATORS}
+    | {f"math.{name}" for name in _MATH}
     | {"getattr"}
 )
 #: Tensor methods a loss may call.
 METHODS: frozenset[str] = frozenset(
     {*_ELEMENTWISE, *_REDUCTIONS}
-    | {
-        "float",
-        "double",
-        "to",
-        "type_as",
-        "detach",
-        "unsqueeze",
-        "squeeze",
-        "reshape",
-        "view",
-        "flatten",
-        "flip",
-        "size",
-        "dim",
-        "contiguous",
-        "clone",
-        "t",
-        "transpose",
-    }  # fmt: skip
+    | {"float", "double", "to", "type_as", "detach", "unsqueeze", "squeeze", "reshape", "view",
+       "flatten", "flip", "size", "dim", "contiguous", "clone", "t", "transpose"}  # fmt: skip
 )
 #: Tensor attributes ``getattr`` may read.
 ATTRIBUTES = frozenset({"shape", "ndim", "dtype"})
