@@ -95,6 +95,19 @@ def test_clip_higher_clips_each_side_at_its_own_bound():
         assert _loss_of(config, LOGP, old_of=old) == pytest.approx(want, abs=1e-5)
 
 
+def test_a_sequence_level_ratio_is_the_completions_geometric_mean_gspo():
+    """``ratio_level="sequence"`` (GSPO): the 3-token completion's tokens are 0.1, 1.3 and 0.7
+    above their old log-probabilities; each takes the completion's ratio e^0.7 (their mean)
+    instead of its own. Its advantage is negative, so min picks the unclipped term."""
+    old = {7: LOGP[7] - 0.7, 8: LOGP[8] - 0.1, 9: LOGP[9] - 1.3, 10: LOGP[10] - 0.7}
+    token = (-1.2 + math.exp(0.1) + math.exp(1.3) + math.exp(0.7)) / 4
+    sequence = (-1.2 + 3 * math.exp(0.7)) / 4
+    assert _loss_of(GRPOConfig(), LOGP, old_of=old) == pytest.approx(token, abs=1e-5)
+    gspo = GRPOConfig(ratio_level="sequence")
+    assert gspo.loss(2).ratio_level == "sequence"
+    assert _loss_of(gspo, LOGP, old_of=old) == pytest.approx(sequence, abs=1e-5)
+
+
 @pytest.mark.parametrize(
     ("estimator", "per_token"),
     [
@@ -228,6 +241,7 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule():
         ({"loss_aggregation": "sum"}, "loss_aggregation"),
         ({"advantage_norm": "rank"}, "advantage_norm"),
         ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"ratio_level": "sentence"}, "ratio_level"),
         ({"lr_schedule": "step"}, "lr_schedule"),
         ({"clip_high": -0.1}, "clip"),
         ({"beta2": 1.0}, "beta"),

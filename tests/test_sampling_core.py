@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -427,6 +428,49 @@ def test_policy_gradient_clipping_zeroes_gradient_beyond_the_trust_region():
     # Value: clipped rows contribute -(clip(r) A), unclipped ones -(r A).
     expected = -(1.2 * 1.0 + math.e * -1.0 + 0.8 * -1.0 + math.exp(-1) * 1.0) / 4
     assert float(value.detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_gspo_gives_a_datum_one_ratio_clipped_as_a_whole():
+    """GSPO (``ratio_level="sequence"``): every weighted token of a datum takes the datum's
+    ratio ``s = exp(mean(logp - old))``; a datum whose clipped term is taken (``s`` past
+    ``1 + clip_high`` with ``A > 0``) gives no gradient to any of its tokens, the others give
+    each token ``-s A w / N``."""
+    gen = torch.Generator().manual_seed(3)
+    lengths, advantages = (4, 5, 3), (0.5, 1.0, -2.0)
+    shifts = ([0.1, -0.2, 0.05], [0.4, 0.3, 0.5, 0.2], [0.3, -0.1])  # logp - old
+    batch, width = [], max(lengths) - 1
+    logp = -torch.rand(3, width, generator=gen) - 0.5
+    for n, a, d, row in zip(lengths, advantages, shifts, logp.tolist(), strict=True):
+        old = [0.0] + [x - y for x, y in zip(row, d, strict=False)]
+        batch.append(Datum(tokens=range(n), advantages=[0.0] + [a] * (n - 1), old_logprobs=old))
+    valid = torch.zeros(3, width)
+    for i, n in enumerate(lengths):
+        valid[i, : n - 1] = 1.0
+    logp.requires_grad_(True)
+    loss = PolicyGradient(clip_low=0.2, clip_high=0.2, ratio_level="sequence")
+    value, _ = compute_loss(loss, tuple(batch), logp, valid)
+    value.backward()
+    s = [math.exp(sum(d) / len(d)) for d in shifts]  # 0.983, 1.419 (clipped: A > 0), 1.105
+    total = sum(n - 1 for n in lengths)
+    want = -sum(min(r * a, min(max(r, 0.8), 1.2) * a) * len(d)
+                for r, a, d in zip(s, advantages, shifts, strict=True)) / total  # fmt: skip
+    assert float(value.detach()) == pytest.approx(want, rel=1e-5)
+    grad = logp.grad
+    torch.testing.assert_close(grad[0, :3], torch.full((3,), -s[0] * 0.5 / total))
+    assert torch.equal(grad[1], torch.zeros(width))  # clipped as a whole
+    torch.testing.assert_close(grad[2, :2], torch.full((2,), -s[2] * -2.0 / total))
+    assert torch.equal(grad[2, 2:], torch.zeros(width - 2))  # (padding)
+    # on-policy (no old log-probs): the ratio is 1, the gradient REINFORCE's
+    on = [dataclasses.replace(d, old_logprobs=None) for d in batch]
+    fresh = logp.detach().requires_grad_(True)
+    value, _ = compute_loss(loss, tuple(on), fresh, valid)
+    value.backward()
+    want = -torch.tensor(advantages)[:, None] * valid / total
+    torch.testing.assert_close(fresh.grad, want)
+    with pytest.raises(errors.InvalidLoss, match="ppo objective"):
+        PolicyGradient(objective="cispo", ratio_level="sequence")
+    with pytest.raises(errors.InvalidLoss, match="ratio_level"):
+        PolicyGradient(ratio_level="sentence")
 
 
 def test_cispo_weighs_every_tokens_gradient_by_its_clipped_ratio_without_its_gradient():

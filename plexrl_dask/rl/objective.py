@@ -33,7 +33,10 @@ batch's completions ``i`` of lengths ``|o_i|``, ``N`` of them:
   ``prompts_per_step * group_size * max_tokens`` (Dr. GRPO: no length bias from the divisor).
 
 **Clipping**: the ratio is clipped to ``[1 - clip, 1 + clip_high]`` (``clip_high`` None: ``clip``,
-symmetric; DAPO's clip-higher, e.g. ``clip=0.2, clip_high=0.28``).
+symmetric; DAPO's clip-higher, e.g. ``clip=0.2, clip_high=0.28``). ``ratio_level``: ``"token"``
+(default; PPO, GRPO) gives each token its own ratio; ``"sequence"`` gives each completion one,
+the geometric mean of its tokens' (GSPO: the completion is clipped as a whole; its paper uses
+``clip=3e-4, clip_high=4e-4`` and ``"seq-mean"``).
 
 **KL** to the reference (``kl_coef > 0`` needs a ``reference`` deployment), per token with
 ``d = ref_logp - logp``: ``"k1"`` ``-d``; ``"k2"`` ``d^2 / 2``; ``"k3"`` (default)
@@ -83,6 +86,7 @@ class GRPOConfig:
     clip_high: float | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    ratio_level: str = "token"
     epochs: int = 1
     #: 0: synchronous (on-policy); 1: split-async, the rollout one step ahead.
     staleness: int = 0
@@ -165,6 +169,7 @@ class GRPOConfig:
             kl_estimator=self.kl_estimator,
             normalizer=normalizer,
             temperature=self.scoring_temperature,
+            ratio_level=self.ratio_level,
         )
 
     @property

@@ -226,6 +226,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 #: What ``PolicyGradient.objective`` may say.
 PG_OBJECTIVES = ("ppo", "cispo", "dro")
+#: What ``PolicyGradient.ratio_level`` may say.
+RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,12 @@ class PolicyGradient:
     ``l = -(A logp - dro_beta / 2 (logp - old_logp)^2)`` (DRO, Tinker's ``dro``: a quadratic
     penalty on the distance from the sampler instead of a clip; the advantages are the
     caller's, as Tinker's).
+    ``ratio_level``: ``"token"`` (default) gives each token its own ratio ``r``;
+    ``"sequence"`` (GSPO, the ``ppo`` objective only) gives every token of a datum the
+    datum's length-normalised ratio ``s = exp(mean(logp - old_logp))`` over its weighted
+    tokens, with the gradient of GSPO-token (``sg(s) exp(logp - sg(logp))``: each token's
+    log-probability's gradient times ``s``), so a datum is clipped as a whole and every token
+    of it moves by the same factor (GSPO's paper clips to ``[1 - 3e-4, 1 + 4e-4]``).
     ``temperature``: ``logp`` is under ``softmax(logits / temperature)``, the distribution the
     completions were sampled from (TRL's and verl's rule); ``old_logprobs`` and
     ``ref_logprobs`` are to be scored at the same temperature.
@@ -262,6 +270,7 @@ class PolicyGradient:
     temperature: float = 1.0
     objective: str = "ppo"
     dro_beta: float = 0.05
+    ratio_level: str = "token"
 
     def __post_init__(self) -> None:
         if not isinstance(self.clip, bool):
@@ -270,6 +279,10 @@ class PolicyGradient:
             raise InvalidLoss(f"objective is one of {PG_OBJECTIVES}, got {self.objective!r}")
         if self.objective == "cispo" and not self.clip:
             raise InvalidLoss("the cispo objective clips its ratio: clip must be True")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise InvalidLoss(f"ratio_level is one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        if self.ratio_level == "sequence" and self.objective != "ppo":
+            raise InvalidLoss("a sequence-level ratio (GSPO) is for the ppo objective")
         b = self.dro_beta
         if isinstance(b, bool) or not isinstance(b, int | float) or not (
             math.isfinite(b) and b >= 0

@@ -71,6 +71,12 @@ def compute_loss(
         # Unweighted positions get ratio 1: their (padded) old log-probs could overflow exp().
         log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
         ratio = torch.exp(log_ratio)
+        if loss.ratio_level == "sequence":
+            # GSPO-token: the datum's mean log-ratio as every token's value, and each token's
+            # own log-probability's gradient scaled by it
+            tokens = mask.sum(dim=1, keepdim=True).clamp_min(1)
+            sequence = torch.exp(log_ratio.sum(dim=1, keepdim=True).detach() / tokens)
+            ratio = sequence * torch.exp(logp - logp.detach())
         # (cispo and dro weigh logp itself: an unweighted position's, padding's, is left out)
         own = torch.where(mask, logp, torch.zeros_like(logp))
         if loss.objective == "cispo":
