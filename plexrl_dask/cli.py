@@ -335,20 +335,42 @@ def _cmd_kube_spec(args: argparse.Namespace) -> int:
     )
     documents = [spec]
     if not args.no_tls:
-        secret, security = kube_tls_secret(args.tls_secret or f"{args.name}-tls")
-        documents.insert(0, secret)
         where = Path(args.tls_dir).expanduser() / f"kube-{args.name}"
+        # (the certificate made before, unless a new one is asked for: a running cluster's
+        # scheduler and clients keep theirs)
+        known = _saved_certificate(where) if not args.new_certificate else None
+        secret, security = kube_tls_secret(args.tls_secret or f"{args.name}-tls", known)
+        documents.insert(0, secret)
         saved = save_client_credentials(security, where)
         err_console.print(
-            f"The cluster's TLS certificate is in the Secret {secret['metadata']['name']} (apply "
-            f"it first, with the cluster); a client's copy is in {saved}: "
-            f"Client('tls://<the scheduler service>:8786', security="
+            f"The cluster's TLS certificate ({'the one' if known else 'a new one'} in {saved}) "
+            f"is in the Secret {secret['metadata']['name']}: apply it with the cluster. "
+            f"Clients: Client('tls://<the scheduler service>:8786', security="
             f"plexrl_dask.cluster.client_security('{saved}'))",
             soft_wrap=True,
         )
     # plain print: YAML for kubectl, which a console would wrap and colour
     print(yaml.safe_dump_all(documents, sort_keys=False), end="")
     return 0
+
+
+def _saved_certificate(directory: Path) -> Any:
+    """The ``Security`` of a certificate ``plexrl kube-spec`` saved in ``directory`` before
+    (its CA, and the certificate and key every role of the cluster uses), or None."""
+    from distributed.security import Security
+
+    from plexrl_dask.cluster import client_security
+
+    if not directory.is_dir():
+        return None
+    files = client_security(directory)
+    ca, cert, key = (
+        Path(f).read_text()
+        for f in (files.tls_ca_file, files.tls_client_cert, files.tls_client_key)
+    )
+    roles = {f"tls_{r}_{k}": v for r in ("scheduler", "worker", "client")
+             for k, v in (("cert", cert), ("key", key))}  # fmt: skip
+    return Security(tls_ca_file=ca, require_encryption=True, **roles)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -506,6 +528,12 @@ def main(argv: list[str] | None = None) -> int:
         help="plain TCP comms (by default TLS: a Secret of a new certificate is printed first)",
     )
     p.add_argument("--tls-secret", default=None, help="the TLS Secret's name (default NAME-tls)")
+    p.add_argument(
+        "--new-certificate",
+        action="store_true",
+        help="make a new certificate even where --tls-dir holds this cluster's (a running "
+        "cluster's clients and scheduler then need the new Secret)",
+    )
     p.add_argument(
         "--tls-dir",
         default="~/.plexrl/tls",

@@ -35,7 +35,9 @@ it read-only at :data:`TLS_MOUNT` in every pod, the scheduler listens on ``tls:/
 every process requires encryption; the workers join ``tls://<name>-scheduler:8786`` (the
 operator's own ``DASK_SCHEDULER_ADDRESS`` says ``tcp://``). A client needs the same
 certificate: ``plexrl kube-spec`` (TLS by default) writes the client's copy under
-``--tls-dir`` and prints the ``Secret`` before the cluster.
+``--tls-dir`` and prints the ``Secret`` before the cluster. The operator manages a cluster
+over the scheduler's comms, without the certificate: a TLS cluster has no idle timeout and is
+not scaled through the operator (make a new one of another size).
 
 The image must hold this package and its dependencies (and vLLM for ``rollout_backend=
 "vllm"``); a driver run in a pod (``examples/multiplex.py --scheduler``) needs the repository's
@@ -211,6 +213,10 @@ def kube_cluster_spec(
             raise ConfigError(f"{label} is a pod volume's source, without a name: {volume!r}")
     if tls_secret is not None and not (isinstance(tls_secret, str) and _SECRET.match(tls_secret)):
         raise ConfigError(f"tls_secret must name a Kubernetes Secret, got {tls_secret!r}")
+    if tls_secret is not None and idle_timeout:
+        # (the operator asks the scheduler whether it is idle over its comms, without the
+        # certificate)
+        raise ConfigError("idle_timeout needs plain comms: the operator cannot reach a TLS one")
     memory_limit = None
     if worker_resources and "memory" in worker_resources:
         room = _quantity("worker_resources['memory']", worker_resources["memory"]) - dram_bytes
@@ -270,8 +276,8 @@ def kube_cluster_spec(
     tls_mounts, tls_volumes = [], []
     if tls_secret is not None:
         tls_mounts = [{"name": "plexrl-tls", "mountPath": TLS_MOUNT, "readOnly": True}]
-        # (0400: the key is the cluster's; a container running as another user needs fsGroup)
-        secret = {"secretName": tls_secret, "defaultMode": 0o400}
+        # (0444: any user the image runs as reads it; the pod is the boundary)
+        secret = {"secretName": tls_secret, "defaultMode": 0o444}
         tls_volumes = [{"name": "plexrl-tls", "secret": secret}]
         mounts += tls_mounts
         volumes += tls_volumes

@@ -186,6 +186,7 @@ def test_the_resource_is_what_the_operator_and_the_kubernetes_api_accept():
         ({"worker_resources": {"memory": "lots"}}, "quantity"),
         ({"tls_secret": "RL_TLS"}, "Secret"),
         ({"tls_secret": ""}, "Secret"),
+        ({"tls_secret": "rl-tls", "idle_timeout": 600}, "idle_timeout"),
     ],
 )
 def test_values_the_operator_or_plexrl_would_refuse_are_typed_errors(kwargs, match):
@@ -207,6 +208,19 @@ def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys, tmp_path):
     ca = client_security(saved).tls_ca_file
     assert Path(ca).read_text().encode() == base64.b64decode(secret["data"]["ca.crt"])
     assert oct(saved.stat().st_mode & 0o777) == "0o700"
+    # run again: the same certificate (a running cluster's clients keep working); a new one
+    # only when asked for
+    args = ["kube-spec", "--name", "rl", "--gpus", "2", "--image", "img:1",
+            "--tls-dir", str(tmp_path / "tls")]  # fmt: skip
+    assert plexrl_main(args) == 0
+    again, _ = yaml.safe_load_all(capsys.readouterr().out)
+    assert again == secret
+    assert plexrl_main([*args, "--new-certificate"]) == 0
+    rotated, _ = yaml.safe_load_all(capsys.readouterr().out)
+    assert rotated["data"]["ca.crt"] != secret["data"]["ca.crt"]
+    assert Path(client_security(saved).tls_ca_file).read_text().encode() == base64.b64decode(
+        rotated["data"]["ca.crt"]
+    )
 
     assert plexrl_main(
         ["kube-spec", "--name", "rl", "--gpus", "8", "--gpus-per-pod", "4", "--image", "img:1",

@@ -174,11 +174,11 @@ def test_what_would_allocate_past_the_bound_is_refused_on_shapes_before_it_runs(
     logp, valid = logp_of((short,))
     compute_loss(loss, (short,), logp, valid)
     tokens = 2048
-    assert tokens**2 > loss_graph.element_bound(tokens)
+    assert tokens**2 > loss_graph.element_budget(tokens)
     long = Datum(tokens=[1] * (tokens + 1))
     logp, valid = logp_of((long,))
     before = torch.ones(1)  # (nothing of [T, T] is allocated: the shapes pass refuses it)
-    with pytest.raises(InvalidLoss, match="past this datum's bound"):
+    with pytest.raises(InvalidLoss, match="more than .* elements"):
         compute_loss(loss, (long,), logp, valid)
     assert before.sum() == 1
 
@@ -231,3 +231,53 @@ def test_datum_inputs_are_checked_and_what_a_loss_reads_must_be_there():
     scalar = Datum(tokens=range(4), inputs={"old": 1.0, "advantages": [0, 1, 2, 3]})
     with pytest.raises(InvalidLoss, match="one value per token"):
         compute_loss(PPO, (scalar,), *logp_of((scalar,)))
+
+
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        # an index a tensor or list holds: unseen by the shapes-only pass, fatal on a GPU
+        (lambda lp: (lp[torch.full_like(lp, 10**6, dtype=torch.int64)].sum(), {}), "an index"),
+        (lambda lp: (lp[[0, 10**6]].sum(), {}), "an index"),
+        # more than linear work (an SVD for p="nuc")
+        (lambda lp: (torch.norm(lp.reshape(1, -1), p="nuc"), {}), "not allowed"),
+        # in place, or into another tensor
+        (lambda lp: (torch.exp(lp, out=torch.zeros_like(lp)).sum(), {}), "out"),
+        (lambda lp: (torch.clamp(lp, min=-1.0, max=0.0, out=lp).sum(), {}), "out"),
+        # a metric that is no real number (the first a complex number at this length)
+        (lambda lp: (lp.sum(), {"custom/r:sum": (lp.shape[0] - 5) ** 0.5}), "real number"),
+        (lambda lp: (lp.sum(), {"custom/s:sum": lp.shape}), "real number"),
+        # intermediates together past the datum's budget (each within it)
+        (lambda lp: (sum((torch.cat([torch.cat([lp] * 64)] * 64) * k).sum() for k in range(1, 6)),
+                     {}), "more than"),
+    ],
+)  # fmt: skip
+def test_what_the_review_found_is_refused_typed(fn, match):
+    def loss(logprobs):
+        return fn(logprobs)
+
+    d = Datum(tokens=range(4))
+    with pytest.raises(InvalidLoss, match=match):
+        compute_loss(plexrl.trace_loss(loss, {"logprobs": 1}), (d,), *logp_of((d,)))
+
+
+def test_malformed_encodings_and_too_many_arguments_are_typed_errors():
+    with pytest.raises(InvalidLoss, match="holds a string"):
+        graph(node("call_function", "x", "torch.exp", {"ref": []}))
+    with pytest.raises(InvalidLoss, match="getattr"):
+        graph(node("call_function", "x", "getattr", LP, ["shape"]))
+    with pytest.raises(InvalidLoss, match="holds a string"):
+        graph(node("call_function", "x", "torch.exp", LP, dtype={"dtype": ["float32"]}))
+    wide = [node("call_function", f"n{i}", "torch.stack", [LP] * 64) for i in range(140)]
+    with pytest.raises(InvalidLoss, match="at most 8192"):
+        graph(*wide, node("call_function", "x", "torch.exp", LP))
+
+
+def test_a_loss_that_reads_no_log_probability_runs_with_no_gradient():
+    loss = plexrl.trace_loss(lambda logprobs: (torch.zeros_like(logprobs).sum() + 2.0, {}),
+                             {"logprobs": 1})  # fmt: skip
+    batch = batch_of((4, 6))
+    logp, valid = logp_of(batch)
+    value, _ = compute_loss(loss, batch, logp, valid)
+    value.backward()
+    assert float(value.detach()) == 4.0 and torch.equal(logp.grad, torch.zeros_like(logp))

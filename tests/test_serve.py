@@ -23,6 +23,7 @@ from tinker import types  # noqa: E402
 
 import plexrl_dask as plexrl  # noqa: E402
 from plexrl_dask.serve.app import ServerThread  # noqa: E402
+from plexrl_dask.serve.service import Service  # noqa: E402
 from plexrl_dask.serve.tenants import KeyRing, add_key  # noqa: E402
 from tests.conftest import tiny_spec, unique  # noqa: E402
 
@@ -726,9 +727,13 @@ def test_a_custom_loss_runs_on_the_workers_in_one_request_as_the_sdk_runs_it(ser
             total, ratio, tokens = total + loss, ratio + m["custom/ratio:mean"].item(), tokens + 1
         return total, {"custom/ratio:mean": ratio / len(data), "custom/tokens:sum": tokens}
 
+    scored = server_side.forward(data, "custom", {"loss_id": handle.loss_id}).result()
     requests = srv.service.promises.keys()
     before = set(requests)
     got = server_side.forward_backward_custom(data, handle).result()
+    # (forward alone: the same loss, computed by the server from the workers' log-probs)
+    assert scored.metrics["loss:sum"] == pytest.approx(got.metrics["loss:sum"], rel=1e-5)
+    assert scored.metrics["custom/tokens:sum"] == 2.0
     assert len(set(requests) - before) == 1  # one request, no forward pass first
     want = client_side.forward_backward_custom(data, in_the_sdk).result()
     for key in ("loss:sum", "custom/ratio:mean", "custom/tokens:sum"):
@@ -762,12 +767,22 @@ def test_a_custom_loss_runs_on_the_workers_in_one_request_as_the_sdk_runs_it(ser
     reply = httpx.post(f"{srv.url}/api/v1/create_custom_loss", json=hostile,
                        headers={"X-API-Key": keys["alice"]}, timeout=30)  # fmt: skip
     assert reply.status_code == 400 and "builtins.exec" in reply.json()["detail"]
+    huge = {**hostile, "name": "x" * (2 << 20)}  # (a graph's body is at most custom-loss-bytes)
+    reply = httpx.post(f"{srv.url}/api/v1/create_custom_loss", json=huge,
+                       headers={"X-API-Key": keys["alice"]}, timeout=30)  # fmt: skip
+    assert reply.status_code == 413
     bob = sdk(srv, keys["bob"]).create_lora_training_client(base_model=BASE, rank=0).result()
     with pytest.raises(tinker.NotFoundError):
         bob.forward_backward(data, "custom", {"loss_id": handle.loss_id}).result()
     again = server_side.forward_backward_custom(data, handle).result()
     assert again.metrics["custom/tokens:sum"] == 2.0
     sc.close("success").result()
+    # a setting that is not a boolean (an environment variable's "true") stops the server
+    with (
+        dask.config.set({"plexrl.serve.custom-losses": "true"}),
+        pytest.raises(plexrl.errors.ConfigError, match="custom-losses"),
+    ):
+        Service(client, {BASE: "unused"})
 
 
 def test_concurrent_samples_are_merged_and_each_samples_what_it_would_alone(server):

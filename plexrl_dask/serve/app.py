@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dask.utils import parse_bytes
+
 from plexrl_dask import config
 from plexrl_dask.errors import (
     ConfigError,
@@ -108,8 +110,9 @@ def create_app(
     async def tenant_of(request: Request) -> Tenant:
         return keyring.tenant(request.headers.get("x-api-key"))
 
-    async def body_of(request: Request, tenant: Tenant) -> bytes:
+    async def body_of(request: Request, tenant: Tenant, cap: int | None = None) -> bytes:
         limit = tenant.limits.request_bytes
+        limit = limit if cap is None else min(cap, limit)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise RequestTooLarge(
@@ -125,8 +128,8 @@ def create_app(
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def json_of(request: Request, tenant: Tenant) -> dict:
-        raw = await body_of(request, tenant)
+    async def json_of(request: Request, tenant: Tenant, cap: int | None = None) -> dict:
+        raw = await body_of(request, tenant, cap)
         try:
             body = json.loads(raw or b"{}")
         except (ValueError, RecursionError) as e:
@@ -148,7 +151,7 @@ def create_app(
     async def client_config(request: Request) -> Response:
         await tenant_of(request)
         # plain httpx (no pyqwest transport); custom losses run here unless configured off
-        server_side = config.get("serve.custom-losses") is True
+        server_side = service.custom_losses
         return ok({"use_pyqwest_transport": False, "custom_loss_server_side": server_side})
 
     @app.post(f"{PREFIX}/client/dynamic_config")
@@ -229,9 +232,15 @@ def create_app(
         "save_weights",
         "save_weights_external",
         "load_weights",
-        "create_custom_loss",
     ):
         json_future(path, getattr(service, path))
+
+    @app.post(f"{PREFIX}/create_custom_loss")
+    async def create_custom_loss(request: Request) -> Response:
+        tenant = await tenant_of(request)
+        cap = parse_bytes(config.get("serve.custom-loss-bytes"))  # (a graph, not a batch)
+        body = await json_of(request, tenant, cap)
+        return future(await service.create_custom_loss(tenant, body))
 
     def described(path: str, call: Any) -> None:
         """``GET path/{id}``: what ``call(tenant, id)`` says of the tenant's object."""

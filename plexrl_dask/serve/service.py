@@ -114,6 +114,12 @@ class Service(SamplingSessions, CheckpointCalls):
         self.banked = config.get("serve.adapter-bank")
         if not isinstance(self.banked, bool):
             raise ConfigError(f"plexrl.serve.adapter-bank is true or false, got {self.banked!r}")
+        self.custom_losses = config.get("serve.custom-losses")
+        if not isinstance(self.custom_losses, bool):
+            raise ConfigError(
+                f"plexrl.serve.custom-losses is true or false (True in an environment "
+                f"variable), got {self.custom_losses!r}"
+            )
         self.bank_job = self.state.server_job()  # (owns the banks; no tenant job is "plexrl-")
         self.banks: dict[str, Deployment] = {}  # base -> its adapter bank
         self.mergers: dict[str, SampleMerger] = {}  # bank name -> its calls' merger
@@ -494,6 +500,8 @@ class Service(SamplingSessions, CheckpointCalls):
             value = await submitted
             if hasattr(value, "key") and hasattr(value, "client"):  # a Dask future
                 value = await settled(value)
+            if kind == "forward":  # (it computes the loss here: on a thread, not the loop)
+                return await self.blocking(reply, value, tenant=tenant.name)
             return reply(value)
 
         request_id = self.promise(tenant, kind, work())
@@ -603,7 +611,7 @@ class Service(SamplingSessions, CheckpointCalls):
         allowed operations here, and again by each worker that runs it); a promise of its
         ``loss_id``. The same ``custom_loss_seq_id`` sent again gets the same id."""
         session = self.session(tenant, str(body.get("session_id")))
-        if config.get("serve.custom-losses") is not True:
+        if not self.custom_losses:
             raise UnsupportedCall("custom losses run in the SDK here (plexrl.serve.custom-losses)")
         n = wire.count(body.get("custom_loss_seq_id"), "custom_loss_seq_id")
         loss_id = f"{session.session_id}:loss:{n}"
@@ -616,12 +624,13 @@ class Service(SamplingSessions, CheckpointCalls):
         if known is not None and known.key != loss.key:
             raise InvalidTinkerRequest(f"custom_loss_seq_id {n} is another loss's")
         limit = config.count(
-            "plexrl.serve.custom-losses-per-session", config.get("serve.custom-losses-per-session")
+            "plexrl.serve.custom-losses-per-tenant", config.get("serve.custom-losses-per-tenant")
         )
-        if known is None and len(session.losses) >= limit:
+        mine = sum(len(s.losses) for s in self.sessions.values() if s.tenant == tenant.name)
+        if known is None and mine >= limit:
             raise TenantLimitExceeded(
-                f"session {session.session_id} has {limit} custom losses "
-                "(plexrl.serve.custom-losses-per-session)"
+                f"tenant {tenant.name!r} has {limit} custom losses in its sessions "
+                "(plexrl.serve.custom-losses-per-tenant)"
             )
         session.losses[loss_id] = loss
 

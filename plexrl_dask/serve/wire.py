@@ -163,7 +163,7 @@ def _datum(i: int, datum: Any, loss_fn: str, loss: Loss) -> tuple[Datum, int]:
         inputs = {k: v for k, v in inputs.items() if k in wanted}
         for name, rank in loss.inputs[1:]:
             if rank == 0 and name in inputs:
-                if inputs[name].size != 1 or len(datum.loss_fn_inputs[name].shape) > 1:
+                if inputs[name].size != 1 or len(datum.loss_fn_inputs[name].shape) != 0:
                     raise InvalidTinkerRequest(f"datum {i}: {name} is a number (rank 0)")
                 scalars[name] = float(inputs.pop(name).reshape(()))
     else:

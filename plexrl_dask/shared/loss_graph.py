@@ -12,10 +12,13 @@ node's value, and one-key objects for the rest (``tuple``, ``dict``, ``slice``, 
 Nothing in it is code. This module checks its structure (node kinds, names, references,
 encodings, sizes) and that every function, method and attribute it names is on the lists
 below; the worker then builds it from those lists alone (:mod:`plexrl_dask.worker.loss_graph`),
-checks them again, and runs it first on shapes only (torch's ``meta`` device) so that an
-intermediate past its size bound is refused before anything is allocated. The lists leave
-out whatever takes a size (``torch.zeros(n)``, ``repeat``, ``expand``), leaves torch
-(``item``, ``numpy``), changes a tensor in place, or moves it to a device.
+checks them again, and runs it first on shapes only (torch's ``meta`` device) so that a graph
+whose intermediates together pass the datum's element budget is refused before anything is
+allocated. The lists leave out whatever takes a size (``torch.zeros(n)``, ``repeat``,
+``expand``), leaves torch (``item``, ``numpy``), changes a tensor in place (``out=``,
+``inplace=``), moves it to a device, or does more than linear work in its operands (``matmul``,
+``norm``); an index is a number, a slice or ``None``, never a tensor or a list (whose values the
+shapes-only pass cannot see, and which a GPU would check only by failing the device).
 
 Its value: the sum over data of the per-datum loss, divided by ``normalizer`` (1: Tinker's
 sum). Metrics are scalars keyed ``custom/<name>:sum`` (summed over data) or ``:mean``
@@ -25,7 +28,6 @@ sum). Metrics are scalars keyed ``custom/<name>:sum`` (summed over data) or ``:m
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -47,10 +49,10 @@ _ELEMENTWISE = (
 )  # fmt: skip
 _REDUCTIONS = (
     "sum", "mean", "prod", "min", "max", "amin", "amax", "cumsum", "logsumexp", "softmax",
-    "log_softmax", "std", "var", "norm", "dot", "numel",
+    "log_softmax", "std", "var", "dot", "numel",
 )  # fmt: skip
-# (no matmul: every allowed operation's work is linear in its operands' sizes, so the
-# element bound and the node count bound a graph's time as well as its memory)
+# (no matmul, no norm (an SVD for some p): every allowed operation's work is linear in its
+# operands' sizes, so the element budget bounds a graph's time as well as its memory)
 _OPERATORS = (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "getitem",
     "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert",
@@ -62,7 +64,7 @@ _MATH = ("exp", "log", "log1p", "expm1", "sqrt", "tanh", "fabs", "floor", "ceil"
 FUNCTIONS: frozenset[str] = frozenset(
     {f"torch.{name}" for name in (*_ELEMENTWISE, *_REDUCTIONS, *_LIKE)}
     | {f"torch._C._nn.{name}" for name in ("log_sigmoid", "softplus")}
-    | {f"torch.nn.functional.{name}" for name in ("relu", "softmax", "log_softmax", "silu")}
+    | {f"torch.nn.functional.{name}" for name in ("softmax", "log_softmax")}
     | {f"operator.{name}" for name in _OPERATORS}
     | {f"math.{name}" for name in _MATH}
     | {"getattr"}
@@ -70,13 +72,22 @@ FUNCTIONS: frozenset[str] = frozenset(
 #: Tensor methods a loss may call.
 METHODS: frozenset[str] = frozenset(
     {*_ELEMENTWISE, *_REDUCTIONS}
-    | {"float", "double", "to", "type_as", "detach", "unsqueeze", "squeeze", "reshape", "view",
-       "flatten", "flip", "size", "dim", "contiguous", "clone", "t", "transpose"}  # fmt: skip
+    | {"float", "double", "long", "int", "bool", "to", "type_as", "detach", "unsqueeze",
+       "squeeze", "reshape", "view", "flatten", "flip", "size", "dim", "contiguous", "clone",
+       "t", "transpose"}  # fmt: skip
 )
 #: Tensor attributes ``getattr`` may read.
 ATTRIBUTES = frozenset({"shape", "ndim", "dtype"})
 #: The dtypes an argument may name.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool")
+#: Keyword arguments no call may take: they write in place, or place or keep a tensor
+#: elsewhere than the loss's own computation.
+REFUSED_KWARGS = frozenset(
+    {"out", "inplace", "requires_grad", "device", "memory_format", "layout", "pin_memory",
+     "non_blocking", "copy"}  # fmt: skip
+)
+#: At most this many constants and references in all of a graph's arguments.
+MAX_LEAVES = 8192
 
 MAX_NODES = 1024
 MAX_INPUTS = 16
@@ -142,7 +153,9 @@ class GraphLoss:
     @property
     def key(self) -> str:
         """A digest of the graph and its inputs (what the worker caches a build under)."""
-        text = json.dumps([self.inputs, [_plain(n) for n in self.nodes]], sort_keys=True)
+        # (repr: a tuple and a list differ, as they do as arguments; the name too, so a
+        # worker's cached build never speaks of another loss's name)
+        text = repr((self.name, self.inputs, [_plain(n) for n in self.nodes]))
         return hashlib.sha256(text.encode()).hexdigest()
 
     @classmethod
@@ -168,7 +181,8 @@ class GraphLoss:
             fields = (node.get("op"), node.get("name"), node.get("target"))
             if not all(isinstance(f, str) for f in fields):
                 raise InvalidLoss("a node's op, name and target are strings")
-            built.append(LossNode(*fields, tuple(args), tuple(kwargs.items())))  # type: ignore[arg-type]
+            node_args, node_kwargs = tuple(args), tuple(kwargs.items())
+            built.append(LossNode(*fields, node_args, node_kwargs))  # type: ignore[arg-type]
         return cls(str(name), tuple(pairs), tuple(built), normalizer)
 
     # --- the rules --------------------------------------------------------------------------
@@ -201,6 +215,7 @@ class GraphLoss:
             raise InvalidLoss(f"a loss graph has 2 to {MAX_NODES} nodes, got {len(nodes)}")
         defined: set[str] = set()
         placeholders = []
+        leaves = [0]
         for i, node in enumerate(nodes):
             if not isinstance(node, LossNode):
                 raise InvalidLoss(f"node {i} is a LossNode, got {type(node).__name__}")
@@ -218,7 +233,7 @@ class GraphLoss:
                     raise InvalidLoss("placeholders come first and take no arguments")
                 placeholders.append(node.target)
             else:
-                self._check_call(node, defined)
+                self._check_call(node, defined, leaves)
             defined.add(node.name)
         if tuple(placeholders) != tuple(name for name, _ in self.inputs):
             raise InvalidLoss(
@@ -227,7 +242,7 @@ class GraphLoss:
             )
         self._check_output(nodes[-1])
 
-    def _check_call(self, node: LossNode, defined: set[str]) -> None:
+    def _check_call(self, node: LossNode, defined: set[str], leaves: list[int]) -> None:
         if node.op == "call_function" and node.target not in FUNCTIONS:
             raise InvalidLoss(f"node {node.name!r} calls {node.target!r}, which is not allowed")
         if node.op == "call_method" and node.target not in METHODS:
@@ -237,13 +252,19 @@ class GraphLoss:
         if node.op == "call_method" and not node.args:
             raise InvalidLoss(f"node {node.name!r}: a method call names its tensor first")
         if node.target == "getattr" and (
-            len(node.args) != 2 or node.kwargs or node.args[1] not in ATTRIBUTES
+            len(node.args) != 2
+            or node.kwargs
+            or not isinstance(node.args[1], str)
+            or node.args[1] not in ATTRIBUTES
         ):
             raise InvalidLoss(
                 f"node {node.name!r}: getattr reads one of {sorted(ATTRIBUTES)} of a tensor"
             )
+        refused = sorted(k for k, _ in node.kwargs if k in REFUSED_KWARGS)
+        if refused:
+            raise InvalidLoss(f"node {node.name!r}: no call may take {refused}")
         for arg in (*node.args, *(v for _, v in node.kwargs)):
-            _check_arg(arg, defined, node.name, 0)
+            _check_arg(arg, defined, node.name, 0, leaves)
 
     def _check_output(self, node: LossNode) -> None:
         out = node.args[0] if len(node.args) == 1 and not node.kwargs else None
@@ -266,11 +287,14 @@ class GraphLoss:
                 )
 
 
-def _check_arg(arg: Any, defined: set[str], where: str, depth: int) -> None:
+def _check_arg(arg: Any, defined: set[str], where: str, depth: int, leaves: list[int]) -> None:
     """Raise unless ``arg`` is a well-formed encoded argument whose references are to
-    ``defined`` nodes."""
+    ``defined`` nodes (``leaves[0]``: the graph's constants and references so far)."""
     if depth > _MAX_DEPTH:
         raise InvalidLoss(f"node {where!r}: an argument nested more than {_MAX_DEPTH} deep")
+    leaves[0] += 1
+    if leaves[0] > MAX_LEAVES:
+        raise InvalidLoss(f"a loss graph's arguments hold at most {MAX_LEAVES} values")
     if arg is None or isinstance(arg, bool | int):
         if isinstance(arg, int) and not isinstance(arg, bool) and abs(arg) > 2**62:
             raise InvalidLoss(f"node {where!r}: an integer argument past 2**62")
@@ -288,6 +312,8 @@ def _check_arg(arg: Any, defined: set[str], where: str, depth: int) -> None:
         items = arg
     elif isinstance(arg, Mapping) and len(arg) == 1 and next(iter(arg)) in _ENCODED:
         ((kind, value),) = arg.items()
+        if kind in ("ref", "float", "dtype") and not isinstance(value, str):
+            raise InvalidLoss(f"node {where!r}: {{{kind!r}: ...}} holds a string")
         if kind == "ref":
             if value not in defined:
                 raise InvalidLoss(f"node {where!r} refers to {value!r}, not an earlier node")
@@ -316,7 +342,7 @@ def _check_arg(arg: Any, defined: set[str], where: str, depth: int) -> None:
     if len(items) > _MAX_ITEMS:
         raise InvalidLoss(f"node {where!r}: an argument of more than {_MAX_ITEMS} items")
     for item in items:
-        _check_arg(item, defined, where, depth + 1)
+        _check_arg(item, defined, where, depth + 1, leaves)
 
 
 def _plain(node: LossNode) -> list[Any]:

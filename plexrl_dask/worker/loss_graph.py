@@ -3,13 +3,15 @@
 The graph is checked again here (the worker trusts no client's checks: its constructor's
 rules ran where it was made, and a pickled value arrives without running them), then built
 from the allowed lists alone: every function is looked up by its allowed qualified name,
-every method called on a tensor only, every ``to`` given dtypes only. Before the first datum
-of a length runs, the graph runs on shapes only (tensors on torch's ``meta`` device): an
-intermediate of more than :func:`element_bound` elements, a shape that does not broadcast, or
-an operation that cannot tell its result's shape from its inputs' is refused there, with
-nothing allocated. Python integers (shape arithmetic) are bounded to 2**62, so no chain of
-operations grows one without bound. Whatever fails while it runs is :class:`InvalidLoss`
-naming the node.
+every method called on a tensor only, every ``to`` given dtypes only, every index a number,
+slice or ``None``. Before the first datum of a length runs, the graph runs on shapes only
+(tensors on torch's ``meta`` device): intermediates holding more than :func:`element_budget`
+elements together (autograd keeps them all until the backward), a shape that does not
+broadcast, or an operation that cannot tell its result's shape from its inputs' is refused
+there, with nothing allocated; as every allowed operation's work is linear in its operands,
+the budget bounds the time too. Python integers (shape arithmetic) are bounded to 2**62, so
+no chain of operations grows one without bound. Whatever fails while it runs is
+:class:`InvalidLoss` naming the node.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from plexrl_dask.errors import InvalidLoss, PlexRLError
 from plexrl_dask.shared.loss_graph import ATTRIBUTES, DTYPES, FUNCTIONS, METHODS, GraphLoss
 from plexrl_dask.shared.types import Datum
 
-#: An intermediate may hold this many elements per token of its datum (and at least
-#: :data:`MIN_ELEMENTS`): room for a few [T, T]-free products, none for an outer product of a
-#: long sequence with itself.
-ELEMENTS_PER_TOKEN = 64
+#: All of a datum's intermediates together may hold this many elements per predicted token,
+#: plus :data:`MIN_ELEMENTS` (float32: 4 KiB a token, where the model's own logits take 4 bytes
+#: per word of its vocabulary); no outer product of a long sequence with itself.
+ELEMENTS_PER_TOKEN = 1024
 MIN_ELEMENTS = 1 << 16
 _MAX_INT = 2**62
 _ROOTS = {"torch": torch, "operator": operator, "math": math}
@@ -45,9 +47,10 @@ _FAILURES = (
 _CACHE_SIZE = 64
 
 
-def element_bound(tokens: int) -> int:
-    """The most elements one intermediate of a datum of ``tokens`` predicted tokens may hold."""
-    return max(ELEMENTS_PER_TOKEN * tokens, MIN_ELEMENTS)
+def element_budget(tokens: int) -> int:
+    """The most elements all the intermediates of a datum of ``tokens`` predicted tokens may
+    hold together."""
+    return ELEMENTS_PER_TOKEN * tokens + MIN_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +95,17 @@ class _Program:
             return
         shapes = [(tokens,) if rank == 1 else () for _, rank in self.inputs]
         values = [torch.empty(s, device="meta") for s in shapes]
-        self.run(values, element_bound(tokens))
+        self.run(values, element_budget(tokens))
         with self.lock:
             self.checked.add(tokens)
 
-    def run(self, values: Sequence[Any], bound: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def run(
+        self, values: Sequence[Any], budget: int | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The graph's loss and metrics on ``values`` (its inputs, in order); with ``budget``,
+        :class:`InvalidLoss` once its intermediates together hold more elements."""
         env: dict[str, Any] = {name: v for (name, _), v in zip(self.inputs, values, strict=True)}
+        spent = 0
         for step in self.steps:
             args, kwargs = _bind(step.args, env), _bind(step.kwargs, env)
             try:
@@ -114,15 +122,34 @@ class _Program:
                 raise
             except _FAILURES as e:
                 raise InvalidLoss(f"loss {self.name!r}, node {step.name!r}: {e}") from None
-            _check_value(out, step.name, bound)
+            spent += _elements(out, step.name)
+            if budget is not None and spent > budget:
+                raise InvalidLoss(
+                    f"loss {self.name!r}: its intermediates hold more than {budget} elements "
+                    f"for a datum of this length (node {step.name!r})"
+                )
             env[step.name] = out
-        loss, metrics = _bind(self.output, env)
+        try:
+            return self._output(_bind(self.output, env))
+        except PlexRLError:
+            raise
+        except _FAILURES as e:
+            raise InvalidLoss(f"loss {self.name!r}, its output: {e}") from None
+
+    def _output(self, out: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, metrics = out
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
             raise InvalidLoss(f"loss {self.name!r} must return a floating scalar tensor")
         out_metrics = {}
         for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() != 1:
-                raise InvalidLoss(f"loss {self.name!r}: metric {key!r} is not a scalar")
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1 or value.is_complex():
+                    raise InvalidLoss(f"loss {self.name!r}: metric {key!r} is not a real scalar")
+            elif isinstance(value, complex) or not isinstance(value, int | float):
+                raise InvalidLoss(
+                    f"loss {self.name!r}: metric {key!r} is a {type(value).__name__}, not a "
+                    "real number"
+                )
             if loss.device.type != "meta":
                 out_metrics[key] = float(
                     value.detach() if isinstance(value, torch.Tensor) else value
@@ -174,12 +201,14 @@ def graph_loss(
             data = value if rank == 0 else value[1:]
             values.append(torch.tensor(data, dtype=torch.float32, device=logp.device))
         program.check_shapes(n)
-        value, metrics = program.run(values, element_bound(n))
+        value, metrics = program.run(values)
         total = value if total is None else total + value
         for key, m in metrics.items():
             sums[key] = sums.get(key, 0.0) + m
-    if total is None:  # (a rank with no share of the batch still joins the backward)
-        total = (logp * 0.0).sum()
+    if total is None or (logp.requires_grad and not total.requires_grad):
+        # (a rank with no share of the batch, or a loss that reads no log-probability, still
+        # joins the backward, with a gradient of 0)
+        total = (logp * 0.0).sum() + (0.0 if total is None else total.detach())
     value = total.to(torch.float32) / loss.normalizer
     out = {"num_tokens": float(valid.sum()), "total_weight": float(len(batch))}
     for key, s in sums.items():
@@ -200,9 +229,27 @@ def _function(qualified: str) -> Any:
     value: Any = _ROOTS[root]
     for part in path:
         value = getattr(value, part)
-    if root == "operator" and qualified != "operator.getitem":
+    if qualified == "operator.getitem":
+        return _index
+    if root == "operator":
         return _on_numbers(value)
     return value
+
+
+def _index(container: Any, index: Any) -> Any:
+    """``container[index]`` for an index of numbers, slices of numbers, ``None`` and ``...``
+    only: a tensor or list index selects by values the shapes-only pass cannot see, and one
+    out of range on a GPU fails the device, not the request."""
+    parts = index if isinstance(index, tuple) else (index,)
+    for part in parts:
+        if isinstance(part, slice):
+            ends = (part.start, part.stop, part.step)
+            ok = all(e is None or (isinstance(e, int) and not isinstance(e, bool)) for e in ends)
+        else:
+            ok = part is None or part is Ellipsis or isinstance(part, int)
+        if not ok:
+            raise InvalidLoss(f"an index is a number, a slice, None or ..., not {part!r:.40}")
+    return container[index]
 
 
 def _on_numbers(fn: Any) -> Any:
@@ -269,16 +316,13 @@ def _bind(arg: Any, env: dict[str, Any]) -> Any:
     return arg
 
 
-def _check_value(value: Any, node: str, bound: int) -> None:
+def _elements(value: Any, node: str) -> int:
+    """The tensor elements ``value`` holds; :class:`InvalidLoss` for an integer past 2**62."""
     if isinstance(value, torch.Tensor):
-        if value.numel() > bound:
-            raise InvalidLoss(
-                f"node {node!r} makes a tensor of {value.numel()} elements, past this datum's "
-                f"bound of {bound}"
-            )
-    elif isinstance(value, int) and not isinstance(value, bool):
+        return value.numel()
+    if isinstance(value, int) and not isinstance(value, bool):
         if abs(value) > _MAX_INT:
             raise InvalidLoss(f"node {node!r} makes an integer past 2**62")
     elif isinstance(value, tuple | list):
-        for item in value:
-            _check_value(item, node, bound)
+        return sum(_elements(item, node) for item in value)
+    return 0
