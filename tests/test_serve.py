@@ -690,12 +690,15 @@ def clipped_is(logprobs, logprob_old, advantages, scale):
 
 
 def custom_datum(tokens, q, adv, scale):
+    """:func:`rl_datum`'s inputs under a custom loss's names, advantages varying by token, a
+    number input, and one the loss does not read."""
+    inputs = rl_datum(tokens, q, adv).loss_fn_inputs
     n = len(tokens) - 1
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
-            "target_tokens": tokens[1:],
-            "logprob_old": np.full(n, q, dtype=np.float32),
+            "target_tokens": inputs["target_tokens"],
+            "logprob_old": inputs["logprobs"],
             "advantages": np.linspace(-1, 1, n, dtype=np.float32) * adv,
             "scale": types.TensorData(data=[scale], dtype="float32", shape=[]),
             "unused": np.zeros(n, dtype=np.float32),  # (not read by the loss: left out)
