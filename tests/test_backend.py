@@ -46,6 +46,24 @@ def test_forward_matches_manual_log_softmax(backend):
     torch.testing.assert_close(torch.tensor(out[1:]), manual, atol=1e-5, rtol=0)
 
 
+def test_forward_gives_each_positions_most_probable_tokens_when_asked(backend):
+    short, long = toks(backend, "1+2=3"), toks(backend, "12+34=46")
+    out = backend.forward([Datum(tokens=short), Datum(tokens=long)], top=3)
+    assert out.logprobs == backend.forward([Datum(tokens=short), Datum(tokens=long)]).logprobs
+    for ids, top in zip((short, long), out.top, strict=True):
+        with torch.no_grad():
+            logits = backend.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        values, best = torch.log_softmax(logits, -1).topk(3, dim=-1)
+        assert len(top) == len(ids) and top[0] == ()  # (padding's positions left out)
+        for pos, pairs in enumerate(top[1:]):
+            assert [t for t, _ in pairs] == best[pos].tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in pairs]), values[pos])
+    assert backend.forward([Datum(tokens=short)]).top is None
+    for bad in (-1, 101, 2.0, True):
+        with pytest.raises(errors.InvalidBatch, match="top"):
+            backend.forward([Datum(tokens=short)], top=bad)
+
+
 def test_padding_does_not_change_scores(backend):
     short, long = toks(backend, "1+2=3"), toks(backend, "12+34=46 and more")
     alone = backend.forward([Datum(tokens=short)]).logprobs[0]

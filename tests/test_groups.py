@@ -85,8 +85,16 @@ def test_two_rank_fsdp_equals_one_process_on_the_combined_batch(runtime):
     assert got.version == STEPS and got.tensors.keys() == want.keys()
     diff = max(float((got.tensors[n] - want[n]).abs().max()) for n in want)
     assert diff <= 1e-6
-    # Scoring is split over the ranks and reassembled in order.
-    scored = plexrl.result(dep.forward(data)).logprobs
+    # Scoring is split over the ranks and reassembled in order (the top tokens too).
+    topped = plexrl.result(dep.forward(data, top=2))
+    want_top = ref.forward(data, top=2).top
+    assert len(topped.top) == len(want_top)
+    for got_d, want_d in zip(topped.top, want_top, strict=True):
+        for got_p, want_p in zip(got_d, want_d, strict=True):
+            assert [v for _, v in got_p] == pytest.approx([v for _, v in want_p], abs=1e-5)
+            if want_p and want_p[0][1] - want_p[1][1] > 1e-4:  # (no tie to round either way)
+                assert got_p[0][0] == want_p[0][0]
+    scored = topped.logprobs
     expected = ref.forward(data).logprobs
     assert len(scored) == len(data)
     assert (

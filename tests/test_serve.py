@@ -970,6 +970,57 @@ def test_lora_tenants_share_their_base_and_train_only_their_adapters(server, tmp
         sc.close("success").result()
 
 
+def test_a_sampler_gives_each_prompt_positions_most_probable_tokens(server):
+    """``topk_prompt_logprobs``: at each prompt position after the first, the k most probable
+    tokens and their log-probabilities, as the checkpoint's own model gives them, on a base
+    sampler and a LoRA snapshot's (its adapter's); ``prompt_logprobs_last_n`` keeps the last
+    n positions."""
+    from transformers import AutoModelForCausalLM
+
+    srv, client, keys = server
+    sc = sdk(srv, keys["bob"])
+    base = sc.create_sampling_client(base_model=BASE).result()
+    prompt, greedy = types.ModelInput.from_ints(A), types.SamplingParams(max_tokens=2, seed=1)
+    res = base.sample(prompt, 1, greedy, include_prompt_logprobs=True,
+                      topk_prompt_logprobs=4).result()  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(srv.service.catalog[BASE].path)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([A])).logits[0, :-1].float()
+    values, ids = torch.log_softmax(logits, -1).topk(4, dim=-1)
+    top = res.topk_prompt_logprobs
+    assert len(top) == len(A) and top[0] is None
+    for pos, pairs in enumerate(top[1:]):
+        assert [t for t, _ in pairs] == ids[pos].tolist()
+        assert [v for _, v in pairs] == pytest.approx(values[pos].tolist(), abs=1e-5)
+    assert res.prompt_logprobs[1:] == pytest.approx(_hf_logprobs(model, A), abs=1e-5)
+    last = base.sample(prompt, 1, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=2,
+                       prompt_logprobs_last_n=3).result()  # fmt: skip
+    assert last.prompt_logprobs[:-3] == [None] * (len(A) - 3)
+    assert last.prompt_logprobs[-3:] == pytest.approx(res.prompt_logprobs[-3:], abs=1e-6)
+    assert last.topk_prompt_logprobs[:-3] == [None] * (len(A) - 3)
+    for whole, kept in zip(top[-3:], last.topk_prompt_logprobs[-3:], strict=True):
+        assert [t for t, _ in kept] == [t for t, _ in whole[:2]]
+        assert [v for _, v in kept] == pytest.approx([v for _, v in whole[:2]], abs=1e-6)
+
+    # a LoRA model's snapshot: its adapter's tokens (one step away from the base's)
+    lora = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    lora.forward_backward([ce_datum(A)], "cross_entropy").result()
+    lora.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    snap = lora.save_weights_and_get_sampling_client().result()
+    got = snap.sample(prompt, 1, greedy, include_prompt_logprobs=True,
+                      topk_prompt_logprobs=4).result()  # fmt: skip
+    scored = lora.forward([ce_datum(A)], "cross_entropy").result().loss_fn_outputs[0]
+    assert got.prompt_logprobs[1:] == pytest.approx(scored["logprobs"].tolist(), abs=1e-5)
+    for lp, pairs in zip(got.prompt_logprobs[1:], got.topk_prompt_logprobs[1:], strict=True):
+        assert pairs[0][1] >= lp - 1e-6 and [v for _, v in pairs] == sorted(
+            (v for _, v in pairs), reverse=True
+        )
+    assert got.topk_prompt_logprobs != top
+    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
+        base.sample(prompt, 1, greedy, topk_prompt_logprobs=101).result()
+    sc.close("success").result()
+
+
 def _hf_logprobs(model, tokens):
     """Log-probabilities of ``tokens[1:]`` under a Hugging Face model (what the SDK's
     ``forward`` returns for ``ce_datum(tokens)``)."""

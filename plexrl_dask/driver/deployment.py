@@ -42,6 +42,7 @@ from plexrl_dask.shared.checks import (
     check_rows,
     checked_sample,
     checked_temperature,
+    checked_top,
     rank_shares,
     whole_batch_loss,
 )
@@ -258,24 +259,30 @@ class Deployment:
         return self._every("load", ops.load, ())
 
     def forward(
-        self, batch: Sequence[Datum] | Datum, temperature: float = 1.0, adapter: str | None = None
+        self,
+        batch: Sequence[Datum] | Datum,
+        temperature: float = 1.0,
+        adapter: str | None = None,
+        top: int = 0,
     ) -> Future:
         """Future of a :class:`ForwardResult`: per-token log-probabilities (``adapter``: an
-        adapter bank's loaded adapter to score with)."""
+        adapter bank's loaded adapter to score with; ``top``: each position's ``top`` most
+        probable tokens and their log-probabilities too, up to 100)."""
         temperature = checked_temperature(temperature)
+        top = checked_top(top)
         batch = self._validated(batch)
         if adapter is not None:
             parts = rank_shares(batch, min(len(batch), self.info.replicas))
             return self._submit(
                 "forward",
                 ops.forward,
-                [(p, temperature, str(adapter)) for p in parts],
+                [(p, temperature, str(adapter), top) for p in parts],
                 replica_of=[None if self.info.replicas > 1 else 0] * len(parts),
             )
         if self._tensor_parallel:  # every rank scores the whole batch; rank 0's is returned
-            return self._submit("forward", ops.forward, self._ranks(batch, temperature))
+            return self._submit("forward", ops.forward, self._ranks(batch, temperature, None, top))
         parts = self._split_batch(batch)
-        return self._submit("forward", ops.forward, [(p, temperature) for p in parts])
+        return self._submit("forward", ops.forward, [(p, temperature, None, top) for p in parts])
 
     def forward_backward(
         self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy(), logprobs: bool = False

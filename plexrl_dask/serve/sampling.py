@@ -34,6 +34,7 @@ from plexrl_dask.serve.records import (
 )
 from plexrl_dask.serve.snapshots import deploy_from, kept_limit
 from plexrl_dask.serve.tenants import Tenant
+from plexrl_dask.shared.checks import MAX_TOP_LOGPROBS
 from plexrl_dask.shared.types import Datum
 
 logger = logging.getLogger(__name__)
@@ -217,9 +218,19 @@ class SamplingSessions:
         why = self._superseded(sampler)
         if why is not None:
             raise SamplerSuperseded(why)
-        for flag in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        for flag in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
             if body.get(flag):
                 raise UnsupportedCall(f"{flag} is not supported")
+        top = body.get("topk_prompt_logprobs") or 0
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidTinkerRequest(
+                f"topk_prompt_logprobs is an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}"
+            )
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None and (
+            isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < 1
+        ):
+            raise InvalidTinkerRequest(f"prompt_logprobs_last_n is an int >= 1, got {last_n!r}")
         if body.get("target_prompt_logprobs") is not None or body.get("record_stability_info"):
             raise UnsupportedCall(
                 "target_prompt_logprobs and record_stability_info are not supported"
@@ -247,8 +258,8 @@ class SamplingSessions:
                 tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
             )
             scored = None
-            if want_prompt and len(tokens) > 1:
-                scored = dep.forward([Datum(tokens=tokens)], adapter=sampler.adapter)
+            if (want_prompt or top) and len(tokens) > 1:
+                scored = dep.forward([Datum(tokens=tokens)], adapter=sampler.adapter, top=top)
             try:
                 result = await sampled
             except AdapterNotFound:
@@ -257,11 +268,18 @@ class SamplingSessions:
                 result = await merger.sample(
                     tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
                 )
-            prompt_lp = None
+            prompt_lp, prompt_top = None, None
+            if scored is not None:
+                scores = await settled(scored)
+            # (with prompt_logprobs_last_n, the positions before the last n are left empty)
+            skip = max(1, len(tokens) - last_n) if last_n is not None else 1
             if want_prompt:
-                lp = (await settled(scored)).logprobs[0] if scored is not None else (0.0,)
-                prompt_lp = [float("nan"), *lp[1:]]
-            return 200, wire.sample_output(result, prompt_lp), PROTO
+                lp = scores.logprobs[0] if scored is not None else (0.0,)
+                prompt_lp = [float("nan")] * skip + list(lp[skip:])
+            if top:
+                pairs = scores.top[0] if scored is not None else ((),)
+                prompt_top = [()] * skip + list(pairs[skip:])
+            return 200, wire.sample_output(result, prompt_lp, prompt_top, top), PROTO
 
         request_id = self.promise(tenant, "sample", work())
         return request_id, [f"{request_id}:{i}" for i in range(params.n)]

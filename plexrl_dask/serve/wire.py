@@ -256,9 +256,20 @@ def forward_backward_output(
     return out.SerializeToString()
 
 
-def sample_output(result: SampleResult, prompt_logprobs: Sequence[float] | None = None) -> bytes:
+#: What the SDK reads as "no token here" in a top-k matrix.
+_TOP_EMPTY = (0, -99999.0)
+
+
+def sample_output(
+    result: SampleResult,
+    prompt_logprobs: Sequence[float] | None = None,
+    prompt_top: Sequence[Sequence[tuple[int, float]]] | None = None,
+    k: int = 0,
+) -> bytes:
     """A protobuf ``SampleResponse`` of a one-prompt :class:`SampleResult`;
-    ``prompt_logprobs`` (one per prompt token, NaN for the first) when asked for."""
+    ``prompt_logprobs`` (one per prompt token, NaN for the first) and ``prompt_top`` (per
+    prompt token its ``k`` most probable ``(token, log-probability)``, none for the first)
+    when asked for."""
     out = pb.SampleResponse()
     for seq in result.sequences[0]:
         s = out.sequences.add()
@@ -269,6 +280,15 @@ def sample_output(result: SampleResult, prompt_logprobs: Sequence[float] | None 
         s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
+    if prompt_top is not None:
+        rows = [list(pairs) + [_TOP_EMPTY] * (k - len(pairs)) for pairs in prompt_top]
+        out.topk_prompt_logprobs.k, out.topk_prompt_logprobs.length = k, len(rows)
+        out.topk_prompt_logprobs.token_ids = np.asarray(
+            [[t for t, _ in row] for row in rows], dtype="<i4"
+        ).tobytes()
+        out.topk_prompt_logprobs.logprobs = np.asarray(
+            [[lp for _, lp in row] for row in rows], dtype="<f4"
+        ).tobytes()
     return out.SerializeToString()
 
 

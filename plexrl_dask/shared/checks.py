@@ -102,6 +102,17 @@ def checked_adamw(params: Any) -> AdamWParams:
     return rebuilt(params, AdamWParams, InvalidOptimizerParams, "optimizer params")
 
 
+#: The most top log-probabilities a ``forward`` may ask for at each position.
+MAX_TOP_LOGPROBS = 100
+
+
+def checked_top(top: Any) -> int:
+    """How many top log-probabilities a position asks for: an int in [0, MAX_TOP_LOGPROBS]."""
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidBatch(f"top is an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+    return top
+
+
 def checked_temperature(temperature: Any) -> float:
     """A scoring temperature: finite and > 0."""
     if (

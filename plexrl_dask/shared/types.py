@@ -569,9 +569,13 @@ class SampleResult:
 
 @dataclass(frozen=True)
 class ForwardResult:
-    """Per-token log-probabilities of each datum (aligned with its tokens, entry 0 is 0.0)."""
+    """Per-token log-probabilities of each datum (aligned with its tokens, entry 0 is 0.0);
+    ``top`` (asked for with ``top=k``): at each of its positions, the ``k`` most probable
+    tokens there as ``(token, log-probability)`` pairs, most probable first (entry 0, where
+    nothing is predicted, empty)."""
 
     logprobs: tuple[tuple[float, ...], ...]
+    top: tuple[tuple[tuple[tuple[int, float], ...], ...], ...] | None = None
 
 
 @dataclass(frozen=True)

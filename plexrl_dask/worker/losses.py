@@ -120,6 +120,20 @@ def compute_loss(
     return value, metrics
 
 
+def top_per_datum(
+    values: torch.Tensor, ids: torch.Tensor, batch: tuple[Datum, ...]
+) -> tuple[tuple[tuple[tuple[int, float], ...], ...], ...]:
+    """Each datum's top tokens from the (B, L-1, k) batch tensors, aligned with its tokens
+    (entry 0, where nothing is predicted, empty)."""
+    values, ids = values.detach().cpu().tolist(), ids.detach().cpu().tolist()
+    return tuple(
+        ((),) + tuple(tuple(zip(i, v, strict=True)) for i, v in zip(ir, vr, strict=True))[
+            : len(d.tokens) - 1
+        ]
+        for vr, ir, d in zip(values, ids, batch, strict=True)
+    )
+
+
 def per_datum(logp: torch.Tensor, batch: tuple[Datum, ...]) -> tuple[tuple[float, ...], ...]:
     """Each datum's log-probabilities from the (B, L-1) batch tensor, aligned with its tokens
     (entry 0, never predicted, is 0.0)."""

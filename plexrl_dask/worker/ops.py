@@ -54,6 +54,7 @@ from plexrl_dask.shared.checks import (
     checked_loss,
     checked_sample,
     checked_temperature,
+    checked_top,
     checked_weights,
 )
 from plexrl_dask.shared.records import DeploymentInfo
@@ -179,16 +180,22 @@ def load(deployment: str) -> dict[str, Any]:
 
 
 def forward(
-    deployment: str, batch: Sequence[Datum], temperature: float = 1.0, adapter: str | None = None
+    deployment: str,
+    batch: Sequence[Datum],
+    temperature: float = 1.0,
+    adapter: str | None = None,
+    top: int = 0,
 ) -> ForwardResult:
     """Per-token log-probabilities of each datum (aligned with its tokens); ``adapter``: an
-    adapter bank's adapter to score with."""
+    adapter bank's adapter to score with; ``top``: each position's most probable tokens too."""
 
     def call(backend: Any) -> ForwardResult:
         args = backend._checked(lambda: (checked_batch(batch), checked_temperature(temperature)))
+        k = backend._checked(lambda: checked_top(top))
+        extra = {"top": k} if k else {}  # (a backend that cannot is asked only when it must)
         if adapter is not None:
-            return _bank(backend, deployment).forward(*args, adapter=str(adapter))
-        out = backend.forward(*args)
+            return _bank(backend, deployment).forward(*args, adapter=str(adapter), **extra)
+        out = backend.forward(*args, **extra)
         return ForwardResult(logprobs=()) if _echo(backend) else out
 
     return _run(deployment, "forward", call)
@@ -524,7 +531,9 @@ def combine(op: str, *results: Any) -> Any:
     """The result of a request run as several tasks (ranks of a group, or replicas), from the
     per-task results in rank/replica order. Runs as a small plain task."""
     if op == "forward":
-        return ForwardResult(logprobs=tuple(lp for r in results for lp in r.logprobs))
+        tops = [r.top for r in results if r.logprobs]  # (an echoing rank has neither)
+        top = None if any(t is None for t in tops) else tuple(x for t in tops for x in t)
+        return ForwardResult(logprobs=tuple(lp for r in results for lp in r.logprobs), top=top)
     if op == "sample":
         return SampleResult(
             prompt_tokens=tuple(t for r in results for t in r.prompt_tokens),

@@ -204,14 +204,19 @@ class AdapterBank(NotATrainer, SharedWeightsBackend):
         ]
 
     def forward(
-        self, batch: Sequence[Any], temperature: float = 1.0, adapter: str | None = None
+        self,
+        batch: Sequence[Any],
+        temperature: float = 1.0,
+        adapter: str | None = None,
+        top: int = 0,
     ) -> ForwardResult:
-        """Log-probabilities under the base, or under adapter ``adapter``."""
+        """Log-probabilities under the base, or under adapter ``adapter`` (and ``top``: see
+        :meth:`TorchBackend.forward`)."""
         if adapter is None:
-            return super().forward(batch, temperature)
+            return super().forward(batch, temperature, top)
         (lora,) = self._named([adapter])
         assert lora is not None
-        return lora.forward(batch, temperature)
+        return lora.forward(batch, temperature, top)
 
     def _base_row_step(self) -> DecodeStep | None:
         """The base's step with no copies of its weights (adapters add to its products)."""

@@ -137,7 +137,9 @@ class RolloutBackend(Backend, Protocol):
 class TrainBackend(Backend, Protocol):
     """A trainable model."""
 
-    def forward(self, batch: Sequence[Datum], temperature: float = 1.0) -> ForwardResult: ...
+    def forward(
+        self, batch: Sequence[Datum], temperature: float = 1.0, top: int = 0
+    ) -> ForwardResult: ...
 
     def forward_backward(
         self, batch: Sequence[Datum], loss: Loss, logprobs: bool = False

@@ -239,9 +239,9 @@ class FSDPBackend(TorchBackend):
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def forward(self, batch: Any, temperature: float = 1.0) -> Any:
+    def forward(self, batch: Any, temperature: float = 1.0, top: int = 0) -> Any:
         try:
-            return super().forward(batch, temperature)
+            return super().forward(batch, temperature, top)
         finally:
             # FSDP2 leaves the root unsharded after a forward (expecting a backward): put the
             # parameters back into their sharded form, which the optimizer state refers to.

@@ -33,7 +33,7 @@ from plexrl_dask.errors import (
 )
 from plexrl_dask.models.spec import ModelSpec
 from plexrl_dask.models.tokenizer import encode_prompts, token_pieces
-from plexrl_dask.shared.checks import checked_temperature
+from plexrl_dask.shared.checks import checked_temperature, checked_top
 from plexrl_dask.shared.types import (
     AdamWParams,
     Datum,
@@ -53,7 +53,7 @@ from plexrl_dask.worker.decode import StreamDecoder
 from plexrl_dask.worker.decode_step import DecodeStep
 from plexrl_dask.worker.device import copy_stream, local_nbytes, used_by_default_stream
 from plexrl_dask.worker.groups import portable_error
-from plexrl_dask.worker.losses import compute_loss, per_datum
+from plexrl_dask.worker.losses import compute_loss, per_datum, top_per_datum
 from plexrl_dask.worker.optimizer import new_adamw, norm_parameter_names, set_hyperparameters
 from plexrl_dask.worker.prefix_cache import PrefixCache, prefix_cache_bytes
 from plexrl_dask.worker.replica_checkpoint import StoreCheckpoint
@@ -173,9 +173,11 @@ class TorchBackend:
     # --- scoring and training --------------------------------------------------------------
 
     def _logprobs(
-        self, batch: tuple[Datum, ...], temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L-1) log-probabilities of each predicted token and the validity mask."""
+        self, batch: tuple[Datum, ...], temperature: float, top: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Any]:
+        """(B, L-1) log-probabilities of each predicted token and the validity mask; with
+        ``top``, also the (B, L-1, top) log-probabilities and ids of each position's most
+        probable tokens."""
         width = max(len(d.tokens) for d in batch)
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -187,19 +189,29 @@ class TorchBackend:
         logits = logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        every = torch.log_softmax(logits, dim=-1)
+        logp = every.gather(-1, ids[:, 1:, None])[..., 0]
         valid = mask[:, 1:].to(logp.dtype)
+        if top:
+            return logp * valid, valid, every.topk(min(top, every.shape[-1]), dim=-1)
         return logp * valid, valid
 
-    def forward(self, batch: Sequence[Datum], temperature: float = 1.0) -> ForwardResult:
-        """Per-token log-probabilities of each datum under the current weights."""
+    def forward(
+        self, batch: Sequence[Datum], temperature: float = 1.0, top: int = 0
+    ) -> ForwardResult:
+        """Per-token log-probabilities of each datum under the current weights (and with
+        ``top``, each position's ``top`` most probable tokens: :class:`ForwardResult`)."""
         batch = as_batch(batch)
         temperature = checked_temperature(temperature)
+        top = self._checked(lambda: checked_top(top))
         self._checked(lambda: self._check_tokens([d.tokens for d in batch]))
         self.model.eval()
         with torch.inference_mode():
-            logp, _ = self._logprobs(batch, temperature)
-        return ForwardResult(logprobs=per_datum(logp, batch))
+            if not top:
+                logp, _ = self._logprobs(batch, temperature)
+                return ForwardResult(logprobs=per_datum(logp, batch))
+            logp, _, (values, ids) = self._logprobs(batch, temperature, top)
+        return ForwardResult(logprobs=per_datum(logp, batch), top=top_per_datum(values, ids, batch))
 
     def forward_backward(
         self, batch: Sequence[Datum], loss: Loss, logprobs: bool = False
