@@ -356,7 +356,14 @@ def _cmd_kube_spec(args: argparse.Namespace) -> int:
 
 def _saved_certificate(directory: Path) -> Any:
     """The ``Security`` of a certificate ``plexrl kube-spec`` saved in ``directory`` before
-    (its CA, and the certificate and key every role of the cluster uses), or None."""
+    (its CA, and the certificate and key every role of the cluster uses), or None.
+    :class:`ConfigError` where its key is not the certificate's, its CA did not issue it, or
+    it expires within 30 days: a Secret of it would not serve (``--new-certificate``)."""
+    import datetime
+    import ssl
+
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
     from distributed.security import Security
 
     from plexrl_dask.cluster import client_security
@@ -368,6 +375,23 @@ def _saved_certificate(directory: Path) -> Any:
         Path(f).read_text()
         for f in (files.tls_ca_file, files.tls_client_cert, files.tls_client_key)
     )
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            files.tls_client_cert, files.tls_client_key
+        )
+        parsed = x509.load_pem_x509_certificate(cert.encode())
+        parsed.verify_directly_issued_by(x509.load_pem_x509_certificate(ca.encode()))
+    except (ssl.SSLError, InvalidSignature, ValueError, TypeError) as e:
+        raise ConfigError(
+            f"the certificate saved in {directory} does not hold together ({e}): make a new "
+            "one with --new-certificate"
+        ) from None
+    soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=30)
+    if parsed.not_valid_after_utc < soon:
+        raise ConfigError(
+            f"the certificate saved in {directory} expires {parsed.not_valid_after_utc:%Y-%m-%d}:"
+            " make a new one with --new-certificate"
+        )
     roles = {f"tls_{r}_{k}": v for r in ("scheduler", "worker", "client")
              for k, v in (("cert", cert), ("key", key))}  # fmt: skip
     return Security(tls_ca_file=ca, require_encryption=True, **roles)

@@ -445,9 +445,12 @@ def save_client_credentials(security: Security, directory: str | os.PathLike[str
     for attr, name in _CREDENTIALS.items():
         value = str(values[attr])
         text = value if "\n" in value else Path(value).read_text()
-        fd = os.open(root / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # (each file whole or not at all: written beside, then moved into place)
+        part = root / f".{name}.part"
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.replace(part, root / name)
     return root
 
 

@@ -54,10 +54,12 @@ def test_forward_gives_each_positions_most_probable_tokens_when_asked(backend):
         with torch.no_grad():
             logits = backend.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
         values, best = torch.log_softmax(logits, -1).topk(3, dim=-1)
-        assert len(top) == len(ids) and top[0] == ()  # (padding's positions left out)
-        for pos, pairs in enumerate(top[1:]):
-            assert [t for t, _ in pairs] == best[pos].tolist()
-            torch.testing.assert_close(torch.tensor([v for _, v in pairs]), values[pos])
+        got_ids, got_values = top
+        assert got_ids.shape == got_values.shape == (len(ids), 3)  # (padding's rows cut)
+        assert (got_ids[0] == -1).all() and (got_values[0] == float("-inf")).all()
+        assert got_ids.dtype.name == "int32" and got_values.dtype.name == "float32"
+        assert got_ids[1:].tolist() == best.tolist()
+        torch.testing.assert_close(torch.from_numpy(got_values[1:]), values)
     assert backend.forward([Datum(tokens=short)]).top is None
     for bad in (-1, 101, 2.0, True):
         with pytest.raises(errors.InvalidBatch, match="top"):

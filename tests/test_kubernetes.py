@@ -221,6 +221,14 @@ def test_plexrl_kube_spec_prints_the_resource_as_yaml(capsys, tmp_path):
     assert Path(client_security(saved).tls_ca_file).read_text().encode() == base64.b64decode(
         rotated["data"]["ca.crt"]
     )
+    # a saved key that is not its certificate's (another run's) is refused, not published
+    other = tmp_path / "other"
+    assert plexrl_main([*args[:-1], str(other)]) == 0
+    capsys.readouterr()
+    (saved / "client-key.pem").write_text((other / "kube-rl" / "client-key.pem").read_text())
+    assert plexrl_main(args) == 2
+    shown = capsys.readouterr()
+    assert "--new-certificate" in shown.err and not shown.out
 
     assert plexrl_main(
         ["kube-spec", "--name", "rl", "--gpus", "8", "--gpus-per-pod", "4", "--image", "img:1",

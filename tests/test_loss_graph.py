@@ -247,6 +247,9 @@ def test_datum_inputs_are_checked_and_what_a_loss_reads_must_be_there():
         # a metric that is no real number (the first a complex number at this length)
         (lambda lp: (lp.sum(), {"custom/r:sum": (lp.shape[0] - 5) ** 0.5}), "real number"),
         (lambda lp: (lp.sum(), {"custom/s:sum": lp.shape}), "real number"),
+        # a graph whose own backward fails: typed, before the model's backward starts
+        (lambda lp: ((lp // 1.0).sum(), {}), "gradient"),
+        (lambda lp: ((1.0 % lp).sum(), {}), "gradient"),
         # intermediates together past the datum's budget (each within it)
         (lambda lp: (sum((torch.cat([torch.cat([lp] * 64)] * 64) * k).sum() for k in range(1, 6)),
                      {}), "more than"),

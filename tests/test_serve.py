@@ -1018,6 +1018,9 @@ def test_a_sampler_gives_each_prompt_positions_most_probable_tokens(server):
     assert got.topk_prompt_logprobs != top
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
         base.sample(prompt, 1, greedy, topk_prompt_logprobs=101).result()
+    with pytest.raises((tinker.BadRequestError, ValueError), match="prompt_logprobs_last_n"):
+        base.sample(prompt, 1, greedy, include_prompt_logprobs=True,
+                    prompt_logprobs_last_n=len(A)).result()  # fmt: skip
     sc.close("success").result()
 
 

@@ -227,15 +227,18 @@ class SamplingSessions:
                 f"topk_prompt_logprobs is an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}"
             )
         last_n = body.get("prompt_logprobs_last_n")
+        tokens = wire.prompt_tokens(body.get("prompt"))
         if last_n is not None and (
-            isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < 1
+            isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n < len(tokens)
         ):
-            raise InvalidTinkerRequest(f"prompt_logprobs_last_n is an int >= 1, got {last_n!r}")
+            raise InvalidTinkerRequest(
+                f"prompt_logprobs_last_n is an int in [1, {len(tokens) - 1}] (the prompt's "
+                f"positions after the first), got {last_n!r}"
+            )
         if body.get("target_prompt_logprobs") is not None or body.get("record_stability_info"):
             raise UnsupportedCall(
                 "target_prompt_logprobs and record_stability_info are not supported"
             )
-        tokens = wire.prompt_tokens(body.get("prompt"))
         seed = wire.derived_seed(tenant.name, sampler.sampler_id, body.get("seq_id"))
         eos = sampler.deployment.tokenizer.eos_token_id
         room = self.context(sampler.base) - len(tokens)
@@ -257,29 +260,33 @@ class SamplingSessions:
             sampled = merger.sample(
                 tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
             )
-            scored = None
-            if (want_prompt or top) and len(tokens) > 1:
-                scored = dep.forward([Datum(tokens=tokens)], adapter=sampler.adapter, top=top)
+            def score() -> Any:
+                if (want_prompt or top) and len(tokens) > 1:
+                    return dep.forward([Datum(tokens=tokens)], adapter=sampler.adapter, top=top)
+                return None
+
+            scored = score()
             try:
                 result = await sampled
             except AdapterNotFound:
                 if not await self._reload_adapter(sampler):
                     raise
+                scored = score()  # (that one failed as the sample did)
                 result = await merger.sample(
                     tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
                 )
-            prompt_lp, prompt_top = None, None
-            if scored is not None:
-                scores = await settled(scored)
+            scores = await settled(scored) if scored is not None else None
             # (with prompt_logprobs_last_n, the positions before the last n are left empty)
-            skip = max(1, len(tokens) - last_n) if last_n is not None else 1
+            skip = len(tokens) - last_n if last_n is not None else 1
+            prompt_lp = None
             if want_prompt:
-                lp = scores.logprobs[0] if scored is not None else (0.0,)
+                lp = scores.logprobs[0] if scores is not None else (0.0,)
                 prompt_lp = [float("nan")] * skip + list(lp[skip:])
-            if top:
-                pairs = scores.top[0] if scored is not None else ((),)
-                prompt_top = [()] * skip + list(pairs[skip:])
-            return 200, wire.sample_output(result, prompt_lp, prompt_top, top), PROTO
+            prompt_top = scores.top[0] if scores is not None and top else None
+            body = await self.blocking(  # (a long prompt's top k: off the event loop)
+                wire.sample_output, result, prompt_lp, prompt_top, top, skip
+            )
+            return 200, body, PROTO
 
         request_id = self.promise(tenant, "sample", work())
         return request_id, [f"{request_id}:{i}" for i in range(params.n)]

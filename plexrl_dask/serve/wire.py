@@ -263,13 +263,15 @@ _TOP_EMPTY = (0, -99999.0)
 def sample_output(
     result: SampleResult,
     prompt_logprobs: Sequence[float] | None = None,
-    prompt_top: Sequence[Sequence[tuple[int, float]]] | None = None,
+    prompt_top: tuple[np.ndarray, np.ndarray] | None = None,
     k: int = 0,
+    skip: int = 1,
 ) -> bytes:
     """A protobuf ``SampleResponse`` of a one-prompt :class:`SampleResult`;
-    ``prompt_logprobs`` (one per prompt token, NaN for the first) and ``prompt_top`` (per
-    prompt token its ``k`` most probable ``(token, log-probability)``, none for the first)
-    when asked for."""
+    ``prompt_logprobs`` (one per prompt token, NaN for the first) and ``prompt_top`` (the
+    prompt's ``ForwardResult.top``: its tokens' ``k`` most probable, whose first ``skip``
+    rows are sent empty) when asked for; ``k`` without ``prompt_top``: a one-token prompt's
+    empty row."""
     out = pb.SampleResponse()
     for seq in result.sequences[0]:
         s = out.sequences.add()
@@ -280,15 +282,16 @@ def sample_output(
         s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
-    if prompt_top is not None:
-        rows = [list(pairs) + [_TOP_EMPTY] * (k - len(pairs)) for pairs in prompt_top]
-        out.topk_prompt_logprobs.k, out.topk_prompt_logprobs.length = k, len(rows)
-        out.topk_prompt_logprobs.token_ids = np.asarray(
-            [[t for t, _ in row] for row in rows], dtype="<i4"
-        ).tobytes()
-        out.topk_prompt_logprobs.logprobs = np.asarray(
-            [[lp for _, lp in row] for row in rows], dtype="<f4"
-        ).tobytes()
+    if k:
+        ids, values = prompt_top if prompt_top is not None else (np.zeros((1, 0)),) * 2
+        n, got = ids.shape[0], ids.shape[1]
+        # (k columns: fewer where the vocabulary is smaller; the first rows empty)
+        token_ids = np.full((n, k), _TOP_EMPTY[0], dtype="<i4")
+        logprobs = np.full((n, k), _TOP_EMPTY[1], dtype="<f4")
+        token_ids[skip:, :got], logprobs[skip:, :got] = ids[skip:], values[skip:]
+        top = out.topk_prompt_logprobs
+        top.k, top.length = k, n
+        top.token_ids, top.logprobs = token_ids.tobytes(), logprobs.tobytes()
     return out.SerializeToString()
 
 

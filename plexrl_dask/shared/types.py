@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl_dask import config
@@ -570,12 +570,14 @@ class SampleResult:
 @dataclass(frozen=True)
 class ForwardResult:
     """Per-token log-probabilities of each datum (aligned with its tokens, entry 0 is 0.0);
-    ``top`` (asked for with ``top=k``): at each of its positions, the ``k`` most probable
-    tokens there as ``(token, log-probability)`` pairs, most probable first (entry 0, where
-    nothing is predicted, empty)."""
+    ``top`` (asked for with ``top=k``): per datum ``(ids, logprobs)``, numpy arrays (int32,
+    float32) of shape ``(len(tokens), k)`` whose row ``i`` holds the ``k`` most probable
+    tokens at position ``i``, most probable first (row 0, where nothing is predicted: ids -1,
+    log-probabilities -inf). Arrays, not lists: a long prompt's top 100 are millions of
+    pairs. Results compare by their log-probabilities only."""
 
     logprobs: tuple[tuple[float, ...], ...]
-    top: tuple[tuple[tuple[tuple[int, float], ...], ...], ...] | None = None
+    top: tuple[tuple[Any, Any], ...] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

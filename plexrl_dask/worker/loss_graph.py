@@ -118,8 +118,8 @@ class _Program:
                     out = getattr(args[0], step.call)(*args[1:], **kwargs)
                 else:
                     out = step.call(*args, **kwargs)
-            except PlexRLError:
-                raise
+            except (PlexRLError, torch.OutOfMemoryError):
+                raise  # (out of memory: the holder's to handle, not the loss's fault)
             except _FAILURES as e:
                 raise InvalidLoss(f"loss {self.name!r}, node {step.name!r}: {e}") from None
             spent += _elements(out, step.name)
@@ -131,7 +131,7 @@ class _Program:
             env[step.name] = out
         try:
             return self._output(_bind(self.output, env))
-        except PlexRLError:
+        except (PlexRLError, torch.OutOfMemoryError):
             raise
         except _FAILURES as e:
             raise InvalidLoss(f"loss {self.name!r}, its output: {e}") from None
@@ -184,13 +184,20 @@ def graph_loss(
     loss: GraphLoss, batch: tuple[Datum, ...], logp: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of ``batch`` (the per-datum losses summed, divided by the normalizer) given
-    log-probabilities ``logp`` (B, L-1) of its predicted tokens, and its metrics."""
+    log-probabilities ``logp`` (B, L-1) of its predicted tokens, and its metrics.
+
+    Where ``logp`` carries a gradient, the graph runs on a detached copy and its gradient
+    with respect to the log-probabilities is taken here, so that any failure of the graph's
+    own backward is an :class:`InvalidLoss` before the model's backward (and a sharded
+    model's collectives) starts; the loss returned has that gradient and the graph's value
+    (the SDK's surrogate, computed on the worker)."""
     program = build(loss)
+    leaf = logp.detach().requires_grad_(logp.requires_grad)
     total: torch.Tensor | None = None
     sums: dict[str, float] = {}
     for i, datum in enumerate(batch):
         n = len(datum.tokens) - 1
-        values = [logp[i, :n]]
+        values = [leaf[i, :n]]
         for name, rank in loss.inputs[1:]:
             value = datum.input(name)
             if value is None:
@@ -205,11 +212,20 @@ def graph_loss(
         total = value if total is None else total + value
         for key, m in metrics.items():
             sums[key] = sums.get(key, 0.0) + m
-    if total is None or (logp.requires_grad and not total.requires_grad):
-        # (a rank with no share of the batch, or a loss that reads no log-probability, still
-        # joins the backward, with a gradient of 0)
-        total = (logp * 0.0).sum() + (0.0 if total is None else total.detach())
-    value = total.to(torch.float32) / loss.normalizer
+    total = leaf.new_zeros(()) if total is None else total.to(torch.float32) / loss.normalizer
+    if logp.requires_grad:
+        grad = torch.zeros_like(leaf)
+        if total.requires_grad:  # (a loss that reads no log-probability has a gradient of 0)
+            try:
+                (grad,) = torch.autograd.grad(total, leaf)
+            except torch.OutOfMemoryError:
+                raise
+            except _FAILURES as e:
+                raise InvalidLoss(f"loss {loss.name!r}: its gradient: {e}") from None
+        surrogate = (logp * grad).sum()
+        value = surrogate + (total.detach() - surrogate.detach())
+    else:
+        value = total.detach()
     out = {"num_tokens": float(valid.sum()), "total_weight": float(len(batch))}
     for key, s in sums.items():
         out[key] = s / len(batch) if key.endswith(":mean") else s

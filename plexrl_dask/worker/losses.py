@@ -9,6 +9,7 @@ entry 0). Both losses return the scalar to differentiate and metrics as Python f
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from plexrl_dask.errors import InvalidLoss
@@ -122,16 +123,18 @@ def compute_loss(
 
 def top_per_datum(
     values: torch.Tensor, ids: torch.Tensor, batch: tuple[Datum, ...]
-) -> tuple[tuple[tuple[tuple[int, float], ...], ...], ...]:
-    """Each datum's top tokens from the (B, L-1, k) batch tensors, aligned with its tokens
-    (entry 0, where nothing is predicted, empty)."""
-    values, ids = values.detach().cpu().tolist(), ids.detach().cpu().tolist()
-    return tuple(
-        ((),) + tuple(tuple(zip(i, v, strict=True)) for i, v in zip(ir, vr, strict=True))[
-            : len(d.tokens) - 1
-        ]
-        for vr, ir, d in zip(values, ids, batch, strict=True)
-    )
+) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """Each datum's top tokens from the (B, L-1, k) batch tensors, as ``ForwardResult.top``
+    holds them: arrays aligned with its tokens (row 0 ids -1, log-probabilities -inf)."""
+    values = values.detach().to("cpu", torch.float32).numpy()
+    ids = ids.detach().to("cpu", torch.int32).numpy()
+    out = []
+    for i, d in enumerate(batch):
+        n, k = len(d.tokens) - 1, ids.shape[-1]
+        row0_ids, row0_values = np.full((1, k), -1, np.int32), np.full((1, k), -np.inf, np.float32)
+        out.append((np.concatenate([row0_ids, ids[i, :n]]),
+                    np.concatenate([row0_values, values[i, :n]])))  # fmt: skip
+    return tuple(out)
 
 
 def per_datum(logp: torch.Tensor, batch: tuple[Datum, ...]) -> tuple[tuple[float, ...], ...]:
