@@ -364,9 +364,8 @@ def _saved_certificate(directory: Path) -> Any:
 
     from cryptography import x509
     from cryptography.exceptions import InvalidSignature
-    from distributed.security import Security
 
-    from plexrl_dask.cluster import client_security
+    from plexrl_dask.cluster import client_security, one_certificate
 
     if not directory.is_dir():
         return None
@@ -392,9 +391,7 @@ def _saved_certificate(directory: Path) -> Any:
             f"the certificate saved in {directory} expires {parsed.not_valid_after_utc:%Y-%m-%d}:"
             " make a new one with --new-certificate"
         )
-    roles = {f"tls_{r}_{k}": v for r in ("scheduler", "worker", "client")
-             for k, v in (("cert", cert), ("key", key))}  # fmt: skip
-    return Security(tls_ca_file=ca, require_encryption=True, **roles)
+    return one_certificate(ca, cert, key)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

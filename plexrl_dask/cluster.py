@@ -454,6 +454,15 @@ def save_client_credentials(security: Security, directory: str | os.PathLike[str
     return root
 
 
+def one_certificate(ca: str, cert: str, key: str) -> Security:
+    """A ``Security`` (encryption required) whose every role, scheduler, worker and client,
+    presents the certificate ``cert`` with its ``key`` under the CA ``ca`` (each a file's
+    path, or PEM text), as a ``Security.temporary()`` cluster's do."""
+    roles = {f"tls_{role}_cert": cert for role in ("scheduler", "worker", "client")}
+    roles.update({f"tls_{role}_key": key for role in ("scheduler", "worker", "client")})
+    return Security(require_encryption=True, tls_ca_file=ca, **roles)
+
+
 def client_security(directory: str | os.PathLike[str]) -> Security:
     """The ``Security`` a client connects with from the credentials
     :func:`save_client_credentials` wrote into ``directory`` (encryption required);

@@ -57,7 +57,13 @@ from dask.utils import parse_bytes
 from distributed.security import Security
 
 from plexrl_dask import config
-from plexrl_dask.cluster import GPU_NANNY, PRELOAD, TRIM_CONFIG_ENV, tls_environment
+from plexrl_dask.cluster import (
+    GPU_NANNY,
+    PRELOAD,
+    TRIM_CONFIG_ENV,
+    one_certificate,
+    tls_environment,
+)
 from plexrl_dask.errors import ConfigError
 from plexrl_dask.shared.records import BACKEND_NAMES
 
@@ -68,7 +74,7 @@ SCHEDULER_PORT, DASHBOARD_PORT, WORKER_DASHBOARD_PORT = 8786, 8787, 8788
 NVME_MOUNT = "/plexrl/nvme"
 #: Where every pod mounts the cluster's TLS secret (its keys are the files' names).
 TLS_MOUNT = "/plexrl/tls"
-TLS_FILES = {"tls_ca_file": "ca.crt", "cert": "tls.crt", "key": "tls.key"}
+TLS_FILES = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}
 #: The operator names the scheduler's Service "<name>-scheduler" (a DNS-1035 label: a letter
 #: first) and each worker's Deployment "<name>-default-worker-<10 hex digits>" (26 more
 #: characters; a label holds 63).
@@ -90,11 +96,7 @@ _SECRET = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
 def _tls_environment() -> dict[str, str]:
     """Every pod's Dask TLS settings: the mounted secret's files for each role (scheduler,
     worker, and the client each process opens), encryption required."""
-    files = {attr: f"{TLS_MOUNT}/{TLS_FILES[attr]}" for attr in ("tls_ca_file",)}
-    for role in ("scheduler", "worker", "client"):
-        files[f"tls_{role}_cert"] = f"{TLS_MOUNT}/{TLS_FILES['cert']}"
-        files[f"tls_{role}_key"] = f"{TLS_MOUNT}/{TLS_FILES['key']}"
-    security = Security(require_encryption=True, **files)
+    security = one_certificate(*(f"{TLS_MOUNT}/{TLS_FILES[f]}" for f in ("ca", "cert", "key")))
     return {**tls_environment(security, "scheduler"), **tls_environment(security, "worker")}
 
 
@@ -109,9 +111,9 @@ def kube_tls_secret(name: str, security: Security | None = None) -> tuple[dict[s
         raise ConfigError(f"a Secret's name is a DNS subdomain, got {name!r}")
     security = security or Security.temporary()
     pem = {
-        "ca.crt": security.tls_ca_file,
-        "tls.crt": security.tls_scheduler_cert,
-        "tls.key": security.tls_scheduler_key,
+        TLS_FILES["ca"]: security.tls_ca_file,
+        TLS_FILES["cert"]: security.tls_scheduler_cert,
+        TLS_FILES["key"]: security.tls_scheduler_key,
     }
     if not all(isinstance(v, str) and "-----BEGIN" in v for v in pem.values()):
         raise ConfigError("kube_tls_secret needs a Security holding PEM text (its CA, cert, key)")
