@@ -101,9 +101,10 @@ class _Program:
 
     def run(
         self, values: Sequence[Any], budget: int | None = None
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The graph's loss and metrics on ``values`` (its inputs, in order); with ``budget``,
-        :class:`InvalidLoss` once its intermediates together hold more elements."""
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The graph's loss and metrics (scalar tensors, detached, or numbers) on ``values``
+        (its inputs, in order); with ``budget``, :class:`InvalidLoss` once its intermediates
+        together hold more elements."""
         env: dict[str, Any] = {name: v for (name, _), v in zip(self.inputs, values, strict=True)}
         spent = 0
         for step in self.steps:
@@ -136,7 +137,7 @@ class _Program:
         except _FAILURES as e:
             raise InvalidLoss(f"loss {self.name!r}, its output: {e}") from None
 
-    def _output(self, out: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def _output(self, out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         loss, metrics = out
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
             raise InvalidLoss(f"loss {self.name!r} must return a floating scalar tensor")
@@ -150,10 +151,8 @@ class _Program:
                     f"loss {self.name!r}: metric {key!r} is a {type(value).__name__}, not a "
                     "real number"
                 )
-            if loss.device.type != "meta":
-                out_metrics[key] = float(
-                    value.detach() if isinstance(value, torch.Tensor) else value
-                )
+            # (kept on the device: read once per batch, not once per datum and metric)
+            out_metrics[key] = value.detach() if isinstance(value, torch.Tensor) else value
         return loss, out_metrics
 
 
@@ -194,7 +193,7 @@ def graph_loss(
     program = build(loss)
     leaf = logp.detach().requires_grad_(logp.requires_grad)
     total: torch.Tensor | None = None
-    sums: dict[str, float] = {}
+    sums: dict[str, Any] = {}
     for i, datum in enumerate(batch):
         n = len(datum.tokens) - 1
         values = [leaf[i, :n]]
@@ -211,6 +210,7 @@ def graph_loss(
         value, metrics = program.run(values)
         total = value if total is None else total + value
         for key, m in metrics.items():
+            m = m.to(torch.float64) if isinstance(m, torch.Tensor) else float(m)
             sums[key] = sums.get(key, 0.0) + m
     total = leaf.new_zeros(()) if total is None else total.to(torch.float32) / loss.normalizer
     if logp.requires_grad:
@@ -228,6 +228,7 @@ def graph_loss(
         value = total.detach()
     out = {"num_tokens": float(valid.sum()), "total_weight": float(len(batch))}
     for key, s in sums.items():
+        s = float(s)
         out[key] = s / len(batch) if key.endswith(":mean") else s
     out["loss"] = float(value.detach())
     return value, out
