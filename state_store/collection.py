@@ -127,6 +127,11 @@ class CollectionMixin:
             if not st.parent.name.startswith(".") and now - _last_activity(st) > staging_grace_s:
                 shutil.rmtree(st, ignore_errors=True)
                 removed_staging += 1
+        # Versions a deletion renamed out of sight and did not finish removing (it crashed):
+        # nothing reads them, and each would hold a version's metadata for good.
+        for trash in list(staging_root.glob(".deleted-*")) if staging_root.is_dir() else ():
+            shutil.rmtree(trash, ignore_errors=True)
+            removed_staging += 1
         objects_root = self.root / "objects"
         freed = deleted = 0
         with self._collection_lock(shared=False):

@@ -36,6 +36,7 @@ columns pay that.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -217,6 +218,18 @@ def split_dims_from_tp_plan(
     return {n: ROW_AND_COLUMN_SPLITS for n in names if any(r.search(n) for r in rowwise)}
 
 
+def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[str]:
+    """The Zarr keys of a tensor's chunks, in grid order (``c`` for a scalar)."""
+    if not shape:
+        return ["c"]
+    grid = [range(-(-n // c)) for n, c in zip(shape, chunks, strict=True)]
+    return ["c/" + "/".join(map(str, idx)) for idx in itertools.product(*grid)]
+
+
+#: What a chunk's content digest looks like (``objects.digest_of``: XXH3-128, hex).
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of a version: where its chunks are (chunk index key -> content digest)."""
@@ -280,6 +293,25 @@ class Manifest:
     def digests(self) -> set[str]:
         return {d for t in self.tensors.values() for d in t.chunk_digests.values()}
 
+    def check(self, model: str | None = None, version: int | None = None) -> Manifest:
+        """This manifest, when it is one a store could have written (of ``model`` ``version``
+        where given): path-safe names, known dtypes, a whole chunk grid, and digests that
+        name objects, never paths. :class:`CorruptState` otherwise. A manifest from another
+        process (a peer's import) is checked before any of it names a file."""
+        try:
+            check_model(self.model), check_version(self.version)
+            if (model is not None and self.model != model) or (
+                version is not None and self.version != version
+            ):
+                raise InvalidStateKey(f"asked for {model!r} v{version}")
+            for name, entry in self.tensors.items():
+                _check_entry(name, entry)
+        except InvalidStateKey as e:
+            raise CorruptState(
+                f"the manifest of {self.model!r} v{self.version} is not a store's: {e}"
+            ) from None
+        return self
+
     def to_json(self) -> str:
         return json.dumps(
             {
@@ -310,3 +342,21 @@ class Manifest:
             raise CorruptState(
                 f"{what} is not a readable manifest ({type(e).__name__}: {e})"
             ) from None
+
+
+def _check_entry(name: str, entry: TensorEntry) -> None:
+    """:class:`InvalidStateKey` unless ``entry`` is tensor ``name`` as a store writes one."""
+    check_name(name)
+    if entry.name != name or entry.dtype not in DTYPES:
+        raise InvalidStateKey(f"tensor {name!r} is listed as {entry.name!r} of {entry.dtype!r}")
+    dims = (*entry.shape, *entry.chunks)
+    if (
+        len(entry.chunks) != len(entry.shape)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in dims)
+        or not all(c > 0 for c in entry.chunks)
+    ):
+        raise InvalidStateKey(f"tensor {name!r}: shape {entry.shape}, chunks {entry.chunks}")
+    if set(entry.chunk_digests) != set(chunk_keys(entry.shape, entry.chunks)):
+        raise InvalidStateKey(f"tensor {name!r}: its chunks are not its grid's")
+    if not all(isinstance(d, str) and _DIGEST.match(d) for d in entry.chunk_digests.values()):
+        raise InvalidStateKey(f"tensor {name!r}: a chunk digest that is not one")

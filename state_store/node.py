@@ -45,6 +45,7 @@ from plexrl_dask.state_store.manager import (
     private_tier_dir,
     socket_name,
 )
+from plexrl_dask.state_store.objects import Tally
 from plexrl_dask.state_store.store import StateStore, VersionWriter
 from plexrl_dask.state_store.tiers import CLIENTS_DIR, STORE_DIR
 
@@ -396,12 +397,12 @@ class NodeState:
         first of ``tiers`` with room; closed and the reservation released on exit. The
         publish becomes visible when someone commits it (:meth:`commit`)."""
         lease = self.reserve(nbytes, tiers)
-        before = lease.store.stats.bytes_written
+        written = Tally()
         try:
-            with lease.store.writer(model, version, publish_id) as w:
+            with lease.store.writer(model, version, publish_id, counted=written) as w:
                 yield w
         finally:
-            self.release(lease, lease.store.stats.bytes_written - before)
+            self.release(lease, written.bytes)
 
     def commit(
         self,
@@ -421,13 +422,18 @@ class NodeState:
             for p in store._staging(model, version, publish_id).glob("fragments/*/*")
         )
         lease = self.reserve(fragments, (tier,))
-        before = store.stats.bytes_written
+        written = Tally()
         try:
             return store.commit(
-                model, version, publish_id, expected_parts=expected_parts, meta=dict(meta or {})
+                model,
+                version,
+                publish_id,
+                expected_parts=expected_parts,
+                meta=dict(meta or {}),
+                counted=written,
             )
         finally:
-            self.release(lease, store.stats.bytes_written - before, published=(model, version))
+            self.release(lease, written.bytes, published=(model, version))
 
     def publish(
         self,
@@ -443,18 +449,21 @@ class NodeState:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         publish_id = os.urandom(8).hex()
         lease = self.reserve(nbytes, tiers)
-        before = lease.store.stats.bytes_written
+        written = Tally()
         try:
-            with lease.store.writer(model, version, publish_id) as w:
+            with lease.store.writer(model, version, publish_id, counted=written) as w:
                 for name, t in tensors.items():
                     w.write(name, t, split_dims=(split_dims or {}).get(name, ROW_SPLITS))
             manifest = lease.store.commit(
-                model, version, publish_id, expected_parts=1, meta=dict(meta or {})
+                model,
+                version,
+                publish_id,
+                expected_parts=1,
+                meta=dict(meta or {}),
+                counted=written,
             )
         finally:
-            self.release(
-                lease, lease.store.stats.bytes_written - before, published=(model, version)
-            )
+            self.release(lease, written.bytes, published=(model, version))
         return lease.tier, manifest
 
     # --- reading ----------------------------------------------------------------------------------
@@ -477,14 +486,14 @@ class NodeState:
             for _ in e.chunk_digests
         )
         lease = self.reserve(nbytes, tiers)
-        before = lease.store.stats.bytes_written
+        written = Tally()
         fetched = None
         try:
-            fetched = lease.store.import_version(manifest, fetch)
+            fetched = lease.store.import_version(manifest, fetch, counted=written)
         finally:
             self.release(
                 lease,
-                lease.store.stats.bytes_written - before,
+                written.bytes,
                 published=None if fetched is None else (manifest.model, manifest.version),
             )
         return lease.tier, fetched

@@ -103,6 +103,20 @@ def _write_file(path: Path, data: bytes | memoryview, durable: bool) -> None:
     os.replace(tmp, path)
 
 
+class Tally:
+    """The bytes of the new objects one write stored (``put``'s ``counted``, told from the
+    I/O threads): that write's share of what the tier gained, whatever other writes of the
+    process do at the same time."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes += nbytes
+
+
 @dataclass
 class IOStats:
     """Bytes moved by one store object (instrumentation for the benchmarks and tests)."""
@@ -253,6 +267,12 @@ class Objects:
         with self._lock:
             return self._used_locked()
 
+    def unreserve(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` of pending objects that their publish discarded."""
+        with self._lock:
+            if self._used is not None:
+                self._used -= nbytes
+
     def scan_bytes(self) -> int:
         """Walk the objects and return their total size (exact, whoever wrote them)."""
         total = self._walk_bytes()
@@ -287,8 +307,10 @@ class Objects:
         data: bytes | memoryview,
         touch: Callable[[str], None] | None = None,
         pending: Path | None = None,
+        counted: Callable[[int], None] | None = None,
     ) -> str:
-        """Store ``data`` once; returns its digest. Safe to call from several threads: the
+        """Store ``data`` once; returns its digest. ``counted(nbytes)`` runs when this call
+        wrote a new object (not when it found one): what a write added to the tier. Safe to call from several threads: the
         capacity is reserved before the bytes are written. ``touch(digest)`` runs before the
         object is looked up or written: a writer records there that it uses the object, so
         that collection keeps it (see :meth:`StateStore.gc`). ``pending``: a durable
@@ -338,6 +360,8 @@ class Objects:
                 stored = self._write_new(target, data, sync=self.durable and pending is None)
             if stored:
                 self.stats.add(objects_written=1, bytes_written=n)
+                if counted is not None:
+                    counted(n)
             else:
                 self.stats.add(dedup_hits=1, bytes_deduplicated=n)
         finally:

@@ -147,13 +147,15 @@ def pull_version(
             ) from None
         return raise_for_status(reply)
 
+    check_model(model), check_version(version)  # (before they name the import's lock file)
     with _import_lock(node, model, version, timeout):
         for tier in tiers:
             if node.store(tier).has_version(model, version):
                 return tier, 0
         manifest = Manifest.from_json(
-            call(MANIFEST_HANDLER, model=model, version=version)["manifest"]
-        )
+            call(MANIFEST_HANDLER, model=model, version=version)["manifest"],
+            f"{source}'s manifest of {model!r} v{version}",
+        ).check(model, version)
 
         def fetch(digests: list[str]) -> Mapping[str, bytes | memoryview]:
             return call(OBJECTS_HANDLER, model=model, version=version, digests=digests)["objects"]

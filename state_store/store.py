@@ -77,12 +77,14 @@ from plexrl_dask.state_store.keys import (
     check_model,
     check_name,
     check_version,
+    chunk_keys,
     from_storage,
 )
 from plexrl_dask.state_store.objects import (
     Allocation,
     IOStats,
     Objects,
+    Tally,
     _fsync_dir,
     _io_pool,
     _syncfs,
@@ -93,7 +95,6 @@ from plexrl_dask.state_store.reads import plan_read, run_reads
 from plexrl_dask.state_store.writer import VersionWriter, _region, _Touched
 from plexrl_dask.state_store.zarr_layout import _byte_range as _byte_range  # re-exported
 from plexrl_dask.state_store.zarr_layout import (
-    _chunk_keys,
     _ensure_array_metadata,
     _VersionZarrStore,
 )
@@ -158,6 +159,8 @@ def _assembled_chunks(
     out as Zarr stores a chunk (C order, padded past the array's edge with the fill value 0),
     one chunk in memory at a time. The fragments cover each of these chunks completely and
     no writer wrote one whole (:func:`_check_fragments_cover`), so nothing is read back.
+    Where fragments overlap (a replicated part written by several ranks), their bytes must
+    agree: :class:`VersionConflict` otherwise, as for a whole chunk written twice.
 
     (Not through Zarr: a read-modify-write per fragment on Zarr's event loop costs ~4 ms,
     most of a small model's FSDP publish.)"""
@@ -174,6 +177,8 @@ def _assembled_chunks(
         chunks = tuple(t["chunks"])
         origin = [i * c for i, c in zip(idx, chunks, strict=True)]
         chunk = np.zeros(chunks, dtype=DTYPES[t["dtype"]][1])
+        key = "/".join((name, "c", *map(str, idx)))
+        written = np.zeros(chunks, dtype=bool) if len(frags) > 1 else None
         for frag in frags:
             region = [tuple(r) for r in frag["region"]]
             lo = [max(a, o) for (a, _), o in zip(region, origin, strict=True)]
@@ -181,12 +186,17 @@ def _assembled_chunks(
             shape = [b - a for a, b in region]
             # (mapped: a fragment across several chunks is read once per chunk, in part)
             data = np.memmap(staging / frag["file"], dtype=chunk.dtype, mode="r", shape=shape)
-            chunk[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin, strict=True))] = (
-                data[
-                    tuple(slice(a - r, b - r) for a, b, (r, _) in zip(lo, hi, region, strict=True))
-                ]
-            )
-        yield "/".join((name, "c", *map(str, idx))), chunk
+            into = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin, strict=True))
+            part = data[
+                tuple(slice(a - r, b - r) for a, b, (r, _) in zip(lo, hi, region, strict=True))
+            ]
+            if written is not None:
+                both = written[into]
+                if both.any() and chunk[into][both].tobytes() != np.asarray(part)[both].tobytes():
+                    raise VersionConflict(f"two writers wrote different bytes to parts of {key}")
+                written[into] = True
+            chunk[into] = part
+        yield key, chunk
 
 
 class StateStore(CollectionMixin):
@@ -295,13 +305,20 @@ class StateStore(CollectionMixin):
             raise StateMismatch(f"publish ids are alphanumeric (and '-'), got {publish_id!r}")
         return self.root / "staging" / check_model(model) / f"{check_version(version)}-{publish_id}"
 
-    def writer(self, model: str, version: int, publish_id: str = "solo") -> VersionWriter:
+    def writer(
+        self,
+        model: str,
+        version: int,
+        publish_id: str = "solo",
+        counted: Callable[[int], None] | None = None,
+    ) -> VersionWriter:
         """A writer for (part of) a publish of ``model`` version ``version``. Every writer of
         one publish (e.g. each FSDP rank) uses the same ``publish_id``; one of them calls
-        :meth:`commit` once all have closed their writers."""
+        :meth:`commit` once all have closed their writers. ``counted(nbytes)`` is told the
+        size of each new object the writer stores (its share of what the tier gains)."""
         staging = self._staging(model, version, publish_id)
         (staging / "parts").mkdir(parents=True, exist_ok=True)
-        return VersionWriter(self, model, version, staging)
+        return VersionWriter(self, model, version, staging, counted)
 
     def publish(
         self,
@@ -314,10 +331,23 @@ class StateStore(CollectionMixin):
         """Write whole tensors and commit (one writer). ``split_dims``: per tensor name, the
         dims its readers may split (default :data:`~.keys.ROW_SPLITS`)."""
         publish_id = uuid.uuid4().hex
-        with self.writer(model, version, publish_id) as w:
-            for name, t in tensors.items():
-                w.write(name, t, split_dims=(split_dims or {}).get(name, ROW_SPLITS))
-        return self.commit(model, version, publish_id, expected_parts=1, meta=meta)
+        pending = Tally()
+        try:
+            with self.writer(model, version, publish_id, counted=pending) as w:
+                for name, t in tensors.items():
+                    w.write(name, t, split_dims=(split_dims or {}).get(name, ROW_SPLITS))
+            return self.commit(
+                model, version, publish_id, expected_parts=1, meta=meta, counted=pending
+            )
+        except BaseException:
+            # Nothing else writes this publish: its staging (chunks and fragments, and a
+            # durable tier's new objects, not yet in the store) goes at once.
+            staging = self._staging(model, version, publish_id)
+            unsettled = (staging / "pending").is_dir()  # (settled ones are in the store)
+            shutil.rmtree(staging, ignore_errors=True)
+            if self.durable and unsettled:
+                self.objects.unreserve(pending.bytes)
+            raise
 
     def commit(
         self,
@@ -326,10 +356,12 @@ class StateStore(CollectionMixin):
         publish_id: str = "solo",
         expected_parts: int | None = None,
         meta: dict[str, Any] | None = None,
+        counted: Callable[[int], None] | None = None,
     ) -> Manifest:
         """Make the publish ``publish_id`` visible as ``model`` version ``version``: assemble
         partly written chunks from fragments, check every chunk of every tensor is there,
-        write the manifest and rename the staging directory into place (atomically)."""
+        write the manifest and rename the staging directory into place (atomically).
+        ``counted``: as :meth:`writer`'s, for the chunks assembled here."""
         staging = self._staging(model, version, publish_id)
         parts = sorted((staging / "parts").glob("*.json")) if staging.is_dir() else []
         if expected_parts is not None and len(parts) != expected_parts:
@@ -360,7 +392,9 @@ class StateStore(CollectionMixin):
         # From here to the rename into place, no collection runs (see gc): the objects this
         # publish deduplicated against cannot vanish under it.
         with self._collection_lock(shared=True):
-            return self._commit_locked(staging, model, version, tensors, pointers, fragments, meta)
+            return self._commit_locked(
+                staging, model, version, tensors, pointers, fragments, meta, counted
+            )
 
     def _commit_locked(
         self,
@@ -371,19 +405,20 @@ class StateStore(CollectionMixin):
         pointers: dict[str, str],
         fragments: list[dict[str, Any]],
         meta: dict[str, Any] | None,
+        counted: Callable[[int], None] | None = None,
     ) -> Manifest:
         touched = _Touched(staging / "touched" / f"commit-{uuid.uuid4().hex}")
         pending = staging / "pending" if self.durable else None
         for key, chunk in _assembled_chunks(staging, tensors, fragments):
             pointers[key] = self.objects.put(
-                memoryview(chunk).cast("B"), touch=touched, pending=pending
+                memoryview(chunk).cast("B"), touch=touched, pending=pending, counted=counted
             )
         entries = {}
         for name, t in tensors.items():
             shape, chunks = tuple(t["shape"]), tuple(t["chunks"])
             digests = {}
             missing = []
-            for ck in _chunk_keys(shape, chunks):
+            for ck in chunk_keys(shape, chunks):
                 digest = pointers.get(f"{name}/{ck}")
                 if digest is None:
                     missing.append(ck)
@@ -578,6 +613,7 @@ class StateStore(CollectionMixin):
         manifest: Manifest,
         fetch: Callable[[list[str]], Mapping[str, bytes | memoryview]],
         batch_bytes: int = IMPORT_BATCH_BYTES,
+        counted: Callable[[int], None] | None = None,
     ) -> int:
         """Publish the version ``manifest`` describes, taking the objects this store lacks from
         ``fetch`` (a list of digests -> their bytes; another tier, another node's store). They
@@ -586,8 +622,8 @@ class StateStore(CollectionMixin):
         transfers overlap the writes), and each is checked against its digest on arrival
         (:class:`CorruptState` naming it otherwise, and nothing is published); the version
         appears atomically like any publish. Returns the bytes fetched (0: the version was
-        already here)."""
-        model, version = manifest.model, manifest.version
+        already here). ``counted``: as :meth:`writer`'s."""
+        model, version = manifest.check().model, manifest.version
         if self.has_version(model, version):
             return 0
         publish_id = f"import-{uuid.uuid4().hex}"
@@ -608,7 +644,7 @@ class StateStore(CollectionMixin):
                 data = got.get(digest)
                 if data is None:
                     raise CorruptState(f"{what}: the source has no object {digest}")
-                if self.objects.put(data, pending=pending) != digest:
+                if self.objects.put(data, pending=pending, counted=counted) != digest:
                     raise CorruptState(
                         f"{what}: object {digest} arrived with other bytes (corrupted in transit "
                         "or at the source)"

@@ -89,7 +89,11 @@ class TierManager:
         self.leases: dict[str, _Lease] = {}
         self.last_used: dict[Key, float] = {}
         self.counters = Counter[str]()
-        self._collected_at = {tier: 0.0 for tier in TIERS}
+        # When each tier's accounting was last walked (the end of the walk), collections
+        # walking it now, and whether a write ended during one (see release).
+        self._scanned_at = {tier: 0.0 for tier in TIERS}
+        self._scanning = Counter[str]()
+        self._ended_while_scanning = {tier: False for tier in TIERS}
         self.client_pids: dict[str, int] = {}  # connection -> client process
         self.used = {
             "dram": self.dram.gc(grace_s=3600.0)["object_bytes"],
@@ -171,12 +175,17 @@ class TierManager:
         with self._lock:
             held = self.leases.pop(lease, None)
             if held is not None:
-                if held.started <= self._collected_at[held.tier]:
-                    # A collection walked the tier during this write and counted what it had
-                    # written by then: count again rather than add twice.
-                    self.used[held.tier] = self.store(held.tier).objects.scan_bytes()
+                tier = held.tier
+                if self._scanning[tier]:
+                    # A walk in progress may or may not see this write's objects: walk again
+                    # once it ends (collect).
+                    self._ended_while_scanning[tier] = True
+                elif held.started <= self._scanned_at[tier]:
+                    # A walk during this write counted part of it: walk again rather than
+                    # add twice.
+                    self._rescan(tier)
                 else:
-                    self.used[held.tier] += int(written)
+                    self.used[tier] += int(written)
             if published is not None:
                 self.last_used[tuple(published)] = time.time()  # type: ignore[index]
 
@@ -400,15 +409,17 @@ class TierManager:
         )
 
     def delete(self, model: str, version: int, tiers: list[str]) -> dict[str, bool]:
-        """Unpublish the version from ``tiers`` (refused while pinned) and collect those tiers
-        soon (:meth:`_collect_soon`): the version is gone when this returns, its unshared
-        objects a moment later."""
+        """Unpublish the version from ``tiers`` (refused on every tier while it is pinned, by a
+        client of this manager or in a live client's record: a reader may read it from any
+        tier) and collect those tiers soon (:meth:`_collect_soon`): the version is gone when
+        this returns, its unshared objects a moment later."""
         key = (model, version)
         out = {}
         with self._move_lock(key):
+            recorded = self._recorded_pins()  # (files: read once, outside the lock)
             for tier in tiers:
                 with self._lock:
-                    if key in self.pins and tier == "dram":
+                    if self._pinned(key, recorded):
                         raise StateStoreError(f"{model!r} v{version} is being read; not deleted")
                     store = self.store(tier)
                     out[tier] = store.has_version(model, version)
@@ -449,13 +460,27 @@ class TierManager:
         """Garbage-collect ``tier`` now: nothing a version, a closed writer or a write in
         progress refers to is deleted (see the module docstring)."""
         with self._lock:
-            self._collected_at[tier] = time.time()
-        report = self.store(tier).gc(grace_s=0.0)
+            self._scanning[tier] += 1
+        try:
+            report = self.store(tier).gc(grace_s=0.0)
+        finally:
+            with self._lock:
+                self._scanning[tier] -= 1
         with self._lock:
             # Bytes of writes still in progress were already on disk in the walk; their leases
             # still reserve them too. Over-counting until they end is the safe direction.
             self.used[tier] = report["object_bytes"]
+            self._scanned_at[tier] = time.time()
+            if self._ended_while_scanning[tier] and not self._scanning[tier]:
+                self._rescan(tier)
         return report
+
+    def _rescan(self, tier: str) -> None:
+        """Count ``tier``'s objects afresh (under the lock): writes that started before now
+        are walked again when they end."""
+        self.used[tier] = self.store(tier).objects.scan_bytes()
+        self._scanned_at[tier] = time.time()
+        self._ended_while_scanning[tier] = False
 
     def prefetch(self, model: str, version: int) -> bool:
         """Promote the version in the background (a scheduler hint); False if unknown."""

@@ -93,8 +93,16 @@ def _write_raw(path: Path, block: np.ndarray) -> None:
 class VersionWriter:
     """One writer's part of a publish (one process or rank); see :meth:`StateStore.writer`."""
 
-    def __init__(self, store: StateStore, model: str, version: int, staging: Path) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        model: str,
+        version: int,
+        staging: Path,
+        counted: Callable[[int], None] | None = None,
+    ) -> None:
         self.store = store
+        self.counted = counted  # (told the size of each new object this writer stores)
         self.model = model
         self.version = version
         self.staging = staging
@@ -112,6 +120,7 @@ class VersionWriter:
             read_only=False,
             touch=self.touched,
             pending=self.pending,
+            counted=counted,
         )
         self._closed = False
         self._inflight: deque[tuple[Future, int]] = deque()  # (queued work, its chunk bytes)
@@ -197,7 +206,10 @@ class VersionWriter:
         data = to_storage(tensor)
         if not full:  # a scalar: one chunk, key "c", its bytes as they are
             digest = self.store.objects.put(
-                np.ascontiguousarray(data).tobytes(), touch=self.touched, pending=self.pending
+                np.ascontiguousarray(data).tobytes(),
+                touch=self.touched,
+                pending=self.pending,
+                counted=self.counted,
             )
             with self._lock:
                 self.pointers[f"{name}/c"] = digest
@@ -270,7 +282,10 @@ class VersionWriter:
                     buf.fill(0)  # Zarr pads edge chunks with the fill value
                 buf[tuple(slice(0, e) for e in extent)] = block
             digest = self.store.objects.put(
-                memoryview(buf).cast("B"), touch=self.touched, pending=self.pending
+                memoryview(buf).cast("B"),
+                touch=self.touched,
+                pending=self.pending,
+                counted=self.counted,
             )
             with self._lock:
                 self.pointers["/".join((name, "c", *map(str, idx)))] = digest

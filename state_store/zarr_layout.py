@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import os
 import threading
@@ -66,6 +65,7 @@ class _VersionZarrStore(Store):
         read_only: bool,
         touch: Callable[[str], None] | None = None,
         pending: Path | None = None,
+        counted: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(read_only=read_only)
         self.meta_root = meta_root
@@ -73,6 +73,7 @@ class _VersionZarrStore(Store):
         self.pointers = pointers
         self.touch = touch
         self.pending = pending
+        self.counted = counted
         self._lock = threading.Lock()
 
     def __eq__(self, other: object) -> bool:
@@ -125,7 +126,9 @@ class _VersionZarrStore(Store):
         self._check_writable()
         data = value.to_bytes()
         if self._is_chunk(key):
-            digest = await asyncio.to_thread(self.objects.put, data, self.touch, self.pending)
+            digest = await asyncio.to_thread(
+                self.objects.put, data, self.touch, self.pending, self.counted
+            )
             with self._lock:
                 self.pointers[key] = digest
         else:
@@ -229,10 +232,3 @@ def _ensure_array_metadata(
             f"tensor {name!r} is being published as {tuple(shape)} {dtype} but this publish already has "
             f"it as {tuple(existing['shape'])} {existing['attributes'].get('logical_dtype')}"
         )
-
-
-def _chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[str]:
-    if not shape:
-        return ["c"]
-    grid = [range(-(-n // c)) for n, c in zip(shape, chunks, strict=True)]
-    return ["c/" + "/".join(map(str, idx)) for idx in itertools.product(*grid)]

@@ -1035,6 +1035,31 @@ def _hf_logprobs(model, tokens):
     return [float(lp[i, t]) for i, t in enumerate(tokens[1:])]
 
 
+def stored_on_nodes(client, saved) -> bool:
+    """Whether any worker's node holds ``saved``'s store version (a ``save_state`` result)."""
+    model, version = saved["model"], int(saved["version"])
+
+    def locate(dask_worker=None):
+        from plexrl_dask.worker.holder import holder_of
+
+        holder = holder_of(dask_worker)
+        return holder is not None and holder.node is not None and (
+            holder.node.locate(model, version) is not None
+        )
+
+    return any(client.run(locate).values())
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    """Whether ``condition()`` held within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _download(urls, directory):
     directory.mkdir()
     for name, url in urls.items():
@@ -1088,7 +1113,11 @@ def test_checkpoints_are_listed_exported_for_hugging_face_and_deleted(server, tm
     ]
     assert c.expires_at is not None
     rest.set_checkpoint_ttl_from_tinker_path(state, None).result()
+    first = srv.service.saved.by_path[state].saved
+    assert stored_on_nodes(client, first)
     assert tc.save_state("state").result().path == state
+    second = srv.service.saved.by_path[state].saved
+    assert wait_until(lambda: not stored_on_nodes(client, first))  # (replaced: dropped)
     again = [
         c for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == state
     ]
@@ -1111,6 +1140,7 @@ def test_checkpoints_are_listed_exported_for_hugging_face_and_deleted(server, tm
     assert not any(c.tinker_path == state for c in bob.list_user_checkpoints().result().checkpoints)
 
     rest.delete_checkpoint_from_tinker_path(state).result()
+    assert not stored_on_nodes(client, second)  # (deleted: its stored version too)
     rest.delete_checkpoint_from_tinker_path(export).result()
     left = {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
     assert left == {sampler}

@@ -215,9 +215,28 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> JobCheckpoint | None:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a job checkpoint of format {FORMAT}")
     try:
-        return JobCheckpoint(**raw)
+        ckpt = JobCheckpoint(**raw)
     except TypeError as e:
         raise CheckpointError(f"{path} is not a job checkpoint: {e}") from e
+    saves = [ckpt.policy, ckpt.rollout]
+    if not isinstance(ckpt.kept, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 for pair in ckpt.kept
+    ):
+        raise CheckpointError(f"{path}: its kept checkpoints are not (policy, rollout) pairs")
+    saves += [s for pair in ckpt.kept for s in pair]
+    if ckpt.policy is None or not all(s is None or _is_save(s) for s in saves):
+        raise CheckpointError(f"{path}: a save it names has no model and version")
+    return ckpt
+
+
+def _is_save(save: Any) -> bool:
+    """Whether ``save`` is what a deployment's ``save_state`` returned (a stored version)."""
+    version = save.get("version") if isinstance(save, dict) else None
+    return (
+        isinstance(save.get("model") if isinstance(save, dict) else None, str)
+        and isinstance(version, int)
+        and not isinstance(version, bool)
+    )
 
 
 def write_checkpoint(directory: str | os.PathLike[str], ckpt: JobCheckpoint) -> None:
@@ -264,6 +283,8 @@ def read_steps(directory: str | os.PathLike[str], steps_done: int) -> list[dict[
         records = [json.loads(line) for line in lines[:steps_done]]
     except ValueError as e:
         raise CheckpointIncomplete(f"{path}: a record is not JSON: {e}") from e
+    if not all(isinstance(r, dict) for r in records):
+        raise CheckpointIncomplete(f"{path}: a record is not a step's (a JSON object)")
     if len(records) < steps_done or [r.get("step") for r in records] != list(range(steps_done)):
         raise CheckpointIncomplete(
             f"{path} holds {len(records)} readable steps of the {steps_done} its checkpoint "
@@ -271,8 +292,12 @@ def read_steps(directory: str | os.PathLike[str], steps_done: int) -> list[dict[
         )
     if len(lines) > steps_done:
         tmp = path.with_name(f".{STEPS}.tmp")
-        tmp.write_text("".join(line + "\n" for line in lines[:steps_done]))
+        with open(tmp, "w") as f:  # (durable before it replaces the records it keeps)
+            f.write("".join(line + "\n" for line in lines[:steps_done]))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync(Path(directory), directory=True)
     return records
 
 

@@ -18,6 +18,7 @@ deletes, and weights exported in Hugging Face / PEFT format behind signed downlo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
@@ -26,6 +27,7 @@ import math
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +36,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from plexrl_dask.errors import InvalidTinkerRequest, Unauthenticated, UnknownObject
+from plexrl_dask.errors import (
+    CheckpointError,
+    InvalidTinkerRequest,
+    TenantLimitExceeded,
+    Unauthenticated,
+    UnknownObject,
+)
 
 #: a tinker:// path's segment -> the checkpoint type the REST API names it
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -162,10 +170,28 @@ def write_export(
     or a LoRA replica's adapter) into the new directory ``directory``; the names of the files
     written. ``base_dir``: the base model's checkpoint directory (its config and tokenizer);
     ``lora``: the adapter's ``LoraSpec`` dict, None for full fine-tuning."""
+    out = Path(directory)
+    # Written beside its place, then renamed in: a failure leaves no half export behind.
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        partial.mkdir(parents=True)
+        files = _write_export_files(partial, tensors, base_dir, lora)
+        os.rename(partial, out)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"writing an export to {out}: {e}") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return files
+
+
+def _write_export_files(
+    out: Path, tensors: Mapping[str, Any], base_dir: str, lora: Mapping[str, Any] | None
+) -> list[str]:
+    """The files of an export (see :func:`write_export`) written into ``out``."""
     from safetensors.torch import save_file
 
-    out = Path(directory)
-    out.mkdir(parents=True)
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     if lora is not None:
         save_file(
@@ -262,10 +288,39 @@ class SavedCheckpoints:
         self.state = state
         self.export_dir = Path(export_dir)
         self.by_path = {k: Checkpoint(**v) for k, v in state.table("checkpoints").items()}
+        # Exports are written on the server's threads: each reserves its bytes against its
+        # tenant's limit first, until it is added (or fails), so that two exports at once
+        # cannot both pass the limit.
+        self._lock = threading.Lock()
+        self._exporting: collections.Counter[str] = collections.Counter()
 
-    def add(self, checkpoint: Checkpoint) -> None:
-        self.by_path[checkpoint.path] = checkpoint
+    def add(self, checkpoint: Checkpoint, reserved: int = 0) -> None:
+        """Keep ``checkpoint``; ``reserved``: the bytes :meth:`reserve_export` reserved for
+        it, which its own size now counts instead."""
+        with self._lock:
+            self.by_path[checkpoint.path] = checkpoint
+            self._exporting[checkpoint.tenant] -= reserved
         self.state.put("checkpoints", checkpoint.path, dataclasses.asdict(checkpoint))
+
+    def reserve_export(self, tenant: str, nbytes: int, limit: int, replaces: str) -> None:
+        """Reserve ``nbytes`` of ``tenant``'s ``limit`` of exports for one about to be written
+        (replacing the export at path ``replaces``, if any, once it is added); give them back
+        with :meth:`release_export` if it is not added. :class:`TenantLimitExceeded` when
+        they do not fit beside its exports and those being written."""
+        with self._lock:
+            replaced = self.by_path.get(replaces)
+            used = self._exported_locked(tenant) + self._exporting[tenant]
+            used -= (replaced.size_bytes or 0) if replaced is not None else 0
+            if used + nbytes > limit:
+                raise TenantLimitExceeded(
+                    f"tenant {tenant!r}: exporting {nbytes} bytes would pass its {limit} bytes "
+                    f"of exports ({used} used or being written); delete some"
+                )
+            self._exporting[tenant] += nbytes
+
+    def release_export(self, tenant: str, nbytes: int) -> None:
+        with self._lock:
+            self._exporting[tenant] -= nbytes
 
     def set_expiry(self, checkpoint: Checkpoint, expires_at: str | None) -> Checkpoint:
         """``checkpoint`` from now on expiring at ``expires_at`` (None: never)."""
@@ -303,6 +358,10 @@ class SavedCheckpoints:
         return sorted(mine, key=lambda c: c.created, reverse=True)
 
     def exported_bytes(self, tenant: str) -> int:
+        with self._lock:
+            return self._exported_locked(tenant)
+
+    def _exported_locked(self, tenant: str) -> int:
         return sum(
             c.size_bytes or 0 for c in self.by_path.values() if c.tenant == tenant and c.external
         )
@@ -315,7 +374,8 @@ class SavedCheckpoints:
     def remove(self, checkpoint: Checkpoint) -> None:
         """Forget ``checkpoint`` and delete an export's files (a stored version is the
         caller's to drop from the cluster's stores)."""
-        self.by_path.pop(checkpoint.path, None)
+        with self._lock:
+            self.by_path.pop(checkpoint.path, None)
         self.state.delete("checkpoints", checkpoint.path)
         if checkpoint.external:
             remove_export(checkpoint.saved["dir"])

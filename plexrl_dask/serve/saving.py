@@ -112,28 +112,29 @@ class CheckpointCalls:
             self.skip(model, seq_id)
             raise
 
+        reserved: list[int] = []  # (the bytes this export reserved, until it is added)
+
         def submit() -> Checkpoint:
             weights = result(model.deployment.get_weights())
-            replaced = self.saved.by_path.get(path)
-            used = self.saved.exported_bytes(tenant.name)
-            if replaced is not None:  # (replaced once this one is written)
-                used -= replaced.size_bytes or 0
-            if used + weights.nbytes() > tenant.limits.export_bytes:
-                raise TenantLimitExceeded(
-                    f"tenant {tenant.name!r}: exporting {weights.nbytes()} bytes would pass its "
-                    f"{tenant.limits.export_bytes} bytes of exports ({used} used); delete some"
-                )
-            directory = self.saved.export_dir_of(tenant.name)
-            base_dir = self.catalog[model.base].path
-            files = write_export(directory, weights.tensors, base_dir, model.lora)
-            saved = {"format": "external", "dir": str(directory), "files": files}
-            size = export_bytes(directory)
+            # (the replaced export, if any, goes once this one is written)
+            nbytes = weights.nbytes()
+            self.saved.reserve_export(tenant.name, nbytes, tenant.limits.export_bytes, path)
+            reserved.append(nbytes)
+            try:
+                directory = self.saved.export_dir_of(tenant.name)
+                base_dir = self.catalog[model.base].path
+                files = write_export(directory, weights.tensors, base_dir, model.lora)
+                saved = {"format": "external", "dir": str(directory), "files": files}
+                size = export_bytes(directory)
+            except BaseException:
+                self.saved.release_export(tenant.name, reserved.pop())
+                raise
             return Checkpoint(path, tenant.name, model.base, saved, model.lora, size_bytes=size,
                               expires_at=expires_at)  # fmt: skip
 
         def reply(checkpoint: Checkpoint) -> Reply:
             replaced = self.saved.by_path.get(path)
-            self.saved.add(checkpoint)
+            self.saved.add(checkpoint, reserved=reserved.pop() if reserved else 0)
             if replaced is not None:
                 remove_export(replaced.saved["dir"])
             body = {"path": path, "size_bytes": checkpoint.size_bytes}
@@ -150,7 +151,7 @@ class CheckpointCalls:
     async def _drop_stored(self, checkpoint: Checkpoint) -> None:
         """Drop ``checkpoint``'s version from every node's tiers (an export has none)."""
         stored = checkpoint.saved
-        if not checkpoint.external and stored.get("path") is None and "model" in stored:
+        if not checkpoint.external and stored.get("format") == "store" and "model" in stored:
             await self.drop_version(stored)
 
     async def drop_version(self, stored: dict) -> None:

@@ -227,6 +227,11 @@ def checked_checkpoint(ckpt: Mapping[str, Any]) -> None:
     except InvalidStateKey as e:
         raise CheckpointError(f"a malformed checkpoint ({e}): {dict(ckpt)!r}") from None
     _optional_strings(ckpt, ("node", "source", "format"), CheckpointError)
+    if ckpt.get("source") and (ckpt.get("model") is None or ckpt.get("version") is None):
+        # (a rank off the checkpoint's node imports model@version from the source)
+        raise CheckpointError(
+            f"a checkpoint with a source names its model and version: {dict(ckpt)!r}"
+        )
 
 
 def _optional_strings(record: Mapping[str, Any], keys: tuple[str, ...], error: type) -> None:
