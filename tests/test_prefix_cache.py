@@ -114,10 +114,10 @@ def test_the_cache_is_bounded_counted_and_dropped_with_old_weights():
 
     small = PrefixCache(max_bytes=300)
     t = torch.zeros(1, 1, 4, 4)  # 64 bytes each
-    small.put(0, [1], Prefix((t,), (t,), torch.zeros(4)))  # 144 bytes
-    small.put(0, [2], Prefix((t,), (t,), torch.zeros(4)))
+    small.put(0, [1], [1], Prefix((t,), (t,), torch.zeros(4)))  # 144 bytes
+    small.put(0, [2], [1], Prefix((t,), (t,), torch.zeros(4)))
     small.lookup(0, [1], [1])  # [1] is the more recent now
-    small.put(0, [3], Prefix((t,), (t,), torch.zeros(4)))  # evicts [2]
+    small.put(0, [3], [1], Prefix((t,), (t,), torch.zeros(4)))  # evicts [2]
     assert small.lookup(0, [2], [1]) == (0, None) and small.lookup(0, [3], [1])[0] == 1
     assert small.nbytes() <= 300
 

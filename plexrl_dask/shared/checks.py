@@ -159,8 +159,14 @@ def checked_sample(
             )
         if len(prompt_ids) != len(prompts):
             raise InvalidSamplingParams(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
-        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in prompt_ids):
-            raise InvalidSamplingParams(f"prompt_ids must be ints, got {prompt_ids!r:.80}")
+        if not all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and -(2**63) <= i < 2**63
+            for i in prompt_ids
+        ):
+            raise InvalidSamplingParams(
+                f"prompt_ids must be ints of 64 bits (they seed the sampling), got "
+                f"{prompt_ids!r:.80}"
+            )
         ids = [int(i) for i in prompt_ids]
     check_rows(
         len(prompts) * params.n, f"a sample request of {len(prompts)} prompts x n={params.n}"
@@ -180,6 +186,8 @@ def checked_weights(weights: Any) -> Mapping[str, Any]:
             f"weights are a mapping of name to tensor, got {type(weights).__name__}"
         )
     for name, t in weights.items():
+        if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_meta):
+            raise WeightsMismatch(f"{name}: a dense tensor holding data is needed")
         if (
             isinstance(t, torch.Tensor)
             and t.is_floating_point()

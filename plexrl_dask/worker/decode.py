@@ -333,7 +333,7 @@ class StreamDecoder:
             start = end
         assert keys is not None and values is not None and logits is not None
         if start > cached:  # (computed here: keep it)
-            cache.put(version, tokens, Prefix(tuple(keys), tuple(values), logits[0]))
+            cache.put(version, tokens, turns, Prefix(tuple(keys), tuple(values), logits[0]))
         n = len(tokens)
         mask = torch.ones((1, n), dtype=torch.long, device=self.device)
         next_pos = torch.full((1, 1), n, dtype=torch.long, device=self.device)

@@ -53,8 +53,10 @@ bit-identically.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -260,6 +262,7 @@ class DecodeStep:
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
         self._tables = {}
         self._layout: tuple[tuple[int, ...], list[_Layer], _Norm, _Proj] | None = None
+        self._layout_bytes: tuple[Any, int] = (None, 0)  # (the layout, its copies' bytes)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, adapters: bool = False) -> DecodeStep | None:
@@ -363,6 +366,39 @@ class DecodeStep:
         (:meth:`release`), and data put elsewhere changes its address."""
         params = list(self.model.parameters())
         return tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
+
+    def nbytes(self) -> int:
+        """Device bytes this step keeps beside the model's parameters: its weight layout's
+        copies (the fused and transposed projections, the folded norms) and its rotary
+        tables. Counted in the replica's bytes (the holder's budget), after every request:
+        walked once per layout."""
+        if self._layout is not None and self._layout_bytes[0] is self._layout:
+            return self._layout_bytes[1] + sum(
+                t.untyped_storage().nbytes() for pair in self._tables.values() for t in pair
+            )
+        own = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        seen: set[int] = set()
+        total = 0
+
+        def count(t: Any) -> None:
+            nonlocal total
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in own and ptr not in seen:
+                    seen.add(ptr)
+                    total += t.untyped_storage().nbytes()
+            elif dataclasses.is_dataclass(t) and not isinstance(t, type):
+                for f in dataclasses.fields(t):
+                    count(getattr(t, f.name))
+            elif isinstance(t, (list, tuple)):
+                for x in t:
+                    count(x)
+
+        if self._layout is not None:
+            count(self._layout[1:])
+            self._layout_bytes = (self._layout, total)
+        count(list(self._tables.values()))
+        return total
 
     def release(self) -> None:
         """Drop the weight layout and rotary tables kept for the next :meth:`bind` (the

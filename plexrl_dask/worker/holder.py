@@ -224,7 +224,10 @@ class ReplicaHolder:
                     if replica.backend.resident and self._replicas.get(info.name) is replica:
                         self._running = info.name
                         break
-            if op in MUTATING_OPS and callable(getattr(replica.backend, "private_copy", None)):
+            # (copy on write; a backward needs weights that take gradients too)
+            if op in MUTATING_OPS | TRAINING_OPS and callable(
+                getattr(replica.backend, "private_copy", None)
+            ):
                 self._unshare(replica)
             self.critical_load_s += time.perf_counter() - t0
             replica.last_used = time.monotonic()
@@ -359,7 +362,8 @@ class ReplicaHolder:
             and group is None
             and info.role == "rollout"
             and info.backend == "torch"
-            and op not in MUTATING_OPS  # (a first request that writes the weights: its own)
+            # (a first request that writes or trains the weights: its own)
+            and op not in MUTATING_OPS | TRAINING_OPS
         ):
             return self._load_shared(info)
         self._make_room(info.memory_bytes, keep=info.name)
@@ -497,6 +501,17 @@ class ReplicaHolder:
                 if over <= 0:
                     return True
                 cache.shrink(cache.nbytes() - over)
+            # Then what idle replicas' decoders keep beside their weights (a decode step's
+            # weight layout, a static cache): rebuilt at their next sample, for a few ms.
+            for victim in victims:
+                if self._resident_bytes() + self._incoming + incoming <= self.budget_bytes:
+                    return True
+                release = getattr(victim.backend, "release_decoders", None)
+                if callable(release) and victim.transition.acquire(blocking=False):
+                    try:
+                        release()
+                    finally:
+                        victim.transition.release()
             for victim in victims:
                 if self._resident_bytes() + self._incoming + incoming <= self.budget_bytes:
                     return True
@@ -504,6 +519,13 @@ class ReplicaHolder:
                     continue  # a prefetch is bringing it back: not a victim now
                 try:
                     self._offload(victim)
+                except PlexRLError as e:
+                    # Its stash could not be written (a full tier, say): it stays resident
+                    # and intact (offload stashes before it frees), so another victim, or
+                    # none, makes the room. The request that asked must not fail for it:
+                    # after a request, its result stands, whatever this rebalancing finds.
+                    self.counters["offload_failures"] += 1
+                    logger.warning("offloading %s failed: %s", victim.info.name, e)
                 finally:
                     victim.transition.release()
             return self._resident_bytes() + self._incoming + incoming <= self.budget_bytes
@@ -531,18 +553,20 @@ class ReplicaHolder:
     def _out_of_memory(self, replica: Any, name: str, op: str, error: BaseException) -> PlexRLError:
         """The typed error of ``op`` of ``name`` that ran out of device memory, once the
         replica has let go of what that request left (see :class:`DeviceOutOfMemory`); a
-        replica whose optimizer step ran out part-way is dropped as lost
-        (:class:`DeploymentLost`: its state is half updated)."""
+        replica whose optimizer step, or whose overwrite of its weights (``set_weights``,
+        ``load_state``, ``load_weights``: tensor by tensor), ran out part-way is dropped as
+        lost (:class:`DeploymentLost`: its state is half updated)."""
         training = op in TRAINING_OPS
         recover = getattr(replica.backend, "after_out_of_memory", None)
         whole = recover(training) is not False if callable(recover) else True
         self.counters["out_of_memory"] += 1
-        if not whole:
+        if not whole or op in MUTATING_OPS - TRAINING_OPS:
+            where = "its optimizer step" if training else "its overwrite of the weights"
             self._drop(name, lost=True)
             return DeploymentLost(
-                f"{op} of {name!r} ran out of device memory inside its optimizer step, which "
-                "left the parameters half updated: the replica was dropped; restore a "
-                "checkpoint with load_state"
+                f"{op} of {name!r} ran out of device memory inside {where}, which left the "
+                "parameters half updated: the replica was dropped; restore a checkpoint "
+                "with load_state"
             )
         dropped = " its pending gradients were dropped;" if training else ""
         first_line = (str(error).splitlines() or [type(error).__name__])[0]

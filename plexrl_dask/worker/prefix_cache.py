@@ -6,8 +6,9 @@ Prefilling that whole prompt again every turn recomputes what the replica comput
 A prompt that says where its turns end (:class:`~plexrl_dask.shared.types.TurnPrompt`) is
 prefilled **turn by turn, one conversation at a time** (a forward per turn over that turn's new
 tokens, on top of the keys and values of the turns before), and the replica keeps the keys
-and values of the whole prompt it prefilled, keyed by the replica's weights and the prompt's
-tokens. The next turn's prompt starts with that one, so only its new turns are prefilled.
+and values of the whole prompt it prefilled, keyed by the replica's weights, the prompt's
+tokens and where its turns end (the forwards that computed them). The next turn's prompt
+starts with that one, turns and all, so only its new turns are prefilled.
 
 Why one conversation and one turn per forward: it makes the cache invisible in the results.
 Keys and values computed in a batch depend, in their last bits, on the batch's other rows and
@@ -60,7 +61,10 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
-        self._entries: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()
+        # (tokens, turn ends): the same tokens prefilled in other turns are other forwards
+        self._entries: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], Prefix] = (
+            OrderedDict()
+        )
         self._bytes = 0
         self._version: int | None = None
         self.lookups = self.hits = self.tokens = self.hit_tokens = 0
@@ -84,13 +88,16 @@ class PrefixCache:
     def lookup(
         self, version: int, tokens: Sequence[int], turns: Sequence[int]
     ) -> tuple[int, Prefix | None]:
-        """The longest turn boundary ``b`` of ``turns`` whose prompt ``tokens[:b]`` is cached
-        at weights ``version``, with its prefix (``(0, None)`` if none is); counted."""
+        """The longest turn boundary ``b`` of ``turns`` whose prompt ``tokens[:b]``, with the
+        turns before it ending where ``turns`` say, is cached at weights ``version``, with its
+        prefix (``(0, None)`` if none is); counted."""
         self._at(version)
         self.lookups += 1
         self.tokens += len(tokens)
-        for end in sorted(turns, reverse=True):
-            key = tuple(tokens[:end])
+        ends = sorted(turns)
+        for k in range(len(ends) - 1, -1, -1):
+            key = (tuple(tokens[: ends[k]]), tuple(ends[: k + 1]))
+            end = ends[k]
             found = self._entries.get(key)
             if found is not None:
                 self._entries.move_to_end(key)
@@ -99,14 +106,17 @@ class PrefixCache:
                 return end, found
         return 0, None
 
-    def put(self, version: int, tokens: Sequence[int], prefix: Prefix) -> None:
-        """Keep ``prefix`` as the prompt ``tokens`` at weights ``version``, evicting the least
+    def put(
+        self, version: int, tokens: Sequence[int], turns: Sequence[int], prefix: Prefix
+    ) -> None:
+        """Keep ``prefix`` as the prompt ``tokens`` prefilled turn by turn to the ends
+        ``turns`` (the last one ``len(tokens)``) at weights ``version``, evicting the least
         recently used ones past ``max_bytes`` (a prefix larger than that is not kept)."""
         self._at(version)
         size = prefix.nbytes()
         if size > self.max_bytes:
             return
-        key = tuple(tokens)
+        key = (tuple(tokens), tuple(sorted(b for b in turns if b <= len(tokens))))
         old = self._entries.pop(key, None)
         if old is not None:
             self._bytes -= old.nbytes()

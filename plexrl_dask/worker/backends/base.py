@@ -34,7 +34,9 @@ def check_weights(
 ) -> None:
     """Refuse ``weights`` (by canonical name) that do not fit ``params`` (a model's named
     parameters; meta tensors will do): unknown names, missing ones when ``strict``, a
-    non-tensor, another shape, or a float/integer mismatch. :class:`WeightsMismatch`."""
+    non-tensor, a tensor that is not a dense one holding data (sparse, meta), another shape,
+    a float/integer mismatch, or floats that are finite as given but not once cast to the
+    parameter's dtype (1e39 in float64 for a float32 parameter). :class:`WeightsMismatch`."""
     unknown = sorted(set(weights) - set(params))
     missing = sorted(set(params) - set(weights)) if strict else []
     if unknown or missing:
@@ -45,12 +47,23 @@ def check_weights(
     for n, t in weights.items():
         if not isinstance(t, torch.Tensor):
             raise WeightsMismatch(f"{n}: a torch.Tensor is needed, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_meta:
+            raise WeightsMismatch(f"{n}: a dense tensor holding data is needed, got {t.layout}"
+                                  f"{' on meta' if t.is_meta else ''}")  # fmt: skip
         if tuple(t.shape) != tuple(params[n].shape):
             raise WeightsMismatch(
                 f"{n}: shape {tuple(t.shape)} does not match the model's {tuple(params[n].shape)}"
             )
         if t.is_floating_point() != params[n].is_floating_point():
             raise WeightsMismatch(f"{n}: dtype {t.dtype} cannot be copied into {params[n].dtype}")
+        target = params[n].dtype
+        if (
+            t.is_floating_point()
+            and t.dtype != target
+            and torch.finfo(t.dtype).max > torch.finfo(target).max
+            and not bool(torch.isfinite(t.to(target)).all())
+        ):
+            raise WeightsMismatch(f"{n}: values beyond {target}'s range; nothing was written")
 
 
 class NotATrainer:

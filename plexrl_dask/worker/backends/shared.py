@@ -128,10 +128,12 @@ class SharedWeightsBackend(TorchBackend):
         return self.bases.acquire(self.spec, self.user)
 
     def state_bytes(self) -> int:
-        """Its own bytes: the decoders' caches (the weights are the shared model's)."""
+        """Its own bytes: the decoders' caches and its decode step's weight layout (the
+        weights are the shared model's)."""
         if self._host is not None:
             return 0
         static = 0 if self.static is None else self.static.nbytes()
+        static += 0 if self.decode_step is None else self.decode_step.nbytes()
         return static + (0 if self.prefix_cache is None else self.prefix_cache.nbytes())
 
     def shared_bytes(self) -> int:

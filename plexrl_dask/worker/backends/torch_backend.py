@@ -314,9 +314,15 @@ class TorchBackend:
         prompts = [list(p) for p in prompts]
         self._check_sample(prompts, params, prompt_ids)
         streams = Streams.from_config() if streams is None else streams
-        # Turn prompts go through the prefix cache where there is one (the static engine
-        # prefills in batches; see plexrl_dask.worker.prefix_cache); elsewhere they are plain.
-        turned = self.prefix_cache is not None and any(t is not None for t in turns)
+        # Turn prompts go through the prefix cache where there is one and this module has a
+        # decode step to prefill them (the static engine prefills in batches; a sharded
+        # rank's cache serves its gathered copies, not its own module: see
+        # plexrl_dask.worker.prefix_cache); elsewhere they are plain.
+        turned = (
+            self.prefix_cache is not None
+            and self.decode_step is not None
+            and any(t is not None for t in turns)
+        )
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         out: list[list[SampledSequence | None]] = [[None] * params.n for _ in prompts]
         self.model.eval()
@@ -586,16 +592,18 @@ class TorchBackend:
 
         self._checked(check)
         meta["has_optimizer"] = bool(meta["has_optimizer"]) and optimizer is True
-        if meta["has_optimizer"] and self.optimizer is None:
-            self.optimizer = new_adamw(self.model.named_parameters(), norm_parameter_names(self.model))
-        if not meta["has_optimizer"]:
-            self.optimizer = None  # moments of the old state do not belong to the restored one
+        # Without saved moments, the old state's do not belong to the restored one; either
+        # way the optimizer in use changes only once the read succeeded.
+        restored = None
+        if meta["has_optimizer"]:
+            restored = self.optimizer
+            if restored is None:
+                restored = new_adamw(self.model.named_parameters(), norm_parameter_names(self.model))
         if isinstance(path, str):
-            replica_checkpoint.load(self.model, self.optimizer, path, self._assign)
+            replica_checkpoint.load(self.model, restored, path, self._assign)
         else:
-            replica_checkpoint.read_state(
-                self._checkpointed(), self.optimizer, path, stored["version"]
-            )
+            replica_checkpoint.read_state(self._checkpointed(), restored, path, stored["version"])
+        self.optimizer = restored
         self.model.zero_grad(set_to_none=True)
         self.pending_backward = 0
         self.version = int(meta["version"])
@@ -630,12 +638,14 @@ class TorchBackend:
         return out
 
     def state_bytes(self) -> int:
-        """Device bytes the replica holds (its state, and the static decoder's cache while
-        resident), or the offloaded state's bytes."""
+        """Device bytes the replica holds (its state, and while resident the static decoder's
+        cache, the prefix cache and the decode step's weight layout), or the offloaded
+        state's bytes."""
         if self._host is not None:
             return int(self._host["bytes"])  # type: ignore[arg-type]
         cache = 0 if self.static is None else self.static.nbytes()
         cache += 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
+        cache += 0 if self.decode_step is None else self.decode_step.nbytes()
         return cache + sum(local_nbytes(t) for t in self._state_tensors().values())
 
     def after_out_of_memory(self, training: bool) -> bool:
@@ -654,9 +664,14 @@ class TorchBackend:
             torch.cuda.empty_cache()
         return whole
 
-    def _release_decoders(self) -> None:
+    def release_decoders(self) -> None:
         """Drop what the decoders keep beside the weights (the decode step's fused layout,
-        the static engine's cache, the prefix cache): an offload's first step."""
+        the static engine's cache, the prefix cache): an offload's first step, and what a
+        holder short of room takes from an idle replica before it offloads one."""
+        self._release_decoders()
+
+    def _release_decoders(self) -> None:
+        """See :meth:`release_decoders`."""
         if self.decode_step is not None:
             self.decode_step.release()
         self._adapter_step = None
