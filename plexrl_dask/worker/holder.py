@@ -186,6 +186,7 @@ class ReplicaHolder:
             "loads": 0,
             "reloads": 0,
             "offloads": 0,
+            "offload_failures": 0,  # offloads to make room whose stash failed (kept resident)
             "requests": 0,
             "out_of_memory": 0,  # requests refused DeviceOutOfMemory, the replica kept
             "prefetches": 0,
@@ -383,8 +384,8 @@ class ReplicaHolder:
             backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
         load_s = time.perf_counter() - t0
         self._check_built(info, backend)
-        if group is not None:  # a rank samples on a gathered copy: it asks for the room
-            backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
+        # (a rank samples on a gathered copy, a replica on a static cache: each asks first)
+        backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
         return self._held(info, backend, group, load_s)
 
     def _load_shared(self, info: DeploymentInfo) -> Replica:

@@ -194,6 +194,17 @@ class StaticEngine:
         needed = self._length_for(longest_prompt + max_tokens)
         return self.cache_bytes(slots, needed) <= self.cache_max_bytes
 
+    def extra_bytes(self, slots: int, longest_prompt: int, max_tokens: int) -> int:
+        """Device bytes a stream of these lengths would add to what the cache holds now (0
+        when the cache it has will do): what to make room for before :meth:`decode`."""
+        needed = self._length_for(longest_prompt + max_tokens)
+        c = self._cache
+        if c is not None and c.length >= needed and c.slots >= slots:
+            return 0
+        if c is not None:
+            slots, needed = max(slots, c.slots), max(needed, c.length)
+        return self.cache_bytes(slots, self._length_for(needed)) - self.nbytes()
+
     def release(self) -> None:
         """Drop the cache and the captured steps (before the replica is offloaded)."""
         self._graphs.clear()

@@ -169,9 +169,6 @@ class FSDPBackend(TorchBackend):
         # after an offload.
         self.decode_step = None
         self.static = None
-        #: Set by the holder: ``room(bytes)`` makes room for that many more bytes in the
-        #: worker's budget (offloading other replicas) and says whether they fit.
-        self.room: Callable[[int], bool] | None = None
         self._parked: dict[str, dict[str, torch.Tensor]] | None = None
         self._copy_bytes = 0  # the gathered copy's, while a sample runs
         assert groups.current is not None and groups.mesh is not None

@@ -106,6 +106,9 @@ class TorchBackend:
         # decode step prefills them (its forwards are the canonical ones a hit stands for).
         size = prefix_cache_bytes(self.device)
         self.prefix_cache = PrefixCache(size) if size and self.decode_step is not None else None
+        #: Set by the holder: ``room(bytes)`` makes room for that many more bytes in the
+        #: worker's budget (offloading other replicas) and says whether they fit.
+        self.room: Callable[[int], bool] | None = None
         self.optimizer: torch.optim.AdamW | None = None
         self.version = 0
         self.pending_backward = 0
@@ -349,6 +352,9 @@ class TorchBackend:
                     not turned
                     and self.static is not None
                     and self.static.fits(self.max_batch_size, longest, params.max_tokens)
+                    and self._room_for(
+                        self.static.extra_bytes(self.max_batch_size, longest, params.max_tokens)
+                    )
                 ):
                     done = self.static.decode(
                         self, prompts, chunk, params, prompt_ids, streams.refill_min_rows
@@ -663,6 +669,12 @@ class TorchBackend:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return whole
+
+    def _room_for(self, extra: int) -> bool:
+        """Whether ``extra`` more device bytes fit the holder's budget, once it made room
+        for them (offloading others; no holder: yes). Where they do not, the static decoder
+        gives way to the dynamic one, whose cache grows with the stream."""
+        return extra <= 0 or self.room is None or bool(self.room(extra))
 
     def release_decoders(self) -> None:
         """Drop what the decoders keep beside the weights (the decode step's fused layout,
