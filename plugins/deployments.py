@@ -93,6 +93,7 @@ class DeploymentRegistry:
         requests: RequestQueue,
         on_undeploy: Callable[[DeploymentInfo], None],
         journal: Journal | None = None,
+        running: Callable[[str], int] = lambda name: 0,
     ) -> None:
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # (set by start)
         self.gpu_resource = gpu_resource
@@ -102,6 +103,7 @@ class DeploymentRegistry:
         self.estimates = estimates
         self.placement = placement
         self.requests = requests
+        self.running = running  # a deployment's released tasks not yet ended
         self.on_undeploy = on_undeploy
         # (written through to the journal, if any: plugins/journal.py)
         self.deployments: JournaledMap[DeploymentInfo] = JournaledMap(
@@ -263,9 +265,15 @@ class DeploymentRegistry:
                         "job %s: its node group has %d live workers, %s needs %d; placing it "
                         "anywhere", owner, len(group), name, info.num_workers
                     )  # fmt: skip
-            workers = assign_workers(
-                name, info.memory_bytes, self.worker_views(), info.num_workers, candidates
-            )
+            try:
+                workers = assign_workers(
+                    name, info.memory_bytes, self.worker_views(), info.num_workers, candidates
+                )
+            except PlexRLError:
+                # (the placer took the job on its first deployment: it has none after all)
+                if self.placement is not None and held == 0:
+                    self.placement.finish(owner, time.monotonic())
+                raise
             info = info.with_(workers=workers)
             self.deployments[name] = info
             self.counters["deploys"] += 1
@@ -426,6 +434,12 @@ class DeploymentRegistry:
                 )
             state = "relocating" if info.modified else "unplaced"
             kept = dict(checkpoint) if state == "relocating" and checkpoint else None
+            if state == "relocating" and kept is None and not info.weights_only:
+                # (modified since its job listed it, say: moved now, nothing could revive it)
+                raise DeploymentBusy(
+                    f"{name!r} holds trained state and no checkpoint of it was given; save it "
+                    "and relocate again (list the relocations again: Runtime.relocate does)"
+                )
             self.deployments[name] = info.moved(state, relocation=kept)
             self.counters["relocations"] += 1
             logger.info("relocating %s (%s) from %s", name, state, list(info.workers))
@@ -434,10 +448,11 @@ class DeploymentRegistry:
             return to_status(e)
 
     def _in_flight(self, name: str) -> int:
-        """``name``'s requests whose tasks have not all finished."""
+        """``name``'s requests whose tasks have not all finished: those still queued, and
+        the tasks released to workers and not yet ended (running, or queued there)."""
         tasks = self.scheduler.tasks
         done = ("memory", "erred", "released", "forgotten")
-        return sum(
+        queued = sum(
             1
             for r in self.requests.deployment(name)
             if (
@@ -445,6 +460,7 @@ class DeploymentRegistry:
                 or any(k in tasks and tasks[k].state not in done for k in r.keys.values())
             )
         )
+        return queued + self.running(name)
 
     def _candidates(self, info: DeploymentInfo) -> tuple[str, ...] | None:
         """Where ``info`` may be (re)placed: the workers it was given, else its job's node

@@ -114,8 +114,8 @@ def _replaced(policy: DispatchPolicy, changes: dict[str, Any]) -> DispatchPolicy
     """``policy`` with ``changes``; :class:`ConfigError` where it refuses them."""
     try:
         return dataclasses.replace(policy, **changes)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    except (ValueError, TypeError) as e:  # (a knob of the wrong type fails its comparisons)
+        raise ConfigError(f"{e} (policy knobs: {changes})") from e
 
 
 def queue_view(

@@ -165,6 +165,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             requests=self.requests,
             on_undeploy=self._undeployed,
             journal=self.journal,
+            running=lambda name: sum(
+                1 for s in self.accounting.started.values() if s.deployment == name
+            ),
         )
         self.policy = dispatch_policy_from_config()
         self.dispatcher = Dispatcher(
@@ -231,7 +234,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             protocol.PLACEMENT: registry.placement_status,
             protocol.RELOCATIONS: registry.relocations,
             protocol.RELOCATE: registry.relocate,
-            protocol.SHARE: registry.share,
+            protocol.SHARE: self.share,
             protocol.OFFLOAD: registry.offload,
             protocol.REGISTER_JOB: self.register_job,
         }
@@ -302,6 +305,32 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             return handler(*args, **kwargs)
 
         return checked
+
+    def share(self, name: str, to: str, ops: list[str], job: str | None = None) -> dict[str, Any]:
+        """The registry's ``share`` (see there); then ``to``'s requests to ``name`` still
+        queued are routed again under the new grant: those it no longer allows fail with
+        :class:`PermissionDenied` rather than run (released ones run to their end)."""
+        status = self.registry.share(name, to, ops, job=job)
+        if status.get("status") == "OK":
+            self._soon(lambda: self._route_again(name, to))
+        return status
+
+    def _route_again(self, name: str, job: str) -> None:
+        """Route ``job``'s requests to ``name`` that are not released yet again."""
+        tasks = self.scheduler.tasks
+        again = [r for r in self.requests.deployment(name) if r.job == job]
+        stale = []
+        for request in again:
+            stale.extend(tasks[k] for k in request.keys.values() if k in tasks)
+            self._forget(request)
+        errors = {}
+        for ts in stale:
+            self._route(ts)
+            if ts.worker_restrictions is None and ts.state == "no-worker":
+                errors[ts.key] = "processing"  # (refused now: run it to raise the error)
+        if errors:
+            self.scheduler.transitions(errors, stimulus_id=f"plexrl-share-{time.time()}")
+        self._dispatch()
 
     def _undeployed(self, info: DeploymentInfo) -> None:
         """``info`` was undeployed: its gangs' groups go, and its queued requests fail with
@@ -417,12 +446,18 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         workers of its replica, or of every replica for a data-parallel request); or, if it
         cannot run, let it run anywhere and raise the typed error there, so the caller's future
         fails instead of waiting forever."""
-        ann = dict(ts.annotations.get(ANNOTATION) or {})
+        raw = ts.annotations.get(ANNOTATION)
+        ann = dict(raw) if isinstance(raw, dict) else {}
         ann.pop("error", None)
         name = ann.get("deployment")
         request = str(ann.get("request") or ts.key)
         groups: tuple[tuple[str, ...], ...] | None = None
         try:
+            if not isinstance(raw, dict):
+                raise NotRouted(
+                    f"the plexrl annotation of a request is a dict (deployment, job, op, ...), "
+                    f"got {raw!r:.80}"
+                )
             ranks, rank, replica = positions(ann)
             info = self.deployments.get(name) if isinstance(name, str) else None
             if info is None:
@@ -455,7 +490,9 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             if info.state in ("lost", "relocating") and info.revived_by(str(ann.get("op"))):
                 # Restoring a checkpoint (or a weights-only deployment's weights) is how a lost
                 # (or relocating) deployment comes back: a new incarnation (new uid, so no
-                # holder reuses a stale rank), placed anew.
+                # holder reuses a stale rank), placed anew. Should the restore fail, the
+                # record goes back to what it was (see _revival_failed).
+                ann["revived_from"] = {"state": info.state.value, "relocation": info.relocation}
                 info = info.moved(Lifecycle.UNPLACED, relocation=None)
                 self.deployments[name] = info
             if info.state in ("lost", "relocating") or self.registry.worker_views():
@@ -500,16 +537,26 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         queue = self.requests.deployment(name)
         tasks = self.scheduler.tasks
         now = time.monotonic()
+        ready = [
+            r.groups is not None
+            and len(r.keys) == r.ranks
+            and all(k in tasks and tasks[k].state == "no-worker" for k in r.keys.values())
+            for r in queue
+        ]
+        # A request not ready yet (its inputs are being computed, say) holds back its own
+        # job's later requests, never another job's: one job cannot stall a deployment.
+        waiting: set[str] = set()
         for i, r in enumerate(queue):
             if r.admitted:
                 continue
-            ready = (
-                r.groups is not None
-                and len(r.keys) == r.ranks
-                and all(k in tasks and tasks[k].state == "no-worker" for k in r.keys.values())
-            )
-            if not ready or any(
-                q.order != r.order and (q.replica is None or r.replica is None) for q in queue[:i]
+            if not ready[i] or r.job in waiting:
+                waiting.add(r.job)
+                continue
+            if any(
+                q.order != r.order
+                and (q.replica is None or r.replica is None)
+                and (ready[j] or q.job == r.job)
+                for j, q in enumerate(queue[:i])
             ):
                 return
             self.dispatcher.add(
@@ -615,7 +662,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             }
             self.accounting.released(
                 key, now, request.deployment, request.op, worker, request.job,
-                behind=decision.behind is not None,
+                behind=decision.behind is not None, request=request.request,
             )  # fmt: skip
             recommendations[key] = "processing"
             self._touched.add(worker)
@@ -659,7 +706,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             now = time.monotonic()
             started = self.accounting.ended(key, finish == "memory", now)
             if started is not None:
-                t0, deployment, op, worker, job = started
+                t0, deployment, op, worker, job, _ = started
                 self.dispatcher.release_worker(worker, self.requests.request_of(key), now)
                 self._touched.add(worker)
                 if finish == "memory":
@@ -673,6 +720,8 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                             logger.warning("placement: %s", e)
             ts = self.scheduler.tasks.get(key)
             ann = (ts.annotations or {}).get(ANNOTATION, {}) if ts is not None else {}
+            if finish == "erred" and isinstance(ann.get("revived_from"), dict):
+                self._revival_failed(ann)
             if finish != "memory" and int(ann.get("ranks", 1)) > 1:
                 # A failed rank may have left its group unusable: the next gang request of
                 # this deployment forms a new group.
@@ -698,8 +747,45 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             request = self.requests.of_key(key)
             if request is not None:
                 self._forget(request)
+                siblings = [k for k in request.keys.values() if k != key]
+                if siblings:
+                    self._soon(lambda: self._fail_parked(siblings, request))
             self.requests.drop_key(key)
             self._soon(self._dispatch)
+
+    def _fail_parked(self, keys: list[Any], request: PendingRequest) -> None:
+        """The ranks ``keys`` of ``request`` still parked fail (:class:`RankLost`): another
+        rank failed or was cancelled before the request ran, and a gang runs whole or not."""
+        tasks, errors = self.scheduler.tasks, {}
+        error = to_status(
+            RankLost(
+                f"another rank of this {request.ranks}-rank {request.op!r} request of "
+                f"{request.deployment!r} failed or was cancelled before it ran"
+            )
+        )
+        for key in keys:
+            ts = tasks.get(key)
+            if ts is None or ts.state != "no-worker":
+                continue
+            ts.worker_restrictions = None
+            ts.resource_restrictions = None
+            ann = {**ts.annotations.get(ANNOTATION, {}), "error": error}
+            ts.annotations = {**ts.annotations, ANNOTATION: ann}
+            errors[key] = "processing"
+        if errors:
+            self.scheduler.transitions(errors, stimulus_id=f"plexrl-gang-{time.time()}")
+
+    def _revival_failed(self, ann: dict[str, Any]) -> None:
+        """A restore that revived a lost or relocating deployment failed: the deployment
+        goes back to that state, its saved checkpoint kept (its workers hold only what its
+        spec builds, which must not serve as its trained state)."""
+        name, before = ann.get("deployment"), ann["revived_from"]
+        info = self.deployments.get(name) if isinstance(name, str) else None
+        if info is None or info.uid != ann.get("uid") or info.state != Lifecycle.PLACED:
+            return  # (re-placed, undeployed, or another rank already put it back)
+        self.deployments[name] = info.moved(before["state"], relocation=before["relocation"])
+        logger.warning("%s: the restore that was to revive it failed: %s again",
+                       name, before["state"])  # fmt: skip
 
     def _reroute_orphans(self) -> None:
         """Route again every PlexRL request with a candidate worker that is gone (or with no
@@ -714,11 +800,25 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for ts in list(self.scheduler.unrunnable):  # dispatched, then lost their worker
             ann = (ts.annotations or {}).get(ANNOTATION)
             queued = self.requests.of_key(ts.key)
-            if ann is not None and ts.state == "no-worker" and queued is None and ts not in stale:
+            # Released to a worker still here but not running (paused for memory, say): it
+            # runs there once that worker does, which the dispatcher counts it busy with.
+            aimed = ts.worker_restrictions or set()
+            waits = bool(aimed) and PARKED not in aimed and all(w in live for w in aimed)
+            if (
+                ann is not None
+                and ts.state == "no-worker"
+                and queued is None
+                and ts not in stale
+                and not waits
+            ):
                 stale.append(ts)
         errors = {}
         for ts in stale:
-            self._route(ts)  # (never raises: a request that cannot be routed fails alone)
+            try:
+                self._route(ts)  # (a request that cannot be routed fails alone)
+            except Exception:  # (a defect: never leave the other orphans stranded)
+                logger.exception("re-routing %s failed", ts.key)
+                continue
             if ts.worker_restrictions is None and ts.state == "no-worker":
                 errors[ts.key] = "processing"  # a routing error: run it to raise the error
         if errors:

@@ -92,6 +92,7 @@ def test_budget_of_one_alternately_offloads_the_lru_replica():
         "loads": 2,
         "reloads": 3,
         "offloads": 4,
+        "offload_failures": 0,
         "requests": 10,
         "out_of_memory": 0,
         "prefetches": 0,

@@ -264,7 +264,7 @@ def test_a_manifest_never_counts_step_records_a_crash_can_lose(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "fsync", recorded_fsync)
     monkeypatch.setattr(os, "replace", recorded_replace)
-    ckpt = jc.JobCheckpoint("j", {}, "t", {}, 1, 1, {"path": "p"}, None)
+    ckpt = jc.JobCheckpoint("j", {}, "t", {}, 1, 1, {"path": "p", "model": "m", "version": 1}, None)
     jc.write_checkpoint(tmp_path, ckpt)
     names = [(op, os.path.basename(p)) for op, p in order]
     assert names[0] == ("fsync", jc.STEPS)

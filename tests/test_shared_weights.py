@@ -47,7 +47,9 @@ def test_replicas_of_one_spec_share_it_until_one_writes_its_weights():
     [shared] = status["bases"].values()
     assert shared["users"] == ["a", "b"]
     weights = sum(p.numel() * p.element_size() for p in private.model.parameters())
-    assert status["resident_bytes"] < 1.5 * weights  # (once, not twice)
+    layout = private.decode_step.nbytes()  # (the decode step's copies: one set per base too)
+    assert layout > 0 and shared["bytes"] < weights + layout + 1024
+    assert status["resident_bytes"] < 1.5 * weights + layout  # (once, not twice)
 
     def seen() -> int:  # what the scheduler's view of the worker sums to
         latest = {}

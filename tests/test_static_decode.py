@@ -91,7 +91,8 @@ def test_slots_buckets_and_the_cache_in_the_replicas_memory():
     # counted in the replica's memory.
     assert engine._cache is not None and engine._cache.length == 128
     assert engine.nbytes() == engine.cache_bytes(6, 128) > 0
-    assert backend.state_bytes() == state + engine.nbytes()
+    layout = backend.decode_step.nbytes()  # (the decode step's weight layout, kept too)
+    assert backend.state_bytes() == state + engine.nbytes() + layout
     # Offload drops the cache; the reloaded replica samples the same completions.
     backend.offload()
     assert engine.nbytes() == 0 and backend.state_bytes() == state

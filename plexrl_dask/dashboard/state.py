@@ -449,7 +449,7 @@ class PlexRLDashboardPlugin(SchedulerPlugin):
                 "op": op,
                 "start": t0 + offset,
             }
-            for key, (t0, deployment, op, worker, job) in itertools.islice(
+            for key, (t0, deployment, op, worker, job, _) in itertools.islice(
                 plexrl.started.items(), 4 * max(1, len(self.scheduler.workers))
             )
             if key not in queued

@@ -57,7 +57,10 @@ def checked_ops(ops: Iterable[str]) -> frozenset[str]:
     """``ops`` as a set of known request ops; :class:`ConfigError` naming any other."""
     if isinstance(ops, str):
         ops = (ops,)
-    out = frozenset(ops)
+    try:
+        out = frozenset(ops)
+    except TypeError:
+        raise ConfigError(f"ops are a list of op names, got {ops!r:.80}") from None
     unknown = sorted(str(o) for o in out - OPS)
     if unknown:
         raise ConfigError(f"unknown ops {unknown}; a deployment serves {sorted(OPS)}")

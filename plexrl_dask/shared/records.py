@@ -34,6 +34,8 @@ def qualified_name(name: str, job: str) -> str:
 
 def split_name(registered: str) -> tuple[str, str]:
     """(name, job) of a registered name ``name@job`` (:class:`ConfigError` for another)."""
+    if not isinstance(registered, str):
+        raise ConfigError(f"a registered deployment name is a string, got {registered!r:.80}")
     name, sep, job = registered.rpartition(NAME_SEPARATOR)
     if not sep or not name or not job or NAME_SEPARATOR in name:
         raise ConfigError(

@@ -26,11 +26,12 @@ the node's store as the package's engine attributes, loaded when a worker first 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from distributed import get_worker
@@ -368,7 +369,23 @@ class ReplicaHolder:
         ):
             return self._load_shared(info)
         self._make_room(info.memory_bytes, keep=info.name)
+        with self._reserved(info.memory_bytes):
+            return self._build(info, group)
 
+    @contextlib.contextmanager
+    def _reserved(self, nbytes: int) -> Iterator[None]:
+        """Count ``nbytes`` as coming while a replica is built (until it is held and its
+        bytes count as resident): a prefetch meanwhile does not take the room made for it."""
+        with self._moves:
+            self._incoming += nbytes
+        try:
+            yield
+        finally:
+            with self._moves:
+                self._incoming -= nbytes
+
+    def _build(self, info: DeploymentInfo, group: GroupContext | None) -> Replica:
+        """``info``'s replica built from its spec (room made for it) and held."""
         backends = engine.backends.BACKENDS
         backend_cls = backends.get(info.backend)
         if backend_cls is None:
@@ -398,15 +415,22 @@ class ReplicaHolder:
         if none is held), room made for it and for ``own`` bytes of its own."""
         if self._bases is None:
             self._bases = engine.backends.SharedBases(self.device)
-        base = 0 if self._bases.held(shared) else shared.memory_bytes("rollout")
+        held = self._bases.held(shared)
+        base = 0 if held else shared.memory_bytes("rollout")
         self._make_room(base + own, keep=info.name)
-        t0 = time.perf_counter()
-        backend = kind(
-            info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
-        )
-        load_s = time.perf_counter() - t0
-        self._check_built(info, backend)
-        return self._held(info, backend, None, load_s)
+        if held and not self._bases.held(shared):
+            # (making room offloaded the base's last user, which let go of the base: it is
+            # built again now, and needs its room too)
+            base = shared.memory_bytes("rollout")
+            self._make_room(base + own, keep=info.name)
+        with self._reserved(base + own):
+            t0 = time.perf_counter()
+            backend = kind(
+                info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
+            )
+            load_s = time.perf_counter() - t0
+            self._check_built(info, backend)
+            return self._held(info, backend, None, load_s)
 
     def _unshare(self, replica: Replica) -> None:
         """Give ``replica`` weights of its own before a request changes them (copy on

@@ -36,6 +36,12 @@ class _Base:
     model: torch.nn.Module
     nbytes: int
     users: set[str] = field(default_factory=set)
+    # One decode step for every user: its weight layout (fused, transposed copies) is made
+    # once per base, not once per replica, and counts in the base's bytes.
+    step: DecodeStep | None = None
+
+    def total_bytes(self) -> int:
+        return self.nbytes + (0 if self.step is None else self.step.nbytes())
 
 
 class SharedBases:
@@ -57,9 +63,16 @@ class SharedBases:
                 model.requires_grad_(False)
                 model.eval()
                 nbytes = sum(t.numel() * t.element_size() for t in _tensors(model))
-                held = self._held[spec] = _Base(model, nbytes)
+                held = self._held[spec] = _Base(model, nbytes, step=DecodeStep.for_model(model))
             held.users.add(user)
             return held.model
+
+    def step_of(self, spec: ModelSpec) -> DecodeStep | None:
+        """The decode step every user of ``spec``'s base shares (None where none is held,
+        or its architecture has none)."""
+        with self._lock:
+            held = self._held.get(spec)
+            return None if held is None else held.step
 
     def release(self, spec: ModelSpec, user: str) -> None:
         """``user`` no longer holds ``spec``; the base is freed with its last user."""
@@ -79,9 +92,9 @@ class SharedBases:
             held = self._held.get(spec)
             if held is None or user not in held.users:
                 return 0
-            n = len(held.users)
+            n, total = len(held.users), held.total_bytes()
             first = min(held.users) == user
-            return held.nbytes // n + (held.nbytes % n if first else 0)
+            return total // n + (total % n if first else 0)
 
     def held(self, spec: ModelSpec) -> bool:
         with self._lock:
@@ -90,14 +103,14 @@ class SharedBases:
     def nbytes(self) -> int:
         """Device bytes of every base held."""
         with self._lock:
-            return sum(b.nbytes for b in self._held.values())
+            return sum(b.total_bytes() for b in self._held.values())
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Per base held (by its checkpoint path, or a built model's name), its bytes and
         users."""
         with self._lock:
             return {
-                s.path or s.name: {"bytes": b.nbytes, "users": sorted(b.users)}
+                s.path or s.name: {"bytes": b.total_bytes(), "users": sorted(b.users)}
                 for s, b in self._held.items()
             }
 
@@ -123,17 +136,17 @@ class SharedWeightsBackend(TorchBackend):
     ) -> None:  # fmt: skip
         self.bases, self.user = bases, user
         super().__init__(spec, device, max_batch_size)
+        self.decode_step = bases.step_of(spec)  # (the base's, shared with its other users)
 
     def _build_model(self) -> torch.nn.Module:
         return self.bases.acquire(self.spec, self.user)
 
     def state_bytes(self) -> int:
-        """Its own bytes: the decoders' caches and its decode step's weight layout (the
-        weights are the shared model's)."""
+        """Its own bytes: the decoders' caches (the weights, and the decode step's layout of
+        them, are the shared base's)."""
         if self._host is not None:
             return 0
         static = 0 if self.static is None else self.static.nbytes()
-        static += 0 if self.decode_step is None else self.decode_step.nbytes()
         return static + (0 if self.prefix_cache is None else self.prefix_cache.nbytes())
 
     def shared_bytes(self) -> int:
@@ -147,6 +160,9 @@ class SharedWeightsBackend(TorchBackend):
         """Release the shared model (and the decoders' caches built on it)."""
         if self._host is not None:
             return
+        # Its own caches go; the shared decode step's layout stays for the base's other
+        # users (it goes with the base, with its last user).
+        self.decode_step = None
         self._release_decoders()
         # (the decoders hold the modules: dropped, so the model goes with its last user)
         self.model, self.decode_step, self.static = None, None, None  # type: ignore[assignment]
@@ -157,7 +173,7 @@ class SharedWeightsBackend(TorchBackend):
         if self._host is None:
             return
         self.model = self._build_model()
-        self.decode_step = DecodeStep.for_model(self.model)
+        self.decode_step = self.bases.step_of(self.spec)
         self.static = engine_for(self)
         self._host = None
 
