@@ -220,10 +220,10 @@ def test_a_decode_steps_weight_layout_counts_in_the_replica_and_goes_under_press
     assert holder._resident_bytes() <= holder.budget_bytes
 
 
-def test_a_static_cache_that_does_not_fit_gives_way_to_the_dynamic_decoder():
-    """The static decoder's cache (every slot at the stream's longest length) is allocated
-    only once the holder made room for it; where it cannot, the replica decodes with the
-    dynamic decoder, within the budget, and samples the same tokens."""
+def test_a_static_cache_is_made_room_for_and_memory_never_picks_the_decoder():
+    """Before the static decoder allocates its cache (every slot at the stream's longest
+    length), the holder makes room for it (an idle replica is offloaded); the configured
+    decoder runs whatever room there is, since it decides the sampled bits."""
     import dask
 
     from plexrl_dask.worker.holder import ReplicaHolder
@@ -234,18 +234,18 @@ def test_a_static_cache_that_does_not_fit_gives_way_to_the_dynamic_decoder():
         return backend.sample([[5, 6, 7]], params, [0], Streams(2, 1))[0]
 
     with dask.config.set({"plexrl.sampling.engine": "static"}):
-        info = holder_info("r", 1)
         size = ModelSpec.tiny(seed=1).memory_bytes("rollout")
         probe = TorchBackend(ModelSpec.tiny(seed=1), "cpu", max_batch_size=16)
         probe.sample([[5, 6, 7]], SamplingParams(max_tokens=2), [0], Streams(1, 1))
         layout = probe.decode_step.nbytes()  # (the replica's own, beside its weights)
-        holder = ReplicaHolder("w", "cpu", int(1.2 * size) + layout, max_batch_size=16)
+        holder = ReplicaHolder("w", "cpu", int(2.2 * size) + layout, max_batch_size=16)
         holder.share_frozen = False
-        tight = holder.run(info, "sample", sample)
-        assert holder._replicas["r"].backend.static.nbytes() == 0
-        assert holder._resident_bytes() <= holder.budget_bytes
+        idle, busy = holder_info("idle", 2), holder_info("r", 1)
+        holder.run(idle, "forward", lambda be: None)
+        tight = holder.run(busy, "sample", sample)
+        assert holder._replicas["r"].backend.static.nbytes() > 0  # (the configured decoder)
+        assert not holder.status()["replicas"]["idle"]["resident"]  # (room made for it)
         roomy = ReplicaHolder("w", "cpu", 1 << 30, max_batch_size=16)
         roomy.share_frozen = False
-        static = roomy.run(info, "sample", sample)
-        assert roomy._replicas["r"].backend.static.nbytes() > 0
-    assert [s.tokens for s in tight] == [s.tokens for s in static]
+        static = roomy.run(busy, "sample", sample)
+    assert [(s.tokens, s.logprobs) for s in tight] == [(s.tokens, s.logprobs) for s in static]

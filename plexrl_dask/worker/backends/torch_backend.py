@@ -352,10 +352,12 @@ class TorchBackend:
                     not turned
                     and self.static is not None
                     and self.static.fits(self.max_batch_size, longest, params.max_tokens)
-                    and self._room_for(
+                ):
+                    # Room first (others offloaded); the decoder is the configured one
+                    # whatever room there is: it decides the sampled bits.
+                    self._make_room_for(
                         self.static.extra_bytes(self.max_batch_size, longest, params.max_tokens)
                     )
-                ):
                     done = self.static.decode(
                         self, prompts, chunk, params, prompt_ids, streams.refill_min_rows
                     )
@@ -670,11 +672,12 @@ class TorchBackend:
             torch.cuda.empty_cache()
         return whole
 
-    def _room_for(self, extra: int) -> bool:
-        """Whether ``extra`` more device bytes fit the holder's budget, once it made room
-        for them (offloading others; no holder: yes). Where they do not, the static decoder
-        gives way to the dynamic one, whose cache grows with the stream."""
-        return extra <= 0 or self.room is None or bool(self.room(extra))
+    def _make_room_for(self, extra: int) -> None:
+        """Have the holder make room for ``extra`` more device bytes (offloading others)
+        before they are allocated. What does not fit is allocated anyway: which decoder runs
+        decides the sampled bits, so memory pressure never chooses it."""
+        if extra > 0 and self.room is not None:
+            self.room(extra)
 
     def release_decoders(self) -> None:
         """Drop what the decoders keep beside the weights (the decode step's fused layout,
