@@ -331,3 +331,11 @@ def test_hostile_tool_calls_end_as_error_observations_and_every_episode_goes_on(
     assert res.ok and res.output == "next\n"
     assert sandbox_processes(limits) == []
     pool.close()
+
+
+def test_a_multiplication_past_the_calculators_digits_is_refused_when_made():
+    from plexrl_dask.tools.calculator import MAX_DIGITS
+
+    with pytest.raises(errors.ConfigError, match="calculator"):
+        MultiplyTask(digits=12, factors=(4, 4), max_turns=4)
+    assert MAX_DIGITS >= 36 and MultiplyTask(digits=6, factors=(6, 6), max_turns=6)

@@ -611,3 +611,19 @@ def test_a_malformed_weights_reference_is_refused_typed():
                 {**good, "model": "a/b"}, {**good, "source": 5}):  # fmt: skip
         with pytest.raises(errors.WeightsMismatch):
             checked_reference(bad)
+
+
+def test_a_two_rank_policy_trains_on_a_single_sequence(runtime):
+    """A step with fewer sequences than ranks (one GRPO group taught, say): the rank past
+    the batch trains on a zero-weight filler, and the step equals one worker's."""
+    data = [plexrl.Datum.from_prompt_completion([5, 6, 7], [8, 9], advantage=0.5)]
+    loss, params = plexrl.PolicyGradient(), plexrl.AdamWParams(lr=1e-2)
+    sharded = runtime.deploy(unique("two"), tiny_spec(seed=31), world_size=2)
+    single = runtime.deploy(unique("one"), tiny_spec(seed=31))
+    got = plexrl.result(sharded.train_step(data, loss, params))
+    want = plexrl.result(single.train_step(data, loss, params))
+    assert math.isclose(got["forward_backward"]["loss"], want["forward_backward"]["loss"],
+                        rel_tol=1e-5)  # fmt: skip
+    after = plexrl.result(sharded.forward(data)).logprobs[0]
+    expected = plexrl.result(single.forward(data)).logprobs[0]
+    assert max(abs(a - b) for a, b in zip(after, expected, strict=True)) < 1e-4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import plexrl_dask as plexrl
-from plexrl_dask.errors import ConfigError
+from plexrl_dask.errors import ConfigError, InvalidBatch
 from plexrl_dask.rl.episodes import Episode, Turn, episode_data
 from plexrl_dask.rl.objective import GRPOConfig, group_advantages, group_data, lr_at
 from plexrl_dask.worker.losses import compute_loss
@@ -251,8 +251,61 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule():
         ({"stop": "\n"}, "stop"),
         ({"stop": ("\n", "")}, "stop"),
         ({"stop": ("\n",), "eos_only": True}, "eos_only"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"epochs": 1.5}, "epochs"),
+        ({"group_size": 2.5}, "group_size"),
+        ({"seed": 1.5}, "seed"),
+        ({"staleness": True}, "staleness"),
     ],
 )
 def test_a_bad_option_is_a_config_error_before_any_step(bad, match):
     with pytest.raises(ConfigError, match=match):
         GRPOConfig(**bad)
+
+
+def test_advantages_of_rewards_floats_cannot_tell_apart_are_zero_and_huge_ones_refused():
+    assert group_advantages([0.0, 1e-300], "std", 0.0) == [0.0, 0.0]
+    with pytest.raises(ConfigError, match="too large"):
+        group_advantages([1e308, 1e308, 0.0])
+
+
+def test_a_loss_normaliser_is_finite():
+    from plexrl_dask.errors import InvalidLoss
+
+    for loss in (plexrl.CrossEntropy, plexrl.PolicyGradient):
+        with pytest.raises(InvalidLoss, match="finite"):
+            loss(normalizer=math.inf)
+
+
+def test_a_task_without_a_repr_of_its_own_is_named_by_its_class():
+    """``object``'s repr holds an address another process does not share: a job checkpoint
+    must still match the same task in the next process."""
+    from plexrl_dask.tasks.base import describe_task
+
+    class Plain:
+        stop = "\n"
+
+    assert describe_task(Plain()) == describe_task(Plain())
+    assert "Plain" in describe_task(Plain()) and "0x" not in describe_task(Plain())
+
+
+def test_a_sharded_steps_fillers_add_nothing():
+    """Fewer sequences than ranks: the ranks past the batch train on zero-weight fillers,
+    which change neither the loss nor the gradient."""
+    from plexrl_dask.shared.checks import rank_shares, whole_batch_loss
+
+    datum = plexrl.Datum.from_prompt_completion([5, 6], [7, 8, 9], advantage=0.5)
+    shares = rank_shares([datum], 3, pad=True)
+    assert shares[0] == (datum,) and all(len(s) == 1 for s in shares)
+    loss = whole_batch_loss(plexrl.PolicyGradient(), [datum], 3)
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -0.7]], requires_grad=True)
+    value, _ = compute_loss(loss, (datum,), logp, torch.ones_like(logp))
+    filler = torch.tensor([[-1.0]], requires_grad=True)
+    nothing, _ = compute_loss(loss, shares[1], filler, torch.ones_like(filler))
+    nothing.backward()
+    assert float(nothing) == 0.0 and float(filler.grad.abs().sum()) == 0.0
+    assert float(value) != 0.0
+    with pytest.raises(InvalidBatch):
+        rank_shares([datum], 3)

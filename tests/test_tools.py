@@ -1050,3 +1050,73 @@ def test_withdrawn_calls_never_run_and_a_running_one_runs_to_its_end():
     assert threads.result(other, None, "here").output == "b1"
     assert threads.result(first, None, "here").output == "a1"
     assert ran == ["a1", "b1"] and threads.waiting() == 0
+
+
+@NAMESPACES
+def test_a_program_sees_its_own_host_name_and_ipc_and_the_same_addresses_everywhere():
+    """A call's own UTS and IPC namespaces: the host name is the sandbox's on every machine,
+    and SysV shared memory a program makes (uncounted by its memory bound) goes with its
+    call. Where the kernel lets the server run without address randomisation, a program's
+    addresses are the same on every server."""
+    assert run("import socket\nprint(socket.gethostname())").output == "sandbox\n"
+    key = 0x7E51AB
+    made = run(
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        f"print(libc.shmget({key}, 1 << 20, 0o1666) >= 0)"
+    )
+    assert made.output == "True\n"
+    with open("/proc/sysvipc/shm") as f:
+        assert not any(line.split()[0] == str(key) for line in f.readlines()[1:])
+    allowed = subprocess.run(
+        [sys.executable, "-c", "import ctypes, sys\nl = ctypes.CDLL(None)\n"
+         "sys.exit(l.personality(l.personality(0xFFFFFFFF) | 0x40000) == -1)"],
+        check=False,
+    ).returncode == 0  # fmt: skip
+    if allowed:
+        seen = {PythonSandbox(FAST).run("print(id(object()))") for _ in range(2)}
+        assert len(seen) == 1, seen  # (two sandboxes: two servers)
+
+
+def test_a_call_given_up_on_twice_is_replaced_once():
+    """A stuck call given up on, then asked for again when its task was cancelled, costs
+    the pool one replacement thread, not two: the pool never runs more calls at once than
+    it has threads."""
+    from plexrl_dask.tools.calls import CallThreads, ToolCall, run_call
+
+    release = threading.Event()
+
+    class Stuck:
+        name = "stuck"
+
+        def run(self, text: str) -> str:
+            release.wait(30)
+            return text
+
+    def serving() -> int:
+        return sum(t.name == "plexrl-tool-call" for t in threading.enumerate())
+
+    before = serving()
+    pool, tools = CallThreads(1), {"stuck": Stuck()}
+    try:
+        job = pool.submit(lambda: run_call(ToolCall("stuck", "a"), tools))
+        assert pool.result(job, 0.2, "here").error == "ToolLimitExceeded"
+        assert pool.result(job, 0.2, "here").error == "ToolLimitExceeded"  # (asked again)
+        time.sleep(0.1)
+        assert serving() - before == 2  # (the stuck call's thread and one replacement)
+    finally:
+        release.set()
+
+
+def test_a_probe_that_ran_out_of_time_refuses_the_call_rather_than_drop_namespaces(monkeypatch):
+    from plexrl_dask.tools import sandbox
+
+    def slow(self, program: str) -> str:
+        raise errors.ToolLimitExceeded("the probe ran past its wall-clock limit (in this test)")
+
+    monkeypatch.setattr(sandbox, "_probe", {"ok": False, "failed_at": -1e9})
+    monkeypatch.setattr(sandbox.PythonSandbox, "run", slow)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox.sys, "platform", "linux")
+    with pytest.raises(errors.ToolError, match="probe"):
+        sandbox.isolation()
+    assert sandbox._probe["failed_at"] == -1e9  # (not taken for a host without namespaces)

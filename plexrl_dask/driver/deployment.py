@@ -310,14 +310,16 @@ class Deployment:
         """:meth:`forward_backward` then :meth:`optim_step` as one request (one round trip
         and, on a sharded deployment, one gang instead of two): the same arithmetic and
         results. Future of ``{"forward_backward": ..., "optim_step": ...}``."""
-        parts, loss = self._training_parts(batch, loss)
+        parts, loss = self._training_parts(batch, loss, pad=True)
         params = _adamw(params)
         return self._submit("train_step", ops.train_step, [(p, loss, params) for p in parts])
 
     def _training_parts(
-        self, batch: Sequence[Datum] | Datum, loss: Loss
+        self, batch: Sequence[Datum] | Datum, loss: Loss, pad: bool = False
     ) -> tuple[list[tuple[Datum, ...]], Loss]:
-        """``batch`` checked and split over the ranks, and ``loss`` as every rank computes it."""
+        """``batch`` checked and split over the ranks, and ``loss`` as every rank computes it
+        (``pad``: fewer sequences than ranks get zero-weight fillers, for a built-in loss,
+        whose weights they zero: :func:`~plexrl_dask.shared.checks.rank_shares`)."""
         if not isinstance(loss, (CrossEntropy, PolicyGradient, GraphLoss)):
             raise InvalidLoss(
                 f"loss must be CrossEntropy, PolicyGradient or GraphLoss, got "
@@ -325,7 +327,8 @@ class Deployment:
             )
         batch = self._validated(batch)
         k = self.info.world_size
-        return rank_shares(batch, k), whole_batch_loss(loss, batch, k)
+        pad = pad and not isinstance(loss, GraphLoss)  # (a graph loss reads no weights)
+        return rank_shares(batch, k, pad=pad), whole_batch_loss(loss, batch, k)
 
     def train_scored(self, samples: Future, recipe: Any) -> Future:
         """Score a synchronous GRPO step's samples where they are and train on them, in one

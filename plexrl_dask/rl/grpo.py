@@ -194,11 +194,9 @@ class GRPOJob:
         self.checkpoints = checkpoints
         self.first_step = 0  # the first step run() ran (after a resumed checkpoint's)
         self.recoveries: list[str] = []  # why the job went back to its checkpoint, each time
-        # (agentic tasks) every episode's model turns, its tool calls, and the seconds on its
-        # worker of every call that ran (identical calls of a turn run once)
-        self.episode_turns: list[int] = []
-        self.tool_calls = 0
-        self.tool_seconds: list[float] = []
+        # (agentic tasks) per step run: every episode's model turns, its tool calls, and the
+        # seconds on its worker of every call that ran (identical calls of a turn run once)
+        self._episode_stats: dict[int, tuple[list[int], int, list[float]]] = {}
         self._stop = threading.Event()
         self._episodes_stop = threading.Event()  # (set: an agentic rollout starts no turn)
         self._header = {
@@ -370,6 +368,20 @@ class GRPOJob:
             self.metrics_path.write_text("".join(line + "\n" for line in lines))
 
     @property
+    def episode_turns(self) -> list[int]:
+        """Every episode's model turns, over the steps this job ran (a step redone after a
+        recovery counted once)."""
+        return [t for s in sorted(self._episode_stats) for t in self._episode_stats[s][0]]
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(calls for _, calls, _ in self._episode_stats.values())
+
+    @property
+    def tool_seconds(self) -> list[float]:
+        return [x for s in sorted(self._episode_stats) for x in self._episode_stats[s][2]]
+
+    @property
     def checkpoint_s(self) -> list[float]:
         """How long each checkpoint held up the driver."""
         return [] if self.saver is None else self.saver.seconds
@@ -382,6 +394,8 @@ class GRPOJob:
         if restored is None:
             return 0, self.start_version
         self.records = [StepRecord(**r) for r in restored.records]
+        done = restored.steps_done  # (the steps after it are redone: their episodes again)
+        self._episode_stats = {s: v for s, v in self._episode_stats.items() if s < done}
         self._write_metrics(self.records)
         first, versions = restored.steps_done, restored.versions
         if self.rollout is None:
@@ -547,9 +561,11 @@ class GRPOJob:
         data = list(scored.data)
         if isinstance(out, EpisodeBatch):
             episodes = [e for g in out.groups for e in g]
-            self.episode_turns += [len(e.turns) for e in episodes]
-            self.tool_calls += sum(len(e.calls) for e in episodes)
-            self.tool_seconds += [r.seconds for e in episodes for r in e.calls if not r.shared]
+            self._episode_stats[step] = (
+                [len(e.turns) for e in episodes],
+                sum(len(e.calls) for e in episodes),
+                [r.seconds for e in episodes for r in e.calls if not r.shared],
+            )
         old = None
         if ahead and data:
             assert self.rollout is not None

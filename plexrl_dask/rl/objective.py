@@ -112,6 +112,16 @@ class GRPOConfig:
     stop: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "epochs", "max_tokens", "seed",
+                     "staleness", "lr_warmup_steps"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} is an integer, got {value!r}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (isinstance(self.temperature, int | float) and not isinstance(self.temperature, bool)
+                and math.isfinite(self.temperature) and self.temperature >= 0):  # fmt: skip
+            raise ConfigError(f"temperature must be finite and >= 0, got {self.temperature!r}")
         if min(self.steps, self.prompts_per_step, self.group_size, self.epochs) < 1:
             raise ConfigError(
                 f"steps, prompts_per_step, group_size and epochs must be >= 1: {self}"
@@ -225,8 +235,12 @@ def group_advantages(rewards: Sequence[float], norm: str = "std", eps: float = 1
         return [r - mean for r in rewards]
     if norm not in ("std", "std-unbiased"):
         raise ConfigError(f"advantage_norm is one of {ADVANTAGE_NORMS}, got {norm!r}")
+    if not math.isfinite(mean):  # (each is finite: rewards.score checks; their sum overflowed)
+        raise ConfigError(f"a group's rewards are too large to average: {rewards!r:.80}")
     dof = n - 1 if norm == "std-unbiased" else n
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(dof, 1))
+    if std + eps == 0:  # (rewards apart by less than floats resolve: nothing to tell apart)
+        return [0.0] * n
     return [(r - mean) / (std + eps) for r in rewards]
 
 

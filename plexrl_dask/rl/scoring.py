@@ -228,5 +228,5 @@ def scored_training(
         return scored.summary, None
     config = recipe.config
     loss = whole_batch_loss(config.loss(len(scored.data)), scored.data, ranks)
-    share = rank_shares(scored.data, ranks)[rank]
+    share = rank_shares(scored.data, ranks, pad=True)[rank]  # (fewer teach than ranks: fillers)
     return scored.summary, (share, loss, config.optimizer(recipe.step))

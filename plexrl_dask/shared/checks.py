@@ -197,9 +197,17 @@ def checked_weights(weights: Any) -> Mapping[str, Any]:
     return weights
 
 
-def rank_shares(batch: Sequence[Datum], ranks: int) -> list[tuple[Datum, ...]]:
+def rank_shares(
+    batch: Sequence[Datum], ranks: int, pad: bool = False
+) -> list[tuple[Datum, ...]]:
     """``batch`` split into ``ranks`` contiguous shares, rank ``r``'s at ``r`` (sizes differ
-    by at most one); :class:`InvalidBatch` when it has fewer sequences than ranks."""
+    by at most one). With fewer sequences than ranks: :class:`InvalidBatch`, or with ``pad``
+    (a training step whose loss has an explicit normaliser: :func:`whole_batch_loss`) the
+    ranks past the batch each get a filler, two tokens of its last datum with weight 0,
+    which adds nothing to the loss or its gradient (every rank must take part in the step's
+    collectives); its one position counts in ``num_tokens``."""
+    if len(batch) < ranks and pad and batch:
+        batch = (*batch, *[_filler(batch[-1])] * (ranks - len(batch)))
     if len(batch) < ranks:
         raise InvalidBatch(
             f"a batch of {len(batch)} sequences cannot be split over {ranks} ranks: give at "
@@ -207,6 +215,21 @@ def rank_shares(batch: Sequence[Datum], ranks: int) -> list[tuple[Datum, ...]]:
         )
     bounds = [round(i * len(batch) / ranks) for i in range(ranks + 1)]
     return [tuple(batch[bounds[i] : bounds[i + 1]]) for i in range(ranks)]
+
+
+def _filler(datum: Datum) -> Datum:
+    """A two-token, zero-weight datum shaped like ``datum`` (see :func:`rank_shares`)."""
+    cut = {
+        name: getattr(datum, name)[:2]
+        for name in ("advantages", "old_logprobs", "ref_logprobs")
+        if getattr(datum, name) is not None
+    }
+    inputs = None
+    if datum.inputs is not None:
+        inputs = tuple((k, v[:2] if isinstance(v, tuple) else v) for k, v in datum.inputs)
+    return dataclasses.replace(
+        datum, tokens=datum.tokens[:2], weights=(0.0, 0.0), inputs=inputs, **cut
+    )
 
 
 def whole_batch_loss(loss: Any, batch: Sequence[Datum], ranks: int) -> Any:

@@ -204,6 +204,16 @@ def as_batch(batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:
 # --- losses ---------------------------------------------------------------------------------
 
 
+
+def _positive(value: Any) -> bool:
+    """Whether ``value`` is a finite number > 0 (a loss's normaliser)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
 @dataclass(frozen=True)
 class CrossEntropy:
     """Weighted next-token cross-entropy (warm-up / SFT).
@@ -216,8 +226,8 @@ class CrossEntropy:
     normalizer: float | None = None
 
     def __post_init__(self) -> None:
-        if self.normalizer is not None and not self.normalizer > 0:
-            raise InvalidLoss(f"normalizer must be > 0, got {self.normalizer}")
+        if self.normalizer is not None and not _positive(self.normalizer):
+            raise InvalidLoss(f"normalizer must be finite and > 0, got {self.normalizer!r}")
 
 
 #: The estimators of KL(policy || reference) that :class:`PolicyGradient` can add.
@@ -295,8 +305,8 @@ class PolicyGradient:
             )
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise InvalidLoss(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
-        if self.normalizer is not None and not self.normalizer > 0:
-            raise InvalidLoss(f"normalizer must be > 0, got {self.normalizer}")
+        if self.normalizer is not None and not _positive(self.normalizer):
+            raise InvalidLoss(f"normalizer must be finite and > 0, got {self.normalizer!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise InvalidLoss(f"kl_estimator is one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         t = self.temperature

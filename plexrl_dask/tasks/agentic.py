@@ -65,6 +65,13 @@ class MultiplyTask:
             )
         if most > self.max_turns:
             raise ConfigError(f"{most} factors take {most} turns: max_turns is {self.max_turns}")
+        from plexrl_dask.tools.calculator import MAX_DIGITS
+
+        if self.digits * most > MAX_DIGITS:  # (the calculator answers no product past it)
+            raise ConfigError(
+                f"{most} factors of {self.digits} digits make products past the calculator's "
+                f"{MAX_DIGITS} digits"
+            )
         object.__setattr__(self, "factors", (least, most))  # (a list given: hashable)
 
     def problems(self, start: int, count: int) -> list[Problem]:

@@ -76,7 +76,11 @@ def check_task(task: Any) -> None:
 
 def describe_task(task: Any) -> str:
     """``repr(task)``, cut at :data:`TASK_REPR_CHARS` characters with a digest of the whole
-    where it is longer."""
+    where it is longer; a task whose class has no repr of its own is named by its class
+    (``object``'s repr holds its address, which another process does not share: a job
+    checkpoint would never match its task again; the problems' digest tells data apart)."""
+    if type(task).__repr__ is object.__repr__:
+        return f"<{type(task).__module__}.{type(task).__qualname__}>"
     text = repr(task)
     if len(text) <= TASK_REPR_CHARS:
         return text

@@ -91,6 +91,16 @@ _CGROUP_FILES = {
 _CGROUP_PREFIX = "plexrl-sandbox-"
 _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 _CLONE_NEWUSER = 0x10000000
+# SysV IPC (shared memory a program could leave for the next call, unbounded by its memory
+# limit) and the host name (what gethostname() answers: the same on every machine)
+_CLONE_NEWIPC, _CLONE_NEWUTS = 0x08000000, 0x04000000
+#: The host name a program sees (in its own UTS namespace).
+HOSTNAME = b"sandbox"
+#: personality(2)'s ADDR_NO_RANDOMIZE: a program's addresses (its id()s, its objects' default
+#: reprs) the same in every call on every machine.
+_ADDR_NO_RANDOMIZE = 0x0040000
+#: Files a private tmpfs may hold (empty files cost kernel memory that no limit counts).
+TMPFS_INODES = 4096
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND = 0x1, 0x20, 0x1000
@@ -313,7 +323,8 @@ def _enter_namespaces(own_user: bool) -> None:
     when ``own_user``: its root is this process's uid in the server's); the mounts made
     private before any is made."""
     uid, gid = os.getuid(), os.getgid()
-    flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | (_CLONE_NEWUSER if own_user else 0)
+    flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+    flags |= _CLONE_NEWUSER if own_user else 0
     if _libc.unshare(flags):
         fail(f"entering new namespaces: errno {ctypes.get_errno()}")
     if own_user:
@@ -330,6 +341,8 @@ def _enter_namespaces(own_user: bool) -> None:
     # (before any mount: the copied mounts must not pass new ones back to the machine's)
     if _libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None):
         fail(f"making the mounts private: errno {ctypes.get_errno()}")
+    if _libc.sethostname(HOSTNAME, len(HOSTNAME)):
+        fail(f"naming the call's host: errno {ctypes.get_errno()}")
 
 
 def _kill_all_of(uid: int) -> None:
@@ -400,7 +413,8 @@ def run_jail(limits: dict, code: bytes, own_mounts: int | None, group: str | Non
         read_only_mounts()
         for target in ("/tmp", "/var/tmp", "/dev/shm"):
             if os.path.isdir(target):
-                mount(b"none", target, b"tmpfs", 0, f"size={limits['file_bytes'] * 4},mode=1777")
+                size = f"size={limits['file_bytes'] * 4},nr_inodes={TMPFS_INODES},mode=1777"
+                mount(b"none", target, b"tmpfs", 0, size)
         # The machine's sockets live under /run (a user's bus and systemd, docker's): a
         # read-only mount does not stop a connect(), an empty one over it does.
         flags = _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
@@ -769,5 +783,16 @@ def fail(message: str) -> None:
     sys.exit(125)
 
 
+def _without_address_randomisation() -> None:
+    """Run this server again without address randomisation, where the kernel lets it (a
+    program forks from it: see :data:`_ADDR_NO_RANDOMIZE`); as it is where it does not."""
+    current = _libc.personality(0xFFFFFFFF)
+    if current == -1 or current & _ADDR_NO_RANDOMIZE:
+        return
+    if _libc.personality(current | _ADDR_NO_RANDOMIZE) != -1:
+        os.execv(sys.executable, sys.orig_argv)  # (the socket's fd is inherited)
+
+
 if __name__ == "__main__":
+    _without_address_randomisation()
     serve(int(sys.argv[1]))

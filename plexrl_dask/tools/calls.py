@@ -348,10 +348,12 @@ class CallThreads:
             if give_up_s is None or started is None or time.monotonic() - started < give_up_s:
                 continue
             with call.lock:
-                if call.result is None:  # (not done meanwhile)
+                newly = call.result is None and not call.given_up  # (not done meanwhile)
+                if newly:
                     call.given_up = True
-            if call.given_up:
+            if newly:  # (its thread is lost to it: one replacement, however often asked)
                 self._start()
+            if call.given_up:
                 message = f"the call did not return within {give_up_s:g} s"
                 wall_start = time.time() - (time.monotonic() - started)
                 return ToolResult(message, "ToolLimitExceeded", give_up_s, where, wall_start)

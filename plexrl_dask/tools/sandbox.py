@@ -138,6 +138,10 @@ def isolation() -> str:
         return "limits"
     try:
         ok = PythonSandbox(mode="namespaces").run("print(6 * 7)") == "42\n"
+    except ToolLimitExceeded as e:
+        # (the probe ran past its limit: the machine is loaded, which says nothing of the
+        # namespaces; the call is refused, never run without them, and the probe tried again)
+        raise ToolError(f"the sandbox's probe of its namespaces did not finish ({e})") from e
     except (OSError, ToolError):
         ok = False
     if ok:

@@ -400,7 +400,7 @@ class ReplicaHolder:
         else:
             backend = backend_cls(info.spec, self.device, max_batch_size=self.max_batch_size)
         load_s = time.perf_counter() - t0
-        self._check_built(info, backend)
+        self._check_built(info, backend, reserved=info.memory_bytes)
         # (a rank samples on a gathered copy, a replica on a static cache: each asks first)
         backend.room = lambda extra, name=info.name: self._make_room(extra, keep=name)
         return self._held(info, backend, group, load_s)
@@ -429,7 +429,7 @@ class ReplicaHolder:
                 info.spec, self.device, self.max_batch_size, bases=self._bases, user=info.name
             )
             load_s = time.perf_counter() - t0
-            self._check_built(info, backend)
+            self._check_built(info, backend, reserved=base + own)
             return self._held(info, backend, None, load_s)
 
     def _unshare(self, replica: Replica) -> None:
@@ -466,16 +466,17 @@ class ReplicaHolder:
         self._emit(replica, "hbm", load_s, source="absent")
         return replica
 
-    def _check_built(self, info: DeploymentInfo, backend: Any) -> None:
+    def _check_built(self, info: DeploymentInfo, backend: Any, reserved: int = 0) -> None:
         """Hold what was built to the budget, whatever its deployment declared: room is made
         for the bytes it measures (a deployment that declared less than it holds does not
         crowd the others past the budget), and one that does not fit even alone is closed
-        and refused with :class:`DeploymentDoesNotFit`."""
+        and refused with :class:`DeploymentDoesNotFit`. ``reserved``: the bytes counted as
+        coming for it while it was built (:meth:`_reserved`), which its own bytes replace."""
         own = int(backend.state_bytes())
         # a shared model is already counted once (its bases); the replica's share of it is
         # what it holds beside its own bytes
         measured = own + shared_bytes(backend)
-        if measured <= info.memory_bytes or self._make_room(own, keep=info.name):
+        if measured <= info.memory_bytes or self._make_room(own - reserved, keep=info.name):
             return
         close = getattr(backend, "close", None)
         if close is not None:
