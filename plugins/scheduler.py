@@ -323,14 +323,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
         for request in again:
             stale.extend(tasks[k] for k in request.keys.values() if k in tasks)
             self._forget(request)
-        errors = {}
-        for ts in stale:
-            self._route(ts)
-            if ts.worker_restrictions is None and ts.state == "no-worker":
-                errors[ts.key] = "processing"  # (refused now: run it to raise the error)
-        if errors:
-            self.scheduler.transitions(errors, stimulus_id=f"plexrl-share-{time.time()}")
-        self._dispatch()
+        self._route_anew(stale, "share")
 
     def _undeployed(self, info: DeploymentInfo) -> None:
         """``info`` was undeployed: its gangs' groups go, and its queued requests fail with
@@ -812,17 +805,22 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 and not waits
             ):
                 stale.append(ts)
+        self._route_anew(stale, "error")
+
+    def _route_anew(self, stale: list[TaskState], why: str) -> None:
+        """Route the tasks ``stale`` again (their requests forgotten); those that cannot be
+        routed now run at once to raise their error. Then dispatch."""
         errors = {}
         for ts in stale:
             try:
                 self._route(ts)  # (a request that cannot be routed fails alone)
-            except Exception:  # (a defect: never leave the other orphans stranded)
+            except Exception:  # (a defect: never leave the other requests stranded)
                 logger.exception("re-routing %s failed", ts.key)
                 continue
             if ts.worker_restrictions is None and ts.state == "no-worker":
                 errors[ts.key] = "processing"  # a routing error: run it to raise the error
         if errors:
-            self.scheduler.transitions(errors, stimulus_id=f"plexrl-error-{time.time()}")
+            self.scheduler.transitions(errors, stimulus_id=f"plexrl-{why}-{time.time()}")
         self._dispatch()
 
     def _soon(self, fn: Callable[[], None]) -> None:

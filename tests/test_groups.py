@@ -624,6 +624,6 @@ def test_a_two_rank_policy_trains_on_a_single_sequence(runtime):
     want = plexrl.result(single.train_step(data, loss, params))
     assert math.isclose(got["forward_backward"]["loss"], want["forward_backward"]["loss"],
                         rel_tol=1e-5)  # fmt: skip
-    after = plexrl.result(sharded.forward(data)).logprobs[0]
+    after = plexrl.result(sharded.forward(data * 2)).logprobs[0]  # (a forward takes 2: one a rank)
     expected = plexrl.result(single.forward(data)).logprobs[0]
     assert max(abs(a - b) for a, b in zip(after, expected, strict=True)) < 1e-4
