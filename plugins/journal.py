@@ -22,6 +22,7 @@ outlives the scheduler's process (its host's, or a shared one) and is the cluste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,9 +58,12 @@ class Journal:
         fresh = not os.path.exists(self.path)
         # (the scheduler's event loop and executor threads may write: one lock serialises)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         if fresh:
-            os.chmod(self.path, 0o600)  # grants and job digests: the cluster's owner's alone
+            # Grants and job digests: the cluster's owner's alone, from the first byte (made
+            # 0600 before SQLite opens it; its -wal and -shm files take the database's mode).
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)

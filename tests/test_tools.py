@@ -1120,3 +1120,11 @@ def test_a_probe_that_ran_out_of_time_refuses_the_call_rather_than_drop_namespac
     with pytest.raises(errors.ToolError, match="probe"):
         sandbox.isolation()
     assert sandbox._probe["failed_at"] == -1e9  # (not taken for a host without namespaces)
+
+
+def test_a_program_that_ignores_its_cpu_signal_is_stopped_at_its_cpu_limit():
+    program = (
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"
+    )
+    res = run(program, SandboxLimits(wall_s=6.0, cpu_s=1, output_bytes=256))
+    assert res.error == "ToolLimitExceeded" and "CPU" in res.output, res

@@ -439,11 +439,16 @@ def run_jail(limits: dict, code: bytes, own_mounts: int | None, group: str | Non
             fail(f"confining the program: {e!r}")
         run_program(code)  # (never returns)
     while True:  # (a program's orphans come here, this being its namespace's init)
-        done, status = os.waitpid(-1, 0)
+        done, status, usage = os.wait4(-1, 0)
         if done == pid:
             break
     if os.WIFSIGNALED(status):
-        os._exit(128 + os.WTERMSIG(status))
+        signum = os.WTERMSIG(status)
+        if signum == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= limits["cpu_s"]:
+            # (it ignored SIGXCPU at its soft CPU limit, and the hard one killed it: the
+            # CPU limit, not an unknown kill, ended it)
+            signum = signal.SIGXCPU
+        os._exit(128 + signum)
     os._exit(os.WEXITSTATUS(status))
 
 
