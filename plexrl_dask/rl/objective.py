@@ -59,6 +59,7 @@ in every case).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,8 +116,9 @@ class GRPOConfig:
         for name in ("steps", "prompts_per_step", "group_size", "epochs", "max_tokens", "seed",
                      "staleness", "lr_warmup_steps"):  # fmt: skip
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ConfigError(f"{name} is an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (a numpy integer given: a plain one)
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (isinstance(self.temperature, int | float) and not isinstance(self.temperature, bool)
