@@ -12,6 +12,7 @@ import torch
 import plexrl_dask as plexrl
 from plexrl_dask import errors, protocol
 from plexrl_dask.bench.weight_sync import rank_probe
+from plexrl_dask.shared.checks import rank_shares
 from plexrl_dask.state_store.keys import model_key
 from plexrl_dask.worker.backends import TorchBackend
 from tests.conftest import tiny_spec, unique
@@ -558,7 +559,7 @@ def test_a_train_step_is_forward_backward_then_optim_step_in_one_request(runtime
                 fused._submit(
                     "train_step",
                     plexrl_ops().train_step,
-                    [(p, loss, bad) for p in fused._split_batch(tuple(data))],
+                    [(p, loss, bad) for p in rank_shares(tuple(data), fused.info.world_size)],
                 ),
                 timeout=120,
             )
@@ -624,6 +625,8 @@ def test_a_two_rank_policy_trains_on_a_single_sequence(runtime):
     want = plexrl.result(single.train_step(data, loss, params))
     assert math.isclose(got["forward_backward"]["loss"], want["forward_backward"]["loss"],
                         rel_tol=1e-5)  # fmt: skip
-    after = plexrl.result(sharded.forward(data * 2)).logprobs[0]  # (a forward takes 2: one a rank)
-    expected = plexrl.result(single.forward(data)).logprobs[0]
-    assert max(abs(a - b) for a, b in zip(after, expected, strict=True)) < 1e-4
+    scored = plexrl.result(sharded.forward(data, top=2))  # (one sequence on two ranks too)
+    expected = plexrl.result(single.forward(data, top=2))
+    assert len(scored.logprobs) == len(scored.top) == 1
+    after = scored.logprobs[0]
+    assert max(abs(a - b) for a, b in zip(after, expected.logprobs[0], strict=True)) < 1e-4

@@ -187,9 +187,10 @@ class Deployment:
         per_task_args: Sequence[tuple],
         replica_of: Sequence[int | None] | None = None,
         holds: bool = False,
+        keep: int | None = None,
     ) -> Future:
         """Submit ``op`` as one task per element of ``per_task_args`` and return the future of
-        their combined result.
+        their combined result (``keep``: of its first ``keep`` data, the rest fillers).
 
         Single-rank replicas: each task is a request of its own, for replica ``replica_of[i]``
         (default: replica 0; ``None``: any replica, chosen by the scheduler). Multi-rank
@@ -221,7 +222,7 @@ class Deployment:
         if len(futures) == 1:
             return futures[0]
         return self.runtime.client.submit(
-            ops.combine, op, *futures, key=f"{request}-combine", pure=False
+            ops.combine, op, *futures, keep=keep, key=f"{request}-combine", pure=False
         )
 
     def _every(self, op: str, fn: Any, args: tuple) -> Future:
@@ -251,9 +252,6 @@ class Deployment:
         """The same arguments for every rank (or the single task)."""
         return [args] * self.info.world_size
 
-    def _split_batch(self, batch: tuple[Datum, ...]) -> list[tuple[Datum, ...]]:
-        return rank_shares(batch, self.info.world_size)
-
     def load(self) -> Future:
         """Make every rank and replica resident on its worker; the result describes rank 0."""
         return self._every("load", ops.load, ())
@@ -281,8 +279,12 @@ class Deployment:
             )
         if self._tensor_parallel:  # every rank scores the whole batch; rank 0's is returned
             return self._submit("forward", ops.forward, self._ranks(batch, temperature, None, top))
-        parts = self._split_batch(batch)
-        return self._submit("forward", ops.forward, [(p, temperature, None, top) for p in parts])
+        # (fewer sequences than ranks: the ranks past them score fillers, left out of the result)
+        parts = rank_shares(batch, self.info.world_size, pad=True)
+        keep = len(batch) if len(batch) < self.info.world_size else None
+        return self._submit(
+            "forward", ops.forward, [(p, temperature, None, top) for p in parts], keep=keep
+        )
 
     def forward_backward(
         self, batch: Sequence[Datum] | Datum, loss: Loss = CrossEntropy(), logprobs: bool = False

@@ -527,13 +527,17 @@ async def drop_checkpoint(model: str, version: int, dask_worker: Any = None) -> 
 _SUMMED = ("loss", "num_tokens", "total_weight")
 
 
-def combine(op: str, *results: Any) -> Any:
+def combine(op: str, *results: Any, keep: int | None = None) -> Any:
     """The result of a request run as several tasks (ranks of a group, or replicas), from the
-    per-task results in rank/replica order. Runs as a small plain task."""
+    per-task results in rank/replica order (``keep``: a forward's first ``keep`` data, the
+    rest being the fillers of ranks past a short batch). Runs as a small plain task."""
     if op == "forward":
         tops = [r.top for r in results if r.logprobs]  # (an echoing rank has neither)
         top = None if any(t is None for t in tops) else tuple(x for t in tops for x in t)
-        return ForwardResult(logprobs=tuple(lp for r in results for lp in r.logprobs), top=top)
+        logprobs = tuple(lp for r in results for lp in r.logprobs)
+        if keep is not None:
+            logprobs, top = logprobs[:keep], None if top is None else top[:keep]
+        return ForwardResult(logprobs=logprobs, top=top)
     if op == "sample":
         return SampleResult(
             prompt_tokens=tuple(t for r in results for t in r.prompt_tokens),
