@@ -310,10 +310,10 @@ class Objects:
         counted: Callable[[int], None] | None = None,
     ) -> str:
         """Store ``data`` once; returns its digest. ``counted(nbytes)`` runs when this call
-        wrote a new object (not when it found one): what a write added to the tier. Safe to call from several threads: the
-        capacity is reserved before the bytes are written. ``touch(digest)`` runs before the
-        object is looked up or written: a writer records there that it uses the object, so
-        that collection keeps it (see :meth:`StateStore.gc`). ``pending``: a durable
+        wrote a new object (not when it found one): what a write added to the tier. Safe to
+        call from several threads: the capacity is reserved before the bytes are written.
+        ``touch(digest)`` runs before the object is looked up or written: a writer records
+        there that it uses the object, so that collection keeps it (see :meth:`StateStore.gc`). ``pending``: a durable
         publish's directory of new objects, which its commit makes durable all at once and
         names in the store (:meth:`StateStore._settle`); until then only that publish sees
         them."""

@@ -231,12 +231,10 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> JobCheckpoint | None:
 
 def _is_save(save: Any) -> bool:
     """Whether ``save`` is what a deployment's ``save_state`` returned (a stored version)."""
-    version = save.get("version") if isinstance(save, dict) else None
-    return (
-        isinstance(save.get("model") if isinstance(save, dict) else None, str)
-        and isinstance(version, int)
-        and not isinstance(version, bool)
-    )
+    if not isinstance(save, dict):
+        return False
+    version = save.get("version")
+    return isinstance(save.get("model"), str) and type(version) is int
 
 
 def write_checkpoint(directory: str | os.PathLike[str], ckpt: JobCheckpoint) -> None:

@@ -371,20 +371,25 @@ class DecodeStep:
         """Device bytes this step keeps beside the model's parameters: its weight layout's
         copies (the fused and transposed projections, the folded norms) and its rotary
         tables. Counted in the replica's bytes (the holder's budget), after every request:
-        walked once per layout."""
-        if self._layout is not None and self._layout_bytes[0] is self._layout:
-            return self._layout_bytes[1] + sum(
-                t.untyped_storage().nbytes() for pair in self._tables.values() for t in pair
-            )
-        own = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        seen: set[int] = set()
+        a layout is walked once."""
+        tables = sum(t.untyped_storage().nbytes() for pair in self._tables.values() for t in pair)
+        if self._layout is None:
+            return tables
+        if self._layout_bytes[0] is not self._layout:
+            self._layout_bytes = (self._layout, self._copies_bytes(self._layout[1:]))
+        return self._layout_bytes[1] + tables
+
+    def _copies_bytes(self, layout: Any) -> int:
+        """Bytes of the tensors in ``layout`` (dataclasses, lists, tuples of them) that are
+        not the model's parameters, each storage once."""
+        seen = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         total = 0
 
         def count(t: Any) -> None:
             nonlocal total
             if isinstance(t, torch.Tensor):
                 ptr = t.untyped_storage().data_ptr()
-                if ptr not in own and ptr not in seen:
+                if ptr not in seen:
                     seen.add(ptr)
                     total += t.untyped_storage().nbytes()
             elif dataclasses.is_dataclass(t) and not isinstance(t, type):
@@ -394,10 +399,7 @@ class DecodeStep:
                 for x in t:
                     count(x)
 
-        if self._layout is not None:
-            count(self._layout[1:])
-            self._layout_bytes = (self._layout, total)
-        count(list(self._tables.values()))
+        count(layout)
         return total
 
     def release(self) -> None:

@@ -163,7 +163,7 @@ class SharedWeightsBackend(TorchBackend):
         # Its own caches go; the shared decode step's layout stays for the base's other
         # users (it goes with the base, with its last user).
         self.decode_step = None
-        self._release_decoders()
+        self.release_decoders()
         # (the decoders hold the modules: dropped, so the model goes with its last user)
         self.model, self.decode_step, self.static = None, None, None  # type: ignore[assignment]
         self._host = {"bytes": 0}

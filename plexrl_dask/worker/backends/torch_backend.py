@@ -667,7 +667,7 @@ class TorchBackend:
         if training:
             self.model.zero_grad(set_to_none=True)
             self.pending_backward = 0
-        self._release_decoders()
+        self.release_decoders()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return whole
@@ -683,10 +683,6 @@ class TorchBackend:
         """Drop what the decoders keep beside the weights (the decode step's fused layout,
         the static engine's cache, the prefix cache): an offload's first step, and what a
         holder short of room takes from an idle replica before it offloads one."""
-        self._release_decoders()
-
-    def _release_decoders(self) -> None:
-        """See :meth:`release_decoders`."""
         if self.decode_step is not None:
             self.decode_step.release()
         self._adapter_step = None
@@ -735,7 +731,7 @@ class TorchBackend:
         nothing is copied to the host, the device copies are released and ``stored`` kept."""
         if self._host is not None:
             return
-        self._release_decoders()
+        self.release_decoders()
         params = dict(self.model.named_parameters())
         # Optimizer state that lives on the device (Adam's "step" stays on the CPU on CUDA).
         device_optim: dict[str, list[str]] = {}
