@@ -1128,3 +1128,45 @@ def test_a_program_that_ignores_its_cpu_signal_is_stopped_at_its_cpu_limit():
     )
     res = run(program, SandboxLimits(wall_s=6.0, cpu_s=1, output_bytes=256))
     assert res.error == "ToolLimitExceeded" and "CPU" in res.output, res
+
+
+#: A program that tries system call ``name`` (numbered for this machine) and prints what it got.
+_SYSCALL = (
+    "import ctypes, os\nl = ctypes.CDLL(None, use_errno=True)\n"
+    "n = {{'x86_64': {x86}, 'aarch64': {arm}}}[os.uname().machine]\n"
+    "r = l.syscall(n, {args})\nprint(r, ctypes.get_errno())"
+)
+
+
+@pytest.mark.skipif(
+    os.uname().machine not in ("x86_64", "aarch64"), reason="the filter knows x86-64 and AArch64"
+)
+@pytest.mark.parametrize("mode", ["namespaces", "limits"])
+def test_a_program_makes_no_namespace_or_key_and_still_forks_and_starts_threads(mode):
+    """The system-call filter: no user namespace (where it would mount an unbounded tmpfs),
+    no key in the per-uid keyring a later call under the same uid would see, no x32 or
+    namespace-making ``clone``; ``clone3`` answered ENOSYS, which the C library falls back
+    from, so threads, forks and subprocesses still work, in either isolation mode."""
+    if mode == "namespaces" and isolation() != "namespaces":
+        pytest.skip("namespaces are not available here")
+    sandbox = PythonSandbox(FAST, mode=mode)
+
+    def call(x86: int, arm: int, args: str) -> str:
+        return sandbox.run(_SYSCALL.format(x86=x86, arm=arm, args=args))
+
+    eperm, enosys = "-1 1\n", "-1 38\n"
+    assert call(272, 97, "0x10000000 | 0x20000") == eperm  # unshare(NEWUSER | NEWNS)
+    assert call(248, 217, "b'user', b'plexrl', b'v', 1, -4") == eperm  # add_key (@u)
+    assert call(250, 219, "0, -4, 1") == eperm  # keyctl(GET_KEYRING_ID, @u)
+    assert call(56, 220, "0x10000000 | 17, 0, 0, 0, 0") == eperm  # clone(NEWUSER)
+    assert call(435, 435, "0, 0") == enosys  # clone3
+    if os.uname().machine == "x86_64":
+        assert call(272 | 0x40000000, 0, "0") == eperm  # (x32's unshare)
+    program = (
+        "import os, subprocess, sys, threading\nr = []\n"
+        "t = threading.Thread(target=r.append, args=(1,))\nt.start()\nt.join()\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(3)\n"
+        "print(r, os.waitpid(pid, 0)[1] >> 8, subprocess.run([sys.executable, '-c', "
+        "'print(5)'], capture_output=True).stdout)"
+    )
+    assert sandbox.run(program) == "[1] 3 b'5\\n'\n"

@@ -425,6 +425,14 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
         "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
         "kill others": "import os, signal\nfor p in range(2, 40000):\n    try:\n        os.kill(p, signal.SIGKILL)\n    except Exception:\n        pass",
         "read secrets": "print(open('/etc/shadow').read()[:20])",
+        # (a user namespace of its own: there it could mount an unbounded tmpfs)
+        "own namespaces": "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "print('made' if libc.unshare(0x10000000 | 0x20000) == 0 else 'refused')",
+        # (a key in the per-uid keyring, which outlives the call: a later call could read it)
+        "keyring": "import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+        "n = {'x86_64': 248, 'aarch64': 217}.get(os.uname().machine, -1)\n"
+        "key = libc.syscall(n, b'user', b'plexrl', b'v', 1, -4)\n"
+        "print('made' if key >= 0 else 'refused')",
     }
     pool = ToolPool(client, {"py": PythonSandbox(SUITE_LIMITS)})
     out: dict[str, Any] = {}
@@ -449,6 +457,7 @@ def hostile_suite(client: Client, tmp: Path) -> dict[str, Any]:
             or (name == "network" and bool(accepted))
             or v["seconds"] > SUITE_LIMITS.wall_s + 10
             or (name == "read secrets" and v["error"] is None)
+            or (name in ("own namespaces", "keyring") and v["output"].startswith("made"))
             or (name == "huge output" and v["error"] != "ToolLimitExceeded")
             # (it exits 0 only if all its processes held theirs at once: past the call's
             # bound; stopped by the bound or, on a slow machine, by the clock first, not)

@@ -38,6 +38,10 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   a program has at most ``call_memory_bytes // memory_bytes`` processes (2 by default, and,
   where the server is not root, counting every process of its user: it cannot fork), so that
   they cannot together hold more than the call's bound either.
+- **system calls** (every mode; x86-64 and AArch64): a seccomp filter refuses the program
+  namespaces, the kernel's keyrings, mounts, tracing and a few more (``_jail._DENIED``), so
+  that it can neither mount an unbounded tmpfs in a user namespace of its own nor leave a key
+  for a later call under the same uid.
 - **CPU priority**: the call's processes run at :attr:`SandboxLimits.nice` (10 by default), so
   that on a machine they share with model workers (a node's spare cores, a laptop's
   ``local_cluster``) untrusted programs take the CPU the workers leave, and a worker's decode
