@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,13 +37,19 @@ from plexrl_dask.tools import (
     ToolCall,
     ToolPool,
     ToolResult,
+    _confine,
     isolation,
     parse_call,
     run_call,
     stop_strings,
 )
 from plexrl_dask.tools.calls import check_tools
-from plexrl_dask.tools.sandbox import _server, memory_bounded, sandbox_processes
+from plexrl_dask.tools.sandbox import (
+    _server,
+    files_confined,
+    memory_bounded,
+    sandbox_processes,
+)
 
 TOOLS = {"calc": Calculator()}
 FAST = SandboxLimits(wall_s=2.0, cpu_s=2, output_bytes=256)
@@ -290,8 +297,11 @@ def test_the_sandbox_has_no_network_and_writes_nothing_outside_it(tmp_path):
     assert not os.path.exists(outside)
     assert run(f"open({str(mine)!r}, 'w').write('x')").error == "ToolError"
     assert not mine.exists()
-    net = run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
-    assert net.error == "ToolError" and "unreachable" in net.output.lower()
+    # (UDP: Landlock, where the kernel has it, refuses TCP before the namespace is asked)
+    net = run(
+        "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).connect(('1.1.1.1', 53))"
+    )
+    assert net.error == "ToolError" and "unreachable" in net.output.lower(), net
     sees = run(
         "import os\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]), os.getpid())"
     )
@@ -1170,3 +1180,47 @@ def test_a_program_makes_no_namespace_or_key_and_still_forks_and_starts_threads(
         "'print(5)'], capture_output=True).stdout)"
     )
     assert sandbox.run(program) == "[1] 3 b'5\\n'\n"
+
+
+@pytest.mark.skipif(not files_confined(), reason="this kernel has no Landlock")
+@pytest.mark.parametrize("mode", ["namespaces", "limits"])
+def test_a_program_reads_only_system_and_interpreter_files_and_writes_only_its_own(mode):
+    """Landlock, in either mode: a file anyone may read, beside the caller's own (here in the
+    directory the tests run from, which is not the system's nor the interpreter's), is
+    refused, as is a TCP connection (the limits mode has the network) and a write outside
+    the program's directory; its own directory, the standard library, a subprocess of the
+    interpreter and /dev/null still work."""
+    if mode == "namespaces" and isolation() != "namespaces":
+        pytest.skip("namespaces are not available here")
+    folder = Path(tempfile.mkdtemp(dir=Path.cwd(), prefix=".plexrl-test-"))
+    try:
+        folder.chmod(0o755)
+        secret = folder / "token"
+        secret.write_text("hunter2")
+        secret.chmod(0o644)
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        program = (
+            "import os, socket, subprocess, sys, decimal, sqlite3\n"
+            "def attempt(f):\n    try:\n        return f()\n"
+            "    except OSError as e:\n        return type(e).__name__\n"
+            f"print(attempt(lambda: open({str(secret)!r}).read()))\n"
+            f"print(attempt(lambda: os.listdir({str(folder)!r})))\n"
+            f"print(attempt(lambda: open({str(folder / 'new')!r}, 'w')))\n"
+            f"print(attempt(lambda: socket.create_connection(('127.0.0.1', {port}), 1)))\n"
+            "open('mine', 'w').write('ok')\nprint(open('mine').read())\n"
+            "print(subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True,"
+            " check=True).stdout.decode().strip())\n"
+            "open('/dev/null', 'w').write('x')\nprint(decimal.Decimal('1.5') * 2)"
+        )
+        with listener:
+            out = PythonSandbox(FAST, mode=mode).run(program).splitlines()
+        refused = "PermissionError"
+        tcp = refused if _confine.landlock_abi() >= 4 or mode == "namespaces" else out[3]
+        # (in its own mounts the machine's are read-only too: that refuses the write first)
+        write = "OSError" if mode == "namespaces" else refused
+        assert out[:4] == [refused, refused, write, tcp], out
+        assert out[4:] == ["ok", "5", "3.0"], out
+        assert not (folder / "new").exists()
+    finally:
+        shutil.rmtree(folder)

@@ -15,8 +15,9 @@ over the usual world-writable directories (``/tmp``, ``/var/tmp``, ``/dev/shm``)
 ``/proc`` of the namespace, makes the working directory, owned by the unprivileged user, and
 forks the program's process, which sets the resource limits, drops to that user (when the jail
 is root; else, root of the call's user namespace, it drops every capability), clears the
-environment, installs a system-call filter (seccomp, :data:`_DENIED`: no namespaces, keyrings,
-mounts or tracing; in every mode) and runs the program as ``__main__`` of this interpreter.
+environment, confines it further (``_confine.py``: a system-call filter, and Landlock's
+bounds on the files and ports it reaches; in every mode) and runs the program as ``__main__``
+of this interpreter.
 The jail waits for it (reaping what it leaves) and exits with its status (128 + the signal
 that killed it). The call sends ``exit N`` (N < 0: the jail was killed by signal -N) and
 stays until the caller closes its end of the status socket, so that its process group is
@@ -64,6 +65,7 @@ import atexit  # noqa: E402
 import contextlib  # noqa: E402
 import ctypes  # noqa: E402
 import gc  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
@@ -101,6 +103,8 @@ HOSTNAME = b"sandbox"
 #: personality(2)'s ADDR_NO_RANDOMIZE: a program's addresses (its id()s, its objects' default
 #: reprs) the same in every call on every machine.
 _ADDR_NO_RANDOMIZE = 0x0040000
+#: The directories a call's own mounts put a private tmpfs on.
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 #: Files a private tmpfs may hold (empty files cost kernel memory that no limit counts).
 TMPFS_INODES = 4096
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
@@ -120,63 +124,22 @@ _KEPT_FLAGS = {
 #: ``mount_setattr`` (Linux >= 5.12; the same number in every architecture's table).
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
-_CAPABILITY_VERSION_3 = 0x20080522
-#: The system calls a program is refused (``EPERM``). Namespaces: ``unshare``, ``setns`` (a user
-#: namespace of its own would let it mount an unbounded tmpfs); the kernel's keyrings:
-#: ``add_key``, ``request_key``, ``keyctl`` (the per-uid user keyring outlives a call, so one
-#: call could leave keys for the next under the same uid slot); mounts, old and new (``mount``
-#: ... ``mount_setattr``, ``pivot_root``, ``chroot``); other processes' memory and tracing
-#: (``ptrace``, ``process_vm_*``); ``io_uring_setup`` (its operations are not filtered),
-#: ``bpf``, ``perf_event_open``, ``userfaultfd``; file handles; and what needs capabilities
-#: anyway (``kexec_load``, ``init_module``, ``swapon``, ``reboot``, ``acct``, ``quotactl``,
-#: ``fanotify_init``). ``clone`` is refused with a namespace flag (its first argument),
-#: ``clone3`` is answered ``ENOSYS`` (its flags are behind a pointer the filter cannot read; the
-#: C library then falls back to ``clone``).
-_DENIED = (
-    "unshare", "setns",
-    "add_key", "request_key", "keyctl",
-    "mount", "umount2", "pivot_root", "chroot",
-    "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "mount_setattr",
-    "ptrace", "process_vm_readv", "process_vm_writev",
-    "io_uring_setup", "bpf", "perf_event_open", "userfaultfd",
-    "name_to_handle_at", "open_by_handle_at",
-    "kexec_load", "init_module", "swapon", "reboot", "acct", "quotactl", "fanotify_init",
-)  # fmt: skip
-#: Per architecture (``seccomp_data.arch``): its system calls' numbers, and the bit of the
-#: x32 ABI's (on x86-64; refused whole).
-_SYSCALLS = {
-    0xC000003E: {  # x86-64 (asm/unistd_64.h)
-        "unshare": 272, "setns": 308, "add_key": 248, "request_key": 249, "keyctl": 250,
-        "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428,
-        "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-        "mount_setattr": 442, "ptrace": 101, "process_vm_readv": 310,
-        "process_vm_writev": 311, "io_uring_setup": 425, "bpf": 321, "perf_event_open": 298,
-        "userfaultfd": 323, "name_to_handle_at": 303, "open_by_handle_at": 304,
-        "kexec_load": 246, "init_module": 175, "swapon": 167, "reboot": 169, "acct": 163,
-        "quotactl": 179, "fanotify_init": 300, "clone": 56, "clone3": 435,
-        "x32": 0x40000000,
-    },
-    0xC00000B7: {  # AArch64 (asm-generic/unistd.h)
-        "unshare": 97, "setns": 268, "add_key": 217, "request_key": 218, "keyctl": 219,
-        "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428,
-        "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-        "mount_setattr": 442, "ptrace": 117, "process_vm_readv": 270,
-        "process_vm_writev": 271, "io_uring_setup": 425, "bpf": 280, "perf_event_open": 241,
-        "userfaultfd": 282, "name_to_handle_at": 264, "open_by_handle_at": 265,
-        "kexec_load": 104, "init_module": 105, "swapon": 224, "reboot": 142, "acct": 89,
-        "quotactl": 60, "fanotify_init": 262, "clone": 220, "clone3": 435,
-        "x32": None,
-    },
-}  # fmt: skip
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_CLONE_NAMESPACES = 0x7E020000  # (NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET)
-_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
-_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
-_EPERM, _ENOSYS = 1, 38
+_PR_SET_NO_NEW_PRIVS = 38
 #: Seconds a call waits for its caller to close the status socket once it has sent the status.
 _LINGER_S = 60.0
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _sibling(name: str):
+    """The module ``name``.py beside this file (run as a script, it has no package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(f"plexrl_jail_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_confine = _sibling("_confine")
 
 
 def serve(fd: int) -> None:
@@ -465,7 +428,7 @@ def run_jail(limits: dict, code: bytes, own_mounts: int | None, group: str | Non
         if own_mounts is None or os.stat("/proc/self/ns/mnt").st_ino == own_mounts:
             fail("not in a mount namespace of its own")  # (never mount over the machine's)
         read_only_mounts()
-        for target in ("/tmp", "/var/tmp", "/dev/shm"):
+        for target in PRIVATE_TMP:
             if os.path.isdir(target):
                 size = f"size={limits['file_bytes'] * 4},nr_inodes={TMPFS_INODES},mode=1777"
                 mount(b"none", target, b"tmpfs", 0, size)
@@ -528,9 +491,13 @@ def confine(limits: dict, root: bool, uid: int) -> None:
         )
         resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
     if os.geteuid() == 0:  # (root of the call's user namespace: the caller is not root)
-        drop_capabilities()
+        _confine.drop_capabilities()
     _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # (nothing it executes gains privileges)
-    filter_syscalls()  # (after the privileges: it needs no-new-privileges)
+    # (after the privileges: both need no-new-privileges; see _confine.py)
+    private = limits["private_mounts"]
+    writable = [os.getcwd(), *(PRIVATE_TMP if private else ())]
+    _confine.restrict_files(writable, private_proc=private)
+    _confine.filter_syscalls()
     # (last: a change of uid clears it) the program ends with its jail, wherever it went
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.environ.clear()
@@ -736,69 +703,6 @@ def read_only_mounts() -> None:
             errno = ctypes.get_errno()
             if errno != 2:  # (ENOENT: a mount point hidden by another mount; unreachable)
                 fail(f"making {point} read-only: errno {errno}")
-
-
-def drop_capabilities() -> None:
-    """No capability left, nor any that executing a program would give back (the bounding
-    and inheritable sets emptied): root of its user namespace only by name, it can neither
-    mount (undo :func:`read_only_mounts`, uncover the machine's ``/proc``) nor override a
-    file's permissions."""
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            last = int(f.read())
-    except (OSError, ValueError):
-        last = 63
-    for cap in range(last + 1):
-        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) and ctypes.get_errno() != 22:
-            fail(f"dropping capability {cap}: errno {ctypes.get_errno()}")
-    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
-    empty = (ctypes.c_uint32 * 6)()
-    if _libc.capset(header, empty):
-        fail(f"dropping the capabilities: errno {ctypes.get_errno()}")
-
-
-class _SockFilter(ctypes.Structure):
-    _fields_ = [
-        ("code", ctypes.c_uint16),
-        ("jt", ctypes.c_uint8),
-        ("jf", ctypes.c_uint8),
-        ("k", ctypes.c_uint32),
-    ]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
-def syscall_filter(arch: int) -> list[tuple[int, int, int, int]]:
-    """The classic-BPF program :func:`filter_syscalls` installs for ``arch`` (its
-    ``seccomp_data.arch``): (code, jump if true, jump if false, k) per instruction. A system
-    call of another architecture (a 32-bit call on x86-64) is refused whole."""
-    table = _SYSCALLS[arch]
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # (BPF_LD|W|ABS, BPF_JMP|..|K)
-    deny, allow = (ret, 0, 0, _RET_ERRNO | _EPERM), (ret, 0, 0, _RET_ALLOW)
-    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), deny, (ld, 0, 0, 0)]
-    if table["x32"] is not None:
-        prog += [(jge, 0, 1, table["x32"]), deny]
-    prog += [(jeq, 0, 1, table["clone3"]), (ret, 0, 0, _RET_ERRNO | _ENOSYS)]
-    for name in _DENIED:
-        prog += [(jeq, 0, 1, table[name]), deny]
-    # clone: its flags are its first argument, whose low 32 bits (offset 16) hold them all
-    prog += [(jeq, 0, 3, table["clone"]), (ld, 0, 0, 16), (jset, 0, 1, _CLONE_NAMESPACES)]
-    return [*prog, deny, allow]
-
-
-def filter_syscalls() -> None:
-    """Refuse this process and what it forks the system calls in :data:`_SYSCALLS`
-    (seccomp; it cannot be removed, and no-new-privileges must be set first)."""
-    arch = _AUDIT_ARCH.get(os.uname().machine)
-    if arch is None:
-        fail(f"no system-call filter for {os.uname().machine}")
-    prog = syscall_filter(arch)
-    filters = (_SockFilter * len(prog))(*(_SockFilter(*ins) for ins in prog))
-    fprog = _SockFprog(len(prog), filters)
-    if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0):
-        fail(f"installing the system-call filter: errno {ctypes.get_errno()}")
 
 
 def run_program(code: bytes) -> None:

@@ -26,8 +26,9 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   with unless ``plexrl.tools.sandbox-isolation`` is ``namespaces``: then it refuses; with
   ``auto`` it says so once in the log): the limits below, an
   empty environment in a temporary directory, and, when run by root, the uid of its own; a
-  test says which mode ran. There a program may write wherever its uid may: a directory open
-  to anyone, and, where the caller is not root, the caller's own files.
+  test says which mode ran. There, without Landlock (below), a program may write wherever
+  its uid may: a directory open to anyone, and, where the caller is not root, the caller's
+  own files.
 - **limits**: wall-clock time (the call's processes are killed: its PID namespace, or its
   process group and, run by root, every process of its uid), CPU seconds, address space per
   process, file size, open files, processes; no core files; an empty environment. And, where
@@ -39,9 +40,14 @@ same interpreter in every call, and what a fresh one has (see ``_jail.py``). Lin
   where the server is not root, counting every process of its user: it cannot fork), so that
   they cannot together hold more than the call's bound either.
 - **system calls** (every mode; x86-64 and AArch64): a seccomp filter refuses the program
-  namespaces, the kernel's keyrings, mounts, tracing and a few more (``_jail._DENIED``), so
+  namespaces, the kernel's keyrings, mounts, tracing and a few more (``_confine.DENIED``), so
   that it can neither mount an unbounded tmpfs in a user namespace of its own nor leave a key
   for a later call under the same uid.
+- **files and ports** (every mode, where the kernel has Landlock: :func:`files_confined`): it
+  reads only the system's and its interpreter's files, writes only its own directory, binds
+  and connects no TCP port, and signals no process outside its call, whatever file
+  permissions would let its uid do (where the caller is not root, its uid maps to the
+  caller's); see ``_confine.py``.
 - **CPU priority**: the call's processes run at :attr:`SandboxLimits.nice` (10 by default), so
   that on a machine they share with model workers (a node's spare cores, a laptop's
   ``local_cluster``) untrusted programs take the CPU the workers leave, and a worker's decode
@@ -86,6 +92,7 @@ from pathlib import Path
 import dask.config
 
 from plexrl_dask.errors import ConfigError, ToolError, ToolLimitExceeded
+from plexrl_dask.tools import _confine
 from plexrl_dask.tools.calls import CALL_CANCELLED
 
 logger = logging.getLogger(__name__)
@@ -181,12 +188,34 @@ def chosen_isolation() -> str:
 
 @functools.cache
 def _warn_limits_only() -> None:
+    exposed = (
+        "see the machine's processes and use the network but TCP (Landlock bounds its files, "
+        "TCP ports and signals)"
+        if files_confined()
+        else "use the network, write wherever its user may and, run as the caller's user "
+        "(not root), signal the caller's other processes"
+    )
     logger.warning(
         "the Python sandbox runs programs with limits alone here: no namespaces (not root, "
-        "and no user namespaces), so a program may use the network, write wherever its "
-        "user may and, run as the caller's user (not root), signal the caller's other "
-        "processes. Set plexrl.tools.sandbox-isolation to 'namespaces' to refuse, or to "
-        "'limits' to say this is meant"
+        "and no user namespaces), so a program may %s. Set plexrl.tools.sandbox-isolation "
+        "to 'namespaces' to refuse, or to 'limits' to say this is meant",
+        exposed,
+    )
+
+
+def files_confined() -> bool:
+    """Whether a program here reaches only its own directory, the system's and the
+    interpreter's files, and no TCP port (Landlock, ``_confine.py``; Linux 5.13 or later with
+    Landlock enabled), in either mode. Where not, the rest of the sandbox holds, but a
+    program reads whatever its uid may: where the caller is not root, the caller's files."""
+    return _confine.landlock_abi() >= 1
+
+
+@functools.cache
+def _warn_files_unconfined() -> None:
+    logger.warning(
+        "the Python sandbox cannot confine programs to their files here (no Landlock in "
+        "this kernel): a program reads whatever its user may read"
     )
 
 
@@ -251,6 +280,8 @@ class PythonSandbox:
                 "the Python sandbox runs on Linux only (its calls are forks of a server)"
             )
         mode = self.mode or chosen_isolation()
+        if not files_confined():
+            _warn_files_unconfined()
         code = text.encode()
         if len(code) > self.limits.code_bytes:
             raise ToolLimitExceeded(f"a program has at most {self.limits.code_bytes} bytes")
