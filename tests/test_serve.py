@@ -330,6 +330,72 @@ def test_bad_input_is_typed_and_touches_no_other_tenant(server):
     sc.close("success").result()
 
 
+def test_what_a_tenant_sends_beyond_bounds_is_refused_before_anything_is_built(server):
+    """num_samples past the rows quota is refused before a sequence id is made (a billion
+    of them once stalled the server for every tenant); adam_params that are not an object,
+    target tokens that are not whole ids, a tensor of negative shape: typed 400s, and the
+    refused seq_id is skipped (the next one ran only after the 30 s gap timeout); checkpoint
+    names a URL path cannot carry, or too long for the state file, are refused."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    srv, client, keys = server
+    sc = sdk(srv, keys["bob"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    api, headers = f"{srv.url}/api/v1", {"X-API-Key": keys["bob"]}
+
+    def post(path, **kw):
+        kw.setdefault("timeout", 30)
+        return httpx.post(f"{api}/{path}", headers={**headers, **kw.pop("headers", {})}, **kw)
+
+    sampler = sc.create_sampling_client(base_model=BASE).result()
+    body = {
+        "sampling_session_id": sampler._sampling_session_id,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": A[:3]}]},
+        "sampling_params": {"max_tokens": 2},
+        "num_samples": 10**9,
+    }
+    r = post("asample", json=body)
+    assert r.status_code == 413 and r.json()["error"] == "RequestTooLarge", r.json()
+    model = srv.service.models[tc.model_id]
+    bad = {"model_id": tc.model_id, "seq_id": 1, "adam_params": [1e-3]}
+    r = post("optim_step", json=bad)
+    assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest", r.json()
+    assert 1 in model.taken  # (skipped: seq_id 2 need not wait for it)
+
+    def fb(seq_id, dtype, code, targets, shape=None):
+        msg = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=seq_id, loss_fn="cross_entropy")
+        d = msg.data.add()
+        d.model_input.add().encoded_text.tokens = np.asarray(A[:-1], "<i4").tobytes()
+        for name, values, dt, c in (("target_tokens", targets, dtype, code),
+                                    ("weights", [1.0] * (len(A) - 1), "<f4", pb.DTYPE_FLOAT32)):
+            t = d.loss_fn_inputs[name]
+            t.dtype, t.dense = c, np.asarray(values, dt).tobytes()
+            t.shape.extend(shape if shape and name == "target_tokens" else [len(values)])
+        return post("forward_backward", content=msg.SerializeToString(),
+                    headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+
+    nan = [float("nan")] + [float(t) for t in A[2:]]
+    for seq_id, args in ((2, ("<f4", pb.DTYPE_FLOAT32, nan)),
+                         (3, ("<f4", pb.DTYPE_FLOAT32, [float(t) for t in A[1:]] + [0.5])),
+                         (4, ("<i8", pb.DTYPE_INT64, A[1:] * 2, [-2, -6]))):  # fmt: skip
+        r = fb(seq_id, *args)
+        assert r.status_code == 400 and r.json()["error"] == "InvalidTinkerRequest", r.json()
+    assert {2, 3, 4} <= set(model.taken)
+    # the seq_id after those runs, in order (the skipped ones hold nothing back)
+    request_id = fb(5, "<i8", pb.DTYPE_INT64, A[1:]).json()["request_id"]
+    for _ in range(20):
+        r = post("retrieve_future", json={"request_id": request_id}, timeout=60)
+        if r.status_code != 408:
+            break
+    assert r.status_code == 200 and model.next_seq == 6
+    named = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    for name in ("..", ".", "a?b", "a#b", "a%2Fb", "-x", "x" * 129, "a b"):
+        with pytest.raises(tinker.BadRequestError, match="InvalidTinkerRequest"):
+            named.save_state(name).result()
+    assert named.save_state("step_1.final-2").result().path.endswith("/step_1.final-2")
+    sc.close("success").result()
+
+
 def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(server):
     """The SDK sends a call's chunks at once, the first one last: an optim_step that arrives
     before the forward_backward it follows still runs after it; a retried seq_id gets its
@@ -1158,3 +1224,46 @@ def test_checkpoints_are_listed_exported_for_hugging_face_and_deleted(server, tm
                        headers={"X-API-Key": keys["alice"]})  # fmt: skip
         assert r.status_code == 400 and r.json()["error"] == error, r.json()
     sc.close("success").result()
+
+
+def test_samplers_of_saved_weights_come_back_after_their_workers_restart(server):
+    """(Last in this module: it restarts the cluster's workers.) A sampler of a saved
+    checkpoint and a LoRA snapshot in the bank sample the same tokens after every worker was
+    restarted (their replicas and the bank's adapters gone with them): the checkpoint's
+    replica is deployed again from the checkpoint, the adapter loaded again from the
+    snapshot's stored copy, fetched as soon as it was saved (the save's future would have
+    run it again on the training replica, lost too)."""
+    srv, client, keys = server
+    sc = sdk(srv, keys["alice"])
+    full = sc.create_lora_training_client(base_model=BASE, rank=0).result()
+    full.forward_backward([ce_datum(A)], "cross_entropy").result()
+    full.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = full.save_weights_for_sampler("restart").result().path
+    samplers = {"path": sc.create_sampling_client(model_path=path)}
+    if _has_peft():
+        lora = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+        lora.forward_backward([ce_datum(A)], "cross_entropy").result()
+        lora.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        samplers["snapshot"] = lora.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(A[:3])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=11)
+
+    def tokens(s):
+        return [q.tokens for q in s.sample(prompt, 2, params).result(timeout=120).sequences]
+
+    before = {name: tokens(s) for name, s in samplers.items()}
+    kept = [s.kept for s in srv.service.samplers.values() if s.kept is not None]
+    assert all(isinstance(k.saved, dict) for k in kept)  # (fetched: no future left to rerun)
+    workers = list(client.scheduler_info()["workers"])
+    client.restart_workers(workers, timeout=120)
+    assert wait_for(lambda: len(client.scheduler_info()["workers"]) == len(workers), 120)
+    assert {name: tokens(s) for name, s in samplers.items()} == before
+    sc.close("success").result()
+
+
+def _has_peft() -> bool:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return False
+    return True

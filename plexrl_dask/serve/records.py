@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from plexrl_dask.driver.deployment import Deployment
+from plexrl_dask.driver.waits import settled
 from plexrl_dask.errors import (
     ConfigError,
     InvalidTinkerRequest,
@@ -91,14 +92,31 @@ class Sampler:
     owned: bool = False  # its deployment is this sampler's own (undeployed with it)
     # its calls merged into requests (serve/coalesce.py), made with its first call
     merger: Any = field(default=None, repr=False, compare=False)
-    # a snapshot's copy of its weights, kept past its model's next step (serve/snapshots.py):
-    # (the save_state future, the model's LoRA dict)
-    kept: tuple[Any, dict | None] | None = field(default=None, repr=False, compare=False)
+    # a snapshot's copy of its weights, kept past its model's next step (serve/snapshots.py)
+    kept: KeptCopy | None = field(default=None, repr=False, compare=False)
     # on an adapter bank (``deployment``): its adapter's key there (None: the base), and the
     # future of the adapter's load
     adapter: str | None = None
     loading: Any = field(default=None, repr=False, compare=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+
+
+@dataclass(eq=False)
+class KeptCopy:
+    """A snapshot's copy of its model's weights in the store, shared by the snapshot samplers
+    of one step: ``saved`` is the ``save_state`` future until :meth:`stored` has its result,
+    and that plain dict from then on (fetched as soon as the save ends: a future whose worker
+    is lost would run the save again, on a training replica that may be gone with it);
+    ``lora`` is the model's LoRA dict (None: full weights)."""
+
+    saved: Any
+    lora: dict | None
+
+    async def stored(self) -> dict:
+        """The ``save_state`` result (waited for once)."""
+        if not isinstance(self.saved, dict):
+            self.saved = dict(await settled(self.saved))
+        return self.saved
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ from plexrl_dask.driver.deployment import Deployment
 from plexrl_dask.driver.waits import settled
 from plexrl_dask.errors import (
     AdapterNotFound,
+    DeploymentLost,
     InvalidTinkerRequest,
+    PlexRLError,
     SamplerSuperseded,
     TenantLimitExceeded,
     UnsupportedCall,
@@ -65,7 +67,7 @@ class SamplingSessions:
         self._add_sampler(tenant, sampler, model.session_id)  # (reserved before it was queued)
         store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
         saved = model.deployment.save_state(model=store_model, weights_only=True)
-        sampler.kept = (saved, model.lora)
+        sampler.kept = self.snapshots.keep(saved, model)
         sampler.loading = bank.load_adapter(sampler_id, model.deployment.info.spec, saved)
         limit = kept_limit()
         mine = [
@@ -255,7 +257,12 @@ class SamplingSessions:
             await self.snapshots.own_replica(tenant, sampler)
             dep = sampler.deployment
             if sampler.loading is not None:  # (its adapter's load into the bank)
-                await settled(sampler.loading)
+                try:
+                    await settled(sampler.loading)
+                except PlexRLError:  # (lost with a worker, or the save it loads: again)
+                    if not await self._reload_adapter(sampler):
+                        raise
+                sampler.loading = None  # (loaded: a bank that loses it raises AdapterNotFound)
             merger = self._merger(sampler)
             sampled = merger.sample(
                 tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
@@ -272,6 +279,14 @@ class SamplingSessions:
                 if not await self._reload_adapter(sampler):
                     raise
                 scored = score()  # (that one failed as the sample did)
+                result = await merger.sample(
+                    tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
+                )
+            except DeploymentLost:  # (its own replica, with its worker: deployed again)
+                if not await self.snapshots.redeploy(tenant, sampler, dep):
+                    raise
+                dep, merger = sampler.deployment, self._merger(sampler)
+                scored = score()
                 result = await merger.sample(
                     tokens, params, merge=fits, adapter=sampler.adapter, tenant=tenant.name
                 )
@@ -308,12 +323,13 @@ class SamplingSessions:
         if sampler.adapter is None or sampler.kept is None:
             return False
         async with sampler.lock:
-            saved = await settled(sampler.kept[0])
-            spec = self.spec(sampler.base, sampler.kept[1])
+            saved = await sampler.kept.stored()
+            spec = self.spec(sampler.base, sampler.kept.lora)
             logger.warning("reloading adapter %s into %s", sampler.adapter, sampler.deployment.name)
             key = sampler.adapter
             sampler.loading = await self.blocking(
                 lambda: sampler.deployment.load_adapter(key, spec, saved)
             )
             await settled(sampler.loading)
+            sampler.loading = None
         return True

@@ -12,6 +12,7 @@ checkpoint is, and how one is kept, listed and exported: :mod:`plexrl_dask.serve
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from typing import Any
 
@@ -163,9 +164,19 @@ class CheckpointCalls:
         )
 
 
+#: A checkpoint's name: what a URL path carries as it is (the SDK does not escape it: a '?',
+#: '#', '%' or a name of dots would save a checkpoint that no delete or TTL call can name),
+#: and short (every tenant's names are in the state file each change rewrites).
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:+=-]{0,127}")
+
+
 def _checkpoint_path(model: TrainModel, kind: str, name: Any) -> str:
     """The ``tinker://<model>/<kind>/<name>`` path of a checkpoint named ``name``;
-    :class:`InvalidTinkerRequest` for a name that is not a non-empty string without '/'."""
-    if not isinstance(name, str) or not name or "/" in name:
-        raise InvalidTinkerRequest(f"a checkpoint name is a non-empty string without '/': {name!r}")
+    :class:`InvalidTinkerRequest` unless ``name`` matches :data:`CHECKPOINT_NAME`."""
+    if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        raise InvalidTinkerRequest(
+            "a checkpoint name is 1 to 128 letters, digits and '_.:+=-', not starting with "
+            f"'.', ':', '+', '=' or '-': {shown}"
+        )
     return f"tinker://{model.model_id}/{kind}/{name}"

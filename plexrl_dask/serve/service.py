@@ -558,7 +558,7 @@ class Service(SamplingSessions, CheckpointCalls):
             return model.taken[seq_id]
         try:
             batch = wire.training_batch(message, lambda loss_id: self.custom_loss(model, loss_id))
-        except PlexRLError:
+        except Exception:  # (any refusal: the next seq_id must not wait for this one)
             self.skip(model, seq_id)
             raise
         dep = model.deployment
@@ -644,7 +644,7 @@ class Service(SamplingSessions, CheckpointCalls):
         seq_id = wire.seq_id(body)
         try:
             params = wire.adam(body.get("adam_params") or {})
-        except PlexRLError:
+        except Exception:  # (any refusal: the next seq_id must not wait for this one)
             self.skip(model, seq_id)
             raise
 
@@ -678,7 +678,7 @@ class Service(SamplingSessions, CheckpointCalls):
                 bank = await self.bank(model.base)
             try:
                 self._reserve_sampler(tenant, sampler_id)
-            except PlexRLError:
+            except Exception:
                 self.skip(model, seq_id)
                 raise
 

@@ -30,7 +30,7 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plexrl_dask import config
 from plexrl_dask.driver.deployment import Deployment
@@ -38,7 +38,7 @@ from plexrl_dask.driver.runtime import Runtime
 from plexrl_dask.driver.waits import result, settled
 from plexrl_dask.errors import ConfigError, PlexRLError
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.serve.records import Sampler, TrainModel
+from plexrl_dask.serve.records import KeptCopy, Sampler, TrainModel
 from plexrl_dask.serve.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -67,6 +67,11 @@ def kept_limit() -> int:
     return value
 
 
+def _log_save_failure(done: concurrent.futures.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        logger.warning("a snapshot's copy was not saved: %r", done.exception())
+
+
 def _log_failure(done: concurrent.futures.Future) -> None:
     if not done.cancelled() and done.exception() is not None:
         logger.warning("releasing a retired snapshot sampler failed: %r", done.exception())
@@ -92,9 +97,9 @@ class KeptSnapshots:
         if not live or limit == 0:
             return
         store_model = f"tinker-{tenant.name}-snapshot-{uuid.uuid4().hex[:12]}"
-        saved = model.deployment.save_state(model=store_model, weights_only=True)
+        copy = self.keep(model.deployment.save_state(model=store_model, weights_only=True), model)
         for s in live:
-            s.kept = (saved, model.lora)
+            s.kept = copy
         kept = sorted(
             (s for s in samplers if s.model_id == model.model_id and s.kept),
             key=lambda s: s.version or 0,
@@ -106,6 +111,41 @@ class KeptSnapshots:
                 f"{old.version}; only the last {limit} such samplers are kept "
                 "(plexrl.serve.kept-snapshots): save the weights by name to keep a copy",
             )
+
+    def keep(self, saved: Any, model: TrainModel) -> KeptCopy:
+        """The copy of ``model``'s weights that the ``save_state`` future ``saved`` makes,
+        its result fetched as soon as it is there (called on the server's executor threads)."""
+        copy = KeptCopy(saved, model.lora)
+        if self.service.loop is not None:
+            done = asyncio.run_coroutine_threadsafe(copy.stored(), self.service.loop)
+            done.add_done_callback(_log_save_failure)
+        return copy
+
+    async def redeploy(self, tenant: Tenant, sampler: Sampler, lost: Deployment) -> bool:
+        """After its own replica ``lost`` was lost with its worker: ``sampler``'s replica
+        deployed again from what it was made from (its checkpoint, or its kept copy), once
+        for all the calls that found it lost; whether the sampler has one of its own."""
+        if not sampler.owned:
+            return False
+        async with sampler.lock:
+            if sampler.deployment is not lost:
+                return True  # (another call deployed it again)
+            if sampler.model_path is not None:
+                checkpoint = self.service.saved.loadable(tenant.name, sampler.model_path)
+                saved, lora = checkpoint.saved, checkpoint.lora
+            elif sampler.kept is not None:
+                saved, lora = await sampler.kept.stored(), sampler.kept.lora
+            else:
+                return False
+            logger.warning("%s lost its replica; deploying it again", sampler.sampler_id)
+            await self.service._undeploy(lost)
+            runtime = await self.service.runtime(tenant)
+            spec = self.service.spec(sampler.base, lora)
+            sampler.deployment = await self.service.blocking(
+                deploy_from, runtime, lost.name, spec, saved, tenant=tenant.name
+            )
+            sampler.merger = None
+        return True
 
     def retire(self, sampler: Sampler, why: str) -> None:
         """Take ``sampler`` out of service (its calls answer ``why``) and free what it kept."""
@@ -129,7 +169,7 @@ class KeptSnapshots:
         if sampler.kept is None:
             return
         try:
-            saved = await settled(sampler.kept[0])
+            saved = await sampler.kept.stored()
         except PlexRLError:
             return  # (nothing was stored)
         if any(s.kept is sampler.kept for s in list(self.service.samplers.values())):
@@ -147,8 +187,7 @@ class KeptSnapshots:
         async with sampler.lock:
             if sampler.owned:
                 return
-            saved_future, lora = sampler.kept
-            saved = await settled(saved_future)
+            saved, lora = await sampler.kept.stored(), sampler.kept.lora
             runtime = await self.service.runtime(tenant)
             spec = self.service.spec(sampler.base, lora)
             name = f"{sampler.sampler_id}:rollout"

@@ -26,6 +26,7 @@ import numpy as np
 
 from plexrl_dask.errors import InvalidModelSpec, InvalidTinkerRequest, UnsupportedCall
 from plexrl_dask.models.spec import LoraSpec
+from plexrl_dask.shared.checks import check_rows
 from plexrl_dask.shared.loss_graph import GraphLoss
 from plexrl_dask.shared.types import (
     AdamWParams,
@@ -184,7 +185,12 @@ def _datum(i: int, datum: Any, loss_fn: str, loss: Loss) -> tuple[Datum, int]:
             )
     if n < 1:
         raise InvalidTinkerRequest(f"datum {i}: model_input is empty")
-    targets = [int(t) for t in inputs["target_tokens"]]
+    target = inputs["target_tokens"]
+    if target.dtype.kind not in "iu" and not (
+        np.isfinite(target).all() and (target == np.round(target)).all()
+    ):
+        raise InvalidTinkerRequest(f"datum {i}: target_tokens are whole token ids")
+    targets = [int(t) for t in target]
     if targets[:-1] != tokens[1:]:
         raise UnsupportedCall(
             f"datum {i}: target_tokens must be model_input shifted by one (the next token "
@@ -220,7 +226,7 @@ def tensor(message: Any, what: str) -> np.ndarray:
         raise InvalidTinkerRequest(f"{what}: unsupported dtype {message.dtype}")
     values = _array(message.dense, dtype, what)
     shape = list(message.shape) or [len(values)]
-    if math.prod(shape) != len(values):
+    if any(d < 0 for d in shape) or math.prod(shape) != len(values):
         raise InvalidTinkerRequest(f"{what}: shape {shape} but {len(values)} values")
     return values.reshape(shape)
 
@@ -300,6 +306,8 @@ def sample_output(
 
 def adam(params: Mapping[str, Any]) -> AdamWParams:
     """PlexRL's AdamW of a Tinker ``adam_params`` object (``grad_clip_norm`` 0: no clipping)."""
+    if not isinstance(params, Mapping):
+        raise InvalidTinkerRequest(f"adam_params is an object, got {type(params).__name__}")
     try:
         clip = float(params.get("grad_clip_norm", 0.0))
         return AdamWParams(
@@ -310,7 +318,7 @@ def adam(params: Mapping[str, Any]) -> AdamWParams:
             weight_decay=float(params.get("weight_decay", 0.0)),
             grad_clip=None if clip == 0.0 else clip,
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise InvalidTinkerRequest(f"adam_params: {e!r}") from e
 
 
@@ -384,7 +392,7 @@ def sampling_params(
     seed = params.get("seed")
     max_tokens = params.get("max_tokens")
     try:
-        return SamplingParams(
+        sampling = SamplingParams(
             n=num_samples,
             temperature=float(params.get("temperature", 1.0)),
             top_p=float(params.get("top_p", 1.0)),
@@ -397,6 +405,9 @@ def sampling_params(
         )
     except (TypeError, ValueError) as e:
         raise InvalidTinkerRequest(f"sampling_params: {e}") from e
+    # (before a sequence id is made per sample: the worker would refuse it only later)
+    check_rows(sampling.n, "a sample's num_samples")
+    return sampling
 
 
 def _token_id(value: Any) -> bool:
