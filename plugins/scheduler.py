@@ -849,7 +849,11 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == RESIDENCY_TOPIC and isinstance(msg, dict):
-            report = ResidencyReport.from_event(msg)
+            try:
+                report = ResidencyReport.from_event(msg)
+            except (TypeError, ValueError) as e:  # (not a worker's: any client may log)
+                logger.warning("a residency report that does not parse: %s", e)
+                return
             info = self.deployments.get(report.deployment)
             if info is None or info.uid != report.uid:
                 return  # a late report of an undeployed incarnation

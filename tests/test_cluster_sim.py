@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from plexrl_dask.cli import main as cli_main
-from plexrl_dask.errors import InvalidTrace
+from plexrl_dask.errors import InvalidTrace, JobDoesNotFit
 from plexrl_dask.policy.horizon import Phase
 from plexrl_dask.policy.spatiotemporal import NodeGroup, PlacementConfig, replay
 from plexrl_dask.sim.isolated import isolated_run, iteration_times
@@ -178,6 +178,69 @@ def test_workload_spec_errors_are_typed(tmp_path):
     for load in (0.0, -1.0, math.nan):
         with pytest.raises(InvalidTrace, match="offered_load"):
             paper.with_load(load)
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("jobs",), "many"),
+        (("jobs",), 2.5),
+        (("iterations",), math.nan),
+        (("iterations",), {"dist": "lognormal", "median": math.inf, "sigma": 0.1}),
+        (("arrival", "offered_load"), "high"),
+        (("arrival", "offered_load"), math.inf),
+        (("cluster", "h2d_gbps"), math.nan),
+        (("models", 0, "weight"), math.nan),
+        (("models", 0, "params_b"), -7),
+        (("models", 0, "rollout_gpus"), 4.5),
+        (("models", 0, "rollout_bulk_s"), math.inf),
+        (("models", 0, "tools"), {"turns": "x", "latency_s": 1.0}),
+    ],
+)
+def test_a_workload_field_out_of_range_is_invalid_trace_at_parse(path, value):
+    """Every field of a workload spec is checked where it is read: a NaN, an infinity, a
+    string or a fraction where a count belongs is an InvalidTrace, never numpy's or a
+    ZeroDivisionError later, nor a NaN result."""
+    d = {
+        "name": "x",
+        "cluster": {"gpus": 16},
+        "models": [{"name": "m", "params_b": 1, "weight": 1, "rollout_gpus": 8,
+                    "train_gpus": 8, "rollout_bulk_s": 10.0, "train_s": 5.0}],
+        "iterations": 3,
+        "jobs": 2,
+        "arrival": {"offered_load": 1.0},
+    }  # fmt: skip
+    WorkloadSpec.from_dict(d)  # (valid as it is)
+    *where, key = path
+    target = d
+    for k in where:
+        target = target[k]
+    target[key] = value
+    with pytest.raises(InvalidTrace):
+        WorkloadSpec.from_dict(d)
+
+
+def test_a_recorded_trace_that_is_not_one_and_a_job_past_the_cluster_are_typed(tmp_path):
+    bad = {
+        "inf": '{"iterations": [[["rollout", Infinity, 1.0]]]}',
+        "empty iteration": '{"iterations": [[]]}',
+        "deep": "[" * 100_000 + "]" * 100_000,
+    }
+    for name, text in bad.items():
+        (tmp_path / f"{name}.json").write_text(text)
+        with pytest.raises(InvalidTrace):
+            load_trace(tmp_path / f"{name}.json")
+    with pytest.raises(InvalidTrace):
+        load_trace(tmp_path)  # (a directory)
+    spec = small_spec(jobs=2)
+    [job, other] = generate(spec, 0)
+    wide = dataclasses.replace(job, rollout_gpus=spec.cluster.gpus)
+    for policy in ("split", "rollmux", "spread"):
+        with pytest.raises(JobDoesNotFit):
+            simulate([wide, other], spec.cluster, policy)
+    none = dataclasses.replace(job, bulk=job.bulk[:0], tail=job.tail[:0], train=job.train[:0])
+    with pytest.raises(InvalidTrace, match="no iterations"):
+        simulate([none], spec.cluster, "spread")
 
 
 def test_recorded_traces_replay(tmp_path):

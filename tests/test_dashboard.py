@@ -42,7 +42,7 @@ from plexrl_dask.dashboard.state import (
 )
 from plexrl_dask.plugins import PlexRLSchedulerPlugin
 from plexrl_dask.rl.ledger import JobWindow, ModeLedger
-from plexrl_dask.shared.timeline import TOOL_TOPIC, RequestSpan
+from plexrl_dask.shared.timeline import TOOL_OP, TOOL_TOPIC, RequestSpan
 
 _PLEXRL = copy.deepcopy(dask.config.get("plexrl"))
 _PLEXRL["dashboard"].update({"queue-rows": 7, "decisions-shown": 5, "timeline-batch": 50})
@@ -199,6 +199,17 @@ def test_span_store_windows_and_sequence_numbers():
     busy, setup = store.lanes(16.25)["w"]  # window [6.25, 16.25]: the 6..7 span is cut
     assert (busy, setup) == pytest.approx((1.5, 1.25))
     assert [s.start for s in store.recent(7.5, 10)] == [8.0, 9.5]
+
+
+def test_a_tool_workers_overlapping_calls_count_once_in_its_busy_seconds():
+    """A tool worker runs calls at once: its lane's busy seconds are their union (8 calls
+    over the whole window are one window busy, not eight)."""
+    store = SpanStore(kept=100, window_s=10.0)
+    for i in range(8):
+        store.add(RequestSpan("t", "tool:py", "j", TOOL_OP, 0.0, 0.0, 10.0 + i * 0.1))
+    store.add(RequestSpan("t", "tool:py", "j", TOOL_OP, 12.0, 12.0, 13.0))
+    assert store.lane("t", 10.0) == pytest.approx((10.0, 0.0))
+    assert store.lane("t", 15.0) == pytest.approx((10.7 - 5.0 + 1.0, 0.0))
 
 
 # --- pages on a scheduler ------------------------------------------------------------------------

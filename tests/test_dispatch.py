@@ -1348,13 +1348,29 @@ def test_setup_estimate_per_tier_prior_then_learned_per_deployment_and_tier():
 
 
 @pytest.mark.parametrize(
-    ("source", "seconds"), [("hbm", 5.0), ("", 5.0), ("bogus", 5.0), ("dram", 0.0), ("dram", -1.0)]
+    ("source", "seconds"),
+    [("hbm", 5.0), ("", 5.0), ("bogus", 5.0), ("dram", 0.0), ("dram", -1.0),
+     ("dram", math.inf), ("dram", math.nan)],  # fmt: skip
 )
 def test_loads_that_are_not_a_tiers_load_are_ignored(source, seconds):
     est = Estimates()
     est.observe_load("a", source, seconds, GB)
     assert est.setup("a", "dram", GB) == pytest.approx(0.1)
     assert est.setup("b", "dram", GB) == pytest.approx(0.1)
+
+
+def test_a_residency_report_of_a_non_finite_load_or_size_is_refused():
+    """A load of inf seconds made the deployment's setup estimate, and with it its patience,
+    infinite: it then waited behind any flood with no bound. Such a report is refused (the
+    scheduler drops it), and an infinite service time is no observation."""
+    for bad in ({"load_s": math.inf}, {"load_s": math.nan}, {"bytes": -1}, {"bytes": "1"}):
+        with pytest.raises(ValueError):
+            ResidencyReport(**{"deployment": "b", "version": 0, "tier": "hbm", "bytes": 10,
+                               "load_s": 1.0, "source": "dram", **bad})  # fmt: skip
+    est = Estimates()
+    est.observe_service("a", "sample", 0.5)
+    est.observe_service("a", "sample", math.inf)
+    assert est.service("a", "sample") == 0.5
 
 
 def test_load_without_bytes_learns_the_time_not_the_bandwidth():

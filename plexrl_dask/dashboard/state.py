@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -44,7 +45,7 @@ from plexrl_dask.dashboard import metrics
 from plexrl_dask.dashboard.jobs import JOB_TOPIC, JobLedger, JobStepReport
 from plexrl_dask.errors import InvalidJobReport
 from plexrl_dask.policy.residency import RESIDENCY_TOPIC, TIERS
-from plexrl_dask.shared.timeline import TOOL_TOPIC, RequestSpan, tool_spans
+from plexrl_dask.shared.timeline import TOOL_OP, TOOL_TOPIC, RequestSpan, tool_spans
 from plexrl_dask.worker.holder import holder_of
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class SpanStore:
         self._base = 0  # sequence number of _spans[0]
         self._lanes: dict[str, deque[RequestSpan]] = {}
         self._lane_s: dict[str, list[float]] = {}  # worker -> [busy s, setup s] in its lane
+        # workers whose spans overlap (a tool worker runs calls at once): their busy seconds
+        # are the union of their spans, not the sum
+        self._overlapping: set[str] = set()
 
     @property
     def next_seq(self) -> int:
@@ -109,6 +113,8 @@ class SpanStore:
             self._base += drop
         lane = self._lanes.setdefault(span.worker, deque())
         lane.append(span)
+        if span.op == TOOL_OP:
+            self._overlapping.add(span.worker)
         sums = self._lane_s.setdefault(span.worker, [0.0, 0.0])
         sums[0] += span.end - span.ready
         sums[1] += span.ready - span.start
@@ -158,6 +164,9 @@ class SpanStore:
             return 0.0, 0.0
         t0 = now - self.window_s
         self._evict(worker, t0)
+        if worker in self._overlapping:
+            inside = ((max(s.start, t0), min(s.end, now)) for s in lane if s.end > t0)
+            return _union_s((a, b) for a, b in inside if b > a), 0.0
         busy, setup = self._lane_s[worker]
         if lane and lane[0].start < t0:  # the first span started before the window
             first = lane[0]
@@ -170,6 +179,17 @@ class SpanStore:
     def forget_worker(self, worker: str) -> None:
         self._lanes.pop(worker, None)
         self._lane_s.pop(worker, None)
+        self._overlapping.discard(worker)
+
+
+def _union_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``intervals`` (start, end)."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _cell(r: Any, capacity: dict[str, dict[str, Any]]) -> dict[str, Any]:

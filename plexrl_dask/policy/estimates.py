@@ -35,6 +35,7 @@ alike (:class:`NoCosts`: everything resident everywhere).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -79,7 +80,9 @@ class Estimates:
 
     def observe_service(self, deployment: str, op: str, seconds: float, nbytes: int = 0) -> None:
         """A request of ``op`` on ``deployment`` (``nbytes`` per worker; 0: unknown) took
-        ``seconds`` from release to completion."""
+        ``seconds`` from release to completion (a non-finite one is no observation)."""
+        if not math.isfinite(seconds):
+            return
         seconds = max(seconds, 1e-6)
         key = (deployment, op)
         self._service[key] = self._blend(self._service.get(key), seconds)
@@ -90,7 +93,7 @@ class Estimates:
 
     def observe_load(self, deployment: str, source: str, seconds: float, nbytes: int = 0) -> None:
         """A measured load of ``deployment`` (``nbytes``) from tier ``source`` into HBM."""
-        if source not in LOAD_SOURCES or seconds <= 0:
+        if source not in LOAD_SOURCES or not 0 < seconds < math.inf:
             return  # a regroup of resident state, or an unknown origin: not a tier's load
         key = (deployment, source)
         self.setup_stamp += 1

@@ -7,6 +7,8 @@ scheduler plugin that keeps the map, the simulator and the dashboard. The schedu
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,6 +49,14 @@ class ResidencyReport:
             raise ValueError(
                 f"tier and source must be in {TIERS}, got {self.tier!r}, {self.source!r}"
             )
+        # (a load time of inf or NaN would make the deployment's setup estimate, and so its
+        # patience, infinite: no bound on its wait any more)
+        for name in ("bytes", "load_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                math.isfinite(value) and value >= 0
+            ):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def to_event(self) -> dict[str, Any]:
         """The msgpack-able event a worker logs (without ``worker``: Dask adds it)."""

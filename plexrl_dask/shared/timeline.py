@@ -64,6 +64,8 @@ class RequestSpan:
 #: (:class:`~plexrl_dask.tools.pool.ToolPool`): ``{"job", "spans": [{"worker", "tool",
 #: "start", "end"}, ...]}``, shown on the dashboard's Timeline as ``op`` ``"tool"``.
 TOOL_TOPIC = "plexrl-tool"
+#: The ``op`` of a tool call's span (a tool worker runs several at once: they overlap).
+TOOL_OP = "tool"
 #: The most spans one tool report may carry (a step's calls), and the longest name in one.
 TOOL_REPORT_MAX_SPANS, TOOL_NAME_MAX = 4096, 200
 
@@ -91,7 +93,7 @@ def tool_spans(msg: Any) -> list[RequestSpan]:
         start, end = float(times[0]), float(times[1])
         if end < start:
             raise ValueError(f"a tool span ends before it starts: {s!r:.80}")
-        out.append(RequestSpan(names[0], f"tool:{names[1]}", job, "tool", start, start, end))
+        out.append(RequestSpan(names[0], f"tool:{names[1]}", job, TOOL_OP, start, start, end))
     return out
 
 

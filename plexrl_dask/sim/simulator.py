@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plexrl_dask.errors import InvalidTrace
+from plexrl_dask.errors import InvalidTrace, JobDoesNotFit
 from plexrl_dask.policy.spatiotemporal import PlacementConfig
 from plexrl_dask.sim.workload import ClusterSpec, SimJob
 
@@ -207,6 +207,14 @@ def simulate(
         raise InvalidTrace(f"unknown policy {policy!r}; one of {POLICIES}")
     if not jobs:
         raise InvalidTrace("no jobs to simulate")
+    for job in jobs:
+        need = max(job.rollout_gpus + job.train_gpus, job.colocated_gpus)
+        if need > cluster.gpus:
+            raise JobDoesNotFit(
+                f"{job.name} needs {need} GPUs (split), more than the cluster's {cluster.gpus}"
+            )
+        if job.iterations < 1:
+            raise InvalidTrace(f"{job.name} has no iterations")
     t0 = time.perf_counter()
     if policy in ISOLATED_POLICIES:
         from plexrl_dask.sim.isolated import simulate_isolated

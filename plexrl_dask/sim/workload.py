@@ -52,6 +52,27 @@ TRAIN_BYTES_PER_PARAM = 16
 WEIGHT_BYTES_PER_PARAM = 2
 
 
+def number(value: object, what: str) -> float:
+    """``value`` as a finite float; :class:`InvalidTrace` otherwise (a spec's YAML)."""
+    if isinstance(value, bool):
+        raise InvalidTrace(f"{what} is a number, got {value!r}")
+    try:
+        out = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidTrace(f"{what} is a number, got {value!r}") from None
+    if not math.isfinite(out):
+        raise InvalidTrace(f"{what} must be finite, got {value!r}")
+    return out
+
+
+def integer(value: object, what: str) -> int:
+    """``value`` as an int (a float only if whole); :class:`InvalidTrace` otherwise."""
+    out = number(value, what)
+    if not out.is_integer():
+        raise InvalidTrace(f"{what} is a whole number, got {value!r}")
+    return int(out)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Hardware of the simulated cluster."""
@@ -67,6 +88,13 @@ class ClusterSpec:
     nvme_gbps: float = 12.0  # NVMe read bandwidth per node (shared by its GPUs)
 
     def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            object.__setattr__(self, name, integer(getattr(self, name), f"cluster.{name}"))
+        for name in ("hbm_park_gb", "h2d_gbps", "sync_gbps", "nvme_gbps"):
+            object.__setattr__(self, name, number(getattr(self, name), f"cluster.{name}"))
+        if self.dram_gb_per_gpu is not None:
+            dram = number(self.dram_gb_per_gpu, "cluster.dram_gb_per_gpu")
+            object.__setattr__(self, "dram_gb_per_gpu", dram)
         if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % self.gpus_per_node:
             raise InvalidTrace(
                 f"gpus ({self.gpus}) must be a positive multiple of gpus_per_node "
@@ -93,23 +121,27 @@ class Dist:
 
     @classmethod
     def parse(cls, d: dict | float | int) -> Dist:
-        if isinstance(d, int | float):
-            return cls("fixed", float(d))
+        if isinstance(d, int | float) and not isinstance(d, bool):
+            return cls("fixed", number(d, "a duration")).checked(d)
         try:
             kind = d["dist"]
             if kind == "lognormal":
-                out = cls(kind, float(d["median"]), float(d["sigma"]))
+                out = cls(kind, number(d["median"], "median"), number(d["sigma"], "sigma"))
             elif kind == "uniform":
-                out = cls(kind, float(d["low"]), float(d["high"]))
+                out = cls(kind, number(d["low"], "low"), number(d["high"], "high"))
             elif kind == "fixed":
-                out = cls(kind, float(d["value"]))
+                out = cls(kind, number(d["value"], "value"))
             else:
                 raise InvalidTrace(f"unknown distribution {kind!r} (lognormal, uniform, fixed)")
         except (KeyError, TypeError) as e:
             raise InvalidTrace(f"bad distribution {d!r}: missing {e}") from e
-        if out.a < 0 or out.b < 0 or (kind == "uniform" and out.b < out.a):
-            raise InvalidTrace(f"bad distribution parameters {d!r}")
-        return out
+        return out.checked(d)
+
+    def checked(self, given: object) -> Dist:
+        """``self`` if its parameters are >= 0 (a uniform's low <= high)."""
+        if self.a < 0 or self.b < 0 or (self.kind == "uniform" and self.b < self.a):
+            raise InvalidTrace(f"bad distribution parameters {given!r}")
+        return self
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.kind == "lognormal":
@@ -169,8 +201,9 @@ class RolloutSpec:
     def parse(cls, m: dict, params_b: float) -> RolloutSpec:
         r = m["rollout"]
         lengths = LengthModel(**r["lengths"]) if "lengths" in r else None
-        spec = cls(ModelShape.from_dict(m["shape"], params_b), int(r["tp"]),
-                   int(r["responses"]), float(m["train_mfu"]), lengths)  # fmt: skip
+        spec = cls(ModelShape.from_dict(m["shape"], params_b), integer(r["tp"], "rollout.tp"),
+                   integer(r["responses"], "rollout.responses"),
+                   number(m["train_mfu"], "train_mfu"), lengths)  # fmt: skip
         if spec.tp < 1 or spec.responses < 1 or not 0 < spec.train_mfu <= 1:
             raise InvalidTrace(f"rollout {r!r}: tp >= 1, responses >= 1, train_mfu in (0, 1]")
         return spec
@@ -185,7 +218,7 @@ class ToolSpec:
 
     @classmethod
     def parse(cls, d: dict) -> ToolSpec:
-        spec = cls(int(d["turns"]), Dist.parse(d["latency_s"]))
+        spec = cls(integer(d["turns"], "tools.turns"), Dist.parse(d["latency_s"]))
         if spec.turns < 1:
             raise InvalidTrace(f"tools: turns must be >= 1, got {spec.turns}")
         return spec
@@ -287,16 +320,18 @@ class WorkloadSpec:
                 name=str(d["name"]),
                 cluster=cluster,
                 models=models,
-                jobs=int(d["jobs"]),
+                jobs=integer(d["jobs"], "jobs"),
                 iterations=Dist.parse(d["iterations"]),
-                offered_load=float(d["arrival"]["offered_load"]),
+                offered_load=number(d["arrival"]["offered_load"], "arrival.offered_load"),
                 arrival=str(d["arrival"].get("process", "poisson")),
                 base=base,
                 arrival_basis=str(d["arrival"].get("basis", "split-async")),
                 hardware=hardware,
                 lengths=lengths,
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            if isinstance(e, InvalidTrace):
+                raise
             raise InvalidTrace(f"workload spec lacks or mistypes {e}") from e
         spec.validate()
         return spec
@@ -312,8 +347,10 @@ class WorkloadSpec:
             )
         for m in self.models:
             need = m.rollout_gpus + m.train_gpus
-            if m.weight <= 0 or m.rollout_gpus < 1 or m.train_gpus < 1:
-                raise InvalidTrace(f"model {m.name}: weight, rollout_gpus, train_gpus > 0")
+            if m.weight <= 0 or m.rollout_gpus < 1 or m.train_gpus < 1 or m.params_b <= 0:
+                raise InvalidTrace(
+                    f"model {m.name}: weight, params_b, rollout_gpus, train_gpus > 0"
+                )
             if need > self.cluster.gpus:
                 raise InvalidTrace(
                     f"model {m.name} needs {need} GPUs, more than the cluster's {self.cluster.gpus}"
@@ -365,7 +402,7 @@ def _model_class(
     m: dict, hardware: Hardware | None, lengths: LengthModel | None, cluster: ClusterSpec
 ) -> ModelClass:
     """One ``models:`` entry; a described rollout's ``rollout_gpus: auto`` is resolved here."""
-    params_b = float(m["params_b"])
+    params_b = number(m["params_b"], f"model {m.get('name')}: params_b")
     rollout = RolloutSpec.parse(m, params_b) if "rollout" in m else None
     rollout_gpus = m["rollout_gpus"]
     if rollout is not None:
@@ -374,8 +411,11 @@ def _model_class(
                                "lengths: in the workload")  # fmt: skip
         if rollout_gpus == "auto":
             rollout_gpus = _split_gpus(rollout, hardware, rollout.lengths or lengths,
-                                       int(m["train_gpus"]), params_b, cluster)  # fmt: skip
-        if int(m["train_gpus"]) % rollout.tp or int(rollout_gpus) % rollout.tp:
+                                       integer(m["train_gpus"], "train_gpus"), params_b,
+                                       cluster)  # fmt: skip
+        if integer(m["train_gpus"], "train_gpus") % rollout.tp or (
+            integer(rollout_gpus, "rollout_gpus") % rollout.tp
+        ):
             raise InvalidTrace(f"model {m['name']}: rollout_gpus and train_gpus must be "
                                f"multiples of the rollout's tp ({rollout.tp})")  # fmt: skip
     elif rollout_gpus == "auto":
@@ -383,13 +423,13 @@ def _model_class(
     return ModelClass(
         name=str(m["name"]),
         params_b=params_b,
-        weight=float(m["weight"]),
-        rollout_gpus=int(rollout_gpus),
-        train_gpus=int(m["train_gpus"]),
+        weight=number(m["weight"], f"model {m['name']}: weight"),
+        rollout_gpus=integer(rollout_gpus, f"model {m['name']}: rollout_gpus"),
+        train_gpus=integer(m["train_gpus"], f"model {m['name']}: train_gpus"),
         bulk_s=Dist.parse(m.get("rollout_bulk_s", 0.0)),
         tail_s=Dist.parse(m.get("rollout_tail_s", 0.0)),
         train_s=Dist.parse(m.get("train_s", 0.0)),
-        tail_gpu_fraction=float(m.get("tail_gpu_fraction", 0.25)),
+        tail_gpu_fraction=number(m.get("tail_gpu_fraction", 0.25), "tail_gpu_fraction"),
         replay=m.get("replay"),
         rollout=rollout,
         tools=ToolSpec.parse(m["tools"]) if "tools" in m else None,
@@ -524,12 +564,18 @@ def load_trace(path: str | Path) -> list[tuple[Phase, ...]]:
     try:
         data = json.loads(Path(path).read_text())
         its = [
-            tuple(Phase(str(k), int(g), float(s)) for k, g, s in it) for it in data["iterations"]
+            tuple(
+                Phase(str(k), integer(g, "a phase's gpus"), number(s, "a phase's seconds"))
+                for k, g, s in it
+            )
+            for it in data["iterations"]
         ]
     except FileNotFoundError as e:
         raise InvalidTrace(f"no recorded trace at {path}") from e
-    except (KeyError, TypeError, ValueError) as e:
+    except InvalidTrace as e:
+        raise InvalidTrace(f"{path} is not a recorded trace ({e})") from e
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError, OSError) as e:
         raise InvalidTrace(f"{path} is not a recorded trace ({e!r})") from e
-    if not its:
-        raise InvalidTrace(f"{path} records no iterations")
+    if not its or not all(its):
+        raise InvalidTrace(f"{path} records no iterations, or an iteration of no phase")
     return its
