@@ -185,7 +185,6 @@ def _client_credentials(cluster: Any, directory: str) -> Iterator[str]:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from distributed import Client
 
     from plexrl_dask.driver.runtime import Runtime
 
@@ -194,7 +193,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         from plexrl_dask.cluster import client_security
 
         security = client_security(args.tls)
-    with Client(args.scheduler, timeout=args.timeout, security=security) as client:
+    with _client(args.scheduler, timeout=args.timeout, security=security) as client:
         status = Runtime(client, job="plexrl-status").status()
     table = Table(title="deployments")
     for col in ("name", "owner", "role", "model", "workers", "state", "modified"):
@@ -395,7 +394,6 @@ def _saved_certificate(directory: Path) -> Any:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from distributed import Client
 
     from plexrl_dask.serve.app import models_from_config, serve
     from plexrl_dask.serve.tenants import KeyRing
@@ -412,7 +410,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not models:
         raise ConfigError("no base models: --model NAME=DIR or plexrl.serve.models")
     state = args.state or _config.get("serve.state-file") or f"{keys}.state.json"
-    with Client(args.scheduler, timeout=args.timeout) as client:
+    with _client(args.scheduler, timeout=args.timeout) as client:
         serve(client, KeyRing.from_file(keys), models, args.host, args.port, str(state))
     return 0
 
@@ -426,6 +424,17 @@ def _cmd_serve_keys(args: argparse.Namespace) -> int:
     )
     print(key)
     return 0
+
+
+def _client(address: str, **kwargs: Any) -> Any:
+    """A client of the scheduler at ``address``; :class:`ConfigError` for an address Dask
+    cannot parse (its ``ValueError``)."""
+    from distributed import Client
+
+    try:
+        return Client(address, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"--scheduler {address!r}: {e}") from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -598,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # e.g. no scheduler at the address given
         err_console.print(f"[red]plexrl {args.command}: {e}[/red]")
         return 2
+
 
 
 if __name__ == "__main__":

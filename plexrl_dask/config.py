@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,11 +37,33 @@ def get(key: str) -> object:
 
 
 def count(label: str, value: object) -> int:
-    """``value`` if it is an integer >= 1 (not a bool), else :class:`ConfigError` naming
-    ``label``: how many workers, GPUs, ranks or replicas a caller asked for."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an int if it is an integer >= 1 (any integral type but a bool: a numpy
+    integer too), else :class:`ConfigError` naming ``label``: how many workers, GPUs, ranks
+    or replicas a caller asked for."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
-    return value
+    return int(value)
+
+
+def strings(label: str, value: object) -> list[str]:
+    """``value`` as a list of strings: one string is a list of one (never split into its
+    characters), a list or tuple of strings is itself; else :class:`ConfigError` naming
+    ``label``: worker addresses, ops, a batch system's directive lines."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{label} is a string or a list of strings, got {value!r:.80}")
+    return list(value)
+
+
+def seconds(label: str, value: object) -> float:
+    """``value`` as float seconds if it is a finite number > 0 (not a bool), else
+    :class:`ConfigError` naming ``label``: a timeout a caller passed."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+        math.isfinite(value) and value > 0
+    ):
+        raise ConfigError(f"{label} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def get_bytes(key: str) -> int:

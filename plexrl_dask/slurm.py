@@ -38,10 +38,12 @@ from distributed import Client, Security
 
 from plexrl_dask import config, protocol
 from plexrl_dask.cluster import GPU_NANNY, PRELOAD, TRIM_CONFIG_ENV, worker_info
+from plexrl_dask.driver.waits import run_on_workers
 from plexrl_dask.errors import (
     BatchJobRefused,
     ConfigError,
     PluginsNotInstalled,
+    RequestTimeout,
     WorkersNotStarted,
 )
 from plexrl_dask.shared.records import BACKEND_NAMES
@@ -129,6 +131,9 @@ def slurm_cluster(
     # What the site gave, as an argument or in its jobqueue config (dask-jobqueue reads its
     # config only for an argument left out, and these are never left out here).
     given = {key: _site_setting(site, key) for key in _SITE_KEYS}
+    for key in ("job_extra_directives", "worker_extra_args", "job_script_prologue"):
+        if given[key] is not None:
+            given[key] = config.strings(key, given[key])
     directives = list(given["job_extra_directives"] or [])
     if not any(str(d).startswith("--gres") for d in directives):
         directives.append(f"--gres=gpu:{gpus_per_job}")
@@ -300,6 +305,10 @@ def job_of_worker(cluster: Any, client: Client, worker: str) -> str:
     raise ConfigError(f"worker {worker} ({name}) is not one of the cluster's jobs {sorted(ids)}")
 
 
+def _plugins(dask_worker: Any) -> list[str]:
+    return sorted(dask_worker.plugins)
+
+
 def wait_for_plexrl_workers(
     client: Client, n: int, timeout: float, cluster: Any | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -327,7 +336,13 @@ def wait_for_plexrl_workers(
             + "; ".join(f"{w}: {e}" for w, e in sorted(failed.items()))
         )
     if silent:
-        plugins = client.run(lambda dask_worker: sorted(dask_worker.plugins), workers=silent)
+        try:
+            plugins = run_on_workers(client, _plugins, workers=silent, timeout=COMMAND_TIMEOUT_S)
+        except RequestTimeout as e:
+            raise WorkersNotStarted(
+                f"{len(reported)} of {n} PlexRL workers within {timeout:.0f}s; {len(silent)} "
+                f"joined without a replica holder and not all answered: {e}"
+            ) from e
         without = {w: p for w, p in plugins.items() if "plexrl-worker" not in p}
         resource = str(config.get("worker.gpu-resource"))
         no_gpu = [w for w in silent if not joined[w].get("resources", {}).get(resource)]

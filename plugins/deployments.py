@@ -144,8 +144,12 @@ class DeploymentRegistry:
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.close()
-            self._client = None
+            client, self._client = self._client, None
+            await client.close()
+            # (an asynchronous client counts itself on its loop's runner and its close does
+            # not uncount it: a LocalCluster's loop thread, and its scheduler, then outlived
+            # the cluster, one more per cluster started in the process)
+            client._loop_runner.stop()
 
     # --- replica holders ---------------------------------------------------------------------
 

@@ -238,6 +238,7 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
             protocol.OFFLOAD: registry.offload,
             protocol.REGISTER_JOB: self.register_job,
         }
+        handlers = {name: _checked_arguments(h) for name, h in handlers.items()}
         for name in protocol.ACTS_AS_JOB:
             handlers[name] = self._as_job(handlers[name])
         scheduler.handlers.update(handlers)
@@ -888,3 +889,31 @@ class PlexRLSchedulerPlugin(SchedulerPlugin):
                 # jobs may start); its node is known from this report on
                 self.placement.sync_workers(self.registry.worker_nodes(), time.monotonic())
             self._soon(self._reroute_orphans)
+
+
+def _checked_arguments(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` answering a call whose arguments it does not take (an unknown policy
+    knob, a missing name) with a :class:`ConfigError` status, where the handler's own
+    ``TypeError`` would reach the client untyped."""
+    signature = inspect.signature(handler)
+
+    def refused(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            return to_status(ConfigError(f"{handler.__name__}: {e}"))
+        return None
+
+    if inspect.iscoroutinefunction(handler):
+
+        @functools.wraps(handler)
+        async def checked_async(*args: Any, **kwargs: Any) -> Any:
+            return refused(args, kwargs) or await handler(*args, **kwargs)
+
+        return checked_async
+
+    @functools.wraps(handler)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        return refused(args, kwargs) or handler(*args, **kwargs)
+
+    return checked

@@ -7,6 +7,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+import dask
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ import plexrl_dask as plexrl
 from plexrl_dask import errors
 from plexrl_dask.cli import main as cli_main
 from plexrl_dask.rl import GRPOConfig, GRPOJob, JobCheckpoints, read_checkpoint, run_jobs
-from plexrl_dask.rl.job_checkpoint import hold
+from plexrl_dask.rl.job_checkpoint import FORMAT, hold
 from plexrl_dask.state_store.store import StateStore
 from plexrl_dask.tasks import Problem
 from tests.conftest import tiny_spec, unique
@@ -181,11 +183,38 @@ def test_jobs_past_their_timeout_stop_before_their_next_step(runtime, tmp_path):
 
 
 def test_checkpoint_settings_are_checked():
-    for bad in ({"every": 0}, {"keep": 0}, {"every": 1.5}):
+    for bad in ({"every": 0}, {"keep": 0}, {"every": 1.5}, {"every": True},
+                {"max_recoveries": False}, {"keep": "2"}):  # fmt: skip
         with pytest.raises(errors.ConfigError):
             JobCheckpoints.at("/tmp/unused", **bad)
-    ck = JobCheckpoints.at("/tmp/unused", every=3)
+    for key, bad in (("every", "five"), ("keep", 1.5), ("every", None)):
+        setting = {f"plexrl.job-checkpoint.{key}": bad}
+        with dask.config.set(setting), pytest.raises(errors.ConfigError, match=key):
+            JobCheckpoints.at("/tmp/unused")
+    ck = JobCheckpoints.at("/tmp/unused", every=np.int64(3))
+    assert ck.every == 3 and type(ck.every) is int
     assert [n for n in range(1, 8) if ck.due(n, 7)] == [3, 6, 7]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("time", "yesterday"), ("config", [1]), ("steps_done", "2"), ("steps_done", -3),
+     ("version", True), ("job", None)],  # fmt: skip
+)
+def test_a_manifest_of_the_wrong_shape_is_a_checkpoint_error_and_keeps_the_steps(
+    tmp_path, field, value
+):
+    """A manifest's plain fields are checked as its saves are: a typed error, and the step
+    records untouched (a negative steps_done once cut steps.jsonl to nothing)."""
+    manifest = {
+        "job": "j", "config": {}, "task": "t", "model": {}, "steps_done": 1, "version": 1,
+        "policy": {"model": "m", "version": 1}, "rollout": None, "format": FORMAT,
+    }  # fmt: skip
+    (tmp_path / "steps.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "job.json").write_text(json.dumps({**manifest, field: value}))
+    with pytest.raises(errors.CheckpointError, match=field):
+        read_checkpoint(tmp_path)
+    assert (tmp_path / "steps.jsonl").read_text() == '{"step": 0}\n'
 
 
 class NeverRight(FirstCharIsDigit):

@@ -108,6 +108,11 @@ def test_turns_holding_their_worker_run_every_request_to_the_end(small_runtime):
         runtime.set_policy(turn_hold_s=-1.0)
     with pytest.raises(plexrl.errors.ConfigError):
         runtime.set_policy(turn_hold_s=True)
+    # (an argument no handler takes: typed by the scheduler, not its TypeError)
+    with pytest.raises(plexrl.errors.ConfigError, match="foo"):
+        runtime.set_policy(foo=1)
+    with pytest.raises(plexrl.errors.ConfigError, match="since"):
+        runtime.timeline(since="x")
     assert runtime.set_policy(turn_hold_s=0.5)["turn_hold_s"] == 0.5
     try:
         agent = runtime.deploy(unique("agent"), tiny_spec(seed=45, **SIZE), role="rollout")

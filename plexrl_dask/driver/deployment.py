@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 import dask
 from distributed import Future
 
-from plexrl_dask import protocol
+from plexrl_dask import config, protocol
 from plexrl_dask.errors import (
     AdapterNotFound,
     CheckpointError,
+    ConfigError,
+    InvalidBatch,
     InvalidLoss,
     InvalidModelSpec,
     InvalidOptimizerParams,
@@ -136,7 +138,8 @@ class Deployment:
         tokens, as Hugging Face adds them (``special_tokens``, default
         ``plexrl.sampling.special-tokens``); a completion: ``special_tokens=False``. A
         :class:`Chat` is rendered with the model's chat template."""
-
+        if not isinstance(text, (str, Chat)):
+            raise InvalidBatch(f"tokenize takes a string or a Chat, got {type(text).__name__}")
         return encode_prompts(self.tokenizer, [text], special_tokens)[0]
 
     @property
@@ -152,8 +155,9 @@ class Deployment:
         share it (:class:`PermissionDenied`); returns the ops granted. The other job looks it
         up with ``runtime.deployment(name)``."""
         status = self.runtime._call(
-            protocol.SHARE, name=self.name, to=job, ops=list(ops), job=self.runtime.job
-        )
+            protocol.SHARE, name=self.name, to=job, ops=config.strings("ops", ops),
+            job=self.runtime.job,
+        )  # fmt: skip
         return list(status["ops"])
 
     def annotation(self, **extra: Any) -> dict[str, Any]:
@@ -477,6 +481,8 @@ class Deployment:
         ``format="dcp"``: torch DCP at ``path``, for other tools. Either loads onto any world
         size with :meth:`load_state`. ``model``: the store's model name for it (default: the
         deployment's name, made safe for a store)."""
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"save_state's path is a directory path, got {path!r:.80}")
         target = None if path is None else os.fspath(path)
         publish_id = uuid.uuid4().hex
         if weights_only and format != "store":

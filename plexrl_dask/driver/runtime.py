@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import numbers
 import os
 import time
 import uuid
@@ -29,7 +30,7 @@ from distributed import Actor, Client, Future, get_client
 
 from plexrl_dask import config, protocol
 from plexrl_dask.driver.deployment import Deployment
-from plexrl_dask.driver.waits import result
+from plexrl_dask.driver.waits import result, run_on_workers
 from plexrl_dask.errors import (
     ConfigError,
     InvalidModelSpec,
@@ -135,15 +136,28 @@ class Runtime:
         self._secret = _SECRETS[key] = str(status["secret"])
         return self._secret
 
-    def _call(self, handler: str, **kwargs: Any) -> dict[str, Any]:
+    def _call(
+        self, handler: str, call_timeout: float | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """The scheduler's answer to ``handler(**kwargs)``, within ``call_timeout`` seconds
+        (default ``plexrl.request.timeout``)."""
         rpc, kwargs = self._rpc(handler, kwargs)
+        limit = config.request_timeout() if call_timeout is None else call_timeout
         with _scheduler_errors(handler):
-            status = self.client.sync(rpc, **kwargs, callback_timeout=config.request_timeout())
+            status = self.client.sync(rpc, **kwargs, callback_timeout=limit)
         return _checked_status(handler, status)
 
     def _rpc(self, handler: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if handler in protocol.ACTS_AS_JOB:
             kwargs["secret"] = self.secret
+        if self.client.status in ("closing", "closed") or self.client.scheduler is None:
+            # (a Client that could not reconnect within its own ``timeout``, 30 s by default,
+            # closes itself: give it one longer than a scheduler restart takes)
+            raise SchedulerLost(
+                f"the client is {self.client.status}: it gave up reconnecting to the scheduler "
+                "(a Client closes itself past its `timeout`, distributed.comm.timeouts.connect "
+                "by default); connect a new Client, with a timeout that covers a restart"
+            )
         return getattr(self.client.scheduler, handler), kwargs
 
     def _ask(self, handler: str, **kwargs: Any) -> concurrent.futures.Future:
@@ -242,7 +256,7 @@ class Runtime:
             job=self.job,
             memory_bytes=memory_bytes,
             exist_ok=exist_ok,
-            candidates=None if workers is None else list(workers),
+            candidates=None if workers is None else config.strings("workers", workers),
             world_size=world_size,
             replicas=replicas,
             vocab_size=int(hf.vocab_size),
@@ -279,12 +293,15 @@ class Runtime:
         started again, on its journal, at the address this client reconnects to); returns its
         status. :class:`SchedulerLost` if it does not within ``timeout`` seconds (default
         ``plexrl.request.timeout``)."""
-        timeout = config.request_timeout() if timeout is None else timeout
+        timeout = config.request_timeout() if timeout is None else config.seconds("timeout", timeout)
         deadline = time.monotonic() + timeout
         while True:
+            left = max(0.1, deadline - time.monotonic())
             try:
-                return self._call(protocol.STATUS)
+                return self._call(protocol.STATUS, call_timeout=left)
             except (SchedulerLost, RequestTimeout, PluginsNotInstalled) as e:
+                if self.client.status in ("closing", "closed"):
+                    raise  # (it will not reconnect: see _rpc)
                 if time.monotonic() > deadline:
                     raise SchedulerLost(
                         f"the scheduler did not come back within {timeout:.0f}s: {e}"
@@ -390,12 +407,13 @@ class Runtime:
                 now = list(self.deployment(name).info.workers)
                 entry["now"] = now
                 # the checkpoint where it was written and where it was imported to
-                self.client.run(
+                run_on_workers(
+                    self.client,
                     ops.drop_checkpoint,
                     restored["model"],
                     int(restored["version"]),
                     workers=sorted({restored.get("source") or now[0], *now}),
-                    on_error="return",
+                    timeout=timeout,
                 )
             logger.info("job %s relocated %s into its group: %s", self.job, name, entry)
             done.append(entry)
@@ -412,17 +430,27 @@ class Runtime:
     def timeline(self, since: float = 0.0) -> list[RequestSpan]:
         """Every PlexRL worker's request spans that ended after ``since`` (wall-clock
         seconds), in start order (see :mod:`plexrl_dask.shared.timeline`)."""
+        if isinstance(since, bool) or not isinstance(since, numbers.Real):
+            raise ConfigError(f"since is wall-clock seconds, got {since!r}")
         with self.client.as_current():
-            holders = [
-                Actor(ReplicaHolder, w, info["holder_key"])
+            holders = {
+                w: Actor(ReplicaHolder, w, info["holder_key"])
                 for w, info in self.status()["workers"].items()
-            ]
-        futures = [h.timeline(since) for h in holders]
-        spans = [
-            RequestSpan.from_dict(d)
-            for f in futures
-            for d in f.result(timeout=config.request_timeout())
-        ]
+            }
+        futures = {w: h.timeline(float(since)) for w, h in holders.items()}
+        deadline = time.monotonic() + config.request_timeout()
+        spans, silent = [], []
+        for worker, f in futures.items():  # (one worker hung or gone leaves out its own)
+            try:
+                answer = f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, OSError) as e:
+                silent.append(f"{worker} ({type(e).__name__})")
+                continue
+            spans.extend(RequestSpan.from_dict(d) for d in answer)
+        if silent and len(silent) == len(futures):
+            raise RequestTimeout(f"no worker's timeline came back: {', '.join(silent)}")
+        if silent:
+            logger.warning("the timeline leaves out workers that did not answer: %s", silent)
         return sorted(spans, key=lambda s: s.start)
 
     # --- weights between deployments ---------------------------------------------------------

@@ -64,6 +64,31 @@ def post_event(client: Any, topic: str, msg: Any) -> None:
         logger.warning("could not log a %s event: %r", topic, e)
 
 
+def run_on_workers(
+    client: Any,
+    function: Any,
+    *args: Any,
+    workers: list[str] | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """``client.run(function, *args, workers=workers, on_error="return")`` (each worker's
+    error is its value) within ``timeout`` seconds (default ``plexrl.request.timeout``):
+    :class:`RequestTimeout` past it. ``Client.run`` alone waits for a hung worker forever."""
+    timeout = config.request_timeout() if timeout is None else timeout
+    try:
+        return client.sync(
+            client._run, function, *args, workers=workers, on_error="return",
+            callback_timeout=timeout,
+        )  # fmt: skip
+    except TimeoutError as e:
+        if isinstance(e, PlexRLError):
+            raise
+        raise RequestTimeout(
+            f"{getattr(function, '__name__', function)} did not answer from every worker "
+            f"within {timeout:.0f}s (a worker hung or paused?)"
+        ) from e
+
+
 async def _first(future: Future) -> Any:
     [value] = await future.client.gather([future], asynchronous=True)
     return value

@@ -38,6 +38,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import numbers
 import os
 import time
 from collections.abc import Iterator
@@ -85,12 +86,19 @@ class JobCheckpoints:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
-        if not (isinstance(self.every, int) and self.every >= 1):
-            raise ConfigError(f"checkpoints every {self.every!r} steps: give an integer >= 1")
-        if not (isinstance(self.keep, int) and self.keep >= 1):
-            raise ConfigError(f"keep {self.keep!r} checkpoints: give an integer >= 1")
-        if not (isinstance(self.max_recoveries, int) and self.max_recoveries >= 0):
-            raise ConfigError(f"max_recoveries {self.max_recoveries!r}: give an integer >= 0")
+        # (plexrl.job-checkpoint.* or the caller's: an integral count, never a bool)
+        for name, least in (("every", 1), ("keep", 1), ("max_recoveries", 0)):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or (value < least)
+            ):
+                raise ConfigError(
+                    f"job checkpoints' {name} (plexrl.job-checkpoint."
+                    f"{name.replace('_', '-')}) is an integer >= {least}, got {value!r}"
+                )
+            object.__setattr__(self, name, int(value))
 
     @classmethod
     def at(
@@ -105,10 +113,10 @@ class JobCheckpoints:
         """Checkpoints in ``directory``; what is not given comes from the config."""
         return cls(
             Path(directory),
-            int(config.get("job-checkpoint.every")) if every is None else every,
-            int(config.get("job-checkpoint.keep")) if keep is None else keep,
+            config.get("job-checkpoint.every") if every is None else every,
+            config.get("job-checkpoint.keep") if keep is None else keep,
             resume,
-            int(config.get("job-checkpoint.max-recoveries"))
+            config.get("job-checkpoint.max-recoveries")
             if max_recoveries is None
             else max_recoveries,
             required,
@@ -218,6 +226,18 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> JobCheckpoint | None:
         ckpt = JobCheckpoint(**raw)
     except TypeError as e:
         raise CheckpointError(f"{path} is not a job checkpoint: {e}") from e
+    fields = {
+        "job": (str, "a string"), "task": (str, "a string"), "config": (dict, "an object"),
+        "model": (dict, "an object"), "time": ((int, float), "a number"),
+        "steps_done": (int, "an integer"), "version": (int, "an integer"),
+        "problems": ((str, type(None)), "a string or null"),
+    }  # fmt: skip
+    for name, (types, kind) in fields.items():
+        value = getattr(ckpt, name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise CheckpointError(f"{path}: its {name} is not {kind}: {value!r:.80}")
+    if ckpt.steps_done < 0 or ckpt.version < 0:
+        raise CheckpointError(f"{path}: steps_done and version are counts >= 0")
     saves = [ckpt.policy, ckpt.rollout]
     if not isinstance(ckpt.kept, list) or not all(
         isinstance(pair, list) and len(pair) == 2 for pair in ckpt.kept

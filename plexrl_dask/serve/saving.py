@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any
 
-from plexrl_dask.driver.waits import result
+from plexrl_dask.driver.waits import result, run_on_workers
 from plexrl_dask.errors import (
     InvalidTinkerRequest,
     PlexRLError,
@@ -158,8 +158,8 @@ class CheckpointCalls:
     async def drop_version(self, stored: dict) -> None:
         """Drop a ``save_state`` result's version from every node's tiers."""
         await self.blocking(
-            lambda: self.client.run(
-                ops.drop_checkpoint, stored["model"], int(stored["version"]), on_error="return"
+            lambda: run_on_workers(
+                self.client, ops.drop_checkpoint, stored["model"], int(stored["version"])
             )
         )
 

@@ -192,6 +192,8 @@ def as_batch(batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:
     """Normalise a batch argument and reject an empty one."""
     if isinstance(batch, Datum):
         batch = (batch,)
+    if isinstance(batch, (str, bytes, Mapping)) or not isinstance(batch, Iterable):
+        raise EmptyBatch(f"a batch is a list of plexrl_dask.Datum, got {type(batch).__name__}")
     batch = tuple(batch)
     if not batch:
         raise EmptyBatch("the batch is empty: pass at least one Datum")

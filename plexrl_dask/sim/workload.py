@@ -307,7 +307,11 @@ class WorkloadSpec:
                 f"no workload {str(path)!r}; built in: "
                 f"{sorted(p.stem for p in WORKLOADS.glob('*.yaml') if p.stem != 'decode-measurements')}"
             )
-        return cls.from_dict(yaml.safe_load(path.read_text()), base=path.parent)
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise InvalidTrace(f"cannot read the workload {str(path)!r}: {e}") from e
+        return cls.from_dict(raw, base=path.parent)
 
     @classmethod
     def from_dict(cls, d: dict, base: Path | None = None) -> WorkloadSpec:
