@@ -598,10 +598,15 @@ class DeploymentRegistry:
                 "load them again (runtime.sync_weights) before other requests"
             )
         if info.state == "lost":
+            again = (
+                "load its weights again (runtime.sync_weights) or restore a checkpoint"
+                if info.revived_by("load_weights")
+                else "restore a checkpoint with deployment.load_state(path) (save them with "
+                "save_state), or undeploy it"
+            )
             raise DeploymentLost(
-                f"a worker holding {info.name!r} left the cluster and its trained state "
-                "(modified since deploy) went with it; restore a checkpoint with "
-                "deployment.load_state(path) (save them with save_state), or undeploy it"
+                f"{info.name!r} lost its state (modified since deploy): a worker holding it "
+                f"left the cluster, or a rank of its group failed mid-request; {again}"
             )
         workers = assign_workers(
             info.name, info.memory_bytes, self.worker_views(), info.num_workers,

@@ -630,3 +630,72 @@ def test_a_two_rank_policy_trains_on_a_single_sequence(runtime):
     assert len(scored.logprobs) == len(scored.top) == 1
     after = scored.logprobs[0]
     assert max(abs(a - b) for a, b in zip(after, expected.logprobs[0], strict=True)) < 1e-4
+
+
+def _corrupt_last_chunk(model: str, version: int, tensor: str, dask_worker=None) -> list[str]:
+    """Flip a byte of ``tensor``'s last chunk (the last rank's rows) in each of the node's
+    tiers that holds the version (a read may be served by either)."""
+    from plexrl_dask.worker.holder import holder_of
+
+    done = []
+    for tier in ("dram", "nvme"):
+        store = holder_of(dask_worker).node.store(tier)
+        if version not in store.versions(model):
+            continue
+        entry = store.manifest(model, version).tensors[tensor]
+        path = store.objects.path(entry.chunk_digests[sorted(entry.chunk_digests)[-1]])
+        raw = bytearray(path.read_bytes())
+        raw[0] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        done.append(tier)
+    return done
+
+
+def test_a_load_one_rank_cannot_read_changes_no_rank(runtime):
+    """A checkpoint whose chunk of rank 1's rows is corrupt: ``load_state`` fails typed on
+    both ranks and neither took any of it (rank 0 once loaded its half: a model of two
+    versions, and rank 0's optimizer of the checkpoint's). The ranks agree on their reads
+    before any copies into place."""
+    spec = tiny_spec(seed=5, hidden_size=128, num_heads=4, num_kv_heads=2)
+    dep = runtime.deploy(unique("half"), spec, world_size=2)
+    data = batch_for(dep, 4)
+    step = [dep.forward_backward(data), dep.optim_step(plexrl.AdamWParams(lr=1e-2))]
+    plexrl.result(step)
+    saved = plexrl.result(dep.save_state())
+    plexrl.result([dep.forward_backward(data), dep.optim_step(plexrl.AdamWParams(lr=1e-2))])
+    before = plexrl.result(dep.get_weights()).tensors
+    tensor = "model/model.layers.0.self_attn.q_proj.weight"
+    corrupted = runtime.client.run(
+        _corrupt_last_chunk, saved["model"], saved["version"], tensor, workers=[saved["source"]]
+    )
+    assert corrupted[saved["source"]], corrupted
+    with pytest.raises(errors.CheckpointError):
+        plexrl.result(dep.load_state(saved), timeout=120)
+    after = plexrl.result(dep.get_weights()).tensors
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    plexrl.result([dep.forward_backward(data), dep.optim_step()])  # (it trains on)
+
+
+def test_weights_of_another_architecture_of_the_same_shapes_are_refused(runtime):
+    """4 heads of 32 and 8 heads of 16 have the same weight shapes in a 128-wide layer: a sync
+    between them was accepted, and the replica then read the weights under the wrong heads.
+    The architecture is recorded with published weights and checked on load. (Counts given
+    as numpy integers are counts.)"""
+    import numpy as np
+
+    trainer = runtime.deploy(
+        unique("arch-a"), tiny_spec(seed=5, hidden_size=128, num_heads=4, num_kv_heads=2),
+        world_size=np.int64(2),
+    )  # fmt: skip
+    other = runtime.deploy(
+        unique("arch-b"), tiny_spec(seed=5, hidden_size=128, num_heads=8, num_kv_heads=4),
+        role="rollout", replicas=np.int64(1),
+    )  # fmt: skip
+    before = plexrl.result(other.get_weights()).tensors
+    with pytest.raises(errors.WeightsMismatch, match="num_attention_heads 4"):
+        plexrl.result(runtime.sync_weights(trainer, other))
+    after = plexrl.result(other.get_weights()).tensors
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    with pytest.raises(errors.CheckpointIncompatible, match="architecture"):
+        plexrl.result(other.load_state(plexrl.result(trainer.save_state())))
+

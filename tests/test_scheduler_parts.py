@@ -41,6 +41,17 @@ def test_a_record_makes_exactly_the_lifecycles_moves(start, to):
             record.moved(to)
 
 
+def test_what_brings_a_lost_deployment_back_is_what_restores_all_of_its_state():
+    """A checkpoint, for any; a published version of weights, for a torch rollout replica
+    too (its weights are all its state; a sync brings it back); never for a training
+    deployment (its optimizer) nor an adapter bank (its adapters)."""
+    assert info().revived_by("load_state")
+    assert not info().revived_by("load_weights")
+    rollout = info(role="rollout")
+    assert rollout.revived_by("load_weights") and not rollout.revived_by("set_weights")
+    assert not info(role="rollout", backend="adapters").revived_by("load_weights")
+
+
 def test_states_cross_the_wire_as_strings_and_change_only_through_moved():
     record = info(state="lost")
     assert record.state is Lifecycle.LOST and record.state == "lost"

@@ -219,9 +219,9 @@ class Runtime:
             raise InvalidModelSpec(
                 f"model must be a plexrl_dask.ModelSpec, got {type(model).__name__}"
             )
-        config.count("world_size", world_size)
-        config.count("replicas", replicas)
-        config.count("tensor_parallel", tensor_parallel)
+        world_size = config.count("world_size", world_size)
+        replicas = config.count("replicas", replicas)
+        tensor_parallel = config.count("tensor_parallel", tensor_parallel)
         uid = uuid.uuid4().hex
         hf = model.hf_config()
         if role == "rollout" and world_size != 1:

@@ -182,9 +182,15 @@ class DeploymentInfo:
 
     def revived_by(self, op: str) -> bool:
         """Whether ``op`` restores all of this deployment's state, so that it may place a
-        ``lost`` or ``relocating`` deployment anew: ``load_state``, and for a weights-only
-        deployment a weight load too."""
-        return op == "load_state" or (self.weights_only and op in ("load_weights", "set_weights"))
+        ``lost`` or ``relocating`` deployment anew: ``load_state``; for a weights-only
+        deployment a weight load too; for a torch rollout replica (whose state is its weights:
+        it has no optimizer) a load of a published version (``load_weights``, what
+        ``sync_weights`` does; ``set_weights`` may set a subset)."""
+        if op == "load_state":
+            return True
+        if self.weights_only:
+            return op in ("load_weights", "set_weights")
+        return self.role == "rollout" and self.backend == "torch" and op == "load_weights"
 
     @property
     def num_workers(self) -> int:

@@ -35,7 +35,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from plexrl_dask.errors import (
     CheckpointCorrupt,
+    CheckpointError,
     CheckpointIncompatible,
     CheckpointIncomplete,
     CheckpointNotFound,
@@ -193,6 +194,41 @@ def check_compatible(model: torch.nn.Module, path: str) -> None:
         k.removeprefix("model."): tuple(v.size) for k, v in stored.items() if k.startswith("model.")
     }
     _check_parameters(model, shapes, repr(path))
+
+
+#: The model configuration's fields that say how its weights are read: two models whose
+#: parameters have the same names and shapes can still differ in these (4 heads of 32 or 8
+#: of 16 in a 128-wide layer), and a checkpoint of one would load into the other unnoticed.
+ARCHITECTURE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "hidden_act",
+    "rms_norm_eps", "rope_theta", "tie_word_embeddings", "attention_bias", "mlp_bias",
+)  # fmt: skip
+
+
+def architecture(model: torch.nn.Module) -> dict[str, Any]:
+    """``model``'s :data:`ARCHITECTURE_KEYS` that its configuration has (as JSON keeps them)."""
+    config = getattr(model, "config", None)
+    raw = config.to_dict() if hasattr(config, "to_dict") else {}
+    return {
+        k: raw[k]
+        for k in ARCHITECTURE_KEYS
+        if isinstance(raw.get(k), (str, int, float, bool)) and raw[k] is not None
+    }
+
+
+def check_architecture(model: torch.nn.Module, meta: dict[str, Any], where: str) -> None:
+    """:class:`CheckpointIncompatible` where the checkpoint's recorded architecture (its
+    ``meta``; none in one written before it was recorded) differs from ``model``'s in a field
+    both have."""
+    stored = meta.get("architecture")
+    if not isinstance(stored, dict):
+        return
+    mine = architecture(model)
+    differ = sorted(k for k in stored.keys() & mine.keys() if stored[k] != mine[k])
+    if differ:
+        shown = ", ".join(f"{k} {stored[k]!r} (this model {mine[k]!r})" for k in differ)
+        raise CheckpointIncompatible(f"{where} is of another architecture: {shown}")
 
 
 def _check_parameters(
@@ -457,13 +493,25 @@ def store_meta(model: torch.nn.Module, ckpt: StoreCheckpoint) -> tuple[int, dict
         if k.startswith("model/")
     }
     _check_parameters(model, shapes, f"{ckpt.model!r} v{manifest.version}")
+    check_architecture(model, manifest.meta, f"{ckpt.model!r} v{manifest.version}")
     return manifest.version, dict(manifest.meta)
 
 
-def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, version: int) -> None:
+def read_state(
+    model: torch.nn.Module,
+    optimizer: Any,
+    ckpt: StoreCheckpoint,
+    version: int,
+    agreed: Callable[[Callable[[], Any], Any], Any] | None = None,
+) -> None:
     """Load parameters (and the optimizer's moments, if ``optimizer``) reading only this
     rank's shard regions from the store (zero-redundancy resharding from any layout), all
-    in one batch of chunk reads. A read that fails (a corrupt chunk) changes nothing."""
+    in one batch of chunk reads. A read that fails (a corrupt chunk) changes nothing.
+
+    ``agreed`` (a multi-rank replica's ``_checked``): the ranks agree that every one of them
+    read its regions before any copies them into place, so a read that fails on one rank
+    changes nothing on any (every rank then reads into new tensors first: a read straight
+    into the parameters would already have changed them)."""
 
     store, name = ckpt.store, ckpt.model
     stored = store.manifest(name, version).tensors
@@ -490,7 +538,7 @@ def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, ve
     # chunk before it copies any (a memory tier: see StateStore.read_many), so a corrupt
     # version still leaves the model as it was. Others are read into new tensors first.
     direct: dict[str, torch.Tensor] = {}
-    if not store.durable:
+    if not store.durable and agreed is None:
         for n, p in params.items():
             key, local = f"model/{n}", _local(p.detach())
             if (
@@ -500,7 +548,11 @@ def read_state(model: torch.nn.Module, optimizer: Any, ckpt: StoreCheckpoint, ve
                 and local.dtype == DTYPES[stored[key].dtype][0]
             ):
                 direct[key] = local
-    got = {**store.read_many(name, version, regions, out=direct), **empty}
+    def read() -> dict[str, torch.Tensor]:
+        return {**store.read_many(name, version, regions, out=direct), **empty}
+
+    elsewhere = CheckpointError(f"another rank could not read its part of {name!r} v{version}")
+    got = read() if agreed is None else agreed(read, elsewhere)
 
     with torch.no_grad():
         for n, p in params.items():

@@ -473,7 +473,12 @@ class TorchBackend:
         (``path`` a :class:`StoreCheckpoint`; every rank of one save passes the same
         ``publish_id``; ``open_writer(version, nbytes)`` opens this rank's writer, e.g. with room
         reserved on the node's tier) or as DCP to the directory ``path``."""
-        meta = {"version": self.version, "model": self.spec.name, "world_size": self._world()}
+        meta = {
+            "version": self.version,
+            "model": self.spec.name,
+            "world_size": self._world(),
+            "architecture": replica_checkpoint.architecture(self._checkpointed()),
+        }
         if isinstance(path, str):
             refused = self._dcp_refused()
             if refused is not None:
@@ -546,6 +551,7 @@ class TorchBackend:
             "world_size": self._world(),
             "format": replica_checkpoint.STORE_FORMAT,
             "has_optimizer": optimizer is not None,
+            "architecture": replica_checkpoint.architecture(self._checkpointed()),
         }
 
         def commit() -> None:
@@ -575,9 +581,15 @@ class TorchBackend:
                 raise WeightsMismatch(f"published weights do not fit this model: {e}") from None
 
         self._checked(check)
-        replica_checkpoint.read_state(self._checkpointed(), None, source, stored["version"])
+        replica_checkpoint.read_state(
+            self._checkpointed(), None, source, stored["version"], self._agreed()
+        )
         self.version = int(stored["meta"]["version"])
         return self.version
+
+    def _agreed(self) -> Any:
+        """What a multi-rank read agrees through (``_checked``); None on one rank."""
+        return self._checked if self._world() > 1 else None
 
     def load_state(self, path: str | StoreCheckpoint, optimizer: bool = True) -> int:
         """Replace parameters (and optimizer state, if saved and ``optimizer``) with the
@@ -594,6 +606,7 @@ class TorchBackend:
                     raise refused
                 meta.update(replica_checkpoint.read_meta(path))
                 replica_checkpoint.check_compatible(self.model, path)
+                replica_checkpoint.check_architecture(self._checkpointed(), meta, repr(path))
             else:
                 stored["version"], found = replica_checkpoint.store_meta(self._checkpointed(), path)
                 meta.update(found)
@@ -610,7 +623,9 @@ class TorchBackend:
         if isinstance(path, str):
             replica_checkpoint.load(self.model, restored, path, self._assign)
         else:
-            replica_checkpoint.read_state(self._checkpointed(), restored, path, stored["version"])
+            replica_checkpoint.read_state(
+                self._checkpointed(), restored, path, stored["version"], self._agreed()
+            )
         self.optimizer = restored
         self.model.zero_grad(set_to_none=True)
         self.pending_backward = 0
