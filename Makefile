@@ -3,14 +3,17 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+TORCH_INDEX ?=
 
 .PHONY: demo quickstart test lint bench-service bench-multiplex bench-dashboard device-wheels
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build. PyPI's
+	# Linux wheel of 2.13.0 is a CUDA build too: where no CPU wheel is at hand (a local
+	# wheelhouse, as on CI), TORCH_INDEX=https://download.pytorch.org/whl/cpu fetches one.
+	$(PY) -m pip install --quiet -c constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
