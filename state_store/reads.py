@@ -47,11 +47,23 @@ def run_reads(objects: Objects, fetches: list[Fetch], allocation: Allocation) ->
     """Run the chunk fetches of :func:`plan_read` on the I/O threads, then the copies into
     place that they return (all of them checked by then); count what the read allocated in
     ``objects``' statistics, whether or not it succeeded."""
+    fetch_reads(objects, fetches, allocation)()
+
+
+def fetch_reads(
+    objects: Objects, fetches: list[Fetch], allocation: Allocation
+) -> Callable[[], None]:
+    """:func:`run_reads` up to the copies into place: every chunk fetched and checked; returns
+    what runs the copies (from a memory tier, all of them: nothing is in place before)."""
     try:
         places = [p for p in _run_fetches(fetches, objects.durable) if p is not None]
-        _run_fetches(places, disk=False)
     finally:
         objects.stats.read_allocated(allocation.nbytes)
+
+    def copy() -> None:
+        _run_fetches(places, disk=False)
+
+    return copy
 
 
 def plan_read(

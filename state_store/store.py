@@ -91,7 +91,7 @@ from plexrl_dask.state_store.objects import (
     _write_file,
 )
 from plexrl_dask.state_store.objects import digest_of as digest_of  # re-exported
-from plexrl_dask.state_store.reads import plan_read, run_reads
+from plexrl_dask.state_store.reads import fetch_reads, plan_read, run_reads
 from plexrl_dask.state_store.writer import VersionWriter, _region, _Touched
 from plexrl_dask.state_store.zarr_layout import _byte_range as _byte_range  # re-exported
 from plexrl_dask.state_store.zarr_layout import (
@@ -564,6 +564,31 @@ class StateStore(CollectionMixin):
         caller may read straight into live tensors. From a disk tier chunks land and are
         checked one by one (straight into the output, without a buffer between), so ``out``
         may be partly written when one of them fails."""
+        return self._read_many(model, version, regions, out)()
+
+    def read_many_checked(
+        self,
+        model: str,
+        version: int,
+        regions: dict[str, tuple[slice, ...] | None],
+        out: dict[str, torch.Tensor] | None = None,
+    ) -> Callable[[], dict[str, torch.Tensor]]:
+        """:meth:`read_many` from a memory tier in two steps: every chunk mapped and checked
+        now (a corrupt or missing one raises here), nothing copied into ``out`` yet; the
+        function returned copies them and returns the tensors. The ranks of a group agree
+        between the two that each could read its part, so that none reads into its
+        parameters unless all can."""
+        if self.durable:
+            raise ValueError("a disk tier's read writes as it checks: read_many alone")
+        return self._read_many(model, version, regions, out)
+
+    def _read_many(
+        self,
+        model: str,
+        version: int,
+        regions: dict[str, tuple[slice, ...] | None],
+        out: dict[str, torch.Tensor] | None,
+    ) -> Callable[[], dict[str, torch.Tensor]]:
         manifest = self.manifest(model, version)  # (once: every tensor's entry is in it)
         allocation = Allocation()
         plans = [
@@ -572,8 +597,13 @@ class StateStore(CollectionMixin):
             )
             for name, region in regions.items()
         ]
-        run_reads(self.objects, [f for fetches, _ in plans for f in fetches], allocation)
-        return {name: result() for name, (_, result) in zip(regions, plans, strict=True)}
+        copy = fetch_reads(self.objects, [f for fetches, _ in plans for f in fetches], allocation)
+
+        def finish() -> dict[str, torch.Tensor]:
+            copy()
+            return {name: result() for name, (_, result) in zip(regions, plans, strict=True)}
+
+        return finish
 
     def read_with_zarr(
         self, model: str, version: int, name: str, region: tuple[slice, ...] | None = None

@@ -348,6 +348,31 @@ def test_a_memory_tier_read_into_tensors_writes_nothing_unless_every_chunk_is_in
     assert torch.equal(got["b"], ts["b"][8:])
 
 
+def test_a_checked_read_copies_nothing_until_asked_and_reads_each_chunk_once(tmp_path):
+    """``read_many_checked``: the chunks are checked at the call (a corrupt one raises, with
+    nothing copied), copied only by the function it returns, each fetched once (what a
+    group's ranks agree between); a disk tier refuses it (its reads write as they check)."""
+    store = StateStore(tmp_path / "dram", create=True, durable=False, chunk_bytes=4 * KB)
+    t = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    store.publish("m", 0, {"w": t})
+    out = {"w": torch.zeros_like(t)}
+    before = store.stats.bytes_read
+    copy = store.read_many_checked("m", 0, {"w": None}, out)
+    assert not out["w"].any()  # (checked, not copied)
+    assert copy()["w"] is out["w"] and torch.equal(out["w"], t)
+    assert store.stats.bytes_read - before == t.numel() * 4
+    digests = store.manifest("m", 0).tensors["w"].chunk_digests
+    path = store.objects.path(digests[max(digests)])
+    path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:])
+    out = {"w": torch.zeros_like(t)}
+    with pytest.raises(errors.CorruptState):
+        store.read_many_checked("m", 0, {"w": None}, out)
+    assert not out["w"].any()
+    disk = StateStore(tmp_path / "nvme", create=True, durable=True, chunk_bytes=4 * KB)
+    with pytest.raises(ValueError):
+        disk.read_many_checked("m", 0, {"w": None})
+
+
 def test_the_store_counts_what_its_reads_allocate(any_store):
     """A read's extra memory as the store counts it (``IOStats.peak_read_allocation``): the
     tensors it returns, nothing for a read into ``out`` of whole chunks (or of any region

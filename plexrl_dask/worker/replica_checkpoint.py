@@ -509,9 +509,10 @@ def read_state(
     in one batch of chunk reads. A read that fails (a corrupt chunk) changes nothing.
 
     ``agreed`` (a multi-rank replica's ``_checked``): the ranks agree that every one of them
-    read its regions before any copies them into place, so a read that fails on one rank
-    changes nothing on any (every rank then reads into new tensors first: a read straight
-    into the parameters would already have changed them)."""
+    can read its regions before any copies them into place, so a read that fails on one rank
+    changes nothing on any. From a memory tier every rank checks its chunks, the ranks
+    agree, and each then copies them straight into its parameters (no copy of the weights is
+    held meanwhile); from a disk tier each reads into new tensors first."""
 
     store, name = ckpt.store, ckpt.model
     stored = store.manifest(name, version).tensors
@@ -538,7 +539,7 @@ def read_state(
     # chunk before it copies any (a memory tier: see StateStore.read_many), so a corrupt
     # version still leaves the model as it was. Others are read into new tensors first.
     direct: dict[str, torch.Tensor] = {}
-    if not store.durable and agreed is None:
+    if not store.durable:
         for n, p in params.items():
             key, local = f"model/{n}", _local(p.detach())
             if (
@@ -552,7 +553,13 @@ def read_state(
         return {**store.read_many(name, version, regions, out=direct), **empty}
 
     elsewhere = CheckpointError(f"another rank could not read its part of {name!r} v{version}")
-    got = read() if agreed is None else agreed(read, elsewhere)
+    if agreed is None:
+        got = read()
+    elif store.durable:
+        got = agreed(read, elsewhere)
+    else:  # (checked on every rank before any copies into its parameters)
+        copy = agreed(lambda: store.read_many_checked(name, version, regions, direct), elsewhere)
+        got = {**copy(), **empty}
 
     with torch.no_grad():
         for n, p in params.items():
