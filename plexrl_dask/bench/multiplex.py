@@ -124,6 +124,7 @@ from plexrl_dask.rl.modes import (
 from plexrl_dask.rl.report import plot_run, reward_start_end
 from plexrl_dask.rl.sizing import budget_bytes
 from plexrl_dask.rl.warmup import warm_start, warmup_deployment
+from plexrl_dask.shared.types import Streams
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,14 @@ def main() -> None:
         default=5,
         help="GRPO seeds per job in the split-async comparison (0: skip it; else >= 2)",
     )
+    p.add_argument(
+        "--stream-rows",
+        type=int,
+        default=None,
+        help="plexrl.sampling.stream-rows for every layout (default: the setting). A step of "
+        "the standard jobs is 128 rows: at 128, one stream, which a job colocated on 2 "
+        "workers decodes on its rank 0 alone; at 64 each rank decodes one",
+    )
     add_cores_option(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -205,6 +214,8 @@ def main() -> None:
     for mode, why in not_run.items():
         console.print(f"{mode}: not run ({why})")
     settings = {"plexrl.worker.memory-budget": args.memory_budget}
+    if args.stream_rows is not None:  # (workers get it too: shipped settings)
+        settings["plexrl.sampling.stream-rows"] = args.stream_rows
     with (
         dask.config.set(settings),
         tempfile.TemporaryDirectory(prefix="plexrl-bench-") as tmp,
@@ -287,6 +298,7 @@ def main() -> None:
             seeds=0,
             steps=steps,
             cores=args.cores,
+            stream_rows=args.stream_rows or Streams.from_config().rows,
         )
         report("multiplex", results, TARGETS, config, args.json)
         seeds = None
