@@ -530,3 +530,47 @@ def test_a_policy_gradient_is_taken_at_the_temperature_its_completions_were_samp
     assert GRPOConfig(temperature=0.0).loss(3).temperature == 1.0  # (greedy: the logits')
     with pytest.raises(errors.InvalidLoss):
         PolicyGradient(temperature=0.0)
+
+
+def test_sampling_ends_at_the_generation_configs_end_of_turn_token_as_hugging_face(tmp_path):
+    """An instruct checkpoint lists its end-of-turn token in ``generation_config.json``, not as
+    the tokenizer's EOS: Hugging Face's generate stops there, and so does a replica."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    spec = tiny_spec(seed=3)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=6)
+    plain = TorchBackend(spec, "cpu")
+    prompt = toks(plain, "12+3=")
+    first = plain.sample([prompt], greedy, [0])[0][0].tokens[0]
+    path = tmp_path / "ckpt"
+    spec.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=[2, first]).save_pretrained(str(path))
+    checkpoint = ModelSpec(path=str(path))
+    out = TorchBackend(checkpoint, "cpu").sample([prompt], greedy, [0])[0][0]
+    assert out.tokens == (first,)
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    ids = torch.tensor([prompt])
+    hf = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :]
+    assert hf.tolist() == [first]
+
+
+def test_a_checkpoint_missing_a_weight_or_its_tokenizer_is_refused(tmp_path):
+    """Hugging Face would initialise a missing weight at random, apart on every worker (no
+    seed): replicas of one spec would differ. A directory without tokenizer files gave a
+    tokenizer of one token, and every prompt tokenized to nothing."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ckpt"
+    tiny_spec(seed=3).save_pretrained(str(path))
+    weights = load_file(str(path / "model.safetensors"))
+    dropped = next(k for k in weights if "mlp.down_proj" in k)
+    save_file({k: v for k, v in weights.items() if k != dropped}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(errors.InvalidModelSpec, match="no weights for"):
+        ModelSpec(path=str(path)).build_model()
+    bare = tmp_path / "bare"
+    tiny_spec(seed=3).save_pretrained(str(bare))
+    for f in bare.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(errors.InvalidModelSpec):
+        ModelSpec(path=str(bare)).build_tokenizer()

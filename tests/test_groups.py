@@ -699,3 +699,34 @@ def test_weights_of_another_architecture_of_the_same_shapes_are_refused(runtime)
     with pytest.raises(errors.CheckpointIncompatible, match="architecture"):
         plexrl.result(other.load_state(plexrl.result(trainer.save_state())))
 
+
+
+class _RewardNotYet:
+    """A task whose reward raises what torch's collectives raise too (a RuntimeError)."""
+
+    stop: str = "\n"
+
+    def problems(self, start: int, count: int) -> list:
+        from plexrl_dask.tasks import Problem
+
+        return [Problem(prompt=f"{i}=", answer="1\n", index=i) for i in range(start, start + count)]
+
+    def reward(self, problem, completion: str) -> float:
+        raise NotImplementedError("not written yet")
+
+
+def test_a_reward_that_raises_on_a_sharded_policys_workers_leaves_the_policy_as_it_was(runtime):
+    """Scored on the worker, in the training request of a 2-rank policy: the reward's
+    NotImplementedError (a RuntimeError) was taken for a failed collective, and both ranks
+    dropped the policy's trained state. It is the task's error, typed, on both ranks."""
+    from plexrl_dask.rl import GRPOConfig, GRPOJob
+
+    policy = runtime.deploy(unique("reward-raises"), tiny_spec(seed=31), world_size=2)
+    plexrl.result([policy.forward_backward(batch_for(policy, 2)), policy.optim_step()])
+    before = plexrl.result(policy.get_weights()).tensors
+    config = GRPOConfig(steps=1, prompts_per_step=2, group_size=2, max_tokens=4)
+    with pytest.raises(errors.ConfigError, match="_RewardNotYet's reward of problem"):
+        GRPOJob(unique("reward-raises"), runtime, _RewardNotYet(), policy, config).run()
+    after = plexrl.result(policy.get_weights()).tensors
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    plexrl.result([policy.forward_backward(batch_for(policy, 2)), policy.optim_step()])

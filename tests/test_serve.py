@@ -1239,7 +1239,7 @@ def test_samplers_of_saved_weights_come_back_after_their_workers_restart(server)
     full.forward_backward([ce_datum(A)], "cross_entropy").result()
     full.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     path = full.save_weights_for_sampler("restart").result().path
-    samplers = {"path": sc.create_sampling_client(model_path=path)}
+    samplers = {"path": sc.create_sampling_client(model_path=path).result()}
     if _has_peft():
         lora = sc.create_lora_training_client(base_model=BASE, rank=4).result()
         lora.forward_backward([ce_datum(A)], "cross_entropy").result()

@@ -14,6 +14,7 @@ from plexrl_dask.tasks import (
     WeightedRewards,
     score,
 )
+from plexrl_dask.tasks.base import describe_task
 
 
 def test_countdown_reference_answers_verify_and_problems_are_reproducible():
@@ -108,3 +109,85 @@ def test_weighted_rewards_sum_their_terms_and_say_each():
     nan = WeightedRewards(base, (RewardTerm("a", lambda p, c: float("nan")),))
     with pytest.raises(ConfigError, match="not a finite number"):
         score(nan, p, "1\n")
+
+
+class _Raising(ArithmeticTask):
+    def reward(self, problem, completion):
+        raise NotImplementedError("not yet")
+
+
+def test_what_a_reward_raises_or_returns_is_checked_where_it_is_scored():
+    """The user's reward is the user's code: whatever it raises is a ConfigError naming the
+    task and the problem (a bare RuntimeError on a sharded policy's worker read as a failed
+    collective, and dropped the policy's state); a real number of any type is a reward, a
+    string, None, an overflow or a score() of the wrong shape is not."""
+    import numpy as np
+
+    task = ArithmeticTask()
+    [p] = task.problems(0, 1)
+    with pytest.raises(
+        ConfigError, match=r"_Raising's reward of problem 0 raised NotImplementedError"
+    ):
+        score(_Raising(), p, "1")
+    for value in (np.float32(1.0), np.int64(1), 1):
+        assert (
+            score(WeightedRewards(task, (RewardTerm("x", lambda p, c, v=value: v),)), p, "")[0]
+            == 1.0
+        )
+    for value in ("1.0", None, 10**400, float("nan")):
+        term = RewardTerm("x", lambda p, c, v=value: v)
+        with pytest.raises(ConfigError, match="term 'x'"):
+            score(WeightedRewards(task, (term,)), p, "")
+
+    class Flat(ArithmeticTask):
+        def score(self, problem, completion):
+            return 1.0
+
+    with pytest.raises(ConfigError, match=r"returns \(reward"):
+        score(Flat(), p, "")
+
+
+def test_a_tasks_description_is_the_same_in_every_process():
+    """A job checkpoint names its task by this text, and a resume in another driver process
+    must find it again: no addresses (a lambda reward term), sets in sorted order (their
+    order follows the process's hash seed)."""
+    import os
+    import subprocess
+    import sys
+
+    program = (
+        "import dataclasses\nfrom plexrl_dask.tasks import ArithmeticTask, RewardTerm, "
+        "WeightedRewards\nfrom plexrl_dask.tasks.base import describe_task\n"
+        "@dataclasses.dataclass(frozen=True)\nclass T(ArithmeticTask):\n"
+        "    words: frozenset = frozenset({'alpha', 'beta', 'gamma', 'delta', 'eps'})\n"
+        "print(describe_task(WeightedRewards(T(), (RewardTerm('c', lambda p, c: 1.0),))))"
+    )
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", program], capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2", "3")
+    }  # fmt: skip
+    assert len(seen) == 1, seen
+    assert "0x" not in seen.pop()
+    assert describe_task(ArithmeticTask()) == repr(ArithmeticTask())  # (plain ones: as before)
+
+
+def test_a_task_of_no_stop_string_samples_to_its_end():
+    from plexrl_dask.rl import GRPOConfig
+
+    assert GRPOConfig().stops("") == ()
+    with pytest.raises(ConfigError, match="stop"):
+        ArithmeticTask(stop="")
+
+
+def test_an_agentic_task_without_its_turn_limits_is_refused_when_the_job_is_made():
+    from plexrl_dask.tasks.base import check_task
+    from plexrl_dask.tools import Calculator
+
+    class NoTurns(ArithmeticTask):
+        tools = {"calc": Calculator()}
+
+    with pytest.raises(ConfigError, match="max_turns"):
+        check_task(NoTurns())

@@ -359,7 +359,7 @@ def test_checks_rebuild_values_that_skipped_their_constructor():
         checks.checked_adamw(bypassed(AdamWParams(), lr=float("nan")))
     with pytest.raises(errors.InvalidLoss):
         checks.checked_loss(bypassed(PolicyGradient(), kl_coef=-1.0))
-    with pytest.raises(errors.EmptyBatch, match="batch item 1"):
+    with pytest.raises(errors.InvalidBatch, match="batch item 1"):
         checks.checked_batch(
             [Datum(tokens=[1, 2]), bypassed(Datum(tokens=[1, 2]), tokens=("x", 2))]
         )
@@ -388,3 +388,34 @@ def test_checks_rebuild_values_that_skipped_their_constructor():
             checks.checked_batch([Datum(tokens=[1, 2])] * 9)
     with dask.config.set({"plexrl.quotas.max-request-rows": 0}), pytest.raises(errors.ConfigError):
         checks.check_rows(1, "a request")
+
+
+def test_token_ids_are_integers_never_rounded_nor_read_digit_by_digit():
+    import numpy as np
+
+    assert Datum(tokens=np.array([3, 4], dtype=np.int64)).tokens == (3, 4)
+    for bad in ((1.7, 2.9), "123", ("5", "6"), (True, 2), None):
+        with pytest.raises(errors.InvalidBatch):
+            Datum(tokens=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": 1e-40}, {"ignore_eos": "no"}, {"stop": None}, {"n": True},
+     {"max_tokens": True}, {"seed": False}, {"stop_token_ids": 5}],  # fmt: skip
+)
+def test_sampling_params_that_would_break_on_a_worker_are_refused_here(kwargs):
+    """A temperature so small that the logits divided by it overflow (every log-probability
+    NaN), a string where a flag belongs (truthy: EOS silently ignored), a bool for a count."""
+    with pytest.raises(errors.InvalidSamplingParams):
+        SamplingParams(**kwargs)
+    assert SamplingParams(temperature=0.0).temperature == 0.0  # (greedy)
+
+
+def test_a_lora_spec_of_values_that_break_later_is_refused():
+    from plexrl_dask.models.spec import LoraSpec
+
+    for bad in ({"alpha": math.inf}, {"alpha": True}, {"seed": "x"}, {"targets": "q_proj"}):
+        with pytest.raises(errors.InvalidModelSpec):
+            LoraSpec(4, **bad)
+    assert LoraSpec(4, targets=["q_proj"]).targets == ("q_proj",)

@@ -9,9 +9,11 @@ specs never loads the model stack.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +49,20 @@ def hf_config(spec: ModelSpec) -> Any:
     if spec.config is not None:
         return hf("Qwen2Config")(**dict(spec.config))
     spec.check_path()
-    return hf("AutoConfig").from_pretrained(spec.path, local_files_only=True)
+    with _checkpoint_errors(spec, "its config"):
+        return hf("AutoConfig").from_pretrained(spec.path, local_files_only=True)
+
+
+@contextlib.contextmanager
+def _checkpoint_errors(spec: ModelSpec, what: str) -> Iterator[None]:
+    """What Hugging Face raises reading a checkpoint (a file missing or malformed, a model
+    type it does not know) as :class:`InvalidModelSpec` naming the checkpoint."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError) as e:
+        if isinstance(e, InvalidModelSpec):
+            raise
+        raise InvalidModelSpec(f"{spec.path}: cannot read {what}: {e}") from e
 
 
 def num_parameters(spec: ModelSpec) -> int:
@@ -81,7 +96,11 @@ def build_tokenizer(spec: ModelSpec) -> Any:
     if spec.config is not None:
         return build_char_tokenizer()
     spec.check_path()
-    return hf("AutoTokenizer").from_pretrained(spec.path, local_files_only=True)
+    with _checkpoint_errors(spec, "its tokenizer"):
+        tokenizer = hf("AutoTokenizer").from_pretrained(spec.path, local_files_only=True)
+    if len(tokenizer) <= 1:  # (a directory without tokenizer files gives one of one token)
+        raise InvalidModelSpec(f"{spec.path}: no tokenizer (tokenizer.json and its config)")
+    return tokenizer
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
@@ -100,9 +119,17 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch.nn
         model = model.to(dtype=torch_dtype(spec))
     else:
         spec.check_path()
-        model = auto_model.from_pretrained(
-            spec.path, local_files_only=True, dtype=torch_dtype(spec), attn_implementation="sdpa"
-        )
+        with _checkpoint_errors(spec, "its weights"):
+            model, info = auto_model.from_pretrained(
+                spec.path, local_files_only=True, dtype=torch_dtype(spec),
+                attn_implementation="sdpa", output_loading_info=True,
+            )  # fmt: skip
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:  # (Hugging Face would initialise them at random, apart on every worker)
+            raise InvalidModelSpec(
+                f"{spec.path}: the checkpoint has no weights for {missing[:5]}"
+                f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}"
+            )
     return model.to(device)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -53,10 +54,20 @@ class LoraSpec:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise InvalidModelSpec(f"a LoRA rank is an integer >= 1, got {self.rank!r}")
-        if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise InvalidModelSpec(f"a LoRA alpha is a number > 0, got {self.alpha!r}")
-        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
-            raise InvalidModelSpec(f"LoRA targets are module names, got {self.targets!r}")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+            math.isfinite(alpha) and alpha > 0
+        ):
+            raise InvalidModelSpec(f"a LoRA alpha is a finite number > 0, got {alpha!r}")
+        if (
+            not isinstance(self.targets, (list, tuple))
+            or not self.targets
+            or not all(isinstance(t, str) and t for t in self.targets)
+        ):
+            raise InvalidModelSpec(f"LoRA targets are a list of module names, got {self.targets!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidModelSpec(f"a LoRA seed is an integer, got {self.seed!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from plexrl_dask import config
-from plexrl_dask.errors import ConfigError, NoChatTemplate
+from plexrl_dask.errors import ConfigError, InvalidSamplingParams, NoChatTemplate
 from plexrl_dask.shared.types import Chat, TurnPrompt
 
 if TYPE_CHECKING:
@@ -111,9 +111,14 @@ def _chat_ids(tokenizer: Any, chat: Chat) -> list[int]:
         raise NoChatTemplate(
             "this model's tokenizer has no chat template: give the prompt as text or token ids"
         )
-    ids = tokenizer.apply_chat_template(
-        chat.as_dicts(), add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    try:
+        ids = tokenizer.apply_chat_template(
+            chat.as_dicts(), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as e:  # (the checkpoint's template, Jinja: whatever it raises)
+        raise InvalidSamplingParams(
+            f"this model's chat template failed on the chat: {type(e).__name__}: {e}"
+        ) from e
     return [int(t) for t in ids]
 
 
@@ -153,3 +158,14 @@ def token_pieces(tokenizer: Any) -> list[str] | None:
         except (KeyError, UnicodeDecodeError):
             return None
     return pieces
+
+
+def end_of_sequence_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
+    """The tokens that end a completion, as Hugging Face's ``generate`` ends it: the
+    tokenizer's end-of-sequence token and those of the model's generation config (one id or
+    a list; instruct checkpoints list their end-of-turn token there). Sorted, no repeats."""
+    config = getattr(model, "generation_config", None)
+    found: list[Any] = [tokenizer.eos_token_id]
+    listed = getattr(config, "eos_token_id", None)
+    found += list(listed) if isinstance(listed, (list, tuple)) else [listed]
+    return tuple(sorted({int(i) for i in found if isinstance(i, int) and not isinstance(i, bool)}))

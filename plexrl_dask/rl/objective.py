@@ -64,7 +64,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plexrl_dask.errors import ConfigError, InvalidLoss, InvalidOptimizerParams
-from plexrl_dask.shared.types import KL_ESTIMATORS, AdamWParams, Datum, PolicyGradient
+from plexrl_dask.shared.types import (
+    KL_ESTIMATORS,
+    MIN_TEMPERATURE,
+    AdamWParams,
+    Datum,
+    PolicyGradient,
+)
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean", "constant-normalised")
 ADVANTAGE_NORMS = ("std", "std-unbiased", "none")
@@ -124,6 +130,10 @@ class GRPOConfig:
         if not (isinstance(self.temperature, int | float) and not isinstance(self.temperature, bool)
                 and math.isfinite(self.temperature) and self.temperature >= 0):  # fmt: skip
             raise ConfigError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"temperature is 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature!r}"
+            )
         if min(self.steps, self.prompts_per_step, self.group_size, self.epochs) < 1:
             raise ConfigError(
                 f"steps, prompts_per_step, group_size and epochs must be >= 1: {self}"
@@ -194,7 +204,9 @@ class GRPOConfig:
         """The strings a completion stops at, the task's being ``task_stop`` (see Stopping)."""
         if self.eos_only:
             return ()
-        return self.stop if self.stop is not None else (task_stop,)
+        if self.stop is not None:
+            return self.stop
+        return (task_stop,) if task_stop else ()  # (a task's "" is no stop string)
 
     def optimizer(self, step: int) -> AdamWParams:
         """The AdamW step of GRPO step ``step`` (its learning rate: :func:`lr_at`)."""

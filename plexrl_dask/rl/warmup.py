@@ -78,7 +78,8 @@ def evaluate(
     deployment: Deployment, task: Task, problems: list[Problem], max_tokens: int = 8
 ) -> float:
     """Greedy accuracy of ``deployment`` on ``problems``."""
-    params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=(task.stop,))
+    stop = (task.stop,) if task.stop else ()  # (a task's "" is no stop string)
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=stop)
     out = result(deployment.sample([p.prompt for p in problems], params))
     rewards = [
         task.reward(p, group[0].text) for p, group in zip(problems, out.sequences, strict=True)

@@ -60,8 +60,8 @@ def rebuilt(
         raise error(f"{what} must be {names}, got {type(value).__name__}")
     try:
         return dataclasses.replace(value)  # type: ignore[type-var]
-    except PlexRLError:
-        raise
+    except PlexRLError as e:  # (the constructor's own: its class, and which value it was)
+        raise type(e)(f"{what}: {e}") from None
     except (TypeError, ValueError, OverflowError) as e:
         raise error(f"{what}: {e}") from None
 

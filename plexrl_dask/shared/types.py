@@ -24,6 +24,7 @@ from plexrl_dask import config
 from plexrl_dask.errors import (
     ConfigError,
     EmptyBatch,
+    InvalidBatch,
     InvalidLoss,
     InvalidOptimizerParams,
     InvalidSamplingParams,
@@ -66,7 +67,7 @@ class Datum:
     inputs: tuple[tuple[str, float | tuple[float, ...]], ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "tokens", token_ids(self.tokens, "Datum.tokens"))
         for name in ("weights", "advantages", "old_logprobs", "ref_logprobs"):
             object.__setattr__(self, name, _floats(getattr(self, name)))
         if len(self.tokens) < 2:
@@ -186,6 +187,21 @@ def check_tokens(
                 f"{what} {i} has {len(seq)} tokens{more}, more than the model's "
                 f"{max_positions} positions; shorten it" + (" or lower max_tokens" if extra else "")
             )
+
+
+def token_ids(values: Any, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints if it is a sequence of integers (a numpy integer is one;
+    a bool, a float, a string of digits is not: never rounded or read digit by digit);
+    else :class:`InvalidBatch` naming ``what``."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise InvalidBatch(f"{what} is a sequence of token ids, got {type(values).__name__}")
+    ids = tuple(values)
+    if not all(type(t) is int for t in ids) and not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
+    ):
+        bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral))
+        raise InvalidBatch(f"{what}: token ids are integers, got {bad!r:.40}")
+    return tuple(map(int, ids))
 
 
 def as_batch(batch: Sequence[Datum] | Datum) -> tuple[Datum, ...]:
@@ -441,6 +457,11 @@ class Chat:
 MAX_STOP_TOKENS = 1024
 
 
+#: The smallest temperature above 0 (greedy) a sample may use: below it the logits divided
+#: by it overflow float32, and every log-probability is NaN.
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample completions.
@@ -475,6 +496,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # A lone string is one stop string, not a set of characters.
+        if not isinstance(self.stop, (str, list, tuple)):
+            raise InvalidSamplingParams(
+                f"stop is a string or a list of them, got {self.stop!r:.80}"
+            )
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidSamplingParams(
+                f"stop_token_ids is a list of ints, got {self.stop_token_ids!r:.80}"
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -486,21 +515,31 @@ class SamplingParams:
                 f"stop_token_ids are at most {MAX_STOP_TOKENS} ints >= 0 "
                 f"(got {self.stop_token_ids!r:.80})"
             )
-        if not (isinstance(self.n, int) and self.n >= 1):
+        if isinstance(self.n, bool) or not (isinstance(self.n, int) and self.n >= 1):
             problems.append(f"n must be an int >= 1 (got {self.n!r})")
         if not (_real(self.temperature) and self.temperature >= 0):
             problems.append(f"temperature must be finite and >= 0 (got {self.temperature!r})")
+        elif 0 < self.temperature < MIN_TEMPERATURE:  # (logits ÷ it overflow: NaN log-probs)
+            problems.append(
+                f"temperature is 0 (greedy) or at least {MIN_TEMPERATURE} (got {self.temperature!r})"
+            )
         if not (_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1] (got {self.top_p})")
         k = self.top_k
         if isinstance(k, bool) or not (isinstance(k, int) and 0 <= k < 2**31):
             problems.append(f"top_k must be an int in [0, 2**31), 0 for no limit (got {k!r})")
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+        if isinstance(self.max_tokens, bool) or not (
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1
+        ):
             problems.append(f"max_tokens must be an int >= 1 (got {self.max_tokens!r})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+        if isinstance(self.seed, bool) or not (
+            isinstance(self.seed, int) and 0 <= self.seed < 2**63
+        ):
             problems.append(f"seed must be an int in [0, 2**63) (got {self.seed!r})")
+        if not isinstance(self.ignore_eos, bool):
+            problems.append(f"ignore_eos must be true or false (got {self.ignore_eos!r})")
         if not (self.special_tokens is None or isinstance(self.special_tokens, bool)):
             problems.append(
                 f"special_tokens must be true, false or None (got {self.special_tokens!r})"
@@ -513,10 +552,15 @@ class SamplingParams:
         """Whether sampling is limited to a part of the vocabulary (``top_p`` or ``top_k``)."""
         return self.top_p < 1.0 or self.top_k > 0
 
-    def stop_ids(self, eos_token_id: int | None) -> frozenset[int]:
-        """The token ids that end a completion on a model whose end-of-sequence token is
-        ``eos_token_id``."""
-        eos = () if self.ignore_eos or eos_token_id is None else (eos_token_id,)
+    def stop_ids(self, eos_token_ids: int | Iterable[int] | None) -> frozenset[int]:
+        """The token ids that end a completion on a model whose end-of-sequence tokens are
+        ``eos_token_ids`` (one id, several, or None)."""
+        if self.ignore_eos or eos_token_ids is None:
+            eos: tuple[int, ...] = ()
+        elif isinstance(eos_token_ids, int):
+            eos = (eos_token_ids,)
+        else:
+            eos = tuple(eos_token_ids)
         return frozenset((*self.stop_token_ids, *eos))
 
 

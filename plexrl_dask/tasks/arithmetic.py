@@ -26,6 +26,8 @@ class ArithmeticTask:
     stop: str = "\n"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.stop, str) and self.stop):  # (the answer ends at it)
+            raise ConfigError(f"ArithmeticTask's stop is a non-empty string, got {self.stop!r}")
         if self.digits < 1 or not self.ops or any(o not in _OPS for o in self.ops):
             raise ConfigError(f"digits must be >= 1 and ops a subset of {''.join(_OPS)}: {self}")
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -67,6 +70,11 @@ def check_task(task: Any) -> None:
         missing.append("stop (a string)")
     if hasattr(task, "score") and not callable(task.score):
         missing.append("score (callable, where a task has one)")
+    if getattr(task, "tools", None):  # (an agentic task: its episodes read these)
+        for name in ("max_turns", "observation_limit"):
+            value = getattr(task, name, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                missing.append(f"{name} (an int >= 1: it has tools)")
     if missing:
         raise ConfigError(
             f"a task has problems(start, count), reward(problem, completion) and a stop string "
@@ -75,14 +83,51 @@ def check_task(task: Any) -> None:
 
 
 def describe_task(task: Any) -> str:
-    """``repr(task)``, cut at :data:`TASK_REPR_CHARS` characters with a digest of the whole
-    where it is longer; a task whose class has no repr of its own is named by its class
-    (``object``'s repr holds its address, which another process does not share: a job
-    checkpoint would never match its task again; the problems' digest tells data apart)."""
-    if type(task).__repr__ is object.__repr__:
-        return f"<{type(task).__module__}.{type(task).__qualname__}>"
-    text = repr(task)
+    """``repr(task)`` as every process writes it, cut at :data:`TASK_REPR_CHARS` characters
+    with a digest of the whole where it is longer (a job checkpoint names its task so: a
+    resume in another process must find the same text). So a task whose class has no repr
+    of its own is named by its class, a function by its module and name (never an address:
+    ``object``'s repr holds one, which another process does not share), and a dataclass's
+    sets are listed in sorted order (their order follows the process's string hash seed);
+    the problems' digest tells data apart."""
+    text = _canonical(task, 0)
     if len(text) <= TASK_REPR_CHARS:
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return f"{text[:TASK_REPR_CHARS]}... ({len(text)} characters, sha256 {digest})"
+
+
+def _canonical(value: Any, depth: int) -> str:
+    """:func:`describe_task`'s repr of ``value``: a dataclass with its generated repr field
+    by field, sets sorted, functions and classes by name, addresses left out elsewhere."""
+    if depth > 8:
+        return _ADDRESS.sub("", repr(value))
+    kind = type(value)
+    if isinstance(value, (set, frozenset)):
+        items = sorted(_canonical(v, depth + 1) for v in value)
+        inner = "{" + ", ".join(items) + "}" if items else ""
+        return f"{kind.__name__}({inner})" if kind is frozenset or not items else inner
+    if inspect.ismethod(value):  # (a bound method: of which object, too)
+        return f"<{value.__qualname__} of {_canonical(value.__self__, depth + 1)}>"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"<{getattr(value, '__module__', '?')}.{value.__qualname__}>"
+    if dataclasses.is_dataclass(value) and hasattr(kind.__repr__, "__wrapped__"):
+        fields = (f for f in dataclasses.fields(value) if f.repr)
+        inner = ", ".join(
+            f"{f.name}={_canonical(getattr(value, f.name), depth + 1)}" for f in fields
+        )
+        return f"{kind.__qualname__}({inner})"
+    if kind.__repr__ is object.__repr__:
+        return f"<{kind.__module__}.{kind.__qualname__}>"
+    if isinstance(value, (list, tuple)) and kind in (list, tuple):
+        items = [_canonical(v, depth + 1) for v in value]
+        return (
+            f"[{', '.join(items)}]"
+            if kind is list
+            else f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+        )
+    return _ADDRESS.sub("", repr(value))
+
+
+#: An address in a repr (``<function f at 0x7f...>``): another process's differs.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

@@ -4,6 +4,7 @@ scores a completion for a job (:func:`score`)."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ class WeightedRewards:
         return self.task.problems(start, count)
 
     def score(self, problem: Problem, completion: str) -> tuple[float, dict[str, float]]:
-        terms = {t.name: float(t.fn(problem, completion)) for t in self.terms}
+        terms = {t.name: _number(t.fn(problem, completion), f"term {t.name!r}") for t in self.terms}
         return sum(t.weight * terms[t.name] for t in self.terms), terms
 
     def reward(self, problem: Problem, completion: str) -> float:
@@ -60,16 +61,36 @@ class WeightedRewards:
 
 def score(task: Any, problem: Problem, completion: str) -> tuple[float, dict[str, float]]:
     """``completion``'s reward under ``task`` and its named terms (none unless the task has
-    ``score``); a reward that is not a finite number is a :class:`ConfigError` naming the
-    problem (it would poison every advantage of its group)."""
+    ``score``), as floats. The task's own code failing (any exception it raises), or a reward
+    that is not a finite real number (a numpy scalar is one), is a :class:`ConfigError`
+    naming the task and the problem: never a bare error of the user's code, which on a
+    sharded policy's worker would read as a failed collective, nor a value that would poison
+    every advantage of its group."""
+    what = f"{type(task).__name__}'s reward of problem {problem.index}"
     scorer = getattr(task, "score", None)
-    reward, terms = (
-        scorer(problem, completion) if scorer else (task.reward(problem, completion), {})
-    )
-    values = [reward, *terms.values()]
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
-        raise ConfigError(
-            f"the task's reward of problem {problem.index} is not a finite number: "
-            f"{reward!r} {terms if terms else ''}"
-        )
-    return float(reward), terms
+    try:
+        found = scorer(problem, completion) if scorer else (task.reward(problem, completion), {})
+    except ConfigError:
+        raise
+    except Exception as e:  # (the user's code: whatever it raises)
+        raise ConfigError(f"{what} raised {type(e).__name__}: {e}") from e
+    if not (isinstance(found, tuple) and len(found) == 2 and isinstance(found[1], dict)):
+        raise ConfigError(f"{what}: score() returns (reward, {{term: value}}), got {found!r:.80}")
+    reward, terms = found
+    return _number(reward, what), {
+        str(k): _number(v, f"{what}, term {k!r}") for k, v in terms.items()
+    }
+
+
+def _number(value: Any, what: str) -> float:
+    """``value`` as a finite float if it is a real number (not a string or None); else
+    :class:`ConfigError` naming ``what``."""
+    if isinstance(value, str) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{what} is not a finite number: {value!r:.80}")
+    try:
+        out = float(value)
+    except (OverflowError, ValueError):
+        out = math.inf
+    if not math.isfinite(out):
+        raise ConfigError(f"{what} is not a finite number: {value!r:.80}")
+    return out

@@ -154,7 +154,7 @@ class StopRule:
         # A stop string that appears in a row's text for the first time ends in its newest
         # token: the full check runs only after tokens whose text holds a stop's last character.
         self.may_stop = backend.tokens_ending(s[-1] for s in self.strings if s)
-        self.ids = params.stop_ids(backend.eos_token_id)
+        self.ids = params.stop_ids(backend.eos_token_ids)
 
     def stopped(self, seq: list[int], token: int) -> bool:
         """Whether ``seq``, whose newest token is ``token``, is complete."""

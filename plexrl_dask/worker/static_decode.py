@@ -545,7 +545,7 @@ class _Stream:
         if may_stop is not None and stops:
             stop_mask = np.zeros(backend.vocab_size, dtype=bool)
             stop_mask[list(may_stop)] = True
-        stop_ids = np.array(sorted(params.stop_ids(backend.eos_token_id)), dtype=np.int64)
+        stop_ids = np.array(sorted(params.stop_ids(backend.eos_token_ids)), dtype=np.int64)
         while True:
             self._admit()
             held = np.flatnonzero(self.slot_row >= 0)

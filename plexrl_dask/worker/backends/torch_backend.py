@@ -32,7 +32,7 @@ from plexrl_dask.errors import (
     WeightsMismatch,
 )
 from plexrl_dask.models.spec import ModelSpec
-from plexrl_dask.models.tokenizer import encode_prompts, token_pieces
+from plexrl_dask.models.tokenizer import encode_prompts, end_of_sequence_ids, token_pieces
 from plexrl_dask.shared.checks import checked_temperature, checked_top
 from plexrl_dask.shared.types import (
     AdamWParams,
@@ -88,6 +88,9 @@ class TorchBackend:
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(cfg.max_position_embeddings)
         self.eos_token_id = self.tokenizer.eos_token_id
+        # (as Hugging Face's generate ends a completion: an instruct checkpoint lists its
+        # end-of-turn token in its generation config, not as the tokenizer's EOS)
+        self.eos_token_ids = end_of_sequence_ids(self.tokenizer, self.model)
         self.pad_token_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         )
