@@ -8,9 +8,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -97,6 +99,7 @@ def write_json(
                 [os.path.basename(sys.executable), "-m", f"plexrl_dask.bench.{name}", *sys.argv[1:]]
             ),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "commit": source_commit(),
             "machine": machine(),
             "config": config,
             "results": results,
@@ -105,6 +108,41 @@ def write_json(
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def source_commit() -> str | None:
+    """The commit of the code measured (``git rev-parse HEAD`` of this package's checkout),
+    ``+dirty`` when the measured files differ from it; None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                "plexrl_dask",
+                "plugins",
+                "state_store",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _process_tree(root: int) -> list[int]:
