@@ -107,7 +107,10 @@ def test_the_registry_takes_vllm_for_rollout_only():
     assert info.weights_only and info.revived_by("load_weights") and info.revived_by("load_state")
     assert not info.revived_by("sample")
     torch_info = DeploymentInfo(**base, backend="torch")
-    assert not torch_info.weights_only and not torch_info.revived_by("load_weights")
+    # (a torch rollout replica is not weights-only, yet its weights are all its state: a
+    # published version brings it back; set_weights, which may set a subset, does not)
+    assert not torch_info.weights_only and torch_info.revived_by("load_weights")
+    assert not torch_info.revived_by("set_weights")
     with pytest.raises(errors.ConfigError, match="role='rollout'"):
         DeploymentInfo(**{**base, "role": "train"}, backend="vllm")
     with pytest.raises(errors.ConfigError, match="backend must be one of"):
