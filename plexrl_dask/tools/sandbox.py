@@ -188,13 +188,22 @@ def chosen_isolation() -> str:
 
 @functools.cache
 def _warn_limits_only() -> None:
-    exposed = (
-        "see the machine's processes and use the network but TCP (Landlock bounds its files, "
-        "TCP ports and signals)"
-        if files_confined()
-        else "use the network, write wherever its user may and, run as the caller's user "
-        "(not root), signal the caller's other processes"
-    )
+    abi = _confine.landlock_abi()  # (what each Landlock version bounds: _confine.py)
+    if abi >= 1:
+        bounded = [
+            "its files",
+            *(["TCP ports"] if abi >= 4 else []),
+            *(["signals"] if abi >= 6 else []),
+        ]
+        exposed = (
+            f"see the machine's processes and use the network{' but TCP' if abi >= 4 else ''} "
+            f"(Landlock {abi} bounds {', '.join(bounded)})"
+        )
+    else:
+        exposed = (
+            "use the network, write wherever its user may and, run as the caller's user "
+            "(not root), signal the caller's other processes"
+        )
     logger.warning(
         "the Python sandbox runs programs with limits alone here: no namespaces (not root, "
         "and no user namespaces), so a program may %s. Set plexrl.tools.sandbox-isolation "
