@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import replace
 
+import dask
 import pytest
 import torch
 
@@ -286,3 +287,72 @@ def test_a_task_from_a_module_the_workers_lack_is_sealed_by_value(runtime, tmp_p
     samples = policy.sample(["1="], plexrl.SamplingParams(n=2, max_tokens=2, seed=1))
     with pytest.raises(errors.InvalidRecipe, match="does not unpickle"):
         plexrl.result(policy.train_scored(samples, b"not a recipe"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowFirstCharIsDigit(FirstCharIsDigit):
+    """FirstCharIsDigit whose reward sleeps ``delay`` s a call and writes, to ``log``, the
+    process it ran in and the problem's index."""
+
+    log: str = ""
+    delay: float = 0.0
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        import os
+        import time
+
+        time.sleep(self.delay)
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {problem.index}\n")
+        return super().reward(problem, completion)
+
+
+def _scored_where(log, config) -> list[set[int]]:
+    """Per step, the processes its rewards ran in."""
+    where: list[set[int]] = [set() for _ in range(config.steps)]
+    for line in log.read_text().splitlines():
+        pid, index = map(int, line.split())
+        where[(index - config.problem_offset) // config.prompts_per_step].add(pid)
+    return where
+
+
+def test_a_reward_over_the_limit_moves_to_the_driver_with_the_same_records(runtime, tmp_path):
+    """A reward slower than ``plexrl.grpo.worker-reward-limit`` over a step, scored on the
+    worker, moves to the driver from the next step the job submits: fused, the step already
+    queued behind it still scores on the worker; unfused, the next step's samples are
+    scored on the driver. Same records as a job scored on the driver throughout."""
+    import os
+
+    config = replace(CONFIG, steps=4)
+    workers = set(runtime.client.run(os.getpid).values())
+    driver = {os.getpid()}
+    runs = {}
+    for name, kwargs in (
+        ("driver", {"score_on_worker": False}),
+        ("fused", {}),
+        ("unfused", {"fuse_steps": False}),
+    ):
+        log = tmp_path / f"{name}.log"
+        task = SlowFirstCharIsDigit(log=str(log), delay=0.003)  # (48 calls: ~0.14 s a step)
+        policy = runtime.deploy(unique(f"slow-reward-{name}"), tiny_spec(seed=11))
+        with dask.config.set({"plexrl.grpo.worker-reward-limit": "50ms"}):
+            job = GRPOJob("j", runtime, task, policy, config, **kwargs)
+        runs[name] = job.run()
+        where = _scored_where(log, config)
+        if name == "driver":
+            assert job.reward_moved_at is None and where == [driver] * 4
+        else:
+            assert job.reward_moved_at == 0
+            on_worker = 2 if name == "fused" else 1
+            assert all(len(w) == 1 and w <= workers for w in where[:on_worker])
+            assert where[on_worker:] == [driver] * (4 - on_worker)
+    assert _records(runs["fused"]) == _records(runs["driver"]) == _records(runs["unfused"])
+
+    log = tmp_path / "unlimited.log"
+    policy = runtime.deploy(unique("slow-reward-unlimited"), tiny_spec(seed=11))
+    with dask.config.set({"plexrl.grpo.worker-reward-limit": None}):
+        job = GRPOJob("j", runtime, SlowFirstCharIsDigit(log=str(log), delay=0.003), policy,
+                      replace(config, steps=2))  # fmt: skip
+    job.run()
+    where = _scored_where(log, replace(config, steps=2))
+    assert job.reward_moved_at is None and all(len(w) == 1 and w <= workers for w in where)

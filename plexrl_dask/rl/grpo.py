@@ -186,6 +186,13 @@ class GRPOJob:
         if not isinstance(fuse_steps, bool):
             raise ConfigError(f"fuse_steps is true or false, got {fuse_steps!r}")
         self.fuse_steps = fuse_steps
+        limit = plexrl_config.get("grpo.worker-reward-limit")
+        self._reward_limit_s = (
+            None if limit is None else plexrl_config.get_seconds("grpo.worker-reward-limit")
+        )
+        #: The step whose reward, scored on the worker, took longer than
+        #: ``plexrl.grpo.worker-reward-limit``: the steps after it score on the driver.
+        self.reward_moved_at: int | None = None
         self._sealed_task: bytes | None = None  # (sealed once: every step's recipe carries it)
         if self._scores_on_worker:
             self._sealed_task = self._seal_task()
@@ -475,10 +482,12 @@ class GRPOJob:
     @property
     def _scores_on_worker(self) -> bool:
         """Whether steps score their samples in the training request (:mod:`~plexrl_dask.rl.scoring`):
-        synchronous steps without a KL term or further epochs, on samples (not episodes)."""
+        synchronous steps without a KL term or further epochs, on samples (not episodes),
+        while the task's reward keeps within ``plexrl.grpo.worker-reward-limit``."""
         c = self.config
         return (
             self.score_on_worker
+            and self.reward_moved_at is None
             and c.kl_coef == 0
             and c.epochs == 1
             and c.staleness == 0
@@ -498,23 +507,45 @@ class GRPOJob:
             and info.replicas == 1
         )
 
-    def _fused_step(self, step: int, pending: Any) -> tuple[list[dict[str, Any]], Any]:
+    def _fused_step(self, step: int, pending: Any) -> tuple[list[dict[str, Any]], Any, bool]:
         """Step ``step`` fused: submit the next step behind it (unless a checkpoint is due
         after this one, whose save must see this step's weights, or the job is stopping),
-        then wait for this one. Returns its metrics and the next step's future (None when
-        not submitted yet)."""
+        then wait for this one. Returns its metrics, the next step's future (None when not
+        submitted yet) and whether that is a whole step (else its sample: the reward has
+        moved to the driver)."""
         c = self.config
         saving = self.saver is not None and self.checkpoints.due(step + 1, c.steps)
-        ahead = None
+        ahead, whole = None, False
         if step + 1 < c.steps and not saving and not self._stop.is_set():
-            ahead = self._submit_fused(step + 1)  # (queued behind this step on its worker)
+            # (queued behind this step on its worker)
+            whole = self._fuses
+            ahead = self._submit_fused(step + 1) if whole else self._submit_sample(step + 1)
             self.follow_placement.ask()  # (answered while this step runs)
         try:
-            return result([pending]), ahead
+            return result([pending]), ahead, whole
         except BaseException:
             if ahead is not None:  # (a step past a failed one must not train)
                 ahead.cancel()
             raise
+
+    def _watch_reward(self, step: int, summary: ScoredSummary) -> None:
+        """After step ``step``, scored on the worker: a reward slower than
+        ``plexrl.grpo.worker-reward-limit`` held the worker (and every request of other jobs
+        queued there) for its seconds, so the steps not yet submitted score on the driver
+        (the records are the same either way)."""
+        limit = self._reward_limit_s
+        if limit is None or self.reward_moved_at is not None or summary.reward_s <= limit:
+            return
+        self.reward_moved_at = step
+        logger.warning(
+            "%s: %s's reward took %.3f s of step %d's request on its worker, over "
+            "plexrl.grpo.worker-reward-limit (%.3f s); the steps from here on score on the driver",
+            self.name,
+            type(self.task).__name__,
+            summary.reward_s,
+            step,
+            limit,
+        )
 
     def _scored_step(
         self, step: int, problems: list[Problem], pending: Any, pending_version: Any
@@ -608,11 +639,12 @@ class GRPOJob:
                 raise JobStopped(f"{self.name} stopped before step {step} of {c.steps}")
             t0 = time.perf_counter()
             problems = self._problems(step)
+            was_fused, on_worker = fused, fused or self._scores_on_worker
             if fused:
-                metrics, pending = self._fused_step(step, pending)
+                metrics, pending, fused = self._fused_step(step, pending)
                 summary = metrics[-1]["scored"]
                 sampled_with = self.records[-1].version if self.records else self.start_version
-            elif self._scores_on_worker:
+            elif on_worker:
                 samples = pending
                 futures, pending, pending_version, sampled_with = self._scored_step(
                     step, problems, pending, pending_version
@@ -667,11 +699,15 @@ class GRPOJob:
                 self.saver.step_done(asdict(record), step + 1, c.steps)
             if on_step is not None:
                 on_step(record)
-            if fused and pending is None and step + 1 < c.steps and not self._stop.is_set():
+            if on_worker:
+                self._watch_reward(step, summary)
+            if was_fused and pending is None and step + 1 < c.steps and not self._stop.is_set():
                 self.follow_placement()  # (nothing of the job in flight)
-                pending = self._submit_fused(step + 1)  # (after this step's checkpoint)
+                # (after this step's checkpoint)
+                fused = self._fuses
+                pending = self._submit_fused(step + 1) if fused else self._submit_sample(step + 1)
                 self.follow_placement.ask()
-            elif self._scores_on_worker and step + 1 < c.steps and pending is not None:
+            elif on_worker and step + 1 < c.steps and pending is not None:
                 if self.follow_placement.due():  # (the job must be still to move)
                     result(pending)  # (the next step's request, in flight)
                 self.follow_placement()  # (no moves: no round trip; the next step asks again)

@@ -32,6 +32,7 @@ import dataclasses
 import pickle
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,13 +54,16 @@ if TYPE_CHECKING:
 class ScoredSummary:
     """What the driver records of a scored step: every reward and completion length (the
     policy's tokens), the groups that taught something, each reward term's mean
-    (``reward/<name>``) and, for episodes, their statistics, and the tokens sampled."""
+    (``reward/<name>``) and, for episodes, their statistics, and the tokens sampled.
+    ``reward_s``: the seconds the task's reward took over the step, where it was scored (a
+    timing, not part of the step's result: left out of comparisons)."""
 
     rewards: tuple[float, ...]
     lengths: tuple[int, ...]
     groups_used: int
     terms: dict[str, float] = field(default_factory=dict)
     sampled_tokens: int = 0
+    reward_s: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -97,10 +101,13 @@ def score_samples(
             (prompt, [s.tokens for s in g], None, [s.text for s in g], [len(s.tokens) for s in g])
             for prompt, g in zip(out.prompt_tokens, out.sequences, strict=True)
         ]
+    reward_s = 0.0
     for problem, (prompt, completions, masks, texts, sizes) in zip(problems, groups, strict=True):
         scores = []
         for text in texts:
+            t0 = time.perf_counter()
             reward, parts = score(task, problem, text)
+            reward_s += time.perf_counter() - t0
             scores.append(reward)
             for name, value in parts.items():
                 terms[f"reward/{name}"] = terms.get(f"reward/{name}", 0.0) + value
@@ -112,7 +119,9 @@ def score_samples(
     extra = {k: v / len(rewards) for k, v in terms.items()}
     if isinstance(out, EpisodeBatch):
         extra.update(out.stats())
-    summary = ScoredSummary(tuple(rewards), tuple(lengths), groups_used, extra, out.num_tokens())
+    summary = ScoredSummary(
+        tuple(rewards), tuple(lengths), groups_used, extra, out.num_tokens(), reward_s
+    )
     return ScoredBatch(tuple(data), summary)
 
 
