@@ -397,6 +397,8 @@ def test_token_ids_are_integers_never_rounded_nor_read_digit_by_digit():
     for bad in ((1.7, 2.9), "123", ("5", "6"), (True, 2), None):
         with pytest.raises(errors.InvalidBatch):
             Datum(tokens=bad)
+    with pytest.raises(errors.InvalidBatch, match=r"tokenize text first \(Deployment.tokenize"):
+        Datum.from_prompt_completion("12+3=", "15")
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,7 @@ class Datum:
     ) -> Datum:
         """A datum that trains on ``completion`` only. ``old_logprobs``/``ref_logprobs``, when
         given, are per completion token (as :meth:`Deployment.sample` returns them)."""
+        prompt, completion = token_ids(prompt, "the prompt"), token_ids(completion, "completion")
         n_p, n_c = len(prompt), len(completion)
         if n_p < 1 or n_c < 1:
             raise EmptyBatch("prompt and completion each need at least one token")
@@ -193,7 +194,12 @@ def token_ids(values: Any, what: str) -> tuple[int, ...]:
     """``values`` as a tuple of ints if it is a sequence of integers (a numpy integer is one;
     a bool, a float, a string of digits is not: never rounded or read digit by digit);
     else :class:`InvalidBatch` naming ``what``."""
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+    if isinstance(values, (str, bytes)):
+        raise InvalidBatch(
+            f"{what} is a sequence of token ids, got {type(values).__name__}: tokenize text "
+            "first (Deployment.tokenize(text); a completion with special_tokens=False)"
+        )
+    if isinstance(values, Mapping) or not isinstance(values, Iterable):
         raise InvalidBatch(f"{what} is a sequence of token ids, got {type(values).__name__}")
     ids = tuple(values)
     if not all(type(t) is int for t in ids) and not all(
