@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -263,16 +264,39 @@ def test_the_program_task_its_transcripts_and_the_sandbox_agree():
         ProgramTask(observation_limit=4)
 
 
+class ScriptedSampler:
+    """In process, what ``run_episodes`` asks of a sampler: episode ``c``'s first turn is
+    ``first_turns[c]`` (a call), its last answers ``"42\\n"``; a character tokenizer."""
+
+    info = SimpleNamespace(max_positions=None)
+
+    def __init__(self, first_turns: list[str]) -> None:
+        self.first_turns, self.tok = first_turns, CharDeployment()
+
+    def tokenize(self, text, special_tokens=None):
+        return self.tok.tokenize(text, special_tokens)
+
+    def sample(self, prompts, params, prompt_ids, holds=False):
+        from concurrent.futures import Future
+
+        from plexrl_dask.shared.types import SampledSequence, SampleResult
+
+        texts = [self.first_turns[c] if holds else "42\n" for c in prompt_ids]
+        seqs = [
+            SampledSequence(tuple(self.tokenize(t)), (-0.1,) * len(t), t, "stop") for t in texts
+        ]
+        out = Future()
+        out.set_result(SampleResult(tuple(map(tuple, prompts)), tuple((s,) for s in seqs)))
+        return out
+
+
 def test_hostile_tool_calls_end_as_error_observations_and_every_episode_goes_on():
     """An episode's program that loops, forks, allocates, prints megabytes, writes outside its
     directory, tries the network, or a call that does not parse: that sample's observation is
     the tool's error, its next turn is sampled and scored like any other, and the pool runs
     the next call as before (the real sandbox, on the driver's pool)."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
     from plexrl_dask.rl.episodes import run_episodes
-    from plexrl_dask.shared.types import SampledSequence, SampleResult, SamplingParams
+    from plexrl_dask.shared.types import SamplingParams
     from plexrl_dask.tasks.agentic import ProgramTask
     from plexrl_dask.tools import PythonSandbox, SandboxLimits, ToolPool
     from plexrl_dask.tools.sandbox import sandbox_processes
@@ -295,26 +319,12 @@ def test_hostile_tool_calls_end_as_error_observations_and_every_episode_goes_on(
     tok = CharDeployment()
     task = ProgramTask(seed=1, limits=limits)
 
-    class Sampler:  # in-process: the first turn calls a program, the second answers
-        info = SimpleNamespace(max_positions=None)
-
-        def tokenize(self, text, special_tokens=None):
-            return tok.tokenize(text, special_tokens)
-
-        def sample(self, prompts, params, prompt_ids, holds=False):
-            texts = [programs[c][0] if holds else "42\n" for c in prompt_ids]
-            seqs = [
-                SampledSequence(tuple(tok.tokenize(t)), (-0.1,) * len(t), t, "stop") for t in texts
-            ]
-            out = Future()
-            out.set_result(SampleResult(tuple(map(tuple, prompts)), tuple((s,) for s in seqs)))
-            return out
-
     pool = ToolPool(None, {"py": PythonSandbox(limits)})
     problems = task.problems(0, len(programs))
     params = SamplingParams(n=1, max_tokens=64, seed=1)
     t0 = time.monotonic()
-    batch = run_episodes(Sampler(), pool, problems, params, 1, 2, task.observation_limit)
+    sampler = ScriptedSampler([text for text, _ in programs])
+    batch = run_episodes(sampler, pool, problems, params, 1, 2, task.observation_limit)
     assert time.monotonic() - t0 < 60
     for (name, (_, error)), [ep], p in zip(hostile.items(), batch.groups, problems, strict=True):
         first, answer = ep.turns

@@ -836,12 +836,26 @@ def test_calls_run_on_the_tool_worker_and_a_lost_worker_is_an_error_result(monke
         assert suite["processes_left"] == [] and suite["files_written_outside"] == []
         assert suite["programs"]["fork bomb"]["error"] and suite["programs"]["memory"]["error"]
         assert pool.run([ToolCall("calc", "2*3")], timeout_s=10)[0].output == "6"
-        # The tool worker dies while a sandboxed program of the same turn runs: both calls
-        # are failed results, and the program does not outlive its worker.
+        # The tool worker dies while a sandboxed program of the same turn runs, each call an
+        # episode's: both calls are failed results, each episode's observation says so and
+        # its next turn is sampled, and the program does not outlive its worker.
+        from plexrl_dask.rl.episodes import run_episodes
+        from plexrl_dask.shared.types import SamplingParams
+        from plexrl_dask.tasks.agentic import ProgramTask
+        from tests.test_agentic import ScriptedSampler
+
         t0 = time.monotonic()
-        sleeper = ToolCall("py", "import time\nprint('up', flush=True)\ntime.sleep(60)")
-        lost = pool.run([ToolCall("where", "die:1.0"), sleeper], timeout_s=10)
-        assert [r.error for r in lost] == ["ToolWorkerLost"] * 2 and time.monotonic() - t0 < 30
+        sleeper = "<py>import time\nprint('up', flush=True)\ntime.sleep(60)</py>"
+        sampler = ScriptedSampler(["<where>die:1.0</where>", sleeper])
+        problems = ProgramTask(seed=1, limits=FAST).problems(0, 2)
+        params = SamplingParams(n=1, max_tokens=64, seed=1)
+        batch = run_episodes(sampler, pool, problems, params, 1, 2, 200, tool_timeout_s=10)
+        assert time.monotonic() - t0 < 30
+        for [episode] in batch.groups:
+            first, answer = episode.turns
+            assert first.result.error == "ToolWorkerLost" and answer.text == "42\n"
+            seen = sampler.tok.tok.decode(list(first.observation))
+            assert seen.startswith("<out>error: the worker running the call was lost"), seen
         deadline = time.monotonic() + 15
         while sandbox_processes(FAST) and time.monotonic() < deadline:
             time.sleep(0.2)
