@@ -58,9 +58,11 @@ def post_event(client: Any, topic: str, msg: Any) -> None:
         except Exception as e:  # noqa: BLE001 (a report must never fail its sender)
             logger.warning("could not log a %s event: %r", topic, e)
 
+    coroutine = send()
     try:
-        asyncio.run_coroutine_threadsafe(send(), client.loop.asyncio_loop)
+        asyncio.run_coroutine_threadsafe(coroutine, client.loop.asyncio_loop)
     except RuntimeError as e:  # (the client's loop is closed)
+        coroutine.close()  # (never to run: closed, not left unawaited)
         logger.warning("could not log a %s event: %r", topic, e)
 
 
