@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor
 
 from plexrl_dask.errors import (
     CheckpointCorrupt,
-    CheckpointError,
     CheckpointIncompatible,
     CheckpointIncomplete,
     CheckpointNotFound,
@@ -502,7 +501,7 @@ def read_state(
     optimizer: Any,
     ckpt: StoreCheckpoint,
     version: int,
-    agreed: Callable[[Callable[[], Any], Any], Any] | None = None,
+    agreed: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> None:
     """Load parameters (and the optimizer's moments, if ``optimizer``) reading only this
     rank's shard regions from the store (zero-redundancy resharding from any layout), all
@@ -552,13 +551,12 @@ def read_state(
     def read() -> dict[str, torch.Tensor]:
         return {**store.read_many(name, version, regions, out=direct), **empty}
 
-    elsewhere = CheckpointError(f"another rank could not read its part of {name!r} v{version}")
     if agreed is None:
         got = read()
     elif store.durable:
-        got = agreed(read, elsewhere)
+        got = agreed(read)
     else:  # (checked on every rank before any copies into its parameters)
-        copy = agreed(lambda: store.read_many_checked(name, version, regions, direct), elsewhere)
+        copy = agreed(lambda: store.read_many_checked(name, version, regions, direct))
         got = {**copy(), **empty}
 
     with torch.no_grad():

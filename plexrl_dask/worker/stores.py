@@ -82,9 +82,7 @@ def saving(
     def call(backend: Any) -> dict[str, Any]:
         # Every rank opens the store before any collective: one that cannot (the path on its
         # node, its manager) fails together with the others, whose state stays as it was.
-        node, target = backend._checked(
-            open_target, CheckpointError("another rank could not open the checkpoint store")
-        )
+        node, target = backend._checked(open_target)
         if node is not None:
 
             def opener(version: int, nbytes: int) -> Any:
@@ -123,10 +121,7 @@ def restoring(
     def call(backend: Any) -> int:
         # Finding the checkpoint may import it from another node: a rank that fails there
         # fails with the others, not alone (they would wait for it in a collective).
-        source = backend._checked(
-            find,
-            CheckpointError("another rank of this deployment could not reach the checkpoint"),
-        )
+        source = backend._checked(find)
         if optimizer is not True:  # (a rollout backend has no optimizer to leave out)
             return backend.load_state(source, optimizer=False)
         return backend.load_state(source)
@@ -182,9 +177,7 @@ def weights_loading(deployment: str, ref: Mapping[str, Any]) -> Call:
 
         # Every rank takes part, so a rank that fails to import fails with the others rather
         # than leaving them waiting for it in a collective.
-        backend._checked(
-            fetch, WeightsMismatch("another rank of this deployment could not import the weights")
-        )
+        backend._checked(fetch)
         with node.pinned(model, version, promote=True) as (store, _):
             check_readable(deployment, store.manifest(model, version).meta, "load_weights")
             loaded = backend.load_weights(StoreCheckpoint(store, model, version))

@@ -140,12 +140,12 @@ class TorchBackend:
         """Every rank's ``obj``, in rank order (one rank here)."""
         return [obj]
 
-    def _checked(self, check: Any, elsewhere: PlexRLError | None = None) -> Any:
+    def _checked(self, check: Any) -> Any:
         """Run a step that may raise a typed error, and fail on every rank together if it
         failed on any (a lone failing rank would leave the others waiting in a collective).
-        A failing rank raises its own error; the ranks where it succeeded raise ``elsewhere``,
-        or by default the lowest failing rank's error, so every rank says why. Returns
-        ``check()``.
+        Every rank then raises the lowest failing rank's error, so the request fails with
+        one error whichever rank's task fails first (a rank's own error of another type
+        raced it before). Returns ``check()``.
 
         Typed errors, value errors and OS errors (a checkpoint path one node cannot write)
         are agreed on; each leaves every rank's state as it was."""
@@ -156,10 +156,11 @@ class TorchBackend:
         except (PlexRLError, ValueError, OSError) as e:
             error = e
         if not self._agree(error is None):
-            if elsewhere is not None:
-                raise error or elsewhere
             errors = self._gather_object(None if error is None else portable_error(error))
-            raise error or next(e for e in errors if e is not None)
+            first = next(e for e in errors if e is not None)
+            if first is error:  # (one rank: its own error)
+                raise error
+            raise first from error
         return result
 
     def _reshard(self) -> None:
@@ -546,8 +547,7 @@ class TorchBackend:
                         for entry in replica_checkpoint.recv_entries(src, self.device):
                             entry.write(writer)
 
-        what = f"{target.model!r} v{version}"
-        self._checked(write, CheckpointError(f"another rank could not write its part of {what}"))
+        self._checked(write)
         meta = {
             "version": self.version,
             "model": self.spec.name,
@@ -561,7 +561,7 @@ class TorchBackend:
             if self._rank() == 0:  # every rank's part is closed: all passed the agreement
                 target.commit(version, publish_id, len(home), meta)
 
-        self._checked(commit, CheckpointError(f"rank 0 could not commit {what}"))
+        self._checked(commit)
         return {
             "path": str(target.store.root),
             "model": target.model,

@@ -85,7 +85,6 @@ from plexrl_dask.errors import (
     EngineFailed,
     InvalidSamplingParams,
     OpNotSupported,
-    PlexRLError,
     RequestError,
     RequestTimeout,
     WeightsMismatch,
@@ -326,7 +325,7 @@ class VLLMBackend(NotATrainer):
     def resident(self) -> bool:
         return not self._asleep
 
-    def _checked(self, check: Callable[[], Any], elsewhere: PlexRLError | None = None) -> Any:
+    def _checked(self, check: Callable[[], Any]) -> Any:
         """One rank: run ``check`` (the multi-rank hook of :class:`TorchBackend`)."""
         return check()
 
