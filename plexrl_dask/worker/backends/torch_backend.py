@@ -144,8 +144,7 @@ class TorchBackend:
         """Run a step that may raise a typed error, and fail on every rank together if it
         failed on any (a lone failing rank would leave the others waiting in a collective).
         Every rank then raises the lowest failing rank's error, so the request fails with
-        one error whichever rank's task fails first (a rank's own error of another type
-        raced it before). Returns ``check()``.
+        one error whichever rank's task fails first. Returns ``check()``.
 
         Typed errors, value errors and OS errors (a checkpoint path one node cannot write)
         are agreed on; each leaves every rank's state as it was."""
