@@ -214,3 +214,44 @@ def test_bench_scheduler_footprint_probes_a_lean_preloaded_scheduler():
     assert probe["heavy_modules"] == []
     assert probe["objects"] > 0 and probe["full_gc_ms"] > 0 and probe["rss_mb"] > 0
     assert probe["start_s"] > 0
+
+
+def _keys(node: object, out: set[str]) -> set[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            out.add(key)
+            _keys(value, out)
+    elif isinstance(node, list):
+        for value in node:
+            _keys(value, out)
+    return out
+
+
+def test_results_dashboard_names_what_its_json_records():
+    """Every metric a row of benchmarks/RESULTS.md names is a key of the JSON its command
+    writes (under ``results``; a dotted name a path into it), and the command's benchmark
+    exists: a renamed result cannot leave the dashboard quoting a key no run writes. A row
+    computed from a run's ledgers says "not in its JSON" and is exempt."""
+    rows = [
+        r for r in (ROOT / "benchmarks/RESULTS.md").read_text().splitlines() if r.startswith("| `")
+    ]
+    checked = 0
+    for row in rows:
+        cells = row.split("|")
+        command = re.search(
+            r"-m (plexrl_dask\.bench\.\w+) .*--json (benchmarks/\S+\.json)", cells[-2]
+        )
+        if command is None or "not in its JSON" in cells[1]:
+            continue
+        module, path = command.groups()
+        assert (ROOT / module.replace(".", "/")).with_suffix(".py").is_file(), row
+        data = json.loads((ROOT / path).read_text())
+        results = data.get("results", data)
+        known = _keys(results, set())
+        for name in re.findall(r"`([a-z][a-z0-9_.]*)`", cells[1].split("(")[0]):
+            node = results
+            for part in name.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            assert node is not None or name in known, f"{name} is not in {path}: {row[:120]}"
+            checked += 1
+    assert checked >= 100, checked
