@@ -17,6 +17,7 @@ from plexrl_dask.shared.types import (
     SamplingParams,
 )
 from plexrl_dask.worker.backends import RolloutBackend, TorchBackend, TrainBackend
+from plexrl_dask.worker.device import local_nbytes
 from tests.conftest import TINY, tiny_spec
 
 
@@ -170,7 +171,10 @@ def test_offload_reload_continues_bit_identically():
         backend.forward_backward(data, CrossEntropy())
         backend.optim_step(AdamWParams(lr=1e-2))
         backend.forward_backward(data, CrossEntropy())  # pending gradients survive offload too
-    size = a.state_bytes()
+    size = a.state_bytes()  # (every named state tensor: weights, moments, pending gradients)
+    assert size == sum(local_nbytes(t) for t in a._state_tensors().values())
+    assert any(n.startswith("grad/") for n in a._state_tensors())
+    assert any(n.startswith("optim/") for n in a._state_tensors())
     a.offload()
     assert not a.resident and a.state_bytes() == size
     assert all(p.numel() == 0 for p in a.model.parameters())  # device copies released
