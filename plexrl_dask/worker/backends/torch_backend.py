@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -671,19 +671,7 @@ class TorchBackend:
         cache = 0 if self.static is None else self.static.nbytes()
         cache += 0 if self.prefix_cache is None else self.prefix_cache.nbytes()
         cache += 0 if self.decode_step is None else self.decode_step.nbytes()
-        return cache + sum(local_nbytes(t) for t in self._state_values())
-
-    def _state_values(self) -> Iterator[torch.Tensor]:
-        """The tensors of :meth:`_state_tensors`, unnamed: the holder sizes every resident
-        replica around every request, and naming them cost it more than the sizes did."""
-        for p in self.model.parameters():
-            yield p.data
-            if p.grad is not None:
-                yield p.grad
-        yield from self.model.buffers()
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        return cache + sum(local_nbytes(t) for t in self._state_tensors().values())
 
     def after_out_of_memory(self, training: bool) -> bool:
         """A request of this replica ran out of device memory part-way: hand the allocator's
